@@ -1,0 +1,451 @@
+"""The engine: :class:`Sender` and :class:`Receiver`, per-request, per-key strategy state.
+
+``Sender.encode`` turns a payload chunk into what goes on the wire (strategies with an encoder,
+such as ``send_once``, may leave keys off). ``Receiver.merge`` merges a wire chunk into the
+request's state and returns the consumer's view: a read-only :class:`RequestView` mapping with
+the payload's own nesting, whose leaves are read from the strategies lazily (a ``token_list`` key
+is only concatenated when the consumer reads it).
+
+Payloads are vllm-omni's: a mapping whose values are leaves (tensors, lists, scalars) or groups
+(a dict of leaves: ``{"embed": {"decode": t}}``, key path ``embed.decode``). Deeper dicts are leaf
+values, as in vllm-omni 0.30.0. Merging follows 0.30.0's ``_accumulate_payload``: keys a chunk
+lists in ``meta.override_keys`` are replaced for that chunk; keys absent from a chunk keep their
+value.
+
+Thread safety: one lock per request and one for the request table, so one thread may merge or
+release some requests while others merge other requests. One request must not be merged by two
+threads at once (vllm-omni never does).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from omni_accum.context import DEFAULT_CONTEXT, KeyMeta, StreamContext
+from omni_accum.errors import AccumulationError, MergeError, OmniAccumError
+from omni_accum.loader import load_policy
+from omni_accum.manager import StrategyManager, get_manager
+from omni_accum.policy import Policy
+from omni_accum.strategy import OMIT, Accumulator, Encoder, KeyInfo, Strategy, StrategySpec, value_nbytes
+
+#: Wire key carrying, when the sender left unchanged ``send_once`` values off, how many such
+#: values the receiver must already hold for the request. Never shown to consumers.
+WIRE_MARKER = "__omni_accum__"
+
+
+class _Slot:
+    """One key of one request: its strategy and receiver-side state."""
+
+    __slots__ = ("path", "strategy", "spec", "acc")
+
+    def __init__(self, path: str, strategy: Strategy, spec: StrategySpec, acc: Accumulator) -> None:
+        self.path = path
+        self.strategy = strategy
+        self.spec = spec
+        self.acc = acc
+
+
+class _Request:
+    __slots__ = ("entries", "lock", "context", "failed", "held_once", "nbytes")
+
+    def __init__(self, context: StreamContext) -> None:
+        self.entries: dict[Any, Any] = {}  # top key -> _Slot | dict[qualifier, _Slot] (sender: Encoder|None)
+        self.lock = threading.Lock()
+        self.context = context
+        self.failed: str | None = None
+        self.held_once = 0
+        self.nbytes = 0
+
+
+def _path(top: Any, qual: Any = None) -> str:
+    return str(top) if qual is None else f"{top}.{qual}"
+
+
+class _Endpoint:
+    """What Sender and Receiver share: policy, manager, strategy selection, request table."""
+
+    def __init__(
+        self,
+        policy: Policy | Mapping[str, Any] | str | None = None,
+        *,
+        context: StreamContext | None = None,
+        manager: StrategyManager | None = None,
+    ) -> None:
+        self.manager = manager or get_manager()
+        self.policy: Policy = load_policy(policy, manager=self.manager)
+        self.context = context or DEFAULT_CONTEXT
+        self._requests: dict[str, _Request] = {}
+        self._lock = threading.Lock()
+        self._selected: dict[tuple[Any, ...], tuple[Strategy, StrategySpec]] = {}
+
+    # -- requests ---------------------------------------------------------------------------- #
+    def _state(self, req_id: str, context: StreamContext | None) -> _Request:
+        st = self._requests.get(req_id)
+        if st is None:
+            with self._lock:
+                st = self._requests.get(req_id)
+                if st is None:
+                    st = self._requests[req_id] = _Request(context or self.context)
+        return st
+
+    def release(self, req_id: str) -> bool:
+        """Drop all state of ``req_id``. Unknown ids are a no-op. Returns True when state was held."""
+        with self._lock:
+            return self._requests.pop(req_id, None) is not None
+
+    @property
+    def active_requests(self) -> int:
+        """Number of requests holding state."""
+        return len(self._requests)
+
+    def request_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._requests)
+
+    # -- selection --------------------------------------------------------------------------- #
+    def select(self, path: str, value: Any, context: StreamContext) -> tuple[Strategy, StrategySpec]:
+        """Strategy (and its spec) for key ``path`` whose first value is ``value``, in ``context``."""
+        meta = KeyMeta.of(path, value)
+        ck = (meta.cache_key, context.cache_key)
+        hit = self._selected.get(ck)
+        if hit is None:
+            choice = self.manager.select(path, meta, context, self.policy)
+            spec = self.manager.spec(choice.strategy, where=f"key {path!r} ({choice.source})")
+            hit = self._selected[ck] = (self.manager.build(choice.strategy, dict(choice.params)), spec)
+        return hit
+
+    def strategy_for(self, path: str, value: Any = None, context: StreamContext | None = None) -> str:
+        """Name of the strategy ``path`` gets (with a first value like ``value``)."""
+        return self.select(path, value, context or self.context)[1].name
+
+
+class Sender(_Endpoint):
+    """Sender side: turns each payload chunk into its wire form.
+
+    Args:
+        policy: a Policy, mapping, preset name or path; None reads ``OMNI_ACCUM_POLICY`` / ``default``.
+        context: default stream context of requests (a per-request one can be given to ``encode``).
+        manager: strategy manager (default: the process-wide one).
+    """
+
+    def encode(self, req_id: str, chunk: Mapping[str, Any], *, context: StreamContext | None = None) -> Any:
+        """Return the wire form of ``chunk`` for ``req_id``.
+
+        Keys whose strategy has no encoder go on the wire as they are (the chunk itself is
+        returned when no key of it has an encoder). Keys an encoder omits are left off; a group
+        left empty is dropped; the wire then carries :data:`WIRE_MARKER`.
+        """
+        if not isinstance(chunk, Mapping):
+            raise AccumulationError(f"a payload chunk must be a mapping, got {type(chunk).__name__}", request_id=req_id)
+        st = self._state(req_id, context)
+        with st.lock:
+            encs = st.entries
+            any_enc = False
+            for top, value in chunk.items():
+                if isinstance(value, dict):
+                    group = encs.get(top)
+                    if not isinstance(group, dict):
+                        group = encs[top] = {}
+                    for qual, qv in value.items():
+                        enc = group.get(qual, OMIT)
+                        if enc is OMIT:
+                            enc = group[qual] = self._new_encoder(st, req_id, _path(top, qual), qv)
+                        any_enc = any_enc or enc is not None
+                else:
+                    enc = encs.get(top, OMIT)
+                    if enc is OMIT or isinstance(enc, dict):
+                        enc = encs[top] = self._new_encoder(st, req_id, _path(top), value)
+                    any_enc = any_enc or enc is not None
+            if not any_enc:
+                return chunk
+            return self._encode_with(st, req_id, chunk)
+
+    def _new_encoder(self, st: _Request, req_id: str, path: str, value: Any) -> Encoder | None:
+        strategy, spec = self.select(path, value, st.context)
+        enc = strategy.new_encoder(KeyInfo(path, req_id, st.context.length_hints.get(path)))
+        if enc is not None and strategy.omits_unchanged:
+            st.held_once += 1
+        return enc
+
+    def _encode_one(self, enc: Encoder | None, value: Any, req_id: str, path: str) -> Any:
+        if enc is None:
+            return value
+        try:
+            return enc.encode(value)
+        except OmniAccumError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
+            raise AccumulationError(f"encoder raised {type(e).__name__}: {e}", request_id=req_id, key=path) from e
+
+    def _encode_with(self, st: _Request, req_id: str, chunk: Mapping[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        omitted = 0
+        for top, value in chunk.items():
+            if isinstance(value, dict):
+                group = st.entries[top]
+                sub = {}
+                for qual, qv in value.items():
+                    w = self._encode_one(group[qual], qv, req_id, _path(top, qual))
+                    if w is OMIT:
+                        omitted += 1
+                    else:
+                        sub[qual] = w
+                if sub or not value:
+                    out[top] = sub
+            else:
+                w = self._encode_one(st.entries[top], value, req_id, _path(top))
+                if w is OMIT:
+                    omitted += 1
+                else:
+                    out[top] = w
+        if omitted:
+            out[WIRE_MARKER] = st.held_once
+        return out
+
+
+class GroupView(Mapping):
+    """Read-only view of one payload group (``view["embed"]``)."""
+
+    __slots__ = ("_slots",)
+
+    def __init__(self, slots: dict[Any, _Slot]) -> None:
+        self._slots = slots
+
+    def __getitem__(self, qual: Any) -> Any:
+        return self._slots[qual].acc.read()
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._slots)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def to_dict(self) -> dict[Any, Any]:
+        return {q: s.acc.read() for q, s in self._slots.items()}
+
+    def __repr__(self) -> str:
+        return f"GroupView({list(self._slots)})"
+
+
+class RequestView(Mapping):
+    """The consumer's view of one request: a read-only mapping with the payload's nesting.
+
+    Values are read from the strategies when accessed. Tensors are borrowed: do not write into them.
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self, entries: dict[Any, Any]) -> None:
+        self._entries = entries
+
+    def __getitem__(self, top: Any) -> Any:
+        e = self._entries[top]
+        return e.acc.read() if type(e) is _Slot else GroupView(e)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def to_dict(self) -> dict[Any, Any]:
+        """Materialise the whole view as plain nested dicts."""
+        return {
+            k: (e.acc.read() if type(e) is _Slot else {q: s.acc.read() for q, s in e.items()})
+            for k, e in self._entries.items()
+        }
+
+    def __repr__(self) -> str:
+        return f"RequestView({list(self._entries)})"
+
+
+class Receiver(_Endpoint):
+    """Receiver side: merges wire chunks per request and serves the consumer's view.
+
+    Args:
+        policy: a Policy, mapping, preset name or path; None reads ``OMNI_ACCUM_POLICY`` / ``default``.
+        context: default stream context of requests (a per-request one can be given to ``merge``).
+        manager: strategy manager (default: the process-wide one).
+    """
+
+    def merge(self, req_id: str, wire: Mapping[str, Any], *, context: StreamContext | None = None) -> RequestView:
+        """Merge one wire chunk of ``req_id`` and return the consumer's view after it.
+
+        A chunk is merged whole or not at all: if any key fails (dtype or trailing shape change,
+        a 0-d tensor appended, the memory guard, an unknown strategy) an
+        :class:`AccumulationError` is raised and the request's state is as before the chunk.
+        If a strategy raises half-way, the request is marked failed until released.
+        """
+        if not isinstance(wire, Mapping):
+            raise AccumulationError(f"a payload chunk must be a mapping, got {type(wire).__name__}", request_id=req_id)
+        st = self._state(req_id, context)
+        with st.lock:
+            if st.failed is not None:
+                raise AccumulationError(f"request failed earlier ({st.failed}); release it", request_id=req_id)
+            ops = self._plan(req_id, st, wire)
+            self._apply(req_id, st, ops)
+        return RequestView(st.entries)
+
+    def view(self, req_id: str) -> RequestView:
+        """The current view of ``req_id`` (KeyError when it holds no state)."""
+        return RequestView(self._requests[req_id].entries)
+
+    def nbytes(self, req_id: str | None = None) -> int:
+        """Bytes held by accumulation state of one request, or of all."""
+        sts = [self._requests[req_id]] if req_id is not None else list(self._requests.values())
+        return sum(s.acc.nbytes() for st in sts for s in _iter_slots(st.entries))
+
+    def parts(self, req_id: str) -> dict[Any, Any]:
+        """The stored representation per key (lists of parts), in the payload's nesting."""
+        entries = self._requests[req_id].entries
+        return {
+            k: (e.acc.parts() if type(e) is _Slot else {q: s.acc.parts() for q, s in e.items()})
+            for k, e in entries.items()
+        }
+
+    # -- merging ----------------------------------------------------------------------------- #
+    def _override_keys(self, req_id: str, wire: Mapping[str, Any]) -> frozenset[Any]:
+        meta = wire.get("meta")
+        raw = meta.get("override_keys") if isinstance(meta, dict) else None
+        if not raw:
+            return frozenset()
+        try:
+            return frozenset(tuple(k) if isinstance(k, list) else k for k in raw)
+        except TypeError as e:
+            raise AccumulationError(
+                f"meta.override_keys must list key names or [group, qualifier] pairs, got {raw!r}",
+                request_id=req_id,
+                key="meta.override_keys",
+            ) from e
+
+    def _new_slot(self, req_id: str, st: _Request, path: str, value: Any, like: _Slot | None = None) -> _Slot:
+        if like is not None:
+            strategy, spec = like.strategy, like.spec
+        else:
+            try:
+                strategy, spec = self.select(path, value, st.context)
+            except OmniAccumError as e:
+                raise AccumulationError(str(e), request_id=req_id, key=path) from e
+        return _Slot(path, strategy, spec, strategy.new_accumulator(KeyInfo(path, req_id, st.context.length_hints.get(path))))
+
+    def _check(self, req_id: str, slot: _Slot, value: Any) -> None:
+        try:
+            slot.acc.check(value)
+        except MergeError as e:
+            raise AccumulationError(
+                str(e), request_id=req_id, key=slot.path, strategy=slot.spec.name, plugin=slot.spec.plugin
+            ) from e
+
+    def _plan(self, req_id: str, st: _Request, wire: Mapping[str, Any]) -> list[tuple[Any, Any, Any, _Slot]]:
+        """Phase 1: find or create the slot of every key, check every value; change nothing."""
+        override = self._override_keys(req_id, wire) if self.policy.honor_override_keys else frozenset()
+        entries = st.entries
+        ops: list[tuple[Any, Any, Any, _Slot]] = []
+        new_once = 0
+        for top, value in wire.items():
+            if top == WIRE_MARKER:
+                continue
+            if isinstance(value, dict):
+                group = entries.get(top)
+                if not isinstance(group, dict):
+                    group = None
+                if not value:
+                    ops.append((top, None, None, None))  # type: ignore[arg-type]
+                for qual, qv in value.items():
+                    slot = group.get(qual) if group is not None else None
+                    if slot is None:
+                        slot = self._new_slot(req_id, st, _path(top, qual), qv)
+                        new_once += slot.strategy.omits_unchanged
+                    elif (top, qual) in override:
+                        slot = self._new_slot(req_id, st, slot.path, qv, like=slot)
+                    else:
+                        self._check(req_id, slot, qv)
+                    ops.append((top, qual, qv, slot))
+            else:
+                slot = entries.get(top)
+                if type(slot) is not _Slot:
+                    slot = self._new_slot(req_id, st, _path(top), value)
+                    new_once += slot.strategy.omits_unchanged
+                elif top in override:
+                    slot = self._new_slot(req_id, st, slot.path, value, like=slot)
+                else:
+                    self._check(req_id, slot, value)
+                ops.append((top, None, value, slot))
+        need = wire.get(WIRE_MARKER) if WIRE_MARKER in wire else None
+        if need is not None and (not isinstance(need, int) or st.held_once + new_once < need):
+            raise AccumulationError(
+                f"the sender left {need!r} unchanged send_once value(s) off the wire for this request, but this "
+                f"receiver holds {st.held_once + new_once}: it lost them (restarted, or the request was released "
+                "mid-stream). Release the request and re-send it from its first chunk",
+                request_id=req_id,
+            )
+        limit = self.policy.max_bytes_per_request
+        if limit:
+            incoming = sum(value_nbytes(op[2]) for op in ops)
+            if st.nbytes + incoming > limit:
+                raise AccumulationError(
+                    f"would hold {st.nbytes + incoming} bytes, over max_bytes_per_request={limit}; chunk rejected",
+                    request_id=req_id,
+                )
+        return ops
+
+    def _apply(self, req_id: str, st: _Request, ops: list[tuple[Any, Any, Any, _Slot]]) -> None:
+        """Phase 2: merge every planned value."""
+        entries = st.entries
+        for top, qual, value, slot in ops:
+            if slot is None:  # an empty group
+                if not isinstance(entries.get(top), dict):
+                    st.held_once -= _held_once(entries.get(top))
+                    entries[top] = {}
+                continue
+            try:
+                slot.acc.merge(value)
+            except MergeError as e:
+                st.failed = f"key {slot.path!r}: {e}"
+                raise AccumulationError(
+                    str(e), request_id=req_id, key=slot.path, strategy=slot.spec.name, plugin=slot.spec.plugin
+                ) from e
+            except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
+                st.failed = f"strategy {slot.spec.name!r} raised {type(e).__name__} on key {slot.path!r}"
+                raise AccumulationError(
+                    f"strategy raised {type(e).__name__}: {e}",
+                    request_id=req_id,
+                    key=slot.path,
+                    strategy=slot.spec.name,
+                    plugin=slot.spec.plugin,
+                ) from e
+            if qual is None:
+                old = entries.get(top)
+                if old is not slot:
+                    st.held_once += slot.strategy.omits_unchanged - _held_once(old)
+                    entries[top] = slot
+            else:
+                group = entries.get(top)
+                if not isinstance(group, dict):
+                    st.held_once -= _held_once(group)
+                    group = entries[top] = {}
+                old = group.get(qual)
+                if old is not slot:
+                    st.held_once += slot.strategy.omits_unchanged - _held_once(old)
+                    group[qual] = slot
+        if self.policy.max_bytes_per_request:
+            st.nbytes = sum(s.acc.nbytes() for s in _iter_slots(entries))
+
+
+def _iter_slots(entries: dict[Any, Any]) -> Iterator[_Slot]:
+    for e in entries.values():
+        if type(e) is _Slot:
+            yield e
+        else:
+            yield from e.values()
+
+
+def _held_once(entry: Any) -> int:
+    """How many send_once-like values an entry (slot, group or None) holds."""
+    if entry is None:
+        return 0
+    if type(entry) is _Slot:
+        return int(entry.strategy.omits_unchanged)
+    return sum(int(s.strategy.omits_unchanged) for s in entry.values())

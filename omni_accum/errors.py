@@ -1,0 +1,88 @@
+"""Exceptions raised by omni-accum.
+
+Every error names the thing, the place and, where there is a choice, the valid choices.
+"""
+
+from __future__ import annotations
+
+
+class OmniAccumError(Exception):
+    """Base class of every error omni-accum raises on purpose."""
+
+
+class AccumulationError(OmniAccumError):
+    """A chunk could not be accumulated for one request.
+
+    The request's earlier state is left as it was before the failing chunk (or, when a strategy
+    raised half-way through a chunk, the request is marked failed and every later merge says so
+    until it is released). Other requests are never affected.
+
+    Attributes:
+        request_id: the request whose chunk failed, or None when not known.
+        key: the key path (``"embed.decode"``) that failed, or None for the whole chunk.
+        strategy: the strategy name in charge of the key, or None.
+        plugin: the plugin that provides that strategy, or None.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        request_id: str | None = None,
+        key: str | None = None,
+        strategy: str | None = None,
+        plugin: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.key = key
+        self.strategy = strategy
+        self.plugin = plugin
+        self.reason = message
+        where = []
+        if request_id is not None:
+            where.append(f"request {request_id!r}")
+        if key is not None:
+            where.append(f"key {key!r}")
+        if strategy is not None:
+            where.append(f"strategy {strategy!r}" + (f" (plugin {plugin!r})" if plugin else ""))
+        super().__init__(f"{', '.join(where)}: {message}" if where else message)
+
+
+class MergeError(ValueError):
+    """Raised by an accumulator when a value cannot be merged; the engine wraps it in AccumulationError."""
+
+
+class PolicyError(OmniAccumError):
+    """A policy could not be loaded or is invalid. ``errors`` lists every problem found."""
+
+    def __init__(self, message: str, errors: list[str] | None = None, source: str | None = None) -> None:
+        self.errors = list(errors or [message])
+        self.source = source
+        super().__init__(message)
+
+
+class UnknownStrategyError(PolicyError):
+    """A policy or a call names a strategy that no loaded plugin provides."""
+
+    def __init__(self, name: str, available: list[str], where: str | None = None) -> None:
+        self.name = name
+        self.available = sorted(available)
+        loc = f"{where}: " if where else ""
+        msg = f"{loc}unknown strategy {name!r}. Available: {', '.join(self.available) or '(none loaded)'}"
+        super().__init__(msg, [msg])
+
+
+class PluginError(OmniAccumError):
+    """A strategy plugin is broken: failed to import, raised in a hook, or returned invalid records."""
+
+
+class DuplicateStrategyError(PluginError):
+    """Two plugins register the same strategy name."""
+
+    def __init__(self, name: str, first: str, second: str) -> None:
+        self.name = name
+        self.plugins = (first, second)
+        super().__init__(
+            f"strategy {name!r} is registered twice: by plugin {first!r} and by plugin {second!r}; "
+            f"disable one of them (OMNI_ACCUM_DISABLED_PLUGINS={second})"
+        )

@@ -1,0 +1,254 @@
+"""Loading policies: files (YAML, JSON, TOML), preset names, mappings, ``OMNI_ACCUM_POLICY``.
+
+Policies are data: YAML goes through the safe loader only, strategy names resolve only to
+registered plugins, and nothing in a policy is ever imported or executed. Errors list every
+problem with its place (rule index, field path, file line where the YAML parser can tell) and
+the allowed values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from omni_accum.errors import PolicyError
+from omni_accum.policy import Policy
+
+if TYPE_CHECKING:
+    from omni_accum.manager import StrategyManager
+
+ENV_POLICY = "OMNI_ACCUM_POLICY"
+PRESET_SUFFIX = ".yaml"
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Presets
+# ---------------------------------------------------------------------------------------------- #
+
+
+def preset_names() -> list[str]:
+    """Names of the policy presets shipped in ``omni_accum.config``."""
+    root = resources.files("omni_accum.config")
+    return sorted(p.name[: -len(PRESET_SUFFIX)] for p in root.iterdir() if p.name.endswith(PRESET_SUFFIX))
+
+
+def preset_text(name: str) -> tuple[str, str]:
+    """Return ``(source label, YAML text)`` of a preset."""
+    names = preset_names()
+    if name not in names:
+        raise PolicyError(f"unknown policy preset {name!r}. Available presets: {', '.join(names)}")
+    res = resources.files("omni_accum.config").joinpath(name + PRESET_SUFFIX)
+    return f"preset {name!r}", res.read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Parsing
+# ---------------------------------------------------------------------------------------------- #
+
+
+def _yaml_line(text: str, loc: tuple[Any, ...]) -> int | None:
+    """Best-effort 1-based line of the node at ``loc`` in a YAML document."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            nxt = next((v for k, v in node.value if getattr(k, "value", None) == str(part)), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            nxt = node.value[part]
+        else:
+            nxt = None
+        if nxt is None:
+            break
+        node, line = nxt, nxt.start_mark.line + 1
+    return line
+
+
+def parse_text(text: str, fmt: str, source: str) -> Any:
+    """Parse policy text of format ``yaml``, ``json`` or ``toml``; errors name the source and line."""
+    try:
+        if fmt == "json":
+            return json.loads(text)
+        if fmt == "toml":
+            return tomllib.loads(text)
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = e.problem or str(e)
+        if isinstance(e, yaml.constructor.ConstructorError):
+            problem += " (policies are data: YAML tags that build Python objects are not allowed)"
+        raise PolicyError(f"{source}: {line}invalid YAML: {problem}", source=source) from e
+    except yaml.YAMLError as e:
+        raise PolicyError(f"{source}: invalid YAML: {e}", source=source) from e
+    except json.JSONDecodeError as e:
+        raise PolicyError(f"{source}: line {e.lineno}, column {e.colno}: invalid JSON: {e.msg}", source=source) from e
+    except tomllib.TOMLDecodeError as e:
+        raise PolicyError(f"{source}: invalid TOML: {e}", source=source) from e
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _validation_messages(err: ValidationError, source: str, text: str | None) -> list[str]:
+    msgs = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if p not in ("function-after[_index_rules(), Policy]",))
+        line = _yaml_line(text, loc) if text is not None and loc else None
+        where = f"{source}" + (f", line {line}" if line else "")
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif e["type"] == "literal_error" and "expected" in e.get("ctx", {}):
+            msg = f"{msg} (got {e.get('input')!r})"
+        msgs.append(f"{where}: {_format_loc(loc)}: {msg}")
+    return msgs
+
+
+def check_strategies(policy: Policy, manager: StrategyManager, source: str, text: str | None = None) -> list[str]:
+    """Check every strategy the policy names exists and its params validate; return messages."""
+    errors: list[str] = []
+    available = manager.names()
+    for where, name, params in policy.strategy_refs():
+        loc: tuple[Any, ...] = _loc_of(where)
+        line = _yaml_line(text, loc) if text is not None else None
+        place = f"{source}" + (f", line {line}" if line else "")
+        spec = manager.get_spec(name)
+        if spec is None:
+            errors.append(f"{place}: {where}.strategy: unknown strategy {name!r}. Available: {', '.join(available)}")
+            continue
+        try:
+            spec.params_model.model_validate(params)
+        except ValidationError as e:
+            allowed = ", ".join(
+                f"{f} (default {fi.default!r})" if not fi.is_required() else f"{f} (required)"
+                for f, fi in spec.params_model.model_fields.items()
+            ) or "none"
+            for pe in e.errors():
+                field = ".".join(str(p) for p in pe["loc"])
+                pline = _yaml_line(text, loc + ("params", *pe["loc"])) if text is not None else None
+                pplace = f"{source}" + (f", line {pline}" if pline else "")
+                msg = "unknown param" if pe["type"] == "extra_forbidden" else pe["msg"]
+                errors.append(
+                    f"{pplace}: {where}.params.{field}: {msg} (strategy {name!r}; allowed params: {allowed})"
+                )
+    return errors
+
+
+def _loc_of(where: str) -> tuple[Any, ...]:
+    if where == "default":
+        return ("default",)
+    head, _, idx = where.partition("[")
+    parts: list[Any] = head.split(".")
+    return (*parts, int(idx.rstrip("]")))
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Public entry points
+# ---------------------------------------------------------------------------------------------- #
+
+
+def read_source(source: str | os.PathLike[str]) -> tuple[str, str, str]:
+    """Return ``(label, text, format)`` for a path or a preset name."""
+    path = Path(source)
+    suffix = path.suffix.lower()
+    if path.is_file():
+        fmt = {".json": "json", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml"}.get(suffix)
+        if fmt is None:
+            raise PolicyError(f"{path}: unsupported policy file type {suffix!r}. Use .yaml, .yml, .json or .toml")
+        try:
+            return str(path), path.read_text(encoding="utf-8"), fmt
+        except (OSError, UnicodeDecodeError) as e:
+            raise PolicyError(f"{path}: cannot read policy file: {e}") from e
+    name = str(source)
+    if name in preset_names():
+        label, text = preset_text(name)
+        return label, text, "yaml"
+    if suffix in (".yaml", ".yml", ".json", ".toml") or os.sep in name:
+        raise PolicyError(f"{name}: no such policy file")
+    raise PolicyError(f"{name!r} is neither a policy file nor a preset. Available presets: {', '.join(preset_names())}")
+
+
+def build_policy(
+    data: Any, source: str = "<mapping>", text: str | None = None, manager: StrategyManager | None = None
+) -> Policy:
+    """Validate parsed policy data (a mapping) into a :class:`Policy`, checking strategies and params."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise PolicyError(
+            f"{source}: a policy must be a mapping with keys like 'default' and 'rules', got {type(data).__name__}",
+            source=source,
+        )
+    try:
+        policy = Policy.model_validate(dict(data))
+    except ValidationError as e:
+        msgs = _validation_messages(e, source, text)
+        raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(msgs), msgs, source) from e
+    if manager is None:
+        from omni_accum.manager import get_manager
+
+        manager = get_manager()
+    errors = check_strategies(policy, manager, source, text)
+    if errors:
+        raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(errors), errors, source)
+    return policy
+
+
+def load_policy(
+    source: str | os.PathLike[str] | Mapping[str, Any] | Policy | None = None,
+    *,
+    manager: StrategyManager | None = None,
+) -> Policy:
+    """Load a policy from a preset name, a file path, a mapping, or ``OMNI_ACCUM_POLICY``.
+
+    Args:
+        source: a :class:`Policy` (returned as is), a mapping of the policy shape, a path to a
+            ``.yaml``/``.yml``/``.json``/``.toml`` file, or a preset name (``"qwen3-omni"``). ``None``
+            reads ``OMNI_ACCUM_POLICY`` (a path, a preset name, or inline YAML/JSON) and falls back
+            to the ``default`` preset.
+        manager: strategy manager to validate strategy names and params against (default: the
+            process-wide one).
+
+    Raises:
+        PolicyError: with every problem found, each naming the place.
+    """
+    if isinstance(source, Policy):
+        return source
+    if isinstance(source, BaseModel):
+        source = source.model_dump()
+    if isinstance(source, Mapping):
+        return build_policy(source, "<mapping>", None, manager)
+    if source is None:
+        env = os.environ.get(ENV_POLICY, "").strip()
+        if not env:
+            source = "default"
+        elif env.lstrip().startswith(("{", "default:", "rules:", "version:")) or "\n" in env:
+            return build_policy(parse_text(env, "yaml", ENV_POLICY), ENV_POLICY, env, manager)
+        else:
+            source = env
+    label, text, fmt = read_source(source)
+    data = parse_text(text, fmt, label)
+    return build_policy(data, label, text if fmt == "yaml" else None, manager)
+
+
+def dump_policy(policy: Policy, fmt: str = "yaml") -> str:
+    """Serialise a policy (normalised: defaults filled in) as YAML or JSON."""
+    data = policy.model_dump(mode="json", exclude_none=True)
+    if fmt == "json":
+        return json.dumps(data, indent=2) + "\n"
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=120)

@@ -1,0 +1,304 @@
+"""The plugin manager: loads strategy plugins and answers "which strategy is X".
+
+Built-in strategies and third-party plugins go through the same path: entry points of group
+``omni_accum`` are loaded, registered with a pluggy ``PluginManager``, checked with
+``check_pending()``, and their ``omni_accum_register_strategies`` results validated.
+
+A broken third-party plugin (fails to import, raises in a hook, returns invalid records, repeats
+a strategy name) is reported and skipped; ``OMNI_ACCUM_STRICT_PLUGINS=1`` makes that an error. A
+broken built-in is always an error. ``OMNI_ACCUM_PLUGINS`` (comma-separated allowlist) and
+``OMNI_ACCUM_DISABLED_PLUGINS`` (blocklist) filter third-party plugins by entry-point or
+distribution name; ``OMNI_ACCUM_TRACE_PLUGINS=1`` logs every hook call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterable
+from dataclasses import replace
+from importlib import metadata
+from typing import Any
+
+import pluggy
+from pydantic import BaseModel
+
+from omni_accum import hookspecs
+from omni_accum.context import KeyMeta, StreamContext
+from omni_accum.errors import DuplicateStrategyError, PluginError, UnknownStrategyError
+from omni_accum.hookspecs import PROJECT, hookimpl
+from omni_accum.policy import Policy, StrategyChoice
+from omni_accum.strategy import KINDS, Strategy, StrategySpec
+
+logger = logging.getLogger("omni_accum")
+
+ENTRY_POINT_GROUP = "omni_accum"
+FIRST_PARTY_DIST = "omni-accum"
+BUILTIN_MODULES = {
+    "cat": "omni_accum.strategies.cat",
+    "token_list": "omni_accum.strategies.token_list",
+    "prealloc": "omni_accum.strategies.prealloc",
+    "replace": "omni_accum.strategies.replace",
+    "send_once": "omni_accum.strategies.send_once",
+}
+ENV_STRICT = "OMNI_ACCUM_STRICT_PLUGINS"
+ENV_ALLOW = "OMNI_ACCUM_PLUGINS"
+ENV_DENY = "OMNI_ACCUM_DISABLED_PLUGINS"
+ENV_TRACE = "OMNI_ACCUM_TRACE_PLUGINS"
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_list(name: str) -> set[str] | None:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+class _PolicySelector:
+    """Built-in selection: apply the policy. ``trylast`` so any plugin can override it."""
+
+    @hookimpl(trylast=True)
+    def omni_accum_select_strategy(
+        self, key: str, meta: KeyMeta, context: StreamContext, policy: Policy
+    ) -> StrategyChoice | None:
+        return policy.resolve(key, context)
+
+
+class StrategyManager:
+    """Typed facade over the pluggy ``PluginManager`` of project ``omni_accum``.
+
+    Args:
+        load_entrypoints: load plugins from the ``omni_accum`` entry-point group (built-ins included).
+        strict: turn reported plugin problems into errors (default: ``OMNI_ACCUM_STRICT_PLUGINS``).
+    """
+
+    def __init__(self, *, load_entrypoints: bool = True, strict: bool | None = None) -> None:
+        self.strict = _env_flag(ENV_STRICT) if strict is None else strict
+        self.pm = pluggy.PluginManager(PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self._specs: dict[str, StrategySpec] = {}
+        self._built: dict[tuple[str, str], Strategy] = {}
+        self._lock = threading.Lock()
+        #: Problems found while loading plugins (plugin name, message) — reported and skipped.
+        self.problems: list[tuple[str, str]] = []
+        if _env_flag(ENV_TRACE):
+            self.pm.trace.root.setwriter(lambda msg: logger.info("omni_accum hook: %s", msg.rstrip()))
+            self.pm.enable_tracing()
+        self.register(_PolicySelector(), name="omni_accum.policy", first_party=True)
+        if load_entrypoints:
+            self.load_entrypoints()
+
+    # -- loading ----------------------------------------------------------------------------- #
+    def load_entrypoints(self, entry_points: Iterable[metadata.EntryPoint] | None = None) -> None:
+        """Load every plugin of the ``omni_accum`` entry-point group (built-ins first)."""
+        eps = list(entry_points if entry_points is not None else metadata.entry_points(group=ENTRY_POINT_GROUP))
+        allow, deny = _env_list(ENV_ALLOW), _env_list(ENV_DENY) or set()
+
+        def dist_of(ep: metadata.EntryPoint) -> tuple[str, str] | None:
+            d = getattr(ep, "dist", None)
+            return (d.metadata["Name"], d.version) if d is not None else None
+
+        first = [ep for ep in eps if (dist_of(ep) or ("",))[0] == FIRST_PARTY_DIST]
+        third = [ep for ep in eps if ep not in first]
+        # Running from a source tree without an install: register built-ins by module, same path.
+        missing = [n for n in BUILTIN_MODULES if n not in {ep.name for ep in first}]
+        for name in missing:
+            if name not in self.pm.list_name_plugin():
+                self.register(importlib.import_module(BUILTIN_MODULES[name]), name=name, first_party=True)
+        for ep in sorted(first, key=lambda e: e.name) + third:
+            dist = dist_of(ep)
+            is_first = ep in first
+            if not is_first:
+                names = {ep.name} | ({dist[0]} if dist else set())
+                if names & deny or (allow is not None and not names & allow):
+                    logger.debug("omni_accum: plugin %r disabled by %s/%s", ep.name, ENV_ALLOW, ENV_DENY)
+                    continue
+            if self.pm.get_plugin(ep.name) is not None:
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as e:  # noqa: BLE001 - any import failure of a plugin is reported
+                self._problem(ep.name, dist, f"failed to import {ep.value!r}: {type(e).__name__}: {e}", e, is_first)
+                continue
+            try:
+                self.register(plugin, name=ep.name, distribution=dist, first_party=is_first)
+            except PluginError as e:
+                self._problem(ep.name, dist, str(e), e, is_first, already=True)
+
+    def _problem(
+        self,
+        plugin: str,
+        dist: tuple[str, str] | None,
+        message: str,
+        cause: BaseException | None,
+        first_party: bool,
+        already: bool = False,
+    ) -> None:
+        who = f"plugin {plugin!r}" + (f" (distribution {dist[0]} {dist[1]})" if dist else "")
+        text = message if already and message.startswith("plugin ") else f"{who}: {message}"
+        if first_party or self.strict:
+            if isinstance(cause, PluginError) and already:
+                raise cause
+            raise PluginError(text) from cause
+        self.problems.append((plugin, text))
+        logger.warning("omni_accum: %s; plugin skipped (set %s=1 to make this an error)", text, ENV_STRICT)
+
+    def register(
+        self,
+        plugin: Any,
+        name: str | None = None,
+        distribution: tuple[str, str] | None = None,
+        *,
+        first_party: bool = False,
+    ) -> None:
+        """Register one plugin object or module and its strategies.
+
+        Raises:
+            DuplicateStrategyError: a strategy name is already registered (names both plugins).
+            PluginError: the plugin implements unknown hooks, raises, or returns invalid records.
+        """
+        name = name or getattr(plugin, "__name__", None) or repr(plugin)
+        who = f"plugin {name!r}" + (f" (distribution {distribution[0]} {distribution[1]})" if distribution else "")
+        try:
+            self.pm.register(plugin, name=name)
+        except ValueError as e:
+            raise PluginError(f"{who}: cannot register: {e}") from e
+        except pluggy.PluginValidationError as e:
+            raise PluginError(f"{who}: invalid hook implementation: {e}") from e
+        try:
+            new_specs = self._collect(plugin, name, distribution, who)
+        except BaseException:
+            self.pm.unregister(plugin)
+            raise
+        with self._lock:
+            self._specs.update(new_specs)
+
+    def _collect(
+        self, plugin: Any, name: str, distribution: tuple[str, str] | None, who: str
+    ) -> dict[str, StrategySpec]:
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as e:
+            raise PluginError(f"{who}: {e}") from e
+        out: dict[str, StrategySpec] = {}
+        for impl in self.pm.hook.omni_accum_register_strategies.get_hookimpls():
+            if impl.plugin is not plugin:
+                continue
+            try:
+                records = impl.function()
+            except Exception as e:  # noqa: BLE001 - a raising hook is a broken plugin
+                raise PluginError(f"{who}: omni_accum_register_strategies raised {type(e).__name__}: {e}") from e
+            if records is None:
+                continue
+            if not isinstance(records, (list, tuple)):
+                raise PluginError(
+                    f"{who}: omni_accum_register_strategies must return a list of StrategySpec, "
+                    f"got {type(records).__name__}"
+                )
+            for rec in records:
+                spec = self._validate_spec(rec, who)
+                spec = replace(spec, plugin=name, distribution=distribution)
+                prior = self._specs.get(spec.name) or out.get(spec.name)
+                if prior is not None:
+                    raise DuplicateStrategyError(spec.name, prior.plugin or "?", name)
+                out[spec.name] = spec
+        return out
+
+    @staticmethod
+    def _validate_spec(rec: Any, who: str) -> StrategySpec:
+        if not isinstance(rec, StrategySpec):
+            raise PluginError(f"{who}: returned {type(rec).__name__}, expected omni_accum.StrategySpec")
+        if not isinstance(rec.name, str) or not _NAME_RE.match(rec.name):
+            raise PluginError(f"{who}: invalid strategy name {rec.name!r} (letters, digits, _ . -)")
+        if not callable(rec.factory):
+            raise PluginError(f"{who}: strategy {rec.name!r}: factory is not callable")
+        pm = rec.params_model
+        if not (isinstance(pm, type) and issubclass(pm, BaseModel)):
+            raise PluginError(f"{who}: strategy {rec.name!r}: params_model must be a pydantic BaseModel subclass")
+        if pm.model_config.get("extra") != "forbid":
+            raise PluginError(
+                f"{who}: strategy {rec.name!r}: params_model {pm.__name__} must set "
+                "model_config = ConfigDict(extra='forbid') so misspelled params are errors"
+            )
+        try:
+            pm()
+        except Exception as e:  # noqa: BLE001
+            raise PluginError(
+                f"{who}: strategy {rec.name!r}: params_model {pm.__name__} must validate with no arguments "
+                f"(every param needs a default): {e}"
+            ) from e
+        kinds = frozenset(rec.kinds)
+        if not kinds or not kinds <= set(KINDS):
+            raise PluginError(f"{who}: strategy {rec.name!r}: kinds {sorted(kinds)} must be a non-empty subset of {list(KINDS)}")
+        for i, grid in enumerate(rec.params_grid):
+            try:
+                pm.model_validate(grid)
+            except Exception as e:  # noqa: BLE001
+                raise PluginError(f"{who}: strategy {rec.name!r}: params_grid[{i}] invalid: {e}") from e
+        return replace(rec, kinds=kinds)
+
+    # -- lookups ----------------------------------------------------------------------------- #
+    def specs(self) -> list[StrategySpec]:
+        """Every registered strategy, sorted by name."""
+        return [self._specs[n] for n in sorted(self._specs)]
+
+    def names(self) -> list[str]:
+        return sorted(self._specs)
+
+    def get_spec(self, name: str) -> StrategySpec | None:
+        return self._specs.get(name)
+
+    def spec(self, name: str, where: str | None = None) -> StrategySpec:
+        """Return the spec of ``name``; :class:`UnknownStrategyError` lists the available names."""
+        spec = self._specs.get(name)
+        if spec is None:
+            raise UnknownStrategyError(name, self.names(), where)
+        return spec
+
+    def build(self, name: str, params: Any = None) -> Strategy:
+        """Create (or reuse) the strategy ``name`` with ``params`` validated by its Params model."""
+        key = (name, repr(sorted((params or {}).items())) if isinstance(params, dict) else repr(params))
+        built = self._built.get(key)
+        if built is None:
+            built = self.spec(name).build(dict(params) if params is not None and not isinstance(params, BaseModel) else params)
+            with self._lock:
+                self._built[key] = built
+        return built
+
+    def select(self, key: str, meta: KeyMeta, context: StreamContext, policy: Policy) -> StrategyChoice:
+        """Run ``omni_accum_select_strategy`` (first non-None result wins)."""
+        choice = self.pm.hook.omni_accum_select_strategy(key=key, meta=meta, context=context, policy=policy)
+        if choice is None:  # only if a plugin unregistered the built-in selector
+            choice = policy.resolve(key, context)
+        if not isinstance(choice, StrategyChoice):
+            raise PluginError(f"omni_accum_select_strategy returned {type(choice).__name__}, expected StrategyChoice")
+        return choice
+
+
+_manager: StrategyManager | None = None
+_manager_lock = threading.Lock()
+
+
+def get_manager() -> StrategyManager:
+    """The process-wide manager (created on first use; plugins are loaded once)."""
+    global _manager
+    if _manager is None:
+        with _manager_lock:
+            if _manager is None:
+                _manager = StrategyManager()
+    return _manager
+
+
+def reset_manager(manager: StrategyManager | None = None) -> None:
+    """Replace (or drop, with None) the process-wide manager; for tests and reloads."""
+    global _manager
+    with _manager_lock:
+        _manager = manager

@@ -1,0 +1,311 @@
+"""What a strategy is: the record a plugin registers and the per-key state objects it creates.
+
+A strategy decides how one key of one request is carried from the sender to the consumer:
+
+* on the sender, an optional :class:`Encoder` may change what goes on the wire (``send_once``
+  omits an unchanged value; a delta strategy sends a suffix);
+* on the receiver, an :class:`Accumulator` merges each wire value and serves the consumer's view.
+
+Semantics every strategy must meet are in DESIGN.md section 5 and are checked by
+:mod:`omni_accum.testing`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from omni_accum.errors import MergeError
+
+#: Kinds of keys. ``append``: every chunk adds rows / items (the view is the concatenation);
+#: ``replace``: the latest value wins; ``static``: replace-kind whose value rarely or never changes.
+Kind = Literal["append", "replace", "static"]
+KINDS: tuple[str, ...] = ("append", "replace", "static")
+
+
+class _Omit:
+    """Sentinel an :class:`Encoder` returns to leave a key off the wire."""
+
+    _instance: ClassVar[_Omit | None] = None
+
+    def __new__(cls) -> _Omit:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "OMIT"
+
+
+OMIT: Any = _Omit()
+
+
+class NoParams(BaseModel):
+    """Params model of a strategy that takes none."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """What a strategy is told about the key it is created for.
+
+    Attributes:
+        path: the key path, ``"embed.decode"`` or a flat name.
+        request_id: the request the state belongs to.
+        length_hint: expected final number of rows of an append key, when known (``None`` otherwise).
+    """
+
+    path: str
+    request_id: str = ""
+    length_hint: int | None = None
+
+
+class Accumulator(ABC):
+    """Receiver-side state of one key of one request.
+
+    ``merge`` is called once per chunk that carries the key; ``read`` returns the consumer's view.
+    ``merge`` must either succeed completely or raise without changing the state.
+    """
+
+    __slots__ = ()
+
+    def check(self, value: Any) -> None:  # noqa: B027 - optional hook
+        """Raise :class:`MergeError` if ``value`` cannot be merged. Must not change state."""
+
+    @abstractmethod
+    def merge(self, value: Any) -> None:
+        """Merge one wire value into the state."""
+
+    @abstractmethod
+    def read(self) -> Any:
+        """Return the consumer's view of the key (same dtype, trailing shape and device as the chunks)."""
+
+    def nbytes(self) -> int:
+        """Bytes this state holds (tensor storage; lists counted at 8 bytes per item)."""
+        return value_nbytes(self.read())
+
+    def parts(self) -> list[Any]:
+        """The stored representation, as a list of parts (one part unless the strategy keeps chunks)."""
+        return [self.read()]
+
+
+class Encoder(ABC):
+    """Sender-side state of one key of one request."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def encode(self, value: Any) -> Any:
+        """Return what goes on the wire for ``value``, or :data:`OMIT` to leave the key off."""
+
+
+class Strategy:
+    """A strategy bound to validated params; a factory of per-key state.
+
+    Subclasses set ``name`` and ``Params`` and override :meth:`new_accumulator` (and
+    :meth:`new_encoder` when they change the wire).
+
+    Attributes:
+        omits_unchanged: True when the encoder may leave a key off the wire and the receiver must
+            keep serving its cached value (the engine then checks that the receiver does hold one).
+    """
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type[BaseModel]] = NoParams
+    omits_unchanged: ClassVar[bool] = False
+
+    def __init__(self, params: BaseModel | None = None) -> None:
+        self.params = params if params is not None else self.Params()
+
+    def new_encoder(self, key: KeyInfo) -> Encoder | None:
+        """Create the sender-side state of ``key``; ``None`` means values go on the wire as they are."""
+        return None
+
+    def new_accumulator(self, key: KeyInfo) -> Accumulator:
+        """Create the receiver-side state of ``key``."""
+        raise NotImplementedError(f"strategy {self.name!r} does not implement new_accumulator")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.params!r})"
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """The record a plugin returns from ``omni_accum_register_strategies``.
+
+    Attributes:
+        name: unique strategy name used in policies (``"prealloc"``).
+        factory: called with a validated ``params`` instance, returns a :class:`Strategy`.
+        params_model: pydantic model of the params (``extra="forbid"``).
+        kinds: key kinds the strategy applies to (subset of ``append``, ``replace``, ``static``).
+        description: one line shown by ``omni-accum strategies``.
+        params_grid: small set of params the tuner tries (each a mapping); empty means defaults only.
+        plugin: set by the manager: the plugin that registered the record.
+        distribution: set by the manager: ``(name, version)`` of the distribution shipping the plugin.
+    """
+
+    name: str
+    factory: Callable[[BaseModel], Strategy]
+    params_model: type[BaseModel] = NoParams
+    kinds: frozenset[str] = frozenset(KINDS)
+    description: str = ""
+    params_grid: tuple[dict[str, Any], ...] = ()
+    plugin: str = field(default="", compare=False)
+    distribution: tuple[str, str] | None = field(default=None, compare=False)
+
+    def build(self, params: dict[str, Any] | BaseModel | None = None) -> Strategy:
+        """Validate ``params`` with :attr:`params_model` and create the strategy."""
+        if not isinstance(params, BaseModel):
+            params = self.params_model.model_validate(params or {})
+        return self.factory(params)
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Helpers shared by the built-in strategies (and usable by plugins).
+# ---------------------------------------------------------------------------------------------- #
+
+
+def value_nbytes(value: Any) -> int:
+    """Approximate bytes held by a payload value: tensor storage, 8 bytes per list item, 0 otherwise."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(value_nbytes(v) if isinstance(v, torch.Tensor) else 8 for v in value)
+    if isinstance(value, (bytes, bytearray, str)):
+        return len(value)
+    return 0
+
+
+def describe(value: Any) -> str:
+    """Short description of a value for error messages."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor(shape={list(value.shape)}, dtype={value.dtype}, device={value.device})"
+    if isinstance(value, list):
+        return f"list(len={len(value)})"
+    return type(value).__name__
+
+
+def check_appendable(current: torch.Tensor, value: torch.Tensor) -> None:
+    """Raise :class:`MergeError` unless ``value`` can be appended to ``current`` along dim 0.
+
+    Unlike ``torch.cat`` this never promotes dtypes silently: the view's dtype, trailing shape
+    and device must stay what the first chunk had.
+    """
+    if current.dim() == 0 or value.dim() == 0:
+        raise MergeError(
+            f"cannot append a 0-d tensor (expected a tensor with a row dimension, have {describe(current)}, "
+            f"received {describe(value)}); give this key a replace-kind strategy (replace, send_once)"
+        )
+    if value.dtype != current.dtype:
+        raise MergeError(f"dtype changed mid-stream: expected {current.dtype}, received {value.dtype}")
+    if value.shape[1:] != current.shape[1:]:
+        raise MergeError(
+            f"trailing shape changed mid-stream: expected [*, {', '.join(map(str, current.shape[1:]))}], "
+            f"received {list(value.shape)}"
+        )
+    if value.device != current.device:
+        raise MergeError(f"device changed mid-stream: expected {current.device}, received {value.device}")
+
+
+class AppendAccumulator(Accumulator):
+    """Base of append-kind accumulators, with vllm-omni 0.30.0's value dispatch built in.
+
+    * tensor after tensor: appended along dim 0 (:meth:`append_tensor`), after :func:`check_appendable`;
+    * list after list: extended (:meth:`append_list`);
+    * anything else (first value, a value of another type, scalars, ``None``): replaces the state,
+      exactly as upstream ``_accumulate_payload`` does.
+
+    Subclasses implement :meth:`start_tensor`, :meth:`append_tensor`, :meth:`read_tensor` and may
+    override the list methods.
+    """
+
+    __slots__ = ("key", "_mode", "_value", "_items", "_list_view")
+
+    def __init__(self, key: KeyInfo) -> None:
+        self.key = key
+        self._mode = 0  # 0 empty / other value, 1 tensor, 2 list
+        self._value: Any = None
+        self._items: list[Any] | None = None
+        self._list_view: list[Any] | None = None
+
+    # -- tensor part, for subclasses -------------------------------------------------------- #
+    @abstractmethod
+    def start_tensor(self, value: torch.Tensor) -> None:
+        """Start the state with a first tensor."""
+
+    @abstractmethod
+    def append_tensor(self, value: torch.Tensor) -> None:
+        """Append a checked tensor along dim 0."""
+
+    @abstractmethod
+    def read_tensor(self) -> torch.Tensor:
+        """Return the accumulated tensor."""
+
+    @abstractmethod
+    def current_tensor_meta(self) -> torch.Tensor:
+        """Return any tensor with the accumulated dtype, trailing shape and device (for checks)."""
+
+    def tensor_nbytes(self) -> int:
+        return value_nbytes(self.read_tensor())
+
+    # -- list part: a growing list, snapshot on read, cached until the next append ------------ #
+    def start_list(self, value: list[Any]) -> None:
+        self._items = list(value)
+        self._list_view = value
+
+    def append_list(self, value: list[Any]) -> None:
+        assert self._items is not None
+        self._items.extend(value)
+        self._list_view = None
+
+    def read_list(self) -> list[Any]:
+        if self._list_view is None:
+            self._list_view = list(self._items or ())
+        return self._list_view
+
+    # -- dispatch --------------------------------------------------------------------------- #
+    def check(self, value: Any) -> None:
+        if self._mode == 1 and isinstance(value, torch.Tensor):
+            check_appendable(self.current_tensor_meta(), value)
+
+    def merge(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if self._mode == 1:
+                check_appendable(self.current_tensor_meta(), value)
+                self.append_tensor(value)
+                return
+            self.start_tensor(value)
+            self._mode, self._value, self._items, self._list_view = 1, None, None, None
+        elif isinstance(value, list):
+            if self._mode == 2:
+                self.append_list(value)
+                return
+            self.clear_tensor()
+            self.start_list(value)
+            self._mode, self._value = 2, None
+        else:
+            self.clear_tensor()
+            self._mode, self._value, self._items, self._list_view = 0, value, None, None
+
+    def clear_tensor(self) -> None:  # noqa: B027 - optional hook
+        """Drop tensor state (called when a value of another type replaces it)."""
+
+    def read(self) -> Any:
+        if self._mode == 1:
+            return self.read_tensor()
+        if self._mode == 2:
+            return self.read_list()
+        return self._value
+
+    def nbytes(self) -> int:
+        if self._mode == 1:
+            return self.tensor_nbytes()
+        if self._mode == 2:
+            return 8 * len(self._items or ()) + (8 * len(self._list_view) if self._list_view is not None else 0)
+        return value_nbytes(self._value)

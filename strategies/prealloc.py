@@ -1,0 +1,119 @@
+"""``prealloc``: a growable contiguous buffer; amortised O(1) append, zero-copy prefix view on read.
+
+The first chunk is kept by reference (a key that never grows costs nothing). On the first append
+a buffer of ``max(initial_capacity, growth_factor x rows)`` rows is allocated on the chunk's
+device and dtype (exactly the hinted length when ``StreamContext.length_hints`` names the key),
+and grows by ``growth_factor`` when full. Capacity never exceeds
+``growth_factor x rows + initial_capacity``. The view is ``buffer[:rows]``: no copy.
+
+Views are borrowed: the rows they show never change, but writing into a view writes into the
+buffer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from omni_accum.hookspecs import hookimpl
+from omni_accum.strategy import AppendAccumulator, KeyInfo, Strategy, StrategySpec, value_nbytes
+
+
+class Params(BaseModel):
+    """Params of ``prealloc``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    initial_capacity: int = Field(default=64, ge=1, le=1 << 24)
+    """Rows allocated at the first append, at least (more when the key already holds more)."""
+    growth_factor: float = Field(default=2.0, gt=1.0, le=16.0)
+    """Capacity multiplier when the buffer is full (> 1)."""
+
+
+class PreallocAccumulator(AppendAccumulator):
+    """A buffer with ``rows`` valid rows; the first chunk is held by reference until an append."""
+
+    __slots__ = ("_first", "_buf", "_rows", "_view", "_g", "_init")
+
+    def __init__(self, key: KeyInfo, params: Params) -> None:
+        super().__init__(key)
+        self._g = params.growth_factor
+        self._init = params.initial_capacity
+        self._first: torch.Tensor | None = None
+        self._buf: torch.Tensor | None = None
+        self._rows = 0
+        self._view: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Rows the buffer can hold without growing."""
+        return int(self._buf.shape[0]) if self._buf is not None else self._rows
+
+    def _target(self, need: int, cap: int) -> int:
+        """Capacity to allocate for ``need`` rows; never above ``g x need + initial_capacity``."""
+        bound = int(self._g * need) + self._init
+        hint = self.key.length_hint
+        if hint is not None and hint >= need:
+            return min(hint, bound)
+        grown = max(self._init, math.ceil(cap * self._g), need)
+        return min(grown, bound)
+
+    def start_tensor(self, value: torch.Tensor) -> None:
+        self._first, self._buf, self._view = value, None, value
+        self._rows = int(value.shape[0]) if value.dim() else 0
+
+    def append_tensor(self, value: torch.Tensor) -> None:
+        if value.requires_grad:
+            value = value.detach()
+        k = int(value.shape[0])
+        need = self._rows + k
+        buf = self._buf
+        if buf is None or need > buf.shape[0]:
+            cap = self._target(need, self.capacity)
+            src = self._first if buf is None else buf[: self._rows]
+            new = torch.empty((cap, *src.shape[1:]), dtype=src.dtype, device=src.device)
+            new[: self._rows].copy_(src.detach() if src.requires_grad else src)
+            self._buf, self._first, buf = new, None, new
+        buf[self._rows : need].copy_(value)
+        self._rows = need
+        self._view = None
+
+    def read_tensor(self) -> torch.Tensor:
+        view = self._view
+        if view is None:
+            view = self._view = self._buf[: self._rows]  # type: ignore[index]
+        return view
+
+    def current_tensor_meta(self) -> torch.Tensor:
+        return self._first if self._buf is None else self._buf  # type: ignore[return-value]
+
+    def clear_tensor(self) -> None:
+        self._first = self._buf = self._view = None
+        self._rows = 0
+
+    def tensor_nbytes(self) -> int:
+        return value_nbytes(self._buf if self._buf is not None else self._first)
+
+
+class Prealloc(Strategy):
+    name = "prealloc"
+    Params = Params
+
+    def new_accumulator(self, key: KeyInfo) -> PreallocAccumulator:
+        return PreallocAccumulator(key, self.params)  # type: ignore[arg-type]
+
+
+@hookimpl
+def omni_accum_register_strategies() -> list[StrategySpec]:
+    return [
+        StrategySpec(
+            name="prealloc",
+            factory=Prealloc,
+            params_model=Params,
+            kinds=frozenset({"append"}),
+            description="growable contiguous buffer: amortised O(1) append, zero-copy prefix view",
+            params_grid=({"growth_factor": 1.5}, {"growth_factor": 2.0}, {"growth_factor": 4.0}),
+        )
+    ]

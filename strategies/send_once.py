@@ -1,0 +1,98 @@
+"""``send_once``: replace, with deduplication on the wire.
+
+The sender leaves the key off the wire while its value equals the value last sent for that
+request (compared by content, against a private copy, so in-place changes are seen); the
+receiver keeps serving its cached value. A changed value is sent again, so the view is never
+stale. For static keys: ``embed.tts_bos``, ``speaker``, ``language``, ``meta.override_keys``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from omni_accum.hookspecs import hookimpl
+from omni_accum.strategy import OMIT, Encoder, KeyInfo, Strategy, StrategySpec
+from omni_accum.strategies.replace import ReplaceAccumulator
+
+
+class Params(BaseModel):
+    """``send_once`` takes no params."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """True only when ``a`` and ``b`` certainly hold the same data (any doubt: False, so it is re-sent)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and bool(torch.equal(a, b))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    try:
+        eq = a == b
+    except Exception:  # noqa: BLE001 - incomparable values are treated as changed
+        return False
+    return eq is True
+
+
+def snapshot(value: Any) -> Any:
+    """A private copy of ``value`` to compare later chunks against."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (int, float, str, bytes, bool, type(None))):
+        return value
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - uncopyable: compare by identity only
+        return value
+
+
+class SendOnceEncoder(Encoder):
+    """Remembers the last value sent for one key of one request."""
+
+    __slots__ = ("_last", "_sent")
+
+    def __init__(self) -> None:
+        self._last: Any = None
+        self._sent = False
+
+    def encode(self, value: Any) -> Any:
+        if self._sent and same_value(self._last, value):
+            return OMIT
+        self._last = snapshot(value)
+        self._sent = True
+        return value
+
+
+class SendOnce(Strategy):
+    name = "send_once"
+    Params = Params
+    omits_unchanged = True
+
+    def new_encoder(self, key: KeyInfo) -> SendOnceEncoder:
+        return SendOnceEncoder()
+
+    def new_accumulator(self, key: KeyInfo) -> ReplaceAccumulator:
+        return ReplaceAccumulator()
+
+
+@hookimpl
+def omni_accum_register_strategies() -> list[StrategySpec]:
+    return [
+        StrategySpec(
+            name="send_once",
+            factory=SendOnce,
+            params_model=Params,
+            kinds=frozenset({"static", "replace"}),
+            description="replace, but an unchanged value is left off the wire and served from the receiver's cache",
+        )
+    ]
