@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Create or reuse the project's virtual environment (.venv) with everything the main job and the
+# tests need: CPU torch 2.13.0 (what vllm 0.30.0 pins), vllm + vllm-omni 0.30.0, the test tools,
+# omni-accum itself (editable) and the example strategy plugin. Sourced by main.sh and test.sh.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${OMNI_ACCUM_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+STAMP="$VENV/.omni-accum-setup"
+want="$(cat "$ROOT/pyproject.toml" "$ROOT"/examples/plugins/*/pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV" >&2
+  "$PY" -m venv "$VENV"
+fi
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing dependencies into $VENV (first run: ~6.5 GB download, a few minutes)" >&2
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[vllm,test,plot]"
+  for plugin in "$ROOT"/examples/plugins/*/; do
+    [ -f "$plugin/pyproject.toml" ] && "$VENV/bin/python" -m pip install -q "$plugin"
+  done
+  # vllm pulls CUDA builds of these; beside the CPU torch they fail to load and break vllm_omni.
+  for mod in torchvision torchaudio torchcodec; do
+    if "$VENV/bin/python" -m pip show -q "$mod" >/dev/null 2>&1 && ! "$VENV/bin/python" -c "import $mod" >/dev/null 2>&1; then
+      echo "[setup] removing $mod (its CUDA build does not load beside the CPU torch)" >&2
+      "$VENV/bin/python" -m pip uninstall -q -y "$mod"
+    fi
+  done
+  echo "$want" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
