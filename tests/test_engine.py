@@ -1,0 +1,238 @@
+"""Sender/Receiver engine: the public API contract, bad input, per-request state and threads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import omni_accum
+from omni_accum.strategies.prealloc import PreallocAccumulator
+from omni_accum.testing import as_dict, first_difference
+
+
+def _prefill(p=5, h=8):
+    return torch.randn(p, h).bfloat16()
+
+
+def test_public_api_contract_nested_payloads():
+    policy = omni_accum.load_policy("qwen3-omni")
+    ctx = omni_accum.StreamContext(context_len=8000, concurrency=10)
+    tx, rx = omni_accum.Sender(policy, context=ctx), omni_accum.Receiver(policy, context=ctx)
+    prefill = _prefill()
+    chunk0 = {
+        "embed": {"prefill": prefill, "tts_bos": torch.ones(1, 1, 8).bfloat16()},
+        "ids": {"prompt": [1, 2, 3]},
+        "meta": {"finished": torch.tensor(False)},
+    }
+    view = rx.merge("req-1", tx.encode("req-1", chunk0))
+    assert torch.equal(view["embed"]["prefill"], prefill)
+    rows = []
+    for i in range(10):
+        row = torch.randn(1, 8).bfloat16()
+        rows.append(row)
+        chunk = {
+            "embed": {"decode": row, "tts_bos": torch.ones(1, 1, 8).bfloat16()},
+            "ids": {"prompt": [1, 2, 3]},
+            "meta": {"finished": torch.tensor(i == 9)},
+        }
+        wire = tx.encode("req-1", chunk)
+        assert "tts_bos" not in wire.get("embed", {}) and "ids" not in wire  # sent once
+        view = rx.merge("req-1", wire)
+        assert torch.equal(view["embed"]["decode"], torch.cat(rows))
+        assert view["ids"]["prompt"] == [1, 2, 3]
+    assert bool(view["meta"]["finished"]) is True
+    assert rx.active_requests == 1 and tx.active_requests == 1
+    tx.release("req-1")
+    rx.release("req-1")
+    assert rx.active_requests == 0 and tx.active_requests == 0
+
+
+def test_flat_payloads_keep_their_nesting():
+    tx, rx = omni_accum.Sender("qwen3-omni-flat"), omni_accum.Receiver("qwen3-omni-flat")
+    p = _prefill()
+    v = rx.merge("r", tx.encode("r", {"thinker_embeddings": p, "finished": False}))
+    row = torch.randn(1, 8).bfloat16()
+    v = rx.merge("r", tx.encode("r", {"thinker_embeddings": row, "finished": True}))
+    assert set(v) == {"thinker_embeddings", "finished"}
+    assert torch.equal(v["thinker_embeddings"], torch.cat([p, row])) and v["finished"] is True
+
+
+def test_default_sender_passes_chunks_through_untouched():
+    tx = omni_accum.Sender("default")
+    chunk = {"embed": {"decode": torch.ones(1, 2)}, "meta": {"finished": torch.tensor(True)}}
+    assert tx.encode("r", chunk) is chunk
+
+
+def test_unknown_strategy_lists_available_names():
+    with pytest.raises(omni_accum.PolicyError) as ei:
+        omni_accum.Receiver({"default": "cat", "rules": [{"match": "embed.decode", "strategy": "prealoc"}]})
+    msg = str(ei.value)
+    assert "prealoc" in msg and "rules[0]" in msg
+    for name in ("cat", "prealloc", "replace", "send_once", "token_list"):
+        assert name in msg
+    with pytest.raises(omni_accum.UnknownStrategyError, match="Available: cat, prealloc"):
+        omni_accum.get_manager().spec("nope")
+
+
+@pytest.mark.parametrize("strategy", ["cat", "token_list", "prealloc"])
+@pytest.mark.parametrize(
+    ("bad", "expected", "received"),
+    [
+        (torch.randn(1, 8).float(), "bfloat16", "float32"),
+        (torch.randn(1, 9).bfloat16(), "[*, 8]", "[1, 9]"),
+        (torch.randn(1, 2, 4).bfloat16(), "[*, 8]", "[1, 2, 4]"),
+    ],
+    ids=["dtype", "width", "rank"],
+)
+def test_dtype_or_trailing_shape_change_names_everything_and_keeps_state(strategy, bad, expected, received):
+    rx = omni_accum.Receiver({"default": strategy})
+    a, b = torch.randn(3, 8).bfloat16(), torch.randn(1, 8).bfloat16()
+    rx.merge("req-7", {"embed": {"decode": a}, "speaker": "x"})
+    rx.merge("req-7", {"embed": {"decode": b}})
+    before = as_dict(rx.view("req-7"))
+    with pytest.raises(omni_accum.AccumulationError) as ei:
+        # a second, valid key in the same chunk must not be merged either (a chunk is all or nothing)
+        rx.merge("req-7", {"speaker": "y", "embed": {"decode": bad}})
+    err = ei.value
+    assert err.request_id == "req-7" and err.key == "embed.decode" and err.strategy == strategy
+    for part in ("req-7", "embed.decode", expected, received):
+        assert part in str(err)
+    assert first_difference(before, as_dict(rx.view("req-7"))) is None
+    # the request is still usable with valid chunks
+    c = torch.randn(2, 8).bfloat16()
+    assert torch.equal(rx.merge("req-7", {"embed": {"decode": c}})["embed"]["decode"], torch.cat([a, b, c]))
+
+
+def test_merge_after_release_starts_fresh_and_unknown_release_is_noop():
+    rx = omni_accum.Receiver("qwen3-omni")
+    rx.merge("r", {"embed": {"decode": torch.ones(2, 4)}})
+    assert rx.release("r") is True
+    assert rx.release("r") is False
+    assert rx.release("never-seen") is False
+    v = rx.merge("r", {"embed": {"decode": torch.zeros(1, 4)}})
+    assert v["embed"]["decode"].shape == (1, 4)
+
+
+def test_receiver_that_lost_send_once_state_reports_it():
+    tx, rx = omni_accum.Sender("qwen3-omni"), omni_accum.Receiver("qwen3-omni")
+    chunk = {"speaker": "Ethan", "embed": {"decode": torch.ones(1, 4)}}
+    rx.merge("r", tx.encode("r", chunk))
+    rx2 = omni_accum.Receiver("qwen3-omni")  # a restarted receiver; the sender keeps its memory
+    with pytest.raises(omni_accum.AccumulationError, match="send_once"):
+        rx2.merge("r", tx.encode("r", chunk))
+    assert rx.merge("r", tx.encode("r", chunk))["speaker"] == "Ethan"
+
+
+def test_token_list_materialises_on_read_only():
+    rx = omni_accum.Receiver({"default": "token_list"})
+    calls = []
+    real_cat = torch.cat
+
+    def counting_cat(*a, **k):
+        calls.append(1)
+        return real_cat(*a, **k)
+
+    torch.cat = counting_cat
+    try:
+        for _ in range(20):
+            v = rx.merge("r", {"x": torch.ones(1, 4)})
+        assert calls == []  # never read yet
+        assert v["x"].shape == (20, 4) and len(calls) == 1
+        assert v["x"].shape == (20, 4) and len(calls) == 1  # cached until the next append
+        rx.merge("r", {"x": torch.ones(1, 4)})
+        assert rx.view("r")["x"].shape == (21, 4) and len(calls) == 2
+    finally:
+        torch.cat = real_cat
+    assert len(rx.parts("r")["x"]) == 21
+
+
+def test_prealloc_view_is_zero_copy_and_capacity_bounded():
+    rx = omni_accum.Receiver({"default": {"strategy": "prealloc", "params": {"initial_capacity": 8, "growth_factor": 1.5}}})
+    first = torch.randn(100, 4)
+    rx.merge("r", {"x": first})
+    rows = [first]
+    for i in range(500):
+        row = torch.randn(1 + i % 3, 4)
+        rows.append(row)
+        v = rx.merge("r", {"x": row})["x"]
+        acc = rx._requests["r"].entries["x"].acc
+        assert isinstance(acc, PreallocAccumulator)
+        n = sum(r.shape[0] for r in rows)
+        assert acc.capacity <= 1.5 * n + 8
+        assert v.data_ptr() == acc._buf.data_ptr()  # a view of the buffer, no copy
+    assert torch.equal(v, torch.cat(rows))
+
+
+def test_prealloc_exact_growth_with_length_hint():
+    ctx = omni_accum.StreamContext(context_len=100, length_hints={"embed.decode": 50})
+    rx = omni_accum.Receiver({"default": "prealloc"}, context=ctx)
+    for _ in range(50):
+        rx.merge("r", {"embed": {"decode": torch.ones(1, 4)}})
+    acc = rx._requests["r"].entries["embed"]["decode"].acc
+    assert acc.capacity == 50  # allocated once, exactly
+
+
+def test_prealloc_keeps_the_consumer_view_unchanged_when_caller_reuses_its_tensor():
+    rx = omni_accum.Receiver({"default": "prealloc"})
+    buf = torch.ones(1, 4)
+    rx.merge("r", {"x": torch.zeros(2, 4)})
+    rx.merge("r", {"x": buf})
+    buf.fill_(7)  # the producer reuses its tensor
+    assert torch.equal(rx.view("r")["x"], torch.cat([torch.zeros(2, 4), torch.ones(1, 4)]))
+
+
+def test_requires_grad_and_non_contiguous_inputs():
+    base = torch.randn(4, 6, requires_grad=True)
+    nc = base.t()[:, :4]  # non-contiguous [6, 4]
+    for name in ("cat", "token_list", "prealloc"):
+        rx = omni_accum.Receiver({"default": name})
+        rx.merge("r", {"x": torch.zeros(1, 4)})
+        v = rx.merge("r", {"x": nc})["x"]
+        assert torch.equal(v.detach(), torch.cat([torch.zeros(1, 4), nc.detach()]))
+
+
+def test_threads_merge_and_release_concurrently():
+    policy = omni_accum.load_policy("qwen3-omni")
+    tx, rx = omni_accum.Sender(policy), omni_accum.Receiver(policy)
+    errors: list[BaseException] = []
+
+    def worker(tid: int) -> None:
+        try:
+            for r in range(40):
+                rid = f"t{tid}-r{r}"
+                rows = []
+                for s in range(15):
+                    row = torch.full((1, 4), float(s + tid))
+                    rows.append(row)
+                    v = rx.merge(rid, tx.encode(rid, {"embed": {"decode": row}, "speaker": f"s{tid}"}))
+                    assert torch.equal(v["embed"]["decode"], torch.cat(rows)) and v["speaker"] == f"s{tid}"
+                tx.release(rid)
+                rx.release(rid)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert rx.active_requests == 0 and tx.active_requests == 0
+
+
+def test_strategy_for_and_context_validation():
+    rx = omni_accum.Receiver("qwen3-omni")
+    assert rx.strategy_for("embed.decode", torch.ones(1, 2)) == "prealloc"
+    assert rx.strategy_for("meta.finished", torch.tensor(True)) == "replace"
+    assert rx.strategy_for("something.else", 1) == "cat"
+    with pytest.raises(ValueError, match="concurrency"):
+        omni_accum.StreamContext(concurrency=0)
+
+
+def test_non_mapping_chunk_is_a_clear_error():
+    with pytest.raises(omni_accum.AccumulationError, match="mapping"):
+        omni_accum.Receiver().merge("r", [1, 2])  # type: ignore[arg-type]
+    with pytest.raises(omni_accum.AccumulationError, match="mapping"):
+        omni_accum.Sender().encode("r", None)  # type: ignore[arg-type]
