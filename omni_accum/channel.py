@@ -306,9 +306,15 @@ class Receiver(_Endpoint):
         }
 
     # -- merging ----------------------------------------------------------------------------- #
-    def _override_keys(self, req_id: str, wire: Mapping[str, Any]) -> frozenset[Any]:
+    def _override_keys(self, req_id: str, st: _Request, wire: Mapping[str, Any]) -> frozenset[Any]:
         meta = wire.get("meta")
         raw = meta.get("override_keys") if isinstance(meta, dict) else None
+        if raw is None and WIRE_MARKER in wire:
+            # A send_once-like strategy left an unchanged override list off the wire: it still applies.
+            group = st.entries.get("meta")
+            slot = group.get("override_keys") if isinstance(group, dict) else None
+            if slot is not None and slot.strategy.omits_unchanged:
+                raw = slot.acc.read()
         if not raw:
             return frozenset()
         try:
@@ -340,7 +346,7 @@ class Receiver(_Endpoint):
 
     def _plan(self, req_id: str, st: _Request, wire: Mapping[str, Any]) -> list[tuple[Any, Any, Any, _Slot]]:
         """Phase 1: find or create the slot of every key, check every value; change nothing."""
-        override = self._override_keys(req_id, wire) if self.policy.honor_override_keys else frozenset()
+        override = self._override_keys(req_id, st, wire) if self.policy.honor_override_keys else frozenset()
         entries = st.entries
         ops: list[tuple[Any, Any, Any, _Slot]] = []
         new_once = 0
