@@ -204,9 +204,9 @@ class Policy(BaseModel):
     """What the policy is for."""
     default: StrategyRef = StrategyRef(strategy="cat")
     """Strategy of keys no rule matches: a name, or ``{strategy: NAME, params: {...}}``."""
-    max_bytes_per_request: int = Field(default=0, ge=0)
+    max_bytes_per_request: int = Field(default=0, ge=0, strict=True)
     """Guard: a merge that would hold more than this many bytes for one request raises (0 = off)."""
-    honor_override_keys: bool = True
+    honor_override_keys: bool = Field(default=True, strict=True)
     """Replace, for one chunk, the keys that chunk lists in ``meta.override_keys`` (vllm-omni 0.30.0)."""
     rules: list[Rule] = Field(default_factory=list)
     """Ordered rules; an exact key path beats any glob, and among globs the first listed wins."""
@@ -218,6 +218,13 @@ class Policy(BaseModel):
     _tuned_ok: bool | None = PrivateAttr(default=None)
 
     _coerce_default = field_validator("default", mode="before")(classmethod(lambda cls, v: _coerce_strategy_ref(v)))
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version_not_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # YAML ``true`` would otherwise pass as 1
+            raise ValueError(f"Input should be 1 (got {v!r})")
+        return v
 
     @model_validator(mode="after")
     def _index_rules(self) -> Policy:
