@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
+import typing
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -58,7 +60,7 @@ def _yaml_line(text: str, loc: tuple[Any, ...]) -> int | None:
     """Best-effort 1-based line of the node at ``loc`` in a YAML document."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         return None
     line = node.start_mark.line + 1 if node is not None else None
     for part in loc:
@@ -86,7 +88,7 @@ def parse_text(text: str, fmt: str, source: str) -> Any:
         mark = e.problem_mark or e.context_mark
         line = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = e.problem or str(e)
-        if isinstance(e, yaml.constructor.ConstructorError):
+        if isinstance(e, yaml.constructor.ConstructorError) and "constructor for the tag" in problem:
             problem += " (policies are data: YAML tags that build Python objects are not allowed)"
         raise PolicyError(f"{source}: {line}invalid YAML: {problem}", source=source) from e
     except yaml.YAMLError as e:
@@ -95,6 +97,8 @@ def parse_text(text: str, fmt: str, source: str) -> Any:
         raise PolicyError(f"{source}: line {e.lineno}, column {e.colno}: invalid JSON: {e.msg}", source=source) from e
     except tomllib.TOMLDecodeError as e:
         raise PolicyError(f"{source}: invalid TOML: {e}", source=source) from e
+    except RecursionError as e:
+        raise PolicyError(f"{source}: invalid {fmt.upper()}: nested too deeply", source=source) from e
 
 
 def _format_loc(loc: tuple[Any, ...]) -> str:
@@ -104,15 +108,50 @@ def _format_loc(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
+_RULE_MATCH_RE = re.compile(r"^rules\[(\d+)\]\.match ")
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The policy model that holds the field at ``loc`` (``("rules", 0, "x")`` -> Rule), or None."""
+    model: Any = Policy
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        ann = field.annotation
+        model = next(
+            (a for a in (ann, *typing.get_args(ann), *(b for a in typing.get_args(ann) for b in typing.get_args(a)))
+             if isinstance(a, type) and issubclass(a, BaseModel)),
+            None,
+        )
+        if model is None:
+            return None
+    return model
+
+
 def _validation_messages(err: ValidationError, source: str, text: str | None) -> list[str]:
     msgs = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if p not in ("function-after[_index_rules(), Policy]",))
+        m = _RULE_MATCH_RE.match(e["msg"].removeprefix("Value error, ")) if not loc else None
+        if m:  # a whole-policy check that names one rule's field: point at it
+            loc = ("rules", int(m.group(1)), "match")
+            e = {**e, "msg": e["msg"].removeprefix("Value error, ").split(" ", 1)[1]}
         line = _yaml_line(text, loc) if text is not None and loc else None
         where = f"{source}" + (f", line {line}" if line else "")
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown field"
+            model = _model_at(loc)
+            allowed = f". Allowed fields: {', '.join(model.model_fields)}" if model is not None else ""
+            msg = f"unknown field{allowed}"
+        elif e["type"] == "model_type" and loc == ("default",):
+            msg = f"expected a strategy name or {{strategy: NAME, params: {{...}}}}, got {type(e.get('input')).__name__}"
+        elif e["type"] == "model_type":
+            model = _model_at((*loc, "x"))
+            fields = f" with fields {', '.join(model.model_fields)}" if model is not None else ""
+            msg = f"expected a mapping{fields}, got {type(e.get('input')).__name__}"
         elif e["type"] == "literal_error" and "expected" in e.get("ctx", {}):
             msg = f"{msg} (got {e.get('input')!r})"
         msgs.append(f"{where}: {_format_loc(loc)}: {msg}")
@@ -196,6 +235,8 @@ def build_policy(
         )
     try:
         policy = Policy.model_validate(dict(data))
+    except RecursionError as e:
+        raise PolicyError(f"{source}: invalid policy: nested too deeply", source=source) from e
     except ValidationError as e:
         msgs = _validation_messages(e, source, text)
         raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(msgs), msgs, source) from e
