@@ -1,0 +1,391 @@
+"""``omni-accum strategies | validate | explain | show``: list strategies, check and explain policies.
+
+POLICY arguments are a policy file (``.yaml``, ``.yml``, ``.json``, ``.toml``) or a preset name
+(``default``, ``qwen3-omni``, ...). Mistakes in a policy are reported as messages naming the file,
+line, field and allowed values (exit 1), never as tracebacks; argparse usage errors exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from typing import Any
+
+import annotated_types as at
+import yaml
+from pydantic import BaseModel
+
+from omni_accum.context import KeyMeta, StreamContext
+from omni_accum.errors import OmniAccumError
+from omni_accum.loader import load_policy, preset_names
+from omni_accum.manager import StrategyManager, get_manager
+from omni_accum.policy import PROTOCOL_REPLACE_KEYS, Policy, is_glob
+from omni_accum.strategy import StrategySpec
+
+POLICY_HELP = "a policy file (.yaml, .yml, .json, .toml) or a preset name ({presets})"
+VALUE_TYPES = ("tensor", "list", "other")
+
+
+def _presets() -> str:
+    try:
+        return ", ".join(preset_names())
+    except Exception:  # noqa: BLE001 - help text must never fail
+        return "default, ..."
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+def _json(data: Any) -> None:
+    _out(json.dumps(data, indent=2, sort_keys=False))
+
+
+# ---------------------------------------------------------------------------------------------- #
+# strategies
+# ---------------------------------------------------------------------------------------------- #
+
+_CONSTRAINTS = ((at.Gt, "gt", ">"), (at.Ge, "ge", ">="), (at.Lt, "lt", "<"), (at.Le, "le", "<="))
+
+
+def param_rows(model: type[BaseModel]) -> list[dict[str, Any]]:
+    """Describe the fields of a strategy's ``Params`` model: name, type, default, constraints."""
+    rows = []
+    for name, field in model.model_fields.items():
+        constraints = [
+            f"{sym} {getattr(m, attr)}" for m in field.metadata for cls, attr, sym in _CONSTRAINTS if isinstance(m, cls)
+        ]
+        ann = field.annotation
+        rows.append(
+            {
+                "name": name,
+                "type": getattr(ann, "__name__", str(ann)),
+                "required": field.is_required(),
+                "default": None if field.is_required() else field.get_default(call_default_factory=True),
+                "constraints": constraints,
+                "description": field.description or "",
+            }
+        )
+    return rows
+
+
+def spec_record(spec: StrategySpec) -> dict[str, Any]:
+    """A JSON-ready description of a registered strategy."""
+    dist = spec.distribution
+    return {
+        "name": spec.name,
+        "plugin": spec.plugin,
+        "distribution": {"name": dist[0], "version": dist[1]} if dist else None,
+        "kinds": sorted(spec.kinds),
+        "description": spec.description,
+        "params": param_rows(spec.params_model),
+    }
+
+
+def cmd_strategies(args: argparse.Namespace) -> int:
+    manager = get_manager()
+    records = [spec_record(s) for s in manager.specs()]
+    problems = [{"plugin": p, "problem": m} for p, m in manager.problems]
+    if args.json:
+        _json({"strategies": records, "problems": problems})
+        return 0
+    for r in records:
+        dist = r["distribution"]
+        where = f"plugin {r['plugin']!r}" + (f" from {dist['name']} {dist['version']}" if dist else " (not installed)")
+        _out(f"{r['name']}  [{', '.join(r['kinds'])}]  {where}")
+        if r["description"]:
+            _out(f"    {r['description']}")
+        if not r["params"]:
+            _out("    params: none")
+        for p in r["params"]:
+            default = "required" if p["required"] else f"default {p['default']!r}"
+            cons = f", {' and '.join(p['constraints'])}" if p["constraints"] else ""
+            _out(f"    param {p['name']}: {p['type']} ({default}{cons})")
+    for p in problems:
+        print(f"omni-accum: warning: plugin {p['plugin']!r} skipped: {p['problem']}", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- #
+# validate
+# ---------------------------------------------------------------------------------------------- #
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    manager = get_manager()
+    results = []
+    for source in args.policies:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                policy = load_policy(source, manager=manager)
+        except OmniAccumError as e:
+            errors = list(getattr(e, "errors", None) or [str(e)])
+            results.append({"policy": source, "valid": False, "errors": errors})
+        else:
+            results.append({"policy": source, "valid": True, "errors": [], "rules": len(policy.rules)})
+    bad = [r for r in results if not r["valid"]]
+    if args.json:
+        _json({"valid": not bad, "policies": results})
+    else:
+        for r in results:
+            if r["valid"]:
+                _out(f"{r['policy']}: ok ({r['rules']} rule{'' if r['rules'] == 1 else 's'})")
+            else:
+                _out(f"{r['policy']}: {len(r['errors'])} error(s)")
+                for err in r["errors"]:
+                    _out(f"  {err}")
+        if bad:
+            print(f"omni-accum: {len(bad)} of {len(results)} policies invalid", file=sys.stderr)
+    return 1 if bad else 0
+
+
+# ---------------------------------------------------------------------------------------------- #
+# explain
+# ---------------------------------------------------------------------------------------------- #
+
+
+def explain_key(
+    policy: Policy, key: str, context: StreamContext, value_type: str = "tensor", manager: StrategyManager | None = None
+) -> dict[str, Any]:
+    """Which strategy and params ``key`` gets under ``policy`` in ``context``, and why."""
+    manager = manager or get_manager()
+    meta = KeyMeta(key, value_type)  # type: ignore[arg-type]
+    notes: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        choice = manager.select(key, meta, context, policy)
+        by_policy = policy.resolve(key, context)
+    reason: dict[str, Any]
+    hit = policy.match_rule(key)
+    if (choice.strategy, dict(choice.params)) != (by_policy.strategy, dict(by_policy.params)):
+        reason = {"kind": "plugin", "detail": "a plugin's omni_accum_select_strategy hook overrode the policy"}
+        notes.append(f"the policy alone would give {by_policy.strategy!r} ({by_policy.source})")
+    elif hit is not None:
+        i, rule = hit
+        reason = {"kind": "rule", "rule_index": i, "match": rule.match, "glob": is_glob(rule.match)}
+        if rule.description:
+            reason["description"] = rule.description
+        if is_glob(rule.match):
+            others = [r.match for j, r in enumerate(policy.rules) if j > i and is_glob(r.match) and _fnmatch(key, r.match)]
+            if others:
+                notes.append(f"later globs also match and lose (first listed wins): {', '.join(others)}")
+    elif key in PROTOCOL_REPLACE_KEYS:
+        reason = {"kind": "protocol", "detail": "vllm-omni always replaces this key; a rule naming it would win"}
+    elif choice.source.startswith("tuned"):
+        assert policy.tuned is not None
+        c_edge, k_edge, clamped = policy.tuned.bucket(context)
+        reason = {"kind": "tuned", "context_len_bucket": c_edge, "concurrency_bucket": k_edge, "clamped": clamped}
+        if clamped:
+            notes.append("context outside the measured bucket edges: clamped to the nearest bucket")
+    else:
+        reason = {"kind": "default"}
+    if policy.tuned is not None and reason["kind"] in ("default", "rule"):
+        if not policy.tuned_usable():
+            from omni_accum.fingerprint import fingerprint_mismatches
+
+            diffs = "; ".join(fingerprint_mismatches(policy.tuned.fingerprint))
+            notes.append(f"tuned table not used: measured in another environment ({diffs})")
+        elif reason["kind"] == "default":
+            notes.append("tuned table has no cell for this key in this bucket")
+    elif policy.tuned is None and (context.context_len is not None or context.concurrency != 1):
+        notes.append("the policy has no tuned table, so --context-len / --concurrency do not change the choice")
+    spec = manager.spec(choice.strategy, where=f"key {key!r} ({choice.source})")
+    resolved = spec.params_model.model_validate(dict(choice.params)).model_dump(mode="json")
+    if value_type == "other" and "append" in spec.kinds:
+        notes.append(f"{choice.strategy!r} appends tensors and lists; a value of another type is just replaced")
+    if value_type != "other" and "append" not in spec.kinds:
+        notes.append(f"{choice.strategy!r} is {'/'.join(sorted(spec.kinds))}-kind: the latest value wins")
+    if policy.honor_override_keys and "append" in spec.kinds and value_type != "other":
+        notes.append("a chunk listing this key in meta.override_keys replaces it for that chunk")
+    return {
+        "key": key,
+        "value_type": value_type,
+        "context": {"context_len": context.context_len, "concurrency": context.concurrency},
+        "strategy": choice.strategy,
+        "params": resolved,
+        "params_given": dict(choice.params),
+        "kinds": sorted(spec.kinds),
+        "plugin": spec.plugin,
+        "source": choice.source,
+        "reason": reason,
+        "notes": notes,
+    }
+
+
+def _fnmatch(key: str, pattern: str) -> bool:
+    import fnmatch
+
+    return fnmatch.fnmatchcase(key, pattern)
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    manager = get_manager()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        policy = load_policy(args.policy, manager=manager)
+    try:
+        context = StreamContext(context_len=args.context_len, concurrency=args.concurrency)
+    except ValueError as e:
+        print(f"omni-accum explain: error: {e}", file=sys.stderr)
+        return 2
+    info = explain_key(policy, args.key, context, args.value_type, manager)
+    info = {"policy": args.policy, **info}
+    if args.json:
+        _json(info)
+        return 0
+    params = ", ".join(f"{k}={v!r}" for k, v in info["params"].items()) or "no params"
+    _out(f"key {info['key']!r} -> {info['strategy']} ({params})")
+    r = info["reason"]
+    why = {
+        "rule": lambda: f"rules[{r['rule_index']}] {'glob' if r['glob'] else 'exact'} match {r['match']!r}"
+        + (f" ({r['description']})" if r.get("description") else ""),
+        "protocol": lambda: f"protocol key: {r['detail']}",
+        "tuned": lambda: f"tuned table, bucket context_len>={r['context_len_bucket']}, "
+        f"concurrency>={r['concurrency_bucket']}",
+        "default": lambda: "the policy's default (no rule matches"
+        + (", no tuned cell)" if policy.tuned is not None else ", no tuned table)"),
+        "plugin": lambda: r["detail"],
+    }[r["kind"]]()
+    _out(f"  why: {why}")
+    _out(f"  strategy kinds: {', '.join(info['kinds'])}; plugin {info['plugin']!r}")
+    ctx = info["context"]
+    _out(
+        f"  assumed: value type {info['value_type']!r} (--value-type), context_len "
+        f"{ctx['context_len'] if ctx['context_len'] is not None else 'unknown'}, concurrency {ctx['concurrency']}"
+    )
+    for n in info["notes"]:
+        _out(f"  note: {n}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- #
+# show
+# ---------------------------------------------------------------------------------------------- #
+
+
+def resolved_policy_data(policy: Policy, manager: StrategyManager | None = None) -> dict[str, Any]:
+    """The policy as plain data, every field and every strategy param filled with its default."""
+    manager = manager or get_manager()
+
+    def full(name: str, params: dict[str, Any]) -> dict[str, Any]:
+        return manager.spec(name).params_model.model_validate(params).model_dump(mode="json")
+
+    data = policy.model_dump(mode="json", exclude_none=True)
+    data["default"]["params"] = full(policy.default.strategy, policy.default.params)
+    for rule, out in zip(policy.rules, data["rules"]):
+        out["params"] = full(rule.strategy, rule.params)
+    return data
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    manager = get_manager()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        policy = load_policy(args.policy, manager=manager)
+    data = resolved_policy_data(policy, manager)
+    if args.json:
+        _json(data)
+    else:
+        _out(f"# {args.policy}, resolved: every field and strategy param filled with its default")
+        _out(yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=120))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- #
+# registration
+# ---------------------------------------------------------------------------------------------- #
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    v = _non_negative_int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Wraps the description like argparse's default, keeps the examples epilog as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+
+def register(subparsers: Any) -> None:
+    """Add ``strategies``, ``validate``, ``explain`` and ``show`` to the ``omni-accum`` parser."""
+    fmt = _HelpFormatter
+    policy_help = POLICY_HELP.format(presets=_presets())
+
+    p = subparsers.add_parser(
+        "strategies",
+        help="list the registered strategies, their plugins, kinds and params",
+        description="List every registered strategy: name, providing plugin and its distribution and version, "
+        "the key kinds it applies to, and its params with defaults and allowed ranges.",
+        epilog="examples:\n  omni-accum strategies\n  omni-accum strategies --json",
+        formatter_class=fmt,
+    )
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.set_defaults(func=cmd_strategies)
+
+    p = subparsers.add_parser(
+        "validate",
+        help="check policy files or presets; list every error",
+        description="Load each POLICY, check its schema, strategy names and every strategy's params. "
+        "Exit 0 when all are valid, 1 when any is not (every error of every policy is listed, with file, "
+        "line, field and allowed values), 2 on usage errors.",
+        epilog="examples:\n  omni-accum validate my-policy.yaml\n  omni-accum validate qwen3-omni a.yaml b.json",
+        formatter_class=fmt,
+    )
+    p.add_argument("policies", nargs="+", metavar="POLICY", help=policy_help)
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.set_defaults(func=cmd_validate)
+
+    p = subparsers.add_parser(
+        "explain",
+        help="which strategy and params a key gets under a policy, and why",
+        description="Resolve one key path under POLICY, the way Sender and Receiver do (plugins' selection "
+        "hooks included): an exact rule, else the first matching glob rule, else a protocol key vllm-omni "
+        "always replaces (meta.finished), else the tuned table for the context's bucket (when measured in "
+        "this environment), else the default. Prints the strategy, its params with defaults filled, and why.",
+        epilog="examples:\n  omni-accum explain qwen3-omni --key embed.decode\n"
+        "  omni-accum explain tuned.yaml --key embed.prefill --context-len 8000 --concurrency 10 --json",
+        formatter_class=fmt,
+    )
+    p.add_argument("policy", metavar="POLICY", help=policy_help)
+    p.add_argument("--key", required=True, help="key path: group.qualifier (embed.decode) or a flat name")
+    p.add_argument("--context-len", type=_non_negative_int, default=None, metavar="N", help="context length (tokens)")
+    p.add_argument("--concurrency", type=_positive_int, default=1, metavar="C", help="concurrent requests (default 1)")
+    p.add_argument(
+        "--value-type",
+        choices=VALUE_TYPES,
+        default="tensor",
+        help="type of the key's first value, for selection plugins (default tensor)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.set_defaults(func=cmd_explain)
+
+    p = subparsers.add_parser(
+        "show",
+        help="print the resolved, normalised policy",
+        description="Load POLICY and print it normalised: every field present, strategy names resolved, "
+        "every strategy's params filled with their defaults. The output is itself a valid policy.",
+        epilog="examples:\n  omni-accum show qwen3-omni\n  omni-accum show my-policy.yaml --json",
+        formatter_class=fmt,
+    )
+    p.add_argument("policy", metavar="POLICY", help=policy_help)
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.set_defaults(func=cmd_show)

@@ -1,0 +1,312 @@
+"""Loading policies: YAML (safe only), JSON, TOML, presets, mappings, OMNI_ACCUM_POLICY; error places."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+import omni_accum
+from omni_accum.errors import PolicyError
+from omni_accum.loader import ENV_POLICY, dump_policy, load_policy, parse_text, preset_names, read_source
+
+STRATEGIES = "cat, prealloc, replace, send_once, token_list"
+
+POLICY_DATA = {
+    "version": 1,
+    "description": "test",
+    "default": "cat",
+    "rules": [
+        {"match": "embed.decode", "strategy": "prealloc", "params": {"growth_factor": 1.5}},
+        {"match": "meta.*", "strategy": "replace"},
+    ],
+}
+TOML = """
+version = 1
+description = "test"
+default = "cat"
+
+[[rules]]
+match = "embed.decode"
+strategy = "prealloc"
+params = { growth_factor = 1.5 }
+
+[[rules]]
+match = "meta.*"
+strategy = "replace"
+"""
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+@pytest.mark.parametrize("ext", [".yaml", ".yml", ".json", ".toml", ".YAML"])
+def test_every_format_gives_the_same_policy(tmp_path, ext):
+    text = {".json": json.dumps(POLICY_DATA), ".toml": TOML}.get(ext.lower(), yaml.safe_dump(POLICY_DATA))
+    p = load_policy(write(tmp_path, "p" + ext, text))
+    assert p == load_policy(POLICY_DATA)
+    assert load_policy(str(tmp_path / ("p" + ext))) == p
+
+
+def test_mapping_policy_instance_and_model():
+    p = load_policy(POLICY_DATA)
+    assert load_policy(p) is p
+    assert load_policy(p.model_copy()) == p
+
+
+def test_unsupported_extension_and_missing_file(tmp_path):
+    with pytest.raises(PolicyError, match=r"unsupported policy file type '\.txt'"):
+        load_policy(write(tmp_path, "p.txt", "default: cat"))
+    with pytest.raises(PolicyError, match="no such policy file"):
+        load_policy(str(tmp_path / "missing.yaml"))
+    with pytest.raises(PolicyError, match="neither a policy file nor a preset. Available presets: default"):
+        load_policy("qwen4-omni")
+
+
+def test_presets_load_by_name_and_have_comment_headers():
+    assert {"default", "qwen3-omni", "qwen3-omni-flat"} <= set(preset_names())
+    for name in preset_names():
+        label, text, fmt = read_source(name)
+        assert label == f"preset {name!r}" and fmt == "yaml"
+        first = text.splitlines()[0]
+        assert first.startswith(f"# {name} "), f"preset {name} needs a comment header naming it"
+        assert load_policy(name).description
+
+
+def test_default_preset_is_upstream():
+    p = load_policy("default")
+    assert p.default.strategy == "cat" and p.honor_override_keys
+    assert p.resolve("meta.finished").strategy == "replace"
+    for key in ("embed.decode", "ids.output", "thinker_embeddings", "meta.override_keys"):
+        assert p.resolve(key).strategy == "cat"
+
+
+QWEN_EXPECTED = {
+    "embed.prefill": "prealloc",
+    "hidden_states.output": "prealloc",
+    "embed.decode": "prealloc",
+    "embed.tts_bos": "send_once",
+    "embed.tts_eos": "send_once",
+    "embed.tts_pad": "send_once",
+    "speaker": "send_once",
+    "language": "send_once",
+    "ids.prompt": "send_once",
+    "meta.override_keys": "send_once",
+    "meta.finished": "replace",
+    "meta.is_segment_finished": "replace",
+    "meta.left_context_size": "replace",
+    "codes.audio": "replace",
+    "ids.all": "cat",
+}
+QWEN_FLAT_EXPECTED = {
+    "thinker_embeddings": "prealloc",
+    "thinker_prefill_embeddings": "prealloc",
+    "thinker_hidden_states": "prealloc",
+    "thinker_decode_embeddings": "prealloc",
+    "tts_bos_embed": "send_once",
+    "tts_eos_embed": "send_once",
+    "tts_pad_embed": "send_once",
+    "thinker_input_ids": "send_once",
+    "speaker": "send_once",
+    "language": "send_once",
+    "override_keys": "send_once",
+    "finished": "replace",
+}
+
+
+@pytest.mark.parametrize("name,expected", [("qwen3-omni", QWEN_EXPECTED), ("qwen3-omni-flat", QWEN_FLAT_EXPECTED)])
+def test_qwen_presets_follow_design_section_2(name, expected):
+    p = load_policy(name)
+    got = {k: p.resolve(k).strategy for k in expected}
+    assert got == expected
+
+
+def test_qwen3_omni_preset_matches_upstream_views_with_override_keys():
+    """send_once on meta.override_keys must not stop the list applying on later chunks (2026-03..05 payloads)."""
+    import torch
+
+    views = {}
+    for name in ("default", "qwen3-omni"):
+        tx, rx = omni_accum.Sender(name), omni_accum.Receiver(name)
+        out = []
+        for step in range(4):
+            chunk = {
+                "embed": {"decode": torch.full((1, 8), float(step)), "tts_bos": torch.ones(1, 1, 8)},
+                "ids": {"output": list(range(step + 1))},
+                "meta": {"finished": step == 3, "override_keys": [["embed", "decode"], ["ids", "output"]]},
+                "speaker": "ethan",
+            }
+            v = rx.merge("r", tx.encode("r", chunk))
+            out.append((v["embed"]["decode"].clone(), list(v["ids"]["output"]), v["meta"]["finished"], v["speaker"]))
+        views[name] = out
+    for (a, b) in zip(views["default"], views["qwen3-omni"]):
+        assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def test_env_var_path_preset_and_inline(monkeypatch, tmp_path):
+    monkeypatch.delenv(ENV_POLICY, raising=False)
+    assert load_policy() == load_policy("default")
+    monkeypatch.setenv(ENV_POLICY, "qwen3-omni")
+    assert load_policy() == load_policy("qwen3-omni")
+    monkeypatch.setenv(ENV_POLICY, str(write(tmp_path, "p.json", json.dumps(POLICY_DATA))))
+    assert load_policy() == load_policy(POLICY_DATA)
+    monkeypatch.setenv(ENV_POLICY, json.dumps(POLICY_DATA))
+    assert load_policy() == load_policy(POLICY_DATA)
+    monkeypatch.setenv(ENV_POLICY, "default: prealloc\nrules: []\n")
+    assert load_policy().default.strategy == "prealloc"
+    monkeypatch.setenv(ENV_POLICY, "default: nope\n")
+    with pytest.raises(PolicyError, match=f"{ENV_POLICY}.*unknown strategy 'nope'. Available: {STRATEGIES}"):
+        load_policy()
+    monkeypatch.setenv(ENV_POLICY, "   ")
+    assert load_policy() == load_policy("default")
+
+
+# -- errors: every problem, each with its place ------------------------------------------------ #
+
+
+def errors_of(tmp_path, text, name="p.yaml"):
+    with pytest.raises(PolicyError) as ei:
+        load_policy(write(tmp_path, name, text))
+    return ei.value.errors, str(ei.value)
+
+
+def test_unknown_strategy_lists_the_available_ones_with_line(tmp_path):
+    errs, _ = errors_of(tmp_path, "default: cat\nrules:\n  - match: a\n    strategy: catt\n")
+    assert len(errs) == 1
+    assert ", line 3: rules[0].strategy: unknown strategy 'catt'. Available: " + STRATEGIES in errs[0]
+
+
+def test_bad_params_name_rule_field_line_and_allowed_params(tmp_path):
+    text = "rules:\n  - match: a\n    strategy: cat\n  - match: b\n    strategy: prealloc\n    params:\n" \
+           "      growth_factor: 0.5\n      bogus: 1\n"
+    errs, msg = errors_of(tmp_path, text)
+    assert len(errs) == 2
+    assert "line 7: rules[1].params.growth_factor: Input should be greater than 1" in errs[0]
+    assert "line 8: rules[1].params.bogus: unknown param" in errs[1]
+    for e in errs:
+        assert "strategy 'prealloc'; allowed params: initial_capacity (default 64), growth_factor (default 2.0)" in e
+    assert msg.count("\n") == 2
+
+
+def test_every_error_is_listed_at_once(tmp_path):
+    text = "version: 2\nfoo: 1\nrules:\n  - match: a\n  - {match: b, strategy: cat, x: 1}\n"
+    errs, _ = errors_of(tmp_path, text)
+    joined = "\n".join(errs)
+    assert "line 1: version: Input should be 1 (got 2)" in joined
+    assert "line 2: foo: unknown field. Allowed fields: version, description, default" in joined
+    assert "line 4: rules[0].strategy: Field required" in joined
+    assert "line 5: rules[1].x: unknown field. Allowed fields: match, strategy, params, description" in joined
+
+
+def test_duplicate_exact_rule_names_line(tmp_path):
+    errs, _ = errors_of(tmp_path, "rules:\n- {match: a, strategy: cat}\n- {match: b, strategy: cat}\n"
+                                  "- {match: a, strategy: replace}\n")
+    assert errs[0].endswith(", line 4: rules[2].match: 'a' repeats rules[0].match; remove one")
+
+
+def test_wrong_shapes_say_what_is_expected(tmp_path):
+    errs, _ = errors_of(tmp_path, "default: 3\nrules: [3]\ntuned: x\n")
+    joined = "\n".join(errs)
+    assert "default: expected a strategy name or {strategy: NAME, params: {...}}, got int" in joined
+    assert "rules[0]: expected a mapping with fields match, strategy, params, description, got int" in joined
+    assert "tuned: expected a mapping with fields context_len_edges" in joined
+    _, msg = errors_of(tmp_path, "- default: cat\n")
+    assert "a policy must be a mapping" in msg and "got list" in msg
+
+
+@pytest.mark.parametrize(
+    "text,line",
+    [
+        ("default: cat\nrules:\n  - match: [a\n", 4),
+        ("default: cat\nrules:\n  - match: a\n   strategy: x\n", 4),
+        ("default: cat\n\n\nrules: {a: 1\n  b\n", 6),
+        ("a: 'unterminated\n", 2),
+        ("default: cat\ndefault:\t- x\n", 2),
+    ],
+)
+def test_yaml_syntax_error_names_file_and_line(tmp_path, text, line):
+    _, msg = errors_of(tmp_path, text)
+    assert str(tmp_path / "p.yaml") in msg and f"line {line}" in msg and "invalid YAML" in msg
+
+
+def test_json_and_toml_errors_name_the_line(tmp_path):
+    _, msg = errors_of(tmp_path, '{\n  "default": "cat",\n  "rules": [\n}\n', "p.json")
+    assert "p.json: line 4" in msg and "invalid JSON" in msg
+    _, msg = errors_of(tmp_path, 'default = "cat"\nrules = \nversion = 1\n', "p.toml")
+    assert "invalid TOML" in msg and "line 2" in msg
+
+
+@pytest.mark.parametrize(
+    "tag",
+    [
+        "!!python/object/apply:os.system ['touch {marker}']",
+        "!!python/object/apply:subprocess.check_call [['touch', '{marker}']]",
+        "!!python/object/new:os.system ['touch {marker}']",
+        "!!python/name:os.system",
+        "!!python/module:os",
+        "!!python/object:builtins.dict {{}}",
+    ],
+)
+@pytest.mark.parametrize("place", ["top", "default", "params", "description"])
+def test_python_tags_are_rejected_never_executed(tmp_path, tag, place):
+    marker = tmp_path / "executed"
+    value = tag.format(marker=marker)
+    text = {
+        "top": f"{value}\n",
+        "default": f"default: {value}\n",
+        "params": f"rules:\n  - match: a\n    strategy: prealloc\n    params:\n      growth_factor: {value}\n",
+        "description": f"description: {value}\n",
+    }[place]
+    _, msg = errors_of(tmp_path, text)
+    assert "invalid YAML" in msg and "could not determine a constructor" in msg
+    assert "YAML tags that build Python objects are not allowed" in msg
+    assert not marker.exists()
+
+
+def test_deep_nesting_is_an_error_not_a_crash(tmp_path):
+    for name, text in [("p.yaml", "[" * 5000 + "]" * 5000), ("p.json", "[" * 5000 + "]" * 5000),
+                       ("q.yaml", "default: " + "[" * 3000 + "]" * 3000)]:
+        _, msg = errors_of(tmp_path, text, name)
+        assert "nested too deeply" in msg
+
+
+def test_unreadable_and_binary_files(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(PolicyError, match="p.yaml"):
+        load_policy(p)
+    d = tmp_path / "dir.yaml"
+    d.mkdir()
+    with pytest.raises(PolicyError):
+        load_policy(d)
+
+
+def test_parse_text_plain_values():
+    assert parse_text("a: 1", "yaml", "x") == {"a": 1}
+    assert parse_text('{"a": 1}', "json", "x") == {"a": 1}
+    assert parse_text("a = 1", "toml", "x") == {"a": 1}
+
+
+def test_empty_yaml_file_is_the_default_policy(tmp_path):
+    assert load_policy(write(tmp_path, "p.yaml", "# nothing\n")) == omni_accum.Policy()
+
+
+@pytest.mark.parametrize("fmt", ["yaml", "json"])
+@pytest.mark.parametrize("name", ["default", "qwen3-omni", "qwen3-omni-flat"])
+def test_dump_round_trips(tmp_path, fmt, name):
+    p = load_policy(name)
+    text = dump_policy(p, fmt)
+    assert load_policy(write(tmp_path, "p." + fmt, text)) == p
+
+
+def test_validation_against_a_given_manager():
+    from omni_accum.manager import StrategyManager
+
+    m = StrategyManager(load_entrypoints=False)
+    with pytest.raises(PolicyError, match="unknown strategy 'cat'"):
+        load_policy({"default": "cat"}, manager=m)
