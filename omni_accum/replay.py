@@ -1,0 +1,671 @@
+"""The replay engine: a workload's chunk trace through an arm, over a wire, timed per step.
+
+N concurrent requests are interleaved round-robin; each chunk goes ``encode -> wire -> merge ->
+consumer read`` (and, with a view hop, the consumer's read is serialized once more, as pre-0.30
+releases did when they attached the accumulated payload to the scheduler output). Arms are
+interleaved round by round (the arm order rotates every repeat) in one process, so arms are
+compared under the same machine state; compare them as ratios.
+
+Seams (for ``--through vllm-omni`` and other transports):
+
+* an arm runs as an :class:`Engine` (``encode``/``merge``/``release``/``nbytes``);
+  :class:`PolicyEngine` wraps omni-accum's Sender/Receiver, :class:`UpstreamEngine` runs vllm-omni
+  0.30.0's own ``_OmniConnectorPayloadTransportMixin._accumulate_payload``. An arm given to
+  :func:`measure` may also be any callable ``(StreamContext) -> Engine``;
+* a :class:`Wire` carries wire payloads (``inproc``, ``serializer``, ``shm``); :data:`WIRES` maps
+  names to factories.
+
+The tuner calls :func:`measure` and bootstraps medians from :attr:`ArmResult.samples_us`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import statistics
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Literal, Union
+
+import torch
+
+from omni_accum.channel import Receiver, Sender, _iter_slots
+from omni_accum.context import StreamContext
+from omni_accum.errors import OmniAccumError
+from omni_accum.policy import Policy
+from omni_accum.strategy import value_nbytes
+from omni_accum.workloads import Workload, build_stream, load_workload
+
+WireName = Literal["inproc", "serializer", "shm"]
+ViewHop = Literal["serializer"]
+UPSTREAM = "upstream"
+
+
+class VllmOmniUnavailable(OmniAccumError):
+    """A mode needs vllm-omni 0.30.0 (the upstream arm, the serializer or shm wire) and it cannot be imported."""
+
+
+def _import_module(name: str) -> Any:
+    return importlib.import_module(name)
+
+
+def vllm_omni_attr(module: str, attr: str, why: str) -> Any:
+    """Import ``attr`` from vllm-omni's ``module``; :class:`VllmOmniUnavailable` says why it is needed."""
+    try:
+        return getattr(_import_module(module), attr)
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken CUDA wheel beside CPU torch
+        raise VllmOmniUnavailable(
+            f"{why} needs vllm-omni 0.30.0, which cannot be imported here ({type(e).__name__}: {e}). "
+            "Install it with: pip install 'omni-accum[vllm]', or use --wire inproc without the upstream arm"
+        ) from e
+
+
+def serializer() -> Any:
+    """vllm-omni's ``OmniSerializer`` (serialize / deserialize)."""
+    return vllm_omni_attr(
+        "vllm_omni.distributed.omni_connectors.utils.serialization", "OmniSerializer", "the serializer wire / view hop"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Payload helpers
+# ---------------------------------------------------------------------------------------------- #
+
+
+def payload_nbytes(obj: Any) -> int:
+    """Bytes a payload would occupy on a wire without framing: tensor data, 8 per scalar, string length."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(payload_nbytes(v) + (len(k) if isinstance(k, str) else 8) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_nbytes(v) for v in obj)
+    if isinstance(obj, (str, bytes, bytearray)):
+        return len(obj)
+    return 8
+
+
+def iter_leaves(payload: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """``(path, value)`` of every leaf of a payload (one level of groups, as vllm-omni nests)."""
+    for top, value in payload.items():
+        if isinstance(value, Mapping):
+            for qual, v in value.items():
+                yield f"{top}.{qual}", v
+        else:
+            yield str(top), value
+
+
+def _get(view: Mapping[str, Any], path: str) -> Any:
+    top, _, qual = path.partition(".")
+    if qual and top in view and isinstance(view[top], Mapping):
+        return view[top][qual]
+    return view[path]
+
+
+def _has(view: Mapping[str, Any], path: str) -> bool:
+    top, _, qual = path.partition(".")
+    if qual:
+        group = view.get(top)
+        return isinstance(group, Mapping) and qual in group
+    return path in view
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Wires
+# ---------------------------------------------------------------------------------------------- #
+
+
+class Wire(ABC):
+    """Carries one wire payload from the sender to the receiver."""
+
+    name: str = ""
+
+    @abstractmethod
+    def carry(self, key: str, payload: Mapping[str, Any]) -> tuple[Mapping[str, Any], int]:
+        """Return ``(payload as received, bytes on the wire)``; ``key`` is unique per chunk."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release every resource (shared-memory segments, lock files)."""
+
+
+class InprocWire(Wire):
+    """No serialization: the receiver gets the sender's objects; bytes are :func:`payload_nbytes`."""
+
+    name = "inproc"
+
+    def carry(self, key: str, payload: Mapping[str, Any]) -> tuple[Mapping[str, Any], int]:
+        return payload, payload_nbytes(payload)
+
+
+class SerializerWire(Wire):
+    """vllm-omni's real ``OmniSerializer`` encode and decode (msgpack, a copy per tensor)."""
+
+    name = "serializer"
+
+    def __init__(self) -> None:
+        self._ser = serializer()
+
+    def carry(self, key: str, payload: Mapping[str, Any]) -> tuple[Mapping[str, Any], int]:
+        blob = self._ser.serialize(payload)
+        return self._ser.deserialize(blob), len(blob)
+
+
+class ShmWire(Wire):
+    """vllm-omni's real ``SharedMemoryConnector``: ``put`` (segment + lock file) then ``get`` (unlinks both)."""
+
+    name = "shm"
+
+    def __init__(self) -> None:
+        cls = vllm_omni_attr(
+            "vllm_omni.distributed.omni_connectors.connectors.shm_connector", "SharedMemoryConnector", "the shm wire"
+        )
+        self._tx = cls({"stage_id": 0})
+        self._rx = cls({"stage_id": 1})
+        self._prefix = f"omniaccum_{os.getpid()}_{id(self):x}"
+
+    def carry(self, key: str, payload: Mapping[str, Any]) -> tuple[Mapping[str, Any], int]:
+        put_key = f"{self._prefix}_{key}"
+        ok, size, _meta = self._tx.put("0", "1", put_key, payload)
+        if not ok:
+            raise OmniAccumError(f"SharedMemoryConnector.put failed for key {put_key!r} (see the vllm-omni log)")
+        got = self._rx.get("0", "1", put_key)
+        if got is None:
+            self._tx.cleanup(put_key)
+            raise OmniAccumError(f"SharedMemoryConnector.get found nothing for key {put_key!r}")
+        return got[0], size
+
+    def close(self) -> None:
+        self._tx.close()
+        self._rx.close()
+
+
+WIRES: dict[str, Callable[[], Wire]] = {"inproc": InprocWire, "serializer": SerializerWire, "shm": ShmWire}
+
+
+def make_wire(name: str) -> Wire:
+    factory = WIRES.get(name)
+    if factory is None:
+        raise OmniAccumError(f"unknown wire {name!r}. Available: {', '.join(WIRES)}")
+    return factory()
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Engines (how an arm accumulates)
+# ---------------------------------------------------------------------------------------------- #
+
+
+class Engine(ABC):
+    """One arm's sender and receiver for a set of requests."""
+
+    @abstractmethod
+    def encode(self, req_id: str, chunk: Mapping[str, Any]) -> Mapping[str, Any]:
+        """What the sender puts on the wire for ``chunk``."""
+
+    @abstractmethod
+    def merge(self, req_id: str, wire: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Merge a received wire payload; return the consumer's view."""
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes held by accumulation state, all requests together."""
+
+    @abstractmethod
+    def release(self, req_id: str) -> None:
+        """Drop the state of ``req_id`` on both sides."""
+
+    def hop_value(self, req_id: str, path: str, read: Any) -> Any:
+        """What a view hop ships for key ``path`` whose consumer read ``read`` (default: the read)."""
+        return read
+
+    def key_nbytes(self) -> dict[str, int]:
+        """Bytes held per key path, all requests together (may be empty when not cheap)."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release resources."""
+
+
+class PolicyEngine(Engine):
+    """omni-accum's :class:`Sender` and :class:`Receiver` under one policy."""
+
+    def __init__(self, policy: Policy, context: StreamContext) -> None:
+        self.tx = Sender(policy, context=context)
+        self.rx = Receiver(policy, context=context)
+
+    def encode(self, req_id: str, chunk: Mapping[str, Any]) -> Mapping[str, Any]:
+        return self.tx.encode(req_id, chunk)
+
+    def merge(self, req_id: str, wire: Mapping[str, Any]) -> Mapping[str, Any]:
+        return self.rx.merge(req_id, wire)
+
+    def nbytes(self) -> int:
+        return self.rx.nbytes()
+
+    def key_nbytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for rid in self.rx.request_ids():
+            for slot in _iter_slots(self.rx._requests[rid].entries):
+                out[slot.path] = out.get(slot.path, 0) + slot.acc.nbytes()
+        return out
+
+    def hop_value(self, req_id: str, path: str, read: Any) -> Any:
+        # A strategy keeping per-chunk parts (token_list) ships its parts, as pre-0.30 releases shipped the list.
+        parts = _get(self.rx.parts(req_id), path)
+        return parts if isinstance(parts, list) and len(parts) > 1 else read
+
+    def release(self, req_id: str) -> None:
+        self.tx.release(req_id)
+        self.rx.release(req_id)
+
+
+class UpstreamEngine(Engine):
+    """vllm-omni 0.30.0's own ``_OmniConnectorPayloadTransportMixin._accumulate_payload``, called unbound.
+
+    The sender is the identity (upstream sends every key of every chunk).
+    """
+
+    def __init__(self, context: StreamContext | None = None) -> None:
+        mixin = vllm_omni_attr(
+            "vllm_omni.distributed.omni_connectors.model_runner.omni_connector_payload_transport",
+            "_OmniConnectorPayloadTransportMixin",
+            "the upstream arm",
+        )
+        self._fn = mixin._accumulate_payload
+        self._state = SimpleNamespace(_send_side_request_payload={})
+
+    def encode(self, req_id: str, chunk: Mapping[str, Any]) -> Mapping[str, Any]:
+        return chunk
+
+    def merge(self, req_id: str, wire: Mapping[str, Any]) -> Mapping[str, Any]:
+        return self._fn(self._state, req_id, wire)
+
+    def nbytes(self) -> int:
+        return sum(value_nbytes(v) for p in self._state._send_side_request_payload.values() for _, v in iter_leaves(p))
+
+    def key_nbytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for p in self._state._send_side_request_payload.values():
+            for path, v in iter_leaves(p):
+                out[path] = out.get(path, 0) + value_nbytes(v)
+        return out
+
+    def release(self, req_id: str) -> None:
+        self._state._send_side_request_payload.pop(req_id, None)
+
+
+#: An arm as :func:`measure` takes it: a policy, ``"upstream"``, or an engine factory.
+Arm = Union[Policy, str, Callable[[StreamContext], Engine]]
+
+#: ``through`` modes of :func:`measure`: a function turning an arm and a context into an engine.
+#: ``direct`` calls omni-accum (or upstream) in this process; other modes (``vllm-omni``, through
+#: the real adapter) register here.
+THROUGH: dict[str, Callable[[Arm, StreamContext], Engine]] = {}
+
+
+def _direct(arm: Arm, context: StreamContext) -> Engine:
+    if isinstance(arm, Policy):
+        return PolicyEngine(arm, context)
+    if arm == UPSTREAM:
+        return UpstreamEngine(context)
+    if callable(arm):
+        return arm(context)
+    raise OmniAccumError(f"an arm must be a Policy, {UPSTREAM!r} or an engine factory, got {arm!r}")
+
+
+THROUGH["direct"] = _direct
+
+
+def make_engine(arm: Arm, context: StreamContext, through: str = "direct") -> Engine:
+    factory = THROUGH.get(through)
+    if factory is None:
+        raise OmniAccumError(f"unknown --through mode {through!r}. Available: {', '.join(THROUGH)}")
+    return factory(arm, context)
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Correctness: the view against the cat reference
+# ---------------------------------------------------------------------------------------------- #
+
+
+def check_view(workload: Workload, stream: list[dict[str, Any]], view: Mapping[str, Any]) -> str | None:
+    """None when ``view`` equals the reference after the whole ``stream``; else the first mismatch.
+
+    Reference per key kind: ``append`` is the concatenation (``torch.cat`` along dim 0, list ``+``)
+    of every value sent; ``replace``/``static`` is the last value sent. Compared bit for bit,
+    slice by slice (no reference tensor is built). Append keys and every key the consumer reads
+    are checked; replace/static keys it never reads are not (upstream concatenates the constant
+    ``meta.override_keys`` list, which no consumer reads).
+    """
+    for spec in workload.keys:
+        if spec.kind != "append" and spec.read == "never":
+            continue
+        values = [dict(iter_leaves(c))[spec.path] for c in stream if spec.path in dict(iter_leaves(c))]
+        if not values:
+            continue
+        if not _has(view, spec.path):
+            return f"key {spec.path!r}: missing from the view"
+        got = _get(view, spec.path)
+        if spec.kind == "append" and len(values) > 1:
+            msg = _check_concat(got, values)
+        else:
+            msg = _diff(got, values[-1])
+        if msg:
+            return f"key {spec.path!r}: {msg}"
+    return None
+
+
+def _check_concat(got: Any, values: list[Any]) -> str | None:
+    if isinstance(values[0], list):
+        want = list(itertools.chain.from_iterable(values))
+        return _diff(got, want)
+    if not isinstance(got, torch.Tensor):
+        return f"expected a tensor, got {type(got).__name__}"
+    rows = sum(int(v.shape[0]) for v in values)
+    if got.shape[0] != rows or got.shape[1:] != values[0].shape[1:] or got.dtype != values[0].dtype:
+        return f"shape/dtype {list(got.shape)} {got.dtype}, expected [{rows}, *{list(values[0].shape[1:])}] {values[0].dtype}"
+    off = 0
+    for i, v in enumerate(values):
+        n = int(v.shape[0])
+        if not torch.equal(got[off : off + n], v):
+            return f"rows {off}..{off + n} (chunk {i}) differ from the cat reference"
+        off += n
+    return None
+
+
+def _diff(got: Any, want: Any) -> str | None:
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"expected a tensor, got {type(got).__name__}"
+        if got.dtype != want.dtype or got.shape != want.shape:
+            return f"got {list(got.shape)} {got.dtype}, expected {list(want.shape)} {want.dtype}"
+        return None if torch.equal(got, want) else "values differ"
+    if isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(want):
+            return f"expected a list of {len(want)}, got {type(got).__name__} of {len(got) if hasattr(got, '__len__') else '?'}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            m = _diff(g, w)
+            if m:
+                return f"item {i}: {m}"
+        return None
+    return None if got == want else f"got {got!r}, expected {want!r}"
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Measurement
+# ---------------------------------------------------------------------------------------------- #
+
+
+@dataclass
+class KeyStats:
+    """Per-key figures of an arm (no timing: keys are merged together)."""
+
+    wire_bytes_per_step: float = 0.0
+    peak_bytes: int = 0
+
+
+@dataclass
+class ArmResult:
+    """What :func:`measure` found for one arm in one bucket.
+
+    Attributes:
+        samples_us: per repeat, the latency of every step (one chunk of one request), in
+            microseconds, in replay order. The tuner bootstraps medians from these.
+        total_us_per_request: per repeat, the mean over requests of the summed step latencies.
+        correct: final views of every request equal the cat reference (checked on the first repeat).
+        mismatch: the first mismatch (request, key, what) when not correct.
+        error: the exception an arm raised, if any (the arm is then not correct either).
+    """
+
+    arm: str
+    context_len: int
+    concurrency: int
+    wire: str
+    requests: int
+    steps: int
+    key: str = "*"
+    samples_us: list[list[float]] = field(default_factory=list)
+    total_us_per_request: list[float] = field(default_factory=list)
+    wire_bytes_per_step: float = 0.0
+    peak_bytes: int = 0
+    correct: bool = True
+    mismatch: str | None = None
+    error: str | None = None
+    per_key: dict[str, KeyStats] = field(default_factory=dict)
+
+    def pooled(self) -> list[float]:
+        return [x for rep in self.samples_us for x in rep]
+
+    @property
+    def step_us_p50(self) -> float:
+        s = self.pooled()
+        return statistics.median(s) if s else float("nan")
+
+    @property
+    def step_us_p99(self) -> float:
+        return percentile(self.pooled(), 99.0)
+
+    def repeat_medians(self) -> list[float]:
+        """Median step latency of each repeat."""
+        return [statistics.median(r) for r in self.samples_us if r]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q``-th percentile (nearest rank on sorted data); NaN when empty."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = min(len(s) - 1, max(0, int(round(q / 100.0 * (len(s) - 1)))))
+    return s[k]
+
+
+@dataclass(frozen=True)
+class _Read:
+    path: str
+    pattern: str
+
+
+def replay(
+    workload: Workload,
+    engine: Engine,
+    wire: Wire,
+    streams: list[list[dict[str, Any]]],
+    *,
+    view_hop: Any = None,
+    check: bool = False,
+    per_key: bool = False,
+    on_round: Callable[[], None] | None = None,
+    tag: str = "r",
+) -> tuple[list[float], list[float], int, int, dict[str, KeyStats], str | None]:
+    """Replay ``streams`` (one chunk list per request, round-robin) through ``engine`` over ``wire``.
+
+    Returns ``(step_us, total_us per request, wire bytes, peak bytes, per-key stats, first mismatch)``.
+    Only encode, wire, merge, the consumer's read and the view hop are timed.
+    """
+    reads = [_Read(k.path, k.read) for k in workload.keys if k.read != "never"]
+    n_req = len(streams)
+    n_chunks = len(streams[0]) if streams else 0
+    step_us: list[float] = []
+    totals = [0.0] * n_req
+    wire_bytes = 0
+    peak = 0
+    keys: dict[str, KeyStats] = {}
+    mismatch: str | None = None
+    req_ids = [f"{tag}{r}" for r in range(n_req)]
+    clock = time.perf_counter_ns
+    for i in range(n_chunks):
+        last = i == n_chunks - 1
+        for r in range(n_req):
+            rid = req_ids[r]
+            chunk = streams[r][i]
+            t0 = clock()
+            sent = engine.encode(rid, chunk)
+            got, nb = wire.carry(f"{rid}_{i}", sent)
+            view = engine.merge(rid, got)
+            hop: dict[str, Any] | None = {} if view_hop is not None else None
+            for rd in reads:
+                if rd.pattern == "end" and not last:
+                    continue
+                if not _has(view, rd.path):
+                    continue
+                val = _get(view, rd.path)
+                if rd.pattern == "newest_row" and isinstance(val, (torch.Tensor, list)) and len(val):
+                    val = val[-1:]
+                if hop is not None:
+                    hop[rd.path] = engine.hop_value(rid, rd.path, val)
+            if hop:
+                view_hop.deserialize(view_hop.serialize(hop))
+            dt = (clock() - t0) / 1000.0
+            step_us.append(dt)
+            totals[r] += dt
+            wire_bytes += nb
+            if per_key:
+                for path, v in iter_leaves(sent):
+                    if not str(path).startswith("__"):
+                        keys.setdefault(path, KeyStats()).wire_bytes_per_step += payload_nbytes(v)
+            if last:
+                if check and mismatch is None:
+                    m = check_view(workload, streams[r], view)
+                    if m:
+                        mismatch = f"request {r}: {m}"
+        held = engine.nbytes()
+        peak = max(peak, held)
+        if per_key:
+            for path, nbk in engine.key_nbytes().items():
+                ks = keys.setdefault(path, KeyStats())
+                ks.peak_bytes = max(ks.peak_bytes, nbk)
+        if on_round is not None:
+            on_round()
+    for rid in req_ids:
+        engine.release(rid)
+    steps = max(1, n_req * n_chunks)
+    for ks in keys.values():
+        ks.wire_bytes_per_step /= steps
+    return step_us, totals, wire_bytes, peak, keys, mismatch
+
+
+def arm_label(arm: Arm) -> str:
+    if isinstance(arm, str):
+        return arm
+    if isinstance(arm, Policy):
+        return arm.description or "policy"
+    return getattr(arm, "__name__", repr(arm))
+
+
+def measure(
+    workload: Workload | str,
+    arms: Mapping[str, Arm],
+    *,
+    context_len: int | None = None,
+    concurrency: int = 1,
+    wire: str = "inproc",
+    repeats: int = 3,
+    view_hop: ViewHop | None = None,
+    check: bool = True,
+    per_key: bool = False,
+    length_hints: bool = True,
+    through: str = "direct",
+    progress: Callable[[int], None] | None = None,
+) -> list[ArmResult]:
+    """Measure every arm on the workload's trace for one bucket (context length x concurrency).
+
+    Args:
+        workload: a :class:`Workload`, a preset name or a file path.
+        arms: label -> a :class:`Policy`, ``"upstream"`` (vllm-omni 0.30.0's own code) or an
+            engine factory ``(StreamContext) -> Engine``.
+        context_len: prefill rows P (default: the workload's).
+        concurrency: requests replayed at once, round-robin.
+        wire: ``inproc``, ``serializer`` or ``shm`` (the latter two need vllm-omni).
+        repeats: rounds; in every round each arm replays the whole trace once, in rotated order.
+        view_hop: ``"serializer"`` to serialize the consumer's read every step.
+        check: compare every request's final view with the cat reference (first round only).
+        per_key: also collect per-key wire and held bytes (:attr:`ArmResult.per_key`).
+        length_hints: tell strategies the final rows of each append key (``StreamContext.length_hints``).
+        through: engine mode (``direct``; integrations may register more in :data:`THROUGH`).
+        progress: called with the number of steps done after every round of chunks.
+
+    Returns:
+        One :class:`ArmResult` per arm (``key="*"``), in the order of ``arms``.
+
+    Raises:
+        VllmOmniUnavailable: a requested mode needs vllm-omni and it cannot be imported.
+    """
+    wl = load_workload(workload)
+    cl = context_len or wl.context_len
+    streams = [build_stream(wl, cl, r) for r in range(concurrency)]
+    hints: dict[str, int] = {}
+    if length_hints:
+        for spec in wl.keys:
+            if spec.kind == "append":
+                rows = [int(v.shape[0]) for c in streams[0] for p, v in iter_leaves(c) if p == spec.path
+                        and isinstance(v, torch.Tensor) and v.dim() > 0]
+                if rows:
+                    hints[spec.path] = sum(rows)
+    ctx = StreamContext(context_len=cl, concurrency=concurrency, length_hints=hints)
+    hop = serializer() if view_hop == "serializer" else None
+    if view_hop not in (None, "serializer"):
+        raise OmniAccumError(f"unknown view hop {view_hop!r}. Available: serializer")
+    labels = list(arms)
+    n_chunks = len(streams[0])
+    results = {
+        lab: ArmResult(lab, cl, concurrency, wire, requests=concurrency, steps=n_chunks) for lab in labels
+    }
+    wire_totals = {lab: 0 for lab in labels}
+    for rep in range(repeats):
+        k = rep % len(labels) if labels else 0
+        for lab in labels[k:] + labels[:k]:
+            res = results[lab]
+            if res.error is not None:
+                continue
+            w = make_wire(wire)
+            engine: Engine | None = None
+            try:
+                engine = make_engine(arms[lab], ctx, through)
+                on_round = (lambda: progress(concurrency)) if progress is not None else None
+                steps, totals, nb, peak, keys, mismatch = replay(
+                    wl, engine, w, streams, view_hop=hop, check=check and rep == 0, per_key=per_key,
+                    on_round=on_round, tag=f"{lab}-{rep}-",
+                )
+            except VllmOmniUnavailable:
+                raise
+            except Exception as e:  # noqa: BLE001 - a failing arm is reported, the others go on
+                res.error = f"{type(e).__name__}: {e}"
+                res.correct = False
+                res.mismatch = res.mismatch or res.error
+                continue
+            finally:
+                if engine is not None:
+                    engine.close()
+                w.close()
+            res.samples_us.append(steps)
+            res.total_us_per_request.append(statistics.fmean(totals) if totals else 0.0)
+            res.peak_bytes = max(res.peak_bytes, peak)
+            wire_totals[lab] += nb
+            if mismatch and res.mismatch is None:
+                res.correct, res.mismatch = False, mismatch
+            if per_key and rep == 0:
+                res.per_key = keys
+    for lab, res in results.items():
+        n = sum(len(s) for s in res.samples_us)
+        res.wire_bytes_per_step = wire_totals[lab] / n if n else 0.0
+    return [results[lab] for lab in labels]
+
+
+def delta_roundtrip_us(workload: Workload | str, *, context_len: int | None = None, repeats: int = 200) -> float:
+    """Median serializer round trip (``OmniSerializer`` serialize + deserialize) of one decode chunk, in us.
+
+    The floor a step over the ``serializer`` wire cannot beat: what one delta costs to ship.
+    """
+    wl = load_workload(workload)
+    stream = build_stream(wl, context_len or wl.context_len, 0)
+    chunk = stream[-1]
+    ser = serializer()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        ser.deserialize(ser.serialize(chunk))
+        ts.append((time.perf_counter_ns() - t0) / 1000.0)
+    return statistics.median(ts)

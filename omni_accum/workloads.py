@@ -1,0 +1,454 @@
+"""Workloads: the shape of a deployment's chunk traffic, as validated data.
+
+A workload names its keys (path, kind, value type, per-chunk shape and dtype, which chunks carry
+it, how the consumer reads it) and a chunk schedule (prefill rows P = the context length, arriving
+in one chunk or in chunks of ``prefill_chunk`` rows, then ``decode_steps`` decode chunks). The five
+presets model Qwen3-Omni's traffic (DESIGN.md section 2); users write their own in the same schema
+as a YAML file (``omni-accum bench --workload my.yaml``).
+
+:func:`build_stream` turns a workload into the chunk dicts of one request, deterministically
+(seeded) and once per bucket: the prefill tensors are shared by every request (a 32k x 2048 bf16
+context is 128 MB), the decode rows differ per request.
+
+Example (YAML)::
+
+    name: my-model
+    context_len: 4000
+    decode_steps: 50
+    concurrency: [1, 8]
+    keys:
+      - {path: embed.prefill, kind: append, carried: prefill, row_shape: [2048], read: end}
+      - {path: embed.decode, kind: append, carried: decode, row_shape: [2048], read: newest_row}
+      - {path: meta.finished, kind: replace, value: flag, carried: every}
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from omni_accum.errors import OmniAccumError
+
+ReadPattern = Literal["every", "newest_row", "end", "never"]
+Carried = Literal["first", "prefill", "decode", "every"]
+ValueType = Literal["tensor", "ids", "flag", "bool", "names", "codes"]
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+}
+
+
+class WorkloadError(OmniAccumError):
+    """A workload file or preset is unknown or invalid; the message names the field."""
+
+
+class KeySpec(BaseModel):
+    """One key of the payload and how it travels."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(min_length=1)
+    """Key path: ``group.qualifier`` (nested payload) or a flat name (``thinker_embeddings``)."""
+    kind: Literal["append", "replace", "static"]
+    """``append``: the view is the concatenation of every value; ``replace``: the latest value wins;
+    ``static``: replace-kind, same value in every chunk that carries it."""
+    value: ValueType = "tensor"
+    """``tensor`` (rows x row_shape), ``ids`` (int list), ``flag`` (0-d bool tensor), ``bool`` (a Python
+    bool, the flat ``finished`` of pre-#1656 releases), ``names`` (the
+    constant ``override_keys`` list of ``[group, qualifier]`` pairs), ``codes`` (1-D int64 of
+    ``codebooks`` x window frames)."""
+    row_shape: list[int] = Field(default_factory=lambda: [2048])
+    """Trailing shape of a tensor value (a chunk is ``[rows, *row_shape]``)."""
+    dtype: Literal["bfloat16", "float16", "float32", "int64", "int32"] = "bfloat16"
+    """Tensor dtype."""
+    carried: Carried = "every"
+    """Which chunks carry the key: ``first`` (chunk 0 only, all prefill rows), ``prefill`` (every
+    prefill chunk, its rows), ``decode`` (every decode chunk), ``every`` (every chunk)."""
+    rows: int | None = Field(default=None, ge=1)
+    """Rows per chunk; default: the chunk's prefill rows (``first``/``prefill``), else 1."""
+    extra_first_rows: int = Field(default=0, ge=0)
+    """Rows added to the first chunk (the seed's ``P+1``: prefill plus the first sampled token)."""
+    cumulative: bool = False
+    """``ids`` only: send the whole id list so far (2026-03..05 ``ids.output``) instead of the new ids."""
+    windows: list[int] = Field(default_factory=list)
+    """``codes`` only: frames per chunk; the last entry repeats (talker -> code2wav: 4, 29, 50)."""
+    codebooks: int = Field(default=16, ge=1)
+    """``codes`` only: codebooks per frame."""
+    names: list[list[str]] = Field(default_factory=list)
+    """``names`` only: the key pairs listed (``[[embed, decode], [ids, output]]``)."""
+    read: ReadPattern = "every"
+    """How the consumer reads the key: after every chunk (whole view), the newest row of the whole
+    accumulated tensor after every chunk, once after the last chunk, or never."""
+
+    @model_validator(mode="after")
+    def _check(self) -> KeySpec:
+        if self.kind == "append" and self.value in ("flag", "bool", "names"):
+            raise ValueError(f"key {self.path!r}: a {self.value!r} value cannot be append-kind; use replace or static")
+        if self.value == "codes" and not self.windows:
+            raise ValueError(f"key {self.path!r}: value 'codes' needs windows (frames per chunk)")
+        if self.read == "newest_row" and self.value not in ("tensor", "ids", "codes"):
+            raise ValueError(f"key {self.path!r}: read 'newest_row' needs a tensor or list value")
+        return self
+
+
+class Workload(BaseModel):
+    """A workload: keys and a chunk schedule."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    """Name shown in tables and JSON."""
+    description: str = ""
+    """What traffic this models."""
+    context_len: int = Field(default=8000, ge=1)
+    """Default prefill rows P (the context length); ``--context-lens`` overrides it per bucket."""
+    prefill_chunk: int | None = Field(default=None, ge=1)
+    """Rows per prefill chunk (chunked prefill); None: the whole prefill in chunk 0."""
+    decode_steps: int = Field(default=100, ge=0)
+    """Decode chunks after the prefill."""
+    concurrency: list[int] = Field(default_factory=lambda: [1])
+    """Default concurrency levels benchmarked."""
+    context_lens: list[int] = Field(default_factory=list)
+    """Default context lengths benchmarked (empty: ``[context_len]``)."""
+    seed: int = 0
+    """Seed of the generated data."""
+    policy: str | None = None
+    """Policy preset (or file) made for this traffic; benchmarked as an arm by default."""
+    keys: list[KeySpec] = Field(min_length=1)
+    """The payload's keys."""
+
+    @field_validator("concurrency", "context_lens")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if any(x < 1 for x in v):
+            raise ValueError(f"values must be >= 1, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _unique(self) -> Workload:
+        seen: set[str] = set()
+        for i, k in enumerate(self.keys):
+            if k.path in seen:
+                raise ValueError(f"keys[{i}].path {k.path!r} is listed twice")
+            seen.add(k.path)
+        nested = {k.path.split(".", 1)[0] for k in self.keys if "." in k.path}
+        flat = {k.path for k in self.keys if "." not in k.path}
+        clash = nested & flat
+        if clash:
+            raise ValueError(f"key(s) {sorted(clash)} are both a flat key and a group")
+        return self
+
+    # -- schedule ----------------------------------------------------------------------------- #
+    def prefill_chunks(self, context_len: int | None = None) -> list[int]:
+        """Rows of each prefill chunk for ``context_len`` (default :attr:`context_len`)."""
+        p = context_len or self.context_len
+        c = self.prefill_chunk or p
+        return [min(c, p - s) for s in range(0, p, c)]
+
+    def n_chunks(self, context_len: int | None = None) -> int:
+        """Chunks per request."""
+        return len(self.prefill_chunks(context_len)) + self.decode_steps
+
+    def keys_of_kind(self, *kinds: str) -> list[str]:
+        """Paths of the keys whose kind is one of ``kinds``."""
+        return [k.path for k in self.keys if k.kind in kinds]
+
+    def key(self, path: str) -> KeySpec:
+        for k in self.keys:
+            if k.path == path:
+                return k
+        raise KeyError(path)
+
+    def default_context_lens(self) -> list[int]:
+        return list(self.context_lens or [self.context_len])
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Presets (DESIGN.md section 2)
+# ---------------------------------------------------------------------------------------------- #
+
+_H = [2048]
+_STATIC_TTS = [1, 2048]  # a [1, 1, 2048] constant is one row of [1, 2048]
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-omni-seed": {
+        "description": "seed benchmark (pre-#1656 flat keys): [P+1,2048] prefill, 100 decode rows appended to "
+        "thinker_embeddings, consumer reads the newest row of the whole tensor every chunk",
+        "context_len": 8000,
+        "decode_steps": 100,
+        "concurrency": [1, 10],
+        "policy": "qwen3-omni-flat",
+        "keys": [
+            {"path": "thinker_embeddings", "kind": "append", "carried": "every", "extra_first_rows": 1,
+             "read": "newest_row"},
+            {"path": "thinker_hidden_states", "kind": "append", "carried": "first", "extra_first_rows": 1,
+             "read": "never"},
+            {"path": "tts_bos_embed", "kind": "static", "carried": "first", "rows": 1, "row_shape": _STATIC_TTS},
+            {"path": "tts_eos_embed", "kind": "static", "carried": "first", "rows": 1, "row_shape": _STATIC_TTS},
+            {"path": "tts_pad_embed", "kind": "static", "carried": "first", "rows": 1, "row_shape": _STATIC_TTS},
+            {"path": "thinker_sequences", "kind": "static", "value": "ids", "carried": "first", "extra_first_rows": 1,
+             "read": "never"},
+            {"path": "thinker_input_ids", "kind": "static", "value": "ids", "carried": "first", "read": "never"},
+            {"path": "finished", "kind": "replace", "value": "bool", "carried": "every"},
+        ],
+    },
+    "qwen3-omni-chunked-prefill": {
+        "description": "chunked prefill: P=32000 prefill rows in chunks of 2048, read once when prefill completes",
+        "context_len": 32000,
+        "prefill_chunk": 2048,
+        "policy": "qwen3-omni",
+        "decode_steps": 0,
+        "concurrency": [1],
+        "keys": [
+            {"path": "embed.prefill", "kind": "append", "carried": "prefill", "read": "end"},
+            {"path": "hidden_states.output", "kind": "append", "carried": "prefill", "read": "end"},
+            {"path": "meta.finished", "kind": "replace", "value": "flag", "carried": "every"},
+        ],
+    },
+    "qwen3-omni-full-payload": {
+        "description": "non-async full-payload accumulator: P prefill rows then one row and one id per step, "
+        "appended every step, read once at flush",
+        "context_len": 8000,
+        "decode_steps": 100,
+        "concurrency": [1],
+        "policy": "qwen3-omni",
+        "keys": [
+            {"path": "hidden_states.output", "kind": "append", "carried": "every", "read": "end"},
+            {"path": "ids.output", "kind": "append", "value": "ids", "carried": "decode", "read": "end"},
+            {"path": "meta.finished", "kind": "replace", "value": "flag", "carried": "every"},
+        ],
+    },
+    "qwen3-omni-override-ids": {
+        "description": "2026-03..05 decode chunks: embed.decode replaced, cumulative ids.output and the constant "
+        "meta.override_keys list re-sent every step",
+        "context_len": 8000,
+        "decode_steps": 100,
+        "concurrency": [1],
+        "policy": "qwen3-omni",
+        "keys": [
+            {"path": "embed.prefill", "kind": "append", "carried": "first", "extra_first_rows": 1, "read": "never"},
+            {"path": "hidden_states.output", "kind": "append", "carried": "first", "extra_first_rows": 1,
+             "read": "never"},
+            {"path": "embed.tts_bos", "kind": "static", "carried": "first", "rows": 1, "row_shape": _STATIC_TTS},
+            {"path": "embed.tts_eos", "kind": "static", "carried": "first", "rows": 1, "row_shape": _STATIC_TTS},
+            {"path": "embed.tts_pad", "kind": "static", "carried": "first", "rows": 1, "row_shape": _STATIC_TTS},
+            {"path": "ids.prompt", "kind": "static", "value": "ids", "carried": "first", "read": "never"},
+            {"path": "embed.decode", "kind": "replace", "carried": "decode", "rows": 1, "read": "every"},
+            {"path": "ids.output", "kind": "replace", "value": "ids", "carried": "decode", "cumulative": True,
+             "read": "every"},
+            {"path": "meta.override_keys", "kind": "static", "value": "names", "carried": "decode",
+             "names": [["embed", "decode"], ["ids", "output"]], "read": "never"},
+            {"path": "meta.finished", "kind": "replace", "value": "flag", "carried": "every"},
+        ],
+    },
+    "talker-code2wav": {
+        "description": "talker -> code2wav: codes.audio windows of 16 codebooks x W frames (W = 4, 29, then 50), "
+        "replaced each chunk",
+        "context_len": 1,
+        "decode_steps": 40,
+        "concurrency": [1, 10],
+        "policy": "qwen3-omni",
+        "keys": [
+            {"path": "codes.audio", "kind": "replace", "value": "codes", "dtype": "int64", "carried": "every",
+             "windows": [4, 29, 50], "read": "every"},
+            {"path": "meta.left_context_size", "kind": "replace", "value": "ids", "carried": "every", "rows": 1,
+             "read": "every"},
+            {"path": "meta.finished", "kind": "replace", "value": "flag", "carried": "every"},
+        ],
+    },
+}
+
+
+def workload_names() -> list[str]:
+    """Names of the built-in workload presets."""
+    return sorted(PRESETS)
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ""
+        for p in e["loc"]:
+            loc += f"[{p}]" if isinstance(p, int) else (f".{p}" if loc else str(p))
+        msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        lines.append(f"{source}: {loc or '(top level)'}: {msg}")
+    return "invalid workload:\n  " + "\n  ".join(lines)
+
+
+def build_workload(data: Any, source: str = "<mapping>") -> Workload:
+    """Validate a mapping into a :class:`Workload`; :class:`WorkloadError` names every bad field."""
+    if not isinstance(data, Mapping):
+        raise WorkloadError(f"{source}: a workload must be a mapping with 'name' and 'keys', got {type(data).__name__}")
+    try:
+        return Workload.model_validate(dict(data))
+    except ValidationError as e:
+        raise WorkloadError(_format_errors(e, source)) from e
+
+
+def load_workload(source: str | os.PathLike[str] | Mapping[str, Any] | Workload) -> Workload:
+    """Load a workload: a preset name, a YAML/JSON file path, a mapping, or a Workload (returned as is)."""
+    if isinstance(source, Workload):
+        return source
+    if isinstance(source, Mapping):
+        return build_workload(source)
+    name = str(source)
+    if name in PRESETS:
+        return build_workload({"name": name, **PRESETS[name]}, f"preset {name!r}")
+    path = Path(name)
+    if not path.is_file():
+        raise WorkloadError(
+            f"{name!r} is neither a workload file nor a preset. Available presets: {', '.join(workload_names())}"
+        )
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise WorkloadError(f"{path}: cannot read workload file: {e}") from e
+    except yaml.YAMLError as e:
+        raise WorkloadError(f"{path}: invalid YAML: {e}") from e
+    if isinstance(data, Mapping) and "name" not in data:
+        data = {"name": path.stem, **data}
+    return build_workload(data, str(path))
+
+
+def dump_workload(workload: Workload) -> str:
+    """YAML text of a workload (loadable with :func:`load_workload`)."""
+    return yaml.safe_dump(workload.model_dump(mode="json"), sort_keys=False, default_flow_style=None, width=120)
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Data generation
+# ---------------------------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Where a chunk sits in the schedule."""
+
+    index: int
+    prefill_rows: int  # rows of prefill in this chunk (0 for decode chunks)
+    is_prefill: bool
+    is_last: bool
+
+
+def chunk_plans(workload: Workload, context_len: int) -> list[ChunkPlan]:
+    pre = workload.prefill_chunks(context_len)
+    n = len(pre) + workload.decode_steps
+    plans = [ChunkPlan(i, r, True, i == n - 1) for i, r in enumerate(pre)]
+    plans += [ChunkPlan(len(pre) + j, 0, False, len(pre) + j == n - 1) for j in range(workload.decode_steps)]
+    return plans
+
+
+def _set(chunk: dict[str, Any], path: str, value: Any) -> None:
+    top, _, qual = path.partition(".")
+    if qual:
+        chunk.setdefault(top, {})[qual] = value
+    else:
+        chunk[top] = value
+
+
+def _carries(spec: KeySpec, plan: ChunkPlan) -> bool:
+    if spec.carried == "every":
+        return True
+    if spec.carried == "first":
+        return plan.index == 0
+    if spec.carried == "prefill":
+        return plan.is_prefill
+    return not plan.is_prefill
+
+
+def build_stream(workload: Workload, context_len: int, request: int = 0) -> list[dict[str, Any]]:
+    """The chunks of request number ``request`` for prefill length ``context_len``.
+
+    Deterministic for (workload, context_len, request). Prefill-sized tensors (the chunks of
+    ``first``/``prefill`` keys) are the same objects for every request (cached); decode rows depend
+    on ``request``. Chunks must be treated as read-only.
+    """
+    plans = chunk_plans(workload, context_len)
+    gen = torch.Generator().manual_seed(workload.seed * 1_000_003 + request * 7919 + 1)
+    ids_so_far: dict[str, list[int]] = {}
+    out: list[dict[str, Any]] = []
+    for plan in plans:
+        chunk: dict[str, Any] = {}
+        for spec in workload.keys:
+            if not _carries(spec, plan):
+                continue
+            _set(chunk, spec.path, _value(workload, spec, plan, context_len, request, gen, ids_so_far))
+        out.append(chunk)
+    return out
+
+
+_SHARED: dict[tuple[Any, ...], Any] = {}
+
+
+def clear_cache() -> None:
+    """Drop cached prefill tensors (they are shared by every request of a bucket)."""
+    _SHARED.clear()
+
+
+def _rows(spec: KeySpec, plan: ChunkPlan) -> int:
+    if spec.rows is not None:
+        rows = spec.rows
+    elif spec.carried in ("first", "prefill") or (spec.carried == "every" and plan.is_prefill):
+        rows = plan.prefill_rows or 1
+    else:
+        rows = 1
+    return rows + (spec.extra_first_rows if plan.index == 0 else 0)
+
+
+def _tensor(shape: list[int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+    return torch.randint(0, 4096, shape, generator=gen, dtype=torch.int64).to(dtype)
+
+
+def _value(
+    workload: Workload,
+    spec: KeySpec,
+    plan: ChunkPlan,
+    context_len: int,
+    request: int,
+    gen: torch.Generator,
+    ids_so_far: dict[str, list[int]],
+) -> Any:
+    if spec.value == "flag":
+        return torch.tensor(plan.is_last)
+    if spec.value == "bool":
+        return plan.is_last
+    if spec.value == "names":
+        return [list(p) for p in spec.names]
+    shared = plan.is_prefill
+    rows = _rows(spec, plan)
+    if spec.value == "ids":
+        if spec.kind == "static" or shared:
+            return list(range(plan.index * 100_000, plan.index * 100_000 + rows))
+        new = [int(x) for x in torch.randint(0, 150_000, (rows,), generator=gen)]
+        if spec.cumulative:
+            acc = ids_so_far.setdefault(spec.path, [])
+            acc.extend(new)
+            return list(acc)
+        return new
+    if spec.value == "codes":
+        w = spec.windows[min(plan.index, len(spec.windows) - 1)]
+        return _tensor([spec.codebooks * w], torch.int64, gen)
+    dtype = _DTYPES[spec.dtype]
+    if shared or spec.kind == "static":
+        key = (workload.name, workload.seed, spec.path, context_len, plan.index, rows, tuple(spec.row_shape), spec.dtype)
+        t = _SHARED.get(key)
+        if t is None:
+            g = torch.Generator().manual_seed(zlib.crc32(repr(key[1:]).encode()))
+            t = _SHARED[key] = _tensor([rows, *spec.row_shape], dtype, g)
+        return t
+    return _tensor([rows, *spec.row_shape], dtype, gen)

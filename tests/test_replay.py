@@ -1,0 +1,174 @@
+"""The replay engine: every arm's final views equal the cat reference; wires; failures reported."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import require_vllm_omni
+from omni_accum import replay
+from omni_accum.bench import build_arms, strategy_arm
+from omni_accum.errors import OmniAccumError
+from omni_accum.replay import ArmResult, PolicyEngine, VllmOmniUnavailable, check_view, measure
+from omni_accum.workloads import build_stream, load_workload, workload_names
+
+SMALL_P = {"talker-code2wav": 1}
+LOCAL_ARMS = ["cat", "token_list", "prealloc", "send_once", "replace", "default", "qwen3-omni", "qwen3-omni-flat"]
+
+
+def small(name: str, steps: int = 4):
+    return load_workload(name).model_copy(update={"decode_steps": steps, "prefill_chunk": 16
+                                                  if name == "qwen3-omni-chunked-prefill" else None})
+
+
+def local_arms(wl):
+    names = [n for n in LOCAL_ARMS if n not in ("send_once", "replace") or wl.keys_of_kind("replace", "static")]
+    names = [n for n in names if n not in ("cat", "token_list", "prealloc") or wl.keys_of_kind("append")]
+    return build_arms(wl, names)
+
+
+def _expected_wrong(wl_name: str, arm: str) -> bool:
+    # Upstream-equivalent behaviour concatenates code2wav windows; only replace-kind policies serve them right.
+    return wl_name == "talker-code2wav" and arm in ("default", "qwen3-omni-flat")
+
+
+@pytest.mark.parametrize("name", workload_names())
+def test_every_arm_ends_with_the_cat_reference_inproc(name):
+    wl = small(name)
+    results = measure(wl, local_arms(wl), context_len=SMALL_P.get(name, 40), concurrency=3, repeats=1)
+    for r in results:
+        assert r.error is None, (r.arm, r.error)
+        assert r.correct is not _expected_wrong(name, r.arm), (r.arm, r.mismatch)
+
+
+def test_samples_and_figures_shape():
+    wl = small("qwen3-omni-seed", steps=5)
+    res = measure(wl, build_arms(wl, ["cat", "prealloc"]), context_len=32, concurrency=2, repeats=3)
+    assert [r.arm for r in res] == ["cat", "prealloc"]
+    for r in res:
+        assert isinstance(r, ArmResult) and r.key == "*"
+        assert len(r.samples_us) == 3 and all(len(s) == 2 * 6 for s in r.samples_us)
+        assert len(r.repeat_medians()) == 3 and len(r.total_us_per_request) == 3
+        assert r.step_us_p50 > 0 and r.step_us_p99 >= r.step_us_p50
+        assert r.peak_bytes >= 2 * (33 + 5) * 2048 * 2 and r.wire_bytes_per_step > 0
+        assert r.requests == 2 and r.steps == 6 and r.correct
+
+
+def test_per_key_stats_and_send_once_saves_wire_bytes():
+    wl = small("qwen3-omni-override-ids", steps=6)
+    arms = build_arms(wl, ["default", "send_once"])
+    res = {r.arm: r for r in measure(wl, arms, context_len=16, repeats=1, per_key=True)}
+    assert res["send_once"].correct and res["default"].correct
+    assert res["send_once"].per_key["meta.override_keys"].wire_bytes_per_step < \
+        res["default"].per_key["meta.override_keys"].wire_bytes_per_step
+    assert res["send_once"].wire_bytes_per_step < res["default"].wire_bytes_per_step
+
+
+def test_a_wrong_engine_is_flagged_with_the_first_mismatch():
+    wl = small("qwen3-omni-seed")
+    policy = strategy_arm(wl, "prealloc")
+
+    class Lossy(PolicyEngine):
+        def merge(self, req_id, wire):
+            if "thinker_embeddings" in wire and wire["thinker_embeddings"].shape[0] == 1:
+                wire = {k: v for k, v in wire.items() if k != "thinker_embeddings"}  # drops decode rows
+            return super().merge(req_id, wire)
+
+    res = measure(wl, {"lossy": lambda ctx: Lossy(policy, ctx), "ok": policy}, context_len=8, repeats=1)
+    assert not res[0].correct and "thinker_embeddings" in res[0].mismatch and "request 0" in res[0].mismatch
+    assert res[1].correct
+
+
+def test_a_raising_arm_is_reported_and_the_others_go_on():
+    wl = small("qwen3-omni-seed")
+
+    def broken(ctx):
+        raise RuntimeError("boom")
+
+    res = measure(wl, {"broken": broken, "cat": build_arms(wl, ["cat"])["cat"]}, context_len=8, repeats=2)
+    assert res[0].error == "RuntimeError: boom" and not res[0].correct and not res[0].samples_us
+    assert res[1].correct and len(res[1].samples_us) == 2
+
+
+def test_check_view_reports_missing_key():
+    wl = small("qwen3-omni-seed")
+    stream = build_stream(wl, 8, 0)
+    assert "missing" in check_view(wl, stream, {})
+
+
+def test_missing_vllm_omni_is_a_clear_error(monkeypatch):
+    def fail(name):
+        raise ImportError("No module named 'vllm_omni'")
+
+    wl = small("qwen3-omni-seed")
+    cat = build_arms(wl, ["cat"])
+    monkeypatch.setattr(replay, "_import_module", fail)
+    with pytest.raises(VllmOmniUnavailable, match="upstream arm needs vllm-omni 0.30.0"):
+        measure(wl, {"upstream": "upstream"}, context_len=8, repeats=1)
+    with pytest.raises(VllmOmniUnavailable, match="serializer wire"):
+        measure(wl, cat, context_len=8, repeats=1, wire="serializer")
+    assert issubclass(VllmOmniUnavailable, OmniAccumError)
+
+
+def test_unknown_wire_and_through():
+    wl = small("qwen3-omni-seed")
+    with pytest.raises(OmniAccumError, match="unknown wire"):
+        measure(wl, build_arms(wl, ["cat"]), context_len=8, repeats=1, wire="pigeon")
+    res = measure(wl, build_arms(wl, ["cat"]), context_len=8, repeats=1, through="nowhere")
+    assert "unknown --through mode" in res[0].error
+
+
+# -- with vllm-omni ------------------------------------------------------------------------------ #
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ["qwen3-omni-seed", "qwen3-omni-override-ids", "qwen3-omni-full-payload"])
+def test_upstream_arm_runs_the_real_method_and_matches(name):
+    require_vllm_omni()
+    wl = small(name)
+    res = measure(wl, build_arms(wl, ["upstream", "prealloc"]), context_len=24, concurrency=2, repeats=1)
+    assert all(r.correct for r in res), [(r.arm, r.mismatch) for r in res]
+
+
+@pytest.mark.vllm
+def test_serializer_wire_with_view_hop_keeps_views_exact():
+    require_vllm_omni()
+    wl = small("qwen3-omni-seed")
+    arms = build_arms(wl, ["upstream", "token_list", "prealloc", "send_once", "qwen3-omni-flat"])
+    res = measure(wl, arms, context_len=24, concurrency=2, repeats=1, wire="serializer", view_hop="serializer")
+    assert all(r.correct for r in res), [(r.arm, r.mismatch) for r in res]
+    # serialized bytes include framing: more than the raw tensor bytes of a decode row
+    assert all(r.wire_bytes_per_step > 2048 * 2 for r in res)
+
+
+def _ours(pid: int) -> list[str]:
+    return sorted(f for f in os.listdir("/dev/shm") if f"omniaccum_{pid}_" in f)
+
+
+@pytest.mark.vllm
+def test_shm_wire_leaves_nothing_in_dev_shm():
+    require_vllm_omni()
+    before = set(os.listdir("/dev/shm"))
+    wl = small("qwen3-omni-override-ids")
+    arms = build_arms(wl, ["upstream", "send_once", "qwen3-omni"])
+    res = measure(wl, arms, context_len=24, concurrency=3, repeats=2, wire="shm")
+    assert all(r.correct for r in res), [(r.arm, r.mismatch) for r in res]
+    assert _ours(os.getpid()) == []
+    leftover = {f for f in set(os.listdir("/dev/shm")) - before if "omniaccum" in f}
+    assert leftover == set()
+
+
+@pytest.mark.vllm
+def test_shm_wire_cleans_up_when_an_arm_fails():
+    require_vllm_omni()
+    wl = small("qwen3-omni-seed")
+    policy = strategy_arm(wl, "cat")
+
+    class Failing(PolicyEngine):
+        def merge(self, req_id, wire):
+            raise RuntimeError("receiver died")
+
+    res = measure(wl, {"failing": lambda ctx: Failing(policy, ctx)}, context_len=8, repeats=1, wire="shm")
+    assert res[0].error is not None
+    assert _ours(os.getpid()) == []
