@@ -19,6 +19,7 @@ from omni_accum.errors import OmniAccumError
 #: Modules contributing subcommands, in the order they appear in ``--help``.
 COMMAND_MODULES: tuple[str, ...] = (
     "omni_accum.cli_policy",
+    "omni_accum.bench_cli",
 )
 
 

@@ -1,0 +1,105 @@
+"""``omni-accum bench``: replay a workload through every arm and print a table per bucket."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from omni_accum.workloads import workload_names
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        out = [int(x.replace("k", "000")) for x in text.replace(",", " ").split()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected integers such as 1000,8000 or 1k,8k, got {text!r}") from e
+    if not out or any(x < 1 for x in out):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return out
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``bench`` subcommand."""
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark strategies and upstream vllm-omni on a workload",
+        description=(
+            "Replay a workload's chunk trace (N requests round-robin: encode -> wire -> merge -> consumer read) "
+            "through every arm, interleaved round by round, and print a table per bucket of context length x "
+            "concurrency. Arms: 'upstream' (vllm-omni 0.30.0's own _accumulate_payload), a strategy name "
+            "(applied to the keys it fits, upstream behaviour elsewhere), a policy preset or a policy file."
+        ),
+    )
+    p.add_argument(
+        "--workload", default="qwen3-omni-seed", metavar="NAME|FILE",
+        help=f"workload preset ({', '.join(workload_names())}) or a YAML workload file (default: qwen3-omni-seed)",
+    )
+    p.add_argument("--arms", nargs="+", metavar="ARM", help="arms to compare (default: upstream, the strategies that "
+                   "fit the workload, and its policy preset)")
+    p.add_argument("--context-lens", type=_int_list, metavar="N[,N...]", help="context lengths (default: the workload's)")
+    p.add_argument("--concurrency", type=_int_list, metavar="N[,N...]", help="concurrency levels (default: the workload's)")
+    p.add_argument("--wire", choices=("inproc", "serializer", "shm"), default="inproc",
+                   help="inproc: no serialization; serializer: vllm-omni's OmniSerializer; shm: its SharedMemoryConnector")
+    p.add_argument("--view-hop", choices=("serializer",), help="also serialize the consumer's read every step, as "
+                   "pre-0.30 releases did for a multi-process worker")
+    p.add_argument("--repeats", type=int, default=3, help="rounds per bucket, arms interleaved (default: 3)")
+    p.add_argument("--steps", type=int, metavar="N", help="decode steps per request (default: the workload's)")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch intra-op threads while measuring (default: 1, stable on a shared machine; 0: torch's default)")
+    p.add_argument("--per-key", action="store_true", help="also report wire and held bytes per key")
+    p.add_argument("--json", metavar="OUT", help="write results as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="log-log plot of step latency vs context length (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from omni_accum import bench
+    from omni_accum.errors import OmniAccumError
+    from omni_accum.workloads import load_workload
+
+    if args.repeats < 1:
+        raise OmniAccumError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.plot:
+        bench.require_matplotlib()  # fail before measuring
+    wl = load_workload(args.workload)
+    if args.steps is not None:
+        if args.steps < 0:
+            raise OmniAccumError(f"--steps must be >= 0, got {args.steps}")
+        wl = wl.model_copy(update={"decode_steps": args.steps})
+    arms = bench.build_arms(wl, args.arms, warn=sys.stderr)
+    if args.threads < 0:
+        raise OmniAccumError(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    hop = f", view hop {args.view_hop}" if args.view_hop else ""
+    print(f"workload {wl.name}: arms {', '.join(arms)}; wire {args.wire}{hop}; {args.repeats} repeats", flush=True)
+
+    def show(results: list[Any]) -> None:
+        print()
+        print(bench.format_table(results), flush=True)
+
+    result = bench.run_bench(
+        wl, arms, context_lens=args.context_lens, concurrency=args.concurrency, wire=args.wire,
+        view_hop=args.view_hop, repeats=args.repeats, per_key=args.per_key,
+        progress=None if args.no_progress else sys.stderr, on_bucket=show,
+    )
+    if result.delta_roundtrip_us is not None:
+        print(f"\none decode delta's serializer round trip: {result.delta_roundtrip_us:.1f} us")
+    if args.json:
+        bench.write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        bench.plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    wrong = sorted({r.arm for r in result.results if not r.correct and r.arm != "upstream"})
+    if any(not r.correct for r in result.results if r.arm == "upstream"):
+        print("note: upstream's own views differ from the workload's declared key semantics (see above)")
+    if wrong:
+        print(f"omni-accum: error: arm(s) {', '.join(wrong)} gave views differing from the cat reference",
+              file=sys.stderr)
+        return 1
+    return 0
