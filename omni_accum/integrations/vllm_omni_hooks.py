@@ -1,0 +1,566 @@
+"""The wrappers omni-accum puts around vllm-omni 0.30.0 methods, and the per-instance binding.
+
+Every wrapper starts with :func:`binding_for`: an adapter or transport with no policy (neither
+installed globally nor named by its connector ``extra``) runs the upstream method untouched.
+:mod:`omni_accum.integrations.vllm_omni` checks signatures and patches; this module only says
+what each wrapper does. It imports vllm-omni (through its callers only).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from omni_accum.channel import WIRE_MARKER, Receiver, Sender
+from omni_accum.errors import AccumulationError
+from omni_accum.loader import load_policy
+from omni_accum.policy import Policy
+from omni_accum.strategy import Accumulator, KeyInfo
+
+logger = logging.getLogger("omni_accum.vllm_omni")
+
+#: Wire key replacing the engine's ``WIRE_MARKER`` on adapter puts: a bit mask of the send_once
+#: values left off this chunk, bit i being the i-th send_once key first sent for the request (both
+#: ends number them in wire order). A receiver that hands deltas over (the AR adapter) restores
+#: exactly those keys; one small int costs less than the names, so short statics still save bytes.
+OMITTED_KEY = "__omni_accum_once__"
+#: Connector ``extra`` keys read by the integration.
+EXTRA_POLICY = "omni_accum_policy"
+EXTRA_ADAPTER_KEYS = "omni_accum_adapter_keys"
+#: Keys an AR receiving adapter accumulates (when their strategy is append-kind) before handing the
+#: view over: the prefill rows that chunked prefill (vllm-omni PR #2997) splits over several chunks.
+#: Other keys are handed over as raw deltas, as in 0.30.0 (the talker keeps its own decode cache).
+DEFAULT_ADAPTER_KEYS = ("embed.prefill", "hidden_states.output")
+_ATTR = "_omni_accum_binding"
+_DISABLED = ("off", "none", "false", "0", "")
+
+_lock = threading.Lock()
+_tls = threading.local()
+
+
+class Settings:
+    """Process-wide settings written by ``install``: the global policy and the AR adapter keys."""
+
+    policy: Policy | None = None
+    adapter_keys: tuple[str, ...] = DEFAULT_ADAPTER_KEYS
+
+
+def _path(top: Any, qual: Any = None) -> str:
+    return str(top) if qual is None else f"{top}.{qual}"
+
+
+class Binding:
+    """The omni-accum state of one adapter or transport: its policy, Sender and Receiver.
+
+    Attributes:
+        stats: ``puts``, ``wire_bytes`` (as the connector reports them) and ``omitted`` (send_once
+            values left off the wire), counted by the send-side hook.
+    """
+
+    def __init__(self, policy: Policy, adapter_keys: tuple[str, ...] | list[str], source: str) -> None:
+        self.policy = policy
+        self.source = source
+        self.sender = Sender(policy)
+        self.receiver = Receiver(policy)
+        self.adapter_keys = frozenset(adapter_keys)
+        self.stats = {"puts": 0, "wire_bytes": 0, "omitted": 0}
+        self.sent_once: dict[str, dict[tuple[Any, Any], int]] = {}  # ext id -> send_once key -> bit
+        self.held_once: dict[str, dict[tuple[Any, Any], int]] = {}  # req id -> send_once key -> bit
+        self._full: Receiver | None = None
+
+    @property
+    def full_payload_endpoint(self) -> Receiver:
+        """Strategy selection for the full-payload accumulator.
+
+        Its ``default`` is ``token_list`` when the policy's is ``cat``: upstream's accumulator keeps a
+        list and concatenates once at flush, and ``cat`` means "as upstream"; rules apply as written.
+        """
+        if self._full is None:
+            pol = self.policy
+            if pol.default.strategy == "cat":
+                data = pol.model_dump(mode="json", exclude_none=True)
+                data["default"] = "token_list"
+                pol = load_policy(data, manager=self.receiver.manager)
+            self._full = Receiver(pol, manager=self.receiver.manager)
+        return self._full
+
+    def once(self, top: Any, qual: Any, value: Any) -> bool:
+        """True when the key's strategy leaves unchanged values off the wire (``send_once``)."""
+        return self.receiver.select(_path(top, qual), value, self.receiver.context)[0].omits_unchanged
+
+    def number_once(self, table: dict[tuple[Any, Any], int], payload: Mapping[str, Any]) -> None:
+        """Give each send_once key of ``payload`` seen for the first time the next bit, in wire order."""
+        for top, qual, value in _leaves(payload):
+            if (top, qual) not in table and self.once(top, qual, value):
+                table[(top, qual)] = len(table)
+
+    def tracks(self, path: str, value: Any, ar: bool) -> tuple[bool, bool]:
+        """``(merge it, hand over the accumulated view)`` for a key reaching a receiving adapter."""
+        strategy, spec = self.receiver.select(path, value, self.receiver.context)
+        accumulate = ar and path in self.adapter_keys and "append" in spec.kinds
+        return accumulate or strategy.omits_unchanged, accumulate
+
+
+def _leaves(payload: Mapping[str, Any]):
+    for top, value in payload.items():
+        if top in (WIRE_MARKER, OMITTED_KEY):
+            continue
+        if isinstance(value, dict):
+            for qual, qv in value.items():
+                yield top, qual, qv
+        else:
+            yield top, None, value
+
+
+def _policy_source(extra: Any) -> tuple[Any, str]:
+    if isinstance(extra, Mapping) and EXTRA_POLICY in extra:
+        value = extra[EXTRA_POLICY]
+        if value is None or value is False or (isinstance(value, str) and value.strip().lower() in _DISABLED):
+            return None, f"connector extra {EXTRA_POLICY}={value!r} (off)"
+        return value, f"connector extra {EXTRA_POLICY}"
+    if Settings.policy is not None:
+        return Settings.policy, "install()"
+    return None, "no policy"
+
+
+def connector_extra(obj: Any) -> Any:
+    """The deploy YAML connector ``extra`` of an adapter or transport (``connector.config``)."""
+    conn = getattr(obj, "connector", None)
+    return getattr(conn, "config", None)
+
+
+def binding_for(obj: Any) -> Binding | None:
+    """The binding of ``obj`` (created on first use), or None when no policy applies to it."""
+    b = obj.__dict__.get(_ATTR, False)
+    if b is not False:
+        return b
+    with _lock:
+        b = obj.__dict__.get(_ATTR, False)
+        if b is not False:
+            return b
+        extra = connector_extra(obj)
+        spec, source = _policy_source(extra)
+        b = None
+        if spec is not None:
+            keys = extra.get(EXTRA_ADAPTER_KEYS) if isinstance(extra, Mapping) else None
+            b = Binding(load_policy(spec), tuple(keys) if keys else Settings.adapter_keys, source)
+            _attach(obj, b)
+            logger.info("omni-accum bound to %s (policy from %s)", type(obj).__name__, source)
+        obj.__dict__[_ATTR] = b
+        return b
+
+
+def _attach(obj: Any, b: Binding) -> None:
+    """Per-instance plumbing: release-aware accumulator dict (transports), encoding put (adapters)."""
+    store = obj.__dict__.get("_send_side_request_payload")
+    if isinstance(store, dict) and not isinstance(store, ReleasingDict):
+        obj._send_side_request_payload = ReleasingDict(b.receiver, store)
+    conn = getattr(obj, "connector", None)
+    if conn is not None and hasattr(obj, "put_req_chunk") and not isinstance(conn.__dict__.get("put"), EncodingPut):
+        conn.put = EncodingPut(conn.put, b)
+
+
+class ReleasingDict(dict):
+    """The transport's ``_send_side_request_payload``: removing an entry releases the Receiver state.
+
+    Upstream releases its accumulator by popping this dict (chunk finished, cleanup, abort), so the
+    Receiver is released exactly there, whatever the path.
+    """
+
+    def __init__(self, receiver: Receiver, *args: Any) -> None:
+        super().__init__(*args)
+        self.receiver = receiver
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self.receiver.release(key)
+        return super().pop(key, *default)
+
+    def __delitem__(self, key: Any) -> None:
+        self.receiver.release(key)
+        super().__delitem__(key)
+
+    def popitem(self) -> tuple[Any, Any]:
+        key, value = super().popitem()
+        self.receiver.release(key)
+        return key, value
+
+    def clear(self) -> None:
+        for key in list(self):
+            self.receiver.release(key)
+        super().clear()
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Send side: OmniChunkTransferAdapter._send_single_request_for_generation
+# ---------------------------------------------------------------------------------------------- #
+
+
+class EncodingPut:
+    """The adapter connector's ``put``: while the send hook runs, payloads go through the Sender."""
+
+    def __init__(self, put: Callable[..., Any], binding: Binding) -> None:
+        self.put = put
+        self.binding = binding
+
+    def __call__(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> Any:
+        ctx = getattr(_tls, "send", None)
+        b = self.binding
+        if ctx is None or ctx[0] is not b:
+            return self.put(from_stage=from_stage, to_stage=to_stage, put_key=put_key, data=data)
+        from vllm_omni.data_entry_keys import OmniPayloadStruct, to_dict
+
+        chunk = to_dict(data) if isinstance(data, OmniPayloadStruct) else data
+        wire = b.sender.encode(ctx[1], chunk) if isinstance(chunk, Mapping) else chunk
+        if wire is not chunk:
+            table = b.sent_once.setdefault(ctx[1], {})
+            b.number_once(table, wire)
+            if WIRE_MARKER in wire:
+                omitted = _omitted_paths(chunk, wire)
+                del wire[WIRE_MARKER]
+                wire[OMITTED_KEY] = sum(1 << table[p] for p in omitted)
+                b.stats["omitted"] += len(omitted)
+            data = wire
+        result = self.put(from_stage=from_stage, to_stage=to_stage, put_key=put_key, data=data)
+        if isinstance(result, tuple) and len(result) >= 2 and result[0]:
+            b.stats["puts"] += 1
+            b.stats["wire_bytes"] += int(result[1] or 0)
+        return result
+
+
+def _omitted_paths(chunk: Mapping[str, Any], wire: Mapping[str, Any]) -> list[tuple[Any, Any]]:
+    out: list[tuple[Any, Any]] = []
+    for top, value in chunk.items():
+        if isinstance(value, dict):
+            sub = wire.get(top)
+            out += [(top, q) for q in value if not isinstance(sub, dict) or q not in sub]
+        elif top not in wire:
+            out.append((top, None))
+    return out
+
+
+def wrap_send(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def _send_single_request_for_generation(self: Any, task: dict, sender_token: Any = None) -> Any:
+        b = binding_for(self)
+        if b is None:
+            return orig(self, task, sender_token)
+        _tls.send = (b, task["request"].external_req_id)
+        try:
+            return orig(self, task, sender_token)
+        finally:
+            _tls.send = None
+
+    return _send_single_request_for_generation
+
+
+def wrap_clear_sender(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def _clear_sender_state_locked(self: Any, external_req_id: str) -> None:
+        orig(self, external_req_id)
+        b = binding_for(self)
+        if b is not None:
+            b.sender.release(external_req_id)
+            b.sent_once.pop(external_req_id, None)
+
+    return _clear_sender_state_locked
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Receive side of the adapter (scheduler): _commit_received_chunk, _clear_receiver_state_locked
+# ---------------------------------------------------------------------------------------------- #
+
+
+def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) -> dict[str, Any]:
+    """The delta an adapter hands over: raw wire values, with send_once values the sender left off
+    restored, and (AR) the adapter keys replaced by their accumulated view."""
+    mask = payload.get(OMITTED_KEY) or 0
+    table = b.held_once.setdefault(req_id, {})
+    omitted = [p for p, bit in table.items() if mask >> bit & 1]
+    if not isinstance(mask, int) or mask >> len(table):
+        raise AccumulationError(
+            f"the sender left send_once values off the wire (mask {mask!r}) that this receiver never received "
+            f"(it holds {len(table)}); release the request and re-send it from its first chunk",
+            request_id=req_id,
+        )
+    b.number_once(table, payload)
+    sub: dict[str, Any] = {}
+    views: list[tuple[Any, Any]] = []
+    for top, value in payload.items():
+        if top in (WIRE_MARKER, OMITTED_KEY):
+            continue
+        if isinstance(value, dict):
+            for qual, qv in value.items():
+                merge, view = b.tracks(_path(top, qual), qv, ar)
+                if merge:
+                    sub.setdefault(top, {})[qual] = qv
+                    if view:
+                        views.append((top, qual))
+        else:
+            merge, view = b.tracks(_path(top), value, ar)
+            if merge:
+                sub[top] = value
+                if view:
+                    views.append((top, None))
+    meta = payload.get("meta")
+    if isinstance(meta, dict) and "override_keys" in meta:
+        sub.setdefault("meta", {})["override_keys"] = meta["override_keys"]
+    if not sub and OMITTED_KEY not in payload:
+        return payload
+    view = b.receiver.merge(req_id, sub) if sub else b.receiver.view(req_id)
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in payload.items() if k not in (WIRE_MARKER, OMITTED_KEY)}
+    for path in [*views, *omitted]:
+        top, qual = path
+        if qual is None:
+            out[top] = view[top]
+        else:
+            out.setdefault(top, {})[qual] = view[top][qual]
+    return out
+
+
+def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def _commit_received_chunk(
+        self: Any, request: Any, result: Any, *, stage_id: int, req_id: str, chunk_id: int, connector_get_key: str
+    ) -> bool:
+        b = binding_for(self)
+        payload = result[0] if isinstance(result, tuple) else None
+        if b is not None and isinstance(payload, dict) and payload:
+            result = (adapter_receive(b, req_id, payload, self.model_mode == "ar"), result[1])
+        return orig(
+            self, request, result, stage_id=stage_id, req_id=req_id, chunk_id=chunk_id,
+            connector_get_key=connector_get_key,
+        )
+
+    return _commit_received_chunk
+
+
+def wrap_clear_receiver(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def _clear_receiver_state_locked(self: Any, request_id: str) -> None:
+        orig(self, request_id)
+        b = binding_for(self)
+        if b is not None:
+            b.receiver.release(request_id)
+            b.held_once.pop(request_id, None)
+
+    return _clear_receiver_state_locked
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Receive side of the runner transports: _accumulate_payload (mixin, MRv2 data plane)
+# ---------------------------------------------------------------------------------------------- #
+
+
+def _layout(mapping: Mapping[str, Any]) -> set[tuple[Any, Any]]:
+    return {(k, q) for k, v in mapping.items() for q in (v if isinstance(v, Mapping) else (None,))}
+
+
+def _sync(b: Binding, req_id: str, mirror: Any) -> None:
+    """Make the Receiver hold what upstream's accumulator dict holds.
+
+    Upstream mutates its accumulator in place (MRv2 ``pop_local_stage_payload`` drops consumed decode
+    rows); when the key layouts differ the Receiver is re-seeded from the dict (no tensor copies).
+    """
+    if not isinstance(mirror, dict):
+        b.receiver.release(req_id)
+        return
+    try:
+        held = _layout(b.receiver.view(req_id))
+    except KeyError:
+        held = set()
+    if held != _layout(mirror):
+        b.receiver.release(req_id)
+        if mirror:
+            b.receiver.merge(req_id, {k: (dict(v) if isinstance(v, dict) else v) for k, v in mirror.items()})
+
+
+def align_decode_span(b: Binding, req_id: str, wire: dict[str, Any]) -> dict[str, Any]:
+    """MRv2: rewrite ``embed.decode`` of a chunk so the strategy append gives upstream's span merge.
+
+    Contiguous spans keep the existing start; overlapping rows are trimmed (a fully duplicate chunk
+    drops the decode span); gaps and malformed spans fall through to the generic merge, as upstream.
+    """
+    from vllm_omni.worker.payload_span import get_tensor_span
+
+    emb = wire.get("embed")
+    if not isinstance(emb, dict) or "decode" not in emb:
+        return wire
+    meta = wire.get("meta")
+    raw = meta.get("override_keys", []) if isinstance(meta, dict) else []
+    if ("embed", "decode") in {tuple(k) if isinstance(k, list) else k for k in raw}:
+        return wire
+    try:
+        cur = b.receiver.view(req_id)["embed"]
+    except (KeyError, TypeError):
+        return wire
+    names = {"tensor_key": "decode", "start_key": "decode_token_start", "end_key": "decode_token_end"}
+    existing, incoming = get_tensor_span(cur, **names), get_tensor_span(emb, **names)
+    if existing is None or incoming is None:
+        return wire
+    et, es, ee = existing
+    it, i_s, ie = incoming
+    if it.device != et.device or it.dtype != et.dtype:
+        it = it.to(device=et.device, dtype=et.dtype)
+    new = dict(emb)
+    if i_s == ee:
+        new["decode"] = it
+        if es != ee:
+            new["decode_token_start"] = es
+    elif i_s < ee:
+        overlap = ee - i_s
+        if overlap >= int(it.shape[0]):
+            for k in ("decode", "decode_token_start", "decode_token_end"):
+                new.pop(k, None)
+        else:
+            new.update(decode=it[overlap:], decode_token_start=es, decode_token_end=ie)
+    else:
+        return wire
+    return {**wire, "embed": new}
+
+
+def wrap_accumulate(orig: Callable[..., Any], *, decode_spans: bool) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def _accumulate_payload(self: Any, req_id: str, payload_data: Any) -> Any:
+        b = binding_for(self)
+        if b is None:
+            return orig(self, req_id, payload_data)
+        store = self._send_side_request_payload
+        wire = {k: v for k, v in payload_data.items() if k != OMITTED_KEY}
+        if req_id in store:
+            _sync(b, req_id, store[req_id])
+        else:
+            b.receiver.release(req_id)  # upstream starts afresh here too
+        if decode_spans:
+            wire = align_decode_span(b, req_id, wire)
+        merged = b.receiver.merge(req_id, wire).to_dict()
+        store[req_id] = merged
+        return dict(merged)
+
+    return _accumulate_payload
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Full-payload accumulator (async_chunk=false): accumulate_full_payload_output, _materialize_...
+# ---------------------------------------------------------------------------------------------- #
+
+
+class PolicyChunks:
+    """First element of a full-payload entry: one strategy accumulator per 2-D+ tensor key.
+
+    Lives inside upstream's ``_pending_full_payload_send`` entry, so it is freed exactly when
+    upstream drops the entry (flush, cleanup, abort).
+    """
+
+    __slots__ = ("endpoint", "req_id", "accs", "rows", "trailing")
+
+    def __init__(self, endpoint: Receiver, req_id: str) -> None:
+        self.endpoint = endpoint
+        self.req_id = req_id
+        self.accs: dict[str, Accumulator] = {}
+        self.rows: dict[str, int] = {}
+        self.trailing: dict[str, tuple[int, ...]] = {}
+
+    def start(self, key: str, value: torch.Tensor) -> None:
+        strategy, _ = self.endpoint.select(key, value, self.endpoint.context)
+        acc = strategy.new_accumulator(KeyInfo(key, self.req_id))
+        acc.merge(value)
+        self.accs[key], self.rows[key], self.trailing[key] = acc, int(value.shape[0]), tuple(value.shape[1:])
+
+    def add(self, key: str, value: torch.Tensor) -> None:
+        """Append when the trailing shape matches (upstream's rule), else restart the key."""
+        if key not in self.accs or tuple(value.shape[1:]) != self.trailing[key]:
+            self.start(key, value)
+            return
+        acc = self.accs[key]
+        try:
+            acc.check(value)
+            acc.merge(value)
+        except ValueError as e:
+            raise AccumulationError(str(e), request_id=self.req_id, key=key) from e
+        self.rows[key] += int(value.shape[0])
+
+    def drop(self, key: str) -> None:
+        self.accs.pop(key, None)
+        self.rows.pop(key, None)
+        self.trailing.pop(key, None)
+
+    def materialize(self) -> dict[str, Any]:
+        return {k: acc.read() for k, acc in self.accs.items()}
+
+
+def _appendable(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() >= 2
+
+
+def wrap_accumulate_full(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def accumulate_full_payload_output(self: Any, req_id: str, pooler_output: Any, request: Any) -> None:
+        b = binding_for(self)
+        pending = self._pending_full_payload_send
+        existing = pending.get(req_id)
+        if b is None or (existing is not None and not isinstance(existing[0], PolicyChunks)):
+            return orig(self, req_id, pooler_output, request)
+        if existing is None:
+            chunks, latest = PolicyChunks(b.full_payload_endpoint, req_id), {}
+            for k, v in pooler_output.items():
+                if _appendable(v):
+                    chunks.start(k, v)
+                else:
+                    latest[k] = v
+            pending[req_id] = (chunks, latest, chunks.rows, request)
+            return None
+        chunks, latest, _, _ = existing
+        replace_keys = self._resolve_full_payload_replace_keys()
+        for k, v in pooler_output.items():
+            if v is None:
+                continue
+            if _appendable(v):
+                latest.pop(k, None)
+                if k in replace_keys:
+                    chunks.start(k, v)
+                else:
+                    chunks.add(k, v)
+            else:
+                chunks.drop(k)
+                latest[k] = v
+        pending[req_id] = (chunks, latest, chunks.rows, request)
+        return None
+
+    return accumulate_full_payload_output
+
+
+def wrap_materialize(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def _materialize_full_payload_entry(entry: Any) -> Any:
+        if len(entry) == 4 and isinstance(entry[0], PolicyChunks):
+            chunks, latest, _, request = entry
+            output = dict(latest)
+            output.update(chunks.materialize())
+            return output, request
+        return orig(entry)
+
+    return _materialize_full_payload_entry
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Lazy activation: constructors look at the connector extra
+# ---------------------------------------------------------------------------------------------- #
+
+
+def wrap_probe(orig: Callable[..., Any], on_policy: Callable[[Any], None]) -> Callable[..., Any]:
+    """Constructor probe: after construction, a connector extra naming a policy triggers ``on_policy``."""
+
+    @functools.wraps(orig)
+    def probe(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig(self, *args, **kwargs)
+        extra = connector_extra(self)
+        if isinstance(extra, Mapping) and _policy_source(extra)[0] is not None:
+            on_policy(self)
+        return result
+
+    return probe

@@ -1,0 +1,168 @@
+"""Receive side in the runner transports (real mixin, real MRv2 data plane, real SHM connector):
+``_accumulate_payload`` and the full-payload accumulator, against upstream 0.30.0 results."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from tests.test_integration_vllm_omni import assert_same
+
+pytestmark = pytest.mark.vllm
+D = 2048
+
+
+@pytest.fixture
+def vo(vllm_omni):
+    from omni_accum.integrations import vllm_omni as integration
+
+    integration.uninstall()
+    yield integration
+    integration.uninstall()
+
+
+def _mc(stage_id: int = 1, async_chunk: bool = True) -> Any:
+    return SimpleNamespace(
+        stage_id=stage_id, worker_type="ar", async_chunk=async_chunk,
+        stage_connector_config={"name": "SharedMemoryConnector", "extra": {}},
+        custom_process_next_stage_input_func=None,
+    )
+
+
+@pytest.fixture
+def runner(vllm_omni):
+    from vllm_omni.worker.omni_connector_model_runner_mixin import OmniConnectorModelRunnerMixin
+
+    made = []
+
+    def make() -> Any:
+        r = type("Runner", (OmniConnectorModelRunnerMixin,), {})()
+        r.init_omni_connectors(_mc())
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.shutdown_omni_connectors()
+
+
+@pytest.fixture
+def data_plane(vllm_omni):
+    from vllm_omni.worker_v2.omni_data_plane import OmniRunnerDataPlane
+
+    made = []
+
+    def make() -> Any:
+        dp = OmniRunnerDataPlane(SimpleNamespace(), _mc())
+        made.append(dp)
+        return dp
+
+    yield make
+    for dp in made:
+        dp.close()
+
+
+def _chunks() -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    bos = torch.randn(1, 1, D, generator=g).bfloat16()
+    out = [{
+        "embed": {"prefill": torch.randn(11, D, generator=g).bfloat16(), "tts_bos": bos},
+        "ids": {"prompt": list(range(10))},
+        "meta": {"finished": torch.tensor(False)},
+    }]
+    for i in range(5):
+        out.append({
+            "embed": {"decode": torch.randn(1, D, generator=g).bfloat16()},
+            "ids": {"output": [i]},
+            "meta": {"finished": torch.tensor(i == 4)},
+        })
+    out.append({"embed": {"decode": torch.randn(1, D, generator=g).bfloat16()},
+                "meta": {"override_keys": [["embed", "decode"]], "finished": torch.tensor(True)}})
+    return out
+
+
+def _feed(r: Any, rid: str, chunks: list[dict]) -> list[dict]:
+    return [r._accumulate_payload(rid, c) for c in chunks]
+
+
+@pytest.mark.parametrize("policy", ["default", "qwen3-omni"])
+def test_mixin_accumulate_matches_upstream(vo, runner, policy):
+    expected = _feed(runner(), "r", _chunks())
+    vo.install(policy)
+    r = runner()
+    got = _feed(r, "r", _chunks())
+    assert_same(got, expected, "views")
+    b = r._omni_accum_binding
+    assert b.receiver.active_requests == 1
+    r.cleanup_finished_request("r")  # upstream's release point
+    assert b.receiver.active_requests == 0 and "r" not in r.request_payload
+
+
+def _span(rows: torch.Tensor, start: int) -> dict:
+    return {"embed": {"decode": rows, "decode_token_start": start, "decode_token_end": start + rows.shape[0]}}
+
+
+def test_data_plane_decode_spans_match_upstream(vo, data_plane):
+    g = torch.Generator().manual_seed(2)
+    rows = torch.randn(12, D, generator=g).bfloat16()
+    pre = {"embed": {"prefill": torch.randn(4, D, generator=g).bfloat16()}, "meta": {"finished": torch.tensor(False)}}
+    chunks = [
+        pre,
+        _span(rows[0:2], 0),
+        _span(rows[2:4], 2),  # contiguous
+        _span(rows[3:6], 3),  # overlap by one row
+        _span(rows[4:6], 4),  # full duplicate
+        _span(rows[9:10], 9),  # gap: generic merge (upstream's documented quirk)
+    ]
+    expected = _feed(data_plane(), "e", chunks)
+    vo.install("qwen3-omni")
+    dp = data_plane()
+    got = _feed(dp, "e", chunks)
+    assert_same(got, expected, "views")
+
+
+def test_data_plane_consumed_rows_are_dropped(vo, data_plane):
+    """pop_local_stage_payload removes handed-over decode rows; the next chunk must not replay them."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(4, D, generator=g).bfloat16()
+    pre = {"embed": {"prefill": torch.randn(4, D, generator=g).bfloat16()}}
+
+    def run(dp: Any) -> list[dict]:
+        views = [dp._accumulate_payload("e", pre), dp._accumulate_payload("e", _span(rows[0:2], 0))]
+        dp._local_stage_payload_cache["e"] = views[-1]  # what the receive thread stages for the model
+        dp.pop_local_stage_payload("e")
+        views.append(dp._accumulate_payload("e", _span(rows[2:4], 2)))
+        return views
+
+    expected = run(data_plane())
+    vo.install("qwen3-omni")
+    got = run(data_plane())
+    assert_same(got, expected, "views")
+    assert got[-1]["embed"]["decode"].shape == (2, D)
+
+
+@pytest.mark.parametrize("policy", ["default", "qwen3-omni"])
+def test_full_payload_accumulator_matches_upstream(vo, runner, policy):
+    g = torch.Generator().manual_seed(4)
+    steps = [
+        {"embed.prefill": torch.randn(5, D, generator=g), "codes.audio": torch.randint(0, 9, (1, 16)),
+         "meta.left": torch.tensor(1), "x": None},
+        {"embed.prefill": torch.randn(1, D, generator=g), "codes.audio": torch.randint(0, 9, (1, 16)),
+         "meta.left": torch.tensor(2)},
+        {"embed.prefill": torch.randn(2, D, generator=g), "codes.audio": torch.randint(0, 9, (1, 8)),
+         "meta.left": None},
+    ]
+
+    def run(r: Any) -> Any:
+        for s in steps:
+            r.accumulate_full_payload_output("q", dict(s), "REQ")
+        return r._materialize_full_payload_entry(r._pending_full_payload_send.pop("q"))
+
+    expected = run(runner())
+    vo.install(policy)
+    got = run(runner())
+    assert_same(got, expected, "materialized")
+    assert got[0]["embed.prefill"].shape == (8, D) and got[0]["codes.audio"].shape == (1, 8)
