@@ -166,3 +166,23 @@ def test_full_payload_accumulator_matches_upstream(vo, runner, policy):
     got = run(runner())
     assert_same(got, expected, "materialized")
     assert got[0]["embed.prefill"].shape == (8, D) and got[0]["codes.audio"].shape == (1, 8)
+
+
+def test_replay_through_vllm_omni(vo):
+    """``--through vllm-omni``: arms replayed through the real transport, over the real SHM wire."""
+    import glob
+
+    import omni_accum
+    from omni_accum.integrations import vllm_omni_replay  # noqa: F401 - registers THROUGH["vllm-omni"]
+    from omni_accum.replay import THROUGH, measure
+
+    assert "vllm-omni" in THROUGH
+    arms = {"upstream": "upstream", "default": omni_accum.load_policy("default"),
+            "qwen3-omni": omni_accum.load_policy("qwen3-omni")}
+    res = measure("qwen3-omni-override-ids", arms, context_len=64, concurrency=2, wire="shm", repeats=1,
+                  through="vllm-omni")
+    by = {r.arm: r for r in res}
+    assert all(r.correct and r.error is None for r in res), [(r.arm, r.mismatch, r.error) for r in res]
+    assert by["default"].wire_bytes_per_step == by["upstream"].wire_bytes_per_step
+    assert by["qwen3-omni"].wire_bytes_per_step < by["upstream"].wire_bytes_per_step
+    assert not glob.glob("/dev/shm/omniaccum_*")

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_accum.errors import OmniAccumError
+from omni_accum.integrations import vllm_omni_full_payload as full_payload
 from omni_accum.integrations import vllm_omni_hooks as hooks
 from omni_accum.loader import ENV_POLICY, load_policy
 from omni_accum.policy import Policy
@@ -102,8 +103,8 @@ TARGETS: tuple[Target, ...] = (
         "(self, req_id, payload_data)",
         lambda f: hooks.wrap_accumulate(f, decode_spans=True),
     ),
-    Target(_MIXIN, "accumulate_full_payload_output", "(self, req_id, pooler_output, request)", hooks.wrap_accumulate_full),
-    Target(_MIXIN, "_materialize_full_payload_entry", "(entry)", hooks.wrap_materialize, static=True),
+    Target(_MIXIN, "accumulate_full_payload_output", "(self, req_id, pooler_output, request)", full_payload.wrap_accumulate_full),
+    Target(_MIXIN, "_materialize_full_payload_entry", "(entry)", full_payload.wrap_materialize, static=True),
 )
 #: Constructors probed by :func:`activate` when no process-wide policy is set: the connector
 #: ``extra`` is only visible once an adapter / transport exists.

@@ -14,13 +14,10 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
-
 from omni_accum.channel import WIRE_MARKER, Receiver, Sender
 from omni_accum.errors import AccumulationError
 from omni_accum.loader import load_policy
 from omni_accum.policy import Policy
-from omni_accum.strategy import Accumulator, KeyInfo
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -151,6 +148,16 @@ def binding_for(obj: Any) -> Binding | None:
             b = Binding(load_policy(spec), tuple(keys) if keys else Settings.adapter_keys, source)
             _attach(obj, b)
             logger.info("omni-accum bound to %s (policy from %s)", type(obj).__name__, source)
+        obj.__dict__[_ATTR] = b
+        return b
+
+
+def bind(obj: Any, policy: Policy | None) -> Binding | None:
+    """Give ``obj`` (an adapter or transport) its own policy, or none (upstream code), explicitly."""
+    with _lock:
+        b = Binding(load_policy(policy), Settings.adapter_keys, "bind()") if policy is not None else None
+        if b is not None:
+            _attach(obj, b)
         obj.__dict__[_ATTR] = b
         return b
 
@@ -309,6 +316,8 @@ def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) 
     meta = payload.get("meta")
     if isinstance(meta, dict) and "override_keys" in meta:
         sub.setdefault("meta", {})["override_keys"] = meta["override_keys"]
+    if mask:
+        sub[WIRE_MARKER] = _count(mask)
     if not sub and OMITTED_KEY not in payload:
         return payload
     view = b.receiver.merge(req_id, sub) if sub else b.receiver.view(req_id)
@@ -320,6 +329,10 @@ def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) 
         else:
             out.setdefault(top, {})[qual] = view[top][qual]
     return out
+
+
+def _count(mask: int) -> int:
+    return bin(mask).count("1") if isinstance(mask, int) else mask
 
 
 def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -431,6 +444,9 @@ def wrap_accumulate(orig: Callable[..., Any], *, decode_spans: bool) -> Callable
             return orig(self, req_id, payload_data)
         store = self._send_side_request_payload
         wire = {k: v for k, v in payload_data.items() if k != OMITTED_KEY}
+        mask = payload_data.get(OMITTED_KEY)
+        if mask:
+            wire[WIRE_MARKER] = _count(mask)  # the engine's marker: held values still apply (override keys)
         if req_id in store:
             _sync(b, req_id, store[req_id])
         else:
@@ -442,109 +458,6 @@ def wrap_accumulate(orig: Callable[..., Any], *, decode_spans: bool) -> Callable
         return dict(merged)
 
     return _accumulate_payload
-
-
-# ---------------------------------------------------------------------------------------------- #
-# Full-payload accumulator (async_chunk=false): accumulate_full_payload_output, _materialize_...
-# ---------------------------------------------------------------------------------------------- #
-
-
-class PolicyChunks:
-    """First element of a full-payload entry: one strategy accumulator per 2-D+ tensor key.
-
-    Lives inside upstream's ``_pending_full_payload_send`` entry, so it is freed exactly when
-    upstream drops the entry (flush, cleanup, abort).
-    """
-
-    __slots__ = ("endpoint", "req_id", "accs", "rows", "trailing")
-
-    def __init__(self, endpoint: Receiver, req_id: str) -> None:
-        self.endpoint = endpoint
-        self.req_id = req_id
-        self.accs: dict[str, Accumulator] = {}
-        self.rows: dict[str, int] = {}
-        self.trailing: dict[str, tuple[int, ...]] = {}
-
-    def start(self, key: str, value: torch.Tensor) -> None:
-        strategy, _ = self.endpoint.select(key, value, self.endpoint.context)
-        acc = strategy.new_accumulator(KeyInfo(key, self.req_id))
-        acc.merge(value)
-        self.accs[key], self.rows[key], self.trailing[key] = acc, int(value.shape[0]), tuple(value.shape[1:])
-
-    def add(self, key: str, value: torch.Tensor) -> None:
-        """Append when the trailing shape matches (upstream's rule), else restart the key."""
-        if key not in self.accs or tuple(value.shape[1:]) != self.trailing[key]:
-            self.start(key, value)
-            return
-        acc = self.accs[key]
-        try:
-            acc.check(value)
-            acc.merge(value)
-        except ValueError as e:
-            raise AccumulationError(str(e), request_id=self.req_id, key=key) from e
-        self.rows[key] += int(value.shape[0])
-
-    def drop(self, key: str) -> None:
-        self.accs.pop(key, None)
-        self.rows.pop(key, None)
-        self.trailing.pop(key, None)
-
-    def materialize(self) -> dict[str, Any]:
-        return {k: acc.read() for k, acc in self.accs.items()}
-
-
-def _appendable(v: Any) -> bool:
-    return isinstance(v, torch.Tensor) and v.dim() >= 2
-
-
-def wrap_accumulate_full(orig: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(orig)
-    def accumulate_full_payload_output(self: Any, req_id: str, pooler_output: Any, request: Any) -> None:
-        b = binding_for(self)
-        pending = self._pending_full_payload_send
-        existing = pending.get(req_id)
-        if b is None or (existing is not None and not isinstance(existing[0], PolicyChunks)):
-            return orig(self, req_id, pooler_output, request)
-        if existing is None:
-            chunks, latest = PolicyChunks(b.full_payload_endpoint, req_id), {}
-            for k, v in pooler_output.items():
-                if _appendable(v):
-                    chunks.start(k, v)
-                else:
-                    latest[k] = v
-            pending[req_id] = (chunks, latest, chunks.rows, request)
-            return None
-        chunks, latest, _, _ = existing
-        replace_keys = self._resolve_full_payload_replace_keys()
-        for k, v in pooler_output.items():
-            if v is None:
-                continue
-            if _appendable(v):
-                latest.pop(k, None)
-                if k in replace_keys:
-                    chunks.start(k, v)
-                else:
-                    chunks.add(k, v)
-            else:
-                chunks.drop(k)
-                latest[k] = v
-        pending[req_id] = (chunks, latest, chunks.rows, request)
-        return None
-
-    return accumulate_full_payload_output
-
-
-def wrap_materialize(orig: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(orig)
-    def _materialize_full_payload_entry(entry: Any) -> Any:
-        if len(entry) == 4 and isinstance(entry[0], PolicyChunks):
-            chunks, latest, _, request = entry
-            output = dict(latest)
-            output.update(chunks.materialize())
-            return output, request
-        return orig(entry)
-
-    return _materialize_full_payload_entry
 
 
 # ---------------------------------------------------------------------------------------------- #

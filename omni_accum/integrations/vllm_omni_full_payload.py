@@ -1,0 +1,123 @@
+"""Full-payload accumulator hooks (``async_chunk: false``): per-key strategies instead of upstream's
+list-then-``torch.cat`` in ``accumulate_full_payload_output`` / ``_materialize_full_payload_entry``.
+
+Upstream's rules are kept (``None`` skipped; 2-D+ tensors appended while the trailing shape holds,
+restarted otherwise; ``_FULL_PAYLOAD_REPLACE_KEYS`` restart; anything else replaced); only how an
+appended key is stored follows the policy.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from omni_accum.channel import Receiver
+from omni_accum.errors import AccumulationError
+from omni_accum.integrations.vllm_omni_hooks import binding_for
+from omni_accum.strategy import Accumulator, KeyInfo
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Full-payload accumulator (async_chunk=false): accumulate_full_payload_output, _materialize_...
+# ---------------------------------------------------------------------------------------------- #
+
+
+class PolicyChunks:
+    """First element of a full-payload entry: one strategy accumulator per 2-D+ tensor key.
+
+    Lives inside upstream's ``_pending_full_payload_send`` entry, so it is freed exactly when
+    upstream drops the entry (flush, cleanup, abort).
+    """
+
+    __slots__ = ("endpoint", "req_id", "accs", "rows", "trailing")
+
+    def __init__(self, endpoint: Receiver, req_id: str) -> None:
+        self.endpoint = endpoint
+        self.req_id = req_id
+        self.accs: dict[str, Accumulator] = {}
+        self.rows: dict[str, int] = {}
+        self.trailing: dict[str, tuple[int, ...]] = {}
+
+    def start(self, key: str, value: torch.Tensor) -> None:
+        strategy, _ = self.endpoint.select(key, value, self.endpoint.context)
+        acc = strategy.new_accumulator(KeyInfo(key, self.req_id))
+        acc.merge(value)
+        self.accs[key], self.rows[key], self.trailing[key] = acc, int(value.shape[0]), tuple(value.shape[1:])
+
+    def add(self, key: str, value: torch.Tensor) -> None:
+        """Append when the trailing shape matches (upstream's rule), else restart the key."""
+        if key not in self.accs or tuple(value.shape[1:]) != self.trailing[key]:
+            self.start(key, value)
+            return
+        acc = self.accs[key]
+        try:
+            acc.check(value)
+            acc.merge(value)
+        except ValueError as e:
+            raise AccumulationError(str(e), request_id=self.req_id, key=key) from e
+        self.rows[key] += int(value.shape[0])
+
+    def drop(self, key: str) -> None:
+        self.accs.pop(key, None)
+        self.rows.pop(key, None)
+        self.trailing.pop(key, None)
+
+    def materialize(self) -> dict[str, Any]:
+        return {k: acc.read() for k, acc in self.accs.items()}
+
+
+def _appendable(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() >= 2
+
+
+def wrap_accumulate_full(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def accumulate_full_payload_output(self: Any, req_id: str, pooler_output: Any, request: Any) -> None:
+        b = binding_for(self)
+        pending = self._pending_full_payload_send
+        existing = pending.get(req_id)
+        if b is None or (existing is not None and not isinstance(existing[0], PolicyChunks)):
+            return orig(self, req_id, pooler_output, request)
+        if existing is None:
+            chunks, latest = PolicyChunks(b.full_payload_endpoint, req_id), {}
+            for k, v in pooler_output.items():
+                if _appendable(v):
+                    chunks.start(k, v)
+                else:
+                    latest[k] = v
+            pending[req_id] = (chunks, latest, chunks.rows, request)
+            return None
+        chunks, latest, _, _ = existing
+        replace_keys = self._resolve_full_payload_replace_keys()
+        for k, v in pooler_output.items():
+            if v is None:
+                continue
+            if _appendable(v):
+                latest.pop(k, None)
+                if k in replace_keys:
+                    chunks.start(k, v)
+                else:
+                    chunks.add(k, v)
+            else:
+                chunks.drop(k)
+                latest[k] = v
+        pending[req_id] = (chunks, latest, chunks.rows, request)
+        return None
+
+    return accumulate_full_payload_output
+
+
+def wrap_materialize(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def _materialize_full_payload_entry(entry: Any) -> Any:
+        if len(entry) == 4 and isinstance(entry[0], PolicyChunks):
+            chunks, latest, _, request = entry
+            output = dict(latest)
+            output.update(chunks.materialize())
+            return output, request
+        return orig(entry)
+
+    return _materialize_full_payload_entry

@@ -1,0 +1,92 @@
+"""``--through vllm-omni`` for the replay engine: every chunk goes through the real vllm-omni 0.30.0 code.
+
+The receiving side of each arm is a real runner transport (``OmniConnectorModelRunnerMixin``
+with a real ``SharedMemoryConnector``); each merge is its ``_accumulate_payload``. For a policy arm
+omni-accum is installed and bound to that instance, so the merge runs through the hook (Receiver,
+decode spans, release by upstream's own ``cleanup_finished_request``); the ``upstream`` arm runs the
+unhooked 0.30.0 method. The sender side of a policy arm encodes as the adapter send hook does
+(send_once values left off, the bit mask on the wire). The replay's own wire (inproc, serializer,
+shm) carries the payload between the two.
+
+Registering: ``import omni_accum.integrations.vllm_omni_replay`` adds ``"vllm-omni"`` to
+:data:`omni_accum.replay.THROUGH`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
+
+from omni_accum.context import StreamContext
+from omni_accum.errors import OmniAccumError
+from omni_accum.integrations import vllm_omni as integration
+from omni_accum.integrations import vllm_omni_hooks as hooks
+from omni_accum.policy import Policy
+from omni_accum.replay import THROUGH, UPSTREAM, Arm, Engine, iter_leaves
+from omni_accum.strategy import value_nbytes
+
+THROUGH_NAME = "vllm-omni"
+
+
+class VllmOmniEngine(Engine):
+    """One arm through a real vllm-omni runner transport (and, for a policy, the installed hooks)."""
+
+    def __init__(self, policy: Policy | None, context: StreamContext) -> None:
+        from vllm_omni.worker.omni_connector_model_runner_mixin import OmniConnectorModelRunnerMixin
+
+        integration.install(None)  # patch (signature-checked); no process-wide policy
+        mc = SimpleNamespace(
+            stage_id=1, worker_type="ar", async_chunk=True, custom_process_next_stage_input_func=None,
+            stage_connector_config={"name": "SharedMemoryConnector", "extra": {}},
+        )
+        self.runner = type("ReplayRunner", (OmniConnectorModelRunnerMixin,), {})()
+        self.runner.init_omni_connectors(mc)
+        self.binding = hooks.bind(self.runner, policy)
+        if self.binding is not None:
+            self.binding.receiver.context = context
+            self.binding.sender.context = context
+
+    def encode(self, req_id: str, chunk: Mapping[str, Any]) -> Mapping[str, Any]:
+        b = self.binding
+        if b is None:
+            return chunk
+        wire = b.sender.encode(req_id, chunk)
+        if wire is not chunk:
+            table = b.sent_once.setdefault(req_id, {})
+            b.number_once(table, wire)
+            if hooks.WIRE_MARKER in wire:
+                omitted = hooks._omitted_paths(chunk, wire)
+                del wire[hooks.WIRE_MARKER]
+                wire[hooks.OMITTED_KEY] = sum(1 << table[p] for p in omitted)
+        return wire
+
+    def merge(self, req_id: str, wire: Mapping[str, Any]) -> Mapping[str, Any]:
+        return self.runner._accumulate_payload(req_id, dict(wire))
+
+    def nbytes(self) -> int:
+        if self.binding is not None:
+            return self.binding.receiver.nbytes()
+        store = self.runner._send_side_request_payload
+        return sum(value_nbytes(v) for p in store.values() for _, v in iter_leaves(p))
+
+    def release(self, req_id: str) -> None:
+        self.runner.cleanup_finished_request(req_id)  # upstream's release path (pops the accumulator)
+        if self.binding is not None:
+            self.binding.sender.release(req_id)
+            self.binding.sent_once.pop(req_id, None)
+
+    def close(self) -> None:
+        self.runner.shutdown_omni_connectors()
+
+
+def through_vllm_omni(arm: Arm, context: StreamContext) -> Engine:
+    """``THROUGH["vllm-omni"]``: a policy arm or ``"upstream"`` through the real transport."""
+    if isinstance(arm, Policy):
+        return VllmOmniEngine(arm, context)
+    if arm == UPSTREAM:
+        return VllmOmniEngine(None, context)
+    raise OmniAccumError(f"--through {THROUGH_NAME} takes policy arms and {UPSTREAM!r}, got {arm!r}")
+
+
+THROUGH[THROUGH_NAME] = through_vllm_omni
