@@ -6,7 +6,9 @@ An arm name is one of:
 * a strategy name (``cat``, ``token_list``, ``prealloc``, ``send_once``, ``replace`` or a plugin's):
   the strategy on the workload's keys it applies to (append-kind keys for append strategies,
   replace/static keys otherwise), upstream-equivalent behaviour (the ``default`` preset) elsewhere;
-* a policy preset name (``qwen3-omni``) or a policy file: the policy as is.
+* a policy preset name (``qwen3-omni``) or a policy file: the policy as is;
+* ``wire-floor`` — no accumulation: the cost of shipping each delta over the wire (and view hop),
+  measured in the same run; the floor every arm is compared with.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from omni_accum.errors import OmniAccumError
 from omni_accum.loader import load_policy, preset_names
 from omni_accum.manager import get_manager
 from omni_accum.policy import Policy
-from omni_accum.replay import UPSTREAM, Arm, ArmResult, VllmOmniUnavailable, delta_roundtrip_us, measure
+from omni_accum.replay import UPSTREAM, WIRE_FLOOR, Arm, ArmResult, VllmOmniUnavailable, delta_roundtrip_us, measure
 from omni_accum.workloads import Workload, load_workload
 
 #: JSON schema of ``omni-accum bench --json`` output.
@@ -134,7 +136,9 @@ def build_arms(workload: Workload, names: Sequence[str] | None = None, *, warn: 
     presets = set(preset_names())
     arms: dict[str, Arm] = {}
     for name in names:
-        if name == UPSTREAM:
+        if name == WIRE_FLOOR:
+            arms[name] = WIRE_FLOOR
+        elif name == UPSTREAM:
             if not explicit and not upstream_available():
                 if warn is not None:
                     print("note: vllm-omni is not importable; the upstream arm is left out", file=warn)
@@ -151,7 +155,7 @@ def build_arms(workload: Workload, names: Sequence[str] | None = None, *, warn: 
             arms[name] = load_policy(name)
         else:
             raise OmniAccumError(
-                f"unknown arm {name!r}: not 'upstream', a strategy ({', '.join(manager.names())}), "
+                f"unknown arm {name!r}: not 'upstream', 'wire-floor', a strategy ({', '.join(manager.names())}), "
                 f"a policy preset ({', '.join(sorted(presets))}) nor a policy file"
             )
     if not arms:

@@ -172,3 +172,9 @@ def test_shm_wire_cleans_up_when_an_arm_fails():
     res = measure(wl, {"failing": lambda ctx: Failing(policy, ctx)}, context_len=8, repeats=1, wire="shm")
     assert res[0].error is not None
     assert _ours(os.getpid()) == []
+
+
+def test_wire_floor_arm_is_not_checked_and_costs_least():
+    wl = small("qwen3-omni-seed", steps=6)
+    res = measure(wl, build_arms(wl, ["wire-floor", "cat"]), context_len=64, repeats=1)
+    assert res[0].correct and res[0].peak_bytes == 0 and res[1].correct
