@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import threading
+import traceback
 from collections.abc import Iterable
 from dataclasses import replace
 from importlib import metadata
@@ -55,11 +56,21 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _canonical(name: str) -> str:
+    """PEP 503 normalisation, so ``omni_accum_delta`` and ``Omni-Accum-Delta`` name the same distribution."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _env_list(name: str) -> set[str] | None:
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return None
-    return {p.strip() for p in raw.split(",") if p.strip()}
+    return {_canonical(p.strip()) for p in raw.split(",") if p.strip()}
+
+
+def describe_plugin(plugin: str, distribution: tuple[str, str] | None) -> str:
+    """``plugin 'delta' (distribution omni-accum-delta 0.1.0)``: how errors name a plugin."""
+    return f"plugin {plugin!r}" + (f" (distribution {distribution[0]} {distribution[1]})" if distribution else "")
 
 
 class _PolicySelector:
@@ -89,7 +100,12 @@ class StrategyManager:
         self._lock = threading.Lock()
         #: Problems found while loading plugins (plugin name, message) — reported and skipped.
         self.problems: list[tuple[str, str]] = []
-        if _env_flag(ENV_TRACE):
+        #: The same problems as exceptions, each naming plugin and distribution, cause chained.
+        self.errors: list[PluginError] = []
+        self._trace = _env_flag(ENV_TRACE)
+        self._dists: dict[str, tuple[str, str] | None] = {}  # plugin name -> its distribution
+        self._loaded_eps: dict[str, str] = {}  # entry-point name -> value, for idempotent reloads
+        if self._trace:
             self.pm.trace.root.setwriter(lambda msg: logger.info("omni_accum hook: %s", msg.rstrip()))
             self.pm.enable_tracing()
         self.register(_PolicySelector(), name="omni_accum.policy", first_party=True)
@@ -117,12 +133,12 @@ class StrategyManager:
             dist = dist_of(ep)
             is_first = ep in first
             if not is_first:
-                names = {ep.name} | ({dist[0]} if dist else set())
+                names = {_canonical(ep.name)} | ({_canonical(dist[0])} if dist else set())
                 if names & deny or (allow is not None and not names & allow):
                     logger.debug("omni_accum: plugin %r disabled by %s/%s", ep.name, ENV_ALLOW, ENV_DENY)
                     continue
-            if self.pm.get_plugin(ep.name) is not None:
-                continue
+            if self._loaded_eps.get(ep.name) == ep.value:
+                continue  # loaded by an earlier call
             try:
                 plugin = ep.load()
             except Exception as e:  # noqa: BLE001 - any import failure of a plugin is reported
@@ -132,6 +148,8 @@ class StrategyManager:
                 self.register(plugin, name=ep.name, distribution=dist, first_party=is_first)
             except PluginError as e:
                 self._problem(ep.name, dist, str(e), e, is_first, already=True)
+            else:
+                self._loaded_eps[ep.name] = ep.value
 
     def _problem(
         self,
@@ -142,13 +160,17 @@ class StrategyManager:
         first_party: bool,
         already: bool = False,
     ) -> None:
-        who = f"plugin {plugin!r}" + (f" (distribution {dist[0]} {dist[1]})" if dist else "")
-        text = message if already and message.startswith("plugin ") else f"{who}: {message}"
+        who = describe_plugin(plugin, dist)
+        text = message if already and message.startswith(who) else f"{who}: {message}"
+        if isinstance(cause, PluginError) and already and str(cause) == text:
+            err = cause  # already names plugin and distribution, its own cause chained
+        else:
+            err = PluginError(text)
+            err.__cause__ = cause
         if first_party or self.strict:
-            if isinstance(cause, PluginError) and already:
-                raise cause
-            raise PluginError(text) from cause
+            raise err
         self.problems.append((plugin, text))
+        self.errors.append(err)
         logger.warning("omni_accum: %s; plugin skipped (set %s=1 to make this an error)", text, ENV_STRICT)
 
     def register(
@@ -166,7 +188,7 @@ class StrategyManager:
             PluginError: the plugin implements unknown hooks, raises, or returns invalid records.
         """
         name = name or getattr(plugin, "__name__", None) or repr(plugin)
-        who = f"plugin {name!r}" + (f" (distribution {distribution[0]} {distribution[1]})" if distribution else "")
+        who = describe_plugin(name, distribution)
         try:
             self.pm.register(plugin, name=name)
         except ValueError as e:
@@ -180,6 +202,7 @@ class StrategyManager:
             raise
         with self._lock:
             self._specs.update(new_specs)
+            self._dists[name] = distribution
 
     def _collect(
         self, plugin: Any, name: str, distribution: tuple[str, str] | None, who: str
@@ -196,6 +219,8 @@ class StrategyManager:
                 records = impl.function()
             except Exception as e:  # noqa: BLE001 - a raising hook is a broken plugin
                 raise PluginError(f"{who}: omni_accum_register_strategies raised {type(e).__name__}: {e}") from e
+            if self._trace:
+                logger.info("omni_accum hook: omni_accum_register_strategies [%s] -> %r", name, records)
             if records is None:
                 continue
             if not isinstance(records, (list, tuple)):
@@ -208,7 +233,9 @@ class StrategyManager:
                 spec = replace(spec, plugin=name, distribution=distribution)
                 prior = self._specs.get(spec.name) or out.get(spec.name)
                 if prior is not None:
-                    raise DuplicateStrategyError(spec.name, prior.plugin or "?", name)
+                    err = DuplicateStrategyError(spec.name, prior.plugin or "?", name)
+                    err.args = (f"{who}: {err}; the first is {describe_plugin(prior.plugin or '?', prior.distribution)}",)
+                    raise err
                 out[spec.name] = spec
         return out
 
@@ -275,12 +302,28 @@ class StrategyManager:
 
     def select(self, key: str, meta: KeyMeta, context: StreamContext, policy: Policy) -> StrategyChoice:
         """Run ``omni_accum_select_strategy`` (first non-None result wins)."""
-        choice = self.pm.hook.omni_accum_select_strategy(key=key, meta=meta, context=context, policy=policy)
+        try:
+            choice = self.pm.hook.omni_accum_select_strategy(key=key, meta=meta, context=context, policy=policy)
+        except Exception as e:  # noqa: BLE001 - a raising selection hook fails the request, not the process
+            raise PluginError(
+                f"{self._culprit('omni_accum_select_strategy', e)}: omni_accum_select_strategy raised "
+                f"{type(e).__name__} for key {key!r}: {e}"
+            ) from e
         if choice is None:  # only if a plugin unregistered the built-in selector
             choice = policy.resolve(key, context)
         if not isinstance(choice, StrategyChoice):
             raise PluginError(f"omni_accum_select_strategy returned {type(choice).__name__}, expected StrategyChoice")
         return choice
+
+
+    def _culprit(self, hook: str, exc: BaseException) -> str:
+        """Name the plugin whose implementation of ``hook`` raised ``exc`` (from the traceback)."""
+        codes = {f.f_code for f, _ in traceback.walk_tb(exc.__traceback__)}
+        for impl in getattr(self.pm.hook, hook).get_hookimpls():
+            func = getattr(impl.function, "__func__", impl.function)
+            if getattr(func, "__code__", None) in codes:
+                return describe_plugin(impl.plugin_name, self._dists.get(impl.plugin_name))
+        return "a plugin"
 
 
 _manager: StrategyManager | None = None
