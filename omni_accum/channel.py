@@ -48,7 +48,7 @@ class _Slot:
 
 
 class _Request:
-    __slots__ = ("entries", "lock", "context", "failed", "held_once", "nbytes")
+    __slots__ = ("entries", "lock", "context", "failed", "held_once", "nbytes", "enc_specs")
 
     def __init__(self, context: StreamContext) -> None:
         self.entries: dict[Any, Any] = {}  # top key -> _Slot | dict[qualifier, _Slot] (sender: Encoder|None)
@@ -57,6 +57,7 @@ class _Request:
         self.failed: str | None = None
         self.held_once = 0
         self.nbytes = 0
+        self.enc_specs: dict[str, StrategySpec] = {}  # sender: key path -> spec of its encoder (for errors)
 
 
 def _path(top: Any, qual: Any = None) -> str:
@@ -141,6 +142,8 @@ class Sender(_Endpoint):
             raise AccumulationError(f"a payload chunk must be a mapping, got {type(chunk).__name__}", request_id=req_id)
         st = self._state(req_id, context)
         with st.lock:
+            if st.failed is not None:
+                raise AccumulationError(f"request failed earlier ({st.failed}); release it", request_id=req_id)
             encs = st.entries
             any_enc = False
             for top, value in chunk.items():
@@ -160,24 +163,47 @@ class Sender(_Endpoint):
                     any_enc = any_enc or enc is not None
             if not any_enc:
                 return chunk
-            return self._encode_with(st, req_id, chunk)
+            try:
+                return self._encode_with(st, req_id, chunk)
+            except AccumulationError as e:
+                # Encoders before the failing one already recorded this chunk as sent: a later chunk
+                # encoded against that state would give the receiver a wrong view. Fail the request.
+                st.failed = f"key {e.key!r}: {e.reason}"
+                raise
 
     def _new_encoder(self, st: _Request, req_id: str, path: str, value: Any) -> Encoder | None:
-        strategy, spec = self.select(path, value, st.context)
-        enc = strategy.new_encoder(KeyInfo(path, req_id, st.context.length_hints.get(path)))
-        if enc is not None and strategy.omits_unchanged:
-            st.held_once += 1
+        try:
+            strategy, spec = self.select(path, value, st.context)
+        except OmniAccumError as e:
+            raise AccumulationError(str(e), request_id=req_id, key=path) from e
+        try:
+            enc = strategy.new_encoder(KeyInfo(path, req_id, st.context.length_hints.get(path)))
+        except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
+            raise AccumulationError(
+                f"new_encoder raised {type(e).__name__}: {e}",
+                request_id=req_id, key=path, strategy=spec.name, plugin=spec.plugin,
+            ) from e
+        if enc is not None:
+            st.enc_specs[path] = spec
+            if strategy.omits_unchanged:
+                st.held_once += 1
         return enc
 
-    def _encode_one(self, enc: Encoder | None, value: Any, req_id: str, path: str) -> Any:
+    def _encode_one(self, enc: Encoder | None, value: Any, req_id: str, path: str, st: _Request) -> Any:
         if enc is None:
             return value
         try:
             return enc.encode(value)
-        except OmniAccumError:
-            raise
         except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
-            raise AccumulationError(f"encoder raised {type(e).__name__}: {e}", request_id=req_id, key=path) from e
+            spec = st.enc_specs.get(path)
+            reason = e.reason if isinstance(e, AccumulationError) else f"encoder raised {type(e).__name__}: {e}"
+            raise AccumulationError(
+                reason,
+                request_id=req_id,
+                key=path,
+                strategy=spec.name if spec else None,
+                plugin=spec.plugin if spec else None,
+            ) from e
 
     def _encode_with(self, st: _Request, req_id: str, chunk: Mapping[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -187,7 +213,7 @@ class Sender(_Endpoint):
                 group = st.entries[top]
                 sub = {}
                 for qual, qv in value.items():
-                    w = self._encode_one(group[qual], qv, req_id, _path(top, qual))
+                    w = self._encode_one(group[qual], qv, req_id, _path(top, qual), st)
                     if w is OMIT:
                         omitted += 1
                     else:
@@ -195,7 +221,7 @@ class Sender(_Endpoint):
                 if sub or not value:
                     out[top] = sub
             else:
-                w = self._encode_one(st.entries[top], value, req_id, _path(top))
+                w = self._encode_one(st.entries[top], value, req_id, _path(top), st)
                 if w is OMIT:
                     omitted += 1
                 else:
@@ -334,14 +360,22 @@ class Receiver(_Endpoint):
                 strategy, spec = self.select(path, value, st.context)
             except OmniAccumError as e:
                 raise AccumulationError(str(e), request_id=req_id, key=path) from e
-        return _Slot(path, strategy, spec, strategy.new_accumulator(KeyInfo(path, req_id, st.context.length_hints.get(path))))
+        try:
+            acc = strategy.new_accumulator(KeyInfo(path, req_id, st.context.length_hints.get(path)))
+        except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
+            raise AccumulationError(
+                f"new_accumulator raised {type(e).__name__}: {e}",
+                request_id=req_id, key=path, strategy=spec.name, plugin=spec.plugin,
+            ) from e
+        return _Slot(path, strategy, spec, acc)
 
     def _check(self, req_id: str, slot: _Slot, value: Any) -> None:
         try:
             slot.acc.check(value)
-        except MergeError as e:
+        except Exception as e:  # noqa: BLE001 - MergeError, or a strategy bug: fails this request only
+            msg = str(e) if isinstance(e, MergeError) else f"check raised {type(e).__name__}: {e}"
             raise AccumulationError(
-                str(e), request_id=req_id, key=slot.path, strategy=slot.spec.name, plugin=slot.spec.plugin
+                msg, request_id=req_id, key=slot.path, strategy=slot.spec.name, plugin=slot.spec.plugin
             ) from e
 
     def _plan(self, req_id: str, st: _Request, wire: Mapping[str, Any]) -> list[tuple[Any, Any, Any, _Slot]]:
@@ -364,7 +398,7 @@ class Receiver(_Endpoint):
                     if slot is None:
                         slot = self._new_slot(req_id, st, _path(top, qual), qv)
                         new_once += slot.strategy.omits_unchanged
-                    elif (top, qual) in override:
+                    elif (top, qual) in override and _resets_on_override(slot):
                         slot = self._new_slot(req_id, st, slot.path, qv, like=slot)
                     else:
                         self._check(req_id, slot, qv)
@@ -374,7 +408,7 @@ class Receiver(_Endpoint):
                 if type(slot) is not _Slot:
                     slot = self._new_slot(req_id, st, _path(top), value)
                     new_once += slot.strategy.omits_unchanged
-                elif top in override:
+                elif top in override and _resets_on_override(slot):
                     slot = self._new_slot(req_id, st, slot.path, value, like=slot)
                 else:
                     self._check(req_id, slot, value)
@@ -446,6 +480,15 @@ def _iter_slots(entries: dict[Any, Any]) -> Iterator[_Slot]:
             yield e
         else:
             yield from e.values()
+
+
+def _resets_on_override(slot: _Slot) -> bool:
+    """Whether a key listed in ``meta.override_keys`` gets fresh state for the chunk.
+
+    Only append-kind strategies do: a replace-kind one already serves the latest value, and one
+    that transforms the wire (``delta`` sends suffixes) needs its state to decode the next value.
+    """
+    return "append" in slot.spec.kinds
 
 
 def _held_once(entry: Any) -> int:
