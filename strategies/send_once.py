@@ -9,6 +9,7 @@ stale. For static keys: ``embed.tts_bos``, ``speaker``, ``language``, ``meta.ove
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
@@ -25,6 +26,9 @@ class Params(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def same_value(a: Any, b: Any) -> bool:
     """True only when ``a`` and ``b`` certainly hold the same data (any doubt: False, so it is re-sent)."""
     if a is b:
@@ -32,7 +36,16 @@ def same_value(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and bool(torch.equal(a, b))
+        if not (a.dtype == b.dtype and a.shape == b.shape and a.device == b.device):
+            return False
+        if not torch.equal(a, b):  # NaN is never equal: re-sent rather than guessed unchanged
+            return False
+        if a.is_floating_point() or a.is_complex():  # and the same bits: -0.0 == 0.0 but is another value
+            view = _INT_OF_SIZE.get(a.element_size())
+            return view is not None and bool(torch.equal(a.view(view), b.view(view)))
+        return True
+    if isinstance(a, float):  # -0.0 == 0.0, but the consumer must see the value it was sent
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
