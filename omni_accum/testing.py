@@ -5,6 +5,14 @@ after chunk k equals ``torch.cat`` of the chunk values 0..k (list concatenation 
 for bit; for a replace-kind strategy the view holds the latest value; a strategy that leaves
 unchanged values off the wire never serves a stale one; dtype, shape and device never change.
 
+Every wire chunk is checked to hold only plain values (dicts, lists, tuples, tensors, ints,
+floats, strings, bytes, bools, None: what vllm-omni's ``OmniSerializer`` carries) and is copied
+(tensors cloned, lists rebuilt) before the receiver sees it, as a real connector would, so a
+receiver cannot lean on objects it shares with the sender. Replace-kind strategies are also run
+on :func:`cumulative_streams` (values that mostly extend the previous one, with resets, truncations,
+bit-level rewrites and type changes): a strategy that transforms the wire, such as a delta
+encoder, must still serve exactly the latest value.
+
 Use it from a test::
 
     from omni_accum.testing import check_conformance
@@ -17,7 +25,9 @@ or through the ``omni_accum_conformance`` fixture, which is the same callable.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +66,8 @@ def same_bits(a: Any, b: Any) -> bool:
         return list(a.keys()) == list(b.keys()) and all(same_bits(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+    if type(a) is float and type(b) is float:  # bits: -0.0 is not 0.0, a NaN is itself
+        return struct.pack("<d", a) == struct.pack("<d", b)
     return type(a) is type(b) and a == b
 
 
@@ -154,6 +166,140 @@ def payload_streams(draw: st.DrawFn, *, max_chunks: int = 200, nested: bool | No
     return stream
 
 
+_LIST_FORMS = ("ints", "strs")
+
+
+@st.composite
+def cumulative_streams(draw: st.DrawFn, *, max_chunks: int = 120, nested: bool | None = None) -> list[dict[str, Any]]:
+    """Hypothesis strategy: streams of *cumulative* keys, each value usually the previous one extended.
+
+    Per key and chunk: absent, extended by 0..3 items/rows (most often), reset to a new value,
+    truncated, rewritten in its prefix (an int list item turned into an equal float or ``True``, a
+    float tensor element negated so ``0.0`` becomes ``-0.0``), or changed to another type
+    (``None``, a 0-d tensor, a string, a list of floats). Each value is a new object.
+    """
+    import random
+
+    nest = draw(st.booleans()) if nested is None else nested
+    n_keys = draw(st.integers(1, 3))
+    forms = draw(st.lists(st.sampled_from(["tensor", "tensor", "ints", "strs"]), min_size=n_keys, max_size=n_keys))
+    dtypes = draw(st.lists(st.sampled_from(DTYPES), min_size=n_keys, max_size=n_keys))
+    trailing = [tuple(draw(st.lists(st.integers(1, 3), min_size=0, max_size=2))) for _ in range(n_keys)]
+    ops = ["absent", "extend", "extend", "extend", "extend", "extend", "reset", "truncate", "rewrite", "retype"]
+    n_chunks = draw(st.integers(1, max_chunks))
+    plan = draw(st.lists(st.lists(st.sampled_from(ops), min_size=n_keys, max_size=n_keys), min_size=n_chunks, max_size=n_chunks))
+    rng = random.Random(draw(st.integers(0, 2**31 - 1)))
+
+    def rows(i: int, n: int) -> Any:
+        if forms[i] == "ints":
+            return [rng.randrange(3) for _ in range(n)]
+        if forms[i] == "strs":
+            return [rng.choice("ab") for _ in range(n)]
+        shape = (n, *trailing[i])
+        data = torch.tensor([rng.randrange(-2, 3) for _ in range(math.prod(shape))], dtype=torch.int64).reshape(shape)
+        return data.to(dtypes[i]) if dtypes[i] != torch.bool else data > 0
+
+    def grow(i: int, cur: Any, n: int) -> Any:
+        if isinstance(cur, list):
+            return cur + (rows(i, n) if forms[i] in _LIST_FORMS else [0.25] * n)
+        if isinstance(cur, torch.Tensor) and cur.dim() > 0:
+            return torch.cat([cur, rows(i, n)])
+        return rows(i, n)
+
+    def rewrite(cur: Any) -> Any:
+        if isinstance(cur, list) and cur:
+            out, j = list(cur), rng.randrange(len(cur))
+            v = out[j]
+            if isinstance(v, bool) or isinstance(v, float):
+                out[j] = -v if isinstance(v, float) else not v  # 0.0 -> -0.0: equal, but not the same bits
+            elif isinstance(v, int):
+                out[j] = float(v) if rng.random() < 0.5 else (v == 1 or v)  # equal value, another type
+            elif isinstance(v, str):
+                out[j] = v + "x"
+            return out
+        if isinstance(cur, torch.Tensor) and cur.numel():
+            out = cur.clone()
+            flat = out.view(-1)
+            j = rng.randrange(flat.numel())
+            flat[j] = ~flat[j] if out.dtype == torch.bool else (-flat[j] if out.is_floating_point() else flat[j] + 1)
+            return out
+        return cur
+
+    current: list[Any] = [rows(i, rng.randrange(4)) for i in range(n_keys)]
+    stream = []
+    for j, chunk_ops in enumerate(plan):
+        chunk: dict[str, Any] = {}
+        for i, op in enumerate(chunk_ops):
+            if j > 0 and op == "absent":
+                continue
+            cur = current[i]
+            if j == 0:
+                new = cur
+            elif op == "extend":
+                new = grow(i, cur, rng.randrange(4))
+            elif op == "reset":
+                new = rows(i, rng.randrange(5))
+            elif op == "truncate" and isinstance(cur, (list, torch.Tensor)) and getattr(cur, "dim", lambda: 1)() > 0:
+                new = cur[: max(0, len(cur) - 1 - rng.randrange(2))]
+                new = list(new) if isinstance(new, list) else new.clone()
+            elif op == "rewrite":
+                new = rewrite(cur)
+            elif op == "retype":
+                new = rng.choice([None, torch.tensor(rng.random() < 0.5), "Ethan", [0.0, 1.0], 7])
+            else:
+                new = grow(i, cur, 1)
+            current[i] = new
+            top, qual = ((("ids", f"k{i}") if nest else (f"key_{i}", None)))
+            if isinstance(new, list):
+                new = list(new)
+            elif isinstance(new, torch.Tensor):
+                new = new.clone()
+            if qual is None:
+                chunk[top] = new
+            else:
+                chunk.setdefault(top, {})[qual] = new
+        stream.append(chunk)
+    return stream
+
+
+# ---------------------------------------------------------------------------------------------- #
+# The wire
+# ---------------------------------------------------------------------------------------------- #
+
+PLAIN_TYPES = (int, float, str, bytes, bool, type(None))
+
+
+def check_plain_wire(value: Any, where: str = "<wire>") -> None:
+    """Assert ``value`` holds only what vllm-omni's serializer carries: dicts, lists, tuples, tensors, scalars."""
+    if isinstance(value, torch.Tensor) or type(value) in PLAIN_TYPES:
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_plain_wire(v, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            check_plain_wire(v, f"{where}.{k}")
+        return
+    raise AssertionError(
+        f"{where}: {type(value).__module__}.{type(value).__qualname__} on the wire; use plain lists, tensors, ints and "
+        "strings (vllm-omni's OmniSerializer does not carry custom classes)"
+    )
+
+
+def copy_wire(value: Any) -> Any:
+    """What a connector delivers: the same data in new objects (tensors cloned, lists and dicts rebuilt)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, list):
+        return [copy_wire(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(copy_wire(v) for v in value)
+    if isinstance(value, dict):
+        return {k: copy_wire(v) for k, v in value.items()}
+    return value
+
+
 # ---------------------------------------------------------------------------------------------- #
 # The reference and the check
 # ---------------------------------------------------------------------------------------------- #
@@ -185,8 +331,13 @@ def check_stream(
     *,
     manager: StrategyManager | None = None,
     req_id: str = "req-0",
+    transport: Callable[[Any], Any] | None = copy_wire,
 ) -> None:
-    """Stream ``stream`` through Sender -> Receiver with every key on ``strategy``; assert the contract."""
+    """Stream ``stream`` through Sender -> Receiver with every key on ``strategy``; assert the contract.
+
+    ``transport`` stands for the connector between them (default :func:`copy_wire`; ``None`` hands
+    the wire object over as is).
+    """
     mgr = manager or get_manager()
     spec = mgr.spec(strategy)
     append = "append" in spec.kinds
@@ -199,7 +350,8 @@ def check_stream(
         except ReferenceError_:
             before = as_dict(rx.view(req_id)) if req_id in rx.request_ids() else None
             try:
-                rx.merge(req_id, tx.encode(req_id, chunk))
+                w = tx.encode(req_id, chunk)
+                rx.merge(req_id, transport(w) if transport is not None else w)
             except AccumulationError:
                 after = as_dict(rx.view(req_id)) if req_id in rx.request_ids() else None
                 diff = first_difference(before, after) if before is not None else None
@@ -208,7 +360,8 @@ def check_stream(
             raise AssertionError(f"chunk {k}: {strategy!r} merged a value the cat reference cannot merge") from None
         wire = tx.encode(req_id, chunk)
         _check_wire(wire, chunk, spec.name)
-        view = rx.merge(req_id, wire)
+        check_plain_wire(wire, f"strategy {strategy!r}, chunk {k}: wire")
+        view = rx.merge(req_id, transport(wire) if transport is not None else wire)
         got = as_dict(view)
         diff = first_difference(expected, got)
         assert diff is None, f"strategy {strategy!r}, chunk {k}: view differs from the reference: {diff}"
@@ -248,14 +401,29 @@ def check_conformance(
     max_examples: int = 60,
     max_chunks: int = 200,
 ) -> None:
-    """Run the property-based conformance contract against ``strategy`` (with ``params``)."""
+    """Run the property-based conformance contract against ``strategy`` (with ``params``).
+
+    Every strategy runs on :func:`payload_streams`; a replace-kind strategy (no ``append`` in its
+    declared kinds) also runs on :func:`cumulative_streams`.
+    """
+    mgr = manager or get_manager()
+    spec = mgr.spec(strategy)  # UnknownStrategyError, listing the available names, before any example runs
+    spec.build(dict(params or {}))  # invalid params fail here, with the Params model's own message
 
     @settings(max_examples=max_examples, deadline=None, database=None)
     @given(stream=payload_streams(max_chunks=max_chunks))
     def run(stream: list[dict[str, Any]]) -> None:
-        check_stream(strategy, stream, params, manager=manager)
+        check_stream(strategy, stream, params, manager=mgr)
 
     run()
+    if "append" not in spec.kinds:
+
+        @settings(max_examples=max_examples, deadline=None, database=None)
+        @given(stream=cumulative_streams(max_chunks=max_chunks))
+        def run_cumulative(stream: list[dict[str, Any]]) -> None:
+            check_stream(strategy, stream, params, manager=mgr)
+
+        run_cumulative()
 
 
 # ---------------------------------------------------------------------------------------------- #
