@@ -1,0 +1,164 @@
+"""The StrategyManager facade: registration, validation, lookups, selection. A fresh manager per test."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+import omni_accum
+from omni_accum.context import KeyMeta, StreamContext
+from omni_accum.errors import DuplicateStrategyError, PluginError, UnknownStrategyError
+from omni_accum.hookspecs import ALL_HOOKS
+from omni_accum.policy import StrategyChoice
+from omni_accum.strategies.replace import ReplaceAccumulator
+from omni_accum.strategy import Strategy, StrategySpec
+
+BUILTINS = ["cat", "prealloc", "replace", "send_once", "token_list"]
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    depth: int = Field(default=1, ge=1)
+
+
+class Latest(Strategy):
+    name = "latest"
+    Params = Params
+
+    def new_accumulator(self, key):
+        return ReplaceAccumulator()
+
+
+def registering(*names: str):
+    class P:
+        @omni_accum.hookimpl
+        def omni_accum_register_strategies(self):
+            return [StrategySpec(name=n, factory=Latest, params_model=Params, kinds=frozenset({"replace"})) for n in names]
+
+    return P()
+
+
+@pytest.fixture
+def m():
+    mgr = omni_accum.StrategyManager(load_entrypoints=False)
+    mgr.load_entrypoints([])  # built-ins only, through the same path as entry points
+    return mgr
+
+
+def test_builtins_register_through_the_plugin_path(m):
+    assert m.names() == BUILTINS
+    for name in BUILTINS:
+        assert m.pm.get_plugin(name) is not None and m.spec(name).plugin == name
+    assert [s.name for s in m.specs()] == BUILTINS
+    assert set(ALL_HOOKS) == {h for h in dir(m.pm.hook) if h.startswith("omni_accum_")}
+
+
+def test_register_records_plugin_and_distribution(m):
+    m.register(registering("a", "b"), name="acme", distribution=("acme-dist", "1.0"))
+    assert m.spec("a").plugin == "acme" and m.spec("b").distribution == ("acme-dist", "1.0")
+
+
+def test_unknown_strategy_lists_available_names(m):
+    with pytest.raises(UnknownStrategyError, match=r"key 'k': unknown strategy 'nope'. Available: cat, prealloc"):
+        m.spec("nope", where="key 'k'")
+    assert m.get_spec("nope") is None
+
+
+def test_duplicate_within_one_plugin(m):
+    with pytest.raises(DuplicateStrategyError, match="'x' is registered twice"):
+        m.register(registering("x", "x"), name="twice")
+    assert m.pm.get_plugin("twice") is None and "x" not in m.names()
+
+
+def test_failed_registration_leaves_nothing_behind(m):
+    with pytest.raises(DuplicateStrategyError) as ei:
+        m.register(registering("fresh", "cat"), name="greedy", distribution=("greedy-dist", "0.1"))
+    assert ei.value.plugins == ("cat", "greedy")
+    assert "plugin 'greedy' (distribution greedy-dist 0.1)" in str(ei.value)
+    assert "the first is plugin 'cat'" in str(ei.value)
+    assert "fresh" not in m.names() and m.pm.get_plugin("greedy") is None
+    m.register(registering("fresh"), name="greedy")  # the name is free again
+    assert "fresh" in m.names()
+
+
+def test_plugin_name_registered_twice(m):
+    m.register(registering("one"), name="acme")
+    with pytest.raises(PluginError, match="plugin 'acme': cannot register"):
+        m.register(registering("two"), name="acme")
+
+
+def test_check_pending_catches_misspelled_hooks(m):
+    class Typo:
+        @omni_accum.hookimpl
+        def omni_accum_select_strategies(self, key):
+            return None
+
+    with pytest.raises(PluginError, match="plugin 'typo'.*omni_accum_select_strategies"):
+        m.register(Typo(), name="typo")
+    assert m.pm.get_plugin("typo") is None
+    m.pm.check_pending()  # nothing pending is left behind
+
+
+def test_build_validates_params_and_caches(m):
+    m.register(registering("latest"), name="acme")
+    a = m.build("latest", {"depth": 2})
+    assert a is m.build("latest", {"depth": 2}) and a.params.depth == 2
+    assert m.build("latest") is not a
+    with pytest.raises(ValidationError):
+        m.build("latest", {"depht": 2})
+    with pytest.raises(UnknownStrategyError):
+        m.build("nope")
+
+
+class TestSelection:
+    meta = KeyMeta.of("embed.decode", None)
+    ctx = StreamContext(context_len=20000)
+
+    def test_builtin_selection_applies_the_policy(self, m):
+        policy = omni_accum.load_policy({"default": "cat", "rules": [{"match": "embed.*", "strategy": "prealloc"}]}, manager=m)
+        choice = m.select("embed.decode", self.meta, self.ctx, policy)
+        assert choice.strategy == "prealloc" and "embed.*" in choice.source
+
+    def test_a_plugin_overrides_the_builtin_selection(self, m):
+        class LongContext:
+            @omni_accum.hookimpl
+            def omni_accum_select_strategy(self, key, meta, context, policy):
+                if (context.context_len or 0) > 16000:
+                    return StrategyChoice("token_list", {}, "plugin long-context")
+                return None
+
+        m.register(LongContext(), name="longctx")
+        policy = omni_accum.load_policy({"default": "cat"}, manager=m)
+        assert m.select("k", self.meta, self.ctx, policy).strategy == "token_list"
+        assert m.select("k", self.meta, StreamContext(context_len=10), policy).strategy == "cat"  # None: policy decides
+
+    def test_a_wrong_return_type_is_a_plugin_error(self, m):
+        class Wrong:
+            @omni_accum.hookimpl
+            def omni_accum_select_strategy(self, key, meta, context, policy):
+                return "cat"
+
+        m.register(Wrong(), name="wrong")
+        with pytest.raises(PluginError, match="returned str, expected StrategyChoice"):
+            m.select("k", self.meta, self.ctx, omni_accum.load_policy({}, manager=m))
+
+    def test_a_raising_selection_hook_names_its_plugin(self, m):
+        class Raising:
+            @omni_accum.hookimpl
+            def omni_accum_select_strategy(self, key, meta, context, policy):
+                raise KeyError("no table")
+
+        m.register(Raising(), name="raiser", distribution=("raiser-dist", "3.1"))
+        with pytest.raises(PluginError) as ei:
+            m.select("k", self.meta, self.ctx, omni_accum.load_policy({}, manager=m))
+        assert "plugin 'raiser' (distribution raiser-dist 3.1)" in str(ei.value) and "KeyError" in str(ei.value)
+        assert isinstance(ei.value.__cause__, KeyError)
+
+
+def test_process_wide_manager_is_created_once_and_can_be_replaced():
+    omni_accum.reset_manager(None)
+    first = omni_accum.get_manager()
+    assert omni_accum.get_manager() is first
+    mine = omni_accum.StrategyManager(load_entrypoints=False)
+    omni_accum.reset_manager(mine)
+    assert omni_accum.get_manager() is mine
