@@ -20,6 +20,7 @@ from omni_accum.errors import OmniAccumError
 COMMAND_MODULES: tuple[str, ...] = (
     "omni_accum.cli_policy",
     "omni_accum.bench_cli",
+    "omni_accum.tuner.cli",
 )
 
 

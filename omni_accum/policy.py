@@ -102,6 +102,8 @@ class TunedCell(BaseModel):
     """Median step cost in microseconds of every candidate measured (label -> us)."""
     excluded: dict[str, str] = Field(default_factory=dict)
     """Candidates excluded, with the reason (wrong views, raised, over memory budget)."""
+    peak_bytes: dict[str, int] = Field(default_factory=dict)
+    """Peak bytes the key's state held under each candidate (label -> bytes)."""
 
 
 class TunedTable(BaseModel):
@@ -125,6 +127,10 @@ class TunedTable(BaseModel):
     """Workload the table was tuned on."""
     wire: str = "inproc"
     """Wire mode the table was tuned with."""
+    complete: bool = True
+    """False while (or when) the tuner stopped before measuring every bucket; ``--resume`` goes on."""
+    skipped: dict[str, str] = Field(default_factory=dict)
+    """Workload keys not tuned, with the reason (carried once, decided by an explicit rule)."""
 
     _index: dict[tuple[str, int, int], TunedCell] = PrivateAttr(default_factory=dict)
     _clamped: int = PrivateAttr(default=0)

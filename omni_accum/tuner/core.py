@@ -1,0 +1,267 @@
+"""The tuning loop: per bucket, time every applicable candidate per key against the baseline.
+
+For each bucket (context length x concurrency) the workload's trace is replayed end to end
+(encode, wire, merge, read as the workload reads) through one arm per candidate: the baseline
+policy with one key switched to that candidate. Arms are interleaved round by round (rotated
+order). After the first round a candidate is excluded when its views differ from the cat
+reference or it raised (correctness gate) or its state for the key exceeds the memory budget
+(default 2x the accumulated bytes, i.e. what ``cat`` holds). A key leaves the baseline only for
+a win > 5 % whose bootstrap interval excludes zero; among candidates within 5 % of the fastest,
+the one holding the fewest bytes wins (then default params, then name), so noise does not flip
+winners. Clear decisions stop early; arms more than 2x slower than the best are dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_accum.errors import OmniAccumError
+from omni_accum.loader import load_policy
+from omni_accum.manager import get_manager
+from omni_accum.policy import Policy, TunedCell
+from omni_accum.replay import UPSTREAM, ArmResult, measure
+from omni_accum.tuner.candidates import Candidate, candidates_for
+from omni_accum.tuner.stats import MIN_GAIN, bootstrap_gain, median
+from omni_accum.workloads import Workload, chunk_plans
+
+BASE = "baseline"
+#: A win this large after one round is decided without more rounds.
+CLEAR_WIN = 0.5
+
+
+class TuneError(OmniAccumError):
+    """The tuner cannot run as asked (bad option, nothing to tune, missing device)."""
+
+
+def with_rule(base: Policy, key: str, cand: Candidate) -> Policy:
+    """``base`` with ``key`` switched to ``cand`` by an exact rule in front."""
+    data = base.model_dump(mode="json", exclude={"tuned"})
+    data["rules"] = [{"match": key, "strategy": cand.strategy, "params": dict(cand.params)}] + [
+        r for r in data["rules"] if r["match"] != key
+    ]
+    data["description"] = f"{key} -> {cand.label}"
+    return load_policy(data)
+
+
+def tunable_keys(wl: Workload, base: Policy, context_lens: list[int]) -> tuple[list[str], dict[str, str]]:
+    """Keys worth tuning, and the reason each other key is not tuned."""
+    keys: list[str] = []
+    skipped: dict[str, str] = {}
+    for spec in wl.keys:
+        hit = base.match_rule(spec.path)
+        if hit is not None:
+            skipped[spec.path] = f"decided by the baseline's rules[{hit[0]}] (explicit rules beat the table)"
+            continue
+        carried = max(
+            sum(1 for p in chunk_plans(wl, cl) if _carries(spec, p)) for cl in context_lens
+        )
+        if carried <= 1:
+            skipped[spec.path] = "carried in one chunk only: nothing accumulates, every strategy is the same"
+            continue
+        keys.append(spec.path)
+    return keys, skipped
+
+
+def _carries(spec: Any, plan: Any) -> bool:
+    from omni_accum.workloads import _carries as carries
+
+    return carries(spec, plan)
+
+
+@dataclass
+class KeyDecision:
+    """What the tuner decided for one key in one bucket (becomes a :class:`TunedCell`)."""
+
+    key: str
+    winner: Candidate
+    baseline: str
+    margin: float | None
+    ci: tuple[float, float] | None
+    timings_us: dict[str, float]
+    excluded: dict[str, str]
+    peak_bytes: dict[str, int]
+
+
+@dataclass
+class BucketOutcome:
+    context_len: int
+    concurrency: int
+    decisions: dict[str, KeyDecision] = field(default_factory=dict)
+    rounds: int = 0
+    seconds: float = 0.0
+    reused: bool = False
+    verify: dict[str, float] | None = None
+
+    def cells(self) -> list[TunedCell]:
+        return [
+            TunedCell(
+                key=d.key,
+                context_len=self.context_len,
+                concurrency=self.concurrency,
+                strategy=d.winner.strategy,
+                params=d.winner.params,
+                baseline=d.baseline,
+                margin=None if d.margin is None else round(d.margin, 4),
+                ci=None if d.ci is None else (round(d.ci[0], 4), round(d.ci[1], 4)),
+                timings_us={k: round(v, 2) for k, v in d.timings_us.items()},
+                excluded=d.excluded,
+                peak_bytes=d.peak_bytes,
+            )
+            for d in self.decisions.values()
+        ]
+
+
+def tune_bucket(
+    wl: Workload,
+    base: Policy,
+    keys: list[str],
+    cands: dict[str, list[Candidate]],
+    *,
+    context_len: int,
+    concurrency: int,
+    wire: str,
+    max_rounds: int,
+    memory_factor: float,
+    progress: Callable[[int], None] | None = None,
+) -> BucketOutcome:
+    """Measure and decide every key of one bucket.
+
+    Each key is timed on the workload's trace reduced to that key (the other keys' cost is the
+    same in every arm and would only add time and noise): encode, wire, merge and the key's read.
+    """
+    t0 = time.monotonic()
+    out = BucketOutcome(context_len, concurrency)
+    for k in keys:
+        wl_k = wl.model_copy(update={"keys": [wl.key(k)]})
+        out.decisions[k], rounds = _tune_key(
+            wl_k, base, k, cands[k], context_len=context_len, concurrency=concurrency, wire=wire,
+            max_rounds=max_rounds, memory_factor=memory_factor, progress=progress,
+        )
+        out.rounds = max(out.rounds, rounds)
+    out.seconds = time.monotonic() - t0
+    return out
+
+
+def _tune_key(
+    wl: Workload,
+    base: Policy,
+    key: str,
+    cands: list[Candidate],
+    *,
+    context_len: int,
+    concurrency: int,
+    wire: str,
+    max_rounds: int,
+    memory_factor: float,
+    progress: Callable[[int], None] | None,
+) -> tuple[KeyDecision, int]:
+    choice = base.resolve(key)
+    base_label = Candidate(choice.strategy, dict(choice.params)).label
+    arms: dict[str, Policy] = {BASE: base}
+    owner: dict[str, Candidate] = {}
+    for cand in cands:
+        if cand.label != base_label:
+            arms[cand.label] = with_rule(base, key, cand)
+            owner[cand.label] = cand
+    samples: dict[str, list[float]] = {lab: [] for lab in arms}
+    excluded: dict[str, str] = {}
+    peak: dict[str, int] = {}
+    active = list(arms)
+    rounds = 0
+    for rnd in range(max_rounds):
+        order = active[rnd % len(active):] + active[: rnd % len(active)]
+        results: list[ArmResult] = measure(
+            wl, {lab: arms[lab] for lab in order}, context_len=context_len, concurrency=concurrency, wire=wire,
+            repeats=1, check=rnd == 0, per_key=rnd == 0, length_hints=False, progress=progress,
+        )
+        rounds = rnd + 1
+        for r in results:
+            if r.error is not None or not r.correct:
+                if r.arm == BASE:
+                    raise TuneError(f"the baseline policy fails on key {key!r}: {r.mismatch or r.error}")
+                excluded[r.arm] = (
+                    f"views differ from the cat reference: {r.mismatch}" if r.error is None else f"raised {r.error}"
+                )
+                continue
+            samples[r.arm] += r.pooled()
+            if rnd == 0:
+                peak[base_label if r.arm == BASE else r.arm] = r.per_key[key].peak_bytes if key in r.per_key else 0
+        if rnd == 0:
+            budget = memory_factor * peak.get(base_label, 0)
+            for lab in owner:
+                if lab not in excluded and budget > 0 and peak.get(lab, 0) > budget:
+                    excluded[lab] = (
+                        f"holds {peak[lab]} bytes, over the memory budget {int(budget)} "
+                        f"({memory_factor:g}x the accumulated bytes)"
+                    )
+        mine = [lab for lab in owner if lab not in excluded and samples[lab]]
+        if not mine:
+            break
+        best = min(mine, key=lambda lab: median(samples[lab]))
+        g = bootstrap_gain(samples[BASE], samples[best])
+        if g.low > CLEAR_WIN or g.high < MIN_GAIN:
+            break
+        cut = 2.0 * median(samples[best])  # successive halving: arms that cannot win leave
+        active = [lab for lab in active if lab == BASE or (lab in mine and median(samples[lab]) <= cut)]
+    return _decide(key, base_label, choice, owner, samples, excluded, peak), rounds
+
+
+def _decide(key, base_label, base_choice, owner, samples, excluded, peak) -> KeyDecision:
+    mine = [lab for lab in owner if lab not in excluded and samples[lab]]
+    timings = {base_label: median(samples[BASE])}
+    timings.update({lab: median(samples[lab]) for lab in mine})
+    excl = {lab: why for lab, why in excluded.items()}
+    base_cand = Candidate(base_choice.strategy, dict(base_choice.params))
+    if not mine:
+        return KeyDecision(key, base_cand, base_label, None, None, timings, excl, peak)
+    best = min(mine, key=lambda lab: median(samples[lab]))
+    g = bootstrap_gain(samples[BASE], samples[best])
+    if not g.significant_win:
+        return KeyDecision(key, base_cand, base_label, g.gain, (g.low, g.high), timings, excl, peak)
+    limit = median(samples[best]) * (1.0 + MIN_GAIN)
+    equivalent = [lab for lab in mine if median(samples[lab]) <= limit]
+    order = {lab: i for i, lab in enumerate(mine)}
+    pick = min(equivalent, key=lambda lab: (peak.get(lab, 0), bool(owner[lab].params), order[lab]))
+    gp = bootstrap_gain(samples[BASE], samples[pick])
+    if not gp.significant_win:
+        pick, gp = best, g
+    return KeyDecision(key, owner[pick], base_label, gp.gain, (gp.low, gp.high), timings, excl, peak)
+
+
+def verify_bucket(
+    wl: Workload, tuned: Policy, baseline: Policy | str, *, context_len: int, concurrency: int, wire: str,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, float]:
+    """One interleaved round of the tuned policy against ``baseline`` (upstream when available)."""
+    res = measure(
+        wl, {"reference": baseline, "tuned": tuned}, context_len=context_len, concurrency=concurrency, wire=wire,
+        repeats=1, check=False, length_hints=False, progress=progress,
+    )
+    ref, new = res
+    if new.error or ref.error:
+        return {}
+    g = bootstrap_gain(ref.pooled(), new.pooled())
+    return {
+        "reference_p50_us": round(ref.step_us_p50, 2),
+        "tuned_p50_us": round(new.step_us_p50, 2),
+        "reference_total_us": round(ref.total_us_per_request[0], 1),
+        "tuned_total_us": round(new.total_us_per_request[0], 1),
+        "gain": round(g.gain, 4),
+        "gain_low": round(g.low, 4),
+        "gain_high": round(g.high, 4),
+    }
+
+
+def reference_arm() -> Policy | str:
+    """``upstream`` (vllm-omni 0.30.0's own code) when importable, else the ``default`` preset."""
+    from omni_accum.bench import upstream_available
+
+    return UPSTREAM if upstream_available() else load_policy("default")
+
+
+def all_candidates(wl: Workload, keys: list[str], *, grid: bool = True) -> dict[str, list[Candidate]]:
+    mgr = get_manager()
+    return {k: candidates_for(wl.key(k).kind, mgr, grid=grid) for k in keys}

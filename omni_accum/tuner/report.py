@@ -1,0 +1,110 @@
+"""Human-readable tables of a tuned policy: decisions with margins, and the gain over upstream."""
+
+from __future__ import annotations
+
+from omni_accum.fingerprint import fingerprint_mismatches
+from omni_accum.policy import Policy, TunedTable
+from omni_accum.tuner.core import BucketOutcome
+
+
+def _us(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x / 1000:.2f} ms" if x >= 1000 else f"{x:.1f} us"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    out += [fmt.format(*r) for r in rows]
+    return "\n".join(out)
+
+
+def decision_table(table: TunedTable) -> str:
+    """One row per bucket and key: winner, margin over the baseline with its interval, timings."""
+    rows = []
+    for c in sorted(table.cells, key=lambda c: (c.context_len, c.concurrency, c.key)):
+        label = c.strategy + (f" {c.params}" if c.params else "")
+        base_t = c.timings_us.get(c.baseline)
+        win_label = c.strategy if not c.params else None
+        win_t = min(c.timings_us.values()) if win_label is None else c.timings_us.get(c.strategy)
+        if c.params:
+            inner = ",".join(f"{k}={v}" for k, v in sorted(c.params.items()))
+            win_t = c.timings_us.get(f"{c.strategy}{{{inner}}}", win_t)
+        changed = "" if label == c.baseline else " *"
+        ci = "-" if c.ci is None else f"[{_pct(c.ci[0])}, {_pct(c.ci[1])}]"
+        rows.append(
+            [
+                f">={c.context_len}",
+                f">={c.concurrency}",
+                c.key,
+                label + changed,
+                _pct(c.margin),
+                ci,
+                _us(base_t),
+                _us(win_t),
+                str(len(c.timings_us)),
+                str(len(c.excluded)),
+            ]
+        )
+    head = ["context", "conc", "key", "strategy", "margin", "95% CI", "baseline", "winner", "timed", "excluded"]
+    return _table(rows, head) + "\n(* = leaves the baseline; margin = step-time gain over the baseline)"
+
+
+def show(policy: Policy, source: str = "") -> str:
+    """What ``omni-accum tune --show`` prints."""
+    t = policy.tuned
+    if t is None:
+        return f"{source}: no tuned table (it is a plain policy; `omni-accum show` prints it)"
+    lines = [
+        f"{source}: tuned on workload {t.workload!r}, wire {t.wire!r}"
+        + ("" if t.complete else " — PARTIAL: some buckets were not measured (tune --resume finishes it)"),
+        f"buckets: context_len edges {t.context_len_edges} x concurrency edges {t.concurrency_edges} "
+        "(floor: a value uses the largest edge <= it; values outside the edges clamp to the end buckets)",
+    ]
+    diffs = fingerprint_mismatches(t.fingerprint)
+    lines.append(
+        "fingerprint: matches this environment"
+        if not diffs
+        else "fingerprint: DOES NOT match this environment, the table would be ignored here: " + "; ".join(diffs)
+    )
+    for k, why in t.skipped.items():
+        lines.append(f"not tuned: {k}: {why}")
+    lines.append("")
+    lines.append(decision_table(t))
+    excluded = [(c, lab, why) for c in t.cells for lab, why in c.excluded.items()]
+    if excluded:
+        lines.append("")
+        lines.append("excluded candidates:")
+        for c, lab, why in excluded:
+            lines.append(f"  context>={c.context_len} conc>={c.concurrency} {c.key} {lab}: {why}")
+    return "\n".join(lines)
+
+
+def gain_table(outcomes: list[BucketOutcome], reference: str) -> str:
+    """Per bucket: the reference's and the tuned policy's step p50 and per-request total, and the gain."""
+    rows = []
+    for o in outcomes:
+        v = o.verify or {}
+        if not v:
+            rows.append([str(o.context_len), str(o.concurrency), "-", "-", "-", "-", "reused" if o.reused else "-"])
+            continue
+        speed = v["reference_total_us"] / v["tuned_total_us"] if v.get("tuned_total_us") else float("nan")
+        rows.append(
+            [
+                str(o.context_len),
+                str(o.concurrency),
+                _us(v["reference_p50_us"]),
+                _us(v["tuned_p50_us"]),
+                f"{v['reference_total_us'] / 1000:.1f} ms",
+                f"{v['tuned_total_us'] / 1000:.1f} ms",
+                f"{speed:.1f}x ({_pct(v['gain'])} p50, CI [{_pct(v['gain_low'])}, {_pct(v['gain_high'])}])",
+            ]
+        )
+    head = ["context", "conc", f"{reference} p50", "tuned p50", f"{reference} /req", "tuned /req", "gain"]
+    return _table(rows, head)

@@ -1,0 +1,247 @@
+"""``tune()``: the whole tuning run — buckets, budget, resume, atomic writes, verification."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from omni_accum.errors import OmniAccumError, PolicyError
+from omni_accum.fingerprint import current_fingerprint, fingerprint_mismatches
+from omni_accum.loader import dump_policy, load_policy
+from omni_accum.policy import Policy, TunedCell, TunedTable
+from omni_accum.tuner.buckets import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_CONTEXT_LENS,
+    QUICK_CONCURRENCY,
+    QUICK_CONTEXT_LENS,
+    check_edges,
+)
+from omni_accum.tuner.candidates import candidate_set_hash
+from omni_accum.tuner.core import (
+    BucketOutcome,
+    KeyDecision,
+    TuneError,
+    all_candidates,
+    reference_arm,
+    tunable_keys,
+    tune_bucket,
+    verify_bucket,
+)
+from omni_accum.tuner.candidates import Candidate
+from omni_accum.workloads import Workload, load_workload
+
+
+@dataclass
+class TuneOptions:
+    """Options of one tuning run (see ``omni-accum tune --help``)."""
+
+    workload: str | Workload = "qwen3-omni-seed"
+    out: Path = Path("tuned-policy.yaml")
+    context_lens: list[int] | None = None
+    concurrency: list[int] | None = None
+    wire: str = "inproc"
+    device: str = "cpu"
+    budget_s: float | None = None
+    quick: bool = False
+    resume: bool = False
+    base: str = "default"
+    decode_steps: int | None = None
+    max_rounds: int | None = None
+    memory_factor: float = 2.0
+    verify: bool | None = None
+    """Time the tuned policy against upstream per bucket (default: on, off with ``quick``)."""
+
+
+@dataclass
+class TuneResult:
+    policy: Policy
+    out: Path
+    outcomes: list[BucketOutcome] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    complete: bool = True
+    stopped: str | None = None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _header(wl: Workload, opts: TuneOptions, complete: bool) -> str:
+    state = "complete" if complete else "PARTIAL (run again with --resume to finish)"
+    return (
+        f"# Tuned by `omni-accum tune` on workload {wl.name!r} over the {opts.wire!r} wire ({state}).\n"
+        "# Explicit rules beat the tuned table; the table is ignored (with a warning) when the fingerprint\n"
+        "# does not match the running environment. Inspect with: omni-accum tune --show THIS_FILE\n"
+    )
+
+
+def build_output(
+    base: Policy, wl: Workload, opts: TuneOptions, cells: list[TunedCell], edges: tuple[list[int], list[int]],
+    fingerprint: dict, skipped: dict[str, str], complete: bool,
+) -> Policy:
+    data = base.model_dump(mode="json", exclude={"tuned"})
+    data["description"] = f"tuned on {wl.name} ({opts.wire} wire); baseline: {opts.base}"
+    data["tuned"] = {
+        "context_len_edges": edges[0],
+        "concurrency_edges": edges[1],
+        "cells": [c.model_dump(mode="json") for c in cells],
+        "fingerprint": fingerprint,
+        "workload": wl.name,
+        "wire": opts.wire,
+        "complete": complete,
+        "skipped": skipped,
+    }
+    return load_policy(data)
+
+
+def _resumable(opts: TuneOptions, wl: Workload, fp: dict, log: TextIO | None) -> dict[tuple[int, int], list[TunedCell]]:
+    if not opts.resume or not Path(opts.out).is_file():
+        return {}
+    try:
+        old = load_policy(opts.out)
+    except PolicyError as e:
+        _say(log, f"--resume: {opts.out} is not a valid policy, starting over ({e.errors[0]})")
+        return {}
+    t = old.tuned
+    why = None
+    if t is None:
+        why = "it has no tuned table"
+    elif t.workload != wl.name or t.wire != opts.wire:
+        why = f"it was tuned on {t.workload!r}/{t.wire!r}, not {wl.name!r}/{opts.wire!r}"
+    elif t.fingerprint.get("candidates") != fp.get("candidates"):
+        why = "its candidate set differs (strategies or plugins changed)"
+    else:
+        diffs = fingerprint_mismatches(t.fingerprint, opts.device)
+        if diffs:
+            why = "it was measured in another environment (" + "; ".join(diffs) + ")"
+    if why:
+        _say(log, f"--resume: not reusing {opts.out}: {why}")
+        return {}
+    by_bucket: dict[tuple[int, int], list[TunedCell]] = {}
+    for c in t.cells:
+        by_bucket.setdefault((c.context_len, c.concurrency), []).append(c)
+    return by_bucket
+
+
+def _say(log: TextIO | None, msg: str) -> None:
+    if log is not None:
+        print(msg, file=log, flush=True)
+
+
+def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | None = None) -> TuneResult:
+    """Run the tuner; write ``opts.out`` atomically after every bucket. See :mod:`omni_accum.tuner.core`."""
+    t0 = time.monotonic()
+    if opts.device not in ("cpu", "cuda"):
+        raise TuneError(f"--device {opts.device!r}: choose cpu or cuda")
+    if opts.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise TuneError("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False)")
+    if not opts.memory_factor > 0:
+        raise TuneError(f"--memory-budget must be > 0, got {opts.memory_factor}")
+    wl = load_workload(opts.workload)
+    try:
+        cls = check_edges("--context-lens", list(opts.context_lens or (QUICK_CONTEXT_LENS if opts.quick else DEFAULT_CONTEXT_LENS)))
+        concs = check_edges("--concurrency", list(opts.concurrency or (QUICK_CONCURRENCY if opts.quick else DEFAULT_CONCURRENCY)))
+    except ValueError as e:
+        raise TuneError(str(e)) from e
+    steps = opts.decode_steps if opts.decode_steps is not None else (3 if opts.quick else 8)
+    target = 12 if opts.quick else 24
+
+    def bucket_workload(c: int) -> Workload:
+        # Enough decode steps that every arm gets ~target step samples per round at any concurrency.
+        n = steps if opts.decode_steps is not None else max(steps, -(-target // c))
+        return wl.model_copy(update={"decode_steps": min(wl.decode_steps, n)})
+
+    wl_t = bucket_workload(max(concs))
+    rounds = opts.max_rounds or (2 if opts.quick else 3)
+    base = load_policy(opts.base)
+    keys, skipped = tunable_keys(wl_t, base, cls)
+    if not keys:
+        raise TuneError(f"nothing to tune on workload {wl.name!r}: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+    cands = all_candidates(wl_t, keys)
+    fp = current_fingerprint(opts.device, candidate_set_hash(cands, __import__("omni_accum.manager").manager.get_manager()))
+    reuse = _resumable(opts, wl, fp, log)
+    buckets = [(cl, c) for cl in cls for c in concs]
+    verify = (not opts.quick) if opts.verify is None else opts.verify
+    ref = reference_arm() if verify else None
+    bar = None
+    if progress is not None:
+        from omni_accum.bench import Progress
+
+        n_arms = sum(1 + len(v) for v in cands.values())
+        total = sum((n_arms + (2 if ref is not None else 0)) * c * bucket_workload(c).n_chunks(cl) for cl, c in buckets)
+        bar = Progress(total, progress)
+    result = TuneResult(policy=base, out=Path(opts.out))
+    cells: list[TunedCell] = []
+    deadline = t0 + opts.budget_s if opts.budget_s else None
+    try:
+        for i, (cl, c) in enumerate(buckets):
+            old = reuse.get((cl, c), [])
+            if old and {x.key for x in old} >= set(keys):
+                outcome = BucketOutcome(cl, c, reused=True)
+                for x in old:
+                    if x.key in keys:
+                        outcome.decisions[x.key] = KeyDecision(
+                            x.key, Candidate(x.strategy, dict(x.params)), x.baseline, x.margin, x.ci,
+                            dict(x.timings_us), dict(x.excluded), dict(x.peak_bytes),
+                        )
+                _say(log, f"bucket context_len={cl} concurrency={c}: reused from {opts.out}")
+            else:
+                if deadline is not None and time.monotonic() > deadline:
+                    result.stopped = f"budget of {opts.budget_s:g} s spent after {i} of {len(buckets)} buckets"
+                    break
+                outcome = tune_bucket(
+                    bucket_workload(c), base, keys, cands, context_len=cl, concurrency=c, wire=opts.wire,
+                    max_rounds=rounds,
+                    memory_factor=opts.memory_factor, progress=bar.advance if bar else None,
+                )
+            cells += outcome.cells()
+            done = i + 1 == len(buckets)
+            policy = build_output(base, wl, opts, cells, (cls, concs), fp, skipped, complete=done)
+            if ref is not None and not outcome.reused:
+                outcome.verify = verify_bucket(
+                    bucket_workload(c), policy, ref, context_len=cl, concurrency=c, wire=opts.wire,
+                    progress=bar.advance if bar else None,
+                )
+            result.outcomes.append(outcome)
+            write_atomic(opts.out, _header(wl, opts, done) + dump_policy(policy))
+            result.policy = policy
+            _say(log, f"bucket context_len={cl} concurrency={c}: {outcome.rounds} round(s), {outcome.seconds:.1f} s")
+    except KeyboardInterrupt:
+        result.stopped = "interrupted"
+        result.complete = False
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        result.elapsed_s = time.monotonic() - t0
+    result.complete = result.stopped is None
+    if not result.complete and cells:
+        policy = build_output(base, wl, opts, cells, (cls, concs), fp, skipped, complete=False)
+        write_atomic(opts.out, _header(wl, opts, False) + dump_policy(policy))
+        result.policy = policy
+    return result
+
+
+__all__ = ["OmniAccumError", "TuneOptions", "TuneResult", "tune", "write_atomic"]

@@ -1,0 +1,73 @@
+"""Statistics of the tuner: medians, bootstrap confidence intervals, the decision rule."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: Leave the baseline only for a win larger than this (relative), with an interval excluding zero.
+MIN_GAIN = 0.05
+
+
+def median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    if n == 0:
+        raise ValueError("median of no samples")
+    mid = n // 2
+    return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        raise ValueError("percentile of no samples")
+    k = min(len(s) - 1, max(0, round(q / 100.0 * (len(s) - 1))))
+    return s[k]
+
+
+@dataclass(frozen=True)
+class Gain:
+    """Relative gain of a candidate over the baseline: ``1 - median(candidate) / median(baseline)``.
+
+    Attributes:
+        gain: point estimate (0.25 = 25 % faster; negative = slower).
+        low: lower end of the bootstrap confidence interval.
+        high: upper end.
+    """
+
+    gain: float
+    low: float
+    high: float
+
+    @property
+    def significant_win(self) -> bool:
+        """True when the win is above :data:`MIN_GAIN` and the interval excludes zero."""
+        return self.gain > MIN_GAIN and self.low > 0.0
+
+
+def bootstrap_gain(
+    baseline: Sequence[float],
+    candidate: Sequence[float],
+    *,
+    resamples: int = 400,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> Gain:
+    """Bootstrap the relative gain of medians (percentile interval, deterministic seed)."""
+    if not baseline or not candidate:
+        raise ValueError("bootstrap needs samples on both arms")
+    point = 1.0 - median(candidate) / median(baseline)
+    rng = random.Random(seed)
+    nb, nc = len(baseline), len(candidate)
+    gains = []
+    for _ in range(resamples):
+        b = median([baseline[rng.randrange(nb)] for _ in range(nb)])
+        c = median([candidate[rng.randrange(nc)] for _ in range(nc)])
+        gains.append(1.0 - c / b if b > 0 else 0.0)
+    gains.sort()
+    alpha = (1.0 - confidence) / 2.0
+    lo = gains[int(alpha * (resamples - 1))]
+    hi = gains[int((1.0 - alpha) * (resamples - 1))]
+    return Gain(point, lo, hi)
