@@ -88,6 +88,9 @@ def parse_text(text: str, fmt: str, source: str) -> Any:
         mark = e.problem_mark or e.context_mark
         line = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = e.problem or str(e)
+        ctx = e.context_mark
+        if e.context and ctx is not None and mark is not None and ctx.line != mark.line:
+            problem += f" ({e.context} at line {ctx.line + 1}, column {ctx.column + 1})"
         if isinstance(e, yaml.constructor.ConstructorError) and "constructor for the tag" in problem:
             problem += " (policies are data: YAML tags that build Python objects are not allowed)"
         raise PolicyError(f"{source}: {line}invalid YAML: {problem}", source=source) from e
@@ -99,12 +102,46 @@ def parse_text(text: str, fmt: str, source: str) -> Any:
         raise PolicyError(f"{source}: invalid TOML: {e}", source=source) from e
     except RecursionError as e:
         raise PolicyError(f"{source}: invalid {fmt.upper()}: nested too deeply", source=source) from e
+    except (ValueError, TypeError, IndexError, OverflowError) as e:
+        # PyYAML's safe constructors raise plain exceptions for bad tagged scalars (``!!int x``, ``!!binary ?``).
+        where = _bad_scalar_line(text) if fmt == "yaml" else None
+        line = f"line {where}: " if where else ""
+        raise PolicyError(f"{source}: {line}invalid {fmt.upper()} value: {type(e).__name__}: {e}", source=source) from e
+
+
+def _bad_scalar_line(text: str) -> int | None:
+    """1-based line of the first scalar the safe loader cannot construct, or None."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except (yaml.YAMLError, RecursionError):
+        return None
+    stack = [root] if root is not None else []
+    while stack:
+        node = stack.pop()
+        if isinstance(node, yaml.ScalarNode):
+            try:
+                yaml.SafeLoader("").construct_object(node, deep=True)
+            except Exception:  # noqa: BLE001 - any failure locates the bad scalar
+                return node.start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(reversed(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            stack.extend(n for kv in reversed(node.value) for n in reversed(kv))
+    return None
+
+
+_PLAIN_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
 
 def _format_loc(loc: tuple[Any, ...]) -> str:
+    """``("rules", 0, "params")`` -> ``rules[0].params``; odd keys are quoted (``':'``, ``'a.b'``)."""
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int) and out:
+            out += f"[{part}]"
+            continue
+        name = part if isinstance(part, str) and _PLAIN_KEY_RE.fullmatch(part) else repr(part)
+        out += f".{name}" if out else name
     return out or "(top level)"
 
 
@@ -142,7 +179,10 @@ def _validation_messages(err: ValidationError, source: str, text: str | None) ->
         line = _yaml_line(text, loc) if text is not None and loc else None
         where = f"{source}" + (f", line {line}" if line else "")
         msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
+        if loc and loc[-1] == "[key]":  # a mapping key of the wrong type
+            loc = loc[:-1]
+            msg = f"keys must be strings, got {type(loc[-1]).__name__ if loc else 'another type'} key"
+        elif e["type"] == "extra_forbidden":
             model = _model_at(loc)
             allowed = f". Allowed fields: {', '.join(model.model_fields)}" if model is not None else ""
             msg = f"unknown field{allowed}"
