@@ -1,0 +1,258 @@
+"""``omni-accum strategies | validate | explain | show`` (in-process through cli.main)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from omni_accum import cli
+from omni_accum.loader import load_policy
+from omni_accum.manager import get_manager
+from omni_accum.policy import Policy
+
+STRATEGIES = ["cat", "prealloc", "replace", "send_once", "token_list"]  # built-ins; plugins may add more
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+def usage(capsys, *argv):
+    with pytest.raises(SystemExit) as ei:
+        cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return ei.value.code, out, err
+
+
+@pytest.mark.parametrize("command", ["strategies", "validate", "explain", "show"])
+def test_every_command_has_help_with_examples(capsys, command):
+    code, out, _ = usage(capsys, command, "--help")
+    assert code == 0
+    assert f"usage: omni-accum {command}" in out and "examples:" in out and f"omni-accum {command}" in out
+
+
+def test_top_level_help_lists_the_commands(capsys):
+    code, out, _ = usage(capsys, "--help")
+    assert code == 0
+    for c in ("strategies", "validate", "explain", "show"):
+        assert c in out
+
+
+# -- strategies -------------------------------------------------------------------------------- #
+
+
+def test_strategies_text(capsys):
+    code, out, _ = run(capsys, "strategies")
+    assert code == 0
+    for name in STRATEGIES:
+        assert f"\n{name}  [" in "\n" + out
+    assert "prealloc  [append]  plugin 'prealloc' from omni-accum 0.1.0" in out
+    assert "param growth_factor: float (default 2.0, > 1.0 and <= 16.0)" in out
+    assert "param initial_capacity: int (default 64, >= 1 and <= 16777216)" in out
+
+
+def test_strategies_json(capsys):
+    code, out, _ = run(capsys, "strategies", "--json")
+    assert code == 0
+    data = json.loads(out)
+    by_name = {s["name"]: s for s in data["strategies"]}
+    assert set(STRATEGIES) <= set(by_name)
+    pre = by_name["prealloc"]
+    assert pre["kinds"] == ["append"] and pre["plugin"] == "prealloc"
+    assert pre["distribution"] == {"name": "omni-accum", "version": "0.1.0"}
+    params = {p["name"]: p for p in pre["params"]}
+    assert params["growth_factor"]["default"] == 2.0 and params["growth_factor"]["constraints"] == ["> 1.0", "<= 16.0"]
+    assert by_name["send_once"]["kinds"] == ["replace", "static"] and by_name["send_once"]["params"] == []
+    assert data["problems"] == []
+
+
+# -- validate ---------------------------------------------------------------------------------- #
+
+
+def test_validate_presets_and_files(capsys, tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"default": "prealloc"}))
+    code, out, err = run(capsys, "validate", "default", "qwen3-omni", "qwen3-omni-flat", str(good))
+    assert code == 0 and err == ""
+    assert "qwen3-omni: ok (10 rules)" in out and f"{good}: ok (0 rules)" in out
+
+
+def test_validate_lists_every_error_of_every_file(capsys, tmp_path):
+    a = tmp_path / "a.yaml"
+    a.write_text("default: catt\nrules:\n  - match: x\n    strategy: prealloc\n    params: {growth: 2}\n")
+    b = tmp_path / "b.yaml"
+    b.write_text("rules:\n  - match: [x\n")
+    code, out, err = run(capsys, "validate", str(a), "qwen3-omni", str(b), "no-such-preset", str(tmp_path / "c.toml"))
+    assert code == 1
+    assert f"{a}: 2 error(s)" in out
+    assert f"{a}, line 1: default.strategy: unknown strategy 'catt'. Available: {', '.join(get_manager().names())}" in out
+    assert f"{a}, line 5: rules[0].params.growth: unknown param (strategy 'prealloc'" in out
+    assert "qwen3-omni: ok" in out
+    assert f"{b}: line 3" in out and "invalid YAML" in out
+    assert "'no-such-preset' is neither a policy file nor a preset. Available presets: default" in out
+    assert "c.toml: no such policy file" in out
+    assert "4 of 5 policies invalid" in err
+
+
+def test_validate_json(capsys, tmp_path):
+    a = tmp_path / "a.yaml"
+    a.write_text("version: 3\n")
+    code, out, _ = run(capsys, "validate", "--json", str(a), "default")
+    assert code == 1
+    data = json.loads(out)
+    assert data["valid"] is False
+    assert data["policies"][0] == {"policy": str(a), "valid": False,
+                                   "errors": [f"{a}, line 1: version: Input should be 1 (got 3)"]}
+    assert data["policies"][1]["valid"] is True
+
+
+@pytest.mark.parametrize("argv", [["validate"], ["validate", "--bogus", "default"], ["explain", "default"],
+                                  ["explain", "default", "--key", "a", "--concurrency", "0"],
+                                  ["explain", "default", "--key", "a", "--context-len", "-5"],
+                                  ["explain", "default", "--key", "a", "--value-type", "int"],
+                                  ["show"], ["nope"], []])
+def test_usage_errors_exit_2(capsys, argv):
+    code, out, err = usage(capsys, *argv)
+    assert code == 2 and "usage: omni-accum" in err and "Traceback" not in err
+
+
+def test_validate_python_tag_is_not_executed(capsys, tmp_path):
+    marker = tmp_path / "pwned"
+    p = tmp_path / "evil.yaml"
+    p.write_text(f"default: !!python/object/apply:os.system ['touch {marker}']\n")
+    code, out, _ = run(capsys, "validate", str(p))
+    assert code == 1 and "YAML tags that build Python objects are not allowed" in out and "line 1" in out
+    assert not marker.exists()
+
+
+# -- explain ----------------------------------------------------------------------------------- #
+
+
+def explain(capsys, *argv):
+    code, out, _ = run(capsys, "explain", *argv, "--json")
+    assert code == 0
+    return json.loads(out)
+
+
+def test_explain_exact_rule(capsys):
+    d = explain(capsys, "qwen3-omni", "--key", "embed.decode")
+    assert d["strategy"] == "prealloc" and d["params"] == {"initial_capacity": 64, "growth_factor": 2.0}
+    assert d["reason"] == {"kind": "rule", "rule_index": 2, "match": "embed.decode", "glob": False,
+                           "description": "one [1, 2048] row per decode step"}
+    assert d["value_type"] == "tensor" and d["kinds"] == ["append"]
+
+
+def test_explain_glob_default_and_protocol(capsys, tmp_path):
+    d = explain(capsys, "qwen3-omni", "--key", "embed.tts_pad")
+    assert d["strategy"] == "send_once" and d["reason"]["glob"] and d["reason"]["match"] == "embed.tts_*"
+    d = explain(capsys, "qwen3-omni", "--key", "ids.all", "--value-type", "list")
+    assert d["strategy"] == "cat" and d["reason"] == {"kind": "default"} and d["value_type"] == "list"
+    p = tmp_path / "p.yaml"
+    p.write_text("default: token_list\nrules:\n  - {match: 'a.*', strategy: cat}\n  - {match: 'a.b*', strategy: replace}\n")
+    d = explain(capsys, str(p), "--key", "meta.finished")
+    assert d["strategy"] == "replace" and d["reason"]["kind"] == "protocol"
+    d = explain(capsys, str(p), "--key", "a.bc")
+    assert d["reason"]["rule_index"] == 0 and any("a.b*" in n for n in d["notes"])
+
+
+def test_explain_text_says_why_and_what_it_assumed(capsys):
+    code, out, _ = run(capsys, "explain", "qwen3-omni", "--key", "speaker", "--context-len", "8000")
+    assert code == 0
+    assert "key 'speaker' -> send_once (no params)" in out
+    assert "why: rules[4] exact match 'speaker'" in out
+    assert "assumed: value type 'tensor' (--value-type), context_len 8000, concurrency 1" in out
+    assert "no tuned table" in out
+    code, out, _ = run(capsys, "explain", "default", "--key", "codes.audio")
+    assert "why: the policy's default (no rule matches, no tuned table)" in out
+
+
+def test_explain_tuned_bucket(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(Policy, "tuned_usable", lambda self: True)
+    p = tmp_path / "tuned.yaml"
+    p.write_text(yaml.safe_dump({
+        "default": "cat",
+        "tuned": {"context_len_edges": [0, 8000], "concurrency_edges": [1, 10], "cells": [
+            {"key": "embed.prefill", "context_len": 8000, "concurrency": 10, "strategy": "prealloc",
+             "params": {"growth_factor": 1.5}}]},
+    }))
+    d = explain(capsys, str(p), "--key", "embed.prefill", "--context-len", "9000", "--concurrency", "12")
+    assert d["strategy"] == "prealloc" and d["params"]["growth_factor"] == 1.5
+    assert d["reason"] == {"kind": "tuned", "context_len_bucket": 8000, "concurrency_bucket": 10, "clamped": True}
+    d = explain(capsys, str(p), "--key", "embed.prefill", "--context-len", "100")
+    assert d["reason"] == {"kind": "default"} and "tuned table has no cell" in " ".join(d["notes"])
+
+
+def test_explain_stale_tuned_table_says_so(capsys, tmp_path):
+    p = tmp_path / "tuned.yaml"
+    p.write_text(yaml.safe_dump({
+        "tuned": {"context_len_edges": [0], "concurrency_edges": [1], "fingerprint": {"torch": "0.0"},
+                  "cells": [{"key": "k", "context_len": 0, "concurrency": 1, "strategy": "prealloc"}]},
+    }))
+    d = explain(capsys, str(p), "--key", "k")
+    assert d["strategy"] == "cat" and any("tuned table not used" in n for n in d["notes"])
+
+
+def test_explain_plugin_override(capsys):
+    import omni_accum
+    from omni_accum.manager import StrategyManager, reset_manager
+    from omni_accum.policy import StrategyChoice
+
+    class Override:
+        @omni_accum.hookimpl
+        def omni_accum_select_strategy(self, key, meta, context, policy):
+            return StrategyChoice("token_list", {}, "plugin") if meta.value_type == "list" else None
+
+    m = StrategyManager()
+    m.pm.register(Override(), name="override")
+    reset_manager(m)
+    d = explain(capsys, "default", "--key", "ids.all", "--value-type", "list")
+    assert d["strategy"] == "token_list" and d["reason"]["kind"] == "plugin"
+    assert explain(capsys, "default", "--key", "ids.all")["strategy"] == "cat"
+
+
+def test_explain_and_show_invalid_policy_exit_1_without_traceback(capsys, tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text("default: nope\n")
+    for argv in (["explain", str(p), "--key", "a"], ["show", str(p)], ["show", "nope"]):
+        code, _, err = run(capsys, *argv)
+        assert code == 1 and err.startswith("omni-accum: error: ")
+
+
+# -- show -------------------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("name", ["default", "qwen3-omni", "qwen3-omni-flat"])
+def test_show_is_a_valid_equivalent_policy(capsys, tmp_path, name):
+    code, out, _ = run(capsys, "show", name)
+    assert code == 0 and out.startswith(f"# {name}, resolved")
+    data = yaml.safe_load(out)
+    assert all("params" in r for r in data["rules"]) and "params" in data["default"]
+    original = load_policy(name)
+    shown = load_policy(data)
+    for key in ["embed.decode", "embed.tts_bos", "meta.finished", "ids.all", "thinker_embeddings", "speaker"]:
+        a, b = original.resolve(key), shown.resolve(key)
+        assert a.strategy == b.strategy and a.source == b.source
+    code, out, _ = run(capsys, "show", name, "--json")
+    assert json.loads(out) == data
+
+
+def test_show_fills_param_defaults(capsys, tmp_path):
+    p = tmp_path / "p.toml"
+    p.write_text('default = "prealloc"\n')
+    code, out, _ = run(capsys, "show", str(p), "--json")
+    assert json.loads(out)["default"] == {"strategy": "prealloc", "params": {"initial_capacity": 64, "growth_factor": 2.0}}
+
+
+def test_console_script_runs(tmp_path):
+    """The installed ``omni-accum`` entry point, as a user runs it."""
+    r = subprocess.run([sys.executable, "-m", "omni_accum.cli", "validate", "qwen3-omni"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "qwen3-omni: ok (10 rules)"
