@@ -256,3 +256,40 @@ def test_console_script_runs(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "qwen3-omni: ok (10 rules)"
+
+
+# -- README "Policies" section: the commands shown work as written ------------------------------ #
+
+
+def _readme_policies() -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    return text.split("<!-- section: policies -->", 1)[1].split("<!-- /section: policies -->", 1)[0]
+
+
+def test_readme_policies_section_runs_as_written(capsys, tmp_path, monkeypatch):
+    import re
+
+    section = _readme_policies()
+    example = re.search(r"```yaml\n(# my-policy.yaml.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my-policy.yaml").write_text(example)
+    sessions = re.findall(r"```console\n(.*?)```", section, re.S)
+    assert len(sessions) == 2
+    checked = 0
+    for session in sessions:
+        for block in re.split(r"^\$ ", session, flags=re.M)[1:]:
+            cmd, _, expected = block.partition("\n")
+            argv = cmd.split()
+            if argv[0] == "cat":  # the shown file content: create it
+                (tmp_path / argv[1]).write_text(expected)
+                continue
+            assert argv[0] == "omni-accum"
+            code, out, _ = run(capsys, *argv[1:])
+            want = expected.rstrip("\n")
+            if "Available: " in want:  # installed plugins may add strategies to the list
+                want = re.sub(r"Available: [^\n]*", "Available: " + ", ".join(get_manager().names()), want)
+            assert out.rstrip("\n") == want, cmd
+            checked += 1
+    assert checked == 3
