@@ -47,6 +47,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--steps", type=int, metavar="N", help="decode steps per request (default: the workload's)")
     p.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch intra-op threads while measuring (default: 1, stable on a shared machine; 0: torch's default)")
+    p.add_argument("--through", choices=("direct", "vllm-omni"), default="direct",
+                   help="direct: call omni-accum's Sender/Receiver (or upstream's method); vllm-omni: every merge goes "
+                   "through a real vllm-omni 0.30.0 runner transport with omni-accum installed (needs vllm-omni)")
     p.add_argument("--per-key", action="store_true", help="also report wire and held bytes per key")
     p.add_argument("--json", metavar="OUT", help="write results as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="log-log plot of step latency vs context length (needs matplotlib)")
@@ -75,8 +78,18 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.through == "vllm-omni":
+        from omni_accum.replay import VllmOmniUnavailable
+
+        try:
+            import omni_accum.integrations.vllm_omni_replay  # noqa: F401 - registers THROUGH["vllm-omni"]
+        except ImportError as e:
+            raise VllmOmniUnavailable(
+                f"--through vllm-omni needs vllm-omni 0.30.0 (pip install 'omni-accum[vllm]'): {e}"
+            ) from e
     hop = f", view hop {args.view_hop}" if args.view_hop else ""
-    print(f"workload {wl.name}: arms {', '.join(arms)}; wire {args.wire}{hop}; {args.repeats} repeats", flush=True)
+    via = " through vllm-omni's runner transport" if args.through == "vllm-omni" else ""
+    print(f"workload {wl.name}: arms {', '.join(arms)}; wire {args.wire}{hop}{via}; {args.repeats} repeats", flush=True)
 
     def show(results: list[Any]) -> None:
         print()
@@ -84,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
     result = bench.run_bench(
         wl, arms, context_lens=args.context_lens, concurrency=args.concurrency, wire=args.wire,
-        view_hop=args.view_hop, repeats=args.repeats, per_key=args.per_key,
+        view_hop=args.view_hop, repeats=args.repeats, per_key=args.per_key, through=args.through,
         progress=None if args.no_progress else sys.stderr, on_bucket=show,
     )
     if result.delta_roundtrip_us is not None:

@@ -62,6 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                    help="time the tuned policy against upstream vllm-omni, one round per bucket, and print the "
                    "gain (default: on; off with --quick)")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch intra-op threads while measuring (default: 1, stable on a shared machine; 0: torch's default)")
     p.add_argument("--show", metavar="POLICY", help="print the decision table of a tuned policy file and exit")
     p.set_defaults(func=run)
 
@@ -77,6 +79,13 @@ def run(args: argparse.Namespace) -> int:
         if val is not None and val < 1:
             print(f"omni-accum tune: error: {name} must be >= 1, got {val}", file=sys.stderr)
             return 2
+    if args.threads < 0:
+        print(f"omni-accum tune: error: --threads must be >= 0, got {args.threads}", file=sys.stderr)
+        return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     opts = TuneOptions(
         workload=args.workload, out=args.out, context_lens=args.context_lens, concurrency=args.concurrency,
         wire=args.wire, device=args.device, budget_s=args.budget_s, quick=args.quick, resume=args.resume,

@@ -1,0 +1,266 @@
+"""The auto-tuner: statistics, buckets, candidates, gates, output file, resume, runtime use, CLI."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import omni_accum
+from omni_accum import cli
+from omni_accum.fingerprint import StaleTableWarning, current_fingerprint
+from omni_accum.policy import TunedTable
+from omni_accum.tuner import TuneOptions, tune
+from omni_accum.tuner import core as tuner_core
+from omni_accum.tuner.buckets import log_edges
+from omni_accum.tuner.candidates import candidate_set_hash, candidates_for
+from omni_accum.tuner.stats import bootstrap_gain, median
+
+TINY = {
+    "name": "tiny",
+    "context_len": 64,
+    "decode_steps": 6,
+    "concurrency": [1],
+    "keys": [
+        {"path": "embed.decode", "kind": "append", "carried": "every", "row_shape": [16], "read": "newest_row"},
+        {"path": "embed.tts_bos", "kind": "static", "carried": "every", "rows": 1, "row_shape": [1, 16]},
+        {"path": "embed.once", "kind": "append", "carried": "first", "row_shape": [16], "read": "never"},
+        {"path": "meta.finished", "kind": "replace", "value": "flag", "carried": "every"},
+    ],
+}
+
+
+def _opts(tmp_path: Path, **kw) -> TuneOptions:
+    base = dict(workload=TINY, out=tmp_path / "tuned.yaml", context_lens=[64, 256], concurrency=[1, 2],
+                decode_steps=6, max_rounds=2, verify=False)
+    base.update(kw)
+    return TuneOptions(**base)
+
+
+# -- statistics and buckets --------------------------------------------------------------------- #
+
+
+def test_bootstrap_gain_separates_clear_wins_from_noise():
+    slow = [100.0 + (i % 7) for i in range(40)]
+    fast = [10.0 + (i % 5) for i in range(40)]
+    g = bootstrap_gain(slow, fast)
+    assert g.significant_win and 0.85 < g.gain < 0.92 and g.low > 0.8
+    same = bootstrap_gain(slow, list(reversed(slow)))
+    assert not same.significant_win and same.low <= 0 <= same.high
+    slightly = bootstrap_gain(slow, [x * 0.97 for x in slow])  # a 3 % win is below the 5 % bar
+    assert not slightly.significant_win
+    assert median([3.0, 1.0, 2.0]) == 2.0
+
+
+def test_log_edges_and_floor_semantics_with_clamping():
+    assert log_edges(1000, 32000, 4) == [1000, 3175, 10079, 32000]
+    with pytest.raises(ValueError):
+        log_edges(0, 10, 3)
+    t = TunedTable(context_len_edges=[1000, 8000], concurrency_edges=[1, 10], cells=[
+        {"key": "k", "context_len": 1000, "concurrency": 1, "strategy": "cat"},
+        {"key": "k", "context_len": 8000, "concurrency": 10, "strategy": "prealloc"},
+    ])
+    ctx = omni_accum.StreamContext
+    assert t.lookup("k", ctx(context_len=7999, concurrency=9)).strategy == "cat"  # floor, not nearest
+    assert t.clamped_lookups == 0
+    assert t.lookup("k", ctx(context_len=8000, concurrency=10)).strategy == "prealloc"
+    assert t.lookup("k", ctx(context_len=100, concurrency=1)).strategy == "cat"  # below the first edge
+    assert t.lookup("k", ctx(context_len=99999, concurrency=50)).strategy == "prealloc"  # above the last
+    assert t.clamped_lookups == 2
+    with pytest.raises(ValueError, match="ascending"):
+        TunedTable(context_len_edges=[8000, 1000], concurrency_edges=[1])
+
+
+# -- candidates --------------------------------------------------------------------------------- #
+
+
+def test_candidates_are_filtered_by_declared_kinds():
+    mgr = omni_accum.get_manager()
+    append = {c.label for c in candidates_for("append", mgr)}
+    assert {"cat", "token_list", "prealloc", "prealloc{growth_factor=1.5}", "prealloc{growth_factor=4.0}"} <= append
+    assert not append & {"replace", "send_once", "delta"}
+    static = {c.strategy for c in candidates_for("static", mgr)}
+    replace = {c.strategy for c in candidates_for("replace", mgr)}
+    assert {"replace", "send_once"} <= static and not static & {"cat", "prealloc", "token_list"}
+    assert "replace" in replace
+    if mgr.get_spec("delta") is not None:  # the example third-party plugin, installed by scripts/env.sh
+        assert "delta" in replace and "delta" in static
+    a = candidate_set_hash({"k": candidates_for("append", mgr)}, mgr)
+    b = candidate_set_hash({"k": candidates_for("append", mgr, grid=False)}, mgr)
+    assert a != b
+
+
+# -- a whole run -------------------------------------------------------------------------------- #
+
+
+def test_tune_writes_a_valid_auditable_policy(tmp_path, capsys):
+    res = tune(_opts(tmp_path))
+    out = tmp_path / "tuned.yaml"
+    assert res.complete and out.is_file()
+    assert cli.main(["validate", str(out)]) == 0
+    pol = omni_accum.load_policy(out)
+    t = pol.tuned
+    assert t.complete and t.workload == "tiny" and t.context_len_edges == [64, 256] and t.concurrency_edges == [1, 2]
+    assert set(t.skipped) == {"embed.once", "meta.finished"}  # carried once; decided by an explicit rule
+    assert {(c.key, c.context_len, c.concurrency) for c in t.cells} == {
+        (k, cl, c) for k in ("embed.decode", "embed.tts_bos") for cl in (64, 256) for c in (1, 2)
+    }
+    for c in t.cells:
+        assert c.baseline == "cat" and c.baseline in c.timings_us
+        if c.key == "embed.decode":
+            assert {"token_list", "prealloc"} <= set(c.timings_us) | set(c.excluded)
+        else:
+            assert {"replace", "send_once"} <= set(c.timings_us) | set(c.excluded)
+    fp = t.fingerprint
+    assert fp["torch"] == torch.__version__.split("+")[0] or fp["torch"] == current_fingerprint()["torch"]
+    assert {"omni_accum", "torch", "vllm_omni", "device", "plugins", "candidates"} <= set(fp)
+    assert not list(tmp_path.glob(".tuned.yaml.*"))  # no temporary file left
+    assert cli.main(["tune", "--show", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "embed.decode" in shown and "matches this environment" in shown and "margin" in shown
+
+
+def test_memory_budget_rejects_a_greedy_candidate(tmp_path):
+    res = tune(_opts(tmp_path, context_lens=[64], concurrency=[1]))
+    cell = next(c for c in res.policy.tuned.cells if c.key == "embed.decode")
+    # growth factor 4 allocates 256 rows for 64 + 7 -> over 2x the 71 rows cat holds
+    assert "prealloc{growth_factor=4.0}" in cell.excluded
+    assert "memory budget" in cell.excluded["prealloc{growth_factor=4.0}"]
+
+
+class _Wrong(omni_accum.Strategy):
+    name = "wrong"
+
+    def new_accumulator(self, key):
+        from omni_accum.strategies.replace import ReplaceAccumulator
+
+        return ReplaceAccumulator()  # declares append-kind but keeps only the latest chunk
+
+
+class _Boom(omni_accum.Strategy):
+    name = "boom"
+
+    def new_accumulator(self, key):
+        raise RuntimeError("boom")
+
+
+class _BadPlugin:
+    @omni_accum.hookimpl
+    def omni_accum_register_strategies(self):
+        return [
+            omni_accum.StrategySpec("wrong", _Wrong, kinds=frozenset({"append"})),
+            omni_accum.StrategySpec("boom", _Boom, kinds=frozenset({"append"})),
+        ]
+
+
+def test_correctness_gate_excludes_wrong_and_raising_candidates(tmp_path):
+    mgr = omni_accum.StrategyManager()
+    mgr.register(_BadPlugin(), name="bad-plugin")
+    omni_accum.reset_manager(mgr)
+    res = tune(_opts(tmp_path, context_lens=[64], concurrency=[1]))
+    cell = next(c for c in res.policy.tuned.cells if c.key == "embed.decode")
+    assert "views differ from the cat reference" in cell.excluded["wrong"]
+    assert "raised" in cell.excluded["boom"]
+    assert cell.strategy not in ("wrong", "boom")
+
+
+def test_interrupt_leaves_a_valid_partial_file_and_resume_finishes(tmp_path, monkeypatch):
+    real = tuner_core.tune_bucket
+    calls = []
+
+    def flaky(*a, **kw):
+        calls.append(kw["context_len"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr("omni_accum.tuner.run.tune_bucket", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        tune(_opts(tmp_path, context_lens=[64, 256], concurrency=[1]))
+    partial = omni_accum.load_policy(tmp_path / "tuned.yaml")
+    assert partial.tuned.complete is False
+    assert {c.context_len for c in partial.tuned.cells} == {64}
+    monkeypatch.setattr("omni_accum.tuner.run.tune_bucket", lambda *a, **kw: calls.append(kw["context_len"]) or real(*a, **kw))
+    calls.clear()
+    res = tune(_opts(tmp_path, context_lens=[64, 256], concurrency=[1], resume=True))
+    assert calls == [256]  # the measured bucket was reused
+    assert res.complete and {c.context_len for c in res.policy.tuned.cells} == {64, 256}
+
+
+def test_interrupt_before_any_bucket_keeps_the_previous_file(tmp_path, monkeypatch):
+    out = tmp_path / "tuned.yaml"
+    out.write_text("default: cat\n")
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("omni_accum.tuner.run.tune_bucket", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tune(_opts(tmp_path))
+    assert out.read_text() == "default: cat\n"
+
+
+# -- runtime use -------------------------------------------------------------------------------- #
+
+
+def _tuned_policy(fingerprint: dict) -> dict:
+    return {
+        "default": "cat",
+        "rules": [{"match": "embed.pinned", "strategy": "token_list"}],
+        "tuned": {
+            "context_len_edges": [1000, 8000],
+            "concurrency_edges": [1],
+            "fingerprint": fingerprint,
+            "cells": [
+                {"key": "embed.decode", "context_len": 8000, "concurrency": 1, "strategy": "prealloc"},
+                {"key": "embed.pinned", "context_len": 8000, "concurrency": 1, "strategy": "prealloc"},
+            ],
+        },
+    }
+
+
+def test_runtime_uses_the_bucket_and_rules_still_win():
+    pol = omni_accum.load_policy(_tuned_policy(current_fingerprint()))
+    long = omni_accum.Receiver(pol, context=omni_accum.StreamContext(context_len=9000))
+    short = omni_accum.Receiver(pol, context=omni_accum.StreamContext(context_len=2000))
+    row = torch.ones(1, 4)
+    assert long.strategy_for("embed.decode", row) == "prealloc"
+    assert short.strategy_for("embed.decode", row) == "cat"
+    assert long.strategy_for("embed.pinned", row) == "token_list"  # an explicit rule beats the table
+    assert "tuned bucket" in pol.resolve("embed.decode", omni_accum.StreamContext(context_len=8000)).source
+
+
+def test_stale_table_warns_once_and_falls_back(monkeypatch):
+    from omni_accum import fingerprint
+
+    monkeypatch.setattr(fingerprint, "_warned", set())
+    fp = dict(current_fingerprint(), torch="0.0.1")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(2):  # two policies, many lookups: one warning
+            pol = omni_accum.load_policy(_tuned_policy(fp))
+            rx = omni_accum.Receiver(pol, context=omni_accum.StreamContext(context_len=9000))
+            assert rx.strategy_for("embed.decode", torch.ones(1, 4)) == "cat"
+            assert pol.resolve("embed.decode", omni_accum.StreamContext(context_len=9000)).source == "default"
+    stale = [x for x in w if issubclass(x.category, StaleTableWarning)]
+    assert len(stale) == 1
+    assert "torch" in str(stale[0].message) and "0.0.1" in str(stale[0].message)
+
+
+# -- command line ------------------------------------------------------------------------------- #
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert cli.main(["tune", "--workload", "qwen3-omni-seed"]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert cli.main(["tune", "--workload", "no-such-workload", "--out", str(tmp_path / "x.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert "no-such-workload" in err and "qwen3-omni-seed" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["tune", "--context-lens", "1k", "--out", str(tmp_path / "x.yaml")])
+    assert e.value.code == 2
+    if not torch.cuda.is_available():
+        assert cli.main(["tune", "--device", "cuda", "--out", str(tmp_path / "x.yaml")]) == 1
+        assert "no CUDA device" in capsys.readouterr().err
