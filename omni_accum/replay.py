@@ -503,6 +503,7 @@ def replay(
     streams: list[list[dict[str, Any]]],
     *,
     view_hop: Any = None,
+    device: str = "cpu",
     check: bool = False,
     per_key: bool = False,
     on_round: Callable[[], None] | None = None,
@@ -524,12 +525,13 @@ def replay(
     mismatch: str | None = None
     req_ids = [f"{tag}{r}" for r in range(n_req)]
     clock = time.perf_counter_ns
+    timer = _CudaTimer() if device.startswith("cuda") else None
     for i in range(n_chunks):
         last = i == n_chunks - 1
         for r in range(n_req):
             rid = req_ids[r]
             chunk = streams[r][i]
-            t0 = clock()
+            t0 = clock() if timer is None else timer.start()
             sent = engine.encode(rid, chunk)
             got, nb = wire.carry(f"{rid}_{i}", sent)
             view = engine.merge(rid, got)
@@ -546,7 +548,7 @@ def replay(
                     hop[rd.path] = engine.hop_value(rid, rd.path, val)
             if hop:
                 view_hop.deserialize(view_hop.serialize(hop))
-            dt = (clock() - t0) / 1000.0
+            dt = (clock() - t0) / 1000.0 if timer is None else timer.stop_us()
             step_us.append(dt)
             totals[r] += dt
             wire_bytes += nb
@@ -575,6 +577,31 @@ def replay(
     return step_us, totals, wire_bytes, peak, keys, mismatch
 
 
+class _CudaTimer:
+    """Times one step with CUDA events (the step's host work and the device work it queued)."""
+
+    def __init__(self) -> None:
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> int:
+        self._start.record()
+        return 0
+
+    def stop_us(self) -> float:
+        self._end.record()
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) * 1000.0
+
+
+def _to_device(value: Any, device: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
 def arm_label(arm: Arm) -> str:
     if isinstance(arm, str):
         return arm
@@ -596,6 +623,7 @@ def measure(
     per_key: bool = False,
     length_hints: bool = True,
     through: str = "direct",
+    device: str = "cpu",
     progress: Callable[[int], None] | None = None,
 ) -> list[ArmResult]:
     """Measure every arm on the workload's trace for one bucket (context length x concurrency).
@@ -613,6 +641,8 @@ def measure(
         per_key: also collect per-key wire and held bytes (:attr:`ArmResult.per_key`).
         length_hints: tell strategies the final rows of each append key (``StreamContext.length_hints``).
         through: engine mode (``direct``; integrations may register more in :data:`THROUGH`).
+        device: where the chunks' tensors live (``cuda``: steps are timed with CUDA events and
+            ``prealloc`` buffers stay on the device).
         progress: called with the number of steps done after every round of chunks.
 
     Returns:
@@ -624,6 +654,8 @@ def measure(
     wl = load_workload(workload)
     cl = context_len or wl.context_len
     streams = [build_stream(wl, cl, r) for r in range(concurrency)]
+    if device != "cpu":
+        streams = [[_to_device(c, device) for c in s] for s in streams]
     hints: dict[str, int] = {}
     if length_hints:
         for spec in wl.keys:
@@ -654,7 +686,7 @@ def measure(
                 engine = make_engine(arms[lab], ctx, through)
                 on_round = (lambda: progress(concurrency)) if progress is not None else None
                 steps, totals, nb, peak, keys, mismatch = replay(
-                    wl, engine, w, streams, view_hop=hop, check=check and rep == 0, per_key=per_key,
+                    wl, engine, w, streams, view_hop=hop, device=device, check=check and rep == 0, per_key=per_key,
                     on_round=on_round, tag=f"{lab}-{rep}-",
                 )
             except VllmOmniUnavailable:

@@ -125,6 +125,7 @@ def tune_bucket(
     wire: str,
     max_rounds: int,
     memory_factor: float,
+    device: str = "cpu",
     progress: Callable[[int], None] | None = None,
 ) -> BucketOutcome:
     """Measure and decide every key of one bucket.
@@ -138,7 +139,7 @@ def tune_bucket(
         wl_k = wl.model_copy(update={"keys": [wl.key(k)]})
         out.decisions[k], rounds = _tune_key(
             wl_k, base, k, cands[k], context_len=context_len, concurrency=concurrency, wire=wire,
-            max_rounds=max_rounds, memory_factor=memory_factor, progress=progress,
+            max_rounds=max_rounds, memory_factor=memory_factor, device=device, progress=progress,
         )
         out.rounds = max(out.rounds, rounds)
     out.seconds = time.monotonic() - t0
@@ -156,6 +157,7 @@ def _tune_key(
     wire: str,
     max_rounds: int,
     memory_factor: float,
+    device: str,
     progress: Callable[[int], None] | None,
 ) -> tuple[KeyDecision, int]:
     choice = base.resolve(key)
@@ -176,7 +178,7 @@ def _tune_key(
         order = active[rnd % len(active):] + active[: rnd % len(active)]
         results: list[ArmResult] = measure(
             wl, {lab: arms[lab] for lab in order}, context_len=context_len, concurrency=concurrency, wire=wire,
-            repeats=1, check=rnd == 0, per_key=rnd == 0, length_hints=False, progress=progress,
+            repeats=1, check=rnd == 0, per_key=rnd == 0, length_hints=False, device=device, progress=progress,
         )
         rounds = rnd + 1
         for r in results:
@@ -242,12 +244,12 @@ def _decide(key, base_label, base_choice, owner, samples, excluded, peak, base_w
 
 def verify_bucket(
     wl: Workload, tuned: Policy, baseline: Policy | str, *, context_len: int, concurrency: int, wire: str,
-    progress: Callable[[int], None] | None = None,
+    device: str = "cpu", progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """One interleaved round of the tuned policy against ``baseline`` (upstream when available)."""
     res = measure(
         wl, {"reference": baseline, "tuned": tuned}, context_len=context_len, concurrency=concurrency, wire=wire,
-        repeats=1, check=False, length_hints=False, progress=progress,
+        repeats=1, check=False, length_hints=False, device=device, progress=progress,
     )
     ref, new = res
     if new.error or ref.error:

@@ -214,7 +214,7 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
                 outcome = tune_bucket(
                     bucket_workload(c), base, keys, cands, context_len=cl, concurrency=c, wire=opts.wire,
                     max_rounds=rounds,
-                    memory_factor=opts.memory_factor, progress=bar.advance if bar else None,
+                    memory_factor=opts.memory_factor, device=opts.device, progress=bar.advance if bar else None,
                 )
             cells += outcome.cells()
             done = i + 1 == len(buckets)
@@ -222,7 +222,7 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
             if ref is not None and not outcome.reused:
                 outcome.verify = verify_bucket(
                     bucket_workload(c), policy, ref, context_len=cl, concurrency=c, wire=opts.wire,
-                    progress=bar.advance if bar else None,
+                    device=opts.device, progress=bar.advance if bar else None,
                 )
             result.outcomes.append(outcome)
             write_atomic(opts.out, _header(wl, opts, done) + dump_policy(policy))
