@@ -20,7 +20,6 @@ The tuner calls :func:`measure` and bootstraps medians from :attr:`ArmResult.sam
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import os
 import statistics
@@ -46,30 +45,12 @@ UPSTREAM = "upstream"
 WIRE_FLOOR = "wire-floor"
 
 
-class VllmOmniUnavailable(OmniAccumError):
-    """A mode needs vllm-omni 0.30.0 (the upstream arm, the serializer or shm wire) and it cannot be imported."""
-
-
-def _import_module(name: str) -> Any:
-    return importlib.import_module(name)
-
-
-def vllm_omni_attr(module: str, attr: str, why: str) -> Any:
-    """Import ``attr`` from vllm-omni's ``module``; :class:`VllmOmniUnavailable` says why it is needed."""
-    try:
-        return getattr(_import_module(module), attr)
-    except Exception as e:  # noqa: BLE001 - ImportError, or a broken CUDA wheel beside CPU torch
-        raise VllmOmniUnavailable(
-            f"{why} needs vllm-omni 0.30.0, which cannot be imported here ({type(e).__name__}: {e}). "
-            "Install it with: pip install 'omni-accum[vllm]', or use --wire inproc without the upstream arm"
-        ) from e
-
-
-def serializer() -> Any:
-    """vllm-omni's ``OmniSerializer`` (serialize / deserialize)."""
-    return vllm_omni_attr(
-        "vllm_omni.distributed.omni_connectors.utils.serialization", "OmniSerializer", "the serializer wire / view hop"
-    )
+from omni_accum.integrations.vllm_omni_classes import (  # noqa: E402 - re-exported
+    VllmOmniUnavailable,
+    serializer,
+    shm_connector,
+    transport_mixin,
+)
 
 
 # ---------------------------------------------------------------------------------------------- #
@@ -161,9 +142,7 @@ class ShmWire(Wire):
     name = "shm"
 
     def __init__(self) -> None:
-        cls = vllm_omni_attr(
-            "vllm_omni.distributed.omni_connectors.connectors.shm_connector", "SharedMemoryConnector", "the shm wire"
-        )
+        cls = shm_connector()
         self._tx = cls({"stage_id": 0})
         self._rx = cls({"stage_id": 1})
         self._prefix = f"omniaccum_{os.getpid()}_{id(self):x}"
@@ -295,11 +274,7 @@ class UpstreamEngine(Engine):
     """
 
     def __init__(self, context: StreamContext | None = None) -> None:
-        mixin = vllm_omni_attr(
-            "vllm_omni.distributed.omni_connectors.model_runner.omni_connector_payload_transport",
-            "_OmniConnectorPayloadTransportMixin",
-            "the upstream arm",
-        )
+        mixin = transport_mixin()
         self._fn = mixin._accumulate_payload
         self._state = SimpleNamespace(_send_side_request_payload={})
 

@@ -103,7 +103,9 @@ def test_missing_vllm_omni_is_a_clear_error(monkeypatch):
 
     wl = small("qwen3-omni-seed")
     cat = build_arms(wl, ["cat"])
-    monkeypatch.setattr(replay, "_import_module", fail)
+    from omni_accum.integrations import vllm_omni_classes
+
+    monkeypatch.setattr(vllm_omni_classes, "_import_module", fail)
     with pytest.raises(VllmOmniUnavailable, match="upstream arm needs vllm-omni 0.30.0"):
         measure(wl, {"upstream": "upstream"}, context_len=8, repeats=1)
     with pytest.raises(VllmOmniUnavailable, match="serializer wire"):
