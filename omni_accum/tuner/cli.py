@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where tensors live while timing")
     p.add_argument("--budget-s", type=float, metavar="S",
                    help="stop starting new buckets after S seconds (the file is then partial; --resume goes on)")
-    p.add_argument("--quick", action="store_true", help="fewer buckets, decode steps and rounds (a first look)")
+    p.add_argument("--quick", action="store_true", help="fewer buckets, decode steps and rounds, no params grid, no upstream round (a first look)")
     p.add_argument("--resume", action="store_true", help="reuse the buckets already measured in --out")
     p.add_argument("--out", type=Path, metavar="POLICY.yaml", help="where to write the tuned policy")
     p.add_argument("--base", default="default", metavar="POLICY",

@@ -179,7 +179,7 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
     keys, skipped = tunable_keys(wl_t, base, cls)
     if not keys:
         raise TuneError(f"nothing to tune on workload {wl.name!r}: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
-    cands = all_candidates(wl_t, keys)
+    cands = all_candidates(wl_t, keys, grid=not opts.quick)
     fp = current_fingerprint(opts.device, candidate_set_hash(cands, __import__("omni_accum.manager").manager.get_manager()))
     reuse = _resumable(opts, wl, fp, log)
     buckets = [(cl, c) for cl in cls for c in concs]
@@ -190,7 +190,9 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
         from omni_accum.bench import Progress
 
         n_arms = sum(1 + len(v) for v in cands.values())
-        total = sum((n_arms + (2 if ref is not None else 0)) * c * bucket_workload(c).n_chunks(cl) for cl, c in buckets)
+        # Pessimistic (every arm for every round); clear decisions end sooner and the bar jumps ahead.
+        total = sum((n_arms * rounds + (2 if ref is not None else 0)) * c * bucket_workload(c).n_chunks(cl)
+                    for cl, c in buckets)
         bar = Progress(total, progress)
     result = TuneResult(policy=base, out=Path(opts.out))
     cells: list[TunedCell] = []
