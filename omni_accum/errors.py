@@ -22,6 +22,8 @@ class AccumulationError(OmniAccumError):
         key: the key path (``"embed.decode"``) that failed, or None for the whole chunk.
         strategy: the strategy name in charge of the key, or None.
         plugin: the plugin that provides that strategy, or None.
+        seq: the sequence number of the failing chunk, when the chunk carried one.
+        missing: sequence numbers the receiver still waits for (a gap), at most the first 100; empty otherwise.
     """
 
     def __init__(
@@ -32,15 +34,21 @@ class AccumulationError(OmniAccumError):
         key: str | None = None,
         strategy: str | None = None,
         plugin: str | None = None,
+        seq: int | None = None,
+        missing: tuple[int, ...] = (),
     ) -> None:
         self.request_id = request_id
         self.key = key
         self.strategy = strategy
         self.plugin = plugin
+        self.seq = seq
+        self.missing = tuple(missing)
         self.reason = message
         where = []
         if request_id is not None:
             where.append(f"request {request_id!r}")
+        if seq is not None:
+            where.append(f"chunk seq {seq}")
         if key is not None:
             where.append(f"key {key!r}")
         if strategy is not None:

@@ -90,6 +90,16 @@ class Accumulator(ABC):
         """Bytes this state holds (tensor storage; lists counted at 8 bytes per item)."""
         return value_nbytes(self.read())
 
+    def projected_nbytes(self, value: Any) -> int:
+        """Bytes this state would hold after merging ``value`` (and a read), without changing anything.
+
+        Called before :meth:`merge` only when the policy sets ``max_bytes_per_request``, so the guard
+        can refuse a chunk *before* the strategy allocates. Override it when a merge allocates more
+        than the value itself (a growable buffer, a cached concatenation); the default assumes the
+        state keeps what it holds plus the value, which over-estimates a replace.
+        """
+        return self.nbytes() + value_nbytes(value)
+
     def parts(self) -> list[Any]:
         """The stored representation, as a list of parts (one part unless the strategy keeps chunks)."""
         return [self.read()]
@@ -254,6 +264,10 @@ class AppendAccumulator(Accumulator):
     def tensor_nbytes(self) -> int:
         return value_nbytes(self.read_tensor())
 
+    def projected_tensor_nbytes(self, value: torch.Tensor) -> int:
+        """Bytes the tensor state would hold after appending the checked tensor ``value``."""
+        return self.tensor_nbytes() + value_nbytes(value)
+
     # -- list part: a growing list, snapshot on read, cached until the next append ------------ #
     def start_list(self, value: list[Any]) -> None:
         self._items = list(value)
@@ -292,6 +306,13 @@ class AppendAccumulator(Accumulator):
         else:
             self.clear_tensor()
             self._mode, self._value, self._items, self._list_view = 0, value, None, None
+
+    def projected_nbytes(self, value: Any) -> int:
+        if isinstance(value, torch.Tensor):
+            return self.projected_tensor_nbytes(value) if self._mode == 1 else value_nbytes(value)
+        if isinstance(value, list) and self._mode == 2:
+            return self.nbytes() + 16 * len(value)  # the items, and the view copy a read makes
+        return value_nbytes(value)
 
     def clear_tensor(self) -> None:  # noqa: B027 - optional hook
         """Drop tensor state (called when a value of another type replaces it)."""

@@ -96,6 +96,22 @@ class PreallocAccumulator(AppendAccumulator):
     def tensor_nbytes(self) -> int:
         return value_nbytes(self._buf if self._buf is not None else self._first)
 
+    def projected_tensor_nbytes(self, value: torch.Tensor) -> int:
+        """Bytes held after appending ``value``: the buffer it would grow to (what :meth:`append_tensor` allocates)."""
+        need = self._rows + int(value.shape[0])
+        buf = self._buf
+        cap = int(buf.shape[0]) if buf is not None and need <= buf.shape[0] else self._target(need, self.capacity)
+        like = self.current_tensor_meta()
+        row = _row_numel(like) * like.element_size()
+        return cap * row
+
+
+def _row_numel(t: torch.Tensor) -> int:
+    n = 1
+    for d in t.shape[1:]:
+        n *= int(d)
+    return n
+
 
 class Prealloc(Strategy):
     name = "prealloc"

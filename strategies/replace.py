@@ -33,6 +33,9 @@ class ReplaceAccumulator(Accumulator):
     def nbytes(self) -> int:
         return value_nbytes(self.value)
 
+    def projected_nbytes(self, value: Any) -> int:
+        return value_nbytes(value)
+
 
 class Replace(Strategy):
     name = "replace"

@@ -55,6 +55,11 @@ class TokenListAccumulator(AppendAccumulator):
             held += value_nbytes(self._cached)
         return held
 
+    def projected_tensor_nbytes(self, value: torch.Tensor) -> int:
+        """The chunks plus the concatenation the next read caches."""
+        held = sum(value_nbytes(c) for c in self._chunks) + value_nbytes(value)
+        return 2 * held
+
     def parts(self) -> list[object]:
         return list(self._chunks) if self._mode == 1 else [self.read()]
 
