@@ -15,20 +15,27 @@ value.
 Thread safety: one lock per request and one for the request table, so one thread may merge or
 release some requests while others merge other requests. One request must not be merged by two
 threads at once (vllm-omni never does).
+
+Ordering: without a sequence number chunks are merged in the order ``merge`` is called (as
+upstream does: a duplicated chunk is merged twice, a lost one is never noticed). With the opt-in
+``seq`` argument (0, 1, 2, ... per request) the receiver drops duplicates, buffers chunks that
+arrive early in a bounded reorder window and reports gaps (:meth:`Receiver.merge`,
+:meth:`Receiver.finish`). The wire itself is unchanged. See ``docs/reliability.md``.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from omni_accum.context import DEFAULT_CONTEXT, KeyMeta, StreamContext
-from omni_accum.errors import AccumulationError, MergeError, OmniAccumError
+from omni_accum.errors import AccumulationError, MergeError, OmniAccumError, PolicyError
 from omni_accum.loader import load_policy
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy import Policy
-from omni_accum.strategy import OMIT, Accumulator, Encoder, KeyInfo, Strategy, StrategySpec, value_nbytes
+from omni_accum.strategy import OMIT, Accumulator, Encoder, KeyInfo, Strategy, StrategySpec
 
 #: Wire key carrying, when the sender left unchanged ``send_once`` values off, how many such
 #: values the receiver must already hold for the request. Never shown to consumers.
@@ -47,8 +54,17 @@ class _Slot:
         self.acc = acc
 
 
+#: Default number of chunks a receiver buffers per request while it waits for a missing ``seq``.
+REORDER_WINDOW = 16
+
+#: The one key whose value the receiver reads straight from the wire (to reset listed keys).
+OVERRIDE_KEYS_PATH = "meta.override_keys"
+
+
 class _Request:
-    __slots__ = ("entries", "lock", "context", "failed", "held_once", "nbytes", "enc_specs")
+    __slots__ = (
+        "entries", "lock", "context", "failed", "held_once", "nbytes", "enc_specs", "next_seq", "pending", "dups"
+    )
 
     def __init__(self, context: StreamContext) -> None:
         self.entries: dict[Any, Any] = {}  # top key -> _Slot | dict[qualifier, _Slot] (sender: Encoder|None)
@@ -58,10 +74,23 @@ class _Request:
         self.held_once = 0
         self.nbytes = 0
         self.enc_specs: dict[str, StrategySpec] = {}  # sender: key path -> spec of its encoder (for errors)
+        self.next_seq: int | None = None  # receiver: next seq to merge; None while the request is unsequenced
+        self.pending: dict[int, Mapping[str, Any]] = {}  # receiver: chunks that arrived early, by seq
+        self.dups = 0  # receiver: duplicated chunks dropped
 
 
-def _path(top: Any, qual: Any = None) -> str:
-    return str(top) if qual is None else f"{top}.{qual}"
+class _Leaf:
+    """Marks a top-level leaf in the merge plan (``None`` is a valid qualifier of a group)."""
+
+    def __repr__(self) -> str:
+        return "LEAF"
+
+
+LEAF: Any = _Leaf()
+
+
+def _path(top: Any, qual: Any = LEAF) -> str:
+    return str(top) if qual is LEAF else f"{top}.{qual}"
 
 
 class _Endpoint:
@@ -80,6 +109,17 @@ class _Endpoint:
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
         self._selected: dict[tuple[Any, ...], tuple[Strategy, StrategySpec]] = {}
+        if self.policy.honor_override_keys:
+            self._check_override_keys_rule()
+
+    def _check_override_keys_rule(self) -> None:
+        """Refuse a policy whose rules give ``meta.override_keys`` a strategy that rewrites its wire form."""
+        hit = self.policy.match_rule(OVERRIDE_KEYS_PATH)
+        ref = hit[1] if hit is not None else self.policy.default
+        strategy = self.manager.build(ref.strategy, dict(ref.params))
+        if rewrites_wire(strategy):
+            where = f"rules[{hit[0]}] ({hit[1].match!r})" if hit is not None else "default"
+            raise PolicyError(_override_keys_message(ref.strategy, where))
 
     # -- requests ---------------------------------------------------------------------------- #
     def _state(self, req_id: str, context: StreamContext | None) -> _Request:
@@ -140,6 +180,11 @@ class Sender(_Endpoint):
         """
         if not isinstance(chunk, Mapping):
             raise AccumulationError(f"a payload chunk must be a mapping, got {type(chunk).__name__}", request_id=req_id)
+        if WIRE_MARKER in chunk:
+            raise AccumulationError(
+                f"a payload chunk may not use the key {WIRE_MARKER!r}: omni-accum reserves it for its wire marker",
+                request_id=req_id, key=WIRE_MARKER,
+            )
         st = self._state(req_id, context)
         with st.lock:
             if st.failed is not None:
@@ -287,6 +332,23 @@ class RequestView(Mapping):
         return f"RequestView({list(self._entries)})"
 
 
+@dataclass(frozen=True)
+class SequenceState:
+    """Where a sequenced request stands on the receiver (see :meth:`Receiver.sequence`).
+
+    Attributes:
+        next_seq: the sequence number the receiver merges next.
+        buffered: sequence numbers that arrived early and wait in the reorder window, ascending.
+        missing: sequence numbers below the highest buffered one that have not arrived (a gap).
+        duplicates: duplicated chunks dropped for this request.
+    """
+
+    next_seq: int
+    buffered: tuple[int, ...]
+    missing: tuple[int, ...]
+    duplicates: int
+
+
 class Receiver(_Endpoint):
     """Receiver side: merges wire chunks per request and serves the consumer's view.
 
@@ -294,15 +356,45 @@ class Receiver(_Endpoint):
         policy: a Policy, mapping, preset name or path; None reads ``OMNI_ACCUM_POLICY`` / ``default``.
         context: default stream context of requests (a per-request one can be given to ``merge``).
         manager: strategy manager (default: the process-wide one).
+        reorder_window: for chunks merged with ``seq``: how many chunks that arrive early a request may
+            buffer while it waits for a missing one (0: any gap is an error at once).
     """
 
-    def merge(self, req_id: str, wire: Mapping[str, Any], *, context: StreamContext | None = None) -> RequestView:
+    def __init__(
+        self,
+        policy: Policy | Mapping[str, Any] | str | None = None,
+        *,
+        context: StreamContext | None = None,
+        manager: StrategyManager | None = None,
+        reorder_window: int = REORDER_WINDOW,
+    ) -> None:
+        if type(reorder_window) is not int or reorder_window < 0:
+            raise ValueError(f"reorder_window must be an int >= 0, got {reorder_window!r}")
+        super().__init__(policy, context=context, manager=manager)
+        self.reorder_window = reorder_window
+        self._dups = 0
+
+    def merge(
+        self,
+        req_id: str,
+        wire: Mapping[str, Any],
+        *,
+        context: StreamContext | None = None,
+        seq: int | None = None,
+    ) -> RequestView:
         """Merge one wire chunk of ``req_id`` and return the consumer's view after it.
 
         A chunk is merged whole or not at all: if any key fails (dtype or trailing shape change,
         a 0-d tensor appended, the memory guard, an unknown strategy) an
         :class:`AccumulationError` is raised and the request's state is as before the chunk.
         If a strategy raises half-way, the request is marked failed until released.
+
+        ``seq`` (opt-in; all chunks of a request carry one, or none does) numbers the request's
+        chunks 0, 1, 2, ...: a chunk below the next expected number, or one already buffered, is a
+        duplicate: dropped and counted. The expected chunk is merged, then any buffered successors.
+        A chunk ahead of it is buffered (at most ``reorder_window`` ahead) and merged when the gap
+        fills; the view returned meanwhile is the in-order prefix. Further ahead, the chunk is
+        rejected with an :class:`AccumulationError` whose ``missing`` lists the seqs still awaited.
         """
         if not isinstance(wire, Mapping):
             raise AccumulationError(f"a payload chunk must be a mapping, got {type(wire).__name__}", request_id=req_id)
@@ -310,9 +402,145 @@ class Receiver(_Endpoint):
         with st.lock:
             if st.failed is not None:
                 raise AccumulationError(f"request failed earlier ({st.failed}); release it", request_id=req_id)
-            ops = self._plan(req_id, st, wire)
-            self._apply(req_id, st, ops)
+            if seq is None:
+                if st.next_seq is not None:
+                    raise AccumulationError(
+                        f"chunk without a seq, but this request's chunks carry sequence numbers (next {st.next_seq}); "
+                        "number every chunk of a request, or none",
+                        request_id=req_id,
+                    )
+                try:
+                    self._apply(req_id, st, self._plan(req_id, st, wire))
+                except AccumulationError:
+                    self._fail_if_sender_diverged(st, wire)
+                    raise
+            else:
+                # A rejected sequenced chunk leaves its seq open: later chunks wait behind it (a gap), so
+                # the view never runs ahead of a chunk the sender believes delivered.
+                self._merge_sequenced(req_id, st, wire, seq)
         return RequestView(st.entries)
+
+    def _fail_if_sender_diverged(self, st: _Request, wire: Mapping[str, Any]) -> None:
+        """After a rejected chunk: fail the request when the chunk carried a send_once-like value.
+
+        The sender recorded that value as delivered and will leave it off later chunks while it is
+        unchanged, so this receiver would go on serving the value it held before: a stale view.
+        Runs on the error path only.
+        """
+        if st.failed is not None:
+            return
+        for path, top, qual, value in _leaves(wire):
+            slot = st.entries.get(top)
+            if qual is not LEAF:
+                slot = slot.get(qual) if isinstance(slot, dict) else None
+            try:
+                strategy = slot.strategy if type(slot) is _Slot else self.select(path, value, st.context)[0]
+            except OmniAccumError:
+                continue
+            if strategy.omits_unchanged:
+                st.failed = (
+                    f"a rejected chunk carried the send_once value of {path!r}, which the sender now leaves off "
+                    "the wire; re-send the request from its first chunk"
+                )
+                return
+
+    def _merge_sequenced(self, req_id: str, st: _Request, wire: Mapping[str, Any], seq: int) -> None:
+        if type(seq) is not int or seq < 0:
+            raise AccumulationError(f"seq must be an int >= 0, got {seq!r}", request_id=req_id)
+        nxt = st.next_seq
+        if nxt is None:
+            if st.entries:
+                raise AccumulationError(
+                    f"chunk with seq {seq}, but earlier chunks of this request carried none; "
+                    "number every chunk of a request, or none",
+                    request_id=req_id, seq=seq,
+                )
+            nxt = st.next_seq = 0
+        if seq < nxt or seq in st.pending:
+            st.dups += 1
+            with self._lock:
+                self._dups += 1
+            return
+        if seq > nxt:
+            if seq - nxt > self.reorder_window:
+                missing = _missing(nxt, seq, st.pending)
+                raise AccumulationError(
+                    f"chunk arrived {seq - nxt} ahead of the next expected seq {nxt}, beyond reorder_window="
+                    f"{self.reorder_window}: still missing {_fmt_seqs(missing, seq - nxt - len(st.pending))}; "
+                    "chunk rejected (state unchanged). Re-send the missing chunks, or release the request",
+                    request_id=req_id, seq=seq, missing=missing,
+                )
+            st.pending[seq] = wire
+            return
+        self._apply(req_id, st, self._plan(req_id, st, wire))
+        st.next_seq = nxt = seq + 1
+        while st.pending and nxt in st.pending:
+            w = st.pending.pop(nxt)
+            try:
+                self._apply(req_id, st, self._plan(req_id, st, w))
+            except AccumulationError as e:
+                raise AccumulationError(
+                    f"buffered chunk rejected after seq {seq} filled the gap: {e.reason}; it was dropped: re-send it",
+                    request_id=req_id, key=e.key, strategy=e.strategy, plugin=e.plugin, seq=nxt,
+                ) from e
+            st.next_seq = nxt = nxt + 1
+
+    def finish(self, req_id: str, *, chunks: int | None = None) -> RequestView:
+        """The final view of ``req_id``, after checking that no chunk is missing.
+
+        Raises :class:`AccumulationError` (with ``missing``) when sequenced chunks wait in the reorder
+        window behind a gap, or when ``chunks`` (the number the sender sent; needs ``seq``) is not the
+        number merged; also when the request holds no state (never merged, or released) or failed.
+        Does not release the request.
+        """
+        st = self._requests.get(req_id)
+        if st is None:
+            missing = tuple(range(min(chunks or 0, 100)))
+            raise AccumulationError(
+                "finish: no chunk of this request was merged (never sent, or released)",
+                request_id=req_id, missing=missing,
+            )
+        with st.lock:
+            if st.failed is not None:
+                raise AccumulationError(f"request failed earlier ({st.failed}); release it", request_id=req_id)
+            nxt = st.next_seq
+            if chunks is not None and nxt is None:
+                raise AccumulationError(
+                    "finish(chunks=...) needs chunks merged with seq; this request's carried none", request_id=req_id
+                )
+            if st.pending:
+                last = max(st.pending)
+                missing = _missing(nxt or 0, last, st.pending)
+                raise AccumulationError(
+                    f"finish with a gap: seqs {_fmt_seqs(tuple(sorted(st.pending)), len(st.pending))} wait for "
+                    f"missing {_fmt_seqs(missing, last - (nxt or 0) - len(st.pending) + 1)}",
+                    request_id=req_id, missing=missing,
+                )
+            if chunks is not None and nxt != chunks:
+                if nxt is not None and nxt < chunks:
+                    missing = tuple(range(nxt, min(chunks, nxt + 100)))
+                    raise AccumulationError(
+                        f"finish: the sender sent {chunks} chunks but only seqs 0..{nxt - 1} arrived; missing "
+                        f"{_fmt_seqs(missing, chunks - nxt)}",
+                        request_id=req_id, missing=missing,
+                    )
+                raise AccumulationError(f"finish: expected {chunks} chunks, merged {nxt}", request_id=req_id)
+        return RequestView(st.entries)
+
+    def sequence(self, req_id: str) -> SequenceState | None:
+        """Where sequenced request ``req_id`` stands, or None (unknown, or merged without ``seq``)."""
+        st = self._requests.get(req_id)
+        if st is None or st.next_seq is None:
+            return None
+        with st.lock:
+            nxt, pending = st.next_seq, dict(st.pending)
+            last = max(pending) if pending else nxt
+            return SequenceState(nxt, tuple(sorted(pending)), _missing(nxt, last, pending), st.dups)
+
+    @property
+    def duplicates_dropped(self) -> int:
+        """Duplicated sequenced chunks dropped, all requests together (released ones included)."""
+        return self._dups
 
     def view(self, req_id: str) -> RequestView:
         """The current view of ``req_id`` (KeyError when it holds no state)."""
@@ -335,12 +563,32 @@ class Receiver(_Endpoint):
     def _override_keys(self, req_id: str, st: _Request, wire: Mapping[str, Any]) -> frozenset[Any]:
         meta = wire.get("meta")
         raw = meta.get("override_keys") if isinstance(meta, dict) else None
+        if raw is not None:
+            group = st.entries.get("meta")
+            slot = group.get("override_keys") if isinstance(group, dict) else None
+            try:
+                strategy = slot.strategy if slot is not None else self.select(OVERRIDE_KEYS_PATH, raw, st.context)[0]
+            except OmniAccumError as e:
+                raise AccumulationError(str(e), request_id=req_id, key=OVERRIDE_KEYS_PATH) from e
+            if rewrites_wire(strategy):
+                raise AccumulationError(
+                    _override_keys_message(strategy.name, "strategy selection"),
+                    request_id=req_id, key=OVERRIDE_KEYS_PATH, strategy=strategy.name,
+                )
         if raw is None and WIRE_MARKER in wire:
             # A send_once-like strategy left an unchanged override list off the wire: it still applies.
             group = st.entries.get("meta")
             slot = group.get("override_keys") if isinstance(group, dict) else None
             if slot is not None and slot.strategy.omits_unchanged:
                 raw = slot.acc.read()
+        if raw is None:
+            return frozenset()
+        if not isinstance(raw, (list, tuple)):
+            raise AccumulationError(
+                f"meta.override_keys must be a list of key names or [group, qualifier] pairs, got {type(raw).__name__}",
+                request_id=req_id,
+                key="meta.override_keys",
+            )
         if not raw:
             return frozenset()
         try:
@@ -412,9 +660,13 @@ class Receiver(_Endpoint):
                     slot = self._new_slot(req_id, st, slot.path, value, like=slot)
                 else:
                     self._check(req_id, slot, value)
-                ops.append((top, None, value, slot))
+                ops.append((top, LEAF, value, slot))
         need = wire.get(WIRE_MARKER) if WIRE_MARKER in wire else None
-        if need is not None and (not isinstance(need, int) or st.held_once + new_once < need):
+        if need is not None and (type(need) is not int or need < 0):
+            raise AccumulationError(
+                f"malformed wire marker {WIRE_MARKER!r}: expected a count >= 0, got {need!r}", request_id=req_id
+            )
+        if need is not None and st.held_once + new_once < need:
             raise AccumulationError(
                 f"the sender left {need!r} unchanged send_once value(s) off the wire for this request, but this "
                 f"receiver holds {st.held_once + new_once}: it lost them (restarted, or the request was released "
@@ -423,13 +675,41 @@ class Receiver(_Endpoint):
             )
         limit = self.policy.max_bytes_per_request
         if limit:
-            incoming = sum(value_nbytes(op[2]) for op in ops)
-            if st.nbytes + incoming > limit:
-                raise AccumulationError(
-                    f"would hold {st.nbytes + incoming} bytes, over max_bytes_per_request={limit}; chunk rejected",
-                    request_id=req_id,
-                )
+            self._guard(req_id, st, ops, limit)
         return ops
+
+    def _guard(self, req_id: str, st: _Request, ops: list[tuple[Any, Any, Any, _Slot]], limit: int) -> None:
+        """Refuse the chunk when the state would hold more than ``limit`` bytes once merged.
+
+        Each touched key reports what it would hold after the merge (:meth:`Accumulator.projected_nbytes`:
+        a ``prealloc`` buffer's grown capacity, a ``token_list``'s cached concatenation), so the check
+        runs before anything is allocated.
+        """
+        after = st.nbytes
+        worst: tuple[int, str] = (0, "")
+        entries = st.entries
+        for top, qual, value, slot in ops:
+            if slot is None:
+                continue
+            old = entries.get(top)
+            if qual is not LEAF:
+                old = old.get(qual) if isinstance(old, dict) else None
+            now = old.acc.nbytes() if type(old) is _Slot else 0
+            try:
+                proj = slot.acc.projected_nbytes(value)
+            except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
+                raise AccumulationError(
+                    f"projected_nbytes raised {type(e).__name__}: {e}",
+                    request_id=req_id, key=slot.path, strategy=slot.spec.name, plugin=slot.spec.plugin,
+                ) from e
+            after += proj - now
+            worst = max(worst, (proj - now, slot.path))
+        if after > limit:
+            raise AccumulationError(
+                f"would hold {after} bytes after this chunk (key {worst[1]!r} grows by {worst[0]}), over "
+                f"max_bytes_per_request={limit}; chunk rejected before allocating (state unchanged)",
+                request_id=req_id,
+            )
 
     def _apply(self, req_id: str, st: _Request, ops: list[tuple[Any, Any, Any, _Slot]]) -> None:
         """Phase 2: merge every planned value."""
@@ -456,7 +736,7 @@ class Receiver(_Endpoint):
                     strategy=slot.spec.name,
                     plugin=slot.spec.plugin,
                 ) from e
-            if qual is None:
+            if qual is LEAF:
                 old = entries.get(top)
                 if old is not slot:
                     st.held_once += slot.strategy.omits_unchanged - _held_once(old)
@@ -472,6 +752,18 @@ class Receiver(_Endpoint):
                     group[qual] = slot
         if self.policy.max_bytes_per_request:
             st.nbytes = sum(s.acc.nbytes() for s in _iter_slots(entries))
+
+
+def _leaves(wire: Mapping[str, Any]) -> Iterator[tuple[str, Any, Any, Any]]:
+    """``(path, top, qualifier or LEAF, value)`` of every leaf of a wire chunk (the marker excluded)."""
+    for top, value in wire.items():
+        if top == WIRE_MARKER:
+            continue
+        if isinstance(value, dict):
+            for qual, qv in value.items():
+                yield _path(top, qual), top, qual, qv
+        else:
+            yield _path(top), top, LEAF, value
 
 
 def _iter_slots(entries: dict[Any, Any]) -> Iterator[_Slot]:
@@ -498,3 +790,38 @@ def _held_once(entry: Any) -> int:
     if type(entry) is _Slot:
         return int(entry.strategy.omits_unchanged)
     return sum(int(s.strategy.omits_unchanged) for s in entry.values())
+
+
+def rewrites_wire(strategy: Strategy) -> bool:
+    """True when ``strategy``'s encoder may put something other than the value itself on the wire.
+
+    A strategy without an encoder sends values as they are; one with ``omits_unchanged`` only
+    leaves unchanged values off (``send_once``). Anything else (``delta`` sends suffixes) rewrites.
+    """
+    return not strategy.omits_unchanged and type(strategy).new_encoder is not Strategy.new_encoder
+
+
+def _override_keys_message(name: str, where: str) -> str:
+    return (
+        f"{OVERRIDE_KEYS_PATH} gets strategy {name!r} (from {where}), which rewrites the key's wire form, but the "
+        f"receiver reads {OVERRIDE_KEYS_PATH} from the wire to reset the keys it lists: give it a rule with "
+        "'replace' or 'send_once', or set honor_override_keys: false"
+    )
+
+
+def _missing(nxt: int, upto: int, pending: Mapping[int, Any]) -> tuple[int, ...]:
+    """Seqs in ``[nxt, upto)`` not buffered in ``pending``: the first 100 at most."""
+    out: list[int] = []
+    s = nxt
+    while s < upto and len(out) < 100:
+        if s not in pending:
+            out.append(s)
+        s += 1
+    return tuple(out)
+
+
+def _fmt_seqs(seqs: tuple[int, ...], total: int) -> str:
+    """``3, 4, 7`` (and how many more when the list was cut)."""
+    text = ", ".join(map(str, seqs[:20]))
+    more = total - min(len(seqs), 20)
+    return f"{text} (and {more} more)" if more > 0 else text
