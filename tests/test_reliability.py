@@ -1,0 +1,432 @@
+"""Faults, each with its documented behaviour (docs/reliability.md), memory bounds, and policies as data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import omni_accum
+from omni_accum.strategies.prealloc import PreallocAccumulator
+from omni_accum.strategy import KeyInfo
+from omni_accum.testing import as_dict, first_difference
+
+AccumulationError = omni_accum.AccumulationError
+
+
+def rows(n: int, h: int = 4, start: float = 0.0) -> list[torch.Tensor]:
+    return [torch.full((1, h), start + i) for i in range(n)]
+
+
+def decode_stream(n: int) -> list[dict]:
+    return [{"embed": {"decode": r}, "speaker": "Ethan", "meta": {"finished": torch.tensor(i == n - 1)}}
+            for i, r in enumerate(rows(n))]
+
+
+def decode_view(view) -> torch.Tensor:
+    return view["embed"]["decode"]
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Duplicates, gaps, reordering: upstream behaviour without seq, detected with seq
+# ---------------------------------------------------------------------------------------------- #
+
+
+def test_without_seq_chunks_merge_as_given_like_upstream():
+    rx = omni_accum.Receiver("qwen3-omni")
+    a, b = rows(2)
+    rx.merge("r", {"embed": {"decode": a}})
+    rx.merge("r", {"embed": {"decode": a}})  # a duplicate is merged twice: upstream cannot tell
+    v = rx.merge("r", {"embed": {"decode": b}})
+    assert torch.equal(decode_view(v), torch.cat([a, a, b]))
+    assert rx.sequence("r") is None
+
+
+def test_duplicate_is_dropped_idempotently_and_counted():
+    tx, rx = omni_accum.Sender("qwen3-omni"), omni_accum.Receiver("qwen3-omni")
+    chunks = decode_stream(4)
+    wires = [tx.encode("r", c) for c in chunks]
+    for s in (0, 1, 1, 0, 2, 2, 3, 3):
+        v = rx.merge("r", wires[s], seq=s)
+    assert torch.equal(decode_view(v), torch.cat([c["embed"]["decode"] for c in chunks]))
+    state = rx.sequence("r")
+    assert state.duplicates == 4 and state.next_seq == 4 and not state.buffered
+    assert rx.duplicates_dropped == 4
+    assert rx.finish("r", chunks=4) is not None
+
+
+def test_out_of_order_chunks_are_merged_in_seq_order():
+    tx, rx = omni_accum.Sender("qwen3-omni"), omni_accum.Receiver("qwen3-omni")
+    chunks = decode_stream(6)
+    wires = [tx.encode("r", c) for c in chunks]  # send_once leaves 'speaker' off chunks 1..5
+    assert "speaker" not in wires[3]
+    v = rx.merge("r", wires[2], seq=2)
+    assert len(v) == 0  # nothing in order yet: the view is the (empty) in-order prefix
+    rx.merge("r", wires[1], seq=1)
+    assert rx.sequence("r").buffered == (1, 2) and rx.sequence("r").missing == (0,)
+    v = rx.merge("r", wires[0], seq=0)  # fills the gap: 0, 1, 2 merged
+    assert torch.equal(decode_view(v), torch.cat([c["embed"]["decode"] for c in chunks[:3]]))
+    for s in (5, 4, 3):
+        v = rx.merge("r", wires[s], seq=s)
+    assert torch.equal(decode_view(v), torch.cat([c["embed"]["decode"] for c in chunks]))
+    assert v["speaker"] == "Ethan" and bool(v["meta"]["finished"])
+
+
+def test_gap_is_reported_at_finish_and_when_the_window_overflows():
+    rx = omni_accum.Receiver("qwen3-omni", reorder_window=3)
+    chunks = decode_stream(8)
+    rx.merge("r", chunks[0], seq=0)
+    rx.merge("r", chunks[2], seq=2)  # seq 1 lost
+    with pytest.raises(AccumulationError) as ei:
+        rx.finish("r")
+    assert ei.value.missing == (1,) and "missing 1" in str(ei.value)
+    before = as_dict(rx.view("r"))
+    with pytest.raises(AccumulationError) as ei:
+        rx.merge("r", chunks[5], seq=5)  # 4 ahead of next (1), window 3
+    err = ei.value
+    assert err.seq == 5 and err.missing == (1, 3, 4) and "reorder_window=3" in str(err)
+    assert first_difference(before, as_dict(rx.view("r"))) is None  # rejected whole, state unchanged
+    # the lost chunk is re-sent: everything buffered merges, in order
+    v = rx.merge("r", chunks[1], seq=1)
+    assert torch.equal(decode_view(v), torch.cat([c["embed"]["decode"] for c in chunks[:3]]))
+    # a tail gap is only visible when finish is told how many chunks were sent
+    with pytest.raises(AccumulationError, match="only seqs 0..2 arrived") as ei:
+        rx.finish("r", chunks=8)
+    assert ei.value.missing == (3, 4, 5, 6, 7)
+
+
+def test_window_zero_reports_any_gap_at_once_and_huge_seqs_stay_cheap():
+    rx = omni_accum.Receiver("default", reorder_window=0)
+    rx.merge("r", {"x": torch.ones(1, 2)}, seq=0)
+    with pytest.raises(AccumulationError) as ei:
+        rx.merge("r", {"x": torch.ones(1, 2)}, seq=10**12)
+    assert len(ei.value.missing) == 100 and "more" in str(ei.value)
+    for bad in (-1, 1.0, "1", True):
+        with pytest.raises(AccumulationError, match="seq must be an int"):
+            rx.merge("r", {"x": torch.ones(1, 2)}, seq=bad)
+
+
+def test_a_request_is_numbered_throughout_or_not_at_all():
+    rx = omni_accum.Receiver("default")
+    rx.merge("a", {"x": torch.ones(1, 2)}, seq=0)
+    with pytest.raises(AccumulationError, match="carry sequence numbers"):
+        rx.merge("a", {"x": torch.ones(1, 2)})
+    rx.merge("b", {"x": torch.ones(1, 2)})
+    with pytest.raises(AccumulationError, match="carried none"):
+        rx.merge("b", {"x": torch.ones(1, 2)}, seq=1)
+    with pytest.raises(AccumulationError, match="needs chunks merged with seq"):
+        rx.finish("b", chunks=1)
+    assert rx.finish("b")["x"].shape == (1, 2)
+
+
+def test_a_rejected_sequenced_chunk_keeps_its_seq_open_for_a_resend():
+    rx = omni_accum.Receiver("qwen3-omni")
+    a, b = rows(2)
+    rx.merge("r", {"embed": {"decode": a}}, seq=0)
+    rx.merge("r", {"embed": {"decode": b}}, seq=2)
+    with pytest.raises(AccumulationError, match="dtype changed"):
+        rx.merge("r", {"embed": {"decode": torch.ones(1, 4, dtype=torch.int64)}}, seq=1)
+    assert rx.sequence("r").next_seq == 1
+    v = rx.merge("r", {"embed": {"decode": a}}, seq=1)  # the corrected chunk
+    assert torch.equal(decode_view(v), torch.cat([a, a, b]))
+
+
+def test_a_buffered_chunk_that_fails_when_the_gap_fills_names_its_seq():
+    rx = omni_accum.Receiver("qwen3-omni")
+    a = torch.ones(1, 4)
+    rx.merge("r", {"embed": {"decode": torch.ones(1, 5)}}, seq=1)  # wrong width, buffered unchecked
+    with pytest.raises(AccumulationError) as ei:
+        rx.merge("r", {"embed": {"decode": a}}, seq=0)
+    assert ei.value.seq == 1 and ei.value.key == "embed.decode" and "re-send" in str(ei.value)
+    assert torch.equal(decode_view(rx.view("r")), a)  # seq 0 merged; seq 1 open again
+    assert rx.sequence("r").next_seq == 1 and not rx.sequence("r").buffered
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Value changes, raising strategies, release, restarts
+# ---------------------------------------------------------------------------------------------- #
+
+
+def test_dtype_or_shape_change_mid_stream_rejects_the_chunk_and_keeps_state():
+    rx = omni_accum.Receiver("qwen3-omni")
+    a = torch.ones(2, 4)
+    rx.merge("r", {"embed": {"decode": a}, "codes": {"audio": torch.arange(4)}})
+    for bad in (torch.ones(1, 4, dtype=torch.float64), torch.ones(1, 5), torch.ones(4)):
+        with pytest.raises(AccumulationError, match="changed mid-stream") as ei:
+            rx.merge("r", {"embed": {"decode": bad}, "codes": {"audio": torch.arange(3)}})
+        assert ei.value.key == "embed.decode"
+        assert torch.equal(rx.view("r")["codes"]["audio"], torch.arange(4))  # whole chunk rejected
+    # replace-kind keys may change dtype and shape: the latest value wins
+    v = rx.merge("r", {"codes": {"audio": torch.ones(2, 3, dtype=torch.int32)}})
+    assert v["codes"]["audio"].dtype == torch.int32
+
+
+def test_send_once_value_that_changes_is_sent_again():
+    tx, rx = omni_accum.Sender("qwen3-omni"), omni_accum.Receiver("qwen3-omni")
+    spk = torch.zeros(1, 4)
+    assert "speaker" in tx.encode("r", {"speaker": spk})
+    rx.merge("r", {"speaker": spk})
+    assert "speaker" not in tx.encode("r", {"speaker": spk.clone()})
+    spk[0, 0] = -0.0  # same under ==, other bits
+    spk2 = spk.clone()
+    spk2[0, 0] = 1.0
+    wire = tx.encode("r", {"speaker": spk2})
+    assert torch.equal(rx.merge("r", wire)["speaker"], spk2)
+
+
+def test_release_mid_stream_then_more_chunks():
+    tx, rx = omni_accum.Sender("qwen3-omni"), omni_accum.Receiver("qwen3-omni")
+    chunks = decode_stream(4)
+    rx.merge("r", tx.encode("r", chunks[0]))
+    rx.release("r")  # the receiver drops the request while the sender goes on
+    with pytest.raises(AccumulationError, match="send_once"):  # the static key it lost is reported
+        rx.merge("r", tx.encode("r", chunks[1]))
+    # without send_once keys nothing marks the loss unless chunks carry seq: then it is a gap
+    tx2, rx2 = omni_accum.Sender("default"), omni_accum.Receiver("default")
+    rx2.merge("q", tx2.encode("q", {"x": torch.ones(1, 2)}), seq=0)
+    rx2.release("q")
+    rx2.merge("q", tx2.encode("q", {"x": torch.ones(1, 2)}), seq=1)
+    with pytest.raises(AccumulationError) as ei:
+        rx2.finish("q")
+    assert ei.value.missing == (0,)
+
+
+def test_merge_for_a_released_request_starts_fresh_and_release_is_idempotent():
+    rx = omni_accum.Receiver("qwen3-omni")
+    rx.merge("r", {"embed": {"decode": torch.ones(3, 4)}}, seq=0)
+    assert rx.release("r") and not rx.release("r")
+    v = rx.merge("r", {"embed": {"decode": torch.zeros(1, 4)}}, seq=0)
+    assert decode_view(v).shape == (1, 4) and rx.sequence("r").next_seq == 1
+    with pytest.raises(AccumulationError, match="no chunk of this request"):
+        rx.finish("never-seen")
+
+
+def test_restarted_receiver_never_serves_a_missing_static_key():
+    tx = omni_accum.Sender("qwen3-omni")
+    rx = omni_accum.Receiver("qwen3-omni")
+    chunk = {"speaker": "Ethan", "embed": {"decode": torch.ones(1, 4), "tts_bos": torch.ones(1, 1, 4)}}
+    rx.merge("r", tx.encode("r", chunk))
+    restarted = omni_accum.Receiver("qwen3-omni")
+    wire = tx.encode("r", chunk)
+    assert omni_accum.WIRE_MARKER in wire and "speaker" not in wire
+    with pytest.raises(AccumulationError, match="holds 0") as ei:
+        restarted.merge("r", wire)
+    assert ei.value.request_id == "r" and not restarted.view("r")
+    # one static changed (sent), one still omitted: the receiver still knows it lacks one
+    chunk2 = {**chunk, "speaker": "Chelsie"}
+    with pytest.raises(AccumulationError, match="holds 1"):
+        restarted.merge("r", tx.encode("r", chunk2))
+
+
+def test_a_rejected_chunk_carrying_a_send_once_value_fails_the_request_rather_than_serve_it_stale():
+    tx, rx = omni_accum.Sender("qwen3-omni"), omni_accum.Receiver("qwen3-omni")
+    rx.merge("r", tx.encode("r", {"speaker": "Ethan", "embed": {"decode": torch.ones(1, 4)}}))
+    bad = {"speaker": "Chelsie", "embed": {"decode": torch.ones(1, 5)}}  # speaker changes; decode is rejected
+    with pytest.raises(AccumulationError, match="trailing shape"):
+        rx.merge("r", tx.encode("r", bad))
+    # the sender now believes 'Chelsie' delivered and leaves it off; serving 'Ethan' would be stale
+    nxt = tx.encode("r", {"speaker": "Chelsie", "embed": {"decode": torch.ones(1, 4)}})
+    assert "speaker" not in nxt
+    with pytest.raises(AccumulationError, match="failed earlier.*'speaker'"):
+        rx.merge("r", nxt)
+    # a rejected chunk without send_once values leaves the request usable (state unchanged)
+    rx.merge("q", {"embed": {"decode": torch.ones(1, 4)}})
+    with pytest.raises(AccumulationError):
+        rx.merge("q", {"embed": {"decode": torch.ones(1, 5)}})
+    assert decode_view(rx.merge("q", {"embed": {"decode": torch.ones(1, 4)}})).shape == (2, 4)
+
+
+def test_the_marker_key_is_reserved_and_a_malformed_marker_is_refused():
+    tx, rx = omni_accum.Sender("default"), omni_accum.Receiver("default")
+    with pytest.raises(AccumulationError, match="reserves it"):
+        tx.encode("r", {omni_accum.WIRE_MARKER: 0, "x": 1})
+    assert tx.active_requests == 0
+    for bad in (-1, "2", 1.5, True, None, torch.tensor(1)):
+        with pytest.raises(AccumulationError, match="malformed wire marker|off the wire"):
+            rx.merge("r", {omni_accum.WIRE_MARKER: bad, "x": 1} if bad is not None else {omni_accum.WIRE_MARKER: 1})
+
+
+def test_a_raising_strategy_fails_only_its_request():
+    # the full matrix (encode, check, merge, state factories, selection) is tests/test_plugin_isolation.py
+    class Boom(Exception):
+        pass
+
+    rx = omni_accum.Receiver("qwen3-omni")
+    acc_cls = PreallocAccumulator
+    real = acc_cls.append_tensor
+
+    def boom(self, value):
+        if self.key.request_id == "bad":
+            raise Boom("append failed")
+        return real(self, value)
+
+    acc_cls.append_tensor = boom
+    try:
+        for rid in ("good", "bad"):
+            rx.merge(rid, {"embed": {"decode": torch.ones(1, 4)}})
+        with pytest.raises(AccumulationError, match="Boom") as ei:
+            rx.merge("bad", {"embed": {"decode": torch.ones(1, 4)}})
+        assert ei.value.strategy == "prealloc" and isinstance(ei.value.__cause__, Boom)
+        with pytest.raises(AccumulationError, match="failed earlier"):
+            rx.merge("bad", {"embed": {"decode": torch.ones(1, 4)}})
+        assert decode_view(rx.merge("good", {"embed": {"decode": torch.ones(1, 4)}})).shape == (2, 4)
+    finally:
+        acc_cls.append_tensor = real
+    rx.release("bad")
+    assert decode_view(rx.merge("bad", {"embed": {"decode": torch.ones(1, 4)}})).shape == (1, 4)
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Memory bounds
+# ---------------------------------------------------------------------------------------------- #
+
+
+@given(
+    init=st.integers(1, 64),
+    growth=st.floats(1.01, 16.0),
+    first=st.integers(0, 50),
+    appends=st.lists(st.integers(0, 40), min_size=1, max_size=60),
+    hint=st.none() | st.integers(0, 400),
+)
+def test_prealloc_capacity_never_exceeds_growth_times_rows_plus_initial(init, growth, first, appends, hint):
+    params = omni_accum.get_manager().spec("prealloc").params_model(initial_capacity=init, growth_factor=growth)
+    acc = PreallocAccumulator(KeyInfo("x", "r", hint), params)
+    acc.merge(torch.zeros(first, 2))
+    n = first
+    for k in appends:
+        projected = acc.projected_nbytes(torch.ones(k, 2))
+        acc.merge(torch.ones(k, 2))
+        n += k
+        assert acc.capacity <= growth * n + init, (acc.capacity, n)
+        assert acc.capacity >= n
+        assert acc.nbytes() == projected  # the guard's projection is what the buffer then holds
+    assert acc.read().shape == (n, 2)
+
+
+@pytest.mark.parametrize("strategy", ["cat", "token_list", "prealloc", "replace", "send_once"])
+@given(sizes=st.lists(st.integers(0, 30), min_size=1, max_size=30))
+def test_projected_bytes_is_what_the_state_then_holds(strategy, sizes):
+    rx = omni_accum.Receiver({"default": strategy, "max_bytes_per_request": 1 << 40})
+    for k in sizes:
+        value = torch.ones(k, 3)
+        slot = rx._requests["r"].entries["x"] if "r" in rx.request_ids() else None
+        projected = slot.acc.projected_nbytes(value) if slot is not None else None
+        rx.merge("r", {"x": value})["x"]  # merge and read (token_list caches its concatenation)
+        if projected is not None:
+            assert rx.nbytes("r") == projected
+
+
+def test_max_bytes_guard_refuses_before_prealloc_grows_past_it():
+    row = 4 * 256  # one float32 row of 256
+    policy = {
+        "default": {"strategy": "prealloc", "params": {"initial_capacity": 4, "growth_factor": 2.0}},
+        "max_bytes_per_request": 30 * row,
+    }
+    rx = omni_accum.Receiver(policy)
+    rx.merge("r", {"x": torch.ones(10, 256)})
+    rx.merge("r", {"x": torch.ones(1, 256)})  # the first append grows the buffer to 2 x 10 rows
+    acc = rx._requests["r"].entries["x"].acc
+    assert acc.capacity == 20 and rx.nbytes("r") == 20 * row
+    for _ in range(9):
+        rx.merge("r", {"x": torch.ones(1, 256)})
+    # 20 rows held; one more row would grow the buffer to 40 rows (over 30 rows): refused before allocating.
+    # (Counting the incoming value alone, 21 rows, would have let it through and allocated 40.)
+    ptr = acc._buf.data_ptr()
+    with pytest.raises(AccumulationError, match="max_bytes_per_request") as ei:
+        rx.merge("r", {"x": torch.ones(1, 256)})
+    assert "'x' grows by" in str(ei.value) and f"would hold {40 * row} bytes" in str(ei.value)
+    assert acc._buf.data_ptr() == ptr and acc.capacity == 20 and rx.view("r")["x"].shape == (20, 256)
+    assert rx.nbytes("r") <= 30 * row
+
+
+def test_max_bytes_guard_counts_replacements_and_new_keys():
+    rx = omni_accum.Receiver({"default": "replace", "max_bytes_per_request": 1000})
+    for _ in range(5):
+        rx.merge("r", {"a": torch.ones(200, dtype=torch.uint8), "b": torch.ones(700, dtype=torch.uint8)})
+    with pytest.raises(AccumulationError, match="would hold 1100 bytes"):
+        rx.merge("r", {"c": torch.ones(200, dtype=torch.uint8)})
+    rx.merge("r", {"b": torch.ones(100, dtype=torch.uint8), "c": torch.ones(300, dtype=torch.uint8)})
+    assert rx.nbytes("r") == 600
+
+
+def test_bench_peak_bytes_is_the_receivers_held_bytes():
+    from omni_accum.bench import strategy_arm
+    from omni_accum.replay import measure
+    from omni_accum.workloads import build_stream, load_workload
+
+    wl = load_workload("qwen3-omni-full-payload")
+    arms = {name: strategy_arm(wl, name) for name in ("cat", "token_list", "prealloc")}
+    res = {r.arm: r for r in measure(wl, arms, context_len=32, concurrency=2, repeats=1)}
+    stream = build_stream(wl, 32)
+    hidden = sum(c["hidden_states"]["output"].numel() * 2 for c in stream)  # bf16 rows
+    ids = 8 * sum(len(c["ids"]["output"]) for c in stream if "ids" in c)
+    flag = 1  # meta.finished, a 0-d bool tensor
+    # Two requests. cat holds one tensor and one list. prealloc is told the final length (exact growth, no
+    # spare rows); its list part keeps the items plus the copy the consumer read. token_list also holds the
+    # concatenation its read cached.
+    assert res["cat"].peak_bytes == 2 * (hidden + ids + flag)
+    assert res["prealloc"].peak_bytes == 2 * (hidden + 2 * ids + flag)
+    assert res["token_list"].peak_bytes == 2 * (2 * hidden + 2 * ids + flag)
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Policies are data
+# ---------------------------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    "name", ["os.system", "omni_accum.strategies.cat:Cat", "omni_accum.strategies.cat.Cat", "builtins:eval", "__import__"]
+)
+def test_import_paths_are_not_strategy_names(name, tmp_path):
+    doc = {"default": "cat", "rules": [{"match": "embed.decode", "strategy": name}]}
+    with pytest.raises(omni_accum.PolicyError) as ei:
+        omni_accum.load_policy(doc)
+    msg = str(ei.value)
+    assert f"unknown strategy {name!r}" in msg and "Available: cat, " in msg and "prealloc" in msg
+    path = tmp_path / "p.yaml"
+    path.write_text(f"default: {name!r}\n")
+    with pytest.raises(omni_accum.PolicyError, match="Available: cat, "):
+        omni_accum.load_policy(str(path))
+
+
+def test_yaml_python_tags_are_refused(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("default: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(omni_accum.PolicyError, match="policies are data"):
+        omni_accum.load_policy(str(path))
+
+
+# ---------------------------------------------------------------------------------------------- #
+# meta.override_keys must travel as itself
+# ---------------------------------------------------------------------------------------------- #
+
+
+def test_override_keys_with_a_wire_rewriting_strategy_is_refused():
+    pytest.importorskip("omni_accum_delta")
+    bad = {"default": "cat", "rules": [{"match": "meta.override_keys", "strategy": "delta"}]}
+    for cls in (omni_accum.Sender, omni_accum.Receiver):
+        with pytest.raises(omni_accum.PolicyError, match="rewrites the key's wire form"):
+            cls(bad)
+    with pytest.raises(omni_accum.PolicyError, match=r"from default\)"):
+        omni_accum.Receiver({"default": "delta"})
+    # allowed when the receiver does not read override_keys, or when the key travels as itself
+    omni_accum.Receiver({**bad, "honor_override_keys": False})
+    omni_accum.Receiver({"default": "delta", "rules": [{"match": "meta.*", "strategy": "send_once"}]})
+
+
+def test_override_keys_rewritten_by_a_selection_hook_is_an_accumulation_error():
+    pytest.importorskip("omni_accum_delta")
+    from omni_accum.policy import StrategyChoice
+
+    class Picker:
+        @omni_accum.hookimpl
+        def omni_accum_select_strategy(self, key, meta, context, policy):
+            return StrategyChoice("delta", {}, "test") if key == "meta.override_keys" else None
+
+    mgr = omni_accum.StrategyManager()
+    mgr.register(Picker(), name="picker")
+    rx = omni_accum.Receiver("qwen3-omni", manager=mgr)
+    with pytest.raises(AccumulationError, match="rewrites the key's wire form") as ei:
+        rx.merge("r", {"meta": {"override_keys": ["x"]}, "x": torch.ones(1, 2)})
+    assert ei.value.key == "meta.override_keys" and ei.value.strategy == "delta"
