@@ -4,7 +4,8 @@ Each request is a thinker -> talker stream of the ``qwen3-omni`` preset's keys a
 (hidden 2048, bf16): a prefill chunk (``embed.prefill``, ``hidden_states.output``, the three
 ``embed.tts_*`` constants, ``ids.prompt``, ``speaker``, ``language``, ``meta.*``), then decode
 chunks (``embed.decode`` rows appended; statics repeated; on every other request
-``meta.override_keys`` lists ``embed.decode``, so it is replaced each step, the 2026-03..05 pattern). Eight requests are in
+``meta.override_keys`` lists ``embed.decode``, so it is replaced each step, the 2026-03..05 pattern).
+Eight requests are in
 flight at once, round-robin; every chunk is copied on its way (as a connector delivers new
 tensors); each request is released when finished. Resident memory (psutil RSS) is sampled after
 a warm-up of 1,000 requests and then every 500; the figure is the growth of the last sample, and
@@ -86,7 +87,8 @@ class SoakResult:
         mib = 1 << 20
         return (
             f"soak: {self.requests} requests ({PREFILL + 1} prefill rows + {DECODE} decode rows of [1, {H}] bf16, "
-            f"{IN_FLIGHT} in flight, qwen3-omni) in {self.seconds:.1f}s; RSS after warm-up {self.rss_warm / mib:.1f} MiB, "
+            f"{IN_FLIGHT} in flight, qwen3-omni) in {self.seconds:.1f}s; "
+            f"RSS after warm-up {self.rss_warm / mib:.1f} MiB, "
             f"end {self.rss_end / mib:.1f} MiB ({self.growth_pct:+.2f} %), max {self.rss_max / mib:.1f} MiB "
             f"({self.max_growth_pct:+.2f} %); target < {TARGET_PCT:.0f} %"
         )

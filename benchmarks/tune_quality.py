@@ -49,9 +49,15 @@ def main() -> int:
     cells_b = {(c.key, c.context_len, c.concurrency): c for c in b.policy.tuned.cells}
     big = [k for k, c in cells_a.items() if (c.margin or 0) > 0.10 or (cells_b[k].margin or 0) > 0.10]
     agree = [k for k in big if (cells_a[k].strategy, cells_a[k].params) == (cells_b[k].strategy, cells_b[k].params)]
-    print(f"winner agreement on cells with margin > 10 %: {len(agree)}/{len(big)} = {100 * len(agree) / max(1, len(big)):.0f} %")
+    print(
+        f"winner agreement on cells with margin > 10 %: {len(agree)}/{len(big)} = "
+        f"{100 * len(agree) / max(1, len(big)):.0f} %"
+    )
     for k in sorted(set(big) - set(agree)):
-        print(f"  differs: {k}: {cells_a[k].strategy}{cells_a[k].params or ''} vs {cells_b[k].strategy}{cells_b[k].params or ''}")
+        print(
+            f"  differs: {k}: {cells_a[k].strategy}{cells_a[k].params or ''} vs "
+            f"{cells_b[k].strategy}{cells_b[k].params or ''}"
+        )
     wl = load_workload("qwen3-omni-seed")
     default = load_policy("default")
     tuned = a.policy
@@ -60,14 +66,28 @@ def main() -> int:
     for cl in tuned.tuned.context_len_edges:
         for c in tuned.tuned.concurrency_edges:
             wl_b = wl.model_copy(update={"decode_steps": max(8, -(-24 // c))})
-            res = measure(wl_b, {"default": default, "tuned": tuned}, context_len=cl, concurrency=c, repeats=3,
-                          check=False, length_hints=False)
+            res = measure(
+                wl_b,
+                {"default": default, "tuned": tuned},
+                context_len=cl,
+                concurrency=c,
+                repeats=3,
+                check=False,
+                length_hints=False,
+            )
             d, t = res
             g = bootstrap_gain(d.pooled(), t.pooled())
             worst = min(worst, g.high)
-            print(f"  context {cl:>6} conc {c:>3}: default {d.step_us_p50:10.1f} us  tuned {t.step_us_p50:8.1f} us  "
-                  f"ratio {t.step_us_p50 / d.step_us_p50:.4f}  gain {100 * g.gain:+.1f}% [{100 * g.low:+.1f}, {100 * g.high:+.1f}]")
-    print("tuned slower than default beyond noise in some bucket" if worst < 0 else "tuned never slower than default beyond noise")
+            print(
+                f"  context {cl:>6} conc {c:>3}: default {d.step_us_p50:10.1f} us  tuned {t.step_us_p50:8.1f} us  "
+                f"ratio {t.step_us_p50 / d.step_us_p50:.4f}  "
+                f"gain {100 * g.gain:+.1f}% [{100 * g.low:+.1f}, {100 * g.high:+.1f}]"
+            )
+    print(
+        "tuned slower than default beyond noise in some bucket"
+        if worst < 0
+        else "tuned never slower than default beyond noise"
+    )
     return 0
 
 

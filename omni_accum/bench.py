@@ -51,8 +51,16 @@ RESULT_SCHEMA: dict[str, Any] = {
                 "type": "object",
                 "additionalProperties": False,
                 "required": [
-                    "arm", "key", "context_len", "concurrency", "step_us_p50", "step_us_p99",
-                    "wire_bytes_per_step", "peak_bytes", "requests", "steps",
+                    "arm",
+                    "key",
+                    "context_len",
+                    "concurrency",
+                    "step_us_p50",
+                    "step_us_p99",
+                    "wire_bytes_per_step",
+                    "peak_bytes",
+                    "requests",
+                    "steps",
                 ],
                 "properties": {
                     "arm": {"type": "string"},
@@ -243,8 +251,16 @@ def run_bench(
         for cl in cls:
             for c in concs:
                 res = measure(
-                    wl, arms, context_len=cl, concurrency=c, wire=wire, repeats=repeats, view_hop=view_hop,
-                    per_key=per_key, through=through, progress=bar.advance if bar else None,
+                    wl,
+                    arms,
+                    context_len=cl,
+                    concurrency=c,
+                    wire=wire,
+                    repeats=repeats,
+                    view_hop=view_hop,
+                    per_key=per_key,
+                    through=through,
+                    progress=bar.advance if bar else None,
                 )
                 run.results += res
                 if on_bucket is not None:
@@ -292,16 +308,27 @@ def format_table(results: list[ArmResult], baseline: str = UPSTREAM) -> str:
             ratio = f"{q:.3g}x" + (f" ({1 / q:.0f}x faster)" if q > 0 and q < 0.5 else "")
         tot = sum(r.total_us_per_request) / len(r.total_us_per_request) if r.total_us_per_request else float("nan")
         ok = "ok" if r.correct else "WRONG"
-        rows.append([
-            r.arm, _fmt_us(r.step_us_p50), _fmt_us(r.step_us_p99), _fmt_us(tot),
-            _fmt_bytes(r.wire_bytes_per_step), _fmt_bytes(r.peak_bytes), ratio, ok,
-        ])
+        rows.append(
+            [
+                r.arm,
+                _fmt_us(r.step_us_p50),
+                _fmt_us(r.step_us_p99),
+                _fmt_us(tot),
+                _fmt_bytes(r.wire_bytes_per_step),
+                _fmt_bytes(r.peak_bytes),
+                ratio,
+                ok,
+            ]
+        )
         if not r.correct:
             notes.append(f"  {r.arm}: {r.mismatch}")
         for k, ks in sorted(r.per_key.items()):
             rows.append([f"  {k}", "", "", "", _fmt_bytes(ks.wire_bytes_per_step), _fmt_bytes(ks.peak_bytes), "", ""])
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
-    line = lambda cells: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+
+    def line(cells: list[Any]) -> str:
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     out = [head, line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
     if notes:
         out += ["views differing from the cat reference (or errors):", *notes]
@@ -345,19 +372,35 @@ def to_json(run: BenchRun) -> dict[str, Any]:
     """The JSON document of a run (validates against :data:`RESULT_SCHEMA`)."""
     rows = []
     for r in run.results:
-        rows.append({
-            "arm": r.arm, "key": r.key, "context_len": r.context_len, "concurrency": r.concurrency,
-            "step_us_p50": _num(r.step_us_p50), "step_us_p99": _num(r.step_us_p99),
-            "wire_bytes_per_step": round(r.wire_bytes_per_step, 3), "peak_bytes": int(r.peak_bytes),
-            "requests": r.requests, "steps": r.steps,
-        })
+        rows.append(
+            {
+                "arm": r.arm,
+                "key": r.key,
+                "context_len": r.context_len,
+                "concurrency": r.concurrency,
+                "step_us_p50": _num(r.step_us_p50),
+                "step_us_p99": _num(r.step_us_p99),
+                "wire_bytes_per_step": round(r.wire_bytes_per_step, 3),
+                "peak_bytes": int(r.peak_bytes),
+                "requests": r.requests,
+                "steps": r.steps,
+            }
+        )
         for k, ks in sorted(r.per_key.items()):
-            rows.append({
-                "arm": r.arm, "key": k, "context_len": r.context_len, "concurrency": r.concurrency,
-                "step_us_p50": None, "step_us_p99": None,
-                "wire_bytes_per_step": round(ks.wire_bytes_per_step, 3), "peak_bytes": int(ks.peak_bytes),
-                "requests": r.requests, "steps": r.steps,
-            })
+            rows.append(
+                {
+                    "arm": r.arm,
+                    "key": k,
+                    "context_len": r.context_len,
+                    "concurrency": r.concurrency,
+                    "step_us_p50": None,
+                    "step_us_p99": None,
+                    "wire_bytes_per_step": round(ks.wire_bytes_per_step, 3),
+                    "peak_bytes": int(ks.peak_bytes),
+                    "requests": r.requests,
+                    "steps": r.steps,
+                }
+            )
     return {"workload": run.workload.name, "wire": run.wire, "machine": machine_info(run), "results": rows}
 
 
@@ -376,7 +419,8 @@ def require_matplotlib() -> Any:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise PlotUnavailable(
-            "--plot needs matplotlib, which is not installed: pip install 'omni-accum[plot]' (or pip install matplotlib)"
+            "--plot needs matplotlib, which is not installed: "
+            "pip install 'omni-accum[plot]' (or pip install matplotlib)"
         ) from e
     return plt
 

@@ -32,27 +32,55 @@ def register(subparsers: Any) -> None:
         ),
     )
     p.add_argument(
-        "--workload", default="qwen3-omni-seed", metavar="NAME|FILE",
+        "--workload",
+        default="qwen3-omni-seed",
+        metavar="NAME|FILE",
         help=f"workload preset ({', '.join(workload_names())}) or a YAML workload file (default: qwen3-omni-seed)",
     )
-    p.add_argument("--arms", nargs="+", metavar="ARM", help="arms to compare (default: upstream, the strategies that "
-                   "fit the workload, and its policy preset)")
-    p.add_argument("--context-lens", type=_int_list, metavar="N[,N...]", help="context lengths (default: the workload's)")
-    p.add_argument("--concurrency", type=_int_list, metavar="N[,N...]", help="concurrency levels (default: the workload's)")
-    p.add_argument("--wire", choices=("inproc", "serializer", "shm"), default="inproc",
-                   help="inproc: no serialization; serializer: vllm-omni's OmniSerializer; shm: its SharedMemoryConnector")
-    p.add_argument("--view-hop", choices=("serializer",), help="also serialize the consumer's read every step, as "
-                   "pre-0.30 releases did for a multi-process worker")
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        metavar="ARM",
+        help="arms to compare (default: upstream, the strategies that fit the workload, and its policy preset)",
+    )
+    p.add_argument(
+        "--context-lens", type=_int_list, metavar="N[,N...]", help="context lengths (default: the workload's)"
+    )
+    p.add_argument(
+        "--concurrency", type=_int_list, metavar="N[,N...]", help="concurrency levels (default: the workload's)"
+    )
+    p.add_argument(
+        "--wire",
+        choices=("inproc", "serializer", "shm"),
+        default="inproc",
+        help="inproc: no serialization; serializer: vllm-omni's OmniSerializer; shm: its SharedMemoryConnector",
+    )
+    p.add_argument(
+        "--view-hop",
+        choices=("serializer",),
+        help="also serialize the consumer's read every step, as pre-0.30 releases did for a multi-process worker",
+    )
     p.add_argument("--repeats", type=int, default=3, help="rounds per bucket, arms interleaved (default: 3)")
     p.add_argument("--steps", type=int, metavar="N", help="decode steps per request (default: the workload's)")
-    p.add_argument("--threads", type=int, default=1, metavar="N",
-                   help="torch intra-op threads while measuring (default: 1, stable on a shared machine; 0: torch's default)")
-    p.add_argument("--through", choices=("direct", "vllm-omni"), default="direct",
-                   help="direct: call omni-accum's Sender/Receiver (or upstream's method); vllm-omni: every merge goes "
-                   "through a real vllm-omni 0.30.0 runner transport with omni-accum installed (needs vllm-omni)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="torch intra-op threads while measuring (default: 1, stable on a shared machine; 0: torch's default)",
+    )
+    p.add_argument(
+        "--through",
+        choices=("direct", "vllm-omni"),
+        default="direct",
+        help="direct: call omni-accum's Sender/Receiver (or upstream's method); vllm-omni: every merge goes "
+        "through a real vllm-omni 0.30.0 runner transport with omni-accum installed (needs vllm-omni)",
+    )
     p.add_argument("--per-key", action="store_true", help="also report wire and held bytes per key")
     p.add_argument("--json", metavar="OUT", help="write results as JSON")
-    p.add_argument("--plot", metavar="OUT.png", help="log-log plot of step latency vs context length (needs matplotlib)")
+    p.add_argument(
+        "--plot", metavar="OUT.png", help="log-log plot of step latency vs context length (needs matplotlib)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
 
@@ -96,9 +124,17 @@ def run(args: argparse.Namespace) -> int:
         print(bench.format_table(results), flush=True)
 
     result = bench.run_bench(
-        wl, arms, context_lens=args.context_lens, concurrency=args.concurrency, wire=args.wire,
-        view_hop=args.view_hop, repeats=args.repeats, per_key=args.per_key, through=args.through,
-        progress=None if args.no_progress else sys.stderr, on_bucket=show,
+        wl,
+        arms,
+        context_lens=args.context_lens,
+        concurrency=args.concurrency,
+        wire=args.wire,
+        view_hop=args.view_hop,
+        repeats=args.repeats,
+        per_key=args.per_key,
+        through=args.through,
+        progress=None if args.no_progress else sys.stderr,
+        on_bucket=show,
     )
     if result.delta_roundtrip_us is not None:
         print(f"\none decode delta's serializer round trip: {result.delta_roundtrip_us:.1f} us")
@@ -112,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     if any(not r.correct for r in result.results if r.arm == "upstream"):
         print("note: upstream's own views differ from the workload's declared key semantics (see above)")
     if wrong:
-        print(f"omni-accum: error: arm(s) {', '.join(wrong)} gave views differing from the cat reference",
-              file=sys.stderr)
+        print(
+            f"omni-accum: error: arm(s) {', '.join(wrong)} gave views differing from the cat reference", file=sys.stderr
+        )
         return 1
     return 0

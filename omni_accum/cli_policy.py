@@ -169,7 +169,9 @@ def explain_key(
         if rule.description:
             reason["description"] = rule.description
         if is_glob(rule.match):
-            others = [r.match for j, r in enumerate(policy.rules) if j > i and is_glob(r.match) and _fnmatch(key, r.match)]
+            others = [
+                r.match for j, r in enumerate(policy.rules) if j > i and is_glob(r.match) and _fnmatch(key, r.match)
+            ]
             if others:
                 notes.append(f"later globs also match and lose (first listed wins): {', '.join(others)}")
     elif key in PROTOCOL_REPLACE_KEYS:
@@ -240,13 +242,18 @@ def cmd_explain(args: argparse.Namespace) -> int:
     _out(f"key {info['key']!r} -> {info['strategy']} ({params})")
     r = info["reason"]
     why = {
-        "rule": lambda: f"rules[{r['rule_index']}] {'glob' if r['glob'] else 'exact'} match {r['match']!r}"
-        + (f" ({r['description']})" if r.get("description") else ""),
+        "rule": lambda: (
+            f"rules[{r['rule_index']}] {'glob' if r['glob'] else 'exact'} match {r['match']!r}"
+            + (f" ({r['description']})" if r.get("description") else "")
+        ),
         "protocol": lambda: f"protocol key: {r['detail']}",
-        "tuned": lambda: f"tuned table, bucket context_len>={r['context_len_bucket']}, "
-        f"concurrency>={r['concurrency_bucket']}",
-        "default": lambda: "the policy's default (no rule matches"
-        + (", no tuned cell)" if policy.tuned is not None else ", no tuned table)"),
+        "tuned": lambda: (
+            f"tuned table, bucket context_len>={r['context_len_bucket']}, concurrency>={r['concurrency_bucket']}"
+        ),
+        "default": lambda: (
+            "the policy's default (no rule matches"
+            + (", no tuned cell)" if policy.tuned is not None else ", no tuned table)")
+        ),
         "plugin": lambda: r["detail"],
     }[r["kind"]]()
     _out(f"  why: {why}")

@@ -159,8 +159,11 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
             return None
         ann = field.annotation
         model = next(
-            (a for a in (ann, *typing.get_args(ann), *(b for a in typing.get_args(ann) for b in typing.get_args(a)))
-             if isinstance(a, type) and issubclass(a, BaseModel)),
+            (
+                a
+                for a in (ann, *typing.get_args(ann), *(b for a in typing.get_args(ann) for b in typing.get_args(a)))
+                if isinstance(a, type) and issubclass(a, BaseModel)
+            ),
             None,
         )
         if model is None:
@@ -187,7 +190,9 @@ def _validation_messages(err: ValidationError, source: str, text: str | None) ->
             allowed = f". Allowed fields: {', '.join(model.model_fields)}" if model is not None else ""
             msg = f"unknown field{allowed}"
         elif e["type"] == "model_type" and loc == ("default",):
-            msg = f"expected a strategy name or {{strategy: NAME, params: {{...}}}}, got {type(e.get('input')).__name__}"
+            msg = (
+                f"expected a strategy name or {{strategy: NAME, params: {{...}}}}, got {type(e.get('input')).__name__}"
+            )
         elif e["type"] == "model_type":
             model = _model_at((*loc, "x"))
             fields = f" with fields {', '.join(model.model_fields)}" if model is not None else ""
@@ -213,18 +218,19 @@ def check_strategies(policy: Policy, manager: StrategyManager, source: str, text
         try:
             spec.params_model.model_validate(params)
         except ValidationError as e:
-            allowed = ", ".join(
-                f"{f} (default {fi.default!r})" if not fi.is_required() else f"{f} (required)"
-                for f, fi in spec.params_model.model_fields.items()
-            ) or "none"
+            allowed = (
+                ", ".join(
+                    f"{f} (default {fi.default!r})" if not fi.is_required() else f"{f} (required)"
+                    for f, fi in spec.params_model.model_fields.items()
+                )
+                or "none"
+            )
             for pe in e.errors():
                 field = ".".join(str(p) for p in pe["loc"])
                 pline = _yaml_line(text, loc + ("params", *pe["loc"])) if text is not None else None
                 pplace = f"{source}" + (f", line {pline}" if pline else "")
                 msg = "unknown param" if pe["type"] == "extra_forbidden" else pe["msg"]
-                errors.append(
-                    f"{pplace}: {where}.params.{field}: {msg} (strategy {name!r}; allowed params: {allowed})"
-                )
+                errors.append(f"{pplace}: {where}.params.{field}: {msg} (strategy {name!r}; allowed params: {allowed})")
     return errors
 
 

@@ -234,7 +234,9 @@ class StrategyManager:
                 prior = self._specs.get(spec.name) or out.get(spec.name)
                 if prior is not None:
                     err = DuplicateStrategyError(spec.name, prior.plugin or "?", name)
-                    err.args = (f"{who}: {err}; the first is {describe_plugin(prior.plugin or '?', prior.distribution)}",)
+                    err.args = (
+                        f"{who}: {err}; the first is {describe_plugin(prior.plugin or '?', prior.distribution)}",
+                    )
                     raise err
                 out[spec.name] = spec
         return out
@@ -264,7 +266,9 @@ class StrategyManager:
             ) from e
         kinds = frozenset(rec.kinds)
         if not kinds or not kinds <= set(KINDS):
-            raise PluginError(f"{who}: strategy {rec.name!r}: kinds {sorted(kinds)} must be a non-empty subset of {list(KINDS)}")
+            raise PluginError(
+                f"{who}: strategy {rec.name!r}: kinds {sorted(kinds)} must be a non-empty subset of {list(KINDS)}"
+            )
         for i, grid in enumerate(rec.params_grid):
             try:
                 pm.model_validate(grid)
@@ -295,7 +299,9 @@ class StrategyManager:
         key = (name, repr(sorted((params or {}).items())) if isinstance(params, dict) else repr(params))
         built = self._built.get(key)
         if built is None:
-            built = self.spec(name).build(dict(params) if params is not None and not isinstance(params, BaseModel) else params)
+            built = self.spec(name).build(
+                dict(params) if params is not None and not isinstance(params, BaseModel) else params
+            )
             with self._lock:
                 self._built[key] = built
         return built
@@ -314,7 +320,6 @@ class StrategyManager:
         if not isinstance(choice, StrategyChoice):
             raise PluginError(f"omni_accum_select_strategy returned {type(choice).__name__}, expected StrategyChoice")
         return choice
-
 
     def _culprit(self, hook: str, exc: BaseException) -> str:
         """Name the plugin whose implementation of ``hook`` raised ``exc`` (from the traceback)."""

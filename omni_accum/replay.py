@@ -369,7 +369,10 @@ def _check_concat(got: Any, values: list[Any]) -> str | None:
         return f"expected a tensor, got {type(got).__name__}"
     rows = sum(int(v.shape[0]) for v in values)
     if got.shape[0] != rows or got.shape[1:] != values[0].shape[1:] or got.dtype != values[0].dtype:
-        return f"shape/dtype {list(got.shape)} {got.dtype}, expected [{rows}, *{list(values[0].shape[1:])}] {values[0].dtype}"
+        return (
+            f"shape/dtype {list(got.shape)} {got.dtype}, "
+            f"expected [{rows}, *{list(values[0].shape[1:])}] {values[0].dtype}"
+        )
     off = 0
     for i, v in enumerate(values):
         n = int(v.shape[0])
@@ -388,7 +391,8 @@ def _diff(got: Any, want: Any) -> str | None:
         return None if torch.equal(got, want) else "values differ"
     if isinstance(want, (list, tuple)):
         if not isinstance(got, (list, tuple)) or len(got) != len(want):
-            return f"expected a list of {len(want)}, got {type(got).__name__} of {len(got) if hasattr(got, '__len__') else '?'}"
+            n = len(got) if hasattr(got, "__len__") else "?"
+            return f"expected a list of {len(want)}, got {type(got).__name__} of {n}"
         for i, (g, w) in enumerate(zip(got, want)):
             m = _diff(g, w)
             if m:
@@ -635,8 +639,12 @@ def measure(
     if length_hints:
         for spec in wl.keys:
             if spec.kind == "append":
-                rows = [int(v.shape[0]) for c in streams[0] for p, v in iter_leaves(c) if p == spec.path
-                        and isinstance(v, torch.Tensor) and v.dim() > 0]
+                rows = [
+                    int(v.shape[0])
+                    for c in streams[0]
+                    for p, v in iter_leaves(c)
+                    if p == spec.path and isinstance(v, torch.Tensor) and v.dim() > 0
+                ]
                 if rows:
                     hints[spec.path] = sum(rows)
     ctx = StreamContext(context_len=cl, concurrency=concurrency, length_hints=hints)
@@ -645,9 +653,7 @@ def measure(
         raise OmniAccumError(f"unknown view hop {view_hop!r}. Available: serializer")
     labels = list(arms)
     n_chunks = len(streams[0])
-    results = {
-        lab: ArmResult(lab, cl, concurrency, wire, requests=concurrency, steps=n_chunks) for lab in labels
-    }
+    results = {lab: ArmResult(lab, cl, concurrency, wire, requests=concurrency, steps=n_chunks) for lab in labels}
     wire_totals = {lab: 0 for lab in labels}
     for rep in range(repeats):
         k = rep % len(labels) if labels else 0
@@ -661,8 +667,16 @@ def measure(
                 engine = make_engine(arms[lab], ctx, through)
                 on_round = (lambda: progress(concurrency)) if progress is not None else None
                 steps, totals, nb, peak, keys, mismatch = replay(
-                    wl, engine, w, streams, view_hop=hop, device=device, check=check and rep == 0, per_key=per_key,
-                    on_round=on_round, tag=f"{lab}-{rep}-",
+                    wl,
+                    engine,
+                    w,
+                    streams,
+                    view_hop=hop,
+                    device=device,
+                    check=check and rep == 0,
+                    per_key=per_key,
+                    on_round=on_round,
+                    tag=f"{lab}-{rep}-",
                 )
             except VllmOmniUnavailable:
                 raise

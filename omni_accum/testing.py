@@ -139,7 +139,9 @@ def payload_streams(draw: st.DrawFn, *, max_chunks: int = 200, nested: bool | No
     """
     nest = draw(st.booleans()) if nested is None else nested
     n_keys = draw(st.integers(1, 4))
-    kinds = draw(st.lists(st.sampled_from(["tensor", "tensor", "list", "scalar0d", "other"]), min_size=n_keys, max_size=n_keys))
+    kinds = draw(
+        st.lists(st.sampled_from(["tensor", "tensor", "list", "scalar0d", "other"]), min_size=n_keys, max_size=n_keys)
+    )
     specs = []
     for i, kind in enumerate(kinds):
         top, qual = (("embed", f"k{i}") if i % 2 == 0 else ("meta", f"k{i}")) if nest else (f"key_{i}", None)
@@ -187,7 +189,9 @@ def cumulative_streams(draw: st.DrawFn, *, max_chunks: int = 120, nested: bool |
     trailing = [tuple(draw(st.lists(st.integers(1, 3), min_size=0, max_size=2))) for _ in range(n_keys)]
     ops = ["absent", "extend", "extend", "extend", "extend", "extend", "reset", "truncate", "rewrite", "retype"]
     n_chunks = draw(st.integers(1, max_chunks))
-    plan = draw(st.lists(st.lists(st.sampled_from(ops), min_size=n_keys, max_size=n_keys), min_size=n_chunks, max_size=n_chunks))
+    plan = draw(
+        st.lists(st.lists(st.sampled_from(ops), min_size=n_keys, max_size=n_keys), min_size=n_chunks, max_size=n_chunks)
+    )
     rng = random.Random(draw(st.integers(0, 2**31 - 1)))
 
     def rows(i: int, n: int) -> Any:
@@ -249,7 +253,7 @@ def cumulative_streams(draw: st.DrawFn, *, max_chunks: int = 120, nested: bool |
             else:
                 new = grow(i, cur, 1)
             current[i] = new
-            top, qual = ((("ids", f"k{i}") if nest else (f"key_{i}", None)))
+            top, qual = ("ids", f"k{i}") if nest else (f"key_{i}", None)
             if isinstance(new, list):
                 new = list(new)
             elif isinstance(new, torch.Tensor):
@@ -381,7 +385,9 @@ def _ref_step(ref: dict[str, Any], chunk: dict[str, Any], append: bool) -> dict[
                 group[q] = reference_merge(group[q], qv, append) if q in group else qv
             out[top] = group
         else:
-            out[top] = reference_merge(out[top], value, append) if top in out and not isinstance(out[top], dict) else value
+            out[top] = (
+                reference_merge(out[top], value, append) if top in out and not isinstance(out[top], dict) else value
+            )
     return out
 
 

@@ -16,8 +16,21 @@ SMALL = ["--context-lens", "16,32", "--concurrency", "2", "--steps", "3", "--rep
 def test_bench_inproc_prints_tables_and_writes_valid_json(tmp_path, capsys):
     jsonschema = pytest.importorskip("jsonschema")
     out = tmp_path / "r.json"
-    rc = main(["bench", "--workload", "qwen3-omni-seed", "--arms", "cat", "prealloc", "qwen3-omni-flat",
-               "--per-key", "--json", str(out), *SMALL])
+    rc = main(
+        [
+            "bench",
+            "--workload",
+            "qwen3-omni-seed",
+            "--arms",
+            "cat",
+            "prealloc",
+            "qwen3-omni-flat",
+            "--per-key",
+            "--json",
+            str(out),
+            *SMALL,
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0
     assert "context_len=16  concurrency=2" in text and "context_len=32  concurrency=2" in text
@@ -26,8 +39,9 @@ def test_bench_inproc_prints_tables_and_writes_valid_json(tmp_path, capsys):
     jsonschema.validate(doc, bench.RESULT_SCHEMA)
     assert doc["workload"] == "qwen3-omni-seed" and doc["wire"] == "inproc"
     star = [r for r in doc["results"] if r["key"] == "*"]
-    assert {(r["arm"], r["context_len"]) for r in star} == {(a, c) for a in ("cat", "prealloc", "qwen3-omni-flat")
-                                                            for c in (16, 32)}
+    assert {(r["arm"], r["context_len"]) for r in star} == {
+        (a, c) for a in ("cat", "prealloc", "qwen3-omni-flat") for c in (16, 32)
+    }
     assert all(r["steps"] == 4 and r["requests"] == 2 for r in star)
     assert any(r["key"] == "thinker_embeddings" and r["step_us_p50"] is None for r in doc["results"])
     assert doc["machine"]["torch"] and doc["machine"]["run"]["repeats"] == 1
@@ -36,8 +50,9 @@ def test_bench_inproc_prints_tables_and_writes_valid_json(tmp_path, capsys):
 def test_schema_rejects_a_malformed_document():
     jsonschema = pytest.importorskip("jsonschema")
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({"workload": "w", "wire": "inproc", "machine": {}, "results": [{"arm": "x"}]},
-                            bench.RESULT_SCHEMA)
+        jsonschema.validate(
+            {"workload": "w", "wire": "inproc", "machine": {}, "results": [{"arm": "x"}]}, bench.RESULT_SCHEMA
+        )
 
 
 def test_bad_workload_file_is_one_line_naming_the_field(tmp_path, capsys):
@@ -107,8 +122,22 @@ def test_bench_serializer_with_view_hop_against_upstream(tmp_path, capsys):
     require_vllm_omni()
     jsonschema = pytest.importorskip("jsonschema")
     out = tmp_path / "r.json"
-    rc = main(["bench", "--arms", "upstream", "token_list", "qwen3-omni-flat", "--wire", "serializer",
-               "--view-hop", "serializer", "--json", str(out), *SMALL])
+    rc = main(
+        [
+            "bench",
+            "--arms",
+            "upstream",
+            "token_list",
+            "qwen3-omni-flat",
+            "--wire",
+            "serializer",
+            "--view-hop",
+            "serializer",
+            "--json",
+            str(out),
+            *SMALL,
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0 and "p50 vs upstream" in text and "serializer round trip" in text
     doc = json.loads(out.read_text())

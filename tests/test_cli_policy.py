@@ -92,7 +92,9 @@ def test_validate_lists_every_error_of_every_file(capsys, tmp_path):
     code, out, err = run(capsys, "validate", str(a), "qwen3-omni", str(b), "no-such-preset", str(tmp_path / "c.toml"))
     assert code == 1
     assert f"{a}: 2 error(s)" in out
-    assert f"{a}, line 1: default.strategy: unknown strategy 'catt'. Available: {', '.join(get_manager().names())}" in out
+    assert (
+        f"{a}, line 1: default.strategy: unknown strategy 'catt'. Available: {', '.join(get_manager().names())}" in out
+    )
     assert f"{a}, line 5: rules[0].params.growth: unknown param (strategy 'prealloc'" in out
     assert "qwen3-omni: ok" in out
     assert f"{b}: line 3" in out and "invalid YAML" in out
@@ -108,16 +110,28 @@ def test_validate_json(capsys, tmp_path):
     assert code == 1
     data = json.loads(out)
     assert data["valid"] is False
-    assert data["policies"][0] == {"policy": str(a), "valid": False,
-                                   "errors": [f"{a}, line 1: version: Input should be 1 (got 3)"]}
+    assert data["policies"][0] == {
+        "policy": str(a),
+        "valid": False,
+        "errors": [f"{a}, line 1: version: Input should be 1 (got 3)"],
+    }
     assert data["policies"][1]["valid"] is True
 
 
-@pytest.mark.parametrize("argv", [["validate"], ["validate", "--bogus", "default"], ["explain", "default"],
-                                  ["explain", "default", "--key", "a", "--concurrency", "0"],
-                                  ["explain", "default", "--key", "a", "--context-len", "-5"],
-                                  ["explain", "default", "--key", "a", "--value-type", "int"],
-                                  ["show"], ["nope"], []])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["validate"],
+        ["validate", "--bogus", "default"],
+        ["explain", "default"],
+        ["explain", "default", "--key", "a", "--concurrency", "0"],
+        ["explain", "default", "--key", "a", "--context-len", "-5"],
+        ["explain", "default", "--key", "a", "--value-type", "int"],
+        ["show"],
+        ["nope"],
+        [],
+    ],
+)
 def test_usage_errors_exit_2(capsys, argv):
     code, out, err = usage(capsys, *argv)
     assert code == 2 and "usage: omni-accum" in err and "Traceback" not in err
@@ -144,8 +158,13 @@ def explain(capsys, *argv):
 def test_explain_exact_rule(capsys):
     d = explain(capsys, "qwen3-omni", "--key", "embed.decode")
     assert d["strategy"] == "prealloc" and d["params"] == {"initial_capacity": 64, "growth_factor": 2.0}
-    assert d["reason"] == {"kind": "rule", "rule_index": 2, "match": "embed.decode", "glob": False,
-                           "description": "one [1, 2048] row per decode step"}
+    assert d["reason"] == {
+        "kind": "rule",
+        "rule_index": 2,
+        "match": "embed.decode",
+        "glob": False,
+        "description": "one [1, 2048] row per decode step",
+    }
     assert d["value_type"] == "tensor" and d["kinds"] == ["append"]
 
 
@@ -155,7 +174,9 @@ def test_explain_glob_default_and_protocol(capsys, tmp_path):
     d = explain(capsys, "qwen3-omni", "--key", "ids.all", "--value-type", "list")
     assert d["strategy"] == "cat" and d["reason"] == {"kind": "default"} and d["value_type"] == "list"
     p = tmp_path / "p.yaml"
-    p.write_text("default: token_list\nrules:\n  - {match: 'a.*', strategy: cat}\n  - {match: 'a.b*', strategy: replace}\n")
+    p.write_text(
+        "default: token_list\nrules:\n  - {match: 'a.*', strategy: cat}\n  - {match: 'a.b*', strategy: replace}\n"
+    )
     d = explain(capsys, str(p), "--key", "meta.finished")
     assert d["strategy"] == "replace" and d["reason"]["kind"] == "protocol"
     d = explain(capsys, str(p), "--key", "a.bc")
@@ -176,12 +197,26 @@ def test_explain_text_says_why_and_what_it_assumed(capsys):
 def test_explain_tuned_bucket(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(Policy, "tuned_usable", lambda self: True)
     p = tmp_path / "tuned.yaml"
-    p.write_text(yaml.safe_dump({
-        "default": "cat",
-        "tuned": {"context_len_edges": [0, 8000], "concurrency_edges": [1, 10], "cells": [
-            {"key": "embed.prefill", "context_len": 8000, "concurrency": 10, "strategy": "prealloc",
-             "params": {"growth_factor": 1.5}}]},
-    }))
+    p.write_text(
+        yaml.safe_dump(
+            {
+                "default": "cat",
+                "tuned": {
+                    "context_len_edges": [0, 8000],
+                    "concurrency_edges": [1, 10],
+                    "cells": [
+                        {
+                            "key": "embed.prefill",
+                            "context_len": 8000,
+                            "concurrency": 10,
+                            "strategy": "prealloc",
+                            "params": {"growth_factor": 1.5},
+                        }
+                    ],
+                },
+            }
+        )
+    )
     d = explain(capsys, str(p), "--key", "embed.prefill", "--context-len", "9000", "--concurrency", "12")
     assert d["strategy"] == "prealloc" and d["params"]["growth_factor"] == 1.5
     assert d["reason"] == {"kind": "tuned", "context_len_bucket": 8000, "concurrency_bucket": 10, "clamped": True}
@@ -191,10 +226,18 @@ def test_explain_tuned_bucket(capsys, tmp_path, monkeypatch):
 
 def test_explain_stale_tuned_table_says_so(capsys, tmp_path):
     p = tmp_path / "tuned.yaml"
-    p.write_text(yaml.safe_dump({
-        "tuned": {"context_len_edges": [0], "concurrency_edges": [1], "fingerprint": {"torch": "0.0"},
-                  "cells": [{"key": "k", "context_len": 0, "concurrency": 1, "strategy": "prealloc"}]},
-    }))
+    p.write_text(
+        yaml.safe_dump(
+            {
+                "tuned": {
+                    "context_len_edges": [0],
+                    "concurrency_edges": [1],
+                    "fingerprint": {"torch": "0.0"},
+                    "cells": [{"key": "k", "context_len": 0, "concurrency": 1, "strategy": "prealloc"}],
+                },
+            }
+        )
+    )
     d = explain(capsys, str(p), "--key", "k")
     assert d["strategy"] == "cat" and any("tuned table not used" in n for n in d["notes"])
 
@@ -247,13 +290,17 @@ def test_show_fills_param_defaults(capsys, tmp_path):
     p = tmp_path / "p.toml"
     p.write_text('default = "prealloc"\n')
     code, out, _ = run(capsys, "show", str(p), "--json")
-    assert json.loads(out)["default"] == {"strategy": "prealloc", "params": {"initial_capacity": 64, "growth_factor": 2.0}}
+    assert json.loads(out)["default"] == {
+        "strategy": "prealloc",
+        "params": {"initial_capacity": 64, "growth_factor": 2.0},
+    }
 
 
 def test_console_script_runs(tmp_path):
     """The installed ``omni-accum`` entry point, as a user runs it."""
-    r = subprocess.run([sys.executable, "-m", "omni_accum.cli", "validate", "qwen3-omni"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "omni_accum.cli", "validate", "qwen3-omni"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "qwen3-omni: ok (10 rules)"
 

@@ -11,8 +11,7 @@ import torch
 
 import omni_accum
 from omni_accum.errors import AccumulationError
-from omni_accum.testing import as_dict, check_plain_wire, check_stream, first_difference, same_bits
-
+from omni_accum.testing import as_dict, check_plain_wire, first_difference, same_bits
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +23,10 @@ def plugin():
     return omni_accum_delta
 
 
-POLICY = {"default": "cat", "rules": [{"match": "ids.output", "strategy": "delta"}, {"match": "meta.*", "strategy": "replace"}]}
+POLICY = {
+    "default": "cat",
+    "rules": [{"match": "ids.output", "strategy": "delta"}, {"match": "meta.*", "strategy": "replace"}],
+}
 
 
 def pair(policy=POLICY):
@@ -116,8 +118,13 @@ def test_lost_receiver_state_is_an_error_never_a_wrong_view(plugin):
 
 def test_malformed_wire_is_rejected(plugin):
     _, rx = pair()
-    for bad in ([1, 2, 3], ["omni_accum.delta/0", 0, [1]], [plugin.WIRE_TAG, "0", [1]], [plugin.WIRE_TAG, 0, 5],
-                [plugin.WIRE_TAG, 3, 5]):
+    for bad in (
+        [1, 2, 3],
+        ["omni_accum.delta/0", 0, [1]],
+        [plugin.WIRE_TAG, "0", [1]],
+        [plugin.WIRE_TAG, 0, 5],
+        [plugin.WIRE_TAG, 3, 5],
+    ):
         with pytest.raises(AccumulationError, match="delta"):
             rx.merge(f"r{bad!r}", {"ids": {"output": bad}})
 

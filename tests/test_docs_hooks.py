@@ -87,8 +87,9 @@ def test_the_complete_example_works_from_a_policy(example_plugin):
         view = rx.merge("r", {"embed": {"prefill": c}})
     assert torch.equal(view["embed"]["prefill"], torch.cat(chunks))
     with pytest.raises(omni_accum.PolicyError, match="blok"):
-        omni_accum.load_policy({"rules": [{"match": "x", "strategy": "blocked_cat", "params": {"blok": 4}}]},
-                               manager=example_plugin)
+        omni_accum.load_policy(
+            {"rules": [{"match": "x", "strategy": "blocked_cat", "params": {"blok": 4}}]}, manager=example_plugin
+        )
 
 
 def test_the_documented_test_and_selection_hook_run(example_plugin):
@@ -97,10 +98,14 @@ def test_the_documented_test_and_selection_hook_run(example_plugin):
         if "omni_accum_register_strategies" not in block:
             exec(compile(block, str(DOC), "exec"), ns)
     omni_accum.reset_manager(example_plugin)
-    ns["test_blocked_cat_conforms"](lambda name, params: check_conformance(name, params, max_examples=10, max_chunks=30))
+    ns["test_blocked_cat_conforms"](
+        lambda name, params: check_conformance(name, params, max_examples=10, max_chunks=30)
+    )
     selector = types.SimpleNamespace(omni_accum_select_strategy=ns["omni_accum_select_strategy"])
     example_plugin.register(selector, name="long_context")
-    tx = omni_accum.Sender({"default": "cat"}, manager=example_plugin, context=omni_accum.StreamContext(context_len=20000))
+    tx = omni_accum.Sender(
+        {"default": "cat"}, manager=example_plugin, context=omni_accum.StreamContext(context_len=20000)
+    )
     assert tx.strategy_for("embed.decode", torch.zeros(1, 4)) == "prealloc"
     assert tx.strategy_for("ids.output", [1]) == "cat"
     check_stream("cat", [{"a": [1]}, {"a": [2]}], manager=example_plugin)

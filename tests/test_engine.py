@@ -149,7 +149,9 @@ def test_token_list_materialises_on_read_only():
 
 
 def test_prealloc_view_is_zero_copy_and_capacity_bounded():
-    rx = omni_accum.Receiver({"default": {"strategy": "prealloc", "params": {"initial_capacity": 8, "growth_factor": 1.5}}})
+    rx = omni_accum.Receiver(
+        {"default": {"strategy": "prealloc", "params": {"initial_capacity": 8, "growth_factor": 1.5}}}
+    )
     first = torch.randn(100, 4)
     rx.merge("r", {"x": first})
     rows = [first]

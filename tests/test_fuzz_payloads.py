@@ -29,8 +29,11 @@ POLICIES = {
     "prealloc": {"default": {"strategy": "prealloc", "params": {"initial_capacity": 1, "growth_factor": 1.5}}},
     "token_list": {"default": "token_list"},
     "send_once": {"default": "send_once"},
-    "guarded": {"default": "prealloc", "rules": [{"match": "meta.*", "strategy": "replace"}],
-                "max_bytes_per_request": 4096},
+    "guarded": {
+        "default": "prealloc",
+        "rules": [{"match": "meta.*", "strategy": "replace"}],
+        "max_bytes_per_request": 4096,
+    },
 }
 
 TOP_KEYS = ["embed", "meta", "x", "a.b", "", 0, -1, 2**70, 1.5, ("t", 1), None, "ünï", omni_accum.WIRE_MARKER]
@@ -43,7 +46,9 @@ def _tensor(draw: st.DrawFn) -> torch.Tensor:
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool]))
     w = draw(st.sampled_from(WIDTHS))
     n = draw(st.integers(0, 4))
-    base = torch.arange(n * max(w, 1) * 2, dtype=torch.float32).reshape(-1, max(w, 1)) * draw(st.sampled_from([1, -1e30]))
+    base = torch.arange(n * max(w, 1) * 2, dtype=torch.float32).reshape(-1, max(w, 1)) * draw(
+        st.sampled_from([1, -1e30])
+    )
     if kind == "empty":
         t = torch.empty(0, w)
     elif kind == "0d":
@@ -82,7 +87,9 @@ def leaf(draw: st.DrawFn) -> Any:
     if pick < 5:
         return _tensor(draw)
     if pick < 7:
-        return draw(st.lists(st.integers(-(2**70), 2**70) | st.none() | st.lists(st.integers(), max_size=2), max_size=4))
+        return draw(
+            st.lists(st.integers(-(2**70), 2**70) | st.none() | st.lists(st.integers(), max_size=2), max_size=4)
+        )
     if pick == 7:
         depth = draw(st.integers(1, 60))
         v: Any = draw(leaf_scalars)
@@ -99,7 +106,9 @@ def chunks(draw: st.DrawFn) -> list[dict]:
         chunk: dict = {}
         for top in draw(st.lists(st.sampled_from(TOP_KEYS), max_size=4, unique_by=repr)):
             if draw(st.booleans()):
-                chunk[top] = {q: draw(leaf()) for q in draw(st.lists(st.sampled_from(QUALS), max_size=3, unique_by=repr))}
+                chunk[top] = {
+                    q: draw(leaf()) for q in draw(st.lists(st.sampled_from(QUALS), max_size=3, unique_by=repr))
+                }
             else:
                 chunk[top] = draw(leaf())
         out.append(chunk)
@@ -184,7 +193,10 @@ def test_hostile_payloads_never_crash_or_corrupt(policy_name):
             assert ref_ok or broken, f"chunk {k}: merged a value the reference cannot merge"
             if broken:  # after a rejection the sender's send_once memory ran ahead: views are checked again after
                 break  # a release, not here
-            got = {k2: (_detached(dict(v)) if isinstance(v, omni_accum.GroupView) else _detached(v)) for k2, v in view.items()}
+            got = {
+                k2: (_detached(dict(v)) if isinstance(v, omni_accum.GroupView) else _detached(v))
+                for k2, v in view.items()
+            }
             diff = first_difference(_detached(expected), got)
             assert diff is None, f"policy {policy_name}, chunk {k}: view differs from the reference: {diff}"
             ref = expected

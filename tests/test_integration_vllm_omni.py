@@ -42,7 +42,10 @@ def adapters(vllm_omni):
 
     def make(stage_id: int, *, worker_type: str = "ar", next_func: str | None = None, extra: dict | None = None):
         mc = SimpleNamespace(
-            worker_type=worker_type, max_num_seqs=8, stage_id=stage_id, async_chunk=True,
+            worker_type=worker_type,
+            max_num_seqs=8,
+            stage_id=stage_id,
+            async_chunk=True,
             stage_connector_config={"name": "SharedMemoryConnector", "extra": dict(extra or {})},
             custom_process_next_stage_input_func=next_func,
             hf_config=SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=24)),
@@ -75,10 +78,17 @@ def _entries(**kv: str) -> Any:
 def _request(rid: str, out_ids: list[int], *, finished: bool = False, internal: str | None = None) -> Any:
     prompt = list(range(100, 100 + P))
     r = SimpleNamespace(
-        request_id=internal or "int-" + rid, external_req_id=rid, prompt_token_ids=prompt,
-        output_token_ids=list(out_ids), all_token_ids=prompt + list(out_ids),
-        additional_information=_entries(speaker="Ethan", language="English"), resumable=False,
-        num_computed_tokens=0, num_output_placeholders=0, sampling_params=None, status=None,
+        request_id=internal or "int-" + rid,
+        external_req_id=rid,
+        prompt_token_ids=prompt,
+        output_token_ids=list(out_ids),
+        all_token_ids=prompt + list(out_ids),
+        additional_information=_entries(speaker="Ethan", language="English"),
+        resumable=False,
+        num_computed_tokens=0,
+        num_output_placeholders=0,
+        sampling_params=None,
+        status=None,
     )
     r.is_finished = lambda: finished
     return r
@@ -162,12 +172,17 @@ def baseline(vllm_omni, tmp_path_factory):
     def make(*a, **k):
         mc_extra = k.get("extra")
         mc = SimpleNamespace(
-            worker_type=k.get("worker_type", "ar"), max_num_seqs=8, stage_id=a[0], async_chunk=True,
+            worker_type=k.get("worker_type", "ar"),
+            max_num_seqs=8,
+            stage_id=a[0],
+            async_chunk=True,
             stage_connector_config={"name": "SharedMemoryConnector", "extra": dict(mc_extra or {})},
             custom_process_next_stage_input_func=k.get("next_func"),
             hf_config=SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=24)),
         )
-        ad = OmniChunkTransferAdapter(SimpleNamespace(model_config=mc, scheduler_config=SimpleNamespace(max_num_seqs=8)))
+        ad = OmniChunkTransferAdapter(
+            SimpleNamespace(model_config=mc, scheduler_config=SimpleNamespace(max_num_seqs=8))
+        )
         made.append(ad)
         return ad
 

@@ -26,7 +26,9 @@ def vo(vllm_omni):
 
 def _mc(stage_id: int = 1, async_chunk: bool = True) -> Any:
     return SimpleNamespace(
-        stage_id=stage_id, worker_type="ar", async_chunk=async_chunk,
+        stage_id=stage_id,
+        worker_type="ar",
+        async_chunk=async_chunk,
         stage_connector_config={"name": "SharedMemoryConnector", "extra": {}},
         custom_process_next_stage_input_func=None,
     )
@@ -68,19 +70,27 @@ def data_plane(vllm_omni):
 def _chunks() -> list[dict]:
     g = torch.Generator().manual_seed(1)
     bos = torch.randn(1, 1, D, generator=g).bfloat16()
-    out = [{
-        "embed": {"prefill": torch.randn(11, D, generator=g).bfloat16(), "tts_bos": bos},
-        "ids": {"prompt": list(range(10))},
-        "meta": {"finished": torch.tensor(False)},
-    }]
+    out = [
+        {
+            "embed": {"prefill": torch.randn(11, D, generator=g).bfloat16(), "tts_bos": bos},
+            "ids": {"prompt": list(range(10))},
+            "meta": {"finished": torch.tensor(False)},
+        }
+    ]
     for i in range(5):
-        out.append({
+        out.append(
+            {
+                "embed": {"decode": torch.randn(1, D, generator=g).bfloat16()},
+                "ids": {"output": [i]},
+                "meta": {"finished": torch.tensor(i == 4)},
+            }
+        )
+    out.append(
+        {
             "embed": {"decode": torch.randn(1, D, generator=g).bfloat16()},
-            "ids": {"output": [i]},
-            "meta": {"finished": torch.tensor(i == 4)},
-        })
-    out.append({"embed": {"decode": torch.randn(1, D, generator=g).bfloat16()},
-                "meta": {"override_keys": [["embed", "decode"]], "finished": torch.tensor(True)}})
+            "meta": {"override_keys": [["embed", "decode"]], "finished": torch.tensor(True)},
+        }
+    )
     return out
 
 
@@ -148,12 +158,22 @@ def test_data_plane_consumed_rows_are_dropped(vo, data_plane):
 def test_full_payload_accumulator_matches_upstream(vo, runner, policy):
     g = torch.Generator().manual_seed(4)
     steps = [
-        {"embed.prefill": torch.randn(5, D, generator=g), "codes.audio": torch.randint(0, 9, (1, 16)),
-         "meta.left": torch.tensor(1), "x": None},
-        {"embed.prefill": torch.randn(1, D, generator=g), "codes.audio": torch.randint(0, 9, (1, 16)),
-         "meta.left": torch.tensor(2)},
-        {"embed.prefill": torch.randn(2, D, generator=g), "codes.audio": torch.randint(0, 9, (1, 8)),
-         "meta.left": None},
+        {
+            "embed.prefill": torch.randn(5, D, generator=g),
+            "codes.audio": torch.randint(0, 9, (1, 16)),
+            "meta.left": torch.tensor(1),
+            "x": None,
+        },
+        {
+            "embed.prefill": torch.randn(1, D, generator=g),
+            "codes.audio": torch.randint(0, 9, (1, 16)),
+            "meta.left": torch.tensor(2),
+        },
+        {
+            "embed.prefill": torch.randn(2, D, generator=g),
+            "codes.audio": torch.randint(0, 9, (1, 8)),
+            "meta.left": None,
+        },
     ]
 
     def run(r: Any) -> Any:
@@ -177,10 +197,14 @@ def test_replay_through_vllm_omni(vo):
     from omni_accum.replay import THROUGH, measure
 
     assert "vllm-omni" in THROUGH
-    arms = {"upstream": "upstream", "default": omni_accum.load_policy("default"),
-            "qwen3-omni": omni_accum.load_policy("qwen3-omni")}
-    res = measure("qwen3-omni-override-ids", arms, context_len=64, concurrency=2, wire="shm", repeats=1,
-                  through="vllm-omni")
+    arms = {
+        "upstream": "upstream",
+        "default": omni_accum.load_policy("default"),
+        "qwen3-omni": omni_accum.load_policy("qwen3-omni"),
+    }
+    res = measure(
+        "qwen3-omni-override-ids", arms, context_len=64, concurrency=2, wire="shm", repeats=1, through="vllm-omni"
+    )
     by = {r.arm: r for r in res}
     assert all(r.correct and r.error is None for r in res), [(r.arm, r.mismatch, r.error) for r in res]
     assert by["default"].wire_bytes_per_step == by["upstream"].wire_bytes_per_step

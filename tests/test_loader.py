@@ -145,7 +145,7 @@ def test_qwen3_omni_preset_matches_upstream_views_with_override_keys():
             v = rx.merge("r", tx.encode("r", chunk))
             out.append((v["embed"]["decode"].clone(), list(v["ids"]["output"]), v["meta"]["finished"], v["speaker"]))
         views[name] = out
-    for (a, b) in zip(views["default"], views["qwen3-omni"]):
+    for a, b in zip(views["default"], views["qwen3-omni"]):
         assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
 
 
@@ -183,8 +183,10 @@ def test_unknown_strategy_lists_the_available_ones_with_line(tmp_path):
 
 
 def test_bad_params_name_rule_field_line_and_allowed_params(tmp_path):
-    text = "rules:\n  - match: a\n    strategy: cat\n  - match: b\n    strategy: prealloc\n    params:\n" \
-           "      growth_factor: 0.5\n      bogus: 1\n"
+    text = (
+        "rules:\n  - match: a\n    strategy: cat\n  - match: b\n    strategy: prealloc\n    params:\n"
+        "      growth_factor: 0.5\n      bogus: 1\n"
+    )
     errs, msg = errors_of(tmp_path, text)
     assert len(errs) == 2
     assert "line 7: rules[1].params.growth_factor: Input should be greater than 1" in errs[0]
@@ -205,8 +207,9 @@ def test_every_error_is_listed_at_once(tmp_path):
 
 
 def test_duplicate_exact_rule_names_line(tmp_path):
-    errs, _ = errors_of(tmp_path, "rules:\n- {match: a, strategy: cat}\n- {match: b, strategy: cat}\n"
-                                  "- {match: a, strategy: replace}\n")
+    errs, _ = errors_of(
+        tmp_path, "rules:\n- {match: a, strategy: cat}\n- {match: b, strategy: cat}\n- {match: a, strategy: replace}\n"
+    )
     assert errs[0].endswith(", line 4: rules[2].match: 'a' repeats rules[0].match; remove one")
 
 
@@ -270,8 +273,11 @@ def test_python_tags_are_rejected_never_executed(tmp_path, tag, place):
 
 
 def test_deep_nesting_is_an_error_not_a_crash(tmp_path):
-    for name, text in [("p.yaml", "[" * 5000 + "]" * 5000), ("p.json", "[" * 5000 + "]" * 5000),
-                       ("q.yaml", "default: " + "[" * 3000 + "]" * 3000)]:
+    for name, text in [
+        ("p.yaml", "[" * 5000 + "]" * 5000),
+        ("p.json", "[" * 5000 + "]" * 5000),
+        ("q.yaml", "default: " + "[" * 3000 + "]" * 3000),
+    ]:
         _, msg = errors_of(tmp_path, text, name)
         assert "nested too deeply" in msg
 

@@ -33,7 +33,9 @@ def registering(*names: str):
     class P:
         @omni_accum.hookimpl
         def omni_accum_register_strategies(self):
-            return [StrategySpec(name=n, factory=Latest, params_model=Params, kinds=frozenset({"replace"})) for n in names]
+            return [
+                StrategySpec(name=n, factory=Latest, params_model=Params, kinds=frozenset({"replace"})) for n in names
+            ]
 
     return P()
 
@@ -115,7 +117,9 @@ class TestSelection:
     ctx = StreamContext(context_len=20000)
 
     def test_builtin_selection_applies_the_policy(self, m):
-        policy = omni_accum.load_policy({"default": "cat", "rules": [{"match": "embed.*", "strategy": "prealloc"}]}, manager=m)
+        policy = omni_accum.load_policy(
+            {"default": "cat", "rules": [{"match": "embed.*", "strategy": "prealloc"}]}, manager=m
+        )
         choice = m.select("embed.decode", self.meta, self.ctx, policy)
         assert choice.strategy == "prealloc" and "embed.*" in choice.source
 

@@ -146,7 +146,10 @@ def test_raising_state_factory_fails_that_request_only(manager, where):
 def test_raising_selection_hook_fails_the_request_and_names_the_plugin(manager):
     manager.register(RaisingSelector(), name="acme_selector", distribution=("acme-select", "2.0"))
     tx, rx = endpoints(manager, "merge")
-    for side, call in (("sender", lambda: tx.encode("r1", {"poison": 1})), ("receiver", lambda: rx.merge("r1", {"poison": 1}))):
+    for side, call in (
+        ("sender", lambda: tx.encode("r1", {"poison": 1})),
+        ("receiver", lambda: rx.merge("r1", {"poison": 1})),
+    ):
         with pytest.raises(AccumulationError) as ei:
             call()
         err = ei.value

@@ -135,7 +135,9 @@ def fake_plugins(monkeypatch):
         setattr(mod, attr, obj)
     monkeypatch.setitem(sys.modules, MODULE, mod)
     real = metadata.entry_points
-    first_party = [ep for ep in real(group="omni_accum") if ep.dist is not None and ep.dist.metadata["Name"] == "omni-accum"]
+    first_party = [
+        ep for ep in real(group="omni_accum") if ep.dist is not None and ep.dist.metadata["Name"] == "omni-accum"
+    ]
     for var in (manager_mod.ENV_STRICT, manager_mod.ENV_ALLOW, manager_mod.ENV_DENY, manager_mod.ENV_TRACE):
         monkeypatch.delenv(var, raising=False)
 
@@ -176,7 +178,9 @@ def test_good_plugin_is_loaded_with_plugin_and_distribution(fake_plugins):
 def test_policies_can_name_a_plugin_strategy_and_its_params_are_validated(fake_plugins):
     fake_plugins(ep_of("good", "acme"))
     m = omni_accum.StrategyManager()
-    policy = omni_accum.load_policy({"rules": [{"match": "ids.*", "strategy": "latest", "params": {"depth": 2}}]}, manager=m)
+    policy = omni_accum.load_policy(
+        {"rules": [{"match": "ids.*", "strategy": "latest", "params": {"depth": 2}}]}, manager=m
+    )
     assert policy.resolve("ids.output").strategy == "latest"
     with pytest.raises(omni_accum.PolicyError, match=r"rules\[0\]\.params\.dpeth: unknown param \(strategy 'latest'"):
         omni_accum.load_policy({"rules": [{"match": "x", "strategy": "latest", "params": {"dpeth": 2}}]}, manager=m)
@@ -221,7 +225,11 @@ FAILURES = [
     (ep_of("not_callable"), ["factory is not callable"], None),
     (ep_of("unknown_hook"), ["omni_accum_regsiter_strategy", "unknown hook"], None),
     (ep_of("wrong_args"), ["invalid hook implementation", "extra"], None),
-    (ep_of("dup_builtin"), ["'cat' is registered twice", "plugin 'cat'", "plugin 'dup_builtin'", "omni-accum 0.1.0"], None),
+    (
+        ep_of("dup_builtin"),
+        ["'cat' is registered twice", "plugin 'cat'", "plugin 'dup_builtin'", "omni-accum 0.1.0"],
+        None,
+    ),
 ]
 
 
@@ -277,10 +285,16 @@ def test_duplicate_between_two_plugins_names_both_and_keeps_the_first(fake_plugi
     fake_plugins(ep_of("good", "acme", dist="acme-one"), ep_of("dup", "acme_dup", dist="acme-two", version="9.9"))
     m = omni_accum.StrategyManager()
     assert m.spec("latest").plugin == "acme"
-    (plugin, text), = m.problems
+    ((plugin, text),) = m.problems
     assert plugin == "acme_dup"
-    for w in ("'latest' is registered twice", "plugin 'acme'", "plugin 'acme_dup'", "acme-one", "acme-two 9.9",
-              "OMNI_ACCUM_DISABLED_PLUGINS=acme_dup"):
+    for w in (
+        "'latest' is registered twice",
+        "plugin 'acme'",
+        "plugin 'acme_dup'",
+        "acme-one",
+        "acme-two 9.9",
+        "OMNI_ACCUM_DISABLED_PLUGINS=acme_dup",
+    ):
         assert w in text, (w, text)
 
 
@@ -295,7 +309,7 @@ def test_entry_point_name_taken_by_another_distribution_is_reported(fake_plugins
     fake_plugins(ep_of("good", "acme", dist="acme-one"), ep_of("good2", "acme", dist="acme-two"))
     m = omni_accum.StrategyManager()
     assert "latest" in m.names() and "latest2" not in m.names()
-    (plugin, text), = m.problems
+    ((plugin, text),) = m.problems
     assert plugin == "acme" and "acme-two" in text and "already registered" in text
 
 
@@ -396,7 +410,10 @@ def _installed_delta() -> metadata.Distribution:
     try:
         return metadata.distribution("omni-accum-delta")
     except metadata.PackageNotFoundError:
-        pytest.fail("omni-accum-delta is not installed: run bash scripts/env.sh or pip install examples/plugins/omni-accum-delta")
+        pytest.fail(
+            "omni-accum-delta is not installed: run bash scripts/env.sh "
+            "or pip install examples/plugins/omni-accum-delta"
+        )
 
 
 def test_installed_delta_plugin_is_found_through_its_entry_point():
@@ -429,7 +446,10 @@ def test_cli_strategies_lists_delta_with_distribution_and_version(capsys):
 def test_policies_can_name_delta():
     _installed_delta()
     policy = omni_accum.load_policy(
-        {"default": "cat", "rules": [{"match": "ids.output", "strategy": "delta"}, {"match": "meta.*", "strategy": "replace"}]}
+        {
+            "default": "cat",
+            "rules": [{"match": "ids.output", "strategy": "delta"}, {"match": "meta.*", "strategy": "replace"}],
+        }
     )
     assert policy.resolve("ids.output").strategy == "delta"
     with pytest.raises(omni_accum.PolicyError, match=r"unknown param \(strategy 'delta'; allowed params: none\)"):

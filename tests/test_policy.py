@@ -69,12 +69,21 @@ def test_models_are_frozen():
 
 def test_repeated_exact_match_is_an_error_naming_both_rules():
     with pytest.raises(ValidationError, match=r"rules\[2\]\.match 'a' repeats rules\[0\]\.match"):
-        Policy.model_validate({"rules": [{"match": "a", "strategy": "cat"}, {"match": "b*", "strategy": "cat"},
-                                         {"match": "a", "strategy": "replace"}]})
+        Policy.model_validate(
+            {
+                "rules": [
+                    {"match": "a", "strategy": "cat"},
+                    {"match": "b*", "strategy": "cat"},
+                    {"match": "a", "strategy": "replace"},
+                ]
+            }
+        )
 
 
-@pytest.mark.parametrize("pattern,glob", [("embed.*", True), ("tts_?", True), ("x[ab]", True), ("embed.decode", False),
-                                          ("thinker_embeddings", False)])
+@pytest.mark.parametrize(
+    "pattern,glob",
+    [("embed.*", True), ("tts_?", True), ("x[ab]", True), ("embed.decode", False), ("thinker_embeddings", False)],
+)
 def test_is_glob(pattern, glob):
     assert is_glob(pattern) is glob
 
@@ -143,7 +152,9 @@ def test_tuned_buckets_floor_and_clamp(monkeypatch):
     assert p.resolve("embed.decode", StreamContext(context_len=10)).strategy == "replace"
     # no cell for the 32000 bucket: the default applies
     assert p.resolve("embed.decode", StreamContext(context_len=40000)).source == "default"
-    assert p.resolve("embed.decode", StreamContext(context_len=8000)).source.startswith("tuned bucket context_len>=8000")
+    assert p.resolve("embed.decode", StreamContext(context_len=8000)).source.startswith(
+        "tuned bucket context_len>=8000"
+    )
     assert p.tuned.bucket(StreamContext(context_len=50000, concurrency=1)) == (32000, 1, True)
 
 
@@ -166,10 +177,22 @@ def test_stale_tuned_table_is_not_used():
         ({"context_len_edges": [0, 0], "concurrency_edges": [1]}, "strictly ascending"),
         ({"context_len_edges": [-1], "concurrency_edges": [1]}, ">= 0"),
         ({"context_len_edges": [], "concurrency_edges": [1]}, "at least 1"),
-        ({"context_len_edges": [0], "concurrency_edges": [1],
-          "cells": [{"key": "a", "context_len": 5, "concurrency": 1, "strategy": "cat"}]}, "not one of context_len_edges"),
-        ({"context_len_edges": [0], "concurrency_edges": [1],
-          "cells": [{"key": "a", "context_len": 0, "concurrency": 2, "strategy": "cat"}]}, "not one of concurrency_edges"),
+        (
+            {
+                "context_len_edges": [0],
+                "concurrency_edges": [1],
+                "cells": [{"key": "a", "context_len": 5, "concurrency": 1, "strategy": "cat"}],
+            },
+            "not one of context_len_edges",
+        ),
+        (
+            {
+                "context_len_edges": [0],
+                "concurrency_edges": [1],
+                "cells": [{"key": "a", "context_len": 0, "concurrency": 2, "strategy": "cat"}],
+            },
+            "not one of concurrency_edges",
+        ),
     ],
 )
 def test_tuned_table_checks(tuned, msg):

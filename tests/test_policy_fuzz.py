@@ -29,7 +29,6 @@ def SETTINGS(n: int) -> settings:  # noqa: N802 - reads like the decorator it re
     return settings(deadline=None, database=None, max_examples=n, suppress_health_check=SUPPRESS)
 
 
-
 # -- generators -------------------------------------------------------------------------------- #
 
 scalars = st.one_of(
@@ -49,19 +48,25 @@ param_values = st.one_of(
     st.sampled_from([1.5, 2.0, 0.5, 1.0, 16.0, 17, 64, 0, -1, "2.0", "x", True, None, [], {}]), values
 )
 params = st.one_of(
-    st.dictionaries(st.sampled_from(["growth_factor", "initial_capacity", "bogus", "growth"]), param_values, max_size=3),
+    st.dictionaries(
+        st.sampled_from(["growth_factor", "initial_capacity", "bogus", "growth"]), param_values, max_size=3
+    ),
     values,
 )
 strategy_names = st.one_of(st.sampled_from(BUILTINS + ["catt", "", "Cat"]), scalars)
 matches = st.one_of(
-    st.sampled_from(["embed.decode", "embed.*", "meta.*", "speaker", "a", "[", "tts_?", ""]), st.text(max_size=10), scalars
+    st.sampled_from(["embed.decode", "embed.*", "meta.*", "speaker", "a", "[", "tts_?", ""]),
+    st.text(max_size=10),
+    scalars,
 )
 rules = st.fixed_dictionaries(
     {"match": matches, "strategy": strategy_names},
     optional={"params": params, "description": values, "param": values, "stratgy": values},
 )
 strategy_refs = st.one_of(
-    strategy_names, st.fixed_dictionaries({"strategy": strategy_names}, optional={"params": params, "x": values}), values
+    strategy_names,
+    st.fixed_dictionaries({"strategy": strategy_names}, optional={"params": params, "x": values}),
+    values,
 )
 cells = st.fixed_dictionaries(
     {
@@ -74,34 +79,100 @@ cells = st.fixed_dictionaries(
 )
 tuned = st.one_of(
     st.fixed_dictionaries(
-        {"context_len_edges": st.sampled_from([[0, 8000], [0], [], [8000, 0], [-1], "x"]),
-         "concurrency_edges": st.sampled_from([[1, 10], [1], [0], [10, 1]])},
-        optional={"cells": st.lists(cells, max_size=3) | values, "fingerprint": values, "wire": values, "bogus": values},
+        {
+            "context_len_edges": st.sampled_from([[0, 8000], [0], [], [8000, 0], [-1], "x"]),
+            "concurrency_edges": st.sampled_from([[1, 10], [1], [0], [10, 1]]),
+        },
+        optional={
+            "cells": st.lists(cells, max_size=3) | values,
+            "fingerprint": values,
+            "wire": values,
+            "bogus": values,
+        },
     ),
     values,
 )
-documents = st.fixed_dictionaries(
-    {},
-    optional={
-        "version": st.sampled_from([1, 2, 0, "1", True, None]) | values,
-        "description": values,
-        "default": strategy_refs,
-        "max_bytes_per_request": st.sampled_from([0, 10, -1, True, "10", 1.5]) | values,
-        "honor_override_keys": st.sampled_from([True, False, "yes", 1]) | values,
-        "rules": st.lists(rules, max_size=4) | values,
-        "tuned": tuned,
-        "defaults": values,
-        "rule": values,
-    },
-) | values
+documents = (
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "version": st.sampled_from([1, 2, 0, "1", True, None]) | values,
+            "description": values,
+            "default": strategy_refs,
+            "max_bytes_per_request": st.sampled_from([0, 10, -1, True, "10", 1.5]) | values,
+            "honor_override_keys": st.sampled_from([True, False, "yes", 1]) | values,
+            "rules": st.lists(rules, max_size=4) | values,
+            "tuned": tuned,
+            "defaults": values,
+            "rule": values,
+        },
+    )
+    | values
+)
 
 YAML_TOKENS = [
-    "default", "rules", "match", "strategy", "params", "version", "tuned", "description", "growth_factor",
-    "cat", "prealloc", "send_once", "embed.*", ":", ": ", "- ", "-", "[", "]", "{", "}", ",", "\n", "\n  ",
-    "\n    ", "  ", "\t", "#", "'", '"', "&a ", "*a", "!!str ", "!!int ", "!!binary ", "!!python/object:os.system ",
-    "!!python/object/apply:os.system ['true'] ", "!!python/name:os.system ", "!foo ", "? ", "|", ">", "---",
-    "...", "%YAML 1.1\n", "%TAG ! tag:x,2000:\n", "1", "2.0", "-1", "null", "~", "true", "yes", ".nan", "1e400",
-    "\x00", "\ufeff", "\u2028", "é", "<<: ", "=", "\\",
+    "default",
+    "rules",
+    "match",
+    "strategy",
+    "params",
+    "version",
+    "tuned",
+    "description",
+    "growth_factor",
+    "cat",
+    "prealloc",
+    "send_once",
+    "embed.*",
+    ":",
+    ": ",
+    "- ",
+    "-",
+    "[",
+    "]",
+    "{",
+    "}",
+    ",",
+    "\n",
+    "\n  ",
+    "\n    ",
+    "  ",
+    "\t",
+    "#",
+    "'",
+    '"',
+    "&a ",
+    "*a",
+    "!!str ",
+    "!!int ",
+    "!!binary ",
+    "!!python/object:os.system ",
+    "!!python/object/apply:os.system ['true'] ",
+    "!!python/name:os.system ",
+    "!foo ",
+    "? ",
+    "|",
+    ">",
+    "---",
+    "...",
+    "%YAML 1.1\n",
+    "%TAG ! tag:x,2000:\n",
+    "1",
+    "2.0",
+    "-1",
+    "null",
+    "~",
+    "true",
+    "yes",
+    ".nan",
+    "1e400",
+    "\x00",
+    "\ufeff",
+    "\u2028",
+    "é",
+    "<<: ",
+    "=",
+    "\\",
 ]
 fragments = st.one_of(
     st.lists(st.sampled_from(YAML_TOKENS), max_size=30).map("".join),
@@ -114,7 +185,9 @@ fragments = st.one_of(
 # -- oracle ------------------------------------------------------------------------------------ #
 
 PREFIX_RE = r"^{src}(?:, line \d+)?: "
-LOC_RE = re.compile(r"""^(?P<loc>(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^'":\s])+|\(top level\)): (?P<msg>.+)$""", re.S)
+LOC_RE = re.compile(
+    r"""^(?P<loc>(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^'":\s])+|\(top level\)): (?P<msg>.+)$""", re.S
+)
 
 
 def validate(path: Path) -> tuple[int, dict, str]:
@@ -146,7 +219,7 @@ def check_result(path: Path, code: int, report: dict, parsed_ok: bool) -> None:
             continue
         prefix = re.match(PREFIX_RE.format(src=re.escape(str(path))), e)
         assert prefix, e
-        m = LOC_RE.match(e[prefix.end():])
+        m = LOC_RE.match(e[prefix.end() :])
         assert m, f"error does not name a field: {e!r}"
         top = re.split(r"[.\[]", m.group("loc"), maxsplit=1)[0] or m.group("loc")
         if top not in Policy.model_fields:
@@ -200,7 +273,7 @@ def test_random_yaml_fragments(policy_path, text):
 @given(line=st.integers(1, 40), junk=st.sampled_from(["key: [unclosed", "a: 'open", "- : : ]", "{x", "\t- tab"]))
 def test_yaml_error_on_line_n_names_line_n(policy_path, line, junk):
     lines = ["default: cat", "rules:"] + [f"  - {{match: k{i}, strategy: replace}}" for i in range(line)]
-    text = "\n".join(lines[: line - 1] + [junk] + lines[line - 1:]) + "\n"
+    text = "\n".join(lines[: line - 1] + [junk] + lines[line - 1 :]) + "\n"
     path = policy_path / "p.yaml"
     path.write_text(text, encoding="utf-8")
     code, report, _ = validate(path)
@@ -213,10 +286,23 @@ def test_yaml_error_on_line_n_names_line_n(policy_path, line, junk):
 
 @SETTINGS(60)
 @given(
-    tag=st.sampled_from(["!!python/object/apply:os.system", "!!python/object/new:os.system",
-                         "!!python/object/apply:subprocess.call", "!!python/object/apply:builtins.exec"]),
-    where=st.sampled_from(["{v}\n", "default: {v}\n", "description: {v}\n", "rules:\n  - match: a\n    strategy: {v}\n",
-                           "rules:\n  - match: a\n    strategy: prealloc\n    params:\n      growth_factor: {v}\n"]),
+    tag=st.sampled_from(
+        [
+            "!!python/object/apply:os.system",
+            "!!python/object/new:os.system",
+            "!!python/object/apply:subprocess.call",
+            "!!python/object/apply:builtins.exec",
+        ]
+    ),
+    where=st.sampled_from(
+        [
+            "{v}\n",
+            "default: {v}\n",
+            "description: {v}\n",
+            "rules:\n  - match: a\n    strategy: {v}\n",
+            "rules:\n  - match: a\n    strategy: prealloc\n    params:\n      growth_factor: {v}\n",
+        ]
+    ),
 )
 def test_python_tags_never_execute(policy_path, tag, where):
     marker = policy_path / "executed"

@@ -50,13 +50,21 @@ def installed(tmp_path_factory) -> Path:
             shutil.copy2(p, src / name)
     wheels = tmp / "wheels"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "-q"]
-    r = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (wheel,) = wheels.glob("omni_accum-*.whl")
     target = tmp / "site"
-    r = subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return target
 
@@ -72,8 +80,9 @@ def test_presets_load_by_name_from_the_installed_wheel(installed, tmp_path):
     purelib = sysconfig.get_paths()["purelib"]  # torch, pydantic, pluggy, yaml
     env = {"PYTHONPATH": f"{installed}:{purelib}", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     # -S: no site processing, so the checkout's editable install (a .pth finder) is not active.
-    r = subprocess.run([sys.executable, "-S", "-c", CHECK], capture_output=True, text=True, timeout=120, env=env,
-                       cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-S", "-c", CHECK], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT "))
     out = json.loads(line.removeprefix("RESULT "))

@@ -20,8 +20,10 @@ def rows(n: int, h: int = 4, start: float = 0.0) -> list[torch.Tensor]:
 
 
 def decode_stream(n: int) -> list[dict]:
-    return [{"embed": {"decode": r}, "speaker": "Ethan", "meta": {"finished": torch.tensor(i == n - 1)}}
-            for i, r in enumerate(rows(n))]
+    return [
+        {"embed": {"decode": r}, "speaker": "Ethan", "meta": {"finished": torch.tensor(i == n - 1)}}
+        for i, r in enumerate(rows(n))
+    ]
 
 
 def decode_view(view) -> torch.Tensor:
@@ -376,7 +378,8 @@ def test_bench_peak_bytes_is_the_receivers_held_bytes():
 
 
 @pytest.mark.parametrize(
-    "name", ["os.system", "omni_accum.strategies.cat:Cat", "omni_accum.strategies.cat.Cat", "builtins:eval", "__import__"]
+    "name",
+    ["os.system", "omni_accum.strategies.cat:Cat", "omni_accum.strategies.cat.Cat", "builtins:eval", "__import__"],
 )
 def test_import_paths_are_not_strategy_names(name, tmp_path):
     doc = {"default": "cat", "rules": [{"match": "embed.decode", "strategy": name}]}

@@ -7,7 +7,6 @@ import os
 import pytest
 
 from conftest import require_vllm_omni
-from omni_accum import replay
 from omni_accum.bench import build_arms, strategy_arm
 from omni_accum.errors import OmniAccumError
 from omni_accum.replay import ArmResult, PolicyEngine, VllmOmniUnavailable, check_view, measure
@@ -18,8 +17,9 @@ LOCAL_ARMS = ["cat", "token_list", "prealloc", "send_once", "replace", "default"
 
 
 def small(name: str, steps: int = 4):
-    return load_workload(name).model_copy(update={"decode_steps": steps, "prefill_chunk": 16
-                                                  if name == "qwen3-omni-chunked-prefill" else None})
+    return load_workload(name).model_copy(
+        update={"decode_steps": steps, "prefill_chunk": 16 if name == "qwen3-omni-chunked-prefill" else None}
+    )
 
 
 def local_arms(wl):
@@ -60,8 +60,10 @@ def test_per_key_stats_and_send_once_saves_wire_bytes():
     arms = build_arms(wl, ["default", "send_once"])
     res = {r.arm: r for r in measure(wl, arms, context_len=16, repeats=1, per_key=True)}
     assert res["send_once"].correct and res["default"].correct
-    assert res["send_once"].per_key["meta.override_keys"].wire_bytes_per_step < \
-        res["default"].per_key["meta.override_keys"].wire_bytes_per_step
+    assert (
+        res["send_once"].per_key["meta.override_keys"].wire_bytes_per_step
+        < res["default"].per_key["meta.override_keys"].wire_bytes_per_step
+    )
     assert res["send_once"].wire_bytes_per_step < res["default"].wire_bytes_per_step
 
 

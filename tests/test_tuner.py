@@ -33,8 +33,15 @@ TINY = {
 
 
 def _opts(tmp_path: Path, **kw) -> TuneOptions:
-    base = dict(workload=TINY, out=tmp_path / "tuned.yaml", context_lens=[64, 256], concurrency=[1, 2],
-                decode_steps=6, max_rounds=2, verify=False)
+    base = dict(
+        workload=TINY,
+        out=tmp_path / "tuned.yaml",
+        context_lens=[64, 256],
+        concurrency=[1, 2],
+        decode_steps=6,
+        max_rounds=2,
+        verify=False,
+    )
     base.update(kw)
     return TuneOptions(**base)
 
@@ -58,10 +65,14 @@ def test_log_edges_and_floor_semantics_with_clamping():
     assert log_edges(1000, 32000, 4) == [1000, 3175, 10079, 32000]
     with pytest.raises(ValueError):
         log_edges(0, 10, 3)
-    t = TunedTable(context_len_edges=[1000, 8000], concurrency_edges=[1, 10], cells=[
-        {"key": "k", "context_len": 1000, "concurrency": 1, "strategy": "cat"},
-        {"key": "k", "context_len": 8000, "concurrency": 10, "strategy": "prealloc"},
-    ])
+    t = TunedTable(
+        context_len_edges=[1000, 8000],
+        concurrency_edges=[1, 10],
+        cells=[
+            {"key": "k", "context_len": 1000, "concurrency": 1, "strategy": "cat"},
+            {"key": "k", "context_len": 8000, "concurrency": 10, "strategy": "prealloc"},
+        ],
+    )
     ctx = omni_accum.StreamContext
     assert t.lookup("k", ctx(context_len=7999, concurrency=9)).strategy == "cat"  # floor, not nearest
     assert t.clamped_lookups == 0
@@ -182,7 +193,9 @@ def test_interrupt_leaves_a_valid_partial_file_and_resume_finishes(tmp_path, mon
     partial = omni_accum.load_policy(tmp_path / "tuned.yaml")
     assert partial.tuned.complete is False
     assert {c.context_len for c in partial.tuned.cells} == {64}
-    monkeypatch.setattr("omni_accum.tuner.run.tune_bucket", lambda *a, **kw: calls.append(kw["context_len"]) or real(*a, **kw))
+    monkeypatch.setattr(
+        "omni_accum.tuner.run.tune_bucket", lambda *a, **kw: calls.append(kw["context_len"]) or real(*a, **kw)
+    )
     calls.clear()
     res = tune(_opts(tmp_path, context_lens=[64, 256], concurrency=[1], resume=True))
     assert calls == [256]  # the measured bucket was reused

@@ -15,8 +15,13 @@ from omni_accum.workloads import (
     workload_names,
 )
 
-PRESETS = ["qwen3-omni-seed", "qwen3-omni-chunked-prefill", "qwen3-omni-full-payload", "qwen3-omni-override-ids",
-           "talker-code2wav"]
+PRESETS = [
+    "qwen3-omni-seed",
+    "qwen3-omni-chunked-prefill",
+    "qwen3-omni-full-payload",
+    "qwen3-omni-override-ids",
+    "talker-code2wav",
+]
 
 
 def test_the_five_presets_exist():

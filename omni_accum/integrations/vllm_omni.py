@@ -103,7 +103,12 @@ TARGETS: tuple[Target, ...] = (
         "(self, req_id, payload_data)",
         lambda f: hooks.wrap_accumulate(f, decode_spans=True),
     ),
-    Target(_MIXIN, "accumulate_full_payload_output", "(self, req_id, pooler_output, request)", full_payload.wrap_accumulate_full),
+    Target(
+        _MIXIN,
+        "accumulate_full_payload_output",
+        "(self, req_id, pooler_output, request)",
+        full_payload.wrap_accumulate_full,
+    ),
     Target(_MIXIN, "_materialize_full_payload_entry", "(entry)", full_payload.wrap_materialize, static=True),
 )
 #: Constructors probed by :func:`activate` when no process-wide policy is set: the connector
@@ -255,4 +260,3 @@ def activate() -> None:
                 _patch(PROBES)
     except OmniAccumError as e:
         logger.error("omni-accum not installed: %s", e)
-

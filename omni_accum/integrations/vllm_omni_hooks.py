@@ -321,7 +321,9 @@ def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) 
     if not sub and OMITTED_KEY not in payload:
         return payload
     view = b.receiver.merge(req_id, sub) if sub else b.receiver.view(req_id)
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in payload.items() if k not in (WIRE_MARKER, OMITTED_KEY)}
+    out = {
+        k: (dict(v) if isinstance(v, dict) else v) for k, v in payload.items() if k not in (WIRE_MARKER, OMITTED_KEY)
+    }
     for path in [*views, *omitted]:
         top, qual = path
         if qual is None:
@@ -345,7 +347,12 @@ def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
         if b is not None and isinstance(payload, dict) and payload:
             result = (adapter_receive(b, req_id, payload, self.model_mode == "ar"), result[1])
         return orig(
-            self, request, result, stage_id=stage_id, req_id=req_id, chunk_id=chunk_id,
+            self,
+            request,
+            result,
+            stage_id=stage_id,
+            req_id=req_id,
+            chunk_id=chunk_id,
             connector_get_key=connector_get_key,
         )
 

@@ -37,7 +37,10 @@ class VllmOmniEngine(Engine):
 
         integration.install(None)  # patch (signature-checked); no process-wide policy
         mc = SimpleNamespace(
-            stage_id=1, worker_type="ar", async_chunk=True, custom_process_next_stage_input_func=None,
+            stage_id=1,
+            worker_type="ar",
+            async_chunk=True,
+            custom_process_next_stage_input_func=None,
             stage_connector_config={"name": "SharedMemoryConnector", "extra": {}},
         )
         self.runner = type("ReplayRunner", (OmniConnectorModelRunnerMixin,), {})()

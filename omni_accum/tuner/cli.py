@@ -34,36 +34,84 @@ def _ints(text: str) -> list[int]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "tune", help="measure every strategy on a workload and write the fastest policy",
-        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "tune",
+        help="measure every strategy on a workload and write the fastest policy",
+        description=HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--workload", default="qwen3-omni-seed", help="workload preset name or YAML file (default: %(default)s)")
-    p.add_argument("--context-lens", type=_ints, action="extend", metavar="N",
-                   help=f"bucket edges of context length (default: {' '.join(map(str, DEFAULT_CONTEXT_LENS))}; "
-                   f"--quick: {' '.join(map(str, QUICK_CONTEXT_LENS))})")
-    p.add_argument("--concurrency", type=_ints, action="extend", metavar="C",
-                   help=f"bucket edges of concurrency (default: {' '.join(map(str, DEFAULT_CONCURRENCY))}; "
-                   f"--quick: {' '.join(map(str, QUICK_CONCURRENCY))})")
-    p.add_argument("--wire", choices=["inproc", "serializer", "shm"], default="inproc",
-                   help="how chunks travel while timing (serializer/shm use vllm-omni's real classes)")
+    p.add_argument(
+        "--workload", default="qwen3-omni-seed", help="workload preset name or YAML file (default: %(default)s)"
+    )
+    p.add_argument(
+        "--context-lens",
+        type=_ints,
+        action="extend",
+        metavar="N",
+        help=f"bucket edges of context length (default: {' '.join(map(str, DEFAULT_CONTEXT_LENS))}; "
+        f"--quick: {' '.join(map(str, QUICK_CONTEXT_LENS))})",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=_ints,
+        action="extend",
+        metavar="C",
+        help=f"bucket edges of concurrency (default: {' '.join(map(str, DEFAULT_CONCURRENCY))}; "
+        f"--quick: {' '.join(map(str, QUICK_CONCURRENCY))})",
+    )
+    p.add_argument(
+        "--wire",
+        choices=["inproc", "serializer", "shm"],
+        default="inproc",
+        help="how chunks travel while timing (serializer/shm use vllm-omni's real classes)",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where tensors live while timing")
-    p.add_argument("--budget-s", type=float, metavar="S",
-                   help="stop starting new buckets after S seconds (the file is then partial; --resume goes on)")
-    p.add_argument("--quick", action="store_true", help="fewer buckets, decode steps and rounds, no params grid, no upstream round (a first look)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        metavar="S",
+        help="stop starting new buckets after S seconds (the file is then partial; --resume goes on)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer buckets, decode steps and rounds, no params grid, no upstream round (a first look)",
+    )
     p.add_argument("--resume", action="store_true", help="reuse the buckets already measured in --out")
     p.add_argument("--out", type=Path, metavar="POLICY.yaml", help="where to write the tuned policy")
-    p.add_argument("--base", default="default", metavar="POLICY",
-                   help="baseline policy (preset or file); its explicit rules are kept and beat the table "
-                   "(default: %(default)s = vllm-omni 0.30.0 behaviour)")
-    p.add_argument("--decode-steps", type=int, metavar="N", help="decode chunks replayed per request (default 8, quick 3)")
-    p.add_argument("--max-rounds", type=int, metavar="N", help="most interleaved rounds per bucket (default 3, quick 2)")
-    p.add_argument("--memory-budget", type=float, default=2.0, metavar="X",
-                   help="reject a candidate holding more than X times the accumulated bytes (default %(default)s)")
-    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
-                   help="time the tuned policy against upstream vllm-omni, one round per bucket, and print the "
-                   "gain (default: on; off with --quick)")
-    p.add_argument("--threads", type=int, default=1, metavar="N",
-                   help="torch intra-op threads while measuring (default: 1, stable on a shared machine; 0: torch's default)")
+    p.add_argument(
+        "--base",
+        default="default",
+        metavar="POLICY",
+        help="baseline policy (preset or file); its explicit rules are kept and beat the table "
+        "(default: %(default)s = vllm-omni 0.30.0 behaviour)",
+    )
+    p.add_argument(
+        "--decode-steps", type=int, metavar="N", help="decode chunks replayed per request (default 8, quick 3)"
+    )
+    p.add_argument(
+        "--max-rounds", type=int, metavar="N", help="most interleaved rounds per bucket (default 3, quick 2)"
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=float,
+        default=2.0,
+        metavar="X",
+        help="reject a candidate holding more than X times the accumulated bytes (default %(default)s)",
+    )
+    p.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time the tuned policy against upstream vllm-omni, one round per bucket, and print the "
+        "gain (default: on; off with --quick)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="torch intra-op threads while measuring (default: 1, stable on a shared machine; 0: torch's default)",
+    )
     p.add_argument("--show", metavar="POLICY", help="print the decision table of a tuned policy file and exit")
     p.set_defaults(func=run)
 
@@ -87,16 +135,29 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     opts = TuneOptions(
-        workload=args.workload, out=args.out, context_lens=args.context_lens, concurrency=args.concurrency,
-        wire=args.wire, device=args.device, budget_s=args.budget_s, quick=args.quick, resume=args.resume,
-        base=args.base, decode_steps=args.decode_steps, max_rounds=args.max_rounds,
-        memory_factor=args.memory_budget, verify=args.verify,
+        workload=args.workload,
+        out=args.out,
+        context_lens=args.context_lens,
+        concurrency=args.concurrency,
+        wire=args.wire,
+        device=args.device,
+        budget_s=args.budget_s,
+        quick=args.quick,
+        resume=args.resume,
+        base=args.base,
+        decode_steps=args.decode_steps,
+        max_rounds=args.max_rounds,
+        memory_factor=args.memory_budget,
+        verify=args.verify,
     )
     try:
         res = tune(opts, progress=sys.stderr, log=sys.stderr)
     except KeyboardInterrupt:
-        print(f"omni-accum tune: interrupted; {args.out} holds the buckets finished so far (or the previous file); "
-              "run again with --resume", file=sys.stderr)
+        print(
+            f"omni-accum tune: interrupted; {args.out} holds the buckets finished so far (or the previous file); "
+            "run again with --resume",
+            file=sys.stderr,
+        )
         return 130
     t = res.policy.tuned
     assert t is not None
@@ -108,8 +169,11 @@ def run(args: argparse.Namespace) -> int:
         ref = reference_arm()
         name = "upstream" if ref == "upstream" else "default"
         print()
-        print(f"gain of the tuned policy over {'upstream vllm-omni 0.30.0' if name == 'upstream' else 'the default preset'}"
-              " (one interleaved round per bucket, step p50 and total per request):")
+        print(
+            "gain of the tuned policy over "
+            + ("upstream vllm-omni 0.30.0" if name == "upstream" else "the default preset")
+            + " (one interleaved round per bucket, step p50 and total per request):"
+        )
         print(gain_table(res.outcomes, name))
     state = "complete" if res.complete else f"PARTIAL ({res.stopped})"
     print(f"\nwrote {args.out} ({state}) in {res.elapsed_s:.1f} s; check it with: omni-accum validate {args.out}")

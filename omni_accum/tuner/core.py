@@ -55,9 +55,7 @@ def tunable_keys(wl: Workload, base: Policy, context_lens: list[int]) -> tuple[l
         if hit is not None:
             skipped[spec.path] = f"decided by the baseline's rules[{hit[0]}] (explicit rules beat the table)"
             continue
-        carried = max(
-            sum(1 for p in chunk_plans(wl, cl) if _carries(spec, p)) for cl in context_lens
-        )
+        carried = max(sum(1 for p in chunk_plans(wl, cl) if _carries(spec, p)) for cl in context_lens)
         if carried <= 1:
             skipped[spec.path] = "carried in one chunk only: nothing accumulates, every strategy is the same"
             continue
@@ -138,8 +136,17 @@ def tune_bucket(
     for k in keys:
         wl_k = wl.model_copy(update={"keys": [wl.key(k)]})
         out.decisions[k], rounds = _tune_key(
-            wl_k, base, k, cands[k], context_len=context_len, concurrency=concurrency, wire=wire,
-            max_rounds=max_rounds, memory_factor=memory_factor, device=device, progress=progress,
+            wl_k,
+            base,
+            k,
+            cands[k],
+            context_len=context_len,
+            concurrency=concurrency,
+            wire=wire,
+            max_rounds=max_rounds,
+            memory_factor=memory_factor,
+            device=device,
+            progress=progress,
         )
         out.rounds = max(out.rounds, rounds)
     out.seconds = time.monotonic() - t0
@@ -175,10 +182,19 @@ def _tune_key(
     rounds = 0
     base_wrong: str | None = None
     for rnd in range(max_rounds):
-        order = active[rnd % len(active):] + active[: rnd % len(active)]
+        order = active[rnd % len(active) :] + active[: rnd % len(active)]
         results: list[ArmResult] = measure(
-            wl, {lab: arms[lab] for lab in order}, context_len=context_len, concurrency=concurrency, wire=wire,
-            repeats=1, check=rnd == 0, per_key=rnd == 0, length_hints=False, device=device, progress=progress,
+            wl,
+            {lab: arms[lab] for lab in order},
+            context_len=context_len,
+            concurrency=concurrency,
+            wire=wire,
+            repeats=1,
+            check=rnd == 0,
+            per_key=rnd == 0,
+            length_hints=False,
+            device=device,
+            progress=progress,
         )
         rounds = rnd + 1
         for r in results:
@@ -243,13 +259,28 @@ def _decide(key, base_label, base_choice, owner, samples, excluded, peak, base_w
 
 
 def verify_bucket(
-    wl: Workload, tuned: Policy, baseline: Policy | str, *, context_len: int, concurrency: int, wire: str,
-    device: str = "cpu", progress: Callable[[int], None] | None = None,
+    wl: Workload,
+    tuned: Policy,
+    baseline: Policy | str,
+    *,
+    context_len: int,
+    concurrency: int,
+    wire: str,
+    device: str = "cpu",
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """One interleaved round of the tuned policy against ``baseline`` (upstream when available)."""
     res = measure(
-        wl, {"reference": baseline, "tuned": tuned}, context_len=context_len, concurrency=concurrency, wire=wire,
-        repeats=1, check=False, length_hints=False, device=device, progress=progress,
+        wl,
+        {"reference": baseline, "tuned": tuned},
+        context_len=context_len,
+        concurrency=concurrency,
+        wire=wire,
+        repeats=1,
+        check=False,
+        length_hints=False,
+        device=device,
+        progress=progress,
     )
     ref, new = res
     if new.error or ref.error:

@@ -12,7 +12,7 @@ from typing import TextIO
 from omni_accum.errors import OmniAccumError, PolicyError
 from omni_accum.fingerprint import current_fingerprint, fingerprint_mismatches
 from omni_accum.loader import dump_policy, load_policy
-from omni_accum.policy import Policy, TunedCell, TunedTable
+from omni_accum.policy import Policy, TunedCell
 from omni_accum.tuner.buckets import (
     DEFAULT_CONCURRENCY,
     DEFAULT_CONTEXT_LENS,
@@ -95,8 +95,14 @@ def _header(wl: Workload, opts: TuneOptions, complete: bool) -> str:
 
 
 def build_output(
-    base: Policy, wl: Workload, opts: TuneOptions, cells: list[TunedCell], edges: tuple[list[int], list[int]],
-    fingerprint: dict, skipped: dict[str, str], complete: bool,
+    base: Policy,
+    wl: Workload,
+    opts: TuneOptions,
+    cells: list[TunedCell],
+    edges: tuple[list[int], list[int]],
+    fingerprint: dict,
+    skipped: dict[str, str],
+    complete: bool,
 ) -> Policy:
     data = base.model_dump(mode="json", exclude={"tuned"})
     data["description"] = f"tuned on {wl.name} ({opts.wire} wire); baseline: {opts.base}"
@@ -161,8 +167,12 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
         raise TuneError(f"--memory-budget must be > 0, got {opts.memory_factor}")
     wl = load_workload(opts.workload)
     try:
-        cls = check_edges("--context-lens", list(opts.context_lens or (QUICK_CONTEXT_LENS if opts.quick else DEFAULT_CONTEXT_LENS)))
-        concs = check_edges("--concurrency", list(opts.concurrency or (QUICK_CONCURRENCY if opts.quick else DEFAULT_CONCURRENCY)))
+        cls = check_edges(
+            "--context-lens", list(opts.context_lens or (QUICK_CONTEXT_LENS if opts.quick else DEFAULT_CONTEXT_LENS))
+        )
+        concs = check_edges(
+            "--concurrency", list(opts.concurrency or (QUICK_CONCURRENCY if opts.quick else DEFAULT_CONCURRENCY))
+        )
     except ValueError as e:
         raise TuneError(str(e)) from e
     steps = opts.decode_steps if opts.decode_steps is not None else (3 if opts.quick else 8)
@@ -178,9 +188,13 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
     base = load_policy(opts.base)
     keys, skipped = tunable_keys(wl_t, base, cls)
     if not keys:
-        raise TuneError(f"nothing to tune on workload {wl.name!r}: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+        raise TuneError(
+            f"nothing to tune on workload {wl.name!r}: " + "; ".join(f"{k}: {v}" for k, v in skipped.items())
+        )
     cands = all_candidates(wl_t, keys, grid=not opts.quick)
-    fp = current_fingerprint(opts.device, candidate_set_hash(cands, __import__("omni_accum.manager").manager.get_manager()))
+    fp = current_fingerprint(
+        opts.device, candidate_set_hash(cands, __import__("omni_accum.manager").manager.get_manager())
+    )
     reuse = _resumable(opts, wl, fp, log)
     buckets = [(cl, c) for cl in cls for c in concs]
     verify = (not opts.quick) if opts.verify is None else opts.verify
@@ -191,8 +205,9 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
 
         n_arms = sum(1 + len(v) for v in cands.values())
         # Pessimistic (every arm for every round); clear decisions end sooner and the bar jumps ahead.
-        total = sum((n_arms * rounds + (2 if ref is not None else 0)) * c * bucket_workload(c).n_chunks(cl)
-                    for cl, c in buckets)
+        total = sum(
+            (n_arms * rounds + (2 if ref is not None else 0)) * c * bucket_workload(c).n_chunks(cl) for cl, c in buckets
+        )
         bar = Progress(total, progress)
     result = TuneResult(policy=base, out=Path(opts.out))
     cells: list[TunedCell] = []
@@ -205,8 +220,14 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
                 for x in old:
                     if x.key in keys:
                         outcome.decisions[x.key] = KeyDecision(
-                            x.key, Candidate(x.strategy, dict(x.params)), x.baseline, x.margin, x.ci,
-                            dict(x.timings_us), dict(x.excluded), dict(x.peak_bytes),
+                            x.key,
+                            Candidate(x.strategy, dict(x.params)),
+                            x.baseline,
+                            x.margin,
+                            x.ci,
+                            dict(x.timings_us),
+                            dict(x.excluded),
+                            dict(x.peak_bytes),
                         )
                 _say(log, f"bucket context_len={cl} concurrency={c}: reused from {opts.out}")
             else:
@@ -214,17 +235,31 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
                     result.stopped = f"budget of {opts.budget_s:g} s spent after {i} of {len(buckets)} buckets"
                     break
                 outcome = tune_bucket(
-                    bucket_workload(c), base, keys, cands, context_len=cl, concurrency=c, wire=opts.wire,
+                    bucket_workload(c),
+                    base,
+                    keys,
+                    cands,
+                    context_len=cl,
+                    concurrency=c,
+                    wire=opts.wire,
                     max_rounds=rounds,
-                    memory_factor=opts.memory_factor, device=opts.device, progress=bar.advance if bar else None,
+                    memory_factor=opts.memory_factor,
+                    device=opts.device,
+                    progress=bar.advance if bar else None,
                 )
             cells += outcome.cells()
             done = i + 1 == len(buckets)
             policy = build_output(base, wl, opts, cells, (cls, concs), fp, skipped, complete=done)
             if ref is not None and not outcome.reused:
                 outcome.verify = verify_bucket(
-                    bucket_workload(c), policy, ref, context_len=cl, concurrency=c, wire=opts.wire,
-                    device=opts.device, progress=bar.advance if bar else None,
+                    bucket_workload(c),
+                    policy,
+                    ref,
+                    context_len=cl,
+                    concurrency=c,
+                    wire=opts.wire,
+                    device=opts.device,
+                    progress=bar.advance if bar else None,
                 )
             result.outcomes.append(outcome)
             write_atomic(opts.out, _header(wl, opts, done) + dump_policy(policy))

@@ -242,18 +242,26 @@ class DeltaAccumulator(Accumulator):
             return
         if start == 0:
             if not (_is_sequence_tensor(payload) or isinstance(payload, list)):
-                raise MergeError(f"malformed 'delta' wire value: a whole value must be a list or tensor, got {describe(payload)}")
+                raise MergeError(
+                    f"malformed 'delta' wire value: a whole value must be a list or tensor, got {describe(payload)}"
+                )
             return
         lost = "; the receiver lost state (restarted, or released mid-stream): release the request and re-send it"
         if isinstance(payload, list):
             if self._mode != 2 or len(self._items) != start:
-                raise MergeError(f"the sender sent list items from index {start}, but this receiver holds {self._held()}{lost}")
+                raise MergeError(
+                    f"the sender sent list items from index {start}, but this receiver holds {self._held()}{lost}"
+                )
             return
         if not _is_sequence_tensor(payload):
-            raise MergeError(f"malformed 'delta' wire value: a suffix must be a list or tensor, got {describe(payload)}")
+            raise MergeError(
+                f"malformed 'delta' wire value: a suffix must be a list or tensor, got {describe(payload)}"
+            )
         held = self._rows
         if self._mode != 1 or held is None or held.rows != start:
-            raise MergeError(f"the sender sent tensor rows from row {start}, but this receiver holds {self._held()}{lost}")
+            raise MergeError(
+                f"the sender sent tensor rows from row {start}, but this receiver holds {self._held()}{lost}"
+            )
         like = held.like()
         if payload.dtype != like.dtype or payload.shape[1:] != like.shape[1:] or payload.device != like.device:
             raise MergeError(f"suffix {describe(payload)} does not continue {describe(like)}")

@@ -1,0 +1,202 @@
+"""What the sender and the receiver share: per-request state, per-key slots, strategy selection.
+
+See :mod:`omni_accum.channel` for the engine as a whole.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from omni_accum.context import DEFAULT_CONTEXT, KeyMeta, StreamContext
+from omni_accum.errors import PolicyError
+from omni_accum.loader import load_policy
+from omni_accum.manager import StrategyManager, get_manager
+from omni_accum.policy import Policy
+from omni_accum.strategy import Accumulator, Strategy, StrategySpec
+
+#: Wire key carrying, when the sender left unchanged ``send_once`` values off, how many such
+#: values the receiver must already hold for the request. Never shown to consumers.
+WIRE_MARKER = "__omni_accum__"
+
+
+class _Slot:
+    """One key of one request: its strategy and receiver-side state."""
+
+    __slots__ = ("path", "strategy", "spec", "acc")
+
+    def __init__(self, path: str, strategy: Strategy, spec: StrategySpec, acc: Accumulator) -> None:
+        self.path = path
+        self.strategy = strategy
+        self.spec = spec
+        self.acc = acc
+
+
+#: The one key whose value the receiver reads straight from the wire (to reset listed keys).
+OVERRIDE_KEYS_PATH = "meta.override_keys"
+
+
+class _Request:
+    __slots__ = (
+        "entries",
+        "lock",
+        "context",
+        "failed",
+        "held_once",
+        "nbytes",
+        "enc_specs",
+        "next_seq",
+        "pending",
+        "dups",
+    )
+
+    def __init__(self, context: StreamContext) -> None:
+        self.entries: dict[Any, Any] = {}  # top key -> _Slot | dict[qualifier, _Slot] (sender: Encoder|None)
+        self.lock = threading.Lock()
+        self.context = context
+        self.failed: str | None = None
+        self.held_once = 0
+        self.nbytes = 0
+        self.enc_specs: dict[str, StrategySpec] = {}  # sender: key path -> spec of its encoder (for errors)
+        self.next_seq: int | None = None  # receiver: next seq to merge; None while the request is unsequenced
+        self.pending: dict[int, Mapping[str, Any]] = {}  # receiver: chunks that arrived early, by seq
+        self.dups = 0  # receiver: duplicated chunks dropped
+
+
+class _Leaf:
+    """Marks a top-level leaf in the merge plan (``None`` is a valid qualifier of a group)."""
+
+    def __repr__(self) -> str:
+        return "LEAF"
+
+
+LEAF: Any = _Leaf()
+
+
+def _path(top: Any, qual: Any = LEAF) -> str:
+    return str(top) if qual is LEAF else f"{top}.{qual}"
+
+
+class _Endpoint:
+    """What Sender and Receiver share: policy, manager, strategy selection, request table."""
+
+    def __init__(
+        self,
+        policy: Policy | Mapping[str, Any] | str | None = None,
+        *,
+        context: StreamContext | None = None,
+        manager: StrategyManager | None = None,
+    ) -> None:
+        self.manager = manager or get_manager()
+        self.policy: Policy = load_policy(policy, manager=self.manager)
+        self.context = context or DEFAULT_CONTEXT
+        self._requests: dict[str, _Request] = {}
+        self._lock = threading.Lock()
+        self._selected: dict[tuple[Any, ...], tuple[Strategy, StrategySpec]] = {}
+        if self.policy.honor_override_keys:
+            self._check_override_keys_rule()
+
+    def _check_override_keys_rule(self) -> None:
+        """Refuse a policy whose rules give ``meta.override_keys`` a strategy that rewrites its wire form."""
+        hit = self.policy.match_rule(OVERRIDE_KEYS_PATH)
+        ref = hit[1] if hit is not None else self.policy.default
+        strategy = self.manager.build(ref.strategy, dict(ref.params))
+        if rewrites_wire(strategy):
+            where = f"rules[{hit[0]}] ({hit[1].match!r})" if hit is not None else "default"
+            raise PolicyError(_override_keys_message(ref.strategy, where))
+
+    # -- requests ---------------------------------------------------------------------------- #
+    def _state(self, req_id: str, context: StreamContext | None) -> _Request:
+        st = self._requests.get(req_id)
+        if st is None:
+            with self._lock:
+                st = self._requests.get(req_id)
+                if st is None:
+                    st = self._requests[req_id] = _Request(context or self.context)
+        return st
+
+    def release(self, req_id: str) -> bool:
+        """Drop all state of ``req_id``. Unknown ids are a no-op. Returns True when state was held."""
+        with self._lock:
+            return self._requests.pop(req_id, None) is not None
+
+    @property
+    def active_requests(self) -> int:
+        """Number of requests holding state."""
+        return len(self._requests)
+
+    def request_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._requests)
+
+    # -- selection --------------------------------------------------------------------------- #
+    def select(self, path: str, value: Any, context: StreamContext) -> tuple[Strategy, StrategySpec]:
+        """Strategy (and its spec) for key ``path`` whose first value is ``value``, in ``context``."""
+        meta = KeyMeta.of(path, value)
+        ck = (meta.cache_key, context.cache_key)
+        hit = self._selected.get(ck)
+        if hit is None:
+            choice = self.manager.select(path, meta, context, self.policy)
+            spec = self.manager.spec(choice.strategy, where=f"key {path!r} ({choice.source})")
+            hit = self._selected[ck] = (self.manager.build(choice.strategy, dict(choice.params)), spec)
+        return hit
+
+    def strategy_for(self, path: str, value: Any = None, context: StreamContext | None = None) -> str:
+        """Name of the strategy ``path`` gets (with a first value like ``value``)."""
+        return self.select(path, value, context or self.context)[1].name
+
+
+def _leaves(wire: Mapping[str, Any]) -> Iterator[tuple[str, Any, Any, Any]]:
+    """``(path, top, qualifier or LEAF, value)`` of every leaf of a wire chunk (the marker excluded)."""
+    for top, value in wire.items():
+        if top == WIRE_MARKER:
+            continue
+        if isinstance(value, dict):
+            for qual, qv in value.items():
+                yield _path(top, qual), top, qual, qv
+        else:
+            yield _path(top), top, LEAF, value
+
+
+def _iter_slots(entries: dict[Any, Any]) -> Iterator[_Slot]:
+    for e in entries.values():
+        if type(e) is _Slot:
+            yield e
+        else:
+            yield from e.values()
+
+
+def _resets_on_override(slot: _Slot) -> bool:
+    """Whether a key listed in ``meta.override_keys`` gets fresh state for the chunk.
+
+    Only append-kind strategies do: a replace-kind one already serves the latest value, and one
+    that transforms the wire (``delta`` sends suffixes) needs its state to decode the next value.
+    """
+    return "append" in slot.spec.kinds
+
+
+def _held_once(entry: Any) -> int:
+    """How many send_once-like values an entry (slot, group or None) holds."""
+    if entry is None:
+        return 0
+    if type(entry) is _Slot:
+        return int(entry.strategy.omits_unchanged)
+    return sum(int(s.strategy.omits_unchanged) for s in entry.values())
+
+
+def rewrites_wire(strategy: Strategy) -> bool:
+    """True when ``strategy``'s encoder may put something other than the value itself on the wire.
+
+    A strategy without an encoder sends values as they are; one with ``omits_unchanged`` only
+    leaves unchanged values off (``send_once``). Anything else (``delta`` sends suffixes) rewrites.
+    """
+    return not strategy.omits_unchanged and type(strategy).new_encoder is not Strategy.new_encoder
+
+
+def _override_keys_message(name: str, where: str) -> str:
+    return (
+        f"{OVERRIDE_KEYS_PATH} gets strategy {name!r} (from {where}), which rewrites the key's wire form, but the "
+        f"receiver reads {OVERRIDE_KEYS_PATH} from the wire to reset the keys it lists: give it a rule with "
+        "'replace' or 'send_once', or set honor_override_keys: false"
+    )

@@ -1,0 +1,344 @@
+"""The receiver side of the engine: :class:`Receiver` merges wire chunks per request, key by key."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from omni_accum.context import StreamContext
+from omni_accum.endpoint import (
+    LEAF,
+    OVERRIDE_KEYS_PATH,
+    WIRE_MARKER,
+    _Endpoint,
+    _held_once,
+    _iter_slots,
+    _leaves,
+    _override_keys_message,
+    _path,
+    _Request,
+    _resets_on_override,
+    _Slot,
+    rewrites_wire,
+)
+from omni_accum.errors import AccumulationError, MergeError, OmniAccumError
+from omni_accum.manager import StrategyManager
+from omni_accum.policy import Policy
+from omni_accum.sequencing import REORDER_WINDOW, SequencedMerge
+from omni_accum.strategy import KeyInfo
+from omni_accum.views import RequestView
+
+
+class Receiver(SequencedMerge, _Endpoint):
+    """Receiver side: merges wire chunks per request and serves the consumer's view.
+
+    Args:
+        policy: a Policy, mapping, preset name or path; None reads ``OMNI_ACCUM_POLICY`` / ``default``.
+        context: default stream context of requests (a per-request one can be given to ``merge``).
+        manager: strategy manager (default: the process-wide one).
+        reorder_window: for chunks merged with ``seq``: how many chunks that arrive early a request may
+            buffer while it waits for a missing one (0: any gap is an error at once).
+    """
+
+    def __init__(
+        self,
+        policy: Policy | Mapping[str, Any] | str | None = None,
+        *,
+        context: StreamContext | None = None,
+        manager: StrategyManager | None = None,
+        reorder_window: int = REORDER_WINDOW,
+    ) -> None:
+        if type(reorder_window) is not int or reorder_window < 0:
+            raise ValueError(f"reorder_window must be an int >= 0, got {reorder_window!r}")
+        super().__init__(policy, context=context, manager=manager)
+        self.reorder_window = reorder_window
+        self._dups = 0
+
+    def merge(
+        self,
+        req_id: str,
+        wire: Mapping[str, Any],
+        *,
+        context: StreamContext | None = None,
+        seq: int | None = None,
+    ) -> RequestView:
+        """Merge one wire chunk of ``req_id`` and return the consumer's view after it.
+
+        A chunk is merged whole or not at all: if any key fails (dtype or trailing shape change,
+        a 0-d tensor appended, the memory guard, an unknown strategy) an
+        :class:`AccumulationError` is raised and the request's state is as before the chunk.
+        If a strategy raises half-way, the request is marked failed until released.
+
+        ``seq`` (opt-in; all chunks of a request carry one, or none does) numbers the request's
+        chunks 0, 1, 2, ...: a chunk below the next expected number, or one already buffered, is a
+        duplicate: dropped and counted. The expected chunk is merged, then any buffered successors.
+        A chunk ahead of it is buffered (at most ``reorder_window`` ahead) and merged when the gap
+        fills; the view returned meanwhile is the in-order prefix. Further ahead, the chunk is
+        rejected with an :class:`AccumulationError` whose ``missing`` lists the seqs still awaited.
+        """
+        if not isinstance(wire, Mapping):
+            raise AccumulationError(f"a payload chunk must be a mapping, got {type(wire).__name__}", request_id=req_id)
+        st = self._state(req_id, context)
+        with st.lock:
+            if st.failed is not None:
+                raise AccumulationError(f"request failed earlier ({st.failed}); release it", request_id=req_id)
+            if seq is None:
+                if st.next_seq is not None:
+                    raise AccumulationError(
+                        f"chunk without a seq, but this request's chunks carry sequence numbers (next {st.next_seq}); "
+                        "number every chunk of a request, or none",
+                        request_id=req_id,
+                    )
+                try:
+                    self._apply(req_id, st, self._plan(req_id, st, wire))
+                except AccumulationError:
+                    self._fail_if_sender_diverged(st, wire)
+                    raise
+            else:
+                # A rejected sequenced chunk leaves its seq open: later chunks wait behind it (a gap), so
+                # the view never runs ahead of a chunk the sender believes delivered.
+                self._merge_sequenced(req_id, st, wire, seq)
+        return RequestView(st.entries)
+
+    def _fail_if_sender_diverged(self, st: _Request, wire: Mapping[str, Any]) -> None:
+        """After a rejected chunk: fail the request when the chunk carried a send_once-like value.
+
+        The sender recorded that value as delivered and will leave it off later chunks while it is
+        unchanged, so this receiver would go on serving the value it held before: a stale view.
+        Runs on the error path only.
+        """
+        if st.failed is not None:
+            return
+        for path, top, qual, value in _leaves(wire):
+            slot = st.entries.get(top)
+            if qual is not LEAF:
+                slot = slot.get(qual) if isinstance(slot, dict) else None
+            try:
+                strategy = slot.strategy if type(slot) is _Slot else self.select(path, value, st.context)[0]
+            except OmniAccumError:
+                continue
+            if strategy.omits_unchanged:
+                st.failed = (
+                    f"a rejected chunk carried the send_once value of {path!r}, which the sender now leaves off "
+                    "the wire; re-send the request from its first chunk"
+                )
+                return
+
+    def view(self, req_id: str) -> RequestView:
+        """The current view of ``req_id`` (KeyError when it holds no state)."""
+        return RequestView(self._requests[req_id].entries)
+
+    def nbytes(self, req_id: str | None = None) -> int:
+        """Bytes held by accumulation state of one request, or of all."""
+        sts = [self._requests[req_id]] if req_id is not None else list(self._requests.values())
+        return sum(s.acc.nbytes() for st in sts for s in _iter_slots(st.entries))
+
+    def parts(self, req_id: str) -> dict[Any, Any]:
+        """The stored representation per key (lists of parts), in the payload's nesting."""
+        entries = self._requests[req_id].entries
+        return {
+            k: (e.acc.parts() if type(e) is _Slot else {q: s.acc.parts() for q, s in e.items()})
+            for k, e in entries.items()
+        }
+
+    # -- merging ----------------------------------------------------------------------------- #
+    def _override_keys(self, req_id: str, st: _Request, wire: Mapping[str, Any]) -> frozenset[Any]:
+        meta = wire.get("meta")
+        raw = meta.get("override_keys") if isinstance(meta, dict) else None
+        if raw is not None:
+            group = st.entries.get("meta")
+            slot = group.get("override_keys") if isinstance(group, dict) else None
+            try:
+                strategy = slot.strategy if slot is not None else self.select(OVERRIDE_KEYS_PATH, raw, st.context)[0]
+            except OmniAccumError as e:
+                raise AccumulationError(str(e), request_id=req_id, key=OVERRIDE_KEYS_PATH) from e
+            if rewrites_wire(strategy):
+                raise AccumulationError(
+                    _override_keys_message(strategy.name, "strategy selection"),
+                    request_id=req_id,
+                    key=OVERRIDE_KEYS_PATH,
+                    strategy=strategy.name,
+                )
+        if raw is None and WIRE_MARKER in wire:
+            # A send_once-like strategy left an unchanged override list off the wire: it still applies.
+            group = st.entries.get("meta")
+            slot = group.get("override_keys") if isinstance(group, dict) else None
+            if slot is not None and slot.strategy.omits_unchanged:
+                raw = slot.acc.read()
+        if raw is None:
+            return frozenset()
+        if not isinstance(raw, (list, tuple)):
+            raise AccumulationError(
+                f"meta.override_keys must be a list of key names or [group, qualifier] pairs, got {type(raw).__name__}",
+                request_id=req_id,
+                key="meta.override_keys",
+            )
+        if not raw:
+            return frozenset()
+        try:
+            return frozenset(tuple(k) if isinstance(k, list) else k for k in raw)
+        except TypeError as e:
+            raise AccumulationError(
+                f"meta.override_keys must list key names or [group, qualifier] pairs, got {raw!r}",
+                request_id=req_id,
+                key="meta.override_keys",
+            ) from e
+
+    def _new_slot(self, req_id: str, st: _Request, path: str, value: Any, like: _Slot | None = None) -> _Slot:
+        if like is not None:
+            strategy, spec = like.strategy, like.spec
+        else:
+            try:
+                strategy, spec = self.select(path, value, st.context)
+            except OmniAccumError as e:
+                raise AccumulationError(str(e), request_id=req_id, key=path) from e
+        try:
+            acc = strategy.new_accumulator(KeyInfo(path, req_id, st.context.length_hints.get(path)))
+        except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
+            raise AccumulationError(
+                f"new_accumulator raised {type(e).__name__}: {e}",
+                request_id=req_id,
+                key=path,
+                strategy=spec.name,
+                plugin=spec.plugin,
+            ) from e
+        return _Slot(path, strategy, spec, acc)
+
+    def _check(self, req_id: str, slot: _Slot, value: Any) -> None:
+        try:
+            slot.acc.check(value)
+        except Exception as e:  # noqa: BLE001 - MergeError, or a strategy bug: fails this request only
+            msg = str(e) if isinstance(e, MergeError) else f"check raised {type(e).__name__}: {e}"
+            raise AccumulationError(
+                msg, request_id=req_id, key=slot.path, strategy=slot.spec.name, plugin=slot.spec.plugin
+            ) from e
+
+    def _plan(self, req_id: str, st: _Request, wire: Mapping[str, Any]) -> list[tuple[Any, Any, Any, _Slot]]:
+        """Phase 1: find or create the slot of every key, check every value; change nothing."""
+        override = self._override_keys(req_id, st, wire) if self.policy.honor_override_keys else frozenset()
+        entries = st.entries
+        ops: list[tuple[Any, Any, Any, _Slot]] = []
+        new_once = 0
+        for top, value in wire.items():
+            if top == WIRE_MARKER:
+                continue
+            if isinstance(value, dict):
+                group = entries.get(top)
+                if not isinstance(group, dict):
+                    group = None
+                if not value:
+                    ops.append((top, None, None, None))  # type: ignore[arg-type]
+                for qual, qv in value.items():
+                    slot = group.get(qual) if group is not None else None
+                    if slot is None:
+                        slot = self._new_slot(req_id, st, _path(top, qual), qv)
+                        new_once += slot.strategy.omits_unchanged
+                    elif (top, qual) in override and _resets_on_override(slot):
+                        slot = self._new_slot(req_id, st, slot.path, qv, like=slot)
+                    else:
+                        self._check(req_id, slot, qv)
+                    ops.append((top, qual, qv, slot))
+            else:
+                slot = entries.get(top)
+                if type(slot) is not _Slot:
+                    slot = self._new_slot(req_id, st, _path(top), value)
+                    new_once += slot.strategy.omits_unchanged
+                elif top in override and _resets_on_override(slot):
+                    slot = self._new_slot(req_id, st, slot.path, value, like=slot)
+                else:
+                    self._check(req_id, slot, value)
+                ops.append((top, LEAF, value, slot))
+        need = wire.get(WIRE_MARKER) if WIRE_MARKER in wire else None
+        if need is not None and (type(need) is not int or need < 0):
+            raise AccumulationError(
+                f"malformed wire marker {WIRE_MARKER!r}: expected a count >= 0, got {need!r}", request_id=req_id
+            )
+        if need is not None and st.held_once + new_once < need:
+            raise AccumulationError(
+                f"the sender left {need!r} unchanged send_once value(s) off the wire for this request, but this "
+                f"receiver holds {st.held_once + new_once}: it lost them (restarted, or the request was released "
+                "mid-stream). Release the request and re-send it from its first chunk",
+                request_id=req_id,
+            )
+        limit = self.policy.max_bytes_per_request
+        if limit:
+            self._guard(req_id, st, ops, limit)
+        return ops
+
+    def _guard(self, req_id: str, st: _Request, ops: list[tuple[Any, Any, Any, _Slot]], limit: int) -> None:
+        """Refuse the chunk when the state would hold more than ``limit`` bytes once merged.
+
+        Each touched key reports what it would hold after the merge (:meth:`Accumulator.projected_nbytes`:
+        a ``prealloc`` buffer's grown capacity, a ``token_list``'s cached concatenation), so the check
+        runs before anything is allocated.
+        """
+        after = st.nbytes
+        worst: tuple[int, str] = (0, "")
+        entries = st.entries
+        for top, qual, value, slot in ops:
+            if slot is None:
+                continue
+            old = entries.get(top)
+            if qual is not LEAF:
+                old = old.get(qual) if isinstance(old, dict) else None
+            now = old.acc.nbytes() if type(old) is _Slot else 0
+            try:
+                proj = slot.acc.projected_nbytes(value)
+            except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
+                raise AccumulationError(
+                    f"projected_nbytes raised {type(e).__name__}: {e}",
+                    request_id=req_id,
+                    key=slot.path,
+                    strategy=slot.spec.name,
+                    plugin=slot.spec.plugin,
+                ) from e
+            after += proj - now
+            worst = max(worst, (proj - now, slot.path))
+        if after > limit:
+            raise AccumulationError(
+                f"would hold {after} bytes after this chunk (key {worst[1]!r} grows by {worst[0]}), over "
+                f"max_bytes_per_request={limit}; chunk rejected before allocating (state unchanged)",
+                request_id=req_id,
+            )
+
+    def _apply(self, req_id: str, st: _Request, ops: list[tuple[Any, Any, Any, _Slot]]) -> None:
+        """Phase 2: merge every planned value."""
+        entries = st.entries
+        for top, qual, value, slot in ops:
+            if slot is None:  # an empty group
+                if not isinstance(entries.get(top), dict):
+                    st.held_once -= _held_once(entries.get(top))
+                    entries[top] = {}
+                continue
+            try:
+                slot.acc.merge(value)
+            except MergeError as e:
+                st.failed = f"key {slot.path!r}: {e}"
+                raise AccumulationError(
+                    str(e), request_id=req_id, key=slot.path, strategy=slot.spec.name, plugin=slot.spec.plugin
+                ) from e
+            except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
+                st.failed = f"strategy {slot.spec.name!r} raised {type(e).__name__} on key {slot.path!r}"
+                raise AccumulationError(
+                    f"strategy raised {type(e).__name__}: {e}",
+                    request_id=req_id,
+                    key=slot.path,
+                    strategy=slot.spec.name,
+                    plugin=slot.spec.plugin,
+                ) from e
+            if qual is LEAF:
+                old = entries.get(top)
+                if old is not slot:
+                    st.held_once += slot.strategy.omits_unchanged - _held_once(old)
+                    entries[top] = slot
+            else:
+                group = entries.get(top)
+                if not isinstance(group, dict):
+                    st.held_once -= _held_once(group)
+                    group = entries[top] = {}
+                old = group.get(qual)
+                if old is not slot:
+                    st.held_once += slot.strategy.omits_unchanged - _held_once(old)
+                    group[qual] = slot
+        if self.policy.max_bytes_per_request:
+            st.nbytes = sum(s.acc.nbytes() for s in _iter_slots(entries))

@@ -1,0 +1,129 @@
+"""The sender side of the engine: :class:`Sender` turns payload chunks into their wire form."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from omni_accum.context import StreamContext
+from omni_accum.endpoint import WIRE_MARKER, _Endpoint, _path, _Request
+from omni_accum.errors import AccumulationError, OmniAccumError
+from omni_accum.strategy import OMIT, Encoder, KeyInfo
+
+
+class Sender(_Endpoint):
+    """Sender side: turns each payload chunk into its wire form.
+
+    Args:
+        policy: a Policy, mapping, preset name or path; None reads ``OMNI_ACCUM_POLICY`` / ``default``.
+        context: default stream context of requests (a per-request one can be given to ``encode``).
+        manager: strategy manager (default: the process-wide one).
+    """
+
+    def encode(self, req_id: str, chunk: Mapping[str, Any], *, context: StreamContext | None = None) -> Any:
+        """Return the wire form of ``chunk`` for ``req_id``.
+
+        Keys whose strategy has no encoder go on the wire as they are (the chunk itself is
+        returned when no key of it has an encoder). Keys an encoder omits are left off; a group
+        left empty is dropped; the wire then carries :data:`WIRE_MARKER`.
+        """
+        if not isinstance(chunk, Mapping):
+            raise AccumulationError(f"a payload chunk must be a mapping, got {type(chunk).__name__}", request_id=req_id)
+        if WIRE_MARKER in chunk:
+            raise AccumulationError(
+                f"a payload chunk may not use the key {WIRE_MARKER!r}: omni-accum reserves it for its wire marker",
+                request_id=req_id,
+                key=WIRE_MARKER,
+            )
+        st = self._state(req_id, context)
+        with st.lock:
+            if st.failed is not None:
+                raise AccumulationError(f"request failed earlier ({st.failed}); release it", request_id=req_id)
+            encs = st.entries
+            any_enc = False
+            for top, value in chunk.items():
+                if isinstance(value, dict):
+                    group = encs.get(top)
+                    if not isinstance(group, dict):
+                        group = encs[top] = {}
+                    for qual, qv in value.items():
+                        enc = group.get(qual, OMIT)
+                        if enc is OMIT:
+                            enc = group[qual] = self._new_encoder(st, req_id, _path(top, qual), qv)
+                        any_enc = any_enc or enc is not None
+                else:
+                    enc = encs.get(top, OMIT)
+                    if enc is OMIT or isinstance(enc, dict):
+                        enc = encs[top] = self._new_encoder(st, req_id, _path(top), value)
+                    any_enc = any_enc or enc is not None
+            if not any_enc:
+                return chunk
+            try:
+                return self._encode_with(st, req_id, chunk)
+            except AccumulationError as e:
+                # Encoders before the failing one already recorded this chunk as sent: a later chunk
+                # encoded against that state would give the receiver a wrong view. Fail the request.
+                st.failed = f"key {e.key!r}: {e.reason}"
+                raise
+
+    def _new_encoder(self, st: _Request, req_id: str, path: str, value: Any) -> Encoder | None:
+        try:
+            strategy, spec = self.select(path, value, st.context)
+        except OmniAccumError as e:
+            raise AccumulationError(str(e), request_id=req_id, key=path) from e
+        try:
+            enc = strategy.new_encoder(KeyInfo(path, req_id, st.context.length_hints.get(path)))
+        except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
+            raise AccumulationError(
+                f"new_encoder raised {type(e).__name__}: {e}",
+                request_id=req_id,
+                key=path,
+                strategy=spec.name,
+                plugin=spec.plugin,
+            ) from e
+        if enc is not None:
+            st.enc_specs[path] = spec
+            if strategy.omits_unchanged:
+                st.held_once += 1
+        return enc
+
+    def _encode_one(self, enc: Encoder | None, value: Any, req_id: str, path: str, st: _Request) -> Any:
+        if enc is None:
+            return value
+        try:
+            return enc.encode(value)
+        except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
+            spec = st.enc_specs.get(path)
+            reason = e.reason if isinstance(e, AccumulationError) else f"encoder raised {type(e).__name__}: {e}"
+            raise AccumulationError(
+                reason,
+                request_id=req_id,
+                key=path,
+                strategy=spec.name if spec else None,
+                plugin=spec.plugin if spec else None,
+            ) from e
+
+    def _encode_with(self, st: _Request, req_id: str, chunk: Mapping[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        omitted = 0
+        for top, value in chunk.items():
+            if isinstance(value, dict):
+                group = st.entries[top]
+                sub = {}
+                for qual, qv in value.items():
+                    w = self._encode_one(group[qual], qv, req_id, _path(top, qual), st)
+                    if w is OMIT:
+                        omitted += 1
+                    else:
+                        sub[qual] = w
+                if sub or not value:
+                    out[top] = sub
+            else:
+                w = self._encode_one(st.entries[top], value, req_id, _path(top), st)
+                if w is OMIT:
+                    omitted += 1
+                else:
+                    out[top] = w
+        if omitted:
+            out[WIRE_MARKER] = st.held_once
+        return out

@@ -1,0 +1,64 @@
+"""The consumer's view of a request: read-only mappings whose leaves are read from the strategies lazily."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from omni_accum.endpoint import _Slot
+
+
+class GroupView(Mapping):
+    """Read-only view of one payload group (``view["embed"]``)."""
+
+    __slots__ = ("_slots",)
+
+    def __init__(self, slots: dict[Any, _Slot]) -> None:
+        self._slots = slots
+
+    def __getitem__(self, qual: Any) -> Any:
+        return self._slots[qual].acc.read()
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._slots)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def to_dict(self) -> dict[Any, Any]:
+        return {q: s.acc.read() for q, s in self._slots.items()}
+
+    def __repr__(self) -> str:
+        return f"GroupView({list(self._slots)})"
+
+
+class RequestView(Mapping):
+    """The consumer's view of one request: a read-only mapping with the payload's nesting.
+
+    Values are read from the strategies when accessed. Tensors are borrowed: do not write into them.
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self, entries: dict[Any, Any]) -> None:
+        self._entries = entries
+
+    def __getitem__(self, top: Any) -> Any:
+        e = self._entries[top]
+        return e.acc.read() if type(e) is _Slot else GroupView(e)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def to_dict(self) -> dict[Any, Any]:
+        """Materialise the whole view as plain nested dicts."""
+        return {
+            k: (e.acc.read() if type(e) is _Slot else {q: s.acc.read() for q, s in e.items()})
+            for k, e in self._entries.items()
+        }
+
+    def __repr__(self) -> str:
+        return f"RequestView({list(self._entries)})"
