@@ -76,7 +76,7 @@ class Receiver(SequencedMerge, _Endpoint):
         fills; the view returned meanwhile is the in-order prefix. Further ahead, the chunk is
         rejected with an :class:`AccumulationError` whose ``missing`` lists the seqs still awaited.
         """
-        if not isinstance(wire, Mapping):
+        if not isinstance(wire, (dict, Mapping)):
             raise AccumulationError(f"a payload chunk must be a mapping, got {type(wire).__name__}", request_id=req_id)
         st = self._state(req_id, context)
         with st.lock:
@@ -311,7 +311,7 @@ class Receiver(SequencedMerge, _Endpoint):
                     entries[top] = {}
                 continue
             try:
-                slot.acc.merge(value)
+                slot.acc.merge_checked(value)
             except MergeError as e:
                 st.failed = f"key {slot.path!r}: {e}"
                 raise AccumulationError(

@@ -27,7 +27,7 @@ class Sender(_Endpoint):
         returned when no key of it has an encoder). Keys an encoder omits are left off; a group
         left empty is dropped; the wire then carries :data:`WIRE_MARKER`.
         """
-        if not isinstance(chunk, Mapping):
+        if not isinstance(chunk, (dict, Mapping)):
             raise AccumulationError(f"a payload chunk must be a mapping, got {type(chunk).__name__}", request_id=req_id)
         if WIRE_MARKER in chunk:
             raise AccumulationError(

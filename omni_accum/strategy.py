@@ -82,6 +82,11 @@ class Accumulator(ABC):
     def merge(self, value: Any) -> None:
         """Merge one wire value into the state."""
 
+    def merge_checked(self, value: Any) -> None:
+        """Merge a value that :meth:`check` has just accepted (the engine checks every key of a chunk
+        before merging any). Override to skip checks :meth:`merge` would repeat; default: :meth:`merge`."""
+        self.merge(value)
+
     @abstractmethod
     def read(self) -> Any:
         """Return the consumer's view of the key (same dtype, trailing shape and device as the chunks)."""
@@ -287,6 +292,12 @@ class AppendAccumulator(Accumulator):
     def check(self, value: Any) -> None:
         if self._mode == 1 and isinstance(value, torch.Tensor):
             check_appendable(self.current_tensor_meta(), value)
+
+    def merge_checked(self, value: Any) -> None:
+        if self._mode == 1 and isinstance(value, torch.Tensor):
+            self.append_tensor(value)  # check() ran just before
+        else:
+            self.merge(value)
 
     def merge(self, value: Any) -> None:
         if isinstance(value, torch.Tensor):

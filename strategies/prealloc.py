@@ -35,7 +35,7 @@ class Params(BaseModel):
 class PreallocAccumulator(AppendAccumulator):
     """A buffer with ``rows`` valid rows; the first chunk is held by reference until an append."""
 
-    __slots__ = ("_first", "_buf", "_rows", "_view", "_g", "_init")
+    __slots__ = ("_first", "_buf", "_cap", "_rows", "_view", "_g", "_init")
 
     def __init__(self, key: KeyInfo, params: Params) -> None:
         super().__init__(key)
@@ -43,6 +43,7 @@ class PreallocAccumulator(AppendAccumulator):
         self._init = params.initial_capacity
         self._first: torch.Tensor | None = None
         self._buf: torch.Tensor | None = None
+        self._cap = 0
         self._rows = 0
         self._view: torch.Tensor | None = None
 
@@ -67,16 +68,16 @@ class PreallocAccumulator(AppendAccumulator):
     def append_tensor(self, value: torch.Tensor) -> None:
         if value.requires_grad:
             value = value.detach()
-        k = int(value.shape[0])
-        need = self._rows + k
+        rows = self._rows
+        need = rows + value.shape[0]
         buf = self._buf
-        if buf is None or need > buf.shape[0]:
+        if buf is None or need > self._cap:
             cap = self._target(need, self.capacity)
-            src = self._first if buf is None else buf[: self._rows]
+            src = self._first if buf is None else buf[:rows]
             new = torch.empty((cap, *src.shape[1:]), dtype=src.dtype, device=src.device)
-            new[: self._rows].copy_(src.detach() if src.requires_grad else src)
-            self._buf, self._first, buf = new, None, new
-        buf[self._rows : need].copy_(value)
+            new[:rows] = src.detach() if src.requires_grad else src
+            self._buf, self._first, self._cap, buf = new, None, cap, new
+        buf[rows:need] = value
         self._rows = need
         self._view = None
 
