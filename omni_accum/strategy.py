@@ -187,11 +187,17 @@ class StrategySpec:
 
 
 def value_nbytes(value: Any) -> int:
-    """Approximate bytes held by a payload value: tensor storage, 8 bytes per list item, 0 otherwise."""
+    """Approximate bytes held by a payload value: tensor storage, 8 bytes per list item, 0 otherwise.
+
+    A list is walked item by item only when its first item is a tensor (a list of chunks); a list
+    of ids counts 8 bytes per item in O(1), so memory accounting never costs O(context) per step.
+    """
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, (list, tuple)):
-        return sum(value_nbytes(v) if isinstance(v, torch.Tensor) else 8 for v in value)
+        if value and isinstance(value[0], torch.Tensor):
+            return sum(value_nbytes(v) if isinstance(v, torch.Tensor) else 8 for v in value)
+        return 8 * len(value)
     if isinstance(value, (bytes, bytearray, str)):
         return len(value)
     return 0
