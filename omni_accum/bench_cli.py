@@ -6,17 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from omni_accum.cli import IntListAction, int_list, non_negative_int, output_path_problem, positive_int
 from omni_accum.workloads import workload_names
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        out = [int(x.replace("k", "000")) for x in text.replace(",", " ").split()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected integers such as 1000,8000 or 1k,8k, got {text!r}") from e
-    if not out or any(x < 1 for x in out):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return out
 
 
 def register(subparsers: Any) -> None:
@@ -44,10 +35,20 @@ def register(subparsers: Any) -> None:
         help="arms to compare (default: upstream, the strategies that fit the workload, and its policy preset)",
     )
     p.add_argument(
-        "--context-lens", type=_int_list, metavar="N[,N...]", help="context lengths (default: the workload's)"
+        "--context-lens",
+        type=int_list,
+        nargs="+",
+        action=IntListAction,
+        metavar="N",
+        help="context lengths, e.g. 1000 8000 or 1k,8k (default: the workload's)",
     )
     p.add_argument(
-        "--concurrency", type=_int_list, metavar="N[,N...]", help="concurrency levels (default: the workload's)"
+        "--concurrency",
+        type=int_list,
+        nargs="+",
+        action=IntListAction,
+        metavar="C",
+        help="concurrency levels, e.g. 1 10 (default: the workload's)",
     )
     p.add_argument(
         "--wire",
@@ -60,11 +61,13 @@ def register(subparsers: Any) -> None:
         choices=("serializer",),
         help="also serialize the consumer's read every step, as pre-0.30 releases did for a multi-process worker",
     )
-    p.add_argument("--repeats", type=int, default=3, help="rounds per bucket, arms interleaved (default: 3)")
-    p.add_argument("--steps", type=int, metavar="N", help="decode steps per request (default: the workload's)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="rounds per bucket, arms interleaved (default: 3)")
+    p.add_argument(
+        "--steps", type=non_negative_int, metavar="N", help="decode steps per request (default: the workload's)"
+    )
     p.add_argument(
         "--threads",
-        type=int,
+        type=non_negative_int,
         default=1,
         metavar="N",
         help="torch intra-op threads while measuring (default: 1, stable on a shared machine; 0: torch's default)",
@@ -87,21 +90,19 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from omni_accum import bench
-    from omni_accum.errors import OmniAccumError
     from omni_accum.workloads import load_workload
 
-    if args.repeats < 1:
-        raise OmniAccumError(f"--repeats must be >= 1, got {args.repeats}")
+    for path, option in ((args.json, "--json"), (args.plot, "--plot")):
+        problem = output_path_problem(path, option)
+        if problem:
+            print(f"omni-accum bench: error: {problem}", file=sys.stderr)
+            return 2
     if args.plot:
         bench.require_matplotlib()  # fail before measuring
     wl = load_workload(args.workload)
     if args.steps is not None:
-        if args.steps < 0:
-            raise OmniAccumError(f"--steps must be >= 0, got {args.steps}")
         wl = wl.model_copy(update={"decode_steps": args.steps})
     arms = bench.build_arms(wl, args.arms, warn=sys.stderr)
-    if args.threads < 0:
-        raise OmniAccumError(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
         import torch
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from omni_accum import __version__
 from omni_accum.errors import OmniAccumError
@@ -22,6 +25,60 @@ COMMAND_MODULES: tuple[str, ...] = (
     "omni_accum.bench_cli",
     "omni_accum.tuner.cli",
 )
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: ``1000,8000``, ``1k`` or ``32000`` -> positive integers."""
+    try:
+        out = [int(x.replace("k", "000")) for x in text.replace(",", " ").split()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected integers such as 1000,8000 or 1k,8k, got {text!r}") from e
+    if not out or any(x < 1 for x in out):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return out
+
+
+def _bounded_int(low: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int>={low}"
+    return parse
+
+
+positive_int = _bounded_int(1)
+non_negative_int = _bounded_int(0)
+
+
+def output_path_problem(path: str | os.PathLike[str] | None, option: str) -> str | None:
+    """Why ``path`` cannot be written as the output of ``option`` (checked before long runs), or None."""
+    if path is None:
+        return None
+    p = Path(path)
+    if p.is_dir():
+        return f"{option} {p}: is a directory; give a file path"
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        return f"{option} {p}: folder {parent} does not exist"
+    if not os.access(parent, os.W_OK):
+        return f"{option} {p}: folder {parent} is not writable"
+    return None
+
+
+class IntListAction(argparse.Action):
+    """``--opt 1000 8000``, ``--opt 1000,8000`` and repeated ``--opt`` all give one flat list."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        items = list(getattr(namespace, self.dest, None) or [])
+        for part in values:
+            items.extend(part)
+        setattr(namespace, self.dest, items)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except OmniAccumError as e:
         print(f"omni-accum: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # an output path that cannot be written (a directory, a missing folder, no space)
+        where = f": {e.filename}" if getattr(e, "filename", None) else ""
+        print(f"omni-accum: error: {e.strerror or e}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("omni-accum: interrupted", file=sys.stderr)

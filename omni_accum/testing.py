@@ -1,4 +1,4 @@
-"""Conformance kit for strategy authors (also registered as a pytest plugin, entry point ``pytest11``).
+"""Conformance kit for strategy authors (its fixture is registered with pytest by :mod:`omni_accum.pytest_plugin`).
 
 The contract every strategy meets (DESIGN.md section 5): for an append-kind strategy the view
 after chunk k equals ``torch.cat`` of the chunk values 0..k (list concatenation for lists), bit
@@ -430,19 +430,3 @@ def check_conformance(
             check_stream(strategy, stream, params, manager=mgr)
 
         run_cumulative()
-
-
-# ---------------------------------------------------------------------------------------------- #
-# pytest plugin
-# ---------------------------------------------------------------------------------------------- #
-
-try:
-    import pytest
-
-    @pytest.fixture
-    def omni_accum_conformance():
-        """The :func:`check_conformance` callable: ``omni_accum_conformance("my_strategy", {...})``."""
-        return check_conformance
-
-except ImportError:  # pragma: no cover - pytest is only needed to use the fixture
-    pass

@@ -279,8 +279,19 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no-such-workload" in err and "qwen3-omni-seed" in err and "Traceback" not in err
     with pytest.raises(SystemExit) as e:
-        cli.main(["tune", "--context-lens", "1k", "--out", str(tmp_path / "x.yaml")])
+        cli.main(["tune", "--context-lens", "ten", "--out", str(tmp_path / "x.yaml")])
     assert e.value.code == 2
     if not torch.cuda.is_available():
         assert cli.main(["tune", "--device", "cuda", "--out", str(tmp_path / "x.yaml")]) == 1
         assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_cli_checks_output_paths_before_measuring_and_takes_int_lists(tmp_path, capsys):
+    assert cli.main(["tune", "--out", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert cli.main(["tune", "--out", str(tmp_path / "no" / "such" / "x.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert cli.main(["bench", "--json", str(tmp_path / "missing" / "r.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["tune", "--context-lens", "1000", "8k,32000", "--concurrency", "1", "10"])
+    assert args.context_lens == [1000, 8000, 32000] and args.concurrency == [1, 10]

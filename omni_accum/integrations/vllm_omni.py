@@ -20,7 +20,8 @@ Methods wrapped (all signature-checked against 0.30.0 before anything is patched
   last send are left off the wire.
 * ``OmniChunkTransferAdapter._commit_received_chunk``: omitted values are restored from a
   :class:`~omni_accum.Receiver`; for an AR receiver the adapter keys (``embed.prefill``,
-  ``hidden_states.output``) are accumulated with their append-kind strategy before hand-over.
+  ``hidden_states.output``) are accumulated with their append-kind strategy before hand-over
+  (not under ``cat``, which hands raw deltas over as 0.30.0 does).
 * ``OmniChunkTransferAdapter._clear_receiver_state_locked`` / ``_clear_sender_state_locked``:
   release, where upstream releases.
 * ``_OmniConnectorPayloadTransportMixin._accumulate_payload`` and

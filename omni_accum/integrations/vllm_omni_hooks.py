@@ -29,8 +29,9 @@ OMITTED_KEY = "__omni_accum_once__"
 #: Connector ``extra`` keys read by the integration.
 EXTRA_POLICY = "omni_accum_policy"
 EXTRA_ADAPTER_KEYS = "omni_accum_adapter_keys"
-#: Keys an AR receiving adapter accumulates (when their strategy is append-kind) before handing the
-#: view over: the prefill rows that chunked prefill (vllm-omni PR #2997) splits over several chunks.
+#: Keys an AR receiving adapter accumulates (when their strategy is append-kind, other than ``cat``)
+#: before handing the view over: the prefill rows that chunked prefill (vllm-omni PR #2997) splits
+#: over several chunks.
 #: Other keys are handed over as raw deltas, as in 0.30.0 (the talker keeps its own decode cache).
 DEFAULT_ADAPTER_KEYS = ("embed.prefill", "hidden_states.output")
 _ATTR = "_omni_accum_binding"
@@ -97,9 +98,13 @@ class Binding:
                 table[(top, qual)] = len(table)
 
     def tracks(self, path: str, value: Any, ar: bool) -> tuple[bool, bool]:
-        """``(merge it, hand over the accumulated view)`` for a key reaching a receiving adapter."""
+        """``(merge it, hand over the accumulated view)`` for a key reaching a receiving adapter.
+
+        ``cat`` means "as upstream", and 0.30.0's adapter hands raw deltas over: a key under ``cat``
+        (the ``default`` policy) is not accumulated here, even under chunked prefill.
+        """
         strategy, spec = self.receiver.select(path, value, self.receiver.context)
-        accumulate = ar and path in self.adapter_keys and "append" in spec.kinds
+        accumulate = ar and path in self.adapter_keys and "append" in spec.kinds and spec.name != "cat"
         return accumulate or strategy.omits_unchanged, accumulate
 
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from omni_accum.cli import IntListAction, int_list, non_negative_int, output_path_problem, positive_int
 from omni_accum.loader import load_policy
 from omni_accum.tuner.buckets import DEFAULT_CONCURRENCY, DEFAULT_CONTEXT_LENS, QUICK_CONCURRENCY, QUICK_CONTEXT_LENS
 from omni_accum.tuner.report import decision_table, gain_table, show
@@ -24,14 +25,6 @@ valid partial one; --resume reuses measured buckets.
 """
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like '1000 8000' or '1000,8000', got {text!r}") from None
-    return vals
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "tune",
@@ -44,16 +37,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--context-lens",
-        type=_ints,
-        action="extend",
+        type=int_list,
+        nargs="+",
+        action=IntListAction,
         metavar="N",
         help=f"bucket edges of context length (default: {' '.join(map(str, DEFAULT_CONTEXT_LENS))}; "
         f"--quick: {' '.join(map(str, QUICK_CONTEXT_LENS))})",
     )
     p.add_argument(
         "--concurrency",
-        type=_ints,
-        action="extend",
+        type=int_list,
+        nargs="+",
+        action=IntListAction,
         metavar="C",
         help=f"bucket edges of concurrency (default: {' '.join(map(str, DEFAULT_CONCURRENCY))}; "
         f"--quick: {' '.join(map(str, QUICK_CONCURRENCY))})",
@@ -86,10 +81,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default: %(default)s = vllm-omni 0.30.0 behaviour)",
     )
     p.add_argument(
-        "--decode-steps", type=int, metavar="N", help="decode chunks replayed per request (default 8, quick 3)"
+        "--decode-steps", type=positive_int, metavar="N", help="decode chunks replayed per request (default 8, quick 3)"
     )
     p.add_argument(
-        "--max-rounds", type=int, metavar="N", help="most interleaved rounds per bucket (default 3, quick 2)"
+        "--max-rounds", type=positive_int, metavar="N", help="most interleaved rounds per bucket (default 3, quick 2)"
     )
     p.add_argument(
         "--memory-budget",
@@ -107,7 +102,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--threads",
-        type=int,
+        type=non_negative_int,
         default=1,
         metavar="N",
         help="torch intra-op threads while measuring (default: 1, stable on a shared machine; 0: torch's default)",
@@ -123,12 +118,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None:
         print("omni-accum tune: error: --out POLICY.yaml is required (or --show POLICY)", file=sys.stderr)
         return 2
-    for name, val in (("--decode-steps", args.decode_steps), ("--max-rounds", args.max_rounds)):
-        if val is not None and val < 1:
-            print(f"omni-accum tune: error: {name} must be >= 1, got {val}", file=sys.stderr)
-            return 2
-    if args.threads < 0:
-        print(f"omni-accum tune: error: --threads must be >= 0, got {args.threads}", file=sys.stderr)
+    problem = output_path_problem(args.out, "--out")
+    if problem:
+        print(f"omni-accum tune: error: {problem}", file=sys.stderr)
         return 2
     if args.threads:
         import torch
