@@ -312,3 +312,120 @@ def test_entry_point_registered(vllm_omni):
     from omni_accum.integrations.vllm_omni import activate
 
     assert ep.load() is activate
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Chunked prefill (vllm-omni PR #2997): the sender sends each prefill chunk as it comes, the AR
+# receiver concatenates. 0.30.0 concatenates on the sender side, so the tests above only ever
+# hand a whole ``embed.prefill`` over; here it arrives in several chunks.
+# ---------------------------------------------------------------------------------------------- #
+
+
+def chunked_prefill_thinker2talker(transfer_manager, multimodal_output, request, is_finished=False):
+    """``thinker2talker_async_chunk`` without the sender-side stash: one payload per prefill chunk.
+
+    Prefill steps (no output token yet) send their rows as ``embed.prefill`` /
+    ``hidden_states.output`` with the per-request statics; decode steps go to the real processor.
+    """
+    from vllm_omni.data_entry_keys import (
+        EmbeddingsStruct,
+        HiddenStatesStruct,
+        IdsStruct,
+        MetaStruct,
+        OmniPayloadStruct,
+    )
+    from vllm_omni.model_executor.stage_input_processors import qwen3_omni as q
+
+    if request.output_token_ids:
+        return q.thinker2talker_async_chunk(transfer_manager, multimodal_output, request, is_finished=is_finished)
+    layers = multimodal_output["hidden_states"]["layers"]
+    embed = multimodal_output["embed"]
+    return OmniPayloadStruct(
+        embed=EmbeddingsStruct(
+            prefill=layers[0].detach().cpu(),
+            tts_bos=embed["tts_bos"],
+            tts_eos=embed["tts_eos"],
+            tts_pad=embed["tts_pad"],
+        ),
+        hidden_states=HiddenStatesStruct(output=layers[24].detach().cpu()),
+        ids=IdsStruct(prompt=list(request.prompt_token_ids)),
+        meta=MetaStruct(finished=torch.tensor(is_finished, dtype=torch.bool)),
+        speaker=q.extract_speaker_from_request(request),
+        language=q.extract_language_from_request(request),
+    )
+
+
+def run_chunked_prefill(make, rid: str) -> tuple[list[dict], list[dict], list]:
+    """Thinker adapter (chunked prefill) -> SHM -> AR talker adapter.
+
+    Returns (handed-over payloads, thinker steps, adapters); one payload is handed over per step.
+    """
+    tx = make(0, next_func=f"{__name__}.chunked_prefill_thinker2talker")
+    rx = make(1)
+    rreq = _request(rid, [], internal="rx-" + rid)
+    steps = _thinker_steps(seed=3, decode_steps=3)
+    handed: list[dict] = []
+    out_ids: list[int] = []
+    for i, mm in enumerate(steps):
+        last = i == len(steps) - 1
+        if i >= 3:
+            out_ids.append(1000 + i)
+        sreq = _request(rid, out_ids, finished=last)
+        tx.save_async(multimodal_output=mm, request=sreq)
+        _wait(lambda: tx.put_req_chunk.get(rid, 0) >= i + 1 or (last and rid not in tx.put_req_chunk), "put")
+        rx.load_async(rreq)
+        _wait(lambda: rreq.request_id in rx._pending_ar_prompt_updates, "receive")
+        rx.requests_with_ready_chunks.add(rreq.request_id)
+        rx._apply_pending_ar_prompt_updates({rreq.request_id: rreq})
+        handed.append(rreq.additional_information)
+        so = SimpleNamespace(scheduled_cached_reqs=SimpleNamespace(req_ids=[rreq.request_id]))
+        type(rx).attach_cached_additional_information(so, {rreq.request_id: rreq})
+        rx.requests_with_ready_chunks.discard(rreq.request_id)
+    rx.cleanup(rreq.request_id, rid)
+    tx.cleanup(sreq.request_id, rid)
+    return handed, steps, [tx, rx]
+
+
+def test_chunked_prefill_receiver_concatenates(vo, adapters):
+    """AR receiver, several ``embed.prefill`` / ``hidden_states.output`` chunks: under qwen3-omni the
+    view handed over is torch.cat of the chunks so far (bit for bit); under ``default`` every handed
+    payload is what 0.30.0 alone hands over (the raw deltas)."""
+    pid = os.getpid()
+    base, steps, _ = run_chunked_prefill(adapters, f"oa-cp-base-{pid}")
+    prefill_rows = [s["hidden_states"]["layers"][0] for s in steps[:3]]
+    hidden_rows = [s["hidden_states"]["layers"][24] for s in steps[:3]]
+    for k in range(3):  # 0.30.0 alone hands each chunk's rows over as they come
+        assert torch.equal(base[k]["embed"]["prefill"], prefill_rows[k])
+        assert torch.equal(base[k]["hidden_states"]["output"], hidden_rows[k])
+    assert all("prefill" not in h["embed"] for h in base[3:])
+    assert no_shm_leftovers(f"oa-cp-base-{pid}")
+
+    vo.install("default")
+    rid = f"oa-cp-def-{pid}"
+    handed, _, (tx, rx) = run_chunked_prefill(adapters, rid)
+    assert_same(handed, base, "handed")
+    assert rx._omni_accum_binding.receiver.active_requests == 0
+    assert no_shm_leftovers(rid)
+
+    vo.install("qwen3-omni")
+    rid = f"oa-cp-q3-{pid}"
+    handed, _, (tx, rx) = run_chunked_prefill(adapters, rid)
+    assert tx._omni_accum_binding.stats["omitted"] > 0  # the statics went once
+    for k in range(3):
+        for got, rows in (
+            (handed[k]["embed"]["prefill"], prefill_rows),
+            (handed[k]["hidden_states"]["output"], hidden_rows),
+        ):
+            want = torch.cat(rows[: k + 1])
+            assert got.dtype == want.dtype and got.shape == want.shape == (sum(r.shape[0] for r in rows[: k + 1]), D)
+            assert torch.equal(got, want), k
+        want = {key: value for key, value in base[k].items() if key not in ("embed", "hidden_states")}
+        assert_same({key: value for key, value in handed[k].items() if key in want}, want, f"handed[{k}]")
+        assert_same(
+            {q: v for q, v in handed[k]["embed"].items() if q != "prefill"},
+            {q: v for q, v in base[k]["embed"].items() if q != "prefill"},
+            f"handed[{k}].embed",
+        )
+    assert_same(handed[3:], base[3:], "decode")  # decode deltas as upstream
+    assert rx._omni_accum_binding.receiver.active_requests == 0
+    assert no_shm_leftovers(rid)
