@@ -13,6 +13,9 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/omni-accum-device}"
 DEVICE="${DEVICE:-cuda}"
 mkdir -p "$OUT"
+# Never let the checkout's omni_accum/ (it lacks the strategies/config subpackages an install maps in)
+# shadow the installed package: keep the current folder off sys.path.
+export PYTHONSAFEPATH=1
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude

@@ -103,6 +103,8 @@ def cmd_strategies(args: argparse.Namespace) -> int:
             default = "required" if p["required"] else f"default {p['default']!r}"
             cons = f", {' and '.join(p['constraints'])}" if p["constraints"] else ""
             _out(f"    param {p['name']}: {p['type']} ({default}{cons})")
+            if p["description"]:
+                _out(f"        {p['description']}")
     for p in problems:
         print(f"omni-accum: warning: plugin {p['plugin']!r} skipped: {p['problem']}", file=sys.stderr)
     return 0

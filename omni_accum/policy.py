@@ -54,7 +54,7 @@ def _coerce_strategy_ref(value: Any) -> Any:
 class StrategyRef(BaseModel):
     """A strategy name with its params."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     strategy: str = Field(min_length=1)
     """Name of a registered strategy (``omni-accum strategies`` lists them)."""
@@ -65,7 +65,7 @@ class StrategyRef(BaseModel):
 class Rule(BaseModel):
     """One rule: keys matching ``match`` use ``strategy`` with ``params``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     match: str = Field(min_length=1)
     """A key path (``embed.decode``, ``thinker_embeddings``) or a glob (``embed.*``)."""
@@ -80,7 +80,7 @@ class Rule(BaseModel):
 class TunedCell(BaseModel):
     """The tuner's decision for one key in one bucket."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     key: str = Field(min_length=1)
     """Key path the decision applies to (exact path)."""
@@ -113,7 +113,7 @@ class TunedTable(BaseModel):
     below the first edge or above the last clamp to the end buckets (and are counted).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     context_len_edges: list[int] = Field(min_length=1)
     """Ascending lower edges of context-length buckets."""
@@ -202,7 +202,7 @@ class Policy(BaseModel):
             strategy: replace
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     version: Literal[1] = 1
     """Schema version; 1 is the only version so far."""

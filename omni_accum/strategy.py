@@ -48,7 +48,7 @@ OMIT: Any = _Omit()
 class NoParams(BaseModel):
     """Params model of a strategy that takes none."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 @dataclass(frozen=True)

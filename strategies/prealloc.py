@@ -24,7 +24,7 @@ from omni_accum.strategy import AppendAccumulator, KeyInfo, Strategy, StrategySp
 class Params(BaseModel):
     """Params of ``prealloc``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     initial_capacity: int = Field(default=64, ge=1, le=1 << 24)
     """Rows allocated at the first append, at least (more when the key already holds more)."""

@@ -28,6 +28,16 @@ def require_vllm_omni():
         pytest.skip(f"vllm-omni not importable here ({e!r}); install with: pip install -e '.[vllm]'")
 
 
+def require_module(name: str, why: str):
+    """Import ``name`` (a declared test dependency); fail under CI=true, skip otherwise, when missing."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        if CI:
+            pytest.fail(f"{name} is required when CI=true ({why}) but cannot be imported: {e!r}")
+        pytest.skip(f"{name} not installed here ({why}): bash scripts/env.sh installs it")
+
+
 @pytest.fixture(scope="session")
 def vllm_omni():
     return require_vllm_omni()

@@ -9,12 +9,13 @@ import pytest
 from conftest import require_vllm_omni
 from omni_accum import bench
 from omni_accum.cli import main
+from conftest import require_module
 
 SMALL = ["--context-lens", "16,32", "--concurrency", "2", "--steps", "3", "--repeats", "1", "--no-progress"]
 
 
 def test_bench_inproc_prints_tables_and_writes_valid_json(tmp_path, capsys):
-    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema = require_module("jsonschema", "the test extra validates bench JSON")
     out = tmp_path / "r.json"
     rc = main(
         [
@@ -48,7 +49,7 @@ def test_bench_inproc_prints_tables_and_writes_valid_json(tmp_path, capsys):
 
 
 def test_schema_rejects_a_malformed_document():
-    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema = require_module("jsonschema", "the test extra validates bench JSON")
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(
             {"workload": "w", "wire": "inproc", "machine": {}, "results": [{"arm": "x"}]}, bench.RESULT_SCHEMA
@@ -92,7 +93,7 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, capsys):
 
 
 def test_plot_is_written(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+    require_module("matplotlib", "the plot extra, installed by scripts/env.sh")
     png = tmp_path / "p.png"
     assert main(["bench", "--arms", "cat", "prealloc", "--plot", str(png), *SMALL]) == 0
     assert png.stat().st_size > 1000
@@ -120,7 +121,7 @@ def test_progress_bar_draws_with_eta():
 @pytest.mark.vllm
 def test_bench_serializer_with_view_hop_against_upstream(tmp_path, capsys):
     require_vllm_omni()
-    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema = require_module("jsonschema", "the test extra validates bench JSON")
     out = tmp_path / "r.json"
     rc = main(
         [

@@ -11,6 +11,7 @@ import omni_accum
 from omni_accum.strategies.prealloc import PreallocAccumulator
 from omni_accum.strategy import KeyInfo
 from omni_accum.testing import as_dict, first_difference
+from conftest import require_module
 
 AccumulationError = omni_accum.AccumulationError
 
@@ -406,7 +407,7 @@ def test_yaml_python_tags_are_refused(tmp_path):
 
 
 def test_override_keys_with_a_wire_rewriting_strategy_is_refused():
-    pytest.importorskip("omni_accum_delta")
+    require_module("omni_accum_delta", "the example plugin, installed by scripts/env.sh")
     bad = {"default": "cat", "rules": [{"match": "meta.override_keys", "strategy": "delta"}]}
     for cls in (omni_accum.Sender, omni_accum.Receiver):
         with pytest.raises(omni_accum.PolicyError, match="rewrites the key's wire form"):
@@ -419,7 +420,7 @@ def test_override_keys_with_a_wire_rewriting_strategy_is_refused():
 
 
 def test_override_keys_rewritten_by_a_selection_hook_is_an_accumulation_error():
-    pytest.importorskip("omni_accum_delta")
+    require_module("omni_accum_delta", "the example plugin, installed by scripts/env.sh")
     from omni_accum.policy import StrategyChoice
 
     class Picker:

