@@ -334,6 +334,12 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return argparse.HelpFormatter._fill_text(self, text, width, indent)
 
 
+def _key_path(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a key path such as embed.decode or thinker_embeddings, got ''")
+    return text
+
+
 def register(subparsers: Any) -> None:
     """Add ``strategies``, ``validate``, ``explain`` and ``show`` to the ``omni-accum`` parser."""
     fmt = _HelpFormatter
@@ -375,7 +381,9 @@ def register(subparsers: Any) -> None:
         formatter_class=fmt,
     )
     p.add_argument("policy", metavar="POLICY", help=policy_help)
-    p.add_argument("--key", required=True, help="key path: group.qualifier (embed.decode) or a flat name")
+    p.add_argument(
+        "--key", required=True, type=_key_path, help="key path: group.qualifier (embed.decode) or a flat name"
+    )
     p.add_argument("--context-len", type=_non_negative_int, default=None, metavar="N", help="context length (tokens)")
     p.add_argument("--concurrency", type=_positive_int, default=1, metavar="C", help="concurrent requests (default 1)")
     p.add_argument(

@@ -260,6 +260,8 @@ def read_source(source: str | os.PathLike[str]) -> tuple[str, str, str]:
         except (OSError, UnicodeDecodeError) as e:
             raise PolicyError(f"{path}: cannot read policy file: {e}") from e
     name = str(source)
+    if path.is_dir():
+        raise PolicyError(f"{path}: is a directory, not a policy file (give a .yaml, .yml, .json or .toml file)")
     if name in preset_names():
         label, text = preset_text(name)
         return label, text, "yaml"
