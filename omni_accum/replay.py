@@ -6,14 +6,14 @@ releases did when they attached the accumulated payload to the scheduler output)
 interleaved round by round (the arm order rotates every repeat) in one process, so arms are
 compared under the same machine state; compare them as ratios.
 
-Seams (for ``--through vllm-omni`` and other transports):
+Seams (for ``--through vllm-omni`` and other transports), each in its own module and re-exported
+here:
 
-* an arm runs as an :class:`Engine` (``encode``/``merge``/``release``/``nbytes``);
-  :class:`PolicyEngine` wraps omni-accum's Sender/Receiver, :class:`UpstreamEngine` runs vllm-omni
-  0.30.0's own ``_OmniConnectorPayloadTransportMixin._accumulate_payload``. An arm given to
+* an arm runs as an :class:`~omni_accum.engines.Engine` (:mod:`omni_accum.engines`: ``PolicyEngine``,
+  ``UpstreamEngine``, ``WireFloorEngine``, :data:`THROUGH`, :func:`make_engine`). An arm given to
   :func:`measure` may also be any callable ``(StreamContext) -> Engine``;
-* a :class:`Wire` carries wire payloads (``inproc``, ``serializer``, ``shm``); :data:`WIRES` maps
-  names to factories.
+* a :class:`~omni_accum.wires.Wire` carries wire payloads (:mod:`omni_accum.wires`: ``inproc``,
+  ``serializer``, ``shm``; :data:`WIRES` maps names to factories; payload helpers).
 
 The tuner calls :func:`measure` and bootstraps medians from :attr:`ArmResult.samples_us`.
 """
@@ -21,312 +21,50 @@ The tuner calls :func:`measure` and bootstraps medians from :attr:`ArmResult.sam
 from __future__ import annotations
 
 import itertools
-import os
 import statistics
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import torch
 
-from omni_accum.channel import Receiver, Sender, _iter_slots
 from omni_accum.context import StreamContext
+from omni_accum.engines import (  # noqa: F401 - re-exported
+    THROUGH,
+    UPSTREAM,
+    WIRE_FLOOR,
+    Arm,
+    Engine,
+    PolicyEngine,
+    UpstreamEngine,
+    WireFloorEngine,
+    make_engine,
+)
 from omni_accum.errors import OmniAccumError
-from omni_accum.policy import Policy
-from omni_accum.strategy import value_nbytes
-from omni_accum.workloads import Workload, build_stream, load_workload
-
-WireName = Literal["inproc", "serializer", "shm"]
-ViewHop = Literal["serializer"]
-UPSTREAM = "upstream"
-WIRE_FLOOR = "wire-floor"
-
-
-from omni_accum.integrations.vllm_omni_classes import (  # noqa: E402 - re-exported
+from omni_accum.integrations.vllm_omni_classes import (  # noqa: F401 - re-exported
     VllmOmniUnavailable,
     serializer,
     shm_connector,
     transport_mixin,
 )
-
-
-# ---------------------------------------------------------------------------------------------- #
-# Payload helpers
-# ---------------------------------------------------------------------------------------------- #
-
-
-def payload_nbytes(obj: Any) -> int:
-    """Bytes a payload would occupy on a wire without framing: tensor data, 8 per scalar, string length."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, Mapping):
-        return sum(payload_nbytes(v) + (len(k) if isinstance(k, str) else 8) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        return sum(payload_nbytes(v) for v in obj)
-    if isinstance(obj, (str, bytes, bytearray)):
-        return len(obj)
-    return 8
-
-
-def iter_leaves(payload: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
-    """``(path, value)`` of every leaf of a payload (one level of groups, as vllm-omni nests)."""
-    for top, value in payload.items():
-        if isinstance(value, Mapping):
-            for qual, v in value.items():
-                yield f"{top}.{qual}", v
-        else:
-            yield str(top), value
-
-
-def _get(view: Mapping[str, Any], path: str) -> Any:
-    top, _, qual = path.partition(".")
-    if qual and top in view and isinstance(view[top], Mapping):
-        return view[top][qual]
-    return view[path]
-
-
-def _has(view: Mapping[str, Any], path: str) -> bool:
-    top, _, qual = path.partition(".")
-    if qual:
-        group = view.get(top)
-        return isinstance(group, Mapping) and qual in group
-    return path in view
-
-
-# ---------------------------------------------------------------------------------------------- #
-# Wires
-# ---------------------------------------------------------------------------------------------- #
-
-
-class Wire(ABC):
-    """Carries one wire payload from the sender to the receiver."""
-
-    name: str = ""
-
-    @abstractmethod
-    def carry(self, key: str, payload: Mapping[str, Any]) -> tuple[Mapping[str, Any], int]:
-        """Return ``(payload as received, bytes on the wire)``; ``key`` is unique per chunk."""
-
-    def close(self) -> None:  # noqa: B027 - optional
-        """Release every resource (shared-memory segments, lock files)."""
-
-
-class InprocWire(Wire):
-    """No serialization: the receiver gets the sender's objects; bytes are :func:`payload_nbytes`."""
-
-    name = "inproc"
-
-    def carry(self, key: str, payload: Mapping[str, Any]) -> tuple[Mapping[str, Any], int]:
-        return payload, payload_nbytes(payload)
-
-
-class SerializerWire(Wire):
-    """vllm-omni's real ``OmniSerializer`` encode and decode (msgpack, a copy per tensor)."""
-
-    name = "serializer"
-
-    def __init__(self) -> None:
-        self._ser = serializer()
-
-    def carry(self, key: str, payload: Mapping[str, Any]) -> tuple[Mapping[str, Any], int]:
-        blob = self._ser.serialize(payload)
-        return self._ser.deserialize(blob), len(blob)
-
-
-class ShmWire(Wire):
-    """vllm-omni's real ``SharedMemoryConnector``: ``put`` (segment + lock file) then ``get`` (unlinks both)."""
-
-    name = "shm"
-
-    def __init__(self) -> None:
-        cls = shm_connector()
-        self._tx = cls({"stage_id": 0})
-        self._rx = cls({"stage_id": 1})
-        self._prefix = f"omniaccum_{os.getpid()}_{id(self):x}"
-
-    def carry(self, key: str, payload: Mapping[str, Any]) -> tuple[Mapping[str, Any], int]:
-        put_key = f"{self._prefix}_{key}"
-        ok, size, _meta = self._tx.put("0", "1", put_key, payload)
-        if not ok:
-            raise OmniAccumError(f"SharedMemoryConnector.put failed for key {put_key!r} (see the vllm-omni log)")
-        got = self._rx.get("0", "1", put_key)
-        if got is None:
-            self._tx.cleanup(put_key)
-            raise OmniAccumError(f"SharedMemoryConnector.get found nothing for key {put_key!r}")
-        return got[0], size
-
-    def close(self) -> None:
-        self._tx.close()
-        self._rx.close()
-
-
-WIRES: dict[str, Callable[[], Wire]] = {"inproc": InprocWire, "serializer": SerializerWire, "shm": ShmWire}
-
-
-def make_wire(name: str) -> Wire:
-    factory = WIRES.get(name)
-    if factory is None:
-        raise OmniAccumError(f"unknown wire {name!r}. Available: {', '.join(WIRES)}")
-    return factory()
-
-
-# ---------------------------------------------------------------------------------------------- #
-# Engines (how an arm accumulates)
-# ---------------------------------------------------------------------------------------------- #
-
-
-class Engine(ABC):
-    """One arm's sender and receiver for a set of requests."""
-
-    @abstractmethod
-    def encode(self, req_id: str, chunk: Mapping[str, Any]) -> Mapping[str, Any]:
-        """What the sender puts on the wire for ``chunk``."""
-
-    @abstractmethod
-    def merge(self, req_id: str, wire: Mapping[str, Any]) -> Mapping[str, Any]:
-        """Merge a received wire payload; return the consumer's view."""
-
-    @abstractmethod
-    def nbytes(self) -> int:
-        """Bytes held by accumulation state, all requests together."""
-
-    @abstractmethod
-    def release(self, req_id: str) -> None:
-        """Drop the state of ``req_id`` on both sides."""
-
-    def hop_value(self, req_id: str, path: str, read: Any) -> Any:
-        """What a view hop ships for key ``path`` whose consumer read ``read`` (default: the read)."""
-        return read
-
-    def key_nbytes(self) -> dict[str, int]:
-        """Bytes held per key path, all requests together (may be empty when not cheap)."""
-        return {}
-
-    def close(self) -> None:  # noqa: B027 - optional
-        """Release resources."""
-
-
-class PolicyEngine(Engine):
-    """omni-accum's :class:`Sender` and :class:`Receiver` under one policy."""
-
-    def __init__(self, policy: Policy, context: StreamContext) -> None:
-        self.tx = Sender(policy, context=context)
-        self.rx = Receiver(policy, context=context)
-
-    def encode(self, req_id: str, chunk: Mapping[str, Any]) -> Mapping[str, Any]:
-        return self.tx.encode(req_id, chunk)
-
-    def merge(self, req_id: str, wire: Mapping[str, Any]) -> Mapping[str, Any]:
-        return self.rx.merge(req_id, wire)
-
-    def nbytes(self) -> int:
-        return self.rx.nbytes()
-
-    def key_nbytes(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for rid in self.rx.request_ids():
-            for slot in _iter_slots(self.rx._requests[rid].entries):
-                out[slot.path] = out.get(slot.path, 0) + slot.acc.nbytes()
-        return out
-
-    def hop_value(self, req_id: str, path: str, read: Any) -> Any:
-        # A strategy keeping per-chunk parts (token_list) ships its parts, as pre-0.30 releases shipped the list.
-        parts = _get(self.rx.parts(req_id), path)
-        return parts if isinstance(parts, list) and len(parts) > 1 else read
-
-    def release(self, req_id: str) -> None:
-        self.tx.release(req_id)
-        self.rx.release(req_id)
-
-
-class WireFloorEngine(Engine):
-    """The floor of a step: no accumulation at all; the consumer sees the chunk just received.
-
-    Its step cost is one delta's trip over the wire (and view hop), measured in the same run as
-    the other arms. Its views are not accumulated, so they are not checked.
-    """
-
-    checks_views = False
-
-    def __init__(self, context: StreamContext | None = None) -> None:
-        pass
-
-    def encode(self, req_id: str, chunk: Mapping[str, Any]) -> Mapping[str, Any]:
-        return chunk
-
-    def merge(self, req_id: str, wire: Mapping[str, Any]) -> Mapping[str, Any]:
-        return wire
-
-    def nbytes(self) -> int:
-        return 0
-
-    def release(self, req_id: str) -> None:
-        pass
-
-
-class UpstreamEngine(Engine):
-    """vllm-omni 0.30.0's own ``_OmniConnectorPayloadTransportMixin._accumulate_payload``, called unbound.
-
-    The sender is the identity (upstream sends every key of every chunk).
-    """
-
-    def __init__(self, context: StreamContext | None = None) -> None:
-        mixin = transport_mixin()
-        self._fn = mixin._accumulate_payload
-        self._state = SimpleNamespace(_send_side_request_payload={})
-
-    def encode(self, req_id: str, chunk: Mapping[str, Any]) -> Mapping[str, Any]:
-        return chunk
-
-    def merge(self, req_id: str, wire: Mapping[str, Any]) -> Mapping[str, Any]:
-        return self._fn(self._state, req_id, wire)
-
-    def nbytes(self) -> int:
-        return sum(value_nbytes(v) for p in self._state._send_side_request_payload.values() for _, v in iter_leaves(p))
-
-    def key_nbytes(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for p in self._state._send_side_request_payload.values():
-            for path, v in iter_leaves(p):
-                out[path] = out.get(path, 0) + value_nbytes(v)
-        return out
-
-    def release(self, req_id: str) -> None:
-        self._state._send_side_request_payload.pop(req_id, None)
-
-
-#: An arm as :func:`measure` takes it: a policy, ``"upstream"``, or an engine factory.
-Arm = Union[Policy, str, Callable[[StreamContext], Engine]]
-
-#: ``through`` modes of :func:`measure`: a function turning an arm and a context into an engine.
-#: ``direct`` calls omni-accum (or upstream) in this process; other modes (``vllm-omni``, through
-#: the real adapter) register here.
-THROUGH: dict[str, Callable[[Arm, StreamContext], Engine]] = {}
-
-
-def _direct(arm: Arm, context: StreamContext) -> Engine:
-    if isinstance(arm, Policy):
-        return PolicyEngine(arm, context)
-    if arm == UPSTREAM:
-        return UpstreamEngine(context)
-    if arm == WIRE_FLOOR:
-        return WireFloorEngine(context)
-    if callable(arm):
-        return arm(context)
-    raise OmniAccumError(f"an arm must be a Policy, {UPSTREAM!r} or an engine factory, got {arm!r}")
-
-
-THROUGH["direct"] = _direct
-
-
-def make_engine(arm: Arm, context: StreamContext, through: str = "direct") -> Engine:
-    factory = THROUGH.get(through)
-    if factory is None:
-        raise OmniAccumError(f"unknown --through mode {through!r}. Available: {', '.join(THROUGH)}")
-    return factory(arm, context)
+from omni_accum.policy import Policy
+from omni_accum.wires import (  # noqa: F401 - re-exported
+    WIRES,
+    InprocWire,
+    SerializerWire,
+    ShmWire,
+    Wire,
+    WireName,
+    _get,
+    _has,
+    iter_leaves,
+    make_wire,
+    payload_nbytes,
+)
+from omni_accum.workloads import Workload, build_stream, load_workload
+
+ViewHop = Literal["serializer"]
 
 
 # ---------------------------------------------------------------------------------------------- #
