@@ -7,7 +7,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${OMNI_ACCUM_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.omni-accum-setup"
-want="$(cat "$ROOT/pyproject.toml" "$ROOT"/examples/plugins/*/pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)"
+# Re-install when the project's metadata or the example plugins (installed non-editable) change.
+want="$( { cat "$ROOT/pyproject.toml"; find "$ROOT/examples/plugins" -type f \( -name '*.py' -o -name pyproject.toml \) \
+  -not -path '*/build/*' -not -path '*.egg-info/*' 2>/dev/null | sort | xargs cat 2>/dev/null; } | sha256sum | cut -c1-16)"
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV" >&2
