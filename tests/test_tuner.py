@@ -295,3 +295,33 @@ def test_cli_checks_output_paths_before_measuring_and_takes_int_lists(tmp_path, 
     assert "does not exist" in capsys.readouterr().err
     args = cli.build_parser().parse_args(["tune", "--context-lens", "1000", "8k,32000", "--concurrency", "1", "10"])
     assert args.context_lens == [1000, 8000, 32000] and args.concurrency == [1, 10]
+
+
+def test_decision_prefers_less_memory_among_equivalents_and_ignores_tiny_wins():
+    from omni_accum.policy import StrategyChoice
+    from omni_accum.tuner.candidates import Candidate
+    from omni_accum.tuner.core import BASE, _decide
+
+    noisy = [(i % 7) * 0.1 for i in range(60)]
+    base_choice = StrategyChoice("cat", {})
+    owner = {
+        "prealloc": Candidate("prealloc"),
+        "prealloc{growth_factor=1.5}": Candidate("prealloc", {"growth_factor": 1.5}),
+    }
+    samples = {
+        BASE: [100.0 + x for x in noisy],
+        "prealloc": [10.0 + x for x in noisy],
+        "prealloc{growth_factor=1.5}": [10.3 + x for x in noisy],  # 3 % slower: noise-level
+    }
+    peak = {"cat": 100, "prealloc": 200, "prealloc{growth_factor=1.5}": 150}
+    d = _decide("k", "cat", base_choice, owner, samples, {}, peak)
+    assert d.winner == Candidate("prealloc", {"growth_factor": 1.5})  # fewer bytes among equivalents
+    assert d.margin > 0.85 and d.ci[0] > 0.8
+
+    samples[BASE] = [5.0 + x for x in noisy]
+    samples["prealloc"] = [4.5 + x for x in noisy]  # 10 % and significant, but only 0.5 us per step
+    samples["prealloc{growth_factor=1.5}"] = [4.6 + x for x in noisy]
+    d = _decide("k", "cat", base_choice, owner, samples, {}, peak)
+    assert d.winner == Candidate("cat")
+    d = _decide("k", "cat", base_choice, owner, samples, {}, peak, min_gain_us=0.1)
+    assert d.winner.strategy == "prealloc"

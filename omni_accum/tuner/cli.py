@@ -94,6 +94,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="reject a candidate holding more than X times the accumulated bytes (default %(default)s)",
     )
     p.add_argument(
+        "--min-gain-us",
+        type=float,
+        default=1.0,
+        metavar="US",
+        help="leave the baseline only for a win of at least US microseconds per step, besides > 5%% with an "
+        "interval above zero (default %(default)s)",
+    )
+    p.add_argument(
         "--verify",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -140,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         decode_steps=args.decode_steps,
         max_rounds=args.max_rounds,
         memory_factor=args.memory_budget,
+        min_gain_us=args.min_gain_us,
         verify=args.verify,
     )
     try:

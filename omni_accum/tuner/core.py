@@ -24,7 +24,7 @@ from omni_accum.manager import get_manager
 from omni_accum.policy import Policy, TunedCell
 from omni_accum.replay import UPSTREAM, ArmResult, measure
 from omni_accum.tuner.candidates import Candidate, candidates_for
-from omni_accum.tuner.stats import MIN_GAIN, bootstrap_gain, median
+from omni_accum.tuner.stats import MIN_GAIN, MIN_GAIN_US, bootstrap_gain, median
 from omni_accum.workloads import Workload, chunk_plans
 
 BASE = "baseline"
@@ -124,6 +124,7 @@ def tune_bucket(
     max_rounds: int,
     memory_factor: float,
     device: str = "cpu",
+    min_gain_us: float = MIN_GAIN_US,
     progress: Callable[[int], None] | None = None,
 ) -> BucketOutcome:
     """Measure and decide every key of one bucket.
@@ -146,6 +147,7 @@ def tune_bucket(
             max_rounds=max_rounds,
             memory_factor=memory_factor,
             device=device,
+            min_gain_us=min_gain_us,
             progress=progress,
         )
         out.rounds = max(out.rounds, rounds)
@@ -166,6 +168,7 @@ def _tune_key(
     memory_factor: float,
     device: str,
     progress: Callable[[int], None] | None,
+    min_gain_us: float = MIN_GAIN_US,
 ) -> tuple[KeyDecision, int]:
     choice = base.resolve(key)
     base_label = Candidate(choice.strategy, dict(choice.params)).label
@@ -229,12 +232,15 @@ def _tune_key(
             break
         cut = 2.0 * median(samples[best])  # successive halving: arms that cannot win leave
         active = [lab for lab in active if lab == BASE or (lab in mine and median(samples[lab]) <= cut)]
-    return _decide(key, base_label, choice, owner, samples, excluded, peak, base_wrong), rounds
+    return _decide(key, base_label, choice, owner, samples, excluded, peak, base_wrong, min_gain_us), rounds
 
 
-def _decide(key, base_label, base_choice, owner, samples, excluded, peak, base_wrong=None) -> KeyDecision:
-    """The winner: leave the baseline only for a significant win (or when the baseline's views are wrong);
-    among candidates within 5 % of the fastest, the one holding the fewest bytes, then default params."""
+def _decide(
+    key, base_label, base_choice, owner, samples, excluded, peak, base_wrong=None, min_gain_us=MIN_GAIN_US
+) -> KeyDecision:
+    """The winner: leave the baseline only for a significant win (> 5 %, interval above zero, and at least
+    ``min_gain_us`` per step) or when the baseline's views are wrong. Among candidates the fastest is not
+    significantly faster than (or within 5 % of it), the one holding the fewest bytes, then default params."""
     mine = [lab for lab in owner if lab not in excluded and samples[lab]]
     timings = {base_label: median(samples[BASE])}
     timings.update({lab: median(samples[lab]) for lab in mine})
@@ -246,10 +252,15 @@ def _decide(key, base_label, base_choice, owner, samples, excluded, peak, base_w
         return KeyDecision(key, base_cand, base_label, None, None, timings, excl, peak)
     best = min(mine, key=lambda lab: median(samples[lab]))
     g = bootstrap_gain(samples[BASE], samples[best])
-    if not g.significant_win and base_wrong is None:
+    worth = median(samples[BASE]) - median(samples[best]) >= min_gain_us
+    if not (g.significant_win and worth) and base_wrong is None:
         return KeyDecision(key, base_cand, base_label, g.gain, (g.low, g.high), timings, excl, peak)
     limit = median(samples[best]) * (1.0 + MIN_GAIN)
-    equivalent = [lab for lab in mine if median(samples[lab]) <= limit]
+    equivalent = [
+        lab
+        for lab in mine
+        if median(samples[lab]) <= limit or bootstrap_gain(samples[lab], samples[best], resamples=200).low <= 0.0
+    ]
     order = {lab: i for i, lab in enumerate(mine)}
     pick = min(equivalent, key=lambda lab: (peak.get(lab, 0), bool(owner[lab].params), order[lab]))
     gp = bootstrap_gain(samples[BASE], samples[pick])

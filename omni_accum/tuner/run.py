@@ -52,6 +52,7 @@ class TuneOptions:
     decode_steps: int | None = None
     max_rounds: int | None = None
     memory_factor: float = 2.0
+    min_gain_us: float = 1.0
     verify: bool | None = None
     """Time the tuned policy against upstream per bucket (default: on, off with ``quick``)."""
 
@@ -244,6 +245,7 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
                     wire=opts.wire,
                     max_rounds=rounds,
                     memory_factor=opts.memory_factor,
+                    min_gain_us=opts.min_gain_us,
                     device=opts.device,
                     progress=bar.advance if bar else None,
                 )

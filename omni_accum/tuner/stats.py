@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 #: Leave the baseline only for a win larger than this (relative), with an interval excluding zero.
 MIN_GAIN = 0.05
+#: ... and larger than this many microseconds per step: a 0.4 us win on a 5 us step is real but not
+#: worth a switch, and such cells flip between runs.
+MIN_GAIN_US = 1.0
 
 
 def median(xs: Sequence[float]) -> float:
