@@ -6,7 +6,15 @@ import argparse
 import sys
 from typing import Any
 
-from omni_accum.cli import IntListAction, int_list, non_negative_int, output_path_problem, positive_int
+from omni_accum.cli import (
+    IntListAction,
+    add_threads_argument,
+    apply_threads,
+    int_list,
+    non_negative_int,
+    output_path_problem,
+    positive_int,
+)
 from omni_accum.workloads import workload_names
 
 
@@ -65,13 +73,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--steps", type=non_negative_int, metavar="N", help="decode steps per request (default: the workload's)"
     )
-    p.add_argument(
-        "--threads",
-        type=non_negative_int,
-        default=1,
-        metavar="N",
-        help="torch intra-op threads while measuring (default: 1, stable on a shared machine; 0: torch's default)",
-    )
+    add_threads_argument(p)
     p.add_argument(
         "--through",
         choices=("direct", "vllm-omni"),
@@ -103,10 +105,7 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is not None:
         wl = wl.model_copy(update={"decode_steps": args.steps})
     arms = bench.build_arms(wl, args.arms, warn=sys.stderr)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     if args.through == "vllm-omni":
         from omni_accum.replay import VllmOmniUnavailable
 

@@ -71,6 +71,25 @@ def output_path_problem(path: str | os.PathLike[str] | None, option: str) -> str
     return None
 
 
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    """``--threads N``: torch intra-op threads while measuring (bench and tune)."""
+    p.add_argument(
+        "--threads",
+        type=non_negative_int,
+        default=1,
+        metavar="N",
+        help="torch intra-op threads while measuring (default: 1, stable on a shared machine; 0: torch's default)",
+    )
+
+
+def apply_threads(n: int) -> None:
+    """Set torch's intra-op threads (0 keeps torch's default)."""
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
 class IntListAction(argparse.Action):
     """``--opt 1000 8000``, ``--opt 1000,8000`` and repeated ``--opt`` all give one flat list."""
 

@@ -10,11 +10,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from omni_accum.context import DEFAULT_CONTEXT, KeyMeta, StreamContext
-from omni_accum.errors import PolicyError
+from omni_accum.errors import AccumulationError, OmniAccumError, PolicyError
 from omni_accum.loader import load_policy
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy import Policy
-from omni_accum.strategy import Accumulator, Strategy, StrategySpec
+from omni_accum.strategy import Accumulator, KeyInfo, Strategy, StrategySpec
 
 #: Wire key carrying, when the sender left unchanged ``send_once`` values off, how many such
 #: values the receiver must already hold for the request. Never shown to consumers.
@@ -141,6 +141,32 @@ class _Endpoint:
             spec = self.manager.spec(choice.strategy, where=f"key {path!r} ({choice.source})")
             hit = self._selected[ck] = (self.manager.build(choice.strategy, dict(choice.params)), spec)
         return hit
+
+    def _key_state(
+        self, st: _Request, req_id: str, path: str, value: Any, make: str, like: _Slot | None = None
+    ) -> tuple[Strategy, StrategySpec, Any]:
+        """Select ``path``'s strategy (or reuse ``like``'s) and create its per-key state with ``strategy.<make>``.
+
+        Every failure (no such strategy, a plugin raising) is an :class:`AccumulationError` for this request.
+        """
+        if like is not None:
+            strategy, spec = like.strategy, like.spec
+        else:
+            try:
+                strategy, spec = self.select(path, value, st.context)
+            except OmniAccumError as e:
+                raise AccumulationError(str(e), request_id=req_id, key=path) from e
+        try:
+            state = getattr(strategy, make)(KeyInfo(path, req_id, st.context.length_hints.get(path)))
+        except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
+            raise AccumulationError(
+                f"{make} raised {type(e).__name__}: {e}",
+                request_id=req_id,
+                key=path,
+                strategy=spec.name,
+                plugin=spec.plugin,
+            ) from e
+        return strategy, spec, state
 
     def strategy_for(self, path: str, value: Any = None, context: StreamContext | None = None) -> str:
         """Name of the strategy ``path`` gets (with a first value like ``value``)."""

@@ -25,7 +25,6 @@ from omni_accum.errors import AccumulationError, MergeError, OmniAccumError
 from omni_accum.manager import StrategyManager
 from omni_accum.policy import Policy
 from omni_accum.sequencing import REORDER_WINDOW, SequencedMerge
-from omni_accum.strategy import KeyInfo
 from omni_accum.views import RequestView
 
 
@@ -185,23 +184,7 @@ class Receiver(SequencedMerge, _Endpoint):
             ) from e
 
     def _new_slot(self, req_id: str, st: _Request, path: str, value: Any, like: _Slot | None = None) -> _Slot:
-        if like is not None:
-            strategy, spec = like.strategy, like.spec
-        else:
-            try:
-                strategy, spec = self.select(path, value, st.context)
-            except OmniAccumError as e:
-                raise AccumulationError(str(e), request_id=req_id, key=path) from e
-        try:
-            acc = strategy.new_accumulator(KeyInfo(path, req_id, st.context.length_hints.get(path)))
-        except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
-            raise AccumulationError(
-                f"new_accumulator raised {type(e).__name__}: {e}",
-                request_id=req_id,
-                key=path,
-                strategy=spec.name,
-                plugin=spec.plugin,
-            ) from e
+        strategy, spec, acc = self._key_state(st, req_id, path, value, "new_accumulator", like)
         return _Slot(path, strategy, spec, acc)
 
     def _check(self, req_id: str, slot: _Slot, value: Any) -> None:

@@ -7,8 +7,8 @@ from typing import Any
 
 from omni_accum.context import StreamContext
 from omni_accum.endpoint import WIRE_MARKER, _Endpoint, _path, _Request
-from omni_accum.errors import AccumulationError, OmniAccumError
-from omni_accum.strategy import OMIT, Encoder, KeyInfo
+from omni_accum.errors import AccumulationError
+from omni_accum.strategy import OMIT, Encoder
 
 
 class Sender(_Endpoint):
@@ -67,20 +67,7 @@ class Sender(_Endpoint):
                 raise
 
     def _new_encoder(self, st: _Request, req_id: str, path: str, value: Any) -> Encoder | None:
-        try:
-            strategy, spec = self.select(path, value, st.context)
-        except OmniAccumError as e:
-            raise AccumulationError(str(e), request_id=req_id, key=path) from e
-        try:
-            enc = strategy.new_encoder(KeyInfo(path, req_id, st.context.length_hints.get(path)))
-        except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
-            raise AccumulationError(
-                f"new_encoder raised {type(e).__name__}: {e}",
-                request_id=req_id,
-                key=path,
-                strategy=spec.name,
-                plugin=spec.plugin,
-            ) from e
+        strategy, spec, enc = self._key_state(st, req_id, path, value, "new_encoder")
         if enc is not None:
             st.enc_specs[path] = spec
             if strategy.omits_unchanged:

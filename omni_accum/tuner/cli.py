@@ -6,7 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from omni_accum.cli import IntListAction, int_list, non_negative_int, output_path_problem, positive_int
+from omni_accum.cli import (
+    IntListAction,
+    add_threads_argument,
+    apply_threads,
+    int_list,
+    output_path_problem,
+    positive_int,
+)
 from omni_accum.loader import load_policy
 from omni_accum.tuner.buckets import DEFAULT_CONCURRENCY, DEFAULT_CONTEXT_LENS, QUICK_CONCURRENCY, QUICK_CONTEXT_LENS
 from omni_accum.tuner.report import decision_table, gain_table, show
@@ -108,13 +115,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="time the tuned policy against upstream vllm-omni, one round per bucket, and print the "
         "gain (default: on; off with --quick)",
     )
-    p.add_argument(
-        "--threads",
-        type=non_negative_int,
-        default=1,
-        metavar="N",
-        help="torch intra-op threads while measuring (default: 1, stable on a shared machine; 0: torch's default)",
-    )
+    add_threads_argument(p)
     p.add_argument("--show", metavar="POLICY", help="print the decision table of a tuned policy file and exit")
     p.set_defaults(func=run)
 
@@ -130,10 +131,7 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"omni-accum tune: error: {problem}", file=sys.stderr)
         return 2
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     opts = TuneOptions(
         workload=args.workload,
         out=args.out,
