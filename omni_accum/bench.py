@@ -406,6 +406,7 @@ def to_json(run: BenchRun) -> dict[str, Any]:
 
 def write_json(run: BenchRun, path: str | os.PathLike[str]) -> None:
     p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text(json.dumps(to_json(run), indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, p)
@@ -449,5 +450,6 @@ def plot(run: BenchRun, path: str | os.PathLike[str]) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

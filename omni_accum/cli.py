@@ -57,15 +57,20 @@ non_negative_int = _bounded_int(0)
 
 
 def output_path_problem(path: str | os.PathLike[str] | None, option: str) -> str | None:
-    """Why ``path`` cannot be written as the output of ``option`` (checked before long runs), or None."""
+    """Why ``path`` cannot be written as the output of ``option`` (checked before long runs), or None.
+
+    Missing folders are fine (they are created) as long as the nearest existing one is a writable folder.
+    """
     if path is None:
         return None
     p = Path(path)
     if p.is_dir():
         return f"{option} {p}: is a directory; give a file path"
-    parent = p.parent if str(p.parent) else Path(".")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
     if not parent.is_dir():
-        return f"{option} {p}: folder {parent} does not exist"
+        return f"{option} {p}: {parent} is not a folder"
     if not os.access(parent, os.W_OK):
         return f"{option} {p}: folder {parent} is not writable"
     return None

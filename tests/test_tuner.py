@@ -289,10 +289,14 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 def test_cli_checks_output_paths_before_measuring_and_takes_int_lists(tmp_path, capsys):
     assert cli.main(["tune", "--out", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
-    assert cli.main(["tune", "--out", str(tmp_path / "no" / "such" / "x.yaml")]) == 2
-    assert "does not exist" in capsys.readouterr().err
-    assert cli.main(["bench", "--json", str(tmp_path / "missing" / "r.json")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert cli.main(["tune", "--out", str(tmp_path / "file" / "x.yaml")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    assert cli.main(["bench", "--json", str(tmp_path / "file" / "r.json")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    from omni_accum.cli import output_path_problem
+
+    assert output_path_problem(tmp_path / "new" / "dir" / "x.yaml", "--out") is None  # folders are created
     args = cli.build_parser().parse_args(["tune", "--context-lens", "1000", "8k,32000", "--concurrency", "1", "10"])
     assert args.context_lens == [1000, 8000, 32000] and args.concurrency == [1, 10]
 
@@ -325,3 +329,31 @@ def test_decision_prefers_less_memory_among_equivalents_and_ignores_tiny_wins():
     assert d.winner == Candidate("cat")
     d = _decide("k", "cat", base_choice, owner, samples, {}, peak, min_gain_us=0.1)
     assert d.winner.strategy == "prealloc"
+
+
+def test_cli_tune_end_to_end_creates_the_output_folder(tmp_path, capsys):
+    import yaml
+
+    wl = tmp_path / "tiny.yaml"
+    wl.write_text(yaml.safe_dump(TINY))
+    out = tmp_path / "new" / "folder" / "tuned.yaml"
+    rc = cli.main(
+        [
+            "tune",
+            "--workload",
+            str(wl),
+            "--context-lens",
+            "64",
+            "--concurrency",
+            "1",
+            "--no-verify",
+            "--decode-steps",
+            "4",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0 and out.is_file()
+    printed = capsys.readouterr().out
+    assert "embed.decode" in printed and f"wrote {out}" in printed
+    assert cli.main(["validate", str(out)]) == 0
