@@ -22,6 +22,9 @@ class GroupView(Mapping):
     def __iter__(self) -> Iterator[Any]:
         return iter(self._slots)
 
+    def __contains__(self, qual: object) -> bool:  # no read (Mapping's default would materialise the value)
+        return qual in self._slots
+
     def __len__(self) -> int:
         return len(self._slots)
 
@@ -49,6 +52,9 @@ class RequestView(Mapping):
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._entries)
+
+    def __contains__(self, top: object) -> bool:  # no read (Mapping's default would materialise the value)
+        return top in self._entries
 
     def __len__(self) -> int:
         return len(self._entries)

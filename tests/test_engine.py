@@ -238,3 +238,14 @@ def test_non_mapping_chunk_is_a_clear_error():
         omni_accum.Receiver().merge("r", [1, 2])  # type: ignore[arg-type]
     with pytest.raises(omni_accum.AccumulationError, match="mapping"):
         omni_accum.Sender().encode("r", None)  # type: ignore[arg-type]
+
+
+def test_membership_tests_do_not_materialise_token_list_views():
+    rx = omni_accum.Receiver({"default": "token_list"})
+    for _ in range(3):
+        v = rx.merge("r", {"x": torch.ones(1, 4), "g": {"y": torch.ones(1, 2)}})
+    acc_x = rx._requests["r"].entries["x"].acc
+    acc_y = rx._requests["r"].entries["g"]["y"].acc
+    assert "x" in v and "g" in v and "y" in v["g"] and "nope" not in v and "nope" not in v["g"]
+    assert acc_x._cached is None and acc_y._cached is None  # nothing was concatenated
+    assert v["x"].shape == (3, 4) and acc_x._cached is not None
