@@ -173,6 +173,13 @@ class _Endpoint:
         return self.select(path, value, context or self.context)[1].name
 
 
+def slot_error(message: str, req_id: str, slot: _Slot) -> AccumulationError:
+    """An :class:`AccumulationError` for one key of one request, naming its strategy and plugin."""
+    return AccumulationError(
+        message, request_id=req_id, key=slot.path, strategy=slot.spec.name, plugin=slot.spec.plugin
+    )
+
+
 def _leaves(wire: Mapping[str, Any]) -> Iterator[tuple[str, Any, Any, Any]]:
     """``(path, top, qualifier or LEAF, value)`` of every leaf of a wire chunk (the marker excluded)."""
     for top, value in wire.items():

@@ -20,6 +20,7 @@ from omni_accum.endpoint import (
     _resets_on_override,
     _Slot,
     rewrites_wire,
+    slot_error,
 )
 from omni_accum.errors import AccumulationError, MergeError, OmniAccumError
 from omni_accum.manager import StrategyManager
@@ -192,9 +193,7 @@ class Receiver(SequencedMerge, _Endpoint):
             slot.acc.check(value)
         except Exception as e:  # noqa: BLE001 - MergeError, or a strategy bug: fails this request only
             msg = str(e) if isinstance(e, MergeError) else f"check raised {type(e).__name__}: {e}"
-            raise AccumulationError(
-                msg, request_id=req_id, key=slot.path, strategy=slot.spec.name, plugin=slot.spec.plugin
-            ) from e
+            raise slot_error(msg, req_id, slot) from e
 
     def _plan(self, req_id: str, st: _Request, wire: Mapping[str, Any]) -> list[tuple[Any, Any, Any, _Slot]]:
         """Phase 1: find or create the slot of every key, check every value; change nothing."""
@@ -268,13 +267,7 @@ class Receiver(SequencedMerge, _Endpoint):
             try:
                 proj = slot.acc.projected_nbytes(value)
             except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
-                raise AccumulationError(
-                    f"projected_nbytes raised {type(e).__name__}: {e}",
-                    request_id=req_id,
-                    key=slot.path,
-                    strategy=slot.spec.name,
-                    plugin=slot.spec.plugin,
-                ) from e
+                raise slot_error(f"projected_nbytes raised {type(e).__name__}: {e}", req_id, slot) from e
             after += proj - now
             worst = max(worst, (proj - now, slot.path))
         if after > limit:
@@ -297,18 +290,10 @@ class Receiver(SequencedMerge, _Endpoint):
                 slot.acc.merge_checked(value)
             except MergeError as e:
                 st.failed = f"key {slot.path!r}: {e}"
-                raise AccumulationError(
-                    str(e), request_id=req_id, key=slot.path, strategy=slot.spec.name, plugin=slot.spec.plugin
-                ) from e
+                raise slot_error(str(e), req_id, slot) from e
             except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
                 st.failed = f"strategy {slot.spec.name!r} raised {type(e).__name__} on key {slot.path!r}"
-                raise AccumulationError(
-                    f"strategy raised {type(e).__name__}: {e}",
-                    request_id=req_id,
-                    key=slot.path,
-                    strategy=slot.spec.name,
-                    plugin=slot.spec.plugin,
-                ) from e
+                raise slot_error(f"strategy raised {type(e).__name__}: {e}", req_id, slot) from e
             if qual is LEAF:
                 old = entries.get(top)
                 if old is not slot:
