@@ -104,6 +104,19 @@ def _wait(cond, what: str, timeout: float = 10.0) -> None:
         raise AssertionError(f"never happened: {what}")
 
 
+def _receive_and_hand_over(rx, rreq):
+    """One scheduler step of the AR receiving adapter: load, commit, hand the payload over, then detach it."""
+    rx.load_async(rreq)
+    _wait(lambda: rreq.request_id in rx._pending_ar_prompt_updates, "receive")
+    rx.requests_with_ready_chunks.add(rreq.request_id)
+    rx._apply_pending_ar_prompt_updates({rreq.request_id: rreq})
+    handed = rreq.additional_information
+    so = SimpleNamespace(scheduled_cached_reqs=SimpleNamespace(req_ids=[rreq.request_id]))
+    type(rx).attach_cached_additional_information(so, {rreq.request_id: rreq})
+    rx.requests_with_ready_chunks.discard(rreq.request_id)
+    return handed
+
+
 def run_thinker_to_talker(make, rid: str, *, extra: dict | None = None) -> tuple[list[dict], int, list]:
     """Thinker adapter -> SHM -> AR talker adapter; returns (handed-over payloads, wire bytes, adapters)."""
     tx = make(0, next_func=T2T, extra=extra)
@@ -123,14 +136,7 @@ def run_thinker_to_talker(make, rid: str, *, extra: dict | None = None) -> tuple
             continue  # prefill rows (<= P) stashed by the processor, nothing put
         sent += 1
         _wait(lambda: tx.put_req_chunk.get(rid, 0) >= sent or (last and rid not in tx.put_req_chunk), "put")
-        rx.load_async(rreq)
-        _wait(lambda: rreq.request_id in rx._pending_ar_prompt_updates, "receive")
-        rx.requests_with_ready_chunks.add(rreq.request_id)
-        rx._apply_pending_ar_prompt_updates({rreq.request_id: rreq})
-        handed.append(rreq.additional_information)
-        so = SimpleNamespace(scheduled_cached_reqs=SimpleNamespace(req_ids=[rreq.request_id]))
-        type(rx).attach_cached_additional_information(so, {rreq.request_id: rreq})
-        rx.requests_with_ready_chunks.discard(rreq.request_id)
+        handed.append(_receive_and_hand_over(rx, rreq))
     wire = tx.connector.health()["bytes_transferred"]
     rx.cleanup(rreq.request_id, rid)
     tx.cleanup(sreq.request_id, rid)
@@ -375,14 +381,7 @@ def run_chunked_prefill(make, rid: str) -> tuple[list[dict], list[dict], list]:
         sreq = _request(rid, out_ids, finished=last)
         tx.save_async(multimodal_output=mm, request=sreq)
         _wait(lambda: tx.put_req_chunk.get(rid, 0) >= i + 1 or (last and rid not in tx.put_req_chunk), "put")
-        rx.load_async(rreq)
-        _wait(lambda: rreq.request_id in rx._pending_ar_prompt_updates, "receive")
-        rx.requests_with_ready_chunks.add(rreq.request_id)
-        rx._apply_pending_ar_prompt_updates({rreq.request_id: rreq})
-        handed.append(rreq.additional_information)
-        so = SimpleNamespace(scheduled_cached_reqs=SimpleNamespace(req_ids=[rreq.request_id]))
-        type(rx).attach_cached_additional_information(so, {rreq.request_id: rreq})
-        rx.requests_with_ready_chunks.discard(rreq.request_id)
+        handed.append(_receive_and_hand_over(rx, rreq))
     rx.cleanup(rreq.request_id, rid)
     tx.cleanup(sreq.request_id, rid)
     return handed, steps, [tx, rx]
