@@ -7,10 +7,9 @@ import sys
 from typing import Any
 
 from omni_accum.cli import (
-    IntListAction,
+    add_int_list_argument,
     add_threads_argument,
     apply_threads,
-    int_list,
     non_negative_int,
     output_path_problem,
     positive_int,
@@ -42,21 +41,17 @@ def register(subparsers: Any) -> None:
         metavar="ARM",
         help="arms to compare (default: upstream, the strategies that fit the workload, and its policy preset)",
     )
-    p.add_argument(
+    add_int_list_argument(
+        p,
         "--context-lens",
-        type=int_list,
-        nargs="+",
-        action=IntListAction,
-        metavar="N",
-        help="context lengths, e.g. 1000 8000 or 1k,8k (default: the workload's)",
+        "N",
+        "context lengths, e.g. 1000 8000 or 1k,8k (default: the workload's)",
     )
-    p.add_argument(
+    add_int_list_argument(
+        p,
         "--concurrency",
-        type=int_list,
-        nargs="+",
-        action=IntListAction,
-        metavar="C",
-        help="concurrency levels, e.g. 1 10 (default: the workload's)",
+        "C",
+        "concurrency levels, e.g. 1 10 (default: the workload's)",
     )
     p.add_argument(
         "--wire",

@@ -76,6 +76,11 @@ def output_path_problem(path: str | os.PathLike[str] | None, option: str) -> str
     return None
 
 
+def add_int_list_argument(p: argparse.ArgumentParser, flag: str, metavar: str, help: str) -> None:  # noqa: A002
+    """An option taking integers as ``1000 8000``, ``1000,8000`` or ``1k``, repeated or not, as one flat list."""
+    p.add_argument(flag, type=int_list, nargs="+", action=IntListAction, metavar=metavar, help=help)
+
+
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
     """``--threads N``: torch intra-op threads while measuring (bench and tune)."""
     p.add_argument(

@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 from omni_accum.cli import (
-    IntListAction,
+    add_int_list_argument,
     add_threads_argument,
     apply_threads,
-    int_list,
     output_path_problem,
     positive_int,
 )
@@ -42,22 +41,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--workload", default="qwen3-omni-seed", help="workload preset name or YAML file (default: %(default)s)"
     )
-    p.add_argument(
+    add_int_list_argument(
+        p,
         "--context-lens",
-        type=int_list,
-        nargs="+",
-        action=IntListAction,
-        metavar="N",
-        help=f"bucket edges of context length (default: {' '.join(map(str, DEFAULT_CONTEXT_LENS))}; "
+        "N",
+        f"bucket edges of context length (default: {' '.join(map(str, DEFAULT_CONTEXT_LENS))}; "
         f"--quick: {' '.join(map(str, QUICK_CONTEXT_LENS))})",
     )
-    p.add_argument(
+    add_int_list_argument(
+        p,
         "--concurrency",
-        type=int_list,
-        nargs="+",
-        action=IntListAction,
-        metavar="C",
-        help=f"bucket edges of concurrency (default: {' '.join(map(str, DEFAULT_CONCURRENCY))}; "
+        "C",
+        f"bucket edges of concurrency (default: {' '.join(map(str, DEFAULT_CONCURRENCY))}; "
         f"--quick: {' '.join(map(str, QUICK_CONCURRENCY))})",
     )
     p.add_argument(
