@@ -90,7 +90,8 @@ class Receiver(SequencedMerge, _Endpoint):
                         request_id=req_id,
                     )
                 try:
-                    self._apply(req_id, st, self._plan(req_id, st, wire))
+                    if not self._merge_known(req_id, st, wire):
+                        self._apply(req_id, st, self._plan(req_id, st, wire))
                 except AccumulationError:
                     self._fail_if_sender_diverged(st, wire)
                     raise
@@ -195,6 +196,39 @@ class Receiver(SequencedMerge, _Endpoint):
             msg = str(e) if isinstance(e, MergeError) else f"check raised {type(e).__name__}: {e}"
             raise slot_error(msg, req_id, slot) from e
 
+    def _merge_known(self, req_id: str, st: _Request, wire: Mapping[str, Any]) -> bool:
+        """The steady-state path of :meth:`merge`: False (nothing done) unless every key of ``wire`` already has a slot.
+
+        It also declines a chunk carrying the wire marker, an empty group, ``meta.override_keys``
+        (when honoured) or a policy with a memory guard: :meth:`_plan` and :meth:`_apply` handle
+        those. Otherwise it does what they would do for known keys (check every value, then merge
+        every value, with the same errors) without building a plan.
+        """
+        policy = self.policy
+        if policy.max_bytes_per_request:
+            return False
+        entries = st.entries
+        pairs: list[tuple[_Slot, Any]] = []
+        for top, value in wire.items():
+            e = entries.get(top)
+            if isinstance(value, dict):
+                if type(e) is not dict or not value or (top == "meta" and "override_keys" in value and policy.honor_override_keys):
+                    return False
+                for qual, qv in value.items():
+                    slot = e.get(qual)
+                    if slot is None:
+                        return False
+                    pairs.append((slot, qv))
+            elif type(e) is _Slot:
+                pairs.append((e, value))
+            else:  # a new key, the wire marker, or a leaf where a group was
+                return False
+        for slot, value in pairs:
+            self._check(req_id, slot, value)
+        for slot, value in pairs:
+            self._merge_one(req_id, st, slot, value)
+        return True
+
     def _plan(self, req_id: str, st: _Request, wire: Mapping[str, Any]) -> list[tuple[Any, Any, Any, _Slot]]:
         """Phase 1: find or create the slot of every key, check every value; change nothing."""
         override = self._override_keys(req_id, st, wire) if self.policy.honor_override_keys else frozenset()
@@ -286,14 +320,7 @@ class Receiver(SequencedMerge, _Endpoint):
                     st.held_once -= _held_once(entries.get(top))
                     entries[top] = {}
                 continue
-            try:
-                slot.acc.merge_checked(value)
-            except MergeError as e:
-                st.failed = f"key {slot.path!r}: {e}"
-                raise slot_error(str(e), req_id, slot) from e
-            except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
-                st.failed = f"strategy {slot.spec.name!r} raised {type(e).__name__} on key {slot.path!r}"
-                raise slot_error(f"strategy raised {type(e).__name__}: {e}", req_id, slot) from e
+            self._merge_one(req_id, st, slot, value)
             if qual is LEAF:
                 old = entries.get(top)
                 if old is not slot:
@@ -310,3 +337,15 @@ class Receiver(SequencedMerge, _Endpoint):
                     group[qual] = slot
         if self.policy.max_bytes_per_request:
             st.nbytes = sum(s.acc.nbytes() for s in _iter_slots(entries))
+
+    @staticmethod
+    def _merge_one(req_id: str, st: _Request, slot: _Slot, value: Any) -> None:
+        """Merge one checked value; a failure marks the request failed (earlier keys may be merged)."""
+        try:
+            slot.acc.merge_checked(value)
+        except MergeError as e:
+            st.failed = f"key {slot.path!r}: {e}"
+            raise slot_error(str(e), req_id, slot) from e
+        except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
+            st.failed = f"strategy {slot.spec.name!r} raised {type(e).__name__} on key {slot.path!r}"
+            raise slot_error(f"strategy raised {type(e).__name__}: {e}", req_id, slot) from e
