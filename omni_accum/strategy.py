@@ -246,7 +246,7 @@ class AppendAccumulator(Accumulator):
     override the list methods.
     """
 
-    __slots__ = ("key", "_mode", "_value", "_items", "_list_view")
+    __slots__ = ("key", "_mode", "_value", "_items", "_list_view", "_like")
 
     def __init__(self, key: KeyInfo) -> None:
         self.key = key
@@ -254,6 +254,9 @@ class AppendAccumulator(Accumulator):
         self._value: Any = None
         self._items: list[Any] | None = None
         self._list_view: list[Any] | None = None
+        # (dtype, trailing shape, device) of the tensor state: a value matching it passes the append
+        # check without a call to check_appendable (None: always call it, e.g. after a 0-d first tensor).
+        self._like: tuple[torch.dtype, torch.Size, torch.device] | None = None
 
     # -- tensor part, for subclasses -------------------------------------------------------- #
     @abstractmethod
@@ -297,7 +300,15 @@ class AppendAccumulator(Accumulator):
     # -- dispatch --------------------------------------------------------------------------- #
     def check(self, value: Any) -> None:
         if self._mode == 1 and isinstance(value, torch.Tensor):
-            check_appendable(self.current_tensor_meta(), value)
+            like = self._like
+            if (
+                like is None
+                or value.dtype != like[0]
+                or value.dim() == 0
+                or value.shape[1:] != like[1]
+                or value.device != like[2]
+            ):
+                check_appendable(self.current_tensor_meta(), value)
 
     def merge_checked(self, value: Any) -> None:
         if self._mode == 1 and isinstance(value, torch.Tensor):
@@ -308,11 +319,13 @@ class AppendAccumulator(Accumulator):
     def merge(self, value: Any) -> None:
         if isinstance(value, torch.Tensor):
             if self._mode == 1:
-                check_appendable(self.current_tensor_meta(), value)
+                self.check(value)
                 self.append_tensor(value)
                 return
             self.start_tensor(value)
             self._mode, self._value, self._items, self._list_view = 1, None, None, None
+            m = self.current_tensor_meta()
+            self._like = (m.dtype, m.shape[1:], m.device) if m.dim() else None
         elif isinstance(value, list):
             if self._mode == 2:
                 self.append_list(value)
