@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import omni_accum
+from omni_accum.strategies.prealloc import Params as PreallocParams
 from omni_accum.strategies.prealloc import PreallocAccumulator
+from omni_accum.strategy import KeyInfo
 from omni_accum.testing import as_dict, first_difference
 
 
@@ -249,3 +251,54 @@ def test_membership_tests_do_not_materialise_token_list_views():
     assert "x" in v and "g" in v and "y" in v["g"] and "nope" not in v and "nope" not in v["g"]
     assert acc_x._cached is None and acc_y._cached is None  # nothing was concatenated
     assert v["x"].shape == (3, 4) and acc_x._cached is not None
+
+
+def _raw_path_values():
+    big = torch.randn(10, 8).bfloat16()
+    return {
+        "contiguous": (torch.randn(3, 8).bfloat16(), torch.randn(2, 8).bfloat16()),
+        "storage-offset": (torch.randn(3, 8).bfloat16(), big[4:7]),
+        "non-contiguous": (torch.randn(3, 8), torch.randn(8, 2).t()),
+        "requires-grad": (torch.randn(3, 8), torch.randn(2, 8, requires_grad=True)),
+        "parameter": (torch.randn(3, 8), torch.nn.Parameter(torch.randn(2, 8))),
+        "zero-rows": (torch.randn(3, 8).bfloat16(), torch.empty(0, 8).bfloat16()),
+        "int64-3d": (torch.arange(24).reshape(3, 2, 4), torch.arange(16).reshape(2, 2, 4)),
+        "complex-conj": (torch.randn(3, 4, dtype=torch.complex64), torch.randn(2, 4, dtype=torch.complex64).conj()),
+        "bool": (torch.ones(3, 5, dtype=torch.bool), torch.zeros(2, 5, dtype=torch.bool)),
+    }
+
+
+def _bits(t):
+    t = t.resolve_conj().contiguous()
+    return t if t.dtype == torch.bool else t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("case", list(_raw_path_values()))
+def test_prealloc_row_copy_equals_cat_on_every_kind_of_value(case):
+    first, value = _raw_path_values()[case]
+    acc = PreallocAccumulator(KeyInfo("x"), PreallocParams())
+    acc.merge(first)
+    for _ in range(3):  # several appends: the buffer grows past its initial capacity on the way
+        acc.merge(value)
+    want = torch.cat([first.detach(), *[value.detach()] * 3])
+    got = acc.read()
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # bit for bit (a view of the raw bytes, so NaN payloads and -0.0 count too); resolve_conj for the conj bit
+    assert torch.equal(_bits(got), _bits(want))
+    # the memmove path serves plain CPU dtypes; complex ones (a lazy conj bit) take torch's copy
+    assert bool(acc._ptr) is (not want.dtype.is_complex)
+
+
+@pytest.mark.parametrize("strategy", ["cat", "token_list", "prealloc"])
+def test_append_check_refuses_device_and_0d_changes_on_known_keys(strategy):
+    rx = omni_accum.Receiver({"default": strategy})
+    rx.merge("r", {"x": torch.zeros(2, 4)})
+    rx.merge("r", {"x": torch.ones(1, 4)})
+    for bad, words in ((torch.zeros(1, 4, device="meta"), "device changed"), (torch.tensor(1.0), "0-d")):
+        with pytest.raises(omni_accum.AccumulationError, match=words):
+            rx.merge("r", {"x": bad})
+    assert torch.equal(rx.view("r")["x"], torch.tensor([[0.0] * 4, [0.0] * 4, [1.0] * 4]))
+    # a 0-d first value cannot be appended to, even by a value whose trailing shape looks the same
+    rx.merge("s", {"x": torch.tensor(2.0)})
+    with pytest.raises(omni_accum.AccumulationError, match="0-d"):
+        rx.merge("s", {"x": torch.zeros(1)})
