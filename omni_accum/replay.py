@@ -209,8 +209,35 @@ def percentile(xs: list[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class _Read:
+    """One key the consumer reads: its path split once (``top``, ``qual``; ``qual`` None for a flat key)."""
+
     path: str
     pattern: str
+    top: str
+    qual: str | None
+
+    @classmethod
+    def of(cls, path: str, pattern: str) -> _Read:
+        top, _, qual = path.partition(".")
+        return cls(path, pattern, top, qual or None)
+
+    def lookup(self, view: Mapping[str, Any]) -> Any:
+        """The consumer's read of this key (``view[top][qual]`` or ``view[path]``); :data:`_ABSENT` when absent.
+
+        What :func:`_has` then :func:`_get` would give, with fewer lookups (no exception either: a
+        raised KeyError costs about a microsecond, which would be charged to the arm).
+        """
+        if self.qual is None:
+            return view[self.path] if self.path in view else _ABSENT
+        if self.top not in view:
+            return _ABSENT
+        group = view[self.top]
+        if not isinstance(group, Mapping) or self.qual not in group:
+            return _ABSENT
+        return group[self.qual]
+
+
+_ABSENT: Any = object()
 
 
 def replay(
@@ -231,7 +258,7 @@ def replay(
     Returns ``(step_us, total_us per request, wire bytes, peak bytes, per-key stats, first mismatch)``.
     Only encode, wire, merge, the consumer's read and the view hop are timed.
     """
-    reads = [_Read(k.path, k.read) for k in workload.keys if k.read != "never"]
+    reads = [_Read.of(k.path, k.read) for k in workload.keys if k.read != "never"]
     n_req = len(streams)
     n_chunks = len(streams[0]) if streams else 0
     step_us: list[float] = []
@@ -256,9 +283,9 @@ def replay(
             for rd in reads:
                 if rd.pattern == "end" and not last:
                     continue
-                if not _has(view, rd.path):
+                val = rd.lookup(view)
+                if val is _ABSENT:
                     continue
-                val = _get(view, rd.path)
                 if rd.pattern == "newest_row" and isinstance(val, (torch.Tensor, list)) and len(val):
                     val = val[-1:]
                 if hop is not None:
