@@ -208,11 +208,12 @@ class Receiver(SequencedMerge, _Endpoint):
         if policy.max_bytes_per_request:
             return False
         entries = st.entries
+        honor = policy.honor_override_keys
         pairs: list[tuple[_Slot, Any]] = []
         for top, value in wire.items():
             e = entries.get(top)
             if isinstance(value, dict):
-                if type(e) is not dict or not value or (top == "meta" and "override_keys" in value and policy.honor_override_keys):
+                if type(e) is not dict or not value or (honor and top == "meta" and "override_keys" in value):
                     return False
                 for qual, qv in value.items():
                     slot = e.get(qual)
