@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import torch
 
+from omni_accum._malloc import pin_mmap_threshold
 from omni_accum.context import StreamContext
 from omni_accum.engines import (  # noqa: F401 - re-exported
     THROUGH,
@@ -395,6 +396,7 @@ def measure(
     Raises:
         VllmOmniUnavailable: a requested mode needs vllm-omni and it cannot be imported.
     """
+    pin_mmap_threshold()  # every repeat and arm allocates alike (see omni_accum._malloc)
     wl = load_workload(workload)
     cl = context_len or wl.context_len
     streams = [build_stream(wl, cl, r) for r in range(concurrency)]

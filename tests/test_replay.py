@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -182,3 +185,55 @@ def test_wire_floor_arm_is_not_checked_and_costs_least():
     wl = small("qwen3-omni-seed", steps=6)
     res = measure(wl, build_arms(wl, ["wire-floor", "cat"]), context_len=64, repeats=1)
     assert res[0].correct and res[0].peak_bytes == 0 and res[1].correct
+
+
+_REPEAT_MEMORY_SCRIPT = r"""
+import json, sys
+import torch
+from omni_accum.bench import build_arms
+from omni_accum.replay import measure
+from omni_accum.workloads import build_stream, load_workload
+
+torch.set_num_threads(1)
+wl = load_workload("qwen3-omni-seed").model_copy(update={"decode_steps": 40})
+steps = len(build_stream(wl, 8000, 0))
+peaks, rounds = [0, 0], [0]
+
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+def progress(_):
+    rounds[0] += 1
+    rep = 0 if rounds[0] <= steps else 1
+    peaks[rep] = max(peaks[rep], rss_mib())
+
+measure(wl, build_arms(wl, ["token_list"]), context_len=8000, concurrency=2, wire="serializer",
+        repeats=2, progress=progress)
+print(json.dumps(peaks))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator and /proc are Linux's")
+def test_a_second_repeat_holds_no_more_memory_than_the_first():
+    # Regression: glibc raised its mmap threshold after the first repeat, so the second repeat's
+    # growing concatenations came from a fragmenting heap: +1 concatenation per step (here 1.0 ->
+    # 3.4 GiB; a three-repeat bench at concurrency 10 ran out of memory). measure() pins it.
+    require_vllm_omni()
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    out = subprocess.run(
+        [sys.executable, "-c", _REPEAT_MEMORY_SCRIPT], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, second = json.loads(out.stdout.strip().splitlines()[-1])
+    assert second <= first * 1.2 + 64, f"peak RSS {first:.0f} MiB in repeat 1, {second:.0f} MiB in repeat 2"
+
+
+def test_mmap_threshold_pin_leaves_a_user_setting_alone():
+    code = "import omni_accum._malloc as m; print(m.pin_mmap_threshold())"
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="4194304")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+    env.pop("MALLOC_MMAP_THRESHOLD_")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip() == str(sys.platform.startswith("linux")), out.stderr
