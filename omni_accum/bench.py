@@ -278,6 +278,35 @@ def run_bench(
 # ---------------------------------------------------------------------------------------------- #
 
 
+def roundtrip_lines(run: BenchRun) -> list[str]:
+    """Per bucket, every arm's p50 step as a multiple of one decode delta's serializer round trip.
+
+    The round trip is :func:`~omni_accum.replay.delta_roundtrip_us` (the delta alone, serialized
+    again and again: warm). When the ``wire-floor`` arm ran, each p50 is also given as a multiple of
+    its p50: the same delta's trip over the wire, plus the consumer's read, measured interleaved
+    with the other arms (cold data, ``concurrency`` requests). Empty when no round trip was measured.
+    """
+    rt = run.delta_roundtrip_us
+    if not rt:
+        return []
+    lines = []
+    buckets: dict[tuple[int, int], list[ArmResult]] = {}
+    for r in run.results:
+        buckets.setdefault((r.context_len, r.concurrency), []).append(r)
+    for (cl, c), rs in buckets.items():
+        floor = next((r.step_us_p50 for r in rs if r.arm == WIRE_FLOOR and r.samples_us), None)
+        parts = []
+        for r in rs:
+            if not r.samples_us or r.arm == WIRE_FLOOR:
+                continue
+            p50 = r.step_us_p50
+            vs_floor = f", {p50 / floor:.2f}x {WIRE_FLOOR}" if floor else ""
+            parts.append(f"{r.arm} {p50 / rt:.2f}x{vs_floor}")
+        if parts:
+            lines.append(f"  context_len={cl} concurrency={c}: p50 step = " + "; ".join(parts))
+    return lines
+
+
 def _fmt_bytes(n: float) -> str:
     for unit, div in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= div:

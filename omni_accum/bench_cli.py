@@ -132,7 +132,9 @@ def run(args: argparse.Namespace) -> int:
         on_bucket=show,
     )
     if result.delta_roundtrip_us is not None:
-        print(f"\none decode delta's serializer round trip: {result.delta_roundtrip_us:.1f} us")
+        print(f"\none decode delta's serializer round trip: {result.delta_roundtrip_us:.1f} us (alone, warm)")
+        for line in bench.roundtrip_lines(result):
+            print(line)
     if args.json:
         bench.write_json(result, args.json)
         print(f"wrote {args.json}")

@@ -9,6 +9,8 @@ import pytest
 from conftest import require_vllm_omni
 from omni_accum import bench
 from omni_accum.cli import main
+from omni_accum.replay import ArmResult
+from omni_accum.workloads import load_workload
 from conftest import require_module
 
 SMALL = ["--context-lens", "16,32", "--concurrency", "2", "--steps", "3", "--repeats", "1", "--no-progress"]
@@ -130,6 +132,7 @@ def test_bench_serializer_with_view_hop_against_upstream(tmp_path, capsys):
             "upstream",
             "token_list",
             "qwen3-omni-flat",
+            "wire-floor",
             "--wire",
             "serializer",
             "--view-hop",
@@ -141,6 +144,22 @@ def test_bench_serializer_with_view_hop_against_upstream(tmp_path, capsys):
     )
     text = capsys.readouterr().out
     assert rc == 0 and "p50 vs upstream" in text and "serializer round trip" in text
+    # every arm's p50 as a multiple of the round trip and of the wire-floor arm, per bucket
+    ratios = [ln for ln in text.splitlines() if "p50 step =" in ln]
+    assert ratios and all("qwen3-omni-flat " in ln and "x wire-floor" in ln for ln in ratios)
     doc = json.loads(out.read_text())
     jsonschema.validate(doc, bench.RESULT_SCHEMA)
     assert doc["wire"] == "serializer" and doc["machine"]["run"]["view_hop"] == "serializer"
+
+
+def test_roundtrip_lines_divide_each_p50_by_the_round_trip_and_the_floor():
+    def res(arm, us):
+        return ArmResult(arm, 1000, 10, "serializer", requests=10, steps=3, samples_us=[[us, us, us]])
+
+    run = bench.BenchRun(load_workload("qwen3-omni-seed"), "serializer", None, 1)
+    run.results = [res("upstream", 400.0), res("qwen3-omni-flat", 30.0), res("wire-floor", 20.0)]
+    assert bench.roundtrip_lines(run) == []  # no round trip measured
+    run.delta_roundtrip_us = 10.0
+    (line,) = bench.roundtrip_lines(run)
+    assert "context_len=1000 concurrency=10" in line
+    assert "upstream 40.00x, 20.00x wire-floor" in line and "qwen3-omni-flat 3.00x, 1.50x wire-floor" in line
