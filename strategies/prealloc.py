@@ -84,7 +84,13 @@ class PreallocAccumulator(AppendAccumulator):
             new[:rows] = src.detach() if src.requires_grad else src
             self._buf, self._first, self._cap, buf = new, None, cap, new
             self._ptr, self._row_bytes = _raw_copy_target(new)
-        if self._ptr and type(value) is torch.Tensor and value.layout is torch.strided and value.is_contiguous():
+        if (
+            self._ptr
+            and buf.data_ptr() == self._ptr  # the storage was not resized through a borrowed view
+            and type(value) is torch.Tensor
+            and value.layout is torch.strided
+            and value.is_contiguous()
+        ):
             # check() has matched the value's dtype, trailing shape and device (CPU) with the buffer's, and
             # need <= capacity: the rows are value's bytes as they are. Same bytes as the torch copy below,
             # without the ~1 us of indexing and dispatch it costs per step.

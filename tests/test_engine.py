@@ -302,3 +302,15 @@ def test_append_check_refuses_device_and_0d_changes_on_known_keys(strategy):
     rx.merge("s", {"x": torch.tensor(2.0)})
     with pytest.raises(omni_accum.AccumulationError, match="0-d"):
         rx.merge("s", {"x": torch.zeros(1)})
+
+
+def test_prealloc_storage_resized_through_a_view_is_not_written_blindly():
+    # A consumer that resizes the buffer's storage through its borrowed view (against the docs) must
+    # not make the next append write through a stale address: it takes torch's checked copy.
+    acc = PreallocAccumulator(KeyInfo("x"), PreallocParams())
+    acc.merge(torch.zeros(2, 4))
+    acc.merge(torch.ones(1, 4))
+    view = acc.read()
+    view.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError):
+        acc.merge(torch.ones(1, 4))
