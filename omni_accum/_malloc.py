@@ -1,48 +1,78 @@
-"""Pin glibc's mmap threshold while measuring, so one arm's freed buffers cannot inflate the next one's memory.
+"""Keep a measurement's resident memory bounded when glibc's heap fragments (between rounds, untimed).
 
-glibc raises its mmap threshold to the size of every large block freed (up to 32 MiB). After the
-first repeat of a bench, the growing tensors of ``cat`` / ``token_list`` / upstream arms (a
-``[P, 2048]`` bf16 concatenation every step) then come from the heap, where each is a little
-larger than every hole left by the previous ones: the heap grows by one concatenation per step.
-On ``qwen3-omni-seed`` at concurrency 10 over the serializer wire that is ~0.3 GiB per round, and
-a three-repeat bench ran out of 24 GiB. Fixing the threshold (glibc then stops adjusting it) keeps
-every block of 1 MiB or more mmapped and returned to the OS when freed, in every repeat alike,
-which is what the first repeat sees anyway.
+glibc raises its mmap threshold to the size of every large block freed (up to 32 MiB). From then
+on, the growing tensors of ``cat`` / ``token_list`` / upstream arms (a ``[P, 2048]`` bf16
+concatenation per step) come from the heap. With several requests interleaved each new block is a
+little larger than every hole the previous ones left, so the heap grows by about one
+concatenation per step: on ``qwen3-omni-seed`` at concurrency 10 over the serializer wire,
+~0.3 GiB per round from the second repeat on, and a three-repeat bench ran out of 24 GiB.
+
+The allocator's policy is left alone (fixing the threshold low would make every concatenation
+fault in fresh pages: upstream 6x slower at P=8000 than a warm process runs it, which would flatter
+every other arm). Instead :class:`HeapGuard`, called between rounds outside the timed region,
+returns the free holes' pages to the OS (``malloc_trim``) once resident memory has grown by more
+than ``slack`` since the last time: a pathological pattern is bounded, a well-behaved one (blocks
+reused in place) is never touched.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
+from typing import Any
 
-#: glibc's ``M_MMAP_THRESHOLD`` option of ``mallopt``.
-M_MMAP_THRESHOLD = -3
-#: Blocks at least this large are mmapped while measuring.
-MMAP_THRESHOLD = 1 << 20
+#: Growth of resident memory (bytes) that makes :class:`HeapGuard` trim.
+SLACK = 256 << 20
 
-_pinned: bool | None = None
+_libc: Any = None
 
 
-def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
-    """Fix the mmap threshold of this process at ``nbytes`` (once); True when it is pinned.
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None off Linux / on another libc."""
+    global _libc
+    if _libc is None:
+        _libc = False
+        if sys.platform.startswith("linux"):
+            try:
+                lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+                trim = lib.malloc_trim
+                trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+                _libc = trim
+            except (OSError, AttributeError):
+                pass
+    return _libc or None
 
-    A no-op (False) off Linux, on a libc without ``mallopt``, or when the user set
-    ``MALLOC_MMAP_THRESHOLD_`` themselves (their choice stands).
-    """
-    global _pinned
-    if _pinned is not None:
-        return _pinned
-    _pinned = False
-    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
+
+def resident_bytes() -> int:
+    """Resident set size of this process in bytes (0 where /proc is not available)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    _pinned = bool(mallopt(M_MMAP_THRESHOLD, int(nbytes)))
-    return _pinned
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * 4096
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class HeapGuard:
+    """Call between rounds: trims the heap when resident memory grew by more than ``slack`` bytes.
+
+    Attributes:
+        trims: how many times it trimmed.
+    """
+
+    def __init__(self, slack: int = SLACK) -> None:
+        self.slack = slack
+        self.trims = 0
+        self._trim = _malloc_trim()
+        self._mark = resident_bytes() if self._trim else 0
+
+    def __call__(self) -> None:
+        if not self._trim:
+            return
+        now = resident_bytes()
+        if now - self._mark > self.slack:
+            self._trim(0)
+            self.trims += 1
+            self._mark = resident_bytes()
+        elif now < self._mark:
+            self._mark = now

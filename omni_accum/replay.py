@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 
-from omni_accum._malloc import pin_mmap_threshold
+from omni_accum._malloc import HeapGuard
 from omni_accum.context import StreamContext
 from omni_accum.engines import (  # noqa: F401 - re-exported
     THROUGH,
@@ -271,6 +271,7 @@ def replay(
     req_ids = [f"{tag}{r}" for r in range(n_req)]
     clock = time.perf_counter_ns
     timer = _CudaTimer() if device.startswith("cuda") else None
+    guard = HeapGuard()
     for i in range(n_chunks):
         last = i == n_chunks - 1
         for r in range(n_req):
@@ -312,6 +313,7 @@ def replay(
             for path, nbk in engine.key_nbytes().items():
                 ks = keys.setdefault(path, KeyStats())
                 ks.peak_bytes = max(ks.peak_bytes, nbk)
+        guard()  # untimed: bounds a fragmenting heap (see omni_accum._malloc)
         if on_round is not None:
             on_round()
     for rid in req_ids:
@@ -396,7 +398,6 @@ def measure(
     Raises:
         VllmOmniUnavailable: a requested mode needs vllm-omni and it cannot be imported.
     """
-    pin_mmap_threshold()  # every repeat and arm allocates alike (see omni_accum._malloc)
     wl = load_workload(workload)
     cl = context_len or wl.context_len
     streams = [build_stream(wl, cl, r) for r in range(concurrency)]
