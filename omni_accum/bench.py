@@ -226,6 +226,7 @@ class Progress:
             self.stream.flush()
 
 
+
 def run_bench(
     workload: Workload | str,
     arms: dict[str, Arm],
@@ -261,6 +262,7 @@ def run_bench(
                     per_key=per_key,
                     through=through,
                     progress=bar.advance if bar else None,
+                    warmup=True,
                 )
                 run.results += res
                 if on_bucket is not None:

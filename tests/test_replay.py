@@ -98,6 +98,25 @@ def test_a_raising_arm_is_reported_and_the_others_go_on():
     assert res[1].correct and len(res[1].samples_us) == 2
 
 
+def test_warmup_replays_each_arm_once_untimed_and_failures_still_surface():
+    wl = small("qwen3-omni-seed")
+    policy = build_arms(wl, ["prealloc"])["prealloc"]
+    built = []
+
+    def counted(ctx):
+        built.append(ctx)
+        return PolicyEngine(policy, ctx)
+
+    def broken(ctx):
+        raise RuntimeError("boom")
+
+    res = measure(wl, {"counted": counted, "broken": broken}, context_len=8, repeats=2, warmup=True)
+    assert len(built) == 3  # one warm-up replay, then two measured repeats
+    assert len(res[0].samples_us) == 2 and res[0].correct
+    assert all(len(rep) == wl.n_chunks(8) for rep in res[0].samples_us)  # only measured steps are kept
+    assert res[1].error == "RuntimeError: boom" and not res[1].samples_us
+
+
 def test_check_view_reports_missing_key():
     wl = small("qwen3-omni-seed")
     stream = build_stream(wl, 8, 0)

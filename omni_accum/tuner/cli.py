@@ -107,8 +107,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--verify",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="time the tuned policy against upstream vllm-omni, one round per bucket, and print the "
-        "gain (default: on; off with --quick)",
+        help="time the tuned policy against upstream vllm-omni, one round per bucket after an untimed "
+        "warm-up replay of each, and print the gain (default: on; off with --quick)",
     )
     add_threads_argument(p)
     p.add_argument("--show", metavar="POLICY", help="print the decision table of a tuned policy file and exit")
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             "gain of the tuned policy over "
             + ("upstream vllm-omni 0.30.0" if name == "upstream" else "the default preset")
-            + " (one interleaved round per bucket, step p50 and total per request):"
+            + " (one interleaved round per bucket after a warm-up replay, step p50 and total per request):"
         )
         print(gain_table(res.outcomes, name))
     state = "complete" if res.complete else f"PARTIAL ({res.stopped})"

@@ -269,6 +269,7 @@ def _decide(
     return KeyDecision(key, owner[pick], base_label, gp.gain, (gp.low, gp.high), timings, excl, peak)
 
 
+
 def verify_bucket(
     wl: Workload,
     tuned: Policy,
@@ -292,6 +293,7 @@ def verify_bucket(
         length_hints=False,
         device=device,
         progress=progress,
+        warmup=True,
     )
     ref, new = res
     if new.error or ref.error:
