@@ -49,6 +49,7 @@ class _Request:
         "next_seq",
         "pending",
         "dups",
+        "view",
     )
 
     def __init__(self, context: StreamContext) -> None:
@@ -62,6 +63,7 @@ class _Request:
         self.next_seq: int | None = None  # receiver: next seq to merge; None while the request is unsequenced
         self.pending: dict[int, Mapping[str, Any]] = {}  # receiver: chunks that arrived early, by seq
         self.dups = 0  # receiver: duplicated chunks dropped
+        self.view: Any = None  # receiver: the request's RequestView (made once; it reads entries live)
 
 
 class _Leaf:

@@ -78,7 +78,7 @@ class Receiver(SequencedMerge, _Endpoint):
         """
         if not isinstance(wire, (dict, Mapping)):
             raise AccumulationError(f"a payload chunk must be a mapping, got {type(wire).__name__}", request_id=req_id)
-        st = self._state(req_id, context)
+        st = self._requests.get(req_id) or self._state(req_id, context)
         with st.lock:
             if st.failed is not None:
                 raise AccumulationError(f"request failed earlier ({st.failed}); release it", request_id=req_id)
@@ -99,7 +99,10 @@ class Receiver(SequencedMerge, _Endpoint):
                 # A rejected sequenced chunk leaves its seq open: later chunks wait behind it (a gap), so
                 # the view never runs ahead of a chunk the sender believes delivered.
                 self._merge_sequenced(req_id, st, wire, seq)
-        return RequestView(st.entries)
+        view = st.view
+        if view is None:
+            view = st.view = RequestView(st.entries)
+        return view
 
     def _fail_if_sender_diverged(self, st: _Request, wire: Mapping[str, Any]) -> None:
         """After a rejected chunk: fail the request when the chunk carried a send_once-like value.
@@ -193,8 +196,7 @@ class Receiver(SequencedMerge, _Endpoint):
         try:
             slot.acc.check(value)
         except Exception as e:  # noqa: BLE001 - MergeError, or a strategy bug: fails this request only
-            msg = str(e) if isinstance(e, MergeError) else f"check raised {type(e).__name__}: {e}"
-            raise slot_error(msg, req_id, slot) from e
+            raise _check_error(req_id, slot, e) from e
 
     def _merge_known(self, req_id: str, st: _Request, wire: Mapping[str, Any]) -> bool:
         """The steady-state path of :meth:`merge`: False (nothing done) unless every key of ``wire`` already has a slot.
@@ -224,10 +226,17 @@ class Receiver(SequencedMerge, _Endpoint):
                 pairs.append((e, value))
             else:  # a new key, the wire marker, or a leaf where a group was
                 return False
-        for slot, value in pairs:
-            self._check(req_id, slot, value)
-        for slot, value in pairs:
-            self._merge_one(req_id, st, slot, value)
+        # One try around each loop (not a helper call per key): this runs for every chunk of every request.
+        try:
+            for slot, value in pairs:
+                slot.acc.check(value)
+        except Exception as e:  # noqa: BLE001 - MergeError, or a strategy bug: fails this request only
+            raise _check_error(req_id, slot, e) from e
+        try:
+            for slot, value in pairs:
+                slot.acc.merge_checked(value)
+        except Exception as e:  # noqa: BLE001
+            raise _merge_error(req_id, st, slot, e) from e
         return True
 
     def _plan(self, req_id: str, st: _Request, wire: Mapping[str, Any]) -> list[tuple[Any, Any, Any, _Slot]]:
@@ -344,9 +353,20 @@ class Receiver(SequencedMerge, _Endpoint):
         """Merge one checked value; a failure marks the request failed (earlier keys may be merged)."""
         try:
             slot.acc.merge_checked(value)
-        except MergeError as e:
-            st.failed = f"key {slot.path!r}: {e}"
-            raise slot_error(str(e), req_id, slot) from e
-        except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
-            st.failed = f"strategy {slot.spec.name!r} raised {type(e).__name__} on key {slot.path!r}"
-            raise slot_error(f"strategy raised {type(e).__name__}: {e}", req_id, slot) from e
+        except Exception as e:  # noqa: BLE001 - MergeError, or a strategy bug: fails this request only
+            raise _merge_error(req_id, st, slot, e) from e
+
+
+def _check_error(req_id: str, slot: _Slot, e: Exception) -> AccumulationError:
+    """The error for a value ``slot``'s check refused (or a check that raised)."""
+    msg = str(e) if isinstance(e, MergeError) else f"check raised {type(e).__name__}: {e}"
+    return slot_error(msg, req_id, slot)
+
+
+def _merge_error(req_id: str, st: _Request, slot: _Slot, e: Exception) -> AccumulationError:
+    """The error for a merge that raised after the checks passed; marks the request failed."""
+    if isinstance(e, MergeError):
+        st.failed = f"key {slot.path!r}: {e}"
+        return slot_error(str(e), req_id, slot)
+    st.failed = f"strategy {slot.spec.name!r} raised {type(e).__name__} on key {slot.path!r}"
+    return slot_error(f"strategy raised {type(e).__name__}: {e}", req_id, slot)
