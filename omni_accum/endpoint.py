@@ -50,6 +50,7 @@ class _Request:
         "pending",
         "dups",
         "view",
+        "plain",
     )
 
     def __init__(self, context: StreamContext) -> None:
@@ -64,6 +65,7 @@ class _Request:
         self.pending: dict[int, Mapping[str, Any]] = {}  # receiver: chunks that arrived early, by seq
         self.dups = 0  # receiver: duplicated chunks dropped
         self.view: Any = None  # receiver: the request's RequestView (made once; it reads entries live)
+        self.plain: frozenset[Any] = frozenset()  # sender: top-level leaf keys that have no encoder
 
 
 class _Leaf:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import repeat
 from typing import Any
 
 from omni_accum.context import StreamContext
 from omni_accum.endpoint import WIRE_MARKER, _Endpoint, _path, _Request
 from omni_accum.errors import AccumulationError
 from omni_accum.strategy import OMIT, Encoder
+
+
+_DICT = repeat(dict)  # second argument of isinstance for map(); repeat() never runs out
 
 
 class Sender(_Endpoint):
@@ -35,7 +39,11 @@ class Sender(_Endpoint):
                 request_id=req_id,
                 key=WIRE_MARKER,
             )
-        st = self._state(req_id, context)
+        st = self._requests.get(req_id) or self._state(req_id, context)
+        plain = st.plain
+        # Steady state of a chunk whose keys are all known leaves without an encoder: the chunk itself.
+        if plain and st.failed is None and plain.issuperset(chunk) and not any(map(isinstance, chunk.values(), _DICT)):
+            return chunk
         with st.lock:
             if st.failed is not None:
                 raise AccumulationError(f"request failed earlier ({st.failed}); release it", request_id=req_id)
@@ -43,6 +51,8 @@ class Sender(_Endpoint):
             any_enc = False
             for top, value in chunk.items():
                 if isinstance(value, dict):
+                    if plain and top in plain:
+                        st.plain = plain = plain - {top}
                     group = encs.get(top)
                     if not isinstance(group, dict):
                         group = encs[top] = {}
@@ -57,6 +67,9 @@ class Sender(_Endpoint):
                         enc = encs[top] = self._new_encoder(st, req_id, _path(top), value)
                     any_enc = any_enc or enc is not None
             if not any_enc:
+                leaves = [top for top, value in chunk.items() if not isinstance(value, dict)]
+                if leaves:
+                    st.plain = (plain or frozenset()).union(leaves)
                 return chunk
             try:
                 return self._encode_with(st, req_id, chunk)

@@ -314,3 +314,20 @@ def test_prealloc_storage_resized_through_a_view_is_not_written_blindly():
     view.untyped_storage().resize_(0)
     with pytest.raises(RuntimeError):
         acc.merge(torch.ones(1, 4))
+
+
+def test_sender_fast_path_never_skips_an_encoder_when_a_leaf_becomes_a_group():
+    policy = {"default": "cat", "rules": [{"match": "x.*", "strategy": "send_once"}]}
+    tx, rx = omni_accum.Sender(policy), omni_accum.Receiver(policy)
+    t = torch.ones(1, 4)
+    leaf = {"x": t, "n": 1}
+    assert tx.encode("r", leaf) is leaf and tx.encode("r", leaf) is leaf  # no encoder: the chunk itself
+    group = {"x": {"a": t}, "n": 2}
+    w1 = tx.encode("r", group)
+    w2 = tx.encode("r", group)
+    assert "a" in w1["x"] and "x" not in w2 and w2[omni_accum.WIRE_MARKER] == 1  # send_once left it off
+    back = {"x": t, "n": 3}
+    assert tx.encode("r", back) is back
+    for w in (leaf, leaf, w1, w2, back):
+        view = rx.merge("r", w)
+    assert view["n"] == 3 and torch.equal(view["x"], t)
