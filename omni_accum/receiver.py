@@ -209,13 +209,16 @@ class Receiver(SequencedMerge, _Endpoint):
         policy = self.policy
         if policy.max_bytes_per_request:
             return False
+        if policy.honor_override_keys:
+            meta = wire.get("meta")
+            if isinstance(meta, dict) and "override_keys" in meta:
+                return False
         entries = st.entries
-        honor = policy.honor_override_keys
         pairs: list[tuple[_Slot, Any]] = []
         for top, value in wire.items():
             e = entries.get(top)
             if isinstance(value, dict):
-                if type(e) is not dict or not value or (honor and top == "meta" and "override_keys" in value):
+                if type(e) is not dict or not value:
                     return False
                 for qual, qv in value.items():
                     slot = e.get(qual)

@@ -7,7 +7,7 @@ from itertools import repeat
 from typing import Any
 
 from omni_accum.context import StreamContext
-from omni_accum.endpoint import WIRE_MARKER, _Endpoint, _path, _Request
+from omni_accum.endpoint import LEAF, WIRE_MARKER, _Endpoint, _path, _Request
 from omni_accum.errors import AccumulationError
 from omni_accum.strategy import OMIT, Encoder
 
@@ -87,12 +87,13 @@ class Sender(_Endpoint):
                 st.held_once += 1
         return enc
 
-    def _encode_one(self, enc: Encoder | None, value: Any, req_id: str, path: str, st: _Request) -> Any:
+    def _encode_one(self, enc: Encoder | None, value: Any, req_id: str, top: Any, qual: Any, st: _Request) -> Any:
         if enc is None:
             return value
         try:
             return enc.encode(value)
         except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
+            path = _path(top, qual)
             spec = st.enc_specs.get(path)
             reason = e.reason if isinstance(e, AccumulationError) else f"encoder raised {type(e).__name__}: {e}"
             raise AccumulationError(
@@ -111,7 +112,8 @@ class Sender(_Endpoint):
                 group = st.entries[top]
                 sub = {}
                 for qual, qv in value.items():
-                    w = self._encode_one(group[qual], qv, req_id, _path(top, qual), st)
+                    enc = group[qual]
+                    w = qv if enc is None else self._encode_one(enc, qv, req_id, top, qual, st)
                     if w is OMIT:
                         omitted += 1
                     else:
@@ -119,7 +121,8 @@ class Sender(_Endpoint):
                 if sub or not value:
                     out[top] = sub
             else:
-                w = self._encode_one(st.entries[top], value, req_id, _path(top), st)
+                enc = st.entries[top]
+                w = value if enc is None else self._encode_one(enc, value, req_id, top, LEAF, st)
                 if w is OMIT:
                     omitted += 1
                 else:
