@@ -27,14 +27,19 @@ class Params(BaseModel):
 
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Immutable types whose == is exact (no -0.0 == 0.0, no NaN): lists of them compare and copy in C.
+_EXACT = frozenset({int, str, bytes, bool, type(None)})
 
 
 def same_value(a: Any, b: Any) -> bool:
     """True only when ``a`` and ``b`` certainly hold the same data (any doubt: False, so it is re-sent)."""
     if a is b:
         return True
-    if type(a) is not type(b):
+    ta = type(a)
+    if ta is not type(b):
         return False
+    if ta is list or ta is tuple:  # the common case first (ids, names, override lists)
+        return _same_items(a, b)
     if isinstance(a, torch.Tensor):
         if not (a.dtype == b.dtype and a.shape == b.shape and a.device == b.device):
             return False
@@ -47,7 +52,7 @@ def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, float):  # -0.0 == 0.0, but the consumer must see the value it was sent
         return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+        return _same_items(a, b)
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
     try:
@@ -57,12 +62,23 @@ def same_value(a: Any, b: Any) -> bool:
     return eq is True
 
 
+def _same_items(a: list[Any] | tuple[Any, ...], b: list[Any] | tuple[Any, ...]) -> bool:
+    if len(a) != len(b):
+        return False
+    if _EXACT.issuperset(map(type, a)):
+        # ids, names: == is exact for these types; the item types must match too (True == 1).
+        return a == b and list(map(type, a)) == list(map(type, b))
+    return all(map(same_value, a, b))
+
+
 def snapshot(value: Any) -> Any:
     """A private copy of ``value`` to compare later chunks against."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, (int, float, str, bytes, bool, type(None))):
         return value
+    if type(value) in (list, tuple) and _EXACT.issuperset(map(type, value)):
+        return list(value) if type(value) is list else value  # immutable items: a shallow copy is a copy
     try:
         return copy.deepcopy(value)
     except Exception:  # noqa: BLE001 - uncopyable: compare by identity only

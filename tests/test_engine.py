@@ -331,3 +331,32 @@ def test_sender_fast_path_never_skips_an_encoder_when_a_leaf_becomes_a_group():
     for w in (leaf, leaf, w1, w2, back):
         view = rx.merge("r", w)
     assert view["n"] == 3 and torch.equal(view["x"], t)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ([1, 2, 3], [1, 2, 3], True),
+        ([1, 2, 3], [1, 2, 4], False),
+        ([1, 2], [1, 2, 3], False),
+        ([True, 2], [1, 2], False),  # True == 1, but the consumer would see another value
+        ([0.0, 1.0], [-0.0, 1.0], False),  # -0.0 == 0.0, but it is another value
+        ([float("nan")], [float("nan")], False),  # NaN is never taken as unchanged
+        ([["embed", "decode"], ["ids", "output"]], [["embed", "decode"], ["ids", "output"]], True),
+        ([["embed", "decode"]], [["embed", "decodE"]], False),
+        ([("embed", "decode")], [["embed", "decode"]], False),
+        (("a", None, b"x"), ("a", None, b"x"), True),
+        ([1, "a"], (1, "a"), False),
+        ([torch.ones(2)], [torch.ones(2)], True),
+        ([torch.zeros(1)], [-torch.zeros(1)], False),
+    ],
+)
+def test_send_once_comparison_is_exact(a, b, same):
+    from omni_accum.strategies.send_once import same_value, snapshot
+
+    assert same_value(a, b) is same
+    snap = snapshot(a)
+    assert same_value(snap, a) is (same_value(a, a))
+    if isinstance(a, list):
+        a.append(99)  # the snapshot is a private copy: an in-place change is seen
+        assert same_value(snap, a) is False
