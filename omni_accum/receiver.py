@@ -201,21 +201,34 @@ class Receiver(SequencedMerge, _Endpoint):
     def _merge_known(self, req_id: str, st: _Request, wire: Mapping[str, Any]) -> bool:
         """The steady-state path of :meth:`merge`: False (nothing done) unless every key of ``wire`` already has a slot.
 
-        It also declines a chunk carrying the wire marker, an empty group, ``meta.override_keys``
-        (when honoured) or a policy with a memory guard: :meth:`_plan` and :meth:`_apply` handle
-        those. Otherwise it does what they would do for known keys (check every value, then merge
-        every value, with the same errors) without building a plan.
+        It also declines an empty group, a chunk that resets keys (``meta.override_keys`` on the
+        wire, or left off it by a send_once-like strategy, when honoured), a wire marker this
+        receiver cannot cover, or a policy with a memory guard: :meth:`_plan` and :meth:`_apply`
+        handle those (and word their errors). Otherwise it does what they would do for known keys
+        (check every value, then merge every value, with the same errors) without building a plan.
         """
         policy = self.policy
         if policy.max_bytes_per_request:
             return False
+        entries = st.entries
+        marked = WIRE_MARKER in wire
+        if marked:
+            need = wire[WIRE_MARKER]
+            if type(need) is not int or need < 0 or need > st.held_once:
+                return False
         if policy.honor_override_keys:
             meta = wire.get("meta")
             if isinstance(meta, dict) and "override_keys" in meta:
                 return False
-        entries = st.entries
+            if marked:  # an override list left off the wire still applies: _plan resets its keys
+                group = entries.get("meta")
+                cached = group.get("override_keys") if isinstance(group, dict) else None
+                if cached is not None and cached.strategy.omits_unchanged:
+                    return False
         pairs: list[tuple[_Slot, Any]] = []
         for top, value in wire.items():
+            if marked and top == WIRE_MARKER:
+                continue
             e = entries.get(top)
             if isinstance(value, dict):
                 if type(e) is not dict or not value:
@@ -227,7 +240,7 @@ class Receiver(SequencedMerge, _Endpoint):
                     pairs.append((slot, qv))
             elif type(e) is _Slot:
                 pairs.append((e, value))
-            else:  # a new key, the wire marker, or a leaf where a group was
+            else:  # a new key, or a leaf where a group was
                 return False
         # One try around each loop (not a helper call per key): this runs for every chunk of every request.
         try:

@@ -360,3 +360,28 @@ def test_send_once_comparison_is_exact(a, b, same):
     if isinstance(a, list):
         a.append(99)  # the snapshot is a private copy: an in-place change is seen
         assert same_value(snap, a) is False
+
+
+def test_steady_chunks_with_send_once_omissions_merge_without_a_plan(monkeypatch):
+    policy = omni_accum.load_policy("qwen3-omni")
+    tx, rx = omni_accum.Sender(policy), omni_accum.Receiver(policy)
+    rows = [torch.randn(1, 8).bfloat16() for _ in range(8)]
+
+    def chunk(i):
+        return {"embed": {"decode": rows[i]}, "speaker": "Ethan", "meta": {"finished": torch.tensor(i == 7)}}
+
+    for i in range(2):
+        rx.merge("r", tx.encode("r", chunk(i)))
+    calls = []
+    real_plan = rx._plan
+    monkeypatch.setattr(rx, "_plan", lambda *a: calls.append(a) or real_plan(*a))
+    for i in range(2, 7):
+        wire = tx.encode("r", chunk(i))
+        assert "speaker" not in wire and wire[omni_accum.WIRE_MARKER] == 1  # send_once left it off
+        view = rx.merge("r", wire)
+        assert view["speaker"] == "Ethan" and torch.equal(view["embed"]["decode"], torch.cat(rows[: i + 1]))
+    assert calls == []  # steady state: the marker is covered, no key is new
+    # a receiver that lost its send_once state still gets the precise error (from the full path)
+    rx2 = omni_accum.Receiver(policy)
+    with pytest.raises(omni_accum.AccumulationError, match="lost them"):
+        rx2.merge("r", tx.encode("r", chunk(7)))
