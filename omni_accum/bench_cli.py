@@ -24,7 +24,8 @@ def register(subparsers: Any) -> None:
         help="benchmark strategies and upstream vllm-omni on a workload",
         description=(
             "Replay a workload's chunk trace (N requests round-robin: encode -> wire -> merge -> consumer read) "
-            "through every arm, interleaved round by round, and print a table per bucket of context length x "
+            "through every arm (each first replays it once untimed, to be timed warm), interleaved round by "
+            "round, and print a table per bucket of context length x "
             "concurrency. Arms: 'upstream' (vllm-omni 0.30.0's own _accumulate_payload), a strategy name "
             "(applied to the keys it fits, upstream behaviour elsewhere), a policy preset or a policy file."
         ),

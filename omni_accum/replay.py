@@ -4,7 +4,9 @@ N concurrent requests are interleaved round-robin; each chunk goes ``encode -> w
 consumer read`` (and, with a view hop, the consumer's read is serialized once more, as pre-0.30
 releases did when they attached the accumulated payload to the scheduler output). Arms are
 interleaved round by round (the arm order rotates every repeat) in one process, so arms are
-compared under the same machine state; compare them as ratios.
+compared under the same machine state; compare them as ratios. With ``warmup=True`` every arm
+first replays the trace once, untimed; between rounds (untimed) a :class:`~omni_accum._malloc.HeapGuard`
+keeps a fragmenting heap from growing without bound.
 
 Seams (for ``--through vllm-omni`` and other transports), each in its own module and re-exported
 here:
