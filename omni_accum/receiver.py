@@ -26,7 +26,7 @@ from omni_accum.errors import AccumulationError, MergeError, OmniAccumError
 from omni_accum.manager import StrategyManager
 from omni_accum.policy import Policy
 from omni_accum.sequencing import REORDER_WINDOW, SequencedMerge
-from omni_accum.views import RequestView
+from omni_accum.views import RequestView, request_view
 
 
 class Receiver(SequencedMerge, _Endpoint):
@@ -78,7 +78,7 @@ class Receiver(SequencedMerge, _Endpoint):
         """
         if not isinstance(wire, (dict, Mapping)):
             raise AccumulationError(f"a payload chunk must be a mapping, got {type(wire).__name__}", request_id=req_id)
-        st = self._requests.get(req_id) or self._state(req_id, context)
+        st = self._state(req_id, context)
         with st.lock:
             if st.failed is not None:
                 raise AccumulationError(f"request failed earlier ({st.failed}); release it", request_id=req_id)
@@ -99,10 +99,7 @@ class Receiver(SequencedMerge, _Endpoint):
                 # A rejected sequenced chunk leaves its seq open: later chunks wait behind it (a gap), so
                 # the view never runs ahead of a chunk the sender believes delivered.
                 self._merge_sequenced(req_id, st, wire, seq)
-        view = st.view
-        if view is None:
-            view = st.view = RequestView(st.entries)
-        return view
+        return request_view(st)
 
     def _fail_if_sender_diverged(self, st: _Request, wire: Mapping[str, Any]) -> None:
         """After a rejected chunk: fail the request when the chunk carried a send_once-like value.
@@ -130,7 +127,7 @@ class Receiver(SequencedMerge, _Endpoint):
 
     def view(self, req_id: str) -> RequestView:
         """The current view of ``req_id`` (KeyError when it holds no state)."""
-        return RequestView(self._requests[req_id].entries)
+        return request_view(self._requests[req_id])
 
     def nbytes(self, req_id: str | None = None) -> int:
         """Bytes held by accumulation state of one request, or of all."""

@@ -39,7 +39,7 @@ class Sender(_Endpoint):
                 request_id=req_id,
                 key=WIRE_MARKER,
             )
-        st = self._requests.get(req_id) or self._state(req_id, context)
+        st = self._state(req_id, context)
         plain = st.plain
         # Steady state of a chunk whose keys are all known leaves without an encoder: the chunk itself.
         if plain and st.failed is None and plain.issuperset(chunk) and not any(map(isinstance, chunk.values(), _DICT)):

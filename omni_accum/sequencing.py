@@ -13,7 +13,7 @@ from typing import Any
 
 from omni_accum.endpoint import _Request
 from omni_accum.errors import AccumulationError
-from omni_accum.views import RequestView
+from omni_accum.views import RequestView, request_view
 
 #: Default number of chunks a receiver buffers per request while it waits for a missing ``seq``.
 REORDER_WINDOW = 16
@@ -133,7 +133,7 @@ class SequencedMerge:
                         missing=missing,
                     )
                 raise AccumulationError(f"finish: expected {chunks} chunks, merged {nxt}", request_id=req_id)
-        return RequestView(st.entries)
+        return request_view(st)
 
     def sequence(self, req_id: str) -> SequenceState | None:
         """Where sequenced request ``req_id`` stands, or None (unknown, or merged without ``seq``)."""

@@ -68,3 +68,11 @@ class RequestView(Mapping):
 
     def __repr__(self) -> str:
         return f"RequestView({list(self._entries)})"
+
+
+def request_view(st: Any) -> RequestView:
+    """The one :class:`RequestView` of a receiver-side request state (made on first use; it reads entries live)."""
+    view = st.view
+    if view is None:
+        view = st.view = RequestView(st.entries)
+    return view
