@@ -286,7 +286,8 @@ def roundtrip_lines(run: BenchRun) -> list[str]:
     The round trip is :func:`~omni_accum.replay.delta_roundtrip_us` (the delta alone, serialized
     again and again: warm). When the ``wire-floor`` arm ran, each p50 is also given as a multiple of
     its p50: the same delta's trip over the wire, plus the consumer's read, measured interleaved
-    with the other arms (cold data, ``concurrency`` requests). Empty when no round trip was measured.
+    with the other arms (cold data, ``concurrency`` requests). The floor's own multiple of the round
+    trip shows what no accumulation at all costs beyond it in the run. Empty when no round trip was measured.
     """
     rt = run.delta_roundtrip_us
     if not rt:
@@ -299,10 +300,10 @@ def roundtrip_lines(run: BenchRun) -> list[str]:
         floor = next((r.step_us_p50 for r in rs if r.arm == WIRE_FLOOR and r.samples_us), None)
         parts = []
         for r in rs:
-            if not r.samples_us or r.arm == WIRE_FLOOR:
+            if not r.samples_us:
                 continue
             p50 = r.step_us_p50
-            vs_floor = f", {p50 / floor:.2f}x {WIRE_FLOOR}" if floor else ""
+            vs_floor = f", {p50 / floor:.2f}x {WIRE_FLOOR}" if floor and r.arm != WIRE_FLOOR else ""
             parts.append(f"{r.arm} {p50 / rt:.2f}x{vs_floor}")
         if parts:
             lines.append(f"  context_len={cl} concurrency={c}: p50 step = " + "; ".join(parts))

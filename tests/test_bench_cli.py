@@ -163,3 +163,4 @@ def test_roundtrip_lines_divide_each_p50_by_the_round_trip_and_the_floor():
     (line,) = bench.roundtrip_lines(run)
     assert "context_len=1000 concurrency=10" in line
     assert "upstream 40.00x, 20.00x wire-floor" in line and "qwen3-omni-flat 3.00x, 1.50x wire-floor" in line
+    assert line.endswith("; wire-floor 2.00x")  # the floor against the round trip alone
