@@ -90,6 +90,9 @@ class PreallocAccumulator(AppendAccumulator):
             and type(value) is torch.Tensor
             and value.layout is torch.strided
             and value.is_contiguous()
+            and not value.is_neg()  # a lazily negated view (torch.conj(c).imag): its bytes lack the sign
+            and not value.is_conj()
+            and value.data_ptr()  # 0: a tensor without storage (autograd's zero tensors)
         ):
             # check() has matched the value's dtype, trailing shape and device (CPU) with the buffer's, and
             # need <= capacity: the rows are value's bytes as they are. Same bytes as the torch copy below,

@@ -265,11 +265,15 @@ def _raw_path_values():
         "int64-3d": (torch.arange(24).reshape(3, 2, 4), torch.arange(16).reshape(2, 2, 4)),
         "complex-conj": (torch.randn(3, 4, dtype=torch.complex64), torch.randn(2, 4, dtype=torch.complex64).conj()),
         "bool": (torch.ones(3, 5, dtype=torch.bool), torch.zeros(2, 5, dtype=torch.bool)),
+        # a real tensor carrying the lazy negative bit: its raw bytes lack the sign
+        "neg-bit": (torch.randn(3, 4), torch._neg_view(torch.randn(2, 4))),  # as torch.conj(c).imag gives
+        # autograd's zero tensor: no storage (data_ptr 0); a raw copy from it would crash the process
+        "zero-tensor": (torch.randn(3, 4), torch._efficientzerotensor((2, 4))),
     }
 
 
 def _bits(t):
-    t = t.resolve_conj().contiguous()
+    t = t.resolve_conj().resolve_neg().contiguous()
     return t if t.dtype == torch.bool else t.view(torch.uint8)
 
 
