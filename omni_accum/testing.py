@@ -50,7 +50,7 @@ DTYPES = (torch.bfloat16, torch.float32, torch.int64, torch.bool)
 def _bits(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point() or t.is_complex():
         size = t.element_size()
-        return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}.get(size, torch.uint8))
+        return t.resolve_conj().resolve_neg().contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}.get(size, torch.uint8))
     return t
 
 
@@ -63,7 +63,8 @@ def same_bits(a: Any, b: Any) -> bool:
             return False
         return bool(torch.equal(_bits(a), _bits(b)))
     if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return list(a.keys()) == list(b.keys()) and all(same_bits(a[k], b[k]) for k in a)
+        # keys in the same order and of the same types (1, 1.0 and True are one key of a dict)
+        return same_bits(list(a), list(b)) and all(map(same_bits, a.values(), b.values()))
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
     if type(a) is float and type(b) is float:  # bits: -0.0 is not 0.0, a NaN is itself
@@ -74,10 +75,10 @@ def same_bits(a: Any, b: Any) -> bool:
 def first_difference(a: Any, b: Any, path: str = "") -> str | None:
     """Describe the first place where ``a`` and ``b`` differ, or None when they are the same."""
     if isinstance(a, Mapping) and isinstance(b, Mapping):
-        if list(a.keys()) != list(b.keys()):
+        if not same_bits(list(a), list(b)):
             return f"{path or '<root>'}: keys {list(a.keys())} != {list(b.keys())}"
-        for k in a:
-            d = first_difference(a[k], b[k], f"{path}.{k}" if path else str(k))
+        for k, x, y in zip(a, a.values(), b.values()):
+            d = first_difference(x, y, f"{path}.{k}" if path else str(k))
             if d:
                 return d
         return None

@@ -3,7 +3,7 @@
 The sender leaves the key off the wire while its value equals the value last sent for that
 request (compared by content, against a private copy, so in-place changes are seen); the
 receiver keeps serving its cached value. A changed value is sent again, so the view is never
-stale. For static keys: ``embed.tts_bos``, ``speaker``, ``language``, ``meta.override_keys``.
+stale; so is every value that cannot be copied (``copy.deepcopy`` refuses it). For static keys: ``embed.tts_bos``, ``speaker``, ``language``, ``meta.override_keys``.
 """
 
 from __future__ import annotations
@@ -47,14 +47,17 @@ def same_value(a: Any, b: Any) -> bool:
             return False
         if a.is_floating_point() or a.is_complex():  # and the same bits: -0.0 == 0.0 but is another value
             view = _INT_OF_SIZE.get(a.element_size())
-            return view is not None and bool(torch.equal(a.view(view), b.view(view)))
+            if view is None:
+                return False
+            a, b = _resolved(a), _resolved(b)  # a lazy conj/neg bit: view() refuses it, the bits lack it
+            return bool(torch.equal(a.view(view), b.view(view)))
         return True
     if isinstance(a, float):  # -0.0 == 0.0, but the consumer must see the value it was sent
         return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
     if isinstance(a, (list, tuple)):
         return _same_items(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, dict):  # keys in the same order and of the same types (1, 1.0 and True are one key)
+        return _same_items(list(a), list(b)) and all(map(same_value, a.values(), b.values()))
     try:
         eq = a == b
     except Exception:  # noqa: BLE001 - incomparable values are treated as changed
@@ -71,8 +74,16 @@ def _same_items(a: list[Any] | tuple[Any, ...], b: list[Any] | tuple[Any, ...]) 
     return all(map(same_value, a, b))
 
 
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    return t.resolve_conj().resolve_neg() if t.is_conj() or t.is_neg() else t
+
+
+#: What :func:`snapshot` returns for a value it cannot copy: it equals nothing, so the value is always sent.
+UNCOPYABLE: Any = object()
+
+
 def snapshot(value: Any) -> Any:
-    """A private copy of ``value`` to compare later chunks against."""
+    """A private copy of ``value`` to compare later chunks against (:data:`UNCOPYABLE` when it has none)."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, (int, float, str, bytes, bool, type(None))):
@@ -81,8 +92,8 @@ def snapshot(value: Any) -> Any:
         return list(value) if type(value) is list else value  # immutable items: a shallow copy is a copy
     try:
         return copy.deepcopy(value)
-    except Exception:  # noqa: BLE001 - uncopyable: compare by identity only
-        return value
+    except Exception:  # noqa: BLE001 - without a copy, an in-place change could not be seen: never omit it
+        return UNCOPYABLE
 
 
 class SendOnceEncoder(Encoder):
@@ -95,7 +106,7 @@ class SendOnceEncoder(Encoder):
         self._sent = False
 
     def encode(self, value: Any) -> Any:
-        if self._sent and same_value(self._last, value):
+        if self._sent and self._last is not UNCOPYABLE and same_value(self._last, value):
             return OMIT
         self._last = snapshot(value)
         self._sent = True

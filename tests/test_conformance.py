@@ -89,3 +89,20 @@ class TestSendOnce:
         t = torch.tensor([float("nan")])
         tx.encode("r", {"x": t})
         assert "x" in tx.encode("r", {"x": t})
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ({"a": 1, "b": 2}, {"b": 2, "a": 1}),  # key order
+        ({1: "v"}, {True: "v"}),  # key types: one key to the dict, another value to the consumer
+        ({0.0: "v"}, {-0.0: "v"}),
+        (torch._neg_view(torch.zeros(2)), torch.zeros(2)),  # -0.0 behind the lazy negative bit
+    ],
+)
+def test_the_bit_for_bit_checker_tells_apart_what_a_consumer_would_see_differently(a, b):
+    from omni_accum.testing import first_difference, same_bits
+
+    assert not same_bits(a, b) and not same_bits(b, a)
+    assert first_difference(a, b) is not None
+    assert same_bits(a, a) and first_difference(a, a) is None

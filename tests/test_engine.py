@@ -353,6 +353,13 @@ def test_sender_fast_path_never_skips_an_encoder_when_a_leaf_becomes_a_group():
         ([1, "a"], (1, "a"), False),
         ([torch.ones(2)], [torch.ones(2)], True),
         ([torch.zeros(1)], [-torch.zeros(1)], False),
+        ({"a": 1, "b": 2}, {"a": 1, "b": 2}, True),
+        ({"a": 1, "b": 2}, {"b": 2, "a": 1}, False),  # the consumer would see the old key order
+        ({1: "v"}, {True: "v"}, False),  # one key to the dict, but the consumer would see the old one
+        ({1: "v"}, {1.0: "v"}, False),
+        ([torch._neg_view(torch.ones(2))], [-torch.ones(2)], True),  # lazy negative bit: compared resolved
+        ([torch._neg_view(torch.zeros(2))], [torch.zeros(2)], False),  # -0.0 behind the negative bit
+        ([torch.tensor([1 + 2j]).conj()], [torch.tensor([1 - 2j])], True),  # lazy conjugate bit
     ],
 )
 def test_send_once_comparison_is_exact(a, b, same):
@@ -389,3 +396,17 @@ def test_steady_chunks_with_send_once_omissions_merge_without_a_plan(monkeypatch
     rx2 = omni_accum.Receiver(policy)
     with pytest.raises(omni_accum.AccumulationError, match="lost them"):
         rx2.merge("r", tx.encode("r", chunk(7)))
+
+
+def test_send_once_always_sends_a_value_it_cannot_copy():
+    """Without a private copy an in-place change could not be seen: such a value is never left off."""
+    pol = {"default": "send_once"}
+    tx, rx = omni_accum.Sender(pol), omni_accum.Receiver(pol)
+    w0 = torch.ones(1, requires_grad=True)
+    value = [w0 * 2]  # a non-leaf tensor: copy.deepcopy refuses it
+    rx.merge("r", tx.encode("r", {"k": value}))
+    value.append("new item")  # changed in place
+    wire = tx.encode("r", {"k": value})
+    assert "k" in wire
+    assert rx.merge("r", wire)["k"][1] == "new item"
+    assert "k" in tx.encode("r", {"k": value})  # unchanged, but still sent
