@@ -226,7 +226,6 @@ class Progress:
             self.stream.flush()
 
 
-
 def run_bench(
     workload: Workload | str,
     arms: dict[str, Arm],

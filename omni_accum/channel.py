@@ -25,7 +25,16 @@ arrive early in a bounded reorder window and reports gaps (:meth:`Receiver.merge
 
 from __future__ import annotations
 
-from omni_accum.endpoint import LEAF, OVERRIDE_KEYS_PATH, WIRE_MARKER, _iter_slots, _Request, _Slot, rewrites_wire
+from omni_accum.endpoint import (
+    LEAF,
+    OVERRIDE_KEYS_PATH,
+    OVERRIDE_MARKER,
+    WIRE_MARKER,
+    _iter_slots,
+    _Request,
+    _Slot,
+    rewrites_wire,
+)
 from omni_accum.receiver import Receiver
 from omni_accum.sender import Sender
 from omni_accum.sequencing import REORDER_WINDOW, SequenceState
@@ -35,6 +44,7 @@ __all__ = [
     "LEAF",
     "OVERRIDE_KEYS_PATH",
     "REORDER_WINDOW",
+    "OVERRIDE_MARKER",
     "WIRE_MARKER",
     "GroupView",
     "Receiver",

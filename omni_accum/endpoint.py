@@ -19,6 +19,12 @@ from omni_accum.strategy import Accumulator, KeyInfo, Strategy, StrategySpec
 #: Wire key carrying, when the sender left unchanged ``send_once`` values off, how many such
 #: values the receiver must already hold for the request. Never shown to consumers.
 WIRE_MARKER = "__omni_accum__"
+#: Wire key (value ``True``) present when the sender left an unchanged ``meta.override_keys`` off:
+#: the override list it holds still applies to this chunk. Without it, a chunk that carries no
+#: override list resets nothing, even when other send_once values were left off.
+OVERRIDE_MARKER = "__omni_accum_override__"
+#: Top-level keys omni-accum reserves on the wire; a payload chunk may not use them.
+RESERVED_KEYS = (WIRE_MARKER, OVERRIDE_MARKER)
 
 
 class _Slot:
@@ -185,9 +191,9 @@ def slot_error(message: str, req_id: str, slot: _Slot) -> AccumulationError:
 
 
 def _leaves(wire: Mapping[str, Any]) -> Iterator[tuple[str, Any, Any, Any]]:
-    """``(path, top, qualifier or LEAF, value)`` of every leaf of a wire chunk (the marker excluded)."""
+    """``(path, top, qualifier or LEAF, value)`` of every leaf of a wire chunk (the markers excluded)."""
     for top, value in wire.items():
-        if top == WIRE_MARKER:
+        if top in RESERVED_KEYS:
             continue
         if isinstance(value, dict):
             for qual, qv in value.items():

@@ -9,6 +9,8 @@ from omni_accum.context import StreamContext
 from omni_accum.endpoint import (
     LEAF,
     OVERRIDE_KEYS_PATH,
+    OVERRIDE_MARKER,
+    RESERVED_KEYS,
     WIRE_MARKER,
     _Endpoint,
     _held_once,
@@ -160,12 +162,24 @@ class Receiver(SequencedMerge, _Endpoint):
                     key=OVERRIDE_KEYS_PATH,
                     strategy=strategy.name,
                 )
-        if raw is None and WIRE_MARKER in wire:
+        if raw is None and OVERRIDE_MARKER in wire:
             # A send_once-like strategy left an unchanged override list off the wire: it still applies.
+            flag = wire[OVERRIDE_MARKER]
+            if flag is not True:
+                raise AccumulationError(
+                    f"malformed wire marker {OVERRIDE_MARKER!r}: expected True, got {flag!r}", request_id=req_id
+                )
             group = st.entries.get("meta")
             slot = group.get("override_keys") if isinstance(group, dict) else None
-            if slot is not None and slot.strategy.omits_unchanged:
-                raw = slot.acc.read()
+            if slot is None or not slot.strategy.omits_unchanged:
+                raise AccumulationError(
+                    f"the sender left an unchanged {OVERRIDE_KEYS_PATH} off the wire for this request, but this "
+                    "receiver holds none: it lost it (restarted, or the request was released mid-stream). Release "
+                    "the request and re-send it from its first chunk",
+                    request_id=req_id,
+                    key=OVERRIDE_KEYS_PATH,
+                )
+            raw = slot.acc.read()
         if raw is None:
             return frozenset()
         if not isinstance(raw, (list, tuple)):
@@ -199,13 +213,15 @@ class Receiver(SequencedMerge, _Endpoint):
         """The steady-state path of :meth:`merge`: False (nothing done) unless every key of ``wire`` already has a slot.
 
         It also declines an empty group, a chunk that resets keys (``meta.override_keys`` on the
-        wire, or left off it by a send_once-like strategy, when honoured), a wire marker this
+        wire, or left off it by a send_once-like strategy: :data:`OVERRIDE_MARKER`), a wire marker this
         receiver cannot cover, or a policy with a memory guard: :meth:`_plan` and :meth:`_apply`
         handle those (and word their errors). Otherwise it does what they would do for known keys
         (check every value, then merge every value, with the same errors) without building a plan.
         """
         policy = self.policy
         if policy.max_bytes_per_request:
+            return False
+        if OVERRIDE_MARKER in wire:  # an override list left off the wire still applies: _plan resets its keys
             return False
         entries = st.entries
         marked = WIRE_MARKER in wire
@@ -217,11 +233,6 @@ class Receiver(SequencedMerge, _Endpoint):
             meta = wire.get("meta")
             if isinstance(meta, dict) and "override_keys" in meta:
                 return False
-            if marked:  # an override list left off the wire still applies: _plan resets its keys
-                group = entries.get("meta")
-                cached = group.get("override_keys") if isinstance(group, dict) else None
-                if cached is not None and cached.strategy.omits_unchanged:
-                    return False
         pairs: list[tuple[_Slot, Any]] = []
         for top, value in wire.items():
             if marked and top == WIRE_MARKER:
@@ -259,7 +270,7 @@ class Receiver(SequencedMerge, _Endpoint):
         ops: list[tuple[Any, Any, Any, _Slot]] = []
         new_once = 0
         for top, value in wire.items():
-            if top == WIRE_MARKER:
+            if top in RESERVED_KEYS:
                 continue
             if isinstance(value, dict):
                 group = entries.get(top)

@@ -7,7 +7,7 @@ from itertools import repeat
 from typing import Any
 
 from omni_accum.context import StreamContext
-from omni_accum.endpoint import LEAF, WIRE_MARKER, _Endpoint, _path, _Request
+from omni_accum.endpoint import LEAF, OVERRIDE_MARKER, RESERVED_KEYS, WIRE_MARKER, _Endpoint, _path, _Request
 from omni_accum.errors import AccumulationError
 from omni_accum.strategy import OMIT, Encoder
 
@@ -29,16 +29,19 @@ class Sender(_Endpoint):
 
         Keys whose strategy has no encoder go on the wire as they are (the chunk itself is
         returned when no key of it has an encoder). Keys an encoder omits are left off; a group
-        left empty is dropped; the wire then carries :data:`WIRE_MARKER`.
+        left empty is dropped; the wire then carries :data:`WIRE_MARKER` (and :data:`OVERRIDE_MARKER`
+        when the key left off is ``meta.override_keys``, whose list still applies to the chunk).
         """
         if not isinstance(chunk, (dict, Mapping)):
             raise AccumulationError(f"a payload chunk must be a mapping, got {type(chunk).__name__}", request_id=req_id)
-        if WIRE_MARKER in chunk:
-            raise AccumulationError(
-                f"a payload chunk may not use the key {WIRE_MARKER!r}: omni-accum reserves it for its wire marker",
-                request_id=req_id,
-                key=WIRE_MARKER,
-            )
+        for reserved in RESERVED_KEYS:
+            if reserved in chunk:
+                raise AccumulationError(
+                    f"a payload chunk may not use the key {reserved!r}: omni-accum reserves it for its wire markers "
+                    f"({', '.join(map(repr, RESERVED_KEYS))})",
+                    request_id=req_id,
+                    key=reserved,
+                )
         st = self._state(req_id, context)
         plain = st.plain
         # Steady state of a chunk whose keys are all known leaves without an encoder: the chunk itself.
@@ -107,6 +110,7 @@ class Sender(_Endpoint):
     def _encode_with(self, st: _Request, req_id: str, chunk: Mapping[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         omitted = 0
+        override_omitted = False
         for top, value in chunk.items():
             if isinstance(value, dict):
                 group = st.entries[top]
@@ -116,6 +120,7 @@ class Sender(_Endpoint):
                     w = qv if enc is None else self._encode_one(enc, qv, req_id, top, qual, st)
                     if w is OMIT:
                         omitted += 1
+                        override_omitted = override_omitted or (top == "meta" and qual == "override_keys")
                     else:
                         sub[qual] = w
                 if sub or not value:
@@ -129,4 +134,6 @@ class Sender(_Endpoint):
                     out[top] = w
         if omitted:
             out[WIRE_MARKER] = st.held_once
+            if override_omitted:
+                out[OVERRIDE_MARKER] = True
         return out

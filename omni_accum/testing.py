@@ -35,7 +35,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_accum.channel import WIRE_MARKER, Receiver, Sender
+from omni_accum.channel import OVERRIDE_MARKER, WIRE_MARKER, Receiver, Sender
 from omni_accum.errors import AccumulationError
 from omni_accum.manager import StrategyManager, get_manager
 
@@ -49,8 +49,8 @@ DTYPES = (torch.bfloat16, torch.float32, torch.int64, torch.bool)
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point() or t.is_complex():
-        size = t.element_size()
-        return t.resolve_conj().resolve_neg().contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}.get(size, torch.uint8))
+        as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size(), torch.uint8)
+        return t.resolve_conj().resolve_neg().contiguous().view(as_int)
     return t
 
 
@@ -396,6 +396,9 @@ def _check_wire(wire: Mapping[str, Any], chunk: Mapping[str, Any], name: str) ->
     for top, value in wire.items():
         if top == WIRE_MARKER:
             assert isinstance(value, int), f"{name}: wire marker must be an int, got {value!r}"
+            continue
+        if top == OVERRIDE_MARKER:
+            assert value is True and WIRE_MARKER in wire, f"{name}: override marker must be True, beside the count"
             continue
         assert top in chunk, f"{name}: wire carries key {top!r} the chunk does not have"
 

@@ -3,7 +3,8 @@
 The sender leaves the key off the wire while its value equals the value last sent for that
 request (compared by content, against a private copy, so in-place changes are seen); the
 receiver keeps serving its cached value. A changed value is sent again, so the view is never
-stale; so is every value that cannot be copied (``copy.deepcopy`` refuses it). For static keys: ``embed.tts_bos``, ``speaker``, ``language``, ``meta.override_keys``.
+stale; so is every value that cannot be copied (``copy.deepcopy`` refuses it). For static keys:
+``embed.tts_bos``, ``speaker``, ``language``, ``meta.override_keys``.
 """
 
 from __future__ import annotations

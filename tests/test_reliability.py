@@ -242,12 +242,51 @@ def test_a_rejected_chunk_carrying_a_send_once_value_fails_the_request_rather_th
 
 def test_the_marker_key_is_reserved_and_a_malformed_marker_is_refused():
     tx, rx = omni_accum.Sender("default"), omni_accum.Receiver("default")
-    with pytest.raises(AccumulationError, match="reserves it"):
-        tx.encode("r", {omni_accum.WIRE_MARKER: 0, "x": 1})
+    for reserved in (omni_accum.WIRE_MARKER, omni_accum.OVERRIDE_MARKER):
+        with pytest.raises(AccumulationError, match="reserves it") as ei:
+            tx.encode("r", {reserved: 0, "x": 1})
+        assert ei.value.key == reserved
     assert tx.active_requests == 0
     for bad in (-1, "2", 1.5, True, None, torch.tensor(1)):
         with pytest.raises(AccumulationError, match="malformed wire marker|off the wire"):
             rx.merge("r", {omni_accum.WIRE_MARKER: bad, "x": 1} if bad is not None else {omni_accum.WIRE_MARKER: 1})
+    rx = omni_accum.Receiver("qwen3-omni")
+    rx.merge("r", {"speaker": "Ethan", "embed": {"decode": torch.ones(1, 4)}})
+    for bad in (1, "yes", None):
+        with pytest.raises(AccumulationError, match="malformed wire marker '__omni_accum_override__'"):
+            rx.merge("r", {omni_accum.WIRE_MARKER: 1, omni_accum.OVERRIDE_MARKER: bad})
+    # an override list left off that this receiver never held: refused, never guessed
+    with pytest.raises(AccumulationError, match="holds none") as ei:
+        rx.merge("r", {omni_accum.WIRE_MARKER: 1, omni_accum.OVERRIDE_MARKER: True})
+    assert ei.value.key == "meta.override_keys"
+    assert torch.equal(rx.view("r")["embed"]["decode"], torch.ones(1, 4))  # state unchanged
+
+
+def test_an_override_list_left_off_applies_only_to_chunks_that_carried_it():
+    """The wire marker says send_once values were left off; only the override marker says the list was one of them."""
+    tx, rx, plain = (
+        omni_accum.Sender("qwen3-omni"),
+        omni_accum.Receiver("qwen3-omni"),
+        omni_accum.Receiver("qwen3-omni"),
+    )
+    t = [torch.full((1, 2), float(i)) for i in range(5)]
+    listed = {"override_keys": [["embed", "prefill"]]}
+    chunks = [
+        {"meta": listed, "embed": {"prefill": t[0]}, "speaker": "a"},
+        {"meta": listed, "embed": {"prefill": t[1]}, "speaker": "a"},  # list left off: it resets
+        {"embed": {"prefill": t[2]}, "speaker": "a"},  # no list on this chunk: appends, speaker left off
+        {"meta": {"finished": False}, "embed": {"prefill": t[3]}, "speaker": "a"},  # meta, no list: appends
+        {"meta": listed, "embed": {"prefill": t[4]}, "speaker": "a"},  # listed again (unchanged): resets
+    ]
+    want = [t[0], t[1], torch.cat(t[1:3]), torch.cat(t[1:4]), t[4]]
+    for k, chunk in enumerate(chunks):
+        wire = tx.encode("r", chunk)
+        assert (omni_accum.OVERRIDE_MARKER in wire) is (k in (1, 4)), (k, wire)
+        if k:
+            assert omni_accum.WIRE_MARKER in wire and "speaker" not in wire
+        got = rx.merge("r", wire)["embed"]["prefill"]
+        assert torch.equal(got, want[k]), k
+        assert torch.equal(plain.merge("r", chunk)["embed"]["prefill"], want[k]), k  # the list as sent, unencoded
 
 
 def test_a_raising_strategy_fails_only_its_request():

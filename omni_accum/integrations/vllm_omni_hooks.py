@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from omni_accum.channel import WIRE_MARKER, Receiver, Sender
+from omni_accum.channel import OVERRIDE_MARKER, WIRE_MARKER, Receiver, Sender
 from omni_accum.errors import AccumulationError
 from omni_accum.loader import load_policy
 from omni_accum.policy import Policy
@@ -26,6 +26,8 @@ logger = logging.getLogger("omni_accum.vllm_omni")
 #: ends number them in wire order). A receiver that hands deltas over (the AR adapter) restores
 #: exactly those keys; one small int costs less than the names, so short statics still save bytes.
 OMITTED_KEY = "__omni_accum_once__"
+#: Wire keys that are not payload keys (the engine's ``OVERRIDE_MARKER`` travels as it is).
+_MARKERS = (WIRE_MARKER, OMITTED_KEY, OVERRIDE_MARKER)
 #: Connector ``extra`` keys read by the integration.
 EXTRA_POLICY = "omni_accum_policy"
 EXTRA_ADAPTER_KEYS = "omni_accum_adapter_keys"
@@ -110,7 +112,7 @@ class Binding:
 
 def _leaves(payload: Mapping[str, Any]):
     for top, value in payload.items():
-        if top in (WIRE_MARKER, OMITTED_KEY):
+        if top in _MARKERS:
             continue
         if isinstance(value, dict):
             for qual, qv in value.items():
@@ -303,7 +305,7 @@ def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) 
     sub: dict[str, Any] = {}
     views: list[tuple[Any, Any]] = []
     for top, value in payload.items():
-        if top in (WIRE_MARKER, OMITTED_KEY):
+        if top in _MARKERS:
             continue
         if isinstance(value, dict):
             for qual, qv in value.items():
@@ -323,12 +325,12 @@ def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) 
         sub.setdefault("meta", {})["override_keys"] = meta["override_keys"]
     if mask:
         sub[WIRE_MARKER] = _count(mask)
+        if OVERRIDE_MARKER in payload:  # the override list the sender left off still applies
+            sub[OVERRIDE_MARKER] = payload[OVERRIDE_MARKER]
     if not sub and OMITTED_KEY not in payload:
         return payload
     view = b.receiver.merge(req_id, sub) if sub else b.receiver.view(req_id)
-    out = {
-        k: (dict(v) if isinstance(v, dict) else v) for k, v in payload.items() if k not in (WIRE_MARKER, OMITTED_KEY)
-    }
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in payload.items() if k not in _MARKERS}
     for path in [*views, *omitted]:
         top, qual = path
         if qual is None:

@@ -269,7 +269,6 @@ def _decide(
     return KeyDecision(key, owner[pick], base_label, gp.gain, (gp.low, gp.high), timings, excl, peak)
 
 
-
 def verify_bucket(
     wl: Workload,
     tuned: Policy,
