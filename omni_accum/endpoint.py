@@ -57,6 +57,7 @@ class _Request:
         "dups",
         "view",
         "plain",
+        "once",
     )
 
     def __init__(self, context: StreamContext) -> None:
@@ -72,6 +73,9 @@ class _Request:
         self.dups = 0  # receiver: duplicated chunks dropped
         self.view: Any = None  # receiver: the request's RequestView (made once; it reads entries live)
         self.plain: frozenset[Any] = frozenset()  # sender: top-level leaf keys that have no encoder
+        # sender: (top, qualifier or LEAF) of each send_once-like key -> whether its value went on the wire
+        # (the receiver holds it then); held_once counts the True ones, as the receiver counts its slots
+        self.once: dict[tuple[Any, Any], bool] = {}
 
 
 class _Leaf:
@@ -157,7 +161,8 @@ class _Endpoint:
     ) -> tuple[Strategy, StrategySpec, Any]:
         """Select ``path``'s strategy (or reuse ``like``'s) and create its per-key state with ``strategy.<make>``.
 
-        Every failure (no such strategy, a plugin raising) is an :class:`AccumulationError` for this request.
+        Every failure (no such strategy, a plugin raising) is an :class:`AccumulationError` for this request;
+        a plugin raising also fails the request until it is released (its state is no longer trusted).
         """
         if like is not None:
             strategy, spec = like.strategy, like.spec
@@ -169,6 +174,7 @@ class _Endpoint:
         try:
             state = getattr(strategy, make)(KeyInfo(path, req_id, st.context.length_hints.get(path)))
         except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
+            st.failed = f"strategy {spec.name!r} raised {type(e).__name__} in {make} for key {path!r}"
             raise AccumulationError(
                 f"{make} raised {type(e).__name__}: {e}",
                 request_id=req_id,

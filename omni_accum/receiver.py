@@ -203,11 +203,11 @@ class Receiver(SequencedMerge, _Endpoint):
         strategy, spec, acc = self._key_state(st, req_id, path, value, "new_accumulator", like)
         return _Slot(path, strategy, spec, acc)
 
-    def _check(self, req_id: str, slot: _Slot, value: Any) -> None:
+    def _check(self, req_id: str, st: _Request, slot: _Slot, value: Any) -> None:
         try:
             slot.acc.check(value)
         except Exception as e:  # noqa: BLE001 - MergeError, or a strategy bug: fails this request only
-            raise _check_error(req_id, slot, e) from e
+            raise _check_error(req_id, st, slot, e) from e
 
     def _merge_known(self, req_id: str, st: _Request, wire: Mapping[str, Any]) -> bool:
         """The steady-state path of :meth:`merge`: False (nothing done) unless every key of ``wire`` already has a slot.
@@ -255,7 +255,7 @@ class Receiver(SequencedMerge, _Endpoint):
             for slot, value in pairs:
                 slot.acc.check(value)
         except Exception as e:  # noqa: BLE001 - MergeError, or a strategy bug: fails this request only
-            raise _check_error(req_id, slot, e) from e
+            raise _check_error(req_id, st, slot, e) from e
         try:
             for slot, value in pairs:
                 slot.acc.merge_checked(value)
@@ -285,8 +285,7 @@ class Receiver(SequencedMerge, _Endpoint):
                         new_once += slot.strategy.omits_unchanged
                     elif (top, qual) in override and _resets_on_override(slot):
                         slot = self._new_slot(req_id, st, slot.path, qv, like=slot)
-                    else:
-                        self._check(req_id, slot, qv)
+                    self._check(req_id, st, slot, qv)  # first values too: every key before any merge
                     ops.append((top, qual, qv, slot))
             else:
                 slot = entries.get(top)
@@ -295,8 +294,7 @@ class Receiver(SequencedMerge, _Endpoint):
                     new_once += slot.strategy.omits_unchanged
                 elif top in override and _resets_on_override(slot):
                     slot = self._new_slot(req_id, st, slot.path, value, like=slot)
-                else:
-                    self._check(req_id, slot, value)
+                self._check(req_id, st, slot, value)
                 ops.append((top, LEAF, value, slot))
         need = wire.get(WIRE_MARKER) if WIRE_MARKER in wire else None
         if need is not None and (type(need) is not int or need < 0):
@@ -381,10 +379,12 @@ class Receiver(SequencedMerge, _Endpoint):
             raise _merge_error(req_id, st, slot, e) from e
 
 
-def _check_error(req_id: str, slot: _Slot, e: Exception) -> AccumulationError:
-    """The error for a value ``slot``'s check refused (or a check that raised)."""
-    msg = str(e) if isinstance(e, MergeError) else f"check raised {type(e).__name__}: {e}"
-    return slot_error(msg, req_id, slot)
+def _check_error(req_id: str, st: _Request, slot: _Slot, e: Exception) -> AccumulationError:
+    """The error for a value ``slot``'s check refused; a check that raised anything else fails the request."""
+    if isinstance(e, MergeError):
+        return slot_error(str(e), req_id, slot)
+    st.failed = f"strategy {slot.spec.name!r} raised {type(e).__name__} in check on key {slot.path!r}"
+    return slot_error(f"check raised {type(e).__name__}: {e}", req_id, slot)
 
 
 def _merge_error(req_id: str, st: _Request, slot: _Slot, e: Exception) -> AccumulationError:

@@ -58,16 +58,21 @@ class Sender(_Endpoint):
                         st.plain = plain = plain - {top}
                     group = encs.get(top)
                     if not isinstance(group, dict):
+                        if top in encs:  # a leaf becomes a group: the receiver drops the leaf too
+                            _forget(st, top, LEAF)
                         group = encs[top] = {}
                     for qual, qv in value.items():
                         enc = group.get(qual, OMIT)
                         if enc is OMIT:
-                            enc = group[qual] = self._new_encoder(st, req_id, _path(top, qual), qv)
+                            enc = group[qual] = self._new_encoder(st, req_id, top, qual, qv)
                         any_enc = any_enc or enc is not None
                 else:
                     enc = encs.get(top, OMIT)
                     if enc is OMIT or isinstance(enc, dict):
-                        enc = encs[top] = self._new_encoder(st, req_id, _path(top), value)
+                        if enc is not OMIT:  # a group becomes a leaf: the receiver drops the group too
+                            for qual in enc:
+                                _forget(st, top, qual)
+                        enc = encs[top] = self._new_encoder(st, req_id, top, LEAF, value)
                     any_enc = any_enc or enc is not None
             if not any_enc:
                 leaves = [top for top, value in chunk.items() if not isinstance(value, dict)]
@@ -82,12 +87,13 @@ class Sender(_Endpoint):
                 st.failed = f"key {e.key!r}: {e.reason}"
                 raise
 
-    def _new_encoder(self, st: _Request, req_id: str, path: str, value: Any) -> Encoder | None:
+    def _new_encoder(self, st: _Request, req_id: str, top: Any, qual: Any, value: Any) -> Encoder | None:
+        path = _path(top, qual)
         strategy, spec, enc = self._key_state(st, req_id, path, value, "new_encoder")
         if enc is not None:
             st.enc_specs[path] = spec
             if strategy.omits_unchanged:
-                st.held_once += 1
+                st.once[(top, qual)] = False  # counted once its first value is on the wire
         return enc
 
     def _encode_one(self, enc: Encoder | None, value: Any, req_id: str, top: Any, qual: Any, st: _Request) -> Any:
@@ -123,6 +129,9 @@ class Sender(_Endpoint):
                         override_omitted = override_omitted or (top == "meta" and qual == "override_keys")
                     else:
                         sub[qual] = w
+                        if st.once.get((top, qual)) is False:
+                            st.once[(top, qual)] = True
+                            st.held_once += 1
                 if sub or not value:
                     out[top] = sub
             else:
@@ -132,8 +141,17 @@ class Sender(_Endpoint):
                     omitted += 1
                 else:
                     out[top] = w
+                    if st.once.get((top, LEAF)) is False:
+                        st.once[(top, LEAF)] = True
+                        st.held_once += 1
         if omitted:
             out[WIRE_MARKER] = st.held_once
             if override_omitted:
                 out[OVERRIDE_MARKER] = True
         return out
+
+
+def _forget(st: _Request, top: Any, qual: Any) -> None:
+    """Drop a send_once-like key the chunk replaces (a leaf by a group, or the reverse), as the receiver does."""
+    if st.once.pop((top, qual), False):
+        st.held_once -= 1

@@ -473,3 +473,110 @@ def test_override_keys_rewritten_by_a_selection_hook_is_an_accumulation_error():
     with pytest.raises(AccumulationError, match="rewrites the key's wire form") as ei:
         rx.merge("r", {"meta": {"override_keys": ["x"]}, "x": torch.ones(1, 2)})
     assert ei.value.key == "meta.override_keys" and ei.value.strategy == "delta"
+
+
+def test_the_send_once_count_follows_keys_that_turn_from_leaf_to_group_and_back():
+    """The marker counts the send_once values the receiver holds; it drops a leaf a group replaces (and the reverse)."""
+    pol = {"default": "send_once"}
+    tx, rx = omni_accum.Sender(pol), omni_accum.Receiver(pol)
+    chunks = [{"spk": "x"}, {"spk": {"a": "y"}}, {"spk": {"a": "y"}}, {"spk": "z"}, {"spk": "z", "lang": "en"}]
+    chunks += [{"spk": "z", "lang": "en"}]
+    for k, chunk in enumerate(chunks):
+        wire = tx.encode("r", chunk)
+        assert rx.merge("r", wire).to_dict() == chunk, k
+        assert tx._requests["r"].held_once == rx._requests["r"].held_once, k
+    assert wire == {omni_accum.WIRE_MARKER: 2}
+
+
+def test_a_plugin_raising_in_a_state_factory_or_check_fails_its_request_until_released():
+    """docs/plugins.md: a strategy raising in new_encoder, new_accumulator or check fails that request only."""
+    from omni_accum.errors import MergeError
+    from omni_accum.strategies.replace import Params as ReplaceParams
+    from omni_accum.strategies.replace import ReplaceAccumulator
+    from omni_accum.strategy import Strategy, StrategySpec
+
+    class Bug(Exception):
+        pass
+
+    class Acc(ReplaceAccumulator):
+        def check(self, value):
+            if value == "bug":
+                raise Bug("plugin bug in check")
+            if value == "refused":
+                raise MergeError("refused value")
+
+    class Picky(Strategy):
+        name = "picky"
+        Params = ReplaceParams
+
+        def new_encoder(self, key):
+            if key.path == "no_encoder":
+                raise Bug("plugin bug in new_encoder")
+
+        def new_accumulator(self, key):
+            if key.path == "no_state":
+                raise Bug("plugin bug in new_accumulator")
+            return Acc()
+
+    class plugin:
+        @omni_accum.hookimpl
+        def omni_accum_register_strategies():
+            return [StrategySpec(name="picky", factory=Picky, params_model=ReplaceParams, kinds=frozenset({"replace"}))]
+
+    mgr = omni_accum.StrategyManager()
+    mgr.register(plugin, name="picky")
+    pol = {"default": "picky", "honor_override_keys": False}  # its encoder would rewrite the override list
+    tx, rx = omni_accum.Sender(pol, manager=mgr), omni_accum.Receiver(pol, manager=mgr)
+    with pytest.raises(AccumulationError, match="new_encoder raised Bug") as ei:
+        tx.encode("r", {"spk": "x", "no_encoder": 1})
+    assert ei.value.plugin == "picky"
+    with pytest.raises(AccumulationError, match="failed earlier"):
+        tx.encode("r", {"spk": "x"})
+    tx.release("r")
+    assert tx.encode("r", {"spk": "x"}) == {"spk": "x"}
+    for bad, words in (({"no_state": 1}, "new_accumulator raised Bug"), ({"n": "bug"}, "check raised Bug")):
+        rx.merge("r", {"n": 1})
+        with pytest.raises(AccumulationError, match=words):
+            rx.merge("r", bad)
+        with pytest.raises(AccumulationError, match="failed earlier"):
+            rx.merge("r", {"n": 2})
+        assert rx.release("r") and rx.merge("r", {"n": 3}).to_dict() == {"n": 3}
+        rx.release("r")
+    # a value the strategy refuses (MergeError) is a rejected chunk, not a bug: the request goes on
+    rx.merge("r", {"n": 1})
+    with pytest.raises(AccumulationError, match="refused value"):
+        rx.merge("r", {"n": "refused"})
+    assert rx.merge("r", {"n": 2}).to_dict() == {"n": 2}
+
+
+def test_a_first_value_is_checked_before_any_key_of_the_chunk_is_merged():
+    """docs/plugins.md: the engine checks every key of a chunk before merging any, new keys included."""
+    from omni_accum.errors import MergeError
+    from omni_accum.strategies.replace import Params as ReplaceParams
+    from omni_accum.strategies.replace import ReplaceAccumulator
+    from omni_accum.strategy import Strategy, StrategySpec
+
+    class IntsOnly(ReplaceAccumulator):
+        def check(self, value):
+            if not isinstance(value, int):
+                raise MergeError(f"ints only, got {type(value).__name__}")
+
+    class Ints(Strategy):
+        name = "ints"
+        Params = ReplaceParams
+
+        def new_accumulator(self, key):
+            return IntsOnly()
+
+    class plugin:
+        @omni_accum.hookimpl
+        def omni_accum_register_strategies():
+            return [StrategySpec(name="ints", factory=Ints, params_model=ReplaceParams, kinds=frozenset({"replace"}))]
+
+    mgr = omni_accum.StrategyManager()
+    mgr.register(plugin, name="ints")
+    rx = omni_accum.Receiver({"default": "cat", "rules": [{"match": "n", "strategy": "ints"}]}, manager=mgr)
+    with pytest.raises(AccumulationError, match="ints only, got str"):
+        rx.merge("r", {"x": torch.ones(1), "n": "not an int"})
+    assert dict(rx.view("r")) == {}  # nothing merged, the request usable
+    assert rx.merge("r", {"x": torch.ones(1), "n": 1})["n"] == 1
