@@ -27,15 +27,23 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
-def int_list(text: str) -> list[int]:
-    """argparse type: ``1000,8000``, ``1k`` or ``32000`` -> positive integers."""
+def int_list(text: str, examples: str = "1000,8000 or 1k,8k") -> list[int]:
+    """argparse type: ``1000,8000``, ``1k`` (or ``1K``) or ``32000`` -> positive integers."""
     try:
-        out = [int(x.replace("k", "000")) for x in text.replace(",", " ").split()]
+        out = [int(x[:-1]) * 1000 if x[-1:] in ("k", "K") else int(x) for x in text.replace(",", " ").split()]
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected integers such as 1000,8000 or 1k,8k, got {text!r}") from e
+        raise argparse.ArgumentTypeError(f"expected positive integers such as {examples}, got {text!r}") from e
     if not out or any(x < 1 for x in out):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected positive integers such as {examples}, got {text!r}")
     return out
+
+
+def int_value(text: str) -> int:
+    """argparse type: one positive integer, ``8000`` or ``8k``."""
+    out = int_list(text, "8000 or 8k")
+    if len(out) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer such as 8000 or 8k, got {text!r}")
+    return out[0]
 
 
 def _bounded_int(low: int) -> Any:
@@ -76,9 +84,25 @@ def output_path_problem(path: str | os.PathLike[str] | None, option: str) -> str
     return None
 
 
-def add_int_list_argument(p: argparse.ArgumentParser, flag: str, metavar: str, help: str) -> None:  # noqa: A002
-    """An option taking integers as ``1000 8000``, ``1000,8000`` or ``1k``, repeated or not, as one flat list."""
-    p.add_argument(flag, type=int_list, nargs="+", action=IntListAction, metavar=metavar, help=help)
+def add_int_list_argument(
+    p: argparse.ArgumentParser,
+    flag: str,
+    metavar: str,
+    help: str,  # noqa: A002
+    examples: str | None = None,
+) -> None:
+    """An option taking integers as ``1000 8000``, ``1000,8000`` or ``1k``, repeated or not, as one flat list.
+
+    ``examples`` shows valid values in errors (default: ``1,10`` for a concurrency flag, else context lengths).
+    """
+    if examples is None:
+        examples = "1,10" if "concurrency" in flag else "1000,8000 or 1k,8k"
+
+    def parse(text: str) -> list[int]:
+        return int_list(text, examples)
+
+    parse.__name__ = "integer list"  # argparse names the type in some messages
+    p.add_argument(flag, type=parse, nargs="+", action=IntListAction, metavar=metavar, help=help)
 
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
@@ -124,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    for command in sub.choices.values():  # -v after the command too (it does not reset one given before)
+        command.add_argument(
+            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log debug messages"
+        )
     return parser
 
 

@@ -17,7 +17,9 @@ import annotated_types as at
 import yaml
 from pydantic import BaseModel
 
+from omni_accum.cli import int_value, positive_int
 from omni_accum.context import KeyMeta, StreamContext
+from omni_accum.endpoint import _Endpoint
 from omni_accum.errors import OmniAccumError
 from omni_accum.loader import load_policy, preset_names
 from omni_accum.manager import StrategyManager, get_manager
@@ -126,15 +128,26 @@ def cmd_validate(args: argparse.Namespace) -> int:
         except OmniAccumError as e:
             errors = list(getattr(e, "errors", None) or [str(e)])
             results.append({"policy": source, "valid": False, "errors": errors})
+            continue
+        try:
+            _Endpoint(policy, manager=manager)  # what a Sender or Receiver refuses (meta.override_keys' rule)
+        except OmniAccumError as e:
+            results.append({"policy": source, "valid": False, "errors": [f"{source}: {e}"]})
         else:
-            results.append({"policy": source, "valid": True, "errors": [], "rules": len(policy.rules)})
+            note = (
+                "the default policy: vllm-omni 0.30.0's behaviour"
+                if policy == Policy() and source != "default"
+                else None
+            )
+            results.append({"policy": source, "valid": True, "errors": [], "rules": len(policy.rules), "note": note})
     bad = [r for r in results if not r["valid"]]
     if args.json:
         _json({"valid": not bad, "policies": results})
     else:
         for r in results:
             if r["valid"]:
-                _out(f"{r['policy']}: ok ({r['rules']} rule{'' if r['rules'] == 1 else 's'})")
+                note = f"; same as {r['note']}" if r["note"] else ""
+                _out(f"{r['policy']}: ok ({r['rules']} rule{'' if r['rules'] == 1 else 's'}{note})")
             else:
                 _out(f"{r['policy']}: {len(r['errors'])} error(s)")
                 for err in r["errors"]:
@@ -308,23 +321,6 @@ def cmd_show(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- #
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    v = _non_negative_int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Wraps the description like argparse's default, keeps the examples epilog as written."""
 
@@ -384,8 +380,10 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--key", required=True, type=_key_path, help="key path: group.qualifier (embed.decode) or a flat name"
     )
-    p.add_argument("--context-len", type=_non_negative_int, default=None, metavar="N", help="context length (tokens)")
-    p.add_argument("--concurrency", type=_positive_int, default=1, metavar="C", help="concurrent requests (default 1)")
+    p.add_argument(
+        "--context-len", type=int_value, default=None, metavar="N", help="context length in tokens, e.g. 8000 or 8k"
+    )
+    p.add_argument("--concurrency", type=positive_int, default=1, metavar="C", help="concurrent requests (default 1)")
     p.add_argument(
         "--value-type",
         choices=VALUE_TYPES,

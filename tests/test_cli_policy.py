@@ -9,6 +9,7 @@ import sys
 import pytest
 import yaml
 
+import omni_accum
 from omni_accum import cli
 from omni_accum.loader import load_policy
 from omni_accum.manager import get_manager
@@ -126,6 +127,8 @@ def test_validate_json(capsys, tmp_path):
         ["explain", "default"],
         ["explain", "default", "--key", "a", "--concurrency", "0"],
         ["explain", "default", "--key", "a", "--context-len", "-5"],
+        ["explain", "default", "--key", "a", "--context-len", "0"],
+        ["explain", "default", "--key", "a", "--context-len", "1k,2k"],
         ["explain", "default", "--key", "a", "--value-type", "int"],
         ["show"],
         ["nope"],
@@ -340,3 +343,34 @@ def test_readme_policies_section_runs_as_written(capsys, tmp_path, monkeypatch):
             assert out.rstrip("\n") == want, cmd
             checked += 1
     assert checked == 3
+
+
+def test_validate_refuses_a_policy_a_sender_or_receiver_would_refuse(capsys, tmp_path):
+    """A strategy that rewrites meta.override_keys' wire form passes the schema, but no endpoint accepts it."""
+    import omni_accum_delta  # noqa: F401 - the example plugin (scripts/env.sh installs it): a rewriting strategy
+
+    for text in ("default: delta\n", "rules:\n  - {match: meta.override_keys, strategy: delta}\n"):
+        f = tmp_path / "p.yaml"
+        f.write_text(text)
+        code, out, err = run(capsys, "validate", str(f))
+        assert code == 1 and "1 error(s)" in out and f"{f}: meta.override_keys gets strategy 'delta'" in out, out
+        with pytest.raises(omni_accum.PolicyError):
+            omni_accum.Receiver(str(f))
+    f.write_text("default: delta\nhonor_override_keys: false\n")
+    assert run(capsys, "validate", str(f))[0] == 0
+
+
+def test_validate_says_when_a_file_is_the_default_policy(capsys, tmp_path):
+    """An empty (or truncated to nothing) file is valid, and means the default policy: validate says so."""
+    f = tmp_path / "p.yaml"
+    f.write_text("# nothing yet\n")
+    code, out, _ = run(capsys, "validate", str(f), "default", "qwen3-omni")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == f"{f}: ok (0 rules; same as the default policy: vllm-omni 0.30.0's behaviour)"
+    assert "same as" not in lines[1] + lines[2]
+
+
+def test_explain_takes_8k_and_verbose_after_the_command(capsys):
+    code, out, _ = run(capsys, "explain", "qwen3-omni", "--key", "embed.decode", "--context-len", "8k", "-v")
+    assert code == 0 and "context_len 8000" in out
