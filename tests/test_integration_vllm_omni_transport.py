@@ -210,3 +210,48 @@ def test_replay_through_vllm_omni(vo):
     assert by["default"].wire_bytes_per_step == by["upstream"].wire_bytes_per_step
     assert by["qwen3-omni"].wire_bytes_per_step < by["upstream"].wire_bytes_per_step
     assert not glob.glob("/dev/shm/omniaccum_*")
+
+
+def test_override_list_left_off_applies_only_to_chunks_that_carried_it(vo):
+    """Through the real transport: send_once leaves an unchanged meta.override_keys off (bit 0 of the
+    mask says so); a chunk that never carried the list appends, as upstream's own accumulator does."""
+    from omni_accum.context import StreamContext
+    from omni_accum.errors import AccumulationError
+    from omni_accum.integrations import vllm_omni_hooks as hooks
+    from omni_accum.integrations.vllm_omni_replay import VllmOmniEngine
+    from omni_accum.loader import load_policy
+
+    t = [torch.full((1, D), float(i)).bfloat16() for i in range(5)]
+    listed = {"override_keys": [["embed", "prefill"]]}
+    chunks = [
+        {"meta": listed, "embed": {"prefill": t[0]}, "speaker": "a"},
+        {"meta": listed, "embed": {"prefill": t[1]}, "speaker": "a"},
+        {"embed": {"prefill": t[2]}, "speaker": "a"},
+        {"meta": {"finished": False}, "embed": {"prefill": t[3]}, "speaker": "a"},
+        {"meta": listed, "embed": {"prefill": t[4]}, "speaker": "a"},
+    ]
+    upstream = VllmOmniEngine(None, StreamContext())
+    ours = VllmOmniEngine(load_policy("qwen3-omni"), StreamContext())
+    try:
+        for k, chunk in enumerate(chunks):
+            want = upstream.merge("r", upstream.encode("r", chunk))["embed"]["prefill"]
+            wire = ours.encode("r", chunk)
+            if k:
+                assert wire[hooks.OMITTED_KEY] & 1 == (k in (1, 4)), (k, wire[hooks.OMITTED_KEY])
+                assert "speaker" not in wire and hooks.OVERRIDE_MARKER not in wire
+            got = ours.merge("r", wire)["embed"]["prefill"]
+            assert torch.equal(got, want), k
+        assert torch.equal(got, t[4]) and torch.equal(want, t[4])
+    finally:
+        upstream.release("r")
+        ours.release("r")
+        upstream.close()
+        ours.close()
+    with pytest.raises(AccumulationError, match="malformed wire marker"):
+        hooks.split_mask(-1)
+    assert hooks.split_mask(
+        hooks.omitted_mask({("a", None): 0, ("meta", "override_keys"): 1}, [("a", None)], True)
+    ) == (
+        1,
+        True,
+    )

@@ -21,12 +21,14 @@ from omni_accum.policy import Policy
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
-#: Wire key replacing the engine's ``WIRE_MARKER`` on adapter puts: a bit mask of the send_once
-#: values left off this chunk, bit i being the i-th send_once key first sent for the request (both
-#: ends number them in wire order). A receiver that hands deltas over (the AR adapter) restores
-#: exactly those keys; one small int costs less than the names, so short statics still save bytes.
+#: Wire key replacing the engine's ``WIRE_MARKER`` (and ``OVERRIDE_MARKER``) on adapter puts: a bit
+#: mask of the send_once values left off this chunk, bit i + 1 being the i-th send_once key first
+#: sent for the request (both ends number them in wire order), bit 0 the engine's override marker
+#: (an unchanged ``meta.override_keys`` left off: its list still applies). A receiver that hands
+#: deltas over (the AR adapter) restores exactly those keys; one small int costs less than the
+#: names, so short statics still save bytes.
 OMITTED_KEY = "__omni_accum_once__"
-#: Wire keys that are not payload keys (the engine's ``OVERRIDE_MARKER`` travels as it is).
+#: Wire keys that are not payload keys.
 _MARKERS = (WIRE_MARKER, OMITTED_KEY, OVERRIDE_MARKER)
 #: Connector ``extra`` keys read by the integration.
 EXTRA_POLICY = "omni_accum_policy"
@@ -236,7 +238,7 @@ class EncodingPut:
             if WIRE_MARKER in wire:
                 omitted = _omitted_paths(chunk, wire)
                 del wire[WIRE_MARKER]
-                wire[OMITTED_KEY] = sum(1 << table[p] for p in omitted)
+                wire[OMITTED_KEY] = omitted_mask(table, omitted, wire.pop(OVERRIDE_MARKER, False))
                 b.stats["omitted"] += len(omitted)
             data = wire
         result = self.put(from_stage=from_stage, to_stage=to_stage, put_key=put_key, data=data)
@@ -292,12 +294,13 @@ def wrap_clear_sender(orig: Callable[..., Any]) -> Callable[..., Any]:
 def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) -> dict[str, Any]:
     """The delta an adapter hands over: raw wire values, with send_once values the sender left off
     restored, and (AR) the adapter keys replaced by their accumulated view."""
-    mask = payload.get(OMITTED_KEY) or 0
+    raw = payload.get(OMITTED_KEY) or 0
+    mask, override = split_mask(raw)
     table = b.held_once.setdefault(req_id, {})
     omitted = [p for p, bit in table.items() if mask >> bit & 1]
-    if not isinstance(mask, int) or mask >> len(table):
+    if mask >> len(table):
         raise AccumulationError(
-            f"the sender left send_once values off the wire (mask {mask!r}) that this receiver never received "
+            f"the sender left send_once values off the wire (mask {raw!r}) that this receiver never received "
             f"(it holds {len(table)}); release the request and re-send it from its first chunk",
             request_id=req_id,
         )
@@ -325,8 +328,8 @@ def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) 
         sub.setdefault("meta", {})["override_keys"] = meta["override_keys"]
     if mask:
         sub[WIRE_MARKER] = _count(mask)
-        if OVERRIDE_MARKER in payload:  # the override list the sender left off still applies
-            sub[OVERRIDE_MARKER] = payload[OVERRIDE_MARKER]
+    if override:  # the override list the sender left off still applies
+        sub[OVERRIDE_MARKER] = True
     if not sub and OMITTED_KEY not in payload:
         return payload
     view = b.receiver.merge(req_id, sub) if sub else b.receiver.view(req_id)
@@ -341,7 +344,21 @@ def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) 
 
 
 def _count(mask: int) -> int:
-    return bin(mask).count("1") if isinstance(mask, int) else mask
+    return bin(mask).count("1")
+
+
+def omitted_mask(table: Mapping[tuple[Any, Any], int], omitted: list[tuple[Any, Any]], override: bool) -> int:
+    """The ``OMITTED_KEY`` value: bit ``table[path] + 1`` per key left off, bit 0 for the override marker."""
+    return sum(1 << (table[p] + 1) for p in omitted) | bool(override)
+
+
+def split_mask(raw: Any) -> tuple[int, bool]:
+    """``(bits of the keys left off, override marker)`` of an ``OMITTED_KEY`` value; a malformed one is refused."""
+    if type(raw) is not int or raw < 0:
+        raise AccumulationError(
+            f"malformed wire marker {OMITTED_KEY!r}: expected a bit mask (an int >= 0), got {raw!r}"
+        )
+    return raw >> 1, bool(raw & 1)
 
 
 def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -458,9 +475,12 @@ def wrap_accumulate(orig: Callable[..., Any], *, decode_spans: bool) -> Callable
             return orig(self, req_id, payload_data)
         store = self._send_side_request_payload
         wire = {k: v for k, v in payload_data.items() if k != OMITTED_KEY}
-        mask = payload_data.get(OMITTED_KEY)
-        if mask:
-            wire[WIRE_MARKER] = _count(mask)  # the engine's marker: held values still apply (override keys)
+        if OMITTED_KEY in payload_data:
+            mask, override = split_mask(payload_data[OMITTED_KEY])
+            if mask:
+                wire[WIRE_MARKER] = _count(mask)  # the engine's marker: held values still apply
+            if override:
+                wire[OVERRIDE_MARKER] = True  # an override list left off: it still resets its keys
         if req_id in store:
             _sync(b, req_id, store[req_id])
         else:

@@ -61,7 +61,7 @@ class VllmOmniEngine(Engine):
             if hooks.WIRE_MARKER in wire:
                 omitted = hooks._omitted_paths(chunk, wire)
                 del wire[hooks.WIRE_MARKER]
-                wire[hooks.OMITTED_KEY] = sum(1 << table[p] for p in omitted)
+                wire[hooks.OMITTED_KEY] = hooks.omitted_mask(table, omitted, wire.pop(hooks.OVERRIDE_MARKER, False))
         return wire
 
     def merge(self, req_id: str, wire: Mapping[str, Any]) -> Mapping[str, Any]:
