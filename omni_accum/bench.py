@@ -17,6 +17,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -32,7 +33,7 @@ from omni_accum.loader import load_policy, preset_names
 from omni_accum.manager import get_manager
 from omni_accum.policy import Policy
 from omni_accum.replay import UPSTREAM, WIRE_FLOOR, Arm, ArmResult, VllmOmniUnavailable, delta_roundtrip_us, measure
-from omni_accum.workloads import Workload, load_workload
+from omni_accum.workloads import MAX_ROWS, Workload, load_workload
 
 #: JSON schema of ``omni-accum bench --json`` output.
 RESULT_SCHEMA: dict[str, Any] = {
@@ -84,6 +85,10 @@ class PlotUnavailable(OmniAccumError):
     """``--plot`` needs matplotlib (the ``plot`` extra)."""
 
 
+class BenchError(OmniAccumError):
+    """A bench run cannot go on: a bucket too large for this machine's memory, a bad context length."""
+
+
 # ---------------------------------------------------------------------------------------------- #
 # Arms
 # ---------------------------------------------------------------------------------------------- #
@@ -112,14 +117,42 @@ def strategy_arm(workload: Workload, strategy: str, params: dict[str, Any] | Non
     )
 
 
+def workload_policy_problem(workload: Workload, source: str | None = None) -> str | None:
+    """Why the workload's ``policy`` field names no policy preset nor policy file, or None.
+
+    ``source`` (the ``--workload`` value) is named in the message; default: the workload's name.
+    """
+    if not workload.policy or workload.policy in preset_names() or Path(workload.policy).is_file():
+        return None
+    where = source if source is not None else f"workload {workload.name!r}"
+    return (
+        f"{where}: field 'policy': {workload.policy!r} is neither a policy preset "
+        f"({', '.join(sorted(preset_names()))}) nor a policy file"
+    )
+
+
 def default_arm_names(workload: Workload) -> list[str]:
-    """``upstream``, every built-in strategy that fits a key of the workload, and its policy preset."""
+    """``upstream``; ``cat``, ``token_list`` and ``prealloc`` when a key is append-kind; ``send_once`` when
+    one is replace or static (``replace`` is upstream's behaviour there already); the workload's ``policy``."""
     names = [UPSTREAM, "cat", "token_list", "prealloc"] if workload.keys_of_kind("append") else [UPSTREAM]
     if workload.keys_of_kind("replace", "static"):
         names.append("send_once")
     if workload.policy:
         names.append(workload.policy)
     return names
+
+
+def arm_policy_files(workload: Workload, names: Sequence[str] | None = None) -> list[str]:
+    """The policy files among the arms ``names`` (``None``: :func:`default_arm_names`), as :func:`build_arms`
+    reads them: names that are not ``upstream``, ``wire-floor``, a strategy nor a preset, and are files."""
+    manager = get_manager()
+    presets = set(preset_names())
+    names = list(names) if names is not None else default_arm_names(workload)
+    return [
+        n
+        for n in names
+        if n not in (UPSTREAM, WIRE_FLOOR) and manager.get_spec(n) is None and n not in presets and Path(n).is_file()
+    ]
 
 
 def upstream_available() -> bool:
@@ -139,6 +172,10 @@ def build_arms(workload: Workload, names: Sequence[str] | None = None, *, warn: 
     named explicitly, it raises :class:`VllmOmniUnavailable`.
     """
     explicit = names is not None
+    if not explicit:
+        problem = workload_policy_problem(workload)
+        if problem:
+            raise OmniAccumError(problem)
     names = list(names) if names is not None else default_arm_names(workload)
     manager = get_manager()
     presets = set(preset_names())
@@ -174,6 +211,30 @@ def build_arms(workload: Workload, names: Sequence[str] | None = None, *, warn: 
 # ---------------------------------------------------------------------------------------------- #
 # Running
 # ---------------------------------------------------------------------------------------------- #
+
+
+def context_lens_problem(context_lens: Iterable[int], option: str = "--context-lens") -> str | None:
+    """Why a context length cannot be benchmarked (under 1 or over :data:`MAX_ROWS`), or None."""
+    for n in context_lens:
+        if n < 1 or n > MAX_ROWS:
+            return f"{option} {n}: context lengths go from 1 to {MAX_ROWS} ({MAX_ROWS // 1000}k) prefill rows"
+    return None
+
+
+def is_allocation_failure(e: BaseException) -> bool:
+    """``e`` is torch's (or Python's) failure to allocate memory, not a bug."""
+    if isinstance(e, MemoryError) or isinstance(e, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and (
+        "can't allocate memory" in text or "out of memory" in text.lower() or "size calculation overflowed" in text
+    )
+
+
+def allocation_detail(e: BaseException) -> str:
+    """``" (could not allocate 81.9 TB)"`` from torch's allocator message, else ``""``."""
+    m = re.search(r"tried to allocate (\d+) bytes", str(e))
+    return f" (could not allocate {_fmt_bytes(int(m.group(1)))})" if m else ""
 
 
 @dataclass
@@ -240,29 +301,44 @@ def run_bench(
     progress: TextIO | None = None,
     on_bucket: Callable[[list[ArmResult]], None] | None = None,
 ) -> BenchRun:
-    """Measure ``arms`` in every bucket (context length x concurrency) of the workload."""
+    """Measure ``arms`` in every bucket (context length x concurrency) of the workload.
+
+    Raises :class:`BenchError` for a context length over :data:`~omni_accum.workloads.MAX_ROWS` (before
+    measuring) and when a bucket's stream or state cannot be allocated.
+    """
     wl = load_workload(workload)
     cls = list(context_lens or wl.default_context_lens())
     concs = list(concurrency or wl.concurrency)
+    problem = context_lens_problem(cls)
+    if problem:
+        raise BenchError(problem)
     total = sum(repeats * len(arms) * c * wl.n_chunks(cl) for cl in cls for c in concs)
     bar = Progress(total, progress) if progress is not None else None
     run = BenchRun(wl, wire, view_hop, repeats)
     try:
         for cl in cls:
             for c in concs:
-                res = measure(
-                    wl,
-                    arms,
-                    context_len=cl,
-                    concurrency=c,
-                    wire=wire,
-                    repeats=repeats,
-                    view_hop=view_hop,
-                    per_key=per_key,
-                    through=through,
-                    progress=bar.advance if bar else None,
-                    warmup=True,
-                )
+                try:
+                    res = measure(
+                        wl,
+                        arms,
+                        context_len=cl,
+                        concurrency=c,
+                        wire=wire,
+                        repeats=repeats,
+                        view_hop=view_hop,
+                        per_key=per_key,
+                        through=through,
+                        progress=bar.advance if bar else None,
+                        warmup=True,
+                    )
+                except (MemoryError, RuntimeError) as e:
+                    if not is_allocation_failure(e):
+                        raise
+                    raise BenchError(
+                        f"context_len={cl} concurrency={c}: out of memory{allocation_detail(e)}; "
+                        "give shorter --context-lens or a lower --concurrency"
+                    ) from e
                 run.results += res
                 if on_bucket is not None:
                     on_bucket(res)
@@ -310,7 +386,7 @@ def roundtrip_lines(run: BenchRun) -> list[str]:
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit, div in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= div:
             return f"{n / div:.1f} {unit}"
     return f"{n:.0f} B"
@@ -322,13 +398,22 @@ def _fmt_us(us: float) -> str:
     return f"{us / 1000:.2f} ms" if us >= 10_000 else f"{us:.1f} us"
 
 
-def format_table(results: list[ArmResult], baseline: str = UPSTREAM) -> str:
-    """One bucket's results as a text table, with each arm's p50 as a ratio to ``baseline``."""
+def format_table(results: list[ArmResult], baseline: str = UPSTREAM, *, decode_steps: int | None = None) -> str:
+    """One bucket's results as a text table, with each arm's p50 as a ratio to ``baseline``.
+
+    A step is one chunk of one request, prefill chunks included; with ``decode_steps`` the head splits
+    ``steps/request`` into prefill chunks and decode steps.
+    """
     if not results:
         return ""
     r0 = results[0]
     base = next((r for r in results if r.arm == baseline and r.samples_us), None)
-    head = f"context_len={r0.context_len}  concurrency={r0.concurrency}  wire={r0.wire}  steps/request={r0.steps}"
+    split = ""
+    if decode_steps is not None and 0 <= decode_steps <= r0.steps:
+        split = f" ({r0.steps - decode_steps} prefill + {decode_steps} decode)"
+    head = (
+        f"context_len={r0.context_len}  concurrency={r0.concurrency}  wire={r0.wire}  steps/request={r0.steps}{split}"
+    )
     cols = ["arm", "p50 step", "p99 step", "total/request", "wire/step", "peak held", f"p50 vs {baseline}", "views"]
     rows = []
     notes = []
@@ -455,6 +540,30 @@ def require_matplotlib() -> Any:
             "pip install 'omni-accum[plot]' (or pip install matplotlib)"
         ) from e
     return plt
+
+
+#: Plot formats named when matplotlib cannot be asked for its own.
+PLOT_FORMATS = ("png", "svg", "pdf")
+
+
+def plot_formats() -> list[str]:
+    """File extensions (no dot) ``--plot`` can write: matplotlib's Agg formats, else :data:`PLOT_FORMATS`."""
+    try:
+        require_matplotlib()
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except (PlotUnavailable, ImportError):
+        return list(PLOT_FORMATS)
+    return sorted(FigureCanvasAgg.get_supported_filetypes())
+
+
+def plot_path_problem(path: str | os.PathLike[str], option: str = "--plot") -> str | None:
+    """Why ``path``'s extension names no format the plot can be written in, or None (checked before measuring)."""
+    ext = Path(path).suffix.lower().removeprefix(".")
+    formats = plot_formats()
+    if ext in formats:
+        return None
+    what = "has no extension" if not ext else f"extension .{ext} is not a format matplotlib can write"
+    return f"{option} {path}: {what}; the extension gives the format: {', '.join(formats)}"
 
 
 def plot(run: BenchRun, path: str | os.PathLike[str]) -> None:

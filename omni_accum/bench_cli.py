@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from omni_accum.cli import (
@@ -14,7 +16,22 @@ from omni_accum.cli import (
     output_path_problem,
     positive_int,
 )
-from omni_accum.workloads import workload_names
+from omni_accum.workloads import MAX_ROWS, workload_names
+
+EXAMPLES = """examples:
+  omni-accum bench --workload qwen3-omni-seed --context-lens 1k,8k --concurrency 1
+  omni-accum bench --arms upstream prealloc qwen3-omni-flat wire-floor --json seed.json --plot seed.png
+  omni-accum bench --concurrency 10 --wire serializer --view-hop serializer --arms upstream qwen3-omni-flat
+  omni-accum bench --workload my-traffic.yaml --arms upstream my-policy.yaml --per-key"""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Wraps the description like argparse's default, keeps the examples epilog as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
 
 
 def register(subparsers: Any) -> None:
@@ -27,8 +44,11 @@ def register(subparsers: Any) -> None:
             "through every arm (each first replays it once untimed, to be timed warm), interleaved round by "
             "round, and print a table per bucket of context length x "
             "concurrency. Arms: 'upstream' (vllm-omni 0.30.0's own _accumulate_payload), a strategy name "
-            "(applied to the keys it fits, upstream behaviour elsewhere), a policy preset or a policy file."
+            "(applied to the keys it fits, upstream behaviour elsewhere), a policy preset or a policy file, "
+            "and 'wire-floor'."
         ),
+        epilog=EXAMPLES,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument(
         "--workload",
@@ -40,13 +60,17 @@ def register(subparsers: Any) -> None:
         "--arms",
         nargs="+",
         metavar="ARM",
-        help="arms to compare (default: upstream, the strategies that fit the workload, and its policy preset)",
+        help="arms to compare: upstream, a strategy, a policy preset or file, or wire-floor (accumulates nothing: "
+        "the consumer sees each chunk as it arrives; its step is what the wire and the read alone cost). Default: "
+        "upstream; cat, token_list and prealloc when a key is append-kind; send_once when one is replace or "
+        "static; the workload's policy",
     )
     add_int_list_argument(
         p,
         "--context-lens",
         "N",
-        "context lengths, e.g. 1000 8000 or 1k,8k (default: the workload's)",
+        f"context lengths (prefill rows, at most {MAX_ROWS // 1000}k), e.g. 1000 8000 or 1k,8k "
+        "(default: the workload's)",
     )
     add_int_list_argument(
         p,
@@ -58,46 +82,99 @@ def register(subparsers: Any) -> None:
         "--wire",
         choices=("inproc", "serializer", "shm"),
         default="inproc",
-        help="inproc: no serialization; serializer: vllm-omni's OmniSerializer; shm: its SharedMemoryConnector",
+        help="inproc (default): no serialization; serializer: vllm-omni's OmniSerializer; shm: its "
+        "SharedMemoryConnector",
     )
     p.add_argument(
         "--view-hop",
         choices=("serializer",),
         help="also serialize the consumer's read every step, as pre-0.30 releases did for a multi-process worker",
     )
-    p.add_argument("--repeats", type=positive_int, default=3, help="rounds per bucket, arms interleaved (default: 3)")
     p.add_argument(
-        "--steps", type=non_negative_int, metavar="N", help="decode steps per request (default: the workload's)"
+        "--repeats", type=positive_int, default=3, metavar="N", help="rounds per bucket, arms interleaved (default: 3)"
+    )
+    p.add_argument(
+        "--steps",
+        type=non_negative_int,
+        metavar="N",
+        help="decode steps per request (default: the workload's); a table's steps/request also counts the "
+        "prefill chunk(s)",
     )
     add_threads_argument(p)
     p.add_argument(
         "--through",
         choices=("direct", "vllm-omni"),
         default="direct",
-        help="direct: call omni-accum's Sender/Receiver (or upstream's method); vllm-omni: every merge goes "
+        help="direct (default): call omni-accum's Sender/Receiver (or upstream's method); vllm-omni: every merge goes "
         "through a real vllm-omni 0.30.0 runner transport with omni-accum installed (needs vllm-omni)",
     )
     p.add_argument("--per-key", action="store_true", help="also report wire and held bytes per key")
     p.add_argument("--json", metavar="OUT", help="write results as JSON")
     p.add_argument(
-        "--plot", metavar="OUT.png", help="log-log plot of step latency vs context length (needs matplotlib)"
+        "--plot",
+        metavar="OUT.png",
+        help="log-log plot of step latency vs context length (needs matplotlib); the extension gives the format "
+        "(.png, .svg, .pdf, ...)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist (yet)
+        return Path(a).resolve() == Path(b).resolve()
+
+
+def _overwrite_problem(args: argparse.Namespace, wl: Any) -> str | None:
+    """Why ``--json``/``--plot`` would overwrite an input of the run, or None."""
+    from omni_accum import bench
+
+    outputs = [(option, path) for option, path in (("--json", args.json), ("--plot", args.plot)) if path]
+    inputs = [("the --workload file", args.workload)] if Path(args.workload).is_file() else []
+    inputs += [(f"the policy file of arm {f!r}", f) for f in bench.arm_policy_files(wl, args.arms)]
+    if wl.policy and Path(wl.policy).is_file():
+        inputs.append(("the workload's policy file", wl.policy))
+    for option, out in outputs:
+        for what, path in inputs:
+            if Path(out).exists() and _same_file(out, path):
+                return f"{option} {out} is {what} ({path}); writing it would overwrite an input of the run"
+    return None
+
+
+def _usage_error(problem: str) -> int:
+    print(f"omni-accum bench: error: {problem}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
     from omni_accum import bench
-    from omni_accum.workloads import load_workload
+    from omni_accum.workloads import WorkloadError, load_workload
 
     for path, option in ((args.json, "--json"), (args.plot, "--plot")):
         problem = output_path_problem(path, option)
         if problem:
-            print(f"omni-accum bench: error: {problem}", file=sys.stderr)
-            return 2
+            return _usage_error(problem)
+    if args.json and args.plot and _same_file(args.json, args.plot):
+        return _usage_error(f"--json {args.json} and --plot {args.plot} are the same file; give two paths")
+    problem = bench.context_lens_problem(args.context_lens or [])
+    if problem:
+        return _usage_error(problem)
+    if args.steps is not None and args.steps > MAX_ROWS:
+        return _usage_error(f"--steps {args.steps}: at most {MAX_ROWS} decode steps")
     if args.plot:
         bench.require_matplotlib()  # fail before measuring
+        problem = bench.plot_path_problem(args.plot)
+        if problem:
+            return _usage_error(problem)
     wl = load_workload(args.workload)
+    problem = bench.workload_policy_problem(wl, args.workload)
+    if problem:
+        raise WorkloadError(problem)
+    problem = _overwrite_problem(args, wl)
+    if problem:
+        return _usage_error(problem)
     if args.steps is not None:
         wl = wl.model_copy(update={"decode_steps": args.steps})
     arms = bench.build_arms(wl, args.arms, warn=sys.stderr)
@@ -117,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
 
     def show(results: list[Any]) -> None:
         print()
-        print(bench.format_table(results), flush=True)
+        print(bench.format_table(results, decode_steps=wl.decode_steps), flush=True)
 
     result = bench.run_bench(
         wl,

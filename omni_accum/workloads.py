@@ -24,16 +24,17 @@ Example (YAML)::
 
 from __future__ import annotations
 
+import math
 import os
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from omni_accum.errors import OmniAccumError
 
@@ -49,6 +50,16 @@ _DTYPES = {
     "int32": torch.int32,
     "bool": torch.bool,
 }
+
+
+#: The most rows a workload may ask for: a context length (prefill rows), rows or frames of one chunk,
+#: codebooks, decode steps. A bf16 [1_000_000, 2048] prefill is 4 GB, per key.
+MAX_ROWS = 1_000_000
+#: The most elements in one row (the product of ``row_shape``).
+MAX_ROW_ELEMENTS = 1 << 24
+
+#: A row count: 1 to :data:`MAX_ROWS`.
+Rows = Annotated[int, Field(ge=1, le=MAX_ROWS)]
 
 
 class WorkloadError(OmniAccumError):
@@ -70,22 +81,22 @@ class KeySpec(BaseModel):
     bool, the flat ``finished`` of pre-#1656 releases), ``names`` (the
     constant ``override_keys`` list of ``[group, qualifier]`` pairs), ``codes`` (1-D int64 of
     ``codebooks`` x window frames)."""
-    row_shape: list[int] = Field(default_factory=lambda: [2048])
-    """Trailing shape of a tensor value (a chunk is ``[rows, *row_shape]``)."""
+    row_shape: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [2048])
+    """Trailing shape of a tensor value (a chunk is ``[rows, *row_shape]``); positive sizes."""
     dtype: Literal["bfloat16", "float16", "float32", "int64", "int32"] = "bfloat16"
     """Tensor dtype."""
     carried: Carried = "every"
     """Which chunks carry the key: ``first`` (chunk 0 only, all prefill rows), ``prefill`` (every
     prefill chunk, its rows), ``decode`` (every decode chunk), ``every`` (every chunk)."""
-    rows: int | None = Field(default=None, ge=1)
+    rows: Rows | None = None
     """Rows per chunk; default: the chunk's prefill rows (``first``/``prefill``), else 1."""
-    extra_first_rows: int = Field(default=0, ge=0)
+    extra_first_rows: int = Field(default=0, ge=0, le=MAX_ROWS)
     """Rows added to the first chunk (the seed's ``P+1``: prefill plus the first sampled token)."""
     cumulative: bool = False
     """``ids`` only: send the whole id list so far (2026-03..05 ``ids.output``) instead of the new ids."""
-    windows: list[int] = Field(default_factory=list)
+    windows: list[Rows] = Field(default_factory=list)
     """``codes`` only: frames per chunk; the last entry repeats (talker -> code2wav: 4, 29, 50)."""
-    codebooks: int = Field(default=16, ge=1)
+    codebooks: int = Field(default=16, ge=1, le=MAX_ROWS)
     """``codes`` only: codebooks per frame."""
     names: list[list[str]] = Field(default_factory=list)
     """``names`` only: the key pairs listed (``[[embed, decode], [ids, output]]``)."""
@@ -95,6 +106,11 @@ class KeySpec(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> KeySpec:
+        if math.prod(self.row_shape) > MAX_ROW_ELEMENTS:
+            raise ValueError(
+                f"key {self.path!r}: row_shape {self.row_shape} has {math.prod(self.row_shape)} elements per row; "
+                f"at most {MAX_ROW_ELEMENTS}"
+            )
         if self.kind == "append" and self.value in ("flag", "bool", "names"):
             raise ValueError(f"key {self.path!r}: a {self.value!r} value cannot be append-kind; use replace or static")
         if self.value == "codes" and not self.windows:
@@ -113,18 +129,18 @@ class Workload(BaseModel):
     """Name shown in tables and JSON."""
     description: str = ""
     """What traffic this models."""
-    context_len: int = Field(default=8000, ge=1)
+    context_len: int = Field(default=8000, ge=1, le=MAX_ROWS)
     """Default prefill rows P (the context length); ``--context-lens`` overrides it per bucket."""
-    prefill_chunk: int | None = Field(default=None, ge=1)
+    prefill_chunk: Rows | None = None
     """Rows per prefill chunk (chunked prefill); None: the whole prefill in chunk 0."""
-    decode_steps: int = Field(default=100, ge=0)
+    decode_steps: int = Field(default=100, ge=0, le=MAX_ROWS)
     """Decode chunks after the prefill."""
     concurrency: list[int] = Field(default_factory=lambda: [1])
     """Default concurrency levels benchmarked."""
     context_lens: list[int] = Field(default_factory=list)
     """Default context lengths benchmarked (empty: ``[context_len]``)."""
-    seed: int = 0
-    """Seed of the generated data."""
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)
+    """Seed of the generated data (0 to 2**32 - 1)."""
     policy: str | None = None
     """Policy preset (or file) made for this traffic; benchmarked as an arm by default."""
     keys: list[KeySpec] = Field(min_length=1)
@@ -132,9 +148,11 @@ class Workload(BaseModel):
 
     @field_validator("concurrency", "context_lens")
     @classmethod
-    def _positive(cls, v: list[int]) -> list[int]:
+    def _positive(cls, v: list[int], info: ValidationInfo) -> list[int]:
         if any(x < 1 for x in v):
             raise ValueError(f"values must be >= 1, got {v}")
+        if info.field_name == "context_lens" and any(x > MAX_ROWS for x in v):
+            raise ValueError(f"values must be <= {MAX_ROWS}, got {v}")
         return v
 
     @model_validator(mode="after")
@@ -344,6 +362,12 @@ def build_workload(data: Any, source: str = "<mapping>") -> Workload:
         raise WorkloadError(_format_errors(e, source)) from e
 
 
+def _looks_like_path(name: str) -> bool:
+    """A name meant as a file: it has a workload file extension or a path separator."""
+    seps = [os.sep] + ([os.altsep] if os.altsep else [])
+    return Path(name).suffix.lower() in (".yaml", ".yml", ".json") or any(s in name for s in seps)
+
+
 def load_workload(source: str | os.PathLike[str] | Mapping[str, Any] | Workload) -> Workload:
     """Load a workload: a preset name, a YAML/JSON file path, a mapping, or a Workload (returned as is)."""
     if isinstance(source, Workload):
@@ -354,16 +378,21 @@ def load_workload(source: str | os.PathLike[str] | Mapping[str, Any] | Workload)
     if name in PRESETS:
         return build_workload({"name": name, **PRESETS[name]}, f"preset {name!r}")
     path = Path(name)
+    presets = f"Available presets: {', '.join(workload_names())}"
+    if path.is_dir():
+        raise WorkloadError(f"{name}: is a folder, not a workload file. {presets}")
     if not path.is_file():
-        raise WorkloadError(
-            f"{name!r} is neither a workload file nor a preset. Available presets: {', '.join(workload_names())}"
-        )
+        if _looks_like_path(name):
+            raise WorkloadError(f"no such workload file: {name}. {presets}")
+        raise WorkloadError(f"{name!r} is neither a workload file nor a preset. {presets}")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         raise WorkloadError(f"{path}: cannot read workload file: {e}") from e
     except yaml.YAMLError as e:
         raise WorkloadError(f"{path}: invalid YAML: {e}") from e
+    if data is None:
+        raise WorkloadError(f"{path}: the workload file is empty; it needs at least 'keys' (and usually 'name')")
     if isinstance(data, Mapping) and "name" not in data:
         data = {"name": path.stem, **data}
     return build_workload(data, str(path))
@@ -454,10 +483,35 @@ def _rows(spec: KeySpec, plan: ChunkPlan) -> int:
     return rows + (spec.extra_first_rows if plan.index == 0 else 0)
 
 
+#: Elements drawn per float32 block when filling a bf16/fp16 tensor (a multiple of 16, see :func:`_tensor`).
+_RANDN_BLOCK = 1 << 20
+
+
 def _tensor(shape: list[int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
-    return torch.randint(0, 4096, shape, generator=gen, dtype=torch.int64).to(dtype)
+    """Seeded values of ``shape``, built in ``dtype``: the same values (and generator state after) as
+    ``torch.randn(shape, dtype=float32).to(dtype)`` (``randint`` in int64 for integers).
+
+    A half-precision tensor is filled from float32 blocks of :data:`_RANDN_BLOCK` elements, so a
+    prefill tensor never has a float32 copy. CPU ``randn`` draws one uniform per element in order and
+    transforms aligned groups of 16 (redrawing the last 16 when the size is no multiple of 16), so
+    blocks of a multiple of 16 elements, the last one taking any remainder under 16, give the whole
+    draw's values.
+    """
+    if not dtype.is_floating_point:
+        return torch.randint(0, 4096, shape, generator=gen, dtype=dtype)
+    if dtype == torch.float32:
+        return torch.randn(shape, generator=gen, dtype=dtype)
+    out = torch.empty(shape, dtype=dtype)
+    flat = out.view(-1)
+    n = flat.numel()
+    start = 0
+    while start < n:
+        end = min(start + _RANDN_BLOCK, n)
+        if n - end < 16:
+            end = n
+        flat[start:end] = torch.randn(end - start, generator=gen, dtype=torch.float32)
+        start = end
+    return out
 
 
 def _value(

@@ -38,6 +38,7 @@ def test_bench_inproc_prints_tables_and_writes_valid_json(tmp_path, capsys):
     assert rc == 0
     assert "context_len=16  concurrency=2" in text and "context_len=32  concurrency=2" in text
     assert "prealloc" in text and "p50 step" in text
+    assert "steps/request=4 (1 prefill + 3 decode)" in text  # --steps 3: the prefill chunk is a step too
     doc = json.loads(out.read_text())
     jsonschema.validate(doc, bench.RESULT_SCHEMA)
     assert doc["workload"] == "qwen3-omni-seed" and doc["wire"] == "inproc"
@@ -164,3 +165,133 @@ def test_roundtrip_lines_divide_each_p50_by_the_round_trip_and_the_floor():
     assert "context_len=1000 concurrency=10" in line
     assert "upstream 40.00x, 20.00x wire-floor" in line and "qwen3-omni-flat 3.00x, 1.50x wire-floor" in line
     assert line.endswith("; wire-floor 2.00x")  # the floor against the round trip alone
+
+
+def test_negative_row_shape_is_one_line_naming_the_field(tmp_path, capsys):
+    bad = tmp_path / "w.yaml"
+    bad.write_text("name: w\nkeys: [{path: a.b, kind: append, carried: decode, read: newest_row, row_shape: [-5]}]\n")
+    rc = main(["bench", "--workload", str(bad), "--arms", "cat", *SMALL])
+    err = capsys.readouterr().err
+    assert rc == 1 and "keys[0].row_shape[0]" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("plot", "needle"), [("p.out", "extension .out"), ("noext", "has no extension")])
+def test_plot_path_without_a_format_is_refused_before_measuring(tmp_path, monkeypatch, capsys, plot, needle):
+    require_module("matplotlib", "the plot extra, installed by scripts/env.sh")
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("measured before checking --plot"))
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--arms", "cat", "--json", str(out), "--plot", str(tmp_path / plot), *SMALL])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--plot {tmp_path / plot}: {needle}" in err
+    assert "png" in err and "svg" in err and "pdf" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_plot_formats_without_matplotlib(monkeypatch):
+    def missing():
+        raise bench.PlotUnavailable("no matplotlib")
+
+    monkeypatch.setattr(bench, "require_matplotlib", missing)
+    assert bench.plot_formats() == ["png", "svg", "pdf"]
+    assert bench.plot_path_problem("a.SVG") is None
+    assert "png, svg, pdf" in bench.plot_path_problem("a.out")
+
+
+def test_context_len_over_the_bound_is_refused(capsys):
+    rc = main(["bench", "--arms", "cat", "--context-lens", "10000000000", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--context-lens 10000000000" in err and "1000000" in err and "Traceback" not in err
+
+
+def test_out_of_memory_is_one_line_naming_the_bucket(monkeypatch, capsys):
+    def measure(*a, **k):
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 81920000008192 bytes. Error code 12 (Cannot allocate memory)"
+        )
+
+    monkeypatch.setattr(bench, "measure", measure)
+    rc = main(["bench", "--arms", "cat", *SMALL])
+    err = capsys.readouterr().err
+    assert rc == 1 and "context_len=16 concurrency=2: out of memory (could not allocate 81.9 TB)" in err
+    assert "Traceback" not in err
+
+
+def test_other_runtime_errors_are_not_taken_for_memory(monkeypatch):
+    monkeypatch.setattr(bench, "measure", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        bench.run_bench("qwen3-omni-seed", {}, context_lens=[16], concurrency=[1], repeats=1)
+
+
+def _policy_file(tmp_path):
+    pol = tmp_path / "pol.yaml"
+    pol.write_text("rules:\n  - {match: thinker_embeddings, strategy: prealloc}\n")
+    return pol
+
+
+def _workload_file(tmp_path, policy=None):
+    wl = tmp_path / "w.yaml"
+    extra = f"policy: {policy}\n" if policy else ""
+    wl.write_text(f"name: w\ndecode_steps: 2\n{extra}keys: [{{path: a.b, kind: append, row_shape: [4]}}]\n")
+    return wl
+
+
+def test_json_onto_an_input_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("measured before checking --json"))
+    pol = _policy_file(tmp_path)
+    wl = _workload_file(tmp_path, policy=pol)
+    before = {p: p.read_text() for p in (pol, wl)}
+    for argv, needle in (
+        (["--arms", "cat", str(pol), "--json", str(pol)], f"--json {pol} is the policy file of arm"),
+        (["--workload", str(wl), "--arms", "cat", "--json", str(wl)], f"--json {wl} is the --workload file"),
+        (["--workload", str(wl), "--arms", "cat", "--json", str(pol)], f"--json {pol} is the workload's policy"),
+    ):
+        rc = main(["bench", *argv, *SMALL])
+        err = capsys.readouterr().err
+        assert rc == 2 and needle in err, (argv, err)
+    assert {p: p.read_text() for p in (pol, wl)} == before
+
+
+def test_json_and_plot_on_one_file_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("measured before checking the outputs"))
+    out = tmp_path / "r.png"
+    rc = main(["bench", "--arms", "cat", "--json", str(out), "--plot", str(tmp_path / "." / "r.png"), *SMALL])
+    err = capsys.readouterr().err
+    assert rc == 2 and "are the same file" in err and str(out) in err
+
+
+@pytest.mark.parametrize("arms", [[], ["--arms", "cat"]])
+def test_workload_policy_that_names_nothing_is_reported_with_its_origin(tmp_path, capsys, arms):
+    wl = _workload_file(tmp_path, policy="nopreset")
+    rc = main(["bench", "--workload", str(wl), *arms, *SMALL])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"{wl}: field 'policy': 'nopreset'" in err and "qwen3-omni-flat" in err
+
+
+def test_build_arms_names_the_workload_policy_field():
+    wl = load_workload("qwen3-omni-seed").model_copy(update={"policy": "nopreset"})
+    with pytest.raises(bench.OmniAccumError, match="field 'policy': 'nopreset'"):
+        bench.build_arms(wl)
+
+
+def test_default_arms_add_send_once_but_not_replace_for_replace_keys():
+    assert bench.default_arm_names(load_workload("talker-code2wav")) == ["upstream", "send_once", "qwen3-omni"]
+    assert bench.default_arm_names(load_workload("qwen3-omni-chunked-prefill")) == [
+        "upstream",
+        "cat",
+        "token_list",
+        "prealloc",
+        "send_once",
+        "qwen3-omni",
+    ]
+
+
+def test_help_has_examples_defaults_and_the_wire_floor_arm(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = capsys.readouterr().out
+    assert "--repeats N" in text and "REPEATS" not in text
+    assert "inproc (default)" in text and "direct (default)" in text
+    assert "wire-floor (accumulates nothing" in text
+    assert "examples:\n  omni-accum bench --workload qwen3-omni-seed" in text
+    assert "counts the" in text and "prefill chunk(s)" in text

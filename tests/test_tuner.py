@@ -273,7 +273,9 @@ def test_stale_table_warns_once_and_falls_back(monkeypatch):
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
-    assert cli.main(["tune", "--workload", "qwen3-omni-seed"]) == 2
+    with pytest.raises(SystemExit) as e:
+        cli.main(["tune", "--workload", "qwen3-omni-seed"])
+    assert e.value.code == 2
     assert "--out" in capsys.readouterr().err
     assert cli.main(["tune", "--workload", "no-such-workload", "--out", str(tmp_path / "x.yaml")]) == 1
     err = capsys.readouterr().err
@@ -297,7 +299,9 @@ def test_cli_checks_output_paths_before_measuring_and_takes_int_lists(tmp_path, 
     from omni_accum.cli import output_path_problem
 
     assert output_path_problem(tmp_path / "new" / "dir" / "x.yaml", "--out") is None  # folders are created
-    args = cli.build_parser().parse_args(["tune", "--context-lens", "1000", "8k,32000", "--concurrency", "1", "10"])
+    args = cli.build_parser().parse_args(
+        ["tune", "--context-lens", "1000", "8k,32000", "--concurrency", "1", "10", "--out", "x.yaml"]
+    )
     assert args.context_lens == [1000, 8000, 32000] and args.concurrency == [1, 10]
 
 

@@ -104,6 +104,22 @@ def test_yaml_without_name_takes_the_file_stem(tmp_path):
         ("name: w\nkeys:\n  - {path: f, kind: append, value: flag}\n", "cannot be append-kind"),
         ("- just a list\n", "must be a mapping"),
         ("name: [unclosed\n", "invalid YAML"),
+        ("", "the workload file is empty"),
+        ("# only a comment\n", "the workload file is empty"),
+        # numbers that are generated into tensors are checked here, not by torch later
+        ("name: w\nkeys:\n  - {path: a.b, kind: append, row_shape: [-5]}\n", "keys[0].row_shape[0]"),
+        ("name: w\nkeys:\n  - {path: a.b, kind: append, row_shape: [4, 0]}\n", "keys[0].row_shape[1]"),
+        ("name: w\nkeys:\n  - {path: a.b, kind: append, row_shape: [65536, 65536]}\n", "elements per row"),
+        ("name: w\nkeys:\n  - {path: a.b, kind: append, rows: 0}\n", "keys[0].rows"),
+        ("name: w\nkeys:\n  - {path: a.b, kind: append, extra_first_rows: 2000000}\n", "extra_first_rows"),
+        ("name: w\nkeys:\n  - {path: c, kind: replace, value: codes, windows: [4, -1]}\n", "keys[0].windows[1]"),
+        ("name: w\nkeys:\n  - {path: c, kind: replace, value: codes, windows: [4], codebooks: 0}\n", "codebooks"),
+        ("name: w\ncontext_len: 0\nkeys:\n  - {path: x, kind: append}\n", "context_len"),
+        ("name: w\ncontext_len: 10000000000\nkeys:\n  - {path: x, kind: append}\n", "context_len"),
+        ("name: w\ncontext_lens: [16, 10000000000]\nkeys:\n  - {path: x, kind: append}\n", "context_lens"),
+        ("name: w\nprefill_chunk: 0\nkeys:\n  - {path: x, kind: append}\n", "prefill_chunk"),
+        ("name: w\ndecode_steps: 10000000000\nkeys:\n  - {path: x, kind: append}\n", "decode_steps"),
+        ("name: w\nseed: -1\nkeys:\n  - {path: x, kind: append}\n", "seed"),
     ],
 )
 def test_bad_workload_file_names_the_field(tmp_path, text, needle):
@@ -118,3 +134,57 @@ def test_bad_workload_file_names_the_field(tmp_path, text, needle):
 def test_unknown_name_lists_presets():
     with pytest.raises(WorkloadError, match="qwen3-omni-seed"):
         load_workload("no-such-workload")
+
+
+@pytest.mark.parametrize("name", ["nosuch.yaml", "nosuch.JSON", "sub/nosuch"])
+def test_missing_workload_file_says_so(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(WorkloadError) as e:
+        load_workload(name)
+    assert str(e.value).startswith(f"no such workload file: {name}.") and "qwen3-omni-seed" in str(e.value)
+
+
+def test_workload_folder_says_it_is_a_folder(tmp_path):
+    (tmp_path / "dir.yaml").mkdir()
+    with pytest.raises(WorkloadError) as e:
+        load_workload(str(tmp_path / "dir.yaml"))
+    assert "is a folder, not a workload file" in str(e.value) and "qwen3-omni-seed" in str(e.value)
+
+
+def _float32_then_cast(shape, dtype, gen):
+    """How streams were generated before: float32 (int64) values cast to the dtype."""
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+    return torch.randint(0, 4096, shape, generator=gen, dtype=torch.int64).to(dtype)
+
+
+@pytest.mark.parametrize("block", [16, 48, 1 << 20])
+def test_tensors_are_built_in_their_dtype_with_the_same_values(monkeypatch, block):
+    from omni_accum import workloads
+
+    monkeypatch.setattr(workloads, "_RANDN_BLOCK", block)
+    for shape in ([1], [15], [16], [17], [5, 17], [3, 2048], [2, 1, 2048], [33, 33]):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64):
+            g_old, g_new = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+            old, new = _float32_then_cast(shape, dtype, g_old), workloads._tensor(shape, dtype, g_new)
+            assert new.dtype == dtype and torch.equal(old, new), (shape, dtype)
+            # the generator is left where it was, so the next values match too
+            assert torch.equal(torch.randn(4, generator=g_old), torch.randn(4, generator=g_new)), (shape, dtype)
+
+
+def test_half_precision_tensors_have_no_float32_copy(monkeypatch):
+    from omni_accum import workloads
+
+    real = torch.randn
+    drawn = []
+
+    def randn(*a, **k):
+        t = real(*a, **k)
+        drawn.append(t.numel())
+        return t
+
+    monkeypatch.setattr(workloads, "_RANDN_BLOCK", 1024)
+    monkeypatch.setattr(torch, "randn", randn)
+    t = workloads._tensor([8, 2048], torch.bfloat16, torch.Generator().manual_seed(0))
+    assert t.dtype == torch.bfloat16 and t.shape == (8, 2048)
+    assert max(drawn) == 1024 and sum(drawn) == 8 * 2048

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from omni_accum.cli import (
@@ -16,19 +18,40 @@ from omni_accum.cli import (
 from omni_accum.loader import load_policy
 from omni_accum.tuner.buckets import DEFAULT_CONCURRENCY, DEFAULT_CONTEXT_LENS, QUICK_CONCURRENCY, QUICK_CONTEXT_LENS
 from omni_accum.tuner.report import decision_table, gain_table, show
-from omni_accum.tuner.run import TuneOptions, tune
+from omni_accum.tuner.run import TuneOptions, output_problem, tune
+from omni_accum.workloads import workload_names
 
 HELP = """\
 Replay the workload's trace through every applicable strategy per key (built-ins and plugins,
 filtered by the kinds they declare, with a small params grid), in every bucket of context length
 x concurrency, arms interleaved round by round. A key leaves the baseline policy only for a win
-> 5 %% whose bootstrap 95 %% interval excludes zero; candidates whose views differ from the cat
+> 5 % whose bootstrap 95 % interval excludes zero; candidates whose views differ from the cat
 reference, that raise, or that hold more than the memory budget are excluded and reported. The
 output is a policy file (validated, written atomically after every bucket) with the decision per
 key per bucket, every candidate's timings and an environment fingerprint; at run time a table
 whose fingerprint does not match is ignored with a warning. Ctrl-C leaves the previous file or a
-valid partial one; --resume reuses measured buckets.
+valid partial one; --resume reuses measured buckets. The file is YAML for .yaml/.yml and JSON for
+.json. Exit status: 0 complete, 3 partial (--budget-s spent), 130 interrupted, 1 or 2 on errors.
 """
+
+
+def _number(low: float, *, strict: bool) -> Callable[[str], float]:
+    """An argparse type: a finite float ``> low`` (``strict``) or ``>= low``; the error names the value."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or (value <= low if strict else value < low):
+            raise argparse.ArgumentTypeError(f"must be a number {'>' if strict else '>='} {low:g}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_float = _number(0, strict=True)
+non_negative_float = _number(0, strict=False)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--workload", default="qwen3-omni-seed", help="workload preset name or YAML file (default: %(default)s)"
+        "--workload",
+        default="qwen3-omni-seed",
+        metavar="NAME|FILE",
+        help=f"workload preset ({', '.join(workload_names())}) or a YAML workload file (default: %(default)s)",
     )
     add_int_list_argument(
         p,
@@ -59,22 +85,42 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--wire",
         choices=["inproc", "serializer", "shm"],
         default="inproc",
-        help="how chunks travel while timing (serializer/shm use vllm-omni's real classes)",
+        help="how chunks travel while timing (serializer/shm use vllm-omni's real classes; default: %(default)s)",
     )
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where tensors live while timing")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where tensors live while timing (default: %(default)s)",
+    )
     p.add_argument(
         "--budget-s",
-        type=float,
+        type=non_negative_float,
         metavar="S",
-        help="stop starting new buckets after S seconds (the file is then partial; --resume goes on)",
+        help="stop starting new buckets once S seconds have passed; a run always measures at least one bucket, "
+        "so every run makes progress. With buckets left the file is partial (exit status 3) and --resume goes "
+        "on. Default (and 0): no budget",
     )
     p.add_argument(
         "--quick",
         action="store_true",
         help="fewer buckets, decode steps and rounds, no params grid, no upstream round (a first look)",
     )
-    p.add_argument("--resume", action="store_true", help="reuse the buckets already measured in --out")
-    p.add_argument("--out", type=Path, metavar="POLICY.yaml", help="where to write the tuned policy")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the buckets already measured in --out (refused, leaving the file untouched, if it is not "
+        "a tuned policy)",
+    )
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE",
+        help="where to write the tuned policy (required unless --show): .yaml or .yml (YAML) or .json (JSON); "
+        "written atomically, through a symlink to its target, keeping an existing file's permissions",
+    )
+    target.add_argument("--show", metavar="POLICY", help="print the decision table of a tuned policy file and exit")
     p.add_argument(
         "--base",
         default="default",
@@ -90,18 +136,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--memory-budget",
-        type=float,
+        type=positive_float,
         default=2.0,
         metavar="X",
-        help="reject a candidate holding more than X times the accumulated bytes (default %(default)s)",
+        help="reject a candidate holding more than X (> 0) times the accumulated bytes (default %(default)s)",
     )
     p.add_argument(
         "--min-gain-us",
-        type=float,
+        type=non_negative_float,
         default=1.0,
         metavar="US",
-        help="leave the baseline only for a win of at least US microseconds per step, besides > 5%% with an "
-        "interval above zero (default %(default)s)",
+        help="leave the baseline only for a win of at least US (>= 0) microseconds per step, besides > 5%% with "
+        "an interval above zero (default %(default)s)",
     )
     p.add_argument(
         "--verify",
@@ -111,7 +157,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "warm-up replay of each, and print the gain (default: on; off with --quick)",
     )
     add_threads_argument(p)
-    p.add_argument("--show", metavar="POLICY", help="print the decision table of a tuned policy file and exit")
     p.set_defaults(func=run)
 
 
@@ -120,9 +165,9 @@ def run(args: argparse.Namespace) -> int:
         print(show(load_policy(args.show), str(args.show)))
         return 0
     if args.out is None:
-        print("omni-accum tune: error: --out POLICY.yaml is required (or --show POLICY)", file=sys.stderr)
+        print("omni-accum tune: error: --out FILE is required (or --show POLICY)", file=sys.stderr)
         return 2
-    problem = output_path_problem(args.out, "--out")
+    problem = output_path_problem(args.out, "--out") or output_problem(args.out)
     if problem:
         print(f"omni-accum tune: error: {problem}", file=sys.stderr)
         return 2
@@ -154,7 +199,9 @@ def run(args: argparse.Namespace) -> int:
         )
         return 130
     t = res.policy.tuned
-    assert t is not None
+    if t is None:  # not reached: a run measures at least one bucket or raises
+        print(f"omni-accum tune: error: nothing was measured; {args.out} was not written", file=sys.stderr)
+        return 3
     print(decision_table(t))
     verified = [o for o in res.outcomes if o.verify]
     if verified:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -46,6 +48,7 @@ class TuneOptions:
     wire: str = "inproc"
     device: str = "cpu"
     budget_s: float | None = None
+    """Stop starting new buckets after this many seconds, once one bucket was measured (None or 0: no budget)."""
     quick: bool = False
     resume: bool = False
     base: str = "default"
@@ -67,23 +70,92 @@ class TuneResult:
     stopped: str | None = None
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+OUTPUT_FORMATS = {".yaml": "yaml", ".yml": "yaml", ".json": "json"}
+"""Extensions ``tune`` writes, and the format of each (``omni-accum validate`` also reads ``.toml``)."""
+
+
+def output_format(path: str | os.PathLike[str]) -> str:
+    """``"yaml"`` or ``"json"`` from the extension of ``path``; :class:`TuneError` for any other."""
+    p = Path(path)
+    fmt = OUTPUT_FORMATS.get(p.suffix.lower())
+    if fmt is None:
+        what = f"{p.suffix!r} files" if p.suffix else "files without an extension"
+        raise TuneError(f"--out {p}: tune writes .yaml, .yml (YAML) or .json (JSON) policy files, not {what}")
+    return fmt
+
+
+def output_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``tune`` cannot write its policy to ``path`` (extension, folder), checked before measuring; or None.
+
+    A symlink is checked at its target. The folder (or the nearest existing one, when folders are to be
+    created) is probed with a temporary file, so a read-only or virtual file system is caught up front.
+    """
+    p = Path(path)
     try:
+        output_format(p)
+    except TuneError as e:
+        return str(e)
+    target = Path(os.path.realpath(p))
+    if target.is_dir():
+        return f"--out {p}: is a directory; give a file path"
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"--out {p}: {folder} is not a folder"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=folder)
+    except OSError as e:
+        return f"--out {p}: cannot create files in {folder}: {e.strerror or e}"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: never a half-written file.
+
+    A symlink is written through (its target is replaced, the link stays); an existing file keeps its
+    permission bits, a new one gets ``0666 & ~umask`` as with ``open()``. An ``OSError`` names ``path``,
+    not the temporary file.
+    """
+    path = Path(path)
+    target = Path(os.path.realpath(path))
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            mode = stat.S_IMODE(os.stat(target).st_mode)
+        except FileNotFoundError:
+            mode = 0o666 & ~_umask()
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
+            os.chmod(tmp, mode)
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        os.replace(tmp, target)
+    except BaseException as e:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if isinstance(e, OSError):
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
         raise
+
+
+def _serialise(policy: Policy, wl: Workload, opts: TuneOptions, complete: bool) -> str:
+    if output_format(opts.out) == "json":
+        return dump_policy(policy, "json")  # JSON has no comments: the description says where it came from
+    return _header(wl, opts, complete) + dump_policy(policy)
 
 
 def _header(wl: Workload, opts: TuneOptions, complete: bool) -> str:
@@ -123,16 +195,17 @@ def build_output(
 def _resumable(opts: TuneOptions, wl: Workload, fp: dict, log: TextIO | None) -> dict[tuple[int, int], list[TunedCell]]:
     if not opts.resume or not Path(opts.out).is_file():
         return {}
+    how = "give another --out, or drop --resume to replace it"
     try:
         old = load_policy(opts.out)
     except PolicyError as e:
-        _say(log, f"--resume: {opts.out} is not a valid policy, starting over ({e.errors[0]})")
-        return {}
+        first = e.errors[0] if e.errors else str(e)
+        raise TuneError(f"--resume: cannot read {opts.out} as a policy ({first}); left it untouched: {how}") from e
     t = old.tuned
-    why = None
     if t is None:
-        why = "it has no tuned table"
-    elif t.workload != wl.name or t.wire != opts.wire:
+        raise TuneError(f"--resume: {opts.out} is not a tuned policy (no tuned table); left it untouched: {how}")
+    why = None
+    if t.workload != wl.name or t.wire != opts.wire:
         why = f"it was tuned on {t.workload!r}/{t.wire!r}, not {wl.name!r}/{opts.wire!r}"
     elif t.fingerprint.get("candidates") != fp.get("candidates"):
         why = "its candidate set differs (strategies or plugins changed)"
@@ -164,8 +237,15 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
 
         if not torch.cuda.is_available():
             raise TuneError("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False)")
-    if not opts.memory_factor > 0:
-        raise TuneError(f"--memory-budget must be > 0, got {opts.memory_factor}")
+    if not (opts.memory_factor > 0 and math.isfinite(opts.memory_factor)):
+        raise TuneError(f"--memory-budget must be a number > 0, got {opts.memory_factor}")
+    if not (opts.min_gain_us >= 0 and math.isfinite(opts.min_gain_us)):
+        raise TuneError(f"--min-gain-us must be a number >= 0, got {opts.min_gain_us}")
+    if opts.budget_s is not None and not opts.budget_s >= 0:
+        raise TuneError(f"--budget-s must be >= 0 seconds (0: no budget), got {opts.budget_s}")
+    problem = output_problem(opts.out)
+    if problem:
+        raise TuneError(problem)
     wl = load_workload(opts.workload)
     try:
         cls = check_edges(
@@ -212,7 +292,10 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
         bar = Progress(total, progress)
     result = TuneResult(policy=base, out=Path(opts.out))
     cells: list[TunedCell] = []
+    # The budget only stops *new* buckets, and never before one was measured in this run: every run
+    # (with --resume, every next run) makes progress and leaves a valid file.
     deadline = t0 + opts.budget_s if opts.budget_s else None
+    measured = 0
     try:
         for i, (cl, c) in enumerate(buckets):
             old = reuse.get((cl, c), [])
@@ -232,9 +315,10 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
                         )
                 _say(log, f"bucket context_len={cl} concurrency={c}: reused from {opts.out}")
             else:
-                if deadline is not None and time.monotonic() > deadline:
+                if deadline is not None and measured and time.monotonic() > deadline:
                     result.stopped = f"budget of {opts.budget_s:g} s spent after {i} of {len(buckets)} buckets"
                     break
+                measured += 1
                 outcome = tune_bucket(
                     bucket_workload(c),
                     base,
@@ -264,7 +348,7 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
                     progress=bar.advance if bar else None,
                 )
             result.outcomes.append(outcome)
-            write_atomic(opts.out, _header(wl, opts, done) + dump_policy(policy))
+            write_atomic(opts.out, _serialise(policy, wl, opts, done))
             result.policy = policy
             _say(log, f"bucket context_len={cl} concurrency={c}: {outcome.rounds} round(s), {outcome.seconds:.1f} s")
     except KeyboardInterrupt:
@@ -278,9 +362,9 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
     result.complete = result.stopped is None
     if not result.complete and cells:
         policy = build_output(base, wl, opts, cells, (cls, concs), fp, skipped, complete=False)
-        write_atomic(opts.out, _header(wl, opts, False) + dump_policy(policy))
+        write_atomic(opts.out, _serialise(policy, wl, opts, False))
         result.policy = policy
     return result
 
 
-__all__ = ["OmniAccumError", "TuneOptions", "TuneResult", "tune", "write_atomic"]
+__all__ = ["OmniAccumError", "TuneOptions", "TuneResult", "output_format", "output_problem", "tune", "write_atomic"]

@@ -1,0 +1,258 @@
+"""``omni-accum tune`` as a user meets it: budget, output formats and files, --resume safety, --help, bad values."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import omni_accum
+from omni_accum import cli
+from omni_accum.tuner import TuneOptions, tune, write_atomic
+from omni_accum.tuner.core import TuneError
+from omni_accum.tuner.run import output_problem
+from omni_accum.workloads import workload_names
+
+SMALL = {
+    "name": "small",
+    "context_len": 64,
+    "decode_steps": 4,
+    "concurrency": [1],
+    "keys": [{"path": "embed.decode", "kind": "append", "carried": "every", "row_shape": [8], "read": "newest_row"}],
+}
+
+
+def _opts(tmp_path: Path, **kw) -> TuneOptions:
+    base = dict(
+        workload=SMALL,
+        out=tmp_path / "tuned.yaml",
+        context_lens=[64],
+        concurrency=[1],
+        decode_steps=4,
+        max_rounds=1,
+        verify=False,
+        quick=True,
+    )
+    base.update(kw)
+    return TuneOptions(**base)
+
+
+def _tune_args(tmp_path: Path, out: Path, *extra: str) -> list[str]:
+    wl = tmp_path / "small-workload.yaml"
+    wl.write_text(yaml.safe_dump(SMALL))
+    return [
+        "tune",
+        "--quick",
+        "--workload",
+        str(wl),
+        "--context-lens",
+        "64",
+        "--concurrency",
+        "1",
+        "--decode-steps",
+        "4",
+        "--no-verify",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    """Fail the test if a bucket is measured (for checks that must come before any measurement)."""
+
+    def refuse(*a, **kw):
+        raise AssertionError("a bucket was measured")
+
+    monkeypatch.setattr("omni_accum.tuner.run.tune_bucket", refuse)
+
+
+class _Clock:
+    """A stand-in for ``time`` in the tuner: every reading is 100 s after the previous one."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 100.0
+        return self.now
+
+
+# -- 1. --budget-s -------------------------------------------------------------------------------- #
+
+
+def test_a_spent_budget_still_measures_one_bucket_and_leaves_a_partial_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("omni_accum.tuner.run.time", _Clock())  # the budget is spent before the first bucket
+    res = tune(_opts(tmp_path, context_lens=[64, 256], budget_s=1))
+    assert not res.complete and "budget" in res.stopped
+    assert res.policy.tuned is not None and res.policy.tuned.complete is False
+    assert {c.context_len for c in res.policy.tuned.cells} == {64}
+    assert omni_accum.load_policy(tmp_path / "tuned.yaml").tuned.complete is False
+
+    out = tmp_path / "cli.yaml"
+    rc = cli.main(_tune_args(tmp_path, out, "--context-lens", "256", "--budget-s", "0.001"))
+    captured = capsys.readouterr()
+    assert rc == 3 and "Traceback" not in captured.err and "PARTIAL" in captured.out
+    assert {c.context_len for c in omni_accum.load_policy(out).tuned.cells} == {64}
+    assert cli.main(["validate", str(out)]) == 0
+
+
+def test_budget_zero_means_no_budget(tmp_path, monkeypatch):
+    monkeypatch.setattr("omni_accum.tuner.run.time", _Clock())
+    res = tune(_opts(tmp_path, context_lens=[64, 256], budget_s=0))
+    assert res.complete and {c.context_len for c in res.policy.tuned.cells} == {64, 256}
+
+
+def test_negative_budget_is_refused(tmp_path, capsys, no_measuring):
+    with pytest.raises(SystemExit) as e:
+        cli.main(_tune_args(tmp_path, tmp_path / "x.yaml", "--budget-s", "-1"))
+    assert e.value.code == 2 and "--budget-s" in (err := capsys.readouterr().err) and "-1" in err
+    with pytest.raises(TuneError, match="budget"):
+        tune(_opts(tmp_path, budget_s=-1))
+    assert not (tmp_path / "x.yaml").exists()
+
+
+# -- 2. output formats ---------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("name", ["tuned.json", "tuned.yml", "TUNED.YAML"])
+def test_output_format_follows_the_extension_and_reads_back(tmp_path, monkeypatch, capsys, name):
+    out = tmp_path / name
+    assert cli.main(_tune_args(tmp_path, out)) == 0
+    if name.endswith(".json"):
+        assert json.loads(out.read_text())["tuned"]["complete"] is True
+    else:
+        assert yaml.safe_load(out.read_text())["tuned"]["complete"] is True
+    assert cli.main(["validate", str(out)]) == 0
+    assert cli.main(["tune", "--show", str(out)]) == 0
+    assert "embed.decode" in capsys.readouterr().out
+
+    def refuse(*a, **kw):
+        raise AssertionError("--resume should have reused the bucket")
+
+    monkeypatch.setattr("omni_accum.tuner.run.tune_bucket", refuse)
+    assert cli.main(_tune_args(tmp_path, out, "--resume")) == 0
+    assert "reused from" in capsys.readouterr().err
+    assert cli.main(["validate", str(out)]) == 0
+
+
+@pytest.mark.parametrize("name", ["tuned.toml", "tuned.txt", "tuned"])
+def test_other_extensions_are_refused_before_measuring(tmp_path, capsys, no_measuring, name):
+    out = tmp_path / name
+    assert cli.main(_tune_args(tmp_path, out)) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and ".yaml" in err and ".json" in err and "Traceback" not in err
+    assert not out.exists()
+    with pytest.raises(TuneError, match=".json"):
+        tune(_opts(tmp_path, out=out))
+
+
+# -- 3. writing the file -------------------------------------------------------------------------- #
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_write_atomic_keeps_modes_and_writes_through_symlinks(tmp_path, umask_022):
+    new = tmp_path / "new.yaml"
+    write_atomic(new, "a: 1\n")
+    assert stat.S_IMODE(new.stat().st_mode) == 0o644  # 0666 & ~umask, not mkstemp's 0600
+
+    existing = tmp_path / "existing.yaml"
+    existing.write_text("old\n")
+    existing.chmod(0o640)
+    write_atomic(existing, "a: 2\n")
+    assert existing.read_text() == "a: 2\n" and stat.S_IMODE(existing.stat().st_mode) == 0o640
+
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "policy.yaml"
+    target.write_text("old\n")
+    link = tmp_path / "link.yaml"
+    link.symlink_to(target)
+    write_atomic(link, "a: 3\n")
+    assert link.is_symlink() and target.read_text() == "a: 3\n"
+    assert not [p for p in tmp_path.rglob(".*") if p.name.endswith(".tmp")]  # no temporary file left
+
+
+def test_tune_writes_through_a_symlinked_out(tmp_path, umask_022):
+    target = tmp_path / "deployed.yaml"
+    target.write_text("default: cat\n")
+    target.chmod(0o664)
+    link = tmp_path / "tuned.yaml"
+    link.symlink_to(target)
+    tune(_opts(tmp_path, out=link))
+    assert link.is_symlink() and omni_accum.load_policy(target).tuned is not None
+    assert stat.S_IMODE(target.stat().st_mode) == 0o664
+
+
+def test_write_errors_name_the_users_path(tmp_path):
+    (tmp_path / "file").write_text("x")
+    path = tmp_path / "file" / "x.yaml"
+    with pytest.raises(OSError) as e:
+        write_atomic(path, "a: 1\n")
+    assert e.value.filename == str(path) and ".tmp" not in str(e.value)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not Path("/proc/self").is_dir(), reason="needs /proc")
+def test_unwritable_folder_is_caught_before_measuring(tmp_path, capsys, no_measuring):
+    assert "/proc" in (output_problem("/proc/t.yaml") or "")
+    assert cli.main(_tune_args(tmp_path, Path("/proc/t.yaml"))) == 2
+    err = capsys.readouterr().err
+    assert "--out /proc/t.yaml" in err and ".tmp" not in err and "Traceback" not in err
+
+
+# -- 4. --resume never replaces a policy that is not a tuned one ---------------------------------- #
+
+
+@pytest.mark.parametrize("text", ["default: cat\n", "default: [not, a, strategy\n"])
+def test_resume_refuses_to_overwrite_a_policy_that_is_not_tuned(tmp_path, capsys, no_measuring, text):
+    out = tmp_path / "hand-written.yaml"
+    out.write_text(text)
+    assert cli.main(_tune_args(tmp_path, out, "--resume")) == 1
+    err = capsys.readouterr().err
+    assert str(out) in err and "--out" in err and "drop --resume" in err and "Traceback" not in err
+    assert out.read_text() == text
+
+
+# -- 5. and 6. help and bad values ---------------------------------------------------------------- #
+
+
+def test_help_says_what_the_options_do(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # no wrapping inside names
+    with pytest.raises(SystemExit) as e:
+        cli.main(["tune", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "%%" not in text and "> 5 % whose bootstrap 95 % interval" in text
+    assert "(--out FILE | --show POLICY)" in text and "required unless --show" in text
+    assert all(name in text for name in workload_names())
+    assert "default: inproc" in text and "default: cpu" in text
+    assert "(and 0): no budget" in text and "exit status 3" in text
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--min-gain-us", "-5"), ("--memory-budget", "-1"), ("--memory-budget", "0"), ("--budget-s", "nan")],
+)
+def test_bad_numbers_are_usage_errors_naming_the_value(tmp_path, capsys, no_measuring, option, value):
+    with pytest.raises(SystemExit) as e:
+        cli.main(_tune_args(tmp_path, tmp_path / "x.yaml", option, value))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {option}" in err and repr(value) in err and "usage:" in err
+
+
+def test_the_python_api_checks_the_same_values(tmp_path):
+    with pytest.raises(TuneError, match="min-gain-us"):
+        tune(_opts(tmp_path, min_gain_us=-5))
+    with pytest.raises(TuneError, match="memory-budget"):
+        tune(_opts(tmp_path, memory_factor=-1))
