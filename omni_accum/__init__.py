@@ -13,7 +13,7 @@ Public API (stable names)::
 
 from __future__ import annotations
 
-from omni_accum.channel import OVERRIDE_MARKER, WIRE_MARKER, GroupView, Receiver, RequestView, Sender
+from omni_accum.channel import WIRE_MARKER, GroupView, Receiver, RequestView, Sender
 from omni_accum.context import KeyMeta, StreamContext
 from omni_accum.errors import (
     AccumulationError,
@@ -41,7 +41,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "OMIT",
-    "OVERRIDE_MARKER",
     "WIRE_MARKER",
     "AccumulationError",
     "Accumulator",

@@ -28,7 +28,6 @@ from __future__ import annotations
 from omni_accum.endpoint import (
     LEAF,
     OVERRIDE_KEYS_PATH,
-    OVERRIDE_MARKER,
     WIRE_MARKER,
     _iter_slots,
     _Request,
@@ -44,7 +43,6 @@ __all__ = [
     "LEAF",
     "OVERRIDE_KEYS_PATH",
     "REORDER_WINDOW",
-    "OVERRIDE_MARKER",
     "WIRE_MARKER",
     "GroupView",
     "Receiver",

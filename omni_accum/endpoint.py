@@ -17,14 +17,11 @@ from omni_accum.policy import Policy
 from omni_accum.strategy import Accumulator, KeyInfo, Strategy, StrategySpec
 
 #: Wire key carrying, when the sender left unchanged ``send_once`` values off, how many such
-#: values the receiver must already hold for the request. Never shown to consumers.
+#: values the receiver must already hold for the request. The count is negative (minus that count)
+#: when one of the values left off is ``meta.override_keys``: the list the receiver holds then
+#: still applies to the chunk; a chunk with a positive count or none resets nothing. Never shown to
+#: consumers.
 WIRE_MARKER = "__omni_accum__"
-#: Wire key (value ``True``) present when the sender left an unchanged ``meta.override_keys`` off:
-#: the override list it holds still applies to this chunk. Without it, a chunk that carries no
-#: override list resets nothing, even when other send_once values were left off.
-OVERRIDE_MARKER = "__omni_accum_override__"
-#: Top-level keys omni-accum reserves on the wire; a payload chunk may not use them.
-RESERVED_KEYS = (WIRE_MARKER, OVERRIDE_MARKER)
 
 
 class _Slot:
@@ -199,7 +196,7 @@ def slot_error(message: str, req_id: str, slot: _Slot) -> AccumulationError:
 def _leaves(wire: Mapping[str, Any]) -> Iterator[tuple[str, Any, Any, Any]]:
     """``(path, top, qualifier or LEAF, value)`` of every leaf of a wire chunk (the markers excluded)."""
     for top, value in wire.items():
-        if top in RESERVED_KEYS:
+        if top == WIRE_MARKER:
             continue
         if isinstance(value, dict):
             for qual, qv in value.items():

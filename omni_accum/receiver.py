@@ -9,8 +9,6 @@ from omni_accum.context import StreamContext
 from omni_accum.endpoint import (
     LEAF,
     OVERRIDE_KEYS_PATH,
-    OVERRIDE_MARKER,
-    RESERVED_KEYS,
     WIRE_MARKER,
     _Endpoint,
     _held_once,
@@ -162,13 +160,8 @@ class Receiver(SequencedMerge, _Endpoint):
                     key=OVERRIDE_KEYS_PATH,
                     strategy=strategy.name,
                 )
-        if raw is None and OVERRIDE_MARKER in wire:
+        if raw is None and _override_left_off(wire):
             # A send_once-like strategy left an unchanged override list off the wire: it still applies.
-            flag = wire[OVERRIDE_MARKER]
-            if flag is not True:
-                raise AccumulationError(
-                    f"malformed wire marker {OVERRIDE_MARKER!r}: expected True, got {flag!r}", request_id=req_id
-                )
             group = st.entries.get("meta")
             slot = group.get("override_keys") if isinstance(group, dict) else None
             if slot is None or not slot.strategy.omits_unchanged:
@@ -213,7 +206,7 @@ class Receiver(SequencedMerge, _Endpoint):
         """The steady-state path of :meth:`merge`: False (nothing done) unless every key of ``wire`` already has a slot.
 
         It also declines an empty group, a chunk that resets keys (``meta.override_keys`` on the
-        wire, or left off it by a send_once-like strategy: :data:`OVERRIDE_MARKER`), a wire marker this
+        wire, or left off it by a send_once-like strategy: a negative count), a wire marker this
         receiver cannot cover, or a policy with a memory guard: :meth:`_plan` and :meth:`_apply`
         handle those (and word their errors). Otherwise it does what they would do for known keys
         (check every value, then merge every value, with the same errors) without building a plan.
@@ -221,12 +214,11 @@ class Receiver(SequencedMerge, _Endpoint):
         policy = self.policy
         if policy.max_bytes_per_request:
             return False
-        if OVERRIDE_MARKER in wire:  # an override list left off the wire still applies: _plan resets its keys
-            return False
         entries = st.entries
         marked = WIRE_MARKER in wire
         if marked:
             need = wire[WIRE_MARKER]
+            # negative: an override list left off still applies, and _plan resets its keys
             if type(need) is not int or need < 0 or need > st.held_once:
                 return False
         if policy.honor_override_keys:
@@ -270,7 +262,7 @@ class Receiver(SequencedMerge, _Endpoint):
         ops: list[tuple[Any, Any, Any, _Slot]] = []
         new_once = 0
         for top, value in wire.items():
-            if top in RESERVED_KEYS:
+            if top == WIRE_MARKER:
                 continue
             if isinstance(value, dict):
                 group = entries.get(top)
@@ -297,15 +289,15 @@ class Receiver(SequencedMerge, _Endpoint):
                 self._check(req_id, st, slot, value)
                 ops.append((top, LEAF, value, slot))
         need = wire.get(WIRE_MARKER) if WIRE_MARKER in wire else None
-        if need is not None and (type(need) is not int or need < 0):
+        if need is not None and type(need) is not int:
             raise AccumulationError(
-                f"malformed wire marker {WIRE_MARKER!r}: expected a count >= 0, got {need!r}", request_id=req_id
+                f"malformed wire marker {WIRE_MARKER!r}: expected a count (an int), got {need!r}", request_id=req_id
             )
-        if need is not None and st.held_once + new_once < need:
+        if need is not None and st.held_once + new_once < abs(need):
             raise AccumulationError(
-                f"the sender left {need!r} unchanged send_once value(s) off the wire for this request, but this "
-                f"receiver holds {st.held_once + new_once}: it lost them (restarted, or the request was released "
-                "mid-stream). Release the request and re-send it from its first chunk",
+                f"the sender left unchanged send_once values off the wire for this request, counting on {abs(need)} "
+                f"held here, but this receiver holds {st.held_once + new_once}: it lost them (restarted, or the "
+                "request was released mid-stream). Release the request and re-send it from its first chunk",
                 request_id=req_id,
             )
         limit = self.policy.max_bytes_per_request
@@ -377,6 +369,12 @@ class Receiver(SequencedMerge, _Endpoint):
             slot.acc.merge_checked(value)
         except Exception as e:  # noqa: BLE001 - MergeError, or a strategy bug: fails this request only
             raise _merge_error(req_id, st, slot, e) from e
+
+
+def _override_left_off(wire: Mapping[str, Any]) -> bool:
+    """True when the wire marker says an unchanged ``meta.override_keys`` was left off (a negative count)."""
+    need = wire.get(WIRE_MARKER)
+    return type(need) is int and need < 0
 
 
 def _check_error(req_id: str, st: _Request, slot: _Slot, e: Exception) -> AccumulationError:

@@ -7,7 +7,7 @@ from itertools import repeat
 from typing import Any
 
 from omni_accum.context import StreamContext
-from omni_accum.endpoint import LEAF, OVERRIDE_MARKER, RESERVED_KEYS, WIRE_MARKER, _Endpoint, _path, _Request
+from omni_accum.endpoint import LEAF, WIRE_MARKER, _Endpoint, _path, _Request
 from omni_accum.errors import AccumulationError
 from omni_accum.strategy import OMIT, Encoder
 
@@ -29,19 +29,17 @@ class Sender(_Endpoint):
 
         Keys whose strategy has no encoder go on the wire as they are (the chunk itself is
         returned when no key of it has an encoder). Keys an encoder omits are left off; a group
-        left empty is dropped; the wire then carries :data:`WIRE_MARKER` (and :data:`OVERRIDE_MARKER`
-        when the key left off is ``meta.override_keys``, whose list still applies to the chunk).
+        left empty is dropped; the wire then carries :data:`WIRE_MARKER` (a negative count when one
+        of the keys left off is ``meta.override_keys``, whose list still applies to the chunk).
         """
         if not isinstance(chunk, (dict, Mapping)):
             raise AccumulationError(f"a payload chunk must be a mapping, got {type(chunk).__name__}", request_id=req_id)
-        for reserved in RESERVED_KEYS:
-            if reserved in chunk:
-                raise AccumulationError(
-                    f"a payload chunk may not use the key {reserved!r}: omni-accum reserves it for its wire markers "
-                    f"({', '.join(map(repr, RESERVED_KEYS))})",
-                    request_id=req_id,
-                    key=reserved,
-                )
+        if WIRE_MARKER in chunk:
+            raise AccumulationError(
+                f"a payload chunk may not use the key {WIRE_MARKER!r}: omni-accum reserves it for its wire marker",
+                request_id=req_id,
+                key=WIRE_MARKER,
+            )
         st = self._state(req_id, context)
         plain = st.plain
         # Steady state of a chunk whose keys are all known leaves without an encoder: the chunk itself.
@@ -144,10 +142,8 @@ class Sender(_Endpoint):
                     if st.once.get((top, LEAF)) is False:
                         st.once[(top, LEAF)] = True
                         st.held_once += 1
-        if omitted:
-            out[WIRE_MARKER] = st.held_once
-            if override_omitted:
-                out[OVERRIDE_MARKER] = True
+        if omitted:  # negative: the override list left off still applies (see WIRE_MARKER)
+            out[WIRE_MARKER] = -st.held_once if override_omitted else st.held_once
         return out
 
 

@@ -35,7 +35,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_accum.channel import OVERRIDE_MARKER, WIRE_MARKER, Receiver, Sender
+from omni_accum.channel import WIRE_MARKER, Receiver, Sender
 from omni_accum.errors import AccumulationError
 from omni_accum.manager import StrategyManager, get_manager
 
@@ -396,9 +396,6 @@ def _check_wire(wire: Mapping[str, Any], chunk: Mapping[str, Any], name: str) ->
     for top, value in wire.items():
         if top == WIRE_MARKER:
             assert isinstance(value, int), f"{name}: wire marker must be an int, got {value!r}"
-            continue
-        if top == OVERRIDE_MARKER:
-            assert value is True and WIRE_MARKER in wire, f"{name}: override marker must be True, beside the count"
             continue
         assert top in chunk, f"{name}: wire carries key {top!r} the chunk does not have"
 

@@ -238,7 +238,7 @@ def test_override_list_left_off_applies_only_to_chunks_that_carried_it(vo):
             wire = ours.encode("r", chunk)
             if k:
                 assert wire[hooks.OMITTED_KEY] & 1 == (k in (1, 4)), (k, wire[hooks.OMITTED_KEY])
-                assert "speaker" not in wire and hooks.OVERRIDE_MARKER not in wire
+                assert "speaker" not in wire and hooks.WIRE_MARKER not in wire
             got = ours.merge("r", wire)["embed"]["prefill"]
             assert torch.equal(got, want), k
         assert torch.equal(got, t[4]) and torch.equal(want, t[4])

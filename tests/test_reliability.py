@@ -242,28 +242,24 @@ def test_a_rejected_chunk_carrying_a_send_once_value_fails_the_request_rather_th
 
 def test_the_marker_key_is_reserved_and_a_malformed_marker_is_refused():
     tx, rx = omni_accum.Sender("default"), omni_accum.Receiver("default")
-    for reserved in (omni_accum.WIRE_MARKER, omni_accum.OVERRIDE_MARKER):
-        with pytest.raises(AccumulationError, match="reserves it") as ei:
-            tx.encode("r", {reserved: 0, "x": 1})
-        assert ei.value.key == reserved
+    with pytest.raises(AccumulationError, match="reserves it") as ei:
+        tx.encode("r", {omni_accum.WIRE_MARKER: 0, "x": 1})
+    assert ei.value.key == omni_accum.WIRE_MARKER
     assert tx.active_requests == 0
     for bad in (-1, "2", 1.5, True, None, torch.tensor(1)):
-        with pytest.raises(AccumulationError, match="malformed wire marker|off the wire"):
+        with pytest.raises(AccumulationError, match="malformed wire marker|off the wire|holds none"):
             rx.merge("r", {omni_accum.WIRE_MARKER: bad, "x": 1} if bad is not None else {omni_accum.WIRE_MARKER: 1})
     rx = omni_accum.Receiver("qwen3-omni")
     rx.merge("r", {"speaker": "Ethan", "embed": {"decode": torch.ones(1, 4)}})
-    for bad in (1, "yes", None):
-        with pytest.raises(AccumulationError, match="malformed wire marker '__omni_accum_override__'"):
-            rx.merge("r", {omni_accum.WIRE_MARKER: 1, omni_accum.OVERRIDE_MARKER: bad})
-    # an override list left off that this receiver never held: refused, never guessed
+    # a negative count: an override list left off that this receiver never held: refused, never guessed
     with pytest.raises(AccumulationError, match="holds none") as ei:
-        rx.merge("r", {omni_accum.WIRE_MARKER: 1, omni_accum.OVERRIDE_MARKER: True})
+        rx.merge("r", {omni_accum.WIRE_MARKER: -1})
     assert ei.value.key == "meta.override_keys"
     assert torch.equal(rx.view("r")["embed"]["decode"], torch.ones(1, 4))  # state unchanged
 
 
 def test_an_override_list_left_off_applies_only_to_chunks_that_carried_it():
-    """The wire marker says send_once values were left off; only the override marker says the list was one of them."""
+    """The wire marker says send_once values were left off; only a negative count says the list was one of them."""
     tx, rx, plain = (
         omni_accum.Sender("qwen3-omni"),
         omni_accum.Receiver("qwen3-omni"),
@@ -281,9 +277,8 @@ def test_an_override_list_left_off_applies_only_to_chunks_that_carried_it():
     want = [t[0], t[1], torch.cat(t[1:3]), torch.cat(t[1:4]), t[4]]
     for k, chunk in enumerate(chunks):
         wire = tx.encode("r", chunk)
-        assert (omni_accum.OVERRIDE_MARKER in wire) is (k in (1, 4)), (k, wire)
-        if k:
-            assert omni_accum.WIRE_MARKER in wire and "speaker" not in wire
+        if k:  # a negative count: the override list was left off and still applies
+            assert "speaker" not in wire and (wire[omni_accum.WIRE_MARKER] < 0) is (k in (1, 4)), (k, wire)
         got = rx.merge("r", wire)["embed"]["prefill"]
         assert torch.equal(got, want[k]), k
         assert torch.equal(plain.merge("r", chunk)["embed"]["prefill"], want[k]), k  # the list as sent, unencoded

@@ -14,22 +14,22 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from omni_accum.channel import OVERRIDE_MARKER, WIRE_MARKER, Receiver, Sender
+from omni_accum.channel import WIRE_MARKER, Receiver, Sender
 from omni_accum.errors import AccumulationError
 from omni_accum.loader import load_policy
 from omni_accum.policy import Policy
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
-#: Wire key replacing the engine's ``WIRE_MARKER`` (and ``OVERRIDE_MARKER``) on adapter puts: a bit
-#: mask of the send_once values left off this chunk, bit i + 1 being the i-th send_once key first
-#: sent for the request (both ends number them in wire order), bit 0 the engine's override marker
-#: (an unchanged ``meta.override_keys`` left off: its list still applies). A receiver that hands
+#: Wire key replacing the engine's ``WIRE_MARKER`` on adapter puts: a bit mask of the send_once
+#: values left off this chunk, bit i + 1 being the i-th send_once key first sent for the request
+#: (both ends number them in wire order), bit 0 set when one of them is ``meta.override_keys``,
+#: whose list still applies (the engine's negative count). A receiver that hands
 #: deltas over (the AR adapter) restores exactly those keys; one small int costs less than the
 #: names, so short statics still save bytes.
 OMITTED_KEY = "__omni_accum_once__"
 #: Wire keys that are not payload keys.
-_MARKERS = (WIRE_MARKER, OMITTED_KEY, OVERRIDE_MARKER)
+_MARKERS = (WIRE_MARKER, OMITTED_KEY)
 #: Connector ``extra`` keys read by the integration.
 EXTRA_POLICY = "omni_accum_policy"
 EXTRA_ADAPTER_KEYS = "omni_accum_adapter_keys"
@@ -237,8 +237,8 @@ class EncodingPut:
             b.number_once(table, wire)
             if WIRE_MARKER in wire:
                 omitted = _omitted_paths(chunk, wire)
-                del wire[WIRE_MARKER]
-                wire[OMITTED_KEY] = omitted_mask(table, omitted, wire.pop(OVERRIDE_MARKER, False))
+                override = wire.pop(WIRE_MARKER) < 0  # the engine's negative count: an override list left off
+                wire[OMITTED_KEY] = omitted_mask(table, omitted, override)
                 b.stats["omitted"] += len(omitted)
             data = wire
         result = self.put(from_stage=from_stage, to_stage=to_stage, put_key=put_key, data=data)
@@ -326,10 +326,8 @@ def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) 
     meta = payload.get("meta")
     if isinstance(meta, dict) and "override_keys" in meta:
         sub.setdefault("meta", {})["override_keys"] = meta["override_keys"]
-    if mask:
-        sub[WIRE_MARKER] = _count(mask)
-    if override:  # the override list the sender left off still applies
-        sub[OVERRIDE_MARKER] = True
+    if mask:  # negative: the override list the sender left off still applies
+        sub[WIRE_MARKER] = -_count(mask) if override else _count(mask)
     if not sub and OMITTED_KEY not in payload:
         return payload
     view = b.receiver.merge(req_id, sub) if sub else b.receiver.view(req_id)
@@ -477,10 +475,8 @@ def wrap_accumulate(orig: Callable[..., Any], *, decode_spans: bool) -> Callable
         wire = {k: v for k, v in payload_data.items() if k != OMITTED_KEY}
         if OMITTED_KEY in payload_data:
             mask, override = split_mask(payload_data[OMITTED_KEY])
-            if mask:
-                wire[WIRE_MARKER] = _count(mask)  # the engine's marker: held values still apply
-            if override:
-                wire[OVERRIDE_MARKER] = True  # an override list left off: it still resets its keys
+            if mask:  # the engine's marker: held values still apply (negative: the override list too)
+                wire[WIRE_MARKER] = -_count(mask) if override else _count(mask)
         if req_id in store:
             _sync(b, req_id, store[req_id])
         else:

@@ -60,8 +60,8 @@ class VllmOmniEngine(Engine):
             b.number_once(table, wire)
             if hooks.WIRE_MARKER in wire:
                 omitted = hooks._omitted_paths(chunk, wire)
-                del wire[hooks.WIRE_MARKER]
-                wire[hooks.OMITTED_KEY] = hooks.omitted_mask(table, omitted, wire.pop(hooks.OVERRIDE_MARKER, False))
+                override = wire.pop(hooks.WIRE_MARKER) < 0  # negative: an override list left off
+                wire[hooks.OMITTED_KEY] = hooks.omitted_mask(table, omitted, override)
         return wire
 
     def merge(self, req_id: str, wire: Mapping[str, Any]) -> Mapping[str, Any]:
