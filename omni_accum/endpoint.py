@@ -47,7 +47,6 @@ class _Request:
         "context",
         "failed",
         "held_once",
-        "nbytes",
         "enc_specs",
         "next_seq",
         "pending",
@@ -63,7 +62,6 @@ class _Request:
         self.context = context
         self.failed: str | None = None
         self.held_once = 0
-        self.nbytes = 0
         self.enc_specs: dict[str, StrategySpec] = {}  # sender: key path -> spec of its encoder (for errors)
         self.next_seq: int | None = None  # receiver: next seq to merge; None while the request is unsequenced
         self.pending: dict[int, Mapping[str, Any]] = {}  # receiver: chunks that arrived early, by seq

@@ -130,9 +130,17 @@ class Receiver(SequencedMerge, _Endpoint):
         return request_view(self._requests[req_id])
 
     def nbytes(self, req_id: str | None = None) -> int:
-        """Bytes held by accumulation state of one request, or of all."""
-        sts = [self._requests[req_id]] if req_id is not None else list(self._requests.values())
-        return sum(s.acc.nbytes() for st in sts for s in _iter_slots(st.entries))
+        """Bytes held by accumulation state of one request, or of all (each read under its request's lock)."""
+        if req_id is not None:
+            sts = [self._requests[req_id]]
+        else:
+            with self._lock:
+                sts = list(self._requests.values())
+        total = 0
+        for st in sts:
+            with st.lock:
+                total += sum(s.acc.nbytes() for s in _iter_slots(st.entries))
+        return total
 
     def parts(self, req_id: str) -> dict[Any, Any]:
         """The stored representation per key (lists of parts), in the payload's nesting."""
@@ -288,12 +296,13 @@ class Receiver(SequencedMerge, _Endpoint):
                     slot = self._new_slot(req_id, st, slot.path, value, like=slot)
                 self._check(req_id, st, slot, value)
                 ops.append((top, LEAF, value, slot))
-        need = wire.get(WIRE_MARKER) if WIRE_MARKER in wire else None
-        if need is not None and type(need) is not int:
+        marked = WIRE_MARKER in wire
+        need = wire[WIRE_MARKER] if marked else None
+        if marked and type(need) is not int:
             raise AccumulationError(
                 f"malformed wire marker {WIRE_MARKER!r}: expected a count (an int), got {need!r}", request_id=req_id
             )
-        if need is not None and st.held_once + new_once < abs(need):
+        if marked and st.held_once + new_once < abs(need):
             raise AccumulationError(
                 f"the sender left unchanged send_once values off the wire for this request, counting on {abs(need)} "
                 f"held here, but this receiver holds {st.held_once + new_once}: it lost them (restarted, or the "
@@ -308,20 +317,40 @@ class Receiver(SequencedMerge, _Endpoint):
     def _guard(self, req_id: str, st: _Request, ops: list[tuple[Any, Any, Any, _Slot]], limit: int) -> None:
         """Refuse the chunk when the state would hold more than ``limit`` bytes once merged.
 
-        Each touched key reports what it would hold after the merge (:meth:`Accumulator.projected_nbytes`:
-        a ``prealloc`` buffer's grown capacity, a ``token_list``'s cached concatenation), so the check
-        runs before anything is allocated.
+        Starts from what every key holds now (live: a read may have cached a concatenation since the
+        last chunk); each touched key then counts what it would hold after the merge
+        (:meth:`Accumulator.projected_nbytes`: a ``prealloc`` buffer's grown capacity, a
+        ``token_list``'s cached concatenation) instead of what it holds, and a leaf a group replaces
+        (or the reverse) counts nothing. The check runs before anything is allocated.
         """
-        after = st.nbytes
-        worst: tuple[int, str] = (0, "")
         entries = st.entries
+        held = {id(s): s.acc.nbytes() for s in _iter_slots(entries)}
+        after = sum(held.values())
+        gone: set[int] = set()
+
+        def drop(entry: Any) -> int:  # bytes of a slot or group the chunk replaces, counted once
+            freed = 0
+            for s in [entry] if type(entry) is _Slot else entry.values():
+                if id(s) not in gone:
+                    gone.add(id(s))
+                    freed += held[id(s)]
+            return freed
+
+        worst: tuple[int, str] = (0, "")
         for top, qual, value, slot in ops:
-            if slot is None:
+            old_top = entries.get(top)
+            if slot is None:  # an empty group: it replaces a leaf, keeps a group
+                if type(old_top) is _Slot:
+                    after -= drop(old_top)
                 continue
-            old = entries.get(top)
-            if qual is not LEAF:
-                old = old.get(qual) if isinstance(old, dict) else None
-            now = old.acc.nbytes() if type(old) is _Slot else 0
+            if qual is LEAF:
+                now = drop(old_top) if old_top is not None else 0  # the leaf itself, or the group it replaces
+            elif type(old_top) is _Slot:  # a leaf turns into a group
+                after -= drop(old_top)
+                now = 0
+            else:
+                old = old_top.get(qual) if isinstance(old_top, dict) else None
+                now = drop(old) if old is not None else 0
             try:
                 proj = slot.acc.projected_nbytes(value)
             except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
@@ -359,8 +388,6 @@ class Receiver(SequencedMerge, _Endpoint):
                 if old is not slot:
                     st.held_once += slot.strategy.omits_unchanged - _held_once(old)
                     group[qual] = slot
-        if self.policy.max_bytes_per_request:
-            st.nbytes = sum(s.acc.nbytes() for s in _iter_slots(entries))
 
     @staticmethod
     def _merge_one(req_id: str, st: _Request, slot: _Slot, value: Any) -> None:

@@ -73,13 +73,18 @@ class SequencedMerge:
                 )
             st.pending[seq] = wire
             return
-        self._apply(req_id, st, self._plan(req_id, st, wire))
+        try:
+            self._apply(req_id, st, self._plan(req_id, st, wire))
+        except AccumulationError:
+            self._fail_if_sender_diverged(st, wire)
+            raise
         st.next_seq = nxt = seq + 1
         while st.pending and nxt in st.pending:
             w = st.pending.pop(nxt)
             try:
                 self._apply(req_id, st, self._plan(req_id, st, w))
             except AccumulationError as e:
+                self._fail_if_sender_diverged(st, w)
                 raise AccumulationError(
                     f"buffered chunk rejected after seq {seq} filled the gap: {e.reason}; it was dropped: re-send it",
                     request_id=req_id,

@@ -13,7 +13,7 @@ Semantics every strategy must meet are in DESIGN.md section 5 and are checked by
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -187,7 +187,8 @@ class StrategySpec:
 
 
 def value_nbytes(value: Any) -> int:
-    """Approximate bytes held by a payload value: tensor storage, 8 bytes per list item, 0 otherwise.
+    """Approximate bytes held by a payload value: tensor storage, 8 bytes per list item, string and
+    bytes length, a dict's values; 0 otherwise.
 
     A list is walked item by item only when its first item is a tensor (a list of chunks); a list
     of ids counts 8 bytes per item in O(1), so memory accounting never costs O(context) per step.
@@ -200,6 +201,8 @@ def value_nbytes(value: Any) -> int:
         return 8 * len(value)
     if isinstance(value, (bytes, bytearray, str)):
         return len(value)
+    if isinstance(value, Mapping):
+        return sum(8 + value_nbytes(v) for v in value.values())
     return 0
 
 
@@ -297,6 +300,16 @@ class AppendAccumulator(Accumulator):
             self._list_view = list(self._items or ())
         return self._list_view
 
+    def list_nbytes(self) -> int:
+        """Bytes the list state holds: its items, and the view copy a read made (8 bytes per item)."""
+        view = self._list_view
+        return value_nbytes(self._items or []) + (8 * len(view) if view is not None else 0)
+
+    def projected_list_nbytes(self, value: list[Any]) -> int:
+        """Bytes the list state would hold after merging the list ``value`` (start or extend) and a read."""
+        items = (self._items or []) if self._mode == 2 else []
+        return value_nbytes(items) + value_nbytes(value) + 8 * (len(items) + len(value))
+
     # -- dispatch --------------------------------------------------------------------------- #
     def check(self, value: Any) -> None:
         if self._mode == 1 and isinstance(value, torch.Tensor):
@@ -340,8 +353,8 @@ class AppendAccumulator(Accumulator):
     def projected_nbytes(self, value: Any) -> int:
         if isinstance(value, torch.Tensor):
             return self.projected_tensor_nbytes(value) if self._mode == 1 else value_nbytes(value)
-        if isinstance(value, list) and self._mode == 2:
-            return self.nbytes() + 16 * len(value)  # the items, and the view copy a read makes
+        if isinstance(value, list):
+            return self.projected_list_nbytes(value)
         return value_nbytes(value)
 
     def clear_tensor(self) -> None:  # noqa: B027 - optional hook
@@ -358,5 +371,5 @@ class AppendAccumulator(Accumulator):
         if self._mode == 1:
             return self.tensor_nbytes()
         if self._mode == 2:
-            return 8 * len(self._items or ()) + (8 * len(self._list_view) if self._list_view is not None else 0)
+            return self.list_nbytes()
         return value_nbytes(self._value)

@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from omni_accum.hookspecs import hookimpl
-from omni_accum.strategy import AppendAccumulator, KeyInfo, Strategy, StrategySpec
+from omni_accum.strategy import AppendAccumulator, KeyInfo, Strategy, StrategySpec, value_nbytes
 
 
 class Params(BaseModel):
@@ -56,8 +56,11 @@ class CatAccumulator(AppendAccumulator):
     def read_list(self) -> list[Any]:
         return self._lst
 
-    def nbytes(self) -> int:
-        return 8 * len(self._lst) if self._mode == 2 else super().nbytes()
+    def list_nbytes(self) -> int:
+        return value_nbytes(self._lst)  # the list itself is the view: no copy
+
+    def projected_list_nbytes(self, value: list[Any]) -> int:
+        return (value_nbytes(self._lst) if self._mode == 2 else 0) + value_nbytes(value)
 
 
 class Cat(Strategy):

@@ -135,6 +135,31 @@ def test_a_rejected_sequenced_chunk_keeps_its_seq_open_for_a_resend():
     assert torch.equal(decode_view(v), torch.cat([a, a, b]))
 
 
+def test_a_rejected_sequenced_chunk_carrying_a_send_once_value_fails_the_request():
+    """The sender recorded the value as delivered: a corrected chunk it encodes again leaves it off."""
+    tx, rx = omni_accum.Sender("qwen3-omni"), omni_accum.Receiver("qwen3-omni")
+    rx.merge("r", tx.encode("r", {"speaker": "Ethan", "embed": {"decode": torch.ones(1, 4)}}), seq=0)
+    bad = tx.encode("r", {"speaker": "Chelsie", "embed": {"decode": torch.ones(1, 5)}})
+    with pytest.raises(AccumulationError, match="trailing shape"):
+        rx.merge("r", bad, seq=1)
+    corrected = tx.encode("r", {"speaker": "Chelsie", "embed": {"decode": torch.ones(1, 4)}})
+    assert "speaker" not in corrected
+    with pytest.raises(AccumulationError, match="failed earlier.*'speaker'"):
+        rx.merge("r", corrected, seq=1)  # never 'Ethan' served as if current
+    # the same when the chunk was buffered and is refused as its gap fills
+    tx, rx = omni_accum.Sender("qwen3-omni"), omni_accum.Receiver("qwen3-omni")
+    w0 = tx.encode("q", {"speaker": "Ethan", "embed": {"decode": torch.ones(1, 4)}})
+    w1 = tx.encode("q", {"speaker": "Ethan", "embed": {"decode": torch.ones(1, 4)}})
+    w2 = tx.encode("q", {"speaker": "Chelsie", "embed": {"decode": torch.ones(1, 5)}})
+    rx.merge("q", w0, seq=0)
+    rx.merge("q", w2, seq=2)  # buffered
+    with pytest.raises(AccumulationError, match="seq 1 filled the gap"):
+        rx.merge("q", w1, seq=1)  # fills the gap; seq 2 is refused
+    corrected = tx.encode("q", {"speaker": "Chelsie", "embed": {"decode": torch.ones(1, 4)}})
+    with pytest.raises(AccumulationError, match="failed earlier"):
+        rx.merge("q", corrected, seq=2)
+
+
 def test_a_buffered_chunk_that_fails_when_the_gap_fills_names_its_seq():
     rx = omni_accum.Receiver("qwen3-omni")
     a = torch.ones(1, 4)
@@ -248,7 +273,13 @@ def test_the_marker_key_is_reserved_and_a_malformed_marker_is_refused():
     assert tx.active_requests == 0
     for bad in (-1, "2", 1.5, True, None, torch.tensor(1)):
         with pytest.raises(AccumulationError, match="malformed wire marker|off the wire|holds none"):
-            rx.merge("r", {omni_accum.WIRE_MARKER: bad, "x": 1} if bad is not None else {omni_accum.WIRE_MARKER: 1})
+            rx.merge("r", {omni_accum.WIRE_MARKER: bad, "x": 1})
+        for seq in (None, 0):  # sequenced or not, the chunk is refused and nothing merged
+            with pytest.raises(AccumulationError, match="malformed wire marker|off the wire|holds none"):
+                rx.merge(f"s{seq}", {omni_accum.WIRE_MARKER: bad, "x": 1}, seq=seq)
+            assert dict(rx.view(f"s{seq}")) == {}
+    with pytest.raises(AccumulationError, match="off the wire"):
+        rx.merge("r", {omni_accum.WIRE_MARKER: 1})
     rx = omni_accum.Receiver("qwen3-omni")
     rx.merge("r", {"speaker": "Ethan", "embed": {"decode": torch.ones(1, 4)}})
     # a negative count: an override list left off that this receiver never held: refused, never guessed
@@ -342,16 +373,73 @@ def test_prealloc_capacity_never_exceeds_growth_times_rows_plus_initial(init, gr
 
 
 @pytest.mark.parametrize("strategy", ["cat", "token_list", "prealloc", "replace", "send_once"])
-@given(sizes=st.lists(st.integers(0, 30), min_size=1, max_size=30))
-def test_projected_bytes_is_what_the_state_then_holds(strategy, sizes):
+@given(
+    values=st.lists(
+        st.tuples(st.sampled_from(["rows", "ids", "tensors", "dict"]), st.integers(0, 30), st.booleans()),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_projected_bytes_is_what_the_state_then_holds(strategy, values):
+    """After a merge and a read the state holds its projection; without the read, no more than it."""
+    make = {
+        "rows": lambda k: torch.ones(k, 3),
+        "ids": lambda k: list(range(k)),
+        "tensors": lambda k: [torch.ones(2)] * k,
+        "dict": lambda k: {"a": torch.ones(k), "b": "x" * k},
+    }
     rx = omni_accum.Receiver({"default": strategy, "max_bytes_per_request": 1 << 40})
-    for k in sizes:
-        value = torch.ones(k, 3)
-        slot = rx._requests["r"].entries["x"] if "r" in rx.request_ids() else None
+    for kind, k, read in values:
+        value = make[kind](k)  # in a group: a dict there is a leaf value (at the top it would be a group)
+        slot = rx._requests["r"].entries["g"].get("x") if "r" in rx.request_ids() else None
         projected = slot.acc.projected_nbytes(value) if slot is not None else None
-        rx.merge("r", {"x": value})["x"]  # merge and read (token_list caches its concatenation)
+        view = rx.merge("r", {"g": {"x": value}})
+        if read:
+            view["g"]["x"]  # token_list caches its concatenation; a list state copies its view
         if projected is not None:
-            assert rx.nbytes("r") == projected
+            assert rx.nbytes("r") == projected if read else rx.nbytes("r") <= projected
+
+
+@pytest.mark.parametrize("strategy", ["cat", "token_list", "prealloc"])
+@pytest.mark.parametrize("kind", ["rows", "ids", "tensors"])
+@pytest.mark.parametrize("read", [True, False])
+def test_max_bytes_guard_holds_whatever_the_consumer_reads(strategy, kind, read):
+    """The guard starts from what the state holds now (a read may have cached a concatenation)."""
+    make = {"rows": lambda: torch.ones(250), "ids": lambda: list(range(50)), "tensors": lambda: [torch.ones(100)]}
+    limit = 5000
+    rx = omni_accum.Receiver({"default": strategy, "max_bytes_per_request": limit})
+    refused = 0
+    for _ in range(40):
+        try:
+            view = rx.merge("r", {"x": make[kind]()})
+        except AccumulationError as e:
+            assert "max_bytes_per_request" in str(e)
+            refused += 1
+            continue
+        if read:
+            view["x"]
+        assert rx.nbytes("r") <= limit
+    view = rx.view("r")
+    view["x"]  # a final read: still within the limit
+    assert refused and rx.nbytes("r") <= limit
+
+
+def test_max_bytes_guard_counts_a_leaf_a_group_replaces_and_dict_values():
+    limit = 4000
+    rx = omni_accum.Receiver({"default": "replace", "max_bytes_per_request": limit})
+    u8 = torch.uint8
+    rx.merge("r", {"x": torch.ones(3000, dtype=u8)})
+    rx.merge("r", {"x": {"q": torch.ones(2000, dtype=u8)}})  # the leaf goes: 2000 held, not 5000
+    rx.merge("r", {"x": torch.ones(2000, dtype=u8)})  # and back
+    assert rx.nbytes("r") == 2000
+    with pytest.raises(AccumulationError, match="max_bytes_per_request"):
+        rx.merge("r", {"y": {"a": {"t": torch.ones(3000, dtype=u8)}}})  # a dict held as a leaf value counts
+    rx.merge("r", {"x": {}})  # an empty group replaces the leaf
+    assert rx.nbytes("r") == 0
+    rx = omni_accum.Receiver({"default": "cat", "max_bytes_per_request": 800})
+    rx.merge("r", {"ids": list(range(50))})
+    rx.merge("r", {"ids": list(range(50))})  # 100 ids of 8 bytes: exactly the limit, accepted
+    assert rx.nbytes("r") == 800
 
 
 def test_max_bytes_guard_refuses_before_prealloc_grows_past_it():
