@@ -224,6 +224,105 @@ def test_resume_refuses_to_overwrite_a_policy_that_is_not_tuned(tmp_path, capsys
     assert out.read_text() == text
 
 
+def _remeasured_on_resume(tmp_path: Path, monkeypatch, first: dict, second: dict) -> tuple[list[int], str]:
+    """Tune with ``first``, then ``--resume`` with ``second``: the buckets measured again, and the log."""
+    import io
+
+    from omni_accum.tuner import run as tuner_run
+
+    tune(_opts(tmp_path, **first))
+    real = tuner_run.tune_bucket
+    calls: list[int] = []
+    monkeypatch.setattr(tuner_run, "tune_bucket", lambda *a, **kw: calls.append(kw["context_len"]) or real(*a, **kw))
+    log = io.StringIO()
+    res = tune(_opts(tmp_path, resume=True, **second), log=log)
+    assert res.complete
+    return calls, log.getvalue()
+
+
+def test_resume_reuses_buckets_when_every_setting_matches(tmp_path, monkeypatch):
+    calls, log = _remeasured_on_resume(tmp_path, monkeypatch, {}, {})
+    assert calls == [] and "reused from" in log and "not reusing" not in log
+    settings = omni_accum.load_policy(tmp_path / "tuned.yaml").tuned.fingerprint["settings"]
+    from omni_accum.tuner.run import SETTING_OPTIONS
+
+    assert set(SETTING_OPTIONS) | {"workload", "base"} <= set(settings)
+    assert settings["min_gain_us"] == 1.0 and settings["decode_steps"] == 4 and settings["params_grid"] is False
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "said"),
+    [
+        ({}, {"min_gain_us": 100000.0}, "--min-gain-us: tuned with 1.0, now 100000.0"),
+        ({}, {"memory_factor": 3.0}, "--memory-budget: tuned with 2.0, now 3.0"),
+        ({}, {"decode_steps": 3}, "--decode-steps: tuned with 4, now 3"),
+        ({"decode_steps": None}, {"decode_steps": 3}, "--decode-steps: tuned with 'auto (at least 3"),
+        ({}, {"max_rounds": 2}, "--max-rounds: tuned with 1, now 2"),
+        ({}, {"quick": False}, "--quick (params grid): tuned with False, now True"),
+        ({}, {"workload": dict(SMALL, decode_steps=5)}, "--workload: the content of 'small' changed"),
+        ({}, {"workload": dict(SMALL, name="other")}, "--workload: tuned on 'small', now 'other'"),
+        ({}, {"base": "BASE_FILE"}, "--base: tuned against 'default' (content hash"),
+    ],
+)
+def test_resume_starts_over_when_a_setting_differs_and_says_which(tmp_path, monkeypatch, first, second, said):
+    if second.get("base") == "BASE_FILE":
+        (tmp_path / "base.yaml").write_text("version: 1\ndefault: token_list\n")
+        second = dict(second, base=str(tmp_path / "base.yaml"))
+    calls, log = _remeasured_on_resume(tmp_path, monkeypatch, first, second)
+    assert calls == [64], log  # measured again under the new settings, not reused
+    assert f"--resume: not reusing {tmp_path / 'tuned.yaml'}" in log and said in log
+    if "base" in second:
+        assert f"now {second['base']!r}" in log
+        cell = omni_accum.load_policy(tmp_path / "tuned.yaml").tuned.cells[0]
+        assert cell.baseline == "token_list"  # measured against the new baseline
+
+
+def test_resume_starts_over_with_other_threads_or_an_edited_base_file(tmp_path, monkeypatch):
+    import io
+
+    import torch
+
+    from omni_accum.tuner import run as tuner_run
+
+    n = torch.get_num_threads()
+    with monkeypatch.context() as m:
+        m.setattr(torch, "get_num_threads", lambda: n + 1)  # as if tuned with --threads n+1
+        tune(_opts(tmp_path))
+    real = tuner_run.tune_bucket
+    calls: list[int] = []
+    monkeypatch.setattr(tuner_run, "tune_bucket", lambda *a, **kw: calls.append(kw["context_len"]) or real(*a, **kw))
+    log = io.StringIO()
+    tune(_opts(tmp_path, resume=True), log=log)
+    assert calls == [64] and f"--threads: tuned with {n + 1}, now {n}" in log.getvalue()
+
+    base = tmp_path / "base.yaml"
+    base.write_text("version: 1\ndefault: cat\n")
+    tune(_opts(tmp_path, base=str(base)))
+    base.write_text("version: 1\ndefault: token_list\n")  # same name, other content
+    calls.clear()
+    log = io.StringIO()
+    tune(_opts(tmp_path, base=str(base), resume=True), log=log)
+    assert calls == [64] and f"--base: tuned against {str(base)!r} (content hash" in log.getvalue()
+
+
+def test_resume_starts_over_on_a_file_that_records_no_settings(tmp_path, monkeypatch):
+    out = tmp_path / "tuned.yaml"
+    tune(_opts(tmp_path))
+    data = yaml.safe_load(out.read_text())
+    del data["tuned"]["fingerprint"]["settings"]  # as an older omni-accum wrote it
+    out.write_text(yaml.safe_dump(data))
+    from omni_accum.tuner import run as tuner_run
+
+    real = tuner_run.tune_bucket
+    calls: list[int] = []
+    monkeypatch.setattr(tuner_run, "tune_bucket", lambda *a, **kw: calls.append(kw["context_len"]) or real(*a, **kw))
+    import io
+
+    log = io.StringIO()
+    tune(_opts(tmp_path, resume=True), log=log)
+    assert calls == [64] and "records no tuning settings" in log.getvalue()
+
+
 # -- 5. and 6. help and bad values ---------------------------------------------------------------- #
 
 

@@ -335,6 +335,72 @@ def test_decision_prefers_less_memory_among_equivalents_and_ignores_tiny_wins():
     assert d.winner.strategy == "prealloc"
 
 
+def test_decision_picks_a_leaner_candidate_only_if_it_passes_every_gate():
+    from omni_accum.policy import StrategyChoice
+    from omni_accum.tuner.candidates import Candidate
+    from omni_accum.tuner.core import BASE, _decide
+
+    owner = {"fast": Candidate("fast"), "lean": Candidate("lean")}
+    peak = {"cat": 100, "fast": 200, "lean": 50}
+    samples = {BASE: [10.0, 10.01, 9.99] * 8, "fast": [8.9, 8.91, 8.89] * 8, "lean": [9.2, 9.21, 9.19] * 8}
+    # lean is within 5 % of fast and holds fewer bytes, but saves only 0.8 us per step: below --min-gain-us
+    d = _decide("k", "cat", StrategyChoice("cat"), owner, samples, {}, peak, None, 1.0)
+    assert d.winner == Candidate("fast") and d.timings_us["cat"] - d.timings_us["fast"] >= 1.0
+    assert d.margin == pytest.approx(0.11, abs=1e-6)  # the margin is the picked candidate's
+    d = _decide("k", "cat", StrategyChoice("cat"), owner, samples, {}, peak, None, 0.5)
+    assert d.winner == Candidate("lean")  # both pass every gate: the leaner wins
+    # lean saves enough microseconds but only 4 % (< 5 %): not picked either
+    samples = {BASE: [20.0, 20.01, 19.99] * 8, "fast": [18.9, 18.91, 18.89] * 8, "lean": [19.2, 19.21, 19.19] * 8}
+    d = _decide("k", "cat", StrategyChoice("cat"), owner, samples, {}, peak, None, 0.5)
+    assert d.winner == Candidate("fast")
+    for gate in (1.0, 1.5):  # fast saves 1.1 us: it passes the first, not the second, and lean never
+        d = _decide("k", "cat", StrategyChoice("cat"), owner, samples, {}, peak, None, gate)
+        saved = d.timings_us["cat"] - d.timings_us.get(d.winner.label, d.timings_us["cat"])
+        assert d.winner == Candidate("cat") or (saved >= gate and d.margin > 0.05 and d.ci[0] > 0)
+        assert d.winner == (Candidate("fast") if gate == 1.0 else Candidate("cat"))
+
+
+def _starred(cell) -> bool:
+    from omni_accum.tuner.report import decision_table
+
+    table = TunedTable(context_len_edges=[1000], concurrency_edges=[1], cells=[cell])
+    row = next(line for line in decision_table(table).splitlines() if line.startswith(">="))
+    return " * " in row
+
+
+@pytest.mark.parametrize(
+    ("strategy", "params", "baseline", "changed"),
+    [
+        ("prealloc", {"growth_factor": 4.0}, "prealloc{growth_factor=4.0}", False),  # a kept baseline with params
+        ("prealloc", {"growth_factor": 4.0}, "prealloc{growth_factor=4}", False),  # written 4 in the base policy
+        ("prealloc", {}, "prealloc{growth_factor=2.0}", False),  # an explicit default is no change
+        ("prealloc", {"growth_factor": 1.5}, "prealloc{growth_factor=4.0}", True),
+        ("prealloc", {"growth_factor": 4.0}, "cat", True),
+        ("cat", {}, "cat", False),
+        ("token_list", {}, "cat", True),
+    ],
+)
+def test_decision_table_stars_only_cells_that_leave_the_baseline(strategy, params, baseline, changed):
+    from omni_accum.policy import TunedCell
+
+    cell = TunedCell(
+        key="k", context_len=1000, concurrency=1, strategy=strategy, params=params, baseline=baseline,
+        timings_us={baseline: 10.0},
+    )  # fmt: skip
+    assert _starred(cell) is changed
+
+
+def test_a_grid_candidate_equal_to_the_baseline_is_not_timed_twice(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("version: 1\ndefault: {strategy: prealloc, params: {growth_factor: 4}}\n")
+    wl = dict(TINY, keys=[TINY["keys"][0]])
+    res = tune(_opts(tmp_path, workload=wl, base=str(base), context_lens=[64], concurrency=[1], max_rounds=1))
+    cell = res.policy.tuned.cells[0]
+    assert cell.baseline == "prealloc{growth_factor=4}"
+    timed = set(cell.timings_us) | set(cell.excluded)
+    assert "prealloc{growth_factor=1.5}" in timed and "prealloc{growth_factor=4.0}" not in timed
+
+
 def test_cli_tune_end_to_end_creates_the_output_folder(tmp_path, capsys):
     import yaml
 

@@ -109,8 +109,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="reuse the buckets already measured in --out (refused, leaving the file untouched, if it is not "
-        "a tuned policy)",
+        help="reuse the buckets already measured in --out when every setting recorded there (workload and "
+        "--base contents, wire, device, threads, decode steps, rounds, grid, memory budget, min gain), the "
+        "candidates and the environment match; otherwise say which differ and measure again (refused, leaving "
+        "the file untouched, if it is not a tuned policy)",
     )
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument(

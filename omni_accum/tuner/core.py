@@ -6,9 +6,10 @@ policy with one key switched to that candidate. Arms are interleaved round by ro
 order). After the first round a candidate is excluded when its views differ from the cat
 reference or it raised (correctness gate) or its state for the key exceeds the memory budget
 (default 2x the accumulated bytes, i.e. what ``cat`` holds). A key leaves the baseline only for
-a win > 5 % whose bootstrap interval excludes zero; among candidates within 5 % of the fastest,
-the one holding the fewest bytes wins (then default params, then name), so noise does not flip
-winners. Clear decisions stop early; arms more than 2x slower than the best are dropped.
+a win > 5 % whose bootstrap interval excludes zero and that saves at least ``min_gain_us`` per step;
+among candidates within 5 % of the fastest that pass those gates too, the one holding the fewest
+bytes wins (then default params, then name), so noise does not flip winners. Clear decisions stop
+early; arms more than 2x slower than the best are dropped.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from omni_accum.loader import load_policy
 from omni_accum.manager import get_manager
 from omni_accum.policy import Policy, TunedCell
 from omni_accum.replay import UPSTREAM, ArmResult, measure
-from omni_accum.tuner.candidates import Candidate, candidates_for
-from omni_accum.tuner.stats import MIN_GAIN, MIN_GAIN_US, bootstrap_gain, median
+from omni_accum.tuner.candidates import Candidate, candidates_for, same_choice
+from omni_accum.tuner.stats import MIN_GAIN, MIN_GAIN_US, Gain, bootstrap_gain, median
 from omni_accum.workloads import Workload, chunk_plans
 
 BASE = "baseline"
@@ -175,7 +176,7 @@ def _tune_key(
     arms: dict[str, Policy] = {BASE: base}
     owner: dict[str, Candidate] = {}
     for cand in cands:
-        if cand.label != base_label:
+        if not same_choice(cand.strategy, cand.params, base_label):  # the baseline arm times that one
             arms[cand.label] = with_rule(base, key, cand)
             owner[cand.label] = cand
     samples: dict[str, list[float]] = {lab: [] for lab in arms}
@@ -240,7 +241,9 @@ def _decide(
 ) -> KeyDecision:
     """The winner: leave the baseline only for a significant win (> 5 %, interval above zero, and at least
     ``min_gain_us`` per step) or when the baseline's views are wrong. Among candidates the fastest is not
-    significantly faster than (or within 5 % of it), the one holding the fewest bytes, then default params."""
+    significantly faster than (or within 5 % of it), the one holding the fewest bytes, then default params;
+    the candidate picked must itself pass every gate against the baseline (a leaner one that saves less than
+    ``min_gain_us``, or whose win is not significant, is not picked)."""
     mine = [lab for lab in owner if lab not in excluded and samples[lab]]
     timings = {base_label: median(samples[BASE])}
     timings.update({lab: median(samples[lab]) for lab in mine})
@@ -250,22 +253,28 @@ def _decide(
     base_cand = Candidate(base_choice.strategy, dict(base_choice.params))
     if not mine:
         return KeyDecision(key, base_cand, base_label, None, None, timings, excl, peak)
-    best = min(mine, key=lambda lab: median(samples[lab]))
-    g = bootstrap_gain(samples[BASE], samples[best])
-    worth = median(samples[BASE]) - median(samples[best]) >= min_gain_us
-    if not (g.significant_win and worth) and base_wrong is None:
+    gains: dict[str, Gain] = {}
+
+    def passes(lab: str) -> bool:
+        """Every gate against the baseline: > 5 %, interval above zero, at least ``min_gain_us`` per step."""
+        if lab not in gains:
+            gains[lab] = bootstrap_gain(samples[BASE], samples[lab])
+        return gains[lab].significant_win and timings[base_label] - timings[lab] >= min_gain_us
+
+    best = min(mine, key=lambda lab: timings[lab])
+    if not passes(best) and base_wrong is None:
+        g = gains[best]
         return KeyDecision(key, base_cand, base_label, g.gain, (g.low, g.high), timings, excl, peak)
-    limit = median(samples[best]) * (1.0 + MIN_GAIN)
+    limit = timings[best] * (1.0 + MIN_GAIN)
     equivalent = [
         lab
         for lab in mine
-        if median(samples[lab]) <= limit or bootstrap_gain(samples[lab], samples[best], resamples=200).low <= 0.0
+        if (timings[lab] <= limit or bootstrap_gain(samples[lab], samples[best], resamples=200).low <= 0.0)
+        and (base_wrong is not None or passes(lab))
     ]
     order = {lab: i for i, lab in enumerate(mine)}
     pick = min(equivalent, key=lambda lab: (peak.get(lab, 0), bool(owner[lab].params), order[lab]))
-    gp = bootstrap_gain(samples[BASE], samples[pick])
-    if not gp.significant_win and base_wrong is None:
-        pick, gp = best, g
+    gp = gains[pick] if pick in gains else bootstrap_gain(samples[BASE], samples[pick])
     return KeyDecision(key, owner[pick], base_label, gp.gain, (gp.low, gp.high), timings, excl, peak)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from omni_accum.fingerprint import fingerprint_mismatches
 from omni_accum.policy import Policy, TunedTable
+from omni_accum.tuner.candidates import same_choice
 from omni_accum.tuner.core import BucketOutcome
 
 
@@ -36,7 +37,7 @@ def decision_table(table: TunedTable) -> str:
         if c.params:
             inner = ",".join(f"{k}={v}" for k, v in sorted(c.params.items()))
             win_t = c.timings_us.get(f"{c.strategy}{{{inner}}}", win_t)
-        changed = "" if label == c.baseline else " *"
+        changed = "" if same_choice(c.strategy, c.params, c.baseline) else " *"
         ci = "-" if c.ci is None else f"[{_pct(c.ci[0])}, {_pct(c.ci[1])}]"
         rows.append(
             [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import stat
@@ -9,7 +11,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from omni_accum.errors import OmniAccumError, PolicyError
 from omni_accum.fingerprint import current_fingerprint, fingerprint_mismatches
@@ -192,6 +194,77 @@ def build_output(
     return load_policy(data)
 
 
+def content_hash(model: Any) -> str:
+    """Short hash of what a workload or policy says (its ``description`` left out: it changes no measurement)."""
+    data = model.model_dump(mode="json", exclude={"description"})
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def tune_settings(
+    opts: TuneOptions, wl: Workload, base: Policy, *, decode_steps: int, step_samples: int, rounds: int
+) -> dict[str, Any]:
+    """Every setting that changes what is measured or decided, recorded as ``tuned.fingerprint.settings``.
+
+    ``--resume`` reuses buckets only when all of them match (bucket edges name the buckets themselves;
+    ``--budget-s`` and ``--verify`` change neither the measurements nor the decisions).
+    """
+    import torch
+
+    return {
+        "workload": wl.name,
+        "workload_sha256": content_hash(wl),
+        "base": str(opts.base),
+        "base_sha256": content_hash(base),
+        "wire": opts.wire,
+        "device": opts.device,
+        "threads": torch.get_num_threads(),
+        "decode_steps": opts.decode_steps
+        if opts.decode_steps is not None
+        else f"auto (at least {decode_steps}, >= {step_samples} step samples per round)",
+        "max_rounds": rounds,
+        "params_grid": not opts.quick,
+        "memory_budget": opts.memory_factor,
+        "min_gain_us": opts.min_gain_us,
+    }
+
+
+#: Recorded settings compared by ``--resume``, with the option that sets each.
+SETTING_OPTIONS = {
+    "workload_sha256": "--workload",
+    "base_sha256": "--base",
+    "wire": "--wire",
+    "device": "--device",
+    "threads": "--threads",
+    "decode_steps": "--decode-steps",
+    "max_rounds": "--max-rounds",
+    "params_grid": "--quick (params grid)",
+    "memory_budget": "--memory-budget",
+    "min_gain_us": "--min-gain-us",
+}
+
+
+def settings_mismatches(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Each recorded setting where ``old`` (the file's) differs from ``new`` (this run's), old vs new value."""
+    out = []
+    for k, option in SETTING_OPTIONS.items():
+        was, now = old.get(k), new.get(k)
+        if was == now:
+            continue
+        if k == "workload_sha256":
+            if old.get("workload") != new.get("workload"):
+                out.append(f"{option}: tuned on {old.get('workload')!r}, now {new.get('workload')!r}")
+            else:
+                out.append(f"{option}: the content of {new.get('workload')!r} changed (hash {was}, now {now})")
+        elif k == "base_sha256":
+            out.append(
+                f"{option}: tuned against {old.get('base')!r} (content hash {was}), now {new.get('base')!r} "
+                f"(content hash {now})"
+            )
+        else:
+            out.append(f"{option}: tuned with {was!r}, now {now!r}")
+    return out
+
+
 def _resumable(opts: TuneOptions, wl: Workload, fp: dict, log: TextIO | None) -> dict[tuple[int, int], list[TunedCell]]:
     if not opts.resume or not Path(opts.out).is_file():
         return {}
@@ -204,17 +277,21 @@ def _resumable(opts: TuneOptions, wl: Workload, fp: dict, log: TextIO | None) ->
     t = old.tuned
     if t is None:
         raise TuneError(f"--resume: {opts.out} is not a tuned policy (no tuned table); left it untouched: {how}")
-    why = None
-    if t.workload != wl.name or t.wire != opts.wire:
-        why = f"it was tuned on {t.workload!r}/{t.wire!r}, not {wl.name!r}/{opts.wire!r}"
-    elif t.fingerprint.get("candidates") != fp.get("candidates"):
-        why = "its candidate set differs (strategies or plugins changed)"
+    why: list[str] = []
+    recorded = t.fingerprint.get("settings")
+    if not isinstance(recorded, dict):
+        why.append("it records no tuning settings (written by an older omni-accum), so they cannot be checked")
+        if t.workload != wl.name or t.wire != opts.wire:
+            why.append(f"it was tuned on {t.workload!r}/{t.wire!r}, not {wl.name!r}/{opts.wire!r}")
     else:
-        diffs = fingerprint_mismatches(t.fingerprint, opts.device)
-        if diffs:
-            why = "it was measured in another environment (" + "; ".join(diffs) + ")"
+        why += settings_mismatches(recorded, fp["settings"])
+    if t.fingerprint.get("candidates") != fp.get("candidates"):
+        why.append("its candidate set differs (strategies, plugins or params grid changed)")
+    diffs = fingerprint_mismatches(t.fingerprint, opts.device)
+    if diffs:
+        why.append("it was measured in another environment (" + "; ".join(diffs) + ")")
     if why:
-        _say(log, f"--resume: not reusing {opts.out}: {why}")
+        _say(log, f"--resume: not reusing {opts.out}, measuring every bucket again: " + "; ".join(why))
         return {}
     by_bucket: dict[tuple[int, int], list[TunedCell]] = {}
     for c in t.cells:
@@ -276,6 +353,7 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
     fp = current_fingerprint(
         opts.device, candidate_set_hash(cands, __import__("omni_accum.manager").manager.get_manager())
     )
+    fp["settings"] = tune_settings(opts, wl, base, decode_steps=steps, step_samples=target, rounds=rounds)
     reuse = _resumable(opts, wl, fp, log)
     buckets = [(cl, c) for cl in cls for c in concs]
     verify = (not opts.quick) if opts.verify is None else opts.verify
