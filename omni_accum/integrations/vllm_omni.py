@@ -29,6 +29,16 @@ Methods wrapped (all signature-checked against 0.30.0 before anything is patched
   Receiver; upstream's accumulator dict pops release it.
 * ``_OmniConnectorPayloadTransportMixin.accumulate_full_payload_output`` /
   ``_materialize_full_payload_entry``: per-key strategies in the full-payload accumulator.
+
+A chunk omni-accum refuses (``AccumulationError``: a dtype change mid-stream, a legacy empty tensor
+followed by rows, which 0.30.0's ``torch.cat`` takes) never fails vllm-omni: the hook logs a warning
+(once per request), releases omni-accum's state for the request and lets upstream's code take the
+chunk; the next chunk re-seeds from upstream's state (the full-payload accumulator: that request's
+entry stays upstream's until it is flushed). The library API (``Receiver.merge``) still refuses.
+
+Strategy selection (tuned tables) sees one deployment context per binding, read when the binding is
+made: ``OMNI_ACCUM_CONTEXT_LEN`` / ``OMNI_ACCUM_CONCURRENCY`` or ``omni_accum_context_len`` /
+``omni_accum_concurrency`` in the connector extra (see ``vllm_omni_hooks.deployment_context``).
 """
 
 from __future__ import annotations
@@ -208,8 +218,11 @@ def install(
     Raises:
         InstallRefused: a wrapped method is missing or its signature differs from 0.30.0 (nothing patched).
         PolicyError: the policy is invalid (nothing patched).
+        ContextSettingError: ``OMNI_ACCUM_CONTEXT_LEN`` / ``OMNI_ACCUM_CONCURRENCY`` is not a whole number
+            >= 1 (nothing patched).
     """
     loaded = load_policy(policy) if policy is not None else None
+    hooks.deployment_context()  # a bad OMNI_ACCUM_CONTEXT_LEN / OMNI_ACCUM_CONCURRENCY refuses here, not in a hook
     with _lock:
         _patch(TARGETS)
         hooks.Settings.policy = loaded
@@ -217,15 +230,29 @@ def install(
             hooks.Settings.adapter_keys = tuple(adapter_keys)
 
 
+def ensure_patched() -> None:
+    """Patch the wrapped methods (signature-checked, idempotent) without touching the process-wide
+    policy or adapter keys: an earlier :func:`install`'s policy stays; instances without a policy run
+    upstream code. For code that binds its own instances (:func:`vllm_omni_hooks.bind`)."""
+    with _lock:
+        _patch(TARGETS)
+
+
 def uninstall() -> None:
     """Restore every patched method and forget the process-wide policy. Safe to call when not installed.
 
-    Instances that bound a policy keep their state but no wrapper reads it any more.
+    Every instance omni-accum bound is detached (:func:`vllm_omni_hooks.detach`): its state is
+    released, its binding dropped, its accumulator store a plain dict again (same contents), its
+    connector's ``put`` unwrapped, and its pending full-payload entries turned into upstream's
+    representation, so upstream's code carries on alone, and a later :func:`install` starts clean
+    (re-seeding in-progress requests from upstream's store). Call it while no chunk is in transfer:
+    a hook already running on another thread may finish on the state it started with.
     """
     with _lock:
         for (_owner, name), (cls, raw) in reversed(list(_patched.items())):
             setattr(cls, name, raw)
         _patched.clear()
+        hooks.detach_all()
         hooks.Settings.policy = None
         hooks.Settings.adapter_keys = hooks.DEFAULT_ADAPTER_KEYS
 

@@ -4,6 +4,11 @@ list-then-``torch.cat`` in ``accumulate_full_payload_output`` / ``_materialize_f
 Upstream's rules are kept (``None`` skipped; 2-D+ tensors appended while the trailing shape holds,
 restarted otherwise; ``_FULL_PAYLOAD_REPLACE_KEYS`` restart; anything else replaced); only how an
 appended key is stored follows the policy.
+
+A step whose value a strategy refuses (a dtype change, which upstream's final ``torch.cat``
+promotes) is not an error inside vllm-omni: the entry is turned into upstream's representation
+(each key's rows so far as one tensor) and upstream's own method takes the step; that request's
+entry stays upstream's until it is flushed. ``uninstall`` turns every pending entry back the same way.
 """
 
 from __future__ import annotations
@@ -47,9 +52,21 @@ class PolicyChunks:
         acc.merge(value)
         self.accs[key], self.rows[key], self.trailing[key] = acc, int(value.shape[0]), tuple(value.shape[1:])
 
+    def appends(self, key: str, value: torch.Tensor) -> bool:
+        """True when :meth:`add` appends ``value`` (trailing shape unchanged: upstream's rule), False: restarts."""
+        return key in self.accs and tuple(value.shape[1:]) == self.trailing[key]
+
+    def check(self, key: str, value: torch.Tensor) -> None:
+        """Raise :class:`AccumulationError` when :meth:`add` would refuse ``value``; changes nothing."""
+        if self.appends(key, value):
+            try:
+                self.accs[key].check(value)
+            except ValueError as e:
+                raise AccumulationError(str(e), request_id=self.req_id, key=key) from e
+
     def add(self, key: str, value: torch.Tensor) -> None:
         """Append when the trailing shape matches (upstream's rule), else restart the key."""
-        if key not in self.accs or tuple(value.shape[1:]) != self.trailing[key]:
+        if not self.appends(key, value):
             self.start(key, value)
             return
         acc = self.accs[key]
@@ -67,6 +84,25 @@ class PolicyChunks:
 
     def materialize(self) -> dict[str, Any]:
         return {k: acc.read() for k, acc in self.accs.items()}
+
+    def to_upstream(self) -> dict[str, list[torch.Tensor]]:
+        """The ``chunks`` of upstream's entry: each key's rows so far as a one-tensor list."""
+        return {k: [v] for k, v in self.materialize().items()}
+
+
+def to_upstream_entry(entry: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An entry of ``_pending_full_payload_send`` in 0.30.0's own representation (unchanged if it is already)."""
+    if len(entry) != 4 or not isinstance(entry[0], PolicyChunks):
+        return entry
+    chunks, latest, _, request = entry
+    return chunks.to_upstream(), latest, dict(chunks.rows), request
+
+
+def restore_upstream_entries(pending: dict[Any, Any]) -> None:
+    """Turn every omni-accum entry of a ``_pending_full_payload_send`` into upstream's representation."""
+    for req_id, entry in list(pending.items()):
+        if isinstance(entry, tuple) and len(entry) == 4 and isinstance(entry[0], PolicyChunks):
+            pending[req_id] = to_upstream_entry(entry)
 
 
 def _appendable(v: Any) -> bool:
@@ -92,6 +128,14 @@ def wrap_accumulate_full(orig: Callable[..., Any]) -> Callable[..., Any]:
             return None
         chunks, latest, _, _ = existing
         replace_keys = self._resolve_full_payload_replace_keys()
+        try:  # all or nothing: every appended value is checked before anything changes
+            for k, v in pooler_output.items():
+                if _appendable(v) and k not in replace_keys:
+                    chunks.check(k, v)
+        except AccumulationError as e:
+            b.fall_back(req_id, e, f"{type(self).__name__}.accumulate_full_payload_output", release=False)
+            pending[req_id] = to_upstream_entry(existing)
+            return orig(self, req_id, pooler_output, request)
         for k, v in pooler_output.items():
             if v is None:
                 continue

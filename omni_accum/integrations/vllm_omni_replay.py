@@ -35,7 +35,7 @@ class VllmOmniEngine(Engine):
     def __init__(self, policy: Policy | None, context: StreamContext) -> None:
         from vllm_omni.worker.omni_connector_model_runner_mixin import OmniConnectorModelRunnerMixin
 
-        integration.install(None)  # patch (signature-checked); no process-wide policy
+        integration.ensure_patched()  # signature-checked; a policy set by install() stays as it is
         mc = SimpleNamespace(
             stage_id=1,
             worker_type="ar",
@@ -45,10 +45,7 @@ class VllmOmniEngine(Engine):
         )
         self.runner = type("ReplayRunner", (OmniConnectorModelRunnerMixin,), {})()
         self.runner.init_omni_connectors(mc)
-        self.binding = hooks.bind(self.runner, policy)
-        if self.binding is not None:
-            self.binding.receiver.context = context
-            self.binding.sender.context = context
+        self.binding = hooks.bind(self.runner, policy, context)
 
     def encode(self, req_id: str, chunk: Mapping[str, Any]) -> Mapping[str, Any]:
         b = self.binding
