@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from omni_accum import __version__
+from omni_accum._paths import output_path_problem  # noqa: F401 - re-exported for the command modules
 from omni_accum.errors import OmniAccumError
 
 #: Modules contributing subcommands, in the order they appear in ``--help``.
@@ -62,26 +61,6 @@ def _bounded_int(low: int) -> Any:
 
 positive_int = _bounded_int(1)
 non_negative_int = _bounded_int(0)
-
-
-def output_path_problem(path: str | os.PathLike[str] | None, option: str) -> str | None:
-    """Why ``path`` cannot be written as the output of ``option`` (checked before long runs), or None.
-
-    Missing folders are fine (they are created) as long as the nearest existing one is a writable folder.
-    """
-    if path is None:
-        return None
-    p = Path(path)
-    if p.is_dir():
-        return f"{option} {p}: is a directory; give a file path"
-    parent = p.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"{option} {p}: {parent} is not a folder"
-    if not os.access(parent, os.W_OK):
-        return f"{option} {p}: folder {parent} is not writable"
-    return None
 
 
 def add_int_list_argument(

@@ -12,7 +12,6 @@ from omni_accum.cli import (
     add_int_list_argument,
     add_threads_argument,
     apply_threads,
-    output_path_problem,
     positive_int,
 )
 from omni_accum.loader import load_policy
@@ -169,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None:
         print("omni-accum tune: error: --out FILE is required (or --show POLICY)", file=sys.stderr)
         return 2
-    problem = output_path_problem(args.out, "--out") or output_problem(args.out)
+    problem = output_problem(args.out)
     if problem:
         print(f"omni-accum tune: error: {problem}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from omni_accum._paths import output_path_problem
 from omni_accum.errors import OmniAccumError, PolicyError
 from omni_accum.fingerprint import current_fingerprint, fingerprint_mismatches
 from omni_accum.loader import dump_policy, load_policy
@@ -93,24 +94,13 @@ def output_problem(path: str | os.PathLike[str]) -> str | None:
     created) is probed with a temporary file, so a read-only or virtual file system is caught up front.
     """
     p = Path(path)
+    problem = output_path_problem(p, "--out")
+    if problem:
+        return problem
     try:
         output_format(p)
     except TuneError as e:
         return str(e)
-    target = Path(os.path.realpath(p))
-    if target.is_dir():
-        return f"--out {p}: is a directory; give a file path"
-    folder = target.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        return f"--out {p}: {folder} is not a folder"
-    try:
-        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=folder)
-    except OSError as e:
-        return f"--out {p}: cannot create files in {folder}: {e.strerror or e}"
-    os.close(fd)
-    os.unlink(probe)
     return None
 
 
