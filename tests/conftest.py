@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import os
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -49,3 +51,93 @@ def _restore_global_manager():
     before = omni_accum.manager._manager
     yield
     omni_accum.manager._manager = before
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Real vllm-omni 0.30.0 classes on CPU, shared by the integration tests
+# ---------------------------------------------------------------------------------------------- #
+
+
+@pytest.fixture
+def vo(vllm_omni):
+    """The integration module; every test leaves vllm-omni unpatched."""
+    from omni_accum.integrations import vllm_omni as integration
+
+    integration.uninstall()
+    yield integration
+    integration.uninstall()
+
+
+def runner_config(extra: dict | None = None) -> Any:
+    """A model config for runner transports (AR worker, SharedMemoryConnector with ``extra``)."""
+    return SimpleNamespace(
+        stage_id=1,
+        worker_type="ar",
+        async_chunk=True,
+        stage_connector_config={"name": "SharedMemoryConnector", "extra": dict(extra or {})},
+        custom_process_next_stage_input_func=None,
+    )
+
+
+@pytest.fixture
+def runner(vllm_omni):
+    """Factory of real runner transports (``OmniConnectorModelRunnerMixin`` + SharedMemoryConnector)."""
+    from vllm_omni.worker.omni_connector_model_runner_mixin import OmniConnectorModelRunnerMixin
+
+    made = []
+
+    def make(extra: dict | None = None) -> Any:
+        r = type("Runner", (OmniConnectorModelRunnerMixin,), {})()
+        r.init_omni_connectors(runner_config(extra))
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.shutdown_omni_connectors()
+
+
+@pytest.fixture
+def data_plane(vllm_omni):
+    """Factory of real MRv2 data planes (``OmniRunnerDataPlane``)."""
+    from vllm_omni.worker_v2.omni_data_plane import OmniRunnerDataPlane
+
+    made = []
+
+    def make() -> Any:
+        dp = OmniRunnerDataPlane(SimpleNamespace(), runner_config())
+        made.append(dp)
+        return dp
+
+    yield make
+    for dp in made:
+        dp.close()
+
+
+@pytest.fixture
+def adapters(vllm_omni):
+    """Factory of real OmniChunkTransferAdapters; all are shut down and their SHM keys removed."""
+    from vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter import (
+        OmniChunkTransferAdapter,
+    )
+
+    made: list[Any] = []
+
+    def make(stage_id: int, *, worker_type: str = "ar", next_func: str | None = None, extra: dict | None = None):
+        mc = SimpleNamespace(
+            worker_type=worker_type,
+            max_num_seqs=8,
+            stage_id=stage_id,
+            async_chunk=True,
+            stage_connector_config={"name": "SharedMemoryConnector", "extra": dict(extra or {})},
+            custom_process_next_stage_input_func=next_func,
+            hf_config=SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=24)),
+        )
+        a = OmniChunkTransferAdapter(SimpleNamespace(model_config=mc, scheduler_config=SimpleNamespace(max_num_seqs=8)))
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.shutdown()
+        a.connector.close()

@@ -21,45 +21,6 @@ D, P = 2048, 10
 T2T = "vllm_omni.model_executor.stage_input_processors.qwen3_omni.thinker2talker_async_chunk"
 
 
-@pytest.fixture
-def vo(vllm_omni):
-    """The integration module; every test leaves vllm-omni unpatched."""
-    from omni_accum.integrations import vllm_omni as integration
-
-    integration.uninstall()
-    yield integration
-    integration.uninstall()
-
-
-@pytest.fixture
-def adapters(vllm_omni):
-    """Factory of real OmniChunkTransferAdapters; all are shut down and their SHM keys removed."""
-    from vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter import (
-        OmniChunkTransferAdapter,
-    )
-
-    made: list[Any] = []
-
-    def make(stage_id: int, *, worker_type: str = "ar", next_func: str | None = None, extra: dict | None = None):
-        mc = SimpleNamespace(
-            worker_type=worker_type,
-            max_num_seqs=8,
-            stage_id=stage_id,
-            async_chunk=True,
-            stage_connector_config={"name": "SharedMemoryConnector", "extra": dict(extra or {})},
-            custom_process_next_stage_input_func=next_func,
-            hf_config=SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=24)),
-        )
-        a = OmniChunkTransferAdapter(SimpleNamespace(model_config=mc, scheduler_config=SimpleNamespace(max_num_seqs=8)))
-        made.append(a)
-        return a
-
-    yield make
-    for a in made:
-        a.shutdown()
-        a.connector.close()
-
-
 def _thinker_steps(seed: int = 0, decode_steps: int = 6) -> list[dict]:
     """Thinker outputs: chunked prefill (4, 4, 2 rows), then one row per decode step."""
     g = torch.Generator().manual_seed(seed)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,58 +12,6 @@ from tests.test_integration_vllm_omni import assert_same
 
 pytestmark = pytest.mark.vllm
 D = 2048
-
-
-@pytest.fixture
-def vo(vllm_omni):
-    from omni_accum.integrations import vllm_omni as integration
-
-    integration.uninstall()
-    yield integration
-    integration.uninstall()
-
-
-def _mc(stage_id: int = 1, async_chunk: bool = True) -> Any:
-    return SimpleNamespace(
-        stage_id=stage_id,
-        worker_type="ar",
-        async_chunk=async_chunk,
-        stage_connector_config={"name": "SharedMemoryConnector", "extra": {}},
-        custom_process_next_stage_input_func=None,
-    )
-
-
-@pytest.fixture
-def runner(vllm_omni):
-    from vllm_omni.worker.omni_connector_model_runner_mixin import OmniConnectorModelRunnerMixin
-
-    made = []
-
-    def make() -> Any:
-        r = type("Runner", (OmniConnectorModelRunnerMixin,), {})()
-        r.init_omni_connectors(_mc())
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.shutdown_omni_connectors()
-
-
-@pytest.fixture
-def data_plane(vllm_omni):
-    from vllm_omni.worker_v2.omni_data_plane import OmniRunnerDataPlane
-
-    made = []
-
-    def make() -> Any:
-        dp = OmniRunnerDataPlane(SimpleNamespace(), _mc())
-        made.append(dp)
-        return dp
-
-    yield make
-    for dp in made:
-        dp.close()
 
 
 def _chunks() -> list[dict]:
