@@ -571,12 +571,30 @@ def test_the_send_once_count_follows_keys_that_turn_from_leaf_to_group_and_back(
     assert wire == {omni_accum.WIRE_MARKER: 2}
 
 
+def _manager_with(strategy_cls):
+    """A StrategyManager with the built-ins and one replace-kind test strategy, as a plugin named after it."""
+    from omni_accum.strategies.replace import Params as ReplaceParams
+    from omni_accum.strategy import StrategySpec
+
+    class plugin:
+        @omni_accum.hookimpl
+        def omni_accum_register_strategies():
+            spec = StrategySpec(
+                name=strategy_cls.name, factory=strategy_cls, params_model=ReplaceParams, kinds=frozenset({"replace"})
+            )
+            return [spec]
+
+    mgr = omni_accum.StrategyManager()
+    mgr.register(plugin, name=strategy_cls.name)
+    return mgr
+
+
 def test_a_plugin_raising_in_a_state_factory_or_check_fails_its_request_until_released():
     """docs/plugins.md: a strategy raising in new_encoder, new_accumulator or check fails that request only."""
     from omni_accum.errors import MergeError
     from omni_accum.strategies.replace import Params as ReplaceParams
     from omni_accum.strategies.replace import ReplaceAccumulator
-    from omni_accum.strategy import Strategy, StrategySpec
+    from omni_accum.strategy import Strategy
 
     class Bug(Exception):
         pass
@@ -601,13 +619,7 @@ def test_a_plugin_raising_in_a_state_factory_or_check_fails_its_request_until_re
                 raise Bug("plugin bug in new_accumulator")
             return Acc()
 
-    class plugin:
-        @omni_accum.hookimpl
-        def omni_accum_register_strategies():
-            return [StrategySpec(name="picky", factory=Picky, params_model=ReplaceParams, kinds=frozenset({"replace"}))]
-
-    mgr = omni_accum.StrategyManager()
-    mgr.register(plugin, name="picky")
+    mgr = _manager_with(Picky)
     pol = {"default": "picky", "honor_override_keys": False}  # its encoder would rewrite the override list
     tx, rx = omni_accum.Sender(pol, manager=mgr), omni_accum.Receiver(pol, manager=mgr)
     with pytest.raises(AccumulationError, match="new_encoder raised Bug") as ei:
@@ -637,7 +649,7 @@ def test_a_first_value_is_checked_before_any_key_of_the_chunk_is_merged():
     from omni_accum.errors import MergeError
     from omni_accum.strategies.replace import Params as ReplaceParams
     from omni_accum.strategies.replace import ReplaceAccumulator
-    from omni_accum.strategy import Strategy, StrategySpec
+    from omni_accum.strategy import Strategy
 
     class IntsOnly(ReplaceAccumulator):
         def check(self, value):
@@ -651,13 +663,7 @@ def test_a_first_value_is_checked_before_any_key_of_the_chunk_is_merged():
         def new_accumulator(self, key):
             return IntsOnly()
 
-    class plugin:
-        @omni_accum.hookimpl
-        def omni_accum_register_strategies():
-            return [StrategySpec(name="ints", factory=Ints, params_model=ReplaceParams, kinds=frozenset({"replace"}))]
-
-    mgr = omni_accum.StrategyManager()
-    mgr.register(plugin, name="ints")
+    mgr = _manager_with(Ints)
     rx = omni_accum.Receiver({"default": "cat", "rules": [{"match": "n", "strategy": "ints"}]}, manager=mgr)
     with pytest.raises(AccumulationError, match="ints only, got str"):
         rx.merge("r", {"x": torch.ones(1), "n": "not an int"})
