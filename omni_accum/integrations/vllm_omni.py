@@ -47,6 +47,7 @@ import importlib
 import inspect
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from typing import Any
 from omni_accum.errors import OmniAccumError
 from omni_accum.integrations import vllm_omni_full_payload as full_payload
 from omni_accum.integrations import vllm_omni_hooks as hooks
+from omni_accum.integrations import vllm_omni_status as status
 from omni_accum.loader import ENV_POLICY, load_policy
 from omni_accum.policy import Policy
 
@@ -226,6 +228,9 @@ def install(
     with _lock:
         _patch(TARGETS)
         hooks.Settings.policy = loaded
+        hooks.Settings.installed = True
+        if policy is not None:
+            hooks.Settings.policy_source = _describe_source(policy)
         if adapter_keys is not None:
             hooks.Settings.adapter_keys = tuple(adapter_keys)
 
@@ -254,6 +259,8 @@ def uninstall() -> None:
         _patched.clear()
         hooks.detach_all()
         hooks.Settings.policy = None
+        hooks.Settings.installed = False
+        hooks.Settings.policy_source = "no policy"
         hooks.Settings.adapter_keys = hooks.DEFAULT_ADAPTER_KEYS
 
 
@@ -270,21 +277,69 @@ def _on_extra_policy(obj: Any) -> None:
         logger.error("omni-accum: connector extra of %s names a policy, but %s", type(obj).__name__, e)
 
 
+def _describe_source(policy: Any) -> str:
+    if isinstance(policy, (str, os.PathLike)):
+        text = os.fspath(policy)
+        return text if "\n" not in text and len(text) <= 120 else "inline policy text"
+    if isinstance(policy, Policy):
+        return "a Policy object"
+    return "a mapping"
+
+
 def activate() -> None:
-    """Entry point of group ``vllm_omni.general_plugins`` (called once per vllm-omni process).
+    """Entry point of group ``vllm_omni.general_plugins`` (called in every vllm-omni process that loads
+    vllm-omni's plugins) and, through :func:`activate_from_vllm`, of vLLM's ``vllm.general_plugins``.
 
     ``OMNI_ACCUM_POLICY`` set: install that policy. Unset: only the two constructors are probed,
     and the first adapter / transport whose connector ``extra`` has ``omni_accum_policy`` installs
     the wrappers. ``OMNI_ACCUM_VLLM_OMNI=0``: nothing. A refusal is logged and leaves vllm-omni as is.
+    Idempotent: a process that loads both plugin groups activates (and logs) once.
     """
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
         return
+    with _lock:
+        if os.environ.get(ENV_POLICY, "").strip():
+            if is_installed() and hooks.Settings.policy_source == ENV_POLICY:
+                return
+        elif all((t.owner, t.name) in _patched for t in PROBES):
+            return
+    status.ensure_visible_logging()
+    where = status.process_label()
     try:
         if os.environ.get(ENV_POLICY, "").strip():
             install(load_policy(None))
-            logger.info("omni-accum installed into vllm-omni (policy from %s)", ENV_POLICY)
+            hooks.Settings.policy_source = ENV_POLICY
+            logger.info(
+                "omni-accum installed into vllm-omni (pid=%d, process=%s, policy from %s)",
+                os.getpid(),
+                where,
+                ENV_POLICY,
+            )
         else:
             with _lock:
                 _patch(PROBES)
+            logger.info(
+                "omni-accum ready in vllm-omni (pid=%d, process=%s): %s is not set; a connector whose extra names "
+                "omni_accum_policy installs it",
+                os.getpid(),
+                where,
+                ENV_POLICY,
+            )
     except OmniAccumError as e:
-        logger.error("omni-accum not installed: %s", e)
+        logger.error("omni-accum not installed (pid=%d, process=%s): %s", os.getpid(), where, e)
+    status.register_exit_dump()
+
+
+def activate_from_vllm() -> None:
+    """Entry point of vLLM's group ``vllm.general_plugins``.
+
+    vllm-omni 0.30.0's stage engine-core processes (``StageEngineCoreProc``, where the scheduler
+    builds the chunk transfer adapter) never call vllm-omni's ``load_omni_general_plugins()``; they
+    only run vLLM's ``EngineCore.__init__``, which loads vLLM's plugin group before it builds the
+    scheduler. So omni-accum registers there too, and activates when the process is a vllm-omni one
+    (``vllm_omni`` already imported). A plain vLLM process is left alone: vllm-omni is never imported
+    into it.
+    """
+    if "vllm_omni" not in sys.modules:
+        return
+    activate()

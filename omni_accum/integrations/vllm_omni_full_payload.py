@@ -117,6 +117,7 @@ def wrap_accumulate_full(orig: Callable[..., Any]) -> Callable[..., Any]:
         existing = pending.get(req_id)
         if b is None or (existing is not None and not isinstance(existing[0], PolicyChunks)):
             return orig(self, req_id, pooler_output, request)
+        b.stats["chunks_received"] += 1
         if existing is None:
             chunks, latest = PolicyChunks(b.full_payload_endpoint, req_id), {}
             for k, v in pooler_output.items():

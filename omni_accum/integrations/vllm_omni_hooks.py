@@ -64,6 +64,12 @@ class Settings:
 
     policy: Policy | None = None
     adapter_keys: tuple[str, ...] = DEFAULT_ADAPTER_KEYS
+    #: True while the method wrappers are in place (``install`` .. ``uninstall``).
+    installed: bool = False
+    #: Where the process-wide policy came from (``OMNI_ACCUM_POLICY``, a preset name, a path ...).
+    policy_source: str = "no policy"
+    #: Called after a binding is made or a request released (the status file, when one is asked for).
+    on_change: Callable[[], None] | None = None
 
 
 def _path(top: Any, qual: Any = None) -> str:
@@ -142,7 +148,8 @@ class Binding:
     Attributes:
         context: the deployment context (:func:`deployment_context`) its Sender and Receiver use, or None.
         stats: ``puts``, ``wire_bytes`` (as the connector reports them) and ``omitted`` (send_once
-            values left off the wire), counted by the send-side hook.
+            values left off the wire), counted by the send-side hook; ``chunks_sent`` (payloads that
+            went through the Sender) and ``chunks_received`` (payloads a receive hook handled).
         fell_back: requests one of whose chunks omni-accum refused and left to upstream's code
             (:meth:`fall_back`), until released.
     """
@@ -160,7 +167,7 @@ class Binding:
         self.sender = Sender(policy, context=context)
         self.receiver = Receiver(policy, context=context)
         self.adapter_keys = frozenset(adapter_keys)
-        self.stats = {"puts": 0, "wire_bytes": 0, "omitted": 0}
+        self.stats = {"puts": 0, "wire_bytes": 0, "omitted": 0, "chunks_sent": 0, "chunks_received": 0}
         self.sent_once: dict[str, dict[tuple[Any, Any], int]] = {}  # ext id -> send_once key -> bit
         self.held_once: dict[str, dict[tuple[Any, Any], int]] = {}  # req id -> send_once key -> bit
         self.fell_back: set[str] = set()
@@ -207,6 +214,7 @@ class Binding:
         self.receiver.release(req_id)
         self.held_once.pop(req_id, None)
         self.fell_back.discard(req_id)
+        _changed()
 
     def fall_back(self, req_id: str, error: AccumulationError, where: str, *, release: bool = True) -> None:
         """omni-accum refused a chunk of ``req_id``: log it (once per request until it is released) and
@@ -289,10 +297,37 @@ def binding_for(obj: Any) -> Binding | None:
             b = Binding(policy, tuple(keys) if keys else Settings.adapter_keys, source, context)
             _attach(obj, b)
             _warn_untuned_context(policy, context, source)
-            logger.info("omni-accum bound to %s (policy from %s, context %s)", type(obj).__name__, source, context)
+            logger.info(
+                "omni-accum bound to %s (pid=%d, policy from %s, context %s)", type(obj).__name__, os.getpid(), source,
+                context,
+            )
         obj.__dict__[_ATTR] = b
         _track(obj)
-        return b
+    if b is not None:
+        _changed()
+    return b
+
+
+def _changed() -> None:
+    hook = Settings.on_change
+    if hook is not None:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - reporting must never fail vllm-omni
+            logger.debug("omni-accum: status update failed", exc_info=True)
+
+
+def bindings() -> list[tuple[Any, Binding]]:
+    """``(instance, binding)`` for every live instance that has a binding."""
+    with _lock:
+        refs = list(_instances.values())
+    out = []
+    for r in refs:
+        obj = r()
+        b = obj.__dict__.get(_ATTR) if obj is not None else None
+        if isinstance(b, Binding):
+            out.append((obj, b))
+    return out
 
 
 def bind(obj: Any, policy: Policy | None, context: StreamContext | None = None) -> Binding | None:
@@ -436,6 +471,7 @@ class EncodingPut:
 
         chunk = to_dict(data) if isinstance(data, OmniPayloadStruct) else data
         wire = b.sender.encode(ctx[1], chunk) if isinstance(chunk, Mapping) else chunk
+        b.stats["chunks_sent"] += 1
         if wire is not chunk:
             table = b.sent_once.setdefault(ctx[1], {})
             b.number_once(table, wire)
@@ -486,6 +522,7 @@ def wrap_clear_sender(orig: Callable[..., Any]) -> Callable[..., Any]:
         if b is not None:
             b.sender.release(external_req_id)
             b.sent_once.pop(external_req_id, None)
+            _changed()
 
     return _clear_sender_state_locked
 
@@ -674,6 +711,7 @@ def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
         b = binding_for(self)
         payload = result[0] if isinstance(result, tuple) else None
         if b is not None and isinstance(payload, dict) and payload:
+            b.stats["chunks_received"] += 1
             ar = self.model_mode == "ar"
             try:
                 handed = adapter_receive(b, req_id, payload, ar)
@@ -801,6 +839,7 @@ def wrap_accumulate(orig: Callable[..., Any], *, decode_spans: bool) -> Callable
         if b is None:
             return orig(self, req_id, payload_data)
         store = self._send_side_request_payload
+        b.stats["chunks_received"] += 1
         try:
             wire = {k: v for k, v in payload_data.items() if k != OMITTED_KEY}
             if OMITTED_KEY in payload_data:
