@@ -145,7 +145,8 @@ def test_uninstall_detaches_adapters_and_reinstall_carries_on(vo, adapters, poli
             vo.uninstall()
             for a in (tx, rx):
                 assert "_omni_accum_binding" not in a.__dict__
-                assert "put" not in a.connector.__dict__  # the class's own put again
+                assert "put" not in a.connector.__dict__  # never replaced on the instance
+                assert not getattr(type(a.connector).put, "__omni_accum_put__", False)  # the class's own again
             assert bound["tx"].sender.active_requests == 0 and not bound["tx"].sent_once
             assert bound["rx"].receiver.active_requests == 0 and not bound["rx"].held_once
         elif i == 7:
@@ -187,8 +188,8 @@ def test_refused_chunk_falls_back_to_upstream_accumulate(vo, runner, data_plane,
     """Runner ``_accumulate_payload``: the views equal 0.30.0's own, chunk by chunk, including the
     send_once values the sender (qwen3-omni) left off a refused chunk; one warning per request."""
     from omni_accum.context import StreamContext
-    from omni_accum.integrations.vllm_omni_replay import VllmOmniEngine
-    from omni_accum.loader import load_policy
+    from omni_accum.integrations.vllm_omni.replay import VllmOmniEngine
+    from omni_accum.policy import load_policy
 
     make = runner if target == "runner" else data_plane
     chunks = _decode_chunks(case)
@@ -376,7 +377,7 @@ def test_tuned_table_without_context_warns_once(vo, runner, no_context_env, capl
     [("OMNI_ACCUM_CONTEXT_LEN", "abc"), ("OMNI_ACCUM_CONCURRENCY", "0"), ("OMNI_ACCUM_CONCURRENCY", "2.5")],
 )
 def test_bad_context_environment_refuses_install(vo, no_context_env, var, value):
-    from omni_accum.integrations.vllm_omni_hooks import ContextSettingError
+    from omni_accum.integrations.vllm_omni import ContextSettingError
 
     no_context_env.setenv(var, value)
     with pytest.raises(ContextSettingError, match=f"environment variable {var}={value!r}"):
@@ -384,13 +385,19 @@ def test_bad_context_environment_refuses_install(vo, no_context_env, var, value)
     assert not vo.is_installed()
 
 
-def test_bad_context_connector_extra_is_named(vo, runner, no_context_env):
-    from omni_accum.integrations.vllm_omni_hooks import ContextSettingError
-
+def test_bad_context_connector_extra_is_named_and_upstream_runs(vo, runner, no_context_env, caplog):
+    """A bad setting in one connector's extra never fails vllm-omni: that instance runs 0.30.0's code,
+    and one error names the setting and its value."""
     vo.install("default")
     r = runner({"omni_accum_concurrency": -3})
-    with pytest.raises(ContextSettingError, match="connector extra omni_accum_concurrency=-3"):
-        r._accumulate_payload("q", {"x": torch.zeros(1, 2)})
+    with caplog.at_level(logging.ERROR, logger="omni_accum"):
+        first = r._accumulate_payload("q", {"x": torch.zeros(1, 2)})
+        second = r._accumulate_payload("q", {"x": torch.ones(1, 2)})
+    assert torch.equal(first["x"], torch.zeros(1, 2))
+    assert torch.equal(second["x"], torch.cat([torch.zeros(1, 2), torch.ones(1, 2)]))  # upstream's merge
+    errors = [m for m in caplog.messages if "omni_accum_concurrency=-3" in m]
+    assert len(errors) == 1 and "vllm-omni's own code" in errors[0], caplog.messages
+    assert r.__dict__["_omni_accum_binding"] is None
 
 
 # ---------------------------------------------------------------------------------------------- #
@@ -400,8 +407,9 @@ def test_bad_context_connector_extra_is_named(vo, runner, no_context_env):
 
 def test_replay_engine_keeps_installed_policy(vo, runner):
     from omni_accum.context import StreamContext
-    from omni_accum.integrations import vllm_omni_hooks as hooks
-    from omni_accum.integrations.vllm_omni_replay import VllmOmniEngine
+    from omni_accum.integrations.vllm_omni import binding as hooks
+    from omni_accum.integrations.vllm_omni import marker
+    from omni_accum.integrations.vllm_omni.replay import VllmOmniEngine
 
     vo.install("qwen3-omni")
     policy = hooks.Settings.policy

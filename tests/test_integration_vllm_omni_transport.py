@@ -140,8 +140,8 @@ def test_replay_through_vllm_omni(vo):
     import glob
 
     import omni_accum
-    from omni_accum.integrations import vllm_omni_replay  # noqa: F401 - registers THROUGH["vllm-omni"]
-    from omni_accum.replay import THROUGH, measure
+    import omni_accum.integrations.vllm_omni.replay  # noqa: F401 - registers THROUGH["vllm-omni"]
+    from omni_accum.bench.replay import THROUGH, measure
 
     assert "vllm-omni" in THROUGH
     arms = {
@@ -164,9 +164,10 @@ def test_override_list_left_off_applies_only_to_chunks_that_carried_it(vo):
     mask says so); a chunk that never carried the list appends, as upstream's own accumulator does."""
     from omni_accum.context import StreamContext
     from omni_accum.errors import AccumulationError
-    from omni_accum.integrations import vllm_omni_hooks as hooks
-    from omni_accum.integrations.vllm_omni_replay import VllmOmniEngine
-    from omni_accum.loader import load_policy
+    from omni_accum.integrations.vllm_omni import binding as hooks
+    from omni_accum.integrations.vllm_omni import marker
+    from omni_accum.integrations.vllm_omni.replay import VllmOmniEngine
+    from omni_accum.policy import load_policy
 
     t = [torch.full((1, D), float(i)).bfloat16() for i in range(5)]
     listed = {"override_keys": [["embed", "prefill"]]}
@@ -184,8 +185,8 @@ def test_override_list_left_off_applies_only_to_chunks_that_carried_it(vo):
             want = upstream.merge("r", upstream.encode("r", chunk))["embed"]["prefill"]
             wire = ours.encode("r", chunk)
             if k:
-                assert wire[hooks.OMITTED_KEY] & 1 == (k in (1, 4)), (k, wire[hooks.OMITTED_KEY])
-                assert "speaker" not in wire and hooks.WIRE_MARKER not in wire
+                assert wire[marker.OMITTED_KEY] & 1 == (k in (1, 4)), (k, wire[marker.OMITTED_KEY])
+                assert "speaker" not in wire and marker.WIRE_MARKER not in wire
             got = ours.merge("r", wire)["embed"]["prefill"]
             assert torch.equal(got, want), k
         assert torch.equal(got, t[4]) and torch.equal(want, t[4])
@@ -195,9 +196,9 @@ def test_override_list_left_off_applies_only_to_chunks_that_carried_it(vo):
         upstream.close()
         ours.close()
     with pytest.raises(AccumulationError, match="malformed wire marker"):
-        hooks.split_mask(-1)
-    assert hooks.split_mask(
-        hooks.omitted_mask({("a", None): 0, ("meta", "override_keys"): 1}, [("a", None)], True)
+        marker.split_mask(-1)
+    assert marker.split_mask(
+        marker.omitted_mask({("a", None): 0, ("meta", "override_keys"): 1}, [("a", None)], True)
     ) == (
         1,
         True,

@@ -51,7 +51,7 @@ def stage_core_child(queue: Any, env: dict[str, str]) -> None:
         )
 
         from omni_accum.integrations import vllm_omni as integration
-        from omni_accum.integrations import vllm_omni_hooks as hooks
+        from omni_accum.integrations.vllm_omni import binding as hooks
 
         report["installed"] = integration.is_installed()
         report["send_wrapped"] = hasattr(

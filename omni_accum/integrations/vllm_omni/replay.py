@@ -8,8 +8,8 @@ unhooked 0.30.0 method. The sender side of a policy arm encodes as the adapter s
 (send_once values left off, the bit mask on the wire). The replay's own wire (inproc, serializer,
 shm) carries the payload between the two.
 
-Registering: ``import omni_accum.integrations.vllm_omni_replay`` adds ``"vllm-omni"`` to
-:data:`omni_accum.replay.THROUGH`.
+Registering: ``import omni_accum.integrations.vllm_omni.replay`` adds ``"vllm-omni"`` to
+:data:`omni_accum.bench.replay.THROUGH`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from typing import Any
 
 from omni_accum.context import StreamContext
 from omni_accum.errors import OmniAccumError
-from omni_accum.integrations import vllm_omni as integration
-from omni_accum.integrations import vllm_omni_hooks as hooks
+from omni_accum.bench.replay import THROUGH, UPSTREAM, Arm, Engine, iter_leaves
+from omni_accum.integrations.vllm_omni import activation as integration
+from omni_accum.integrations.vllm_omni.binding import bind
+from omni_accum.integrations.vllm_omni.send import encode_payload
 from omni_accum.policy import Policy
-from omni_accum.replay import THROUGH, UPSTREAM, Arm, Engine, iter_leaves
 from omni_accum.strategy import value_nbytes
 
 THROUGH_NAME = "vllm-omni"
@@ -45,21 +46,13 @@ class VllmOmniEngine(Engine):
         )
         self.runner = type("ReplayRunner", (OmniConnectorModelRunnerMixin,), {})()
         self.runner.init_omni_connectors(mc)
-        self.binding = hooks.bind(self.runner, policy, context)
+        self.binding = bind(self.runner, policy, context)
 
     def encode(self, req_id: str, chunk: Mapping[str, Any]) -> Mapping[str, Any]:
         b = self.binding
         if b is None:
             return chunk
-        wire = b.sender.encode(req_id, chunk)
-        if wire is not chunk:
-            table = b.sent_once.setdefault(req_id, {})
-            b.number_once(table, wire)
-            if hooks.WIRE_MARKER in wire:
-                omitted = hooks._omitted_paths(chunk, wire)
-                override = wire.pop(hooks.WIRE_MARKER) < 0  # negative: an override list left off
-                wire[hooks.OMITTED_KEY] = hooks.omitted_mask(table, omitted, override)
-        return wire
+        return encode_payload(b, req_id, chunk)  # what the adapter send hook puts on the wire
 
     def merge(self, req_id: str, wire: Mapping[str, Any]) -> Mapping[str, Any]:
         return self.runner._accumulate_payload(req_id, dict(wire))

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from omni_accum.channel import Receiver
+from omni_accum.engine import Receiver
 from omni_accum.errors import AccumulationError
-from omni_accum.integrations.vllm_omni_hooks import binding_for
+from omni_accum.integrations.vllm_omni.binding import DETACH_HOOKS, binding_for
 from omni_accum.strategy import Accumulator, KeyInfo
 
 
@@ -166,3 +166,12 @@ def wrap_materialize(orig: Callable[..., Any]) -> Callable[..., Any]:
         return orig(entry)
 
     return _materialize_full_payload_entry
+
+
+def _detach(obj: Any) -> None:
+    pending = obj.__dict__.get("_pending_full_payload_send")
+    if isinstance(pending, dict):
+        restore_upstream_entries(pending)
+
+
+DETACH_HOOKS.append(_detach)

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any
 
-from omni_accum.integrations import vllm_omni_hooks as hooks
+from omni_accum.integrations.vllm_omni import binding as hooks
 
 ENV_STATUS_DIR = "OMNI_ACCUM_STATUS_DIR"
 ENV_LOG_LEVEL = "OMNI_ACCUM_LOG_LEVEL"

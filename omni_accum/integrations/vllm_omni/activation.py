@@ -1,0 +1,172 @@
+"""Activation: install / uninstall, and the plugin entry points (``activate``, ``activate_from_vllm``).
+
+See the package docstring (:mod:`omni_accum.integrations.vllm_omni`) for what is wrapped and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from omni_accum.errors import OmniAccumError
+from omni_accum.integrations.vllm_omni import binding, deployment, send, status, targets
+from omni_accum.integrations.vllm_omni.targets import PROBES, TARGETS, _patch, _patched
+from omni_accum.policy import ENV_POLICY, Policy, load_policy
+
+logger = logging.getLogger("omni_accum.vllm_omni")
+
+#: ``OMNI_ACCUM_VLLM_OMNI=0`` makes :func:`activate` a no-op (nothing patched, not even probes).
+ENV_SWITCH = "OMNI_ACCUM_VLLM_OMNI"
+_lock = threading.RLock()
+
+
+def install(
+    policy: Policy | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    *,
+    adapter_keys: tuple[str, ...] | list[str] | None = None,
+) -> None:
+    """Install omni-accum into vllm-omni's classes (idempotent).
+
+    Args:
+        policy: process-wide policy (preset name, path, mapping or Policy) for every adapter /
+            transport whose connector ``extra`` names none; None: only those whose extra names one.
+            A later call replaces it for instances that have not bound a policy yet.
+        adapter_keys: key paths an AR receiving adapter accumulates before hand-over (default
+            ``embed.prefill``, ``hidden_states.output``); ``omni_accum_adapter_keys`` in the extra wins.
+
+    Raises:
+        InstallRefused: a wrapped method is missing or its signature differs from 0.30.0 (nothing patched).
+        PolicyError: the policy is invalid (nothing patched).
+        ContextSettingError: ``OMNI_ACCUM_CONTEXT_LEN`` / ``OMNI_ACCUM_CONCURRENCY`` is not a whole number
+            >= 1 (nothing patched).
+    """
+    loaded = load_policy(policy) if policy is not None else None
+    deployment.deployment_context()  # a bad OMNI_ACCUM_CONTEXT_LEN / OMNI_ACCUM_CONCURRENCY refuses here, not in a hook
+    with _lock:
+        _patch(TARGETS)
+        send.wrap_connector_classes()
+        binding.Settings.policy = loaded
+        binding.Settings.installed = True
+        if policy is not None:
+            binding.Settings.policy_source = _describe_source(policy)
+        if adapter_keys is not None:
+            binding.Settings.adapter_keys = tuple(adapter_keys)
+
+
+def ensure_patched() -> None:
+    """Patch the wrapped methods (signature-checked, idempotent) without touching the process-wide
+    policy or adapter keys: an earlier :func:`install`'s policy stays; instances without a policy run
+    upstream code. For code that binds its own instances (:func:`.binding.bind`)."""
+    with _lock:
+        _patch(TARGETS)
+        send.wrap_connector_classes()
+
+
+def uninstall() -> None:
+    """Restore every patched method and forget the process-wide policy. Safe to call when not installed.
+
+    Every instance omni-accum bound is detached (:func:`.binding.detach`): its state is
+    released, its binding dropped, its accumulator store a plain dict again (same contents), every
+    connector class's ``put`` its own again, and its pending full-payload entries turned into upstream's
+    representation, so upstream's code carries on alone, and a later :func:`install` starts clean
+    (re-seeding in-progress requests from upstream's store). Call it while no chunk is in transfer:
+    a hook already running on another thread may finish on the state it started with.
+    """
+    with _lock:
+        for (_owner, name), (cls, raw) in reversed(list(_patched.items())):
+            setattr(cls, name, raw)
+        _patched.clear()
+        binding.detach_all()
+        send.restore_connector_classes()
+        binding.Settings.policy = None
+        binding.Settings.installed = False
+        binding.Settings.policy_source = "no policy"
+        binding.Settings.adapter_keys = binding.DEFAULT_ADAPTER_KEYS
+
+
+def is_installed() -> bool:
+    """True when the method wrappers (not just the constructor probes) are in place."""
+    return all((t.owner, t.name) in _patched for t in TARGETS)
+
+
+def _on_extra_policy(obj: Any) -> None:
+    try:
+        if not is_installed():
+            install(None)
+    except OmniAccumError as e:
+        logger.error("omni-accum: connector extra of %s names a policy, but %s", type(obj).__name__, e)
+
+
+targets.on_extra_policy = _on_extra_policy
+
+
+def _describe_source(policy: Any) -> str:
+    if isinstance(policy, (str, os.PathLike)):
+        text = os.fspath(policy)
+        return text if "\n" not in text and len(text) <= 120 else "inline policy text"
+    if isinstance(policy, Policy):
+        return "a Policy object"
+    return "a mapping"
+
+
+def activate() -> None:
+    """Entry point of group ``vllm_omni.general_plugins`` (called in every vllm-omni process that loads
+    vllm-omni's plugins) and, through :func:`activate_from_vllm`, of vLLM's ``vllm.general_plugins``.
+
+    ``OMNI_ACCUM_POLICY`` set: install that policy. Unset: only the two constructors are probed,
+    and the first adapter / transport whose connector ``extra`` has ``omni_accum_policy`` installs
+    the wrappers. ``OMNI_ACCUM_VLLM_OMNI=0``: nothing. A refusal is logged and leaves vllm-omni as is.
+    Idempotent: a process that loads both plugin groups activates (and logs) once.
+    """
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+        return
+    with _lock:
+        if os.environ.get(ENV_POLICY, "").strip():
+            if is_installed() and binding.Settings.policy_source == ENV_POLICY:
+                return
+        elif all((t.owner, t.name) in _patched for t in PROBES):
+            return
+    status.ensure_visible_logging()
+    where = status.process_label()
+    try:
+        if os.environ.get(ENV_POLICY, "").strip():
+            install(load_policy(None))
+            binding.Settings.policy_source = ENV_POLICY
+            logger.info(
+                "omni-accum installed into vllm-omni (pid=%d, process=%s, policy from %s)",
+                os.getpid(),
+                where,
+                ENV_POLICY,
+            )
+        else:
+            with _lock:
+                _patch(PROBES)
+            logger.info(
+                "omni-accum ready in vllm-omni (pid=%d, process=%s): %s is not set; a connector whose extra names "
+                "omni_accum_policy installs it",
+                os.getpid(),
+                where,
+                ENV_POLICY,
+            )
+    except OmniAccumError as e:
+        logger.error("omni-accum not installed (pid=%d, process=%s): %s", os.getpid(), where, e)
+    status.register_exit_dump()
+
+
+def activate_from_vllm() -> None:
+    """Entry point of vLLM's group ``vllm.general_plugins``.
+
+    vllm-omni 0.30.0's stage engine-core processes (``StageEngineCoreProc``, where the scheduler
+    builds the chunk transfer adapter) never call vllm-omni's ``load_omni_general_plugins()``; they
+    only run vLLM's ``EngineCore.__init__``, which loads vLLM's plugin group before it builds the
+    scheduler. So omni-accum registers there too, and activates when the process is a vllm-omni one
+    (``vllm_omni`` already imported). A plain vLLM process is left alone: vllm-omni is never imported
+    into it.
+    """
+    if "vllm_omni" not in sys.modules:
+        return
+    activate()

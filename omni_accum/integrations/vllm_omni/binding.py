@@ -1,0 +1,369 @@
+"""The per-instance binding: which policy an adapter or transport runs, its Sender and Receiver.
+
+Every wrapper (:mod:`.send`, :mod:`.receive`, :mod:`.runner`, :mod:`.full_payload`) starts with
+:func:`binding_for`: an adapter or transport with no policy (neither installed globally nor named
+by its connector ``extra``) runs the upstream method untouched. The wrappers depend on this module,
+never on each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from omni_accum.context import StreamContext
+from omni_accum.engine import Receiver, Sender
+from omni_accum.errors import AccumulationError
+from omni_accum.integrations.vllm_omni.deployment import _warn_untuned_context, deployment_context, reset_warning
+from omni_accum.integrations.vllm_omni.marker import MARKERS
+from omni_accum.policy import Policy, load_policy
+
+logger = logging.getLogger("omni_accum.vllm_omni")
+
+#: Connector ``extra`` keys read by the integration.
+EXTRA_POLICY = "omni_accum_policy"
+EXTRA_ADAPTER_KEYS = "omni_accum_adapter_keys"
+#: Keys an AR receiving adapter accumulates (when their strategy is append-kind, other than ``cat``)
+#: before handing the view over: the prefill rows that chunked prefill (vllm-omni PR #2997) splits
+#: over several chunks.
+#: Other keys are handed over as raw deltas, as in 0.30.0 (the talker keeps its own decode cache).
+DEFAULT_ADAPTER_KEYS = ("embed.prefill", "hidden_states.output")
+_ATTR = "_omni_accum_binding"
+_DISABLED = ("off", "none", "false", "0", "")
+
+_lock = threading.Lock()
+#: Every instance given the binding attribute (a Binding or None), by id, weakly: uninstall detaches them.
+_instances: dict[int, weakref.ref[Any]] = {}
+
+
+class Settings:
+    """Process-wide settings written by ``install``: the global policy and the AR adapter keys."""
+
+    policy: Policy | None = None
+    adapter_keys: tuple[str, ...] = DEFAULT_ADAPTER_KEYS
+    #: True while the method wrappers are in place (``install`` .. ``uninstall``).
+    installed: bool = False
+    #: Where the process-wide policy came from (``OMNI_ACCUM_POLICY``, a preset name, a path ...).
+    policy_source: str = "no policy"
+    #: Called after a binding is made or a request released (the status file, when one is asked for).
+    on_change: Callable[[], None] | None = None
+
+
+def _path(top: Any, qual: Any = None) -> str:
+    return str(top) if qual is None else f"{top}.{qual}"
+
+class Binding:
+    """The omni-accum state of one adapter or transport: its policy, Sender and Receiver.
+
+    Attributes:
+        context: the deployment context (:func:`deployment_context`) its Sender and Receiver use, or None.
+        stats: ``puts``, ``wire_bytes`` (as the connector reports them) and ``omitted`` (send_once
+            values left off the wire), counted by the send-side hook; ``chunks_sent`` (payloads that
+            went through the Sender) and ``chunks_received`` (payloads a receive hook handled).
+        fell_back: requests one of whose chunks omni-accum refused and left to upstream's code
+            (:meth:`fall_back`), until released.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        adapter_keys: tuple[str, ...] | list[str],
+        source: str,
+        context: StreamContext | None = None,
+    ) -> None:
+        self.policy = policy
+        self.source = source
+        self.context = context
+        self.sender = Sender(policy, context=context)
+        self.receiver = Receiver(policy, context=context)
+        self.adapter_keys = frozenset(adapter_keys)
+        self.stats = {"puts": 0, "wire_bytes": 0, "omitted": 0, "chunks_sent": 0, "chunks_received": 0}
+        self.sent_once: dict[str, dict[tuple[Any, Any], int]] = {}  # ext id -> send_once key -> bit
+        self.held_once: dict[str, dict[tuple[Any, Any], int]] = {}  # req id -> send_once key -> bit
+        self.fell_back: set[str] = set()
+        self._full: Receiver | None = None
+
+    @property
+    def full_payload_endpoint(self) -> Receiver:
+        """Strategy selection for the full-payload accumulator.
+
+        Its ``default`` is ``token_list`` when the policy's is ``cat``: upstream's accumulator keeps a
+        list and concatenates once at flush, and ``cat`` means "as upstream"; rules apply as written.
+        """
+        if self._full is None:
+            pol = self.policy
+            if pol.default.strategy == "cat":
+                data = pol.model_dump(mode="json", exclude_none=True)
+                data["default"] = "token_list"
+                pol = load_policy(data, manager=self.receiver.manager)
+            self._full = Receiver(pol, manager=self.receiver.manager, context=self.context)
+        return self._full
+
+    def once(self, top: Any, qual: Any, value: Any) -> bool:
+        """True when the key's strategy leaves unchanged values off the wire (``send_once``)."""
+        return self.receiver.select(_path(top, qual), value, self.receiver.context)[0].omits_unchanged
+
+    def number_once(self, table: dict[tuple[Any, Any], int], payload: Mapping[str, Any]) -> None:
+        """Give each send_once key of ``payload`` seen for the first time the next bit, in wire order."""
+        for top, qual, value in _leaves(payload):
+            if (top, qual) not in table and self.once(top, qual, value):
+                table[(top, qual)] = len(table)
+
+    def tracks(self, path: str, value: Any, ar: bool) -> tuple[bool, bool]:
+        """``(merge it, hand over the accumulated view)`` for a key reaching a receiving adapter.
+
+        ``cat`` means "as upstream", and 0.30.0's adapter hands raw deltas over: a key under ``cat``
+        (the ``default`` policy) is not accumulated here, even under chunked prefill.
+        """
+        strategy, spec = self.receiver.select(path, value, self.receiver.context)
+        accumulate = ar and path in self.adapter_keys and "append" in spec.kinds and spec.name != "cat"
+        return accumulate or strategy.omits_unchanged, accumulate
+
+    def forget(self, req_id: Any) -> None:
+        """Release the receive-side state of ``req_id`` (upstream released the request)."""
+        self.receiver.release(req_id)
+        self.held_once.pop(req_id, None)
+        self.fell_back.discard(req_id)
+        _changed()
+
+    def fall_back(self, req_id: str, error: AccumulationError, where: str, *, release: bool = True) -> None:
+        """omni-accum refused a chunk of ``req_id``: log it (once per request until it is released) and
+        release its Receiver state; the caller lets upstream's code handle the chunk, and the next one
+        re-seeds. ``release=False`` (full-payload accumulator, whose entry stays upstream's until it is
+        flushed): log only."""
+        if req_id not in self.fell_back:
+            if release:
+                self.fell_back.add(req_id)
+                then = "this chunk, and omni-accum goes on from upstream's state with the next one"
+            else:
+                then = "this step and the rest of the request until it is flushed"
+            logger.warning(
+                "omni-accum refused a chunk in %s: request %r, key %r: %s. vllm-omni 0.30.0's own code handles %s "
+                "(not logged again for this request)",
+                where,
+                req_id,
+                error.key,
+                error.reason,
+                then,
+            )
+        if release:
+            self.receiver.release(req_id)
+
+    def close(self) -> None:
+        """Release every request's state (uninstall)."""
+        for rid in self.receiver.request_ids():
+            self.receiver.release(rid)
+        for rid in self.sender.request_ids():
+            self.sender.release(rid)
+        self.sent_once.clear()
+        self.held_once.clear()
+        self.fell_back.clear()
+
+
+def _leaves(payload: Mapping[str, Any]):
+    for top, value in payload.items():
+        if top in MARKERS:
+            continue
+        if isinstance(value, dict):
+            for qual, qv in value.items():
+                yield top, qual, qv
+        else:
+            yield top, None, value
+
+
+def _policy_source(extra: Any) -> tuple[Any, str]:
+    if isinstance(extra, Mapping) and EXTRA_POLICY in extra:
+        value = extra[EXTRA_POLICY]
+        if value is None or value is False or (isinstance(value, str) and value.strip().lower() in _DISABLED):
+            return None, f"connector extra {EXTRA_POLICY}={value!r} (off)"
+        return value, f"connector extra {EXTRA_POLICY}"
+    if Settings.policy is not None:
+        return Settings.policy, "install()"
+    return None, "no policy"
+
+
+def connector_extra(obj: Any) -> Any:
+    """The deploy YAML connector ``extra`` of an adapter or transport (``connector.config``)."""
+    conn = getattr(obj, "connector", None)
+    return getattr(conn, "config", None)
+
+
+def binding_for(obj: Any) -> Binding | None:
+    """The binding of ``obj`` (created on first use), or None when no policy applies to it.
+
+    Never raises: an object without a ``__dict__`` gets none, and a binding that cannot be made (a bad
+    policy or context setting in the connector ``extra``) is logged once, naming the setting, and that
+    instance runs vllm-omni's own code.
+    """
+    state = getattr(obj, "__dict__", None)
+    if not isinstance(state, dict):
+        return None
+    b = state.get(_ATTR, False)
+    if b is not False:
+        return b
+    with _lock:
+        b = state.get(_ATTR, False)
+        if b is not False:
+            return b
+        b = None
+        try:
+            extra = connector_extra(obj)
+            spec, source = _policy_source(extra)
+            if spec is not None:
+                keys = extra.get(EXTRA_ADAPTER_KEYS) if isinstance(extra, Mapping) else None
+                context = deployment_context(extra)
+                policy = load_policy(spec)
+                b = Binding(policy, tuple(keys) if keys else Settings.adapter_keys, source, context)
+                _attach(obj, b)
+                _warn_untuned_context(policy, context, source)
+                logger.info(
+                    "omni-accum bound to %s (pid=%d, policy from %s, context %s)",
+                    type(obj).__name__,
+                    os.getpid(),
+                    source,
+                    context,
+                )
+        except Exception as e:  # noqa: BLE001 - a hooked path never raises where vllm-omni would not
+            b = None
+            logger.error(
+                "omni-accum cannot bind %s (pid=%d): %s. This instance runs vllm-omni's own code",
+                type(obj).__name__,
+                os.getpid(),
+                e,
+            )
+        state[_ATTR] = b
+        _track(obj)
+    if b is not None:
+        _changed()
+    return b
+
+
+def _changed() -> None:
+    hook = Settings.on_change
+    if hook is not None:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - reporting must never fail vllm-omni
+            logger.debug("omni-accum: status update failed", exc_info=True)
+
+
+def bindings() -> list[tuple[Any, Binding]]:
+    """``(instance, binding)`` for every live instance that has a binding."""
+    with _lock:
+        refs = list(_instances.values())
+    out = []
+    for r in refs:
+        obj = r()
+        b = obj.__dict__.get(_ATTR) if obj is not None else None
+        if isinstance(b, Binding):
+            out.append((obj, b))
+    return out
+
+
+def bind(obj: Any, policy: Policy | None, context: StreamContext | None = None) -> Binding | None:
+    """Give ``obj`` (an adapter or transport) its own policy, or none (upstream code), explicitly.
+
+    ``context``: for strategy selection; None: the deployment context (:func:`deployment_context`), as
+    for a binding made on first use.
+    """
+    with _lock:
+        b = None
+        if policy is not None:
+            ctx = context if context is not None else deployment_context(connector_extra(obj))
+            b = Binding(load_policy(policy), Settings.adapter_keys, "bind()", ctx)
+            _attach(obj, b)
+        old = obj.__dict__.get(_ATTR)
+        if isinstance(old, Binding) and old is not b:
+            old.close()
+        obj.__dict__[_ATTR] = b
+        _track(obj)
+        return b
+
+
+def _track(obj: Any) -> None:
+    key = id(obj)
+
+    def gone(ref: weakref.ref[Any], key: int = key) -> None:
+        if _instances.get(key) is ref:
+            _instances.pop(key, None)
+
+    try:
+        _instances[key] = weakref.ref(obj, gone)
+    except TypeError:  # not weak-referenceable: uninstall cannot reach it (vllm-omni's classes all are)
+        pass
+
+
+def _attach(obj: Any, b: Binding) -> None:
+    """Per-instance plumbing: a release-aware accumulator dict (runner transports). Nothing else of the
+    instance, and nothing of its connector, is replaced (the send path wraps the connector's class)."""
+    store = obj.__dict__.get("_send_side_request_payload")
+    if isinstance(store, ReleasingDict):
+        store.release = b.forget
+    elif isinstance(store, dict):
+        obj._send_side_request_payload = ReleasingDict(b.forget, store)
+
+
+#: Called by :func:`detach` with each instance (the full-payload path registers one that gives
+#: pending entries back in upstream's representation).
+DETACH_HOOKS: list[Callable[[Any], None]] = []
+
+
+def detach(obj: Any) -> None:
+    """Undo everything omni-accum did to ``obj``: release its state, drop its binding attribute, put a
+    plain dict back as its accumulator store (same contents), and let :data:`DETACH_HOOKS` turn what
+    they own back (pending full-payload entries into upstream's representation). Upstream's code then
+    handles it alone, and a later install binds it afresh (re-seeding from upstream's store)."""
+    b = obj.__dict__.pop(_ATTR, None)
+    store = obj.__dict__.get("_send_side_request_payload")
+    if isinstance(store, ReleasingDict):
+        obj._send_side_request_payload = dict(store.items())
+    for hook in DETACH_HOOKS:
+        hook(obj)
+    if isinstance(b, Binding):
+        b.close()
+
+
+def detach_all() -> int:
+    """:func:`detach` every instance a binding was made for; returns how many were still alive."""
+    with _lock:
+        objs = [r() for r in _instances.values()]
+        _instances.clear()
+    reset_warning()
+    alive = [o for o in objs if o is not None]
+    for obj in alive:
+        detach(obj)
+    return len(alive)
+
+
+class ReleasingDict(dict):
+    """The transport's ``_send_side_request_payload``: removing an entry releases the Receiver state.
+
+    Upstream releases its accumulator by popping this dict (chunk finished, cleanup, abort), so the
+    Receiver is released exactly there, whatever the path.
+    """
+
+    def __init__(self, release: Callable[[Any], Any], *args: Any) -> None:
+        super().__init__(*args)
+        self.release = release
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self.release(key)
+        return super().pop(key, *default)
+
+    def __delitem__(self, key: Any) -> None:
+        self.release(key)
+        super().__delitem__(key)
+
+    def popitem(self) -> tuple[Any, Any]:
+        key, value = super().popitem()
+        self.release(key)
+        return key, value
+
+    def clear(self) -> None:
+        for key in list(self):
+            self.release(key)
+        super().clear()

@@ -1,0 +1,216 @@
+"""Receive side of the scheduler's adapter: ``_commit_received_chunk`` and receiver release.
+
+The adapter hands each chunk's raw values over (0.30.0 keeps no accumulated store there). The hook
+puts back the ``send_once`` values the sender left off (from what the binding's Receiver holds) and,
+for an AR receiver, replaces the adapter keys (``embed.prefill``, ``hidden_states.output``: chunked
+prefill) by their accumulated view. A chunk omni-accum refuses is handed over as 0.30.0 would
+(:func:`adapter_fallback`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from omni_accum.engine import WIRE_MARKER
+from omni_accum.errors import AccumulationError, OmniAccumError
+from omni_accum.integrations.vllm_omni.binding import Binding, _leaves, _path, binding_for
+from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, count_bits, split_mask
+
+logger = logging.getLogger("omni_accum.vllm_omni")
+
+
+def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) -> dict[str, Any]:
+    """The delta an adapter hands over: raw wire values, with send_once values the sender left off
+    restored, and (AR) the adapter keys replaced by their accumulated view."""
+    raw = payload.get(OMITTED_KEY) or 0
+    mask, override = split_mask(raw)
+    table = b.held_once.setdefault(req_id, {})
+    omitted = [p for p, bit in table.items() if mask >> bit & 1]
+    if mask >> len(table):
+        raise AccumulationError(
+            f"the sender left send_once values off the wire (mask {raw!r}) that this receiver never received "
+            f"(it holds {len(table)}); release the request and re-send it from its first chunk",
+            request_id=req_id,
+        )
+    b.number_once(table, payload)
+    sub: dict[str, Any] = {}
+    views: list[tuple[Any, Any]] = []
+    for top, value in payload.items():
+        if top in MARKERS:
+            continue
+        if isinstance(value, dict):
+            for qual, qv in value.items():
+                merge, view = b.tracks(_path(top, qual), qv, ar)
+                if merge:
+                    sub.setdefault(top, {})[qual] = qv
+                    if view:
+                        views.append((top, qual))
+        else:
+            merge, view = b.tracks(_path(top), value, ar)
+            if merge:
+                sub[top] = value
+                if view:
+                    views.append((top, None))
+    meta = payload.get("meta")
+    if isinstance(meta, dict) and "override_keys" in meta:
+        sub.setdefault("meta", {})["override_keys"] = meta["override_keys"]
+    if mask:  # negative: the override list the sender left off still applies
+        sub[WIRE_MARKER] = -count_bits(mask) if override else count_bits(mask)
+    if not sub and OMITTED_KEY not in payload:
+        return payload
+    view = b.receiver.merge(req_id, sub) if sub else b.receiver.view(req_id)
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in payload.items() if k not in MARKERS}
+    for path in [*views, *omitted]:
+        top, qual = path
+        if qual is None:
+            out[top] = view[top]
+        else:
+            out.setdefault(top, {})[qual] = view[top][qual]
+    return out
+
+
+def _get(d: Mapping[Any, Any], top: Any, qual: Any) -> tuple[bool, Any]:
+    if qual is None:
+        return (top in d, d.get(top))
+    sub = d.get(top)
+    return (True, sub[qual]) if isinstance(sub, Mapping) and qual in sub else (False, None)
+
+
+def _set(d: dict[Any, Any], top: Any, qual: Any, value: Any) -> None:
+    if qual is None:
+        d[top] = value
+    else:
+        sub = d.get(top)
+        d[top] = sub = dict(sub) if isinstance(sub, Mapping) else {}
+        sub[qual] = value
+
+
+def upstream_merge(old: Any, new: Any) -> Any:
+    """vllm-omni 0.30.0's ``_accumulate_payload`` rule for one key: ``torch.cat`` (which promotes dtypes
+    and takes a legacy empty tensor), lists extended, anything else replaced."""
+    if isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor):
+        return torch.cat([old, new], dim=0)
+    if isinstance(new, list) and isinstance(old, list):
+        return old + new
+    return new
+
+
+def _override_set(payload: Mapping[str, Any]) -> set[Any]:
+    meta = payload.get("meta")
+    raw = meta.get("override_keys") if isinstance(meta, Mapping) else None
+    try:
+        return {tuple(k) if isinstance(k, list) else k for k in raw} if isinstance(raw, (list, tuple)) else set()
+    except TypeError:
+        return set()
+
+
+def adapter_fallback(b: Binding, req_id: str, payload: dict[str, Any], ar: bool, error: AccumulationError) -> dict:
+    """What a receiving adapter hands over when omni-accum refused a chunk (:func:`adapter_receive` raised).
+
+    0.30.0's adapter keeps no accumulated store: it hands the chunk's raw values over. So does this,
+    with the send_once values the sender left off put back from what the Receiver held (what a 0.30.0
+    sender would have sent again), and for an accumulated adapter key (AR) the view it handed over
+    last merged with the chunk by 0.30.0's own rule (:func:`upstream_merge`: ``torch.cat``; the raw
+    value when even that fails, or when the chunk overrides the key). The request's Receiver state is
+    then released and re-seeded from what was handed over, so later chunks (and the values they
+    leave off) go on through omni-accum.
+    """
+    try:
+        prev = b.receiver.view(req_id).to_dict()
+    except (KeyError, OmniAccumError):
+        prev = {}
+    b.fall_back(req_id, error, "the adapter receive hook (_commit_received_chunk)")  # releases the Receiver state
+    try:
+        mask, _ = split_mask(payload.get(OMITTED_KEY) or 0)
+    except AccumulationError:
+        mask = 0
+    table = b.held_once.setdefault(req_id, {})
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in payload.items() if k not in MARKERS}
+    lost = []
+    for (top, qual), bit in table.items():
+        if mask >> bit & 1:
+            held, value = _get(prev, top, qual)
+            if held:
+                _set(out, top, qual, value)
+            else:
+                lost.append(_path(top, qual))
+    if lost:
+        logger.warning(
+            "omni-accum: request %r: the sender left %s off the wire and this receiver no longer holds them; the "
+            "chunk is handed over without them",
+            req_id,
+            ", ".join(lost),
+        )
+    overridden = _override_set(out)
+    seed = {k: (dict(v) if isinstance(v, dict) else v) for k, v in prev.items()}
+    for top, qual, value in list(_leaves(out)):
+        try:
+            merge, view = b.tracks(_path(top, qual), value, ar)
+        except OmniAccumError:
+            continue
+        if not merge:
+            continue
+        if view and (top if qual is None else (top, qual)) not in overridden:
+            held, old = _get(prev, top, qual)
+            if held:
+                try:
+                    value = upstream_merge(old, value)
+                except (RuntimeError, TypeError):
+                    pass  # the raw value, as 0.30.0 hands it over; the key starts again from it
+                else:
+                    _set(out, top, qual, value)
+        _set(seed, top, qual, value)
+    meta = out.get("meta")
+    if isinstance(meta, dict) and "override_keys" in meta:
+        _set(seed, "meta", "override_keys", meta["override_keys"])
+    try:
+        b.number_once(table, payload)
+        if seed:
+            b.receiver.merge(req_id, seed)
+    except OmniAccumError:
+        b.receiver.release(req_id)
+    return out
+
+
+def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def _commit_received_chunk(
+        self: Any, request: Any, result: Any, *, stage_id: int, req_id: str, chunk_id: int, connector_get_key: str
+    ) -> bool:
+        b = binding_for(self)
+        payload = result[0] if isinstance(result, tuple) else None
+        if b is not None and isinstance(payload, dict) and payload:
+            b.stats["chunks_received"] += 1
+            ar = self.model_mode == "ar"
+            try:
+                handed = adapter_receive(b, req_id, payload, ar)
+            except AccumulationError as e:
+                handed = adapter_fallback(b, req_id, payload, ar, e)
+            result = (handed, result[1])
+        return orig(
+            self,
+            request,
+            result,
+            stage_id=stage_id,
+            req_id=req_id,
+            chunk_id=chunk_id,
+            connector_get_key=connector_get_key,
+        )
+
+    return _commit_received_chunk
+
+
+def wrap_clear_receiver(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def _clear_receiver_state_locked(self: Any, request_id: str) -> None:
+        orig(self, request_id)
+        b = binding_for(self)
+        if b is not None:
+            b.forget(request_id)
+
+    return _clear_receiver_state_locked

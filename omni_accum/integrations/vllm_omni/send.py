@@ -1,0 +1,176 @@
+"""Send side: ``OmniChunkTransferAdapter._send_single_request_for_generation`` and sender release.
+
+While the wrapped send runs, the payload the adapter hands to its connector's ``put`` goes through
+the binding's :class:`~omni_accum.engine.Sender`: ``send_once`` values unchanged since their last
+send are left off, and a small bit mask (:mod:`.marker`) says which. The encoding sits in a wrapper
+of the connector's *class* ``put`` (each connector class wrapped once, restored by ``uninstall``),
+so no connector instance is changed: code that inspects, mocks or replaces an instance's ``put``
+sees exactly what vllm-omni made (a replaced ``put`` that never reaches the class's own method sends
+the payload as vllm-omni built it, and the receiver then has nothing to restore).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from omni_accum.engine import WIRE_MARKER
+from omni_accum.integrations.vllm_omni.binding import Binding, _changed, binding_for
+from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY, omitted_mask
+
+logger = logging.getLogger("omni_accum.vllm_omni")
+
+_tls = threading.local()
+_lock = threading.Lock()
+_ABSENT = object()
+#: Connector classes whose ``put`` is wrapped -> what their own ``__dict__`` held before (or _ABSENT).
+_wrapped: dict[type, Any] = {}
+_CONNECTOR_BASE = ("vllm_omni.distributed.omni_connectors.connectors.base", "OmniConnectorBase")
+
+
+def _connector_base() -> type | None:
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(_CONNECTOR_BASE[0]), _CONNECTOR_BASE[1])
+    except Exception:  # noqa: BLE001 - vllm-omni without the base class: nothing is wrapped
+        return None
+
+
+def encode_payload(b: Binding, req_id: str, data: Any) -> Any:
+    """What goes on the wire for ``data`` (a payload struct or mapping) of ``req_id``."""
+    from vllm_omni.data_entry_keys import OmniPayloadStruct, to_dict
+
+    chunk = to_dict(data) if isinstance(data, OmniPayloadStruct) else data
+    if not isinstance(chunk, Mapping):
+        return data
+    wire = b.sender.encode(req_id, chunk)
+    b.stats["chunks_sent"] += 1
+    if wire is chunk:
+        return data
+    table = b.sent_once.setdefault(req_id, {})
+    b.number_once(table, wire)
+    if WIRE_MARKER in wire:
+        omitted = _omitted_paths(chunk, wire)
+        override = wire.pop(WIRE_MARKER) < 0  # the engine's negative count: an override list left off
+        wire[OMITTED_KEY] = omitted_mask(table, omitted, override)
+        b.stats["omitted"] += len(omitted)
+    return wire
+
+
+def _encoding_put(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def put(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ctx = getattr(_tls, "send", None)
+        if ctx is None or ctx[2] is not self or "data" not in kwargs:
+            return orig(self, *args, **kwargs)
+        _tls.send = None  # one encoding per send, even through a subclass's put calling its parent's
+        b, req_id, _ = ctx
+        kwargs["data"] = encode_payload(b, req_id, kwargs["data"])
+        result = orig(self, *args, **kwargs)
+        if isinstance(result, tuple) and len(result) >= 2 and result[0]:
+            b.stats["puts"] += 1
+            b.stats["wire_bytes"] += int(result[1] or 0)
+        return result
+
+    put.__omni_accum_put__ = True  # type: ignore[attr-defined]
+    return put
+
+
+def ensure_encoding_put(conn: Any) -> bool:
+    """Wrap the ``put`` of ``conn``'s class (once per class). False for an object that is not a real
+    vllm-omni connector (a mock, say): its sends go out as vllm-omni built them."""
+    cls = type(conn)
+    if cls in _wrapped:
+        return True
+    base = _connector_base()
+    if base is None or not isinstance(cls, type) or not issubclass(cls, base):
+        return False
+    return _wrap_class(cls)
+
+
+def _wrap_class(cls: type) -> bool:
+    with _lock:
+        if cls in _wrapped:
+            return True
+        current = getattr(cls, "put", None)
+        if not callable(current):
+            return False
+        _wrapped[cls] = cls.__dict__.get("put", _ABSENT)
+        if not getattr(current, "__omni_accum_put__", False):  # not already covered through a parent class
+            setattr(cls, "put", _encoding_put(current))
+    return True
+
+
+def wrap_connector_classes() -> int:
+    """Wrap the ``put`` of every vllm-omni connector class imported so far (install): a bound ``put``
+    taken from a connector before its first send then encodes too. Classes imported later are wrapped
+    at their first send. Returns how many classes are wrapped."""
+    base = _connector_base()
+    if base is None:
+        return 0
+    todo, seen = [base], set()
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                todo.append(sub)
+    for cls in sorted(seen, key=lambda c: len(c.__mro__)):  # parents first: a child inheriting the wrapper keeps it
+        _wrap_class(cls)
+    return len(_wrapped)
+
+
+def restore_connector_classes() -> None:
+    """Give every wrapped connector class its own ``put`` back (uninstall)."""
+    with _lock:
+        for cls, raw in reversed(list(_wrapped.items())):
+            if raw is _ABSENT:
+                if "put" in cls.__dict__:
+                    delattr(cls, "put")
+            else:
+                setattr(cls, "put", raw)
+        _wrapped.clear()
+
+
+def _omitted_paths(chunk: Mapping[str, Any], wire: Mapping[str, Any]) -> list[tuple[Any, Any]]:
+    out: list[tuple[Any, Any]] = []
+    for top, value in chunk.items():
+        if isinstance(value, dict):
+            sub = wire.get(top)
+            out += [(top, q) for q in value if not isinstance(sub, dict) or q not in sub]
+        elif top not in wire:
+            out.append((top, None))
+    return out
+
+
+def wrap_send(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def _send_single_request_for_generation(self: Any, task: dict, sender_token: Any = None) -> Any:
+        b = binding_for(self)
+        conn = getattr(self, "connector", None)
+        if b is None or not ensure_encoding_put(conn):
+            return orig(self, task, sender_token)
+        _tls.send = (b, task["request"].external_req_id, conn)
+        try:
+            return orig(self, task, sender_token)
+        finally:
+            _tls.send = None
+
+    return _send_single_request_for_generation
+
+
+def wrap_clear_sender(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def _clear_sender_state_locked(self: Any, external_req_id: str) -> None:
+        orig(self, external_req_id)
+        b = binding_for(self)
+        if b is not None:
+            b.sender.release(external_req_id)
+            b.sent_once.pop(external_req_id, None)
+            _changed()
+
+    return _clear_sender_state_locked
