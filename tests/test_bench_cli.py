@@ -9,8 +9,8 @@ import pytest
 from conftest import require_vllm_omni
 from omni_accum import bench
 from omni_accum.cli import main
-from omni_accum.replay import ArmResult
-from omni_accum.workloads import load_workload
+from omni_accum.bench.replay import ArmResult
+from omni_accum.bench.workloads import load_workload
 from conftest import require_module
 
 SMALL = ["--context-lens", "16,32", "--concurrency", "2", "--steps", "3", "--repeats", "1", "--no-progress"]
@@ -103,7 +103,7 @@ def test_plot_is_written(tmp_path, capsys):
 
 
 def test_default_arms_leave_upstream_out_without_vllm_omni(monkeypatch, capsys):
-    monkeypatch.setattr(bench, "upstream_available", lambda: False)
+    monkeypatch.setattr(bench.arms, "upstream_available", lambda: False)
     rc = main(["bench", *SMALL])
     captured = capsys.readouterr()
     assert rc == 0 and "upstream arm is left out" in captured.err
@@ -191,7 +191,7 @@ def test_plot_formats_without_matplotlib(monkeypatch):
     def missing():
         raise bench.PlotUnavailable("no matplotlib")
 
-    monkeypatch.setattr(bench, "require_matplotlib", missing)
+    monkeypatch.setattr(bench.plotting, "require_matplotlib", missing)
     assert bench.plot_formats() == ["png", "svg", "pdf"]
     assert bench.plot_path_problem("a.SVG") is None
     assert "png, svg, pdf" in bench.plot_path_problem("a.out")
@@ -210,7 +210,7 @@ def test_out_of_memory_is_one_line_naming_the_bucket(monkeypatch, capsys):
             "you tried to allocate 81920000008192 bytes. Error code 12 (Cannot allocate memory)"
         )
 
-    monkeypatch.setattr(bench, "measure", measure)
+    monkeypatch.setattr(bench.runner, "measure", measure)
     rc = main(["bench", "--arms", "cat", *SMALL])
     err = capsys.readouterr().err
     assert rc == 1 and "context_len=16 concurrency=2: out of memory (could not allocate 81.9 TB)" in err
@@ -218,7 +218,7 @@ def test_out_of_memory_is_one_line_naming_the_bucket(monkeypatch, capsys):
 
 
 def test_other_runtime_errors_are_not_taken_for_memory(monkeypatch):
-    monkeypatch.setattr(bench, "measure", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    monkeypatch.setattr(bench.runner, "measure", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):
         bench.run_bench("qwen3-omni-seed", {}, context_lens=[16], concurrency=[1], repeats=1)
 
@@ -270,7 +270,7 @@ def test_workload_policy_that_names_nothing_is_reported_with_its_origin(tmp_path
 
 def test_build_arms_names_the_workload_policy_field():
     wl = load_workload("qwen3-omni-seed").model_copy(update={"policy": "nopreset"})
-    with pytest.raises(bench.OmniAccumError, match="field 'policy': 'nopreset'"):
+    with pytest.raises(bench.arms.OmniAccumError, match="field 'policy': 'nopreset'"):
         bench.build_arms(wl)
 
 

@@ -11,7 +11,7 @@ import yaml
 
 import omni_accum
 from omni_accum import cli
-from omni_accum.loader import load_policy
+from omni_accum.policy.loader import load_policy
 from omni_accum.manager import get_manager
 from omni_accum.policy import Policy
 

@@ -140,7 +140,8 @@ def test_override_keys_do_not_reset_delta_state(plugin):
 
 
 def test_override_ids_workload_views_match_upstream(plugin):
-    from omni_accum.workloads import build_stream, load_workload
+    from omni_accum.bench.streams import build_stream
+    from omni_accum.bench.workloads import load_workload
 
     wl = load_workload("qwen3-omni-override-ids")
     stream = build_stream(wl, 64)

@@ -303,7 +303,7 @@ def test_refused_chunk_falls_back_in_the_adapter(vo, adapters, caplog, policy):
 
 
 def _tuned_policy() -> dict:
-    from omni_accum.fingerprint import current_fingerprint
+    from omni_accum.policy.environment import current_fingerprint
 
     def cell(cl: int, c: int, s: str) -> dict:
         return {"key": "thinker_embeddings", "context_len": cl, "concurrency": c, "strategy": s}
@@ -408,7 +408,6 @@ def test_bad_context_connector_extra_is_named_and_upstream_runs(vo, runner, no_c
 def test_replay_engine_keeps_installed_policy(vo, runner):
     from omni_accum.context import StreamContext
     from omni_accum.integrations.vllm_omni import binding as hooks
-    from omni_accum.integrations.vllm_omni import marker
     from omni_accum.integrations.vllm_omni.replay import VllmOmniEngine
 
     vo.install("qwen3-omni")

@@ -164,7 +164,6 @@ def test_override_list_left_off_applies_only_to_chunks_that_carried_it(vo):
     mask says so); a chunk that never carried the list appends, as upstream's own accumulator does."""
     from omni_accum.context import StreamContext
     from omni_accum.errors import AccumulationError
-    from omni_accum.integrations.vllm_omni import binding as hooks
     from omni_accum.integrations.vllm_omni import marker
     from omni_accum.integrations.vllm_omni.replay import VllmOmniEngine
     from omni_accum.policy import load_policy

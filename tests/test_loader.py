@@ -11,7 +11,7 @@ import yaml
 import omni_accum
 from omni_accum.errors import PolicyError
 from omni_accum.manager import get_manager
-from omni_accum.loader import ENV_POLICY, dump_policy, load_policy, parse_text, preset_names, read_source
+from omni_accum.policy.loader import ENV_POLICY, dump_policy, load_policy, parse_text, preset_names, read_source
 
 STRATEGIES = ", ".join(get_manager().names())  # built-ins and any installed plugins
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from omni_accum import cli
 from omni_accum.manager import get_manager
-from omni_accum.loader import load_policy
+from omni_accum.policy.loader import load_policy
 from omni_accum.policy import Policy
 
 BUILTINS = ["cat", "prealloc", "replace", "send_once", "token_list"]

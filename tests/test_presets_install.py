@@ -22,7 +22,7 @@ SOURCES = ("pyproject.toml", "README.md", "omni_accum", "strategies", "config")
 CHECK = r"""
 import json, sys
 import omni_accum
-from omni_accum.loader import preset_names
+from omni_accum.policy.loader import preset_names
 from omni_accum import cli
 out = {"file": omni_accum.__file__, "presets": preset_names(), "rules": {}}
 for name in preset_names():

@@ -477,8 +477,9 @@ def test_max_bytes_guard_counts_replacements_and_new_keys():
 
 def test_bench_peak_bytes_is_the_receivers_held_bytes():
     from omni_accum.bench import strategy_arm
-    from omni_accum.replay import measure
-    from omni_accum.workloads import build_stream, load_workload
+    from omni_accum.bench.replay import measure
+    from omni_accum.bench.streams import build_stream
+    from omni_accum.bench.workloads import load_workload
 
     wl = load_workload("qwen3-omni-full-payload")
     arms = {name: strategy_arm(wl, name) for name in ("cat", "token_list", "prealloc")}

@@ -10,12 +10,13 @@ import sys
 import pytest
 
 from conftest import require_vllm_omni
-from omni_accum import _malloc
-from omni_accum._malloc import SLACK
+from omni_accum.bench import _malloc
+from omni_accum.bench._malloc import SLACK
 from omni_accum.bench import build_arms, strategy_arm
 from omni_accum.errors import OmniAccumError
-from omni_accum.replay import ArmResult, PolicyEngine, VllmOmniUnavailable, check_view, measure
-from omni_accum.workloads import build_stream, load_workload, workload_names
+from omni_accum.bench.replay import ArmResult, PolicyEngine, VllmOmniUnavailable, check_view, measure
+from omni_accum.bench.streams import build_stream
+from omni_accum.bench.workloads import load_workload, workload_names
 
 SMALL_P = {"talker-code2wav": 1}
 LOCAL_ARMS = ["cat", "token_list", "prealloc", "send_once", "replace", "default", "qwen3-omni", "qwen3-omni-flat"]
@@ -129,7 +130,7 @@ def test_missing_vllm_omni_is_a_clear_error(monkeypatch):
 
     wl = small("qwen3-omni-seed")
     cat = build_arms(wl, ["cat"])
-    from omni_accum.integrations import vllm_omni_classes
+    from omni_accum.integrations.vllm_omni import classes as vllm_omni_classes
 
     monkeypatch.setattr(vllm_omni_classes, "_import_module", fail)
     with pytest.raises(VllmOmniUnavailable, match="upstream arm needs vllm-omni 0.30.0"):
@@ -212,8 +213,9 @@ _REPEAT_MEMORY_SCRIPT = r"""
 import json, sys
 import torch
 from omni_accum.bench import build_arms
-from omni_accum.replay import measure
-from omni_accum.workloads import build_stream, load_workload
+from omni_accum.bench.replay import measure
+from omni_accum.bench.streams import build_stream
+from omni_accum.bench.workloads import load_workload
 
 torch.set_num_threads(1)
 wl = load_workload("qwen3-omni-seed").model_copy(update={"decode_steps": 40})

@@ -65,7 +65,9 @@ def stage_core_child(queue: Any, env: dict[str, str]) -> None:
             stage_connector_config={"name": "SharedMemoryConnector", "extra": {}},
             custom_process_next_stage_input_func=None,
         )
-        adapter = OmniChunkTransferAdapter(SimpleNamespace(model_config=mc, scheduler_config=SimpleNamespace(max_num_seqs=4)))
+        adapter = OmniChunkTransferAdapter(
+            SimpleNamespace(model_config=mc, scheduler_config=SimpleNamespace(max_num_seqs=4))
+        )
         try:
             b = hooks.binding_for(adapter)
             report["bound"] = b is not None

@@ -16,7 +16,7 @@ from omni_accum import cli
 from omni_accum.tuner import TuneOptions, tune, write_atomic
 from omni_accum.tuner.core import TuneError
 from omni_accum.tuner.run import output_problem
-from omni_accum.workloads import workload_names
+from omni_accum.bench.workloads import workload_names
 
 SMALL = {
     "name": "small",

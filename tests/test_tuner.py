@@ -11,7 +11,8 @@ import torch
 
 import omni_accum
 from omni_accum import cli
-from omni_accum.fingerprint import StaleTableWarning, current_fingerprint
+from omni_accum.policy.environment import current_fingerprint
+from omni_accum.policy.fingerprint import StaleTableWarning
 from omni_accum.policy import TunedTable
 from omni_accum.tuner import TuneOptions, tune
 from omni_accum.tuner import core as tuner_core
@@ -253,7 +254,7 @@ def test_runtime_uses_the_bucket_and_rules_still_win():
 
 
 def test_stale_table_warns_once_and_falls_back(monkeypatch):
-    from omni_accum import fingerprint
+    from omni_accum.policy import fingerprint
 
     monkeypatch.setattr(fingerprint, "_warned", set())
     fp = dict(current_fingerprint(), torch="0.0.1")
@@ -296,7 +297,7 @@ def test_cli_checks_output_paths_before_measuring_and_takes_int_lists(tmp_path, 
     assert "is not a folder" in capsys.readouterr().err
     assert cli.main(["bench", "--json", str(tmp_path / "file" / "r.json")]) == 2
     assert "is not a folder" in capsys.readouterr().err
-    from omni_accum.cli import output_path_problem
+    from omni_accum.bench._paths import output_path_problem
 
     assert output_path_problem(tmp_path / "new" / "dir" / "x.yaml", "--out") is None  # folders are created
     args = cli.build_parser().parse_args(

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_accum.replay import iter_leaves
-from omni_accum.workloads import (
+from omni_accum.bench.replay import iter_leaves
+from omni_accum.bench.streams import build_stream
+from omni_accum.bench.workloads import (
     Workload,
     WorkloadError,
-    build_stream,
     dump_workload,
     load_workload,
     workload_names,
@@ -160,7 +160,7 @@ def _float32_then_cast(shape, dtype, gen):
 
 @pytest.mark.parametrize("block", [16, 48, 1 << 20])
 def test_tensors_are_built_in_their_dtype_with_the_same_values(monkeypatch, block):
-    from omni_accum import workloads
+    from omni_accum.bench import streams as workloads
 
     monkeypatch.setattr(workloads, "_RANDN_BLOCK", block)
     for shape in ([1], [15], [16], [17], [5, 17], [3, 2048], [2, 1, 2048], [33, 33]):
@@ -173,7 +173,7 @@ def test_tensors_are_built_in_their_dtype_with_the_same_values(monkeypatch, bloc
 
 
 def test_half_precision_tensors_have_no_float32_copy(monkeypatch):
-    from omni_accum import workloads
+    from omni_accum.bench import streams as workloads
 
     real = torch.randn
     drawn = []

@@ -49,12 +49,14 @@ The modules: :mod:`.activation` (install, entry points), :mod:`.targets` (the wr
 and its signature check), :mod:`.binding` (per-instance policy, Sender, Receiver; every wrapper
 depends on it and on nothing else of the package), :mod:`.send`, :mod:`.receive` (the adapter),
 :mod:`.runner` (runner transports), :mod:`.full_payload`, :mod:`.marker` (the send_once bit mask),
-:mod:`.deployment` (the deployment context), :mod:`.status` (log lines and status files),
+:mod:`.deployment` (the deployment context), :mod:`.reporting` (log lines, :func:`status`, status
+files), :mod:`.metrics` (Prometheus),
 :mod:`.classes` (lazy access to vllm-omni classes for the bench) and :mod:`.replay` (the
 ``--through vllm-omni`` replay engine; import it to register it).
 """
 
 from omni_accum.integrations.vllm_omni.activation import (
+    ENV_REQUIRED,
     ENV_SWITCH,
     activate,
     activate_from_vllm,
@@ -64,6 +66,7 @@ from omni_accum.integrations.vllm_omni.activation import (
     uninstall,
 )
 from omni_accum.integrations.vllm_omni.deployment import ContextSettingError, deployment_context
+from omni_accum.integrations.vllm_omni.reporting import BindingStatus, Status, status
 from omni_accum.integrations.vllm_omni.targets import (
     PROBES,
     SUPPORTED_VERSION,
@@ -77,10 +80,15 @@ from omni_accum.integrations.vllm_omni.targets import (
 )
 
 __all__ = [
+    "ENV_REQUIRED",
     "ENV_SWITCH",
+    "BindingStatus",
+    "Status",
+    "status",
     "PROBES",
     "SUPPORTED_VERSION",
     "TARGETS",
+    "_resolve",
     "ContextSettingError",
     "InstallRefused",
     "Target",

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from omni_accum.errors import OmniAccumError
-from omni_accum.integrations.vllm_omni import binding, deployment, send, status, targets
+from omni_accum.integrations.vllm_omni import binding, deployment, reporting, send, targets
 from omni_accum.integrations.vllm_omni.targets import PROBES, TARGETS, _patch, _patched
 from omni_accum.policy import ENV_POLICY, Policy, load_policy
 
@@ -21,6 +21,10 @@ logger = logging.getLogger("omni_accum.vllm_omni")
 
 #: ``OMNI_ACCUM_VLLM_OMNI=0`` makes :func:`activate` a no-op (nothing patched, not even probes).
 ENV_SWITCH = "OMNI_ACCUM_VLLM_OMNI"
+#: ``OMNI_ACCUM_REQUIRED=1``: a failed activation ends the process (with the reason) instead of serving
+#: without omni-accum.
+ENV_REQUIRED = "OMNI_ACCUM_REQUIRED"
+_OFF = ("off", "none", "false", "0")
 _lock = threading.RLock()
 
 
@@ -113,48 +117,63 @@ def _describe_source(policy: Any) -> str:
     return "a mapping"
 
 
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def activate() -> None:
     """Entry point of group ``vllm_omni.general_plugins`` (called in every vllm-omni process that loads
     vllm-omni's plugins) and, through :func:`activate_from_vllm`, of vLLM's ``vllm.general_plugins``.
 
-    ``OMNI_ACCUM_POLICY`` set: install that policy. Unset: only the two constructors are probed,
-    and the first adapter / transport whose connector ``extra`` has ``omni_accum_policy`` installs
-    the wrappers. ``OMNI_ACCUM_VLLM_OMNI=0``: nothing. A refusal is logged and leaves vllm-omni as is.
-    Idempotent: a process that loads both plugin groups activates (and logs) once.
+    ``OMNI_ACCUM_POLICY`` set: install that policy (``off``: no process-wide policy; a connector whose
+    extra names one still installs it). Unset: only the two constructors are probed, and the first
+    adapter / transport whose connector ``extra`` has ``omni_accum_policy`` installs the wrappers.
+    ``OMNI_ACCUM_VLLM_OMNI=0``: nothing. A refusal is logged and leaves vllm-omni as is, unless
+    ``OMNI_ACCUM_REQUIRED=1``: then the process exits with the reason (``SystemExit``). One INFO line per
+    process says what happened (installed, or why not). Idempotent: a process that loads both plugin
+    groups activates (and logs) once.
     """
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+        if _flag(ENV_REQUIRED):
+            raise SystemExit(f"omni-accum: {ENV_REQUIRED}=1 but {ENV_SWITCH}=0 disables it")
         return
+    env = os.environ.get(ENV_POLICY, "").strip()
+    off = env.lower() in _OFF
     with _lock:
-        if os.environ.get(ENV_POLICY, "").strip():
+        if env and not off:
             if is_installed() and binding.Settings.policy_source == ENV_POLICY:
                 return
         elif all((t.owner, t.name) in _patched for t in PROBES):
             return
-    status.ensure_visible_logging()
-    where = status.process_label()
+    reporting.ensure_visible_logging()
+    where = reporting.process_label()
     try:
-        if os.environ.get(ENV_POLICY, "").strip():
+        if env and not off:
             install(load_policy(None))
             binding.Settings.policy_source = ENV_POLICY
+            fp = binding.policy_fingerprint(binding.Settings.policy) if binding.Settings.policy else "-"
             logger.info(
-                "omni-accum installed into vllm-omni (pid=%d, process=%s, policy from %s)",
+                "omni-accum installed into vllm-omni (pid=%d, process=%s, policy from %s, fingerprint %s)",
                 os.getpid(),
                 where,
                 ENV_POLICY,
+                fp,
             )
         else:
             with _lock:
                 _patch(PROBES)
             logger.info(
-                "omni-accum ready in vllm-omni (pid=%d, process=%s): %s is not set; a connector whose extra names "
-                "omni_accum_policy installs it",
+                "omni-accum not installed in this process yet (pid=%d, process=%s): %s; a connector whose extra "
+                "names omni_accum_policy installs it",
                 os.getpid(),
                 where,
-                ENV_POLICY,
+                f"{ENV_POLICY}={env}" if off else f"{ENV_POLICY} is not set",
             )
-    except OmniAccumError as e:
+    except Exception as e:  # noqa: BLE001 - a plugin never fails vllm-omni unless asked to
         logger.error("omni-accum not installed (pid=%d, process=%s): %s", os.getpid(), where, e)
-    status.register_exit_dump()
+        if _flag(ENV_REQUIRED):
+            raise SystemExit(f"omni-accum: {ENV_REQUIRED}=1 and activation failed in pid {os.getpid()}: {e}") from e
+    reporting.register_exit_dump()
 
 
 def activate_from_vllm() -> None:

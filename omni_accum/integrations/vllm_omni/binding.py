@@ -8,6 +8,8 @@ never on each other.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -19,8 +21,11 @@ from omni_accum.context import StreamContext
 from omni_accum.engine import Receiver, Sender
 from omni_accum.errors import AccumulationError
 from omni_accum.integrations.vllm_omni.deployment import _warn_untuned_context, deployment_context, reset_warning
+from omni_accum.integrations.vllm_omni import metrics
 from omni_accum.integrations.vllm_omni.marker import MARKERS
+from omni_accum.manager import get_manager
 from omni_accum.policy import Policy, load_policy
+from omni_accum.strategy import value_nbytes
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -56,6 +61,7 @@ class Settings:
 def _path(top: Any, qual: Any = None) -> str:
     return str(top) if qual is None else f"{top}.{qual}"
 
+
 class Binding:
     """The omni-accum state of one adapter or transport: its policy, Sender and Receiver.
 
@@ -82,9 +88,16 @@ class Binding:
         self.receiver = Receiver(policy, context=context)
         self.adapter_keys = frozenset(adapter_keys)
         self.stats = {"puts": 0, "wire_bytes": 0, "omitted": 0, "chunks_sent": 0, "chunks_received": 0}
+        self.metrics = metrics.Recorder()
+        self.fingerprint = policy_fingerprint(policy, self.receiver.manager)
+        self._names: dict[tuple[str, type], str] = {}
+        from omni_accum import __version__
+
+        metrics.policy_info(source, self.fingerprint, __version__)
         self.sent_once: dict[str, dict[tuple[Any, Any], int]] = {}  # ext id -> send_once key -> bit
         self.held_once: dict[str, dict[tuple[Any, Any], int]] = {}  # req id -> send_once key -> bit
         self.fell_back: set[str] = set()
+        self.live_send: set[str] = set()  # requests this binding has sent a chunk of, until released
         self._full: Receiver | None = None
 
     @property
@@ -102,6 +115,47 @@ class Binding:
                 pol = load_policy(data, manager=self.receiver.manager)
             self._full = Receiver(pol, manager=self.receiver.manager, context=self.context)
         return self._full
+
+    def strategy_name(self, path: str, value: Any) -> str:
+        """The strategy ``path`` gets for a value of this type (cached: one resolution per key and type)."""
+        k = (path, type(value))
+        name = self._names.get(k)
+        if name is None:
+            try:
+                name = self.receiver.select(path, value, self.receiver.context)[1].name
+            except Exception:  # noqa: BLE001 - a metrics label never fails a chunk
+                name = "unknown"
+            self._names[k] = name
+        return name
+
+    def received(self, payload: Mapping[str, Any], seconds: float, new_request: bool) -> None:
+        """Metrics of one received chunk: per key, and the hook's time under the strategy of its first
+        append-kind key (``replace`` when it has none)."""
+        rec = self.metrics
+        if not rec.on:
+            return
+        if new_request:
+            rec.request("receive")
+        label = None
+        for top, qual, value in _leaves(payload):
+            path = _path(top, qual)
+            name = self.strategy_name(path, value)
+            if label is None and name not in ("replace", "send_once"):
+                label = name
+            rec.chunk("receive", path, name, value_nbytes(value))
+        rec.merge(label or "replace", seconds)
+
+    def publish(self) -> None:
+        """Publish this binding's metrics with the process's held-bytes and active-request gauges."""
+        held, active = 0, {"send": 0, "receive": 0}
+        for _, other in bindings():
+            try:
+                held += other.receiver.nbytes()
+            except Exception:  # noqa: BLE001 - a gauge never fails vllm-omni
+                pass
+            active["send"] += other.sender.active_requests
+            active["receive"] += other.receiver.active_requests
+        self.metrics.flush((held, active))
 
     def once(self, top: Any, qual: Any, value: Any) -> bool:
         """True when the key's strategy leaves unchanged values off the wire (``send_once``)."""
@@ -128,6 +182,7 @@ class Binding:
         self.receiver.release(req_id)
         self.held_once.pop(req_id, None)
         self.fell_back.discard(req_id)
+        self.publish()
         _changed()
 
     def fall_back(self, req_id: str, error: AccumulationError, where: str, *, release: bool = True) -> None:
@@ -135,6 +190,7 @@ class Binding:
         release its Receiver state; the caller lets upstream's code handle the chunk, and the next one
         re-seeds. ``release=False`` (full-payload accumulator, whose entry stays upstream's until it is
         flushed): log only."""
+        self.metrics.fallback("refused_chunk")
         if req_id not in self.fell_back:
             if release:
                 self.fell_back.add(req_id)
@@ -160,6 +216,7 @@ class Binding:
         for rid in self.sender.request_ids():
             self.sender.release(rid)
         self.sent_once.clear()
+        self.live_send.clear()
         self.held_once.clear()
         self.fell_back.clear()
 
@@ -229,6 +286,7 @@ def binding_for(obj: Any) -> Binding | None:
                 )
         except Exception as e:  # noqa: BLE001 - a hooked path never raises where vllm-omni would not
             b = None
+            metrics.fallback("bind_error")
             logger.error(
                 "omni-accum cannot bind %s (pid=%d): %s. This instance runs vllm-omni's own code",
                 type(obj).__name__,
@@ -367,3 +425,18 @@ class ReleasingDict(dict):
         for key in list(self):
             self.release(key)
         super().clear()
+
+
+def policy_fingerprint(policy: Policy, manager: Any = None) -> str:
+    """A short fingerprint of a resolved policy: its rules, strategies, params and tuned table, and the
+    distribution versions of the strategy plugins it names. Equal on two stages that run the same policy."""
+    data = policy.model_dump(mode="json", exclude_none=True)
+    text = json.dumps(data, sort_keys=True, default=str)
+    versions = {}
+    if manager is None:
+        manager = get_manager()
+    for spec in manager.specs():
+        if f'"{spec.name}"' in text:
+            versions[spec.name] = list(spec.distribution) if spec.distribution else None
+    blob = json.dumps([data, versions], sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]

@@ -22,6 +22,7 @@ OMITTED_KEY = "__omni_accum_once__"
 #: Wire keys that are not payload keys.
 MARKERS = (WIRE_MARKER, OMITTED_KEY)
 
+
 def count_bits(mask: int) -> int:
     return bin(mask).count("1")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -187,10 +188,13 @@ def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
         if b is not None and isinstance(payload, dict) and payload:
             b.stats["chunks_received"] += 1
             ar = self.model_mode == "ar"
+            new = req_id not in b.held_once
+            t0 = time.perf_counter()
             try:
                 handed = adapter_receive(b, req_id, payload, ar)
             except AccumulationError as e:
                 handed = adapter_fallback(b, req_id, payload, ar, e)
+            b.received(payload, time.perf_counter() - t0, new)
             result = (handed, result[1])
         return orig(
             self,

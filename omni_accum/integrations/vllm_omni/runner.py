@@ -6,6 +6,7 @@ the binding's Receiver is synced with it, and popping it releases the Receiver (
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -108,6 +109,8 @@ def wrap_accumulate(orig: Callable[..., Any], *, decode_spans: bool) -> Callable
             return orig(self, req_id, payload_data)
         store = self._send_side_request_payload
         b.stats["chunks_received"] += 1
+        new = req_id not in store
+        t0 = time.perf_counter()
         try:
             wire = {k: v for k, v in payload_data.items() if k != OMITTED_KEY}
             if OMITTED_KEY in payload_data:
@@ -127,6 +130,7 @@ def wrap_accumulate(orig: Callable[..., Any], *, decode_spans: bool) -> Callable
             b.fall_back(req_id, e, f"{type(self).__name__}._accumulate_payload")
             return orig(self, req_id, _upstream_chunk(store, req_id, payload_data))
         store[req_id] = merged
+        b.received(payload_data, time.perf_counter() - t0, new)
         return dict(merged)
 
     return _accumulate_payload

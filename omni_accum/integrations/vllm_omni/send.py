@@ -18,7 +18,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from omni_accum.engine import WIRE_MARKER
-from omni_accum.integrations.vllm_omni.binding import Binding, _changed, binding_for
+from omni_accum.strategy import value_nbytes
+from omni_accum.integrations.vllm_omni.binding import Binding, _changed, _leaves, _path, binding_for
 from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY, omitted_mask
 
 logger = logging.getLogger("omni_accum.vllm_omni")
@@ -47,18 +48,39 @@ def encode_payload(b: Binding, req_id: str, data: Any) -> Any:
     chunk = to_dict(data) if isinstance(data, OmniPayloadStruct) else data
     if not isinstance(chunk, Mapping):
         return data
+    if req_id not in b.live_send:
+        b.live_send.add(req_id)
+        b.metrics.request("send")
     wire = b.sender.encode(req_id, chunk)
     b.stats["chunks_sent"] += 1
     if wire is chunk:
+        _record(b, chunk, chunk, ())
         return data
     table = b.sent_once.setdefault(req_id, {})
     b.number_once(table, wire)
+    omitted: list[tuple[Any, Any]] = []
     if WIRE_MARKER in wire:
         omitted = _omitted_paths(chunk, wire)
         override = wire.pop(WIRE_MARKER) < 0  # the engine's negative count: an override list left off
         wire[OMITTED_KEY] = omitted_mask(table, omitted, override)
         b.stats["omitted"] += len(omitted)
+    _record(b, chunk, wire, omitted)
     return wire
+
+
+def _record(b: Binding, chunk: Mapping[str, Any], wire: Mapping[str, Any], omitted: Any) -> None:
+    """Metrics of one sent chunk: per key on the wire, and the bytes send_once kept off it."""
+    rec = b.metrics
+    if not rec.on:
+        return
+    off = set(omitted)
+    for top, qual, value in _leaves(chunk):
+        path = _path(top, qual)
+        name = b.strategy_name(path, value)
+        if (top, qual) in off:
+            rec.kept_off(path, name, value_nbytes(value))
+        else:
+            rec.chunk("send", path, name, value_nbytes(value))
 
 
 def _encoding_put(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -171,6 +193,8 @@ def wrap_clear_sender(orig: Callable[..., Any]) -> Callable[..., Any]:
         if b is not None:
             b.sender.release(external_req_id)
             b.sent_once.pop(external_req_id, None)
+            b.live_send.discard(external_req_id)
+            b.publish()
             _changed()
 
     return _clear_sender_state_locked

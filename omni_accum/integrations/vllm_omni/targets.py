@@ -154,7 +154,11 @@ def _patch(targets: tuple[Target, ...], checked: tuple[Target, ...] = TARGETS + 
 
 
 #: Called with an adapter / transport whose connector ``extra`` names a policy (set by activation).
-on_extra_policy: Callable[[Any], None] = lambda obj: None
+def _no_policy_hook(obj: Any) -> None:
+    return None
+
+
+on_extra_policy: Callable[[Any], None] = _no_policy_hook
 
 
 def wrap_probe(orig: Callable[..., Any]) -> Callable[..., Any]:

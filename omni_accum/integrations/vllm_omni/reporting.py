@@ -11,7 +11,9 @@ when a binding is made, when a request is released and at exit::
     {"pid": 4242, "process": "StageEngineCoreProc_stage0_replica0_DP0", "installed": true,
      "policy_source": "OMNI_ACCUM_POLICY",
      "bindings": [{"owner": "OmniChunkTransferAdapter", "source": "install()",
-                   "chunks_sent": 101, "chunks_received": 0, "active_requests": 0, ...}]}
+                   "chunks_sent": 101, "chunks_received": 0, "active_requests": 0, ...}], ...}
+
+(:func:`status` as JSON). :func:`status` gives the same record, typed, to code in the process.
 
 so an operator (or a test) can check which processes of a server bound omni-accum and how many
 chunks each handled. Written atomically (a temporary file, then a rename).
@@ -26,6 +28,7 @@ import multiprocessing
 import os
 import threading
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from omni_accum.integrations.vllm_omni import binding as hooks
@@ -63,30 +66,75 @@ def process_label() -> str:
     return multiprocessing.current_process().name
 
 
-def snapshot() -> dict[str, Any]:
-    """This process's record: pid, process label, installed, policy source, one entry per binding."""
+@dataclass(frozen=True)
+class BindingStatus:
+    """One adapter or transport omni-accum is bound to."""
+
+    owner: str
+    source: str
+    fingerprint: str
+    chunks_sent: int
+    chunks_received: int
+    omitted: int
+    active_requests: int
+
+
+@dataclass(frozen=True)
+class Status:
+    """What omni-accum is doing in this process (:func:`status`)."""
+
+    installed: bool
+    vllm_omni_version: str | None
+    policy_source: str
+    fingerprint: str | None
+    bindings: tuple[BindingStatus, ...]
+    live_requests: int
+    metrics: bool
+    pid: int
+    process: str
+
+
+def status() -> Status:
+    """This process's omni-accum status: installed, the vllm-omni version, the process-wide policy's
+    source and fingerprint, every binding with its chunk counts, live requests, whether metrics are on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from omni_accum.integrations.vllm_omni import metrics
+
+    try:
+        vo_version: str | None = version("vllm-omni")
+    except PackageNotFoundError:
+        vo_version = None
     rows = []
     for obj, b in hooks.bindings():
         rows.append(
-            {
-                "owner": type(obj).__name__,
-                "source": b.source,
-                "chunks_sent": b.stats["chunks_sent"],
-                "chunks_received": b.stats["chunks_received"],
-                "puts": b.stats["puts"],
-                "wire_bytes": b.stats["wire_bytes"],
-                "omitted": b.stats["omitted"],
-                "active_requests": b.receiver.active_requests + b.sender.active_requests,
-            }
+            BindingStatus(
+                owner=type(obj).__name__,
+                source=b.source,
+                fingerprint=b.fingerprint,
+                chunks_sent=b.stats["chunks_sent"],
+                chunks_received=b.stats["chunks_received"],
+                omitted=b.stats["omitted"],
+                active_requests=b.receiver.active_requests + b.sender.active_requests,
+            )
         )
-    return {
-        "pid": os.getpid(),
-        "process": process_label(),
-        "installed": hooks.Settings.installed,
-        "policy_source": hooks.Settings.policy_source,
-        "bindings": rows,
-        "time": time.time(),
-    }
+    policy = hooks.Settings.policy
+    return Status(
+        installed=hooks.Settings.installed,
+        vllm_omni_version=vo_version,
+        policy_source=hooks.Settings.policy_source,
+        fingerprint=hooks.policy_fingerprint(policy) if policy is not None else None,
+        bindings=tuple(rows),
+        live_requests=sum(r.active_requests for r in rows),
+        metrics=metrics.enabled(),
+        pid=os.getpid(),
+        process=process_label(),
+    )
+
+
+def snapshot() -> dict[str, Any]:
+    """:func:`status` as a JSON-ready dict (the status file), with the time it was taken."""
+    return {**asdict(status()), "time": time.time()}
 
 
 def write() -> str | None:

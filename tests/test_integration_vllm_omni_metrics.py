@@ -1,0 +1,133 @@
+"""Metrics, status and activation switches of the vllm-omni integration (real classes, CPU)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+
+def _sample(name: str, **labels: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_exact_metric_values_for_a_known_stream(vo):
+    from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding
+    from omni_accum.integrations.vllm_omni.send import encode_payload
+    from omni_accum.policy import load_policy
+
+    b = Binding(load_policy("qwen3-omni"), DEFAULT_ADAPTER_KEYS, "test")
+    bos = torch.ones(1, 1, 64, dtype=torch.bfloat16)
+    dec = b.strategy_name("embed.decode", torch.zeros(1))
+    once = b.strategy_name("embed.tts_bos", bos)
+    assert once == "send_once"
+    before = {
+        "dec": _sample("omni_accum_chunks_total", role="send", key="embed.decode", strategy=dec),
+        "bos": _sample("omni_accum_chunks_total", role="send", key="embed.tts_bos", strategy=once),
+        "saved": _sample("omni_accum_wire_bytes_saved_total", key="embed.tts_bos", strategy=once),
+        "wire": _sample("omni_accum_wire_bytes_total", role="send", key="embed.decode"),
+        "req": _sample("omni_accum_requests_total", role="send", context_bucket="none", concurrency_bucket="none"),
+    }
+    for i in range(3):
+        chunk = {"embed": {"decode": torch.full((1, 32), float(i), dtype=torch.bfloat16), "tts_bos": bos}}
+        encode_payload(b, "m-1", chunk)
+    b.publish()
+    assert _sample("omni_accum_chunks_total", role="send", key="embed.decode", strategy=dec) - before["dec"] == 3
+    assert _sample("omni_accum_chunks_total", role="send", key="embed.tts_bos", strategy=once) - before["bos"] == 1
+    assert _sample("omni_accum_wire_bytes_saved_total", key="embed.tts_bos", strategy=once) - before["saved"] == 2 * 128
+    assert _sample("omni_accum_wire_bytes_total", role="send", key="embed.decode") - before["wire"] == 3 * 64
+    assert (
+        _sample("omni_accum_requests_total", role="send", context_bucket="none", concurrency_bucket="none")
+        - before["req"]
+        == 1
+    )
+    assert _sample("omni_accum_policy_info", source="test", fingerprint=b.fingerprint, version=_version()) == 1
+
+
+def _version() -> str:
+    from omni_accum import __version__
+
+    return __version__
+
+
+def test_metrics_off_records_nothing(vo, monkeypatch):
+    from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding
+    from omni_accum.integrations.vllm_omni.send import encode_payload
+    from omni_accum.policy import load_policy
+
+    monkeypatch.setenv("OMNI_ACCUM_METRICS", "0")
+    b = Binding(load_policy("qwen3-omni"), DEFAULT_ADAPTER_KEYS, "off-test")
+    assert not b.metrics.on
+    key = dict(role="send", key="embed.decode", strategy=b.strategy_name("embed.decode", torch.zeros(1)))
+    before = _sample("omni_accum_chunks_total", **key)
+    encode_payload(b, "m-off", {"embed": {"decode": torch.zeros(1, 8)}})
+    b.publish()
+    assert _sample("omni_accum_chunks_total", **key) == before
+
+
+_CHILD = """
+import sys
+from omni_accum.integrations.vllm_omni import metrics
+r = metrics.Recorder()
+assert r.on
+for _ in range(int(sys.argv[1])):
+    r.chunk("receive", "embed.decode", "prealloc", 4096)
+r.flush()
+"""
+
+
+def test_two_processes_collected_together_in_multiprocess_mode(tmp_path):
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    for n in (3, 4):
+        subprocess.run([sys.executable, "-c", _CHILD, str(n)], env=env, check=True, timeout=120)
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg, path=str(tmp_path))
+    labels = {"role": "receive", "key": "embed.decode", "strategy": "prealloc"}
+    assert reg.get_sample_value("omni_accum_chunks_total", labels) == 7
+    assert reg.get_sample_value("omni_accum_wire_bytes_total", {"role": "receive", "key": "embed.decode"}) == 7 * 4096
+
+
+def test_status_is_a_typed_record(vo, adapters):
+    from tests.test_integration_vllm_omni import run_thinker_to_talker
+
+    st = vo.status()
+    assert isinstance(st, vo.Status) and not st.installed and st.bindings == () and st.vllm_omni_version == "0.30.0"
+    vo.install("qwen3-omni")
+    run_thinker_to_talker(adapters, f"oa-st-{os.getpid()}")
+    st = vo.status()
+    assert st.installed and st.policy_source == "qwen3-omni" and st.fingerprint
+    owners = sorted(b.owner for b in st.bindings)
+    assert owners == ["OmniChunkTransferAdapter", "OmniChunkTransferAdapter"]
+    assert sum(b.chunks_sent for b in st.bindings) == 6 and sum(b.chunks_received for b in st.bindings) == 6
+    assert all(b.fingerprint == st.fingerprint for b in st.bindings)  # every binding runs the installed policy
+    assert st.live_requests == 0
+
+
+def test_required_makes_a_failed_activation_fatal(vo, monkeypatch):
+    monkeypatch.setenv("OMNI_ACCUM_POLICY", "no-such-preset")
+    monkeypatch.setenv("OMNI_ACCUM_REQUIRED", "1")
+    with pytest.raises(SystemExit, match="OMNI_ACCUM_REQUIRED=1 and activation failed.*no-such-preset"):
+        vo.activate()
+    assert not vo.is_installed()
+    monkeypatch.delenv("OMNI_ACCUM_REQUIRED")
+    vo.activate()  # without it: logged, vllm-omni carries on unpatched
+    assert not vo.is_installed()
+
+
+def test_policy_off_in_the_environment(vo, monkeypatch, caplog):
+    monkeypatch.setenv("OMNI_ACCUM_POLICY", "off")
+    with caplog.at_level(logging.INFO, logger="omni_accum"):
+        vo.activate()
+    assert not vo.is_installed()
+    assert any("OMNI_ACCUM_POLICY=off" in m for m in caplog.messages), caplog.messages
