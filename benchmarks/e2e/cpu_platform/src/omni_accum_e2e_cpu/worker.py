@@ -44,23 +44,23 @@ class CPUOmniGenerationModelRunner(_CPURunnerMixin, GPUGenerationModelRunner, CP
 
 
 class _CPUOmniWorker(OmniWorkerMixin, CPUWorker):
-    runner_cls: type
+    model_runner_cls: type  # vllm-omni checks this attribute (omni_connector_validation)
 
     def init_device(self):
         if getattr(self, "use_v2_model_runner", False):
             logger.warning("%s forces the v1 model runner (omni hooks).", type(self).__name__)
             self.use_v2_model_runner = False
         super().init_device()
-        self.model_runner = self.runner_cls(self.vllm_config, self.device)
+        self.model_runner = self.model_runner_cls(self.vllm_config, self.device)
 
 
 class CPUOmniARWorker(_CPUOmniWorker):
     """CPU worker for the autoregressive stages (thinker, talker)."""
 
-    runner_cls = CPUOmniARModelRunner
+    model_runner_cls = CPUOmniARModelRunner
 
 
 class CPUOmniGenerationWorker(_CPUOmniWorker):
     """CPU worker for the non-autoregressive generation stage (code2wav)."""
 
-    runner_cls = CPUOmniGenerationModelRunner
+    model_runner_cls = CPUOmniGenerationModelRunner
