@@ -1,0 +1,156 @@
+"""End to end: a real three-stage Qwen3-Omni vllm-omni server (CPU) with omni-accum in every process.
+
+Opt-in (it builds a ~7 GB environment on first use and runs a server for a few minutes):
+
+    OMNI_ACCUM_E2E=1 .venv/bin/python -m pytest tests/test_e2e_server.py -v
+
+(``CI=true`` enables it too.) The test calls ``benchmarks/e2e/setup_env.sh`` (the harness's own
+virtualenv, reused when current), ``benchmarks/e2e/build_model.py`` (a tiny random Qwen3-Omni),
+then ``benchmarks/e2e/run.py --smoke --arms qwen3-omni``, and checks from the run's JSON report:
+
+* the server started and the chat request with audio output returned text and audio;
+* every stage engine-core process and every stage worker process reported omni-accum installed
+  and bound, with chunks through it (``OMNI_ACCUM_STATUS_DIR`` status files; the server log's
+  ``omni-accum installed into vllm-omni`` / ``omni-accum bound to`` lines when there are none);
+* nothing of the server is left running and its port is free.
+
+Logs: ``benchmarks/e2e/.work/test-logs/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+E2E = ROOT / "benchmarks" / "e2e"
+VENV = Path(os.environ.get("OMNI_ACCUM_E2E_VENV", E2E / ".work" / "venv"))
+LOGS = E2E / ".work" / "test-logs"
+
+ENABLED = os.environ.get("OMNI_ACCUM_E2E", "").strip() == "1" or os.environ.get("CI", "").strip().lower() == "true"
+pytestmark = pytest.mark.skipif(
+    not ENABLED,
+    reason="end-to-end server test (~7 GB env, minutes): enable with OMNI_ACCUM_E2E=1 (or CI=true)",
+)
+
+SETUP_TIMEOUT = 3600  # a cold environment build (download ~7 GB); a warm one takes seconds
+BUILD_TIMEOUT = 900
+RUN_TIMEOUT = 1500  # server start (~3-5 min on 2 shared cores) + one request + stop
+
+
+def _run(cmd: list[str], log: Path, timeout: float) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as f:
+        try:
+            r = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s; see {log}")
+    if r.returncode != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        pytest.fail(f"{' '.join(cmd)} failed ({r.returncode}); see {log}\n{tail}")
+
+
+def _alive(pid: int, title: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            now = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z" and now == title
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def smoke_report() -> dict:
+    py = str(VENV / "bin" / "python")
+    _run(["bash", str(E2E / "setup_env.sh")], LOGS / "setup_env.log", SETUP_TIMEOUT)
+    _run([py, str(E2E / "build_model.py")], LOGS / "build_model.log", BUILD_TIMEOUT)
+    out = LOGS / "smoke.json"
+    if out.exists():
+        out.unlink()
+    cmd = [py, str(E2E / "run.py"), "--smoke", "--arms", "qwen3-omni", "--json", str(out), "--keep-logs", str(LOGS)]
+    log = LOGS / "run.log"
+    with open(log, "wb") as f:
+        try:
+            subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"run.py --smoke timed out after {RUN_TIMEOUT} s; see {log}")
+    if not out.exists():
+        pytest.fail(f"run.py wrote no report; see {log}\n{log.read_text(errors='replace')[-3000:]}")
+    report = json.loads(out.read_text())
+    (arm,) = report["arms"]
+    return arm
+
+
+def test_server_started_and_answered_with_text_and_audio(smoke_report):
+    arm = smoke_report
+    assert arm.get("started"), f"server did not start: {arm.get('error')}; log {arm.get('server_log')}"
+    c = arm.get("correctness") or {}
+    assert c.get("http_status") == 200, f"chat request failed: {c}"
+    assert c.get("text"), f"no text in the answer: {c}"
+    assert c.get("audio_bytes", 0) > 44, f"no audio in the answer: {c}"
+
+
+def test_every_stage_process_installed_and_bound_omni_accum(smoke_report):
+    arm = smoke_report
+    rows = arm.get("coverage") or []
+    stage_rows = [r for r in rows if r["role"].startswith("stage")]
+    engine_cores = [r for r in stage_rows if r["role"].endswith("engine-core")]
+    workers = [r for r in stage_rows if r["role"].endswith("worker")]
+    table = "\n".join(
+        f"  pid {r['pid']:>7} {r['role']:<20} installed={r['installed']} bound={r['bound']} "
+        f"sent={r['chunks_sent']} received={r['chunks_received']} {r['title']}"
+        for r in rows
+    )
+    assert len(engine_cores) == 3, f"expected 3 stage engine-core processes, found:\n{table}"
+    assert len(workers) >= 3, f"expected a worker process per stage, found:\n{table}"
+    from_files = arm.get("status_files", 0) > 0
+
+    not_installed = [r for r in stage_rows if not r["installed"]]
+    assert not not_installed, "omni-accum not installed in: " + ", ".join(
+        f"{r['role']} pid {r['pid']} ({r['title']})" for r in not_installed
+    ) + f"\n{table}"
+
+    def unbound(r: dict) -> bool:
+        if not r["bound"]:
+            return True
+        if from_files and r["status_file"]:
+            return (r["chunks_sent"] or 0) + (r["chunks_received"] or 0) <= 0
+        return False
+
+    not_bound = [r for r in stage_rows if unbound(r)]
+    assert not not_bound, (
+        "omni-accum installed but not bound (no chunk went through it) in: "
+        + ", ".join(f"{r['role']} pid {r['pid']} ({r['title']})" for r in not_bound)
+        + f"\n(source: {'status files' if from_files else 'server log lines'})\n{table}"
+    )
+
+
+def test_nothing_left_running(smoke_report):
+    arm = smoke_report
+    stop = arm.get("stop") or {}
+    assert not stop.get("left_running"), f"left running after stop: {stop.get('left_running')}"
+    still = [p for p in arm.get("processes") or [] if _alive(p["pid"], p["title"])]
+    assert not still, "server processes still alive: " + ", ".join(f"{p['pid']} {p['title']}" for p in still)
+    assert _port_free(arm["port"]), f"port {arm['port']} still in use"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-v"]))
