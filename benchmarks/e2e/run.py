@@ -97,6 +97,7 @@ def proc_info(pid: int) -> dict[str, Any] | None:
     cmdline = (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ").strip()
     status = _read(f"/proc/{pid}/status") or ""
     m = re.search(r"VmRSS:\s+(\d+) kB", status)
+    pss = re.search(r"^Pss:\s+(\d+) kB", _read(f"/proc/{pid}/smaps_rollup") or "", re.M)
     return {
         "pid": pid,
         "ppid": int(rest[1]),
@@ -107,6 +108,7 @@ def proc_info(pid: int) -> dict[str, Any] | None:
         "comm": comm,
         "title": cmdline,
         "rss_mb": round(int(m.group(1)) / 1024, 1) if m else None,
+        "pss_mb": round(int(pss.group(1)) / 1024, 1) if pss else None,
     }
 
 
@@ -337,9 +339,11 @@ def coverage(procs: list[dict[str, Any]], status: dict[int, dict[str, Any]], log
     return rows
 
 
-def print_coverage(arm: str, rows: list[dict[str, Any]], status_files: int) -> None:
+def print_coverage(arm: str, rows: list[dict[str, Any]], status_files: int, disabled: bool = False) -> None:
     print(f"\n[{arm}] server processes and omni-accum (status files: {status_files})")
-    if not status_files:
+    if disabled:
+        print("  omni-accum disabled in this arm (OMNI_ACCUM_VLLM_OMNI=0): nothing should install")
+    elif not status_files:
         print("  no omni-accum status files were written (OMNI_ACCUM_STATUS_DIR unsupported by this omni-accum,")
         print("  or nothing installed); installed/bound below come from the server log lines only")
     print(f"  {'pid':>7} {'role':<20} {'rss MB':>7} {'inst':>5} {'bound':>5} {'sent':>6} {'recv':>6}  title")
@@ -561,7 +565,10 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
             snap = {i["pid"]: i for i in known}
             snap.update({i["pid"]: i for i in server_processes(proc.pid)})
             known = sorted(snap.values(), key=lambda i: i["pid"])
-            result["rss_total_mb"] = round(sum(i["rss_mb"] or 0 for i in known if alive(i)), 1)
+            live = [proc_info(i["pid"]) for i in known if alive(i)]
+            result["rss_total_mb"] = round(sum(i["rss_mb"] or 0 for i in live if i), 1)
+            result["pss_total_mb"] = round(sum(i["pss_mb"] or 0 for i in live if i), 1)
+            log(f"[{arm.name}] memory: PSS {result['pss_total_mb']:.0f} MB (RSS sum {result['rss_total_mb']:.0f} MB)")
         except Exception as e:  # noqa: BLE001 - report, then always clean up
             result.setdefault("started", False)
             result["error"] = f"{type(e).__name__}: {e}"
@@ -578,13 +585,14 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
     logs = scan_log(server_log)
     result["processes"] = [
         {"pid": i["pid"], "ppid": i["ppid"], "comm": i["comm"], "title": i["title"], "rss_mb": i["rss_mb"],
+         "pss_mb": i.get("pss_mb"),
          "role": role_of(i, {k["pid"]: k for k in known})}
         for i in known
     ]
     result["status_files"] = len([p for p in status if p > 0])
     result["status_raw"] = {str(k): v for k, v in status.items()}
     result["coverage"] = coverage(known, status, logs)
-    print_coverage(arm.name, result["coverage"], result["status_files"])
+    print_coverage(arm.name, result["coverage"], result["status_files"], arm.env.get("OMNI_ACCUM_VLLM_OMNI") == "0")
     if args.keep_logs:
         keep = Path(args.keep_logs) / arm_dir.name
         keep.mkdir(parents=True, exist_ok=True)
