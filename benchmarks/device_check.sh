@@ -53,8 +53,8 @@ echo "== 2. one decode step per strategy on $DEVICE (median of 40, ratio to prea
 timeout 90 python3 - "$DEVICE" "$OUT" <<'PY'
 import json, sys
 from omni_accum.bench import strategy_arm
-from omni_accum.replay import measure
-from omni_accum.workloads import load_workload
+from omni_accum.bench.replay import measure
+from omni_accum.bench.workloads import load_workload
 
 dev, out = sys.argv[1], sys.argv[2]
 wl = load_workload("qwen3-omni-seed").model_copy(update={"decode_steps": 40})

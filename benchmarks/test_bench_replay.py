@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from omni_accum.bench import build_arms
-from omni_accum.replay import InprocWire, make_engine, replay
+from omni_accum.bench.replay import InprocWire, make_engine, replay
 from omni_accum.context import StreamContext
-from omni_accum.workloads import build_stream, load_workload
+from omni_accum.bench.streams import build_stream
+from omni_accum.bench.workloads import load_workload
 
 SEED = load_workload("qwen3-omni-seed")
 CONTEXTS = (1000, 8000)

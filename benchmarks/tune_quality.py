@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from omni_accum.loader import load_policy
-from omni_accum.replay import measure
+from omni_accum.policy.loader import load_policy
+from omni_accum.bench.replay import measure
 from omni_accum.tuner import TuneOptions, tune
 from omni_accum.tuner.stats import bootstrap_gain
-from omni_accum.workloads import load_workload
+from omni_accum.bench.workloads import load_workload
 
 
 def run(quick: bool, out: Path) -> tuple[float, object]:

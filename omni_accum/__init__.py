@@ -13,7 +13,7 @@ Public API (stable names)::
 
 from __future__ import annotations
 
-from omni_accum.channel import WIRE_MARKER, GroupView, Receiver, RequestView, Sender
+from omni_accum.engine import WIRE_MARKER, GroupView, Receiver, RequestView, Sender
 from omni_accum.context import KeyMeta, StreamContext
 from omni_accum.errors import (
     AccumulationError,
@@ -24,9 +24,8 @@ from omni_accum.errors import (
     UnknownStrategyError,
 )
 from omni_accum.hookspecs import hookimpl, hookspec
-from omni_accum.loader import dump_policy, load_policy, preset_names
 from omni_accum.manager import StrategyManager, get_manager, reset_manager
-from omni_accum.policy import Policy, Rule, StrategyChoice
+from omni_accum.policy import Policy, Rule, StrategyChoice, dump_policy, load_policy, preset_names
 from omni_accum.strategy import (
     OMIT,
     Accumulator,

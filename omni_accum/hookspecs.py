@@ -13,7 +13,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from omni_accum.context import KeyMeta, StreamContext
-    from omni_accum.policy import Policy, StrategyChoice
+    from omni_accum.policy.model import Policy, StrategyChoice
     from omni_accum.strategy import StrategySpec
 
 PROJECT = "omni_accum"

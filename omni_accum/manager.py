@@ -31,7 +31,7 @@ from omni_accum import hookspecs
 from omni_accum.context import KeyMeta, StreamContext
 from omni_accum.errors import DuplicateStrategyError, PluginError, UnknownStrategyError
 from omni_accum.hookspecs import PROJECT, hookimpl
-from omni_accum.policy import Policy, StrategyChoice
+from omni_accum.policy.model import Policy, StrategyChoice
 from omni_accum.strategy import KINDS, Strategy, StrategySpec
 
 logger = logging.getLogger("omni_accum")

@@ -35,7 +35,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_accum.channel import WIRE_MARKER, Receiver, Sender
+from omni_accum.engine import WIRE_MARKER, Receiver, Sender
 from omni_accum.errors import AccumulationError
 from omni_accum.manager import StrategyManager, get_manager
 

@@ -20,13 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_accum.errors import OmniAccumError
-from omni_accum.loader import load_policy
+from omni_accum.policy.loader import load_policy
 from omni_accum.manager import get_manager
-from omni_accum.policy import Policy, TunedCell
-from omni_accum.replay import UPSTREAM, ArmResult, measure
+from omni_accum.policy.model import Policy
+from omni_accum.policy.tuned import TunedCell
+from omni_accum.bench.replay import UPSTREAM, ArmResult, measure
 from omni_accum.tuner.candidates import Candidate, candidates_for, same_choice
 from omni_accum.tuner.stats import MIN_GAIN, MIN_GAIN_US, Gain, bootstrap_gain, median
-from omni_accum.workloads import Workload, chunk_plans
+from omni_accum.bench.streams import chunk_plans
+from omni_accum.bench.workloads import Workload
 
 BASE = "baseline"
 #: A win this large after one round is decided without more rounds.
@@ -65,7 +67,7 @@ def tunable_keys(wl: Workload, base: Policy, context_lens: list[int]) -> tuple[l
 
 
 def _carries(spec: Any, plan: Any) -> bool:
-    from omni_accum.workloads import _carries as carries
+    from omni_accum.bench.streams import _carries as carries
 
     return carries(spec, plan)
 
@@ -320,7 +322,7 @@ def verify_bucket(
 
 def reference_arm() -> Policy | str:
     """``upstream`` (vllm-omni 0.30.0's own code) when importable, else the ``default`` preset."""
-    from omni_accum.bench import upstream_available
+    from omni_accum.bench.arms import upstream_available
 
     return UPSTREAM if upstream_available() else load_policy("default")
 

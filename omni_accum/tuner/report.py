@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from omni_accum.fingerprint import fingerprint_mismatches
-from omni_accum.policy import Policy, TunedTable
+from omni_accum.policy.environment import fingerprint_mismatches
+from omni_accum.policy.model import Policy
+from omni_accum.policy.tuned import TunedTable
 from omni_accum.tuner.candidates import same_choice
 from omni_accum.tuner.core import BucketOutcome
 

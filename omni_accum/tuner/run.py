@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from omni_accum._paths import output_path_problem
+from omni_accum.bench._paths import output_path_problem
 from omni_accum.errors import OmniAccumError, PolicyError
-from omni_accum.fingerprint import current_fingerprint, fingerprint_mismatches
-from omni_accum.loader import dump_policy, load_policy
-from omni_accum.policy import Policy, TunedCell
+from omni_accum.policy.environment import current_fingerprint, fingerprint_mismatches
+from omni_accum.policy.loader import dump_policy, load_policy
+from omni_accum.policy.model import Policy
+from omni_accum.policy.tuned import TunedCell
 from omni_accum.tuner.buckets import (
     DEFAULT_CONCURRENCY,
     DEFAULT_CONTEXT_LENS,
@@ -37,7 +38,7 @@ from omni_accum.tuner.core import (
     verify_bucket,
 )
 from omni_accum.tuner.candidates import Candidate
-from omni_accum.workloads import Workload, load_workload
+from omni_accum.bench.workloads import Workload, load_workload
 
 
 @dataclass
@@ -350,7 +351,7 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
     ref = reference_arm() if verify else None
     bar = None
     if progress is not None:
-        from omni_accum.bench import Progress
+        from omni_accum.bench.runner import Progress
 
         n_arms = sum(1 + len(v) for v in cands.values())
         # Pessimistic (every arm for every round); clear decisions end sooner and the bar jumps ahead.

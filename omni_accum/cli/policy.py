@@ -17,13 +17,14 @@ import annotated_types as at
 import yaml
 from pydantic import BaseModel
 
-from omni_accum.cli import int_value, positive_int
+from omni_accum.cli.args import int_value, positive_int
 from omni_accum.context import KeyMeta, StreamContext
-from omni_accum.endpoint import _Endpoint
+from omni_accum.engine.endpoint import _Endpoint
 from omni_accum.errors import OmniAccumError
-from omni_accum.loader import load_policy, preset_names
+from omni_accum.policy.environment import fingerprint_mismatches
+from omni_accum.policy.loader import load_policy, preset_names
 from omni_accum.manager import StrategyManager, get_manager
-from omni_accum.policy import PROTOCOL_REPLACE_KEYS, Policy, is_glob
+from omni_accum.policy.model import PROTOCOL_REPLACE_KEYS, Policy, is_glob
 from omni_accum.strategy import StrategySpec
 
 POLICY_HELP = "a policy file (.yaml, .yml, .json, .toml) or a preset name ({presets})"
@@ -201,8 +202,6 @@ def explain_key(
         reason = {"kind": "default"}
     if policy.tuned is not None and reason["kind"] in ("default", "rule"):
         if not policy.tuned_usable():
-            from omni_accum.fingerprint import fingerprint_mismatches
-
             diffs = "; ".join(fingerprint_mismatches(policy.tuned.fingerprint))
             notes.append(f"tuned table not used: measured in another environment ({diffs})")
         elif reason["kind"] == "default":

@@ -11,9 +11,9 @@ from typing import Any
 
 from omni_accum.context import DEFAULT_CONTEXT, KeyMeta, StreamContext
 from omni_accum.errors import AccumulationError, OmniAccumError, PolicyError
-from omni_accum.loader import load_policy
+from omni_accum.policy.loader import load_policy
 from omni_accum.manager import StrategyManager, get_manager
-from omni_accum.policy import Policy
+from omni_accum.policy.model import Policy
 from omni_accum.strategy import Accumulator, KeyInfo, Strategy, StrategySpec
 
 #: Wire key carrying, when the sender left unchanged ``send_once`` values off, how many such

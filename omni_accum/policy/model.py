@@ -1,22 +1,29 @@
-"""Policies: which strategy each key gets. Pydantic models, loading and resolution.
+"""Policies: which strategy each key gets. The pydantic model and its resolution.
 
 A policy is data (YAML, JSON, TOML or a mapping): a default strategy, ordered rules matching key
 paths or globs, and an optional tuned table over context length x concurrency written by
-``omni-accum tune``. Resolution order for a key: an exact rule, then the first matching glob
-rule, then the tuned table (when its fingerprint matches this environment), then the default.
+``omni-accum tune`` (:mod:`omni_accum.policy.tuned`). Resolution order for a key: an exact rule,
+then the first matching glob rule, then the tuned table (when its fingerprint matches this
+environment), then the default. Loading (files, presets, ``OMNI_ACCUM_POLICY``) is
+:mod:`omni_accum.policy.loader`.
+
+This module knows nothing of the plugin manager: whether a tuned table was measured with the
+strategy plugins installed here is checked against the plugins the loader binds to the policy
+(:meth:`Policy.bind_plugins`).
 """
 
 from __future__ import annotations
 
-import bisect
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from omni_accum.context import DEFAULT_CONTEXT, StreamContext
+from omni_accum.policy.fingerprint import check_fingerprint
+from omni_accum.policy.tuned import TunedTable
 
 GLOB_CHARS = frozenset("*?[")
 
@@ -77,116 +84,6 @@ class Rule(BaseModel):
     """Free text: why this rule exists."""
 
 
-class TunedCell(BaseModel):
-    """The tuner's decision for one key in one bucket."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    key: str = Field(min_length=1)
-    """Key path the decision applies to (exact path)."""
-    context_len: int = Field(ge=0)
-    """Lower edge of the context-length bucket."""
-    concurrency: int = Field(ge=1)
-    """Lower edge of the concurrency bucket."""
-    strategy: str = Field(min_length=1)
-    """Winning strategy."""
-    params: dict[str, Any] = Field(default_factory=dict)
-    """Winning params."""
-    baseline: str = "default"
-    """Arm the win is measured against."""
-    margin: float | None = None
-    """Relative gain of the winner over the baseline (0.25 = 25 % faster)."""
-    ci: tuple[float, float] | None = None
-    """Bootstrap confidence interval of that gain."""
-    timings_us: dict[str, float] = Field(default_factory=dict)
-    """Median step cost in microseconds of every candidate measured (label -> us)."""
-    excluded: dict[str, str] = Field(default_factory=dict)
-    """Candidates excluded, with the reason (wrong views, raised, over memory budget)."""
-    peak_bytes: dict[str, int] = Field(default_factory=dict)
-    """Peak bytes the key's state held under each candidate (label -> bytes)."""
-
-
-class TunedTable(BaseModel):
-    """Per-bucket decisions written by ``omni-accum tune``.
-
-    Buckets use floor semantics: a value v falls in the bucket of the largest edge <= v; values
-    below the first edge or above the last clamp to the end buckets (and are counted).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    context_len_edges: list[int] = Field(min_length=1)
-    """Ascending lower edges of context-length buckets."""
-    concurrency_edges: list[int] = Field(min_length=1)
-    """Ascending lower edges of concurrency buckets."""
-    cells: list[TunedCell] = Field(default_factory=list)
-    """Decisions, one per key per bucket."""
-    fingerprint: dict[str, Any] = Field(default_factory=dict)
-    """Environment the table was measured in; a mismatch disables the table (with one warning)."""
-    workload: str = ""
-    """Workload the table was tuned on."""
-    wire: str = "inproc"
-    """Wire mode the table was tuned with."""
-    complete: bool = True
-    """False while (or when) the tuner stopped before measuring every bucket; ``--resume`` goes on."""
-    skipped: dict[str, str] = Field(default_factory=dict)
-    """Workload keys not tuned, with the reason (carried once, decided by an explicit rule)."""
-
-    _index: dict[tuple[str, int, int], TunedCell] = PrivateAttr(default_factory=dict)
-    _clamped: int = PrivateAttr(default=0)
-
-    @field_validator("context_len_edges", "concurrency_edges")
-    @classmethod
-    def _ascending(cls, v: list[int]) -> list[int]:
-        if any(b <= a for a, b in zip(v, v[1:])):
-            raise ValueError(f"bucket edges must be strictly ascending, got {v}")
-        if v and v[0] < 0:
-            raise ValueError(f"bucket edges must be >= 0, got {v}")
-        return v
-
-    @model_validator(mode="after")
-    def _build_index(self) -> TunedTable:
-        for i, c in enumerate(self.cells):
-            if c.context_len not in self.context_len_edges:
-                raise ValueError(f"cells[{i}].context_len {c.context_len} is not one of context_len_edges")
-            if c.concurrency not in self.concurrency_edges:
-                raise ValueError(f"cells[{i}].concurrency {c.concurrency} is not one of concurrency_edges")
-            self._index[(c.key, c.context_len, c.concurrency)] = c
-        return self
-
-    @staticmethod
-    def floor(edges: list[int], value: int) -> tuple[int, bool]:
-        """Return ``(edge, clamped)``: the largest edge <= ``value``.
-
-        A value below the first edge clamps to the first bucket, one above the last edge to the
-        last bucket (the tuner measured at the edges, so both are extrapolations): ``clamped``
-        is True for those.
-        """
-        i = bisect.bisect_right(edges, value) - 1
-        if i < 0:
-            return edges[0], True
-        return edges[i], value > edges[-1]
-
-    def bucket(self, context: StreamContext) -> tuple[int, int, bool]:
-        """Return ``(context_len edge, concurrency edge, clamped)`` for ``context``."""
-        cl = context.context_len if context.context_len is not None else self.context_len_edges[0]
-        c_edge, c_clamp = self.floor(self.context_len_edges, cl)
-        k_edge, k_clamp = self.floor(self.concurrency_edges, context.concurrency)
-        return c_edge, k_edge, c_clamp or k_clamp
-
-    def lookup(self, key: str, context: StreamContext) -> TunedCell | None:
-        c_edge, k_edge, clamped = self.bucket(context)
-        cell = self._index.get((key, c_edge, k_edge))
-        if cell is not None and clamped:
-            self._clamped += 1
-        return cell
-
-    @property
-    def clamped_lookups(self) -> int:
-        """How many lookups fell outside the measured edges and were clamped."""
-        return self._clamped
-
-
 class Policy(BaseModel):
     """An accumulation policy.
 
@@ -222,6 +119,7 @@ class Policy(BaseModel):
     _exact: dict[str, tuple[int, Rule]] = PrivateAttr(default_factory=dict)
     _globs: list[tuple[int, Rule]] = PrivateAttr(default_factory=list)
     _tuned_ok: bool | None = PrivateAttr(default=None)
+    _plugins: Callable[[], Mapping[str, str]] | None = PrivateAttr(default=None)
 
     _coerce_default = field_validator("default", mode="before")(classmethod(lambda cls, v: _coerce_strategy_ref(v)))
 
@@ -255,14 +153,27 @@ class Policy(BaseModel):
                 return i, rule
         return None
 
+    def bind_plugins(self, installed: Callable[[], Mapping[str, str]]) -> None:
+        """Say where the installed strategy plugins come from (``name -> "dist==version"``).
+
+        ``load_policy`` binds every policy with a tuned table it loads or is given; ``installed``
+        is called once, at the first resolution that reaches the table. A policy that already has
+        a source keeps it; one without a tuned table needs none (it stays equal to ``Policy()``).
+        """
+        if self.tuned is not None and self._plugins is None:
+            self._plugins = installed
+
     def tuned_usable(self) -> bool:
-        """True when the tuned table exists and was measured in an environment like this one."""
+        """True when the tuned table exists and was measured in an environment like this one.
+
+        The strategy plugins are those :meth:`bind_plugins` names; a policy never loaded through
+        ``load_policy`` has none bound, so its table is reported as not checkable and not used.
+        """
         if self.tuned is None:
             return False
         if self._tuned_ok is None:
-            from omni_accum.fingerprint import check_fingerprint
-
-            self._tuned_ok = check_fingerprint(self.tuned.fingerprint, warn=True)
+            plugins = self._plugins() if self._plugins is not None else None
+            self._tuned_ok = check_fingerprint(self.tuned.fingerprint, plugins=plugins, warn=True)
         return self._tuned_ok
 
     def resolve(self, key: str, context: StreamContext = DEFAULT_CONTEXT) -> StrategyChoice:

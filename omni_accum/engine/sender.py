@@ -7,7 +7,7 @@ from itertools import repeat
 from typing import Any
 
 from omni_accum.context import StreamContext
-from omni_accum.endpoint import LEAF, WIRE_MARKER, _Endpoint, _path, _Request
+from omni_accum.engine.endpoint import LEAF, WIRE_MARKER, _Endpoint, _path, _Request
 from omni_accum.errors import AccumulationError
 from omni_accum.strategy import OMIT, Encoder
 

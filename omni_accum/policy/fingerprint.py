@@ -3,6 +3,10 @@
 A tuned table is only trusted in the environment it was measured in: omni-accum, torch and
 vllm-omni versions, the device, and the installed strategy plugins. A mismatch warns once and the
 table is not used (rules and the default still apply), never silently.
+
+This module asks nobody: the installed strategy plugins (``name -> "dist==version"``, see
+:func:`plugin_versions`) are an argument of every function that compares or records them. The
+process-wide values (from the global plugin manager) are in :mod:`omni_accum.policy.environment`.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import logging
 import platform
 import warnings
+from collections.abc import Iterable, Mapping
 from importlib import metadata
 from typing import Any
 
@@ -52,14 +57,24 @@ def device_name(device: str = "cpu") -> str:
     return f"cpu:{cpu} x{os.cpu_count()}"
 
 
-def current_fingerprint(device: str = "cpu", candidates: str | None = None) -> dict[str, Any]:
-    """Fingerprint of this environment (``candidates``: hash of the candidate set that was timed)."""
-    from omni_accum.manager import get_manager
+def plugin_versions(specs: Iterable[Any]) -> dict[str, str]:
+    """``{strategy name: "dist==version"}`` (or the plugin name when no distribution provides it).
 
-    plugins = {
+    ``specs``: the registered :class:`~omni_accum.strategy.StrategySpec` objects (``StrategyManager.specs()``).
+    """
+    return {
         spec.name: (f"{spec.distribution[0]}=={spec.distribution[1]}" if spec.distribution else spec.plugin)
-        for spec in get_manager().specs()
+        for spec in specs
     }
+
+
+def current_fingerprint(
+    device: str = "cpu", candidates: str | None = None, *, plugins: Mapping[str, str]
+) -> dict[str, Any]:
+    """Fingerprint of this environment with the installed strategy ``plugins`` (see :func:`plugin_versions`).
+
+    ``candidates``: hash of the candidate set that was timed.
+    """
     fp: dict[str, Any] = {
         "omni_accum": _version("omni-accum"),
         "torch": _version("torch"),
@@ -72,12 +87,20 @@ def current_fingerprint(device: str = "cpu", candidates: str | None = None) -> d
     return fp
 
 
-def fingerprint_mismatches(recorded: dict[str, Any], device: str | None = None) -> list[str]:
-    """Return the fields where ``recorded`` differs from this environment (empty when it matches)."""
+def fingerprint_mismatches(
+    recorded: dict[str, Any], device: str | None = None, *, plugins: Mapping[str, str] | None
+) -> list[str]:
+    """Return the fields where ``recorded`` differs from this environment (empty when it matches).
+
+    ``plugins``: the installed strategy plugins; None when they are not known (the table cannot
+    be checked, which is reported as a mismatch).
+    """
     if not recorded:
         return ["fingerprint missing"]
+    if plugins is None:
+        return [f"plugins: table {recorded.get('plugins')!r}, here not known (policy not loaded through load_policy)"]
     dev = device or ("cuda" if str(recorded.get("device", "")).startswith("cuda") else "cpu")
-    now = current_fingerprint(dev)
+    now = current_fingerprint(dev, plugins=plugins)
     out = []
     for k in COMPARED:
         if recorded.get(k) != now.get(k):
@@ -85,9 +108,9 @@ def fingerprint_mismatches(recorded: dict[str, Any], device: str | None = None) 
     return out
 
 
-def check_fingerprint(recorded: dict[str, Any], *, warn: bool = True) -> bool:
+def check_fingerprint(recorded: dict[str, Any], *, plugins: Mapping[str, str] | None, warn: bool = True) -> bool:
     """True when ``recorded`` matches this environment; otherwise warn once and return False."""
-    diffs = fingerprint_mismatches(recorded)
+    diffs = fingerprint_mismatches(recorded, plugins=plugins)
     if not diffs:
         return True
     if warn:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 
 from omni_accum.errors import OmniAccumError
-from omni_accum.integrations.vllm_omni_classes import serializer, shm_connector
+from omni_accum.integrations.vllm_omni.classes import serializer, shm_connector
 
 WireName = Literal["inproc", "serializer", "shm"]
 

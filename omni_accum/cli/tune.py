@@ -8,17 +8,17 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from omni_accum.cli import (
+from omni_accum.cli.args import (
     add_int_list_argument,
     add_threads_argument,
     apply_threads,
     positive_int,
 )
-from omni_accum.loader import load_policy
+from omni_accum.policy.loader import load_policy
 from omni_accum.tuner.buckets import DEFAULT_CONCURRENCY, DEFAULT_CONTEXT_LENS, QUICK_CONCURRENCY, QUICK_CONTEXT_LENS
 from omni_accum.tuner.report import decision_table, gain_table, show
 from omni_accum.tuner.run import TuneOptions, output_problem, tune
-from omni_accum.workloads import workload_names
+from omni_accum.bench.workloads import workload_names
 
 HELP = """\
 Replay the workload's trace through every applicable strategy per key (built-ins and plugins,

@@ -16,16 +16,15 @@ import typing
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from omni_accum.errors import PolicyError
-from omni_accum.policy import Policy
-
-if TYPE_CHECKING:
-    from omni_accum.manager import StrategyManager
+from omni_accum.manager import StrategyManager, get_manager
+from omni_accum.policy.environment import installed_plugins
+from omni_accum.policy.model import Policy
 
 ENV_POLICY = "OMNI_ACCUM_POLICY"
 PRESET_SUFFIX = ".yaml"
@@ -289,12 +288,11 @@ def build_policy(
         msgs = _validation_messages(e, source, text)
         raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(msgs), msgs, source) from e
     if manager is None:
-        from omni_accum.manager import get_manager
-
         manager = get_manager()
     errors = check_strategies(policy, manager, source, text)
     if errors:
         raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(errors), errors, source)
+    policy.bind_plugins(installed_plugins)
     return policy
 
 
@@ -317,6 +315,7 @@ def load_policy(
         PolicyError: with every problem found, each naming the place.
     """
     if isinstance(source, Policy):
+        source.bind_plugins(installed_plugins)
         return source
     if isinstance(source, BaseModel):
         source = source.model_dump()

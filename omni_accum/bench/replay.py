@@ -32,9 +32,8 @@ from typing import Any, Literal
 
 import torch
 
-from omni_accum._malloc import HeapGuard
-from omni_accum.context import StreamContext
-from omni_accum.engines import (  # noqa: F401 - re-exported
+from omni_accum.bench._malloc import HeapGuard
+from omni_accum.bench.engines import (  # noqa: F401 - re-exported
     THROUGH,
     UPSTREAM,
     WIRE_FLOOR,
@@ -45,16 +44,8 @@ from omni_accum.engines import (  # noqa: F401 - re-exported
     WireFloorEngine,
     make_engine,
 )
-from omni_accum.errors import OmniAccumError
-from omni_accum.integrations.vllm_omni_classes import (  # noqa: F401 - re-exported
-    VllmOmniUnavailable,
-    serializer,
-    shm_connector,
-    transport_mixin,
-)
-from omni_accum.policy import Policy
-from omni_accum.reference import check_view  # noqa: F401 - re-exported
-from omni_accum.wires import (  # noqa: F401 - re-exported
+from omni_accum.bench.reference import check_view  # noqa: F401 - re-exported
+from omni_accum.bench.wires import (  # noqa: F401 - re-exported
     WIRES,
     InprocWire,
     SerializerWire,
@@ -67,7 +58,17 @@ from omni_accum.wires import (  # noqa: F401 - re-exported
     make_wire,
     payload_nbytes,
 )
-from omni_accum.workloads import Workload, build_stream, load_workload
+from omni_accum.bench.streams import build_stream
+from omni_accum.bench.workloads import Workload, load_workload
+from omni_accum.context import StreamContext
+from omni_accum.errors import OmniAccumError
+from omni_accum.integrations.vllm_omni.classes import (  # noqa: F401 - re-exported
+    VllmOmniUnavailable,
+    serializer,
+    shm_connector,
+    transport_mixin,
+)
+from omni_accum.policy.model import Policy
 
 ViewHop = Literal["serializer"]
 

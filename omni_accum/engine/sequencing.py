@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from omni_accum.endpoint import _Request
+from omni_accum.engine.endpoint import _Request
 from omni_accum.errors import AccumulationError
-from omni_accum.views import RequestView, request_view
+from omni_accum.engine.views import RequestView, request_view
 
 #: Default number of chunks a receiver buffers per request while it waits for a missing ``seq``.
 REORDER_WINDOW = 16

@@ -1,29 +1,12 @@
-"""The ``omni-accum`` command line.
+"""Argument types and options shared by the ``omni-accum`` command modules.
 
-Each command group lives in its own module exposing ``register(subparsers)``; this module only
-builds the parser and turns omni-accum's own errors into one-line messages (exit 1) instead of
-tracebacks. argparse usage errors exit 2.
+Integer lists (``1000,8000``, ``1k``, repeated flags), bounded integers and ``--threads``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import logging
-import sys
-from collections.abc import Sequence
 from typing import Any
-
-from omni_accum import __version__
-from omni_accum._paths import output_path_problem  # noqa: F401 - re-exported for the command modules
-from omni_accum.errors import OmniAccumError
-
-#: Modules contributing subcommands, in the order they appear in ``--help``.
-COMMAND_MODULES: tuple[str, ...] = (
-    "omni_accum.cli_policy",
-    "omni_accum.bench_cli",
-    "omni_accum.tuner.cli",
-)
 
 
 def int_list(text: str, examples: str = "1000,8000 or 1k,8k") -> list[int]:
@@ -111,48 +94,3 @@ class IntListAction(argparse.Action):
         for part in values:
             items.extend(part)
         setattr(namespace, self.dest, items)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="omni-accum",
-        description=(
-            "Per-key accumulation policies for vllm-omni payload chunks: list strategies, check and "
-            "explain policies, benchmark strategies on a workload, and tune a policy for this machine."
-        ),
-        epilog="Run 'omni-accum COMMAND --help' for the options of a command.",
-    )
-    parser.add_argument("--version", action="version", version=f"omni-accum {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages (plugin loading, hooks)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
-    for command in sub.choices.values():  # -v after the command too (it does not reset one given before)
-        command.add_argument(
-            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log debug messages"
-        )
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    try:
-        return int(args.func(args) or 0)
-    except OmniAccumError as e:
-        print(f"omni-accum: error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # an output path that cannot be written (a directory, a missing folder, no space)
-        where = f": {e.filename}" if getattr(e, "filename", None) else ""
-        print(f"omni-accum: error: {e.strerror or e}{where}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("omni-accum: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

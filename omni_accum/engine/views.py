@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from omni_accum.endpoint import _Slot
+from omni_accum.engine.endpoint import _Slot
 
 
 class GroupView(Mapping):

@@ -25,7 +25,7 @@ arrive early in a bounded reorder window and reports gaps (:meth:`Receiver.merge
 
 from __future__ import annotations
 
-from omni_accum.endpoint import (
+from omni_accum.engine.endpoint import (
     LEAF,
     OVERRIDE_KEYS_PATH,
     WIRE_MARKER,
@@ -34,10 +34,10 @@ from omni_accum.endpoint import (
     _Slot,
     rewrites_wire,
 )
-from omni_accum.receiver import Receiver
-from omni_accum.sender import Sender
-from omni_accum.sequencing import REORDER_WINDOW, SequenceState
-from omni_accum.views import GroupView, RequestView
+from omni_accum.engine.receiver import Receiver
+from omni_accum.engine.sender import Sender
+from omni_accum.engine.sequencing import REORDER_WINDOW, SequenceState
+from omni_accum.engine.views import GroupView, RequestView
 
 __all__ = [
     "LEAF",

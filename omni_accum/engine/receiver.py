@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from omni_accum.context import StreamContext
-from omni_accum.endpoint import (
+from omni_accum.engine.endpoint import (
     LEAF,
     OVERRIDE_KEYS_PATH,
     WIRE_MARKER,
@@ -24,9 +24,9 @@ from omni_accum.endpoint import (
 )
 from omni_accum.errors import AccumulationError, MergeError, OmniAccumError
 from omni_accum.manager import StrategyManager
-from omni_accum.policy import Policy
-from omni_accum.sequencing import REORDER_WINDOW, SequencedMerge
-from omni_accum.views import RequestView, request_view
+from omni_accum.policy.model import Policy
+from omni_accum.engine.sequencing import REORDER_WINDOW, SequencedMerge
+from omni_accum.engine.views import RequestView, request_view
 
 
 class Receiver(SequencedMerge, _Endpoint):

@@ -14,13 +14,13 @@ from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any, Union
 
-from omni_accum.channel import Receiver, Sender, _iter_slots
+from omni_accum.bench.wires import _get, iter_leaves
 from omni_accum.context import StreamContext
+from omni_accum.engine import Receiver, Sender, _iter_slots
 from omni_accum.errors import OmniAccumError
-from omni_accum.integrations.vllm_omni_classes import transport_mixin
-from omni_accum.policy import Policy
+from omni_accum.integrations.vllm_omni.classes import transport_mixin
+from omni_accum.policy.model import Policy
 from omni_accum.strategy import value_nbytes
-from omni_accum.wires import _get, iter_leaves
 
 UPSTREAM = "upstream"
 WIRE_FLOOR = "wire-floor"

@@ -8,15 +8,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omni_accum.cli import (
+from omni_accum.bench._paths import output_path_problem
+from omni_accum.cli.args import (
     add_int_list_argument,
     add_threads_argument,
     apply_threads,
     non_negative_int,
-    output_path_problem,
     positive_int,
 )
-from omni_accum.workloads import MAX_ROWS, workload_names
+from omni_accum.bench.workloads import MAX_ROWS, workload_names
 
 EXAMPLES = """examples:
   omni-accum bench --workload qwen3-omni-seed --context-lens 1k,8k --concurrency 1
@@ -150,7 +150,7 @@ def _usage_error(problem: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from omni_accum import bench
-    from omni_accum.workloads import WorkloadError, load_workload
+    from omni_accum.bench.workloads import WorkloadError, load_workload
 
     for path, option in ((args.json, "--json"), (args.plot, "--plot")):
         problem = output_path_problem(path, option)
@@ -180,10 +180,10 @@ def run(args: argparse.Namespace) -> int:
     arms = bench.build_arms(wl, args.arms, warn=sys.stderr)
     apply_threads(args.threads)
     if args.through == "vllm-omni":
-        from omni_accum.replay import VllmOmniUnavailable
+        from omni_accum.bench.replay import VllmOmniUnavailable
 
         try:
-            import omni_accum.integrations.vllm_omni_replay  # noqa: F401 - registers THROUGH["vllm-omni"]
+            import omni_accum.integrations.vllm_omni.replay  # noqa: F401 - registers THROUGH["vllm-omni"]
         except ImportError as e:
             raise VllmOmniUnavailable(
                 f"--through vllm-omni needs vllm-omni 0.30.0 (pip install 'omni-accum[vllm]'): {e}"

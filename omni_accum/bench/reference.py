@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from omni_accum.wires import _get, _has, iter_leaves
-from omni_accum.workloads import Workload
+from omni_accum.bench.wires import _get, _has, iter_leaves
+from omni_accum.bench.workloads import Workload
 
 
 def check_view(workload: Workload, stream: list[dict[str, Any]], view: Mapping[str, Any]) -> str | None:

@@ -1,0 +1,139 @@
+"""Bench arms: what each name given to ``omni-accum bench --arms`` replays.
+
+An arm name is one of:
+
+* ``upstream`` — vllm-omni 0.30.0's own ``_accumulate_payload`` (the baseline);
+* a strategy name (``cat``, ``token_list``, ``prealloc``, ``send_once``, ``replace`` or a plugin's):
+  the strategy on the workload's keys it applies to (append-kind keys for append strategies,
+  replace/static keys otherwise), upstream-equivalent behaviour (the ``default`` preset) elsewhere;
+* a policy preset name (``qwen3-omni``) or a policy file: the policy as is;
+* ``wire-floor`` — no accumulation: the cost of shipping each delta over the wire (and view hop),
+  measured in the same run; the floor every arm is compared with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from omni_accum.bench.replay import UPSTREAM, WIRE_FLOOR, Arm, VllmOmniUnavailable
+from omni_accum.bench.workloads import Workload
+from omni_accum.errors import OmniAccumError
+from omni_accum.manager import get_manager
+from omni_accum.policy.loader import load_policy, preset_names
+from omni_accum.policy.model import Policy
+
+
+def strategy_arm(workload: Workload, strategy: str, params: dict[str, Any] | None = None) -> Policy | None:
+    """Policy applying ``strategy`` to the workload's keys it fits, the ``default`` preset elsewhere.
+
+    None when no key of the workload fits the strategy's kinds.
+    """
+    spec = get_manager().spec(strategy)
+    kinds = ("append",) if "append" in spec.kinds else tuple(k for k in ("replace", "static") if k in spec.kinds)
+    paths = workload.keys_of_kind(*kinds)
+    if not paths:
+        return None
+    base = load_policy("default")
+    rules = [{"match": p, "strategy": strategy, "params": dict(params or {})} for p in paths]
+    rules += [r.model_dump() for r in base.rules if r.match not in paths]
+    return load_policy(
+        {
+            "description": f"{strategy} on {', '.join(paths)}; default elsewhere",
+            "default": base.default.model_dump(),
+            "honor_override_keys": base.honor_override_keys,
+            "rules": rules,
+        }
+    )
+
+
+def workload_policy_problem(workload: Workload, source: str | None = None) -> str | None:
+    """Why the workload's ``policy`` field names no policy preset nor policy file, or None.
+
+    ``source`` (the ``--workload`` value) is named in the message; default: the workload's name.
+    """
+    if not workload.policy or workload.policy in preset_names() or Path(workload.policy).is_file():
+        return None
+    where = source if source is not None else f"workload {workload.name!r}"
+    return (
+        f"{where}: field 'policy': {workload.policy!r} is neither a policy preset "
+        f"({', '.join(sorted(preset_names()))}) nor a policy file"
+    )
+
+
+def default_arm_names(workload: Workload) -> list[str]:
+    """``upstream``; ``cat``, ``token_list`` and ``prealloc`` when a key is append-kind; ``send_once`` when
+    one is replace or static (``replace`` is upstream's behaviour there already); the workload's ``policy``."""
+    names = [UPSTREAM, "cat", "token_list", "prealloc"] if workload.keys_of_kind("append") else [UPSTREAM]
+    if workload.keys_of_kind("replace", "static"):
+        names.append("send_once")
+    if workload.policy:
+        names.append(workload.policy)
+    return names
+
+
+def arm_policy_files(workload: Workload, names: Sequence[str] | None = None) -> list[str]:
+    """The policy files among the arms ``names`` (``None``: :func:`default_arm_names`), as :func:`build_arms`
+    reads them: names that are not ``upstream``, ``wire-floor``, a strategy nor a preset, and are files."""
+    manager = get_manager()
+    presets = set(preset_names())
+    names = list(names) if names is not None else default_arm_names(workload)
+    return [
+        n
+        for n in names
+        if n not in (UPSTREAM, WIRE_FLOOR) and manager.get_spec(n) is None and n not in presets and Path(n).is_file()
+    ]
+
+
+def upstream_available() -> bool:
+    try:
+        from omni_accum.bench.replay import UpstreamEngine
+
+        UpstreamEngine()
+    except VllmOmniUnavailable:
+        return False
+    return True
+
+
+def build_arms(workload: Workload, names: Sequence[str] | None = None, *, warn: TextIO | None = None) -> dict[str, Arm]:
+    """Arms by name (see the module docstring); ``None`` gives :func:`default_arm_names`.
+
+    With the default names, ``upstream`` is left out (with a note) when vllm-omni cannot be imported;
+    named explicitly, it raises :class:`VllmOmniUnavailable`.
+    """
+    explicit = names is not None
+    if not explicit:
+        problem = workload_policy_problem(workload)
+        if problem:
+            raise OmniAccumError(problem)
+    names = list(names) if names is not None else default_arm_names(workload)
+    manager = get_manager()
+    presets = set(preset_names())
+    arms: dict[str, Arm] = {}
+    for name in names:
+        if name == WIRE_FLOOR:
+            arms[name] = WIRE_FLOOR
+        elif name == UPSTREAM:
+            if not explicit and not upstream_available():
+                if warn is not None:
+                    print("note: vllm-omni is not importable; the upstream arm is left out", file=warn)
+                continue
+            arms[name] = UPSTREAM
+        elif manager.get_spec(name) is not None:
+            policy = strategy_arm(workload, name)
+            if policy is None:
+                if warn is not None:
+                    print(f"note: arm {name!r} skipped: no key of workload {workload.name!r} fits it", file=warn)
+                continue
+            arms[name] = policy
+        elif name in presets or Path(name).is_file():
+            arms[name] = load_policy(name)
+        else:
+            raise OmniAccumError(
+                f"unknown arm {name!r}: not 'upstream', 'wire-floor', a strategy ({', '.join(manager.names())}), "
+                f"a policy preset ({', '.join(sorted(presets))}) nor a policy file"
+            )
+    if not arms:
+        raise OmniAccumError("no arm to run")
+    return arms

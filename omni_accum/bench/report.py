@@ -1,0 +1,251 @@
+"""What a bench run measured (:class:`BenchRun`) and its outputs: text tables, JSON and its schema.
+
+``--json`` output follows :data:`RESULT_SCHEMA`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni_accum.bench.replay import UPSTREAM, WIRE_FLOOR, ArmResult
+from omni_accum.bench.workloads import Workload
+
+#: JSON schema of ``omni-accum bench --json`` output.
+RESULT_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "omni-accum bench results",
+    "type": "object",
+    "required": ["workload", "wire", "machine", "results"],
+    "additionalProperties": False,
+    "properties": {
+        "workload": {"type": "string"},
+        "wire": {"enum": ["inproc", "serializer", "shm"]},
+        "machine": {"type": "object"},
+        "results": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": [
+                    "arm",
+                    "key",
+                    "context_len",
+                    "concurrency",
+                    "step_us_p50",
+                    "step_us_p99",
+                    "wire_bytes_per_step",
+                    "peak_bytes",
+                    "requests",
+                    "steps",
+                ],
+                "properties": {
+                    "arm": {"type": "string"},
+                    "key": {"type": "string"},
+                    "context_len": {"type": "integer", "minimum": 1},
+                    "concurrency": {"type": "integer", "minimum": 1},
+                    "step_us_p50": {"type": ["number", "null"], "minimum": 0},
+                    "step_us_p99": {"type": ["number", "null"], "minimum": 0},
+                    "wire_bytes_per_step": {"type": "number", "minimum": 0},
+                    "peak_bytes": {"type": "integer", "minimum": 0},
+                    "requests": {"type": "integer", "minimum": 1},
+                    "steps": {"type": "integer", "minimum": 1},
+                },
+            },
+        },
+    },
+}
+
+
+
+@dataclass
+class BenchRun:
+    """Everything one ``omni-accum bench`` run measured."""
+
+    workload: Workload
+    wire: str
+    view_hop: str | None
+    repeats: int
+    results: list[ArmResult] = field(default_factory=list)
+    delta_roundtrip_us: float | None = None
+
+
+def roundtrip_lines(run: BenchRun) -> list[str]:
+    """Per bucket, every arm's p50 step as a multiple of one decode delta's serializer round trip.
+
+    The round trip is :func:`~omni_accum.replay.delta_roundtrip_us` (the delta alone, serialized
+    again and again: warm). When the ``wire-floor`` arm ran, each p50 is also given as a multiple of
+    its p50: the same delta's trip over the wire, plus the consumer's read, measured interleaved
+    with the other arms (cold data, ``concurrency`` requests). The floor's own multiple of the round
+    trip shows what no accumulation at all costs beyond it in the run. Empty when no round trip was measured.
+    """
+    rt = run.delta_roundtrip_us
+    if not rt:
+        return []
+    lines = []
+    buckets: dict[tuple[int, int], list[ArmResult]] = {}
+    for r in run.results:
+        buckets.setdefault((r.context_len, r.concurrency), []).append(r)
+    for (cl, c), rs in buckets.items():
+        floor = next((r.step_us_p50 for r in rs if r.arm == WIRE_FLOOR and r.samples_us), None)
+        parts = []
+        for r in rs:
+            if not r.samples_us:
+                continue
+            p50 = r.step_us_p50
+            vs_floor = f", {p50 / floor:.2f}x {WIRE_FLOOR}" if floor and r.arm != WIRE_FLOOR else ""
+            parts.append(f"{r.arm} {p50 / rt:.2f}x{vs_floor}")
+        if parts:
+            lines.append(f"  context_len={cl} concurrency={c}: p50 step = " + "; ".join(parts))
+    return lines
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _fmt_us(us: float) -> str:
+    if math.isnan(us):
+        return "-"
+    return f"{us / 1000:.2f} ms" if us >= 10_000 else f"{us:.1f} us"
+
+
+def format_table(results: list[ArmResult], baseline: str = UPSTREAM, *, decode_steps: int | None = None) -> str:
+    """One bucket's results as a text table, with each arm's p50 as a ratio to ``baseline``.
+
+    A step is one chunk of one request, prefill chunks included; with ``decode_steps`` the head splits
+    ``steps/request`` into prefill chunks and decode steps.
+    """
+    if not results:
+        return ""
+    r0 = results[0]
+    base = next((r for r in results if r.arm == baseline and r.samples_us), None)
+    split = ""
+    if decode_steps is not None and 0 <= decode_steps <= r0.steps:
+        split = f" ({r0.steps - decode_steps} prefill + {decode_steps} decode)"
+    head = (
+        f"context_len={r0.context_len}  concurrency={r0.concurrency}  wire={r0.wire}  steps/request={r0.steps}{split}"
+    )
+    cols = ["arm", "p50 step", "p99 step", "total/request", "wire/step", "peak held", f"p50 vs {baseline}", "views"]
+    rows = []
+    notes = []
+    for r in results:
+        ratio = "-"
+        if base is not None and r.samples_us:
+            q = r.step_us_p50 / base.step_us_p50 if base.step_us_p50 > 0 else float("nan")
+            ratio = f"{q:.3g}x" + (f" ({1 / q:.0f}x faster)" if q > 0 and q < 0.5 else "")
+        tot = sum(r.total_us_per_request) / len(r.total_us_per_request) if r.total_us_per_request else float("nan")
+        ok = "ok" if r.correct else "WRONG"
+        rows.append(
+            [
+                r.arm,
+                _fmt_us(r.step_us_p50),
+                _fmt_us(r.step_us_p99),
+                _fmt_us(tot),
+                _fmt_bytes(r.wire_bytes_per_step),
+                _fmt_bytes(r.peak_bytes),
+                ratio,
+                ok,
+            ]
+        )
+        if not r.correct:
+            notes.append(f"  {r.arm}: {r.mismatch}")
+        for k, ks in sorted(r.per_key.items()):
+            rows.append([f"  {k}", "", "", "", _fmt_bytes(ks.wire_bytes_per_step), _fmt_bytes(ks.peak_bytes), "", ""])
+    widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
+
+    def line(cells: list[Any]) -> str:
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [head, line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
+    if notes:
+        out += ["views differing from the cat reference (or errors):", *notes]
+    return "\n".join(out)
+
+
+def machine_info(run: BenchRun | None = None) -> dict[str, Any]:
+    """Where the run happened (and how it was run, under ``run``)."""
+
+    def ver(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "omni_accum": ver("omni-accum"),
+        "vllm_omni": ver("vllm-omni"),
+    }
+    if run is not None:
+        info["run"] = {
+            "view_hop": run.view_hop,
+            "repeats": run.repeats,
+            "delta_roundtrip_us": run.delta_roundtrip_us,
+        }
+    return info
+
+
+def _num(x: float) -> float | None:
+    return None if math.isnan(x) else round(x, 3)
+
+
+def to_json(run: BenchRun) -> dict[str, Any]:
+    """The JSON document of a run (validates against :data:`RESULT_SCHEMA`)."""
+    rows = []
+    for r in run.results:
+        rows.append(
+            {
+                "arm": r.arm,
+                "key": r.key,
+                "context_len": r.context_len,
+                "concurrency": r.concurrency,
+                "step_us_p50": _num(r.step_us_p50),
+                "step_us_p99": _num(r.step_us_p99),
+                "wire_bytes_per_step": round(r.wire_bytes_per_step, 3),
+                "peak_bytes": int(r.peak_bytes),
+                "requests": r.requests,
+                "steps": r.steps,
+            }
+        )
+        for k, ks in sorted(r.per_key.items()):
+            rows.append(
+                {
+                    "arm": r.arm,
+                    "key": k,
+                    "context_len": r.context_len,
+                    "concurrency": r.concurrency,
+                    "step_us_p50": None,
+                    "step_us_p99": None,
+                    "wire_bytes_per_step": round(ks.wire_bytes_per_step, 3),
+                    "peak_bytes": int(ks.peak_bytes),
+                    "requests": r.requests,
+                    "steps": r.steps,
+                }
+            )
+    return {"workload": run.workload.name, "wire": run.wire, "machine": machine_info(run), "results": rows}
+
+
+def write_json(run: BenchRun, path: str | os.PathLike[str]) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(to_json(run), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, p)

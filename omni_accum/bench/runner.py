@@ -1,0 +1,150 @@
+"""Running a bench: every arm in every bucket (context length x concurrency), with a progress bar.
+
+:func:`run_bench` returns a :class:`~omni_accum.bench.report.BenchRun`; :mod:`~omni_accum.bench.report`
+formats it (tables, JSON) and :mod:`~omni_accum.bench.plotting` draws it. Arms come from
+:mod:`~omni_accum.bench.arms`, measurements from :func:`~omni_accum.bench.replay.measure`.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import TextIO
+
+import torch
+
+from omni_accum.bench.replay import Arm, ArmResult, delta_roundtrip_us, measure
+from omni_accum.bench.report import BenchRun, _fmt_bytes
+from omni_accum.bench.workloads import MAX_ROWS, Workload, load_workload
+from omni_accum.errors import OmniAccumError
+
+
+class BenchError(OmniAccumError):
+    """A bench run cannot go on: a bucket too large for this machine's memory, a bad context length."""
+
+
+def context_lens_problem(context_lens: Iterable[int], option: str = "--context-lens") -> str | None:
+    """Why a context length cannot be benchmarked (under 1 or over :data:`MAX_ROWS`), or None."""
+    for n in context_lens:
+        if n < 1 or n > MAX_ROWS:
+            return f"{option} {n}: context lengths go from 1 to {MAX_ROWS} ({MAX_ROWS // 1000}k) prefill rows"
+    return None
+
+
+def is_allocation_failure(e: BaseException) -> bool:
+    """``e`` is torch's (or Python's) failure to allocate memory, not a bug."""
+    if isinstance(e, MemoryError) or isinstance(e, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and (
+        "can't allocate memory" in text or "out of memory" in text.lower() or "size calculation overflowed" in text
+    )
+
+
+def allocation_detail(e: BaseException) -> str:
+    """``" (could not allocate 81.9 TB)"`` from torch's allocator message, else ``""``."""
+    m = re.search(r"tried to allocate (\d+) bytes", str(e))
+    return f" (could not allocate {_fmt_bytes(int(m.group(1)))})" if m else ""
+
+
+class Progress:
+    """A progress bar with ETA on a stream (stderr), drawn only once a run takes over a second."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, *, min_interval: float = 0.2) -> None:
+        self.total = max(1, total)
+        self.done = 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.t0 = time.monotonic()
+        self._last = 0.0
+        self._drawn = False
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._min = min_interval if self._tty else 5.0
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.t0 < 1.0 or now - self._last < self._min:
+            return
+        self._last = now
+        self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        frac = min(1.0, self.done / self.total)
+        el = now - self.t0
+        eta = el / frac - el if frac > 0 else float("nan")
+        bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
+        line = f"[{bar}] {100 * frac:5.1f}% {el:6.1f}s elapsed, ETA {eta:6.1f}s"
+        self.stream.write(("\r" + line) if self._tty else (line + "\n"))
+        self.stream.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        if self._drawn and self._tty:
+            self._draw(time.monotonic())
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def run_bench(
+    workload: Workload | str,
+    arms: dict[str, Arm],
+    *,
+    context_lens: Iterable[int] | None = None,
+    concurrency: Iterable[int] | None = None,
+    wire: str = "inproc",
+    view_hop: str | None = None,
+    repeats: int = 3,
+    per_key: bool = False,
+    through: str = "direct",
+    progress: TextIO | None = None,
+    on_bucket: Callable[[list[ArmResult]], None] | None = None,
+) -> BenchRun:
+    """Measure ``arms`` in every bucket (context length x concurrency) of the workload.
+
+    Raises :class:`BenchError` for a context length over :data:`~omni_accum.workloads.MAX_ROWS` (before
+    measuring) and when a bucket's stream or state cannot be allocated.
+    """
+    wl = load_workload(workload)
+    cls = list(context_lens or wl.default_context_lens())
+    concs = list(concurrency or wl.concurrency)
+    problem = context_lens_problem(cls)
+    if problem:
+        raise BenchError(problem)
+    total = sum(repeats * len(arms) * c * wl.n_chunks(cl) for cl in cls for c in concs)
+    bar = Progress(total, progress) if progress is not None else None
+    run = BenchRun(wl, wire, view_hop, repeats)
+    try:
+        for cl in cls:
+            for c in concs:
+                try:
+                    res = measure(
+                        wl,
+                        arms,
+                        context_len=cl,
+                        concurrency=c,
+                        wire=wire,
+                        repeats=repeats,
+                        view_hop=view_hop,
+                        per_key=per_key,
+                        through=through,
+                        progress=bar.advance if bar else None,
+                        warmup=True,
+                    )
+                except (MemoryError, RuntimeError) as e:
+                    if not is_allocation_failure(e):
+                        raise
+                    raise BenchError(
+                        f"context_len={cl} concurrency={c}: out of memory{allocation_detail(e)}; "
+                        "give shorter --context-lens or a lower --concurrency"
+                    ) from e
+                run.results += res
+                if on_bucket is not None:
+                    on_bucket(res)
+    finally:
+        if bar is not None:
+            bar.close()
+    if wire == "serializer" or view_hop == "serializer":
+        run.delta_roundtrip_us = delta_roundtrip_us(wl, context_len=cls[0])
+    return run

@@ -1,0 +1,125 @@
+"""The tuned table that ``omni-accum tune`` writes into a policy: per-key decisions per bucket.
+
+Buckets are context length x concurrency, with floor semantics (see :class:`TunedTable`). The
+table records the environment it was measured in (``fingerprint``); whether it may be used here
+is decided by :mod:`omni_accum.policy.fingerprint`, with the installed plugins given by the caller.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from omni_accum.context import StreamContext
+
+
+class TunedCell(BaseModel):
+    """The tuner's decision for one key in one bucket."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    key: str = Field(min_length=1)
+    """Key path the decision applies to (exact path)."""
+    context_len: int = Field(ge=0)
+    """Lower edge of the context-length bucket."""
+    concurrency: int = Field(ge=1)
+    """Lower edge of the concurrency bucket."""
+    strategy: str = Field(min_length=1)
+    """Winning strategy."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Winning params."""
+    baseline: str = "default"
+    """Arm the win is measured against."""
+    margin: float | None = None
+    """Relative gain of the winner over the baseline (0.25 = 25 % faster)."""
+    ci: tuple[float, float] | None = None
+    """Bootstrap confidence interval of that gain."""
+    timings_us: dict[str, float] = Field(default_factory=dict)
+    """Median step cost in microseconds of every candidate measured (label -> us)."""
+    excluded: dict[str, str] = Field(default_factory=dict)
+    """Candidates excluded, with the reason (wrong views, raised, over memory budget)."""
+    peak_bytes: dict[str, int] = Field(default_factory=dict)
+    """Peak bytes the key's state held under each candidate (label -> bytes)."""
+
+
+class TunedTable(BaseModel):
+    """Per-bucket decisions written by ``omni-accum tune``.
+
+    Buckets use floor semantics: a value v falls in the bucket of the largest edge <= v; values
+    below the first edge or above the last clamp to the end buckets (and are counted).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    context_len_edges: list[int] = Field(min_length=1)
+    """Ascending lower edges of context-length buckets."""
+    concurrency_edges: list[int] = Field(min_length=1)
+    """Ascending lower edges of concurrency buckets."""
+    cells: list[TunedCell] = Field(default_factory=list)
+    """Decisions, one per key per bucket."""
+    fingerprint: dict[str, Any] = Field(default_factory=dict)
+    """Environment the table was measured in; a mismatch disables the table (with one warning)."""
+    workload: str = ""
+    """Workload the table was tuned on."""
+    wire: str = "inproc"
+    """Wire mode the table was tuned with."""
+    complete: bool = True
+    """False while (or when) the tuner stopped before measuring every bucket; ``--resume`` goes on."""
+    skipped: dict[str, str] = Field(default_factory=dict)
+    """Workload keys not tuned, with the reason (carried once, decided by an explicit rule)."""
+
+    _index: dict[tuple[str, int, int], TunedCell] = PrivateAttr(default_factory=dict)
+    _clamped: int = PrivateAttr(default=0)
+
+    @field_validator("context_len_edges", "concurrency_edges")
+    @classmethod
+    def _ascending(cls, v: list[int]) -> list[int]:
+        if any(b <= a for a, b in zip(v, v[1:])):
+            raise ValueError(f"bucket edges must be strictly ascending, got {v}")
+        if v and v[0] < 0:
+            raise ValueError(f"bucket edges must be >= 0, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _build_index(self) -> TunedTable:
+        for i, c in enumerate(self.cells):
+            if c.context_len not in self.context_len_edges:
+                raise ValueError(f"cells[{i}].context_len {c.context_len} is not one of context_len_edges")
+            if c.concurrency not in self.concurrency_edges:
+                raise ValueError(f"cells[{i}].concurrency {c.concurrency} is not one of concurrency_edges")
+            self._index[(c.key, c.context_len, c.concurrency)] = c
+        return self
+
+    @staticmethod
+    def floor(edges: list[int], value: int) -> tuple[int, bool]:
+        """Return ``(edge, clamped)``: the largest edge <= ``value``.
+
+        A value below the first edge clamps to the first bucket, one above the last edge to the
+        last bucket (the tuner measured at the edges, so both are extrapolations): ``clamped``
+        is True for those.
+        """
+        i = bisect.bisect_right(edges, value) - 1
+        if i < 0:
+            return edges[0], True
+        return edges[i], value > edges[-1]
+
+    def bucket(self, context: StreamContext) -> tuple[int, int, bool]:
+        """Return ``(context_len edge, concurrency edge, clamped)`` for ``context``."""
+        cl = context.context_len if context.context_len is not None else self.context_len_edges[0]
+        c_edge, c_clamp = self.floor(self.context_len_edges, cl)
+        k_edge, k_clamp = self.floor(self.concurrency_edges, context.concurrency)
+        return c_edge, k_edge, c_clamp or k_clamp
+
+    def lookup(self, key: str, context: StreamContext) -> TunedCell | None:
+        c_edge, k_edge, clamped = self.bucket(context)
+        cell = self._index.get((key, c_edge, k_edge))
+        if cell is not None and clamped:
+            self._clamped += 1
+        return cell
+
+    @property
+    def clamped_lookups(self) -> int:
+        """How many lookups fell outside the measured edges and were clamped."""
+        return self._clamped
