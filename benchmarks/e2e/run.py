@@ -8,9 +8,9 @@
 
 For each arm (``off``: ``OMNI_ACCUM_VLLM_OMNI=0``; ``default`` / ``qwen3-omni`` / any policy file:
 ``OMNI_ACCUM_POLICY=<arm>``) it starts ``vllm-omni serve`` on 127.0.0.1 (a free port, its own
-process group), waits for readiness, runs vLLM's benchmark client (``vllm bench serve --omni``,
-random dataset) once per concurrency, sends one temperature-0 chat request with audio output
-(the correctness probe), lists the server's processes, reads omni-accum's per-process status
+process group), waits for readiness, sends two temperature-0 chat requests with audio output
+(the correctness probes, on the fresh server), runs vLLM's benchmark client (``vllm bench serve
+--omni``, random dataset) once per concurrency, lists the server's processes, reads omni-accum's per-process status
 files (``OMNI_ACCUM_STATUS_DIR``, a fresh folder per arm) and its log lines, stops the server by
 process group and checks nothing is left (no process, port free). Then it prints one table
 (E2EL, TTFT, TPOT, ITL p50/p99, audio TTFP, audio RTF per arm, ratio to ``off``), compares the
@@ -48,6 +48,11 @@ DEFAULT_DEPLOY = HERE / "configs" / "qwen3_omni_cpu.yaml"
 VENV_BIN = Path(sys.executable).parent
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el,audio_ttfp,audio_rtf"
 SMOKE_PROMPT = "Say hello to the world."
+# The correctness probes: a short prompt and a longer one (a few hundred tokens of prefill payload).
+PROBE_PROMPTS = (
+    SMOKE_PROMPT,
+    "Summarise the following, then read it aloud. " + " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(24)),
+)
 
 INSTALLED_RE = re.compile(r"omni-accum installed into vllm-omni.*?\bpid=(\d+)")
 BOUND_RE = re.compile(r"omni-accum bound to.*?\bpid=(\d+)")
@@ -191,10 +196,10 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float) -> float:
 # correctness probe
 
 
-def chat_with_audio(base: str, model: str, max_tokens: int, timeout: float) -> dict[str, Any]:
+def chat_with_audio(base: str, model: str, max_tokens: int, timeout: float, prompt: str = SMOKE_PROMPT) -> dict[str, Any]:
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": SMOKE_PROMPT}],
+        "messages": [{"role": "user", "content": prompt}],
         "temperature": 0.0,
         "max_tokens": max_tokens,
         "modalities": ["text", "audio"],
@@ -551,16 +556,24 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
             result["started"] = True
             known = server_processes(proc.pid)
             log(f"[{arm.name}] ready in {result['start_s']} s on port {port}, {len(known)} processes")
+            probes = []
+            for prompt in PROBE_PROMPTS:
+                c = chat_with_audio(base, str(args.model), args.smoke_max_tokens, args.request_timeout, prompt)
+                c["prompt_sha256"] = hashlib.sha256(prompt.encode()).hexdigest()[:16]
+                probes.append(c)
+                log(
+                    f"[{arm.name}] chat: HTTP {c.get('http_status')}, prompt {len(prompt)} chars, "
+                    f"{(c.get('usage') or {}).get('prompt_tokens')} tokens, text {c.get('text', '')[:40]!r}, "
+                    f"audio {c.get('audio_bytes', 0)} bytes sha {str(c.get('audio_sha256'))[:12]}, {c.get('latency_s')} s"
+                )
+            result["correctness"] = dict(probes[0], probes=probes)
+            # The benchmark after the probes: the talker samples (temperature 0.9, seed 42 in the deploy
+            # config) and its audio depends on the traffic the server saw before, so the probes run on
+            # a fresh server in every arm.
             if not args.smoke:
                 result["bench"] = []
                 for c in args.concurrency:
                     result["bench"].append(run_bench(base, str(args.model), args, c, arm_dir, env, clog))
-            result["correctness"] = chat_with_audio(base, str(args.model), args.smoke_max_tokens, args.request_timeout)
-            c = result["correctness"]
-            log(
-                f"[{arm.name}] chat: HTTP {c.get('http_status')}, text {c.get('text', '')[:60]!r}, "
-                f"audio {c.get('audio_bytes', 0)} bytes, {c.get('latency_s')} s"
-            )
             time.sleep(1)
             snap = {i["pid"]: i for i in known}
             snap.update({i["pid"]: i for i in server_processes(proc.pid)})
@@ -603,19 +616,22 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
 
 
 def compare(results: list[dict[str, Any]]) -> dict[str, Any]:
-    by = {r["arm"]: r.get("correctness") or {} for r in results}
-    key = lambda c: (c.get("text"), c.get("text_token_ids"), c.get("audio_sha256"))  # noqa: E731
+    """Each arm's probes against the off arm's: text, text token ids and audio bytes (SHA-256)."""
+    by = {r["arm"]: (r.get("correctness") or {}).get("probes") or [] for r in results}
     out: dict[str, Any] = {}
-    if "off" in by:
-        for arm, c in by.items():
-            if arm == "off":
-                continue
-            same = bool(by["off"].get("audio_sha256")) and key(c) == key(by["off"])
-            out[arm] = {
-                "equals_off": same,
-                "text_equal": c.get("text") == by["off"].get("text"),
-                "audio_equal": c.get("audio_sha256") == by["off"].get("audio_sha256"),
-            }
+    if "off" not in by or not by["off"]:
+        return out
+    ref = by["off"]
+    for arm, probes in by.items():
+        if arm == "off":
+            continue
+        text_eq = len(probes) == len(ref) and all(
+            (a.get("text"), a.get("text_token_ids")) == (b.get("text"), b.get("text_token_ids")) for a, b in zip(probes, ref)
+        )
+        audio_eq = len(probes) == len(ref) and all(
+            a.get("audio_sha256") == b.get("audio_sha256") and b.get("audio_sha256") for a, b in zip(probes, ref)
+        )
+        out[arm] = {"equals_off": bool(text_eq and audio_eq), "text_equal": text_eq, "audio_equal": bool(audio_eq)}
     return out
 
 
@@ -657,16 +673,19 @@ def main(argv: list[str] | None = None) -> int:
     cmp_ = compare(results)
     print("\ncorrectness (temperature-0 chat with audio)")
     for r in results:
-        c = r.get("correctness") or {}
-        print(
-            f"  {r['arm']:<24} HTTP {c.get('http_status', '-')}, text {c.get('text', '')[:40]!r}, "
-            f"audio {c.get('audio_bytes', 0)} B sha {str(c.get('audio_sha256'))[:12]}"
-            + (f", equals off: {cmp_[r['arm']]['equals_off']}" if r["arm"] in cmp_ else "")
-        )
+        for i, c in enumerate((r.get("correctness") or {}).get("probes") or [{}]):
+            print(
+                f"  {r['arm'] if i == 0 else '':<24} probe {i}: HTTP {c.get('http_status', '-')}, "
+                f"text {c.get('text', '')[:30]!r}, audio {c.get('audio_bytes', 0)} B sha {str(c.get('audio_sha256'))[:12]}"
+            )
+        if r["arm"] in cmp_:
+            print(f"  {'':<24} equals off: {cmp_[r['arm']]}")
     ok = True
     for r in results:
-        c = r.get("correctness") or {}
-        if not r.get("started") or c.get("http_status") != 200 or not c.get("text") or not c.get("audio_bytes"):
+        probes = (r.get("correctness") or {}).get("probes") or [{}]
+        if not r.get("started") or any(
+            c.get("http_status") != 200 or not c.get("text") or not c.get("audio_bytes") for c in probes
+        ):
             ok = False
         if not (r.get("stop") or {}).get("clean"):
             ok = False
