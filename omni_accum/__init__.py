@@ -21,6 +21,7 @@ from omni_accum.errors import (
     OmniAccumError,
     PluginError,
     PolicyError,
+    UnknownRequestError,
     UnknownStrategyError,
 )
 from omni_accum.hookspecs import hookimpl, hookspec
@@ -62,6 +63,7 @@ __all__ = [
     "StrategyManager",
     "StrategySpec",
     "StreamContext",
+    "UnknownRequestError",
     "UnknownStrategyError",
     "__version__",
     "dump_policy",

@@ -56,6 +56,26 @@ class AccumulationError(OmniAccumError):
         super().__init__(f"{', '.join(where)}: {message}" if where else message)
 
 
+class UnknownRequestError(OmniAccumError, KeyError):
+    """A Sender or Receiver was asked about a request it holds no state for (never merged, or released).
+
+    A ``KeyError`` too, so ``except KeyError`` keeps working. Attributes: ``request_id``, ``live``
+    (how many requests held state then).
+    """
+
+    def __init__(self, request_id: object, live: int) -> None:
+        self.request_id = request_id
+        self.live = live
+        self.reason = (
+            f"unknown request {request_id!r}: no state held for it (never merged, or released); "
+            f"{live} request{'' if live == 1 else 's'} live"
+        )
+        super().__init__(self.reason)
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.reason
+
+
 class MergeError(ValueError):
     """Raised by an accumulator when a value cannot be merged; the engine wraps it in AccumulationError."""
 

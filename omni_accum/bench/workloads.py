@@ -23,6 +23,7 @@ Example (YAML)::
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -34,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from omni_accum.bench.workload_presets import PRESETS
 from omni_accum.errors import OmniAccumError
+from omni_accum.policy.parsing import DuplicateKeyError, load_json, load_yaml
 
 ReadPattern = Literal["every", "newest_row", "end", "never"]
 Carried = Literal["first", "prefill", "decode", "every"]
@@ -231,12 +233,23 @@ def load_workload(source: str | os.PathLike[str] | Mapping[str, Any] | Workload)
         if _looks_like_path(name):
             raise WorkloadError(f"no such workload file: {name}. {presets}")
         raise WorkloadError(f"{name!r} is neither a workload file nor a preset. {presets}")
+    fmt = "JSON" if path.suffix.lower() == ".json" else "YAML"
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        data = load_json(text) if fmt == "JSON" else load_yaml(text)
     except (OSError, UnicodeDecodeError) as e:
         raise WorkloadError(f"{path}: cannot read workload file: {e}") from e
+    except DuplicateKeyError as e:
+        line = f"line {e.second_line}: " if e.second_line else ""
+        raise WorkloadError(f"{path}: {line}invalid {fmt}: {e.problem}") from e
     except yaml.YAMLError as e:
         raise WorkloadError(f"{path}: invalid YAML: {e}") from e
+    except json.JSONDecodeError as e:
+        raise WorkloadError(f"{path}: line {e.lineno}, column {e.colno}: invalid JSON: {e.msg}") from e
+    except RecursionError as e:
+        raise WorkloadError(f"{path}: invalid {fmt}: nested too deeply") from e
+    except (ValueError, TypeError, IndexError, OverflowError) as e:  # PyYAML's bad tagged scalars (``!!int x``)
+        raise WorkloadError(f"{path}: invalid {fmt} value: {type(e).__name__}: {e}") from e
     if data is None:
         raise WorkloadError(f"{path}: the workload file is empty; it needs at least 'keys' (and usually 'name')")
     if isinstance(data, Mapping) and "name" not in data:

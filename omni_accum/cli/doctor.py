@@ -109,10 +109,12 @@ def _deploy_policy(path: str) -> tuple[Any, str]:
     """The ``omni_accum_policy`` of a deploy YAML's connectors (the first that names one)."""
     import yaml
 
+    from omni_accum.policy.parsing import load_yaml
+
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as e:
+            data = load_yaml(f.read())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise OmniAccumError(f"--deploy {path}: cannot read it: {e}") from e
     found: list[tuple[str, Any]] = []
 

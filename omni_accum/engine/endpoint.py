@@ -1,6 +1,6 @@
 """What the sender and the receiver share: per-request state, per-key slots, strategy selection.
 
-See :mod:`omni_accum.channel` for the engine as a whole.
+See :mod:`omni_accum.engine` for the engine as a whole.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from omni_accum.context import DEFAULT_CONTEXT, KeyMeta, StreamContext
-from omni_accum.errors import AccumulationError, OmniAccumError, PolicyError
+from omni_accum.errors import AccumulationError, OmniAccumError, PolicyError, UnknownRequestError
 from omni_accum.policy.loader import load_policy
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.model import Policy
@@ -117,7 +117,10 @@ class _Endpoint:
 
     # -- requests ---------------------------------------------------------------------------- #
     def _state(self, req_id: str, context: StreamContext | None) -> _Request:
-        st = self._requests.get(req_id)
+        try:
+            st = self._requests.get(req_id)
+        except TypeError:
+            raise _bad_id(req_id) from None
         if st is None:
             with self._lock:
                 st = self._requests.get(req_id)
@@ -125,8 +128,19 @@ class _Endpoint:
                     st = self._requests[req_id] = _Request(context or self.context)
         return st
 
+    def _lookup(self, req_id: str) -> _Request:
+        """The state of ``req_id``; :class:`UnknownRequestError` (a KeyError) when none is held."""
+        try:
+            return self._requests[req_id]
+        except (KeyError, TypeError):  # TypeError: an unhashable id, which no request can have
+            raise UnknownRequestError(req_id, len(self._requests)) from None
+
     def release(self, req_id: str) -> bool:
         """Drop all state of ``req_id``. Unknown ids are a no-op. Returns True when state was held."""
+        try:
+            hash(req_id)  # dict.pop skips hashing when the table is empty
+        except TypeError:
+            raise _bad_id(req_id) from None
         with self._lock:
             return self._requests.pop(req_id, None) is not None
 
@@ -182,6 +196,10 @@ class _Endpoint:
     def strategy_for(self, path: str, value: Any = None, context: StreamContext | None = None) -> str:
         """Name of the strategy ``path`` gets (with a first value like ``value``)."""
         return self.select(path, value, context or self.context)[1].name
+
+
+def _bad_id(req_id: Any) -> AccumulationError:
+    return AccumulationError(f"a request id must be hashable (a str), got {type(req_id).__name__}")
 
 
 def slot_error(message: str, req_id: str, slot: _Slot) -> AccumulationError:

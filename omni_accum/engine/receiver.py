@@ -126,13 +126,17 @@ class Receiver(SequencedMerge, _Endpoint):
                 return
 
     def view(self, req_id: str) -> RequestView:
-        """The current view of ``req_id`` (KeyError when it holds no state)."""
-        return request_view(self._requests[req_id])
+        """The current view of ``req_id``.
+
+        Raises:
+            UnknownRequestError: (a KeyError) when it holds no state for ``req_id``.
+        """
+        return request_view(self._lookup(req_id))
 
     def nbytes(self, req_id: str | None = None) -> int:
         """Bytes held by accumulation state of one request, or of all (each read under its request's lock)."""
         if req_id is not None:
-            sts = [self._requests[req_id]]
+            sts = [self._lookup(req_id)]
         else:
             with self._lock:
                 sts = list(self._requests.values())
@@ -144,7 +148,7 @@ class Receiver(SequencedMerge, _Endpoint):
 
     def parts(self, req_id: str) -> dict[Any, Any]:
         """The stored representation per key (lists of parts), in the payload's nesting."""
-        entries = self._requests[req_id].entries
+        entries = self._lookup(req_id).entries
         return {
             k: (e.acc.parts() if type(e) is _Slot else {q: s.acc.parts() for q, s in e.items()})
             for k, e in entries.items()

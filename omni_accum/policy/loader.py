@@ -25,6 +25,7 @@ from omni_accum.errors import PolicyError
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import installed_plugins
 from omni_accum.policy.model import Policy
+from omni_accum.policy.parsing import DuplicateKeyError, load_json, load_yaml
 
 ENV_POLICY = "OMNI_ACCUM_POLICY"
 PRESET_SUFFIX = ".yaml"
@@ -76,13 +77,19 @@ def _yaml_line(text: str, loc: tuple[Any, ...]) -> int | None:
 
 
 def parse_text(text: str, fmt: str, source: str) -> Any:
-    """Parse policy text of format ``yaml``, ``json`` or ``toml``; errors name the source and line."""
+    """Parse policy text of format ``yaml``, ``json`` or ``toml``; errors name the source and line.
+
+    A key given twice in one mapping (at any level) is an error naming both lines (TOML refuses it itself).
+    """
     try:
         if fmt == "json":
-            return json.loads(text)
+            return load_json(text)
         if fmt == "toml":
             return tomllib.loads(text)
-        return yaml.safe_load(text)
+        return load_yaml(text)
+    except DuplicateKeyError as e:
+        line = f"line {e.second_line}: " if e.second_line else ""
+        raise PolicyError(f"{source}: {line}invalid {fmt.upper()}: {e.problem}", source=source) from e
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
