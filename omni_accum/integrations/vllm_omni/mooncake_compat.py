@@ -11,7 +11,14 @@ module gives its ``ReplicateConfig`` class back a ``with_soft_pin`` property:
 * set ``True`` -> ``soft_pin_action = ENABLE``; set ``False`` -> ``DISABLE``;
 * read -> ``soft_pin_action == ENABLE``.
 
-Nothing else is touched (no vllm-omni code, no other Mooncake attribute). A Mooncake that already
+A second gap stops the chunk transfer adapter even with that fixed: the adapter reads
+``self.connector.stage_id`` (its put and get keys, and whether it receives at all), which only
+``SharedMemoryConnector`` sets; vllm-omni 0.30.0's ``MooncakeStoreConnector`` keeps ``stage_id`` in its
+``config`` (the adapter's ``resolve_connector_spec`` puts it there) but has no such attribute, so every
+send and every receive raises ``AttributeError``. :func:`apply` also gives ``MooncakeStoreConnector`` a
+``stage_id`` property reading ``config["stage_id"]`` (-1 when absent, as ``SharedMemoryConnector``).
+
+Nothing else is touched (no vllm-omni method, no other Mooncake attribute). A Mooncake that already
 has ``with_soft_pin`` (older, or a future release that brings it back) is left alone, and so is one
 that has neither attribute (the connector then fails as it would without omni-accum).
 
@@ -59,7 +66,47 @@ def is_applied() -> bool:
     return store is not None and isinstance(store.ReplicateConfig.__dict__.get("with_soft_pin"), _CompatProperty)
 
 
+def _connector_class() -> Any:
+    try:
+        from vllm_omni.distributed.omni_connectors.connectors.mooncake_store_connector import (  # noqa: PLC0415
+            MooncakeStoreConnector,
+        )
+    except Exception:  # noqa: BLE001 - no vllm-omni here
+        return None
+    return MooncakeStoreConnector
+
+
+def stage_id_needed() -> bool:
+    """True when vllm-omni's ``MooncakeStoreConnector`` has no ``stage_id`` (0.30.0) and this module has not added it."""
+    cls = _connector_class()
+    return cls is not None and not hasattr(cls, "stage_id")
+
+
+def apply_stage_id() -> bool:
+    """Give ``MooncakeStoreConnector`` a ``stage_id`` property (``config["stage_id"]``) when it has none."""
+    cls = _connector_class()
+    if cls is None:
+        return False
+    if hasattr(cls, "stage_id"):
+        return True
+
+    def _get(self: Any) -> int:
+        return (getattr(self, "config", None) or {}).get("stage_id", -1)
+
+    def _set(self: Any, value: int) -> None:
+        self.config["stage_id"] = value
+
+    setattr(cls, "stage_id", _CompatProperty(_get, _set, doc="the connector config's stage_id (added by omni-accum)"))
+    return True
+
+
 def apply() -> bool:
+    """Add both properties where missing; True when the installed Mooncake now has ``with_soft_pin``."""
+    apply_stage_id()
+    return apply_soft_pin()
+
+
+def apply_soft_pin() -> bool:
     """Add the ``with_soft_pin`` property when :func:`needed`; True when the installed Mooncake now has it."""
     store = _store_module()
     if store is None:
@@ -87,10 +134,13 @@ class _CompatProperty(property):
 
 
 def remove() -> None:
-    """Take the property away again (tests); a ``with_soft_pin`` Mooncake itself has is never removed."""
+    """Take both properties away again (tests); attributes Mooncake or vllm-omni have themselves are never removed."""
     store = _store_module()
     if store is not None and is_applied():
         delattr(store.ReplicateConfig, "with_soft_pin")
+    cls = _connector_class()
+    if cls is not None and isinstance(cls.__dict__.get("stage_id"), _CompatProperty):
+        delattr(cls, "stage_id")
 
 
 def activate() -> None:
@@ -98,9 +148,12 @@ def activate() -> None:
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
         return
     try:
-        if needed():
+        steps = [name for name, todo in (("ReplicateConfig.with_soft_pin", needed()),
+                                          ("MooncakeStoreConnector.stage_id", stage_id_needed())) if todo]
+        if steps:
             apply()
-            logger.info("omni-accum: Mooncake ReplicateConfig.with_soft_pin -> soft_pin_action (pid=%d)", os.getpid())
+            logger.info("omni-accum: Mooncake compatibility for vllm-omni 0.30.0: %s (pid=%d)", ", ".join(steps),
+                        os.getpid())
     except Exception as e:  # noqa: BLE001 - a plugin never fails vllm-omni
         logger.error("omni-accum: Mooncake compatibility step failed: %s", e)
 
