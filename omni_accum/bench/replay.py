@@ -5,7 +5,7 @@ consumer read`` (and, with a view hop, the consumer's read is serialized once mo
 releases did when they attached the accumulated payload to the scheduler output). Arms are
 interleaved round by round (the arm order rotates every repeat) in one process, so arms are
 compared under the same machine state; compare them as ratios. With ``warmup=True`` every arm
-first replays the trace once, untimed; between rounds (untimed) a :class:`~omni_accum._malloc.HeapGuard`
+first replays the trace once, untimed; between rounds (untimed) a :class:`~omni_accum.bench._malloc.HeapGuard`
 keeps a fragmenting heap from growing without bound.
 
 Seams (for ``--through vllm-omni`` and other transports), each in its own module and re-exported
@@ -246,7 +246,7 @@ def replay(
             for path, nbk in engine.key_nbytes().items():
                 ks = keys.setdefault(path, KeyStats())
                 ks.peak_bytes = max(ks.peak_bytes, nbk)
-        guard()  # untimed: bounds a fragmenting heap (see omni_accum._malloc)
+        guard()  # untimed: bounds a fragmenting heap (see omni_accum.bench._malloc)
         if on_round is not None:
             on_round()
     for rid in req_ids:

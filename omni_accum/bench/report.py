@@ -81,7 +81,7 @@ class BenchRun:
 def roundtrip_lines(run: BenchRun) -> list[str]:
     """Per bucket, every arm's p50 step as a multiple of one decode delta's serializer round trip.
 
-    The round trip is :func:`~omni_accum.replay.delta_roundtrip_us` (the delta alone, serialized
+    The round trip is :func:`~omni_accum.bench.replay.delta_roundtrip_us` (the delta alone, serialized
     again and again: warm). When the ``wire-floor`` arm ran, each p50 is also given as a multiple of
     its p50: the same delta's trip over the wire, plus the consumer's read, measured interleaved
     with the other arms (cold data, ``concurrency`` requests). The floor's own multiple of the round

@@ -103,7 +103,7 @@ def run_bench(
 ) -> BenchRun:
     """Measure ``arms`` in every bucket (context length x concurrency) of the workload.
 
-    Raises :class:`BenchError` for a context length over :data:`~omni_accum.workloads.MAX_ROWS` (before
+    Raises :class:`BenchError` for a context length over :data:`~omni_accum.bench.workloads.MAX_ROWS` (before
     measuring) and when a bucket's stream or state cannot be allocated.
     """
     wl = load_workload(workload)

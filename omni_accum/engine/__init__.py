@@ -21,6 +21,10 @@ upstream does: a duplicated chunk is merged twice, a lost one is never noticed).
 ``seq`` argument (0, 1, 2, ... per request) the receiver drops duplicates, buffers chunks that
 arrive early in a bounded reorder window and reports gaps (:meth:`Receiver.merge`,
 :meth:`Receiver.finish`). The wire itself is unchanged. See ``docs/reliability.md``.
+
+Modules: :mod:`~omni_accum.engine.endpoint` (what both ends share), :mod:`~omni_accum.engine.sender`,
+:mod:`~omni_accum.engine.receiver`, :mod:`~omni_accum.engine.views` (the consumer's view) and
+:mod:`~omni_accum.engine.sequencing` (``seq=``). This package was ``omni_accum.channel``.
 """
 
 from __future__ import annotations
