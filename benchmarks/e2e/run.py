@@ -529,6 +529,10 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
         }
     )
     env.update(arm.env)
+    # The benchmark client loads vllm-omni's plugins too: keep omni-accum out of it (and out of the
+    # status folder, which is for the server's processes).
+    client_env = {k: v for k, v in env.items() if k not in ("OMNI_ACCUM_STATUS_DIR", "OMNI_ACCUM_POLICY")}
+    client_env["OMNI_ACCUM_VLLM_OMNI"] = "0"
     server_log = arm_dir / "server.log"
     client_log = arm_dir / "client.log"
     cmd = [
@@ -573,7 +577,7 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
             if not args.smoke:
                 result["bench"] = []
                 for c in args.concurrency:
-                    result["bench"].append(run_bench(base, str(args.model), args, c, arm_dir, env, clog))
+                    result["bench"].append(run_bench(base, str(args.model), args, c, arm_dir, client_env, clog))
             time.sleep(1)
             snap = {i["pid"]: i for i in known}
             snap.update({i["pid"]: i for i in server_processes(proc.pid)})
