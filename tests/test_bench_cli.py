@@ -70,7 +70,7 @@ def test_bad_workload_file_is_one_line_naming_the_field(tmp_path, capsys):
 def test_unknown_arm_lists_the_choices(capsys):
     rc = main(["bench", "--arms", "fastest", *SMALL])
     err = capsys.readouterr().err
-    assert rc == 1 and "unknown arm 'fastest'" in err and "prealloc" in err and "qwen3-omni" in err
+    assert rc == 2 and "unknown arm 'fastest'" in err and "prealloc" in err and "qwen3-omni" in err
 
 
 def test_strategy_arm_that_fits_no_key_is_skipped(capsys):
@@ -295,3 +295,16 @@ def test_help_has_examples_defaults_and_the_wire_floor_arm(capsys):
     assert "wire-floor (accumulates nothing" in text
     assert "examples:\n  omni-accum bench --workload qwen3-omni-seed" in text
     assert "counts the" in text and "prefill chunk(s)" in text
+
+
+def test_arms_take_commas_like_the_other_list_options(capsys):
+    rc = main(["bench", "--arms", "cat,prealloc", "token_list", *SMALL])
+    out = capsys.readouterr().out
+    assert rc == 0 and "arms cat, prealloc, token_list;" in out
+
+
+def test_plot_given_twice_is_refused_naming_both(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--arms", "cat", "--plot", "a.png", "--plot", "b.png", *SMALL])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "a.png" in err and "b.png" in err and "--plot" in err

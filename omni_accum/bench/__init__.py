@@ -22,6 +22,7 @@ package existed (``from omni_accum.bench import build_arms``).
 from __future__ import annotations
 
 from omni_accum.bench.arms import (
+    UnknownArmError,
     arm_policy_files,
     build_arms,
     default_arm_names,
@@ -58,6 +59,7 @@ from omni_accum.bench.runner import (
 __all__ = [
     "PLOT_FORMATS",
     "RESULT_SCHEMA",
+    "UnknownArmError",
     "BenchError",
     "BenchRun",
     "PlotUnavailable",

@@ -25,6 +25,11 @@ from omni_accum.policy.loader import load_policy, preset_names
 from omni_accum.policy.model import Policy
 
 
+class UnknownArmError(OmniAccumError):
+    """An arm name that is not ``upstream``, ``wire-floor``, a strategy, a policy preset nor a policy file
+    (a usage error: ``omni-accum bench`` exits 2)."""
+
+
 def strategy_arm(workload: Workload, strategy: str, params: dict[str, Any] | None = None) -> Policy | None:
     """Policy applying ``strategy`` to the workload's keys it fits, the ``default`` preset elsewhere.
 
@@ -130,7 +135,7 @@ def build_arms(workload: Workload, names: Sequence[str] | None = None, *, warn: 
         elif name in presets or Path(name).is_file():
             arms[name] = load_policy(name)
         else:
-            raise OmniAccumError(
+            raise UnknownArmError(
                 f"unknown arm {name!r}: not 'upstream', 'wire-floor', a strategy ({', '.join(manager.names())}), "
                 f"a policy preset ({', '.join(sorted(presets))}) nor a policy file"
             )

@@ -1,11 +1,13 @@
 """Argument types and options shared by the ``omni-accum`` command modules.
 
-Integer lists (``1000,8000``, ``1k``, repeated flags), bounded integers and ``--threads``.
+Integer lists (``1000,8000``, ``1k``, repeated flags), name lists (``a,b`` or ``a b``), options given at most
+once, bounded integers and ``--threads``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 
@@ -94,3 +96,29 @@ class IntListAction(argparse.Action):
         for part in values:
             items.extend(part)
         setattr(namespace, self.dest, items)
+
+
+class NameListAction(argparse.Action):
+    """``--opt a b``, ``--opt a,b`` and repeated ``--opt`` all give one flat list of names (empty parts dropped)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        items = list(getattr(namespace, self.dest, None) or [])
+        for part in values:
+            if os.path.exists(part):  # a file whose name holds a comma
+                items.append(part)
+            else:
+                items.extend(x for x in part.split(",") if x.strip())
+        if not items:
+            parser.error(f"{option_string}: expected one or more names, got {' '.join(values)!r}")
+        setattr(namespace, self.dest, items)
+
+
+class OnceAction(argparse.Action):
+    """An option that may be given once: a second occurrence is a usage error naming both values."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        seen = getattr(namespace, f"_{self.dest}_given", None)
+        if seen is not None:
+            parser.error(f"{option_string} given twice ({seen} and {values}); give it once")
+        setattr(namespace, f"_{self.dest}_given", values)
+        setattr(namespace, self.dest, values)

@@ -10,6 +10,8 @@ from typing import Any
 
 from omni_accum.bench._paths import output_path_problem
 from omni_accum.cli.args import (
+    NameListAction,
+    OnceAction,
     add_int_list_argument,
     add_threads_argument,
     apply_threads,
@@ -59,11 +61,12 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--arms",
         nargs="+",
+        action=NameListAction,
         metavar="ARM",
-        help="arms to compare: upstream, a strategy, a policy preset or file, or wire-floor (accumulates nothing: "
-        "the consumer sees each chunk as it arrives; its step is what the wire and the read alone cost). Default: "
-        "upstream; cat, token_list and prealloc when a key is append-kind; send_once when one is replace or "
-        "static; the workload's policy",
+        help="arms to compare (upstream cat, or upstream,cat): upstream, a strategy, a policy preset or file, or "
+        "wire-floor (accumulates nothing: the consumer sees each chunk as it arrives; its step is what the wire "
+        "and the read alone cost). Default: upstream; cat, token_list and prealloc when a key is append-kind; "
+        "send_once when one is replace or static; the workload's policy",
     )
     add_int_list_argument(
         p,
@@ -109,9 +112,10 @@ def register(subparsers: Any) -> None:
         "through a real vllm-omni 0.30.0 runner transport with omni-accum installed (needs vllm-omni)",
     )
     p.add_argument("--per-key", action="store_true", help="also report wire and held bytes per key")
-    p.add_argument("--json", metavar="OUT", help="write results as JSON")
+    p.add_argument("--json", action=OnceAction, metavar="OUT", help="write results as JSON")
     p.add_argument(
         "--plot",
+        action=OnceAction,
         metavar="OUT.png",
         help="log-log plot of step latency vs context length (needs matplotlib); the extension gives the format "
         "(.png, .svg, .pdf, ...)",
@@ -177,7 +181,10 @@ def run(args: argparse.Namespace) -> int:
         return _usage_error(problem)
     if args.steps is not None:
         wl = wl.model_copy(update={"decode_steps": args.steps})
-    arms = bench.build_arms(wl, args.arms, warn=sys.stderr)
+    try:
+        arms = bench.build_arms(wl, args.arms, warn=sys.stderr)
+    except bench.UnknownArmError as e:
+        return _usage_error(str(e))
     apply_threads(args.threads)
     if args.through == "vllm-omni":
         from omni_accum.bench.replay import VllmOmniUnavailable
