@@ -90,7 +90,7 @@ def _run_child(env: dict[str, str]) -> dict[str, Any]:
     p = ctx.Process(target=stage_core_child, args=(q, env), name="StageEngineCoreProc_stage0_replica0")
     p.start()
     try:
-        report = q.get(timeout=300)
+        report = q.get(timeout=900)  # importing vllm-omni in a fresh process: ~20 s idle, minutes on a loaded machine
     finally:
         p.join(timeout=60)
         if p.is_alive():

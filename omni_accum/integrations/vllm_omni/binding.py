@@ -22,7 +22,7 @@ from omni_accum.engine import Receiver, Sender
 from omni_accum.errors import AccumulationError
 from omni_accum.integrations.vllm_omni.deployment import _warn_untuned_context, deployment_context, reset_warning
 from omni_accum.integrations.vllm_omni import metrics
-from omni_accum.integrations.vllm_omni.marker import MARKERS
+from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, hello_of
 from omni_accum.manager import get_manager
 from omni_accum.policy import Policy, load_policy
 from omni_accum.strategy import value_nbytes
@@ -85,7 +85,7 @@ class Binding:
         self.source = source
         self.context = context
         self.sender = Sender(policy, context=context)
-        self.receiver = Receiver(policy, context=context)
+        self.receiver = _RequestContextReceiver(self, policy, context=context)
         self.adapter_keys = frozenset(adapter_keys)
         self.stats = {"puts": 0, "wire_bytes": 0, "omitted": 0, "chunks_sent": 0, "chunks_received": 0}
         self.metrics = metrics.Recorder()
@@ -94,8 +94,20 @@ class Binding:
         from omni_accum import __version__
 
         metrics.policy_info(source, self.fingerprint, __version__)
-        self.sent_once: dict[str, dict[tuple[Any, Any], int]] = {}  # ext id -> send_once key -> bit
-        self.held_once: dict[str, dict[tuple[Any, Any], int]] = {}  # req id -> send_once key -> bit
+        self.sent_once: dict[str, dict[tuple[Any, Any], int]] = {}  # ext id -> key -> bit (wire order)
+        self.held_once: dict[str, dict[tuple[Any, Any], int]] = {}  # req id -> key -> bit (wire order)
+        #: Per request: the stream context of the tuned bucket the sender decided (the handshake), as the
+        #: receiving side follows it (request id) and as the sending side decided it (external id).
+        self.req_ctx: dict[str, StreamContext] = {}
+        self.send_ctx: dict[str, StreamContext] = {}
+        #: Requests a sender with another policy sent: (its fingerprint, its source); 0.30.0's code runs them.
+        self.foreign: dict[str, tuple[str, str]] = {}
+        #: Foreign requests on an adapter: the latest value of every key, to put back what the sender left off.
+        self.mirror: dict[str, dict[tuple[Any, Any], Any]] = {}
+        self.short_source = _short_source(source)
+        self.announces = policy.tuned is not None or any(
+            _changes_wire(self.receiver.manager.build(c.strategy, c.params)) for c in [policy.default, *policy.rules]
+        )
         self.fell_back: set[str] = set()
         self.live_send: set[str] = set()  # requests this binding has sent a chunk of, until released
         self._full: Receiver | None = None
@@ -128,14 +140,20 @@ class Binding:
             self._names[k] = name
         return name
 
-    def received(self, payload: Mapping[str, Any], seconds: float, new_request: bool) -> None:
+    def bucket_labels(self, ctx: StreamContext | None) -> tuple[str, str]:
+        """``(context_bucket, concurrency_bucket)`` metric labels of a request's context (``none``: no table)."""
+        if ctx is None or self.policy.tuned is None:
+            return "none", "none"
+        return str(ctx.context_len), str(ctx.concurrency)
+
+    def received(self, payload: Mapping[str, Any], seconds: float, new_request: bool, req_id: Any = None) -> None:
         """Metrics of one received chunk: per key, and the hook's time under the strategy of its first
         append-kind key (``replace`` when it has none)."""
         rec = self.metrics
         if not rec.on:
             return
         if new_request:
-            rec.request("receive")
+            rec.request("receive", *self.bucket_labels(self.req_ctx.get(req_id)))
         label = None
         for top, qual, value in _leaves(payload):
             path = _path(top, qual)
@@ -157,23 +175,87 @@ class Binding:
             active["receive"] += other.receiver.active_requests
         self.metrics.flush((held, active))
 
-    def once(self, top: Any, qual: Any, value: Any) -> bool:
-        """True when the key's strategy leaves unchanged values off the wire (``send_once``)."""
-        return self.receiver.select(_path(top, qual), value, self.receiver.context)[0].omits_unchanged
-
     def number_once(self, table: dict[tuple[Any, Any], int], payload: Mapping[str, Any]) -> None:
-        """Give each send_once key of ``payload`` seen for the first time the next bit, in wire order."""
-        for top, qual, value in _leaves(payload):
-            if (top, qual) not in table and self.once(top, qual, value):
+        """Give each key of ``payload`` seen for the first time the next bit, in wire order (every key,
+        whatever its strategy: a receiver running another policy numbers them the same way)."""
+        for top, qual, _ in _leaves(payload):
+            if (top, qual) not in table:
                 table[(top, qual)] = len(table)
 
-    def tracks(self, path: str, value: Any, ar: bool) -> tuple[bool, bool]:
+    def context_of(self, req_id: Any) -> StreamContext:
+        """The stream context strategy selection uses for ``req_id`` (its handshake bucket, else the binding's)."""
+        return self.req_ctx.get(req_id) or self.receiver.context
+
+    # -- the stage handshake: the sender decides the bucket, the receiver follows ------------------ #
+    def decide(self, req_id: str, chunk: Mapping[str, Any]) -> int:
+        """Sender side, first chunk of ``req_id``: the tuned bucket for it (-1: no tuned table), from the
+        deployment context when one is set, else from what the chunk shows (rows of its first append-kind
+        tensor key, or the length of ``ids.prompt``) and the requests live on this sender. The request's
+        strategies then follow that bucket on both ends."""
+        table = self.policy.tuned
+        ctx = self.context
+        if ctx is None and table is not None:
+            ctx = StreamContext(context_len=_context_len(self, chunk), concurrency=max(1, len(self.live_send)))
+        if table is None or ctx is None:
+            return -1
+        c_edge, k_edge, _ = table.bucket(ctx)
+        self.send_ctx[req_id] = StreamContext(context_len=c_edge, concurrency=k_edge)
+        return table.context_len_edges.index(c_edge) * len(table.concurrency_edges) + table.concurrency_edges.index(
+            k_edge
+        )
+
+    def bucket_context(self, bucket: int) -> StreamContext | None:
+        """The stream context of bucket index ``bucket`` of the tuned table (None: no bucket or no table)."""
+        table = self.policy.tuned
+        if table is None or bucket < 0:
+            return None
+        n = len(table.concurrency_edges)
+        if bucket >= n * len(table.context_len_edges):
+            return None
+        return StreamContext(
+            context_len=table.context_len_edges[bucket // n], concurrency=table.concurrency_edges[bucket % n]
+        )
+
+    def accept(self, req_id: str, payload: Mapping[str, Any], new: bool) -> bool:
+        """Receiver side: read the handshake of a request's first chunk. True: omni-accum handles the
+        request (its bucket applied); False: the sender runs another policy (logged once per request,
+        counted), and the request is 0.30.0's own until it is released."""
+        raw = payload.get(OMITTED_KEY)
+        hello = hello_of(raw)
+        if hello is None:
+            if new:
+                self.foreign.pop(req_id, None)
+                self.req_ctx.pop(req_id, None)
+            return req_id not in self.foreign
+        fp, bucket, their_source = hello
+        if fp != self.fingerprint:
+            if req_id not in self.foreign:
+                self.foreign[req_id] = (fp, their_source)
+                self.metrics.fallback("policy_mismatch")
+                logger.error(
+                    "omni-accum: request %r was sent under another policy (sender fingerprint %s, policy from %s; "
+                    "this stage %s, policy from %s). Every stage must run the same policy; vllm-omni's own code "
+                    "handles this request",
+                    req_id,
+                    fp,
+                    their_source,
+                    self.fingerprint,
+                    self.source,
+                )
+            return False
+        self.foreign.pop(req_id, None)
+        ctx = self.bucket_context(bucket)
+        if ctx is not None:
+            self.req_ctx[req_id] = ctx
+        return True
+
+    def tracks(self, path: str, value: Any, ar: bool, context: StreamContext | None = None) -> tuple[bool, bool]:
         """``(merge it, hand over the accumulated view)`` for a key reaching a receiving adapter.
 
         ``cat`` means "as upstream", and 0.30.0's adapter hands raw deltas over: a key under ``cat``
         (the ``default`` policy) is not accumulated here, even under chunked prefill.
         """
-        strategy, spec = self.receiver.select(path, value, self.receiver.context)
+        strategy, spec = self.receiver.select(path, value, context or self.receiver.context)
         accumulate = ar and path in self.adapter_keys and "append" in spec.kinds and spec.name != "cat"
         return accumulate or strategy.omits_unchanged, accumulate
 
@@ -182,6 +264,9 @@ class Binding:
         self.receiver.release(req_id)
         self.held_once.pop(req_id, None)
         self.fell_back.discard(req_id)
+        self.req_ctx.pop(req_id, None)
+        self.foreign.pop(req_id, None)
+        self.mirror.pop(req_id, None)
         self.publish()
         _changed()
 
@@ -218,7 +303,57 @@ class Binding:
         self.sent_once.clear()
         self.live_send.clear()
         self.held_once.clear()
+        self.req_ctx.clear()
+        self.send_ctx.clear()
+        self.foreign.clear()
+        self.mirror.clear()
         self.fell_back.clear()
+
+
+class _RequestContextReceiver(Receiver):
+    """The binding's Receiver: a request's first merge takes the context of its handshake bucket."""
+
+    def __init__(self, binding: Binding, policy: Policy, *, context: StreamContext | None) -> None:
+        super().__init__(policy, context=context)
+        self._binding = binding
+
+    def merge(self, req_id: str, wire: Mapping[str, Any], *, context: StreamContext | None = None, **kw: Any) -> Any:
+        return super().merge(req_id, wire, context=context or self._binding.req_ctx.get(req_id), **kw)
+
+
+def _short_source(source: str) -> str:
+    """A few bytes naming where a binding's policy came from, for the handshake: the preset or file name
+    when short, else the kind of source."""
+    if source == "install()":
+        source = Settings.policy_source
+    if source == "OMNI_ACCUM_POLICY":
+        source = os.environ.get(source, "").strip() or source
+    if source.startswith("connector extra"):
+        return "extra"
+    name = os.path.basename(source.rstrip("/")) if "/" in source else source
+    return name if len(name) <= 24 and "\n" not in name else "install"
+
+
+def _changes_wire(strategy: Any) -> bool:
+    """True when a strategy's encoder may change what goes on the wire (send_once, delta ...)."""
+    from omni_accum.strategy import Strategy
+
+    return strategy.omits_unchanged or type(strategy).new_encoder is not Strategy.new_encoder
+
+
+def _context_len(b: Binding, chunk: Mapping[str, Any]) -> int | None:
+    """Rows of the chunk's first append-kind tensor key (2-D or more), else the length of ``ids.prompt``."""
+    for top, qual, value in _leaves(chunk):
+        if getattr(value, "dim", None) is not None and value.dim() >= 2:
+            try:
+                spec = b.receiver.select(_path(top, qual), value, b.receiver.context)[1]
+            except Exception:  # noqa: BLE001 - no strategy: not an append key
+                continue
+            if "append" in spec.kinds:
+                return int(value.shape[0])
+    ids = chunk.get("ids")
+    prompt = ids.get("prompt") if isinstance(ids, Mapping) else None
+    return len(prompt) if isinstance(prompt, (list, tuple)) and prompt else None
 
 
 def _leaves(payload: Mapping[str, Any]):

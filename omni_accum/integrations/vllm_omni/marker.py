@@ -1,7 +1,11 @@
-"""The bit mask that says which ``send_once`` values a sender left off an adapter put.
+"""The bit mask that says which values a sender left off an adapter put, and the stage handshake.
 
-Both ends number a request's send_once keys in wire order; bit ``i + 1`` is the i-th key, bit 0
-says the ``meta.override_keys`` list left off still applies (the engine's negative marker count).
+Both ends number a request's keys in the order they first appear on the wire, whatever their strategy
+(so a receiver running another policy can still tell which keys were left off); bit ``i + 1`` is the
+i-th key, bit 0 says the ``meta.override_keys`` list left off still applies (the engine's negative
+marker count). A request's first chunk carries the mask as a list with the sender's policy fingerprint,
+the tuned bucket it decided for the request and its policy source (:func:`with_hello`); later chunks
+carry the bare mask, and only when something was left off.
 """
 
 from __future__ import annotations
@@ -12,8 +16,8 @@ from typing import Any
 from omni_accum.engine import WIRE_MARKER
 from omni_accum.errors import AccumulationError
 
-#: Wire key replacing the engine's ``WIRE_MARKER`` on adapter puts: a bit mask of the send_once
-#: values left off this chunk, bit i + 1 being the i-th send_once key first sent for the request
+#: Wire key replacing the engine's ``WIRE_MARKER`` on adapter puts: a bit mask of the
+#: values left off this chunk, bit i + 1 being the i-th key first sent for the request
 #: (both ends number them in wire order), bit 0 set when one of them is ``meta.override_keys``,
 #: whose list still applies (the engine's negative count). A receiver that hands
 #: deltas over (the AR adapter) restores exactly those keys; one small int costs less than the
@@ -32,8 +36,25 @@ def omitted_mask(table: Mapping[tuple[Any, Any], int], omitted: list[tuple[Any, 
     return sum(1 << (table[p] + 1) for p in omitted) | bool(override)
 
 
+def with_hello(mask: int, fingerprint: str, bucket: int, source: str) -> list[Any]:
+    """The ``OMITTED_KEY`` value of a request's first chunk: the mask, then the stage handshake — the
+    sender's policy fingerprint, the tuned bucket it decided for the request (-1: none) and its policy
+    source (shortened)."""
+    return [mask, fingerprint, bucket, source[:24]]
+
+
+def hello_of(raw: Any) -> tuple[str, int, str] | None:
+    """``(fingerprint, bucket, source)`` of a first chunk's ``OMITTED_KEY`` value; None on later chunks."""
+    if isinstance(raw, (list, tuple)) and len(raw) == 4 and isinstance(raw[1], str) and type(raw[2]) is int:
+        return raw[1], raw[2], str(raw[3])
+    return None
+
+
 def split_mask(raw: Any) -> tuple[int, bool]:
-    """``(bits of the keys left off, override marker)`` of an ``OMITTED_KEY`` value; a malformed one is refused."""
+    """``(bits of the keys left off, override marker)`` of an ``OMITTED_KEY`` value (a bare mask, or a
+    first chunk's :func:`with_hello` list); a malformed one is refused."""
+    if hello_of(raw) is not None:
+        raw = raw[0]
     if type(raw) is not int or raw < 0:
         raise AccumulationError(
             f"malformed wire marker {OMITTED_KEY!r}: expected a bit mask (an int >= 0), got {raw!r}"

@@ -27,7 +27,11 @@ logger = logging.getLogger("omni_accum.vllm_omni")
 
 def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) -> dict[str, Any]:
     """The delta an adapter hands over: raw wire values, with send_once values the sender left off
-    restored, and (AR) the adapter keys replaced by their accumulated view."""
+    restored, and (AR) the adapter keys replaced by their accumulated view. A request sent under
+    another policy (the handshake) gets :func:`foreign_receive`."""
+    if not b.accept(req_id, payload, req_id not in b.held_once):
+        return foreign_receive(b, req_id, payload)
+    ctx = b.context_of(req_id)
     raw = payload.get(OMITTED_KEY) or 0
     mask, override = split_mask(raw)
     table = b.held_once.setdefault(req_id, {})
@@ -46,13 +50,13 @@ def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) 
             continue
         if isinstance(value, dict):
             for qual, qv in value.items():
-                merge, view = b.tracks(_path(top, qual), qv, ar)
+                merge, view = b.tracks(_path(top, qual), qv, ar, ctx)
                 if merge:
                     sub.setdefault(top, {})[qual] = qv
                     if view:
                         views.append((top, qual))
         else:
-            merge, view = b.tracks(_path(top), value, ar)
+            merge, view = b.tracks(_path(top), value, ar, ctx)
             if merge:
                 sub[top] = value
                 if view:
@@ -62,16 +66,42 @@ def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) 
         sub.setdefault("meta", {})["override_keys"] = meta["override_keys"]
     if mask:  # negative: the override list the sender left off still applies
         sub[WIRE_MARKER] = -count_bits(mask) if override else count_bits(mask)
-    if not sub and OMITTED_KEY not in payload:
-        return payload
+    if not sub and not mask:
+        return payload if OMITTED_KEY not in payload else _stripped(payload)
     view = b.receiver.merge(req_id, sub) if sub else b.receiver.view(req_id)
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in payload.items() if k not in MARKERS}
+    out = _stripped(payload)
     for path in [*views, *omitted]:
         top, qual = path
         if qual is None:
             out[top] = view[top]
         else:
             out.setdefault(top, {})[qual] = view[top][qual]
+    return out
+
+
+def _stripped(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``payload`` without omni-accum's wire markers (groups copied, values shared)."""
+    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in payload.items() if k not in MARKERS}
+
+
+def foreign_receive(b: Binding, req_id: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """What 0.30.0's adapter hands over for a request sent under another policy: the raw values, with the
+    ones the sender left off put back from the latest value seen for that key (what a 0.30.0 sender would
+    have sent again). Nothing is accumulated."""
+    try:
+        mask, _ = split_mask(payload.get(OMITTED_KEY) or 0)
+    except AccumulationError:
+        mask = 0
+    table = b.held_once.setdefault(req_id, {})
+    mirror = b.mirror.setdefault(req_id, {})
+    omitted = [p for p, bit in table.items() if mask >> bit & 1]
+    b.number_once(table, payload)
+    out = _stripped(payload)
+    for top, qual, value in _leaves(payload):
+        mirror[(top, qual)] = value
+    for top, qual in omitted:
+        if (top, qual) in mirror:
+            _set(out, top, qual, mirror[(top, qual)])
     return out
 
 
@@ -131,7 +161,7 @@ def adapter_fallback(b: Binding, req_id: str, payload: dict[str, Any], ar: bool,
     except AccumulationError:
         mask = 0
     table = b.held_once.setdefault(req_id, {})
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in payload.items() if k not in MARKERS}
+    out = _stripped(payload)
     lost = []
     for (top, qual), bit in table.items():
         if mask >> bit & 1:
@@ -194,7 +224,7 @@ def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
                 handed = adapter_receive(b, req_id, payload, ar)
             except AccumulationError as e:
                 handed = adapter_fallback(b, req_id, payload, ar, e)
-            b.received(payload, time.perf_counter() - t0, new)
+            b.received(payload, time.perf_counter() - t0, new, req_id)
             result = (handed, result[1])
         return orig(
             self,

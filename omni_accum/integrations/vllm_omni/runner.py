@@ -110,6 +110,8 @@ def wrap_accumulate(orig: Callable[..., Any], *, decode_spans: bool) -> Callable
         store = self._send_side_request_payload
         b.stats["chunks_received"] += 1
         new = req_id not in store
+        if not b.accept(req_id, payload_data, new):  # the stage handshake: another policy sent it
+            return orig(self, req_id, _upstream_chunk(store, req_id, payload_data))
         t0 = time.perf_counter()
         try:
             wire = {k: v for k, v in payload_data.items() if k != OMITTED_KEY}
@@ -130,7 +132,7 @@ def wrap_accumulate(orig: Callable[..., Any], *, decode_spans: bool) -> Callable
             b.fall_back(req_id, e, f"{type(self).__name__}._accumulate_payload")
             return orig(self, req_id, _upstream_chunk(store, req_id, payload_data))
         store[req_id] = merged
-        b.received(payload_data, time.perf_counter() - t0, new)
+        b.received(payload_data, time.perf_counter() - t0, new, req_id)
         return dict(merged)
 
     return _accumulate_payload

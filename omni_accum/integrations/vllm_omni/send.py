@@ -20,7 +20,7 @@ from typing import Any
 from omni_accum.engine import WIRE_MARKER
 from omni_accum.strategy import value_nbytes
 from omni_accum.integrations.vllm_omni.binding import Binding, _changed, _leaves, _path, binding_for
-from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY, omitted_mask
+from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY, omitted_mask, with_hello
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -48,22 +48,35 @@ def encode_payload(b: Binding, req_id: str, data: Any) -> Any:
     chunk = to_dict(data) if isinstance(data, OmniPayloadStruct) else data
     if not isinstance(chunk, Mapping):
         return data
+    hello = None
     if req_id not in b.live_send:
         b.live_send.add(req_id)
-        b.metrics.request("send")
-    wire = b.sender.encode(req_id, chunk)
+        bucket = b.decide(req_id, chunk)
+        b.metrics.request("send", *b.bucket_labels(b.send_ctx.get(req_id)))
+        if b.announces:  # a policy that can change the wire tells the receiver who sent it
+            hello = (b.fingerprint, bucket, b.short_source)
+    wire = b.sender.encode(req_id, chunk, context=b.send_ctx.get(req_id))
     b.stats["chunks_sent"] += 1
-    if wire is chunk:
+    table = b.sent_once.setdefault(req_id, {})
+    if wire is chunk and hello is None:
+        b.number_once(table, chunk)
         _record(b, chunk, chunk, ())
         return data
-    table = b.sent_once.setdefault(req_id, {})
+    if wire is chunk:
+        wire = dict(chunk)
     b.number_once(table, wire)
     omitted: list[tuple[Any, Any]] = []
-    if WIRE_MARKER in wire:
+    mask = 0
+    marked = WIRE_MARKER in wire
+    if marked:
         omitted = _omitted_paths(chunk, wire)
         override = wire.pop(WIRE_MARKER) < 0  # the engine's negative count: an override list left off
-        wire[OMITTED_KEY] = omitted_mask(table, omitted, override)
+        mask = omitted_mask(table, omitted, override)
         b.stats["omitted"] += len(omitted)
+    if hello is not None:
+        wire[OMITTED_KEY] = with_hello(mask, *hello)
+    elif marked:
+        wire[OMITTED_KEY] = mask
     _record(b, chunk, wire, omitted)
     return wire
 
@@ -194,6 +207,7 @@ def wrap_clear_sender(orig: Callable[..., Any]) -> Callable[..., Any]:
             b.sender.release(external_req_id)
             b.sent_once.pop(external_req_id, None)
             b.live_send.discard(external_req_id)
+            b.send_ctx.pop(external_req_id, None)
             b.publish()
             _changed()
 
