@@ -117,6 +117,34 @@ def proc_info(pid: int) -> dict[str, Any] | None:
     }
 
 
+SHM = Path("/dev/shm")
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir(SHM))
+    except OSError:
+        return set()
+
+
+def shm_cleanup(before: set[str]) -> dict[str, Any]:
+    """/dev/shm entries that appeared during the arm. vllm-omni's SharedMemoryConnector leaves an empty
+    ``shm_<request>_..._lockfile.lock`` per chunk key behind; those (empty, new, ours) are removed."""
+    new = sorted(shm_entries() - before)
+    removed, left = 0, []
+    for name in new:
+        f = SHM / name
+        try:
+            if name.startswith("shm_") and name.endswith("_lockfile.lock") and f.stat().st_size == 0:
+                f.unlink()
+                removed += 1
+                continue
+        except OSError:
+            pass
+        left.append(name)
+    return {"new": len(new), "removed_empty_lockfiles": removed, "left": left[:50], "left_count": len(left)}
+
+
 def all_pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
@@ -549,6 +577,7 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
         "server_log": str(server_log),
         "status_dir": str(status_dir),
     }
+    shm_before = shm_entries()
     log(f"[{arm.name}] starting: {' '.join(cmd)} (env {arm.env}; log {server_log})")
     t0 = time.monotonic()
     known: list[dict[str, Any]] = []
@@ -596,6 +625,7 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
         finally:
             status_before = read_status_dir(status_dir)
             result["stop"] = stop_server(proc, known, port, args.stop_grace)
+            result["stop"]["shm"] = shm_cleanup(shm_before)
             log(f"[{arm.name}] stopped: {result['stop']}")
     result["wall_s"] = round(time.monotonic() - t0, 1)
     status = read_status_dir(status_dir) or status_before  # refreshed at exit; else the last refresh
