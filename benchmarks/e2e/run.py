@@ -590,7 +590,7 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
             known = server_processes(proc.pid)
             log(f"[{arm.name}] ready in {result['start_s']} s on port {port}, {len(known)} processes")
             probes = []
-            for prompt in PROBE_PROMPTS:
+            for prompt in PROBE_PROMPTS[:1] if args.smoke else PROBE_PROMPTS:
                 c = chat_with_audio(base, str(args.model), args.smoke_max_tokens, args.request_timeout, prompt)
                 c["prompt_sha256"] = hashlib.sha256(prompt.encode()).hexdigest()[:16]
                 probes.append(c)
@@ -680,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="benchmark dataset seed")
     ap.add_argument("--json", dest="json_out", type=Path, help="write every result here")
     ap.add_argument("--keep-logs", type=Path, help="copy each arm's server / client logs here")
-    ap.add_argument("--smoke", action="store_true", help="one short chat request with audio per arm, no benchmark client")
+    ap.add_argument("--smoke", action="store_true", help="one short chat request with audio per arm (the first probe only), no benchmark client")
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--deploy-config", type=Path, default=DEFAULT_DEPLOY)
     ap.add_argument("--start-timeout", type=float, default=900.0)
