@@ -25,7 +25,6 @@ from omni_accum.integrations.vllm_omni import metrics
 from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, hello_of
 from omni_accum.manager import get_manager
 from omni_accum.policy import Policy, load_policy
-from omni_accum.strategy import value_nbytes
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -154,13 +153,7 @@ class Binding:
             return
         if new_request:
             rec.request("receive", *self.bucket_labels(self.req_ctx.get(req_id)))
-        label = None
-        for top, qual, value in _leaves(payload):
-            path = _path(top, qual)
-            name = self.strategy_name(path, value)
-            if label is None and name not in ("replace", "send_once"):
-                label = name
-            rec.chunk("receive", path, name, value_nbytes(value))
+        label = rec.chunk_leaves("receive", payload, self.strategy_name, MARKERS)
         rec.merge(label or "replace", seconds)
 
     def publish(self) -> None:

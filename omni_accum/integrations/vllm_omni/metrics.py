@@ -7,8 +7,9 @@ collects them all, exactly as vLLM's own metrics travel. On by default when ``pr
 imports; ``OMNI_ACCUM_METRICS=0`` turns them off.
 
 The hot path never touches ``prometheus_client``: each binding's :class:`Recorder` adds to plain
-dict counters (a dict increment per key), and publishes them when a request is released, when a
-status snapshot is taken, and every :data:`FLUSH_EVERY` events. Label values are bounded: key
+dict counters (a dict increment per key), and publishes them when a request is released and every
+:data:`FLUSH_EVERY` chunks. Wire bytes count the tensors' bytes (lists, strings and scalars count 0).
+Label values are bounded: key
 paths, strategy names, roles, buckets, reasons; never request ids.
 
 =============================================  =========  ============================================
@@ -34,11 +35,13 @@ import threading
 from collections import defaultdict
 from typing import Any
 
+import torch
+
 logger = logging.getLogger("omni_accum.vllm_omni")
 
 ENV_METRICS = "OMNI_ACCUM_METRICS"
-#: Pending events after which a Recorder publishes without waiting for a release.
-FLUSH_EVERY = 512
+#: Chunks after which a Recorder publishes without waiting for a release.
+FLUSH_EVERY = 256
 MERGE_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1, 1.0)
 
 _lock = threading.Lock()
@@ -94,26 +97,76 @@ def _registry_metrics() -> dict[str, Any] | None:
 
 
 class Recorder:
-    """Per-binding event counts, published to Prometheus in batches (see the module docstring)."""
+    """Per-binding event counts, published to Prometheus in batches (see the module docstring).
 
-    __slots__ = ("chunks", "wire", "saved", "fallbacks", "requests", "merges", "pending", "on")
+    The hot path (:meth:`chunk_leaves`) is a loop of dict increments over the chunk's keys; the key's
+    label tuples are built once per (role, key, value type) and cached.
+    """
+
+    __slots__ = (
+        "counts",
+        "nbytes",
+        "saved",
+        "fallbacks",
+        "requests",
+        "merges",
+        "chunks_seen",
+        "on",
+        "_labels",
+        "_children",
+    )
 
     def __init__(self) -> None:
         self.on = enabled()
-        self.chunks: defaultdict[tuple[str, str, str], int] = defaultdict(int)
-        self.wire: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self.counts: defaultdict[tuple[str, str, str], int] = defaultdict(int)
+        self.nbytes: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.saved: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.fallbacks: defaultdict[str, int] = defaultdict(int)
         self.requests: defaultdict[tuple[str, str, str], int] = defaultdict(int)
         self.merges: list[tuple[str, float]] = []
-        self.pending = 0
+        self.chunks_seen = 0
+        self._labels: dict[Any, tuple[tuple[str, str, str], tuple[str, str]]] = {}
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def labels(
+        self, role: str, top: Any, qual: Any, value: Any, name_of: Any
+    ) -> tuple[tuple[str, str, str], tuple[str, str]]:
+        """``((role, key, strategy), (role, key))`` for a leaf, cached per (role, key, value type)."""
+        k = (role, top, qual, type(value))
+        got = self._labels.get(k)
+        if got is None:
+            path = str(top) if qual is None else f"{top}.{qual}"
+            got = self._labels[k] = ((role, path, name_of(path, value)), (role, path))
+        return got
 
     def chunk(self, role: str, key: str, strategy: str, nbytes: int) -> None:
-        self.chunks[(role, key, strategy)] += 1
-        self.wire[(role, key)] += nbytes
-        self.pending += 1
-        if self.pending >= FLUSH_EVERY:
+        """Count one key of one chunk (the uncached spelling of what :meth:`chunk_leaves` does)."""
+        self.counts[(role, key, strategy)] += 1
+        self.nbytes[(role, key)] += nbytes
+
+    def chunk_leaves(self, role: str, payload: Any, name_of: Any, skip: Any = ()) -> str | None:
+        """Count every key of one chunk; returns the strategy of its first append-kind key (or None)."""
+        counts, nbytes, labels, first = self.counts, self.nbytes, self.labels, None
+        for top, value in payload.items():
+            if top in skip:
+                continue
+            if type(value) is dict:
+                for qual, qv in value.items():
+                    c, w = labels(role, top, qual, qv, name_of)
+                    counts[c] += 1
+                    nbytes[w] += qv.nbytes if isinstance(qv, torch.Tensor) else 0
+                    if first is None and c[2] not in _REPLACE_LIKE:
+                        first = c[2]
+            else:
+                c, w = labels(role, top, None, value, name_of)
+                counts[c] += 1
+                nbytes[w] += value.nbytes if isinstance(value, torch.Tensor) else 0
+                if first is None and c[2] not in _REPLACE_LIKE:
+                    first = c[2]
+        self.chunks_seen += 1
+        if self.chunks_seen >= FLUSH_EVERY:
             self.flush()
+        return first
 
     def kept_off(self, key: str, strategy: str, nbytes: int) -> None:
         self.saved[(key, strategy)] += nbytes
@@ -127,40 +180,54 @@ class Recorder:
     def merge(self, strategy: str, seconds: float) -> None:
         self.merges.append((strategy, seconds))
 
+    def _child(self, m: dict[str, Any], name: str, labels: tuple[str, ...]) -> Any:
+        k = (name, labels)
+        child = self._children.get(k)
+        if child is None:
+            child = self._children[k] = m[name].labels(*labels) if labels else m[name]
+        return child
+
     def flush(self, gauges: tuple[int, dict[str, int]] | None = None) -> None:
         """Publish what accumulated since the last flush (and, given, the held-bytes / active gauges)."""
-        self.pending = 0
+        self.chunks_seen = 0
         m = _registry_metrics() if self.on else None
         if m is None:
             self._clear()
             return
-        for (role, key, strategy), n in self.chunks.items():
-            m["chunks"].labels(role, key, strategy).inc(n)
-        for (role, key), n in self.wire.items():
+        child = self._child
+        for labels, n in self.counts.items():
             if n:
-                m["wire"].labels(role, key).inc(n)
-        for (key, strategy), n in self.saved.items():
-            m["saved"].labels(key, strategy).inc(n)
+                child(m, "chunks", labels).inc(n)
+        for labels, n in self.nbytes.items():
+            if n:
+                child(m, "wire", labels).inc(n)
+        for labels, n in self.saved.items():
+            if n:
+                child(m, "saved", labels).inc(n)
         for reason, n in self.fallbacks.items():
-            m["fallbacks"].labels(reason).inc(n)
+            child(m, "fallbacks", (reason,)).inc(n)
         for labels, n in self.requests.items():
-            m["requests"].labels(*labels).inc(n)
+            child(m, "requests", labels).inc(n)
         for strategy, seconds in self.merges:
-            m["merge"].labels(strategy).observe(seconds)
+            child(m, "merge", (strategy,)).observe(seconds)
         self._clear()
         if gauges is not None:
             held, active = gauges
             m["held"].set(held)
             for role, n in active.items():
-                m["active"].labels(role).set(n)
+                child(m, "active", (role,)).set(n)
 
     def _clear(self) -> None:
-        self.chunks.clear()
-        self.wire.clear()
-        self.saved.clear()
+        for d in (self.counts, self.nbytes, self.saved):
+            for k in d:
+                d[k] = 0
         self.fallbacks.clear()
         self.requests.clear()
         self.merges.clear()
+
+
+#: Strategies that replace a key's value (not append): the merge histogram's label skips them.
+_REPLACE_LIKE = frozenset({"replace", "send_once"})
 
 
 def policy_info(source: str, fingerprint: str, version: str) -> None:

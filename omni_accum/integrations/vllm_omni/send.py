@@ -19,8 +19,8 @@ from typing import Any
 
 from omni_accum.engine import WIRE_MARKER
 from omni_accum.strategy import value_nbytes
-from omni_accum.integrations.vllm_omni.binding import Binding, _changed, _leaves, _path, binding_for
-from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY, omitted_mask, with_hello
+from omni_accum.integrations.vllm_omni.binding import Binding, _changed, _path, binding_for
+from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, omitted_mask, with_hello
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -86,14 +86,11 @@ def _record(b: Binding, chunk: Mapping[str, Any], wire: Mapping[str, Any], omitt
     rec = b.metrics
     if not rec.on:
         return
-    off = set(omitted)
-    for top, qual, value in _leaves(chunk):
+    rec.chunk_leaves("send", wire, b.strategy_name, MARKERS)
+    for top, qual in omitted:
+        value = chunk[top] if qual is None else chunk[top][qual]
         path = _path(top, qual)
-        name = b.strategy_name(path, value)
-        if (top, qual) in off:
-            rec.kept_off(path, name, value_nbytes(value))
-        else:
-            rec.chunk("send", path, name, value_nbytes(value))
+        rec.kept_off(path, b.strategy_name(path, value), value_nbytes(value))
 
 
 def _encoding_put(orig: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,0 +1,92 @@
+"""Per-chunk cost of omni-accum's metrics inside vllm-omni: the send hook (encode) and a real runner
+transport's ``_accumulate_payload`` hook, with metrics on and off, interleaved in one process.
+
+    .venv/bin/python benchmarks/metrics_overhead.py [--steps 2000] [--rounds 7]
+
+Prints the p50 per chunk of each arm and their difference (the target is <= 2 us per chunk at p50).
+A benchmark, not a test: it asserts nothing and is not collected by pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=2000, help="decode steps per round (default 2000)")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per arm (default 7)")
+    args = ap.parse_args()
+
+    from vllm_omni.worker.omni_connector_model_runner_mixin import OmniConnectorModelRunnerMixin
+
+    from omni_accum.integrations import vllm_omni as vo
+    from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding
+    from omni_accum.integrations.vllm_omni.send import encode_payload
+    from omni_accum.policy import load_policy
+
+    policy = load_policy("qwen3-omni")
+    vo.install(policy)
+    cfg = SimpleNamespace(
+        stage_id=1,
+        worker_type="ar",
+        async_chunk=True,
+        custom_process_next_stage_input_func=None,
+        stage_connector_config={"name": "SharedMemoryConnector", "extra": {}},
+    )
+    runner = type("Runner", (OmniConnectorModelRunnerMixin,), {})()
+    runner.init_omni_connectors(cfg)
+    tx = Binding(policy, DEFAULT_ADAPTER_KEYS, "bench")
+    g = torch.Generator().manual_seed(0)
+    consts = {k: torch.randn(1, 1, 2048, generator=g).bfloat16() for k in ("tts_bos", "tts_eos", "tts_pad")}
+    rows = [torch.randn(1, 2048, generator=g).bfloat16() for _ in range(64)]
+    prefill = torch.randn(1000, 2048, generator=g).bfloat16()
+
+    def one_round(on: bool, tag: str) -> list[float]:
+        rx = runner._omni_accum_binding if "_omni_accum_binding" in runner.__dict__ else None
+        for b in (tx, rx):
+            if b is not None:
+                b.metrics.on = on
+        rid = f"{tag}"
+        chunk = {"embed": {"prefill": prefill, **consts}, "meta": {"finished": torch.tensor(False)}, "speaker": "Ethan"}
+        runner._accumulate_payload(rid, encode_payload(tx, rid, chunk))
+        for b in (tx, runner._omni_accum_binding):
+            b.metrics.on = on
+        out = []
+        for i in range(args.steps):
+            chunk = {
+                "embed": {"decode": rows[i % 64], **consts},
+                "meta": {"finished": torch.tensor(False)},
+                "speaker": "Ethan",
+            }
+            t0 = time.perf_counter()
+            runner._accumulate_payload(rid, encode_payload(tx, rid, chunk))
+            out.append(time.perf_counter() - t0)
+        runner._send_side_request_payload.pop(rid)
+        tx.sender.release(rid)
+        tx.live_send.discard(rid)
+        tx.sent_once.pop(rid, None)
+        return out
+
+    res: dict[str, list[float]] = {"on": [], "off": []}
+    one_round(True, "warm-on")
+    one_round(False, "warm-off")
+    for r in range(args.rounds):
+        for arm in ("on", "off") if r % 2 == 0 else ("off", "on"):
+            res[arm].append(statistics.median(one_round(arm == "on", f"{arm}-{r}")))
+    p50 = {k: statistics.median(v) * 1e6 for k, v in res.items()}
+    print(
+        f"p50 per chunk (send hook + runner receive hook, decode step, qwen3-omni, {args.steps} steps x "
+        f"{args.rounds} rounds): metrics on {p50['on']:.1f} us, off {p50['off']:.1f} us, "
+        f"difference {p50['on'] - p50['off']:+.2f} us ({p50['on'] / p50['off']:.3f}x)"
+    )
+    vo.uninstall()
+
+
+if __name__ == "__main__":
+    main()
