@@ -1,37 +1,67 @@
 #!/usr/bin/env bash
-# Create or reuse the project's virtual environment (.venv) with everything the main job and the
-# tests need: CPU torch 2.13.0 (what vllm 0.30.0 pins), vllm + vllm-omni 0.30.0, Mooncake (non-CUDA build, and
-# the Debian libibverbs1 it links), the test tools,
-# omni-accum itself (editable) and the example strategy plugin. Sourced by main.sh and test.sh.
+# Create or reuse a virtual environment with everything the main job and the tests need: CPU torch
+# 2.13.0, vllm + vllm-omni of one release, the test tools, omni-accum itself (editable) and the example
+# strategy plugin. Sourced by main.sh and test.sh.
+#
+#   OMNI_ACCUM_VENV           the environment's path (default: .venv)
+#   OMNI_ACCUM_VLLM_VERSION   the vllm and vllm-omni release (default: 0.30.0, pyproject's [vllm] extra).
+#                             Each vllm-omni release goes with the vllm of the same version; the
+#                             supported ones are in the README ("Supported vllm-omni releases").
+#                             test.sh also builds .venv-028 with 0.28.0 for the integration tests.
+#   OMNI_ACCUM_SEED_VENV      an environment already set up (another release) whose packages a new
+#                             environment starts from (default: .venv, when it is set up and this is
+#                             another one): pip then fetches only what differs between the releases
+#                             (vllm, vllm-omni and a few kernels packages) instead of ~6.5 GB. "none": no seed.
+#
+# Downloads go through pip's cache (~/.cache/pip, or PIP_CACHE_DIR) as well, where pip keeps one.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${OMNI_ACCUM_VENV:-$ROOT/.venv}"
+VLLM_VERSION="${OMNI_ACCUM_VLLM_VERSION:-0.30.0}"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.omni-accum-setup"
-# Re-install when the project's metadata or the example plugins (installed non-editable) change.
-want="$( { cat "$ROOT/pyproject.toml"; find "$ROOT/examples/plugins" -type f \( -name '*.py' -o -name pyproject.toml \) \
-  -not -path '*/build/*' -not -path '*.egg-info/*' 2>/dev/null | sort | xargs cat 2>/dev/null; } | sha256sum | cut -c1-16)"
+_omni_accum_sources() {
+  cat "$ROOT/pyproject.toml"
+  find "$ROOT/examples/plugins" -type f \( -name '*.py' -o -name pyproject.toml \) \
+    -not -path '*/build/*' -not -path '*.egg-info/*' 2>/dev/null | sort | xargs cat 2>/dev/null
+}
+# Re-install when the project's metadata, the example plugins (installed non-editable) or the release change.
+want="$( { echo "vllm $VLLM_VERSION"; _omni_accum_sources; } | sha256sum | cut -c1-16)"
+# The stamp of an environment set up before the release was part of it (0.30.0 only).
+legacy="$(_omni_accum_sources | sha256sum | cut -c1-16)"
 
-# Mooncake (the omni-accum[mooncake] extra) links libibverbs even for TCP: install the Debian package when
-# root and missing; otherwise the Mooncake tests say exactly what is missing.
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing libibverbs1 (Debian package; Mooncake's transfer engine links it)" >&2
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1; } >/dev/null 2>&1 \
-      || echo "[setup] warning: apt-get could not install libibverbs1; the Mooncake tests will fail or skip" >&2
-  else
-    echo "[setup] note: libibverbs1 is missing (apt-get install libibverbs1 as root); Mooncake cannot load" >&2
+have="$(cat "$STAMP" 2>/dev/null || true)"
+if [ "$have" = "$legacy" ] && [ "$VLLM_VERSION" = "0.30.0" ]; then
+  echo "$want" > "$STAMP"
+  have="$want"
+fi
+if [ "$have" != "$want" ]; then
+  started=$(date +%s)
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "[setup] creating $VENV (vllm + vllm-omni $VLLM_VERSION)" >&2
+    SEED="${OMNI_ACCUM_SEED_VENV:-$ROOT/.venv}"
+    pyver='import sys; print(sys.version_info[:2])'
+    if [ "$SEED" != "none" ] && [ "$(cd "$SEED" 2>/dev/null && pwd)" != "$(mkdir -p "$VENV" && cd "$VENV" && pwd)" ] \
+      && [ -s "$SEED/.omni-accum-setup" ] && [ -x "$SEED/bin/python" ] \
+      && [ "$("$SEED/bin/python" -c "$pyver")" = "$("$PY" -c "$pyver")" ]; then
+      echo "[setup] starting $VENV from the packages of $SEED (pip fetches only what differs)" >&2
+      "$PY" -m venv --without-pip "$VENV"
+      purelib='import sysconfig; print(sysconfig.get_paths()["purelib"])'
+      cp -a "$("$SEED/bin/python" -c "$purelib")/." "$("$VENV/bin/python" -c "$purelib")/"
+    else
+      "$PY" -m venv "$VENV"
+    fi
   fi
-fi
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "[setup] creating $VENV" >&2
-  "$PY" -m venv "$VENV"
-fi
-if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
-  echo "[setup] installing dependencies into $VENV (first run: ~6.5 GB download, a few minutes)" >&2
+  echo "[setup] installing dependencies into $VENV (vllm + vllm-omni $VLLM_VERSION; from scratch: ~6.5 GB download, a few minutes)" >&2
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[vllm,test,plot,mooncake]"
+  if [ "$VLLM_VERSION" = "0.30.0" ]; then
+    "$VENV/bin/python" -m pip install -q -e "$ROOT[vllm,test,plot]"
+  else
+    # Another release than pyproject's [vllm] extra: pin both packages (torch stays the CPU build).
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0" "vllm==$VLLM_VERSION" "vllm-omni==$VLLM_VERSION"
+    "$VENV/bin/python" -m pip install -q -e "$ROOT[test,plot]"
+  fi
   for plugin in "$ROOT"/examples/plugins/*/; do
     [ -f "$plugin/pyproject.toml" ] && "$VENV/bin/python" -m pip install -q "$plugin"
   done
@@ -43,5 +73,6 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     fi
   done
   echo "$want" > "$STAMP"
+  echo "[setup] $VENV ready (vllm + vllm-omni $VLLM_VERSION) in $(( $(date +%s) - started )) s" >&2
 fi
 export PATH="$VENV/bin:$PATH"

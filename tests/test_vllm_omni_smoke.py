@@ -1,5 +1,5 @@
-"""Smoke test: the vllm-omni 0.30.0 pieces omni-accum hooks import on CPU, and the real
-shared-memory connector round-trips a nested payload bit for bit."""
+"""Smoke test: the vllm-omni pieces omni-accum hooks (of the installed release: 0.30.0 or 0.28.0) import
+on CPU, and the real shared-memory connector round-trips a nested payload bit for bit."""
 
 from __future__ import annotations
 
@@ -13,16 +13,22 @@ pytestmark = pytest.mark.vllm
 
 
 def test_hook_classes_import(vllm_omni):
-    from vllm_omni.distributed.omni_connectors.model_runner.omni_connector_payload_transport import (
-        _OmniConnectorPayloadTransportMixin,
-    )
+    """Every method the installed release's family wraps or probes imports and is callable."""
+    from importlib.metadata import version
+
+    from omni_accum.integrations.vllm_omni import families
+    from omni_accum.integrations.vllm_omni.families.base import _resolve
     from vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter import (
         OmniChunkTransferAdapter,
     )
     from vllm_omni.distributed.omni_connectors.utils.serialization import OmniSerializer
 
+    fam = families.family_for(version("vllm-omni"))
+    assert fam is not None, f"vllm-omni {version('vllm-omni')} is not a supported release"
+    for t in fam.targets + fam.probes:
+        assert callable(getattr(_resolve(t.owner), t.name)), t.label
     assert callable(OmniChunkTransferAdapter._send_single_request_for_generation)
-    assert callable(_OmniConnectorPayloadTransportMixin._accumulate_payload)
+    assert callable(_resolve(fam.runner_accumulate)._accumulate_payload)
     assert OmniSerializer.deserialize(OmniSerializer.serialize({"a": [1, 2]})) == {"a": [1, 2]}
 
 

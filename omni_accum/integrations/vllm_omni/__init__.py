@@ -1,4 +1,14 @@
-"""Live integration with vllm-omni 0.30.0: install omni-accum into the real chunk-transfer classes.
+"""Live integration with vllm-omni (0.30.0 and 0.28.0): install omni-accum into the real chunk-transfer classes.
+
+Supported releases come as release families (:mod:`.families`: one module per family with its
+wrapped-method table, signatures, runner hooks and decode-span rule; everything else is shared).
+Activation picks the family from the installed vllm-omni version, confirms it with a signature
+probe of every method it wraps, and installs all or nothing; another release is refused
+(:class:`InstallRefused`, naming the installed and the supported releases). ``TARGETS``,
+``PROBES`` and ``SUPPORTED_VERSION`` are the installed family's; ``SUPPORTED_VERSIONS`` lists all.
+The method list below is 0.30.0's; 0.28.0 has the same adapter methods, and one runner mixin
+(``OmniConnectorModelRunnerMixin``) whose ``_accumulate_payload`` keeps the decode-span merge and
+holds the full-payload accumulator.
 
 Turn it on by configuration (the ``vllm_omni.general_plugins`` entry point calls :func:`activate`
 in every vllm-omni process) or from code::
@@ -13,7 +23,7 @@ connector ``extra`` (deploy YAML; ``off`` opts one connector out), else the poli
 :func:`install` (``OMNI_ACCUM_POLICY`` for :func:`activate`). Instances with neither run upstream
 code untouched.
 
-Methods wrapped (all signature-checked against 0.30.0 before anything is patched):
+Methods wrapped in 0.30.0 (all signature-checked before anything is patched):
 
 * ``OmniChunkTransferAdapter._send_single_request_for_generation``: the payload goes through a
   :class:`~omni_accum.Sender` where the connector's class ``put`` receives it (no connector
@@ -45,8 +55,9 @@ Where omni-accum runs (vllm-omni 0.30.0): the API server, every stage engine-cor
 ``EngineCore.__init__`` before the scheduler builds the chunk transfer adapter) and every worker
 (vllm-omni's group ``vllm_omni.general_plugins``). Both entry points are idempotent.
 
-The modules: :mod:`.activation` (install, entry points), :mod:`.targets` (the wrapped-method table
-and its signature check), :mod:`.binding` (per-instance policy, Sender, Receiver; every wrapper
+The modules: :mod:`.activation` (install, entry points), :mod:`.families` (the release families:
+their wrapped-method tables, signatures and runner hooks), :mod:`.targets` (the installed family's
+table and the all-or-nothing patching), :mod:`.binding` (per-instance policy, Sender, Receiver; every wrapper
 depends on it and on nothing else of the package), :mod:`.send`, :mod:`.receive` (the adapter),
 :mod:`.runner` (runner transports), :mod:`.full_payload`, :mod:`.marker` (the send_once bit mask),
 :mod:`.deployment` (the deployment context), :mod:`.reporting` (log lines, :func:`status`, status
@@ -67,17 +78,25 @@ from omni_accum.integrations.vllm_omni.activation import (
 )
 from omni_accum.integrations.vllm_omni.deployment import ContextSettingError, deployment_context
 from omni_accum.integrations.vllm_omni.reporting import BindingStatus, Status, status
+from omni_accum.integrations.vllm_omni.families import FAMILIES, SUPPORTED_VERSIONS, Family
 from omni_accum.integrations.vllm_omni.targets import (
-    PROBES,
-    SUPPORTED_VERSION,
-    TARGETS,
     InstallRefused,
     Target,
     _resolve,
+    active_family,
     check_signatures,
     installed_versions,
     signature_shape,
 )
+
+
+def __getattr__(name: str):  # PEP 562: the installed release family's table, read when asked for
+    if name in ("TARGETS", "PROBES", "SUPPORTED_VERSION"):
+        from omni_accum.integrations.vllm_omni import targets
+
+        return getattr(targets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ENV_REQUIRED",
@@ -85,9 +104,13 @@ __all__ = [
     "BindingStatus",
     "Status",
     "status",
+    "FAMILIES",
+    "Family",
     "PROBES",
     "SUPPORTED_VERSION",
+    "SUPPORTED_VERSIONS",
     "TARGETS",
+    "active_family",
     "_resolve",
     "ContextSettingError",
     "InstallRefused",

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from omni_accum.errors import OmniAccumError
-from omni_accum.integrations.vllm_omni import binding, deployment, reporting, send, targets
-from omni_accum.integrations.vllm_omni.targets import PROBES, TARGETS, _patch, _patched
+from omni_accum.integrations.vllm_omni import binding, deployment, reporting, send
+from omni_accum.integrations.vllm_omni.targets import ProbeHook, _patch, _patched, active_family
 from omni_accum.policy import ENV_POLICY, Policy, load_policy
 
 logger = logging.getLogger("omni_accum.vllm_omni")
@@ -43,7 +43,8 @@ def install(
             ``embed.prefill``, ``hidden_states.output``); ``omni_accum_adapter_keys`` in the extra wins.
 
     Raises:
-        InstallRefused: a wrapped method is missing or its signature differs from 0.30.0 (nothing patched).
+        InstallRefused: the installed vllm-omni is not a supported release, or a method of its release
+            family is missing or has another signature (nothing patched; see :mod:`.families`).
         PolicyError: the policy is invalid (nothing patched).
         ContextSettingError: ``OMNI_ACCUM_CONTEXT_LEN`` / ``OMNI_ACCUM_CONCURRENCY`` is not a whole number
             >= 1 (nothing patched).
@@ -51,7 +52,7 @@ def install(
     loaded = load_policy(policy) if policy is not None else None
     deployment.deployment_context()  # a bad OMNI_ACCUM_CONTEXT_LEN / OMNI_ACCUM_CONCURRENCY refuses here, not in a hook
     with _lock:
-        _patch(TARGETS)
+        _patch("targets")
         send.wrap_connector_classes()
         binding.Settings.policy = loaded
         binding.Settings.installed = True
@@ -66,7 +67,7 @@ def ensure_patched() -> None:
     policy or adapter keys: an earlier :func:`install`'s policy stays; instances without a policy run
     upstream code. For code that binds its own instances (:func:`.binding.bind`)."""
     with _lock:
-        _patch(TARGETS)
+        _patch("targets")
         send.wrap_connector_classes()
 
 
@@ -94,7 +95,13 @@ def uninstall() -> None:
 
 def is_installed() -> bool:
     """True when the method wrappers (not just the constructor probes) are in place."""
-    return all((t.owner, t.name) in _patched for t in TARGETS)
+    fam = active_family()
+    return fam is not None and all((t.owner, t.name) in _patched for t in fam.targets)
+
+
+def _probes_patched() -> bool:
+    fam = active_family()
+    return fam is not None and all((t.owner, t.name) in _patched for t in fam.probes)
 
 
 def _on_extra_policy(obj: Any) -> None:
@@ -105,7 +112,7 @@ def _on_extra_policy(obj: Any) -> None:
         logger.error("omni-accum: connector extra of %s names a policy, but %s", type(obj).__name__, e)
 
 
-targets.on_extra_policy = _on_extra_policy
+ProbeHook.on_extra_policy = _on_extra_policy
 
 
 def _describe_source(policy: Any) -> str:
@@ -143,7 +150,7 @@ def activate() -> None:
         if env and not off:
             if is_installed() and binding.Settings.policy_source == ENV_POLICY:
                 return
-        elif all((t.owner, t.name) in _patched for t in PROBES):
+        elif _probes_patched():
             return
     reporting.ensure_visible_logging()
     where = reporting.process_label()
@@ -161,7 +168,7 @@ def activate() -> None:
             )
         else:
             with _lock:
-                _patch(PROBES)
+                _patch("probes")
             logger.info(
                 "omni-accum not installed in this process yet (pid=%d, process=%s): %s; a connector whose extra "
                 "names omni_accum_policy installs it",

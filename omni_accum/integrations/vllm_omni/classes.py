@@ -1,4 +1,4 @@
-"""Lazy access to the vllm-omni 0.30.0 classes the replay engine uses (serializer, SHM connector,
+"""Lazy access to the vllm-omni classes the replay engine uses (serializer, SHM connector,
 transport mixin). vllm-omni is imported only when one of them is asked for, and only here (and in
 the other ``integrations`` modules): the core never imports it.
 """
@@ -12,6 +12,7 @@ from omni_accum.errors import OmniAccumError
 
 SERIALIZER = ("vllm_omni.distributed.omni_connectors.utils.serialization", "OmniSerializer")
 SHM_CONNECTOR = ("vllm_omni.distributed.omni_connectors.connectors.shm_connector", "SharedMemoryConnector")
+#: The 0.30 runner transport mixin (:func:`transport_mixin` follows the installed release family).
 TRANSPORT_MIXIN = (
     "vllm_omni.distributed.omni_connectors.model_runner.omni_connector_payload_transport",
     "_OmniConnectorPayloadTransportMixin",
@@ -23,7 +24,7 @@ def _import_module(name: str) -> Any:
 
 
 class VllmOmniUnavailable(OmniAccumError):
-    """A mode needs vllm-omni 0.30.0 (the upstream arm, the serializer or shm wire) and it cannot be imported."""
+    """A mode needs vllm-omni (the upstream arm, the serializer or shm wire) and it cannot be imported."""
 
 
 def vllm_omni_attr(module: str, attr: str, why: str) -> Any:
@@ -32,7 +33,7 @@ def vllm_omni_attr(module: str, attr: str, why: str) -> Any:
         return getattr(_import_module(module), attr)
     except Exception as e:  # noqa: BLE001 - ImportError, or a broken CUDA wheel beside CPU torch
         raise VllmOmniUnavailable(
-            f"{why} needs vllm-omni 0.30.0, which cannot be imported here ({type(e).__name__}: {e}). "
+            f"{why} needs vllm-omni (a supported release), which cannot be imported here ({type(e).__name__}: {e}). "
             "Install it with: pip install 'omni-accum[vllm]', or use --wire inproc without the upstream arm"
         ) from e
 
@@ -48,5 +49,10 @@ def shm_connector() -> Any:
 
 
 def transport_mixin() -> Any:
-    """vllm-omni's ``_OmniConnectorPayloadTransportMixin`` (its ``_accumulate_payload`` is the upstream arm)."""
-    return vllm_omni_attr(*TRANSPORT_MIXIN, "the upstream arm")
+    """The class whose ``_accumulate_payload`` is the installed release's own runner merge (the upstream
+    arm): ``_OmniConnectorPayloadTransportMixin`` in 0.30, ``OmniConnectorModelRunnerMixin`` in 0.28
+    (see :mod:`.families`)."""
+    from omni_accum.integrations.vllm_omni.families import current
+
+    module, _, name = current().runner_accumulate.partition(":")
+    return vllm_omni_attr(module, name, "the upstream arm")

@@ -1,0 +1,93 @@
+"""vllm-omni 0.30: the runner accumulation split in two.
+
+* ``_OmniConnectorPayloadTransportMixin._accumulate_payload`` (runner transport, called under
+  ``self._lock``): the generic merge, no decode-span rule;
+* ``OmniRunnerDataPlane._accumulate_payload`` (MRv2 data plane): the decode-span merge of
+  ``embed.decode``; ``merge_tensor_spans`` hands an incoming span over as it is when the held one is empty;
+* the full-payload accumulator lives on the transport mixin; ``init_omni_connectors`` moved to
+  ``_OmniConnectorRuntimeMixin`` and takes ``synchronous``.
+
+The adapter methods are those of 0.28 (same signatures).
+"""
+
+from __future__ import annotations
+
+from omni_accum.integrations.vllm_omni import full_payload, receive, runner, send
+from omni_accum.integrations.vllm_omni.families.base import Family, Target, wrap_probe
+
+ADAPTER = "vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter:OmniChunkTransferAdapter"
+MIXIN = (
+    "vllm_omni.distributed.omni_connectors.model_runner.omni_connector_payload_transport"
+    ":_OmniConnectorPayloadTransportMixin"
+)
+RUNTIME = "vllm_omni.distributed.omni_connectors.model_runner.omni_connector_runtime:_OmniConnectorRuntimeMixin"
+DATA_PLANE = "vllm_omni.worker_v2.omni_data_plane:OmniRunnerDataPlane"
+RUNNER = "vllm_omni.worker.omni_connector_model_runner_mixin:OmniConnectorModelRunnerMixin"
+
+
+def wrap_transport_accumulate(f):
+    """The transport mixin: no decode-span rule in 0.30."""
+    return runner.wrap_accumulate(f, decode_spans=False)
+
+
+def wrap_data_plane_accumulate(f):
+    """The MRv2 data plane: the decode-span merge."""
+    return runner.wrap_accumulate(f, decode_spans=True)
+
+
+def adapter_targets() -> tuple[Target, ...]:
+    """The ``OmniChunkTransferAdapter`` methods (the same in 0.28 and 0.30)."""
+    return (
+        Target(ADAPTER, "_send_single_request_for_generation", "(self, task, sender_token=None)", send.wrap_send),
+        Target(
+            ADAPTER,
+            "_commit_received_chunk",
+            "(self, request, result, *, stage_id, req_id, chunk_id, connector_get_key)",
+            receive.wrap_commit,
+        ),
+        Target(ADAPTER, "_clear_receiver_state_locked", "(self, request_id)", receive.wrap_clear_receiver),
+        Target(ADAPTER, "_clear_sender_state_locked", "(self, external_req_id)", send.wrap_clear_sender),
+    )
+
+
+def full_payload_targets(owner: str) -> tuple[Target, ...]:
+    """The full-payload accumulator (bodies identical from 0.22 to 0.30; only its class moved)."""
+    return (
+        Target(
+            owner,
+            "accumulate_full_payload_output",
+            "(self, req_id, pooler_output, request)",
+            full_payload.wrap_accumulate_full,
+        ),
+        Target(owner, "_materialize_full_payload_entry", "(entry)", full_payload.wrap_materialize, static=True),
+    )
+
+
+FAMILY = Family(
+    name="0.30",
+    versions=("0.30.0",),
+    targets=(
+        *adapter_targets(),
+        Target(MIXIN, "_accumulate_payload", "(self, req_id, payload_data)", wrap_transport_accumulate),
+        Target(DATA_PLANE, "_accumulate_payload", "(self, req_id, payload_data)", wrap_data_plane_accumulate),
+        *full_payload_targets(MIXIN),
+    ),
+    probes=(
+        Target(ADAPTER, "__init__", "(self, vllm_config)", wrap_probe),
+        Target(
+            RUNTIME,
+            "init_omni_connectors",
+            "(self, model_config, kv_transfer_manager=None, *, synchronous=False)",
+            wrap_probe,
+        ),
+    ),
+    runner_accumulate=MIXIN,
+    runner_class=RUNNER,
+    span_merge=(DATA_PLANE,),
+    data_plane=DATA_PLANE,
+    empty_span_takes_incoming=True,
+    differences=(
+        "runner accumulation split: the transport mixin merges without the decode-span rule (under its lock), "
+        "the MRv2 data plane (OmniRunnerDataPlane) merges embed.decode by token span"
+    ),
+)
