@@ -308,3 +308,122 @@ def test_plot_given_twice_is_refused_naming_both(capsys):
         main(["bench", "--arms", "cat", "--plot", "a.png", "--plot", "b.png", *SMALL])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "a.png" in err and "b.png" in err and "--plot" in err
+
+
+def _arm(name, samples, **kw):
+    return ArmResult(name, 1000, 2, "inproc", requests=2, steps=len(samples[0]), samples_us=samples, **kw)
+
+
+def test_a_ratio_inside_the_noise_is_not_reported_as_a_speed_up():
+    # the same algorithm, a bimodal step (prefill and decode steps): the medians fall on either mode
+    upstream = _arm("upstream", [[10.0] * 5 + [30.0] * 6])
+    cat = _arm("cat", [[10.0] * 6 + [30.0] * 5])
+    text = bench.format_table([upstream, cat])
+    row = next(line for line in text.splitlines() if line.startswith("cat "))
+    assert "within noise" in row and "faster" not in row
+    assert "95% CI" in text
+
+
+def test_a_clear_speed_up_keeps_its_ratio_and_interval():
+    upstream = _arm("upstream", [[100.0 + i % 7 for i in range(40)]])
+    prealloc = _arm("prealloc", [[10.0 + i % 3 for i in range(40)]])
+    row = next(line for line in bench.format_table([upstream, prealloc]).splitlines() if line.startswith("prealloc"))
+    assert "within noise" not in row and "x faster" in row and "[" in row
+    lo, hi = bench.p50_interval(prealloc)
+    assert lo <= prealloc.step_us_p50 <= hi
+
+
+def test_wire_floor_views_are_not_applicable():
+    rows = bench.format_table([_arm("upstream", [[5.0, 6.0]]), _arm("wire-floor", [[1.0, 2.0]])]).splitlines()
+    floor = next(line for line in rows if line.startswith("wire-floor"))
+    assert floor.rstrip().endswith("n/a") and " ok" not in floor
+
+
+class _Clock:
+    """A fake monotonic clock: every reading is 2 s after the previous one (no wall-clock in tests)."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def monotonic(self):
+        self.t += 2.0
+        return self.t
+
+
+def _fake_bench_run(monkeypatch, context_lens, advance):
+    """run_bench with a stand-in for measure that reports ``advance(context_len)`` steps; the progress text."""
+    import io
+    import types
+
+    from omni_accum.bench import runner
+
+    monkeypatch.setattr(runner, "time", types.SimpleNamespace(monotonic=_Clock().monotonic))
+    lines = []
+
+    def fake_measure(wl, arms, *, context_len, concurrency, progress, **kw):
+        for _ in range(advance(context_len)):
+            progress(concurrency)
+        lines.append(buf.getvalue().splitlines()[-1] if buf.getvalue() else "")
+        return []
+
+    monkeypatch.setattr(runner, "measure", fake_measure)
+    buf = io.StringIO()
+    wl = load_workload("qwen3-omni-seed")
+    runner.run_bench(wl, {"cat": None}, context_lens=context_lens, concurrency=[1], repeats=1, progress=buf)
+    return lines, buf.getvalue().splitlines()
+
+
+def test_a_finished_run_ends_its_progress_bar_at_100_percent(monkeypatch):
+    # an arm that fails replays none of its steps: the bar would stop short of 100 %
+    _, out = _fake_bench_run(monkeypatch, [16], lambda cl: 2)
+    assert "100.0%" in out[-1] and "ETA    0.0s" in out[-1]
+
+
+def test_progress_counts_a_long_context_step_for_more_than_a_short_one(monkeypatch):
+    wl = load_workload("qwen3-omni-seed")
+    after_bucket, _ = _fake_bench_run(monkeypatch, [16, 32000], wl.n_chunks)
+    pct = float(after_bucket[0].split("%")[0].split()[-1])
+    assert pct < 5.0  # the 16-row bucket is a small part of the run's time, not half of it
+
+
+def test_progress_uses_tqdm_on_a_terminal_when_importable():
+    import io
+
+    pytest.importorskip("tqdm")
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    buf = Tty()
+    bar = bench.Progress(1000, buf, use_tqdm=True)
+    bar._tqdm.delay = 0
+    bar.advance(3)
+    bar.finish()
+    assert "100%" in buf.getvalue().split("\r")[-1]
+
+
+def test_plot_gives_each_arm_one_colour_and_explains_c(tmp_path):
+    require_module("matplotlib", "the plot extra, installed by scripts/env.sh")
+    from omni_accum.bench import plotting
+
+    run = bench.BenchRun(load_workload("qwen3-omni-seed"), "inproc", None, 1)
+    for cl in (1000, 8000, 32000):
+        for c in (1, 10):
+            for arm, f in (("upstream", 1.0), ("cat", 0.9), ("prealloc", 0.1)):
+                run.results.append(_arm(arm, [[f * cl * c * (1 + 0.01 * i) for i in range(20)]]))
+                run.results[-1].context_len, run.results[-1].concurrency = cl, c
+    fig = plotting.figure(run)
+    ax = fig.axes[0]
+    by_arm = {}
+    for (arm, c), line in zip(plotting.plot_series(run), ax.get_lines()):
+        by_arm.setdefault(arm, set()).add(str(line.get_color()))
+        assert (c == 10) == (line.get_linestyle() == "--")
+    assert all(len(cs) == 1 for cs in by_arm.values()) and len({next(iter(cs)) for cs in by_arm.values()}) == 3
+    up = [line for (arm, _), line in zip(plotting.plot_series(run), ax.get_lines()) if arm == "upstream"]
+    assert all(line.get_linewidth() > 2 for line in up)
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "upstream (baseline)" in legend and any(t.startswith("c=10: 10 requests") for t in legend)
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1k", "8k", "32k"]
+    assert len(ax.collections) == 6  # a 95 % interval band per line

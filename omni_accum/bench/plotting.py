@@ -6,7 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from omni_accum.bench.report import BenchRun
+from omni_accum.bench.replay import UPSTREAM
+from omni_accum.bench.report import BenchRun, p50_interval
 from omni_accum.errors import OmniAccumError
 
 
@@ -53,30 +54,102 @@ def plot_path_problem(path: str | os.PathLike[str], option: str = "--plot") -> s
     return f"{option} {path}: {what}; the extension gives the format: {', '.join(formats)}"
 
 
-def plot(run: BenchRun, path: str | os.PathLike[str]) -> None:
-    """Log-log plot of p50 step latency vs context length, one line per arm (and concurrency)."""
-    plt = require_matplotlib()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    series: dict[tuple[str, int], list[tuple[int, float]]] = {}
+def context_label(n: float) -> str:
+    """``1000`` -> ``1k``, ``32000`` -> ``32k``, ``1500`` -> ``1.5k``, ``16`` -> ``16`` (x tick labels)."""
+    if n >= 1000:
+        return f"{n / 1000:g}k"
+    return f"{n:g}"
+
+
+def plot_series(run: BenchRun) -> dict[tuple[str, int], list[tuple[int, float, float, float]]]:
+    """``{(arm, concurrency): [(context_len, p50, low, high), ...]}`` sorted by context length; the
+    interval is the p50's bootstrap 95 % interval (:func:`~omni_accum.bench.report.p50_interval`)."""
+    series: dict[tuple[str, int], list[tuple[int, float, float, float]]] = {}
     for r in run.results:
-        if r.samples_us:
-            series.setdefault((r.arm, r.concurrency), []).append((r.context_len, r.step_us_p50))
-    concs = sorted({c for _, c in series})
-    styles = ["-o", "--s", ":^", "-.v"]
-    for (arm, c), pts in sorted(series.items()):
+        ci = p50_interval(r)
+        if ci is not None:
+            series.setdefault((r.arm, r.concurrency), []).append((r.context_len, r.step_us_p50, *ci))
+    for pts in series.values():
         pts.sort()
-        style = styles[concs.index(c) % len(styles)]
-        label = arm if len(concs) == 1 else f"{arm} (c={c})"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("context length (prefill rows)")
-    ax.set_ylabel("p50 step latency (us)")
-    hop = f", view hop {run.view_hop}" if run.view_hop else ""
-    ax.set_title(f"{run.workload.name}: wire {run.wire}{hop}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    return series
+
+
+def plot(run: BenchRun, path: str | os.PathLike[str]) -> None:
+    """Write :func:`figure` to ``path`` (the extension gives the format)."""
+    plt = require_matplotlib()
+    fig = figure(run)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def figure(run: BenchRun) -> Any:
+    """Log-log plot of p50 step latency vs context length with 95 % intervals (a matplotlib Figure).
+
+    One colour per arm (``upstream``: black, thicker, drawn on top), one line style and marker per
+    concurrency; the legend names the arms, and the concurrency levels as ``c=N: N requests at once``;
+    x ticks at the measured context lengths, as ``1k``, ``8k``, ``32k``.
+    """
+    plt = require_matplotlib()
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series = plot_series(run)
+    arms = list(dict.fromkeys(arm for arm, _ in series))
+    concs = sorted({c for _, c in series})
+    palette = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7]  # 7: grey, for the c= legend
+    colours: dict[str, Any] = {}
+    for arm in arms:
+        others = len([a for a in colours if a != UPSTREAM])
+        colours[arm] = "black" if arm == UPSTREAM else palette[others % len(palette)]
+    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "v"), ((0, (5, 1)), "D")]
+    for (arm, c), pts in series.items():
+        ls, marker = styles[concs.index(c) % len(styles)]
+        up = arm == UPSTREAM
+        xs = [p[0] for p in pts]
+        ax.plot(
+            xs,
+            [p[1] for p in pts],
+            linestyle=ls,
+            marker=marker,
+            color=colours[arm],
+            linewidth=2.6 if up else 1.4,
+            markersize=6 if up else 4.5,
+            zorder=3 if up else 2,
+        )
+        ax.fill_between(xs, [p[2] for p in pts], [p[3] for p in pts], color=colours[arm], alpha=0.15, linewidth=0)
+    xs_all = sorted({p[0] for pts in series.values() for p in pts})
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(xs_all))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: context_label(x)))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("context length (prefill rows)")
+    ax.set_ylabel("p50 step latency (us), shaded: 95% interval")
+    hop = f", view hop {run.view_hop}" if run.view_hop else ""
+    ax.set_title(f"{run.workload.name}: wire {run.wire}{hop}")
+    ax.grid(True, which="both", alpha=0.3)
+    handles = [
+        Line2D([], [], color=colours[a], linewidth=2.6 if a == UPSTREAM else 1.4, label=f"{a} (baseline)")
+        if a == UPSTREAM
+        else Line2D([], [], color=colours[a], linewidth=1.4, label=a)
+        for a in arms
+    ]
+    if len(concs) > 1:
+        handles += [
+            Line2D(
+                [],
+                [],
+                color="grey",
+                linestyle=styles[i % len(styles)][0],
+                marker=styles[i % len(styles)][1],
+                label=f"c={c}: {c} request{'s' if c > 1 else ''} at once",
+            )
+            for i, c in enumerate(concs)
+        ]
+    elif concs:
+        ax.set_title(f"{run.workload.name}: wire {run.wire}{hop}, concurrency {concs[0]}")
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    return fig

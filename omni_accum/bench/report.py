@@ -18,6 +18,12 @@ import torch
 
 from omni_accum.bench.replay import UPSTREAM, WIRE_FLOOR, ArmResult
 from omni_accum.bench.workloads import Workload
+from omni_accum.tuner.stats import MIN_GAIN, bootstrap_gain
+
+#: Samples per arm the bootstrap resamples (a longer run is thinned evenly: the interval widens a little,
+#: the table stays fast).
+MAX_BOOTSTRAP_SAMPLES = 1000
+BOOTSTRAP_RESAMPLES = 200
 
 #: JSON schema of ``omni-accum bench --json`` output.
 RESULT_SCHEMA: dict[str, Any] = {
@@ -108,6 +114,48 @@ def roundtrip_lines(run: BenchRun) -> list[str]:
     return lines
 
 
+def _thin(xs: list[float]) -> list[float]:
+    step = max(1, -(-len(xs) // MAX_BOOTSTRAP_SAMPLES))
+    return xs[::step]
+
+
+def p50_interval(r: ArmResult) -> tuple[float, float] | None:
+    """Bootstrap 95 % interval of an arm's p50 step (us), or None without samples.
+
+    :func:`~omni_accum.tuner.stats.bootstrap_gain` against a constant baseline of 1: its gain is
+    ``1 - median``, so the interval of the median is ``(1 - high, 1 - low)``.
+    """
+    xs = r.pooled()
+    if not xs:
+        return None
+    g = bootstrap_gain([1.0], _thin(xs), resamples=BOOTSTRAP_RESAMPLES)
+    return (1.0 - g.high, 1.0 - g.low)
+
+
+def ratio_vs(base: ArmResult, r: ArmResult) -> tuple[float, float, float, bool] | None:
+    """``(ratio, low, high, within_noise)``: ``r``'s p50 over ``base``'s with a bootstrap 95 % interval.
+
+    Within noise: the interval contains 1x, or the difference is under :data:`~omni_accum.tuner.stats.MIN_GAIN`
+    (the rule ``omni-accum tune`` applies before it leaves the baseline). None without samples.
+    """
+    a, b = base.pooled(), r.pooled()
+    if not a or not b or base.step_us_p50 <= 0:
+        return None
+    g = bootstrap_gain(_thin(a), _thin(b), resamples=BOOTSTRAP_RESAMPLES)
+    ratio, low, high = 1.0 - g.gain, 1.0 - g.high, 1.0 - g.low
+    return ratio, low, high, (low <= 1.0 <= high) or abs(g.gain) < MIN_GAIN
+
+
+def _fmt_ratio(q: tuple[float, float, float, bool] | None) -> str:
+    if q is None:
+        return "-"
+    ratio, low, high, noise = q
+    if noise:
+        return f"~1x (within noise: {low:.2g}-{high:.2g}x)"
+    faster = f" ({1 / ratio:.0f}x faster)" if 0 < ratio < 0.5 else ""
+    return f"{ratio:.3g}x [{low:.2g}-{high:.2g}]{faster}"
+
+
 def _fmt_bytes(n: float) -> str:
     for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= div:
@@ -124,6 +172,9 @@ def _fmt_us(us: float) -> str:
 def format_table(results: list[ArmResult], baseline: str = UPSTREAM, *, decode_steps: int | None = None) -> str:
     """One bucket's results as a text table, with each arm's p50 as a ratio to ``baseline``.
 
+    Every p50 comes with a bootstrap 95 % interval (:func:`p50_interval`), every ratio with its own
+    (:func:`ratio_vs`); a ratio whose interval holds 1x, or under 5 % from it, reads ``~1x (within noise)``.
+
     A step is one chunk of one request, prefill chunks included; with ``decode_steps`` the head splits
     ``steps/request`` into prefill chunks and decode steps.
     """
@@ -137,20 +188,32 @@ def format_table(results: list[ArmResult], baseline: str = UPSTREAM, *, decode_s
     head = (
         f"context_len={r0.context_len}  concurrency={r0.concurrency}  wire={r0.wire}  steps/request={r0.steps}{split}"
     )
-    cols = ["arm", "p50 step", "p99 step", "total/request", "wire/step", "peak held", f"p50 vs {baseline}", "views"]
+    cols = [
+        "arm",
+        "p50 step",
+        "p50 95% CI",
+        "p99 step",
+        "total/request",
+        "wire/step",
+        "peak held",
+        f"p50 vs {baseline} [95% CI]",
+        "views",
+    ]
     rows = []
     notes = []
     for r in results:
         ratio = "-"
         if base is not None and r.samples_us:
-            q = r.step_us_p50 / base.step_us_p50 if base.step_us_p50 > 0 else float("nan")
-            ratio = f"{q:.3g}x" + (f" ({1 / q:.0f}x faster)" if q > 0 and q < 0.5 else "")
+            ratio = "1x" if r is base else _fmt_ratio(ratio_vs(base, r))
+        ci = p50_interval(r)
         tot = sum(r.total_us_per_request) / len(r.total_us_per_request) if r.total_us_per_request else float("nan")
-        ok = "ok" if r.correct else "WRONG"
+        # wire-floor accumulates nothing: its views are not compared with the cat reference
+        ok = "n/a" if r.arm == WIRE_FLOOR and r.error is None else ("ok" if r.correct else "WRONG")
         rows.append(
             [
                 r.arm,
                 _fmt_us(r.step_us_p50),
+                f"{_fmt_us(ci[0])}-{_fmt_us(ci[1])}" if ci else "-",
                 _fmt_us(r.step_us_p99),
                 _fmt_us(tot),
                 _fmt_bytes(r.wire_bytes_per_step),
@@ -162,13 +225,20 @@ def format_table(results: list[ArmResult], baseline: str = UPSTREAM, *, decode_s
         if not r.correct:
             notes.append(f"  {r.arm}: {r.mismatch}")
         for k, ks in sorted(r.per_key.items()):
-            rows.append([f"  {k}", "", "", "", _fmt_bytes(ks.wire_bytes_per_step), _fmt_bytes(ks.peak_bytes), "", ""])
+            rows.append(
+                [f"  {k}", "", "", "", "", _fmt_bytes(ks.wire_bytes_per_step), _fmt_bytes(ks.peak_bytes), "", ""]
+            )
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
 
     def line(cells: list[Any]) -> str:
         return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
     out = [head, line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
+    if base is not None and len(results) > 1:
+        out.append(
+            f"(95% CI: bootstrap of the median over the steps of {len(base.samples_us)} repeat(s); "
+            f"'within noise': the ratio's interval holds 1x or the difference is under {MIN_GAIN:.0%})"
+        )
     if notes:
         out += ["views differing from the cat reference (or errors):", *notes]
     return "\n".join(out)
