@@ -185,7 +185,7 @@ class MooncakeServices:
     segment_bytes: int = 512 << 20
     master: str | None = None
     metadata: str | None = None
-    lease_ttl_ms: int = 100
+    lease_ttl_ms: int | None = None
     soft_pin_ttl_ms: int | None = None
     log_dir: str | None = None
     python: str = sys.executable
@@ -258,8 +258,9 @@ class MooncakeServices:
             f"--http_metadata_server_port={self.http_port}",
             f"--metrics_host={HOST}",
             f"--metrics_port={self.metrics_port}",
-            f"--default_kv_lease_ttl={self.lease_ttl_ms}",
         ]
+        if self.lease_ttl_ms is not None:  # a lease shorter than a get (an 8k prefill object under load) fails it
+            args.append(f"--default_kv_lease_ttl={self.lease_ttl_ms}")
         if self.soft_pin_ttl_ms is not None:
             args.append(f"--default_kv_soft_pin_ttl={self.soft_pin_ttl_ms}")
         self.master_proc = subprocess.Popen(
@@ -293,6 +294,7 @@ class MooncakeServices:
             stdout=subprocess.PIPE,
             stderr=self._log("holder"),
             env=self.env(),
+            cwd=tempfile.gettempdir(),
         )
         line = _readline(self.holder_proc.stdout, timeout)
         if line.strip() != "ready":
@@ -404,6 +406,7 @@ class StageHost:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=self.env,
+            cwd=self._tmp.name,  # not a source tree: a stale *.egg-info there would shadow the installed entry points
         )
         line = _readline(self.proc.stdout, timeout)
         if line.strip() != "ready":
@@ -566,6 +569,7 @@ class MooncakeArmResult:
     concurrency: int
     store_bytes_per_step: float = 0.0
     store_bytes_per_request: float = 0.0
+    put_bytes_p50: float = 0.0
     puts: int = 0
     failed_puts: int = 0
 
@@ -605,8 +609,8 @@ def _sender(*, pipes: list, extra: dict, wl: Any, arms: dict, cl: int, concurren
     ctx, streams = _plan(wl, cl, concurrency)
     conn = make_connector(0, extra)
     clock = time.perf_counter_ns
-    res: dict[str, Any] = {lab: {"samples": [], "totals": [], "bytes": 0, "puts": 0, "failed": 0, "steps": 0}
-                           for lab in arms}
+    res: dict[str, Any] = {lab: {"samples": [], "totals": [], "bytes": 0, "puts": 0, "failed": 0, "steps": 0,
+                                 "sizes": []} for lab in arms}
     try:
         for lab, rep in _schedule(list(arms), repeats, warmup):
             engine = make_engine(arms[lab], ctx)
@@ -635,6 +639,8 @@ def _sender(*, pipes: list, extra: dict, wl: Any, arms: dict, cl: int, concurren
                         st = res[lab]
                         st["puts"] += 1
                         st["bytes"] += int(size) if ok else 0
+                        if rep == 0:
+                            st["sizes"].append(int(size) if ok else 0)
                         st["failed"] += 0 if ok else 1
                     if i == n - 1:  # the request has finished: its objects may go (untimed)
                         engine.release(rid)
@@ -760,21 +766,23 @@ def measure_mooncake(
             res.error = r["error"]
         results.append(res)
         reqs = max(1, concurrency * repeats)
-        store.append(MooncakeArmResult(lab, cl, concurrency, res.wire_bytes_per_step, s["bytes"] / reqs, s["puts"],
-                                       s["failed"]))
+        store.append(MooncakeArmResult(lab, cl, concurrency, res.wire_bytes_per_step, s["bytes"] / reqs,
+                                       statistics.median(s["sizes"]) if s["sizes"] else 0.0, s["puts"], s["failed"]))
     return results, store
 
 
 def format_store_table(store: list[MooncakeArmResult], baseline: str = "upstream") -> str:
-    """Bytes through the store per step and per request (= left pinned per request by vllm-omni 0.30.0)."""
+    """Bytes through the store per step (mean, and the median put: a decode chunk), per request (= what vllm-omni
+    0.30.0 leaves pinned per request), each as a ratio to ``baseline``."""
     from omni_accum.bench.report import _fmt_bytes  # noqa: PLC0415
 
     base = next((s for s in store if s.arm == baseline), None)
-    rows = [["arm", "store/step", "store/request", f"vs {baseline}", "puts", "failed puts"]]
+    rows = [["arm", "store/step", "p50 put", "store/request", f"vs {baseline}", "p50 put vs", "puts", "failed puts"]]
     for s in store:
         ratio = f"{s.store_bytes_per_request / base.store_bytes_per_request:.3g}x" if base and base.store_bytes_per_request else "-"
-        rows.append([s.arm, _fmt_bytes(s.store_bytes_per_step), _fmt_bytes(s.store_bytes_per_request), ratio,
-                     str(s.puts), str(s.failed_puts)])
+        p50 = f"{s.put_bytes_p50 / base.put_bytes_p50:.3g}x" if base and base.put_bytes_p50 else "-"
+        rows.append([s.arm, _fmt_bytes(s.store_bytes_per_step), _fmt_bytes(s.put_bytes_p50),
+                     _fmt_bytes(s.store_bytes_per_request), ratio, p50, str(s.puts), str(s.failed_puts)])
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows)
 
@@ -903,6 +911,80 @@ def format_occupancy(occ: list[Occupancy]) -> str:
         ])
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows)
+
+
+def _cli_problem(args: Any) -> str | None:
+    if args.view_hop or args.through != "direct" or args.plot:
+        return "--wire mooncake takes neither --view-hop, --through vllm-omni nor --plot"
+    if args.mooncake_metadata and not args.mooncake_master:
+        return "--mooncake-metadata goes with --mooncake-master"
+    if args.mooncake_occupancy and args.mooncake_master:
+        return "--mooncake-occupancy starts a fresh master per arm; it does not take --mooncake-master"
+    if args.mooncake_master and ":" not in args.mooncake_master:
+        return f"--mooncake-master {args.mooncake_master}: give HOST:PORT"
+    try:
+        parse_size(args.mooncake_segment)
+    except OmniAccumError as e:
+        return f"--mooncake-segment: {e}"
+    return mooncake_problem()
+
+
+def run_cli(args: Any, wl: Any, arms: Mapping[str, Any]) -> int:
+    """``omni-accum bench --wire mooncake`` (called by :mod:`omni_accum.cli.bench` once the arms are built)."""
+    from omni_accum.bench.report import format_table, machine_info  # noqa: PLC0415
+
+    problem = _cli_problem(args)
+    if problem:
+        print(f"omni-accum bench: error: {problem}", file=sys.stderr)
+        return 2
+    segment = parse_size(args.mooncake_segment)
+    cls = list(args.context_lens or wl.default_context_lens())
+    concs = list(args.concurrency or wl.concurrency)
+    metadata = args.mooncake_metadata
+    if args.mooncake_master and not metadata:
+        metadata = f"http://{args.mooncake_master.rsplit(':', 1)[0]}:8080/metadata"
+    where = f"master {args.mooncake_master}" if args.mooncake_master else "own master"
+    print(f"workload {wl.name}: arms {', '.join(arms)}; wire mooncake ({where}, sender and receiver in two processes); "
+          f"{args.repeats} repeats", flush=True)
+    host = StageHost().start()
+    results: list[Any] = []
+    store: list[MooncakeArmResult] = []
+    try:
+        if args.mooncake_occupancy:
+            for cl in cls:
+                occ = occupancy(host, wl, arms, context_len=cl, requests=args.mooncake_occupancy, segment_bytes=segment)
+                print(f"\ncontext_len={cl}: {args.mooncake_occupancy} requests per arm, one at a time, nothing removed, "
+                      f"segment {segment} bytes")
+                print(format_occupancy(occ), flush=True)
+            return 0
+        with MooncakeServices(segment_bytes=segment, master=args.mooncake_master, metadata=metadata) as svc:
+            for cl in cls:
+                for c in concs:
+                    res, st = measure_mooncake(host, svc, wl, arms, context_len=cl, concurrency=c, repeats=args.repeats)
+                    results += res
+                    store += st
+                    print()
+                    print(format_table(res, decode_steps=wl.decode_steps))
+                    print(format_store_table(st), flush=True)
+    finally:
+        host.stop()
+    if args.json:
+        doc = {"workload": wl.name, "wire": "mooncake", "machine": machine_info(), "results": [
+            {"arm": r.arm, "key": r.key, "context_len": r.context_len, "concurrency": r.concurrency,
+             "step_us_p50": r.step_us_p50, "step_us_p99": r.step_us_p99,
+             "total_us_per_request": statistics.fmean(r.total_us_per_request) if r.total_us_per_request else None,
+             "wire_bytes_per_step": r.wire_bytes_per_step, "store_bytes_per_request": s.store_bytes_per_request, "put_bytes_p50": s.put_bytes_p50,
+             "failed_puts": s.failed_puts, "peak_bytes": r.peak_bytes, "requests": r.requests, "steps": r.steps,
+             "correct": r.correct}
+            for r, s in zip(results, store)]}
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    wrong = sorted({r.arm for r in results if not r.correct and r.arm != "upstream"})
+    if wrong:
+        print(f"omni-accum: error: arm(s) {', '.join(wrong)} gave views differing from the cat reference",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

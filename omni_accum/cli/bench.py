@@ -24,7 +24,9 @@ EXAMPLES = """examples:
   omni-accum bench --workload qwen3-omni-seed --context-lens 1k,8k --concurrency 1
   omni-accum bench --arms upstream prealloc qwen3-omni-flat wire-floor --json seed.json --plot seed.png
   omni-accum bench --concurrency 10 --wire serializer --view-hop serializer --arms upstream qwen3-omni-flat
-  omni-accum bench --workload my-traffic.yaml --arms upstream my-policy.yaml --per-key"""
+  omni-accum bench --workload my-traffic.yaml --arms upstream my-policy.yaml --per-key
+  omni-accum bench --wire mooncake --context-lens 1k,8k --concurrency 1 4 --arms upstream qwen3-omni-flat
+  omni-accum bench --wire mooncake --mooncake-occupancy 40 --context-lens 8k --mooncake-segment 1GiB"""
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -83,10 +85,32 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--wire",
-        choices=("inproc", "serializer", "shm"),
+        choices=("inproc", "serializer", "shm", "mooncake"),
         default="inproc",
         help="inproc (default): no serialization; serializer: vllm-omni's OmniSerializer; shm: its "
-        "SharedMemoryConnector",
+        "SharedMemoryConnector; mooncake: its MooncakeStoreConnector, sender and receiver in two processes "
+        "(needs omni-accum[mooncake]; starts its own master unless --mooncake-master is given)",
+    )
+    m = p.add_argument_group("--wire mooncake")
+    m.add_argument("--mooncake-master", metavar="HOST:PORT", help="use this Mooncake master instead of starting one")
+    m.add_argument(
+        "--mooncake-metadata",
+        metavar="URL",
+        help="its metadata server (default with --mooncake-master: http://HOST:8080/metadata)",
+    )
+    m.add_argument(
+        "--mooncake-segment",
+        default="1GiB",
+        metavar="SIZE",
+        help="store memory of the holder process this run starts (default: 1GiB)",
+    )
+    m.add_argument(
+        "--mooncake-occupancy",
+        type=positive_int,
+        metavar="N",
+        help="instead of timing: per arm, a fresh master and --mooncake-segment, then N requests sent as vllm-omni "
+        "0.30.0 leaves them (soft-pinned, never removed); prints what each request leaves pinned and when the "
+        "segment is full",
     )
     p.add_argument(
         "--view-hop",
@@ -186,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
     except bench.UnknownArmError as e:
         return _usage_error(str(e))
     apply_threads(args.threads)
+    if args.wire == "mooncake":
+        from omni_accum.bench.mooncake import run_cli
+
+        return run_cli(args, wl, arms)
     if args.through == "vllm-omni":
         from omni_accum.bench.replay import VllmOmniUnavailable
 
