@@ -374,3 +374,17 @@ def test_validate_says_when_a_file_is_the_default_policy(capsys, tmp_path):
 def test_explain_takes_8k_and_verbose_after_the_command(capsys):
     code, out, _ = run(capsys, "explain", "qwen3-omni", "--key", "embed.decode", "--context-len", "8k", "-v")
     assert code == 0 and "context_len 8000" in out
+
+
+def test_strategies_lists_the_policy_presets_with_their_descriptions(capsys):
+    from omni_accum.cli import main as cli_main
+    from omni_accum.policy.loader import preset_names
+
+    assert cli_main(["strategies"]) == 0
+    out = capsys.readouterr().out.split("\npresets", 1)
+    assert len(out) == 2
+    for name in preset_names():
+        assert f"\n{name}\n    " in out[1]
+    assert cli_main(["strategies", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {p["name"] for p in doc["presets"]} == set(preset_names()) and all(p["description"] for p in doc["presets"])

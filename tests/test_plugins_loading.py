@@ -465,3 +465,14 @@ def test_delta_can_be_disabled_like_any_third_party_plugin(monkeypatch):
     monkeypatch.setenv("OMNI_ACCUM_DISABLED_PLUGINS", "")
     monkeypatch.setenv("OMNI_ACCUM_PLUGINS", "delta")
     assert "delta" in omni_accum.StrategyManager().names()
+
+
+def test_strategies_prints_a_plugin_problem_once(fake_plugins, monkeypatch, caplog, capsys):
+    from omni_accum.cli import main
+
+    fake_plugins(ep_of("raising"), ep_of("good", "acme"))
+    monkeypatch.setattr(manager_mod, "_manager", None)
+    with caplog.at_level(logging.WARNING, logger="omni_accum"):
+        assert main(["strategies"]) == 0
+    said = capsys.readouterr().err + "\n".join(r.getMessage() for r in caplog.records)
+    assert said.count("database unreachable") == 1, said

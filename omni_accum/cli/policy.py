@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import warnings
 from typing import Any
@@ -87,12 +88,37 @@ def spec_record(spec: StrategySpec) -> dict[str, Any]:
     }
 
 
+class _NoSkippedPluginLog(logging.Filter):
+    """Drops the manager's "plugin skipped" warnings: ``strategies`` prints each problem itself, once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "plugin skipped" not in record.getMessage()
+
+
+def preset_records() -> list[dict[str, str]]:
+    """Name and description of every policy preset shipped in ``config/`` (``omni_accum.config``)."""
+    out = []
+    for name in preset_names():
+        try:
+            description = load_policy(name).description or ""
+        except OmniAccumError as e:  # a preset a broken plugin makes invalid: say so, list the others
+            description = f"(does not load here: {e})"
+        out.append({"name": name, "description": " ".join(description.split())})
+    return out
+
+
 def cmd_strategies(args: argparse.Namespace) -> int:
-    manager = get_manager()
+    log, quiet = logging.getLogger("omni_accum"), _NoSkippedPluginLog()
+    log.addFilter(quiet)
+    try:
+        manager = get_manager()
+    finally:
+        log.removeFilter(quiet)
     records = [spec_record(s) for s in manager.specs()]
     problems = [{"plugin": p, "problem": m} for p, m in manager.problems]
+    presets = preset_records()
     if args.json:
-        _json({"strategies": records, "problems": problems})
+        _json({"strategies": records, "presets": presets, "problems": problems})
         return 0
     for r in records:
         dist = r["distribution"]
@@ -108,6 +134,9 @@ def cmd_strategies(args: argparse.Namespace) -> int:
             _out(f"    param {p['name']}: {p['type']} ({default}{cons})")
             if p["description"]:
                 _out(f"        {p['description']}")
+    _out("\npresets (policies to pass by name: --arms, validate/explain/show, omni_accum_policy, OMNI_ACCUM_POLICY):")
+    for pr in presets:
+        _out(f"{pr['name']}\n    {pr['description']}" if pr["description"] else pr["name"])
     for p in problems:
         print(f"omni-accum: warning: plugin {p['plugin']!r} skipped: {p['problem']}", file=sys.stderr)
     return 0
@@ -342,9 +371,11 @@ def register(subparsers: Any) -> None:
 
     p = subparsers.add_parser(
         "strategies",
-        help="list the registered strategies, their plugins, kinds and params",
+        help="list the registered strategies (plugins, kinds, params) and the policy presets",
         description="List every registered strategy: name, providing plugin and its distribution and version, "
-        "the key kinds it applies to, and its params with defaults and allowed ranges.",
+        "the key kinds it applies to, and its params with defaults and allowed ranges; then every policy preset "
+        "(the policies shipped in omni_accum.config, usable by name wherever a policy is asked for) with its "
+        "description.",
         epilog="examples:\n  omni-accum strategies\n  omni-accum strategies --json",
         formatter_class=fmt,
     )
