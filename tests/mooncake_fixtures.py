@@ -86,9 +86,21 @@ def stage_host(mooncake):
 T2T = "vllm_omni.model_executor.stage_input_processors.qwen3_omni.thinker2talker_async_chunk"
 
 
-def deploy_connector(extra: dict[str, Any]) -> dict[str, Any]:
-    """A stage's connector as a deploy YAML names it (``connectors: {name: ..., extra: ...}``)."""
-    return {"name": "MooncakeStoreConnector", "extra": dict(extra)}
+DEPLOY = Path(TESTS).parent / "config" / "deploy" / "qwen3_omni_mooncake.yaml"
+
+
+def deploy_connector(services: Any, *, keep_policy: bool = False) -> dict[str, Any]:
+    """The talker's input connector of ``config/deploy/qwen3_omni_mooncake.yaml``, pointed at the test's master
+    (addresses, ``segment: 0``: the holder owns the memory); its ``omni_accum_policy`` only with ``keep_policy``."""
+    import yaml
+
+    doc = yaml.safe_load(DEPLOY.read_text())
+    (stage,) = [s for s in doc["stages"] if s["stage_id"] == 1]
+    conn = doc["connectors"][stage["input_connectors"]["from_stage_0"]]
+    extra = {**conn["extra"], **services.connector_extra()}
+    if not keep_policy:
+        extra.pop("omni_accum_policy")
+    return {"name": conn["name"], "extra": extra}
 
 
 def _adapter(stage_id: int, connector: dict[str, Any], next_func: str | None = None) -> Any:
@@ -116,7 +128,13 @@ def _load_plugins() -> dict[str, Any]:
 
     before = integration.is_installed()
     vllm_omni.plugins.load_omni_general_plugins()
-    return {"installed_before": before, "installed": integration.is_installed(), "pid": os.getpid()}
+    return {"installed_before": before, "pid": os.getpid()}
+
+
+def _installed() -> bool:
+    from omni_accum.integrations import vllm_omni as integration
+
+    return integration.is_installed()
 
 
 def thinker_stage(*, pipes: Any, connector: dict[str, Any], rids: list[str], decode_steps: int) -> dict[str, Any]:
@@ -127,6 +145,7 @@ def thinker_stage(*, pipes: Any, connector: dict[str, Any], rids: list[str], dec
         os.close(fd)
     info = _load_plugins()
     tx = _adapter(0, connector, next_func=T2T)
+    info["installed"] = _installed()
     steps = {rid: _thinker_steps(seed=n, decode_steps=decode_steps) for n, rid in enumerate(rids)}
     out_ids: dict[str, list[int]] = {rid: [] for rid in rids}
     puts: list[int] = []
@@ -172,6 +191,7 @@ def talker_stage(*, pipes: Any, connector: dict[str, Any], rids: list[str], chun
         os.close(fd)
     info = _load_plugins()
     rx = _adapter(1, connector)
+    info["installed"] = _installed()
     reqs = {rid: _request(rid, [], internal="rx-" + rid) for rid in rids}
     handed: dict[str, list[Any]] = {rid: [] for rid in rids}
     try:

@@ -22,11 +22,12 @@ RIDS = 3
 DELTA_POLICY = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "mooncake", "qwen3-omni-delta.yaml")
 
 
-def _run(stage_host, mooncake, label: str, env: dict[str, str]) -> tuple[dict, dict]:
+def _run(stage_host, mooncake, label: str, env: dict[str, str], keep_policy: bool = False) -> tuple[dict, dict]:
     from omni_accum.bench.mooncake import Job
 
     rids = [f"mc-{label}-{os.getpid()}-{n}" for n in range(RIDS)]
-    connector = deploy_connector(mooncake.connector_extra())
+    connector = deploy_connector(mooncake, keep_policy=keep_policy)
+    assert connector["name"] == "MooncakeStoreConnector"
     base_env = {"OMNI_ACCUM_VLLM_OMNI": "1", "OMNI_ACCUM_POLICY": "", "OMNI_ACCUM_METRICS": "0"}
     jobs = [
         Job("mooncake_fixtures:thinker_stage", {"connector": connector, "rids": rids, "decode_steps": DECODE},
@@ -125,6 +126,15 @@ def test_views_equal_upstream_through_the_store(stage_host, mooncake, upstream, 
     assert tx["binding_wire_bytes"] == tx["bytes"]  # the connector's put results are what the binding counted
     assert_same(rx["handed"], up_rx["handed"], "handed")  # bit for bit, every request, every step
     assert rx["active_after_cleanup"] == 0
+
+
+def test_policy_from_the_deploy_fragment(stage_host, mooncake, upstream):
+    """No OMNI_ACCUM_POLICY: the fragment's ``omni_accum_policy: qwen3-omni`` (connector extra) turns it on."""
+    up_tx, up_rx = upstream
+    tx, rx = _run(stage_host, mooncake, "yaml", {"OMNI_ACCUM_POLICY": ""}, keep_policy=True)
+    assert not tx["installed_before"] and tx["installed"] and rx["installed"]
+    assert tx["omitted"] > 0 and tx["bytes"] < up_tx["bytes"]
+    assert_same(rx["handed"], up_rx["handed"], "handed")
 
 
 def test_bench_pair_through_the_store(stage_host, mooncake):
