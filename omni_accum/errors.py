@@ -81,11 +81,23 @@ class MergeError(ValueError):
 
 
 class PolicyError(OmniAccumError):
-    """A policy could not be loaded or is invalid. ``errors`` lists every problem found."""
+    """A policy could not be loaded or is invalid. ``errors`` lists every problem found.
 
-    def __init__(self, message: str, errors: list[str] | None = None, source: str | None = None) -> None:
+    ``details``: the same problems as ``{"loc", "line", "msg"}`` records (field path such as
+    ``rules[0].params.growth`` or None, 1-based line in the source text or None, and the message
+    without source and place), when the loader could tell them apart.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        errors: list[str] | None = None,
+        source: str | None = None,
+        details: list[dict] | None = None,
+    ) -> None:
         self.errors = list(errors or [message])
         self.source = source
+        self.details = list(details) if details is not None else None
         super().__init__(message)
 
 

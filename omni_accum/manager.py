@@ -52,6 +52,31 @@ ENV_TRACE = "OMNI_ACCUM_TRACE_PLUGINS"
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 
 
+ENV_LOG_LEVEL = "OMNI_ACCUM_LOG_LEVEL"
+LOG_FORMAT = "%(levelname)s %(asctime)s [omni-accum pid=%(process)d] %(message)s"
+
+
+def ensure_visible_logging(level: int | None = None, fmt: str = LOG_FORMAT) -> logging.Logger:
+    """Give the ``omni_accum`` logger a stderr handler unless it (or an ancestor) already has one.
+
+    Called when ``OMNI_ACCUM_TRACE_PLUGINS=1`` asks for hook traces (so a library process shows them)
+    and by the CLI for ``-v``; an application's own handler is kept. ``level``: at most this level when
+    given; otherwise the level is set only when unset, from ``OMNI_ACCUM_LOG_LEVEL`` (default INFO).
+    """
+    lg = logging.getLogger("omni_accum")
+    if level is not None:
+        if lg.level == logging.NOTSET or lg.level > level:
+            lg.setLevel(level)
+    elif lg.level == logging.NOTSET:
+        named = logging.getLevelName(os.environ.get(ENV_LOG_LEVEL, "INFO").strip().upper())
+        lg.setLevel(named if isinstance(named, int) else logging.INFO)
+    if not lg.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(fmt))
+        lg.addHandler(handler)
+    return lg
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -106,6 +131,7 @@ class StrategyManager:
         self._dists: dict[str, tuple[str, str] | None] = {}  # plugin name -> its distribution
         self._loaded_eps: dict[str, str] = {}  # entry-point name -> value, for idempotent reloads
         if self._trace:
+            ensure_visible_logging()  # a trace asked for is shown, even where nobody configured logging
             self.pm.trace.root.setwriter(lambda msg: logger.info("omni_accum hook: %s", msg.rstrip()))
             self.pm.enable_tracing()
         self.register(_PolicySelector(), name="omni_accum.policy", first_party=True)
@@ -203,6 +229,9 @@ class StrategyManager:
         with self._lock:
             self._specs.update(new_specs)
             self._dists[name] = distribution
+        if new_specs:
+            where = f"{distribution[0]} {distribution[1]}" if distribution else "no distribution"
+            logger.debug("omni_accum: plugin %r (%s) registered %s", name, where, ", ".join(sorted(new_specs)))
 
     def _collect(
         self, plugin: Any, name: str, distribution: tuple[str, str] | None, who: str

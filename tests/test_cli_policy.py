@@ -111,10 +111,13 @@ def test_validate_json(capsys, tmp_path):
     assert code == 1
     data = json.loads(out)
     assert data["valid"] is False
-    assert data["policies"][0] == {
+    assert data["policies"][0] == {  # one shape for valid and invalid policies; errors as loc, line, msg
         "policy": str(a),
         "valid": False,
-        "errors": [f"{a}, line 1: version: Input should be 1 (got 3)"],
+        "rules": None,
+        "note": None,
+        "errors": [{"loc": "version", "line": 1, "msg": "Input should be 1 (got 3)"}],
+        "warnings": [],
     }
     assert data["policies"][1]["valid"] is True
 

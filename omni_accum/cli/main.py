@@ -18,6 +18,7 @@ from types import ModuleType
 from omni_accum import __version__
 from omni_accum.cli import bench, doctor, policy, tune
 from omni_accum.errors import OmniAccumError
+from omni_accum.manager import ENV_TRACE, _env_flag, ensure_visible_logging
 
 #: Modules contributing subcommands, in the order they appear in ``--help``.
 COMMAND_MODULES: tuple[ModuleType, ...] = (policy, bench, tune, doctor)
@@ -48,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    if args.verbose or _env_flag(ENV_TRACE):  # omni_accum's own lines on stderr (root's WARNING hides INFO/DEBUG)
+        ensure_visible_logging(logging.DEBUG if args.verbose else logging.INFO, "%(levelname)s %(message)s")
     try:
         return int(args.func(args) or 0)
     except OmniAccumError as e:

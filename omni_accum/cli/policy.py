@@ -18,11 +18,10 @@ import annotated_types as at
 import yaml
 from pydantic import BaseModel
 
+from omni_accum.cli import validate
 from omni_accum.cli.args import int_value, positive_int
 from omni_accum.context import KeyMeta, StreamContext
-from omni_accum.engine.endpoint import _Endpoint
-from omni_accum.errors import OmniAccumError
-from omni_accum.policy.environment import fingerprint_mismatches
+from omni_accum.policy.environment import table_mismatches
 from omni_accum.policy.loader import load_policy, preset_names
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.model import PROTOCOL_REPLACE_KEYS, Policy, is_glob
@@ -143,51 +142,6 @@ def cmd_strategies(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- #
-# validate
-# ---------------------------------------------------------------------------------------------- #
-
-
-def cmd_validate(args: argparse.Namespace) -> int:
-    manager = get_manager()
-    results = []
-    for source in args.policies:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                policy = load_policy(source, manager=manager)
-        except OmniAccumError as e:
-            errors = list(getattr(e, "errors", None) or [str(e)])
-            results.append({"policy": source, "valid": False, "errors": errors})
-            continue
-        try:
-            _Endpoint(policy, manager=manager)  # what a Sender or Receiver refuses (meta.override_keys' rule)
-        except OmniAccumError as e:
-            results.append({"policy": source, "valid": False, "errors": [f"{source}: {e}"]})
-        else:
-            note = (
-                "the default policy: vllm-omni 0.30.0's behaviour"
-                if policy == Policy() and source != "default"
-                else None
-            )
-            results.append({"policy": source, "valid": True, "errors": [], "rules": len(policy.rules), "note": note})
-    bad = [r for r in results if not r["valid"]]
-    if args.json:
-        _json({"valid": not bad, "policies": results})
-    else:
-        for r in results:
-            if r["valid"]:
-                note = f"; same as {r['note']}" if r["note"] else ""
-                _out(f"{r['policy']}: ok ({r['rules']} rule{'' if r['rules'] == 1 else 's'}{note})")
-            else:
-                _out(f"{r['policy']}: {len(r['errors'])} error(s)")
-                for err in r["errors"]:
-                    _out(f"  {err}")
-        if bad:
-            print(f"omni-accum: {len(bad)} of {len(results)} policies invalid", file=sys.stderr)
-    return 1 if bad else 0
-
-
-# ---------------------------------------------------------------------------------------------- #
 # explain
 # ---------------------------------------------------------------------------------------------- #
 
@@ -225,13 +179,27 @@ def explain_key(
         assert policy.tuned is not None
         c_edge, k_edge, clamped = policy.tuned.bucket(context)
         reason = {"kind": "tuned", "context_len_bucket": c_edge, "concurrency_bucket": k_edge, "clamped": clamped}
-        if clamped:
-            notes.append("context outside the measured bucket edges: clamped to the nearest bucket")
+        t = policy.tuned
+        cl = context.context_len if context.context_len is not None else t.context_len_edges[0]
+        for name, value, edges in (
+            ("context_len", cl, t.context_len_edges),
+            ("concurrency", context.concurrency, t.concurrency_edges),
+        ):
+            if value < edges[0]:
+                notes.append(
+                    f"{name} {value} is below the smallest edge measured ({edges[0]}): "
+                    f"the first bucket's decision is used"
+                )
+            elif value > edges[-1]:
+                notes.append(
+                    f"{name} {value} is above the largest edge measured ({edges[-1]}): the last bucket's "
+                    f"decision is extrapolated"
+                )
     else:
         reason = {"kind": "default"}
     if policy.tuned is not None and reason["kind"] in ("default", "rule"):
         if not policy.tuned_usable():
-            diffs = "; ".join(fingerprint_mismatches(policy.tuned.fingerprint))
+            diffs = "; ".join(table_mismatches(policy.tuned))
             notes.append(f"tuned table not used: measured in another environment ({diffs})")
         elif reason["kind"] == "default":
             notes.append("tuned table has no cell for this key in this bucket")
@@ -266,6 +234,13 @@ def _fnmatch(key: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(key, pattern)
 
 
+def _edge_label(name: str, value: int | None, edge: int) -> str:
+    """``context_len>=8000`` for the bucket ``value`` falls in; ``context_len<1000 (first bucket, 1000)`` below it."""
+    if value is not None and value < edge:
+        return f"{name}<{edge} (first bucket, edge {edge})"
+    return f"{name}>={edge}"
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     manager = get_manager()
     with warnings.catch_warnings():
@@ -291,7 +266,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         ),
         "protocol": lambda: f"protocol key: {r['detail']}",
         "tuned": lambda: (
-            f"tuned table, bucket context_len>={r['context_len_bucket']}, concurrency>={r['concurrency_bucket']}"
+            f"tuned table, bucket {_edge_label('context_len', context.context_len, r['context_len_bucket'])}, "
+            f"{_edge_label('concurrency', context.concurrency, r['concurrency_bucket'])}"
         ),
         "default": lambda: (
             "the policy's default (no rule matches"
@@ -382,18 +358,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.set_defaults(func=cmd_strategies)
 
-    p = subparsers.add_parser(
-        "validate",
-        help="check policy files or presets; list every error",
-        description="Load each POLICY, check its schema, strategy names and every strategy's params. "
-        "Exit 0 when all are valid, 1 when any is not (every error of every policy is listed, with file, "
-        "line, field and allowed values), 2 on usage errors.",
-        epilog="examples:\n  omni-accum validate my-policy.yaml\n  omni-accum validate qwen3-omni a.yaml b.json",
-        formatter_class=fmt,
-    )
-    p.add_argument("policies", nargs="+", metavar="POLICY", help=policy_help)
-    p.add_argument("--json", action="store_true", help="print JSON for machines")
-    p.set_defaults(func=cmd_validate)
+    validate.register(subparsers, fmt, policy_help)
 
     p = subparsers.add_parser(
         "explain",

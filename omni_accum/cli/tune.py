@@ -17,7 +17,7 @@ from omni_accum.cli.args import (
 from omni_accum.policy.loader import load_policy
 from omni_accum.tuner.buckets import DEFAULT_CONCURRENCY, DEFAULT_CONTEXT_LENS, QUICK_CONCURRENCY, QUICK_CONTEXT_LENS
 from omni_accum.tuner.report import decision_table, gain_table, show
-from omni_accum.tuner.run import TuneOptions, output_problem, tune
+from omni_accum.tuner.run import TuneOptions, input_overwrite_problem, output_problem, tune
 from omni_accum.bench.workloads import workload_names
 
 HELP = """\
@@ -172,7 +172,6 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"omni-accum tune: error: {problem}", file=sys.stderr)
         return 2
-    apply_threads(args.threads)
     opts = TuneOptions(
         workload=args.workload,
         out=args.out,
@@ -190,6 +189,11 @@ def run(args: argparse.Namespace) -> int:
         min_gain_us=args.min_gain_us,
         verify=args.verify,
     )
+    problem = input_overwrite_problem(opts)  # before anything is read or measured: exit 2 as bench does
+    if problem:
+        print(f"omni-accum tune: error: {problem}", file=sys.stderr)
+        return 2
+    apply_threads(args.threads)
     try:
         res = tune(opts, progress=sys.stderr, log=sys.stderr)
     except KeyboardInterrupt:

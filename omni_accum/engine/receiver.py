@@ -125,13 +125,16 @@ class Receiver(SequencedMerge, _Endpoint):
                 )
                 return
 
-    def view(self, req_id: str) -> RequestView:
-        """The current view of ``req_id``.
+    def view(self, req_id: str, *, copy: bool = False) -> RequestView | dict[Any, Any]:
+        """The current view of ``req_id``: borrowed tensors, not to be written into (see :class:`RequestView`).
+
+        ``copy=True`` returns plain nested dicts with every tensor cloned, which the consumer may write into.
 
         Raises:
             UnknownRequestError: (a KeyError) when it holds no state for ``req_id``.
         """
-        return request_view(self._lookup(req_id))
+        view = request_view(self._lookup(req_id))
+        return view.copy() if copy else view
 
     def nbytes(self, req_id: str | None = None) -> int:
         """Bytes held by accumulation state of one request, or of all (each read under its request's lock)."""

@@ -39,6 +39,10 @@ class RequestView(Mapping):
     """The consumer's view of one request: a read-only mapping with the payload's nesting.
 
     Values are read from the strategies when accessed. Tensors are borrowed: do not write into them.
+    A write into one lands in the strategy's state (and, in process, in the sender's tensor): under
+    append strategies (``cat``, ``prealloc``, ``token_list``, the ``default`` preset) every later view
+    holds the written rows, under ``replace``/``send_once`` until the next value. :meth:`copy`
+    (``Receiver.view(req_id, copy=True)``) gives tensors of the consumer's own.
     """
 
     __slots__ = ("_entries",)
@@ -66,8 +70,21 @@ class RequestView(Mapping):
             for k, e in self._entries.items()
         }
 
+    def copy(self) -> dict[Any, Any]:
+        """The whole view as plain nested dicts with every tensor cloned: the consumer may write into it."""
+        return _cloned(self.to_dict())
+
     def __repr__(self) -> str:
         return f"RequestView({list(self._entries)})"
+
+
+def _cloned(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cloned(v) for v in value]
+    clone = getattr(value, "clone", None)  # a tensor (read() may return other values as they are)
+    return clone() if callable(clone) else value
 
 
 def request_view(st: Any) -> RequestView:

@@ -8,6 +8,7 @@ loader (which binds them to the policies it loads), the tuner (which records the
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from omni_accum.manager import get_manager
@@ -26,6 +27,16 @@ def current_fingerprint(device: str = "cpu", candidates: str | None = None) -> d
     return _fingerprint(device, candidates, plugins=installed_plugins())
 
 
-def fingerprint_mismatches(recorded: dict[str, Any], device: str | None = None) -> list[str]:
-    """The fields where ``recorded`` differs from this process (empty when it matches)."""
-    return _mismatches(recorded, device, plugins=installed_plugins())
+def fingerprint_mismatches(
+    recorded: dict[str, Any], device: str | None = None, strategies: Iterable[str] | None = None
+) -> list[str]:
+    """The fields where ``recorded`` differs from this process (empty when it matches).
+
+    ``strategies``: compare only these strategies' plugins (a table's ``strategy_names()``).
+    """
+    return _mismatches(recorded, device, plugins=installed_plugins(), strategies=strategies)
+
+
+def table_mismatches(table: Any, device: str | None = None) -> list[str]:
+    """What differs between this process and the environment the :class:`TunedTable` ``table`` was measured in."""
+    return fingerprint_mismatches(table.fingerprint, device, table.strategy_names())

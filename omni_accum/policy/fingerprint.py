@@ -1,7 +1,8 @@
 """Environment fingerprint of a tuned table, and the check that refuses stale tables.
 
 A tuned table is only trusted in the environment it was measured in: omni-accum, torch and
-vllm-omni versions, the device, and the installed strategy plugins. A mismatch warns once and the
+vllm-omni versions, the device, and the plugins of the strategies it names (its cells and the
+candidates it timed; other installed plugins do not matter). A mismatch warns once and the
 table is not used (rules and the default still apply), never silently.
 
 This module asks nobody: the installed strategy plugins (``name -> "dist==version"``, see
@@ -87,13 +88,36 @@ def current_fingerprint(
     return fp
 
 
+def _shown(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def _plugin_diffs(recorded: Any, now: Mapping[str, str], strategies: Iterable[str] | None) -> str | None:
+    """The plugin entries that differ (only ``strategies`` when given), as ``name: table X, here Y``."""
+    old = dict(recorded) if isinstance(recorded, Mapping) else {}
+    names = sorted(set(strategies) if strategies is not None else set(old) | set(now))
+    diffs = [
+        f"{n}: table {old.get(n, 'not installed')}, here {now.get(n, 'not installed')}"
+        for n in names
+        if old.get(n) != now.get(n)
+    ]
+    return "plugins: " + "; ".join(diffs) if diffs else None
+
+
 def fingerprint_mismatches(
-    recorded: dict[str, Any], device: str | None = None, *, plugins: Mapping[str, str] | None
+    recorded: dict[str, Any],
+    device: str | None = None,
+    *,
+    plugins: Mapping[str, str] | None,
+    strategies: Iterable[str] | None = None,
 ) -> list[str]:
     """Return the fields where ``recorded`` differs from this environment (empty when it matches).
 
+    Each entry names only what changed, old against new (``torch: table 2.11.0, here 2.13.0``).
     ``plugins``: the installed strategy plugins; None when they are not known (the table cannot
-    be checked, which is reported as a mismatch).
+    be checked, which is reported as a mismatch). ``strategies``: the strategies the table names
+    (:meth:`~omni_accum.policy.tuned.TunedTable.strategy_names`); only their plugins are compared,
+    so installing or removing a plugin the table never measured leaves it valid. None compares all.
     """
     if not recorded:
         return ["fingerprint missing"]
@@ -103,14 +127,24 @@ def fingerprint_mismatches(
     now = current_fingerprint(dev, plugins=plugins)
     out = []
     for k in COMPARED:
-        if recorded.get(k) != now.get(k):
-            out.append(f"{k}: table {recorded.get(k)!r}, here {now.get(k)!r}")
+        if k == "plugins":
+            diff = _plugin_diffs(recorded.get(k), now[k], strategies)
+            if diff:
+                out.append(diff)
+        elif recorded.get(k) != now.get(k):
+            out.append(f"{k}: table {_shown(recorded.get(k))}, here {_shown(now.get(k))}")
     return out
 
 
-def check_fingerprint(recorded: dict[str, Any], *, plugins: Mapping[str, str] | None, warn: bool = True) -> bool:
+def check_fingerprint(
+    recorded: dict[str, Any],
+    *,
+    plugins: Mapping[str, str] | None,
+    warn: bool = True,
+    strategies: Iterable[str] | None = None,
+) -> bool:
     """True when ``recorded`` matches this environment; otherwise warn once and return False."""
-    diffs = fingerprint_mismatches(recorded, plugins=plugins)
+    diffs = fingerprint_mismatches(recorded, plugins=plugins, strategies=strategies)
     if not diffs:
         return True
     if warn:

@@ -56,6 +56,11 @@ def preset_text(name: str) -> tuple[str, str]:
 # ---------------------------------------------------------------------------------------------- #
 
 
+def line_of(text: str | None, loc: tuple[Any, ...]) -> int | None:
+    """1-based line of the field at ``loc`` (``("rules", 0, "match")``) in YAML (or JSON) text, or None."""
+    return _yaml_line(text, loc) if text is not None else None
+
+
 def _yaml_line(text: str, loc: tuple[Any, ...]) -> int | None:
     """Best-effort 1-based line of the node at ``loc`` in a YAML document."""
     try:
@@ -89,7 +94,7 @@ def parse_text(text: str, fmt: str, source: str) -> Any:
         return load_yaml(text)
     except DuplicateKeyError as e:
         line = f"line {e.second_line}: " if e.second_line else ""
-        raise PolicyError(f"{source}: {line}invalid {fmt.upper()}: {e.problem}", source=source) from e
+        raise _parse_error(source, e.second_line, f"invalid {fmt.upper()}: {e.problem}") from e
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -99,11 +104,11 @@ def parse_text(text: str, fmt: str, source: str) -> Any:
             problem += f" ({e.context} at line {ctx.line + 1}, column {ctx.column + 1})"
         if isinstance(e, yaml.constructor.ConstructorError) and "constructor for the tag" in problem:
             problem += " (policies are data: YAML tags that build Python objects are not allowed)"
-        raise PolicyError(f"{source}: {line}invalid YAML: {problem}", source=source) from e
+        raise _parse_error(source, mark.line + 1 if mark else None, f"invalid YAML: {problem}", line) from e
     except yaml.YAMLError as e:
         raise PolicyError(f"{source}: invalid YAML: {e}", source=source) from e
     except json.JSONDecodeError as e:
-        raise PolicyError(f"{source}: line {e.lineno}, column {e.colno}: invalid JSON: {e.msg}", source=source) from e
+        raise _parse_error(source, e.lineno, f"invalid JSON: {e.msg}", f"line {e.lineno}, column {e.colno}: ") from e
     except tomllib.TOMLDecodeError as e:
         raise PolicyError(f"{source}: invalid TOML: {e}", source=source) from e
     except RecursionError as e:
@@ -112,7 +117,15 @@ def parse_text(text: str, fmt: str, source: str) -> Any:
         # PyYAML's safe constructors raise plain exceptions for bad tagged scalars (``!!int x``, ``!!binary ?``).
         where = _bad_scalar_line(text) if fmt == "yaml" else None
         line = f"line {where}: " if where else ""
-        raise PolicyError(f"{source}: {line}invalid {fmt.upper()} value: {type(e).__name__}: {e}", source=source) from e
+        raise _parse_error(source, where, f"invalid {fmt.upper()} value: {type(e).__name__}: {e}") from e
+
+
+def _parse_error(source: str, line: int | None, msg: str, place: str | None = None) -> PolicyError:
+    """A PolicyError for text that does not parse: ``source: line N: msg``, with its detail record."""
+    if place is None:
+        place = f"line {line}: " if line else ""
+    detail = {"loc": None, "line": line, "msg": msg}
+    return PolicyError(f"{source}: {place}{msg}", source=source, details=[detail])
 
 
 def _bad_scalar_line(text: str) -> int | None:
@@ -177,17 +190,37 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
-def _validation_messages(err: ValidationError, source: str, text: str | None) -> list[str]:
-    msgs = []
+def _got(e: Mapping[str, Any]) -> str:
+    """`` (got X)`` for a scalar input pydantic's message does not show, else ''."""
+    value = e.get("input")
+    if "input" not in e or isinstance(value, (Mapping, list, tuple)) or repr(value) in e["msg"]:
+        return ""
+    return f" (got {value!r})"
+
+
+def _place(source: str, line: int | None) -> str:
+    return f"{source}" + (f", line {line}" if line else "")
+
+
+def format_problem(source: str, d: Mapping[str, Any]) -> str:
+    """A detail record as the one-line message ``source, line N: loc: msg``."""
+    loc = f"{d['loc']}: " if d.get("loc") else ""
+    return f"{_place(source, d.get('line'))}: {loc}{d['msg']}"
+
+
+def _validation_details(err: ValidationError, text: str | None) -> list[dict[str, Any]]:
+    out = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if p not in ("function-after[_index_rules(), Policy]",))
-        m = _RULE_MATCH_RE.match(e["msg"].removeprefix("Value error, ")) if not loc else None
-        if m:  # a whole-policy check that names one rule's field: point at it
-            loc = ("rules", int(m.group(1)), "match")
-            e = {**e, "msg": e["msg"].removeprefix("Value error, ").split(" ", 1)[1]}
-        line = _yaml_line(text, loc) if text is not None and loc else None
-        where = f"{source}" + (f", line {line}" if line else "")
         msg = e["msg"].removeprefix("Value error, ")
+        if not loc and all(_RULE_MATCH_RE.match(m) for m in msg.splitlines()):
+            # whole-policy checks that name one rule's field each (every repeated match): point at each
+            for m in msg.splitlines():
+                rloc = ("rules", int(_RULE_MATCH_RE.match(m).group(1)), "match")  # type: ignore[union-attr]
+                line = _yaml_line(text, rloc) if text is not None else None
+                out.append({"loc": _format_loc(rloc), "line": line, "msg": m.split(" ", 1)[1]})
+            continue
+        line = _yaml_line(text, loc) if text is not None and loc else None
         if loc and loc[-1] == "[key]":  # a mapping key of the wrong type
             loc = loc[:-1]
             msg = f"keys must be strings, got {type(loc[-1]).__name__ if loc else 'another type'} key"
@@ -203,23 +236,28 @@ def _validation_messages(err: ValidationError, source: str, text: str | None) ->
             model = _model_at((*loc, "x"))
             fields = f" with fields {', '.join(model.model_fields)}" if model is not None else ""
             msg = f"expected a mapping{fields}, got {type(e.get('input')).__name__}"
-        elif e["type"] == "literal_error" and "expected" in e.get("ctx", {}):
-            msg = f"{msg} (got {e.get('input')!r})"
-        msgs.append(f"{where}: {_format_loc(loc)}: {msg}")
-    return msgs
+        elif e["type"] != "missing":
+            msg += _got({**e, "msg": msg})
+        out.append({"loc": _format_loc(loc), "line": line, "msg": msg})
+    return out
 
 
 def check_strategies(policy: Policy, manager: StrategyManager, source: str, text: str | None = None) -> list[str]:
     """Check every strategy the policy names exists and its params validate; return messages."""
-    errors: list[str] = []
+    return [format_problem(source, d) for d in strategy_problems(policy, manager, text)]
+
+
+def strategy_problems(policy: Policy, manager: StrategyManager, text: str | None = None) -> list[dict[str, Any]]:
+    """:func:`check_strategies` as ``{"loc", "line", "msg"}`` records."""
+    errors: list[dict[str, Any]] = []
     available = manager.names()
     for where, name, params in policy.strategy_refs():
         loc: tuple[Any, ...] = _loc_of(where)
         line = _yaml_line(text, loc) if text is not None else None
-        place = f"{source}" + (f", line {line}" if line else "")
         spec = manager.get_spec(name)
         if spec is None:
-            errors.append(f"{place}: {where}.strategy: unknown strategy {name!r}. Available: {', '.join(available)}")
+            msg = f"unknown strategy {name!r}. Available: {', '.join(available)}"
+            errors.append({"loc": f"{where}.strategy", "line": line, "msg": msg})
             continue
         try:
             spec.params_model.model_validate(params)
@@ -234,9 +272,9 @@ def check_strategies(policy: Policy, manager: StrategyManager, source: str, text
             for pe in e.errors():
                 field = ".".join(str(p) for p in pe["loc"])
                 pline = _yaml_line(text, loc + ("params", *pe["loc"])) if text is not None else None
-                pplace = f"{source}" + (f", line {pline}" if pline else "")
-                msg = "unknown param" if pe["type"] == "extra_forbidden" else pe["msg"]
-                errors.append(f"{pplace}: {where}.params.{field}: {msg} (strategy {name!r}; allowed params: {allowed})")
+                msg = "unknown param" if pe["type"] == "extra_forbidden" else pe["msg"] + _got(pe)
+                msg += f" (strategy {name!r}; allowed params: {allowed})"
+                errors.append({"loc": f"{where}.params.{field}", "line": pline, "msg": msg})
     return errors
 
 
@@ -276,6 +314,35 @@ def read_source(source: str | os.PathLike[str]) -> tuple[str, str, str]:
     raise PolicyError(f"{name!r} is neither a policy file nor a preset. Available presets: {', '.join(preset_names())}")
 
 
+_INLINE_RE = re.compile(r"^\s*(\{|[A-Za-z_][\w-]*\s*:(\s|$))")
+
+
+def is_inline_policy(text: str) -> bool:
+    """True when ``text`` is policy text, not a path or preset name: ``{...}``, ``key: ...`` or several lines."""
+    return "\n" in text.strip() or bool(_INLINE_RE.match(text))
+
+
+def read_policy_argument(arg: str) -> tuple[str, str, str]:
+    """``(label, text, format)`` of a command-line POLICY: ``-`` (stdin), a file, a preset, or inline YAML/JSON text.
+
+    A file or preset of that name wins over inline text; inline text and stdin are read as YAML (JSON is YAML).
+    """
+    if arg == "-":
+        import sys
+
+        return "<stdin>", sys.stdin.read(), "yaml"
+    if not Path(arg).exists() and arg not in preset_names() and is_inline_policy(arg):
+        return "<inline>", arg, "yaml"
+    return read_source(arg)
+
+
+def load_policy_argument(arg: str, manager: StrategyManager | None = None) -> tuple[str, str, Policy]:
+    """``(label, text, policy)`` of a command-line POLICY (see :func:`read_policy_argument`)."""
+    label, text, fmt = read_policy_argument(arg)
+    data = parse_text(text, fmt, label)
+    return label, text, build_policy(data, label, text if fmt in ("yaml", "json") else None, manager)
+
+
 def build_policy(
     data: Any, source: str = "<mapping>", text: str | None = None, manager: StrategyManager | None = None
 ) -> Policy:
@@ -292,13 +359,15 @@ def build_policy(
     except RecursionError as e:
         raise PolicyError(f"{source}: invalid policy: nested too deeply", source=source) from e
     except ValidationError as e:
-        msgs = _validation_messages(e, source, text)
-        raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(msgs), msgs, source) from e
+        details = _validation_details(e, text)
+        msgs = [format_problem(source, d) for d in details]
+        raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(msgs), msgs, source, details) from e
     if manager is None:
         manager = get_manager()
-    errors = check_strategies(policy, manager, source, text)
-    if errors:
-        raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(errors), errors, source)
+    details = strategy_problems(policy, manager, text)
+    if details:
+        errors = [format_problem(source, d) for d in details]
+        raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(errors), errors, source, details)
     policy.bind_plugins(installed_plugins)
     return policy
 
@@ -332,7 +401,7 @@ def load_policy(
         env = os.environ.get(ENV_POLICY, "").strip()
         if not env:
             source = "default"
-        elif env.lstrip().startswith(("{", "default:", "rules:", "version:")) or "\n" in env:
+        elif is_inline_policy(env) and not Path(env).exists():
             return build_policy(parse_text(env, "yaml", ENV_POLICY), ENV_POLICY, env, manager)
         else:
             source = env

@@ -37,6 +37,29 @@ def is_glob(pattern: str) -> bool:
     return any(c in GLOB_CHARS for c in pattern)
 
 
+_FILLS = {"*": ("", "x", "a.b_9", "\u2603Z-"), "?": ("x", ".", "9", "\u2603")}
+
+
+def _glob_samples(pattern: str) -> list[str]:
+    """Keys ``pattern`` matches, each wildcard filled in several ways (``[...]`` by its first and last choice)."""
+    parts: list[tuple[str, ...]] = []
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        end = pattern.find("]", i + 2) if c == "[" else -1
+        if c in _FILLS:
+            parts.append(_FILLS[c])
+        elif end > 0:
+            body = pattern[i + 1 : end]
+            parts.append(("\u2603",) if body[0] in "!^" else tuple({body[0], body[-1]} - {"-"}) or (body[0],))
+            i = end
+        else:
+            parts.append((c,))
+        i += 1
+    n = max(len(p) for p in parts) if parts else 1
+    return ["".join(p[k % len(p)] for p in parts) for k in range(n)]
+
+
 @dataclass(frozen=True)
 class StrategyChoice:
     """A resolved choice: strategy name, params mapping, and why it was chosen.
@@ -132,15 +155,36 @@ class Policy(BaseModel):
 
     @model_validator(mode="after")
     def _index_rules(self) -> Policy:
+        first: dict[str, int] = {}
+        repeats: list[str] = []
         for i, rule in enumerate(self.rules):
-            if is_glob(rule.match):
+            j = first.setdefault(rule.match, i)
+            if j != i:
+                why = " (its second copy can never match)" if is_glob(rule.match) else ""
+                repeats.append(f"rules[{i}].match {rule.match!r} repeats rules[{j}].match{why}; remove one")
+            elif is_glob(rule.match):
                 self._globs.append((i, rule))
-            elif rule.match in self._exact:
-                first = self._exact[rule.match][0]
-                raise ValueError(f"rules[{i}].match {rule.match!r} repeats rules[{first}].match; remove one")
             else:
                 self._exact[rule.match] = (i, rule)
+        if repeats:  # every one, a line each (the loader reports each at its rule's line)
+            raise ValueError("\n".join(repeats))
         return self
+
+    def shadowed_rules(self) -> list[tuple[int, int]]:
+        """``(later, earlier)`` glob rules where the earlier glob matches every key the later one matches.
+
+        An exact rule beats every glob, so only globs can be shadowed (``embed.*`` listed before
+        ``embed.tts_*``): the later rule never decides a key. Checked on sample keys of the later
+        glob (each wildcard filled in several ways), so a report is near-certain, not a proof.
+        """
+        out = []
+        for n, (j, later) in enumerate(self._globs):
+            samples = _glob_samples(later.match)
+            for i, earlier in self._globs[:n]:
+                if all(fnmatch.fnmatchcase(k, earlier.match) for k in samples):
+                    out.append((j, i))
+                    break
+        return out
 
     # -- resolution -------------------------------------------------------------------------- #
     def match_rule(self, key: str) -> tuple[int, Rule] | None:
@@ -173,7 +217,9 @@ class Policy(BaseModel):
             return False
         if self._tuned_ok is None:
             plugins = self._plugins() if self._plugins is not None else None
-            self._tuned_ok = check_fingerprint(self.tuned.fingerprint, plugins=plugins, warn=True)
+            self._tuned_ok = check_fingerprint(
+                self.tuned.fingerprint, plugins=plugins, warn=True, strategies=self.tuned.strategy_names()
+            )
         return self._tuned_ok
 
     def resolve(self, key: str, context: StreamContext = DEFAULT_CONTEXT) -> StrategyChoice:

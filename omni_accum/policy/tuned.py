@@ -119,6 +119,14 @@ class TunedTable(BaseModel):
             self._clamped += 1
         return cell
 
+    def strategy_names(self) -> frozenset[str]:
+        """Every strategy the table's decisions depend on: winners, baselines and the candidates it timed,
+        excluded or weighed (labels such as ``prealloc{growth_factor=4.0}`` count as ``prealloc``)."""
+        labels: set[str] = set()
+        for c in self.cells:
+            labels.update((c.strategy, c.baseline, *c.timings_us, *c.excluded, *c.peak_bytes))
+        return frozenset(label.partition("{")[0] for label in labels if label)
+
     @property
     def clamped_lookups(self) -> int:
         """How many lookups fell outside the measured edges and were clamped."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omni_accum.policy.environment import fingerprint_mismatches
+from omni_accum.policy.environment import table_mismatches
 from omni_accum.policy.model import Policy
 from omni_accum.policy.tuned import TunedTable
 from omni_accum.tuner.candidates import same_choice
@@ -69,7 +69,7 @@ def show(policy: Policy, source: str = "") -> str:
         f"buckets: context_len edges {t.context_len_edges} x concurrency edges {t.concurrency_edges} "
         "(floor: a value uses the largest edge <= it; values outside the edges clamp to the end buckets)",
     ]
-    diffs = fingerprint_mismatches(t.fingerprint)
+    diffs = table_mismatches(t)
     lines.append(
         "fingerprint: matches this environment"
         if not diffs

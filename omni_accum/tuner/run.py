@@ -15,7 +15,8 @@ from typing import Any, TextIO
 
 from omni_accum.bench._paths import output_path_problem
 from omni_accum.errors import OmniAccumError, PolicyError
-from omni_accum.policy.environment import current_fingerprint, fingerprint_mismatches
+from omni_accum.tuner.paths import overwrite_problem
+from omni_accum.policy.environment import current_fingerprint, table_mismatches
 from omni_accum.policy.loader import dump_policy, load_policy
 from omni_accum.policy.model import Policy
 from omni_accum.policy.tuned import TunedCell
@@ -103,6 +104,12 @@ def output_problem(path: str | os.PathLike[str]) -> str | None:
     except TuneError as e:
         return str(e)
     return None
+
+
+def input_overwrite_problem(opts: TuneOptions) -> str | None:
+    """Why ``--out`` would overwrite a file the run reads (workload, ``--base``), or None; ``--resume`` reads --out."""
+    inputs = [("the --workload file", opts.workload), ("the --base policy file", opts.base)]
+    return overwrite_problem([("--out", opts.out)], inputs)
 
 
 def _umask() -> int:
@@ -278,7 +285,7 @@ def _resumable(opts: TuneOptions, wl: Workload, fp: dict, log: TextIO | None) ->
         why += settings_mismatches(recorded, fp["settings"])
     if t.fingerprint.get("candidates") != fp.get("candidates"):
         why.append("its candidate set differs (strategies, plugins or params grid changed)")
-    diffs = fingerprint_mismatches(t.fingerprint, opts.device)
+    diffs = table_mismatches(t, opts.device)
     if diffs:
         why.append("it was measured in another environment (" + "; ".join(diffs) + ")")
     if why:
@@ -311,7 +318,7 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
         raise TuneError(f"--min-gain-us must be a number >= 0, got {opts.min_gain_us}")
     if opts.budget_s is not None and not opts.budget_s >= 0:
         raise TuneError(f"--budget-s must be >= 0 seconds (0: no budget), got {opts.budget_s}")
-    problem = output_problem(opts.out)
+    problem = output_problem(opts.out) or input_overwrite_problem(opts)
     if problem:
         raise TuneError(problem)
     wl = load_workload(opts.workload)
@@ -436,4 +443,5 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
     return result
 
 
-__all__ = ["OmniAccumError", "TuneOptions", "TuneResult", "output_format", "output_problem", "tune", "write_atomic"]
+__all__ = ["OmniAccumError", "TuneOptions", "TuneResult", "input_overwrite_problem", "output_format"]
+__all__ += ["output_problem", "tune", "write_atomic"]

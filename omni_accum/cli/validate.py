@@ -1,0 +1,132 @@
+"""``omni-accum validate``: check policies (files, presets, inline text, stdin) and list every problem.
+
+One record per policy, the same shape whether it is valid or not: ``policy``, ``valid``, ``rules``,
+``note``, ``errors`` and ``warnings``, each problem as ``{"loc", "line", "msg"}``. Errors make the exit
+status 1: the schema, strategy names and params, what a ``Sender``/``Receiver`` refuses, every repeated
+rule ``match``, and a tuned table measured in another environment (stale: it would be ignored at run
+time; ``--allow-stale`` makes that a warning). Warnings leave the exit status alone: a glob rule that
+an earlier glob covers (it never decides a key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from typing import Any
+
+from omni_accum.engine.endpoint import _Endpoint
+from omni_accum.errors import OmniAccumError, PolicyError
+from omni_accum.manager import StrategyManager, get_manager
+from omni_accum.policy.environment import table_mismatches
+from omni_accum.policy.loader import format_problem, line_of, load_policy_argument
+from omni_accum.policy.model import Policy
+
+DESCRIPTION = (
+    "Load each POLICY, check its schema, strategy names and every strategy's params, every repeated rule "
+    "match, and whether a tuned table was measured in this environment (a stale table would be ignored at "
+    "run time: an error, or a warning with --allow-stale). A glob rule that an earlier glob covers is a "
+    "warning. Exit 0 when all are valid, 1 when any is not (every error of every policy is listed, with "
+    "file, line, field and allowed values), 2 on usage errors."
+)
+EXAMPLES = (
+    "examples:\n  omni-accum validate my-policy.yaml\n  omni-accum validate qwen3-omni a.yaml b.json\n"
+    "  omni-accum validate --allow-stale tuned.yaml\n  cat p.yaml | omni-accum validate -\n"
+    "  omni-accum validate 'default: prealloc'"
+)
+
+
+def _problem(loc: str | None, line: int | None, msg: str) -> dict[str, Any]:
+    return {"loc": loc, "line": line, "msg": msg}
+
+
+def _load_errors(e: OmniAccumError) -> list[dict[str, Any]]:
+    details = getattr(e, "details", None) if isinstance(e, PolicyError) else None
+    if details:
+        return [_problem(d.get("loc"), d.get("line"), d["msg"]) for d in details]
+    return [_problem(None, None, m) for m in (getattr(e, "errors", None) or [str(e)])]
+
+
+def check_one(arg: str, manager: StrategyManager, allow_stale: bool = False) -> dict[str, Any]:
+    """The validation record of one POLICY argument."""
+    rec: dict[str, Any] = {"policy": arg, "valid": False, "rules": None, "note": None, "errors": [], "warnings": []}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            label, text, policy = load_policy_argument(arg, manager)
+    except OmniAccumError as e:
+        rec["policy"] = "<stdin>" if arg == "-" else rec["policy"]
+        rec["errors"] = _load_errors(e)
+        rec["text"] = [str(m) for m in (getattr(e, "errors", None) or [str(e)])]
+        return rec
+    rec["policy"] = label if label.startswith("<") else arg
+    rec["rules"] = len(policy.rules)
+    try:
+        _Endpoint(policy, manager=manager)  # what a Sender or Receiver refuses (meta.override_keys' rule)
+    except OmniAccumError as e:
+        rec["errors"].append(_problem(None, None, str(e)))
+    if policy.tuned is not None:
+        diffs = table_mismatches(policy.tuned)
+        if diffs:
+            msg = (
+                "stale tuned table: measured in another environment, so it would be ignored here ("
+                + "; ".join(diffs)
+                + "); re-run `omni-accum tune` here"
+            )
+            where = rec["warnings"] if allow_stale else rec["errors"]
+            where.append(_problem("tuned.fingerprint", line_of(text, ("tuned", "fingerprint")), msg))
+    for later, earlier in policy.shadowed_rules():
+        msg = (
+            f"{policy.rules[later].match!r} is covered by the earlier glob rules[{earlier}].match "
+            f"{policy.rules[earlier].match!r} (among globs the first listed wins): this rule never decides a key"
+        )
+        rec["warnings"].append(_problem(f"rules[{later}].match", line_of(text, ("rules", later, "match")), msg))
+    rec["valid"] = not rec["errors"]
+    if policy == Policy() and arg != "default":
+        rec["note"] = "the default policy: vllm-omni 0.30.0's behaviour"
+    rec["text"] = [format_problem(rec["policy"], p) for p in rec["errors"]]
+    return rec
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    manager = get_manager()
+    results = [check_one(arg, manager, args.allow_stale) for arg in args.policies]
+    texts = [r.pop("text") for r in results]
+    bad = [r for r in results if not r["valid"]]
+    if args.json:
+        sys.stdout.write(json.dumps({"valid": not bad, "policies": results}, indent=2) + "\n")
+        return 1 if bad else 0
+    for r, lines in zip(results, texts):
+        if r["valid"]:
+            note = f"; same as {r['note']}" if r["note"] else ""
+            print(f"{r['policy']}: ok ({r['rules']} rule{'' if r['rules'] == 1 else 's'}{note})")
+        else:
+            print(f"{r['policy']}: {len(r['errors'])} error(s)")
+            for line in lines:
+                print(f"  {line}")
+        for w in r["warnings"]:
+            print(f"  warning: {format_problem(r['policy'], w)}")
+    if bad:
+        print(f"omni-accum: {len(bad)} of {len(results)} policies invalid", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def register(subparsers: Any, formatter_class: type[argparse.HelpFormatter], policy_help: str) -> None:
+    p = subparsers.add_parser(
+        "validate",
+        help="check policy files or presets; list every error",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=formatter_class,
+    )
+    p.add_argument(
+        "policies", nargs="+", metavar="POLICY", help=policy_help + "; '-' reads stdin; inline YAML/JSON text"
+    )
+    p.add_argument(
+        "--allow-stale",
+        action="store_true",
+        help="a tuned table measured in another environment is a warning, not an error (exit 0)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.set_defaults(func=cmd_validate)

@@ -1,0 +1,147 @@
+"""``validate``: every duplicate rule, shadowed globs, inline text and stdin, values in messages,
+structured JSON errors; ``explain``'s wording for contexts outside the bucket edges."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import yaml
+
+from omni_accum import cli
+from omni_accum.errors import PolicyError
+from omni_accum.policy.loader import load_policy
+
+
+def _run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+def _file(tmp_path, text, name="p.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+DUPS = """\
+rules:
+  - {match: a.x, strategy: prealloc}
+  - {match: "embed.*", strategy: prealloc}
+  - {match: a.x, strategy: cat}
+  - {match: "embed.*", strategy: cat}
+  - {match: a.x, strategy: token_list}
+"""
+
+
+def test_every_duplicate_is_reported_exact_and_glob(tmp_path, capsys):
+    path = _file(tmp_path, DUPS)
+    code, out, _ = _run(capsys, "validate", path)
+    assert code == 1
+    assert "3 error(s)" in out
+    assert f"{path}, line 4: rules[2].match: 'a.x' repeats rules[0].match" in out
+    assert f"{path}, line 5: rules[3].match: 'embed.*' repeats rules[1].match" in out
+    assert f"{path}, line 6: rules[4].match: 'a.x' repeats rules[0].match" in out
+
+
+def test_the_library_refuses_a_repeated_glob_too():
+    with pytest.raises(PolicyError) as e:
+        load_policy({"rules": [{"match": "m.*", "strategy": "replace"}, {"match": "m.*", "strategy": "cat"}]})
+    assert "rules[1].match" in str(e.value) and "never match" in str(e.value)
+
+
+SHADOWED = """\
+rules:
+  - {match: "embed.*", strategy: prealloc}
+  - {match: "embed.tts_*", strategy: send_once}
+  - {match: embed.decode, strategy: cat}
+  - {match: "meta.?", strategy: replace}
+  - {match: "meta.*", strategy: replace}
+"""
+
+
+def test_a_glob_covered_by_an_earlier_glob_is_a_warning(tmp_path, capsys):
+    path = _file(tmp_path, SHADOWED)
+    code, out, err = _run(capsys, "validate", path)
+    assert code == 0 and f"{path}: ok" in out
+    text = out + err
+    assert "rules[1]" in text and "'embed.tts_*'" in text and "rules[0]" in text and "warning" in text
+    assert "rules[2]" not in text  # an exact rule beats every glob: never shadowed
+    assert "rules[4]" not in text  # 'meta.*' is wider than the earlier 'meta.?'
+
+
+def test_validate_reads_stdin_and_inline_text(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("default: prealloc\nrules: []\n"))
+    code, out, _ = _run(capsys, "validate", "-")
+    assert code == 0 and "<stdin>: ok" in out
+    code, out, _ = _run(capsys, "validate", "default: catt")
+    assert code == 1 and "unknown strategy 'catt'" in out
+    code, out, _ = _run(capsys, "validate", '{"default": "replace"}')
+    assert code == 0 and ": ok" in out
+
+
+def test_pydantic_messages_name_the_bad_value(tmp_path, capsys):
+    path = _file(tmp_path, "max_bytes_per_request: 1e9\nhonor_override_keys: maybe\n")
+    code, out, _ = _run(capsys, "validate", path)
+    assert code == 1
+    assert "max_bytes_per_request" in out and "'1e9'" in out
+    assert "honor_override_keys" in out and "'maybe'" in out
+    path = _file(tmp_path, "rules:\n  - {match: x, strategy: prealloc, params: {growth_factor: 99}}\n", "q.yaml")
+    code, out, _ = _run(capsys, "validate", path)
+    assert code == 1 and "growth_factor" in out and "99" in out.split("growth_factor", 1)[1].split("(strategy")[0]
+
+
+def test_validate_json_has_one_shape_with_structured_errors(tmp_path, capsys):
+    bad = _file(tmp_path, "default: catt\nrules:\n  - {match: x, strategy: prealloc, params: {growth: 2}}\n")
+    code, out, _ = _run(capsys, "validate", "--json", bad, "qwen3-omni")
+    assert code == 1
+    data = json.loads(out)
+    bad_rec, good_rec = data["policies"]
+    assert set(bad_rec) == set(good_rec)
+    assert good_rec["valid"] is True and good_rec["errors"] == [] and good_rec["warnings"] == []
+    assert bad_rec["valid"] is False
+    errs = {e["loc"]: e for e in bad_rec["errors"]}
+    assert set(errs) == {"default.strategy", "rules[0].params.growth"}
+    assert errs["default.strategy"]["line"] == 1 and "unknown strategy 'catt'" in errs["default.strategy"]["msg"]
+    assert errs["rules[0].params.growth"]["line"] == 3 and "unknown param" in errs["rules[0].params.growth"]["msg"]
+    for e in bad_rec["errors"]:
+        assert set(e) == {"loc", "line", "msg"} and not e["msg"].startswith(bad)
+
+
+def test_validate_json_parse_error_has_a_line(tmp_path, capsys):
+    bad = _file(tmp_path, "default: [cat\n")
+    code, out, _ = _run(capsys, "validate", "--json", bad)
+    (rec,) = json.loads(out)["policies"]
+    (e,) = rec["errors"]
+    assert code == 1 and e["loc"] is None and isinstance(e["line"], int) and "invalid YAML" in e["msg"]
+
+
+def _tuned_file(tmp_path):
+    from omni_accum.policy.environment import current_fingerprint
+
+    data = {
+        "tuned": {
+            "context_len_edges": [1000, 32000],
+            "concurrency_edges": [1],
+            "fingerprint": current_fingerprint(),
+            "cells": [{"key": "k", "context_len": c, "concurrency": 1, "strategy": "prealloc"} for c in (1000, 32000)],
+        }
+    }
+    return _file(tmp_path, yaml.safe_dump(data))
+
+
+def test_explain_above_the_last_edge_does_not_say_clamped_under_a_ge_label(tmp_path, capsys):
+    path = _tuned_file(tmp_path)
+    code, out, _ = _run(capsys, "explain", path, "--key", "k", "--context-len", "40000")
+    assert code == 0 and "context_len>=32000" in out
+    assert "clamped" not in out and "above the largest edge measured (32000)" in out
+
+
+def test_explain_below_the_first_edge_does_not_claim_ge(tmp_path, capsys):
+    path = _tuned_file(tmp_path)
+    code, out, _ = _run(capsys, "explain", path, "--key", "k", "--context-len", "500")
+    assert code == 0 and "context_len>=1000" not in out
+    assert "below the smallest edge measured (1000)" in out
