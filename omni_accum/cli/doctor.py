@@ -16,9 +16,11 @@ from importlib import metadata
 from typing import Any
 
 from omni_accum.errors import OmniAccumError
+from omni_accum.integrations.vllm_omni.families import SUPPORTED_VERSIONS, family_for
 from omni_accum.manager import get_manager
 
-SUPPORTED_VLLM_OMNI = ("0.30.0",)
+#: Every supported vllm-omni release (the release families of :mod:`omni_accum.integrations.vllm_omni.families`).
+SUPPORTED_VLLM_OMNI = SUPPORTED_VERSIONS
 PLUGIN_GROUPS = ("vllm_omni.general_plugins", "vllm.general_plugins")
 
 
@@ -48,22 +50,39 @@ def check_versions() -> list[Check]:
         Check("python", True, py),
         Check("torch", torch_v is not None, torch_v or "not installed", "pip install torch"),
     ]
+    supported = ", ".join(SUPPORTED_VLLM_OMNI)
     out.append(
-        Check("vllm", vllm_v is not None, vllm_v or "not installed", "pip install 'omni-accum[vllm]' (vllm 0.30.0)")
+        Check(
+            "vllm",
+            vllm_v is not None,
+            vllm_v or "not installed",
+            f"pip install 'omni-accum[vllm]' (vllm 0.30.0), or vllm==X vllm-omni==X for X in {supported}",
+        )
     )
     if vo_v is None:
         out.append(Check("vllm-omni", False, "not installed", "pip install 'omni-accum[vllm]' (vllm-omni 0.30.0)"))
         return out
-    if vo_v not in SUPPORTED_VLLM_OMNI:
+    fam = family_for(vo_v)
+    if fam is None:
         out.append(
             Check(
                 "vllm-omni",
                 False,
-                f"{vo_v} is not supported (supported: {', '.join(SUPPORTED_VLLM_OMNI)})",
-                "install a supported vllm-omni release",
+                f"{vo_v} is not supported (supported: {supported})",
+                "install a supported vllm-omni release (with the vllm of the same version)",
             )
         )
         return out
+    if vllm_v is not None and vllm_v.split(".")[:2] != vo_v.split(".")[:2]:
+        out.append(
+            Check(
+                "vllm release",
+                True,
+                f"vllm {vllm_v} beside vllm-omni {vo_v}: each vllm-omni release goes with the vllm of the same version",
+                f"pip install vllm=={vo_v}",
+                warning=True,
+            )
+        )
     try:
         from omni_accum.integrations.vllm_omni import check_signatures
 
@@ -76,11 +95,15 @@ def check_versions() -> list[Check]:
                 "vllm-omni",
                 False,
                 f"{vo_v}: " + "; ".join(problems),
-                "reinstall vllm-omni 0.30.0 (and remove CUDA builds of torchvision/torchaudio that fail to load)",
+                f"reinstall vllm-omni {vo_v} (and remove CUDA builds of torchvision/torchaudio that fail to load)",
             )
         )
     else:
-        out.append(Check("vllm-omni", True, f"{vo_v} (every wrapped method has its expected signature)"))
+        out.append(
+            Check(
+                "vllm-omni", True, f"{vo_v} (release family {fam.name}; every wrapped method has its signature)"
+            )
+        )
     return out
 
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from omni_accum.cli import validate
 from omni_accum.cli.args import int_value, positive_int
 from omni_accum.context import KeyMeta, StreamContext
+from omni_accum.errors import OmniAccumError
 from omni_accum.policy.environment import table_mismatches
 from omni_accum.policy.loader import load_policy, preset_names
 from omni_accum.manager import StrategyManager, get_manager
