@@ -804,6 +804,7 @@ def _occupancy_sender(*, pipes: list, extra: dict, wl: Any, arm: Any, cl: int, r
     conn = make_connector(0, extra)
     engine = make_engine(arm, ctx)
     rows = []
+    objects = 0
     try:
         for q in range(requests):
             rid = f"{tag}-{q}"
@@ -812,9 +813,10 @@ def _occupancy_sender(*, pipes: list, extra: dict, wl: Any, arm: Any, cl: int, r
                 ok, size, _ = conn.put("0", "1", f"{rid}_{i}", engine.encode(rid, chunk))
                 sent_bytes += int(size) if ok else 0
                 failed += 0 if ok else 1
+                objects += 1 if ok else 0
             engine.release(rid)
             m = _scrape(metrics_url) if metrics_url else {}
-            rows.append({"request": q + 1, "put_bytes": sent_bytes, "failed_puts": failed,
+            rows.append({"request": q + 1, "put_bytes": sent_bytes, "failed_puts": failed, "objects": objects,
                          "allocated": m.get("master_allocated_bytes"), "keys": m.get("master_key_count"),
                          "capacity": m.get("master_total_capacity_bytes")})
     finally:
@@ -854,12 +856,22 @@ class Occupancy:
         """Allocated bytes in the segment per request, over the requests before the first failed put or eviction."""
         good = []
         for r in self.rows:
-            if r["failed_puts"] or r["allocated"] is None:
+            if r["failed_puts"] or r["allocated"] is None or self._evicted(r):
                 break
             good.append(r)
         if not good:
             return None
         return good[-1]["allocated"] / good[-1]["request"]
+
+    @staticmethod
+    def _evicted(row: dict[str, Any]) -> bool:
+        return row.get("keys") is not None and row["keys"] < row["objects"]
+
+    @property
+    def first_eviction(self) -> int | None:
+        """The first request after which the master holds fewer objects than were put: it evicted soft-pinned
+        objects (``allow_evict_soft_pinned_objects``, at ``eviction_high_watermark_ratio`` of the segment)."""
+        return next((r["request"] for r in self.rows if self._evicted(r)), None)
 
     @property
     def first_failure(self) -> int | None:
@@ -896,7 +908,8 @@ def occupancy(
 def format_occupancy(occ: list[Occupancy]) -> str:
     from omni_accum.bench.report import _fmt_bytes  # noqa: PLC0415
 
-    rows = [["arm", "put/request", "pinned/request", "requests", "first failed put", "allocated at end", "keys"]]
+    rows = [["arm", "put/request", "pinned/request", "requests", "first eviction", "first failed put",
+             "allocated at end", "objects kept"]]
     for o in occ:
         last = o.rows[-1] if o.rows else {}
         pinned = o.pinned_bytes_per_request
@@ -905,9 +918,10 @@ def format_occupancy(occ: list[Occupancy]) -> str:
             _fmt_bytes(o.put_bytes_per_request),
             _fmt_bytes(pinned) if pinned is not None else "-",
             str(len(o.rows)),
+            f"after request {o.first_eviction}" if o.first_eviction else "none",
             f"request {o.first_failure}" if o.first_failure else "none",
             f"{_fmt_bytes(last.get('allocated') or 0)} of {_fmt_bytes(o.segment_bytes)}",
-            str(int(last.get("keys") or 0)),
+            f"{int(last.get('keys') or 0)} of {last.get('objects', 0)}",
         ])
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows)
