@@ -13,9 +13,25 @@ from typing import Any
 import pytest
 
 
+def load_check_conformance() -> Callable[..., Any]:
+    """:func:`omni_accum.testing.check_conformance`; fails the test, naming the ``testing`` extra, when
+    hypothesis is not installed (omni-accum itself does not depend on it)."""
+    try:
+        from omni_accum.testing import check_conformance
+    except ImportError as e:
+        if "hypothesis" not in str(e):
+            raise
+        pytest.fail(
+            "omni_accum_conformance needs hypothesis, which is not installed: pip install 'omni-accum[testing]'",
+            pytrace=False,
+        )
+    return check_conformance
+
+
 @pytest.fixture
 def omni_accum_conformance() -> Callable[..., Any]:
-    """:func:`omni_accum.testing.check_conformance`: ``omni_accum_conformance("my_strategy", {...})``."""
-    from omni_accum.testing import check_conformance
+    """:func:`omni_accum.testing.check_conformance`: ``omni_accum_conformance("my_strategy", {...})``.
 
-    return check_conformance
+    Needs hypothesis (``pip install 'omni-accum[testing]'``); without it the test fails saying so.
+    """
+    return load_check_conformance()

@@ -6,7 +6,7 @@ A strategy decides how one key of one request is carried from the sender to the 
   omits an unchanged value; a delta strategy sends a suffix);
 * on the receiver, an :class:`Accumulator` merges each wire value and serves the consumer's view.
 
-Semantics every strategy must meet are in DESIGN.md section 5 and are checked by
+Semantics every strategy must meet are listed in docs/plugins.md ("The contract") and are checked by
 :mod:`omni_accum.testing`.
 """
 
@@ -245,8 +245,9 @@ class AppendAccumulator(Accumulator):
     * anything else (first value, a value of another type, scalars, ``None``): replaces the state,
       exactly as upstream ``_accumulate_payload`` does.
 
-    Subclasses implement :meth:`start_tensor`, :meth:`append_tensor`, :meth:`read_tensor` and may
-    override the list methods.
+    Subclasses implement the four abstract methods :meth:`start_tensor`, :meth:`append_tensor`,
+    :meth:`read_tensor` and :meth:`current_tensor_meta`; they override :meth:`tensor_nbytes` (and
+    :meth:`projected_tensor_nbytes`) when they hold more than the view, and may override the list methods.
     """
 
     __slots__ = ("key", "_mode", "_value", "_items", "_list_view", "_like")
@@ -279,6 +280,9 @@ class AppendAccumulator(Accumulator):
         """Return any tensor with the accumulated dtype, trailing shape and device (for checks)."""
 
     def tensor_nbytes(self) -> int:
+        """Bytes the tensor state holds. The default measures the view (:meth:`read_tensor`, which may
+        build it): override it when the state keeps more than the view (chunks and a cached view, spare
+        capacity) or when building the view costs a concatenation."""
         return value_nbytes(self.read_tensor())
 
     def projected_tensor_nbytes(self, value: torch.Tensor) -> int:

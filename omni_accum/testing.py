@@ -1,6 +1,8 @@
 """Conformance kit for strategy authors (its fixture is registered with pytest by :mod:`omni_accum.pytest_plugin`).
 
-The contract every strategy meets (DESIGN.md section 5): for an append-kind strategy the view
+Needs hypothesis: ``pip install 'omni-accum[testing]'``.
+
+The contract every strategy meets (docs/plugins.md, "The contract"): for an append-kind strategy the view
 after chunk k equals ``torch.cat`` of the chunk values 0..k (list concatenation for lists), bit
 for bit; for a replace-kind strategy the view holds the latest value; a strategy that leaves
 unchanged values off the wire never serves a stale one; dtype, shape and device never change.
@@ -32,8 +34,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+
+try:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+except ImportError as e:  # hypothesis comes with the ``testing`` (and ``test``) extra, not with omni-accum itself
+    raise ImportError(
+        f"the omni-accum conformance kit needs hypothesis, which is not installed: pip install 'omni-accum[testing]' "
+        f"({e})"
+    ) from e
 
 from omni_accum.engine import WIRE_MARKER, Receiver, Sender
 from omni_accum.errors import AccumulationError

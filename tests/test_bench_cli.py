@@ -427,3 +427,11 @@ def test_plot_gives_each_arm_one_colour_and_explains_c(tmp_path):
     fig.canvas.draw()
     assert [t.get_text() for t in ax.get_xticklabels()] == ["1k", "8k", "32k"]
     assert len(ax.collections) == 6  # a 95 % interval band per line
+
+
+def test_a_bad_workload_field_names_its_line(tmp_path, capsys):
+    bad = tmp_path / "w.yaml"
+    bad.write_text("name: w\nkeys:\n  - path: x\n    kind: sideways\n")
+    rc = main(["bench", "--workload", str(bad), *SMALL])
+    err = capsys.readouterr().err
+    assert rc == 1 and "line 4: keys[0].kind" in err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 import types
 from pathlib import Path
 
@@ -56,11 +57,20 @@ def test_every_hookspec_has_a_docstring_with_an_example():
 
 
 @pytest.fixture
-def example_plugin():
-    """The complete example of docs/plugins.md, as a module, registered with a fresh manager."""
+def example_plugin(tmp_path, monkeypatch):
+    """The complete example of docs/plugins.md, as a module, registered with a fresh manager.
+
+    Imported from a file, as a user's would be (pydantic reads attribute docstrings from the source).
+    """
+    import importlib.util
+
     block = next(b for b in python_blocks() if "omni_accum_register_strategies" in b)
-    mod = types.ModuleType("my_strategies")
-    exec(compile(block, f"{DOC}:my_strategies.py", "exec"), mod.__dict__)
+    path = tmp_path / "my_strategies.py"
+    path.write_text(block, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("my_strategies", path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "my_strategies", mod)
+    spec.loader.exec_module(mod)
     m = omni_accum.StrategyManager(load_entrypoints=False)
     m.load_entrypoints([])
     m.register(mod, name="blocked_cat", distribution=("my-strategies", "0.1.0"))
@@ -109,3 +119,45 @@ def test_the_documented_test_and_selection_hook_run(example_plugin):
     assert tx.strategy_for("embed.decode", torch.zeros(1, 4)) == "prealloc"
     assert tx.strategy_for("ids.output", [1]) == "cat"
     check_stream("cat", [{"a": [1]}, {"a": [2]}], manager=example_plugin)
+
+
+def _storage_bytes(*tensors):
+    """Bytes of the distinct storages behind ``tensors`` (what a state really holds)."""
+    seen = {}
+    for t in tensors:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def test_the_complete_example_reports_what_it_holds(example_plugin):
+    from omni_accum.strategy import KeyInfo
+
+    spec = example_plugin.spec("blocked_cat")
+    strategy = spec.factory(spec.params_model(block=4))
+    acc = strategy.new_accumulator(KeyInfo(path="embed.prefill", request_id="r"))
+    chunks = [torch.randn(3, 8) for _ in range(10)]
+    for i, c in enumerate(chunks):
+        if i:
+            projected = acc.projected_nbytes(c)
+        acc.merge(c)
+        acc.read()
+        held = _storage_bytes(*acc._blocks, *acc._tail, acc._view)
+        assert acc.nbytes() >= held, (i, acc.nbytes(), held)
+        if i:
+            assert projected >= held, (i, projected, held)
+
+
+def test_the_complete_example_documents_its_params(example_plugin):
+    from omni_accum.cli.policy import param_rows
+
+    rows = param_rows(example_plugin.spec("blocked_cat").params_model)
+    assert rows[0]["name"] == "block" and "joined into one tensor" in (rows[0]["description"] or "")
+
+
+def test_append_accumulator_docs_name_every_abstract_method():
+    from omni_accum.strategy import AppendAccumulator
+
+    for name in AppendAccumulator.__abstractmethods__:
+        assert name in (AppendAccumulator.__doc__ or ""), name
+        assert f"`{name}(" in doc_text(), name
+    assert "`tensor_nbytes()`" in doc_text()

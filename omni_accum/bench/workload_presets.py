@@ -1,7 +1,9 @@
 """The built-in workloads (``omni-accum bench --workload NAME``): Qwen3-Omni's chunk traffic.
 
 Each preset is the mapping a workload file would hold (without ``name``); see
-:mod:`omni_accum.bench.workloads` for the schema and DESIGN.md section 2 for where the shapes come from.
+:mod:`omni_accum.bench.workloads` for the schema. The shapes are those of Qwen3-Omni's thinker -> talker ->
+code2wav payloads in vllm-omni (hidden size 2048: a ``[P+1, 2048]`` prefill embedding, then one row per decode
+step); each preset's ``description`` says which key layout (release) and traffic it models.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 A workload names its keys (path, kind, value type, per-chunk shape and dtype, which chunks carry
 it, how the consumer reads it) and a chunk schedule (prefill rows P = the context length, arriving
 in one chunk or in chunks of ``prefill_chunk`` rows, then ``decode_steps`` decode chunks). The five
-presets model Qwen3-Omni's traffic (DESIGN.md section 2); users write their own in the same schema
+presets model Qwen3-Omni's traffic (:mod:`omni_accum.bench.workload_presets` says where the shapes
+come from); users write their own in the same schema
 as a YAML file (``omni-accum bench --workload my.yaml``).
 
 :func:`~omni_accum.bench.streams.build_stream` turns a workload into the chunk dicts of one
@@ -35,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from omni_accum.bench.workload_presets import PRESETS
 from omni_accum.errors import OmniAccumError
+from omni_accum.policy.loader import _yaml_line
 from omni_accum.policy.parsing import DuplicateKeyError, load_json, load_yaml
 
 ReadPattern = Literal["every", "newest_row", "end", "never"]
@@ -189,25 +191,28 @@ def workload_names() -> list[str]:
     return sorted(PRESETS)
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
+def _format_errors(err: ValidationError, source: str, text: str | None = None) -> str:
     lines = []
     for e in err.errors():
         loc = ""
         for p in e["loc"]:
             loc += f"[{p}]" if isinstance(p, int) else (f".{p}" if loc else str(p))
         msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
-        lines.append(f"{source}: {loc or '(top level)'}: {msg}")
+        line = _yaml_line(text, tuple(e["loc"])) if text is not None else None
+        where = f"line {line}: " if line else ""
+        lines.append(f"{source}: {where}{loc or '(top level)'}: {msg}")
     return "invalid workload:\n  " + "\n  ".join(lines)
 
 
-def build_workload(data: Any, source: str = "<mapping>") -> Workload:
-    """Validate a mapping into a :class:`Workload`; :class:`WorkloadError` names every bad field."""
+def build_workload(data: Any, source: str = "<mapping>", text: str | None = None) -> Workload:
+    """Validate a mapping into a :class:`Workload`; :class:`WorkloadError` names every bad field (and, given
+    the file's ``text``, its line)."""
     if not isinstance(data, Mapping):
         raise WorkloadError(f"{source}: a workload must be a mapping with 'name' and 'keys', got {type(data).__name__}")
     try:
         return Workload.model_validate(dict(data))
     except ValidationError as e:
-        raise WorkloadError(_format_errors(e, source)) from e
+        raise WorkloadError(_format_errors(e, source, text)) from e
 
 
 def _looks_like_path(name: str) -> bool:
@@ -254,7 +259,7 @@ def load_workload(source: str | os.PathLike[str] | Mapping[str, Any] | Workload)
         raise WorkloadError(f"{path}: the workload file is empty; it needs at least 'keys' (and usually 'name')")
     if isinstance(data, Mapping) and "name" not in data:
         data = {"name": path.stem, **data}
-    return build_workload(data, str(path))
+    return build_workload(data, str(path), text)
 
 
 def dump_workload(workload: Workload) -> str:
