@@ -32,25 +32,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from omni_accum.integrations.vllm_omni import binding as hooks
+from omni_accum.manager import ENV_LOG_LEVEL, LOG_FORMAT, ensure_visible_logging  # noqa: F401 - re-exported
 
 ENV_STATUS_DIR = "OMNI_ACCUM_STATUS_DIR"
-ENV_LOG_LEVEL = "OMNI_ACCUM_LOG_LEVEL"
-LOG_FORMAT = "%(levelname)s %(asctime)s [omni-accum pid=%(process)d] %(message)s"
 
 _lock = threading.Lock()
 _exit_registered_pid: int | None = None
-
-
-def ensure_visible_logging() -> None:
-    """Give the ``omni_accum`` logger a stderr handler unless it (or an ancestor) already has one."""
-    lg = logging.getLogger("omni_accum")
-    if lg.level == logging.NOTSET:
-        level = logging.getLevelName(os.environ.get(ENV_LOG_LEVEL, "INFO").strip().upper())
-        lg.setLevel(level if isinstance(level, int) else logging.INFO)
-    if not lg.hasHandlers():
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(LOG_FORMAT))
-        lg.addHandler(handler)
 
 
 def process_label() -> str:
