@@ -1,6 +1,8 @@
 """Receive side of the runner transports: ``_accumulate_payload`` of the payload transport mixin and of
-the MRv2 data plane (decode-span merge kept). Upstream's accumulator dict stays the store of record:
-the binding's Receiver is synced with it, and popping it releases the Receiver (:class:`.binding.ReleasingDict`).
+the MRv2 data plane (0.30), of the runner mixin (0.28); the decode-span merge kept where the release has
+it (``decode_spans``: which methods do is in each release family, :mod:`.families`). Upstream's
+accumulator dict stays the store of record: the binding's Receiver is synced with it, and popping it
+releases the Receiver (:class:`.binding.ReleasingDict`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def align_decode_span(b: Binding, req_id: str, wire: dict[str, Any]) -> dict[str
     try:
         cur = b.receiver.view(req_id)["embed"]
     except (KeyError, TypeError):
+        return wire
+    if not isinstance(cur, Mapping):  # a flat ``embed`` held: upstream's span rule needs a group
         return wire
     names = {"tensor_key": "decode", "start_key": "decode_token_start", "end_key": "decode_token_end"}
     existing, incoming = get_tensor_span(cur, **names), get_tensor_span(emb, **names)
