@@ -9,9 +9,14 @@ virtualenv, reused when current), ``benchmarks/e2e/build_model.py`` (a tiny rand
 then ``benchmarks/e2e/run.py --smoke --arms qwen3-omni``, and checks from the run's JSON report:
 
 * the server started and the chat request with audio output returned text and audio;
-* every stage engine-core process and every stage worker process reported omni-accum installed
-  and bound, with chunks through it (``OMNI_ACCUM_STATUS_DIR`` status files; the server log's
-  ``omni-accum installed into vllm-omni`` / ``omni-accum bound to`` lines when there are none);
+* every stage engine-core process and every stage worker process reported omni-accum installed;
+  with the harness's ``async_chunk: true`` deploy the payloads go through the three stage engine
+  cores' ``OmniChunkTransferAdapter``, so those must be bound and count their chunks (stage 0 sent,
+  stage 1 received and sent, stage 2 received); a worker bound without a chunk fails
+  (``OMNI_ACCUM_STATUS_DIR`` status files; the server log's ``omni-accum installed into vllm-omni`` /
+  ``omni-accum bound to`` lines when there are none). With ``async_chunk: false``
+  (``configs/qwen3_omni_cpu_full_payload.yaml``) the workers' runner transports carry them instead;
+  see ``benchmarks/e2e/README.md``;
 * nothing of the server is left running and its port is free.
 
 Logs: ``benchmarks/e2e/.work/test-logs/``.
