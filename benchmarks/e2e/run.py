@@ -118,6 +118,8 @@ def proc_info(pid: int) -> dict[str, Any] | None:
 
 
 SHM = Path("/dev/shm")
+# The OpenAI chat endpoint names its requests chatcmpl-<hex>; the connector keys start with the request id.
+OUR_LOCKFILE_PREFIX = "shm_chatcmpl-"
 
 
 def shm_entries() -> set[str]:
@@ -129,13 +131,15 @@ def shm_entries() -> set[str]:
 
 def shm_cleanup(before: set[str]) -> dict[str, Any]:
     """/dev/shm entries that appeared during the arm. vllm-omni's SharedMemoryConnector leaves an empty
-    ``shm_<request>_..._lockfile.lock`` per chunk key behind; those (empty, new, ours) are removed."""
+    ``shm_<request>_..._lockfile.lock`` per chunk key behind; those (empty, new, and keyed by one of
+    this server's request ids, ``chatcmpl-...``) are removed. Other new entries are only reported:
+    /dev/shm is shared with whatever else runs on the machine (other test runs' connector keys)."""
     new = sorted(shm_entries() - before)
     removed, left = 0, []
     for name in new:
         f = SHM / name
         try:
-            if name.startswith("shm_") and name.endswith("_lockfile.lock") and f.stat().st_size == 0:
+            if name.startswith(OUR_LOCKFILE_PREFIX) and name.endswith("_lockfile.lock") and f.stat().st_size == 0:
                 f.unlink()
                 removed += 1
                 continue
