@@ -74,7 +74,8 @@ def runner_config(extra: dict | None = None) -> Any:
         stage_id=1,
         worker_type="ar",
         async_chunk=True,
-        stage_connector_config={"name": "SharedMemoryConnector", "extra": dict(extra or {})},
+        # vllm-omni puts the stage id into the connector extra (0.28: EngineArgs; 0.30: resolve_connector_spec)
+        stage_connector_config={"name": "SharedMemoryConnector", "extra": {"stage_id": 1, **(extra or {})}},
         custom_process_next_stage_input_func=None,
     )
 
@@ -135,7 +136,8 @@ def adapters(vllm_omni):
             max_num_seqs=8,
             stage_id=stage_id,
             async_chunk=True,
-            stage_connector_config={"name": "SharedMemoryConnector", "extra": dict(extra or {})},
+            # the stage id in the connector extra, as vllm-omni's own config puts it (0.28's connector reads it there)
+            stage_connector_config={"name": "SharedMemoryConnector", "extra": {"stage_id": stage_id, **(extra or {})}},
             custom_process_next_stage_input_func=next_func,
             hf_config=SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=24)),
         )

@@ -145,7 +145,7 @@ def baseline(vllm_omni, tmp_path_factory):
             max_num_seqs=8,
             stage_id=a[0],
             async_chunk=True,
-            stage_connector_config={"name": "SharedMemoryConnector", "extra": dict(mc_extra or {})},
+            stage_connector_config={"name": "SharedMemoryConnector", "extra": {"stage_id": a[0], **(mc_extra or {})}},
             custom_process_next_stage_input_func=k.get("next_func"),
             hf_config=SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=24)),
         )
