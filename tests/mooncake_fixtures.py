@@ -30,6 +30,8 @@ import pytest
 
 from conftest import CI
 
+__all__ = ["mooncake", "stage_host"]  # the fixtures, for ``from mooncake_fixtures import *``
+
 TESTS = str(Path(__file__).resolve().parent)
 
 
@@ -148,7 +150,6 @@ def thinker_stage(*, pipes: Any, connector: dict[str, Any], rids: list[str], dec
     info["installed"] = _installed()
     steps = {rid: _thinker_steps(seed=n, decode_steps=decode_steps) for n, rid in enumerate(rids)}
     out_ids: dict[str, list[int]] = {rid: [] for rid in rids}
-    puts: list[int] = []
     sent = 0
     n = len(next(iter(steps.values())))
     try:
@@ -161,11 +162,17 @@ def thinker_stage(*, pipes: Any, connector: dict[str, Any], rids: list[str], dec
             if i >= 3:
                 sent += 1
                 for rid in rids:
-                    _wait(lambda r=rid: tx.put_req_chunk.get(r, 0) >= sent or (last and r not in tx.put_req_chunk),
-                          f"put {rid} #{sent}", timeout=120.0)
+                    _wait(
+                        lambda r=rid: tx.put_req_chunk.get(r, 0) >= sent or (last and r not in tx.put_req_chunk),
+                        f"put {rid} #{sent}",
+                        timeout=120.0,
+                    )
         expected = sent * len(rids)  # the last put may still be in the save thread when put_req_chunk is cleared
-        _wait(lambda: tx.connector.health()["puts"] + tx.connector.health()["errors"] >= expected, "last puts",
-              timeout=120.0)
+        _wait(
+            lambda: tx.connector.health()["puts"] + tx.connector.health()["errors"] >= expected,
+            "last puts",
+            timeout=120.0,
+        )
         health = tx.connector.health()
         b = getattr(tx, "_omni_accum_binding", None)
         info.update(

@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from mooncake_fixtures import deploy_connector, mooncake, stage_host  # noqa: F401 - fixtures
+from mooncake_fixtures import *  # noqa: F403 - the fixtures (mooncake, stage_host)
+from mooncake_fixtures import deploy_connector
 from test_integration_vllm_omni import D, P, assert_same
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
@@ -30,10 +31,16 @@ def _run(stage_host, mooncake, label: str, env: dict[str, str], keep_policy: boo
     assert connector["name"] == "MooncakeStoreConnector"
     base_env = {"OMNI_ACCUM_VLLM_OMNI": "1", "OMNI_ACCUM_POLICY": "", "OMNI_ACCUM_METRICS": "0"}
     jobs = [
-        Job("mooncake_fixtures:thinker_stage", {"connector": connector, "rids": rids, "decode_steps": DECODE},
-            {**base_env, **env}),
-        Job("mooncake_fixtures:talker_stage", {"connector": connector, "rids": rids, "chunks": DECODE},
-            {**base_env, **env}),
+        Job(
+            "mooncake_fixtures:thinker_stage",
+            {"connector": connector, "rids": rids, "decode_steps": DECODE},
+            {**base_env, **env},
+        ),
+        Job(
+            "mooncake_fixtures:talker_stage",
+            {"connector": connector, "rids": rids, "chunks": DECODE},
+            {**base_env, **env},
+        ),
     ]
     tx, rx = stage_host.run(jobs, timeout=300)
     assert tx["pid"] != rx["pid"] != os.getpid()  # two stage processes, neither of them the test's
@@ -81,8 +88,12 @@ def _compat_probe(*, pipes, extra):
     try:
         ok, size, _ = conn.put("0", "1", f"probe-{os.getpid()}", {"x": torch.tensor([1, 2, 3])})
         got, n = conn.get("0", "1", f"probe-{os.getpid()}")
-        out["with"] = {"put": ok and size == n, "got": got["x"].tolist(), "stage_id": conn.stage_id,
-                       "soft_pin": conn.pin.with_soft_pin}
+        out["with"] = {
+            "put": ok and size == n,
+            "got": got["x"].tolist(),
+            "stage_id": conn.stage_id,
+            "soft_pin": conn.pin.with_soft_pin,
+        }
     finally:
         conn.close()
     return out
@@ -146,8 +157,9 @@ def test_bench_pair_through_the_store(stage_host, mooncake):
 
     wl = load_workload("qwen3-omni-override-ids").model_copy(update={"decode_steps": 60})
     arms = build_arms(wl, ["upstream", "qwen3-omni", DELTA_POLICY])
-    res, store = measure_mooncake(stage_host, mooncake, wl, arms, context_len=64, concurrency=2, repeats=1,
-                                  warmup=False)
+    res, store = measure_mooncake(
+        stage_host, mooncake, wl, arms, context_len=64, concurrency=2, repeats=1, warmup=False
+    )
     assert [r.correct for r in res] == [True, True, True], [r.mismatch for r in res]
     up, q3, dl = (s.store_bytes_per_request for s in store)
     assert dl < q3 < up, (up, q3, dl)

@@ -77,7 +77,7 @@ def _connector_class() -> Any:
 
 
 def stage_id_needed() -> bool:
-    """True when vllm-omni's ``MooncakeStoreConnector`` has no ``stage_id`` (0.30.0) and this module has not added it."""
+    """True when vllm-omni's ``MooncakeStoreConnector`` has no ``stage_id`` (0.30.0) and none was added."""
     cls = _connector_class()
     return cls is not None and not hasattr(cls, "stage_id")
 
@@ -148,12 +148,19 @@ def activate() -> None:
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
         return
     try:
-        steps = [name for name, todo in (("ReplicateConfig.with_soft_pin", needed()),
-                                          ("MooncakeStoreConnector.stage_id", stage_id_needed())) if todo]
+        steps = [
+            name
+            for name, todo in (
+                ("ReplicateConfig.with_soft_pin", needed()),
+                ("MooncakeStoreConnector.stage_id", stage_id_needed()),
+            )
+            if todo
+        ]
         if steps:
             apply()
-            logger.info("omni-accum: Mooncake compatibility for vllm-omni 0.30.0: %s (pid=%d)", ", ".join(steps),
-                        os.getpid())
+            logger.info(
+                "omni-accum: Mooncake compatibility for vllm-omni 0.30.0: %s (pid=%d)", ", ".join(steps), os.getpid()
+            )
     except Exception as e:  # noqa: BLE001 - a plugin never fails vllm-omni
         logger.error("omni-accum: Mooncake compatibility step failed: %s", e)
 
