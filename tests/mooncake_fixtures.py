@@ -69,7 +69,7 @@ def mooncake(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stage_host(mooncake):
+def stage_host(mooncake, vllm_omni):
     from omni_accum.bench.mooncake import StageHost, _alive
 
     host = StageHost(pythonpath=[TESTS]).start()
