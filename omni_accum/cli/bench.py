@@ -85,11 +85,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--wire",
-        choices=("inproc", "serializer", "shm", "mooncake"),
+        choices=("inproc", "serializer", "shm", "mooncake", "arena"),
         default="inproc",
         help="inproc (default): no serialization; serializer: vllm-omni's OmniSerializer; shm: its "
         "SharedMemoryConnector; mooncake: its MooncakeStoreConnector, sender and receiver in two processes "
-        "(needs omni-accum[mooncake]; starts its own master unless --mooncake-master is given)",
+        "(needs omni-accum[mooncake]; starts its own master unless --mooncake-master is given); arena: "
+        "omni-accum's shared-memory arena against shm, sender and receiver in two processes (docs/arena.md)",
     )
     m = p.add_argument_group("--wire mooncake")
     m.add_argument("--mooncake-master", metavar="HOST:PORT", help="use this Mooncake master instead of starting one")
@@ -210,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
     except bench.UnknownArmError as e:
         return _usage_error(str(e))
     apply_threads(args.threads)
+    if args.wire == "arena":
+        from omni_accum.arena.pairbench import run_cli as run_arena
+
+        return run_arena(args, wl)
     if args.wire == "mooncake":
         from omni_accum.bench.mooncake import run_cli
 

@@ -1,0 +1,70 @@
+"""What the arena's sender and receiver share: message tags, dtype names, payload paths, waiting."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+#: forward (sender -> receiver) and backward (receiver -> sender) message tags
+CHUNK, DONE, FREE = "c", "d", "f"
+
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32,
+        torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}
+
+#: how often a waiting side checks that its peer lives (seconds)
+LIVENESS_EVERY_S = 0.02
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def leaves(payload: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """``(path, value)`` of every leaf (one level of groups: ``group.qualifier``, as vllm-omni nests)."""
+    for top, value in payload.items():
+        if isinstance(value, Mapping):
+            for qual, v in value.items():
+                yield f"{top}.{qual}", v
+        else:
+            yield str(top), value
+
+
+def place(view: dict[str, Any], path: str, value: Any) -> None:
+    top, _, qual = path.partition(".")
+    if qual:
+        view.setdefault(top, {})[qual] = value
+    else:
+        view[top] = value
+
+
+def wait_until(cond: Callable[[], Any], timeout_s: float, check: Callable[[], None]) -> Any:
+    """Poll ``cond`` (spin briefly, then sleep) until it is truthy; ``check`` every LIVENESS_EVERY_S.
+
+    Returns the truthy value, or None after ``timeout_s``. ``check`` raises to abort the wait.
+    """
+    v = cond()
+    if v:
+        return v
+    start = last = time.monotonic()
+    spins = 0
+    while True:
+        v = cond()
+        if v:
+            return v
+        now = time.monotonic()
+        if now - last >= LIVENESS_EVERY_S:
+            check()
+            last = now
+        if now - start >= timeout_s:
+            return None
+        spins += 1
+        if spins > 200:
+            time.sleep(0.0002 if now - start < 0.05 else 0.002)

@@ -1,0 +1,259 @@
+"""``omni-accum bench --wire arena``: sender and receiver in two processes, the arena against ``shm``.
+
+The parent process is the sending stage, a spawned child the receiving stage; both replay the same
+workload streams (N requests round-robin). Each step runs in lock step, and each side times only its
+own work: the sender its encode + write + publish, the receiver its take + merge + the consumer's
+read. A step's latency is the sum (waiting for the other process and the control pipe are not
+counted, so a loaded machine's scheduling delays are left out of both arms alike). Arms:
+
+* ``arena``: :class:`~omni_accum.arena.ArenaSender` -> :class:`~omni_accum.arena.ArenaReceiver`;
+* ``shm``: the workload's policy (omni-accum ``Sender.encode``), vllm-omni 0.30.0's
+  ``SharedMemoryConnector`` ``put`` then ``get`` in the other process, ``Receiver.merge``.
+
+The receiver checks every request's final view against the ``torch.cat`` reference (untimed).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_accum.arena._common import leaves
+from omni_accum.bench.reference import check_view
+from omni_accum.bench.streams import build_stream, chunk_plans
+from omni_accum.bench.workloads import Workload
+from omni_accum.context import StreamContext
+
+ARMS = ("arena", "shm")
+_clock = time.perf_counter_ns
+
+
+def _hints(wl: Workload, streams: list[list[dict[str, Any]]]) -> dict[str, int]:
+    hints: dict[str, int] = {}
+    for spec in wl.keys:
+        if spec.kind == "append":
+            rows = [int(v.shape[0]) for c in streams[0] for p, v in leaves(c) if p == spec.path and isinstance(v, torch.Tensor) and v.dim() > 0]
+            if rows:
+                hints[spec.path] = sum(rows)
+    return hints
+
+
+def _policy(wl: Workload) -> Any:
+    from omni_accum.policy import load_policy
+
+    return load_policy(wl.policy or "default")
+
+
+def _arena_bytes(wl: Workload, streams: list[list[dict[str, Any]]]) -> int:
+    """Slab space for every request of ``streams`` at once, with a quarter to spare, in pages."""
+    n = sum(v.numel() * v.element_size() + 8192 for s in streams for c in s for _, v in leaves(c) if isinstance(v, torch.Tensor))
+    return int(n * 1.25) + (64 << 20)
+
+
+@dataclass
+class PairResult:
+    arm: str
+    context_len: int
+    concurrency: int
+    prefill_us: list[float] = field(default_factory=list)  # the first chunk of each request
+    decode_us: list[float] = field(default_factory=list)
+    totals_us: list[float] = field(default_factory=list)  # per request
+    mismatch: str | None = None
+    error: str | None = None
+
+    def p50(self, xs: list[float]) -> float:
+        return statistics.median(xs) if xs else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- #
+# The receiving process
+# ---------------------------------------------------------------------------------------------- #
+
+
+def _receiver_main(conn: Any, wl: Workload, cl: int, concurrency: int, name: str, data_bytes: int) -> None:
+    torch.set_num_threads(1)
+    from omni_accum.arena.receiver import ArenaReceiver
+    from omni_accum.engine import Receiver
+
+    streams = [build_stream(wl, cl, r) for r in range(concurrency)]
+    reads = [(k.path, k.read) for k in wl.keys if k.read != "never"]
+    ctx = StreamContext(context_len=cl, concurrency=concurrency, length_hints=_hints(wl, streams))
+    rx = ArenaReceiver(name, data_bytes)
+    shm = None
+    policy_rx = None
+    conn.send("ready")
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "quit":
+                break
+            if cmd[0] == "begin":
+                if cmd[1] == "shm":
+                    if shm is None:
+                        from omni_accum.integrations.vllm_omni.classes import shm_connector
+
+                        shm = shm_connector()({"stage_id": 1})
+                    policy_rx = Receiver(_policy(wl), context=ctx)
+                conn.send("ok")
+                continue
+            _, arm, rid, r, last, key = cmd
+            t0 = _clock()
+            if arm == "arena":
+                ev = rx.poll(30.0)
+                if ev is None:
+                    raise RuntimeError("arena: no chunk within 30 s")
+                view = ev.view
+            else:
+                got = shm.get("0", "1", key)
+                view = policy_rx.merge(rid, got[0])
+            for path, how in reads:
+                if how == "end" and not last:
+                    continue
+                top, _, qual = path.partition(".")
+                val = view[top][qual] if qual else view[top]
+                if how == "newest_row" and len(val):
+                    val = val[-1:]
+            dt = (_clock() - t0) / 1000.0
+            mismatch = None
+            if last:
+                mismatch = check_view(wl, streams[r], view)
+                if arm == "arena":
+                    rx.release(rid)
+                else:
+                    policy_rx.release(rid)
+            conn.send((dt, mismatch))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except Exception:  # noqa: BLE001, S110
+            pass
+    finally:
+        rx.close()
+        if shm is not None:
+            shm.close()
+
+
+# ---------------------------------------------------------------------------------------------- #
+# The sending process (this one)
+# ---------------------------------------------------------------------------------------------- #
+
+
+def run_pair(wl: Workload, context_len: int, concurrency: int, *, repeats: int = 3, arms: tuple[str, ...] = ARMS) -> list[PairResult]:
+    """Measure ``arms`` for one bucket, interleaved round by round (the first round untimed: warm-up)."""
+    from omni_accum.arena.sender import ArenaSender
+
+    streams = [build_stream(wl, context_len, r) for r in range(concurrency)]
+    plans = chunk_plans(wl, context_len)
+    kinds = {k.path: k.kind for k in wl.keys}
+    hints = _hints(wl, streams)
+    name = f"bench_{os.getpid()}_{context_len}_{concurrency}"
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(
+        target=_receiver_main, args=(child, wl, context_len, concurrency, name, _arena_bytes(wl, streams)), daemon=True
+    )
+    proc.start()
+    results = {a: PairResult(a, context_len, concurrency) for a in arms}
+    shm_tx = None
+    try:
+        if not parent.poll(600) or parent.recv() != "ready":
+            raise RuntimeError("the receiver process did not start")
+        tx = ArenaSender(name, kinds, length_hints=hints)
+        for rep in range(repeats + 1):
+            for arm in arms[rep % len(arms):] + arms[: rep % len(arms)]:
+                res = results[arm]
+                if res.error:
+                    continue
+                parent.send(("begin", arm))
+                parent.recv()
+                if arm == "shm" and shm_tx is None:
+                    from omni_accum.integrations.vllm_omni.classes import shm_connector
+
+                    shm_tx = shm_connector()({"stage_id": 0})
+                policy_tx = None
+                if arm == "shm":
+                    from omni_accum.engine import Sender
+
+                    policy_tx = Sender(_policy(wl), context=StreamContext(context_len=context_len, concurrency=concurrency, length_hints=hints))
+                totals = [0.0] * concurrency
+                for plan in plans:
+                    for r in range(concurrency):
+                        rid = f"{arm}-{rep}-{r}"
+                        chunk = streams[r][plan.index]
+                        key = f"oa_{os.getpid()}_{rid}_{plan.index}"
+                        t0 = _clock()
+                        if arm == "arena":
+                            tx.send(rid, chunk)
+                        else:
+                            ok, _, _ = shm_tx.put("0", "1", key, policy_tx.encode(rid, chunk))
+                            if not ok:
+                                raise RuntimeError(f"SharedMemoryConnector.put failed for {key}")
+                        dt = (_clock() - t0) / 1000.0
+                        if plan.is_last:
+                            if arm == "arena":
+                                tx.done(rid)
+                            else:
+                                policy_tx.release(rid)
+                        parent.send(("step", arm, rid, r, plan.is_last, key))
+                        reply = parent.recv()
+                        if reply[0] == "error":
+                            raise RuntimeError(f"receiver: {reply[1]}")
+                        dt += reply[0]
+                        if reply[1] and res.mismatch is None:
+                            res.mismatch = f"request {r}: {reply[1]}"
+                        if rep == 0:
+                            continue  # warm-up round
+                        (res.prefill_us if plan.is_prefill else res.decode_us).append(dt)
+                        totals[r] += dt
+                if rep:
+                    res.totals_us.extend(totals)
+        tx.close()
+        parent.send(("quit",))
+        proc.join(60)
+    finally:
+        if shm_tx is not None:
+            shm_tx.close()
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+    return [results[a] for a in arms]
+
+
+def format_pair_table(rows: list[PairResult]) -> str:
+    """One line per arm: prefill hand-off, decode step p50/p99, per-request total, ratios vs shm."""
+    base = {(r.context_len, r.concurrency): r for r in rows if r.arm == "shm"}
+    out = [f"{'bucket':<12} {'wire':<6} {'prefill us':>11} {'step p50 us':>12} {'step p99 us':>12} {'req total ms':>13}  vs shm (prefill, step, total)  correct"]
+    for r in rows:
+        dec = sorted(r.decode_us)
+        p99 = dec[min(len(dec) - 1, int(0.99 * (len(dec) - 1) + 0.5))] if dec else float("nan")
+        pre, step, tot = r.p50(r.prefill_us), r.p50(r.decode_us), r.p50(r.totals_us) / 1000.0
+        b = base.get((r.context_len, r.concurrency))
+        vs = ""
+        if b is not None and r is not b:
+            vs = f"{pre / b.p50(b.prefill_us):.3f}x {step / b.p50(b.decode_us):.3f}x {tot / (b.p50(b.totals_us) / 1000.0):.3f}x"
+        ok = "ERROR " + r.error if r.error else ("yes" if r.mismatch is None else f"NO: {r.mismatch}")
+        out.append(
+            f"{f'{r.context_len} x c{r.concurrency}':<12} {r.arm:<6} {pre:11.1f} {step:12.1f} {p99:12.1f} {tot:13.2f}  {vs:<29}  {ok}"
+        )
+    return "\n".join(out)
+
+
+def run_cli(args: Any, wl: Workload) -> int:
+    """``omni-accum bench --wire arena``: every bucket, a table each; 1 when a view differs from the reference."""
+    lens = args.context_lens or wl.default_context_lens()
+    levels = args.concurrency or list(wl.concurrency)
+    print(f"workload {wl.name}: wires arena, shm (policy {wl.policy or 'default'}); two processes; {args.repeats} repeats")
+    bad = False
+    for cl in lens:
+        for c in levels:
+            rows = run_pair(wl, cl, c, repeats=args.repeats)
+            print()
+            print(format_pair_table(rows), flush=True)
+            bad = bad or any(r.mismatch or r.error for r in rows)
+    return 1 if bad else 0

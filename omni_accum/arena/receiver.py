@@ -1,0 +1,214 @@
+"""The receiving stage's side of an arena: owns the region; its views are tensors over the shared pages.
+
+:meth:`ArenaReceiver.poll` takes the next descriptor off ring F and returns the request's view: for
+an append key, ``slab[:rows]`` (a zero-copy view of the rows published so far; rows are written
+before the descriptor that publishes them, and never rewritten), for a replace/static tensor the
+slab of its latest value, and the non-tensor values as sent. A view is borrowed: it stays valid
+until the request's next chunk is polled (a move or a new replace value lets the sender reuse the
+old slab after that) or the request is released. ``release`` hands the request's pages back to the
+sender through ring B.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omni_accum.arena._common import CHUNK, DONE, DTYPES, FREE, LIVENESS_EVERY_S, place, wait_until
+from omni_accum.arena.region import W_SENDER_CLOSED, W_SENDER_PID, ArenaError, PeerDied, Region
+from omni_accum.errors import UnknownRequestError
+
+#: page-map value of pages a dead sender's successor must leave alone (live slabs of done requests)
+_HELD = 255
+
+
+@dataclass
+class Event:
+    """One chunk taken off the ring: its request, the request's view after it, the sender's stamp."""
+
+    req_id: str
+    view: dict[str, Any]
+    t0_ns: int = 0
+
+
+class _Req:
+    __slots__ = ("slabs", "view", "done", "failed")
+
+    def __init__(self) -> None:
+        self.slabs: dict[str, tuple[int, int, torch.Tensor]] = {}  # path -> (page, npages, base tensor)
+        self.view: dict[str, Any] = {}
+        self.done = False
+        self.failed = False
+
+
+class ArenaReceiver:
+    """Create the arena ``name`` (``/dev/shm/omni_accum_arena_<name>``) and receive from its one sender.
+
+    Args:
+        data_bytes: the slab space (the memory bound: tmpfs pages are touched as slabs are first used).
+        ring_bytes: the descriptor ring (sender -> receiver).
+        page: slab granularity in bytes.
+    """
+
+    def __init__(self, name: str, data_bytes: int, *, ring_bytes: int = 1 << 20, page: int = 4096) -> None:
+        self.region = Region.create(name, data_bytes, page=page, ring_bytes=ring_bytes)
+        self._u8 = torch.frombuffer(self.region.mm, dtype=torch.uint8)
+        self._page = page
+        self._data_off = self.region.data_off
+        self._reqs: dict[str, _Req] = {}
+        self._last_check = time.monotonic()
+
+    # ------------------------------------------------------------------ receiving
+    def poll(self, timeout_s: float = 0.0) -> Event | None:
+        """The next chunk's event, waiting up to ``timeout_s``; None when none came.
+
+        Raises PeerDied (its ``requests``: the failed in-flight ones) once when the sender is found
+        dead; the arena is then reset for a new sender, and done requests stay readable.
+        """
+        ring = self.region.ring_f
+        while True:
+            msg = ring.pop()
+            if msg is None:
+                now = time.monotonic()
+                if now - self._last_check >= LIVENESS_EVERY_S:
+                    self._last_check = now
+                    self.check_sender()
+                if timeout_s <= 0:
+                    return None
+                msg = wait_until(ring.pop, timeout_s, self.check_sender)
+                if msg is None:
+                    return None
+            ev = self._apply(pickle.loads(msg))
+            if ev is not None:
+                return ev
+
+    def _apply(self, m: tuple) -> Event | None:
+        if m[0] == DONE:
+            req = self._reqs.get(m[1])
+            if req is not None:
+                req.done = True
+            return None
+        if m[0] != CHUNK:
+            raise ArenaError(f"arena {self.region.path.name}: unknown message {m[0]!r}")
+        _, rid, t0, opens, rows, values = m
+        req = self._reqs.get(rid)
+        if req is None:
+            req = self._reqs[rid] = _Req()
+        view = req.view
+        stale: list[tuple[int, int]] = []
+        for path, page, npg, cap, dt, row_shape, append in opens:
+            dtype = DTYPES[dt]
+            off = self._data_off + page * self._page
+            numel = cap
+            for d in row_shape:
+                numel *= d
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            base = self._u8[off : off + nbytes].view(dtype)
+            base = base.view(cap, *row_shape) if append else base.view(row_shape)
+            old = req.slabs.get(path)
+            if old is not None:
+                stale.append((old[0], old[1]))
+            req.slabs[path] = (page, npg, base)
+            if not append:
+                place(view, path, base)
+        for path, n in rows:
+            place(view, path, req.slabs[path][2][:n])
+        for path, (append, v) in values.items():
+            if append and isinstance(v, list):
+                top, _, qual = path.partition(".")
+                cur = (view.get(top) or {}).get(qual) if qual else view.get(top)
+                v = (cur + v) if isinstance(cur, list) else list(v)
+            place(view, path, v)
+        if stale:
+            self._post_free(None, stale)
+        return Event(rid, view, t0)
+
+    def view(self, req_id: str) -> dict[str, Any]:
+        req = self._reqs.get(req_id)
+        if req is None:
+            raise UnknownRequestError(req_id, len(self._reqs))
+        if req.failed:
+            raise PeerDied(f"request {req_id!r} was in flight when its sender died", [req_id])
+        return req.view
+
+    def requests(self) -> list[str]:
+        return sorted(self._reqs)
+
+    def held_bytes(self) -> int:
+        return sum(n * self._page for r in self._reqs.values() for _, n, _ in r.slabs.values())
+
+    # ------------------------------------------------------------------ release
+    def release(self, req_id: str) -> None:
+        """Drop ``req_id``; its pages go back to the sender (views of it must not be used after this)."""
+        req = self._reqs.pop(req_id, None)
+        if req is None or not req.slabs:
+            return
+        spans = [(p, n) for p, n, _ in req.slabs.values()]
+        req.slabs.clear()
+        req.view.clear()
+        self._post_free(req_id, spans)
+
+    def _post_free(self, rid: str | None, spans: list[tuple[int, int]]) -> None:
+        q = self.region.q
+        if q[W_SENDER_PID] == 0:  # no sender: this side is the page map's only writer
+            for p, n in spans:
+                self.region.pages[p : p + n] = b"\0" * n
+            return
+        msg = pickle.dumps((FREE, rid, spans), protocol=5)
+        ring = self.region.ring_b
+        if not ring.push(msg) and not wait_until(lambda: ring.push(msg), 30.0, self.check_sender):
+            raise ArenaError(f"arena {self.region.path.name}: the sender takes no released pages back")
+
+    # ------------------------------------------------------------------ the sender's liveness
+    def check_sender(self) -> None:
+        """Raise PeerDied (after resetting the arena for a new sender) if the attached sender is dead."""
+        q = self.region.q
+        pid = q[W_SENDER_PID]
+        if pid == 0:
+            return
+        self.region.beat()
+        if q[W_SENDER_CLOSED] and pid == 0:
+            return
+        if self.region.peer_alive():
+            return
+        failed = self._reset_sender()
+        raise PeerDied(f"arena {self.region.path.name}: sender pid {pid} died; failed requests {failed}", failed)
+
+    def _reset_sender(self) -> list[str]:
+        ring = self.region.ring_f
+        while (msg := ring.pop()) is not None:  # every published message is complete: apply it
+            self._apply(pickle.loads(msg))
+        failed = []
+        for rid, req in self._reqs.items():
+            if not req.done and not req.failed:
+                req.failed = True
+                req.slabs.clear()
+                req.view.clear()
+                failed.append(rid)
+        pages = self.region.pages
+        pages[:] = b"\0" * len(pages)  # the dead sender's pages, announced or not, are free again ...
+        for req in self._reqs.values():
+            for p, n, _ in req.slabs.values():
+                pages[p : p + n] = bytes([_HELD]) * n  # ... except those of done requests
+        ring.reset()
+        self.region.ring_b.reset()
+        q = self.region.q
+        q[W_SENDER_CLOSED] = 0
+        q[W_SENDER_PID] = 0  # written last: a new sender may attach
+        return sorted(failed)
+
+    def close(self) -> None:
+        """Unlink the arena; the mapping stays until the views over it are freed."""
+        self._reqs.clear()
+        self._u8 = None
+        self.region.close()
+
+    def __enter__(self) -> ArenaReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,250 @@
+"""The shared region of one stage pair: a ``/dev/shm`` file created once by the receiving side.
+
+Layout (every offset a multiple of the page size)::
+
+    header (4 KiB)  64-bit words, one cache line per writer: magic, sizes, pids, heartbeats, ring counters
+    page map        one byte per data page: 0 free, else the generation of the sender that allocated it
+    ring F          sender -> receiver messages (descriptors)
+    ring B          receiver -> sender messages (released slabs)
+    data            the slabs of the requests' tensor keys
+
+The file is named ``omni_accum_arena_<name>`` and records its owner's pid (the receiver): a new
+owner reclaims a file whose owner is dead, and refuses one whose owner lives. The owner unlinks the
+file when it closes (and at interpreter exit); a sender that finds the owner dead unlinks it too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from omni_accum.arena.ring import Ring
+from omni_accum.errors import OmniAccumError
+
+SHM_DIR = Path(os.environ.get("OMNI_ACCUM_ARENA_DIR", "/dev/shm"))
+PREFIX = "omni_accum_arena_"
+MAGIC = int.from_bytes(b"OAARENA1", "little")
+VERSION = 1
+HEADER = 4096
+
+# header word indices (8 bytes each); writers kept on separate 64-byte lines
+W_MAGIC, W_VERSION, W_PAGE, W_NPAGES, W_RING_F, W_RING_B, W_DATA_OFF, W_READY = range(8)
+W_OWNER_PID, W_OWNER_BEAT, W_OWNER_CLOSED = 8, 9, 10
+W_SENDER_PID, W_SENDER_BEAT, W_SENDER_GEN, W_SENDER_CLOSED = 16, 17, 18, 19
+W_F_TAIL, W_F_HEAD, W_B_TAIL, W_B_HEAD = 24, 32, 40, 48
+
+
+class ArenaError(OmniAccumError):
+    """An arena could not be created, attached or used."""
+
+
+class ArenaFull(ArenaError):
+    """The arena has no room for a slab now: nothing was written; send this request the ordinary way."""
+
+
+class PeerDied(ArenaError):
+    """The other process of the pair is gone; the requests it had in flight (``requests``) are failed."""
+
+    def __init__(self, message: str, requests: list[str] | tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.requests = list(requests)
+
+
+def path_for(name: str) -> Path:
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", name):
+        raise ArenaError(f"arena name {name!r}: use letters, digits, '_', '.', '-'")
+    return SHM_DIR / f"{PREFIX}{name}"
+
+
+def pid_alive(pid: int) -> bool:
+    """True when ``pid`` runs (a zombie, killed but not yet reaped, counts as dead)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: trust kill(0)
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+
+
+@dataclass(frozen=True)
+class Layout:
+    page: int
+    npages: int
+    ring_f: int
+    ring_b: int
+
+    @property
+    def map_off(self) -> int:
+        return HEADER
+
+    @property
+    def ring_f_off(self) -> int:
+        return _round(HEADER + self.npages, self.page)
+
+    @property
+    def ring_b_off(self) -> int:
+        return self.ring_f_off + self.ring_f
+
+    @property
+    def data_off(self) -> int:
+        return _round(self.ring_b_off + self.ring_b, self.page)
+
+    @property
+    def size(self) -> int:
+        return self.data_off + self.npages * self.page
+
+
+def _round(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+class Region:
+    """A mapping of an arena file; :meth:`create` (the receiver) or :meth:`attach` (the sender)."""
+
+    def __init__(self, path: Path, mm: mmap.mmap, layout: Layout, owner: bool) -> None:
+        self.path = path
+        self.mm = mm
+        self.layout = layout
+        self.owner = owner
+        self.q = memoryview(mm)[:HEADER].cast("Q")
+        self.pages = memoryview(mm)[layout.map_off : layout.map_off + layout.npages]
+        self.ring_f = Ring(memoryview(mm)[layout.ring_f_off : layout.ring_b_off], self.q, W_F_TAIL, W_F_HEAD)
+        self.ring_b = Ring(memoryview(mm)[layout.ring_b_off : layout.ring_b_off + layout.ring_b], self.q, W_B_TAIL, W_B_HEAD)
+        self.data_off = layout.data_off
+        self._unlinked = False
+
+    # ------------------------------------------------------------------ creation and attachment
+    @classmethod
+    def create(
+        cls, name: str, data_bytes: int, *, page: int = 4096, ring_bytes: int = 1 << 20, back_bytes: int = 256 << 10
+    ) -> Region:
+        """Create the region (reclaiming a stale one whose owner is dead)."""
+        path = path_for(name)
+        npages = max(1, _round(data_bytes, page) // page)
+        layout = Layout(page, npages, _round(ring_bytes, page), _round(back_bytes, page))
+        if path.exists():
+            owner = _owner_of(path)
+            if owner is not None and owner != os.getpid() and pid_alive(owner):
+                raise ArenaError(f"arena {path} is in use by pid {owner} (close it there first)")
+            path.unlink(missing_ok=True)  # stale: its owner is dead
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, layout.size)  # tmpfs allocates pages on first touch
+            mm = mmap.mmap(fd, layout.size)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        r = cls(path, mm, layout, owner=True)
+        q = r.q
+        q[W_MAGIC], q[W_VERSION], q[W_PAGE], q[W_NPAGES] = MAGIC, VERSION, page, npages
+        q[W_RING_F], q[W_RING_B], q[W_DATA_OFF] = layout.ring_f, layout.ring_b, layout.data_off
+        q[W_OWNER_PID] = os.getpid()
+        q[W_READY] = 1  # written last: an attaching sender waits for it
+        atexit.register(r.close)
+        return r
+
+    @classmethod
+    def attach(cls, name: str) -> Region:
+        """Map an existing region (the sender's side)."""
+        path = path_for(name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError as e:
+            raise ArenaError(f"no arena {path}: the receiving stage creates it") from e
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER:
+                raise ArenaError(f"arena {path} is not initialised yet")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        q = memoryview(mm)[:HEADER].cast("Q")
+        try:
+            if q[W_MAGIC] != MAGIC or q[W_VERSION] != VERSION or not q[W_READY]:
+                raise ArenaError(f"arena {path} is not an omni-accum arena of version {VERSION} (or not ready)")
+            layout = Layout(q[W_PAGE], q[W_NPAGES], q[W_RING_F], q[W_RING_B])
+        finally:
+            q.release()
+        if layout.size != size:
+            mm.close()
+            raise ArenaError(f"arena {path}: size {size} does not match its header ({layout.size})")
+        return cls(path, mm, layout, owner=False)
+
+    # ------------------------------------------------------------------ liveness
+    def peer_pid(self) -> int:
+        return int(self.q[W_SENDER_PID] if self.owner else self.q[W_OWNER_PID])
+
+    def peer_alive(self) -> bool:
+        pid = self.peer_pid()
+        return pid == 0 or pid_alive(pid)
+
+    def beat(self) -> None:
+        i = W_OWNER_BEAT if self.owner else W_SENDER_BEAT
+        self.q[i] = self.q[i] + 1
+
+    # ------------------------------------------------------------------ teardown
+    def unlink(self) -> None:
+        if not self._unlinked:
+            self._unlinked = True
+            try:
+                if _owner_of(self.path) in (self.q[W_OWNER_PID], None):
+                    self.path.unlink(missing_ok=True)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Mark this side closed; the owner also unlinks the file. Views still held keep the mapping alive."""
+        if self.mm.closed:
+            return
+        try:
+            self.q[W_OWNER_CLOSED if self.owner else W_SENDER_CLOSED] = 1
+            if not self.owner:
+                self.q[W_SENDER_PID] = 0
+        except (ValueError, TypeError):
+            pass
+        if self.owner:
+            self.unlink()
+            atexit.unregister(self.close)
+        for mv in (self.pages, self.q):
+            mv.release()
+        for ring in (self.ring_f, self.ring_b):
+            ring._buf.release()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # tensors over the mapping are still alive: it is unmapped when they are freed
+
+
+def _owner_of(path: Path) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8 * (W_OWNER_PID + 1))
+    except OSError:
+        return None
+    if len(head) < 8 * (W_OWNER_PID + 1):
+        return None
+    return int.from_bytes(head[8 * W_OWNER_PID : 8 * W_OWNER_PID + 8], "little")
+
+
+def sweep_stale(directory: Path | None = None) -> list[Path]:
+    """Remove every arena file of ``directory`` (default /dev/shm) whose owner is dead; the removed paths."""
+    removed = []
+    for p in sorted((directory or SHM_DIR).glob(PREFIX + "*")):
+        owner = _owner_of(p)
+        if owner is None or not pid_alive(owner):
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed

@@ -1,0 +1,244 @@
+"""The sending stage's side of an arena: writes tensor values straight into the receiver's buffers.
+
+Per request and tensor key, an *append* key gets one slab (sized from the length hint, grown by a
+move when it runs out); each chunk copies its new rows into the slab behind the rows already
+published (one ``memmove``), then pushes one descriptor: the request, the new row count per key,
+the small non-tensor values (pickled) and any slab the receiver has not seen yet. A *replace* or
+*static* tensor gets a fresh slab per value. The sender is the only writer of the page map: it
+allocates pages, and frees them when the receiver reports them released (ring B).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from omni_accum.arena._common import CHUNK, DONE, FREE, LIVENESS_EVERY_S, dtype_name, leaves, wait_until
+from omni_accum.arena.region import (
+    W_OWNER_CLOSED,
+    W_SENDER_GEN,
+    W_SENDER_PID,
+    ArenaError,
+    ArenaFull,
+    PeerDied,
+    Region,
+)
+
+_memmove = ctypes.memmove
+
+
+class _Slab:
+    __slots__ = ("page", "npages", "addr", "cap_rows", "rows", "row_bytes", "dtype", "row_shape")
+
+    def __init__(self, page: int, npages: int, addr: int, cap_rows: int, row_bytes: int, dtype: Any, row_shape: tuple):
+        self.page, self.npages, self.addr = page, npages, addr
+        self.cap_rows, self.rows, self.row_bytes = cap_rows, 0, row_bytes
+        self.dtype, self.row_shape = dtype, row_shape
+
+
+class ArenaSender:
+    """Attach to the arena ``name`` (created by the receiver) as its one sender.
+
+    Args:
+        kinds: ``{key path: "append" | "replace" | "static"}``; unlisted keys are replace-kind.
+        length_hints: ``{key path: final rows}`` of append keys, to size slabs once.
+        attach_timeout_s: how long to wait for the arena, or for a previous sender's slot to be freed.
+        timeout_s: how long a send waits for ring space (back-pressure) before it raises.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        kinds: Mapping[str, str] | None = None,
+        *,
+        length_hints: Mapping[str, int] | None = None,
+        attach_timeout_s: float = 30.0,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.kinds = dict(kinds or {})
+        self.length_hints = dict(length_hints or {})
+        self.timeout_s = timeout_s
+        region = wait_until(lambda: _try_attach(name), attach_timeout_s, lambda: None)
+        if region is None:
+            raise ArenaError(f"arena {name!r} did not appear within {attach_timeout_s}s")
+        self.region: Region = region
+        q = region.q
+        if not wait_until(lambda: q[W_SENDER_PID] == 0, attach_timeout_s, self._check_owner):
+            region.close()
+            raise ArenaError(f"arena {name!r} still has sender pid {q[W_SENDER_PID]} (the receiver resets it)")
+        self.gen = q[W_SENDER_GEN] % 255 + 1
+        q[W_SENDER_GEN] = self.gen
+        q[W_SENDER_PID] = os.getpid()
+        self._u8 = torch.frombuffer(region.mm, dtype=torch.uint8)
+        self._base = self._u8.data_ptr() + region.data_off
+        self._page = region.layout.page
+        self._npages = region.layout.npages
+        self._map_off = region.layout.map_off
+        self._fill = bytes([self.gen]) * 256
+        self._reqs: dict[str, dict[str, _Slab]] = {}
+        self._released: set[str] = set()
+        self._dead = False
+        self._last_check = time.monotonic()
+
+    # ------------------------------------------------------------------ pages
+    def _alloc(self, nbytes: int) -> tuple[int, int]:
+        n = max(1, -(-nbytes // self._page))
+        mm, lo, hi = self.region.mm, self._map_off, self._map_off + self._npages
+        pat = b"\0" * n
+        i = mm.find(pat, lo, hi)  # first fit: reused pages are already mapped on both sides (no faults)
+        if i < 0:
+            self._drain()  # frees the receiver reported since the last send
+            i = mm.find(pat, lo, hi)
+        if i < 0:
+            raise ArenaFull(
+                f"arena {self.region.path.name}: no {n} free pages of {self._page} bytes "
+                f"({nbytes} bytes) for a slab; send this request the ordinary way or release requests"
+            )
+        page = i - lo
+        fill = self._fill * (n // 256) + self._fill[: n % 256]
+        self.region.pages[page : page + n] = fill
+        return page, n
+
+    def _free(self, page: int, n: int) -> None:
+        self.region.pages[page : page + n] = b"\0" * n
+
+    def _drain(self) -> None:
+        ring = self.region.ring_b
+        while (msg := ring.pop()) is not None:
+            tag, rid, spans = pickle.loads(msg)
+            if tag == FREE:
+                for page, n in spans:
+                    self._free(page, n)
+                if rid is not None and rid in self._reqs:
+                    del self._reqs[rid]  # the receiver dropped it: later sends of it are refused
+                    self._released.add(rid)
+
+    # ------------------------------------------------------------------ liveness
+    def _check_owner(self) -> None:
+        q = self.region.q
+        if q[W_OWNER_CLOSED] or not self.region.peer_alive():
+            self._fail()
+
+    def _fail(self) -> None:
+        inflight = sorted(self._reqs) if hasattr(self, "_reqs") else []
+        if not getattr(self, "_dead", False):
+            self._dead = True
+            self.region.unlink()  # the owner is gone: nobody else will remove the file
+            if hasattr(self, "_reqs"):
+                self._reqs.clear()
+        raise PeerDied(f"arena {self.region.path.name}: the receiver is gone; failed requests {inflight}", inflight)
+
+    # ------------------------------------------------------------------ sending
+    def send(self, req_id: str, chunk: Mapping[str, Any], *, t0_ns: int = 0) -> None:
+        """Publish one chunk of ``req_id``. Raises ArenaFull (nothing published, state unchanged),
+        PeerDied (the receiver is gone), ArenaError (no ring space within ``timeout_s``)."""
+        if self._dead:
+            self._fail()
+        now = time.monotonic()
+        if now - self._last_check >= LIVENESS_EVERY_S:
+            self._last_check = now
+            self._check_owner()
+            self.region.beat()
+        ring_b = self.region.ring_b
+        if not ring_b.empty():
+            self._drain()
+        if req_id in self._released:
+            raise ArenaError(f"request {req_id!r} was released by the receiver")
+        slabs = self._reqs.get(req_id)
+        fresh = slabs is None
+        if fresh:
+            slabs = {}
+        opens: list[tuple] = []
+        rows: list[tuple[str, int]] = []
+        values: dict[str, Any] = {}
+        new: list[tuple[str, _Slab]] = []  # slabs allocated by this call (undone on failure)
+        writes: list[tuple[_Slab, torch.Tensor]] = []
+        try:
+            for path, v in leaves(chunk):
+                if not isinstance(v, torch.Tensor):
+                    values[path] = (self.kinds.get(path) == "append", v)
+                    continue
+                if not v.is_cpu:
+                    v = v.cpu()
+                if not v.is_contiguous():
+                    v = v.contiguous()
+                append = self.kinds.get(path, "replace") == "append" and v.dim() > 0
+                slab = slabs.get(path) if append else None
+                n = int(v.shape[0]) if append else 1
+                row_shape = tuple(v.shape[1:]) if append else tuple(v.shape)
+                if slab is not None and (slab.dtype != v.dtype or slab.row_shape != row_shape):
+                    raise ArenaError(f"{req_id!r} key {path!r}: {v.dtype} {tuple(v.shape)} does not match its slab")
+                if slab is None or slab.rows + n > slab.cap_rows:
+                    have = slab.rows if slab is not None else 0
+                    row_bytes = v.numel() * v.element_size() // max(1, n)
+                    cap = 1
+                    if append:  # the hint when it holds them, else room for more (at least 64 KiB)
+                        hint, need = self.length_hints.get(path, 0), have + n
+                        grow = max(slab.cap_rows // 4 if slab is not None else need // 8, 65536 // max(1, row_bytes), 1)
+                        cap = hint if hint >= need else need + grow
+                    page, npg = self._alloc(max(1, cap * row_bytes))
+                    grown = _Slab(page, npg, self._base + page * self._page, cap, row_bytes, v.dtype, row_shape)
+                    new.append((path, grown))
+                    if slab is not None and have:
+                        _memmove(grown.addr, slab.addr, have * row_bytes)  # a move: the rows published so far
+                    grown.rows = have
+                    opens.append((path, page, npg, cap, dtype_name(v.dtype), row_shape, append))
+                    slab = grown
+                writes.append((slab, v))
+                if append:
+                    rows.append((path, slab.rows + n))
+        except BaseException:
+            for _, s in new:
+                self._free(s.page, s.npages)
+            raise
+        for slab, v in writes:  # the payload first ...
+            nb = v.numel() * v.element_size()
+            if nb:
+                _memmove(slab.addr + slab.rows * slab.row_bytes, v.data_ptr(), nb)
+        msg = pickle.dumps((CHUNK, req_id, t0_ns, opens, rows, values), protocol=5)
+        ring = self.region.ring_f
+        if not ring.push(msg):  # ... then the descriptor that publishes it (back-pressure: wait)
+            if not wait_until(lambda: ring.push(msg), self.timeout_s, self._check_owner):
+                for _, s in new:
+                    self._free(s.page, s.npages)
+                raise ArenaError(f"arena {self.region.path.name}: the receiver took nothing for {self.timeout_s}s")
+        for path, s in new:  # the receiver now owns the replaced slabs; it frees them
+            slabs[path] = s
+        for path, n in rows:
+            slabs[path].rows = n
+        if fresh:
+            self._reqs[req_id] = slabs
+
+    def done(self, req_id: str) -> None:
+        """The last chunk of ``req_id`` was sent: the receiver keeps it readable even if this process dies."""
+        if self._dead:
+            self._fail()
+        self._reqs.pop(req_id, None)
+        self._released.discard(req_id)
+        msg = pickle.dumps((DONE, req_id), protocol=5)
+        ring = self.region.ring_f
+        if not ring.push(msg) and not wait_until(lambda: ring.push(msg), self.timeout_s, self._check_owner):
+            raise ArenaError(f"arena {self.region.path.name}: the receiver took nothing for {self.timeout_s}s")
+
+    release = done
+
+    def inflight(self) -> list[str]:
+        return sorted(self._reqs)
+
+    def close(self) -> None:
+        if getattr(self, "_u8", None) is not None:
+            self._u8 = None
+        self.region.close()
+
+
+def _try_attach(name: str) -> Region | None:
+    try:
+        return Region.attach(name)
+    except ArenaError:
+        return None

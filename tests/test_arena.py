@@ -1,0 +1,274 @@
+"""The shared-memory arena (omni_accum.arena): bit-exact views across processes, a full arena, a
+dead peer, reuse of released space. Children are spawned (a fresh interpreter: no fork of a process
+that has run torch's thread pools); every wait is generous and nothing is timed."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from omni_accum.arena import ArenaError, ArenaFull, ArenaReceiver, ArenaSender, PeerDied, path_for, sweep_stale
+
+KINDS = {"emb": "append", "hid.x": "append", "ids": "append", "bos": "static"}
+WAIT = 120.0
+
+
+def _name(tag: str) -> str:
+    return f"test_{tag}_{os.getpid()}_{random.randrange(1 << 30)}"
+
+
+def _stream(req: int, hinted: bool) -> list[dict]:
+    """Random chunks of one request: a chunked prefill (several multi-row chunks), then decode rows."""
+    g = torch.Generator().manual_seed(1000 + req)
+    chunks = []
+    for i in range(3):  # chunked prefill
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        c = {"emb": torch.randn(n, 64, generator=g).to(torch.bfloat16), "hid": {"x": torch.randn(n, 3, 5, generator=g)}}
+        c["ids"] = [int(x) for x in torch.randint(0, 100, (n,), generator=g)]
+        if i == 0:
+            c["bos"] = torch.randn(1, 16, generator=g)
+        chunks.append(c)
+    for _ in range(int(torch.randint(5, 60, (1,), generator=g))):
+        chunks.append({"emb": torch.randn(1, 64, generator=g).to(torch.bfloat16), "ids": [7]})
+    return chunks
+
+
+def _reference(chunks: list[dict], upto: int) -> dict:
+    seen = chunks[: upto + 1]
+    ref = {"emb": torch.cat([c["emb"] for c in seen]), "ids": [i for c in seen for i in c.get("ids", [])]}
+    hid = [c["hid"]["x"] for c in seen if "hid" in c]
+    ref["hid.x"] = torch.cat(hid)
+    ref["bos"] = chunks[0]["bos"]
+    return ref
+
+
+def _sender_streams(name: str, nreq: int, small: int) -> None:
+    """Child: interleave ``nreq`` random requests (every other one without a length hint), then
+    ``small`` tiny requests one after the other (reuse of released space)."""
+    torch.set_num_threads(1)
+    streams = {r: _stream(r, r % 2 == 0) for r in range(nreq)}
+    tx = ArenaSender(name, KINDS, timeout_s=WAIT)
+    rng = random.Random(5)
+    pos = {r: 0 for r in streams}
+    while pos:
+        r = rng.choice(sorted(pos))
+        chunks = streams[r]
+        if r % 2 == 0:
+            tx.length_hints = {"emb": sum(int(c["emb"].shape[0]) for c in chunks)}
+        else:
+            tx.length_hints = {}
+        tx.send(f"r{r}", chunks[pos[r]])
+        pos[r] += 1
+        if pos[r] == len(chunks):
+            tx.done(f"r{r}")
+            del pos[r]
+    row = torch.ones(1, 64, dtype=torch.bfloat16)
+    for i in range(small):
+        while True:
+            try:
+                tx.send(f"s{i}", {"emb": torch.full((100, 64), float(i % 50), dtype=torch.bfloat16)})
+                break
+            except ArenaFull:
+                time.sleep(0.001)  # back-pressure: the receiver releases and the sender reuses
+        tx.send(f"s{i}", {"emb": row})
+        tx.done(f"s{i}")
+    tx.close()
+
+
+def _spawn(target, *args) -> mp.Process:
+    p = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
+    p.start()
+    return p
+
+
+def _no_leftover(name: str) -> None:
+    assert not path_for(name).exists(), f"{path_for(name)} left in /dev/shm"
+
+
+def test_views_are_bit_exact_across_processes_and_released_space_is_reused():
+    name = _name("exact")
+    nreq, small = 6, 3000
+    rx = ArenaReceiver(name, 2 << 20, ring_bytes=64 << 10)  # 512 pages: the small requests must reuse them
+    proc = _spawn(_sender_streams, name, nreq, small)
+    streams = {r: _stream(r, r % 2 == 0) for r in range(nreq)}
+    got = {r: 0 for r in range(nreq)}
+    order = list(range(nreq))
+    random.Random(9).shuffle(order)
+    finished: list[int] = []
+    max_held = 0
+    small_seen = 0
+    try:
+        while small_seen < small:
+            ev = rx.poll(WAIT)
+            assert ev is not None, "the sender stopped"
+            if ev.req_id.startswith("s"):
+                v = ev.view["emb"]
+                if v.shape[0] == 101:
+                    i = int(ev.req_id[1:])
+                    assert torch.equal(v[:100], torch.full((100, 64), float(i % 50), dtype=torch.bfloat16))
+                    rx.release(ev.req_id)
+                    small_seen += 1
+                max_held = max(max_held, rx.held_bytes())
+                continue
+            r = int(ev.req_id[1:])
+            ref = _reference(streams[r], got[r])
+            view = ev.view
+            assert view["emb"].shape == ref["emb"].shape, (r, got[r], view["emb"].shape, ref["emb"].shape)
+            bad = (view["emb"] != ref["emb"]).any(1).nonzero().flatten().tolist()
+            assert not bad, (r, got[r], bad, view["emb"].shape)
+            assert view["emb"].dtype == torch.bfloat16
+            assert torch.equal(view["hid"]["x"], ref["hid.x"])
+            assert view["ids"] == ref["ids"] and torch.equal(view["bos"], ref["bos"])
+            got[r] += 1
+            if got[r] == len(streams[r]):
+                finished.append(r)
+                # release in an order unrelated to completion: whatever of the shuffled order is finished
+                for x in [x for x in order if x in finished]:
+                    rx.release(f"r{x}")
+                    order.remove(x)
+                    finished.remove(x)
+        proc.join(WAIT)
+        assert proc.exitcode == 0
+        assert max_held <= 2 << 20
+        assert os.path.getsize(path_for(name)) < 4 << 20  # bounded: the same pages over thousands of requests
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        rx.close()
+    _no_leftover(name)
+
+
+def test_a_full_arena_refuses_before_writing_and_back_pressure_does_not_overwrite():
+    name = _name("full")
+    rx = ArenaReceiver(name, 8 << 20, ring_bytes=4096)
+    tx = ArenaSender(name, {"emb": "append"}, length_hints={"emb": 1000}, timeout_s=0.3)
+    try:
+        a = torch.randn(8, 1024)  # rows of 4 KiB; the hint sizes the slab once: 4 MB
+        tx.send("a", {"emb": a})
+        assert torch.equal(rx.poll(5).view["emb"], a)
+        with pytest.raises(ArenaFull, match="ordinary way"):
+            tx.send("b", {"emb": torch.randn(1500, 1024)})  # 6 MB: no room while "a" holds 4
+        assert tx.inflight() == ["a"]
+        assert rx.poll(0) is None  # nothing was published for "b"
+        # back-pressure: a receiver that takes nothing makes the sender wait, then refuse; no overwrite
+        row = torch.ones(1, 1024)
+        sent = 0
+        with pytest.raises(ArenaError, match="took nothing"):
+            for _ in range(1000):
+                tx.send("a", {"emb": row * sent})
+                sent += 1
+        views = [rx.poll(5) for _ in range(sent)]
+        v = views[-1].view["emb"]
+        assert v.shape[0] == 8 + sent and torch.equal(v[:8], a)
+        assert all(torch.equal(v[8 + i], row[0] * i) for i in range(sent))
+        tx.done("a")
+        rx.poll(0)
+        rx.release("a")
+        b = torch.randn(1500, 1024)
+        tx.send("b", {"emb": b})  # the released space takes it now
+        assert torch.equal(rx.poll(5).view["emb"], b)
+    finally:
+        tx.close()
+        rx.close()
+    _no_leftover(name)
+
+
+def _sender_then_hang(name: str, ready) -> None:
+    torch.set_num_threads(1)
+    tx = ArenaSender(name, {"emb": "append"})
+    tx.send("done", {"emb": torch.arange(12.0).view(3, 4)})
+    tx.done("done")
+    tx.send("inflight", {"emb": torch.ones(2, 4)})
+    ready.set()
+    time.sleep(600)
+
+
+def test_kill_9_of_the_sender_fails_only_its_inflight_requests():
+    name = _name("ksend")
+    rx = ArenaReceiver(name, 1 << 20)
+    ready = mp.get_context("spawn").Event()
+    proc = _spawn(_sender_then_hang, name, ready)
+    try:
+        assert ready.wait(WAIT)
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + WAIT
+        with pytest.raises(PeerDied) as err:
+            while time.monotonic() < deadline:
+                rx.poll(0.1)
+        assert err.value.requests == ["inflight"]
+        assert torch.equal(rx.view("done")["emb"], torch.arange(12.0).view(3, 4))
+        with pytest.raises(PeerDied):
+            rx.view("inflight")
+        tx = ArenaSender(name, {"emb": "append"}, attach_timeout_s=WAIT)  # a new sender takes over
+        tx.send("next", {"emb": torch.full((2, 4), 5.0)})
+        assert torch.equal(rx.poll(WAIT).view["emb"], torch.full((2, 4), 5.0))
+        assert torch.equal(rx.view("done")["emb"], torch.arange(12.0).view(3, 4))  # its pages were kept
+        tx.close()
+    finally:
+        proc.kill()
+        proc.join(WAIT)
+        rx.close()
+    _no_leftover(name)
+
+
+def _receiver_then_hang(name: str, ready) -> None:
+    torch.set_num_threads(1)
+    rx = ArenaReceiver(name, 1 << 20)
+    ready.set()
+    while True:
+        rx.poll(1.0)
+
+
+def test_kill_9_of_the_receiver_is_noticed_and_leaves_nothing_in_dev_shm():
+    name = _name("krecv")
+    ready = mp.get_context("spawn").Event()
+    proc = _spawn(_receiver_then_hang, name, ready)
+    try:
+        assert ready.wait(WAIT)
+        tx = ArenaSender(name, {"emb": "append"}, attach_timeout_s=WAIT)
+        tx.send("a", {"emb": torch.ones(2, 4)})
+        tx.done("a")
+        tx.send("b", {"emb": torch.ones(2, 4)})
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(WAIT)
+        deadline = time.monotonic() + WAIT
+        with pytest.raises(PeerDied) as err:
+            while time.monotonic() < deadline:
+                tx.send("b", {"emb": torch.ones(1, 4)})
+                time.sleep(0.005)
+        assert err.value.requests == ["b"]
+        tx.close()
+    finally:
+        proc.kill()
+    _no_leftover(name)
+
+
+def test_a_stale_arena_of_a_dead_owner_is_reclaimed():
+    name = _name("stale")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    rx = ArenaReceiver(name, 1 << 16)
+    path = path_for(name)
+    q = rx.region.q
+    q[8] = int(dead.stdout)  # the owner pid word: a process that has exited
+    try:
+        with pytest.raises(ArenaError, match="in use"):
+            q[8] = os.getppid() if os.getppid() > 1 else os.getpid()
+            if q[8] == os.getpid():
+                raise ArenaError("in use (skip: no live foreign pid)")
+            ArenaReceiver(name, 1 << 16)
+        q[8] = int(dead.stdout)
+        assert path in sweep_stale(path.parent) or not path.exists()
+        rx2 = ArenaReceiver(name, 1 << 16)  # reclaims the name
+        rx2.close()
+    finally:
+        rx.region._unlinked = True
+        rx.close()
+    _no_leftover(name)
