@@ -105,3 +105,35 @@ def test_full_payload_with_a_connector_without_dict(vo, data_plane):
     upstream = run(False)
     hooked = run(True)
     assert_same(hooked, upstream, "materialized")
+
+
+def test_full_payload_keeps_upstream_append_semantics_under_qwen3_omni(vo, data_plane):
+    """The full-payload accumulator appends every 2-D+ tensor step (the talker's codec rows); a key the
+    policy gives a replace-kind strategy for async-chunk mode (``codes.audio: replace``, ``send_once``)
+    still appends there: only the storage follows the policy. (A real server with async_chunk off
+    handed code2wav one frame instead of 64 before.)"""
+    g = torch.Generator().manual_seed(3)
+    steps = [
+        {
+            "codes.audio": torch.randint(0, 2048, (1, 16), generator=g),
+            "embed.tts_bos": torch.ones(1, 4),
+            "hidden": torch.randn(1, 8, generator=g),
+        }
+        for _ in range(5)
+    ]
+
+    def run(policy):
+        dp = data_plane()
+        try:
+            if policy:
+                vo.install(policy)
+            for st in steps:
+                dp.accumulate_full_payload_output("r1", dict(st), request=None)
+            return type(dp)._materialize_full_payload_entry(dp._pending_full_payload_send.pop("r1"))
+        finally:
+            vo.uninstall()
+
+    upstream = run(None)
+    assert upstream[0]["codes.audio"].shape == (5, 16)  # upstream appends the codec rows
+    assert_same(run("qwen3-omni"), upstream, "qwen3-omni")
+    assert_same(run("default"), upstream, "default")

@@ -246,11 +246,14 @@ class Binding:
         """``(merge it, hand over the accumulated view)`` for a key reaching a receiving adapter.
 
         ``cat`` means "as upstream", and 0.30.0's adapter hands raw deltas over: a key under ``cat``
-        (the ``default`` policy) is not accumulated here, even under chunked prefill.
+        (the ``default`` policy) is not accumulated here, even under chunked prefill. A key whose
+        strategy encodes its wire form (other than leaving it off: the ``delta`` plugin) is merged and
+        handed over decoded, on any adapter.
         """
         strategy, spec = self.receiver.select(path, value, context or self.receiver.context)
         accumulate = ar and path in self.adapter_keys and "append" in spec.kinds and spec.name != "cat"
-        return accumulate or strategy.omits_unchanged, accumulate
+        decoded = not strategy.omits_unchanged and _changes_wire(strategy)
+        return accumulate or decoded or strategy.omits_unchanged, accumulate or decoded
 
     def forget(self, req_id: Any) -> None:
         """Release the receive-side state of ``req_id`` (upstream released the request)."""

@@ -47,7 +47,13 @@ class PolicyChunks:
         self.trailing: dict[str, tuple[int, ...]] = {}
 
     def start(self, key: str, value: torch.Tensor) -> None:
-        strategy, _ = self.endpoint.select(key, value, self.endpoint.context)
+        """Start ``key`` with an accumulator of its append-kind strategy. Upstream appends every 2-D+
+        tensor here, whatever the key means in async-chunk mode; so a key whose policy strategy is not
+        append-kind (``codes.audio: replace`` in the ``qwen3-omni`` preset, ``send_once``) keeps upstream's
+        append semantics, with ``token_list`` (upstream's list-then-concatenate-once) storing it."""
+        strategy, spec = self.endpoint.select(key, value, self.endpoint.context)
+        if "append" not in spec.kinds:
+            strategy = self.endpoint.manager.build("token_list")
         acc = strategy.new_accumulator(KeyInfo(key, self.req_id))
         acc.merge(value)
         self.accs[key], self.rows[key], self.trailing[key] = acc, int(value.shape[0]), tuple(value.shape[1:])
