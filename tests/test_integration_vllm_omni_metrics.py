@@ -91,7 +91,7 @@ def test_two_processes_collected_together_in_multiprocess_mode(tmp_path):
 
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     for n in (3, 4):
-        subprocess.run([sys.executable, "-c", _CHILD, str(n)], env=env, check=True, timeout=120)
+        subprocess.run([sys.executable, "-c", _CHILD, str(n)], env=env, check=True, timeout=600)
     reg = CollectorRegistry()
     MultiProcessCollector(reg, path=str(tmp_path))
     labels = {"role": "receive", "key": "embed.decode", "strategy": "prealloc"}

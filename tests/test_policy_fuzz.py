@@ -184,6 +184,12 @@ fragments = st.one_of(
 
 # -- oracle ------------------------------------------------------------------------------------ #
 
+def _text(path: object, e: dict) -> str:
+    """A ``validate --json`` error record as the line ``validate`` prints: ``PATH[, line N]: [LOC: ]MSG``."""
+    where = f"{path}, line {e['line']}" if e.get("line") else f"{path}"
+    return f"{where}: {e['loc']}: {e['msg']}" if e.get("loc") else f"{where}: {e['msg']}"
+
+
 PREFIX_RE = r"^{src}(?:, line \d+)?: "
 LOC_RE = re.compile(
     r"""^(?P<loc>(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^'":\s])+|\(top level\)): (?P<msg>.+)$""", re.S
@@ -209,7 +215,7 @@ def check_result(path: Path, code: int, report: dict, parsed_ok: bool) -> None:
         assert result["errors"] == []
         return
     assert result["errors"], "exit 1 must list at least one error"
-    for e in result["errors"]:
+    for e in (_text(path, r) for r in result["errors"]):
         assert e.startswith(str(path)), e
         if "invalid YAML" in e or "invalid JSON" in e:
             assert not parsed_ok
@@ -278,7 +284,8 @@ def test_yaml_error_on_line_n_names_line_n(policy_path, line, junk):
     path.write_text(text, encoding="utf-8")
     code, report, _ = validate(path)
     assert code == 1
-    (err,) = report["policies"][0]["errors"]
+    (rec,) = report["policies"][0]["errors"]
+    err = _text(path, rec)
     lines = [int(n) for n in re.findall(r"line (\d+)", err)]
     # the line of the error is named (where the parser noticed it, or where the broken construct began)
     assert line in lines or (line + 1 in lines and len(lines) == 1), (line, err)
@@ -313,4 +320,4 @@ def test_python_tags_never_execute(policy_path, tag, where):
     path.write_text(where.format(v=f"{tag} {arg}"), encoding="utf-8")
     code, report, _ = validate(path)
     assert code == 1 and not marker.exists()
-    assert "YAML tags that build Python objects are not allowed" in report["policies"][0]["errors"][0]
+    assert "YAML tags that build Python objects are not allowed" in report["policies"][0]["errors"][0]["msg"]

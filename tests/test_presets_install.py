@@ -54,7 +54,7 @@ def installed(tmp_path_factory) -> Path:
         [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     (wheel,) = wheels.glob("omni_accum-*.whl")
@@ -63,7 +63,7 @@ def installed(tmp_path_factory) -> Path:
         [*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     return target
@@ -81,7 +81,7 @@ def test_presets_load_by_name_from_the_installed_wheel(installed, tmp_path):
     env = {"PYTHONPATH": f"{installed}:{purelib}", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     # -S: no site processing, so the checkout's editable install (a .pth finder) is not active.
     r = subprocess.run(
-        [sys.executable, "-S", "-c", CHECK], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+        [sys.executable, "-S", "-c", CHECK], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path
     )
     assert r.returncode == 0, r.stdout + r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT "))

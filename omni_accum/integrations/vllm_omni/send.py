@@ -186,13 +186,27 @@ def wrap_send(orig: Callable[..., Any]) -> Callable[..., Any]:
         conn = getattr(self, "connector", None)
         if b is None or not ensure_encoding_put(conn):
             return orig(self, task, sender_token)
-        _tls.send = (b, task["request"].external_req_id, conn)
+        ext_id = task["request"].external_req_id
+        _tls.send = (b, ext_id, conn)
         try:
             return orig(self, task, sender_token)
         finally:
             _tls.send = None
+            # A terminal chunk whose request the adapter already forgot (its clear ran before this put
+            # finished, as 0.28 allows): release what the encode just (re)created, or it would leak.
+            if task.get("is_finished") and ext_id not in getattr(self, "put_req_chunk", {}):
+                _release_sender(b, ext_id)
 
     return _send_single_request_for_generation
+
+
+def _release_sender(b: Binding, ext_id: str) -> None:
+    b.sender.release(ext_id)
+    b.sent_once.pop(ext_id, None)
+    b.live_send.discard(ext_id)
+    b.send_ctx.pop(ext_id, None)
+    b.publish()
+    _changed()
 
 
 def wrap_clear_sender(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -201,11 +215,6 @@ def wrap_clear_sender(orig: Callable[..., Any]) -> Callable[..., Any]:
         orig(self, external_req_id)
         b = binding_for(self)
         if b is not None:
-            b.sender.release(external_req_id)
-            b.sent_once.pop(external_req_id, None)
-            b.live_send.discard(external_req_id)
-            b.send_ctx.pop(external_req_id, None)
-            b.publish()
-            _changed()
+            _release_sender(b, external_req_id)
 
     return _clear_sender_state_locked
