@@ -8,8 +8,6 @@ never on each other.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import threading
@@ -22,8 +20,14 @@ from omni_accum.engine import Receiver, Sender
 from omni_accum.errors import AccumulationError
 from omni_accum.integrations.vllm_omni.deployment import _warn_untuned_context, deployment_context, reset_warning
 from omni_accum.integrations.vllm_omni import metrics
-from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, hello_of
-from omni_accum.manager import get_manager
+from omni_accum.integrations.vllm_omni import handshake
+from omni_accum.integrations.vllm_omni.handshake import (  # noqa: F401 - policy_fingerprint re-exported
+    _changes_wire,
+    _RequestContextReceiver,
+    _short_source,
+    policy_fingerprint,
+)
+from omni_accum.integrations.vllm_omni.marker import MARKERS, _leaves, _path  # noqa: F401 - _leaves, _path re-exported
 from omni_accum.policy import Policy, load_policy
 
 logger = logging.getLogger("omni_accum.vllm_omni")
@@ -55,10 +59,6 @@ class Settings:
     policy_source: str = "no policy"
     #: Called after a binding is made or a request released (the status file, when one is asked for).
     on_change: Callable[[], None] | None = None
-
-
-def _path(top: Any, qual: Any = None) -> str:
-    return str(top) if qual is None else f"{top}.{qual}"
 
 
 class Binding:
@@ -103,7 +103,7 @@ class Binding:
         self.foreign: dict[str, tuple[str, str]] = {}
         #: Foreign requests on an adapter: the latest value of every key, to put back what the sender left off.
         self.mirror: dict[str, dict[tuple[Any, Any], Any]] = {}
-        self.short_source = _short_source(source)
+        self.short_source = _short_source(source, Settings.policy_source)
         self.announces = policy.tuned is not None or any(
             _changes_wire(self.receiver.manager.build(c.strategy, c.params)) for c in [policy.default, *policy.rules]
         )
@@ -181,66 +181,16 @@ class Binding:
 
     # -- the stage handshake: the sender decides the bucket, the receiver follows ------------------ #
     def decide(self, req_id: str, chunk: Mapping[str, Any]) -> int:
-        """Sender side, first chunk of ``req_id``: the tuned bucket for it (-1: no tuned table), from the
-        deployment context when one is set, else from what the chunk shows (rows of its first append-kind
-        tensor key, or the length of ``ids.prompt``) and the requests live on this sender. The request's
-        strategies then follow that bucket on both ends."""
-        table = self.policy.tuned
-        ctx = self.context
-        if ctx is None and table is not None:
-            ctx = StreamContext(context_len=_context_len(self, chunk), concurrency=max(1, len(self.live_send)))
-        if table is None or ctx is None:
-            return -1
-        c_edge, k_edge, _ = table.bucket(ctx)
-        self.send_ctx[req_id] = StreamContext(context_len=c_edge, concurrency=k_edge)
-        return table.context_len_edges.index(c_edge) * len(table.concurrency_edges) + table.concurrency_edges.index(
-            k_edge
-        )
+        """Sender side, first chunk: the tuned bucket for ``req_id`` (:func:`.handshake.decide`)."""
+        return handshake.decide(self, req_id, chunk)
 
     def bucket_context(self, bucket: int) -> StreamContext | None:
-        """The stream context of bucket index ``bucket`` of the tuned table (None: no bucket or no table)."""
-        table = self.policy.tuned
-        if table is None or bucket < 0:
-            return None
-        n = len(table.concurrency_edges)
-        if bucket >= n * len(table.context_len_edges):
-            return None
-        return StreamContext(
-            context_len=table.context_len_edges[bucket // n], concurrency=table.concurrency_edges[bucket % n]
-        )
+        """The stream context of a tuned bucket index (:func:`.handshake.bucket_context`)."""
+        return handshake.bucket_context(self.policy, bucket)
 
     def accept(self, req_id: str, payload: Mapping[str, Any], new: bool) -> bool:
-        """Receiver side: read the handshake of a request's first chunk. True: omni-accum handles the
-        request (its bucket applied); False: the sender runs another policy (logged once per request,
-        counted), and the request is 0.30.0's own until it is released."""
-        raw = payload.get(OMITTED_KEY)
-        hello = hello_of(raw)
-        if hello is None:
-            if new:
-                self.foreign.pop(req_id, None)
-                self.req_ctx.pop(req_id, None)
-            return req_id not in self.foreign
-        fp, bucket, their_source = hello
-        if fp != self.fingerprint:
-            if req_id not in self.foreign:
-                self.foreign[req_id] = (fp, their_source)
-                self.metrics.fallback("policy_mismatch")
-                logger.error(
-                    "omni-accum: request %r was sent under another policy (sender fingerprint %s, policy from %s; "
-                    "this stage %s, policy from %s). Every stage must run the same policy; vllm-omni's own code "
-                    "handles this request",
-                    req_id,
-                    fp,
-                    their_source,
-                    self.fingerprint,
-                    self.source,
-                )
-            return False
-        self.foreign.pop(req_id, None)
-        ctx = self.bucket_context(bucket)
-        if ctx is not None:
-            self.req_ctx[req_id] = ctx
-        return True
+        """Receiver side: read the handshake (:func:`.handshake.accept`); False: another policy sent it."""
+        return handshake.accept(self, req_id, payload, new)
 
     def tracks(self, path: str, value: Any, ar: bool, context: StreamContext | None = None) -> tuple[bool, bool]:
         """``(merge it, hand over the accumulated view)`` for a key reaching a receiving adapter.
@@ -304,63 +254,6 @@ class Binding:
         self.foreign.clear()
         self.mirror.clear()
         self.fell_back.clear()
-
-
-class _RequestContextReceiver(Receiver):
-    """The binding's Receiver: a request's first merge takes the context of its handshake bucket."""
-
-    def __init__(self, binding: Binding, policy: Policy, *, context: StreamContext | None) -> None:
-        super().__init__(policy, context=context)
-        self._binding = binding
-
-    def merge(self, req_id: str, wire: Mapping[str, Any], *, context: StreamContext | None = None, **kw: Any) -> Any:
-        return super().merge(req_id, wire, context=context or self._binding.req_ctx.get(req_id), **kw)
-
-
-def _short_source(source: str) -> str:
-    """A few bytes naming where a binding's policy came from, for the handshake: the preset or file name
-    when short, else the kind of source."""
-    if source == "install()":
-        source = Settings.policy_source
-    if source == "OMNI_ACCUM_POLICY":
-        source = os.environ.get(source, "").strip() or source
-    if source.startswith("connector extra"):
-        return "extra"
-    name = os.path.basename(source.rstrip("/")) if "/" in source else source
-    return name if len(name) <= 24 and "\n" not in name else "install"
-
-
-def _changes_wire(strategy: Any) -> bool:
-    """True when a strategy's encoder may change what goes on the wire (send_once, delta ...)."""
-    from omni_accum.strategy import Strategy
-
-    return strategy.omits_unchanged or type(strategy).new_encoder is not Strategy.new_encoder
-
-
-def _context_len(b: Binding, chunk: Mapping[str, Any]) -> int | None:
-    """Rows of the chunk's first append-kind tensor key (2-D or more), else the length of ``ids.prompt``."""
-    for top, qual, value in _leaves(chunk):
-        if getattr(value, "dim", None) is not None and value.dim() >= 2:
-            try:
-                spec = b.receiver.select(_path(top, qual), value, b.receiver.context)[1]
-            except Exception:  # noqa: BLE001 - no strategy: not an append key
-                continue
-            if "append" in spec.kinds:
-                return int(value.shape[0])
-    ids = chunk.get("ids")
-    prompt = ids.get("prompt") if isinstance(ids, Mapping) else None
-    return len(prompt) if isinstance(prompt, (list, tuple)) and prompt else None
-
-
-def _leaves(payload: Mapping[str, Any]):
-    for top, value in payload.items():
-        if top in MARKERS:
-            continue
-        if isinstance(value, dict):
-            for qual, qv in value.items():
-                yield top, qual, qv
-        else:
-            yield top, None, value
 
 
 def _policy_source(extra: Any) -> tuple[Any, str]:
@@ -556,18 +449,3 @@ class ReleasingDict(dict):
         for key in list(self):
             self.release(key)
         super().clear()
-
-
-def policy_fingerprint(policy: Policy, manager: Any = None) -> str:
-    """A short fingerprint of a resolved policy: its rules, strategies, params and tuned table, and the
-    distribution versions of the strategy plugins it names. Equal on two stages that run the same policy."""
-    data = policy.model_dump(mode="json", exclude_none=True)
-    text = json.dumps(data, sort_keys=True, default=str)
-    versions = {}
-    if manager is None:
-        manager = get_manager()
-    for spec in manager.specs():
-        if f'"{spec.name}"' in text:
-            versions[spec.name] = list(spec.distribution) if spec.distribution else None
-    blob = json.dumps([data, versions], sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:12]

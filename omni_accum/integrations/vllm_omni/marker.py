@@ -60,3 +60,18 @@ def split_mask(raw: Any) -> tuple[int, bool]:
             f"malformed wire marker {OMITTED_KEY!r}: expected a bit mask (an int >= 0), got {raw!r}"
         )
     return raw >> 1, bool(raw & 1)
+
+
+def _path(top: Any, qual: Any = None) -> str:
+    return str(top) if qual is None else f"{top}.{qual}"
+
+
+def _leaves(payload: Mapping[str, Any]):
+    for top, value in payload.items():
+        if top in MARKERS:
+            continue
+        if isinstance(value, dict):
+            for qual, qv in value.items():
+                yield top, qual, qv
+        else:
+            yield top, None, value
