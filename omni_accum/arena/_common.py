@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from omni_accum.bench.wires import iter_leaves as leaves  # noqa: F401 - one leaf walk for bench and arena
 
 #: forward (sender -> receiver) and backward (receiver -> sender) message tags
 CHUNK, DONE, FREE = "c", "d", "f"
@@ -14,8 +16,16 @@ CHUNK, DONE, FREE = "c", "d", "f"
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in (
-        torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32,
-        torch.int16, torch.int8, torch.uint8, torch.bool,
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
     )
 }
 
@@ -25,16 +35,6 @@ LIVENESS_EVERY_S = 0.02
 
 def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
-
-
-def leaves(payload: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
-    """``(path, value)`` of every leaf (one level of groups: ``group.qualifier``, as vllm-omni nests)."""
-    for top, value in payload.items():
-        if isinstance(value, Mapping):
-            for qual, v in value.items():
-                yield f"{top}.{qual}", v
-        else:
-            yield str(top), value
 
 
 def place(view: dict[str, Any], path: str, value: Any) -> None:
