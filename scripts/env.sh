@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create or reuse a virtual environment with everything the main job and the tests need: CPU torch
 # 2.13.0, vllm + vllm-omni of one release, the test tools, omni-accum itself (editable) and the example
-# strategy plugin. Sourced by main.sh and test.sh.
+# strategy plugin, Mooncake (the [mooncake] extra: its non-CUDA build, and the Debian libibverbs1 it links,
+# installed with apt-get when running as root). Sourced by main.sh and test.sh.
 #
 #   OMNI_ACCUM_VENV           the environment's path (default: .venv)
 #   OMNI_ACCUM_VLLM_VERSION   the vllm and vllm-omni release (default: 0.30.0, pyproject's [vllm] extra).
@@ -25,15 +26,22 @@ _omni_accum_sources() {
   find "$ROOT/examples/plugins" -type f \( -name '*.py' -o -name pyproject.toml \) \
     -not -path '*/build/*' -not -path '*.egg-info/*' 2>/dev/null | sort | xargs cat 2>/dev/null
 }
-# Re-install when the project's metadata, the example plugins (installed non-editable) or the release change.
-want="$( { echo "vllm $VLLM_VERSION"; _omni_accum_sources; } | sha256sum | cut -c1-16)"
-# The stamp of an environment set up before the release was part of it (0.30.0 only).
-legacy="$(_omni_accum_sources | sha256sum | cut -c1-16)"
+# Re-install when the project's metadata, the example plugins (installed non-editable), the release or this
+# script change.
+want="$( { echo "vllm $VLLM_VERSION"; _omni_accum_sources; cat "$ROOT/scripts/env.sh"; } | sha256sum | cut -c1-16)"
 
 have="$(cat "$STAMP" 2>/dev/null || true)"
-if [ "$have" = "$legacy" ] && [ "$VLLM_VERSION" = "0.30.0" ]; then
-  echo "$want" > "$STAMP"
-  have="$want"
+
+# Mooncake (the omni-accum[mooncake] extra) links libibverbs even for TCP: install the Debian package when
+# root and missing; otherwise the Mooncake tests say exactly what is missing (and fail when CI=true).
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing libibverbs1 (Debian package; Mooncake's transfer engine links it)" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1; } >/dev/null 2>&1 \
+      || echo "[setup] warning: apt-get could not install libibverbs1; the Mooncake tests will fail (CI) or skip" >&2
+  else
+    echo "[setup] note: libibverbs1 is missing (apt-get install libibverbs1 as root); Mooncake cannot load" >&2
+  fi
 fi
 if [ "$have" != "$want" ]; then
   started=$(date +%s)
@@ -56,11 +64,11 @@ if [ "$have" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
   if [ "$VLLM_VERSION" = "0.30.0" ]; then
-    "$VENV/bin/python" -m pip install -q -e "$ROOT[vllm,test,plot]"
+    "$VENV/bin/python" -m pip install -q -e "$ROOT[vllm,test,plot,mooncake]"
   else
     # Another release than pyproject's [vllm] extra: pin both packages (torch stays the CPU build).
     "$VENV/bin/python" -m pip install -q "torch==2.13.0" "vllm==$VLLM_VERSION" "vllm-omni==$VLLM_VERSION"
-    "$VENV/bin/python" -m pip install -q -e "$ROOT[test,plot]"
+    "$VENV/bin/python" -m pip install -q -e "$ROOT[test,plot,mooncake]"
   fi
   for plugin in "$ROOT"/examples/plugins/*/; do
     [ -f "$plugin/pyproject.toml" ] && "$VENV/bin/python" -m pip install -q "$plugin"
