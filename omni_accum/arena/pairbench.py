@@ -38,7 +38,12 @@ def _hints(wl: Workload, streams: list[list[dict[str, Any]]]) -> dict[str, int]:
     hints: dict[str, int] = {}
     for spec in wl.keys:
         if spec.kind == "append":
-            rows = [int(v.shape[0]) for c in streams[0] for p, v in leaves(c) if p == spec.path and isinstance(v, torch.Tensor) and v.dim() > 0]
+            rows = [
+                int(v.shape[0])
+                for c in streams[0]
+                for p, v in leaves(c)
+                if p == spec.path and isinstance(v, torch.Tensor) and v.dim() > 0
+            ]
             if rows:
                 hints[spec.path] = sum(rows)
     return hints
@@ -52,7 +57,13 @@ def _policy(wl: Workload) -> Any:
 
 def _arena_bytes(wl: Workload, streams: list[list[dict[str, Any]]]) -> int:
     """Slab space for every request of ``streams`` at once, with a quarter to spare, in pages."""
-    n = sum(v.numel() * v.element_size() + 8192 for s in streams for c in s for _, v in leaves(c) if isinstance(v, torch.Tensor))
+    n = sum(
+        v.numel() * v.element_size() + 8192
+        for s in streams
+        for c in s
+        for _, v in leaves(c)
+        if isinstance(v, torch.Tensor)
+    )
     return int(n * 1.25) + (64 << 20)
 
 
@@ -144,7 +155,9 @@ def _receiver_main(conn: Any, wl: Workload, cl: int, concurrency: int, name: str
 # ---------------------------------------------------------------------------------------------- #
 
 
-def run_pair(wl: Workload, context_len: int, concurrency: int, *, repeats: int = 3, arms: tuple[str, ...] = ARMS) -> list[PairResult]:
+def run_pair(
+    wl: Workload, context_len: int, concurrency: int, *, repeats: int = 3, arms: tuple[str, ...] = ARMS
+) -> list[PairResult]:
     """Measure ``arms`` for one bucket, interleaved round by round (the first round untimed: warm-up)."""
     from omni_accum.arena.sender import ArenaSender
 
@@ -166,7 +179,7 @@ def run_pair(wl: Workload, context_len: int, concurrency: int, *, repeats: int =
             raise RuntimeError("the receiver process did not start")
         tx = ArenaSender(name, kinds, length_hints=hints)
         for rep in range(repeats + 1):
-            for arm in arms[rep % len(arms):] + arms[: rep % len(arms)]:
+            for arm in arms[rep % len(arms) :] + arms[: rep % len(arms)]:
                 res = results[arm]
                 if res.error:
                     continue
@@ -180,7 +193,10 @@ def run_pair(wl: Workload, context_len: int, concurrency: int, *, repeats: int =
                 if arm == "shm":
                     from omni_accum.engine import Sender
 
-                    policy_tx = Sender(_policy(wl), context=StreamContext(context_len=context_len, concurrency=concurrency, length_hints=hints))
+                    policy_tx = Sender(
+                        _policy(wl),
+                        context=StreamContext(context_len=context_len, concurrency=concurrency, length_hints=hints),
+                    )
                 totals = [0.0] * concurrency
                 for plan in plans:
                     for r in range(concurrency):
@@ -228,7 +244,9 @@ def run_pair(wl: Workload, context_len: int, concurrency: int, *, repeats: int =
 def format_pair_table(rows: list[PairResult]) -> str:
     """One line per arm: prefill hand-off, decode step p50/p99, per-request total, ratios vs shm."""
     base = {(r.context_len, r.concurrency): r for r in rows if r.arm == "shm"}
-    out = [f"{'bucket':<12} {'wire':<6} {'prefill us':>11} {'step p50 us':>12} {'step p99 us':>12} {'req total ms':>13}  vs shm (prefill, step, total)  correct"]
+    out = [
+        f"{'bucket':<12} {'wire':<6} {'prefill us':>11} {'step p50 us':>12} {'step p99 us':>12} {'req total ms':>13}  vs shm (prefill, step, total)  correct"
+    ]
     for r in rows:
         dec = sorted(r.decode_us)
         p99 = dec[min(len(dec) - 1, int(0.99 * (len(dec) - 1) + 0.5))] if dec else float("nan")
@@ -248,7 +266,9 @@ def run_cli(args: Any, wl: Workload) -> int:
     """``omni-accum bench --wire arena``: every bucket, a table each; 1 when a view differs from the reference."""
     lens = args.context_lens or wl.default_context_lens()
     levels = args.concurrency or list(wl.concurrency)
-    print(f"workload {wl.name}: wires arena, shm (policy {wl.policy or 'default'}); two processes; {args.repeats} repeats")
+    print(
+        f"workload {wl.name}: wires arena, shm (policy {wl.policy or 'default'}); two processes; {args.repeats} repeats"
+    )
     bad = False
     for cl in lens:
         for c in levels:

@@ -120,7 +120,9 @@ class Region:
         self.q = memoryview(mm)[:HEADER].cast("Q")
         self.pages = memoryview(mm)[layout.map_off : layout.map_off + layout.npages]
         self.ring_f = Ring(memoryview(mm)[layout.ring_f_off : layout.ring_b_off], self.q, W_F_TAIL, W_F_HEAD)
-        self.ring_b = Ring(memoryview(mm)[layout.ring_b_off : layout.ring_b_off + layout.ring_b], self.q, W_B_TAIL, W_B_HEAD)
+        self.ring_b = Ring(
+            memoryview(mm)[layout.ring_b_off : layout.ring_b_off + layout.ring_b], self.q, W_B_TAIL, W_B_HEAD
+        )
         self.data_off = layout.data_off
         self._unlinked = False
 

@@ -7,10 +7,10 @@ collects them all, exactly as vLLM's own metrics travel. On by default when ``pr
 imports; ``OMNI_ACCUM_METRICS=0`` turns them off.
 
 The hot path never touches ``prometheus_client``: each binding's :class:`Recorder` adds to plain
-dict counters (a dict increment per key), and publishes them when a request is released and every
-:data:`FLUSH_EVERY` chunks. Wire bytes count the tensors' bytes (lists, strings and scalars count 0).
-Label values are bounded: key
-paths, strategy names, roles, buckets, reasons; never request ids.
+integers in a slot cached per key (a dict lookup and two additions per key; merge times go into a
+local histogram), and publishes them when a request is released and every :data:`FLUSH_EVERY`
+chunks. Wire bytes count the tensors' bytes (lists, strings and scalars count 0). Label values are
+bounded: key paths, strategy names, roles, buckets, reasons; never request ids.
 
 =============================================  =========  ============================================
 metric                                         type       labels
@@ -32,10 +32,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from bisect import bisect_left
 from collections import defaultdict
 from typing import Any
 
 import torch
+
+from omni_accum.strategy import value_nbytes
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -96,11 +99,19 @@ def _registry_metrics() -> dict[str, Any] | None:
         return _metrics
 
 
+# A slot counts one (role, key path, value type): [chunks, tensor bytes, type, is tensor,
+# (role, path, strategy) labels, (role, path) labels, the strategy when append-kind else None].
+_N, _B, _TYPE, _TENSOR, _CLABELS, _WLABELS, _APPEND = range(7)
+_SKIP: list[Any] = [0, 0, None, False, None, None, None]  # a marker key: not counted
+
+
 class Recorder:
     """Per-binding event counts, published to Prometheus in batches (see the module docstring).
 
-    The hot path (:meth:`chunk_leaves`) is a loop of dict increments over the chunk's keys; the key's
-    label tuples are built once per (role, key, value type) and cached.
+    The hot path (:meth:`chunk_leaves`, :meth:`kept_off_leaves`, :meth:`merge`) touches no
+    ``prometheus_client`` object and builds no label: each key of a chunk finds its cached slot (one
+    dict lookup per key, nested as the payload is) and adds to two integers; a merge time goes into a
+    local histogram (one ``bisect``). :meth:`flush` publishes the differences.
     """
 
     __slots__ = (
@@ -109,10 +120,13 @@ class Recorder:
         "saved",
         "fallbacks",
         "requests",
-        "merges",
         "chunks_seen",
         "on",
-        "_labels",
+        "_slots",
+        "_by_type",
+        "_all",
+        "_saved_slots",
+        "_hist",
         "_children",
     )
 
@@ -123,46 +137,68 @@ class Recorder:
         self.saved: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.fallbacks: defaultdict[str, int] = defaultdict(int)
         self.requests: defaultdict[tuple[str, str, str], int] = defaultdict(int)
-        self.merges: list[tuple[str, float]] = []
         self.chunks_seen = 0
-        self._labels: dict[Any, tuple[tuple[str, str, str], tuple[str, str]]] = {}
+        self._slots: dict[str, dict[Any, Any]] = {}  # role -> top -> slot | {qual -> slot}
+        self._by_type: dict[tuple[Any, ...], list[Any]] = {}  # (role, top, qual, type) -> slot
+        self._all: list[list[Any]] = []  # every slot, for flush
+        self._saved_slots: dict[tuple[Any, Any], list[Any]] = {}  # (top, qual) -> [bytes, type, labels]
+        self._hist: dict[str, list[Any]] = {}  # strategy -> [counts per bucket (+Inf last), sums per bucket]
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
 
-    def labels(
-        self, role: str, top: Any, qual: Any, value: Any, name_of: Any
-    ) -> tuple[tuple[str, str, str], tuple[str, str]]:
-        """``((role, key, strategy), (role, key))`` for a leaf, cached per (role, key, value type)."""
+    def _slot(self, holder: dict[Any, Any], role: str, top: Any, qual: Any, value: Any, name_of: Any) -> list[Any]:
+        """The slot of (role, key, type(value)), made once; it becomes ``holder``'s entry for the key."""
         k = (role, top, qual, type(value))
-        got = self._labels.get(k)
-        if got is None:
+        slot = self._by_type.get(k)
+        if slot is None:
             path = str(top) if qual is None else f"{top}.{qual}"
-            got = self._labels[k] = ((role, path, name_of(path, value)), (role, path))
-        return got
+            strategy = name_of(path, value)
+            slot = [0, 0, type(value), isinstance(value, torch.Tensor), (role, path, strategy), (role, path)]
+            slot.append(None if strategy in _REPLACE_LIKE else strategy)
+            self._by_type[k] = slot
+            self._all.append(slot)
+        holder[top if qual is None else qual] = slot
+        return slot
 
     def chunk(self, role: str, key: str, strategy: str, nbytes: int) -> None:
-        """Count one key of one chunk (the uncached spelling of what :meth:`chunk_leaves` does)."""
+        """Count one key of one chunk under explicit labels (the slow spelling of :meth:`chunk_leaves`)."""
         self.counts[(role, key, strategy)] += 1
         self.nbytes[(role, key)] += nbytes
 
     def chunk_leaves(self, role: str, payload: Any, name_of: Any, skip: Any = ()) -> str | None:
-        """Count every key of one chunk; returns the strategy of its first append-kind key (or None)."""
-        counts, nbytes, labels, first = self.counts, self.nbytes, self.labels, None
+        """Count every key of one chunk (tensor bytes as wire bytes); returns the strategy of its first
+        append-kind key (or None). ``name_of(path, value)`` names a key's strategy (called once per key
+        and value type); top-level keys in ``skip`` are not counted."""
+        slots = self._slots.get(role)
+        if slots is None:
+            slots = self._slots[role] = {}
+        first = None
         for top, value in payload.items():
-            if top in skip:
+            s = slots.get(top)
+            if s is _SKIP:
+                continue
+            if s is None and top in skip:
+                slots[top] = _SKIP
                 continue
             if type(value) is dict:
+                if type(s) is not dict:
+                    s = slots[top] = {}
                 for qual, qv in value.items():
-                    c, w = labels(role, top, qual, qv, name_of)
-                    counts[c] += 1
-                    nbytes[w] += qv.nbytes if isinstance(qv, torch.Tensor) else 0
-                    if first is None and c[2] not in _REPLACE_LIKE:
-                        first = c[2]
+                    x = s.get(qual)
+                    if x is None or x[2] is not type(qv):
+                        x = self._slot(s, role, top, qual, qv, name_of)
+                    x[0] += 1
+                    if x[3]:
+                        x[1] += qv.nbytes
+                    if first is None:
+                        first = x[6]
             else:
-                c, w = labels(role, top, None, value, name_of)
-                counts[c] += 1
-                nbytes[w] += value.nbytes if isinstance(value, torch.Tensor) else 0
-                if first is None and c[2] not in _REPLACE_LIKE:
-                    first = c[2]
+                if s is None or type(s) is dict or s[2] is not type(value):
+                    s = self._slot(slots, role, top, None, value, name_of)
+                s[0] += 1
+                if s[3]:
+                    s[1] += value.nbytes
+                if first is None:
+                    first = s[6]
         self.chunks_seen += 1
         if self.chunks_seen >= FLUSH_EVERY:
             self.flush()
@@ -171,6 +207,20 @@ class Recorder:
     def kept_off(self, key: str, strategy: str, nbytes: int) -> None:
         self.saved[(key, strategy)] += nbytes
 
+    def kept_off_leaves(self, chunk: Any, omitted: Any, name_of: Any) -> None:
+        """Count the bytes of the keys ``omitted`` (``(top, qual)`` pairs, qual None for a top-level
+        key) that a strategy kept off the wire of ``chunk``."""
+        saved = self._saved_slots
+        for tq in omitted:
+            top, qual = tq
+            value = chunk[top] if qual is None else chunk[top][qual]
+            x = saved.get(tq)
+            if x is None or x[1] is not type(value):
+                path = str(top) if qual is None else f"{top}.{qual}"
+                x = saved[tq] = [0, type(value), (path, name_of(path, value)), isinstance(value, torch.Tensor)]
+                self._all.append(x)  # flushed with the chunk slots (told apart by their 4 items)
+            x[0] += value.nbytes if x[3] else value_nbytes(value)
+
     def fallback(self, reason: str) -> None:
         self.fallbacks[reason] += 1
 
@@ -178,7 +228,13 @@ class Recorder:
         self.requests[(role, context_bucket, concurrency_bucket)] += 1
 
     def merge(self, strategy: str, seconds: float) -> None:
-        self.merges.append((strategy, seconds))
+        """One merge time under ``strategy``, into the local histogram (published by :meth:`flush`)."""
+        h = self._hist.get(strategy)
+        if h is None:
+            h = self._hist[strategy] = [[0] * (len(MERGE_BUCKETS) + 1), [0.0] * (len(MERGE_BUCKETS) + 1)]
+        i = bisect_left(MERGE_BUCKETS, seconds)  # Prometheus buckets are "less or equal"
+        h[0][i] += 1
+        h[1][i] += seconds
 
     def _child(self, m: dict[str, Any], name: str, labels: tuple[str, ...]) -> Any:
         k = (name, labels)
@@ -195,6 +251,15 @@ class Recorder:
             self._clear()
             return
         child = self._child
+        for slot in self._all:
+            if len(slot) == 4:  # bytes a strategy kept off the wire
+                if slot[0]:
+                    child(m, "saved", slot[2]).inc(slot[0])
+                continue
+            if slot[_N]:
+                child(m, "chunks", slot[_CLABELS]).inc(slot[_N])
+            if slot[_B]:
+                child(m, "wire", slot[_WLABELS]).inc(slot[_B])
         for labels, n in self.counts.items():
             if n:
                 child(m, "chunks", labels).inc(n)
@@ -208,8 +273,9 @@ class Recorder:
             child(m, "fallbacks", (reason,)).inc(n)
         for labels, n in self.requests.items():
             child(m, "requests", labels).inc(n)
-        for strategy, seconds in self.merges:
-            child(m, "merge", (strategy,)).observe(seconds)
+        for strategy, (counts, sums) in self._hist.items():
+            if any(counts):
+                _observe_many(child(m, "merge", (strategy,)), counts, sums)
         self._clear()
         if gauges is not None:
             held, active = gauges
@@ -218,12 +284,37 @@ class Recorder:
                 child(m, "active", (role,)).set(n)
 
     def _clear(self) -> None:
+        for slot in self._all:
+            slot[0] = 0
+            if len(slot) != 4:
+                slot[_B] = 0
         for d in (self.counts, self.nbytes, self.saved):
             for k in d:
                 d[k] = 0
         self.fallbacks.clear()
         self.requests.clear()
-        self.merges.clear()
+        for counts, sums in self._hist.values():
+            for i in range(len(counts)):
+                counts[i] = 0
+                sums[i] = 0.0
+
+
+def _observe_many(child: Any, counts: list[int], sums: list[float]) -> None:
+    """Add a local histogram (counts and sums per bucket, ``MERGE_BUCKETS`` then +Inf) to a Prometheus
+    histogram child: through its per-bucket values when it has the layout ``prometheus_client`` has
+    had since 0.4 (one ``inc`` per bucket), else one ``observe`` per event at its bucket's mean
+    (counts and sum stay exact either way)."""
+    buckets, total = getattr(child, "_buckets", None), getattr(child, "_sum", None)
+    bounds = getattr(child, "_upper_bounds", None)
+    if buckets is not None and total is not None and bounds is not None and list(bounds[:-1]) == list(MERGE_BUCKETS):
+        for i, n in enumerate(counts):
+            if n:
+                buckets[i].inc(n)
+        total.inc(sum(sums))
+        return
+    for n, s in zip(counts, sums):
+        for _ in range(n):
+            child.observe(s / n)
 
 
 #: Strategies that replace a key's value (not append): the merge histogram's label skips them.

@@ -18,8 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from omni_accum.engine import WIRE_MARKER
-from omni_accum.strategy import value_nbytes
-from omni_accum.integrations.vllm_omni.binding import Binding, _changed, _path, binding_for
+from omni_accum.integrations.vllm_omni.binding import Binding, _changed, binding_for
 from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, omitted_mask, with_hello
 
 logger = logging.getLogger("omni_accum.vllm_omni")
@@ -87,10 +86,8 @@ def _record(b: Binding, chunk: Mapping[str, Any], wire: Mapping[str, Any], omitt
     if not rec.on:
         return
     rec.chunk_leaves("send", wire, b.strategy_name, MARKERS)
-    for top, qual in omitted:
-        value = chunk[top] if qual is None else chunk[top][qual]
-        path = _path(top, qual)
-        rec.kept_off(path, b.strategy_name(path, value), value_nbytes(value))
+    if omitted:
+        rec.kept_off_leaves(chunk, omitted, b.strategy_name)
 
 
 def _encoding_put(orig: Callable[..., Any]) -> Callable[..., Any]:
