@@ -107,6 +107,8 @@ def test_deploy_yaml_duplicate_key(tmp_path):
     from omni_accum.errors import OmniAccumError
 
     f = tmp_path / "deploy.yaml"
-    f.write_text("connectors:\n  a:\n    extra: {omni_accum_policy: default}\n    extra: {omni_accum_policy: qwen3-omni}\n")
+    f.write_text(
+        "connectors:\n  a:\n    extra: {omni_accum_policy: default}\n    extra: {omni_accum_policy: qwen3-omni}\n"
+    )
     with pytest.raises(OmniAccumError, match="duplicate key 'extra'.*line 3.*line 4"):
         _deploy_policy(str(f))

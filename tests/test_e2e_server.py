@@ -17,6 +17,8 @@ then ``benchmarks/e2e/run.py --smoke --arms qwen3-omni``, and checks from the ru
   ``omni-accum bound to`` lines when there are none). With ``async_chunk: false``
   (``configs/qwen3_omni_cpu_full_payload.yaml``) the workers' runner transports carry them instead;
   see ``benchmarks/e2e/README.md``;
+* the server's ``/metrics`` (``PROMETHEUS_MULTIPROC_DIR`` set by the harness) shows chunks sent and
+  received, wire bytes, the request and the policy's info, as counted in the stage processes;
 * nothing of the server is left running and its port is free.
 
 Logs: ``benchmarks/e2e/.work/test-logs/``.
@@ -168,6 +170,20 @@ def test_every_stage_process_installed_and_the_payload_handlers_bound(smoke_repo
         and chunks(r, "chunks_sent") + chunks(r, "chunks_received") <= 0
     ]
     assert not idle_bound, f"a worker bound omni-accum without counting a chunk:\n{table}"
+
+
+def test_the_servers_metrics_endpoint_shows_what_the_stage_processes_counted(smoke_report):
+    # run.py gives the server a PROMETHEUS_MULTIPROC_DIR, as the README's Monitoring section tells an
+    # operator to: the API server's /metrics then carries the counters of the stage engine cores,
+    # where the payloads went (the API server itself moves none).
+    m = smoke_report.get("metrics") or {}
+    assert "error" not in m, f"/metrics scrape failed: {m.get('error')}"
+    assert m.get("chunks", {}).get("send", 0) > 0, f"no sent chunk on /metrics: {m.get('lines')}"
+    assert m.get("chunks", {}).get("receive", 0) > 0, f"no received chunk on /metrics: {m.get('lines')}"
+    assert m.get("wire_bytes", {}).get("send", 0) > 0, f"no wire bytes on /metrics: {m.get('lines')}"
+    assert m.get("requests", {}).get("send", 0) >= 1, f"no request on /metrics: {m.get('lines')}"
+    sources = {p.get("source") for p in m.get("policy_info") or []}
+    assert any("qwen3-omni" in (s or "") for s in sources), f"omni_accum_policy_info sources: {sources}"
 
 
 def test_nothing_left_running(smoke_report):

@@ -198,9 +198,7 @@ def test_the_checker_finds_a_circle_and_names_its_path(tmp_path):
     (pkg / "a.py").write_text("from omni_accum.sub import b\n")
     (pkg / "sub" / "__init__.py").write_text("from omni_accum.sub.b import thing\n")
     (pkg / "sub" / "b.py").write_text("thing = 1\n\ndef later():\n    from omni_accum.c import x\n")
-    (pkg / "c.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import omni_accum.a\nx = 1\n"
-    )
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import omni_accum.a\nx = 1\n")
     (pkg / "d.py").write_text("import importlib\nimportlib.import_module('omni_accum.e')\n")
     (pkg / "e.py").write_text("from omni_accum import d\n")
     graph = import_edges(_source_modules(pkg, "omni_accum"))

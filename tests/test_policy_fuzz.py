@@ -184,6 +184,7 @@ fragments = st.one_of(
 
 # -- oracle ------------------------------------------------------------------------------------ #
 
+
 def _text(path: object, e: dict) -> str:
     """A ``validate --json`` error record as the line ``validate`` prints: ``PATH[, line N]: [LOC: ]MSG``."""
     where = f"{path}, line {e['line']}" if e.get("line") else f"{path}"

@@ -11,7 +11,9 @@ For each arm (``off``: ``OMNI_ACCUM_VLLM_OMNI=0``; ``default`` / ``qwen3-omni`` 
 process group), waits for readiness, sends two temperature-0 chat requests with audio output
 (the correctness probes, on the fresh server), runs vLLM's benchmark client (``vllm bench serve
 --omni``, random dataset) once per concurrency, lists the server's processes, reads omni-accum's per-process status
-files (``OMNI_ACCUM_STATUS_DIR``, a fresh folder per arm) and its log lines, stops the server by
+files (``OMNI_ACCUM_STATUS_DIR``, a fresh folder per arm) and its log lines, scrapes ``/metrics``
+(``PROMETHEUS_MULTIPROC_DIR``, a fresh folder per arm, so the stage processes' counters are there)
+for what omni-accum counted (chunks, wire bytes, bytes kept off the wire, fallbacks), stops the server by
 process group and checks nothing is left (no process, port free). Then it prints one table
 (E2EL, TTFT, TPOT, ITL p50/p99, audio TTFP, audio RTF per arm, ratio to ``off``), compares the
 correctness outputs (``default`` must equal ``off`` byte for byte) and writes ``--json``.
@@ -222,6 +224,59 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float) -> float:
                     return time.monotonic() - t0
         time.sleep(2)
     raise TimeoutError(f"server not ready after {timeout:.0f} s")
+
+
+_SAMPLE_RE = re.compile(r'^(omni_accum_[a-z_]+?)(?:\{(.*)\})?\s+([-+0-9.eEinfNa]+)$')
+_LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape_metrics(base: str, timeout: float = 30) -> dict[str, Any]:
+    """omni-accum's samples on the server's ``/metrics`` (Prometheus text format), summed by what an
+    operator reads: chunks and wire bytes per role, bytes kept off the wire, fallbacks per reason,
+    requests per role, the policy-info label sets, and the raw ``omni_accum_*`` lines."""
+    req = urllib.request.Request(base + "/metrics", method="GET")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        text = r.read().decode(errors="replace")
+    out: dict[str, Any] = {
+        "chunks": {}, "wire_bytes": {}, "bytes_saved": 0.0, "fallbacks": {}, "requests": {},
+        "merge_count": 0.0, "policy_info": [], "lines": [],
+    }  # fmt: skip
+    for line in text.splitlines():
+        m = _SAMPLE_RE.match(line.strip())
+        if not m:
+            continue
+        out["lines"].append(line.strip())
+        name, labels, value = m.group(1), dict(_LABEL_RE.findall(m.group(2) or "")), float(m.group(3))
+        if name == "omni_accum_chunks_total":
+            out["chunks"][labels.get("role", "?")] = out["chunks"].get(labels.get("role", "?"), 0.0) + value
+        elif name == "omni_accum_wire_bytes_total":
+            out["wire_bytes"][labels.get("role", "?")] = out["wire_bytes"].get(labels.get("role", "?"), 0.0) + value
+        elif name == "omni_accum_wire_bytes_saved_total":
+            out["bytes_saved"] += value
+        elif name == "omni_accum_fallbacks_total":
+            out["fallbacks"][labels.get("reason", "?")] = out["fallbacks"].get(labels.get("reason", "?"), 0.0) + value
+        elif name == "omni_accum_requests_total":
+            out["requests"][labels.get("role", "?")] = out["requests"].get(labels.get("role", "?"), 0.0) + value
+        elif name == "omni_accum_merge_seconds_count":
+            out["merge_count"] += value
+        elif name == "omni_accum_policy_info" and value:
+            out["policy_info"].append(labels)
+    return out
+
+
+def print_metrics(arm: str, m: dict[str, Any] | None) -> None:
+    if not m:
+        return
+    if "error" in m:
+        print(f"[{arm}] /metrics: {m['error']}")
+        return
+    fmt = lambda d: ", ".join(f"{k} {v:.0f}" for k, v in sorted(d.items())) or "none"  # noqa: E731
+    print(
+        f"[{arm}] /metrics (omni-accum, every server process): chunks {fmt(m['chunks'])}; "
+        f"wire bytes {fmt(m['wire_bytes'])}; bytes kept off the wire {m['bytes_saved']:.0f}; "
+        f"requests {fmt(m['requests'])}; fallbacks {fmt(m['fallbacks'])}; merges timed {m['merge_count']:.0f}; "
+        f"policies {sorted({(p.get('source'), p.get('fingerprint')) for p in m['policy_info']})}"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -545,6 +600,11 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
         for f in status_dir.glob("*"):
             f.unlink()
     status_dir.mkdir(exist_ok=True)
+    prom_dir = arm_dir / "prometheus"
+    if prom_dir.exists():
+        for f in prom_dir.glob("*"):
+            f.unlink()
+    prom_dir.mkdir(exist_ok=True)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k not in arm.unset}
@@ -554,6 +614,9 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
             "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
             "OMNI_ACCUM_STATUS_DIR": str(status_dir),
+            # One folder per arm for every server process's Prometheus values, so that the API server's
+            # /metrics shows the stage processes' (vllm-omni with one API server does not set one).
+            "PROMETHEUS_MULTIPROC_DIR": str(prom_dir),
             "PATH": f"{VENV_BIN}:{env.get('PATH', '')}",
             "PYTHONUNBUFFERED": "1",
             "NO_PROXY": "127.0.0.1,localhost",
@@ -563,7 +626,9 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
     env.update(arm.env)
     # The benchmark client loads vllm-omni's plugins too: keep omni-accum out of it (and out of the
     # status folder, which is for the server's processes).
-    client_env = {k: v for k, v in env.items() if k not in ("OMNI_ACCUM_STATUS_DIR", "OMNI_ACCUM_POLICY")}
+    client_env = {
+        k: v for k, v in env.items() if k not in ("OMNI_ACCUM_STATUS_DIR", "OMNI_ACCUM_POLICY", "PROMETHEUS_MULTIPROC_DIR")
+    }
     client_env["OMNI_ACCUM_VLLM_OMNI"] = "0"
     server_log = arm_dir / "server.log"
     client_log = arm_dir / "client.log"
@@ -612,6 +677,11 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
                 for c in args.concurrency:
                     result["bench"].append(run_bench(base, str(args.model), args, c, arm_dir, client_env, clog))
             time.sleep(1)
+            try:  # what omni-accum counted, as an operator's scrape sees it
+                result["metrics"] = scrape_metrics(base)
+            except Exception as e:  # noqa: BLE001 - a report, not a reason to fail the arm
+                result["metrics"] = {"error": f"{type(e).__name__}: {e}"}
+            print_metrics(arm.name, result["metrics"])
             snap = {i["pid"]: i for i in known}
             snap.update({i["pid"]: i for i in server_processes(proc.pid)})
             known = sorted(snap.values(), key=lambda i: i["pid"])

@@ -245,7 +245,8 @@ def format_pair_table(rows: list[PairResult]) -> str:
     """One line per arm: prefill hand-off, decode step p50/p99, per-request total, ratios vs shm."""
     base = {(r.context_len, r.concurrency): r for r in rows if r.arm == "shm"}
     out = [
-        f"{'bucket':<12} {'wire':<6} {'prefill us':>11} {'step p50 us':>12} {'step p99 us':>12} {'req total ms':>13}  vs shm (prefill, step, total)  correct"
+        f"{'bucket':<12} {'wire':<6} {'prefill us':>11} {'step p50 us':>12} {'step p99 us':>12} {'req total ms':>13}"
+        "  vs shm (prefill, step, total)  correct"
     ]
     for r in rows:
         dec = sorted(r.decode_us)
@@ -254,11 +255,11 @@ def format_pair_table(rows: list[PairResult]) -> str:
         b = base.get((r.context_len, r.concurrency))
         vs = ""
         if b is not None and r is not b:
-            vs = f"{pre / b.p50(b.prefill_us):.3f}x {step / b.p50(b.decode_us):.3f}x {tot / (b.p50(b.totals_us) / 1000.0):.3f}x"
+            base_tot = b.p50(b.totals_us) / 1000.0
+            vs = f"{pre / b.p50(b.prefill_us):.3f}x {step / b.p50(b.decode_us):.3f}x {tot / base_tot:.3f}x"
         ok = "ERROR " + r.error if r.error else ("yes" if r.mismatch is None else f"NO: {r.mismatch}")
-        out.append(
-            f"{f'{r.context_len} x c{r.concurrency}':<12} {r.arm:<6} {pre:11.1f} {step:12.1f} {p99:12.1f} {tot:13.2f}  {vs:<29}  {ok}"
-        )
+        bucket = f"{r.context_len} x c{r.concurrency}"
+        out.append(f"{bucket:<12} {r.arm:<6} {pre:11.1f} {step:12.1f} {p99:12.1f} {tot:13.2f}  {vs:<29}  {ok}")
     return "\n".join(out)
 
 

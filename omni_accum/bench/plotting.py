@@ -15,7 +15,6 @@ class PlotUnavailable(OmniAccumError):
     """``--plot`` needs matplotlib (the ``plot`` extra)."""
 
 
-
 def require_matplotlib() -> Any:
     try:
         import matplotlib

@@ -71,7 +71,6 @@ RESULT_SCHEMA: dict[str, Any] = {
 }
 
 
-
 @dataclass
 class BenchRun:
     """Everything one ``omni-accum bench`` run measured."""

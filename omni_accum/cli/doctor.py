@@ -100,9 +100,7 @@ def check_versions() -> list[Check]:
         )
     else:
         out.append(
-            Check(
-                "vllm-omni", True, f"{vo_v} (release family {fam.name}; every wrapped method has its signature)"
-            )
+            Check("vllm-omni", True, f"{vo_v} (release family {fam.name}; every wrapped method has its signature)")
         )
     return out
 
