@@ -133,3 +133,23 @@ def test_policy_off_in_the_environment(vo, monkeypatch, caplog):
         vo.activate()
     assert not vo.is_installed()
     assert any("OMNI_ACCUM_POLICY=off" in m for m in caplog.messages), caplog.messages
+
+
+def test_policy_info_names_the_policy_an_operator_set(vo, monkeypatch):
+    # A binding of the process-wide policy labels omni_accum_policy_info with where that policy came
+    # from, as the operator wrote it (not the internal "install()").
+    from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding, Settings
+
+    monkeypatch.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
+    vo.activate()
+    assert vo.is_installed()
+    b = Binding(Settings.policy, DEFAULT_ADAPTER_KEYS, "install()")
+    labels = dict(fingerprint=b.fingerprint, version=_version())
+    assert _sample("omni_accum_policy_info", source="OMNI_ACCUM_POLICY=qwen3-omni", **labels) == 1
+    assert _sample("omni_accum_policy_info", source="install()", **labels) == 0
+    vo.uninstall()
+    vo.install("qwen3-omni-flat")
+    b = Binding(Settings.policy, DEFAULT_ADAPTER_KEYS, "install()")
+    assert (
+        _sample("omni_accum_policy_info", source="qwen3-omni-flat", fingerprint=b.fingerprint, version=_version()) == 1
+    )

@@ -23,6 +23,7 @@ from omni_accum.integrations.vllm_omni import metrics
 from omni_accum.integrations.vllm_omni import handshake
 from omni_accum.integrations.vllm_omni.handshake import (  # noqa: F401 - policy_fingerprint re-exported
     _changes_wire,
+    _readable_source,
     _RequestContextReceiver,
     _short_source,
     policy_fingerprint,
@@ -92,7 +93,7 @@ class Binding:
         self._names: dict[tuple[str, type], str] = {}
         from omni_accum import __version__
 
-        metrics.policy_info(source, self.fingerprint, __version__)
+        metrics.policy_info(_readable_source(source, Settings.policy_source), self.fingerprint, __version__)
         self.sent_once: dict[str, dict[tuple[Any, Any], int]] = {}  # ext id -> key -> bit (wire order)
         self.held_once: dict[str, dict[tuple[Any, Any], int]] = {}  # req id -> key -> bit (wire order)
         #: Per request: the stream context of the tuned bucket the sender decided (the handshake), as the

@@ -97,6 +97,17 @@ class _RequestContextReceiver(Receiver):
         return super().merge(req_id, wire, context=context or self._binding.req_ctx.get(req_id), **kw)
 
 
+def _readable_source(source: str, installed_source: str) -> str:
+    """Where a binding's policy came from, as an operator reads it (the ``omni_accum_policy_info``
+    label): the installed policy's own source for ``install()``, with the value of
+    ``OMNI_ACCUM_POLICY`` when that is where it came from (``OMNI_ACCUM_POLICY=qwen3-omni``)."""
+    if source == "install()":
+        source = installed_source
+    if source == "OMNI_ACCUM_POLICY":
+        source = f"OMNI_ACCUM_POLICY={os.environ.get(source, '').strip()}"
+    return source
+
+
 def _short_source(source: str, installed_source: str) -> str:
     """A few bytes naming where a binding's policy came from, for the handshake: the preset or file name
     when short, else the kind of source."""
