@@ -230,6 +230,15 @@ _SAMPLE_RE = re.compile(r'^(omni_accum_[a-z_]+?)(?:\{(.*)\})?\s+([-+0-9.eEinfNa]
 _LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
+# metric -> (report field, the label it is summed by)
+_BY_LABEL = {
+    "omni_accum_chunks_total": ("chunks", "role"),
+    "omni_accum_wire_bytes_total": ("wire_bytes", "role"),
+    "omni_accum_fallbacks_total": ("fallbacks", "reason"),
+    "omni_accum_requests_total": ("requests", "role"),
+}
+
+
 def scrape_metrics(base: str, timeout: float = 30) -> dict[str, Any]:
     """omni-accum's samples on the server's ``/metrics`` (Prometheus text format), summed by what an
     operator reads: chunks and wire bytes per role, bytes kept off the wire, fallbacks per reason,
@@ -247,16 +256,12 @@ def scrape_metrics(base: str, timeout: float = 30) -> dict[str, Any]:
             continue
         out["lines"].append(line.strip())
         name, labels, value = m.group(1), dict(_LABEL_RE.findall(m.group(2) or "")), float(m.group(3))
-        if name == "omni_accum_chunks_total":
-            out["chunks"][labels.get("role", "?")] = out["chunks"].get(labels.get("role", "?"), 0.0) + value
-        elif name == "omni_accum_wire_bytes_total":
-            out["wire_bytes"][labels.get("role", "?")] = out["wire_bytes"].get(labels.get("role", "?"), 0.0) + value
+        if name in _BY_LABEL:  # summed per one label
+            field_, label = _BY_LABEL[name]
+            by = out[field_]
+            by[labels.get(label, "?")] = by.get(labels.get(label, "?"), 0.0) + value
         elif name == "omni_accum_wire_bytes_saved_total":
             out["bytes_saved"] += value
-        elif name == "omni_accum_fallbacks_total":
-            out["fallbacks"][labels.get("reason", "?")] = out["fallbacks"].get(labels.get("reason", "?"), 0.0) + value
-        elif name == "omni_accum_requests_total":
-            out["requests"][labels.get("role", "?")] = out["requests"].get(labels.get("role", "?"), 0.0) + value
         elif name == "omni_accum_merge_seconds_count":
             out["merge_count"] += value
         elif name == "omni_accum_policy_info" and value:
@@ -626,9 +631,8 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
     env.update(arm.env)
     # The benchmark client loads vllm-omni's plugins too: keep omni-accum out of it (and out of the
     # status folder, which is for the server's processes).
-    client_env = {
-        k: v for k, v in env.items() if k not in ("OMNI_ACCUM_STATUS_DIR", "OMNI_ACCUM_POLICY", "PROMETHEUS_MULTIPROC_DIR")
-    }
+    server_only = ("OMNI_ACCUM_STATUS_DIR", "OMNI_ACCUM_POLICY", "PROMETHEUS_MULTIPROC_DIR")
+    client_env = {k: v for k, v in env.items() if k not in server_only}
     client_env["OMNI_ACCUM_VLLM_OMNI"] = "0"
     server_log = arm_dir / "server.log"
     client_log = arm_dir / "client.log"

@@ -26,27 +26,12 @@ import torch
 
 from omni_accum.arena._common import leaves
 from omni_accum.bench.reference import check_view
-from omni_accum.bench.streams import build_stream, chunk_plans
+from omni_accum.bench.streams import append_length_hints, build_stream, chunk_plans
 from omni_accum.bench.workloads import Workload
 from omni_accum.context import StreamContext
 
 ARMS = ("arena", "shm")
 _clock = time.perf_counter_ns
-
-
-def _hints(wl: Workload, streams: list[list[dict[str, Any]]]) -> dict[str, int]:
-    hints: dict[str, int] = {}
-    for spec in wl.keys:
-        if spec.kind == "append":
-            rows = [
-                int(v.shape[0])
-                for c in streams[0]
-                for p, v in leaves(c)
-                if p == spec.path and isinstance(v, torch.Tensor) and v.dim() > 0
-            ]
-            if rows:
-                hints[spec.path] = sum(rows)
-    return hints
 
 
 def _policy(wl: Workload) -> Any:
@@ -94,7 +79,7 @@ def _receiver_main(conn: Any, wl: Workload, cl: int, concurrency: int, name: str
 
     streams = [build_stream(wl, cl, r) for r in range(concurrency)]
     reads = [(k.path, k.read) for k in wl.keys if k.read != "never"]
-    ctx = StreamContext(context_len=cl, concurrency=concurrency, length_hints=_hints(wl, streams))
+    ctx = StreamContext(context_len=cl, concurrency=concurrency, length_hints=append_length_hints(wl, streams[0]))
     rx = ArenaReceiver(name, data_bytes)
     shm = None
     policy_rx = None
@@ -164,7 +149,7 @@ def run_pair(
     streams = [build_stream(wl, context_len, r) for r in range(concurrency)]
     plans = chunk_plans(wl, context_len)
     kinds = {k.path: k.kind for k in wl.keys}
-    hints = _hints(wl, streams)
+    hints = append_length_hints(wl, streams[0])
     name = f"bench_{os.getpid()}_{context_len}_{concurrency}"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

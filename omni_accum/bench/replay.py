@@ -58,7 +58,7 @@ from omni_accum.bench.wires import (  # noqa: F401 - re-exported
     make_wire,
     payload_nbytes,
 )
-from omni_accum.bench.streams import build_stream
+from omni_accum.bench.streams import append_length_hints, build_stream
 from omni_accum.bench.workloads import Workload, load_workload
 from omni_accum.context import StreamContext
 from omni_accum.errors import OmniAccumError
@@ -341,18 +341,7 @@ def measure(
     streams = [build_stream(wl, cl, r) for r in range(concurrency)]
     if device != "cpu":
         streams = [[_to_device(c, device) for c in s] for s in streams]
-    hints: dict[str, int] = {}
-    if length_hints:
-        for spec in wl.keys:
-            if spec.kind == "append":
-                rows = [
-                    int(v.shape[0])
-                    for c in streams[0]
-                    for p, v in iter_leaves(c)
-                    if p == spec.path and isinstance(v, torch.Tensor) and v.dim() > 0
-                ]
-                if rows:
-                    hints[spec.path] = sum(rows)
+    hints = append_length_hints(wl, streams[0]) if length_hints else {}
     ctx = StreamContext(context_len=cl, concurrency=concurrency, length_hints=hints)
     hop = serializer() if view_hop == "serializer" else None
     if view_hop not in (None, "serializer"):

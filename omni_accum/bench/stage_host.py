@@ -237,22 +237,9 @@ def make_connector(stage_id: int, extra: Mapping[str, Any]) -> Any:
 
 
 def _plan(wl: Any, cl: int, concurrency: int) -> tuple[Any, list[list[dict[str, Any]]]]:
-    from omni_accum.bench.replay import iter_leaves  # noqa: PLC0415
-    from omni_accum.bench.streams import build_stream  # noqa: PLC0415
+    from omni_accum.bench.streams import append_length_hints, build_stream  # noqa: PLC0415
     from omni_accum.context import StreamContext  # noqa: PLC0415
 
-    import torch  # noqa: PLC0415
-
     streams = [build_stream(wl, cl, r) for r in range(concurrency)]
-    hints: dict[str, int] = {}
-    for spec in wl.keys:
-        if spec.kind == "append":
-            rows = [
-                int(v.shape[0])
-                for c in streams[0]
-                for p, v in iter_leaves(c)
-                if p == spec.path and isinstance(v, torch.Tensor) and v.dim() > 0
-            ]
-            if rows:
-                hints[spec.path] = sum(rows)
+    hints = append_length_hints(wl, streams[0])
     return StreamContext(context_len=cl, concurrency=concurrency, length_hints=hints), streams

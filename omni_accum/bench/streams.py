@@ -179,3 +179,22 @@ def _value(
             t = _SHARED[key] = _tensor([rows, *spec.row_shape], dtype, g)
         return t
     return _tensor([rows, *spec.row_shape], dtype, gen)
+
+
+def append_length_hints(workload: Workload, stream: list[dict[str, Any]]) -> dict[str, int]:
+    """Final rows of every append-kind key over ``stream`` (one request's chunks): the length hints a
+    :class:`~omni_accum.context.StreamContext` gives preallocating strategies."""
+    from omni_accum.bench.wires import iter_leaves  # noqa: PLC0415 - wires pulls vllm-omni's classes lazily
+
+    hints: dict[str, int] = {}
+    for spec in workload.keys:
+        if spec.kind == "append":
+            rows = [
+                int(v.shape[0])
+                for c in stream
+                for p, v in iter_leaves(c)
+                if p == spec.path and isinstance(v, torch.Tensor) and v.dim() > 0
+            ]
+            if rows:
+                hints[spec.path] = sum(rows)
+    return hints

@@ -169,13 +169,6 @@ class Binding:
             active["receive"] += other.receiver.active_requests
         self.metrics.flush((held, active))
 
-    def number_once(self, table: dict[tuple[Any, Any], int], payload: Mapping[str, Any]) -> None:
-        """Give each key of ``payload`` seen for the first time the next bit, in wire order (every key,
-        whatever its strategy: a receiver running another policy numbers them the same way)."""
-        for top, qual, _ in _leaves(payload):
-            if (top, qual) not in table:
-                table[(top, qual)] = len(table)
-
     def context_of(self, req_id: Any) -> StreamContext:
         """The stream context strategy selection uses for ``req_id`` (its handshake bucket, else the binding's)."""
         return self.req_ctx.get(req_id) or self.receiver.context

@@ -75,3 +75,11 @@ def _leaves(payload: Mapping[str, Any]):
                 yield top, qual, qv
         else:
             yield top, None, value
+
+
+def number_once(table: dict[tuple[Any, Any], int], payload: Mapping[str, Any]) -> None:
+    """Give each key of ``payload`` seen for the first time the next bit, in wire order (every key,
+    whatever its strategy: a receiver running another policy numbers them the same way)."""
+    for top, qual, _ in _leaves(payload):
+        if (top, qual) not in table:
+            table[(top, qual)] = len(table)

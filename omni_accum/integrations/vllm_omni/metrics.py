@@ -216,9 +216,10 @@ class Recorder:
             value = chunk[top] if qual is None else chunk[top][qual]
             x = saved.get(tq)
             if x is None or x[1] is not type(value):
+                if x is not None and x[0]:  # the key's value changed type: keep what the old slot counted
+                    self.saved[x[2]] += x[0]
                 path = str(top) if qual is None else f"{top}.{qual}"
                 x = saved[tq] = [0, type(value), (path, name_of(path, value)), isinstance(value, torch.Tensor)]
-                self._all.append(x)  # flushed with the chunk slots (told apart by their 4 items)
             x[0] += value.nbytes if x[3] else value_nbytes(value)
 
     def fallback(self, reason: str) -> None:
@@ -251,11 +252,10 @@ class Recorder:
             self._clear()
             return
         child = self._child
+        for x in self._saved_slots.values():
+            if x[0]:
+                child(m, "saved", x[2]).inc(x[0])
         for slot in self._all:
-            if len(slot) == 4:  # bytes a strategy kept off the wire
-                if slot[0]:
-                    child(m, "saved", slot[2]).inc(slot[0])
-                continue
             if slot[_N]:
                 child(m, "chunks", slot[_CLABELS]).inc(slot[_N])
             if slot[_B]:
@@ -285,9 +285,9 @@ class Recorder:
 
     def _clear(self) -> None:
         for slot in self._all:
-            slot[0] = 0
-            if len(slot) != 4:
-                slot[_B] = 0
+            slot[_N] = slot[_B] = 0
+        for x in self._saved_slots.values():
+            x[0] = 0
         for d in (self.counts, self.nbytes, self.saved):
             for k in d:
                 d[k] = 0

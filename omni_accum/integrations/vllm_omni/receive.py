@@ -20,7 +20,7 @@ import torch
 from omni_accum.engine import WIRE_MARKER
 from omni_accum.errors import AccumulationError, OmniAccumError
 from omni_accum.integrations.vllm_omni.binding import Binding, _leaves, _path, binding_for
-from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, count_bits, split_mask
+from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, count_bits, number_once, split_mask
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -42,7 +42,7 @@ def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) 
             f"(it holds {len(table)}); release the request and re-send it from its first chunk",
             request_id=req_id,
         )
-    b.number_once(table, payload)
+    number_once(table, payload)
     sub: dict[str, Any] = {}
     views: list[tuple[Any, Any]] = []
     for top, value in payload.items():
@@ -95,7 +95,7 @@ def foreign_receive(b: Binding, req_id: str, payload: dict[str, Any]) -> dict[st
     table = b.held_once.setdefault(req_id, {})
     mirror = b.mirror.setdefault(req_id, {})
     omitted = [p for p, bit in table.items() if mask >> bit & 1]
-    b.number_once(table, payload)
+    number_once(table, payload)
     out = _stripped(payload)
     for top, qual, value in _leaves(payload):
         mirror[(top, qual)] = value
@@ -200,7 +200,7 @@ def adapter_fallback(b: Binding, req_id: str, payload: dict[str, Any], ar: bool,
     if isinstance(meta, dict) and "override_keys" in meta:
         _set(seed, "meta", "override_keys", meta["override_keys"])
     try:
-        b.number_once(table, payload)
+        number_once(table, payload)
         if seed:
             b.receiver.merge(req_id, seed)
     except OmniAccumError:

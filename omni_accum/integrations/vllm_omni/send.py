@@ -19,7 +19,7 @@ from typing import Any
 
 from omni_accum.engine import WIRE_MARKER
 from omni_accum.integrations.vllm_omni.binding import Binding, _changed, binding_for
-from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, omitted_mask, with_hello
+from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, number_once, omitted_mask, with_hello
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -58,12 +58,12 @@ def encode_payload(b: Binding, req_id: str, data: Any) -> Any:
     b.stats["chunks_sent"] += 1
     table = b.sent_once.setdefault(req_id, {})
     if wire is chunk and hello is None:
-        b.number_once(table, chunk)
+        number_once(table, chunk)
         _record(b, chunk, chunk, ())
         return data
     if wire is chunk:
         wire = dict(chunk)
-    b.number_once(table, wire)
+    number_once(table, wire)
     omitted: list[tuple[Any, Any]] = []
     mask = 0
     marked = WIRE_MARKER in wire
