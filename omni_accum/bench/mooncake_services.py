@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omni_accum.arena.region import pid_alive as _alive  # noqa: F401 - re-exported by bench.mooncake (a zombie counts as dead)
 from omni_accum.errors import OmniAccumError
 
 HOST = "127.0.0.1"
@@ -122,19 +123,6 @@ def listening_ports(pids: Sequence[int] | None = None) -> set[int]:
             if len(parts) > 9 and parts[3] == "0A" and (inodes is None or parts[9] in inodes):
                 ports.add(int(parts[1].rsplit(":", 1)[1], 16))
     return ports
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of ours is not alive
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def _stop(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
