@@ -53,6 +53,37 @@ def test_exact_metric_values_for_a_known_stream(vo):
     assert _sample("omni_accum_policy_info", source="test", fingerprint=b.fingerprint, version=_version()) == 1
 
 
+def test_the_full_payload_accumulator_is_metered(vo, runner):
+    """async_chunk off: each step the producing stage accumulates counts under role ``accumulate``, its
+    time goes into the merge histogram, and the counts reach Prometheus when the payload is handed over."""
+    vo.install("qwen3-omni")
+    r = runner()
+    r.accumulate_full_payload_output("warm", {"embed.prefill": torch.zeros(1, 8)}, "REQ")  # binds the runner
+    r._materialize_full_payload_entry(r._pending_full_payload_send.pop("warm"))
+    b = r._omni_accum_binding
+    pre = b.strategy_name("embed.prefill", torch.zeros(2, 8))
+    audio = b.strategy_name("codes.audio", torch.zeros(1, 4))
+    keys = {
+        "pre": ("omni_accum_chunks_total", dict(role="accumulate", key="embed.prefill", strategy=pre)),
+        "audio": ("omni_accum_chunks_total", dict(role="accumulate", key="codes.audio", strategy=audio)),
+        "wire": ("omni_accum_wire_bytes_total", dict(role="accumulate", key="embed.prefill")),
+        "req": ("omni_accum_requests_total", dict(role="accumulate", context_bucket="none", concurrency_bucket="none")),
+        "merges": ("omni_accum_merge_seconds_count", dict(strategy=pre)),
+    }
+    before = {k: _sample(name, **labels) for k, (name, labels) in keys.items()}
+    steps = [
+        {"embed.prefill": torch.zeros(5, 8), "codes.audio": torch.zeros(1, 4, dtype=torch.long)},  # 160 B
+        {"embed.prefill": torch.zeros(1, 8), "codes.audio": torch.zeros(1, 4, dtype=torch.long)},  # 32 B
+        {"embed.prefill": torch.zeros(2, 8)},  # 64 B
+    ]
+    for step in steps:
+        r.accumulate_full_payload_output("fp-1", dict(step), "REQ")
+    assert _sample(*keys["pre"][:1], **keys["pre"][1]) == before["pre"]  # published when handed over
+    r._materialize_full_payload_entry(r._pending_full_payload_send.pop("fp-1"))
+    got = {k: _sample(name, **labels) - before[k] for k, (name, labels) in keys.items()}
+    assert got == {"pre": 3, "audio": 2, "wire": (5 + 1 + 2) * 8 * 4, "req": 1, "merges": 3}
+
+
 def _version() -> str:
     from omni_accum import __version__
 
@@ -76,11 +107,13 @@ def test_metrics_off_records_nothing(vo, monkeypatch):
 
 _CHILD = """
 import sys
+import torch
 from omni_accum.integrations.vllm_omni import metrics
 r = metrics.Recorder()
 assert r.on
+row = torch.zeros(1, 2048, dtype=torch.bfloat16)  # 4096 bytes
 for _ in range(int(sys.argv[1])):
-    r.chunk("receive", "embed.decode", "prealloc", 4096)
+    r.received({"embed": {"decode": row}}, 1e-5, lambda path, value: "prealloc", ())
 r.flush()
 """
 

@@ -30,8 +30,8 @@ def test_the_local_histogram_publishes_what_observe_would():
     }
     before_sum = _sample("omni_accum_merge_seconds_sum", strategy=strategy)
     r = _on()
-    for t in times:
-        r.merge(strategy, t)
+    for t in times:  # the merge time goes under the strategy of the chunk's first append-kind key
+        r.received({"x": torch.zeros(1)}, t, lambda p, v: strategy, ())
     r.flush()
     # Prometheus buckets are cumulative "less or equal" counts.
     expect = {"1e-06": 2, "2.5e-05": 5, "0.001": 7, "+Inf": 9}
@@ -64,41 +64,74 @@ def test_counts_follow_a_key_whose_value_type_changes_and_skip_markers():
     def name_of(path: str, value: object) -> str:
         return names[torch.Tensor if isinstance(value, torch.Tensor) else list]
 
-    role = "recorder-check"
     r = _on()
     t = torch.zeros(2, 8, dtype=torch.bfloat16)  # 32 bytes
-    for payload in (
+    payloads = (
         {"g": {"x": t}, "y": t, "__m": 1},
         {"g": {"x": [1, 2]}, "y": t, "__m": 1},
         {"g": {"x": t}, "y": [3], "__m": 1},
-    ):
-        first = r.chunk_leaves(role, payload, name_of, skip=("__m",))
-        assert first in ("prealloc", "token_list")
+    )
+    before = {
+        (name, role, key, strategy): _sample(name, role=role, key=key, **({"strategy": strategy} if strategy else {}))
+        for name in ("omni_accum_chunks_total", "omni_accum_wire_bytes_total")
+        for role in ("send", "receive")
+        for key in ("g.x", "y", "__m")
+        for strategy in (("prealloc", "token_list") if name == "omni_accum_chunks_total" else (None,))
+    }
+
+    def got(name: str, role: str, key: str, strategy: str | None = None) -> float:
+        labels = {"strategy": strategy} if strategy else {}
+        return _sample(name, role=role, key=key, **labels) - before[(name, role, key, strategy)]
+
+    for p in payloads:
+        r.received(p, 1e-5, name_of, ("__m",))
+        table: dict = {}
+        assert r.sent(table, p, p, name_of, ("__m",)) == []  # nothing left off
+        assert table == {("g", "x"): 0, ("y", None): 1}
     r.flush()
-    assert _sample("omni_accum_chunks_total", role=role, key="g.x", strategy="prealloc") == 2
-    assert _sample("omni_accum_chunks_total", role=role, key="g.x", strategy="token_list") == 1
-    assert _sample("omni_accum_chunks_total", role=role, key="y", strategy="prealloc") == 2
-    assert _sample("omni_accum_chunks_total", role=role, key="y", strategy="token_list") == 1
-    assert _sample("omni_accum_wire_bytes_total", role=role, key="g.x") == 2 * 32  # lists count 0
-    assert _sample("omni_accum_wire_bytes_total", role=role, key="y") == 2 * 32
-    assert _sample("omni_accum_chunks_total", role=role, key="__m", strategy="prealloc") == 0
+    for role in ("send", "receive"):
+        assert got("omni_accum_chunks_total", role, "g.x", "prealloc") == 2
+        assert got("omni_accum_chunks_total", role, "g.x", "token_list") == 1
+        assert got("omni_accum_chunks_total", role, "y", "prealloc") == 2
+        assert got("omni_accum_chunks_total", role, "y", "token_list") == 1
+        assert got("omni_accum_wire_bytes_total", role, "g.x") == 2 * 32  # lists count 0
+        assert got("omni_accum_wire_bytes_total", role, "y") == 2 * 32
+        assert got("omni_accum_chunks_total", role, "__m", "prealloc") == 0
 
 
-def test_the_first_append_kind_key_names_the_merge():
-    r = _on()
-    kinds = {"a": "send_once", "b": "replace", "c": "prealloc"}
-    got = r.chunk_leaves("first-check", {"a": 1, "b": 2, "c": torch.zeros(1)}, lambda p, v: kinds[p])
-    assert got == "prealloc"
-    assert r.chunk_leaves("first-check", {"a": 1, "b": 2}, lambda p, v: kinds[p]) is None
-
-
-def test_bytes_kept_off_are_counted_per_key():
+def test_a_sent_chunk_numbers_its_keys_in_wire_order_and_counts_what_was_left_off():
     r = _on()
     v = torch.zeros(1, 1, 16, dtype=torch.float32)  # 64 bytes
-    chunk = {"embed": {"tts_bos": v, "tts_eos": v}, "spk": "Ethan"}
+    row = torch.zeros(1, 16, dtype=torch.bfloat16)  # 32 bytes
+    chunk = {"embed": {"decode": row, "tts_bos": v, "tts_eos": v}, "spk": "Ethan", "meta": {"finished": True}}
+    wire = {"embed": {"decode": row, "tts_eos": v}, "meta": {"finished": True}, "__m": 1}  # tts_bos, spk left off
+    table = {("embed", "tts_bos"): 0, ("spk", None): 1}  # numbered by an earlier chunk
+    before = {
+        k: _sample("omni_accum_wire_bytes_saved_total", key=k, strategy="kept-check") for k in ("embed.tts_bos", "spk")
+    }
+    wire_before = _sample("omni_accum_wire_bytes_total", role="send", key="embed.decode")
     for _ in range(3):
-        r.kept_off_leaves(chunk, [("embed", "tts_bos"), ("spk", None)], lambda p, val: "kept-check")
+        omitted = r.sent(table, chunk, wire, lambda p, val: "kept-check", ("__m",))
+        assert omitted == [("embed", "tts_bos"), ("spk", None)]
+    assert table == {
+        ("embed", "tts_bos"): 0,
+        ("spk", None): 1,
+        ("embed", "decode"): 2,
+        ("embed", "tts_eos"): 3,
+        ("meta", "finished"): 4,
+    }
     r.flush()
-    assert _sample("omni_accum_wire_bytes_saved_total", key="embed.tts_bos", strategy="kept-check") == 3 * 64
-    assert _sample("omni_accum_wire_bytes_saved_total", key="spk", strategy="kept-check") == 3 * 5  # a string's length
+    saved = {k: _sample("omni_accum_wire_bytes_saved_total", key=k, strategy="kept-check") - n for k, n in before.items()}
+    assert saved == {"embed.tts_bos": 3 * 64, "spk": 3 * 5}  # a string's length
     assert _sample("omni_accum_wire_bytes_saved_total", key="embed.tts_eos", strategy="kept-check") == 0
+    assert _sample("omni_accum_wire_bytes_total", role="send", key="embed.decode") - wire_before == 3 * 32
+
+
+def test_metrics_off_still_number_and_find_what_was_left_off():
+    r = metrics.Recorder()
+    r.on = False
+    table: dict = {}
+    chunk = {"a": {"x": 1, "y": 2}, "b": 3}
+    assert r.sent(table, chunk, {"a": {"y": 2}}, lambda p, v: "replace", ()) == [("a", "x"), ("b", None)]
+    assert table == {("a", "y"): 0}
+    assert not r._all and not r._saved_slots  # nothing counted

@@ -146,16 +146,18 @@ class Binding:
             return "none", "none"
         return str(ctx.context_len), str(ctx.concurrency)
 
-    def received(self, payload: Mapping[str, Any], seconds: float, new_request: bool, req_id: Any = None) -> None:
-        """Metrics of one received chunk: per key, and the hook's time under the strategy of its first
-        append-kind key (``replace`` when it has none)."""
+    def received(
+        self, payload: Mapping[str, Any], seconds: float, new_request: bool, req_id: Any = None, role: str = "receive"
+    ) -> None:
+        """Metrics of one received chunk (``accumulate``: one step of the full-payload accumulator): per
+        key, and the hook's time under the strategy of its first append-kind key (``replace`` when it has
+        none)."""
         rec = self.metrics
         if not rec.on:
             return
         if new_request:
-            rec.request("receive", *self.bucket_labels(self.req_ctx.get(req_id)))
-        label = rec.chunk_leaves("receive", payload, self.strategy_name, MARKERS)
-        rec.merge(label or "replace", seconds)
+            rec.request(role, *self.bucket_labels(self.req_ctx.get(req_id)))
+        rec.received(payload, seconds, self.strategy_name, MARKERS, role)
 
     def publish(self) -> None:
         """Publish this binding's metrics with the process's held-bytes and active-request gauges."""

@@ -14,6 +14,7 @@ entry stays upstream's until it is flushed. ``uninstall`` turns every pending en
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,11 +38,12 @@ class PolicyChunks:
     upstream drops the entry (flush, cleanup, abort).
     """
 
-    __slots__ = ("endpoint", "req_id", "accs", "rows", "trailing")
+    __slots__ = ("endpoint", "req_id", "accs", "rows", "trailing", "publish")
 
-    def __init__(self, endpoint: Receiver, req_id: str) -> None:
+    def __init__(self, endpoint: Receiver, req_id: str, publish: Callable[[], None] | None = None) -> None:
         self.endpoint = endpoint
         self.req_id = req_id
+        self.publish = publish  # publishes the binding's metrics once the request's payload is handed over
         self.accs: dict[str, Accumulator] = {}
         self.rows: dict[str, int] = {}
         self.trailing: dict[str, tuple[int, ...]] = {}
@@ -124,14 +126,16 @@ def wrap_accumulate_full(orig: Callable[..., Any]) -> Callable[..., Any]:
         if b is None or (existing is not None and not isinstance(existing[0], PolicyChunks)):
             return orig(self, req_id, pooler_output, request)
         b.stats["chunks_received"] += 1
+        t0 = time.perf_counter()
         if existing is None:
-            chunks, latest = PolicyChunks(b.full_payload_endpoint, req_id), {}
+            chunks, latest = PolicyChunks(b.full_payload_endpoint, req_id, b.publish), {}
             for k, v in pooler_output.items():
                 if _appendable(v):
                     chunks.start(k, v)
                 else:
                     latest[k] = v
             pending[req_id] = (chunks, latest, chunks.rows, request)
+            b.received(pooler_output, time.perf_counter() - t0, True, req_id, "accumulate")
             return None
         chunks, latest, _, _ = existing
         replace_keys = self._resolve_full_payload_replace_keys()
@@ -156,6 +160,7 @@ def wrap_accumulate_full(orig: Callable[..., Any]) -> Callable[..., Any]:
                 chunks.drop(k)
                 latest[k] = v
         pending[req_id] = (chunks, latest, chunks.rows, request)
+        b.received(pooler_output, time.perf_counter() - t0, False, req_id, "accumulate")
         return None
 
     return accumulate_full_payload_output
@@ -168,6 +173,8 @@ def wrap_materialize(orig: Callable[..., Any]) -> Callable[..., Any]:
             chunks, latest, _, request = entry
             output = dict(latest)
             output.update(chunks.materialize())
+            if chunks.publish is not None:
+                chunks.publish()
             return output, request
         return orig(entry)
 

@@ -15,7 +15,7 @@ bounded: key paths, strategy names, roles, buckets, reasons; never request ids.
 =============================================  =========  ============================================
 metric                                         type       labels
 =============================================  =========  ============================================
-``omni_accum_chunks_total``                    counter    ``role`` (send/receive), ``key``, ``strategy``
+``omni_accum_chunks_total``                    counter    ``role`` (send/receive/accumulate), ``key``, ``strategy``
 ``omni_accum_requests_total``                  counter    ``role``, ``context_bucket``, ``concurrency_bucket``
 ``omni_accum_wire_bytes_total``                counter    ``role``, ``key`` (payload bytes of the values)
 ``omni_accum_wire_bytes_saved_total``          counter    ``key``, ``strategy`` (bytes kept off the wire)
@@ -103,20 +103,20 @@ def _registry_metrics() -> dict[str, Any] | None:
 # (role, path, strategy) labels, (role, path) labels, the strategy when append-kind else None].
 _N, _B, _TYPE, _TENSOR, _CLABELS, _WLABELS, _APPEND = range(7)
 _SKIP: list[Any] = [0, 0, None, False, None, None, None]  # a marker key: not counted
+_EMPTY: dict[Any, Any] = {}
 
 
 class Recorder:
     """Per-binding event counts, published to Prometheus in batches (see the module docstring).
 
-    The hot path (:meth:`chunk_leaves`, :meth:`kept_off_leaves`, :meth:`merge`) touches no
-    ``prometheus_client`` object and builds no label: each key of a chunk finds its cached slot (one
-    dict lookup per key, nested as the payload is) and adds to two integers; a merge time goes into a
-    local histogram (one ``bisect``). :meth:`flush` publishes the differences.
+    The hot path (:meth:`sent`, :meth:`received`) touches no ``prometheus_client`` object and builds
+    no label: each key of a chunk finds its cached slot (one dict lookup per key, nested as the payload
+    is) and adds to two integers; a merge time goes into a local histogram (one ``bisect``). The send
+    side shares its walk with the key numbering the wire marker needs anyway. :meth:`flush` publishes
+    the differences.
     """
 
     __slots__ = (
-        "counts",
-        "nbytes",
         "saved",
         "fallbacks",
         "requests",
@@ -132,8 +132,6 @@ class Recorder:
 
     def __init__(self) -> None:
         self.on = enabled()
-        self.counts: defaultdict[tuple[str, str, str], int] = defaultdict(int)
-        self.nbytes: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.saved: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.fallbacks: defaultdict[str, int] = defaultdict(int)
         self.requests: defaultdict[tuple[str, str, str], int] = defaultdict(int)
@@ -159,15 +157,10 @@ class Recorder:
         holder[top if qual is None else qual] = slot
         return slot
 
-    def chunk(self, role: str, key: str, strategy: str, nbytes: int) -> None:
-        """Count one key of one chunk under explicit labels (the slow spelling of :meth:`chunk_leaves`)."""
-        self.counts[(role, key, strategy)] += 1
-        self.nbytes[(role, key)] += nbytes
-
-    def chunk_leaves(self, role: str, payload: Any, name_of: Any, skip: Any = ()) -> str | None:
-        """Count every key of one chunk (tensor bytes as wire bytes); returns the strategy of its first
-        append-kind key (or None). ``name_of(path, value)`` names a key's strategy (called once per key
-        and value type); top-level keys in ``skip`` are not counted."""
+    def received(self, payload: Any, seconds: float, name_of: Any, skip: Any, role: str = "receive") -> None:
+        """One received chunk: every key (tensor bytes as wire bytes; top-level keys in ``skip`` are not
+        counted) and its merge time, under the strategy of its first append-kind key (``replace`` when it
+        has none). ``name_of(path, value)`` names a key's strategy (called once per key and value type)."""
         slots = self._slots.get(role)
         if slots is None:
             slots = self._slots[role] = {}
@@ -176,11 +169,11 @@ class Recorder:
             s = slots.get(top)
             if s is _SKIP:
                 continue
-            if s is None and top in skip:
-                slots[top] = _SKIP
-                continue
             if type(value) is dict:
                 if type(s) is not dict:
+                    if s is None and top in skip:
+                        slots[top] = _SKIP
+                        continue
                     s = slots[top] = {}
                 for qual, qv in value.items():
                     x = s.get(qual)
@@ -193,49 +186,111 @@ class Recorder:
                         first = x[6]
             else:
                 if s is None or type(s) is dict or s[2] is not type(value):
+                    if s is None and top in skip:
+                        slots[top] = _SKIP
+                        continue
                     s = self._slot(slots, role, top, None, value, name_of)
                 s[0] += 1
                 if s[3]:
                     s[1] += value.nbytes
                 if first is None:
                     first = s[6]
+        h = self._hist.get(first or "replace")
+        if h is None:
+            h = self._hist[first or "replace"] = [[0] * (len(MERGE_BUCKETS) + 1), [0.0] * (len(MERGE_BUCKETS) + 1)]
+        i = bisect_left(MERGE_BUCKETS, seconds)  # Prometheus buckets are "less or equal"
+        h[0][i] += 1
+        h[1][i] += seconds
         self.chunks_seen += 1
         if self.chunks_seen >= FLUSH_EVERY:
             self.flush()
-        return first
 
-    def kept_off(self, key: str, strategy: str, nbytes: int) -> None:
-        self.saved[(key, strategy)] += nbytes
-
-    def kept_off_leaves(self, chunk: Any, omitted: Any, name_of: Any) -> None:
-        """Count the bytes of the keys ``omitted`` (``(top, qual)`` pairs, qual None for a top-level
-        key) that a strategy kept off the wire of ``chunk``."""
+    def sent(
+        self, table: dict[tuple[Any, Any], int], chunk: Any, wire: Any, name_of: Any, skip: Any
+    ) -> list[tuple[Any, Any]]:
+        """One sent chunk, in one walk over ``chunk``: number each key of ``wire`` new to the request in
+        ``table`` (as :func:`.marker.number_once` does, wire order), count the keys on the wire and,
+        when metrics are on, the bytes of those the strategy left off; returns the keys left off, as
+        ``(top, qual)`` pairs (qual None for a top-level key). ``wire`` is ``chunk`` or its encoded form
+        (same key order, values possibly encoded, some keys left off)."""
+        on = self.on
         saved = self._saved_slots
-        for tq in omitted:
-            top, qual = tq
-            value = chunk[top] if qual is None else chunk[top][qual]
-            x = saved.get(tq)
-            if x is None or x[1] is not type(value):
-                if x is not None and x[0]:  # the key's value changed type: keep what the old slot counted
-                    self.saved[x[2]] += x[0]
-                path = str(top) if qual is None else f"{top}.{qual}"
-                x = saved[tq] = [0, type(value), (path, name_of(path, value)), isinstance(value, torch.Tensor)]
-            x[0] += value.nbytes if x[3] else value_nbytes(value)
+        omitted: list[tuple[Any, Any]] = []
+        slots = self._slots.get("send") if on else None
+        if on and slots is None:
+            slots = self._slots["send"] = {}
+        for top, value in chunk.items():
+            if top in skip:
+                continue
+            if isinstance(value, dict):
+                sub = value if wire is chunk else wire.get(top)
+                if not isinstance(sub, dict):
+                    sub = _EMPTY
+                if on:
+                    s = slots.get(top)
+                    if type(s) is not dict:
+                        s = slots[top] = {}
+                for qual, qv in value.items():
+                    tq = (top, qual)
+                    if qual in sub:
+                        if tq not in table:
+                            table[tq] = len(table)
+                        if on:
+                            w = sub[qual]
+                            x = s.get(qual)
+                            if x is None or x[2] is not type(w):
+                                x = self._slot(s, "send", top, qual, w, name_of)
+                            x[0] += 1
+                            if x[3]:
+                                x[1] += w.nbytes
+                    else:
+                        omitted.append(tq)
+                        if on:
+                            k = saved.get(tq)
+                            if k is None or k[1] is not type(qv):
+                                k = self._kept_slot(tq, qv, name_of)
+                            k[0] += qv.nbytes if k[3] else value_nbytes(qv)
+            else:
+                tq = (top, None)
+                if wire is chunk or top in wire:
+                    if tq not in table:
+                        table[tq] = len(table)
+                    if on:
+                        w = wire[top]
+                        s = slots.get(top)
+                        if s is None or type(s) is dict or s[2] is not type(w):
+                            s = self._slot(slots, "send", top, None, w, name_of)
+                        s[0] += 1
+                        if s[3]:
+                            s[1] += w.nbytes
+                else:
+                    omitted.append(tq)
+                    if on:
+                        k = saved.get(tq)
+                        if k is None or k[1] is not type(value):
+                            k = self._kept_slot(tq, value, name_of)
+                        k[0] += value.nbytes if k[3] else value_nbytes(value)
+        if on:
+            self.chunks_seen += 1
+            if self.chunks_seen >= FLUSH_EVERY:
+                self.flush()
+        return omitted
+
+    def _kept_slot(self, tq: tuple[Any, Any], value: Any, name_of: Any) -> list[Any]:
+        """The kept-off slot of key ``tq`` for values of this type: [bytes, type, labels, is tensor]."""
+        x = self._saved_slots.get(tq)
+        if x is not None and x[0]:  # the key's value changed type: keep what the old slot counted
+            self.saved[x[2]] += x[0]
+        top, qual = tq
+        path = str(top) if qual is None else f"{top}.{qual}"
+        x = self._saved_slots[tq] = [0, type(value), (path, name_of(path, value)), isinstance(value, torch.Tensor)]
+        return x
 
     def fallback(self, reason: str) -> None:
         self.fallbacks[reason] += 1
 
     def request(self, role: str, context_bucket: str = "none", concurrency_bucket: str = "none") -> None:
         self.requests[(role, context_bucket, concurrency_bucket)] += 1
-
-    def merge(self, strategy: str, seconds: float) -> None:
-        """One merge time under ``strategy``, into the local histogram (published by :meth:`flush`)."""
-        h = self._hist.get(strategy)
-        if h is None:
-            h = self._hist[strategy] = [[0] * (len(MERGE_BUCKETS) + 1), [0.0] * (len(MERGE_BUCKETS) + 1)]
-        i = bisect_left(MERGE_BUCKETS, seconds)  # Prometheus buckets are "less or equal"
-        h[0][i] += 1
-        h[1][i] += seconds
 
     def _child(self, m: dict[str, Any], name: str, labels: tuple[str, ...]) -> Any:
         k = (name, labels)
@@ -260,12 +315,6 @@ class Recorder:
                 child(m, "chunks", slot[_CLABELS]).inc(slot[_N])
             if slot[_B]:
                 child(m, "wire", slot[_WLABELS]).inc(slot[_B])
-        for labels, n in self.counts.items():
-            if n:
-                child(m, "chunks", labels).inc(n)
-        for labels, n in self.nbytes.items():
-            if n:
-                child(m, "wire", labels).inc(n)
         for labels, n in self.saved.items():
             if n:
                 child(m, "saved", labels).inc(n)
@@ -288,9 +337,8 @@ class Recorder:
             slot[_N] = slot[_B] = 0
         for x in self._saved_slots.values():
             x[0] = 0
-        for d in (self.counts, self.nbytes, self.saved):
-            for k in d:
-                d[k] = 0
+        for k in self.saved:
+            self.saved[k] = 0
         self.fallbacks.clear()
         self.requests.clear()
         for counts, sums in self._hist.values():

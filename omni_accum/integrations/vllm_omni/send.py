@@ -19,7 +19,7 @@ from typing import Any
 
 from omni_accum.engine import WIRE_MARKER
 from omni_accum.integrations.vllm_omni.binding import Binding, _changed, binding_for
-from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, number_once, omitted_mask, with_hello
+from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, omitted_mask, with_hello
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -57,18 +57,15 @@ def encode_payload(b: Binding, req_id: str, data: Any) -> Any:
     wire = b.sender.encode(req_id, chunk, context=b.send_ctx.get(req_id))
     b.stats["chunks_sent"] += 1
     table = b.sent_once.setdefault(req_id, {})
+    # One walk numbers the keys new on the wire, finds those left off and counts the metrics.
+    omitted = b.metrics.sent(table, chunk, wire, b.strategy_name, MARKERS)
     if wire is chunk and hello is None:
-        number_once(table, chunk)
-        _record(b, chunk, chunk, ())
         return data
     if wire is chunk:
         wire = dict(chunk)
-    number_once(table, wire)
-    omitted: list[tuple[Any, Any]] = []
     mask = 0
     marked = WIRE_MARKER in wire
     if marked:
-        omitted = _omitted_paths(chunk, wire)
         override = wire.pop(WIRE_MARKER) < 0  # the engine's negative count: an override list left off
         mask = omitted_mask(table, omitted, override)
         b.stats["omitted"] += len(omitted)
@@ -76,18 +73,7 @@ def encode_payload(b: Binding, req_id: str, data: Any) -> Any:
         wire[OMITTED_KEY] = with_hello(mask, *hello)
     elif marked:
         wire[OMITTED_KEY] = mask
-    _record(b, chunk, wire, omitted)
     return wire
-
-
-def _record(b: Binding, chunk: Mapping[str, Any], wire: Mapping[str, Any], omitted: Any) -> None:
-    """Metrics of one sent chunk: per key on the wire, and the bytes send_once kept off it."""
-    rec = b.metrics
-    if not rec.on:
-        return
-    rec.chunk_leaves("send", wire, b.strategy_name, MARKERS)
-    if omitted:
-        rec.kept_off_leaves(chunk, omitted, b.strategy_name)
 
 
 def _encoding_put(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -163,17 +149,6 @@ def restore_connector_classes() -> None:
             else:
                 setattr(cls, "put", raw)
         _wrapped.clear()
-
-
-def _omitted_paths(chunk: Mapping[str, Any], wire: Mapping[str, Any]) -> list[tuple[Any, Any]]:
-    out: list[tuple[Any, Any]] = []
-    for top, value in chunk.items():
-        if isinstance(value, dict):
-            sub = wire.get(top)
-            out += [(top, q) for q in value if not isinstance(sub, dict) or q not in sub]
-        elif top not in wire:
-            out.append((top, None))
-    return out
 
 
 def wrap_send(orig: Callable[..., Any]) -> Callable[..., Any]:
