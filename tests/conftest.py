@@ -130,14 +130,21 @@ def adapters(vllm_omni):
 
     made: list[Any] = []
 
-    def make(stage_id: int, *, worker_type: str = "ar", next_func: str | None = None, extra: dict | None = None):
+    def make(
+        stage_id: int,
+        *,
+        worker_type: str = "ar",
+        next_func: str | None = None,
+        extra: dict | None = None,
+        connector: str = "SharedMemoryConnector",
+    ):
         mc = SimpleNamespace(
             worker_type=worker_type,
             max_num_seqs=8,
             stage_id=stage_id,
             async_chunk=True,
             # the stage id in the connector extra, as vllm-omni's own config puts it (0.28's connector reads it there)
-            stage_connector_config={"name": "SharedMemoryConnector", "extra": {"stage_id": stage_id, **(extra or {})}},
+            stage_connector_config={"name": connector, "extra": {"stage_id": stage_id, **(extra or {})}},
             custom_process_next_stage_input_func=next_func,
             hf_config=SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=24)),
         )

@@ -10,8 +10,9 @@ import torch
 
 from omni_accum.bench.wires import iter_leaves as leaves  # noqa: F401 - one leaf walk for bench and arena
 
-#: forward (sender -> receiver) and backward (receiver -> sender) message tags
-CHUNK, DONE, FREE = "c", "d", "f"
+#: forward (sender -> receiver) and backward (receiver -> sender) message tags; MSG: one keyed message
+#: (the connector's put), its tensors in arena pages the receiver frees once it has copied them out
+CHUNK, DONE, FREE, MSG = "c", "d", "f", "m"
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d

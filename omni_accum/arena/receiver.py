@@ -7,6 +7,10 @@ slab of its latest value, and the non-tensor values as sent. A view is borrowed:
 until the request's next chunk is polled (a move or a new replace value lets the sender reuse the
 old slab after that) or the request is released. ``release`` hands the request's pages back to the
 sender through ring B.
+
+Keyed messages (:meth:`ArenaSender.publish`, the connector's put) wait in a mailbox until their key
+is asked for (:meth:`take`); the taker copies their tensors out (:meth:`read_tensor`) and gives their
+pages back to the sender (:meth:`free`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 import torch
 
-from omni_accum.arena._common import CHUNK, DONE, DTYPES, FREE, LIVENESS_EVERY_S, place, wait_until
+from omni_accum.arena._common import CHUNK, DONE, DTYPES, FREE, LIVENESS_EVERY_S, MSG, place, wait_until
 from omni_accum.arena.region import W_SENDER_CLOSED, W_SENDER_PID, ArenaError, PeerDied, Region
 from omni_accum.errors import UnknownRequestError
 
@@ -60,6 +64,7 @@ class ArenaReceiver:
         self._page = page
         self._data_off = self.region.data_off
         self._reqs: dict[str, _Req] = {}
+        self._mailbox: dict[str, tuple[bytes, list[tuple[int, int]]]] = {}  # keyed messages not taken yet
         self._last_check = time.monotonic()
 
     # ------------------------------------------------------------------ receiving
@@ -86,7 +91,56 @@ class ArenaReceiver:
             if ev is not None:
                 return ev
 
+    # ------------------------------------------------------------------ keyed messages (the connector)
+    def take(self, key: str) -> tuple[bytes, list[tuple[int, int]]] | None:
+        """``(body, pages)`` of the keyed message ``key`` (taking every message published so far off the
+        ring first), or None when it has not arrived. Read its tensors with :meth:`read_tensor`, then
+        give its pages back with :meth:`free`. Raises PeerDied once when the sender is found dead (the
+        messages it published before are kept)."""
+        got = self._mailbox.pop(key, None)
+        if got is not None:
+            return got
+        self._pump()
+        now = time.monotonic()
+        if now - self._last_check >= LIVENESS_EVERY_S:
+            self._last_check = now
+            self.check_sender()
+        return self._mailbox.pop(key, None)
+
+    def read_tensor(self, page: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
+        """A copy of the tensor a keyed message holds at ``page``."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        nb = numel * torch.empty((), dtype=dtype).element_size()
+        off = self._data_off + page * self._page
+        return self._u8[off : off + nb].view(dtype).view(tuple(shape)).clone()
+
+    def free(self, spans: list[tuple[int, int]]) -> None:
+        """Give a taken message's pages back to the sender."""
+        if spans:
+            self._post_free(None, spans)
+
+    def discard(self, key: str) -> bool:
+        """Drop the message ``key`` if it was published, giving its pages back (True when it was)."""
+        self._pump()
+        got = self._mailbox.pop(key, None)
+        if got is not None:
+            self.free(got[1])
+        return got is not None
+
+    def pending_keys(self) -> list[str]:
+        return sorted(self._mailbox)
+
+    def _pump(self) -> None:
+        ring = self.region.ring_f
+        while (msg := ring.pop()) is not None:
+            self._apply(pickle.loads(msg))
+
     def _apply(self, m: tuple) -> Event | None:
+        if m[0] == MSG:
+            self._mailbox[m[1]] = (m[2], m[3])
+            return None
         if m[0] == DONE:
             req = self._reqs.get(m[1])
             if req is not None:
@@ -194,6 +248,9 @@ class ArenaReceiver:
         for req in self._reqs.values():
             for p, n, _ in req.slabs.values():
                 pages[p : p + n] = bytes([_HELD]) * n  # ... except those of done requests
+        for _, spans in self._mailbox.values():
+            for p, n in spans:
+                pages[p : p + n] = bytes([_HELD]) * n  # ... and those of keyed messages not taken yet
         ring.reset()
         self.region.ring_b.reset()
         q = self.region.q

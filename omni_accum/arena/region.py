@@ -136,7 +136,7 @@ class Region:
         npages = max(1, _round(data_bytes, page) // page)
         layout = Layout(page, npages, _round(ring_bytes, page), _round(back_bytes, page))
         if path.exists():
-            owner = _owner_of(path)
+            owner = owner_of(path)
             if owner is not None and owner != os.getpid() and pid_alive(owner):
                 raise ArenaError(f"arena {path} is in use by pid {owner} (close it there first)")
             path.unlink(missing_ok=True)  # stale: its owner is dead
@@ -202,7 +202,7 @@ class Region:
         if not self._unlinked:
             self._unlinked = True
             try:
-                if _owner_of(self.path) in (self.q[W_OWNER_PID], None):
+                if owner_of(self.path) in (self.q[W_OWNER_PID], None):
                     self.path.unlink(missing_ok=True)
             except OSError:
                 pass
@@ -230,7 +230,7 @@ class Region:
             pass  # tensors over the mapping are still alive: it is unmapped when they are freed
 
 
-def _owner_of(path: Path) -> int | None:
+def owner_of(path: Path) -> int | None:
     try:
         with open(path, "rb") as f:
             head = f.read(8 * (W_OWNER_PID + 1))
@@ -245,7 +245,7 @@ def sweep_stale(directory: Path | None = None) -> list[Path]:
     """Remove every arena file of ``directory`` (default /dev/shm) whose owner is dead; the removed paths."""
     removed = []
     for p in sorted((directory or SHM_DIR).glob(PREFIX + "*")):
-        owner = _owner_of(p)
+        owner = owner_of(p)
         if owner is None or not pid_alive(owner):
             p.unlink(missing_ok=True)
             removed.append(p)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from omni_accum.arena._common import CHUNK, DONE, FREE, LIVENESS_EVERY_S, dtype_name, leaves, wait_until
+from omni_accum.arena._common import CHUNK, DONE, FREE, LIVENESS_EVERY_S, MSG, dtype_name, leaves, wait_until
 from omni_accum.arena.region import (
     W_OWNER_CLOSED,
     W_SENDER_GEN,
@@ -214,6 +214,43 @@ class ArenaSender:
             slabs[path].rows = n
         if fresh:
             self._reqs[req_id] = slabs
+
+    # ------------------------------------------------------------------ keyed messages (the connector)
+    def write_tensor(self, t: torch.Tensor) -> tuple[int, int]:
+        """Copy a contiguous CPU tensor into fresh pages; ``(page, npages)``. Raises ArenaFull (nothing
+        written). The pages belong to the message :meth:`publish` sends (or go back with :meth:`free`)."""
+        nb = t.numel() * t.element_size()
+        page, n = self._alloc(nb)
+        _memmove(self._base + page * self._page, t.data_ptr(), nb)
+        return page, n
+
+    def free(self, spans: list[tuple[int, int]]) -> None:
+        """Give back pages :meth:`write_tensor` took for a message that is not published."""
+        for page, n in spans:
+            self._free(page, n)
+
+    def publish(self, key: str, body: bytes, spans: list[tuple[int, int]]) -> None:
+        """Push the keyed message ``key`` (``body``, and the pages its tensors are in) after the tensors
+        were written. Raises PeerDied, ArenaError (over the ring's limit, or no ring space within
+        ``timeout_s``); the caller then frees ``spans``."""
+        if self._dead:
+            self._fail()
+        now = time.monotonic()
+        if now - self._last_check >= LIVENESS_EVERY_S:
+            self._last_check = now
+            self._check_owner()
+            self.region.beat()
+        if not self.region.ring_b.empty():
+            self._drain()
+        msg = pickle.dumps((MSG, key, body, spans), protocol=5)
+        ring = self.region.ring_f
+        if len(msg) > ring.max_message():
+            raise ArenaError(
+                f"arena {self.region.path.name}: the message {key!r} is {len(msg)} bytes, over the ring's limit "
+                f"of {ring.max_message()} (raise ring_bytes)"
+            )
+        if not ring.push(msg) and not wait_until(lambda: ring.push(msg), self.timeout_s, self._check_owner):
+            raise ArenaError(f"arena {self.region.path.name}: the receiver took nothing for {self.timeout_s}s")
 
     def done(self, req_id: str) -> None:
         """The last chunk of ``req_id`` was sent: the receiver keeps it readable even if this process dies."""

@@ -1,0 +1,361 @@
+"""``OmniAccumArenaConnector``: a vllm-omni connector for stages on one host, over omni-accum's arena.
+
+Select it in a deploy YAML like any connector::
+
+    connectors:
+      arena:
+        name: OmniAccumArenaConnector
+        extra:
+          arena_name: my-server        # default: $OMNI_ACCUM_ARENA_NAME, else "omni"
+          arena_bytes: 2GiB            # per stage pair (default 1GiB); tmpfs pages are touched as used
+          ring_bytes: 4MiB             # descriptor ring per stage pair (default 4MiB)
+
+One shared-memory region per stage pair (``/dev/shm/omni_accum_arena_<arena_name>_<from>_<to>.<pid>``),
+created once by the receiving process (pid) on its first ``get`` and attached once by the sending process:
+no segment is created per message and no tensor byte is pickled. A ``put`` writes each tensor of the
+payload into arena pages with one copy and pushes a small message (the rest of the payload, in
+vllm-omni's own msgpack encoding, which ``SharedMemoryConnector`` uses for all of it) through the
+region's ring; the receiver's ``get`` copies the tensors out (the pages go back to the sender at
+once) and decodes the payload as ``SharedMemoryConnector`` would: the same objects come out.
+
+Everything the arena cannot take goes through an inner ``SharedMemoryConnector`` built from the same
+config, so nothing is lost: a put before the receiver has created the region, an arena that is full,
+a message larger than the ring, a payload that does not encode, a peer that died. ``get`` looks
+in the arena first, then in the inner connector. ``health()`` counts both paths.
+
+One receiving process per stage pair: a second process that asks for the same pair finds the region
+in use (logged as an error) and receives through the inner connector only. The region is removed when
+the connector closes, and otherwise by multiprocessing's resource tracker once the server's processes
+have ended (vllm-omni's stage processes end on SIGTERM without closing their connectors); a region
+whose owner died is removed by the next process that looks for the pair.
+
+Registered with ``OmniConnectorFactory`` by :mod:`.arena_plugin` (entry point ``omni_accum_arena``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from multiprocessing import resource_tracker
+from typing import Any
+
+import torch
+from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorBase
+from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
+from vllm_omni.distributed.omni_connectors.utils import serialization as _ser
+
+from omni_accum.arena._common import DTYPES
+from omni_accum.arena.region import PREFIX, SHM_DIR, ArenaError, ArenaFull, PeerDied, owner_of, pid_alive
+
+logger = logging.getLogger("omni_accum.vllm_omni")
+
+#: The name :mod:`.arena_plugin` registers the connector under (``name:`` of a deploy YAML's connector).
+NAME = "OmniAccumArenaConnector"
+ENV_NAME = "OMNI_ACCUM_ARENA_NAME"
+DEFAULT_ARENA_BYTES = 1 << 30
+DEFAULT_RING_BYTES = 4 << 20
+#: A sender that found no region tries again after this long (puts meanwhile use the inner connector).
+ATTACH_RETRY_S = 0.05
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20}
+_UNITS.update({"g": 1 << 30, "gb": 10**9, "gib": 1 << 30})
+
+
+def parse_size(value: Any, what: str) -> int:
+    """Bytes of ``value`` (an int, or a string like ``512MiB``, ``2GiB``, ``1GB``)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if m is None or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(
+            f"{NAME}: extra.{what} = {value!r} is not a size; use bytes or a number with B, KiB, MiB, GiB, KB, MB, GB"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+#: Key of a tensor's wire dict (vllm-omni's own tensor encoding) that says where its bytes are in the arena.
+_IN_ARENA = "__omni_accum_arena__"
+_TENSOR_MARKER = getattr(_ser, "_TENSOR_MARKER", "__tensor__")
+_DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
+
+
+class _Encoder(_ser.OmniMsgpackEncoder):
+    """vllm-omni's own payload encoding (what ``SharedMemoryConnector`` puts), except that each tensor's
+    bytes go into arena pages instead of the message."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tx: Any = None
+        self.spans: list[tuple[int, int]] = []
+        self.tensor_bytes = 0
+
+    def _encode_tensor(self, tensor: torch.Tensor) -> dict[str, Any]:
+        t = tensor.detach()
+        if t.dtype not in _DTYPE_NAMES or t.is_sparse or not t.numel():
+            return super()._encode_tensor(tensor)
+        if not t.is_cpu:
+            t = t.cpu()
+        t = t.contiguous()
+        page, n = self.tx.write_tensor(t)
+        self.spans.append((page, n))
+        self.tensor_bytes += t.numel() * t.element_size()
+        return {
+            _TENSOR_MARKER: True,
+            "dtype": _DTYPE_NAMES[t.dtype],
+            "shape": list(tensor.shape),
+            "data": b"",
+            _IN_ARENA: page,
+        }
+
+
+class _Decoder(_ser.OmniMsgpackDecoder):
+    """vllm-omni's own payload decoding; tensors in the arena are copied out of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rx: Any = None
+
+    def _decode_tensor(self, obj: dict[str, Any]) -> torch.Tensor:
+        page = obj.get(_IN_ARENA)
+        if page is None:
+            return super()._decode_tensor(obj)
+        return self.rx.read_tensor(page, DTYPES[obj["dtype"]], obj["shape"])
+
+
+def _live_region(base: str) -> str:
+    """The arena name of the live region of stage pair ``base`` (``<base>.<owner pid>``); files whose owner
+    died are removed on the way. Raises ArenaError when there is none."""
+    found = []
+    for p in SHM_DIR.glob(f"{PREFIX}{base}.*"):
+        owner = owner_of(p)
+        if owner is not None and pid_alive(owner):
+            found.append((p.stat().st_mtime, p.name[len(PREFIX) :]))
+        elif owner is not None:
+            p.unlink(missing_ok=True)  # its owner died without closing it
+    if not found:
+        raise ArenaError(f"no live arena {PREFIX}{base}.<pid> yet: the receiving stage creates it on its first get")
+    return max(found)[1]
+
+
+def _track(path: Any) -> None:
+    """Have multiprocessing's resource tracker remove the region if this process ends without closing it
+    (vllm-omni's stage processes end on SIGTERM without closing their connectors)."""
+    try:
+        resource_tracker.register("/" + path.name, "shared_memory")
+    except Exception as e:  # noqa: BLE001 - no tracker here: the next owner or sweep_stale() removes it
+        logger.debug("omni-accum arena %s: no resource tracker (%s)", path.name, e)
+
+
+def _untrack(path: Any) -> None:
+    try:
+        resource_tracker.unregister("/" + path.name, "shared_memory")
+    except Exception:  # noqa: BLE001, S110
+        pass
+
+
+class ArenaConnector(OmniConnectorBase):
+    """See the module docstring. ``config`` is the connector's ``extra`` (vllm-omni adds ``stage_id``)."""
+
+    def __init__(self, config: dict[str, Any] | None) -> None:
+        self.config = dict(config or {})
+        self.stage_id = self.config.get("stage_id", -1)
+        name = str(self.config.get("arena_name") or os.environ.get(ENV_NAME) or "omni")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,120}", name):
+            raise ValueError(f"{NAME}: extra.arena_name = {name!r}: use letters, digits, '_', '.', '-'")
+        self.arena_name = name
+        self.arena_bytes = parse_size(self.config.get("arena_bytes", DEFAULT_ARENA_BYTES), "arena_bytes")
+        self.ring_bytes = parse_size(self.config.get("ring_bytes", DEFAULT_RING_BYTES), "ring_bytes")
+        self.inner = SharedMemoryConnector(self.config)
+        self._lock = threading.Lock()
+        self._tx: dict[tuple[str, str], Any] = {}  # pair -> ArenaSender
+        self._tx_retry: dict[tuple[str, str], float] = {}  # pair -> monotonic time of the next attach
+        self._rx: dict[tuple[str, str], Any] = {}  # pair -> ArenaReceiver, or None: inner connector only
+        self._warned: set[str] = set()
+        self._closed = False
+        self._encoder = _Encoder()
+        self._decoder = _Decoder()
+        self.counts = {"arena_puts": 0, "inner_puts": 0, "arena_gets": 0, "inner_gets": 0, "arena_bytes": 0}
+        self.fallbacks: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ the regions of the pairs
+    def region_name(self, from_stage: str, to_stage: str) -> str:
+        return f"{self.arena_name}_{from_stage}_{to_stage}"
+
+    def _warn(self, key: str, level: int, msg: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.log(level, msg, *args)
+
+    def _sender(self, pair: tuple[str, str]) -> Any:
+        tx = self._tx.get(pair)
+        if tx is not None or time.monotonic() < self._tx_retry.get(pair, 0.0):
+            return tx
+        from omni_accum.arena.sender import ArenaSender  # noqa: PLC0415 - torch-heavy, first put only
+
+        try:
+            tx = ArenaSender(_live_region(self.region_name(*pair)), attach_timeout_s=0.0, timeout_s=30.0)
+        except ArenaError as e:
+            self._tx_retry[pair] = time.monotonic() + ATTACH_RETRY_S
+            self._warn(f"attach-{pair}", logging.INFO, "omni-accum arena %s: %s; sending through %s meanwhile",
+                       self.region_name(*pair), e, type(self.inner).__name__)
+            return None
+        self._tx[pair] = tx
+        logger.info("omni-accum arena %s: attached as sender (pid=%d)", self.region_name(*pair), os.getpid())
+        return tx
+
+    def _receiver(self, pair: tuple[str, str]) -> Any:
+        if pair in self._rx:
+            return self._rx[pair]
+        from omni_accum.arena.receiver import ArenaReceiver  # noqa: PLC0415
+
+        base = self.region_name(*pair)
+        try:
+            live = _live_region(base)
+        except ArenaError:
+            live = None
+        try:
+            if live is not None:
+                raise ArenaError(f"arena {live} is in use by a live receiver")
+            rx = ArenaReceiver(f"{base}.{os.getpid()}", self.arena_bytes, ring_bytes=self.ring_bytes)
+            _track(rx.region.path)
+        except (ArenaError, OSError) as e:
+            logger.error(
+                "omni-accum arena %s: %s; this process receives through %s only (one receiving process per "
+                "stage pair)", self.region_name(*pair), e, type(self.inner).__name__)
+            rx = None
+        else:
+            logger.info("omni-accum arena %s: created (%d data bytes, pid=%d)", rx.region.path.name,
+                        self.arena_bytes, os.getpid())
+        self._rx[pair] = rx
+        return rx
+
+    def _fell_back(self, reason: str, pair: tuple[str, str], e: BaseException) -> None:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        self._warn(f"{reason}-{pair}", logging.WARNING, "omni-accum arena %s: %s (%s); that put goes through %s",
+                   self.region_name(*pair), reason, e, type(self.inner).__name__)
+
+    # ------------------------------------------------------------------ the connector interface
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
+        pair = (str(from_stage), str(to_stage))
+        with self._lock:
+            tx = None if self._closed else self._sender(pair)
+            if tx is not None:
+                try:
+                    n = self._put(tx, put_key, data)
+                except ArenaFull as e:
+                    self._fell_back("arena_full", pair, e)
+                except PeerDied as e:
+                    self._fell_back("receiver_died", pair, e)
+                    self._drop_sender(pair)
+                except ArenaError as e:
+                    self._fell_back("arena_error", pair, e)
+                except Exception as e:  # noqa: BLE001 - a payload that does not encode: the ordinary path (which says why)
+                    self._fell_back("encode_error", pair, e)
+                else:
+                    if not self.counts["arena_puts"]:
+                        logger.info("omni-accum arena %s: first put through the arena (%d bytes)", tx.region.path.name, n)
+                    self.counts["arena_puts"] += 1
+                    self.counts["arena_bytes"] += n
+                    return True, n, {"arena": self.region_name(*pair), "size": n}
+        result = self.inner.put(from_stage, to_stage, put_key, data)
+        if result[0]:
+            self.counts["inner_puts"] += 1
+        return result
+
+    def get(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
+    ) -> tuple[Any, int] | None:
+        pair = (str(from_stage), str(to_stage))
+        with self._lock:
+            rx = None if self._closed else self._receiver(pair)
+            if rx is not None:
+                try:
+                    msg = rx.take(get_key)
+                except PeerDied as e:
+                    logger.warning("omni-accum arena %s: %s", self.region_name(*pair), e)
+                    msg = rx.take(get_key)  # what it published before it died is kept
+                if msg is not None:
+                    body, spans = msg
+                    self._decoder.rx = rx
+                    try:
+                        obj = self._decoder.decode(body)
+                    finally:
+                        rx.free(spans)  # the tensors are copied out: the sender may reuse the pages
+                    self.counts["arena_gets"] += 1
+                    return obj, len(body) + sum(n for _, n in spans) * rx.region.layout.page
+        got = self.inner.get(from_stage, to_stage, get_key, metadata)
+        if got is not None:
+            self.counts["inner_gets"] += 1
+        return got
+
+    def _put(self, tx: Any, key: str, data: Any) -> int:
+        """Encode ``data`` as vllm-omni does, its tensors into the arena, and publish it; the bytes moved."""
+        enc = self._encoder
+        enc.tx, enc.spans, enc.tensor_bytes = tx, [], 0
+        try:
+            body = enc.encode(data)
+            tx.publish(key, body, enc.spans)
+        except BaseException:
+            tx.free(enc.spans)
+            raise
+        finally:
+            enc.tx = None
+        return enc.tensor_bytes + len(body)
+
+    def get_with_deadline(self, from_stage, to_stage, get_key, metadata=None, *, deadline):  # noqa: ANN001
+        if time.monotonic() >= deadline:
+            return None
+        return self.get(from_stage, to_stage, get_key, metadata)
+
+    def cleanup(self, request_id: str) -> None:
+        """Drop the unconsumed message ``request_id`` (the exact key of a put), in the arena and the inner connector."""
+        with self._lock:
+            for rx in self._rx.values():
+                if rx is not None:
+                    rx.discard(request_id)
+        self.inner.cleanup(request_id)
+
+    def reap_consumed(self) -> None:
+        self.inner.reap_consumed()
+
+    def health(self) -> dict[str, Any]:
+        inner = self.inner.health()
+        return {
+            "status": "healthy" if not self._closed else "closed",
+            **self.counts,
+            "fallbacks": dict(self.fallbacks),
+            "regions": sorted(
+                [self.region_name(*p) + " (send)" for p in self._tx]
+                + [self.region_name(*p) + " (receive)" for p, rx in self._rx.items() if rx is not None]
+            ),
+            "inner": inner,
+        }
+
+    def _drop_sender(self, pair: tuple[str, str]) -> None:
+        tx = self._tx.pop(pair, None)
+        if tx is not None:
+            try:
+                tx.close()
+            except Exception:  # noqa: BLE001, S110 - already dead
+                pass
+
+    def close(self) -> None:
+        """Detach as sender, unlink the regions this process created, close the inner connector (idempotent)."""
+        if getattr(self, "_closed", True):
+            return
+        with self._lock:
+            self._closed = True
+            for pair in list(self._tx):
+                self._drop_sender(pair)
+            for rx in self._rx.values():
+                if rx is not None:
+                    try:
+                        rx.close()
+                    except Exception:  # noqa: BLE001, S110
+                        pass
+                    _untrack(rx.region.path)
+            self._rx.clear()
+        self.inner.close()
