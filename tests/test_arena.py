@@ -4,6 +4,7 @@ that has run torch's thread pools); every wait is generous and nothing is timed.
 
 from __future__ import annotations
 
+import glob
 import multiprocessing as mp
 import os
 import random
@@ -272,3 +273,19 @@ def test_a_stale_arena_of_a_dead_owner_is_reclaimed():
         rx.region._unlinked = True
         rx.close()
     _no_leftover(name)
+
+
+@pytest.mark.vllm
+def test_bench_wire_arena_compares_the_three_wires_in_two_processes(vllm_omni, capsys):
+    """``omni-accum bench --wire arena``: the arena, the arena connector and vllm-omni's
+    SharedMemoryConnector in one run, every view checked against the torch.cat reference."""
+    from omni_accum.cli.main import main
+
+    rc = main(["bench", "--wire", "arena", "--workload", "qwen3-omni-seed", "--context-lens", "256",
+               "--concurrency", "2", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = {line.split()[3]: line for line in out.splitlines() if line.startswith("256 x c2")}
+    assert set(rows) == {"arena", "connector", "shm"}, out
+    assert all(line.rstrip().endswith("yes") for line in rows.values()), out
+    assert not glob.glob("/dev/shm/omni_accum_arena_bench_*")

@@ -7,6 +7,8 @@ read. A step's latency is the sum (waiting for the other process and the control
 counted, so a loaded machine's scheduling delays are left out of both arms alike). Arms:
 
 * ``arena``: :class:`~omni_accum.arena.ArenaSender` -> :class:`~omni_accum.arena.ArenaReceiver`;
+* ``connector``: as ``shm``, over ``OmniAccumArenaConnector`` (the arena as a vllm-omni connector:
+  each tensor copied into the arena and out again, the rest in vllm-omni's msgpack encoding);
 * ``shm``: the workload's policy (omni-accum ``Sender.encode``), vllm-omni 0.30.0's
   ``SharedMemoryConnector`` ``put`` then ``get`` in the other process, ``Receiver.merge``.
 
@@ -30,7 +32,7 @@ from omni_accum.bench.streams import append_length_hints, build_stream, chunk_pl
 from omni_accum.bench.workloads import Workload
 from omni_accum.context import StreamContext
 
-ARMS = ("arena", "shm")
+ARMS = ("arena", "connector", "shm")
 _clock = time.perf_counter_ns
 
 
@@ -72,6 +74,18 @@ class PairResult:
 # ---------------------------------------------------------------------------------------------- #
 
 
+def _connector(arm: str, stage_id: int, name: str, data_bytes: int) -> Any:
+    """The vllm-omni connector of ``arm`` (``shm`` or ``connector``) for one side of the pair."""
+    if arm == "shm":
+        from omni_accum.integrations.vllm_omni.classes import shm_connector
+
+        return shm_connector()({"stage_id": stage_id})
+    from omni_accum.integrations.vllm_omni.arena_connector import ArenaConnector
+
+    extra = {"stage_id": stage_id, "arena_name": f"{name}c", "ring_bytes": "4MiB"}
+    return ArenaConnector({**extra, "arena_bytes": data_bytes} if data_bytes else extra)
+
+
 def _receiver_main(conn: Any, wl: Workload, cl: int, concurrency: int, name: str, data_bytes: int) -> None:
     torch.set_num_threads(1)
     from omni_accum.arena.receiver import ArenaReceiver
@@ -81,7 +95,7 @@ def _receiver_main(conn: Any, wl: Workload, cl: int, concurrency: int, name: str
     reads = [(k.path, k.read) for k in wl.keys if k.read != "never"]
     ctx = StreamContext(context_len=cl, concurrency=concurrency, length_hints=append_length_hints(wl, streams[0]))
     rx = ArenaReceiver(name, data_bytes)
-    shm = None
+    conns: dict[str, Any] = {}  # arm -> the vllm-omni connector it gets from
     policy_rx = None
     conn.send("ready")
     try:
@@ -90,11 +104,10 @@ def _receiver_main(conn: Any, wl: Workload, cl: int, concurrency: int, name: str
             if cmd[0] == "quit":
                 break
             if cmd[0] == "begin":
-                if cmd[1] == "shm":
-                    if shm is None:
-                        from omni_accum.integrations.vllm_omni.classes import shm_connector
-
-                        shm = shm_connector()({"stage_id": 1})
+                if cmd[1] != "arena":
+                    if cmd[1] not in conns:
+                        conns[cmd[1]] = _connector(cmd[1], 1, name, data_bytes)
+                        conns[cmd[1]].get("0", "1", "create")  # the arena connector's receiver makes its region
                     policy_rx = Receiver(_policy(wl), context=ctx)
                 conn.send("ok")
                 continue
@@ -106,7 +119,7 @@ def _receiver_main(conn: Any, wl: Workload, cl: int, concurrency: int, name: str
                     raise RuntimeError("arena: no chunk within 30 s")
                 view = ev.view
             else:
-                got = shm.get("0", "1", key)
+                got = conns[arm].get("0", "1", key)
                 view = policy_rx.merge(rid, got[0])
             for path, how in reads:
                 if how == "end" and not last:
@@ -131,8 +144,8 @@ def _receiver_main(conn: Any, wl: Workload, cl: int, concurrency: int, name: str
             pass
     finally:
         rx.close()
-        if shm is not None:
-            shm.close()
+        for c in conns.values():
+            c.close()
 
 
 # ---------------------------------------------------------------------------------------------- #
@@ -158,7 +171,7 @@ def run_pair(
     )
     proc.start()
     results = {a: PairResult(a, context_len, concurrency) for a in arms}
-    shm_tx = None
+    conns: dict[str, Any] = {}  # arm -> the vllm-omni connector it puts to
     try:
         if not parent.poll(600) or parent.recv() != "ready":
             raise RuntimeError("the receiver process did not start")
@@ -170,12 +183,10 @@ def run_pair(
                     continue
                 parent.send(("begin", arm))
                 parent.recv()
-                if arm == "shm" and shm_tx is None:
-                    from omni_accum.integrations.vllm_omni.classes import shm_connector
-
-                    shm_tx = shm_connector()({"stage_id": 0})
+                if arm != "arena" and arm not in conns:
+                    conns[arm] = _connector(arm, 0, name, 0)
                 policy_tx = None
-                if arm == "shm":
+                if arm != "arena":
                     from omni_accum.engine import Sender
 
                     policy_tx = Sender(
@@ -192,9 +203,9 @@ def run_pair(
                         if arm == "arena":
                             tx.send(rid, chunk)
                         else:
-                            ok, _, _ = shm_tx.put("0", "1", key, policy_tx.encode(rid, chunk))
-                            if not ok:
-                                raise RuntimeError(f"SharedMemoryConnector.put failed for {key}")
+                            ok, _, meta = conns[arm].put("0", "1", key, policy_tx.encode(rid, chunk))
+                            if not ok or (arm == "connector" and not (meta or {}).get("arena")):
+                                raise RuntimeError(f"{type(conns[arm]).__name__}.put did not go through {arm}: {key}")
                         dt = (_clock() - t0) / 1000.0
                         if plan.is_last:
                             if arm == "arena":
@@ -218,8 +229,8 @@ def run_pair(
         parent.send(("quit",))
         proc.join(60)
     finally:
-        if shm_tx is not None:
-            shm_tx.close()
+        for c in conns.values():
+            c.close()
         if proc.is_alive():
             proc.kill()
             proc.join(10)
@@ -230,7 +241,7 @@ def format_pair_table(rows: list[PairResult]) -> str:
     """One line per arm: prefill hand-off, decode step p50/p99, per-request total, ratios vs shm."""
     base = {(r.context_len, r.concurrency): r for r in rows if r.arm == "shm"}
     out = [
-        f"{'bucket':<12} {'wire':<6} {'prefill us':>11} {'step p50 us':>12} {'step p99 us':>12} {'req total ms':>13}"
+        f"{'bucket':<12} {'wire':<9} {'prefill us':>11} {'step p50 us':>12} {'step p99 us':>12} {'req total ms':>13}"
         "  vs shm (prefill, step, total)  correct"
     ]
     for r in rows:
@@ -244,7 +255,7 @@ def format_pair_table(rows: list[PairResult]) -> str:
             vs = f"{pre / b.p50(b.prefill_us):.3f}x {step / b.p50(b.decode_us):.3f}x {tot / base_tot:.3f}x"
         ok = "ERROR " + r.error if r.error else ("yes" if r.mismatch is None else f"NO: {r.mismatch}")
         bucket = f"{r.context_len} x c{r.concurrency}"
-        out.append(f"{bucket:<12} {r.arm:<6} {pre:11.1f} {step:12.1f} {p99:12.1f} {tot:13.2f}  {vs:<29}  {ok}")
+        out.append(f"{bucket:<12} {r.arm:<9} {pre:11.1f} {step:12.1f} {p99:12.1f} {tot:13.2f}  {vs:<29}  {ok}")
     return "\n".join(out)
 
 
@@ -253,7 +264,8 @@ def run_cli(args: Any, wl: Workload) -> int:
     lens = args.context_lens or wl.default_context_lens()
     levels = args.concurrency or list(wl.concurrency)
     print(
-        f"workload {wl.name}: wires arena, shm (policy {wl.policy or 'default'}); two processes; {args.repeats} repeats"
+        f"workload {wl.name}: wires arena, connector (OmniAccumArenaConnector), shm (SharedMemoryConnector); "
+        f"policy {wl.policy or 'default'}; two processes; {args.repeats} repeats"
     )
     bad = False
     for cl in lens:

@@ -90,7 +90,8 @@ def register(subparsers: Any) -> None:
         help="inproc (default): no serialization; serializer: vllm-omni's OmniSerializer; shm: its "
         "SharedMemoryConnector; mooncake: its MooncakeStoreConnector, sender and receiver in two processes "
         "(needs omni-accum[mooncake]; starts its own master unless --mooncake-master is given); arena: "
-        "omni-accum's shared-memory arena against shm, sender and receiver in two processes (docs/arena.md)",
+        "omni-accum's shared-memory arena, its vllm-omni connector (OmniAccumArenaConnector) and shm, sender "
+        "and receiver in two processes (docs/arena.md)",
     )
     m = p.add_argument_group("--wire mooncake")
     m.add_argument("--mooncake-master", metavar="HOST:PORT", help="use this Mooncake master instead of starting one")
