@@ -88,3 +88,17 @@ def test_deploy_yaml_policy(clean_env, capsys):
     rc, out = _doctor(capsys, "--deploy", "config/deploy/qwen3_omni_async_chunk.yaml")
     assert rc == 0, out
     assert "omni_accum_policy" in out
+
+
+def test_deploy_yaml_selecting_the_arena_connector(clean_env, capsys, tmp_path):
+    f = tmp_path / "deploy.yaml"
+    f.write_text(
+        "connectors:\n"
+        "  a: {name: OmniAccumArenaConnector, extra: {arena_name: doctor, omni_accum_policy: qwen3-omni}}\n"
+    )
+    rc, out = _doctor(capsys, "--deploy", str(f))
+    assert rc == 0, out
+    assert "ok       arena connector:" in out
+    clean_env.setenv("VLLM_PLUGINS", "omni_accum")  # vLLM would not load the plugin that registers it
+    rc, out = _doctor(capsys, "--deploy", str(f))
+    assert rc == 1 and "PROBLEM  arena connector" in out and "add omni_accum_arena to VLLM_PLUGINS" in out

@@ -541,9 +541,19 @@ class Arm:
     name: str
     env: dict[str, str] = field(default_factory=dict)
     unset: tuple[str, ...] = ()
+    deploy: Path | None = None  # this arm's deploy config (None: --deploy-config)
 
 
 def make_arm(spec: str) -> Arm:
+    """``SPEC`` or ``SPEC@CONFIG``: CONFIG is a deploy YAML path, or NAME for ``configs/qwen3_omni_cpu_NAME.yaml``."""
+    if "@" in spec:
+        base, _, cfg = spec.partition("@")
+        path = Path(cfg) if Path(cfg).exists() else HERE / "configs" / f"qwen3_omni_cpu_{cfg}.yaml"
+        if not path.exists():
+            raise SystemExit(f"arm {spec!r}: no deploy config {cfg!r} (a path, or NAME of configs/qwen3_omni_cpu_NAME.yaml)")
+        arm = make_arm(base)
+        arm.name, arm.deploy = spec, path.resolve()
+        return arm
     if spec == "off":
         return Arm("off", {"OMNI_ACCUM_VLLM_OMNI": "0"}, ("OMNI_ACCUM_POLICY",))
     if spec in ("default", "qwen3-omni", "qwen3-omni-flat"):
@@ -639,7 +649,7 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
     cmd = [
         str(VENV_BIN / "vllm-omni"), "serve", str(args.model), "--omni",
         "--host", "127.0.0.1", "--port", str(port),
-        "--deploy-config", str(args.deploy_config),
+        "--deploy-config", str(arm.deploy or args.deploy_config),
         "--stage-init-timeout", str(int(args.start_timeout)),
     ]  # fmt: skip
     result: dict[str, Any] = {
@@ -750,7 +760,9 @@ def compare(results: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arms", default="off,default,qwen3-omni",
-                    help="comma-separated: off, default, qwen3-omni, or policy file paths (default %(default)s)")
+                    help="comma-separated: off, default, qwen3-omni, or policy file paths; ARM@CONFIG runs ARM with "
+                         "another deploy config (a path, or NAME of configs/qwen3_omni_cpu_NAME.yaml, e.g. off@arena) "
+                         "(default %(default)s)")
     ap.add_argument("--input-len", type=int, default=8000)
     ap.add_argument("--output-len", type=int, default=100)
     ap.add_argument("--concurrency", default="1", help="comma-separated list (default %(default)s)")

@@ -245,8 +245,45 @@ def check_metrics() -> list[Check]:
     return [Check("metrics", True, "on" + (f" (multiprocess: {where})" if where else ""))]
 
 
+def check_arena_connector(deploy: str | None) -> list[Check]:
+    """When the deploy YAML selects ``OmniAccumArenaConnector``: its registering entry point is installed in
+    both plugin groups and ``VLLM_PLUGINS`` (if set) lets vLLM load it; else vllm-omni fails with
+    "Unknown connector" when the stage builds it."""
+    if not deploy:
+        return []
+    try:
+        with open(deploy, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError):
+        return []  # check_policy already reported it
+    if "OmniAccumArenaConnector" not in text:
+        return []
+    allowed = os.environ.get("VLLM_PLUGINS")
+    for group in PLUGIN_GROUPS:
+        if not any(e.name == "omni_accum_arena" for e in metadata.entry_points(group=group)):
+            return [
+                Check(
+                    "arena connector",
+                    False,
+                    f"{deploy} selects OmniAccumArenaConnector but entry point omni_accum_arena is not in {group}",
+                    "reinstall omni-accum (pip install omni-accum)",
+                )
+            ]
+    if allowed is not None and "omni_accum_arena" not in [p.strip() for p in allowed.split(",")]:
+        return [
+            Check(
+                "arena connector",
+                False,
+                f"{deploy} selects OmniAccumArenaConnector but VLLM_PLUGINS={allowed!r} does not list omni_accum_arena: "
+                "vllm-omni will not know the connector",
+                "add omni_accum_arena to VLLM_PLUGINS",
+            )
+        ]
+    return [Check("arena connector", True, f"{deploy} selects OmniAccumArenaConnector; omni_accum_arena registers it")]
+
+
 def run_checks(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
-    checks = check_versions() + check_entry_points()
+    checks = check_versions() + check_entry_points() + check_arena_connector(deploy)
     policy_checks, info = check_policy(deploy)
     return checks + policy_checks + check_plugins() + check_metrics(), info
 

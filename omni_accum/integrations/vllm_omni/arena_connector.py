@@ -169,7 +169,9 @@ class ArenaConnector(OmniConnectorBase):
         self.arena_bytes = parse_size(self.config.get("arena_bytes", DEFAULT_ARENA_BYTES), "arena_bytes")
         self.ring_bytes = parse_size(self.config.get("ring_bytes", DEFAULT_RING_BYTES), "ring_bytes")
         self.inner = SharedMemoryConnector(self.config)
-        self._lock = threading.Lock()
+        # one lock per direction: a put waiting for ring space never holds up this process's gets
+        self._tx_lock = threading.Lock()
+        self._rx_lock = threading.Lock()
         self._tx: dict[tuple[str, str], Any] = {}  # pair -> ArenaSender
         self._tx_retry: dict[tuple[str, str], float] = {}  # pair -> monotonic time of the next attach
         self._rx: dict[tuple[str, str], Any] = {}  # pair -> ArenaReceiver, or None: inner connector only
@@ -240,7 +242,7 @@ class ArenaConnector(OmniConnectorBase):
     # ------------------------------------------------------------------ the connector interface
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
         pair = (str(from_stage), str(to_stage))
-        with self._lock:
+        with self._tx_lock:
             tx = None if self._closed else self._sender(pair)
             if tx is not None:
                 try:
@@ -269,7 +271,7 @@ class ArenaConnector(OmniConnectorBase):
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
     ) -> tuple[Any, int] | None:
         pair = (str(from_stage), str(to_stage))
-        with self._lock:
+        with self._rx_lock:
             rx = None if self._closed else self._receiver(pair)
             if rx is not None:
                 try:
@@ -312,7 +314,7 @@ class ArenaConnector(OmniConnectorBase):
 
     def cleanup(self, request_id: str) -> None:
         """Drop the unconsumed message ``request_id`` (the exact key of a put), in the arena and the inner connector."""
-        with self._lock:
+        with self._rx_lock:
             for rx in self._rx.values():
                 if rx is not None:
                     rx.discard(request_id)
@@ -346,7 +348,7 @@ class ArenaConnector(OmniConnectorBase):
         """Detach as sender, unlink the regions this process created, close the inner connector (idempotent)."""
         if getattr(self, "_closed", True):
             return
-        with self._lock:
+        with self._tx_lock, self._rx_lock:
             self._closed = True
             for pair in list(self._tx):
                 self._drop_sender(pair)
