@@ -49,9 +49,11 @@ def main() -> None:
     rows = [torch.randn(1, 2048, generator=g).bfloat16() for _ in range(64)]
     prefill = torch.randn(1000, 2048, generator=g).bfloat16()
 
-    def one_round(tag: str, first_on: bool) -> dict[str, list[float]]:
+    def one_round(tag: str, first_on: bool, statics: bool) -> dict[str, list[float]]:
         """One request of ``args.steps`` decode chunks, metrics switched on and off step by step (paired:
-        both arms see the same request, buffer sizes and machine load)."""
+        both arms see the same request, buffer sizes and machine load). ``statics``: every decode chunk
+        carries the three tts embeddings and the speaker again (send_once leaves them off); else only
+        the first chunk does, as vllm-omni 0.30.0's thinker-to-talker stream sends them."""
         rx = runner._omni_accum_binding if "_omni_accum_binding" in runner.__dict__ else None
         for b in (tx, rx):
             if b is not None:
@@ -64,11 +66,10 @@ def main() -> None:
         for i in range(args.steps):
             on = (i % 2 == 0) is first_on
             tx.metrics.on = rx.metrics.on = on
-            chunk = {
-                "embed": {"decode": rows[i % 64], **consts},
-                "meta": {"finished": torch.tensor(False)},
-                "speaker": "Ethan",
-            }
+            chunk = {"embed": {"decode": rows[i % 64]}, "meta": {"finished": torch.tensor(False)}}
+            if statics:
+                chunk["embed"].update(consts)
+                chunk["speaker"] = "Ethan"
             t0 = time.perf_counter()
             runner._accumulate_payload(rid, encode_payload(tx, rid, chunk))
             out["on" if on else "off"].append(time.perf_counter() - t0)
@@ -79,15 +80,17 @@ def main() -> None:
         tx.sent_once.pop(rid, None)
         return out
 
-    one_round("warm", True)
-    rounds = [one_round(f"r{r}", r % 2 == 0) for r in range(args.rounds)]
-    p50 = {arm: statistics.median(statistics.median(r[arm]) for r in rounds) * 1e6 for arm in ("on", "off")}
-    diff = statistics.median(statistics.median(r["on"]) - statistics.median(r["off"]) for r in rounds) * 1e6
-    print(
-        f"p50 per chunk (send hook + runner receive hook, decode step, qwen3-omni, {args.steps} steps x "
-        f"{args.rounds} rounds, metrics on and off on alternate steps): on {p50['on']:.1f} us, off {p50['off']:.1f} us "
-        f"({p50['on'] / p50['off']:.3f}x); median of the rounds' differences {diff:+.2f} us"
-    )
+    for statics, what in ((True, "tts embeddings and speaker in every chunk, left off by send_once"),
+                          (False, "nothing left off: the statics in the first chunk only, as 0.30.0 sends them")):
+        one_round("warm", True, statics)
+        rounds = [one_round(f"r{r}-{statics}", r % 2 == 0, statics) for r in range(args.rounds)]
+        p50 = {arm: statistics.median(statistics.median(r[arm]) for r in rounds) * 1e6 for arm in ("on", "off")}
+        diff = statistics.median(statistics.median(r["on"]) - statistics.median(r["off"]) for r in rounds) * 1e6
+        print(
+            f"p50 per chunk (send hook + runner receive hook, decode step, qwen3-omni, {what}; {args.steps} steps x "
+            f"{args.rounds} rounds, metrics on and off on alternate steps): on {p50['on']:.1f} us, off "
+            f"{p50['off']:.1f} us ({p50['on'] / p50['off']:.3f}x); median of the rounds' differences {diff:+.2f} us"
+        )
     isolated(tx, runner._omni_accum_binding, consts, rows[0], args.rounds)
     vo.uninstall()
 
@@ -96,15 +99,16 @@ def isolated(tx, rx, consts, row, rounds: int) -> None:
     """The metrics work alone, on the same decode chunk: what the send hook adds (its one walk over the
     chunk, which numbers the keys and finds those left off in any case, with metrics on minus the same
     walk with them off: the keys on the wire and the bytes send_once kept off) and what the receive hook
-    adds (its keys and the merge time). The hooks' own p50 above varies by more than this between rounds
+    adds (its keys, counted in the merge's own pass over them, and the merge time). The hooks' own p50 above varies by more than this between rounds
     on a shared machine."""
     import timeit
 
-    from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY
+    from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, SendTable
 
     chunk = {"embed": {"decode": row, **consts}, "meta": {"finished": torch.tensor(False)}, "speaker": "Ethan"}
     wire = {"embed": {"decode": row}, "meta": {"finished": chunk["meta"]["finished"]}, OMITTED_KEY: 30}
-    table = {("embed", "decode"): 0, ("embed", "tts_bos"): 1, ("embed", "tts_eos"): 2, ("embed", "tts_pad"): 3}
+    table = SendTable()
+    table.update({("embed", "decode"): 0, ("embed", "tts_bos"): 1, ("embed", "tts_eos"): 2, ("embed", "tts_pad"): 3})
     table.update({("meta", "finished"): 4, ("speaker", None): 5})
     n = 20000
 
@@ -112,22 +116,37 @@ def isolated(tx, rx, consts, row, rounds: int) -> None:
         return min(timeit.repeat(fn, number=n, repeat=max(3, rounds))) / n * 1e6
 
     def send() -> None:
-        tx.metrics.sent(table, chunk, wire, tx.strategy_name, MARKERS)
+        tx.metrics.sent(table, chunk, wire, tx.strategy_name, MARKERS, table.kept)
 
     plain = {"embed": {"decode": row}, "meta": {"finished": chunk["meta"]["finished"]}}  # nothing left off
 
     def send_plain() -> None:
-        tx.metrics.sent(table, plain, plain, tx.strategy_name, MARKERS)
+        tx.metrics.sent(table, plain, plain, tx.strategy_name, MARKERS, table.kept)
 
     rx.metrics.on = True
     tx.metrics.on = False
     walk, walk_plain = per_call(send), per_call(send_plain)
     tx.metrics.on = True
     send_on, plain_on = per_call(send), per_call(send_plain)
-    recv = per_call(lambda: rx.received(wire, 1e-5, False, "isolated"))
+    # The receive hook counts in the merge's own pass (Receiver.on_merge -> Recorder.merged over the
+    # (slot, value) pairs the merge already holds), then adds the hook's time to the histogram.
+    rid = "isolated"
+    fin = chunk["meta"]["finished"]
+    rx.receiver.merge(rid, {"embed": {"decode": row}, "meta": {"finished": fin}})
+    ent = rx.receiver._lookup(rid).entries
+    pairs = [(ent["embed"]["decode"], row), (ent["meta"]["finished"], fin)]  # the wire's keys, as the merge holds them
+    rec = rx.metrics
+
+    def receive() -> None:
+        rec.arm()
+        rec.merged(pairs)
+        rx.received(wire, 1e-5, False, rid, counted=True)
+
+    recv = per_call(receive)
     rx.metrics.on = False
-    recv_off = per_call(lambda: rx.received(wire, 1e-5, False, "isolated"))
+    recv_off = per_call(receive)
     rx.metrics.on = True
+    rx.receiver.release(rid)
     s, r = send_on - walk, recv - recv_off
     print(
         f"metrics work alone, per decode chunk (best of {max(3, rounds)} x {n}): send side {s:.2f} us "

@@ -252,6 +252,28 @@ def test_kill_9_of_the_receiver_is_noticed_and_leaves_nothing_in_dev_shm():
     _no_leftover(name)
 
 
+_OWNER_TERMINATED = (
+    "import os, signal, sys\n"
+    "from omni_accum.arena import ArenaReceiver\n"
+    "rx = ArenaReceiver(sys.argv[1], 1 << 20)\n"
+    "print(rx.region.path, flush=True)\n"
+    "os.kill(os.getpid(), signal.SIGTERM)  # no atexit runs: as a daemon process or a vllm-omni stage ends\n"
+)
+
+
+def test_an_owner_ended_by_sigterm_leaves_nothing_in_dev_shm():
+    name = f"t_term_{os.getpid()}"
+    done = subprocess.run(
+        [sys.executable, "-c", _OWNER_TERMINATED, name], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
+    assert done.stdout.strip() == str(path_for(name))  # it did create its region
+    deadline = time.monotonic() + 30
+    while path_for(name).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # multiprocessing's resource tracker removes it once the process is gone
+    assert not path_for(name).exists()
+
+
 def test_a_stale_arena_of_a_dead_owner_is_reclaimed():
     name = _name("stale")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

@@ -186,3 +186,85 @@ def test_policy_info_names_the_policy_an_operator_set(vo, monkeypatch):
     assert (
         _sample("omni_accum_policy_info", source="qwen3-omni-flat", fingerprint=b.fingerprint, version=_version()) == 1
     )
+
+
+def _by_key(role: str) -> dict[tuple[str, str], float]:
+    """``{(metric, key): value}`` of the per-key counters of ``role`` (chunks summed over strategies)."""
+    from prometheus_client import REGISTRY
+
+    out: dict[tuple[str, str], float] = {}
+    for fam in REGISTRY.collect():
+        if fam.name not in ("omni_accum_chunks", "omni_accum_wire_bytes"):
+            continue
+        for s in fam.samples:
+            if s.name.endswith("_total") and s.labels.get("role") == role:
+                k = (fam.name, s.labels["key"])
+                out[k] = out.get(k, 0.0) + s.value
+    return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+
+
+def test_receive_hooks_count_every_key_once_as_sent(vo, adapters):
+    """The adapter receive hook counts in its own pass over the chunk (the merge it runs does not count
+    again): per key, the receiving side counts exactly the chunks and bytes the sending side put, and
+    one merge-time observation per chunk."""
+    from prometheus_client import REGISTRY
+
+    from tests.test_integration_vllm_omni import run_thinker_to_talker
+
+    vo.install("qwen3-omni")
+    merges = lambda: sum(  # noqa: E731
+        s.value for s in REGISTRY.collect() for s in s.samples if s.name == "omni_accum_merge_seconds_count"
+    )
+    tx0, rx0, m0 = _by_key("send"), _by_key("receive"), merges()
+    handed, _, (tx, rx) = run_thinker_to_talker(adapters, f"oa-metrics-{os.getpid()}")
+    tx._omni_accum_binding.publish()
+    rx._omni_accum_binding.publish()
+    sent, got = _delta(_by_key("send"), tx0), _delta(_by_key("receive"), rx0)
+    assert sent and got == sent
+    assert merges() - m0 == len(handed) == rx._omni_accum_binding.stats["chunks_received"]
+
+
+def test_runner_hook_counts_in_the_merge_pass(vo, runner):
+    """The runner transport's hook lets the merge count each key (Receiver.on_merge): exact counts and
+    bytes per key and strategy, a chunk refused and handed to 0.30.0's code counts as a fallback only."""
+    from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding
+    from omni_accum.integrations.vllm_omni.send import encode_payload
+    from omni_accum.policy import load_policy
+
+    policy = load_policy("qwen3-omni")
+    vo.install(policy)
+    tx = Binding(policy, DEFAULT_ADAPTER_KEYS, "test")
+    r = runner()
+    rid = f"oa-run-{os.getpid()}"
+    bos = torch.ones(1, 1, 64, dtype=torch.bfloat16)
+    r._accumulate_payload("warm", encode_payload(tx, "warm", {"embed": {"decode": torch.zeros(1, 32)}}))
+    b = r._omni_accum_binding
+    dec = b.strategy_name("embed.decode", torch.zeros(1, 32, dtype=torch.bfloat16))
+    b.publish()  # the warm-up chunk's counts
+    before = _by_key("receive")
+    fb0 = _sample("omni_accum_fallbacks_total", reason="refused_chunk")
+    for i in range(4):
+        chunk = {"embed": {"decode": torch.full((2, 32), float(i), dtype=torch.bfloat16), "tts_bos": bos}}
+        chunk["meta"] = {"finished": torch.tensor(i == 3)}
+        r._accumulate_payload(rid, encode_payload(tx, rid, chunk))
+    # the merge's own pass counted (the engine slot holds its metrics slot), not a second walk
+    assert b.receiver.on_merge == b.metrics.merged
+    assert b.receiver._lookup(rid).entries["embed"]["decode"].meter[0] >= 4
+    bad = {"embed": {"decode": torch.zeros(1, 32, dtype=torch.float32)}}  # a dtype change: refused
+    r._accumulate_payload(rid, bad)
+    b.publish()
+    got = _delta(_by_key("receive"), before)
+    assert got == {
+        ("omni_accum_chunks", "embed.decode"): 4,
+        ("omni_accum_wire_bytes", "embed.decode"): 4 * 2 * 32 * 2,
+        ("omni_accum_chunks", "embed.tts_bos"): 1,  # left off the wire after the first chunk
+        ("omni_accum_wire_bytes", "embed.tts_bos"): 128,
+        ("omni_accum_chunks", "meta.finished"): 4,
+        ("omni_accum_wire_bytes", "meta.finished"): 4,
+    }
+    assert _sample("omni_accum_chunks_total", role="receive", key="embed.decode", strategy=dec) >= 4
+    assert _sample("omni_accum_fallbacks_total", reason="refused_chunk") - fb0 == 1

@@ -135,3 +135,18 @@ def test_metrics_off_still_number_and_find_what_was_left_off():
     assert r.sent(table, chunk, {"a": {"y": 2}}, lambda p, v: "replace", ()) == [("a", "x"), ("b", None)]
     assert table == {("a", "y"): 0}
     assert not r._all and not r._saved_slots  # nothing counted
+
+
+def test_a_requests_cache_of_values_left_off_counts_each_value_by_its_own_bytes():
+    """The request's ``kept`` cache skips the byte count of a value left off again (the same object);
+    another object, or a value of another type, is counted by its own bytes under its own slot."""
+    r = _on()
+    kept: dict = {}
+    small, big = torch.zeros(16, dtype=torch.float32), torch.zeros(32, dtype=torch.float32)  # 64 B, 128 B
+    labels = {"key": "k", "strategy": "kept-cache"}
+    before = _sample("omni_accum_wire_bytes_saved_total", **labels)
+    for value in (small, small, big, "abc", small):
+        assert r.sent({}, {"k": value}, {}, lambda p, v: "kept-cache", (), kept) == [("k", None)]
+    assert kept[("k", None)][0] is small  # the cache holds the latest value left off
+    r.flush()
+    assert _sample("omni_accum_wire_bytes_saved_total", **labels) - before == 64 + 64 + 128 + 3 + 64

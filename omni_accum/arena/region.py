@@ -20,6 +20,7 @@ import mmap
 import os
 import re
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 from omni_accum.arena.ring import Ring
@@ -156,6 +157,7 @@ class Region:
         q[W_OWNER_PID] = os.getpid()
         q[W_READY] = 1  # written last: an attaching sender waits for it
         atexit.register(r.close)
+        _track(path)
         return r
 
     @classmethod
@@ -220,6 +222,7 @@ class Region:
         if self.owner:
             self.unlink()
             atexit.unregister(self.close)
+            _untrack(self.path)
         for mv in (self.pages, self.q):
             mv.release()
         for ring in (self.ring_f, self.ring_b):
@@ -228,6 +231,22 @@ class Region:
             self.mm.close()
         except BufferError:
             pass  # tensors over the mapping are still alive: it is unmapped when they are freed
+
+
+def _track(path: Path) -> None:
+    """Have multiprocessing's resource tracker remove the region if its owner ends without closing it
+    (a SIGTERM runs no ``atexit``: vllm-omni's stage processes end that way, so do daemon processes)."""
+    try:
+        resource_tracker.register("/" + path.name, "shared_memory")
+    except Exception:  # noqa: BLE001, S110 - no tracker here: the next owner or sweep_stale() removes it
+        pass
+
+
+def _untrack(path: Path) -> None:
+    try:
+        resource_tracker.unregister("/" + path.name, "shared_memory")
+    except Exception:  # noqa: BLE001, S110
+        pass
 
 
 def owner_of(path: Path) -> int | None:

@@ -27,13 +27,14 @@ WIRE_MARKER = "__omni_accum__"
 class _Slot:
     """One key of one request: its strategy and receiver-side state."""
 
-    __slots__ = ("path", "strategy", "spec", "acc")
+    __slots__ = ("path", "strategy", "spec", "acc", "meter")
 
     def __init__(self, path: str, strategy: Strategy, spec: StrategySpec, acc: Accumulator) -> None:
         self.path = path
         self.strategy = strategy
         self.spec = spec
         self.acc = acc
+        self.meter: Any = None  # whatever the receiver's ``on_merge`` keeps per key (its metrics slot)
 
 
 #: The one key whose value the receiver reads straight from the wire (to reset listed keys).

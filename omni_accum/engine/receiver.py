@@ -53,6 +53,10 @@ class Receiver(SequencedMerge, _Endpoint):
         super().__init__(policy, context=context, manager=manager)
         self.reorder_window = reorder_window
         self._dups = 0
+        #: Called with the ``(slot, value)`` pairs of every chunk merged (after the merge), or None.
+        #: A slot has ``.path``, ``.spec`` (its strategy's) and ``.meter``, free for the callee's use:
+        #: the vllm-omni metrics count each key there, in the merge's own pass over the chunk.
+        self.on_merge: Any = None
 
     def merge(
         self,
@@ -268,6 +272,8 @@ class Receiver(SequencedMerge, _Endpoint):
                 slot.acc.merge_checked(value)
         except Exception as e:  # noqa: BLE001
             raise _merge_error(req_id, st, slot, e) from e
+        if self.on_merge is not None:
+            self.on_merge(pairs)
         return True
 
     def _plan(self, req_id: str, st: _Request, wire: Mapping[str, Any]) -> list[tuple[Any, Any, Any, _Slot]]:
@@ -395,6 +401,8 @@ class Receiver(SequencedMerge, _Endpoint):
                 if old is not slot:
                     st.held_once += slot.strategy.omits_unchanged - _held_once(old)
                     group[qual] = slot
+        if self.on_merge is not None:
+            self.on_merge([(slot, value) for _, _, value, slot in ops if slot is not None])
 
     @staticmethod
     def _merge_one(req_id: str, st: _Request, slot: _Slot, value: Any) -> None:

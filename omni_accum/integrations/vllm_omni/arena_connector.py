@@ -39,7 +39,6 @@ import os
 import re
 import threading
 import time
-from multiprocessing import resource_tracker
 from typing import Any
 
 import torch
@@ -140,22 +139,6 @@ def _live_region(base: str) -> str:
     return max(found)[1]
 
 
-def _track(path: Any) -> None:
-    """Have multiprocessing's resource tracker remove the region if this process ends without closing it
-    (vllm-omni's stage processes end on SIGTERM without closing their connectors)."""
-    try:
-        resource_tracker.register("/" + path.name, "shared_memory")
-    except Exception as e:  # noqa: BLE001 - no tracker here: the next owner or sweep_stale() removes it
-        logger.debug("omni-accum arena %s: no resource tracker (%s)", path.name, e)
-
-
-def _untrack(path: Any) -> None:
-    try:
-        resource_tracker.unregister("/" + path.name, "shared_memory")
-    except Exception:  # noqa: BLE001, S110
-        pass
-
-
 class ArenaConnector(OmniConnectorBase):
     """See the module docstring. ``config`` is the connector's ``extra`` (vllm-omni adds ``stage_id``)."""
 
@@ -222,7 +205,6 @@ class ArenaConnector(OmniConnectorBase):
             if live is not None:
                 raise ArenaError(f"arena {live} is in use by a live receiver")
             rx = ArenaReceiver(f"{base}.{os.getpid()}", self.arena_bytes, ring_bytes=self.ring_bytes)
-            _track(rx.region.path)
         except (ArenaError, OSError) as e:
             logger.error(
                 "omni-accum arena %s: %s; this process receives through %s only (one receiving process per "
@@ -358,6 +340,5 @@ class ArenaConnector(OmniConnectorBase):
                         rx.close()
                     except Exception:  # noqa: BLE001, S110
                         pass
-                    _untrack(rx.region.path)
             self._rx.clear()
         self.inner.close()

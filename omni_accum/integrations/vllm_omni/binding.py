@@ -89,6 +89,8 @@ class Binding:
         self.adapter_keys = frozenset(adapter_keys)
         self.stats = {"puts": 0, "wire_bytes": 0, "omitted": 0, "chunks_sent": 0, "chunks_received": 0}
         self.metrics = metrics.Recorder()
+        if self.metrics.on:  # the hooks' merges count each key in the merge's own pass (Recorder.merged)
+            self.receiver.on_merge = self.metrics.merged
         self.fingerprint = policy_fingerprint(policy, self.receiver.manager)
         self._names: dict[tuple[str, type], str] = {}
         from omni_accum import __version__
@@ -147,17 +149,23 @@ class Binding:
         return str(ctx.context_len), str(ctx.concurrency)
 
     def received(
-        self, payload: Mapping[str, Any], seconds: float, new_request: bool, req_id: Any = None, role: str = "receive"
+        self,
+        payload: Mapping[str, Any],
+        seconds: float,
+        new_request: bool,
+        req_id: Any = None,
+        role: str = "receive",
+        counted: bool = False,
     ) -> None:
         """Metrics of one received chunk (``accumulate``: one step of the full-payload accumulator): per
         key, and the hook's time under the strategy of its first append-kind key (``replace`` when it has
-        none)."""
+        none). ``counted``: the hook's merge already counted the keys (see :meth:`.metrics.Recorder.arm`)."""
         rec = self.metrics
         if not rec.on:
             return
         if new_request:
             rec.request(role, *self.bucket_labels(self.req_ctx.get(req_id)))
-        rec.received(payload, seconds, self.strategy_name, MARKERS, role)
+        rec.received(payload, seconds, self.strategy_name, MARKERS, role, counted)
 
     def publish(self) -> None:
         """Publish this binding's metrics with the process's held-bytes and active-request gauges."""

@@ -27,6 +27,17 @@ OMITTED_KEY = "__omni_accum_once__"
 MARKERS = (WIRE_MARKER, OMITTED_KEY)
 
 
+class SendTable(dict):
+    """A request's numbering on the sending side (``(top, qual) -> bit``, wire order), with ``kept``:
+    the metrics' cache of the values left off (see :meth:`.metrics.Recorder.sent`), released with it."""
+
+    __slots__ = ("kept",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: dict[tuple[Any, Any], list[Any]] = {}
+
+
 def count_bits(mask: int) -> int:
     return bin(mask).count("1")
 

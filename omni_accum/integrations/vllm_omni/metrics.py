@@ -117,7 +117,6 @@ class Recorder:
     """
 
     __slots__ = (
-        "saved",
         "fallbacks",
         "requests",
         "chunks_seen",
@@ -128,20 +127,25 @@ class Recorder:
         "_saved_slots",
         "_hist",
         "_children",
+        "armed",
+        "first",
+        "_flat",
     )
 
     def __init__(self) -> None:
         self.on = enabled()
-        self.saved: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.fallbacks: defaultdict[str, int] = defaultdict(int)
         self.requests: defaultdict[tuple[str, str, str], int] = defaultdict(int)
         self.chunks_seen = 0
         self._slots: dict[str, dict[Any, Any]] = {}  # role -> top -> slot | {qual -> slot}
         self._by_type: dict[tuple[Any, ...], list[Any]] = {}  # (role, top, qual, type) -> slot
         self._all: list[list[Any]] = []  # every slot, for flush
-        self._saved_slots: dict[tuple[Any, Any], list[Any]] = {}  # (top, qual) -> [bytes, type, labels]
+        self._saved_slots: dict[tuple[Any, Any], list[Any]] = {}  # ((top, qual), type) -> [bytes, labels]
         self._hist: dict[str, list[Any]] = {}  # strategy -> [counts per bucket (+Inf last), sums per bucket]
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+        self._flat: dict[str, dict[tuple[Any, Any], list[Any]]] = {}  # role -> (top, qual) -> slot
+        self.armed = False  # the next merged() counts (see arm)
+        self.first = "replace"  # the histogram label merged() found for the chunk it counted last
 
     def _slot(self, holder: dict[Any, Any], role: str, top: Any, qual: Any, value: Any, name_of: Any) -> list[Any]:
         """The slot of (role, key, type(value)), made once; it becomes ``holder``'s entry for the key."""
@@ -157,10 +161,80 @@ class Recorder:
         holder[top if qual is None else qual] = slot
         return slot
 
-    def received(self, payload: Any, seconds: float, name_of: Any, skip: Any, role: str = "receive") -> None:
+    def arm(self) -> None:
+        """The next :meth:`merged` call counts (a hook's own merge; re-seeding merges do not)."""
+        self.armed = self.on
+
+    def merged(self, pairs: list[tuple[Any, Any]], role: str = "receive") -> None:
+        """A Receiver's ``on_merge``: count the ``(slot, value)`` pairs of the chunk it just merged, when
+        :meth:`arm` asked for it (else nothing). Each engine slot keeps its metrics slot in ``.meter``, so
+        a key costs no lookup: an increment and, for a tensor, its bytes. Leaves the strategy of the
+        chunk's first append-kind key in :attr:`first` for the merge histogram (see :meth:`received`)."""
+        if not self.armed:
+            return
+        self.armed = False
+        first = None
+        for slot, v in pairs:
+            m = slot.meter
+            if m is None or m[2] is not type(v):
+                m = slot.meter = self._engine_slot(role, slot, v)
+            m[0] += 1
+            if m[3]:
+                m[1] += v.nbytes
+            if first is None:
+                first = m[6]
+        self.first = first or "replace"
+
+    def meters(self, role: str) -> dict[tuple[Any, Any], list[Any]]:
+        """The flat ``(top, qual) -> slot`` table of ``role``, for a hook that counts in its own pass
+        over a chunk (with :meth:`meter`), as the receive hook of the scheduler's adapter does."""
+        flat = self._flat.get(role)
+        if flat is None:
+            flat = self._flat[role] = {}
+        return flat
+
+    def meter(self, flat: dict[tuple[Any, Any], list[Any]], role: str, tq: tuple[Any, Any], value: Any, name_of: Any):
+        """The slot of key ``tq`` (qual None: a top-level key) for values of this type, entered in ``flat``."""
+        slot = flat[tq] = self._slot({}, role, tq[0], tq[1], value, name_of)
+        return slot
+
+    def _engine_slot(self, role: str, slot: Any, value: Any) -> list[Any]:
+        """The metrics slot of an engine slot's key for values of this type, under the strategy the
+        engine slot runs (a request's own tuned bucket may give a key another strategy than the next's)."""
+        path, name = slot.path, slot.spec.name
+        k = (role, path, type(value), name)
+        m = self._by_type.get(k)
+        if m is None:
+            labels = (role, path, name)
+            m = [0, 0, type(value), isinstance(value, torch.Tensor), labels, (role, path)]
+            m.append(None if name in _REPLACE_LIKE else name)
+            self._by_type[k] = m
+            self._all.append(m)
+        return m
+
+    def received(
+        self, payload: Any, seconds: float, name_of: Any, skip: Any, role: str = "receive", counted: bool = False
+    ) -> None:
         """One received chunk: every key (tensor bytes as wire bytes; top-level keys in ``skip`` are not
         counted) and its merge time, under the strategy of its first append-kind key (``replace`` when it
-        has none). ``name_of(path, value)`` names a key's strategy (called once per key and value type)."""
+        has none). ``name_of(path, value)`` names a key's strategy (called once per key and value type).
+        ``counted``: :meth:`merged` already counted the keys (the merge's own pass); only the time is left."""
+        if counted:
+            first = self.first
+        else:
+            first = self._walk(payload, name_of, skip, role) or "replace"
+        h = self._hist.get(first)
+        if h is None:
+            h = self._hist[first] = [[0] * (len(MERGE_BUCKETS) + 1), [0.0] * (len(MERGE_BUCKETS) + 1)]
+        i = bisect_left(MERGE_BUCKETS, seconds)  # Prometheus buckets are "less or equal"
+        h[0][i] += 1
+        h[1][i] += seconds
+        self.chunks_seen += 1
+        if self.chunks_seen >= FLUSH_EVERY:
+            self.flush()
+
+    def _walk(self, payload: Any, name_of: Any, skip: Any, role: str) -> str | None:
+        """Count every key of ``payload`` under ``role``; the strategy of its first append-kind key."""
         slots = self._slots.get(role)
         if slots is None:
             slots = self._slots[role] = {}
@@ -195,30 +269,28 @@ class Recorder:
                     s[1] += value.nbytes
                 if first is None:
                     first = s[6]
-        h = self._hist.get(first or "replace")
-        if h is None:
-            h = self._hist[first or "replace"] = [[0] * (len(MERGE_BUCKETS) + 1), [0.0] * (len(MERGE_BUCKETS) + 1)]
-        i = bisect_left(MERGE_BUCKETS, seconds)  # Prometheus buckets are "less or equal"
-        h[0][i] += 1
-        h[1][i] += seconds
-        self.chunks_seen += 1
-        if self.chunks_seen >= FLUSH_EVERY:
-            self.flush()
+        return first
 
     def sent(
-        self, table: dict[tuple[Any, Any], int], chunk: Any, wire: Any, name_of: Any, skip: Any
+        self,
+        table: dict[tuple[Any, Any], int],
+        chunk: Any,
+        wire: Any,
+        name_of: Any,
+        skip: Any,
+        kept: dict[tuple[Any, Any], list[Any]] | None = None,
     ) -> list[tuple[Any, Any]]:
         """One sent chunk, in one walk over ``chunk``: number each key of ``wire`` new to the request in
         ``table`` (as :func:`.marker.number_once` does, wire order), count the keys on the wire and,
         when metrics are on, the bytes of those the strategy left off; returns the keys left off, as
         ``(top, qual)`` pairs (qual None for a top-level key). ``wire`` is ``chunk`` or its encoded form
-        (same key order, values possibly encoded, some keys left off)."""
+        (same key order, values possibly encoded, some keys left off). ``kept``: the request's own cache
+        of the values left off (a value left off again, the same object, costs no byte count)."""
         on = self.on
-        saved = self._saved_slots
+        if kept is None:
+            kept = {}
         omitted: list[tuple[Any, Any]] = []
-        slots = self._slots.get("send") if on else None
-        if on and slots is None:
-            slots = self._slots["send"] = {}
+        meters = self.meters("send")  # one lookup per key, with the (top, qual) pair the numbering builds anyway
         for top, value in chunk.items():
             if top in skip:
                 continue
@@ -226,65 +298,62 @@ class Recorder:
                 sub = value if wire is chunk else wire.get(top)
                 if not isinstance(sub, dict):
                     sub = _EMPTY
-                if on:
-                    s = slots.get(top)
-                    if type(s) is not dict:
-                        s = slots[top] = {}
                 for qual, qv in value.items():
                     tq = (top, qual)
                     if qual in sub:
                         if tq not in table:
                             table[tq] = len(table)
                         if on:
-                            w = sub[qual]
-                            x = s.get(qual)
+                            w = qv if sub is value else sub[qual]
+                            x = meters.get(tq)
                             if x is None or x[2] is not type(w):
-                                x = self._slot(s, "send", top, qual, w, name_of)
+                                x = meters[tq] = self._slot({}, "send", top, qual, w, name_of)
                             x[0] += 1
                             if x[3]:
                                 x[1] += w.nbytes
                     else:
                         omitted.append(tq)
                         if on:
-                            k = saved.get(tq)
-                            if k is None or k[1] is not type(qv):
-                                k = self._kept_slot(tq, qv, name_of)
-                            k[0] += qv.nbytes if k[3] else value_nbytes(qv)
+                            c = kept.get(tq)
+                            if c is None or c[0] is not qv:
+                                c = kept[tq] = self._kept(tq, qv, name_of)
+                            c[2][0] += c[1]
             else:
                 tq = (top, None)
                 if wire is chunk or top in wire:
                     if tq not in table:
                         table[tq] = len(table)
                     if on:
-                        w = wire[top]
-                        s = slots.get(top)
-                        if s is None or type(s) is dict or s[2] is not type(w):
-                            s = self._slot(slots, "send", top, None, w, name_of)
-                        s[0] += 1
-                        if s[3]:
-                            s[1] += w.nbytes
+                        w = value if wire is chunk else wire[top]
+                        x = meters.get(tq)
+                        if x is None or x[2] is not type(w):
+                            x = meters[tq] = self._slot({}, "send", top, None, w, name_of)
+                        x[0] += 1
+                        if x[3]:
+                            x[1] += w.nbytes
                 else:
                     omitted.append(tq)
                     if on:
-                        k = saved.get(tq)
-                        if k is None or k[1] is not type(value):
-                            k = self._kept_slot(tq, value, name_of)
-                        k[0] += value.nbytes if k[3] else value_nbytes(value)
+                        c = kept.get(tq)
+                        if c is None or c[0] is not value:
+                            c = kept[tq] = self._kept(tq, value, name_of)
+                        c[2][0] += c[1]
         if on:
             self.chunks_seen += 1
             if self.chunks_seen >= FLUSH_EVERY:
                 self.flush()
         return omitted
 
-    def _kept_slot(self, tq: tuple[Any, Any], value: Any, name_of: Any) -> list[Any]:
-        """The kept-off slot of key ``tq`` for values of this type: [bytes, type, labels, is tensor]."""
-        x = self._saved_slots.get(tq)
-        if x is not None and x[0]:  # the key's value changed type: keep what the old slot counted
-            self.saved[x[2]] += x[0]
-        top, qual = tq
-        path = str(top) if qual is None else f"{top}.{qual}"
-        x = self._saved_slots[tq] = [0, type(value), (path, name_of(path, value)), isinstance(value, torch.Tensor)]
-        return x
+    def _kept(self, tq: tuple[Any, Any], value: Any, name_of: Any) -> list[Any]:
+        """``[value, its bytes, the kept-off slot of key tq for values of its type]``: a request's cache
+        entry for a value left off (slot: ``[bytes, labels]``, one per key and value type)."""
+        k = (tq, type(value))
+        slot = self._saved_slots.get(k)
+        if slot is None:
+            top, qual = tq
+            path = str(top) if qual is None else f"{top}.{qual}"
+            slot = self._saved_slots[k] = [0, (path, name_of(path, value))]
+        return [value, value.nbytes if isinstance(value, torch.Tensor) else value_nbytes(value), slot]
 
     def fallback(self, reason: str) -> None:
         self.fallbacks[reason] += 1
@@ -309,15 +378,12 @@ class Recorder:
         child = self._child
         for x in self._saved_slots.values():
             if x[0]:
-                child(m, "saved", x[2]).inc(x[0])
+                child(m, "saved", x[1]).inc(x[0])
         for slot in self._all:
             if slot[_N]:
                 child(m, "chunks", slot[_CLABELS]).inc(slot[_N])
             if slot[_B]:
                 child(m, "wire", slot[_WLABELS]).inc(slot[_B])
-        for labels, n in self.saved.items():
-            if n:
-                child(m, "saved", labels).inc(n)
         for reason, n in self.fallbacks.items():
             child(m, "fallbacks", (reason,)).inc(n)
         for labels, n in self.requests.items():
@@ -337,8 +403,6 @@ class Recorder:
             slot[_N] = slot[_B] = 0
         for x in self._saved_slots.values():
             x[0] = 0
-        for k in self.saved:
-            self.saved[k] = 0
         self.fallbacks.clear()
         self.requests.clear()
         for counts, sums in self._hist.values():

@@ -42,25 +42,54 @@ def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) 
             f"(it holds {len(table)}); release the request and re-send it from its first chunk",
             request_id=req_id,
         )
-    number_once(table, payload)
     sub: dict[str, Any] = {}
     views: list[tuple[Any, Any]] = []
+    rec = b.metrics
+    # The hook armed the recorder: this pass counts the keys (then the merge does not count them again).
+    meters = rec.meters("receive") if rec.armed else None
+    first = None
     for top, value in payload.items():
         if top in MARKERS:
             continue
         if isinstance(value, dict):
             for qual, qv in value.items():
+                tq = (top, qual)
+                if tq not in table:  # number_once, in this pass
+                    table[tq] = len(table)
+                if meters is not None:
+                    m = meters.get(tq)
+                    if m is None or m[2] is not type(qv):
+                        m = rec.meter(meters, "receive", tq, qv, b.strategy_name)
+                    m[0] += 1
+                    if m[3]:
+                        m[1] += qv.nbytes
+                    if first is None:
+                        first = m[6]
                 merge, view = b.tracks(_path(top, qual), qv, ar, ctx)
                 if merge:
                     sub.setdefault(top, {})[qual] = qv
                     if view:
-                        views.append((top, qual))
+                        views.append(tq)
         else:
+            tq = (top, None)
+            if tq not in table:
+                table[tq] = len(table)
+            if meters is not None:
+                m = meters.get(tq)
+                if m is None or m[2] is not type(value):
+                    m = rec.meter(meters, "receive", tq, value, b.strategy_name)
+                m[0] += 1
+                if m[3]:
+                    m[1] += value.nbytes
+                if first is None:
+                    first = m[6]
             merge, view = b.tracks(_path(top), value, ar, ctx)
             if merge:
                 sub[top] = value
                 if view:
-                    views.append((top, None))
+                    views.append(tq)
+    if meters is not None:
+        rec.armed, rec.first = False, first or "replace"
     meta = payload.get("meta")
     if isinstance(meta, dict) and "override_keys" in meta:
         sub.setdefault("meta", {})["override_keys"] = meta["override_keys"]
@@ -220,11 +249,15 @@ def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
             ar = self.model_mode == "ar"
             new = req_id not in b.held_once
             t0 = time.perf_counter()
+            rec = b.metrics
+            rec.arm()  # adapter_receive's own pass over the keys counts them
             try:
                 handed = adapter_receive(b, req_id, payload, ar)
             except AccumulationError as e:
                 handed = adapter_fallback(b, req_id, payload, ar, e)
-            b.received(payload, time.perf_counter() - t0, new, req_id)
+            counted = rec.on and not rec.armed
+            rec.armed = False
+            b.received(payload, time.perf_counter() - t0, new, req_id, counted=counted)
             result = (handed, result[1])
         return orig(
             self,

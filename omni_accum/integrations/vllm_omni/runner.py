@@ -127,16 +127,26 @@ def wrap_accumulate(orig: Callable[..., Any], *, decode_spans: bool) -> Callable
                 _sync(b, req_id, store[req_id])
             else:
                 b.receiver.release(req_id)  # upstream starts afresh here too
+            arm = True
             if decode_spans:
-                wire = align_decode_span(b, req_id, wire)
-            merged = b.receiver.merge(req_id, wire).to_dict()
+                aligned = align_decode_span(b, req_id, wire)
+                arm = aligned is wire  # the merge counts the wire's keys; a rewritten chunk is counted as it came
+                wire = aligned
+            rec = b.metrics
+            if arm:
+                rec.arm()
+            try:
+                merged = b.receiver.merge(req_id, wire).to_dict()
+            finally:
+                counted = arm and rec.on and not rec.armed
+                rec.armed = False
         except AccumulationError as e:
             # 0.30.0 takes this chunk (torch.cat promotes dtypes, takes a legacy empty tensor): let it,
             # on upstream's store (which still holds the send_once values left off); the next chunk re-seeds.
             b.fall_back(req_id, e, f"{type(self).__name__}._accumulate_payload")
             return orig(self, req_id, _upstream_chunk(store, req_id, payload_data))
         store[req_id] = merged
-        b.received(payload_data, time.perf_counter() - t0, new, req_id)
+        b.received(payload_data, time.perf_counter() - t0, new, req_id, counted=counted)
         return dict(merged)
 
     return _accumulate_payload

@@ -19,7 +19,7 @@ from typing import Any
 
 from omni_accum.engine import WIRE_MARKER
 from omni_accum.integrations.vllm_omni.binding import Binding, _changed, binding_for
-from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, omitted_mask, with_hello
+from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, SendTable, omitted_mask, with_hello
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -56,9 +56,11 @@ def encode_payload(b: Binding, req_id: str, data: Any) -> Any:
             hello = (b.fingerprint, bucket, b.short_source)
     wire = b.sender.encode(req_id, chunk, context=b.send_ctx.get(req_id))
     b.stats["chunks_sent"] += 1
-    table = b.sent_once.setdefault(req_id, {})
+    table = b.sent_once.get(req_id)
+    if table is None:
+        table = b.sent_once[req_id] = SendTable()
     # One walk numbers the keys new on the wire, finds those left off and counts the metrics.
-    omitted = b.metrics.sent(table, chunk, wire, b.strategy_name, MARKERS)
+    omitted = b.metrics.sent(table, chunk, wire, b.strategy_name, MARKERS, table.kept)
     if wire is chunk and hello is None:
         return data
     if wire is chunk:
