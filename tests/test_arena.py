@@ -147,6 +147,76 @@ def test_views_are_bit_exact_across_processes_and_released_space_is_reused():
     _no_leftover(name)
 
 
+def _flat_stream(req: int) -> list[dict]:
+    """A flat request as the seed workload sends it: a prefill, then one 8 KiB row per step with small
+    values (an int, a bool, None); now and then a step also carries a float (not a small value)."""
+    g = torch.Generator().manual_seed(2000 + req)
+    n = int(torch.randint(1, 30, (1,), generator=g))
+    chunks = [{"emb": torch.randn(n, 4096, generator=g).to(torch.bfloat16), "pos": 0, "fin": False, "note": None}]
+    steps = int(torch.randint(20, 70, (1,), generator=g))
+    for i in range(steps):
+        c = {"emb": torch.randn(1, 4096, generator=g).to(torch.bfloat16), "pos": i + 1, "fin": i == steps - 1}
+        c["note"] = None
+        if i % 17 == 5:
+            c["temp"] = 0.5 + i
+        chunks.append(c)
+    return chunks
+
+
+def _flat_sender(name: str, nreq: int) -> None:
+    torch.set_num_threads(1)
+    streams = {r: _flat_stream(r) for r in range(nreq)}
+    tx = ArenaSender(name, {"emb": "append"}, timeout_s=WAIT)  # no length hints: slabs grow mid-decode
+    rng = random.Random(3)
+    pos = {r: 0 for r in streams}
+    while pos:
+        r = rng.choice(sorted(pos))
+        tx.send(f"f{r}", streams[r][pos[r]])
+        pos[r] += 1
+        if pos[r] == len(streams[r]):
+            tx.done(f"f{r}")
+            del pos[r]
+    tx.close()
+
+
+def test_decode_steps_as_binary_descriptors_are_bit_exact_across_processes():
+    """Flat decode steps whose keys match the request's previous chunk go as binary descriptors (no
+    pickling); a step that grows its slab or carries another kind of value goes the general way. The
+    receiver's views equal the torch.cat reference after every chunk either way."""
+    name = _name("flat")
+    nreq = 4
+    rx = ArenaReceiver(name, 64 << 20, ring_bytes=256 << 10)
+    proc = _spawn(_flat_sender, name, nreq)
+    streams = {r: _flat_stream(r) for r in range(nreq)}
+    got = {r: 0 for r in range(nreq)}
+    total = sum(len(s) for s in streams.values())
+    try:
+        for _ in range(total):
+            ev = rx.poll(WAIT)
+            assert ev is not None, "the sender stopped"
+            r = int(ev.req_id[1:])
+            seen = streams[r][: got[r] + 1]
+            view, last = ev.view, seen[-1]
+            assert torch.equal(view["emb"], torch.cat([c["emb"] for c in seen]))
+            assert (view["pos"], view["fin"], view["note"]) == (last["pos"], last["fin"], None)
+            assert type(view["fin"]) is bool and type(view["pos"]) is int
+            if "temp" in last:
+                assert view["temp"] == last["temp"]
+            got[r] += 1
+            if got[r] == len(streams[r]):
+                rx.release(ev.req_id)
+        proc.join(WAIT)
+        assert proc.exitcode == 0
+        assert got == {r: len(s) for r, s in streams.items()}
+        general = nreq + sum(1 for s in streams.values() for c in s if "temp" in c)  # at least these
+        assert 0 < rx.binary_descriptors <= total - general
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        rx.close()
+    _no_leftover(name)
+
+
 def test_a_full_arena_refuses_before_writing_and_back_pressure_does_not_overwrite():
     name = _name("full")
     rx = ArenaReceiver(name, 8 << 20, ring_bytes=4096)
@@ -311,3 +381,32 @@ def test_bench_wire_arena_compares_the_three_wires_in_two_processes(vllm_omni, c
     assert set(rows) == {"arena", "connector", "shm"}, out
     assert all(line.rstrip().endswith("yes") for line in rows.values()), out
     assert not glob.glob("/dev/shm/omni_accum_arena_bench_*")
+
+
+def test_the_ring_keeps_order_and_bytes_across_wraps():
+    """Single-producer/single-consumer byte ring: random message sizes over a small ring wrap many times;
+    every message comes out once, in order, byte for byte; a full ring refuses (nothing written)."""
+    from omni_accum.arena.ring import Ring
+
+    mem = bytearray(8 * 16 + 512)
+    ring = Ring(memoryview(mem)[128:], memoryview(mem)[:128].cast("Q"), 0, 8)
+    rng = random.Random(11)
+    sent: list[bytes] = []
+    got: list[bytes] = []
+    for i in range(5000):
+        if rng.random() < 0.55:
+            msg = bytes(rng.randrange(256) for _ in range(rng.randrange(0, ring.max_message() + 1)))
+            if ring.push(msg):
+                sent.append(msg)
+            else:
+                assert len(sent) > len(got)  # refused only while something is unread
+        else:
+            m = ring.pop()
+            if m is None:
+                assert len(got) == len(sent)
+            else:
+                got.append(m)
+    while (m := ring.pop()) is not None:
+        got.append(m)
+    assert got == sent and len(sent) > 1000
+    assert ring.empty()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,15 @@ DTYPES: dict[str, torch.dtype] = {
         torch.bool,
     )
 }
+
+#: A decode step's descriptor in binary (no pickling): b"R", then ROWS_HEAD (the request's number, the
+#: sender's stamp, the item count), then one ROWS_ITEM per key: (key number, kind, value). Kinds: an
+#: append key's new row count, or a small value (None, a bool, an int). Request and key numbers are
+#: announced by the request's pickled CHUNK descriptors; a pickled message never starts with b"R".
+ROWS_TAG = 0x52
+ROWS_HEAD = struct.Struct("<QqH")
+ROWS_ITEM = struct.Struct("<HBq")
+R_ROWS, R_NONE, R_BOOL, R_INT = 0, 1, 2, 3
 
 #: how often a waiting side checks that its peer lives (seconds)
 LIVENESS_EVERY_S = 0.02

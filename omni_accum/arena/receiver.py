@@ -22,7 +22,22 @@ from typing import Any
 
 import torch
 
-from omni_accum.arena._common import CHUNK, DONE, DTYPES, FREE, LIVENESS_EVERY_S, MSG, place, wait_until
+from omni_accum.arena._common import (
+    CHUNK,
+    DONE,
+    DTYPES,
+    FREE,
+    LIVENESS_EVERY_S,
+    MSG,
+    R_BOOL,
+    R_NONE,
+    R_ROWS,
+    ROWS_HEAD,
+    ROWS_ITEM,
+    ROWS_TAG,
+    place,
+    wait_until,
+)
 from omni_accum.arena.region import W_SENDER_CLOSED, W_SENDER_PID, ArenaError, PeerDied, Region
 from omni_accum.errors import UnknownRequestError
 
@@ -30,7 +45,7 @@ from omni_accum.errors import UnknownRequestError
 _HELD = 255
 
 
-@dataclass
+@dataclass(slots=True)
 class Event:
     """One chunk taken off the ring: its request, the request's view after it, the sender's stamp."""
 
@@ -40,13 +55,14 @@ class Event:
 
 
 class _Req:
-    __slots__ = ("slabs", "view", "done", "failed")
+    __slots__ = ("slabs", "view", "done", "failed", "rix")
 
     def __init__(self) -> None:
         self.slabs: dict[str, tuple[int, int, torch.Tensor]] = {}  # path -> (page, npages, base tensor)
         self.view: dict[str, Any] = {}
         self.done = False
         self.failed = False
+        self.rix = 0  # the sender's number for it (its binary descriptors name it so)
 
 
 class ArenaReceiver:
@@ -65,6 +81,9 @@ class ArenaReceiver:
         self._data_off = self.region.data_off
         self._reqs: dict[str, _Req] = {}
         self._mailbox: dict[str, tuple[bytes, list[tuple[int, int]]]] = {}  # keyed messages not taken yet
+        self._by_rix: dict[int, tuple[str, _Req]] = {}  # the live sender's request numbers
+        self._keys: dict[int, tuple[str, str, str]] = {}  # its key numbers: (path, top, qualifier)
+        self.binary_descriptors = 0  # chunks that came as a binary decode-step descriptor
         self._last_check = time.monotonic()
 
     # ------------------------------------------------------------------ receiving
@@ -87,7 +106,7 @@ class ArenaReceiver:
                 msg = wait_until(ring.pop, timeout_s, self.check_sender)
                 if msg is None:
                     return None
-            ev = self._apply(pickle.loads(msg))
+            ev = self._take(msg)
             if ev is not None:
                 return ev
 
@@ -135,7 +154,35 @@ class ArenaReceiver:
     def _pump(self) -> None:
         ring = self.region.ring_f
         while (msg := ring.pop()) is not None:
-            self._apply(pickle.loads(msg))
+            self._take(msg)
+
+    def _take(self, msg: bytes) -> Event | None:
+        return self._apply_rows(msg) if msg[0] == ROWS_TAG else self._apply(pickle.loads(msg))
+
+    def _apply_rows(self, msg: bytes) -> Event:
+        """A binary decode-step descriptor (see ``ROWS_HEAD``): new row counts and small values."""
+        rix, t0, n = ROWS_HEAD.unpack_from(msg, 1)
+        hit = self._by_rix.get(rix)
+        if hit is None:
+            raise ArenaError(f"arena {self.region.path.name}: a descriptor names request number {rix}, never announced")
+        rid, req = hit
+        self.binary_descriptors += 1
+        view, slabs, keys = req.view, req.slabs, self._keys
+        for ix, kind, val in ROWS_ITEM.iter_unpack(msg[1 + ROWS_HEAD.size : 1 + ROWS_HEAD.size + n * ROWS_ITEM.size]):
+            path, top, qual = keys[ix]
+            if kind == R_ROWS:
+                v: Any = slabs[path][2][:val]
+            elif kind == R_NONE:
+                v = None
+            elif kind == R_BOOL:
+                v = bool(val)
+            else:
+                v = val
+            if qual:
+                view.setdefault(top, {})[qual] = v
+            else:
+                view[top] = v
+        return Event(rid, view, t0)
 
     def _apply(self, m: tuple) -> Event | None:
         if m[0] == MSG:
@@ -148,10 +195,16 @@ class ArenaReceiver:
             return None
         if m[0] != CHUNK:
             raise ArenaError(f"arena {self.region.path.name}: unknown message {m[0]!r}")
-        _, rid, t0, opens, rows, values = m
+        _, rid, t0, opens, rows, values, rix, keys = m
+        for ix, path in keys:
+            top, _, qual = path.partition(".")
+            self._keys[ix] = (path, top, qual)
         req = self._reqs.get(rid)
         if req is None:
             req = self._reqs[rid] = _Req()
+        if rix and req.rix != rix:
+            req.rix = rix
+            self._by_rix[rix] = (rid, req)
         view = req.view
         stale: list[tuple[int, int]] = []
         for path, page, npg, cap, dt, row_shape, append in opens:
@@ -199,6 +252,8 @@ class ArenaReceiver:
     def release(self, req_id: str) -> None:
         """Drop ``req_id``; its pages go back to the sender (views of it must not be used after this)."""
         req = self._reqs.pop(req_id, None)
+        if req is not None and self._by_rix.get(req.rix, (None, None))[1] is req:
+            del self._by_rix[req.rix]  # (a later sender may have given its number to another request)
         if req is None or not req.slabs:
             return
         spans = [(p, n) for p, n, _ in req.slabs.values()]
@@ -235,7 +290,9 @@ class ArenaReceiver:
     def _reset_sender(self) -> list[str]:
         ring = self.region.ring_f
         while (msg := ring.pop()) is not None:  # every published message is complete: apply it
-            self._apply(pickle.loads(msg))
+            self._take(msg)
+        self._by_rix.clear()  # a new sender numbers its requests and keys afresh
+        self._keys.clear()
         failed = []
         for rid, req in self._reqs.items():
             if not req.done and not req.failed:

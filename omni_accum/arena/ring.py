@@ -44,12 +44,12 @@ class Ring:
     def push(self, msg: bytes) -> bool:
         """Append ``msg``; False (nothing written) when the ring lacks room now (back-pressure)."""
         n = len(msg)
-        if n > self.max_message():
+        cap = self._cap
+        if n > cap // 2 - 16:
             raise ValueError(f"message of {n} bytes exceeds the ring's limit of {self.max_message()}")
         q = self._q
         tail = q[self._tail_i]
         head = q[self._head_i]
-        cap = self._cap
         pos = tail % cap
         need = 8 + _padded(n)
         skip = cap - pos if cap - pos < need else 0
@@ -73,12 +73,14 @@ class Ring:
         if head == tail:
             return None
         cap = self._cap
+        buf = self._buf
         pos = head % cap
-        if cap - pos < 8 or _LEN.unpack_from(self._buf, pos)[0] == _WRAP:
+        n = _LEN.unpack_from(buf, pos)[0] if cap - pos >= 8 else _WRAP
+        if n == _WRAP:
             head += cap - pos
             pos = 0
-        n = _LEN.unpack_from(self._buf, pos)[0]
-        msg = bytes(self._buf[pos + 8 : pos + 8 + n])
+            n = _LEN.unpack_from(buf, 0)[0]
+        msg = bytes(buf[pos + 8 : pos + 8 + n])
         q[self._head_i] = head + 8 + _padded(n)
         return msg
 

@@ -19,7 +19,23 @@ from typing import Any
 
 import torch
 
-from omni_accum.arena._common import CHUNK, DONE, FREE, LIVENESS_EVERY_S, MSG, dtype_name, leaves, wait_until
+from omni_accum.arena._common import (
+    CHUNK,
+    DONE,
+    FREE,
+    LIVENESS_EVERY_S,
+    MSG,
+    R_BOOL,
+    R_INT,
+    R_NONE,
+    R_ROWS,
+    ROWS_HEAD,
+    ROWS_ITEM,
+    ROWS_TAG,
+    dtype_name,
+    leaves,
+    wait_until,
+)
 from omni_accum.arena.region import (
     W_OWNER_CLOSED,
     W_SENDER_GEN,
@@ -85,6 +101,11 @@ class ArenaSender:
         self._released: set[str] = set()
         self._dead = False
         self._last_check = time.monotonic()
+        # The binary fast path (a flat chunk whose keys and slabs are those of the request's last chunk):
+        self._rix: dict[str, int] = {}  # request -> its number
+        self._next_rix = 1
+        self._keys: dict[str, int] = {}  # key path -> its number
+        self._fast: dict[str, tuple[tuple[str, ...], list[tuple[int, _Slab | None]]]] = {}  # request -> template
 
     # ------------------------------------------------------------------ pages
     def _alloc(self, nbytes: int) -> tuple[int, int]:
@@ -118,6 +139,7 @@ class ArenaSender:
                 if rid is not None and rid in self._reqs:
                     del self._reqs[rid]  # the receiver dropped it: later sends of it are refused
                     self._released.add(rid)
+                    self._fast.pop(rid, None)
 
     # ------------------------------------------------------------------ liveness
     def _check_owner(self) -> None:
@@ -138,6 +160,9 @@ class ArenaSender:
     def send(self, req_id: str, chunk: Mapping[str, Any], *, t0_ns: int = 0) -> None:
         """Publish one chunk of ``req_id``. Raises ArenaFull (nothing published, state unchanged),
         PeerDied (the receiver is gone), ArenaError (no ring space within ``timeout_s``)."""
+        fast = self._fast.get(req_id)
+        if fast is not None and type(chunk) is dict and self._send_rows(req_id, chunk, fast, t0_ns):
+            return
         if self._dead:
             self._fail()
         now = time.monotonic()
@@ -201,7 +226,16 @@ class ArenaSender:
             nb = v.numel() * v.element_size()
             if nb:
                 _memmove(slab.addr + slab.rows * slab.row_bytes, v.data_ptr(), nb)
-        msg = pickle.dumps((CHUNK, req_id, t0_ns, opens, rows, values), protocol=5)
+        rix = self._rix.get(req_id)
+        if rix is None:
+            rix = self._rix[req_id] = self._next_rix
+            self._next_rix += 1
+        keys = []  # key numbers this descriptor announces
+        for path in [*values, *(w[0] for w in opens), *(r[0] for r in rows)]:
+            if path not in self._keys and len(self._keys) < 0xFFFF:
+                self._keys[path] = len(self._keys)
+                keys.append((self._keys[path], path))
+        msg = pickle.dumps((CHUNK, req_id, t0_ns, opens, rows, values, rix, keys), protocol=5)
         ring = self.region.ring_f
         if not ring.push(msg):  # ... then the descriptor that publishes it (back-pressure: wait)
             if not wait_until(lambda: ring.push(msg), self.timeout_s, self._check_owner):
@@ -214,6 +248,77 @@ class ArenaSender:
             slabs[path].rows = n
         if fresh:
             self._reqs[req_id] = slabs
+        self._fast[req_id] = self._template(chunk, slabs)
+
+    def _template(self, chunk: Mapping[str, Any], slabs: dict[str, _Slab]) -> Any:
+        """What the next chunk of the request must look like to take the binary path (None: it cannot): a
+        flat chunk, the same keys in the same order, append-kind tensors going into their slabs, small
+        values (None, bool, int) otherwise."""
+        if type(chunk) is not dict:
+            return None
+        items = []
+        for path, v in chunk.items():
+            ix = self._keys.get(path)
+            slab = slabs.get(path)
+            if ix is None:
+                return None
+            if isinstance(v, torch.Tensor):
+                if slab is None or self.kinds.get(path) != "append":
+                    return None
+                items.append((ix, slab))
+            elif v is None or type(v) in (bool, int):
+                items.append((ix, None))
+            else:
+                return None
+        return tuple(chunk), items
+
+    def _send_rows(self, req_id: str, chunk: dict[str, Any], fast: Any, t0_ns: int) -> bool:
+        """Send a decode step as one binary descriptor (see ``ROWS_HEAD``) when it fits the request's
+        template and its slabs' room; False (nothing done) sends it the general way."""
+        keys, items = fast
+        if self._dead or tuple(chunk) != keys:
+            return False
+        now = time.monotonic()
+        if now - self._last_check >= LIVENESS_EVERY_S:
+            return False  # the general path checks the receiver first
+        if not self.region.ring_b.empty():
+            self._drain()
+            if req_id not in self._reqs:
+                return False
+        body = []
+        writes = []
+        for (ix, slab), v in zip(items, chunk.values()):
+            if slab is None:
+                if v is None:
+                    body.append(ROWS_ITEM.pack(ix, R_NONE, 0))
+                elif type(v) is bool:
+                    body.append(ROWS_ITEM.pack(ix, R_BOOL, v))
+                elif type(v) is int and -(1 << 63) <= v < 1 << 63:
+                    body.append(ROWS_ITEM.pack(ix, R_INT, v))
+                else:
+                    return False
+                continue
+            if type(v) is not torch.Tensor or v.dtype != slab.dtype or not v.is_cpu or not v.is_contiguous():
+                return False
+            shape = v.shape
+            if not shape or shape[1:] != slab.row_shape:
+                return False
+            n = shape[0]
+            if slab.rows + n > slab.cap_rows:
+                return False  # the general path grows the slab
+            writes.append((slab, v, n))
+            body.append(ROWS_ITEM.pack(ix, R_ROWS, slab.rows + n))
+        for slab, v, n in writes:  # the rows first ...
+            if n:
+                _memmove(slab.addr + slab.rows * slab.row_bytes, v.data_ptr(), n * slab.row_bytes)
+        msg = b"R" + ROWS_HEAD.pack(self._rix[req_id], t0_ns, len(body)) + b"".join(body)
+        ring = self.region.ring_f
+        if not ring.push(msg):  # ... then the descriptor that publishes them (back-pressure: wait)
+            if not wait_until(lambda: ring.push(msg), self.timeout_s, self._check_owner):
+                raise ArenaError(f"arena {self.region.path.name}: the receiver took nothing for {self.timeout_s}s")
+        for slab, _, n in writes:
+            slab.rows += n
+        return True
 
     # ------------------------------------------------------------------ keyed messages (the connector)
     def write_tensor(self, t: torch.Tensor) -> tuple[int, int]:
@@ -258,6 +363,8 @@ class ArenaSender:
             self._fail()
         self._reqs.pop(req_id, None)
         self._released.discard(req_id)
+        self._fast.pop(req_id, None)
+        self._rix.pop(req_id, None)
         msg = pickle.dumps((DONE, req_id), protocol=5)
         ring = self.region.ring_f
         if not ring.push(msg) and not wait_until(lambda: ring.push(msg), self.timeout_s, self._check_owner):
