@@ -368,15 +368,18 @@ def test_a_stale_arena_of_a_dead_owner_is_reclaimed():
 
 
 @pytest.mark.vllm
-def test_bench_wire_arena_compares_the_three_wires_in_two_processes(vllm_omni, capsys):
+@pytest.mark.parametrize("wait", ["block", "spin"])
+def test_bench_wire_arena_compares_the_three_wires_in_two_processes(vllm_omni, capsys, wait):
     """``omni-accum bench --wire arena``: the arena, the arena connector and vllm-omni's
-    SharedMemoryConnector in one run, every view checked against the torch.cat reference."""
+    SharedMemoryConnector in one run, every view checked against the torch.cat reference; both ways of
+    waiting between steps (``--arena-wait``)."""
     from omni_accum.cli.main import main
 
     rc = main(["bench", "--wire", "arena", "--workload", "qwen3-omni-seed", "--context-lens", "256",
-               "--concurrency", "2", "--repeats", "1"])
+               "--concurrency", "2", "--repeats", "1", "--arena-wait", wait])
     out = capsys.readouterr().out
     assert rc == 0, out
+    assert f"waiting for each other by {wait}" in out
     rows = {line.split()[3]: line for line in out.splitlines() if line.startswith("256 x c2")}
     assert set(rows) == {"arena", "connector", "shm"}, out
     assert all(line.rstrip().endswith("yes") for line in rows.values()), out

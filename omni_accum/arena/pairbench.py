@@ -4,7 +4,10 @@ The parent process is the sending stage, a spawned child the receiving stage; bo
 workload streams (N requests round-robin). Each step runs in lock step, and each side times only its
 own work: the sender its encode + write + publish, the receiver its take + merge + the consumer's
 read. A step's latency is the sum (waiting for the other process and the control pipe are not
-counted, so a loaded machine's scheduling delays are left out of both arms alike). Arms:
+counted, so a loaded machine's scheduling delays are left out of both arms alike). How the processes
+wait for each other (``--arena-wait``) still matters: ``block`` sleeps in the control pipe, so each
+timed step starts in a process the OS just woke (on a VM, with caches other work may have used);
+``spin`` polls it, as a stage busy in its engine loop stays on its CPU. Arms:
 
 * ``arena``: :class:`~omni_accum.arena.ArenaSender` -> :class:`~omni_accum.arena.ArenaReceiver`;
 * ``connector``: as ``shm``, over ``OmniAccumArenaConnector`` (the arena as a vllm-omni connector:
@@ -86,8 +89,26 @@ def _connector(arm: str, stage_id: int, name: str, data_bytes: int) -> Any:
     return ArenaConnector({**extra, "arena_bytes": data_bytes} if data_bytes else extra)
 
 
-def _receiver_main(conn: Any, wl: Workload, cl: int, concurrency: int, name: str, data_bytes: int) -> None:
+class _Pipe:
+    """One end of the control pipe; ``spin``: poll it instead of sleeping in ``recv`` (``--arena-wait``)."""
+
+    def __init__(self, conn: Any, spin: bool) -> None:
+        self.conn, self.spin = conn, spin
+        self.send, self.poll = conn.send, conn.poll
+
+    def recv(self) -> Any:
+        if self.spin:
+            poll = self.conn.poll
+            while not poll(0):
+                pass
+        return self.conn.recv()
+
+
+def _receiver_main(
+    conn: Any, wl: Workload, cl: int, concurrency: int, name: str, data_bytes: int, spin: bool = False
+) -> None:
     torch.set_num_threads(1)
+    conn = _Pipe(conn, spin)
     from omni_accum.arena.receiver import ArenaReceiver
     from omni_accum.engine import Receiver
 
@@ -154,9 +175,17 @@ def _receiver_main(conn: Any, wl: Workload, cl: int, concurrency: int, name: str
 
 
 def run_pair(
-    wl: Workload, context_len: int, concurrency: int, *, repeats: int = 3, arms: tuple[str, ...] = ARMS
+    wl: Workload,
+    context_len: int,
+    concurrency: int,
+    *,
+    repeats: int = 3,
+    arms: tuple[str, ...] = ARMS,
+    wait: str = "block",
 ) -> list[PairResult]:
-    """Measure ``arms`` for one bucket, interleaved round by round (the first round untimed: warm-up)."""
+    """Measure ``arms`` for one bucket, interleaved round by round (the first round untimed: warm-up).
+    ``wait``: how both processes wait for each other between timed steps (``block`` or ``spin``)."""
+    spin = wait == "spin"
     from omni_accum.arena.sender import ArenaSender
 
     streams = [build_stream(wl, context_len, r) for r in range(concurrency)]
@@ -167,9 +196,12 @@ def run_pair(
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
-        target=_receiver_main, args=(child, wl, context_len, concurrency, name, _arena_bytes(wl, streams)), daemon=True
+        target=_receiver_main,
+        args=(child, wl, context_len, concurrency, name, _arena_bytes(wl, streams), spin),
+        daemon=True,
     )
     proc.start()
+    parent = _Pipe(parent, spin)
     results = {a: PairResult(a, context_len, concurrency) for a in arms}
     conns: dict[str, Any] = {}  # arm -> the vllm-omni connector it puts to
     try:
@@ -263,14 +295,15 @@ def run_cli(args: Any, wl: Workload) -> int:
     """``omni-accum bench --wire arena``: every bucket, a table each; 1 when a view differs from the reference."""
     lens = args.context_lens or wl.default_context_lens()
     levels = args.concurrency or list(wl.concurrency)
+    wait = getattr(args, "arena_wait", "block")
     print(
         f"workload {wl.name}: wires arena, connector (OmniAccumArenaConnector), shm (SharedMemoryConnector); "
-        f"policy {wl.policy or 'default'}; two processes; {args.repeats} repeats"
+        f"policy {wl.policy or 'default'}; two processes, waiting for each other by {wait}; {args.repeats} repeats"
     )
     bad = False
     for cl in lens:
         for c in levels:
-            rows = run_pair(wl, cl, c, repeats=args.repeats)
+            rows = run_pair(wl, cl, c, repeats=args.repeats, wait=wait)
             print()
             print(format_pair_table(rows), flush=True)
             bad = bad or any(r.mismatch or r.error for r in rows)

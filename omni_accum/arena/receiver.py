@@ -168,7 +168,9 @@ class ArenaReceiver:
         rid, req = hit
         self.binary_descriptors += 1
         view, slabs, keys = req.view, req.slabs, self._keys
-        for ix, kind, val in ROWS_ITEM.iter_unpack(msg[1 + ROWS_HEAD.size : 1 + ROWS_HEAD.size + n * ROWS_ITEM.size]):
+        unpack, size = ROWS_ITEM.unpack_from, ROWS_ITEM.size
+        for off in range(1 + ROWS_HEAD.size, 1 + ROWS_HEAD.size + n * size, size):
+            ix, kind, val = unpack(msg, off)
             path, top, qual = keys[ix]
             if kind == R_ROWS:
                 v: Any = slabs[path][2][:val]

@@ -50,12 +50,13 @@ _memmove = ctypes.memmove
 
 
 class _Slab:
-    __slots__ = ("page", "npages", "addr", "cap_rows", "rows", "row_bytes", "dtype", "row_shape")
+    __slots__ = ("page", "npages", "addr", "cap_rows", "rows", "row_bytes", "dtype", "row_shape", "one_row")
 
     def __init__(self, page: int, npages: int, addr: int, cap_rows: int, row_bytes: int, dtype: Any, row_shape: tuple):
         self.page, self.npages, self.addr = page, npages, addr
         self.cap_rows, self.rows, self.row_bytes = cap_rows, 0, row_bytes
         self.dtype, self.row_shape = dtype, row_shape
+        self.one_row = (1, *row_shape)  # the shape of a one-row append
 
 
 class ArenaSender:
@@ -281,7 +282,8 @@ class ArenaSender:
         now = time.monotonic()
         if now - self._last_check >= LIVENESS_EVERY_S:
             return False  # the general path checks the receiver first
-        if not self.region.ring_b.empty():
+        region = self.region
+        if not region.ring_b.empty():
             self._drain()
             if req_id not in self._reqs:
                 return False
@@ -301,9 +303,12 @@ class ArenaSender:
             if type(v) is not torch.Tensor or v.dtype != slab.dtype or not v.is_cpu or not v.is_contiguous():
                 return False
             shape = v.shape
-            if not shape or shape[1:] != slab.row_shape:
+            if shape == slab.one_row:  # a decode step's one row
+                n = 1
+            elif shape and shape[1:] == slab.row_shape:
+                n = shape[0]
+            else:
                 return False
-            n = shape[0]
             if slab.rows + n > slab.cap_rows:
                 return False  # the general path grows the slab
             writes.append((slab, v, n))
@@ -312,10 +317,10 @@ class ArenaSender:
             if n:
                 _memmove(slab.addr + slab.rows * slab.row_bytes, v.data_ptr(), n * slab.row_bytes)
         msg = b"R" + ROWS_HEAD.pack(self._rix[req_id], t0_ns, len(body)) + b"".join(body)
-        ring = self.region.ring_f
+        ring = region.ring_f
         if not ring.push(msg):  # ... then the descriptor that publishes them (back-pressure: wait)
             if not wait_until(lambda: ring.push(msg), self.timeout_s, self._check_owner):
-                raise ArenaError(f"arena {self.region.path.name}: the receiver took nothing for {self.timeout_s}s")
+                raise ArenaError(f"arena {region.path.name}: the receiver took nothing for {self.timeout_s}s")
         for slab, _, n in writes:
             slab.rows += n
         return True

@@ -93,6 +93,16 @@ def register(subparsers: Any) -> None:
         "omni-accum's shared-memory arena, its vllm-omni connector (OmniAccumArenaConnector) and shm, sender "
         "and receiver in two processes (docs/arena.md)",
     )
+    a = p.add_argument_group("--wire arena")
+    a.add_argument(
+        "--arena-wait",
+        choices=("block", "spin"),
+        default="block",
+        help="how each process waits for the other between its timed steps (untimed either way): block "
+        "(default) sleeps in the control pipe, so every step starts in a process the OS just woke (on a VM, "
+        "often with cold caches); spin polls it, as a stage busy in its engine loop stays on its CPU. Both "
+        "processes and every arm wait the same way",
+    )
     m = p.add_argument_group("--wire mooncake")
     m.add_argument("--mooncake-master", metavar="HOST:PORT", help="use this Mooncake master instead of starting one")
     m.add_argument(
