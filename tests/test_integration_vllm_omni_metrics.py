@@ -268,3 +268,39 @@ def test_runner_hook_counts_in_the_merge_pass(vo, runner):
     }
     assert _sample("omni_accum_chunks_total", role="receive", key="embed.decode", strategy=dec) >= 4
     assert _sample("omni_accum_fallbacks_total", reason="refused_chunk") - fb0 == 1
+
+
+def test_adapter_hook_counts_a_refused_chunk_once_and_never_the_reseed(vo, adapters):
+    """The adapter's receive hook: a chunk refused after its pass counted the keys is counted once; one
+    refused before that pass (a mask naming keys this receiver never got) is counted by the hook's walk,
+    as it came; the fallback's re-seeding merge is never counted (real OmniChunkTransferAdapter)."""
+    from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY
+    from tests.test_integration_vllm_omni import _request
+
+    vo.install("qwen3-omni")
+    rx = adapters(1)
+    rid = f"oa-refuse-{os.getpid()}"
+    req = _request(rid, [], internal=rid)
+
+    def commit(payload: dict, i: int) -> None:
+        rx._commit_received_chunk(req, (payload, 0), stage_id=0, req_id=rid, chunk_id=i, connector_get_key=f"k{i}")
+
+    row = lambda v, dt=torch.bfloat16: torch.full((2, 16), float(v), dtype=dt)  # noqa: E731
+    first = {"embed": {"prefill": row(0)}, "meta": {"finished": torch.tensor(False)}}
+    commit(first, 0)  # binds the adapter; a sender without a hello: counted by the walk
+    b = rx._omni_accum_binding
+    b.publish()
+    before = _by_key("receive")
+    fb0 = _sample("omni_accum_fallbacks_total", reason="refused_chunk")
+    commit({"embed": {"prefill": row(1)}, "meta": {"finished": torch.tensor(False)}}, 1)  # accepted
+    commit({"embed": {"prefill": row(2, torch.float32)}}, 2)  # dtype change: refused in the merge
+    commit({"embed": {"prefill": row(3)}, OMITTED_KEY: 1 << 9}, 3)  # a mask beyond the keys: refused first
+    b.publish()
+    got = _delta(_by_key("receive"), before)
+    assert got == {
+        ("omni_accum_chunks", "embed.prefill"): 3,
+        ("omni_accum_wire_bytes", "embed.prefill"): 2 * 16 * 2 + 2 * 16 * 4 + 2 * 16 * 2,
+        ("omni_accum_chunks", "meta.finished"): 1,
+        ("omni_accum_wire_bytes", "meta.finished"): 1,
+    }, got
+    assert _sample("omni_accum_fallbacks_total", reason="refused_chunk") - fb0 == 2

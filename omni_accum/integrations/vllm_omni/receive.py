@@ -253,9 +253,11 @@ def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
             rec.arm()  # adapter_receive's own pass over the keys counts them
             try:
                 handed = adapter_receive(b, req_id, payload, ar)
+                counted = rec.on and not rec.armed
             except AccumulationError as e:
+                counted = rec.on and not rec.armed  # refused after its pass counted the keys, or before
+                rec.armed = False  # the fallback's re-seeding merge is not this chunk
                 handed = adapter_fallback(b, req_id, payload, ar, e)
-            counted = rec.on and not rec.armed
             rec.armed = False
             b.received(payload, time.perf_counter() - t0, new, req_id, counted=counted)
             result = (handed, result[1])
