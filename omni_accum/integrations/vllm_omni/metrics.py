@@ -7,9 +7,9 @@ collects them all, exactly as vLLM's own metrics travel. On by default when ``pr
 imports; ``OMNI_ACCUM_METRICS=0`` turns them off.
 
 The hot path never touches ``prometheus_client``: each binding's :class:`Recorder` adds to plain
-integers in a slot cached per key (a dict lookup and two additions per key; merge times go into a
-local histogram), and publishes them when a request is released and every :data:`FLUSH_EVERY`
-chunks. Wire bytes count the tensors' bytes (lists, strings and scalars count 0). Label values are
+integers in a slot cached per key (at most a dict lookup and two additions per key, counted in a pass
+the hook makes anyway; merge times go into a local histogram), and publishes them when a request is
+released and every :data:`FLUSH_EVERY` chunks. Wire bytes count the tensors' bytes (lists, strings and scalars count 0). Label values are
 bounded: key paths, strategy names, roles, buckets, reasons; never request ids.
 
 =============================================  =========  ============================================
@@ -109,11 +109,14 @@ _EMPTY: dict[Any, Any] = {}
 class Recorder:
     """Per-binding event counts, published to Prometheus in batches (see the module docstring).
 
-    The hot path (:meth:`sent`, :meth:`received`) touches no ``prometheus_client`` object and builds
-    no label: each key of a chunk finds its cached slot (one dict lookup per key, nested as the payload
-    is) and adds to two integers; a merge time goes into a local histogram (one ``bisect``). The send
-    side shares its walk with the key numbering the wire marker needs anyway. :meth:`flush` publishes
-    the differences.
+    The hot path (:meth:`sent`, :meth:`merged`, :meth:`received`) touches no ``prometheus_client``
+    object and builds no label: each key of a chunk finds its cached slot and adds to two integers; a
+    merge time goes into a local histogram (one ``bisect``). No hook walks a chunk for its metrics
+    alone: the send side counts in the walk that numbers the keys for the wire marker, a runner
+    transport's receive hook in the merge's own pass (:meth:`arm`, then the Receiver's ``on_merge``
+    is :meth:`merged`: the engine slot holds its metrics slot), the adapter's in the pass that picks
+    the keys it merges (:meth:`meters`); :meth:`received` walks only a chunk none of those counted.
+    :meth:`flush` publishes the differences.
     """
 
     __slots__ = (
