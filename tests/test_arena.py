@@ -386,6 +386,38 @@ def test_bench_wire_arena_compares_the_three_wires_in_two_processes(vllm_omni, c
     assert not glob.glob("/dev/shm/omni_accum_arena_bench_*")
 
 
+def test_chunks_in_flight_of_a_request_released_mid_stream_are_dropped_and_their_pages_return():
+    """The receiver releases a request (an abort) while the sender still has chunks of it on the ring:
+    those are dropped when they arrive (binary and pickled ones alike; a new slab's pages go back),
+    the other requests go on, and every page is free again at the end."""
+    name = _name("abort")
+    rx = ArenaReceiver(name, 1 << 20, ring_bytes=64 << 10)  # 256 pages
+    tx = ArenaSender(name, {"emb": "append"}, timeout_s=WAIT)
+    try:
+        row = lambda v: torch.full((1, 64), float(v), dtype=torch.bfloat16)  # noqa: E731
+        for rid in ("a", "b"):
+            tx.send(rid, {"emb": torch.zeros(3, 64, dtype=torch.bfloat16), "pos": 0})
+            tx.send(rid, {"emb": row(1), "pos": 1})  # binary from here on
+        assert [rx.poll(1.0).req_id for _ in range(4)] == ["a", "a", "b", "b"]
+        tx.send("a", {"emb": row(2), "pos": 2})  # in flight (binary) ...
+        tx.send("a", {"emb": torch.zeros(4000, 64, dtype=torch.bfloat16), "pos": 3})  # ... a grown slab (pickled)
+        tx.send("b", {"emb": row(2), "pos": 2})
+        rx.release("a")  # the abort, before those arrive
+        ev = rx.poll(1.0)
+        assert ev.req_id == "b" and ev.view["pos"] == 2 and ev.view["emb"].shape == (5, 64)
+        assert rx.poll(0.0) is None  # nothing else: the two chunks of "a" were dropped
+        with pytest.raises(ArenaError, match="released"):
+            tx.send("a", {"emb": row(3), "pos": 4})  # the sender learns it from the released pages
+        tx.done("b")
+        rx.release("b")
+        tx._drain()
+        assert tx._alloc(1 << 20) == (0, 256)  # every page is free again (the grown slab's too)
+    finally:
+        tx.close()
+        rx.close()
+    _no_leftover(name)
+
+
 def test_the_ring_keeps_order_and_bytes_across_wraps():
     """Single-producer/single-consumer byte ring: random message sizes over a small ring wrap many times;
     every message comes out once, in order, byte for byte; a full ring refuses (nothing written)."""

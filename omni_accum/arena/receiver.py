@@ -41,6 +41,8 @@ from omni_accum.arena._common import (
 from omni_accum.arena.region import W_SENDER_CLOSED, W_SENDER_PID, ArenaError, PeerDied, Region
 from omni_accum.errors import UnknownRequestError
 
+#: how many released requests' numbers a receiver remembers (to drop their chunks still in flight)
+_GONE_KEPT = 65536
 #: page-map value of pages a dead sender's successor must leave alone (live slabs of done requests)
 _HELD = 255
 
@@ -83,6 +85,9 @@ class ArenaReceiver:
         self._mailbox: dict[str, tuple[bytes, list[tuple[int, int]]]] = {}  # keyed messages not taken yet
         self._by_rix: dict[int, tuple[str, _Req]] = {}  # the live sender's request numbers
         self._keys: dict[int, tuple[str, str, str]] = {}  # its key numbers: (path, top, qualifier)
+        #: numbers of requests released here, whose descriptors may still be in flight (dropped when they
+        #: arrive, their pages given back); the oldest are forgotten past _GONE_KEPT
+        self._gone: dict[int, None] = {}
         self.binary_descriptors = 0  # chunks that came as a binary decode-step descriptor
         self._last_check = time.monotonic()
 
@@ -159,11 +164,13 @@ class ArenaReceiver:
     def _take(self, msg: bytes) -> Event | None:
         return self._apply_rows(msg) if msg[0] == ROWS_TAG else self._apply(pickle.loads(msg))
 
-    def _apply_rows(self, msg: bytes) -> Event:
+    def _apply_rows(self, msg: bytes) -> Event | None:
         """A binary decode-step descriptor (see ``ROWS_HEAD``): new row counts and small values."""
         rix, t0, n = ROWS_HEAD.unpack_from(msg, 1)
         hit = self._by_rix.get(rix)
         if hit is None:
+            if rix in self._gone:
+                return None  # a request released here while this step was in flight: dropped
             raise ArenaError(f"arena {self.region.path.name}: a descriptor names request number {rix}, never announced")
         rid, req = hit
         self.binary_descriptors += 1
@@ -201,6 +208,11 @@ class ArenaReceiver:
         for ix, path in keys:
             top, _, qual = path.partition(".")
             self._keys[ix] = (path, top, qual)
+        if rix in self._gone:  # released here while this chunk was in flight: its new slabs go back
+            spans = [(page, npg) for _, page, npg, *_ in opens]
+            if spans:
+                self._post_free(None, spans)
+            return None
         req = self._reqs.get(rid)
         if req is None:
             req = self._reqs[rid] = _Req()
@@ -256,6 +268,10 @@ class ArenaReceiver:
         req = self._reqs.pop(req_id, None)
         if req is not None and self._by_rix.get(req.rix, (None, None))[1] is req:
             del self._by_rix[req.rix]  # (a later sender may have given its number to another request)
+            if not req.done:  # the sender may still have chunks of it in flight
+                self._gone[req.rix] = None
+                if len(self._gone) > _GONE_KEPT:
+                    del self._gone[next(iter(self._gone))]
         if req is None or not req.slabs:
             return
         spans = [(p, n) for p, n, _ in req.slabs.values()]
@@ -295,6 +311,7 @@ class ArenaReceiver:
             self._take(msg)
         self._by_rix.clear()  # a new sender numbers its requests and keys afresh
         self._keys.clear()
+        self._gone.clear()
         failed = []
         for rid, req in self._reqs.items():
             if not req.done and not req.failed:

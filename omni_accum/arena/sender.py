@@ -104,7 +104,7 @@ class ArenaSender:
         self._last_check = time.monotonic()
         # The binary fast path (a flat chunk whose keys and slabs are those of the request's last chunk):
         self._rix: dict[str, int] = {}  # request -> its number
-        self._next_rix = 1
+        self._next_rix = (self.gen << 48) + 1  # each generation of sender numbers its requests apart
         self._keys: dict[str, int] = {}  # key path -> its number
         self._fast: dict[str, tuple[tuple[str, ...], list[tuple[int, _Slab | None]]]] = {}  # request -> template
 
