@@ -136,7 +136,7 @@ class ArenaReceiver:
         numel = 1
         for d in shape:
             numel *= d
-        nb = numel * torch.empty((), dtype=dtype).element_size()
+        nb = numel * dtype.itemsize
         off = self._data_off + page * self._page
         return self._u8[off : off + nb].view(dtype).view(tuple(shape)).clone()
 
@@ -227,7 +227,7 @@ class ArenaReceiver:
             numel = cap
             for d in row_shape:
                 numel *= d
-            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            nbytes = numel * dtype.itemsize
             base = self._u8[off : off + nbytes].view(dtype)
             base = base.view(cap, *row_shape) if append else base.view(row_shape)
             old = req.slabs.get(path)
