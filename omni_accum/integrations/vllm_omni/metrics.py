@@ -8,7 +8,7 @@ imports; ``OMNI_ACCUM_METRICS=0`` turns them off.
 
 The hot path never touches ``prometheus_client``: each binding's :class:`Recorder` adds to plain
 integers in a slot cached per key (at most a dict lookup and two additions per key, counted in a pass
-the hook makes anyway; merge times go into a local histogram), and publishes them when a request is
+the hook makes anyway; merge times go into a local list, bucketed at flush), and publishes them when a request is
 released and every :data:`FLUSH_EVERY` chunks. Wire bytes count the tensors' bytes (lists, strings and scalars count 0). Label values are
 bounded: key paths, strategy names, roles, buckets, reasons; never request ids.
 
@@ -30,9 +30,10 @@ metric                                         type       labels
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
-from bisect import bisect_left
+from bisect import bisect_right
 from collections import defaultdict
 from typing import Any
 
@@ -111,7 +112,7 @@ class Recorder:
 
     The hot path (:meth:`sent`, :meth:`merged`, :meth:`received`) touches no ``prometheus_client``
     object and builds no label: each key of a chunk finds its cached slot and adds to two integers; a
-    merge time goes into a local histogram (one ``bisect``). No hook walks a chunk for its metrics
+    merge time is appended to a local list (bucketed at :meth:`flush`). No hook walks a chunk for its metrics
     alone: the send side counts in the walk that numbers the keys for the wire marker, a runner
     transport's receive hook in the merge's own pass (:meth:`arm`, then the Receiver's ``on_merge``
     is :meth:`merged`: the engine slot holds its metrics slot), the adapter's in the pass that picks
@@ -144,7 +145,7 @@ class Recorder:
         self._by_type: dict[tuple[Any, ...], list[Any]] = {}  # (role, top, qual, type) -> slot
         self._all: list[list[Any]] = []  # every slot, for flush
         self._saved_slots: dict[tuple[Any, Any], list[Any]] = {}  # ((top, qual), type) -> [bytes, labels]
-        self._hist: dict[str, list[Any]] = {}  # strategy -> [counts per bucket (+Inf last), sums per bucket]
+        self._hist: dict[str, list[float]] = {}  # strategy -> merge times since the last flush
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._flat: dict[str, dict[tuple[Any, Any], list[Any]]] = {}  # role -> (top, qual) -> slot
         self.armed = False  # the next merged() counts (see arm)
@@ -228,10 +229,8 @@ class Recorder:
             first = self._walk(payload, name_of, skip, role) or "replace"
         h = self._hist.get(first)
         if h is None:
-            h = self._hist[first] = [[0] * (len(MERGE_BUCKETS) + 1), [0.0] * (len(MERGE_BUCKETS) + 1)]
-        i = bisect_left(MERGE_BUCKETS, seconds)  # Prometheus buckets are "less or equal"
-        h[0][i] += 1
-        h[1][i] += seconds
+            h = self._hist[first] = []
+        h.append(seconds)  # bucketed at flush
         self.chunks_seen += 1
         if self.chunks_seen >= FLUSH_EVERY:
             self.flush()
@@ -391,9 +390,9 @@ class Recorder:
             child(m, "fallbacks", (reason,)).inc(n)
         for labels, n in self.requests.items():
             child(m, "requests", labels).inc(n)
-        for strategy, (counts, sums) in self._hist.items():
-            if any(counts):
-                _observe_many(child(m, "merge", (strategy,)), counts, sums)
+        for strategy, times in self._hist.items():
+            if times:
+                _observe_many(child(m, "merge", (strategy,)), *_buckets(times))
         self._clear()
         if gauges is not None:
             held, active = gauges
@@ -408,10 +407,23 @@ class Recorder:
             x[0] = 0
         self.fallbacks.clear()
         self.requests.clear()
-        for counts, sums in self._hist.values():
-            for i in range(len(counts)):
-                counts[i] = 0
-                sums[i] = 0.0
+        for times in self._hist.values():
+            times.clear()
+
+
+def _buckets(times: list[float]) -> tuple[list[int], list[float]]:
+    """Counts and sums per bucket (``MERGE_BUCKETS``, then +Inf) of ``times``; Prometheus buckets are
+    "less or equal". Sorts ``times``."""
+    times.sort()
+    counts, sums, lo = [], [], 0
+    for bound in MERGE_BUCKETS:
+        hi = bisect_right(times, bound, lo)
+        counts.append(hi - lo)
+        sums.append(math.fsum(times[lo:hi]))
+        lo = hi
+    counts.append(len(times) - lo)
+    sums.append(math.fsum(times[lo:]))
+    return counts, sums
 
 
 def _observe_many(child: Any, counts: list[int], sums: list[float]) -> None:
