@@ -48,46 +48,27 @@ def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) 
     # The hook armed the recorder: this pass counts the keys (then the merge does not count them again).
     meters = rec.meters("receive") if rec.armed else None
     first = None
-    for top, value in payload.items():
-        if top in MARKERS:
-            continue
-        if isinstance(value, dict):
-            for qual, qv in value.items():
-                tq = (top, qual)
-                if tq not in table:  # number_once, in this pass
-                    table[tq] = len(table)
-                if meters is not None:
-                    m = meters.get(tq)
-                    if m is None or m[2] is not type(qv):
-                        m = rec.meter(meters, "receive", tq, qv, b.strategy_name)
-                    m[0] += 1
-                    if m[3]:
-                        m[1] += qv.nbytes
-                    if first is None:
-                        first = m[6]
-                merge, view = b.tracks(_path(top, qual), qv, ar, ctx)
-                if merge:
-                    sub.setdefault(top, {})[qual] = qv
-                    if view:
-                        views.append(tq)
-        else:
-            tq = (top, None)
-            if tq not in table:
-                table[tq] = len(table)
-            if meters is not None:
-                m = meters.get(tq)
-                if m is None or m[2] is not type(value):
-                    m = rec.meter(meters, "receive", tq, value, b.strategy_name)
-                m[0] += 1
-                if m[3]:
-                    m[1] += value.nbytes
-                if first is None:
-                    first = m[6]
-            merge, view = b.tracks(_path(top), value, ar, ctx)
-            if merge:
+    for top, qual, value in _leaves(payload):
+        tq = (top, qual)
+        if tq not in table:  # number_once, in this pass
+            table[tq] = len(table)
+        if meters is not None:
+            m = meters.get(tq)
+            if m is None or m[2] is not type(value):
+                m = rec.meter(meters, "receive", tq, value, b.strategy_name)
+            m[0] += 1
+            if m[3]:
+                m[1] += value.nbytes
+            if first is None:
+                first = m[6]
+        merge, view = b.tracks(_path(top, qual), value, ar, ctx)
+        if merge:
+            if qual is None:
                 sub[top] = value
-                if view:
-                    views.append(tq)
+            else:
+                sub.setdefault(top, {})[qual] = value
+            if view:
+                views.append(tq)
     if meters is not None:
         rec.armed, rec.first = False, first or "replace"
     meta = payload.get("meta")
