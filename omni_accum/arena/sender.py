@@ -47,6 +47,7 @@ from omni_accum.arena.region import (
 )
 
 _memmove = ctypes.memmove
+_ROWS = bytes((ROWS_TAG,))  # the first byte of a binary descriptor
 
 
 class _Slab:
@@ -157,13 +158,9 @@ class ArenaSender:
                 self._reqs.clear()
         raise PeerDied(f"arena {self.region.path.name}: the receiver is gone; failed requests {inflight}", inflight)
 
-    # ------------------------------------------------------------------ sending
-    def send(self, req_id: str, chunk: Mapping[str, Any], *, t0_ns: int = 0) -> None:
-        """Publish one chunk of ``req_id``. Raises ArenaFull (nothing published, state unchanged),
-        PeerDied (the receiver is gone), ArenaError (no ring space within ``timeout_s``)."""
-        fast = self._fast.get(req_id)
-        if fast is not None and type(chunk) is dict and self._send_rows(req_id, chunk, fast, t0_ns):
-            return
+    def _ready(self) -> None:
+        """Before a send: fail if the receiver is gone (checked every LIVENESS_EVERY_S), take back the
+        pages it released."""
         if self._dead:
             self._fail()
         now = time.monotonic()
@@ -171,9 +168,17 @@ class ArenaSender:
             self._last_check = now
             self._check_owner()
             self.region.beat()
-        ring_b = self.region.ring_b
-        if not ring_b.empty():
+        if not self.region.ring_b.empty():
             self._drain()
+
+    # ------------------------------------------------------------------ sending
+    def send(self, req_id: str, chunk: Mapping[str, Any], *, t0_ns: int = 0) -> None:
+        """Publish one chunk of ``req_id``. Raises ArenaFull (nothing published, state unchanged),
+        PeerDied (the receiver is gone), ArenaError (no ring space within ``timeout_s``)."""
+        fast = self._fast.get(req_id)
+        if fast is not None and type(chunk) is dict and self._send_rows(req_id, chunk, fast, t0_ns):
+            return
+        self._ready()
         if req_id in self._released:
             raise ArenaError(f"request {req_id!r} was released by the receiver")
         slabs = self._reqs.get(req_id)
@@ -316,7 +321,7 @@ class ArenaSender:
         for slab, v, n in writes:  # the rows first ...
             if n:
                 _memmove(slab.addr + slab.rows * slab.row_bytes, v.data_ptr(), n * slab.row_bytes)
-        msg = b"R" + ROWS_HEAD.pack(self._rix[req_id], t0_ns, len(body)) + b"".join(body)
+        msg = _ROWS + ROWS_HEAD.pack(self._rix[req_id], t0_ns, len(body)) + b"".join(body)
         ring = region.ring_f
         if not ring.push(msg):  # ... then the descriptor that publishes them (back-pressure: wait)
             if not wait_until(lambda: ring.push(msg), self.timeout_s, self._check_owner):
@@ -343,15 +348,7 @@ class ArenaSender:
         """Push the keyed message ``key`` (``body``, and the pages its tensors are in) after the tensors
         were written. Raises PeerDied, ArenaError (over the ring's limit, or no ring space within
         ``timeout_s``); the caller then frees ``spans``."""
-        if self._dead:
-            self._fail()
-        now = time.monotonic()
-        if now - self._last_check >= LIVENESS_EVERY_S:
-            self._last_check = now
-            self._check_owner()
-            self.region.beat()
-        if not self.region.ring_b.empty():
-            self._drain()
+        self._ready()
         msg = pickle.dumps((MSG, key, body, spans), protocol=5)
         ring = self.region.ring_f
         if len(msg) > ring.max_message():
