@@ -29,6 +29,7 @@ from omni_accum.integrations.vllm_omni.handshake import (  # noqa: F401 - policy
     policy_fingerprint,
 )
 from omni_accum.integrations.vllm_omni.marker import MARKERS, _leaves, _path  # noqa: F401 - _leaves, _path re-exported
+from omni_accum.integrations.vllm_omni.store import ReleasingDict
 from omni_accum.policy import Policy, load_policy
 
 logger = logging.getLogger("omni_accum.vllm_omni")
@@ -423,33 +424,3 @@ def detach_all() -> int:
     for obj in alive:
         detach(obj)
     return len(alive)
-
-
-class ReleasingDict(dict):
-    """The transport's ``_send_side_request_payload``: removing an entry releases the Receiver state.
-
-    Upstream releases its accumulator by popping this dict (chunk finished, cleanup, abort), so the
-    Receiver is released exactly there, whatever the path.
-    """
-
-    def __init__(self, release: Callable[[Any], Any], *args: Any) -> None:
-        super().__init__(*args)
-        self.release = release
-
-    def pop(self, key: Any, *default: Any) -> Any:
-        self.release(key)
-        return super().pop(key, *default)
-
-    def __delitem__(self, key: Any) -> None:
-        self.release(key)
-        super().__delitem__(key)
-
-    def popitem(self) -> tuple[Any, Any]:
-        key, value = super().popitem()
-        self.release(key)
-        return key, value
-
-    def clear(self) -> None:
-        for key in list(self):
-            self.release(key)
-        super().clear()

@@ -2,7 +2,7 @@
 the MRv2 data plane (0.30), of the runner mixin (0.28); the decode-span merge kept where the release has
 it (``decode_spans``: which methods do is in each release family, :mod:`.families`). Upstream's
 accumulator dict stays the store of record: the binding's Receiver is synced with it, and popping it
-releases the Receiver (:class:`.binding.ReleasingDict`).
+releases the Receiver (:class:`.store.ReleasingDict`).
 """
 
 from __future__ import annotations

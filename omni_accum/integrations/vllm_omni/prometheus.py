@@ -1,0 +1,113 @@
+"""The Prometheus side of omni-accum's metrics: the metric objects in ``prometheus_client``'s default
+registry (created once per process), whether metrics are on, and publishing a local merge-time list
+as a histogram. :mod:`.metrics` counts on the hot path and publishes through this module.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from bisect import bisect_right
+from typing import Any
+
+ENV_METRICS = "OMNI_ACCUM_METRICS"
+MERGE_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1, 1.0)
+
+_lock = threading.Lock()
+_metrics: dict[str, Any] | None = None
+_unavailable = False
+
+
+def enabled() -> bool:
+    """True when metrics are on (``OMNI_ACCUM_METRICS`` not 0/off/false) and ``prometheus_client`` imports."""
+    if os.environ.get(ENV_METRICS, "1").strip().lower() in ("0", "off", "false", "no"):
+        return False
+    return _registry_metrics() is not None
+
+
+def _registry_metrics() -> dict[str, Any] | None:
+    """The metric objects, created once per process in the default registry (None: unavailable)."""
+    global _metrics, _unavailable
+    if _metrics is not None or _unavailable:
+        return _metrics
+    with _lock:
+        if _metrics is not None or _unavailable:
+            return _metrics
+        try:
+            from prometheus_client import Counter, Gauge, Histogram
+        except ImportError:
+            _unavailable = True
+            return None
+        _metrics = {
+            "chunks": Counter("omni_accum_chunks_total", "Payload chunks per key", ["role", "key", "strategy"]),
+            "requests": Counter(
+                "omni_accum_requests_total", "Requests seen", ["role", "context_bucket", "concurrency_bucket"]
+            ),
+            "wire": Counter("omni_accum_wire_bytes_total", "Payload bytes of the values on the wire", ["role", "key"]),
+            "saved": Counter(
+                "omni_accum_wire_bytes_saved_total", "Bytes a strategy kept off the wire", ["key", "strategy"]
+            ),
+            "fallbacks": Counter("omni_accum_fallbacks_total", "Chunks left to vllm-omni's own code", ["reason"]),
+            "held": Gauge("omni_accum_held_bytes", "Bytes held by live requests", multiprocess_mode="livesum"),
+            "active": Gauge(
+                "omni_accum_active_requests", "Requests holding state", ["role"], multiprocess_mode="livesum"
+            ),
+            "merge": Histogram(
+                "omni_accum_merge_seconds", "Time a receive hook spends per chunk", ["strategy"], buckets=MERGE_BUCKETS
+            ),
+            "info": Gauge(
+                "omni_accum_policy_info",
+                "The policy a binding runs (value 1)",
+                ["source", "fingerprint", "version"],
+                multiprocess_mode="liveall",
+            ),
+        }
+        return _metrics
+
+
+def _buckets(times: list[float]) -> tuple[list[int], list[float]]:
+    """Counts and sums per bucket (``MERGE_BUCKETS``, then +Inf) of ``times``; Prometheus buckets are
+    "less or equal". Sorts ``times``."""
+    times.sort()
+    counts, sums, lo = [], [], 0
+    for bound in MERGE_BUCKETS:
+        hi = bisect_right(times, bound, lo)
+        counts.append(hi - lo)
+        sums.append(math.fsum(times[lo:hi]))
+        lo = hi
+    counts.append(len(times) - lo)
+    sums.append(math.fsum(times[lo:]))
+    return counts, sums
+
+
+def _observe_many(child: Any, counts: list[int], sums: list[float]) -> None:
+    """Add a local histogram (counts and sums per bucket, ``MERGE_BUCKETS`` then +Inf) to a Prometheus
+    histogram child: through its per-bucket values when it has the layout ``prometheus_client`` has
+    had since 0.4 (one ``inc`` per bucket), else one ``observe`` per event at its bucket's mean
+    (counts and sum stay exact either way)."""
+    buckets, total = getattr(child, "_buckets", None), getattr(child, "_sum", None)
+    bounds = getattr(child, "_upper_bounds", None)
+    if buckets is not None and total is not None and bounds is not None and list(bounds[:-1]) == list(MERGE_BUCKETS):
+        for i, n in enumerate(counts):
+            if n:
+                buckets[i].inc(n)
+        total.inc(sum(sums))
+        return
+    for n, s in zip(counts, sums):
+        for _ in range(n):
+            child.observe(s / n)
+
+
+def policy_info(source: str, fingerprint: str, version: str) -> None:
+    """Set ``omni_accum_policy_info{source, fingerprint, version} = 1`` (when metrics are on)."""
+    m = _registry_metrics() if enabled() else None
+    if m is not None:
+        m["info"].labels(source, fingerprint, version).set(1)
+
+
+def fallback(reason: str) -> None:
+    """Count one fallback outside any binding (a binding that could not be made)."""
+    m = _registry_metrics() if enabled() else None
+    if m is not None:
+        m["fallbacks"].labels(reason).inc()
