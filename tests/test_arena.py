@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from omni_accum.arena import ArenaError, ArenaFull, ArenaReceiver, ArenaSender, PeerDied, path_for, sweep_stale
+from omni_accum.arena._common import wait_until
 
 KINDS = {"emb": "append", "hid.x": "append", "ids": "append", "bos": "static"}
 WAIT = 120.0
@@ -338,10 +339,8 @@ def test_an_owner_ended_by_sigterm_leaves_nothing_in_dev_shm():
     )
     assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
     assert done.stdout.strip() == str(path_for(name))  # it did create its region
-    deadline = time.monotonic() + 30
-    while path_for(name).exists() and time.monotonic() < deadline:
-        time.sleep(0.1)  # multiprocessing's resource tracker removes it once the process is gone
-    assert not path_for(name).exists()
+    # multiprocessing's resource tracker removes it once the process is gone (a bounded wait, not a timing)
+    assert wait_until(lambda: not path_for(name).exists(), 30.0, lambda: None)
 
 
 def test_a_stale_arena_of_a_dead_owner_is_reclaimed():

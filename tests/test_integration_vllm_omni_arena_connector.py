@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from omni_accum.arena._common import wait_until
+
 from tests.test_integration_vllm_omni import T2T, _thinker_steps, assert_same
 
 pytestmark = pytest.mark.vllm
@@ -242,7 +244,6 @@ def test_a_receiver_killed_without_closing_leaves_no_region(vo, arena_name):
     )
     assert done.returncode == -9, done.stderr[-2000:]
     assert f"{arena_name}_0_1" in done.stdout  # it did create one
-    deadline = time.monotonic() + 30
-    while glob.glob(f"/dev/shm/omni_accum_arena_{arena_name}*") and time.monotonic() < deadline:
-        time.sleep(0.1)  # multiprocessing's resource tracker removes it once the process is gone
-    assert not glob.glob(f"/dev/shm/omni_accum_arena_{arena_name}*")
+    # multiprocessing's resource tracker removes it once the process is gone (a bounded wait, not a timing)
+    gone = lambda: not glob.glob(f"/dev/shm/omni_accum_arena_{arena_name}*")  # noqa: E731
+    assert wait_until(gone, 30.0, lambda: None)
