@@ -152,7 +152,7 @@ class Binding:
     def received(
         self,
         payload: Mapping[str, Any],
-        seconds: float,
+        seconds: float | None,
         new_request: bool,
         req_id: Any = None,
         role: str = "receive",
@@ -160,7 +160,8 @@ class Binding:
     ) -> None:
         """Metrics of one received chunk (``accumulate``: one step of the full-payload accumulator): per
         key, and the hook's time under the strategy of its first append-kind key (``replace`` when it has
-        none). ``counted``: the hook's merge already counted the keys (see :meth:`.metrics.Recorder.arm`)."""
+        none). ``counted``: the hook's merge already counted the keys (see :meth:`.metrics.Recorder.arm`),
+        and recorded the time too when ``seconds`` is None."""
         rec = self.metrics
         if not rec.on:
             return

@@ -30,6 +30,7 @@ metric                                         type       labels
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -48,6 +49,8 @@ from omni_accum.integrations.vllm_omni.prometheus import (  # noqa: F401 - re-ex
 from omni_accum.strategy import value_nbytes
 
 logger = logging.getLogger("omni_accum.vllm_omni")
+_Tensor = torch.Tensor
+_perf_counter = time.perf_counter
 
 #: Chunks after which a Recorder publishes without waiting for a release.
 FLUSH_EVERY = 256
@@ -86,6 +89,7 @@ class Recorder:
         "armed",
         "first",
         "_flat",
+        "t0",
     )
 
     def __init__(self) -> None:
@@ -102,6 +106,7 @@ class Recorder:
         self._flat: dict[str, dict[tuple[Any, Any], list[Any]]] = {}  # role -> (top, qual) -> slot
         self.armed = False  # the next merged() counts (see arm)
         self.first = "replace"  # the histogram label merged() found for the chunk it counted last
+        self.t0: float | None = None  # the armed hook's start: merged() records the merge time
 
     def _slot(self, holder: dict[Any, Any], role: str, top: Any, qual: Any, value: Any, name_of: Any) -> list[Any]:
         """The slot of (role, key, type(value)), made once; it becomes ``holder``'s entry for the key."""
@@ -117,29 +122,45 @@ class Recorder:
         holder[top if qual is None else qual] = slot
         return slot
 
-    def arm(self) -> None:
-        """The next :meth:`merged` call counts (a hook's own merge; re-seeding merges do not)."""
+    def arm(self, t0: float | None = None) -> None:
+        """The next :meth:`merged` call counts (a hook's own merge; re-seeding merges do not). ``t0``: the
+        hook's start (``time.perf_counter()``); :meth:`merged` then also records the merge time, from
+        ``t0`` to the end of the merge (else the hook does, with :meth:`timed`)."""
         self.armed = self.on
+        self.t0 = t0
 
     def merged(self, pairs: list[tuple[Any, Any]], role: str = "receive") -> None:
         """A Receiver's ``on_merge``: count the ``(slot, value)`` pairs of the chunk it just merged, when
-        :meth:`arm` asked for it (else nothing). Each engine slot keeps its metrics slot in ``.meter``, so
-        a key costs no lookup: an increment and, for a tensor, its bytes. Leaves the strategy of the
-        chunk's first append-kind key in :attr:`first` for the merge histogram (see :meth:`received`)."""
+        :meth:`arm` asked for it (else nothing). Each engine slot keeps its metrics slot in ``.meter`` (one
+        per engine slot: its labels are the slot's path and strategy, whatever the value's type), so a key
+        costs no lookup: an increment and, for a tensor, its bytes. The merge time goes under the strategy
+        of the chunk's first append-kind key (``replace`` when it has none), which is left in :attr:`first`."""
         if not self.armed:
             return
         self.armed = False
-        first = None
         for slot, v in pairs:
             m = slot.meter
-            if m is None or m[2] is not type(v):
-                m = slot.meter = self._engine_slot(role, slot, v)
+            if m is None:
+                m = slot.meter = self._engine_slot(role, slot)
             m[0] += 1
-            if m[3]:
+            if isinstance(v, _Tensor):
                 m[1] += v.nbytes
-            if first is None:
-                first = m[6]
-        self.first = first or "replace"
+        first = "replace"
+        for slot, _ in pairs:  # the first append-kind key: in a decode chunk, the first one
+            if slot.meter[6] is not None:
+                first = slot.meter[6]
+                break
+        self.first = first
+        t0 = self.t0
+        if t0 is not None:  # timed(), inlined: this runs for every chunk
+            self.t0 = None
+            h = self._hist.get(first)
+            if h is None:
+                h = self._hist[first] = []
+            h.append(_perf_counter() - t0)  # bucketed at flush
+            self.chunks_seen += 1
+            if self.chunks_seen >= FLUSH_EVERY:
+                self.flush()
 
     def meters(self, role: str) -> dict[tuple[Any, Any], list[Any]]:
         """The flat ``(top, qual) -> slot`` table of ``role``, for a hook that counts in its own pass
@@ -154,31 +175,38 @@ class Recorder:
         slot = flat[tq] = self._slot({}, role, tq[0], tq[1], value, name_of)
         return slot
 
-    def _engine_slot(self, role: str, slot: Any, value: Any) -> list[Any]:
-        """The metrics slot of an engine slot's key for values of this type, under the strategy the
-        engine slot runs (a request's own tuned bucket may give a key another strategy than the next's)."""
+    def _engine_slot(self, role: str, slot: Any) -> list[Any]:
+        """The metrics slot of an engine slot's key, under the strategy the engine slot runs (a request's
+        own tuned bucket may give a key another strategy than the next's)."""
         path, name = slot.path, slot.spec.name
-        k = (role, path, type(value), name)
+        k = (role, path, None, name)
         m = self._by_type.get(k)
         if m is None:
             labels = (role, path, name)
-            m = [0, 0, type(value), isinstance(value, torch.Tensor), labels, (role, path)]
+            m = [0, 0, None, None, labels, (role, path)]
             m.append(None if name in _REPLACE_LIKE else name)
             self._by_type[k] = m
             self._all.append(m)
         return m
 
     def received(
-        self, payload: Any, seconds: float, name_of: Any, skip: Any, role: str = "receive", counted: bool = False
+        self, payload: Any, seconds: float | None, name_of: Any, skip: Any, role: str = "receive", counted: bool = False
     ) -> None:
         """One received chunk: every key (tensor bytes as wire bytes; top-level keys in ``skip`` are not
         counted) and its merge time, under the strategy of its first append-kind key (``replace`` when it
         has none). ``name_of(path, value)`` names a key's strategy (called once per key and value type).
-        ``counted``: :meth:`merged` already counted the keys (the merge's own pass); only the time is left."""
-        if counted:
+        ``counted``: :meth:`merged` already counted the keys (the merge's own pass); only the time is left
+        (``seconds`` None: that too, as after an :meth:`arm` given the hook's start)."""
+        if not counted:
+            self.timed(seconds, self._walk(payload, name_of, skip, role) or "replace")
+        elif seconds is not None:  # None: merged() recorded it
+            self.timed(seconds, self.first)
+
+    def timed(self, seconds: float, first: str | None = None) -> None:
+        """The merge time of a chunk whose keys are counted, under ``first`` (default: :attr:`first`, what
+        the counting pass found): the hooks' call for a chunk of a request already known."""
+        if first is None:
             first = self.first
-        else:
-            first = self._walk(payload, name_of, skip, role) or "replace"
         h = self._hist.get(first)
         if h is None:
             h = self._hist[first] = []
@@ -262,7 +290,7 @@ class Recorder:
                     if tq not in table:
                         table[tq] = len(table)
                     if on:
-                        w = sub[k]
+                        w = qv if sub is value else sub[k]
                         x = meters.get(tq)
                         if x is None or x[2] is not type(w):
                             x = meters[tq] = self._slot({}, "send", top, qual, w, name_of)

@@ -240,7 +240,10 @@ def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
                 rec.armed = False  # the fallback's re-seeding merge is not this chunk
                 handed = adapter_fallback(b, req_id, payload, ar, e)
             rec.armed = False
-            b.received(payload, time.perf_counter() - t0, new, req_id, counted=counted)
+            if counted and not new:  # the steady path: only the time is left to record
+                rec.timed(time.perf_counter() - t0)
+            else:
+                b.received(payload, time.perf_counter() - t0, new, req_id, counted=counted)
             result = (handed, result[1])
         return orig(
             self,

@@ -134,7 +134,7 @@ def wrap_accumulate(orig: Callable[..., Any], *, decode_spans: bool) -> Callable
                 wire = aligned
             rec = b.metrics
             if arm:
-                rec.arm()
+                rec.arm(t0)  # the merge counts the keys and records its time
             try:
                 merged = b.receiver.merge(req_id, wire).to_dict()
             finally:
@@ -146,7 +146,10 @@ def wrap_accumulate(orig: Callable[..., Any], *, decode_spans: bool) -> Callable
             b.fall_back(req_id, e, f"{type(self).__name__}._accumulate_payload")
             return orig(self, req_id, _upstream_chunk(store, req_id, payload_data))
         store[req_id] = merged
-        b.received(payload_data, time.perf_counter() - t0, new, req_id, counted=counted)
+        if not counted:
+            b.received(payload_data, time.perf_counter() - t0, new, req_id)
+        elif new:  # the merge counted the keys and its time: the request is left
+            b.received(payload_data, None, new, req_id, counted=True)
         return dict(merged)
 
     return _accumulate_payload
