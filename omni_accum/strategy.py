@@ -186,6 +186,13 @@ class StrategySpec:
 # ---------------------------------------------------------------------------------------------- #
 
 
+#: Attribute of a tensor an arena receiver hands out as the new rows of an append chain (see
+#: :mod:`omni_accum.arena`): ``(chain number, first row, the chain's rows so far as one view)``. An
+#: append-kind accumulator whose rows are that chain's up to that first row may take the view as its
+#: buffer, with no copy (``prealloc`` does).
+ARENA_TAG = "_omni_accum_arena"
+
+
 def value_nbytes(value: Any) -> int:
     """Approximate bytes held by a payload value: tensor storage, 8 bytes per list item, string and
     bytes length, a dict's values; 0 otherwise.

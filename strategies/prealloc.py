@@ -8,6 +8,14 @@ and grows by ``growth_factor`` when full. Capacity never exceeds
 
 Views are borrowed: the rows they show never change, but writing into a view writes into the
 buffer.
+
+Over omni-accum's arena connector (``OmniAccumArenaConnector``) the buffer is the arena itself: the
+sender writes each chunk's rows of an append key behind the key's earlier rows in one shared slab,
+and the receiver hands them out as a view tagged with that slab's rows so far (``ARENA_TAG``). While
+every chunk of the key comes so, right behind the rows held, the accumulator takes that view as its
+buffer: no copy on the receiving side, the consumer reads the shared pages. Any other chunk (another
+connector's, a trimmed span, a gap) makes it an ordinary buffer from then on (one copy of the rows
+held), so the view is always the ``torch.cat`` of the chunks, bit for bit.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from omni_accum.hookspecs import hookimpl
-from omni_accum.strategy import AppendAccumulator, KeyInfo, Strategy, StrategySpec, value_nbytes
+from omni_accum.strategy import ARENA_TAG, AppendAccumulator, KeyInfo, Strategy, StrategySpec, value_nbytes
 
 
 _memmove = ctypes.memmove
@@ -39,7 +47,7 @@ class Params(BaseModel):
 class PreallocAccumulator(AppendAccumulator):
     """A buffer with ``rows`` valid rows; the first chunk is held by reference until an append."""
 
-    __slots__ = ("_first", "_buf", "_cap", "_rows", "_view", "_g", "_init", "_ptr", "_row_bytes")
+    __slots__ = ("_first", "_buf", "_cap", "_rows", "_view", "_g", "_init", "_ptr", "_row_bytes", "_chain")
 
     def __init__(self, key: KeyInfo, params: Params) -> None:
         super().__init__(key)
@@ -52,6 +60,7 @@ class PreallocAccumulator(AppendAccumulator):
         self._view: torch.Tensor | None = None
         self._ptr = 0  # address of the buffer's data when rows may be copied with a plain memmove (else 0)
         self._row_bytes = 0
+        self._chain: int | None = None  # the arena chain whose slab is the buffer (see the module docstring)
 
     @property
     def capacity(self) -> int:
@@ -70,8 +79,18 @@ class PreallocAccumulator(AppendAccumulator):
     def start_tensor(self, value: torch.Tensor) -> None:
         self._first, self._buf, self._view = value, None, value
         self._rows = int(value.shape[0]) if value.dim() else 0
+        tag = getattr(value, ARENA_TAG, None)
+        self._chain = tag[0] if tag is not None and tag[1] == 0 else None
 
     def append_tensor(self, value: torch.Tensor) -> None:
+        if self._chain is not None:
+            tag = getattr(value, ARENA_TAG, None)
+            if tag is not None and tag[0] == self._chain and tag[1] == self._rows:
+                full = tag[2]  # the slab's rows up to and with this chunk's: the ones held, then the new ones
+                self._first = self._view = full
+                self._rows = int(full.shape[0])
+                return
+            self._chain = None  # an ordinary buffer from here on (the append below copies the rows held)
         if value.requires_grad:
             value = value.detach()
         rows = self._rows
@@ -115,6 +134,7 @@ class PreallocAccumulator(AppendAccumulator):
     def clear_tensor(self) -> None:
         self._first = self._buf = self._view = None
         self._rows = self._ptr = 0
+        self._chain = None
 
     def tensor_nbytes(self) -> int:
         return value_nbytes(self._buf if self._buf is not None else self._first)

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import pickle
 import time
+import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from omni_accum.arena._common import (
+    ARENA_TAG,
+    CHAINS_DONE,
     CHUNK,
     DONE,
     DTYPES,
@@ -82,13 +86,20 @@ class ArenaReceiver:
         self._page = page
         self._data_off = self.region.data_off
         self._reqs: dict[str, _Req] = {}
-        self._mailbox: dict[str, tuple[bytes, list[tuple[int, int]]]] = {}  # keyed messages not taken yet
+        self._mailbox: dict[str, tuple[bytes, list[tuple[int, int]], dict[int, torch.Tensor]]] = {}  # not taken yet
         self._by_rix: dict[int, tuple[str, _Req]] = {}  # the live sender's request numbers
         self._keys: dict[int, tuple[str, str, str]] = {}  # its key numbers: (path, top, qualifier)
         #: numbers of requests released here, whose descriptors may still be in flight (dropped when they
         #: arrive, their pages given back); the oldest are forgotten past _GONE_KEPT
         self._gone: dict[int, None] = {}
         self.binary_descriptors = 0  # chunks that came as a binary decode-step descriptor
+        # Append chains of keyed messages: chain number -> its slab's rows as a tensor (the sender writes
+        # rows behind those published; a move to a larger slab replaces it), and request -> path -> number.
+        self._chains: dict[int, torch.Tensor] = {}
+        self._chains_of: dict[str, dict[str, int]] = {}
+        self._live_slabs: dict[int, int] = {}  # first page -> pages of every chain slab a tensor still shows
+        self._dead_slabs: deque[tuple[int, int]] = deque()  # slabs no tensor shows any more (any thread appends)
+        self.chain_views = 0  # tensors handed out as new rows of a chain (no copy)
         self._last_check = time.monotonic()
 
     # ------------------------------------------------------------------ receiving
@@ -116,11 +127,11 @@ class ArenaReceiver:
                 return ev
 
     # ------------------------------------------------------------------ keyed messages (the connector)
-    def take(self, key: str) -> tuple[bytes, list[tuple[int, int]]] | None:
-        """``(body, pages)`` of the keyed message ``key`` (taking every message published so far off the
-        ring first), or None when it has not arrived. Read its tensors with :meth:`read_tensor`, then
-        give its pages back with :meth:`free`. Raises PeerDied once when the sender is found dead (the
-        messages it published before are kept)."""
+    def take(self, key: str) -> tuple[bytes, list[tuple[int, int]], dict[int, torch.Tensor]] | None:
+        """``(body, pages, chains)`` of the keyed message ``key`` (taking every message published so far off
+        the ring first), or None when it has not arrived. Read its tensors with :meth:`read_tensor`, then
+        give its pages back with :meth:`free`; its rows of append chains with :meth:`chain_rows`. Raises
+        PeerDied once when the sender is found dead (the messages it published before are kept)."""
         got = self._mailbox.pop(key, None)
         if got is not None:
             return got
@@ -130,6 +141,57 @@ class ArenaReceiver:
             self._last_check = now
             self.check_sender()
         return self._mailbox.pop(key, None)
+
+    def chain_rows(self, chains: dict[int, torch.Tensor], no: int, start: int, rows: int) -> torch.Tensor:
+        """Rows ``start:start + rows`` of append chain ``no`` (see :meth:`.sender.ArenaSender.append_rows`),
+        in the slabs a taken message names (``chains``, from :meth:`take`): a view over the shared pages,
+        no copy, tagged with :data:`~._common.ARENA_TAG` (the chain's rows up to them as one view). The
+        pages stay the chain's while any tensor over them lives."""
+        base = chains.get(no)
+        if base is None:
+            raise ArenaError(f"arena {self.region.path.name}: a message names append chain {no}, never opened")
+        end = start + rows
+        if end > base.shape[0]:
+            raise ArenaError(f"arena {self.region.path.name}: rows {start}:{end} of chain {no} are past its slab")
+        t = base[start:end]
+        setattr(t, ARENA_TAG, (no, start, base[:end]))
+        self.chain_views += 1
+        return t
+
+    def _open_chains(self, opens: Any) -> None:
+        for rid, path, no, page, npg, cap, dt, row_shape in opens:
+            dtype = DTYPES[dt]
+            off = self._data_off + page * self._page
+            mv = memoryview(self.region.mm)[off : off + cap * _row_bytes(dtype, row_shape)]
+            base = torch.frombuffer(mv, dtype=dtype).view(cap, *row_shape)
+            # the pages go back once the last tensor over them is freed (whichever thread frees it)
+            weakref.finalize(mv, self._dead_slabs.append, (page, npg))
+            del mv
+            self._live_slabs[page] = npg
+            self._chains[no] = base
+            paths = self._chains_of.setdefault(rid, {})
+            old = paths.get(path)
+            if old is not None and old != no:
+                self._chains.pop(old, None)
+            paths[path] = no
+
+    def _end_chains(self, rid: str) -> None:
+        for no in self._chains_of.pop(rid, {}).values():
+            self._chains.pop(no, None)
+
+    def reap(self) -> int:
+        """Give back the pages of chain slabs no tensor shows any more; how many slabs."""
+        dead = self._dead_slabs
+        if not dead:
+            return 0
+        spans = []
+        while dead:
+            page, npg = dead.popleft()
+            if self._live_slabs.pop(page, None) is not None:
+                spans.append((page, npg))
+        if spans and not self.region.mm.closed:
+            self._post_free(None, spans)
+        return len(spans)
 
     def read_tensor(self, page: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
         """A copy of the tensor a keyed message holds at ``page``."""
@@ -157,6 +219,8 @@ class ArenaReceiver:
         return sorted(self._mailbox)
 
     def _pump(self) -> None:
+        if self._dead_slabs:
+            self.reap()
         ring = self.region.ring_f
         while (msg := ring.pop()) is not None:
             self._take(msg)
@@ -195,7 +259,16 @@ class ArenaReceiver:
 
     def _apply(self, m: tuple) -> Event | None:
         if m[0] == MSG:
-            self._mailbox[m[1]] = (m[2], m[3])
+            chains: dict[int, torch.Tensor] = {}
+            if len(m) > 4:
+                if m[4]:
+                    self._open_chains(m[4])
+                # the message keeps the slabs it shows (the chain may move or end before it is taken)
+                chains = {no: self._chains[no] for no in m[5] if no in self._chains}
+            self._mailbox[m[1]] = (m[2], m[3], chains)
+            return None
+        if m[0] == CHAINS_DONE:
+            self._end_chains(m[1])
             return None
         if m[0] == DONE:
             req = self._reqs.get(m[1])
@@ -324,9 +397,15 @@ class ArenaReceiver:
         for req in self._reqs.values():
             for p, n, _ in req.slabs.values():
                 pages[p : p + n] = bytes([_HELD]) * n  # ... except those of done requests
-        for _, spans in self._mailbox.values():
+        for _, spans, _ in self._mailbox.values():
             for p, n in spans:
                 pages[p : p + n] = bytes([_HELD]) * n  # ... and those of keyed messages not taken yet
+        self._chains.clear()  # the dead sender's chains end: their slabs go back once no tensor shows them
+        self._chains_of.clear()
+        while self._dead_slabs:  # (slabs no tensor shows any more are free with the rest)
+            self._live_slabs.pop(self._dead_slabs.popleft()[0], None)
+        for p, n in self._live_slabs.items():
+            pages[p : p + n] = bytes([_HELD]) * n
         ring.reset()
         self.region.ring_b.reset()
         q = self.region.q
@@ -337,6 +416,8 @@ class ArenaReceiver:
     def close(self) -> None:
         """Unlink the arena; the mapping stays until the views over it are freed."""
         self._reqs.clear()
+        self._chains.clear()
+        self._chains_of.clear()
         self._u8 = None
         self.region.close()
 
@@ -345,3 +426,10 @@ class ArenaReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _row_bytes(dtype: torch.dtype, row_shape: Any) -> int:
+    n = dtype.itemsize
+    for d in row_shape:
+        n *= d
+    return n

@@ -39,6 +39,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -77,6 +78,8 @@ def parse_size(value: Any, what: str) -> int:
 
 #: Key of a tensor's wire dict (vllm-omni's own tensor encoding) that says where its bytes are in the arena.
 _IN_ARENA = "__omni_accum_arena__"
+#: ... or which rows of a request's append chain they are: ``[chain number, first row, rows]``.
+_IN_CHAIN = "__omni_accum_chain__"
 _TENSOR_MARKER = getattr(_ser, "_TENSOR_MARKER", "__tensor__")
 _DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 
@@ -116,12 +119,47 @@ class _Decoder(_ser.OmniMsgpackDecoder):
     def __init__(self) -> None:
         super().__init__()
         self.rx: Any = None
+        self.chains: dict[int, torch.Tensor] = {}  # the append chains' slabs the message being decoded names
 
     def _decode_tensor(self, obj: dict[str, Any]) -> torch.Tensor:
         page = obj.get(_IN_ARENA)
         if page is None:
+            chain = obj.get(_IN_CHAIN)
+            if chain is not None:
+                return self.rx.chain_rows(self.chains, *chain)
             return super()._decode_tensor(obj)
         return self.rx.read_tensor(page, DTYPES[obj["dtype"]], obj["shape"])
+
+
+def request_of(put_key: str) -> str | None:
+    """The external request id of a chunk put key (vllm-omni 0.30.0's ``<request>_<stage>_<chunk>``), else None."""
+    parts = put_key.rsplit("_", 2)
+    if len(parts) == 3 and parts[0] and parts[1].isdigit() and parts[2].isdigit():
+        return parts[0]
+    return None
+
+
+def _append_test() -> Any:
+    """``(path, value) -> bool``: whether the omni-accum policy of the send in progress appends the key
+    (its receiver then accumulates the rows), or None outside such a send (omni-accum not installed here)."""
+    from omni_accum.integrations.vllm_omni.send import putting_binding  # noqa: PLC0415 - no cycle at import
+
+    b = putting_binding()
+    return None if b is None else b.appends
+
+
+def _chainable(t: Any) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.dim() >= 1
+        and t.shape[0] > 0
+        and t.dtype in _DTYPE_NAMES
+        and t.layout is torch.strided
+        and not t.is_quantized
+        and not t.is_neg()
+        and not t.is_conj()
+        and t.numel() > 0
+    )
 
 
 def _live_region(base: str) -> str:
@@ -162,7 +200,8 @@ class ArenaConnector(OmniConnectorBase):
         self._closed = False
         self._encoder = _Encoder()
         self._decoder = _Decoder()
-        self.counts = {"arena_puts": 0, "inner_puts": 0, "arena_gets": 0, "inner_gets": 0, "arena_bytes": 0}
+        self.counts = {"arena_puts": 0, "inner_puts": 0, "arena_gets": 0, "inner_gets": 0, "arena_bytes": 0,
+                       "chain_appends": 0}
         self.fallbacks: dict[str, int] = {}
 
     # ------------------------------------------------------------------ the regions of the pairs
@@ -262,11 +301,13 @@ class ArenaConnector(OmniConnectorBase):
                     logger.warning("omni-accum arena %s: %s", self.region_name(*pair), e)
                     msg = rx.take(get_key)  # what it published before it died is kept
                 if msg is not None:
-                    body, spans = msg
-                    self._decoder.rx = rx
+                    body, spans, chains = msg
+                    dec = self._decoder
+                    dec.rx, dec.chains = rx, chains
                     try:
-                        obj = self._decoder.decode(body)
+                        obj = dec.decode(body)
                     finally:
+                        dec.chains = {}
                         rx.free(spans)  # the tensors are copied out: the sender may reuse the pages
                     self.counts["arena_gets"] += 1
                     return obj, len(body) + sum(n for _, n in spans) * rx.region.layout.page
@@ -276,18 +317,78 @@ class ArenaConnector(OmniConnectorBase):
         return got
 
     def _put(self, tx: Any, key: str, data: Any) -> int:
-        """Encode ``data`` as vllm-omni does, its tensors into the arena, and publish it; the bytes moved."""
+        """Encode ``data`` as vllm-omni does, its tensors into the arena, and publish it; the bytes moved.
+
+        The tensors of keys the sending policy appends go behind the request's earlier rows of the key
+        (its append chain): the receiver hands them out as views of one slab that holds all of the
+        key's rows, which an append-kind accumulator (``prealloc``) takes as its buffer with no copy."""
         enc = self._encoder
         enc.tx, enc.spans, enc.tensor_bytes = tx, [], 0
+        opens: list[tuple[Any, ...]] = []
+        taken: list[tuple[int, int]] = []
+        req = request_of(key) if isinstance(data, Mapping) else None
+        appends = _append_test() if req is not None else None
+        refs: list[int] = []  # the chains whose rows the message names
         try:
+            if appends is not None:
+                data = self._chain(tx, req, data, appends, opens, taken, refs)
             body = enc.encode(data)
-            tx.publish(key, body, enc.spans)
+            tx.publish(key, body, enc.spans, opens, refs)
         except BaseException:
             tx.free(enc.spans)
+            tx.free(taken)
+            if refs or taken:
+                tx.drop_chains(req)  # the receiver holds other rows than these chains now say
             raise
         finally:
             enc.tx = None
+        self.counts["chain_appends"] += len(refs)
         return enc.tensor_bytes + len(body)
+
+    def _chain(
+        self, tx: Any, req: str, data: Mapping[str, Any], appends: Any, opens: list, taken: list, refs: list[int]
+    ) -> Any:
+        """``data`` with the tensors of append keys written into their chains (as wire dicts naming the rows)."""
+        out: dict[str, Any] | None = None
+        for top, value in data.items():
+            if isinstance(value, Mapping):
+                sub: dict[str, Any] | None = None
+                for qual, qv in value.items():
+                    if _chainable(qv) and appends(f"{top}.{qual}", qv):
+                        if sub is None:
+                            sub = dict(value)
+                        sub[qual] = self._chained(tx, req, f"{top}.{qual}", qv, opens, taken, refs)
+                if sub is not None:
+                    if out is None:
+                        out = dict(data)
+                    out[top] = sub
+            elif _chainable(value) and appends(str(top), value):
+                if out is None:
+                    out = dict(data)
+                out[top] = self._chained(tx, req, str(top), value, opens, taken, refs)
+        return data if out is None else out
+
+    @staticmethod
+    def _chained(tx: Any, req: str, path: str, t: torch.Tensor, opens: list, taken: list, refs: list) -> dict[str, Any]:
+        shape = list(t.shape)
+        t = t.detach()
+        if not t.is_cpu:
+            t = t.cpu()
+        t = t.contiguous()
+        no, start, rows = tx.append_rows(req, path, t, opens, taken)
+        refs.append(no)
+        return {_TENSOR_MARKER: True, "dtype": _DTYPE_NAMES[t.dtype], "shape": shape, "data": b"", _IN_CHAIN: [no, start, rows]}
+
+    def release_request(self, external_req_id: str) -> None:
+        """The sending side is done with ``external_req_id``: the receivers drop its append chains' slabs
+        once no tensor over them is left (omni-accum's sender-release hook calls this)."""
+        with self._tx_lock:
+            for pair, tx in list(self._tx.items()):
+                try:
+                    tx.release_chains(external_req_id)
+                except (ArenaError, OSError, ValueError) as e:
+                    self._warn(f"release-{pair}", logging.WARNING, "omni-accum arena %s: %s",
+                               self.region_name(*pair), e)
 
     def get_with_deadline(self, from_stage, to_stage, get_key, metadata=None, *, deadline):  # noqa: ANN001
         if time.monotonic() >= deadline:
@@ -310,6 +411,7 @@ class ArenaConnector(OmniConnectorBase):
         return {
             "status": "healthy" if not self._closed else "closed",
             **self.counts,
+            "chain_views": sum(rx.chain_views for rx in self._rx.values() if rx is not None),
             "fallbacks": dict(self.fallbacks),
             "regions": sorted(
                 [self.region_name(*p) + " (send)" for p in self._tx]

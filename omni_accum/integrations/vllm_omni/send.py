@@ -87,7 +87,11 @@ def _encoding_put(orig: Callable[..., Any]) -> Callable[..., Any]:
         _tls.send = None  # one encoding per send, even through a subclass's put calling its parent's
         b, req_id, _ = ctx
         kwargs["data"] = encode_payload(b, req_id, kwargs["data"])
-        result = orig(self, *args, **kwargs)
+        _tls.putting = b  # the connector may ask which keys the policy appends (putting_binding)
+        try:
+            result = orig(self, *args, **kwargs)
+        finally:
+            _tls.putting = None
         if isinstance(result, tuple) and len(result) >= 2 and result[0]:
             b.stats["puts"] += 1
             b.stats["wire_bytes"] += int(result[1] or 0)
@@ -95,6 +99,11 @@ def _encoding_put(orig: Callable[..., Any]) -> Callable[..., Any]:
 
     put.__omni_accum_put__ = True  # type: ignore[attr-defined]
     return put
+
+
+def putting_binding() -> Binding | None:
+    """The binding whose encoded payload the connector's ``put`` in progress on this thread sends, else None."""
+    return getattr(_tls, "putting", None)
 
 
 def ensure_encoding_put(conn: Any) -> bool:
@@ -169,12 +178,18 @@ def wrap_send(orig: Callable[..., Any]) -> Callable[..., Any]:
             # A terminal chunk whose request the adapter already forgot (its clear ran before this put
             # finished, as 0.28 allows): release what the encode just (re)created, or it would leak.
             if task.get("is_finished") and ext_id not in getattr(self, "put_req_chunk", {}):
-                _release_sender(b, ext_id)
+                _release_sender(b, ext_id, conn)
 
     return _send_single_request_for_generation
 
 
-def _release_sender(b: Binding, ext_id: str) -> None:
+def _release_sender(b: Binding, ext_id: str, conn: Any = None) -> None:
+    release = getattr(conn, "release_request", None)  # a connector with per-request state (the arena's)
+    if callable(release):
+        try:
+            release(ext_id)
+        except Exception as e:  # noqa: BLE001 - a connector's cleanup never fails vllm-omni's
+            logger.warning("omni-accum: %s.release_request(%r) failed: %s", type(conn).__name__, ext_id, e)
     b.sender.release(ext_id)
     b.sent_once.pop(ext_id, None)
     b.live_send.discard(ext_id)
@@ -189,6 +204,6 @@ def wrap_clear_sender(orig: Callable[..., Any]) -> Callable[..., Any]:
         orig(self, external_req_id)
         b = binding_for(self)
         if b is not None:
-            _release_sender(b, external_req_id)
+            _release_sender(b, external_req_id, getattr(self, "connector", None))
 
     return _clear_sender_state_locked

@@ -1,0 +1,259 @@
+"""Append chains of ``OmniAccumArenaConnector``: the rows of an append key live in one shared slab per
+request and key, written once by the sender; the receiver hands them out as views over the shared pages,
+and ``prealloc`` takes those views as its buffer (no copy), bit for bit the ``torch.cat`` of the chunks,
+with the pages going back once no tensor shows them."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+
+from omni_accum.strategy import ARENA_TAG
+
+from tests.test_integration_vllm_omni import T2T, _thinker_steps, assert_same
+from tests.test_integration_vllm_omni_arena_connector import NAME, _connector, arena_name  # noqa: F401
+
+pytestmark = pytest.mark.vllm
+D = 64
+
+
+def _inside(t: torch.Tensor, rx_arena: Any) -> bool:
+    lo = rx_arena._u8.data_ptr()
+    return lo <= t.data_ptr() < lo + rx_arena._u8.numel()
+
+
+def _all_pages_back(tx_conn: Any, rx_conn: Any) -> bool:
+    """After the views die: the receiver gives the slabs back, the sender takes them (its page map empties)."""
+    rx_arena = rx_conn._rx[("0", "1")]
+    rx_arena._pump()  # the chains' ends the sender pushed since the receiver last looked
+    gc.collect()
+    rx_arena.reap()
+    tx_arena = tx_conn._tx[("0", "1")]
+    tx_arena._drain()
+    return not rx_arena._live_slabs and not any(bytes(rx_arena.region.pages))
+
+
+def test_adapter_keys_live_in_the_arena_with_real_adapters(vo, arena_name, adapters):
+    """Real chunk transfer adapters, qwen3-omni policy: the AR adapter's accumulated prefill and hidden
+    states are views over the receiving region (no copy), the payloads handed over are those of the
+    SharedMemoryConnector, and every slab goes back once the request's tensors are gone."""
+    from omni_accum.integrations.vllm_omni.binding import binding_for
+    from tests.test_integration_vllm_omni_lifecycle import drive
+
+    _connector(1, f"{arena_name}-reg").close()  # registers the connector with the factory
+    vo.install("qwen3-omni")
+    pid = os.getpid()
+    steps = _thinker_steps(seed=5, decode_steps=5)
+    base = drive(adapters(0, next_func=T2T), adapters(1), f"oa-ch-base-{pid}", steps)
+    extra = {"arena_name": arena_name}
+    tx = adapters(0, next_func=T2T, connector=NAME, extra=extra)
+    rx = adapters(1, connector=NAME, extra=extra)
+    assert rx.connector.get("0", "1", "prime") is None
+    arena = rx.connector._rx[("0", "1")]
+    seen: list[tuple[str, bool]] = []
+
+    def after(i: int) -> None:
+        b = binding_for(rx)
+        for rid in list(b.receiver._requests):
+            view = b.receiver.view(rid)
+            for top, qual in (("embed", "prefill"), ("hidden_states", "output")):
+                seen.append((f"{top}.{qual}", _inside(view[top][qual], arena)))
+
+    handed = drive(tx, rx, f"oa-ch-{pid}", steps, after=after)
+    assert_same(handed, base, "handed")
+    assert seen and all(inside for _, inside in seen), seen
+    assert tx.connector.health()["chain_appends"] >= 2 and rx.connector.health()["chain_views"] >= 2
+    assert tx.connector.health()["inner_puts"] == 0
+    del handed, seen
+    assert _all_pages_back(tx.connector, rx.connector)
+
+
+_SENDER = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[3])
+    from tests.test_integration_vllm_omni_arena_chains import _streams, _sending
+    from tests.test_integration_vllm_omni_arena_connector import _connector
+    name, seed = sys.argv[1], int(sys.argv[2])
+    tx = _connector(0, name, arena_bytes="6MiB")
+    streams = _streams(seed)
+    with _sending():
+        for key, chunk in streams:
+            while True:
+                ok, size, meta = tx.put("0", "1", key, chunk)
+                assert ok
+                if meta.get("arena") or key != streams[0][0]:  # the first put waits for the region
+                    break
+            if chunk["meta"]["finished"]:
+                tx.release_request(key.rsplit("_", 2)[0])  # omni-accum's sender-release hook does this
+    print(json.dumps(tx.health()), flush=True)
+    sys.stdin.readline()  # its inner connector's segments live until the receiver has taken them
+    tx.close()
+    """
+)
+
+
+def _streams(seed: int) -> list[tuple[str, dict[str, Any]]]:
+    """Three requests interleaved: chunked prefill (one chunk of request r1 too big for the 6 MiB arena:
+    it goes through the inner connector), then decode rows; two dtypes, and a top-level key under cat."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    plans = {
+        "r0": [7, 130, 3] + [1] * 150,
+        "r1": [40, 30000, 5] + [1] * 60,  # 30000 x 64 float32 rows: 7.7 MB, over the arena
+        "r2": [1] * 90,
+    }
+    cursor = dict.fromkeys(plans, 0)
+    out = []
+    while any(cursor[r] < len(p) for r, p in plans.items()):
+        r = rnd.choice([r for r, p in plans.items() if cursor[r] < len(p)])
+        i = cursor[r]
+        rows = plans[r][i]
+        cursor[r] += 1
+        key = "prefill" if i < 3 and r != "r2" else "decode"
+        emb = {key: torch.randn(rows, D, generator=g).to(torch.float32 if r == "r1" else torch.bfloat16)}
+        chunk = {"embed": emb, "meta": {"finished": torch.tensor(cursor[r] == len(plans[r]))}}
+        if r == "r2":
+            chunk["codes"] = torch.randint(0, 99, (rows, 4), generator=g)
+        out.append((f"{r}_0_{i}", chunk))
+    return out
+
+
+class _sending:
+    """A send as omni-accum's put wrapper makes it: the connector asks the qwen3-omni policy which keys
+    it appends (outside vllm-omni's adapter, in a process of its own)."""
+
+    def __enter__(self) -> None:
+        from omni_accum.integrations.vllm_omni import send
+        from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding
+        from omni_accum.policy import load_policy
+
+        send._tls.putting = Binding(load_policy("qwen3-omni"), DEFAULT_ADAPTER_KEYS, "test")
+
+    def __exit__(self, *exc: object) -> None:
+        from omni_accum.integrations.vllm_omni import send
+
+        send._tls.putting = None
+
+
+def test_across_processes_views_are_cat_bit_for_bit_and_mostly_zero_copy(vo, arena_name):
+    """A sender process, the receiver here merging into omni-accum's Receiver (qwen3-omni: prealloc for
+    embed.*, cat for codes): after every chunk each view equals torch.cat of the chunks, the prealloc
+    keys' views are the shared pages until a chunk comes another way (then a buffer of its own), slabs
+    move as they grow, and every page goes back once the requests are released."""
+    from omni_accum.engine import Receiver
+    from omni_accum.policy import load_policy
+
+    rx = _connector(1, arena_name, arena_bytes="6MiB")
+    recv = Receiver(load_policy("qwen3-omni"))
+    arena = None
+    try:
+        assert rx.get("0", "1", "prime") is None
+        arena = rx._rx[("0", "1")]
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SENDER, arena_name, "3", root],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            line = "x"
+            while line and not line.startswith("{"):  # (vllm logs to stdout as well)
+                line = proc.stdout.readline()
+            assert line, proc.communicate(timeout=60)[1][-3000:]
+            sent = json.loads(line)
+            assert sent["fallbacks"] == {"arena_full": 1}, sent  # r1's 7.7 MB chunk
+            _receive(rx, recv, arena)
+        finally:
+            proc.communicate("done\n", timeout=120)
+        assert proc.returncode == 0
+        gc.collect()
+        arena.reap()
+        assert not arena._live_slabs  # every slab went back
+        # the next sender takes back what the last one had no time to: the page map ends empty
+        tx = _connector(0, arena_name)
+        try:
+            assert tx.put("0", "1", "after_0_0", {"x": torch.arange(5000)})[2].get("arena")
+            assert_same(rx.get("0", "1", "after_0_0")[0], {"x": torch.arange(5000)})
+            assert _all_pages_back(tx, rx)
+        finally:
+            tx.close()
+    finally:
+        rx.close()
+
+
+def _receive(rx: Any, recv: Any, arena: Any) -> None:
+    """Take every chunk in order, merge it, check every view against torch.cat; release each request at its end."""
+    ref: dict[str, dict[str, list[torch.Tensor]]] = {}
+    zero_copy = copied = 0
+    order = _streams(3)
+    ends = {key.rsplit("_", 2)[0]: key for key, _ in order}
+    for key, chunk in order:
+        rid = key.rsplit("_", 2)[0]
+        got = rx.get("0", "1", key)
+        assert got is not None, key
+        payload = got[0]
+        assert_same(payload, chunk, key)
+        recv.merge(rid, payload)
+        mine = ref.setdefault(rid, {})
+        for q, v in payload["embed"].items():
+            mine.setdefault(("embed", q), []).append(v.clone())
+        if "codes" in payload:
+            mine.setdefault(("codes", None), []).append(payload["codes"].clone())
+        view = recv.view(rid)
+        for (top, q), parts in mine.items():
+            held = view[top] if q is None else view[top][q]
+            want = torch.cat(parts)
+            assert held.dtype == want.dtype and torch.equal(held, want), (key, top, q)
+            if top == "embed":  # prealloc: the shared pages while every chunk came through a chain
+                if _inside(held, arena):
+                    zero_copy += 1
+                else:
+                    copied += 1
+        if key == ends[rid]:
+            recv.release(rid)
+            ref.pop(rid)
+    assert rx.health()["chain_views"] > 300
+    # r0 and r2 all the way, r1 until its chunk went through the inner connector
+    assert zero_copy > copied > 0, (zero_copy, copied)
+
+
+def test_released_chain_space_is_reused_over_many_requests(vo, arena_name):
+    """Hundreds of requests of growing chains through a 1 MiB arena: space comes back as requests end,
+    so no put ever falls back for lack of it, and the page map ends empty."""
+    from omni_accum.engine import Receiver
+    from omni_accum.policy import load_policy
+
+    rx, tx = _connector(1, arena_name, arena_bytes="1MiB"), _connector(0, arena_name)
+    recv = Receiver(load_policy("qwen3-omni"))
+    try:
+        assert rx.get("0", "1", "prime") is None
+        g = torch.Generator().manual_seed(1)
+        with _sending():
+            for r in range(300):
+                rid = f"q{r}"
+                parts = []
+                for i, rows in enumerate([50] + [1] * 20):
+                    row = torch.randn(rows, 256, generator=g).bfloat16()
+                    parts.append(row)
+                    assert tx.put("0", "1", f"{rid}_0_{i}", {"embed": {"prefill": row}})[2].get("arena")
+                    recv.merge(rid, rx.get("0", "1", f"{rid}_0_{i}")[0])
+                held = recv.view(rid)["embed"]["prefill"]
+                assert getattr(held, ARENA_TAG, None) is None and torch.equal(held, torch.cat(parts)), rid
+                recv.release(rid)
+                tx.release_request(rid)
+                del held
+        h = tx.health()
+        assert h["fallbacks"] == {} and h["inner_puts"] == 0 and h["chain_appends"] == 300 * 21
+        assert _all_pages_back(tx, rx)
+    finally:
+        tx.close()
+        rx.close()
