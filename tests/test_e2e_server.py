@@ -22,7 +22,8 @@ report:
   received, wire bytes, the request and the policy's info, as counted in the stage processes;
 * the second arm, the same policy over ``configs/qwen3_omni_cpu_arena.yaml`` (``OmniAccumArenaConnector``
   instead of ``SharedMemoryConnector``): the same answer, the receiving stages created the regions and
-  stages 0 and 1 put through the arena, nothing left in ``/dev/shm``;
+  stages 0 and 1 put through the arena, the thinker's append keys went as append chains the talker's
+  stage read in place (no copy), nothing left in ``/dev/shm``;
 * nothing of either server is left running and its port is free.
 
 Logs: ``benchmarks/e2e/.work/test-logs/``.
@@ -200,7 +201,8 @@ def test_the_servers_metrics_endpoint_shows_what_the_stage_processes_counted(smo
 
 def test_the_arena_connector_carries_the_same_answer_in_a_real_server(smoke_reports):
     """``OmniAccumArenaConnector`` selected in the deploy YAML: the stage processes create and attach its
-    regions and put through it, the answer is the SharedMemoryConnector arm's, and /dev/shm is left empty."""
+    regions and put through it, the thinker's append keys travel as append chains the talker's stage reads
+    in place, the answer is the SharedMemoryConnector arm's, and /dev/shm is left empty."""
     shm, arena = smoke_reports["qwen3-omni"], smoke_reports[ARENA_ARM]
     assert arena.get("started"), f"server did not start: {arena.get('error')}; log {arena.get('server_log')}"
     a, b = arena.get("correctness") or {}, shm.get("correctness") or {}
@@ -212,6 +214,11 @@ def test_the_arena_connector_carries_the_same_answer_in_a_real_server(smoke_repo
     first = [line for line in log.splitlines() if "first put through the arena" in line]
     assert len(created) == 2, "regions 0->1 and 1->2 created by the receiving stages:\n" + "\n".join(created)
     assert len(first) == 2, "stage 0 and stage 1 put through the arena:\n" + "\n".join(first)
+    # the thinker's append keys (qwen3-omni: prealloc) go as append chains, and the talker's stage hands
+    # their rows out as views over the shared pages: the accumulation buffer is the arena
+    written = [line for line in log.splitlines() if "first append chain rows written" in line]
+    handed = [line for line in log.splitlines() if "first append chain rows handed out" in line]
+    assert written and handed, "append chains in the stage processes:\n" + "\n".join(written + handed)
     assert not (arena.get("stop") or {}).get("shm", {}).get("left"), arena.get("stop")
     assert not list(Path("/dev/shm").glob("omni_accum_arena_e2e_*"))
 

@@ -25,7 +25,6 @@ from omni_accum.arena._common import (
     DONE,
     FREE,
     LIVENESS_EVERY_S,
-    MSG,
     R_BOOL,
     R_INT,
     R_NONE,
@@ -37,6 +36,7 @@ from omni_accum.arena._common import (
     leaves,
     wait_until,
 )
+from omni_accum.arena.keyed import KeyedMessages, _Chain
 from omni_accum.arena.region import (
     W_OWNER_CLOSED,
     W_SENDER_GEN,
@@ -61,21 +61,7 @@ class _Slab:
         self.one_row = (1, *row_shape)  # the shape of a one-row append
 
 
-class _Chain:
-    """A request's append key in keyed messages: its rows so far in one slab (moved to a larger one when full)."""
-
-    __slots__ = ("no", "page", "npages", "addr", "cap", "rows", "row_bytes", "dtype", "row_shape")
-
-    def __init__(self, no: int, dtype: Any, row_shape: tuple, row_bytes: int) -> None:
-        self.no, self.dtype, self.row_shape, self.row_bytes = no, dtype, row_shape, row_bytes
-        self.page = self.npages = self.addr = self.cap = self.rows = 0
-
-
-#: requests whose append chains a sender keeps at most (the oldest end first; their receivers are told)
-CHAINS_KEPT = 16384
-
-
-class ArenaSender:
+class ArenaSender(KeyedMessages):
     """Attach to the arena ``name`` (created by the receiver) as its one sender.
 
     Args:
@@ -347,102 +333,6 @@ class ArenaSender:
         for slab, _, n in writes:
             slab.rows += n
         return True
-
-    # ------------------------------------------------------------------ keyed messages (the connector)
-    def write_tensor(self, t: torch.Tensor) -> tuple[int, int]:
-        """Copy a contiguous CPU tensor into fresh pages; ``(page, npages)``. Raises ArenaFull (nothing
-        written). The pages belong to the message :meth:`publish` sends (or go back with :meth:`free`)."""
-        nb = t.numel() * t.element_size()
-        page, n = self._alloc(nb)
-        _memmove(self._base + page * self._page, t.data_ptr(), nb)
-        return page, n
-
-    def append_rows(
-        self, req_id: str, path: str, t: torch.Tensor, opens: list[tuple[Any, ...]], taken: list[tuple[int, int]]
-    ) -> tuple[int, int, int]:
-        """Write the rows of ``t`` (contiguous, on the CPU, at least one dimension) behind the rows the
-        request's chain of key ``path`` holds, with one copy; ``(chain number, first row, rows)``.
-
-        The chain's slab is opened (or, when full, moved to one twice as large) as needed: its
-        opening is appended to ``opens`` (the receiver maps it when the message arrives), its pages to
-        ``taken`` (give them back with :meth:`free` if the message is not published). A key whose
-        dtype or row shape changes starts a new chain. The pages of a chain's slabs are never reused
-        before the receiver gives them back, which it does once no view of them is left. Raises
-        ArenaFull (the chains of ``req_id`` are then dropped: see :meth:`drop_chains`)."""
-        chains = self._chains.get(req_id)
-        if chains is None:
-            if len(self._chains) >= CHAINS_KEPT:
-                self.release_chains(next(iter(self._chains)))
-            chains = self._chains[req_id] = {}
-        n = t.shape[0]
-        row_shape = tuple(t.shape[1:])
-        c = chains.get(path)
-        if c is None or c.dtype is not t.dtype or c.row_shape != row_shape:
-            row_bytes = t.element_size()
-            for d in row_shape:
-                row_bytes *= d
-            c = chains[path] = _Chain(self._next_chain, t.dtype, row_shape, row_bytes)
-            self._next_chain += 1
-        start = c.rows
-        need = start + n
-        if need > c.cap:
-            cap = max(need + max(64, need // 4), 2 * c.cap)
-            try:
-                page, npg = self._alloc(cap * c.row_bytes)
-            except ArenaFull:
-                self.drop_chains(req_id)
-                raise
-            taken.append((page, npg))
-            addr = self._base + page * self._page
-            if start:
-                _memmove(addr, c.addr, start * c.row_bytes)  # the old slab stays the receiver's until it frees it
-            c.page, c.npages, c.addr, c.cap = page, npg, addr, cap
-            opens.append((req_id, path, c.no, page, npg, cap, dtype_name(c.dtype), row_shape))
-        _memmove(c.addr + start * c.row_bytes, t.data_ptr(), n * c.row_bytes)
-        c.rows = need
-        return c.no, start, n
-
-    def drop_chains(self, req_id: str) -> None:
-        """Forget the chains of ``req_id`` here (after a message of it was not published: the receiver
-        holds other rows than they say); its next rows start new chains."""
-        self._chains.pop(req_id, None)
-
-    def release_chains(self, req_id: str) -> None:
-        """The request is over on this side: the receiver drops its chains' slabs once no view of them is left."""
-        if self._chains.pop(req_id, None) is None or self._dead:
-            return
-        msg = pickle.dumps((CHAINS_DONE, req_id), protocol=5)
-        ring = self.region.ring_f
-        if not ring.push(msg) and not wait_until(lambda: ring.push(msg), self.timeout_s, self._check_owner):
-            raise ArenaError(f"arena {self.region.path.name}: the receiver took nothing for {self.timeout_s}s")
-
-    def free(self, spans: list[tuple[int, int]]) -> None:
-        """Give back pages :meth:`write_tensor` took for a message that is not published."""
-        for page, n in spans:
-            self._free(page, n)
-
-    def publish(
-        self,
-        key: str,
-        body: bytes,
-        spans: list[tuple[int, int]],
-        opens: list[tuple[Any, ...]] | None = None,
-        chains: list[int] | None = None,
-    ) -> None:
-        """Push the keyed message ``key`` (``body``, the pages its tensors are in, the chain slabs it
-        opens and the chains whose rows it names: see :meth:`append_rows`) after the tensors were
-        written. Raises PeerDied, ArenaError (over the ring's limit, or no ring space within
-        ``timeout_s``); the caller then frees ``spans`` and the opened slabs' pages."""
-        self._ready()
-        msg = pickle.dumps((MSG, key, body, spans, opens or (), chains or ()), protocol=5)
-        ring = self.region.ring_f
-        if len(msg) > ring.max_message():
-            raise ArenaError(
-                f"arena {self.region.path.name}: the message {key!r} is {len(msg)} bytes, over the ring's limit "
-                f"of {ring.max_message()} (raise ring_bytes)"
-            )
-        if not ring.push(msg) and not wait_until(lambda: ring.push(msg), self.timeout_s, self._check_owner):
-            raise ArenaError(f"arena {self.region.path.name}: the receiver took nothing for {self.timeout_s}s")
 
     def done(self, req_id: str) -> None:
         """The last chunk of ``req_id`` was sent: the receiver keeps it readable even if this process dies."""

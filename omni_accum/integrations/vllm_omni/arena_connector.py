@@ -197,6 +197,7 @@ class ArenaConnector(OmniConnectorBase):
         self._tx_retry: dict[tuple[str, str], float] = {}  # pair -> monotonic time of the next attach
         self._rx: dict[tuple[str, str], Any] = {}  # pair -> ArenaReceiver, or None: inner connector only
         self._warned: set[str] = set()
+        self._chain_logged = False
         self._closed = False
         self._encoder = _Encoder()
         self._decoder = _Decoder()
@@ -309,6 +310,10 @@ class ArenaConnector(OmniConnectorBase):
                     finally:
                         dec.chains = {}
                         rx.free(spans)  # the tensors are copied out: the sender may reuse the pages
+                    if chains and not self._chain_logged:
+                        self._chain_logged = True
+                        logger.info("omni-accum arena %s: first append chain rows handed out as views over the "
+                                    "shared pages (no copy; %d chain view(s) so far)", rx.region.path.name, rx.chain_views)
                     self.counts["arena_gets"] += 1
                     return obj, len(body) + sum(n for _, n in spans) * rx.region.layout.page
         got = self.inner.get(from_stage, to_stage, get_key, metadata)
@@ -342,6 +347,9 @@ class ArenaConnector(OmniConnectorBase):
             raise
         finally:
             enc.tx = None
+        if refs and not self.counts["chain_appends"]:
+            logger.info("omni-accum arena %s: first append chain rows written (request %s, %d key(s)): the "
+                        "receiver's append-kind buffers are these shared pages", tx.region.path.name, req, len(refs))
         self.counts["chain_appends"] += len(refs)
         return enc.tensor_bytes + len(body)
 
