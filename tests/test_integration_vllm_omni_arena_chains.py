@@ -257,3 +257,27 @@ def test_released_chain_space_is_reused_over_many_requests(vo, arena_name):
     finally:
         tx.close()
         rx.close()
+
+
+def test_a_release_during_a_put_never_waits_and_the_next_put_ends_the_chains(vo, arena_name):
+    """vllm-omni cleans a sender's request up on the scheduler's thread, which must not wait for a put in
+    progress: ``release_request`` then leaves the chains' end to the connector's next put."""
+    rx, tx = _connector(1, arena_name), _connector(0, arena_name)
+    try:
+        assert rx.get("0", "1", "prime") is None
+        with _sending():
+            rows = torch.ones(3, 8).bfloat16()
+            assert tx.put("0", "1", "a_0_0", {"embed": {"prefill": rows}})[2].get("arena")
+            assert torch.equal(rx.get("0", "1", "a_0_0")[0]["embed"]["prefill"], rows)
+            arena = rx._rx[("0", "1")]
+            assert "a" in arena._chains_of
+            with tx._tx_lock:  # a put in progress on another thread
+                tx.release_request("a")  # returns at once
+                assert list(tx._to_release) == ["a"]
+            assert tx.put("0", "1", "b_0_0", {"embed": {"prefill": rows}})[2].get("arena")
+            assert not tx._to_release
+            rx.get("0", "1", "b_0_0")
+            assert "a" not in arena._chains_of and "b" in arena._chains_of
+    finally:
+        tx.close()
+        rx.close()

@@ -92,14 +92,21 @@ class KeyedMessages:
         holds other rows than they say); its next rows start new chains."""
         self._chains.pop(req_id, None)
 
-    def release_chains(self, req_id: str) -> None:
-        """The request is over on this side: the receiver drops its chains' slabs once no view of them is left."""
-        if self._chains.pop(req_id, None) is None or self._dead:
-            return
+    def release_chains(self, req_id: str, *, wait: bool = True) -> bool:
+        """The request is over on this side: the receiver drops its chains' slabs once no view of them is
+        left. ``wait=False``: never wait for ring space; False when the ring was full (call again later)."""
+        if req_id not in self._chains or self._dead:
+            self._chains.pop(req_id, None)
+            return True
         msg = pickle.dumps((CHAINS_DONE, req_id), protocol=5)
         ring = self.region.ring_f
-        if not ring.push(msg) and not wait_until(lambda: ring.push(msg), self.timeout_s, self._check_owner):
-            raise ArenaError(f"arena {self.region.path.name}: the receiver took nothing for {self.timeout_s}s")
+        if not ring.push(msg):
+            if not wait:
+                return False
+            if not wait_until(lambda: ring.push(msg), self.timeout_s, self._check_owner):
+                raise ArenaError(f"arena {self.region.path.name}: the receiver took nothing for {self.timeout_s}s")
+        del self._chains[req_id]
+        return True
 
     def free(self, spans: list[tuple[int, int]]) -> None:
         """Give back pages :meth:`write_tensor` took for a message that is not published."""

@@ -39,6 +39,7 @@ import os
 import re
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -198,6 +199,7 @@ class ArenaConnector(OmniConnectorBase):
         self._rx: dict[tuple[str, str], Any] = {}  # pair -> ArenaReceiver, or None: inner connector only
         self._warned: set[str] = set()
         self._chain_logged = False
+        self._to_release: deque[str] = deque()  # requests whose chains end at the next chance (release_request)
         self._closed = False
         self._encoder = _Encoder()
         self._decoder = _Decoder()
@@ -265,6 +267,8 @@ class ArenaConnector(OmniConnectorBase):
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
         pair = (str(from_stage), str(to_stage))
         with self._tx_lock:
+            if self._to_release:
+                self._release_pending()
             tx = None if self._closed else self._sender(pair)
             if tx is not None:
                 try:
@@ -389,14 +393,28 @@ class ArenaConnector(OmniConnectorBase):
 
     def release_request(self, external_req_id: str) -> None:
         """The sending side is done with ``external_req_id``: the receivers drop its append chains' slabs
-        once no tensor over them is left (omni-accum's sender-release hook calls this)."""
-        with self._tx_lock:
+        once no tensor over them is left (omni-accum's sender-release hook calls this, possibly on the
+        scheduler's thread: it never waits for a put in progress or for ring space; what it cannot do
+        now, the next put does)."""
+        self._to_release.append(external_req_id)
+        if self._tx_lock.acquire(blocking=False):
+            try:
+                self._release_pending()
+            finally:
+                self._tx_lock.release()
+
+    def _release_pending(self) -> None:
+        """End the chains of the requests released since (with ``_tx_lock`` held)."""
+        todo = self._to_release
+        for _ in range(len(todo)):
+            req = todo.popleft()
             for pair, tx in list(self._tx.items()):
                 try:
-                    tx.release_chains(external_req_id)
+                    if not tx.release_chains(req, wait=False):
+                        todo.append(req)  # the ring is full: the next put tries again
+                        break
                 except (ArenaError, OSError, ValueError) as e:
-                    self._warn(f"release-{pair}", logging.WARNING, "omni-accum arena %s: %s",
-                               self.region_name(*pair), e)
+                    self._warn(f"release-{pair}", logging.WARNING, "omni-accum arena %s: %s", self.region_name(*pair), e)
 
     def get_with_deadline(self, from_stage, to_stage, get_key, metadata=None, *, deadline):  # noqa: ANN001
         if time.monotonic() >= deadline:
