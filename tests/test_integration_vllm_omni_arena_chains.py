@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 
+from omni_accum.arena._common import wait_until
+from omni_accum.arena.region import W_SENDER_PID
 from omni_accum.strategy import ARENA_TAG
 
 from tests.test_integration_vllm_omni import T2T, _thinker_steps, assert_same
@@ -227,7 +229,7 @@ def _receive(rx: Any, recv: Any, arena: Any) -> None:
 
 
 def test_released_chain_space_is_reused_over_many_requests(vo, arena_name):
-    """Hundreds of requests of growing chains through a 1 MiB arena: space comes back as requests end,
+    """A thousand requests of growing chains through a 1 MiB arena: space comes back as requests end,
     so no put ever falls back for lack of it, and the page map ends empty."""
     from omni_accum.engine import Receiver
     from omni_accum.policy import load_policy
@@ -238,10 +240,10 @@ def test_released_chain_space_is_reused_over_many_requests(vo, arena_name):
         assert rx.get("0", "1", "prime") is None
         g = torch.Generator().manual_seed(1)
         with _sending():
-            for r in range(300):
+            for r in range(1000):
                 rid = f"q{r}"
                 parts = []
-                for i, rows in enumerate([50] + [1] * 20):
+                for i, rows in enumerate([50] + [1] * 5):
                     row = torch.randn(rows, 256, generator=g).bfloat16()
                     parts.append(row)
                     assert tx.put("0", "1", f"{rid}_0_{i}", {"embed": {"prefill": row}})[2].get("arena")
@@ -252,7 +254,7 @@ def test_released_chain_space_is_reused_over_many_requests(vo, arena_name):
                 tx.release_request(rid)
                 del held
         h = tx.health()
-        assert h["fallbacks"] == {} and h["inner_puts"] == 0 and h["chain_appends"] == 300 * 21
+        assert h["fallbacks"] == {} and h["inner_puts"] == 0 and h["chain_appends"] == 1000 * 6
         assert _all_pages_back(tx, rx)
     finally:
         tx.close()
@@ -280,4 +282,80 @@ def test_a_release_during_a_put_never_waits_and_the_next_put_ends_the_chains(vo,
             assert "a" not in arena._chains_of and "b" in arena._chains_of
     finally:
         tx.close()
+        rx.close()
+
+
+_KILLED = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, sys.argv[2])
+    import torch
+    from tests.test_integration_vllm_omni_arena_chains import _sending
+    from tests.test_integration_vllm_omni_arena_connector import _connector
+    tx = _connector(0, sys.argv[1])
+    g = torch.Generator().manual_seed(4)
+    with _sending():
+        for i in range(40):  # request k: a 20-row prefill, then rows; k0 ends, k1 is in flight
+            for rid in ("k0", "k1"):
+                if rid == "k0" and i >= 20:
+                    continue
+                rows = torch.randn(20 if i == 0 else 1, 32, generator=g).bfloat16()
+                while not tx.put("0", "1", f"{rid}_0_{i}", {"embed": {"prefill": rows}})[2].get("arena"):
+                    pass  # the first put waits for the region
+            if i == 19:
+                tx.release_request("k0")
+    os.kill(os.getpid(), 9)  # no close, no release of k1
+    """
+)
+
+
+def test_a_sender_killed_mid_chain_leaves_views_valid_and_gives_every_page_back(vo, arena_name):
+    """kill -9 of a sender with chains in flight: what it published stays readable bit for bit (prealloc
+    views over the shared pages), the receiver resets the region for a new sender without giving it the
+    pages those views show, and they come back once the views are gone."""
+    from omni_accum.engine import Receiver
+    from omni_accum.policy import load_policy
+
+    rx = _connector(1, arena_name)
+    recv = Receiver(load_policy("qwen3-omni"))
+    try:
+        assert rx.get("0", "1", "prime") is None
+        arena = rx._rx[("0", "1")]
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        done = subprocess.run([sys.executable, "-c", _KILLED, arena_name, root], capture_output=True, text=True, timeout=600)
+        assert done.returncode == -9, done.stderr[-3000:]
+        g = torch.Generator().manual_seed(4)
+        want: dict[str, list[torch.Tensor]] = {"k0": [], "k1": []}
+        for i in range(40):
+            for rid in ("k0", "k1"):
+                if rid == "k0" and i >= 20:
+                    continue
+                want[rid].append(torch.randn(20 if i == 0 else 1, 32, generator=g).bfloat16())
+                got = rx.get("0", "1", f"{rid}_0_{i}")
+                assert got is not None, (rid, i)
+                recv.merge(rid, got[0])
+        views = {rid: recv.view(rid)["embed"]["prefill"] for rid in want}
+        for rid, parts in want.items():
+            assert torch.equal(views[rid], torch.cat(parts)) and _inside(views[rid], arena), rid
+        def noticed() -> bool:  # the receiver notices the dead sender when it next looks (a bounded wait)
+            rx.get("0", "1", "poll")
+            return not arena.region.q[W_SENDER_PID]
+
+        assert wait_until(noticed, 30.0, lambda: None)
+        held = dict(arena._live_slabs)
+        assert held  # k1's slab (and k0's, whose views live on) stay out of a new sender's reach
+        tx = _connector(0, arena_name)
+        try:
+            big = {"x": torch.arange(300_000, dtype=torch.int32)}
+            assert tx.put("0", "1", "n_0_0", big)[2].get("arena")
+            assert_same(rx.get("0", "1", "n_0_0")[0], big)
+            for rid, parts in want.items():  # the new sender's pages did not land on the views
+                assert torch.equal(views[rid], torch.cat(parts)), rid
+            for rid in want:
+                recv.release(rid)
+            del views, got
+            assert _all_pages_back(tx, rx)
+        finally:
+            tx.close()
+    finally:
         rx.close()

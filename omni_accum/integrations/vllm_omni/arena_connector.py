@@ -227,7 +227,7 @@ class ArenaConnector(OmniConnectorBase):
         except ArenaError as e:
             self._tx_retry[pair] = time.monotonic() + ATTACH_RETRY_S
             self._warn(f"attach-{pair}", logging.INFO, "omni-accum arena %s: %s; sending through %s meanwhile",
-                       self.region_name(*pair), e, type(self.inner).__name__)
+                       self.region_name(*pair), str(e), type(self.inner).__name__)
             return None
         self._tx[pair] = tx
         logger.info("omni-accum arena %s: attached as sender (pid=%d)", self.region_name(*pair), os.getpid())
@@ -250,7 +250,7 @@ class ArenaConnector(OmniConnectorBase):
         except (ArenaError, OSError) as e:
             logger.error(
                 "omni-accum arena %s: %s; this process receives through %s only (one receiving process per "
-                "stage pair)", self.region_name(*pair), e, type(self.inner).__name__)
+                "stage pair)", self.region_name(*pair), str(e), type(self.inner).__name__)
             rx = None
         else:
             logger.info("omni-accum arena %s: created (%d data bytes, pid=%d)", rx.region.path.name,
@@ -261,7 +261,7 @@ class ArenaConnector(OmniConnectorBase):
     def _fell_back(self, reason: str, pair: tuple[str, str], e: BaseException) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
         self._warn(f"{reason}-{pair}", logging.WARNING, "omni-accum arena %s: %s (%s); that put goes through %s",
-                   self.region_name(*pair), reason, e, type(self.inner).__name__)
+                   self.region_name(*pair), reason, str(e), type(self.inner).__name__)
 
     # ------------------------------------------------------------------ the connector interface
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
@@ -303,7 +303,8 @@ class ArenaConnector(OmniConnectorBase):
                 try:
                     msg = rx.take(get_key)
                 except PeerDied as e:
-                    logger.warning("omni-accum arena %s: %s", self.region_name(*pair), e)
+                    # the text, not the exception: a kept log record must not keep this frame's payload alive
+                    logger.warning("omni-accum arena %s: %s", self.region_name(*pair), str(e))
                     msg = rx.take(get_key)  # what it published before it died is kept
                 if msg is not None:
                     body, spans, chains = msg
@@ -414,7 +415,7 @@ class ArenaConnector(OmniConnectorBase):
                         todo.append(req)  # the ring is full: the next put tries again
                         break
                 except (ArenaError, OSError, ValueError) as e:
-                    self._warn(f"release-{pair}", logging.WARNING, "omni-accum arena %s: %s", self.region_name(*pair), e)
+                    self._warn(f"release-{pair}", logging.WARNING, "omni-accum arena %s: %s", self.region_name(*pair), str(e))
 
     def get_with_deadline(self, from_stage, to_stage, get_key, metadata=None, *, deadline):  # noqa: ANN001
         if time.monotonic() >= deadline:
