@@ -359,3 +359,25 @@ def test_a_sender_killed_mid_chain_leaves_views_valid_and_gives_every_page_back(
             tx.close()
     finally:
         rx.close()
+
+
+def test_a_payload_struct_is_chained_as_the_map_its_encoding_is(vo, arena_name):
+    """vllm-omni's adapter may put an ``OmniPayloadStruct``: its append keys go as chains too, and the
+    receiver gets exactly what vllm-omni's own encoding of the struct decodes to."""
+    from vllm_omni.data_entry_keys import EmbeddingsStruct, MetaStruct, OmniPayloadStruct
+    from vllm_omni.distributed.omni_connectors.utils.serialization import OmniMsgpackDecoder, OmniMsgpackEncoder
+
+    rx, tx = _connector(1, arena_name), _connector(0, arena_name)
+    try:
+        assert rx.get("0", "1", "prime") is None
+        rows = torch.arange(24, dtype=torch.float32).view(4, 6).bfloat16()
+        s = OmniPayloadStruct(embed=EmbeddingsStruct(prefill=rows), meta=MetaStruct(finished=torch.tensor(False)))
+        want = OmniMsgpackDecoder().decode(OmniMsgpackEncoder().encode(s))
+        with _sending():
+            assert tx.put("0", "1", "s_0_0", s)[2].get("arena")
+        got = rx.get("0", "1", "s_0_0")[0]
+        assert_same(got, want, "struct")
+        assert getattr(got["embed"]["prefill"], ARENA_TAG)[1] == 0 and tx.health()["chain_appends"] == 1
+    finally:
+        tx.close()
+        rx.close()

@@ -149,6 +149,28 @@ def _append_test() -> Any:
     return None if b is None else b.appends
 
 
+def _struct_map(obj: Any) -> dict[str, Any] | None:
+    """A msgspec struct (vllm-omni's ``OmniPayloadStruct``) as the map its msgpack encoding is, which the
+    receiving side decodes (fields at their default left out, nested structs as maps); None for anything else."""
+    fields = getattr(type(obj), "__struct_fields__", None)
+    if fields is None:
+        return None
+    defaults = getattr(type(obj), "__struct_defaults__", ())
+    default = dict(zip(fields[len(fields) - len(defaults) :], defaults))
+    out: dict[str, Any] = {}
+    for f in fields:
+        v = getattr(obj, f)
+        d = default.get(f, _NO_DEFAULT)
+        if v is d or (d is not _NO_DEFAULT and type(v) is type(d) and isinstance(d, (int, float, str, bool)) and v == d):
+            continue
+        sub = _struct_map(v)
+        out[f] = v if sub is None else sub
+    return out
+
+
+_NO_DEFAULT = object()
+
+
 def _chainable(t: Any) -> bool:
     return (
         isinstance(t, torch.Tensor)
@@ -336,12 +358,16 @@ class ArenaConnector(OmniConnectorBase):
         enc.tx, enc.spans, enc.tensor_bytes = tx, [], 0
         opens: list[tuple[Any, ...]] = []
         taken: list[tuple[int, int]] = []
-        req = request_of(key) if isinstance(data, Mapping) else None
+        req = request_of(key)
         appends = _append_test() if req is not None else None
         refs: list[int] = []  # the chains whose rows the message names
         try:
             if appends is not None:
-                data = self._chain(tx, req, data, appends, opens, taken, refs)
+                as_map = data if isinstance(data, Mapping) else _struct_map(data)
+                if as_map is not None:
+                    chained = self._chain(tx, req, as_map, appends, opens, taken, refs)
+                    if refs:
+                        data = chained
             body = enc.encode(data)
             tx.publish(key, body, enc.spans, opens, refs)
         except BaseException:
