@@ -11,7 +11,9 @@ timed step starts in a process the OS just woke (on a VM, with caches other work
 
 * ``arena``: :class:`~omni_accum.arena.ArenaSender` -> :class:`~omni_accum.arena.ArenaReceiver`;
 * ``connector``: as ``shm``, over ``OmniAccumArenaConnector`` (the arena as a vllm-omni connector:
-  each tensor copied into the arena and out again, the rest in vllm-omni's msgpack encoding);
+  the append keys' rows written once into the request's append chains, which the receiver's
+  ``prealloc`` takes as its buffer; other tensors copied into the arena and out again; the rest in
+  vllm-omni's msgpack encoding);
 * ``shm``: the workload's policy (omni-accum ``Sender.encode``), vllm-omni 0.30.0's
   ``SharedMemoryConnector`` ``put`` then ``get`` in the other process, ``Receiver.merge``.
 
@@ -46,7 +48,8 @@ def _policy(wl: Workload) -> Any:
 
 
 def _arena_bytes(wl: Workload, streams: list[list[dict[str, Any]]]) -> int:
-    """Slab space for every request of ``streams`` at once, with a quarter to spare, in pages."""
+    """Slab space for every request of ``streams`` at once, in pages: the connector's append chains hold up to
+    about twice their rows (headroom, a move as they grow) and a request's chains until the receiver lets go."""
     n = sum(
         v.numel() * v.element_size() + 8192
         for s in streams
@@ -54,7 +57,7 @@ def _arena_bytes(wl: Workload, streams: list[list[dict[str, Any]]]) -> int:
         for _, v in leaves(c)
         if isinstance(v, torch.Tensor)
     )
-    return int(n * 1.25) + (64 << 20)
+    return int(n * 2.5) + (64 << 20)
 
 
 @dataclass
@@ -217,6 +220,11 @@ def run_pair(
                 parent.recv()
                 if arm != "arena" and arm not in conns:
                     conns[arm] = _connector(arm, 0, name, 0)
+                    if arm == "connector":  # append chains, as omni-accum's send hook has the connector make them
+                        from omni_accum.engine import Receiver
+
+                        sel = Receiver(_policy(wl))
+                        conns[arm].append_test = lambda p, v, sel=sel: "append" in sel.select(p, v, sel.context)[1].kinds
                 policy_tx = None
                 if arm != "arena":
                     from omni_accum.engine import Sender
@@ -228,9 +236,9 @@ def run_pair(
                 totals = [0.0] * concurrency
                 for plan in plans:
                     for r in range(concurrency):
-                        rid = f"{arm}-{rep}-{r}"
+                        rid = f"oa{os.getpid()}-{arm}-{rep}-{r}"
                         chunk = streams[r][plan.index]
-                        key = f"oa_{os.getpid()}_{rid}_{plan.index}"
+                        key = f"{rid}_0_{plan.index}"  # vllm-omni's put key: request, stage, chunk
                         t0 = _clock()
                         if arm == "arena":
                             tx.send(rid, chunk)
@@ -244,6 +252,8 @@ def run_pair(
                                 tx.done(rid)
                             else:
                                 policy_tx.release(rid)
+                                if arm == "connector":
+                                    conns[arm].release_request(rid)  # as omni-accum's sender-release hook does
                         parent.send(("step", arm, rid, r, plan.is_last, key))
                         reply = parent.recv()
                         if reply[0] == "error":

@@ -222,6 +222,9 @@ class ArenaConnector(OmniConnectorBase):
         self._warned: set[str] = set()
         self._chain_logged = False
         self._to_release: deque[str] = deque()  # requests whose chains end at the next chance (release_request)
+        #: ``(key path, value) -> bool``: which keys go as append chains in a put that omni-accum's send
+        #: hook is not making (a benchmark, a test); within the hook, the sending policy decides.
+        self.append_test: Any = None
         self._closed = False
         self._encoder = _Encoder()
         self._decoder = _Decoder()
@@ -359,7 +362,7 @@ class ArenaConnector(OmniConnectorBase):
         opens: list[tuple[Any, ...]] = []
         taken: list[tuple[int, int]] = []
         req = request_of(key)
-        appends = _append_test() if req is not None else None
+        appends = (_append_test() or self.append_test) if req is not None else None
         refs: list[int] = []  # the chains whose rows the message names
         try:
             if appends is not None:
