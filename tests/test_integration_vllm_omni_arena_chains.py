@@ -75,7 +75,7 @@ def test_adapter_keys_live_in_the_arena_with_real_adapters(vo, arena_name, adapt
     assert seen and all(inside for _, inside in seen), seen
     assert tx.connector.health()["chain_appends"] >= 2 and rx.connector.health()["chain_views"] >= 2
     assert tx.connector.health()["inner_puts"] == 0
-    del handed, seen
+    del handed
     assert _all_pages_back(tx.connector, rx.connector)
 
 
