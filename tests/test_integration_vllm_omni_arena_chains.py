@@ -381,3 +381,40 @@ def test_a_payload_struct_is_chained_as_the_map_its_encoding_is(vo, arena_name):
     finally:
         tx.close()
         rx.close()
+
+
+def test_chains_end_after_a_failed_put_a_late_put_and_a_sender_that_closed(vo, arena_name):
+    """The request's end still reaches the receiver after a put of it fell back (a full arena); a put of
+    a request already ended goes without chains (none would end); and when a sender closes without
+    ending its chains, the receiver ends them itself once it notices."""
+    rx, tx = _connector(1, arena_name, arena_bytes="1MiB"), _connector(0, arena_name)
+    try:
+        assert rx.get("0", "1", "prime") is None
+        arena = rx._rx[("0", "1")]
+        small, big = torch.ones(4, 16).bfloat16(), torch.ones(1024, 1024).bfloat16()  # big: 2 MiB
+        with _sending():
+            assert tx.put("0", "1", "f_0_0", {"embed": {"prefill": small}})[2].get("arena")
+            assert tx.put("0", "1", "f_0_1", {"embed": {"prefill": big}})[0]  # arena_full: the inner connector
+            assert tx.health()["fallbacks"] == {"arena_full": 1}
+            for k in ("f_0_0", "f_0_1"):
+                assert rx.get("0", "1", k) is not None
+            assert "f" in arena._chains_of
+            tx.release_request("f")
+            before = tx.health()["chain_appends"]
+            assert tx.put("0", "1", "f_0_2", {"embed": {"prefill": small}})[2].get("arena")  # after its end
+            assert tx.health()["chain_appends"] == before
+            got = rx.get("0", "1", "f_0_2")[0]["embed"]["prefill"]
+            assert torch.equal(got, small) and getattr(got, ARENA_TAG, None) is None
+            assert "f" not in arena._chains_of
+            assert tx.put("0", "1", "g_0_0", {"embed": {"prefill": small}})[2].get("arena")
+            assert rx.get("0", "1", "g_0_0") is not None and "g" in arena._chains_of
+        tx._tx[("0", "1")].region.close()  # the sender's side closes, its chains not ended
+
+        def ended() -> bool:
+            rx.get("0", "1", "poll")
+            return "g" not in arena._chains_of
+
+        assert wait_until(ended, 30.0, lambda: None)
+    finally:
+        tx.close()
+        rx.close()

@@ -29,6 +29,8 @@ class _Chain:
 
 #: requests whose append chains a sender keeps at most (the oldest end first; their receivers are told)
 CHAINS_KEPT = 16384
+#: requests ended here that a sender remembers (a later put of one goes without chains)
+ENDED_KEPT = 65536
 
 
 class KeyedMessages:
@@ -89,12 +91,21 @@ class KeyedMessages:
 
     def drop_chains(self, req_id: str) -> None:
         """Forget the chains of ``req_id`` here (after a message of it was not published: the receiver
-        holds other rows than they say); its next rows start new chains."""
-        self._chains.pop(req_id, None)
+        holds other rows than they say); its next rows start new chains. The request's end is still
+        sent (:meth:`release_chains`): the receiver drops the chains it has of it then."""
+        if req_id in self._chains:
+            self._chains[req_id] = {}
+
+    def ended(self, req_id: str) -> bool:
+        """Whether ``req_id``'s chains were ended here (a later put of it must not start chains: none would end)."""
+        return req_id in self._ended
 
     def release_chains(self, req_id: str, *, wait: bool = True) -> bool:
         """The request is over on this side: the receiver drops its chains' slabs once no view of them is
         left. ``wait=False``: never wait for ring space; False when the ring was full (call again later)."""
+        self._ended[req_id] = None
+        if len(self._ended) > ENDED_KEPT:
+            del self._ended[next(iter(self._ended))]
         if req_id not in self._chains or self._dead:
             self._chains.pop(req_id, None)
             return True

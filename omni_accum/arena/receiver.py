@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pickle
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,6 @@ from typing import Any
 import torch
 
 from omni_accum.arena._common import (
-    ARENA_TAG,
     CHAINS_DONE,
     CHUNK,
     DONE,
@@ -43,6 +41,7 @@ from omni_accum.arena._common import (
     wait_until,
 )
 from omni_accum.arena.region import W_SENDER_CLOSED, W_SENDER_PID, ArenaError, PeerDied, Region
+from omni_accum.arena.views import ChainViews
 from omni_accum.errors import UnknownRequestError
 
 #: how many released requests' numbers a receiver remembers (to drop their chunks still in flight)
@@ -71,7 +70,7 @@ class _Req:
         self.rix = 0  # the sender's number for it (its binary descriptors name it so)
 
 
-class ArenaReceiver:
+class ArenaReceiver(ChainViews):
     """Create the arena ``name`` (``/dev/shm/omni_accum_arena_<name>``) and receive from its one sender.
 
     Args:
@@ -95,8 +94,9 @@ class ArenaReceiver:
         self.binary_descriptors = 0  # chunks that came as a binary decode-step descriptor
         # Append chains of keyed messages: chain number -> its slab's rows as a tensor (the sender writes
         # rows behind those published; a move to a larger slab replaces it), and request -> path -> number.
-        self._chains: dict[int, torch.Tensor] = {}
+        self._chains: dict[int, tuple[int, torch.Tensor]] = {}  # chain number -> (lineage token, slab rows)
         self._chains_of: dict[str, dict[str, int]] = {}
+        self._sender_pid = 0  # the sender whose chains these are (a new one numbers its own)
         self._live_slabs: dict[int, int] = {}  # first page -> pages of every chain slab a tensor still shows
         self._dead_slabs: deque[tuple[int, int]] = deque()  # slabs no tensor shows any more (any thread appends)
         self.chain_views = 0  # tensors handed out as new rows of a chain (no copy)
@@ -141,57 +141,6 @@ class ArenaReceiver:
             self._last_check = now
             self.check_sender()
         return self._mailbox.pop(key, None)
-
-    def chain_rows(self, chains: dict[int, torch.Tensor], no: int, start: int, rows: int) -> torch.Tensor:
-        """Rows ``start:start + rows`` of append chain ``no`` (see :meth:`.sender.ArenaSender.append_rows`),
-        in the slabs a taken message names (``chains``, from :meth:`take`): a view over the shared pages,
-        no copy, tagged with :data:`~._common.ARENA_TAG` (the chain's rows up to them as one view). The
-        pages stay the chain's while any tensor over them lives."""
-        base = chains.get(no)
-        if base is None:
-            raise ArenaError(f"arena {self.region.path.name}: a message names append chain {no}, never opened")
-        end = start + rows
-        if end > base.shape[0]:
-            raise ArenaError(f"arena {self.region.path.name}: rows {start}:{end} of chain {no} are past its slab")
-        t = base[start:end]
-        setattr(t, ARENA_TAG, (no, start, base[:end]))
-        self.chain_views += 1
-        return t
-
-    def _open_chains(self, opens: Any) -> None:
-        for rid, path, no, page, npg, cap, dt, row_shape in opens:
-            dtype = DTYPES[dt]
-            off = self._data_off + page * self._page
-            mv = memoryview(self.region.mm)[off : off + cap * _row_bytes(dtype, row_shape)]
-            base = torch.frombuffer(mv, dtype=dtype).view(cap, *row_shape)
-            # the pages go back once the last tensor over them is freed (whichever thread frees it)
-            weakref.finalize(mv, self._dead_slabs.append, (page, npg))
-            del mv
-            self._live_slabs[page] = npg
-            self._chains[no] = base
-            paths = self._chains_of.setdefault(rid, {})
-            old = paths.get(path)
-            if old is not None and old != no:
-                self._chains.pop(old, None)
-            paths[path] = no
-
-    def _end_chains(self, rid: str) -> None:
-        for no in self._chains_of.pop(rid, {}).values():
-            self._chains.pop(no, None)
-
-    def reap(self) -> int:
-        """Give back the pages of chain slabs no tensor shows any more; how many slabs."""
-        dead = self._dead_slabs
-        if not dead:
-            return 0
-        spans = []
-        while dead:
-            page, npg = dead.popleft()
-            if self._live_slabs.pop(page, None) is not None:
-                spans.append((page, npg))
-        if spans and not self.region.mm.closed:
-            self._post_free(None, spans)
-        return len(spans)
 
     def read_tensor(self, page: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
         """A copy of the tensor a keyed message holds at ``page``."""
@@ -368,6 +317,8 @@ class ArenaReceiver:
         """Raise PeerDied (after resetting the arena for a new sender) if the attached sender is dead."""
         q = self.region.q
         pid = q[W_SENDER_PID]
+        if pid != self._sender_pid:
+            self._new_sender(pid)
         if pid == 0:
             return
         self.region.beat()
@@ -427,9 +378,3 @@ class ArenaReceiver:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _row_bytes(dtype: torch.dtype, row_shape: Any) -> int:
-    n = dtype.itemsize
-    for d in row_shape:
-        n *= d
-    return n

@@ -111,6 +111,7 @@ class ArenaSender(KeyedMessages):
         self._fast: dict[str, tuple[tuple[str, ...], list[tuple[int, _Slab | None]]]] = {}  # request -> template
         # Append chains of keyed messages (the connector): request -> key path -> chain
         self._chains: dict[str, dict[str, _Chain]] = {}
+        self._ended: dict[str, None] = {}  # requests whose chains ended (oldest forgotten past ENDED_KEPT)
         self._next_chain = (self.gen << 40) + 1
 
     # ------------------------------------------------------------------ pages

@@ -50,6 +50,7 @@ from vllm_omni.distributed.omni_connectors.utils import serialization as _ser
 
 from omni_accum.arena._common import DTYPES
 from omni_accum.arena.region import PREFIX, SHM_DIR, ArenaError, ArenaFull, PeerDied, owner_of, pid_alive
+from omni_accum.integrations.vllm_omni.arena_chains import IN_CHAIN, append_test, chain_payload, request_of, struct_map
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -79,8 +80,6 @@ def parse_size(value: Any, what: str) -> int:
 
 #: Key of a tensor's wire dict (vllm-omni's own tensor encoding) that says where its bytes are in the arena.
 _IN_ARENA = "__omni_accum_arena__"
-#: ... or which rows of a request's append chain they are: ``[chain number, first row, rows]``.
-_IN_CHAIN = "__omni_accum_chain__"
 _TENSOR_MARKER = getattr(_ser, "_TENSOR_MARKER", "__tensor__")
 _DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 
@@ -120,69 +119,16 @@ class _Decoder(_ser.OmniMsgpackDecoder):
     def __init__(self) -> None:
         super().__init__()
         self.rx: Any = None
-        self.chains: dict[int, torch.Tensor] = {}  # the append chains' slabs the message being decoded names
+        self.chains: dict[int, tuple[int, torch.Tensor]] = {}  # the chains' slabs the message being decoded names
 
     def _decode_tensor(self, obj: dict[str, Any]) -> torch.Tensor:
         page = obj.get(_IN_ARENA)
         if page is None:
-            chain = obj.get(_IN_CHAIN)
+            chain = obj.get(IN_CHAIN)
             if chain is not None:
                 return self.rx.chain_rows(self.chains, *chain)
             return super()._decode_tensor(obj)
         return self.rx.read_tensor(page, DTYPES[obj["dtype"]], obj["shape"])
-
-
-def request_of(put_key: str) -> str | None:
-    """The external request id of a chunk put key (vllm-omni 0.30.0's ``<request>_<stage>_<chunk>``), else None."""
-    parts = put_key.rsplit("_", 2)
-    if len(parts) == 3 and parts[0] and parts[1].isdigit() and parts[2].isdigit():
-        return parts[0]
-    return None
-
-
-def _append_test() -> Any:
-    """``(path, value) -> bool``: whether the omni-accum policy of the send in progress appends the key
-    (its receiver then accumulates the rows), or None outside such a send (omni-accum not installed here)."""
-    from omni_accum.integrations.vllm_omni.send import putting_binding  # noqa: PLC0415 - no cycle at import
-
-    b = putting_binding()
-    return None if b is None else b.appends
-
-
-def _struct_map(obj: Any) -> dict[str, Any] | None:
-    """A msgspec struct (vllm-omni's ``OmniPayloadStruct``) as the map its msgpack encoding is, which the
-    receiving side decodes (fields at their default left out, nested structs as maps); None for anything else."""
-    fields = getattr(type(obj), "__struct_fields__", None)
-    if fields is None:
-        return None
-    defaults = getattr(type(obj), "__struct_defaults__", ())
-    default = dict(zip(fields[len(fields) - len(defaults) :], defaults))
-    out: dict[str, Any] = {}
-    for f in fields:
-        v = getattr(obj, f)
-        d = default.get(f, _NO_DEFAULT)
-        if v is d or (d is not _NO_DEFAULT and type(v) is type(d) and isinstance(d, (int, float, str, bool)) and v == d):
-            continue
-        sub = _struct_map(v)
-        out[f] = v if sub is None else sub
-    return out
-
-
-_NO_DEFAULT = object()
-
-
-def _chainable(t: Any) -> bool:
-    return (
-        isinstance(t, torch.Tensor)
-        and t.dim() >= 1
-        and t.shape[0] > 0
-        and t.dtype in _DTYPE_NAMES
-        and t.layout is torch.strided
-        and not t.is_quantized
-        and not t.is_neg()
-        and not t.is_conj()
-        and t.numel() > 0
-    )
 
 
 def _live_region(base: str) -> str:
@@ -291,6 +237,17 @@ class ArenaConnector(OmniConnectorBase):
     # ------------------------------------------------------------------ the connector interface
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
         pair = (str(from_stage), str(to_stage))
+        try:
+            return self._put_or_inner(pair, from_stage, to_stage, put_key, data)
+        finally:
+            # a release that came while this put held the lock (release_request never waits for it)
+            if self._to_release and self._tx_lock.acquire(blocking=False):
+                try:
+                    self._release_pending()
+                finally:
+                    self._tx_lock.release()
+
+    def _put_or_inner(self, pair: tuple[str, str], from_stage: str, to_stage: str, put_key: str, data: Any) -> Any:
         with self._tx_lock:
             if self._to_release:
                 self._release_pending()
@@ -362,13 +319,15 @@ class ArenaConnector(OmniConnectorBase):
         opens: list[tuple[Any, ...]] = []
         taken: list[tuple[int, int]] = []
         req = request_of(key)
-        appends = (_append_test() or self.append_test) if req is not None else None
+        # (a put of a request released here already, an abort racing a send, goes the copy way: no
+        # chain would ever end)
+        appends = (append_test() or self.append_test) if req is not None and not tx.ended(req) else None
         refs: list[int] = []  # the chains whose rows the message names
         try:
             if appends is not None:
-                as_map = data if isinstance(data, Mapping) else _struct_map(data)
+                as_map = data if isinstance(data, Mapping) else struct_map(data)
                 if as_map is not None:
-                    chained = self._chain(tx, req, as_map, appends, opens, taken, refs)
+                    chained = chain_payload(tx, req, as_map, appends, opens, taken, refs)
                     if refs:
                         data = chained
             body = enc.encode(data)
@@ -386,40 +345,6 @@ class ArenaConnector(OmniConnectorBase):
                         "receiver's append-kind buffers are these shared pages", tx.region.path.name, req, len(refs))
         self.counts["chain_appends"] += len(refs)
         return enc.tensor_bytes + len(body)
-
-    def _chain(
-        self, tx: Any, req: str, data: Mapping[str, Any], appends: Any, opens: list, taken: list, refs: list[int]
-    ) -> Any:
-        """``data`` with the tensors of append keys written into their chains (as wire dicts naming the rows)."""
-        out: dict[str, Any] | None = None
-        for top, value in data.items():
-            if isinstance(value, Mapping):
-                sub: dict[str, Any] | None = None
-                for qual, qv in value.items():
-                    if _chainable(qv) and appends(f"{top}.{qual}", qv):
-                        if sub is None:
-                            sub = dict(value)
-                        sub[qual] = self._chained(tx, req, f"{top}.{qual}", qv, opens, taken, refs)
-                if sub is not None:
-                    if out is None:
-                        out = dict(data)
-                    out[top] = sub
-            elif _chainable(value) and appends(str(top), value):
-                if out is None:
-                    out = dict(data)
-                out[top] = self._chained(tx, req, str(top), value, opens, taken, refs)
-        return data if out is None else out
-
-    @staticmethod
-    def _chained(tx: Any, req: str, path: str, t: torch.Tensor, opens: list, taken: list, refs: list) -> dict[str, Any]:
-        shape = list(t.shape)
-        t = t.detach()
-        if not t.is_cpu:
-            t = t.cpu()
-        t = t.contiguous()
-        no, start, rows = tx.append_rows(req, path, t, opens, taken)
-        refs.append(no)
-        return {_TENSOR_MARKER: True, "dtype": _DTYPE_NAMES[t.dtype], "shape": shape, "data": b"", _IN_CHAIN: [no, start, rows]}
 
     def release_request(self, external_req_id: str) -> None:
         """The sending side is done with ``external_req_id``: the receivers drop its append chains' slabs
