@@ -16,7 +16,10 @@ no segment is created per message and no tensor byte is pickled. A ``put`` write
 payload into arena pages with one copy and pushes a small message (the rest of the payload, in
 vllm-omni's own msgpack encoding, which ``SharedMemoryConnector`` uses for all of it) through the
 region's ring; the receiver's ``get`` copies the tensors out (the pages go back to the sender at
-once) and decodes the payload as ``SharedMemoryConnector`` would: the same objects come out.
+once) and decodes the payload as ``SharedMemoryConnector`` would: the same objects come out. The rows
+of keys the sending policy appends are the exception: they go into the request's append chains
+(:mod:`.arena_chains`), one slab per request and key written once, and come out as views over the
+shared pages that ``prealloc`` takes as its buffer (docs/arena.md, "Append chains").
 
 Everything the arena cannot take goes through an inner ``SharedMemoryConnector`` built from the same
 config, so nothing is lost: a put before the receiver has created the region, an arena that is full,
