@@ -8,6 +8,7 @@ import glob
 import multiprocessing as mp
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -17,7 +18,6 @@ import pytest
 import torch
 
 from omni_accum.arena import ArenaError, ArenaFull, ArenaReceiver, ArenaSender, PeerDied, path_for, sweep_stale
-from omni_accum.arena._common import wait_until
 
 KINDS = {"emb": "append", "hid.x": "append", "ids": "append", "bos": "static"}
 WAIT = 120.0
@@ -323,11 +323,26 @@ def test_kill_9_of_the_receiver_is_noticed_and_leaves_nothing_in_dev_shm():
     _no_leftover(name)
 
 
+def tracker_exited(pid: int) -> bool:
+    """Block until process ``pid`` (a killed process's multiprocessing resource tracker, which removes the
+    regions registered with it and then exits) has exited: an event, not a timing (the bound only
+    guards against a hang, as a subprocess timeout does)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], 600)[0])
+    finally:
+        os.close(fd)
+
+
 _OWNER_TERMINATED = (
     "import os, signal, sys\n"
+    "from multiprocessing import resource_tracker\n"
     "from omni_accum.arena import ArenaReceiver\n"
     "rx = ArenaReceiver(sys.argv[1], 1 << 20)\n"
-    "print(rx.region.path, flush=True)\n"
+    "print(rx.region.path, resource_tracker._resource_tracker._pid, flush=True)\n"
     "os.kill(os.getpid(), signal.SIGTERM)  # no atexit runs: as a daemon process or a vllm-omni stage ends\n"
 )
 
@@ -338,9 +353,10 @@ def test_an_owner_ended_by_sigterm_leaves_nothing_in_dev_shm():
         [sys.executable, "-c", _OWNER_TERMINATED, name], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
-    assert done.stdout.strip() == str(path_for(name))  # it did create its region
-    # multiprocessing's resource tracker removes it once the process is gone (a bounded wait, not a timing)
-    assert wait_until(lambda: not path_for(name).exists(), 30.0, lambda: None)
+    path, tracker = done.stdout.split()
+    assert path == str(path_for(name))  # it did create its region
+    assert tracker_exited(int(tracker))  # multiprocessing's resource tracker, once the process is gone
+    assert not path_for(name).exists()
 
 
 def test_a_stale_arena_of_a_dead_owner_is_reclaimed():

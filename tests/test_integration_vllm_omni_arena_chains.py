@@ -17,12 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from omni_accum.arena._common import wait_until
-from omni_accum.arena.region import W_SENDER_PID
 from omni_accum.strategy import ARENA_TAG
 
 from tests.test_integration_vllm_omni import T2T, _thinker_steps, assert_same
-from tests.test_integration_vllm_omni_arena_connector import NAME, _connector, arena_name  # noqa: F401
+from tests.test_integration_vllm_omni_arena_connector import NAME, _connector, arena_name, notice_dead_sender  # noqa: F401
 
 pytestmark = pytest.mark.vllm
 D = 64
@@ -337,11 +335,7 @@ def test_a_sender_killed_mid_chain_leaves_views_valid_and_gives_every_page_back(
         views = {rid: recv.view(rid)["embed"]["prefill"] for rid in want}
         for rid, parts in want.items():
             assert torch.equal(views[rid], torch.cat(parts)) and _inside(views[rid], arena), rid
-        def noticed() -> bool:  # the receiver notices the dead sender when it next looks (a bounded wait)
-            rx.get("0", "1", "poll")
-            return not arena.region.q[W_SENDER_PID]
-
-        assert wait_until(noticed, 30.0, lambda: None)
+        notice_dead_sender(arena)
         held = dict(arena._live_slabs)
         assert held  # k1's slab (and k0's, whose views live on) stay out of a new sender's reach
         tx = _connector(0, arena_name)
@@ -409,12 +403,8 @@ def test_chains_end_after_a_failed_put_a_late_put_and_a_sender_that_closed(vo, a
             assert tx.put("0", "1", "g_0_0", {"embed": {"prefill": small}})[2].get("arena")
             assert rx.get("0", "1", "g_0_0") is not None and "g" in arena._chains_of
         tx._tx[("0", "1")].region.close()  # the sender's side closes, its chains not ended
-
-        def ended() -> bool:
-            rx.get("0", "1", "poll")
-            return "g" not in arena._chains_of
-
-        assert wait_until(ended, 30.0, lambda: None)
+        arena.check_sender()  # as the receiver does every few ms while taking messages
+        assert "g" not in arena._chains_of
     finally:
         tx.close()
         rx.close()
