@@ -48,6 +48,14 @@ R_ROWS, R_NONE, R_BOOL, R_INT = 0, 1, 2, 3
 LIVENESS_EVERY_S = 0.02
 
 
+def row_bytes(dtype: torch.dtype, row_shape: Any) -> int:
+    """Bytes of one row of ``row_shape`` (the trailing shape) of ``dtype``."""
+    n = dtype.itemsize
+    for d in row_shape:
+        n *= d
+    return n
+
+
 def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 

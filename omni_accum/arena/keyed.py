@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from omni_accum.arena._common import CHAINS_DONE, MSG, dtype_name, wait_until
+from omni_accum.arena._common import CHAINS_DONE, MSG, dtype_name, row_bytes, wait_until
 from omni_accum.arena.region import ArenaError, ArenaFull
 
 _memmove = ctypes.memmove
@@ -65,10 +65,7 @@ class KeyedMessages:
         row_shape = tuple(t.shape[1:])
         c = chains.get(path)
         if c is None or c.dtype is not t.dtype or c.row_shape != row_shape:
-            row_bytes = t.element_size()
-            for d in row_shape:
-                row_bytes *= d
-            c = chains[path] = _Chain(self._next_chain, t.dtype, row_shape, row_bytes)
+            c = chains[path] = _Chain(self._next_chain, t.dtype, row_shape, row_bytes(t.dtype, row_shape))
             self._next_chain += 1
         start = c.rows
         need = start + n

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from omni_accum.arena._common import (
-    CHAINS_DONE,
     CHUNK,
     DONE,
     FREE,
@@ -356,10 +355,8 @@ class ArenaSender(KeyedMessages):
     def close(self) -> None:
         for req_id in list(getattr(self, "_chains", ())):  # the receiver drops their slabs once no view is left
             try:
-                self._chains.pop(req_id)
-                if not self._dead:
-                    self.region.ring_f.push(pickle.dumps((CHAINS_DONE, req_id), protocol=5))
-            except Exception:  # noqa: BLE001, S110 - best effort: a dead receiver has nothing to drop
+                self.release_chains(req_id, wait=False)
+            except Exception:  # noqa: BLE001, S110 - best effort (the receiver also ends them when it finds us closed)
                 pass
         if getattr(self, "_u8", None) is not None:
             self._u8 = None

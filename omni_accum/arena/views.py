@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from omni_accum.arena._common import ARENA_TAG, DTYPES
+from omni_accum.arena._common import ARENA_TAG, DTYPES, row_bytes
 from omni_accum.arena.region import W_SENDER_GEN, ArenaError
 
 #: lineage tokens of append chains, unique in this process (a chain moved to a larger slab keeps its
@@ -44,7 +44,7 @@ class ChainViews:
         for rid, path, no, page, npg, cap, dt, row_shape in opens:
             dtype = DTYPES[dt]
             off = self._data_off + page * self._page
-            mv = memoryview(self.region.mm)[off : off + cap * _row_bytes(dtype, row_shape)]
+            mv = memoryview(self.region.mm)[off : off + cap * row_bytes(dtype, row_shape)]
             base = torch.frombuffer(mv, dtype=dtype).view(cap, *row_shape)
             # the pages go back once the last tensor over them is freed (whichever thread frees it)
             weakref.finalize(mv, self._dead_slabs.append, (page, npg))
@@ -80,8 +80,9 @@ class ChainViews:
         """The sender changed (it closed, or another attached): the chains of the one before end. Every
         message published so far is taken off the ring first (each keeps the slabs it shows); chains
         are numbered by sender generation, so a new sender's stay."""
+        self._sender_pid = pid
         if self._chains:
-            self._pump_only()
+            self._pump()
             gen = self.region.q[W_SENDER_GEN] if pid else -1
             for no in [n for n in self._chains if n >> 40 != gen]:
                 del self._chains[no]
@@ -90,16 +91,3 @@ class ChainViews:
                     del paths[path]
                 if not paths:
                     del self._chains_of[rid]
-        self._sender_pid = pid
-
-    def _pump_only(self) -> None:
-        ring = self.region.ring_f
-        while (msg := ring.pop()) is not None:
-            self._take(msg)
-
-
-def _row_bytes(dtype: torch.dtype, row_shape: Any) -> int:
-    n = dtype.itemsize
-    for d in row_shape:
-        n *= d
-    return n
