@@ -97,12 +97,23 @@ def chain_payload(
     return data if out is None else out
 
 
-def _chained(tx: Any, req: str, path: str, t: torch.Tensor, opens: list, taken: list, refs: list) -> dict[str, Any]:
-    shape = list(t.shape)
+def cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the arena copies it: detached, on the CPU, contiguous (no copy when it already is)."""
     t = t.detach()
     if not t.is_cpu:
         t = t.cpu()
-    t = t.contiguous()
+    return t.contiguous()
+
+
+def tensor_ref(t: torch.Tensor, shape: list[int], where: str, value: Any) -> dict[str, Any]:
+    """vllm-omni's wire dict of a tensor whose bytes are in the arena (``where``: :data:`IN_CHAIN` or the
+    connector's page key) instead of in the message."""
+    return {TENSOR_MARKER: True, "dtype": DTYPE_NAMES[t.dtype], "shape": shape, "data": b"", where: value}
+
+
+def _chained(tx: Any, req: str, path: str, t: torch.Tensor, opens: list, taken: list, refs: list) -> dict[str, Any]:
+    shape = list(t.shape)
+    t = cpu_contiguous(t)
     no, start, rows = tx.append_rows(req, path, t, opens, taken)
     refs.append(no)
-    return {TENSOR_MARKER: True, "dtype": DTYPE_NAMES[t.dtype], "shape": shape, "data": b"", IN_CHAIN: [no, start, rows]}
+    return tensor_ref(t, shape, IN_CHAIN, [no, start, rows])

@@ -53,7 +53,16 @@ from vllm_omni.distributed.omni_connectors.utils import serialization as _ser
 
 from omni_accum.arena._common import DTYPES
 from omni_accum.arena.region import PREFIX, SHM_DIR, ArenaError, ArenaFull, PeerDied, owner_of, pid_alive
-from omni_accum.integrations.vllm_omni.arena_chains import IN_CHAIN, append_test, chain_payload, request_of, struct_map
+from omni_accum.integrations.vllm_omni.arena_chains import (
+    DTYPE_NAMES,
+    IN_CHAIN,
+    append_test,
+    chain_payload,
+    cpu_contiguous,
+    request_of,
+    struct_map,
+    tensor_ref,
+)
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -83,8 +92,6 @@ def parse_size(value: Any, what: str) -> int:
 
 #: Key of a tensor's wire dict (vllm-omni's own tensor encoding) that says where its bytes are in the arena.
 _IN_ARENA = "__omni_accum_arena__"
-_TENSOR_MARKER = getattr(_ser, "_TENSOR_MARKER", "__tensor__")
-_DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 
 
 class _Encoder(_ser.OmniMsgpackEncoder):
@@ -98,22 +105,13 @@ class _Encoder(_ser.OmniMsgpackEncoder):
         self.tensor_bytes = 0
 
     def _encode_tensor(self, tensor: torch.Tensor) -> dict[str, Any]:
-        t = tensor.detach()
-        if t.dtype not in _DTYPE_NAMES or t.is_sparse or not t.numel():
+        if tensor.dtype not in DTYPE_NAMES or tensor.is_sparse or not tensor.numel():
             return super()._encode_tensor(tensor)
-        if not t.is_cpu:
-            t = t.cpu()
-        t = t.contiguous()
+        t = cpu_contiguous(tensor)
         page, n = self.tx.write_tensor(t)
         self.spans.append((page, n))
         self.tensor_bytes += t.numel() * t.element_size()
-        return {
-            _TENSOR_MARKER: True,
-            "dtype": _DTYPE_NAMES[t.dtype],
-            "shape": list(tensor.shape),
-            "data": b"",
-            _IN_ARENA: page,
-        }
+        return tensor_ref(t, list(tensor.shape), _IN_ARENA, page)
 
 
 class _Decoder(_ser.OmniMsgpackDecoder):

@@ -93,7 +93,8 @@ class Binding:
         if self.metrics.on:  # the hooks' merges count each key in the merge's own pass (Recorder.merged)
             self.receiver.on_merge = self.metrics.merged
         self.fingerprint = policy_fingerprint(policy, self.receiver.manager)
-        self._names: dict[tuple[Any, ...], Any] = {}  # strategy names; (path, type, "append") -> appends
+        self._names: dict[tuple[str, type], str] = {}
+        self._append_kind = frozenset(s.name for s in self.receiver.manager.specs() if "append" in s.kinds)
         from omni_accum import __version__
 
         metrics.policy_info(_readable_source(source, Settings.policy_source), self.fingerprint, __version__)
@@ -144,16 +145,9 @@ class Binding:
         return name
 
     def appends(self, path: str, value: Any) -> bool:
-        """Whether this binding's policy appends key ``path`` for a value of this type (cached)."""
-        k = (path, type(value), "append")
-        hit = self._names.get(k)
-        if hit is None:
-            try:
-                hit = "append" in self.receiver.select(path, value, self.receiver.context)[1].kinds
-            except Exception:  # noqa: BLE001 - not appended, then: sent as any other value
-                hit = False
-            self._names[k] = hit
-        return hit
+        """Whether this binding's policy appends key ``path`` for a value of this type (its strategy, from
+        :meth:`strategy_name`'s cache, is of the append kind)."""
+        return self.strategy_name(path, value) in self._append_kind
 
     def bucket_labels(self, ctx: StreamContext | None) -> tuple[str, str]:
         """``(context_bucket, concurrency_bucket)`` metric labels of a request's context (``none``: no table)."""
