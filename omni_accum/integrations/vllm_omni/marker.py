@@ -28,14 +28,16 @@ MARKERS = (WIRE_MARKER, OMITTED_KEY)
 
 
 class SendTable(dict):
-    """A request's numbering on the sending side (``(top, qual) -> bit``, wire order), with ``kept``:
-    the metrics' cache of the values left off (see :meth:`.metrics.Recorder.sent`), released with it."""
+    """A request's numbering on the sending side (``(top, qual) -> bit``, wire order), with the metrics'
+    per-request caches (see :meth:`.metrics.Recorder.sent`), released with it: ``kept``, the values left
+    off; ``meters``, each numbered key's metrics slot (by its number; None until counted)."""
 
-    __slots__ = ("kept",)
+    __slots__ = ("kept", "meters")
 
     def __init__(self) -> None:
         super().__init__()
         self.kept: dict[tuple[Any, Any], list[Any]] = {}
+        self.meters: list[Any] = []
 
 
 def count_bits(mask: int) -> int:

@@ -56,7 +56,8 @@ _perf_counter = time.perf_counter
 FLUSH_EVERY = 256
 
 # A slot counts one (role, key path, value type): [chunks, tensor bytes, type, is tensor,
-# (role, path, strategy) labels, (role, path) labels, the strategy when append-kind else None].
+# (role, path, strategy) labels, (role, path) labels, the strategy when append-kind else None]; an
+# engine slot's (see Recorder._engine_slot) also holds that strategy's list of merge times.
 _N, _B, _TYPE, _TENSOR, _CLABELS, _WLABELS, _APPEND = range(7)
 _SKIP: list[Any] = [0, 0, None, False, None, None, None]  # a marker key: not counted
 _EMPTY: dict[Any, Any] = {}
@@ -138,6 +139,7 @@ class Recorder:
         if not self.armed:
             return
         self.armed = False
+        fm = None  # the meter of the first append-kind key
         for slot, v in pairs:
             m = slot.meter
             if m is None:
@@ -145,18 +147,18 @@ class Recorder:
             m[0] += 1
             if isinstance(v, _Tensor):
                 m[1] += v.nbytes
-        first = "replace"
-        for slot, _ in pairs:  # the first append-kind key: in a decode chunk, the first one
-            if slot.meter[6] is not None:
-                first = slot.meter[6]
-                break
-        self.first = first
+            if fm is None and m[6] is not None:
+                fm = m
+        if fm is None:
+            self.first = "replace"
+            h = self._hist.get("replace")
+            if h is None:
+                h = self._hist["replace"] = []
+        else:
+            self.first, h = fm[6], fm[7]
         t0 = self.t0
         if t0 is not None:  # timed(), inlined: this runs for every chunk
             self.t0 = None
-            h = self._hist.get(first)
-            if h is None:
-                h = self._hist[first] = []
             h.append(_perf_counter() - t0)  # bucketed at flush
             self.chunks_seen += 1
             if self.chunks_seen >= FLUSH_EVERY:
@@ -185,6 +187,7 @@ class Recorder:
             labels = (role, path, name)
             m = [0, 0, None, None, labels, (role, path)]
             m.append(None if name in _REPLACE_LIKE else name)
+            m.append(None if name in _REPLACE_LIKE else self._hist.setdefault(name, []))  # its merge times
             self._by_type[k] = m
             self._all.append(m)
         return m
@@ -266,13 +269,17 @@ class Recorder:
         ``table`` (as :func:`.marker.number_once` does, wire order), count the keys on the wire and,
         when metrics are on, the bytes of those the strategy left off; returns the keys left off, as
         ``(top, qual)`` pairs (qual None for a top-level key). ``wire`` is ``chunk`` or its encoded form
-        (same key order, values possibly encoded, some keys left off). ``kept``: the request's own cache
-        of the values left off (a value left off again, the same object, costs no byte count)."""
+        (same key order, values possibly encoded, some keys left off). ``table``: the request's
+        :class:`.marker.SendTable` (or a plain dict), whose ``meters`` list holds each numbered key's
+        metrics slot, so a key costs one lookup (its number); ``kept``: the request's own cache of the
+        values left off (a value left off again, the same object, costs no byte count)."""
         on = self.on
         if kept is None:
             kept = {}
         omitted: list[tuple[Any, Any]] = []
-        meters = self.meters("send")  # one lookup per key, with the (top, qual) pair the numbering builds anyway
+        meters = getattr(table, "meters", None)
+        if meters is None:  # a plain dict: slots by number for this chunk only
+            meters = [None] * len(table)
         for top, value in chunk.items():
             if top in skip:
                 continue
@@ -287,13 +294,15 @@ class Recorder:
                 tq = (top, qual)
                 k = top if qual is None else qual
                 if k in sub:
-                    if tq not in table:
-                        table[tq] = len(table)
+                    i = table.get(tq)
+                    if i is None:
+                        i = table[tq] = len(table)
+                        meters.append(None)
                     if on:
                         w = qv if sub is value else sub[k]
-                        x = meters.get(tq)
+                        x = meters[i]
                         if x is None or x[2] is not type(w):
-                            x = meters[tq] = self._slot({}, "send", top, qual, w, name_of)
+                            x = meters[i] = self._slot({}, "send", top, qual, w, name_of)
                         x[0] += 1
                         if x[3]:
                             x[1] += w.nbytes
