@@ -6,8 +6,9 @@ own work: the sender its encode + write + publish, the receiver its take + merge
 read. A step's latency is the sum (waiting for the other process and the control pipe are not
 counted, so a loaded machine's scheduling delays are left out of both arms alike). How the processes
 wait for each other (``--arena-wait``) still matters: ``block`` sleeps in the control pipe, so each
-timed step starts in a process the OS just woke (on a VM, with caches other work may have used);
-``spin`` polls it, as a stage busy in its engine loop stays on its CPU. Arms:
+timed step starts in a process the OS just woke (on a VM, with caches other work may have used), as
+vllm-omni 0.30.0's receiving thread does (it waits 1 ms whenever a poll finds nothing); ``spin`` polls
+it and stays on its CPU (the best case). Arms:
 
 * ``arena``: :class:`~omni_accum.arena.ArenaSender` -> :class:`~omni_accum.arena.ArenaReceiver`;
 * ``connector``: as ``shm``, over ``OmniAccumArenaConnector`` (the arena as a vllm-omni connector:

@@ -100,8 +100,9 @@ def register(subparsers: Any) -> None:
         default="block",
         help="how each process waits for the other between its timed steps (untimed either way): block "
         "(default) sleeps in the control pipe, so every step starts in a process the OS just woke (on a VM, "
-        "often with cold caches); spin polls it, as a stage busy in its engine loop stays on its CPU. Both "
-        "processes and every arm wait the same way",
+        "often with cold caches), as vllm-omni 0.30.0's receiving thread, which waits 1 ms whenever a poll "
+        "finds nothing; spin polls it and stays on its CPU (the best case). Both processes and every arm "
+        "wait the same way",
     )
     m = p.add_argument_group("--wire mooncake")
     m.add_argument("--mooncake-master", metavar="HOST:PORT", help="use this Mooncake master instead of starting one")
