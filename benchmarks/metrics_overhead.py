@@ -4,7 +4,8 @@ transport's ``_accumulate_payload`` hook, with metrics on and off, interleaved i
     .venv/bin/python benchmarks/metrics_overhead.py [--steps 2000] [--rounds 7] [--block 1]
 
 Prints the p50 per chunk of each arm (metrics on and off on alternate steps of the same requests, or in
-alternate runs of ``--block`` steps) and their difference (the target is <= 2 us per chunk at p50), then the
+alternate runs of ``--block`` steps) and their difference (the target is <= 2 us per chunk at p50), also
+for the send hook and the receive hook apart (each stage's process pays its own), then the
 metrics work alone on the same chunk. The "off" arm is what ``OMNI_ACCUM_METRICS=0`` runs (no merge callback).
 On a shared 2-core VM the difference moves by a few tenths of a us from run to run, and reads about 1 us
 higher with ``--block 64`` (metrics on for 64 chunks in a row, as a deployment runs them) than alternating.
@@ -72,7 +73,7 @@ def main() -> None:
         runner._accumulate_payload(rid, encode_payload(tx, rid, chunk))
         rx = runner._omni_accum_binding
         merged = rx.metrics.merged
-        out: dict[str, list[float]] = {"on": [], "off": []}
+        out: dict[str, list[float]] = {"on": [], "off": [], "on_send": [], "off_send": [], "on_recv": [], "off_recv": []}
         for i in range(args.steps):
             on = ((i // args.block) % 2 == 0) is first_on
             tx.metrics.on = rx.metrics.on = on
@@ -82,8 +83,14 @@ def main() -> None:
                 chunk["embed"].update(consts)
                 chunk["speaker"] = "Ethan"
             t0 = time.perf_counter()
-            runner._accumulate_payload(rid, encode_payload(tx, rid, chunk))
-            out["on" if on else "off"].append(time.perf_counter() - t0)
+            wire = encode_payload(tx, rid, chunk)
+            t1 = time.perf_counter()
+            runner._accumulate_payload(rid, wire)
+            t2 = time.perf_counter()
+            arm = "on" if on else "off"
+            out[arm].append(t2 - t0)
+            out[arm + "_send"].append(t1 - t0)  # what the sending stage's process pays
+            out[arm + "_recv"].append(t2 - t1)  # what the receiving stage's process pays
         tx.metrics.on = rx.metrics.on = True
         rx.receiver.on_merge = merged
         runner._send_side_request_payload.pop(rid)
@@ -97,11 +104,14 @@ def main() -> None:
         one_round("warm", True, statics)
         rounds = [one_round(f"r{r}-{statics}", r % 2 == 0, statics) for r in range(args.rounds)]
         p50 = {arm: statistics.median(statistics.median(r[arm]) for r in rounds) * 1e6 for arm in ("on", "off")}
-        diff = statistics.median(statistics.median(r["on"]) - statistics.median(r["off"]) for r in rounds) * 1e6
+        def diff(part: str = "") -> float:
+            return statistics.median(statistics.median(r["on" + part]) - statistics.median(r["off" + part]) for r in rounds) * 1e6
+
         print(
             f"p50 per chunk (send hook + runner receive hook, decode step, qwen3-omni, {what}; {args.steps} steps x "
             f"{args.rounds} rounds, metrics on and off in alternate runs of {args.block} step(s)): on {p50['on']:.1f} us, off "
-            f"{p50['off']:.1f} us ({p50['on'] / p50['off']:.3f}x); median of the rounds' differences {diff:+.2f} us"
+            f"{p50['off']:.1f} us ({p50['on'] / p50['off']:.3f}x); median of the rounds' differences {diff():+.2f} us "
+            f"(the send hook's {diff('_send'):+.2f} us, the receive hook's {diff('_recv'):+.2f} us: each stage's process pays its own)"
         )
     isolated(tx, runner._omni_accum_binding, consts, rows[0], args.rounds)
     vo.uninstall()
