@@ -18,7 +18,7 @@ import torch
 
 from omni_accum.arena.region import W_SENDER_PID, PeerDied
 
-from tests.test_arena import tracker_exited
+from tests.test_arena import wait_exited
 from tests.test_integration_vllm_omni import T2T, _thinker_steps, assert_same
 
 pytestmark = pytest.mark.vllm
@@ -131,7 +131,7 @@ def test_puts_before_the_region_exists_and_into_a_full_arena_go_through_shm(vo, 
         rx = _connector(1, arena_name, arena_bytes="64KiB")
         got, _ = rx.get("0", "1", f"{arena_name}-early")
         assert_same(got, early, "early")
-        time.sleep(0.1)  # the sender's next attach attempt
+        tx._tx_retry.clear()  # the sender's next put attaches (it retries every ATTACH_RETRY_S)
         big = {"x": torch.arange(64 * 1024, dtype=torch.int32)}  # 256 KiB: over the 64 KiB arena
         assert tx.put("0", "1", f"{arena_name}-big", big)[0]
         small = {"x": torch.arange(16)}
@@ -254,5 +254,5 @@ def test_a_receiver_killed_without_closing_leaves_no_region(vo, arena_name):
     assert done.returncode == -9, done.stderr[-2000:]
     assert f"{arena_name}_0_1" in done.stdout  # it did create one
     # multiprocessing's resource tracker removes it once the process is gone, then exits
-    assert tracker_exited(int(done.stdout.split()[-1]))
+    wait_exited(int(done.stdout.split()[-1]))
     assert not glob.glob(f"/dev/shm/omni_accum_arena_{arena_name}*")
