@@ -110,8 +110,7 @@ def _round(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-#: madvise(2) advice values (Linux 5.14+; Python 3.11's mmap module does not name them).
-_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+#: madvise(2) advice (Linux 5.14+; Python 3.11's mmap module does not name it).
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
@@ -194,14 +193,13 @@ class Region:
         return cls(path, mm, layout, owner=False)
 
     # ------------------------------------------------------------------ page tables
-    def prefault(self, page: int, n: int, *, write: bool) -> None:
-        """Map data pages ``page .. page + n`` into this process's page tables now, the first time this
-        process uses them (``write``: as the sender, which writes them; else for reading). tmpfs gives a
-        page on its first touch and each process maps it on its own first access; without this, each
-        decode row that starts a new page costs its writer a page fault (several us on a VM) and its
-        reader another. Pages stay resident once touched (freed slabs are reused, not punched), so
-        this runs once per page and process. The contents are untouched (``MADV_POPULATE_READ`` /
-        ``MADV_POPULATE_WRITE``, Linux 5.14); on a kernel without them it does nothing."""
+    def prefault(self, page: int, n: int) -> None:
+        """Map data pages ``page .. page + n`` writable into this process's page tables now, the first
+        time this process uses them (the sender, which writes rows into them). tmpfs gives a page on its
+        first touch; without this, each decode row that starts a new page costs its writer a page fault
+        (several us on a VM) in the step. Pages stay resident once touched (freed slabs are reused, not
+        punched), so this runs once per page and process. The contents are untouched
+        (``MADV_POPULATE_WRITE``, Linux 5.14); on a kernel without it, nothing is done."""
         warm = self._warm
         if warm is None or warm.find(0, page, page + n) < 0:
             return
@@ -210,7 +208,7 @@ class Region:
         end = start + n * self.layout.page
         start -= start % ps
         try:
-            self.mm.madvise(_POPULATE_WRITE if write else _POPULATE_READ, start, end - start)
+            self.mm.madvise(_POPULATE_WRITE, start, end - start)
         except (OSError, ValueError):  # an older kernel: the pages fault in as they are touched
             self._warm = None
             return

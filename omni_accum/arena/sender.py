@@ -130,7 +130,7 @@ class ArenaSender(KeyedMessages):
         page = i - lo
         fill = self._fill * (n // 256) + self._fill[: n % 256]
         self.region.pages[page : page + n] = fill
-        self.region.prefault(page, n, write=True)  # once per page: no page fault per row later
+        self.region.prefault(page, n)  # once per page: no page fault per row later
         return page, n
 
     def _free(self, page: int, n: int) -> None:

@@ -151,9 +151,7 @@ class Recorder:
                 fm = m
         if fm is None:
             self.first = "replace"
-            h = self._hist.get("replace")
-            if h is None:
-                h = self._hist["replace"] = []
+            h = self._times("replace")
         else:
             self.first, h = fm[6], fm[7]
         t0 = self.t0
@@ -187,7 +185,7 @@ class Recorder:
             labels = (role, path, name)
             m = [0, 0, None, None, labels, (role, path)]
             m.append(None if name in _REPLACE_LIKE else name)
-            m.append(None if name in _REPLACE_LIKE else self._hist.setdefault(name, []))  # its merge times
+            m.append(None if name in _REPLACE_LIKE else self._times(name))  # its merge times
             self._by_type[k] = m
             self._all.append(m)
         return m
@@ -208,15 +206,17 @@ class Recorder:
     def timed(self, seconds: float, first: str | None = None) -> None:
         """The merge time of a chunk whose keys are counted, under ``first`` (default: :attr:`first`, what
         the counting pass found): the hooks' call for a chunk of a request already known."""
-        if first is None:
-            first = self.first
-        h = self._hist.get(first)
-        if h is None:
-            h = self._hist[first] = []
-        h.append(seconds)  # bucketed at flush
+        self._times(self.first if first is None else first).append(seconds)  # bucketed at flush
         self.chunks_seen += 1
         if self.chunks_seen >= FLUSH_EVERY:
             self.flush()
+
+    def _times(self, strategy: str) -> list[float]:
+        """The merge times of ``strategy`` since the last flush (one list for good: flush empties it)."""
+        h = self._hist.get(strategy)
+        if h is None:
+            h = self._hist[strategy] = []
+        return h
 
     def _walk(self, payload: Any, name_of: Any, skip: Any, role: str) -> str | None:
         """Count every key of ``payload`` under ``role``; the strategy of its first append-kind key."""
