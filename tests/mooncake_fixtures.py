@@ -21,7 +21,6 @@ the ``OMNI_ACCUM_*`` variables of its job) and builds a real ``OmniChunkTransfer
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -61,8 +60,7 @@ def mooncake(tmp_path_factory):
         yield svc
     finally:
         held = listening_ports(pids)
-        svc.stop()
-        time.sleep(0.1)
+        svc.stop()  # waits for each process to exit: their sockets are closed then
         assert not [p for p in pids if _alive(p)], "a Mooncake service process is still running"
         assert not listening_ports(pids), "a Mooncake service still listens"
         assert not (ports & listening_ports()), f"a master port is still listening (held before stop: {sorted(held)})"
