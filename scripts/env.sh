@@ -12,7 +12,8 @@
 #   OMNI_ACCUM_SEED_VENV      an environment already set up (another release) whose packages a new
 #                             environment starts from (default: .venv, when it is set up and this is
 #                             another one): pip then fetches only what differs between the releases
-#                             (vllm, vllm-omni and a few kernels packages) instead of ~6.5 GB. "none": no seed.
+#                             (vllm, vllm-omni and a few kernels packages) instead of ~6.5 GB, and its
+#                             files are hard links to the seed's (a copy on another file system). "none": no seed.
 #
 # Downloads go through pip's cache (~/.cache/pip, or PIP_CACHE_DIR) as well, where pip keeps one.
 set -euo pipefail
@@ -55,7 +56,10 @@ if [ "$have" != "$want" ]; then
       echo "[setup] starting $VENV from the packages of $SEED (pip fetches only what differs)" >&2
       "$PY" -m venv --without-pip "$VENV"
       purelib='import sysconfig; print(sysconfig.get_paths()["purelib"])'
-      cp -a "$("$SEED/bin/python" -c "$purelib")/." "$("$VENV/bin/python" -c "$purelib")/"
+      src="$("$SEED/bin/python" -c "$purelib")" dst="$("$VENV/bin/python" -c "$purelib")"
+      # Hard links where both are on one file system (~6.5 GB less on disk): pip never writes into an
+      # installed file (it moves the old one away, or unlinks it, before writing), so the seed is untouched.
+      cp -al "$src/." "$dst/" 2>/dev/null || { rm -rf "$dst" && mkdir -p "$dst" && cp -a "$src/." "$dst/"; }
     else
       "$PY" -m venv "$VENV"
     fi

@@ -57,8 +57,38 @@ CONSTRAINTS="$VENV/e2e-constraints.txt"
 log "upgrading pip"
 "${REG[@]}" install -q --upgrade pip
 
+TORCH_STACK=("torch==$TORCH_VERSION" torchvision torchaudio torchcodec)
+# Wheels already on this machine: where its pip configuration names local package indexes (file://
+# URLs; never its find-links, which hold the CPU torch build), each package of the torch stack's
+# resolution (metadata only, nothing downloaded) whose exact version lies there is installed from disk
+# first, so the step below does not download it again (the CUDA libraries are ~2.7 GB).
+LOCAL=()
+for u in $("$PY" -m pip config get global.extra-index-url 2>/dev/null || true) ${PIP_EXTRA_INDEX_URL:-}; do
+  case "$u" in file://*) [ -d "${u#file://}" ] && LOCAL+=("$u") ;; esac
+done
+if [ ${#LOCAL[@]} -gt 0 ]; then
+  REPORT="$VENV/e2e-torch-resolution.json"
+  LOCAL_ARGS=(--index-url "${LOCAL[0]}")
+  for u in "${LOCAL[@]:1}"; do LOCAL_ARGS+=(--extra-index-url "$u"); done
+  if "${REG[@]}" install -q --dry-run --ignore-installed --report "$REPORT" "${TORCH_STACK[@]}"; then
+    mapfile -t PINS < <("$P" -c '
+import json, sys
+for item in json.load(open(sys.argv[1]))["install"]:
+    meta = item["metadata"]
+    if meta["name"].lower() != "torch":  # the registry'"'"'s own torch wheel, never a local build
+        print(meta["name"] + "==" + meta["version"])
+' "$REPORT")
+    n=0
+    for pin in "${PINS[@]}"; do
+      env PIP_CONFIG_FILE=/dev/null "$P" -m pip --isolated --disable-pip-version-check install -q --no-deps \
+        "${LOCAL_ARGS[@]}" "$pin" >/dev/null 2>&1 && n=$((n + 1))
+    done
+    log "installed $n of ${#PINS[@]} packages of the torch stack from this machine's local indexes"
+  fi
+fi
+
 log "installing torch==$TORCH_VERSION (registry's regular wheel) + matching torchvision / torchaudio / torchcodec"
-"${REG[@]}" install -q "torch==$TORCH_VERSION" torchvision torchaudio torchcodec
+"${REG[@]}" install -q "${TORCH_STACK[@]}"
 # Pin what was just installed so no later step swaps the torch stack.
 "$P" - "$CONSTRAINTS" <<'EOF'
 import sys
