@@ -150,3 +150,55 @@ def test_a_requests_cache_of_values_left_off_counts_each_value_by_its_own_bytes(
     assert kept[("k", None)][0] is small  # the cache holds the latest value left off
     r.flush()
     assert _sample("omni_accum_wire_bytes_saved_total", **labels) - before == 64 + 64 + 128 + 3 + 64
+
+
+def test_counts_stay_exact_when_another_thread_flushes_while_this_one_counts():
+    """vllm-omni calls a middle stage's hooks from two threads (the adapter's receiving thread merges while
+    the scheduler's thread sends, releases and publishes): a flush on one thread must neither lose what
+    the other counts meanwhile nor publish it twice."""
+    import sys
+    import threading
+
+    key, strategy, reason = "race.k", "race-prealloc", "race-reason"
+    t = torch.zeros(1, 4, dtype=torch.bfloat16)  # 8 bytes
+    n = 20000
+    before = (
+        _sample("omni_accum_chunks_total", role="receive", key=key, strategy=strategy),
+        _sample("omni_accum_wire_bytes_total", role="receive", key=key),
+        _sample("omni_accum_merge_seconds_count", strategy=strategy),
+        _sample("omni_accum_fallbacks_total", reason=reason),
+    )
+    r = _on()
+    name_of = lambda p, v: strategy  # noqa: E731
+    start = threading.Barrier(2)
+
+    def receiving() -> None:
+        start.wait()
+        for _ in range(n):
+            r.received({key: t}, 1e-6, name_of, ())  # counts, and flushes every FLUSH_EVERY chunks itself
+
+    def publishing() -> None:
+        start.wait()
+        for i in range(n):
+            r.fallback(reason)
+            if i % 7 == 0:
+                r.flush()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    try:
+        threads = [threading.Thread(target=receiving), threading.Thread(target=publishing)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(old)
+    r.flush()
+    after = (
+        _sample("omni_accum_chunks_total", role="receive", key=key, strategy=strategy),
+        _sample("omni_accum_wire_bytes_total", role="receive", key=key),
+        _sample("omni_accum_merge_seconds_count", strategy=strategy),
+        _sample("omni_accum_fallbacks_total", reason=reason),
+    )
+    assert [a - b for a, b in zip(after, before)] == [n, n * t.nbytes, n, n]

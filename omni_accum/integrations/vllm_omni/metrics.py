@@ -30,6 +30,7 @@ metric                                         type       labels
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import defaultdict
 from typing import Any
@@ -91,6 +92,7 @@ class Recorder:
         "first",
         "_flat",
         "t0",
+        "_flushing",
     )
 
     def __init__(self) -> None:
@@ -108,6 +110,7 @@ class Recorder:
         self.armed = False  # the next merged() counts (see arm)
         self.first = "replace"  # the histogram label merged() found for the chunk it counted last
         self.t0: float | None = None  # the armed hook's start: merged() records the merge time
+        self._flushing = threading.Lock()  # one flush at a time (see flush)
 
     def _slot(self, holder: dict[Any, Any], role: str, top: Any, qual: Any, value: Any, name_of: Any) -> list[Any]:
         """The slot of (role, key, type(value)), made once; it becomes ``holder``'s entry for the key."""
@@ -344,34 +347,50 @@ class Recorder:
         return child
 
     def flush(self, gauges: tuple[int, dict[str, int]] | None = None) -> None:
-        """Publish what accumulated since the last flush (and, given, the held-bytes / active gauges)."""
-        self.chunks_seen = 0
-        m = _registry_metrics() if self.on else None
-        if m is None:
-            self._clear()
-            return
-        child = self._child
-        for x in self._saved_slots.values():
-            if x[0]:
-                child(m, "saved", x[1]).inc(x[0])
-        for slot in self._all:
-            if slot[_N]:
-                child(m, "chunks", slot[_CLABELS]).inc(slot[_N])
-            if slot[_B]:
-                child(m, "wire", slot[_WLABELS]).inc(slot[_B])
-        for reason, n in self.fallbacks.items():
-            child(m, "fallbacks", (reason,)).inc(n)
-        for labels, n in self.requests.items():
-            child(m, "requests", labels).inc(n)
-        for strategy, times in self._hist.items():
-            if times:
-                _observe_many(child(m, "merge", (strategy,)), *_buckets(times))
-        self._clear()
-        if gauges is not None:
-            held, active = gauges
-            m["held"].set(held)
-            for role, n in active.items():
-                child(m, "active", (role,)).set(n)
+        """Publish what accumulated since the last flush (and, given, the held-bytes / active gauges).
+
+        Safe beside the hot path on another thread (vllm-omni runs a middle stage's receive hook on the
+        adapter's thread and its send and release hooks on the scheduler's): one flush at a time (a lock
+        taken here only), each value taken by subtracting what was read rather than by zeroing (an
+        increment made meanwhile stays for the next flush), merge times taken off the front of their list
+        (one the other thread appends to), and the tables read from snapshots (a key may be added)."""
+        with self._flushing:
+            self.chunks_seen = 0
+            m = _registry_metrics() if self.on else None
+            if m is None:
+                self._clear()
+                return
+            child = self._child
+            for x in list(self._saved_slots.values()):
+                n = x[0]
+                if n:
+                    x[0] -= n
+                    child(m, "saved", x[1]).inc(n)
+            for slot in self._all[:]:
+                n = slot[_N]
+                if n:
+                    slot[_N] -= n
+                    child(m, "chunks", slot[_CLABELS]).inc(n)
+                n = slot[_B]
+                if n:
+                    slot[_B] -= n
+                    child(m, "wire", slot[_WLABELS]).inc(n)
+            for table, name in ((self.fallbacks, "fallbacks"), (self.requests, "requests")):
+                for labels, n in list(table.items()):
+                    if n:
+                        table[labels] -= n
+                        child(m, name, labels if name == "requests" else (labels,)).inc(n)
+            for strategy, times in list(self._hist.items()):
+                k = len(times)
+                if k:
+                    batch = times[:k]
+                    del times[:k]
+                    _observe_many(child(m, "merge", (strategy,)), *_buckets(batch))
+            if gauges is not None:
+                held, active = gauges
+                m["held"].set(held)
+                for role, n in active.items():
+                    child(m, "active", (role,)).set(n)
 
     def _clear(self) -> None:
         for slot in self._all:
