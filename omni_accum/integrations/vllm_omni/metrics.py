@@ -349,8 +349,8 @@ class Recorder:
     def flush(self, gauges: tuple[int, dict[str, int]] | None = None) -> None:
         """Publish what accumulated since the last flush (and, given, the held-bytes / active gauges).
 
-        Safe beside the hot path on another thread (vllm-omni runs a middle stage's receive hook on the
-        adapter's thread and its send and release hooks on the scheduler's): one flush at a time (a lock
+        Safe beside the hot path on another thread (vllm-omni 0.30.0's chunk transfer adapter receives on
+        one thread and saves on another, and releases on the scheduler's): one flush at a time (a lock
         taken here only), each value taken by subtracting what was read rather than by zeroing (an
         increment made meanwhile stays for the next flush), merge times taken off the front of their list
         (one the other thread appends to), and the tables read from snapshots (a key may be added)."""
