@@ -153,9 +153,9 @@ def test_a_requests_cache_of_values_left_off_counts_each_value_by_its_own_bytes(
 
 
 def test_counts_stay_exact_when_another_thread_flushes_while_this_one_counts():
-    """vllm-omni calls a middle stage's hooks from two threads (the adapter's receiving thread merges while
-    the scheduler's thread sends, releases and publishes): a flush on one thread must neither lose what
-    the other counts meanwhile nor publish it twice."""
+    """vllm-omni 0.30.0 calls the hooks from several threads (its chunk transfer adapter receives on one,
+    saves on another, releases on the scheduler's): a flush on one thread must neither lose what another
+    counts meanwhile nor publish it twice."""
     import sys
     import threading
 
