@@ -81,7 +81,10 @@ def test_1k_and_32k_requests_take_their_own_buckets(vo, runner, no_context_env):
     assert {rid: tx.sender._requests[rid].context.context_len for rid in got} == edges  # both ends, one bucket
     assert {rid: b.receiver._requests[rid].context.context_len for rid in got} == edges
     for rid in got:
-        rx._send_side_request_payload.pop(rid)  # upstream's release: publishes the metrics
+        rx._send_side_request_payload.pop(rid)  # upstream's release: the metrics are published soon after
+    from omni_accum.integrations.vllm_omni.binding import publish_pending
+
+    publish_pending()  # at once (else on the publisher thread)
     for c in ("1000", "32000"):
         after = _sample("omni_accum_requests_total", role="receive", context_bucket=c, concurrency_bucket="1")
         assert after - before[c] == 1, c

@@ -304,3 +304,35 @@ def test_adapter_hook_counts_a_refused_chunk_once_and_never_the_reseed(vo, adapt
         ("omni_accum_wire_bytes", "meta.finished"): 1,
     }, got
     assert _sample("omni_accum_fallbacks_total", reason="refused_chunk") - fb0 == 2
+
+
+def test_a_release_publishes_on_a_thread_of_its_own_not_under_the_adapters_lock(vo, adapters, monkeypatch):
+    """vllm-omni 0.30.0 calls the release hooks under the adapter's state locks, which its receiving and
+    saving threads take for every chunk: publishing there (every binding's held bytes, Prometheus, the
+    status file) held them up. A release marks its binding; the publisher thread publishes it."""
+    import threading
+
+    from omni_accum.integrations.vllm_omni import binding as binding_mod
+
+    from tests.test_integration_vllm_omni import run_thinker_to_talker
+
+    vo.install("qwen3-omni")
+    threads: list[str] = []
+    published = threading.Event()
+    real = binding_mod.Binding.publish
+
+    def publish(self):
+        threads.append(threading.current_thread().name)
+        real(self)
+        published.set()
+
+    monkeypatch.setattr(binding_mod.Binding, "publish", publish)
+    before = _sample("omni_accum_requests_total", role="send", context_bucket="none", concurrency_bucket="none")
+    handed, _, (tx, rx) = run_thinker_to_talker(adapters, f"oa-publisher-{os.getpid()}")
+    assert handed and tx._omni_accum_binding.sender.active_requests == 0  # released at cleanup
+    assert rx._omni_accum_binding.receiver.active_requests == 0
+    assert published.wait(60), "no release was published"  # a hang guard, not a timing
+    assert set(threads) == {"omni-accum-publish"}  # never on the thread that released (it holds the adapter's lock)
+    binding_mod.publish_pending()  # returns once any publish under way is done, and publishes what is left
+    after = _sample("omni_accum_requests_total", role="send", context_bucket="none", concurrency_bucket="none")
+    assert after - before == 1  # what the sender counted reached Prometheus, once

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from omni_accum.engine import WIRE_MARKER
-from omni_accum.integrations.vllm_omni.binding import Binding, _changed, binding_for
+from omni_accum.integrations.vllm_omni.binding import Binding, binding_for, published_later
 from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, SendTable, omitted_mask, with_hello
 
 logger = logging.getLogger("omni_accum.vllm_omni")
@@ -194,8 +194,7 @@ def _release_sender(b: Binding, ext_id: str, conn: Any = None) -> None:
     b.sent_once.pop(ext_id, None)
     b.live_send.discard(ext_id)
     b.send_ctx.pop(ext_id, None)
-    b.publish()
-    _changed()
+    published_later(b)  # off vllm-omni's sender lock, which this runs under
 
 
 def wrap_clear_sender(orig: Callable[..., Any]) -> Callable[..., Any]:
