@@ -435,3 +435,22 @@ def test_a_bad_workload_field_names_its_line(tmp_path, capsys):
     rc = main(["bench", "--workload", str(bad), *SMALL])
     err = capsys.readouterr().err
     assert rc == 1 and "line 4: keys[0].kind" in err
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--wire", "arena", "--json", "x.json"], "--wire arena takes none of --json"),
+        (["--wire", "arena", "--arms", "upstream", "--per-key"], "--wire arena takes none of --arms, --per-key"),
+        (["--wire", "arena", "--through", "vllm-omni"], "--through vllm-omni"),
+        (["--mooncake-occupancy", "3"], "--mooncake-occupancy needs --wire mooncake (this run's wire: inproc)"),
+        (["--wire", "shm", "--mooncake-segment", "2GiB"], "--mooncake-segment needs --wire mooncake"),
+        (["--arena-wait", "spin"], "--arena-wait needs --wire arena"),
+        (["--wire", "mooncake", "--arena-wait", "spin"], "--arena-wait needs --wire arena (this run's wire: mooncake)"),
+    ],
+)
+def test_options_a_wire_would_ignore_are_refused_before_measuring(tmp_path, monkeypatch, capsys, args, needle):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", *args]) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

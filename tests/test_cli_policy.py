@@ -391,3 +391,18 @@ def test_strategies_lists_the_policy_presets_with_their_descriptions(capsys):
     assert cli_main(["strategies", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert {p["name"] for p in doc["presets"]} == set(preset_names()) and all(p["description"] for p in doc["presets"])
+
+
+def test_a_reader_that_stops_reading_is_not_an_error(monkeypatch, capsys):
+    """``omni-accum strategies | head -1``: the closed pipe ends the command quietly, exit 0."""
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    assert cli.main(["strategies"]) == 0
+    assert "error" not in capsys.readouterr().err

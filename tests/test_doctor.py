@@ -102,3 +102,63 @@ def test_deploy_yaml_selecting_the_arena_connector(clean_env, capsys, tmp_path):
     clean_env.setenv("VLLM_PLUGINS", "omni_accum")  # vLLM would not load the plugin that registers it
     rc, out = _doctor(capsys, "--deploy", str(f))
     assert rc == 1 and "PROBLEM  arena connector" in out and "add omni_accum_arena to VLLM_PLUGINS" in out
+
+
+@pytest.mark.parametrize(
+    "var, value",
+    [("OMNI_ACCUM_CONTEXT_LEN", "8q"), ("OMNI_ACCUM_CONCURRENCY", "0")],
+)
+def test_a_bad_context_setting_in_the_environment_is_a_problem(clean_env, capsys, var, value):
+    """omni-accum declines (or exits, with OMNI_ACCUM_REQUIRED=1) on such a value: not ready."""
+    clean_env.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
+    clean_env.setenv(var, value)
+    rc, out = _doctor(capsys)
+    assert rc == 1 and "PROBLEM  context" in out and f"{var}={value!r}" in out and "not ready" in out
+
+
+def test_bad_context_values_in_a_deploy_yamls_connector_extra_are_problems(clean_env, capsys, tmp_path):
+    for var in ("OMNI_ACCUM_CONTEXT_LEN", "OMNI_ACCUM_CONCURRENCY"):
+        clean_env.delenv(var, raising=False)
+    dep = tmp_path / "deploy.yaml"
+    dep.write_text(
+        "stages:\n  - stage_id: 0\n    stage_connector_config:\n      name: SharedMemoryConnector\n"
+        "      extra: {omni_accum_policy: qwen3-omni, omni_accum_context_len: 8q}\n"
+    )
+    rc, out = _doctor(capsys, "--deploy", str(dep))
+    assert rc == 1 and "PROBLEM  context" in out and "omni_accum_context_len='8q'" in out
+    dep.write_text(dep.read_text().replace("8q", "8k"))
+    rc, out = _doctor(capsys, "--deploy", str(dep))
+    assert rc == 0 and "context length 8000" in out, out
+
+
+def test_deploy_yaml_beside_a_bad_policy_in_the_environment_is_not_ready(clean_env, capsys, tmp_path):
+    """Every process loads OMNI_ACCUM_POLICY when omni-accum activates, before any connector's own policy."""
+    dep = tmp_path / "deploy.yaml"
+    dep.write_text("stage_connector_config:\n  name: SharedMemoryConnector\n  extra: {omni_accum_policy: qwen3-omni}\n")
+    clean_env.setenv("OMNI_ACCUM_POLICY", "no-such-preset")
+    rc, out = _doctor(capsys, "--deploy", str(dep))
+    assert rc == 1 and "PROBLEM  policy: OMNI_ACCUM_POLICY='no-such-preset'" in out
+
+
+def test_a_policy_file_given_as_the_deploy_yaml_is_refused(clean_env, capsys, tmp_path):
+    pol = tmp_path / "policy.yaml"
+    pol.write_text("default: {strategy: prealloc}\n")
+    assert main(["doctor", "--deploy", str(pol)]) == 1
+    err = capsys.readouterr().err
+    assert "not a vllm-omni deploy YAML" in err and str(pol) in err
+
+
+def test_json_on_stdout_is_only_json_in_a_fresh_process(vllm_omni, tmp_path):
+    """vLLM logs to stdout by default when it is imported; the CLI sends those lines to stderr."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_STREAM"}
+    env["OMNI_ACCUM_POLICY"] = "qwen3-omni"
+    r = subprocess.run(
+        [sys.executable, "-m", "omni_accum.cli", "doctor", "--json"], env=env, capture_output=True, text=True
+    )
+    data = json.loads(r.stdout)  # the whole of stdout
+    assert {c["name"] for c in data["checks"]} >= {"vllm-omni", "policy"}
+    assert "vllm" in r.stderr.lower()  # vLLM's import lines went there

@@ -355,3 +355,10 @@ def test_the_python_api_checks_the_same_values(tmp_path):
         tune(_opts(tmp_path, min_gain_us=-5))
     with pytest.raises(TuneError, match="memory-budget"):
         tune(_opts(tmp_path, memory_factor=-1))
+
+
+def test_context_lens_over_benchs_bound_are_refused_before_tuning(tmp_path, capsys):
+    out = tmp_path / "t.yaml"
+    assert cli.main(["tune", "--out", str(out), "--quick", "--context-lens", "2000k"]) == 2
+    assert "--context-lens 2000000: context lengths go from 1 to 1000000" in capsys.readouterr().err
+    assert not out.exists()

@@ -145,3 +145,11 @@ def test_explain_below_the_first_edge_does_not_claim_ge(tmp_path, capsys):
     code, out, _ = _run(capsys, "explain", path, "--key", "k", "--context-len", "500")
     assert code == 0 and "context_len>=1000" not in out
     assert "below the smallest edge measured (1000)" in out
+
+
+def test_an_empty_stdin_is_an_error_not_the_default_policy(capsys, monkeypatch):
+    """``cat missing.yaml | omni-accum validate -`` must not pass: the pipeline's first command failed."""
+    monkeypatch.setattr("sys.stdin", io.StringIO(" \n"))
+    code = cli.main(["validate", "-"])
+    out = capsys.readouterr().out
+    assert code == 1 and "<stdin>: no input" in out and "ok" not in out.split("no input")[0]

@@ -306,7 +306,7 @@ def run_cli(args: Any, wl: Workload) -> int:
     """``omni-accum bench --wire arena``: every bucket, a table each; 1 when a view differs from the reference."""
     lens = args.context_lens or wl.default_context_lens()
     levels = args.concurrency or list(wl.concurrency)
-    wait = getattr(args, "arena_wait", "block")
+    wait = getattr(args, "arena_wait", None) or "block"
     print(
         f"workload {wl.name}: wires arena, connector (OmniAccumArenaConnector), shm (SharedMemoryConnector); "
         f"policy {wl.policy or 'default'}; two processes, waiting for each other by {wait}; {args.repeats} repeats"

@@ -338,10 +338,14 @@ def _cli_problem(args: Any) -> str | None:
     if args.mooncake_master and ":" not in args.mooncake_master:
         return f"--mooncake-master {args.mooncake_master}: give HOST:PORT"
     try:
-        parse_size(args.mooncake_segment)
+        parse_size(args.mooncake_segment or DEFAULT_SEGMENT)
     except OmniAccumError as e:
         return f"--mooncake-segment: {e}"
     return mooncake_problem()
+
+
+#: ``--mooncake-segment``'s default.
+DEFAULT_SEGMENT = "1GiB"
 
 
 def run_cli(args: Any, wl: Any, arms: Mapping[str, Any]) -> int:
@@ -352,7 +356,7 @@ def run_cli(args: Any, wl: Any, arms: Mapping[str, Any]) -> int:
     if problem:
         print(f"omni-accum bench: error: {problem}", file=sys.stderr)
         return 2
-    segment = parse_size(args.mooncake_segment)
+    segment = parse_size(args.mooncake_segment or DEFAULT_SEGMENT)
     cls = list(args.context_lens or wl.default_context_lens())
     concs = list(args.concurrency or wl.concurrency)
     metadata = args.mooncake_metadata

@@ -12,6 +12,12 @@ the parser and :func:`main`.
 
 from __future__ import annotations
 
-from omni_accum.cli.main import build_parser, main
+import os
+
+# vLLM logs to stdout unless told otherwise, and bench, tune and doctor import it: its lines go to stderr,
+# so what a command prints on stdout (a table, a policy, --json) is only its own.
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+from omni_accum.cli.main import build_parser, main  # noqa: E402
 
 __all__ = ["build_parser", "main"]

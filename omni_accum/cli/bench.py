@@ -97,7 +97,6 @@ def register(subparsers: Any) -> None:
     a.add_argument(
         "--arena-wait",
         choices=("block", "spin"),
-        default="block",
         help="how each process waits for the other between its timed steps (untimed either way): block "
         "(default) sleeps in the control pipe, so every step starts in a process the OS just woke (on a VM, "
         "often with cold caches), as vllm-omni 0.30.0's receiving thread, which waits 1 ms whenever a poll "
@@ -113,7 +112,6 @@ def register(subparsers: Any) -> None:
     )
     m.add_argument(
         "--mooncake-segment",
-        default="1GiB",
         metavar="SIZE",
         help="store memory of the holder process this run starts (default: 1GiB)",
     )
@@ -189,9 +187,36 @@ def _usage_error(problem: str) -> int:
     return 2
 
 
+def _wire_options_problem(args: argparse.Namespace) -> str | None:
+    """An option given for another wire than ``--wire`` (it would be ignored), or one ``--wire arena`` ignores."""
+    given = lambda name: getattr(args, name, None) not in (None, False)  # noqa: E731
+    for wire, names in (
+        ("arena", ("arena_wait",)),
+        ("mooncake", ("mooncake_master", "mooncake_metadata", "mooncake_segment", "mooncake_occupancy")),
+    ):
+        stray = [f"--{n.replace('_', '-')}" for n in names if given(n)]
+        if stray and args.wire != wire:
+            return f"{', '.join(stray)} {'needs' if len(stray) == 1 else 'need'} --wire {wire} (this run's wire: {args.wire})"
+    if args.wire == "arena":
+        stray = [f"--{n.replace('_', '-')}" for n in ("arms", "json", "plot", "per_key", "view_hop") if given(n)]
+        if args.through != "direct":
+            stray.append(f"--through {args.through}")
+        if stray:
+            return (
+                f"--wire arena takes none of {', '.join(stray)}: it compares its own arms (arena, connector, shm) "
+                "and prints its table (options it takes: --workload, --context-lens, --concurrency, --repeats, "
+                "--steps, --threads, --arena-wait)"
+            )
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from omni_accum import bench
     from omni_accum.bench.workloads import WorkloadError, load_workload
+
+    problem = _wire_options_problem(args)
+    if problem:
+        return _usage_error(problem)
 
     for path, option in ((args.json, "--json"), (args.plot, "--plot")):
         problem = output_path_problem(path, option)

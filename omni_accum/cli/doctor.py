@@ -152,6 +152,11 @@ def _deploy_policy(path: str) -> tuple[Any, str]:
 
     walk(data, "")
     if not found:
+        if not _has_connectors(data):
+            raise OmniAccumError(
+                f"--deploy {path}: not a vllm-omni deploy YAML (no connector in it: a key naming connectors, or an "
+                "'extra' mapping); give the deploy YAML the server starts with (a policy file goes in OMNI_ACCUM_POLICY)"
+            )
         return None, f"{path}: no connector extra names omni_accum_policy"
     values = {json.dumps(v, sort_keys=True, default=str) for _, v in found}
     if len(values) > 1:
@@ -162,18 +167,111 @@ def _deploy_policy(path: str) -> tuple[Any, str]:
     return found[0][1], f"{path}: {found[0][0]}.extra.omni_accum_policy"
 
 
+def _has_connectors(node: Any) -> bool:
+    """Whether a parsed YAML has anything of a deploy YAML's connectors (a key naming connectors, or an ``extra``)."""
+    if isinstance(node, dict):
+        return any(
+            (isinstance(k, str) and ("connector" in k.lower() or k == "extra")) or _has_connectors(v)
+            for k, v in node.items()
+        )
+    if isinstance(node, list):
+        return any(_has_connectors(v) for v in node)
+    return False
+
+
+def _deploy_extras(path: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every connector ``extra`` mapping of a deploy YAML, with where it is ([] when unreadable)."""
+    from omni_accum.policy.parsing import load_yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = load_yaml(f.read())
+    except Exception:  # noqa: BLE001 - check_policy reports an unreadable file
+        return []
+    found: list[tuple[str, dict[str, Any]]] = []
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("extra"), dict):
+                found.append((f"{where}.extra" if where else "extra", node["extra"]))
+            for k, v in node.items():
+                walk(v, f"{where}.{k}" if where else str(k))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{where}[{i}]")
+
+    walk(data, "")
+    return found
+
+
+def check_context(deploy: str | None) -> list[Check]:
+    """The deployment context settings (``OMNI_ACCUM_CONTEXT_LEN`` / ``OMNI_ACCUM_CONCURRENCY``, and the deploy
+    YAML's connector extra keys): a bad value makes omni-accum decline (or exit, with ``OMNI_ACCUM_REQUIRED=1``)."""
+    from omni_accum.integrations.vllm_omni.deployment import (
+        ENV_CONCURRENCY,
+        ENV_CONTEXT_LEN,
+        EXTRA_CONCURRENCY,
+        EXTRA_CONTEXT_LEN,
+        ContextSettingError,
+        deployment_context,
+    )
+
+    places: list[tuple[str, Any]] = [("the environment", None)]
+    if deploy:
+        places += [
+            (f"{deploy}: {where}", extra)
+            for where, extra in _deploy_extras(deploy)
+            if EXTRA_CONTEXT_LEN in extra or EXTRA_CONCURRENCY in extra
+        ]
+    out: list[Check] = []
+    for where, extra in places:
+        try:
+            ctx = deployment_context(extra)
+        except ContextSettingError as e:
+            out.append(
+                Check(
+                    "context",
+                    False,
+                    f"{where}: {e}",
+                    f"set {ENV_CONTEXT_LEN} / {ENV_CONCURRENCY} (or {EXTRA_CONTEXT_LEN} / {EXTRA_CONCURRENCY} in the "
+                    "connector extra) to whole numbers >= 1, or unset them",
+                )
+            )
+            continue
+        if extra is not None or ctx is not None:
+            detail = "not set: each request's bucket comes from what the sender sees" if ctx is None else (
+                f"context length {ctx.context_len}, concurrency {ctx.concurrency} (an explicit override of the "
+                "per-request buckets)"
+            )
+            out.append(Check("context", True, f"{where}: {detail}"))
+    return out
+
+
 def check_policy(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
     from omni_accum.policy import ENV_POLICY, load_policy
     from omni_accum.policy.environment import table_mismatches
 
     info: dict[str, Any] = {}
+    env_checks: list[Check] = []
+    env = os.environ.get(ENV_POLICY, "").strip()
+    if deploy and env and env.lower() not in ("off", "none", "false", "0"):
+        # Each process loads OMNI_ACCUM_POLICY when omni-accum activates, before any connector's own policy.
+        try:
+            load_policy(env)
+            env_checks.append(Check("policy", True, f"{ENV_POLICY}={env!r} loads (connectors without a policy run it)"))
+        except OmniAccumError as e:
+            env_checks.append(
+                Check("policy", False, f"{ENV_POLICY}={env!r}: {e}", f"fix or unset {ENV_POLICY} (omni-accum validate)")
+            )
     if deploy:
         spec, source = _deploy_policy(deploy)
     else:
         env = os.environ.get(ENV_POLICY, "").strip()
         spec, source = (env or None), (f"{ENV_POLICY}={env!r}" if env else f"{ENV_POLICY} is not set")
+    if spec is None and env_checks:
+        return env_checks, info
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("off", "none", "false", "0")):
-        return [
+        return env_checks + [
             Check(
                 "policy",
                 True,
@@ -185,10 +283,12 @@ def check_policy(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
     try:
         policy = load_policy(spec)
     except OmniAccumError as e:
-        return [Check("policy", False, f"{source}: {e}", "fix the policy (omni-accum validate POLICY)")], info
+        return env_checks + [Check("policy", False, f"{source}: {e}", "fix the policy (omni-accum validate POLICY)")], info
     rules = [f"{r.match} -> {r.strategy}" for r in policy.rules]
     info["policy"] = {"source": source, "default": policy.default.strategy, "rules": rules}
-    out = [Check("policy", True, f"{source}: default {policy.default.strategy}; " + ("; ".join(rules) or "no rules"))]
+    out = env_checks + [
+        Check("policy", True, f"{source}: default {policy.default.strategy}; " + ("; ".join(rules) or "no rules"))
+    ]
     if policy.tuned is not None:
         diffs = table_mismatches(policy.tuned)
         if diffs:
@@ -285,6 +385,7 @@ def check_arena_connector(deploy: str | None) -> list[Check]:
 def run_checks(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
     checks = check_versions() + check_entry_points() + check_arena_connector(deploy)
     policy_checks, info = check_policy(deploy)
+    policy_checks += check_context(deploy)
     return checks + policy_checks + check_plugins() + check_metrics(), info
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -56,6 +57,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OmniAccumError as e:
         print(f"omni-accum: error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader stopped reading (| head): not an error of this command
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        except (OSError, ValueError, AttributeError):  # stdout is no file (a test's stand-in)
+            pass
+        return 0
     except OSError as e:  # an output path that cannot be written (a directory, a missing folder, no space)
         where = f": {e.filename}" if getattr(e, "filename", None) else ""
         print(f"omni-accum: error: {e.strerror or e}{where}", file=sys.stderr)
@@ -63,8 +70,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("omni-accum: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

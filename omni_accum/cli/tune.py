@@ -169,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
         print("omni-accum tune: error: --out FILE is required (or --show POLICY)", file=sys.stderr)
         return 2
     problem = output_problem(args.out)
+    if problem is None:
+        from omni_accum.bench import context_lens_problem
+
+        problem = context_lens_problem(args.context_lens or [])  # bench's bound (a 2000k request is ~8 GB)
     if problem:
         print(f"omni-accum tune: error: {problem}", file=sys.stderr)
         return 2

@@ -330,7 +330,14 @@ def read_policy_argument(arg: str) -> tuple[str, str, str]:
     if arg == "-":
         import sys
 
-        return "<stdin>", sys.stdin.read(), "yaml"
+        text = sys.stdin.read()
+        if not text.strip():  # a pipeline whose first command failed, or '-' given twice
+            raise PolicyError(
+                "<stdin>: no input (nothing, or only blanks, was read from stdin; to name the default policy, give "
+                "'default')",
+                source="<stdin>",
+            )
+        return "<stdin>", text, "yaml"
     if not Path(arg).exists() and arg not in preset_names() and is_inline_policy(arg):
         return "<inline>", arg, "yaml"
     return read_source(arg)
