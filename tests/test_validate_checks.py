@@ -153,3 +153,17 @@ def test_an_empty_stdin_is_an_error_not_the_default_policy(capsys, monkeypatch):
     code = cli.main(["validate", "-"])
     out = capsys.readouterr().out
     assert code == 1 and "<stdin>: no input" in out and "ok" not in out.split("no input")[0]
+
+
+def test_a_repeated_match_does_not_hide_the_other_errors(tmp_path, capsys):
+    p = tmp_path / "w.yaml"
+    p.write_text(
+        "rules:\n  - {match: a, strategy: prealloc}\n  - {match: a, strategy: cat}\n"
+        "  - {match: x, strategy: catt}\n  - {match: y, strategy: prealloc, params: {growth: 2}}\n"
+    )
+    assert cli.main(["validate", str(p)]) == 1
+    out = capsys.readouterr().out
+    assert "3 error(s)" in out
+    assert "line 3: rules[1].match: 'a' repeats rules[0].match" in out
+    assert "line 4: rules[2].strategy: unknown strategy 'catt'" in out
+    assert "line 5: rules[3].params.growth: unknown param" in out

@@ -208,6 +208,13 @@ def format_problem(source: str, d: Mapping[str, Any]) -> str:
     return f"{_place(source, d.get('line'))}: {loc}{d['msg']}"
 
 
+def _is_repeat(detail: Mapping[str, Any]) -> bool:
+    """Whether a problem of :func:`_validation_details` is a repeated rule match."""
+    return bool(_RULE_MATCH_RE.match(f"{detail.get('loc')} {detail.get('msg')}")) and "repeats rules[" in str(
+        detail.get("msg")
+    )
+
+
 def _validation_details(err: ValidationError, text: str | None) -> list[dict[str, Any]]:
     out = []
     for e in err.errors():
@@ -367,6 +374,19 @@ def build_policy(
         raise PolicyError(f"{source}: invalid policy: nested too deeply", source=source) from e
     except ValidationError as e:
         details = _validation_details(e, text)
+        if manager is None:
+            manager = get_manager()
+        if all(_is_repeat(d) for d in details):
+            # Only repeated matches: the rest can still be checked (strategy names and params), so that every
+            # problem is listed at once; the first rule of each match stands in for its copies.
+            try:
+                again = Policy.model_validate(dict(data), context={"allow_repeats": True})
+            except ValidationError:  # noqa: S110 - not expected; the repeats alone are reported
+                pass
+            else:
+                details = sorted(
+                    details + strategy_problems(again, manager, text), key=lambda d: (d.get("line") or 0)
+                )
         msgs = [format_problem(source, d) for d in details]
         raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(msgs), msgs, source, details) from e
     if manager is None:

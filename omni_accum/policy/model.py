@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from omni_accum.context import DEFAULT_CONTEXT, StreamContext
 from omni_accum.policy.fingerprint import check_fingerprint
@@ -154,7 +154,7 @@ class Policy(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _index_rules(self) -> Policy:
+    def _index_rules(self, info: ValidationInfo) -> Policy:
         first: dict[str, int] = {}
         repeats: list[str] = []
         for i, rule in enumerate(self.rules):
@@ -166,8 +166,8 @@ class Policy(BaseModel):
                 self._globs.append((i, rule))
             else:
                 self._exact[rule.match] = (i, rule)
-        if repeats:  # every one, a line each (the loader reports each at its rule's line)
-            raise ValueError("\n".join(repeats))
+        if repeats and not (info.context or {}).get("allow_repeats"):  # the loader's second pass allows them
+            raise ValueError("\n".join(repeats))  # every one, a line each (the loader reports each at its rule's line)
         return self
 
     def shadowed_rules(self) -> list[tuple[int, int]]:
