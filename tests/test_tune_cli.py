@@ -224,13 +224,23 @@ def test_resume_refuses_to_overwrite_a_policy_that_is_not_tuned(tmp_path, capsys
     assert out.read_text() == text
 
 
+def _partial(out: Path) -> None:
+    """Mark a tuned file partial, as a stopped run leaves it (``--resume`` measures such a file again when a
+    setting differs; a complete one it refuses to replace)."""
+    data = yaml.safe_load(out.read_text())
+    data["tuned"]["complete"] = False
+    out.write_text(yaml.safe_dump(data))
+
+
 def _remeasured_on_resume(tmp_path: Path, monkeypatch, first: dict, second: dict) -> tuple[list[int], str]:
-    """Tune with ``first``, then ``--resume`` with ``second``: the buckets measured again, and the log."""
+    """Tune with ``first`` (left partial), then ``--resume`` with ``second``: the buckets measured again, and the log."""
     import io
 
     from omni_accum.tuner import run as tuner_run
 
     tune(_opts(tmp_path, **first))
+    if first or second:
+        _partial(tmp_path / "tuned.yaml")
     real = tuner_run.tune_bucket
     calls: list[int] = []
     monkeypatch.setattr(tuner_run, "tune_bucket", lambda *a, **kw: calls.append(kw["context_len"]) or real(*a, **kw))
@@ -288,6 +298,7 @@ def test_resume_starts_over_with_other_threads_or_an_edited_base_file(tmp_path, 
     with monkeypatch.context() as m:
         m.setattr(torch, "get_num_threads", lambda: n + 1)  # as if tuned with --threads n+1
         tune(_opts(tmp_path))
+    _partial(tmp_path / "tuned.yaml")
     real = tuner_run.tune_bucket
     calls: list[int] = []
     monkeypatch.setattr(tuner_run, "tune_bucket", lambda *a, **kw: calls.append(kw["context_len"]) or real(*a, **kw))
@@ -298,6 +309,7 @@ def test_resume_starts_over_with_other_threads_or_an_edited_base_file(tmp_path, 
     base = tmp_path / "base.yaml"
     base.write_text("version: 1\ndefault: cat\n")
     tune(_opts(tmp_path, base=str(base)))
+    _partial(tmp_path / "tuned.yaml")
     base.write_text("version: 1\ndefault: token_list\n")  # same name, other content
     calls.clear()
     log = io.StringIO()
@@ -310,6 +322,7 @@ def test_resume_starts_over_on_a_file_that_records_no_settings(tmp_path, monkeyp
     tune(_opts(tmp_path))
     data = yaml.safe_load(out.read_text())
     del data["tuned"]["fingerprint"]["settings"]  # as an older omni-accum wrote it
+    data["tuned"]["complete"] = False  # (a complete one is left alone: see the test below)
     out.write_text(yaml.safe_dump(data))
     from omni_accum.tuner import run as tuner_run
 
@@ -321,6 +334,19 @@ def test_resume_starts_over_on_a_file_that_records_no_settings(tmp_path, monkeyp
     log = io.StringIO()
     tune(_opts(tmp_path, resume=True), log=log)
     assert calls == [64] and "records no tuning settings" in log.getvalue()
+
+
+def test_resume_leaves_a_complete_table_alone_when_a_setting_differs(tmp_path, capsys):
+    """A stop or a --budget-s would leave a partial table where the good one was: refused, file untouched."""
+    out = tmp_path / "tuned.yaml"
+    tune(_opts(tmp_path))
+    before = out.read_bytes()
+    with pytest.raises(TuneError) as e:
+        tune(_opts(tmp_path, resume=True, min_gain_us=5.0))
+    msg = str(e.value)
+    assert "is a complete tuned policy that this run would not reuse" in msg
+    assert "--min-gain-us: tuned with 1.0, now 5.0" in msg and "drop --resume" in msg
+    assert out.read_bytes() == before
 
 
 # -- 5. and 6. help and bad values ---------------------------------------------------------------- #
