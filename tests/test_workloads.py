@@ -188,3 +188,15 @@ def test_half_precision_tensors_have_no_float32_copy(monkeypatch):
     t = workloads._tensor([8, 2048], torch.bfloat16, torch.Generator().manual_seed(0))
     assert t.dtype == torch.bfloat16 and t.shape == (8, 2048)
     assert max(drawn) == 1024 and sum(drawn) == 8 * 2048
+
+
+def test_a_workload_files_yaml_syntax_error_is_one_line_naming_line_and_column(tmp_path):
+    from omni_accum.bench.workloads import WorkloadError, load_workload
+
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: x\nkeys: [a, b\n")
+    with pytest.raises(WorkloadError) as e:
+        load_workload(str(p))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{p}: line 3, column 1: invalid YAML: expected ',' or ']'")
+    assert "(while parsing a flow sequence at line 2, column 7)" in msg

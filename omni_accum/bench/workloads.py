@@ -248,7 +248,10 @@ def load_workload(source: str | os.PathLike[str] | Mapping[str, Any] | Workload)
         line = f"line {e.second_line}: " if e.second_line else ""
         raise WorkloadError(f"{path}: {line}invalid {fmt}: {e.problem}") from e
     except yaml.YAMLError as e:
-        raise WorkloadError(f"{path}: invalid YAML: {e}") from e
+        from omni_accum.policy.loader import yaml_error_parts
+
+        line, problem = yaml_error_parts(e)
+        raise WorkloadError(f"{path}: {line}invalid YAML: {problem}") from e
     except json.JSONDecodeError as e:
         raise WorkloadError(f"{path}: line {e.lineno}, column {e.colno}: invalid JSON: {e.msg}") from e
     except RecursionError as e:

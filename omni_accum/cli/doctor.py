@@ -135,7 +135,12 @@ def _deploy_policy(path: str) -> tuple[Any, str]:
     try:
         with open(path, encoding="utf-8") as f:
             data = load_yaml(f.read())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+    except yaml.YAMLError as e:
+        from omni_accum.policy.loader import yaml_error_parts
+
+        line, problem = yaml_error_parts(e)
+        raise OmniAccumError(f"--deploy {path}: {line}invalid YAML: {problem}") from e
+    except (OSError, UnicodeDecodeError) as e:
         raise OmniAccumError(f"--deploy {path}: cannot read it: {e}") from e
     found: list[tuple[str, Any]] = []
 

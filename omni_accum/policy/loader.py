@@ -81,6 +81,19 @@ def _yaml_line(text: str, loc: tuple[Any, ...]) -> int | None:
     return line
 
 
+def yaml_error_parts(e: yaml.YAMLError) -> tuple[str, str]:
+    """``("line L, column C: ", problem)`` of a YAML error, on one line (PyYAML's own text spans several)."""
+    if not isinstance(e, yaml.MarkedYAMLError):
+        return "", " ".join(str(e).split())
+    mark = e.problem_mark or e.context_mark
+    line = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    problem = e.problem or " ".join(str(e).split())
+    ctx = e.context_mark
+    if e.context and ctx is not None and mark is not None and ctx.line != mark.line:
+        problem += f" ({e.context} at line {ctx.line + 1}, column {ctx.column + 1})"
+    return line, problem
+
+
 def parse_text(text: str, fmt: str, source: str) -> Any:
     """Parse policy text of format ``yaml``, ``json`` or ``toml``; errors name the source and line.
 
@@ -97,11 +110,7 @@ def parse_text(text: str, fmt: str, source: str) -> Any:
         raise _parse_error(source, e.second_line, f"invalid {fmt.upper()}: {e.problem}") from e
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
-        line = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = e.problem or str(e)
-        ctx = e.context_mark
-        if e.context and ctx is not None and mark is not None and ctx.line != mark.line:
-            problem += f" ({e.context} at line {ctx.line + 1}, column {ctx.column + 1})"
+        line, problem = yaml_error_parts(e)
         if isinstance(e, yaml.constructor.ConstructorError) and "constructor for the tag" in problem:
             problem += " (policies are data: YAML tags that build Python objects are not allowed)"
         raise _parse_error(source, mark.line + 1 if mark else None, f"invalid YAML: {problem}", line) from e
