@@ -202,3 +202,25 @@ def test_counts_stay_exact_when_another_thread_flushes_while_this_one_counts():
         _sample("omni_accum_fallbacks_total", reason=reason),
     )
     assert [a - b for a, b in zip(after, before)] == [n, n * t.nbytes, n, n]
+
+
+def test_a_forked_child_can_flush_though_another_thread_was_flushing_at_the_fork():
+    import os
+
+    r = _on()
+    r._flushing.acquire()  # as if a flush were under way on another thread when the process forked
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: its flush must not wait for a thread it does not have
+            free = False
+            try:
+                free = r._flushing.acquire(blocking=False)
+                if free:
+                    r._flushing.release()
+                    r.flush()
+            finally:
+                os._exit(0 if free else 3)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        r._flushing.release()
+    assert os.waitstatus_to_exitcode(status) == 0

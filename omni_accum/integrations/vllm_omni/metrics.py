@@ -30,8 +30,10 @@ metric                                         type       labels
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections import defaultdict
 from typing import Any
 
@@ -64,6 +66,19 @@ _SKIP: list[Any] = [0, 0, None, False, None, None, None]  # a marker key: not co
 _EMPTY: dict[Any, Any] = {}
 
 
+#: Every Recorder, for a forked child: a lock another thread held at the fork would stay held there.
+_recorders: weakref.WeakSet[Recorder] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for r in list(_recorders):
+        r._flushing = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Recorder:
     """Per-binding event counts, published to Prometheus in batches (see the module docstring).
 
@@ -93,6 +108,7 @@ class Recorder:
         "_flat",
         "t0",
         "_flushing",
+        "__weakref__",
     )
 
     def __init__(self) -> None:
@@ -111,6 +127,7 @@ class Recorder:
         self.first = "replace"  # the histogram label merged() found for the chunk it counted last
         self.t0: float | None = None  # the armed hook's start: merged() records the merge time
         self._flushing = threading.Lock()  # one flush at a time (see flush)
+        _recorders.add(self)
 
     def _slot(self, holder: dict[Any, Any], role: str, top: Any, qual: Any, value: Any, name_of: Any) -> list[Any]:
         """The slot of (role, key, type(value)), made once; it becomes ``holder``'s entry for the key."""
