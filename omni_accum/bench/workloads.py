@@ -248,7 +248,7 @@ def load_workload(source: str | os.PathLike[str] | Mapping[str, Any] | Workload)
         line = f"line {e.second_line}: " if e.second_line else ""
         raise WorkloadError(f"{path}: {line}invalid {fmt}: {e.problem}") from e
     except yaml.YAMLError as e:
-        from omni_accum.policy.loader import yaml_error_parts
+        from omni_accum.policy.parsing import yaml_error_parts
 
         line, problem = yaml_error_parts(e)
         raise WorkloadError(f"{path}: {line}invalid YAML: {problem}") from e

@@ -196,7 +196,8 @@ def _wire_options_problem(args: argparse.Namespace) -> str | None:
     ):
         stray = [f"--{n.replace('_', '-')}" for n in names if given(n)]
         if stray and args.wire != wire:
-            return f"{', '.join(stray)} {'needs' if len(stray) == 1 else 'need'} --wire {wire} (this run's wire: {args.wire})"
+            verb = "needs" if len(stray) == 1 else "need"
+            return f"{', '.join(stray)} {verb} --wire {wire} (this run's wire: {args.wire})"
     if args.wire == "arena":
         stray = [f"--{n.replace('_', '-')}" for n in ("arms", "json", "plot", "per_key", "view_hop") if given(n)]
         if args.through != "direct":

@@ -136,7 +136,7 @@ def _deploy_policy(path: str) -> tuple[Any, str]:
         with open(path, encoding="utf-8") as f:
             data = load_yaml(f.read())
     except yaml.YAMLError as e:
-        from omni_accum.policy.loader import yaml_error_parts
+        from omni_accum.policy.parsing import yaml_error_parts
 
         line, problem = yaml_error_parts(e)
         raise OmniAccumError(f"--deploy {path}: {line}invalid YAML: {problem}") from e
@@ -160,7 +160,8 @@ def _deploy_policy(path: str) -> tuple[Any, str]:
         if not _has_connectors(data):
             raise OmniAccumError(
                 f"--deploy {path}: not a vllm-omni deploy YAML (no connector in it: a key naming connectors, or an "
-                "'extra' mapping); give the deploy YAML the server starts with (a policy file goes in OMNI_ACCUM_POLICY)"
+                "'extra' mapping); give the deploy YAML the server starts with (a policy file goes in "
+                "OMNI_ACCUM_POLICY)"
             )
         return None, f"{path}: no connector extra names omni_accum_policy"
     values = {json.dumps(v, sort_keys=True, default=str) for _, v in found}
@@ -288,7 +289,8 @@ def check_policy(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
     try:
         policy = load_policy(spec)
     except OmniAccumError as e:
-        return env_checks + [Check("policy", False, f"{source}: {e}", "fix the policy (omni-accum validate POLICY)")], info
+        bad = Check("policy", False, f"{source}: {e}", "fix the policy (omni-accum validate POLICY)")
+        return [*env_checks, bad], info
     rules = [f"{r.match} -> {r.strategy}" for r in policy.rules]
     info["policy"] = {"source": source, "default": policy.default.strategy, "rules": rules}
     out = env_checks + [

@@ -25,7 +25,7 @@ from omni_accum.errors import PolicyError
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import installed_plugins
 from omni_accum.policy.model import Policy
-from omni_accum.policy.parsing import DuplicateKeyError, load_json, load_yaml
+from omni_accum.policy.parsing import DuplicateKeyError, load_json, load_yaml, yaml_error_parts
 
 ENV_POLICY = "OMNI_ACCUM_POLICY"
 PRESET_SUFFIX = ".yaml"
@@ -79,19 +79,6 @@ def _yaml_line(text: str, loc: tuple[Any, ...]) -> int | None:
             break
         node, line = nxt, nxt.start_mark.line + 1
     return line
-
-
-def yaml_error_parts(e: yaml.YAMLError) -> tuple[str, str]:
-    """``("line L, column C: ", problem)`` of a YAML error, on one line (PyYAML's own text spans several)."""
-    if not isinstance(e, yaml.MarkedYAMLError):
-        return "", " ".join(str(e).split())
-    mark = e.problem_mark or e.context_mark
-    line = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-    problem = e.problem or " ".join(str(e).split())
-    ctx = e.context_mark
-    if e.context and ctx is not None and mark is not None and ctx.line != mark.line:
-        problem += f" ({e.context} at line {ctx.line + 1}, column {ctx.column + 1})"
-    return line, problem
 
 
 def parse_text(text: str, fmt: str, source: str) -> Any:

@@ -80,3 +80,16 @@ def load_json(text: str) -> Any:
         except (yaml.YAMLError, RecursionError, ValueError, TypeError):
             pass
         raise
+
+
+def yaml_error_parts(e: yaml.YAMLError) -> tuple[str, str]:
+    """``("line L, column C: ", problem)`` of a YAML error, on one line (PyYAML's own text spans several)."""
+    if not isinstance(e, yaml.MarkedYAMLError):
+        return "", " ".join(str(e).split())
+    mark = e.problem_mark or e.context_mark
+    line = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    problem = e.problem or " ".join(str(e).split())
+    ctx = e.context_mark
+    if e.context and ctx is not None and mark is not None and ctx.line != mark.line:
+        problem += f" ({e.context} at line {ctx.line + 1}, column {ctx.column + 1})"
+    return line, problem

@@ -288,14 +288,9 @@ def _resumable(opts: TuneOptions, wl: Workload, fp: dict, log: TextIO | None) ->
     diffs = table_mismatches(t, opts.device)
     if diffs:
         why.append("it was measured in another environment (" + "; ".join(diffs) + ")")
-    if why and t.complete:
-        # A complete table: measuring again would replace it bucket by bucket, and a stop or a --budget-s
-        # would leave a partial one where a good one was. --resume asked to finish a table, not to replace one.
-        raise TuneError(
-            f"--resume: {opts.out} is a complete tuned policy that this run would not reuse ("
-            + "; ".join(why)
-            + "); left it untouched: drop --resume to tune it again from scratch, or give another --out"
-        )
+    if why and t.complete:  # measuring again, a stop or a --budget-s would leave a partial table where it was
+        msg = f"{opts.out} is a complete tuned policy that this run would not reuse ({'; '.join(why)})"
+        raise TuneError(f"--resume: {msg}; left it untouched: drop --resume to tune it again, or give another --out")
     if why:
         _say(log, f"--resume: not reusing {opts.out}, measuring every bucket again: " + "; ".join(why))
         return {}

@@ -8,9 +8,10 @@ imports; ``OMNI_ACCUM_METRICS=0`` turns them off.
 
 The hot path never touches ``prometheus_client``: each binding's :class:`Recorder` adds to plain
 integers in a slot cached per key (at most a dict lookup and two additions per key, counted in a pass
-the hook makes anyway; merge times go into a local list, bucketed at flush), and publishes them every :data:`FLUSH_EVERY`
-chunks and, on a thread of its own, soon after a request is released (:func:`.binding.published_later`). Wire bytes count the tensors' bytes (lists, strings and scalars count 0). Label values are
-bounded: key paths, strategy names, roles, buckets, reasons; never request ids.
+the hook makes anyway; merge times go into a local list, bucketed at flush), and publishes them every
+:data:`FLUSH_EVERY` chunks and, on a thread of its own, soon after a request is released
+(:func:`.binding.published_later`). Wire bytes count the tensors' bytes (lists, strings and scalars count 0).
+Label values are bounded: key paths, strategy names, roles, buckets, reasons; never request ids.
 
 =============================================  =========  ============================================
 metric                                         type       labels
