@@ -126,36 +126,40 @@ def check_entry_points() -> list[Check]:
     return out
 
 
-def _deploy_policy(path: str) -> tuple[Any, str]:
-    """The ``omni_accum_policy`` of a deploy YAML's connectors (the first that names one)."""
+def _read_deploy(path: str) -> Any:
+    """A deploy YAML, parsed (:class:`OmniAccumError` naming the file when it cannot be read or parsed)."""
     import yaml
 
-    from omni_accum.policy.parsing import load_yaml
+    from omni_accum.policy.parsing import load_yaml, yaml_error_parts
 
     try:
         with open(path, encoding="utf-8") as f:
-            data = load_yaml(f.read())
+            return load_yaml(f.read())
     except yaml.YAMLError as e:
-        from omni_accum.policy.parsing import yaml_error_parts
-
         line, problem = yaml_error_parts(e)
         raise OmniAccumError(f"--deploy {path}: {line}invalid YAML: {problem}") from e
     except (OSError, UnicodeDecodeError) as e:
         raise OmniAccumError(f"--deploy {path}: cannot read it: {e}") from e
-    found: list[tuple[str, Any]] = []
 
-    def walk(node: Any, where: str) -> None:
-        if isinstance(node, dict):
-            extra = node.get("extra")
-            if isinstance(extra, dict) and "omni_accum_policy" in extra:
-                found.append((where, extra["omni_accum_policy"]))
-            for k, v in node.items():
-                walk(v, f"{where}.{k}" if where else str(k))
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                walk(v, f"{where}[{i}]")
 
-    walk(data, "")
+def _connector_extras(node: Any, where: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """``(where, extra)`` for every ``extra`` mapping of a parsed deploy YAML (where: its parent's path)."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    if isinstance(node, dict):
+        if isinstance(node.get("extra"), dict):
+            found.append((where, node["extra"]))
+        for k, v in node.items():
+            found += _connector_extras(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found += _connector_extras(v, f"{where}[{i}]")
+    return found
+
+
+def _deploy_policy(path: str) -> tuple[Any, str]:
+    """The ``omni_accum_policy`` of a deploy YAML's connectors (the first that names one)."""
+    data = _read_deploy(path)
+    found = [(w, e["omni_accum_policy"]) for w, e in _connector_extras(data) if "omni_accum_policy" in e]
     if not found:
         if not _has_connectors(data):
             raise OmniAccumError(
@@ -187,27 +191,11 @@ def _has_connectors(node: Any) -> bool:
 
 def _deploy_extras(path: str) -> list[tuple[str, dict[str, Any]]]:
     """Every connector ``extra`` mapping of a deploy YAML, with where it is ([] when unreadable)."""
-    from omni_accum.policy.parsing import load_yaml
-
     try:
-        with open(path, encoding="utf-8") as f:
-            data = load_yaml(f.read())
-    except Exception:  # noqa: BLE001 - check_policy reports an unreadable file
+        data = _read_deploy(path)
+    except OmniAccumError:  # check_policy reports it
         return []
-    found: list[tuple[str, dict[str, Any]]] = []
-
-    def walk(node: Any, where: str) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("extra"), dict):
-                found.append((f"{where}.extra" if where else "extra", node["extra"]))
-            for k, v in node.items():
-                walk(v, f"{where}.{k}" if where else str(k))
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                walk(v, f"{where}[{i}]")
-
-    walk(data, "")
-    return found
+    return [(f"{w}.extra" if w else "extra", e) for w, e in _connector_extras(data)]
 
 
 def check_context(deploy: str | None) -> list[Check]:
