@@ -8,7 +8,6 @@ never on each other.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import threading
@@ -30,6 +29,8 @@ from omni_accum.integrations.vllm_omni.handshake import (  # noqa: F401 - policy
     policy_fingerprint,
 )
 from omni_accum.integrations.vllm_omni.marker import MARKERS, _leaves, _path  # noqa: F401 - _leaves, _path re-exported
+from omni_accum.integrations.vllm_omni import publishing
+from omni_accum.integrations.vllm_omni.publishing import publish_pending, published_later  # noqa: F401 - re-exported
 from omni_accum.integrations.vllm_omni.store import ReleasingDict
 from omni_accum.policy import Policy, load_policy
 
@@ -336,77 +337,6 @@ def binding_for(obj: Any) -> Binding | None:
     return b
 
 
-class _Publisher:
-    """Publishes bindings' metrics (and the status file) after a release, on a thread of its own.
-
-    vllm-omni 0.30.0 runs its release callbacks (``_clear_receiver_state_locked``,
-    ``_clear_sender_state_locked``) under the adapter's state locks, which its receiving and saving threads
-    take for every chunk. Publishing there (every binding's held bytes, request by request, then
-    Prometheus, then the status file) held those locks for 0.35 ms with 256 live requests and 3-4 ms with
-    a status file. A release only marks its binding here; a daemon thread publishes, outside every lock
-    of the adapter. :func:`publish_pending` does it at once (tests, exit)."""
-
-    def __init__(self) -> None:
-        self._reset()
-        if hasattr(os, "register_at_fork"):  # a forked child starts without the thread, and maybe with the lock held
-            os.register_at_fork(after_in_child=self._reset)
-
-    def _reset(self) -> None:
-        self._cv = threading.Condition(threading.Lock())
-        self._busy = threading.Lock()  # held while taking and publishing: drain() returns after any publish under way
-        self._pending: dict[int, Binding] = {}
-        self._thread: threading.Thread | None = None
-
-    def mark(self, b: Binding) -> None:
-        with self._cv:
-            self._pending[id(b)] = b
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="omni-accum-publish", daemon=True)
-                self._thread.start()
-            self._cv.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._pending:
-                    self._cv.wait()
-            self.drain()
-
-    def drain(self) -> None:
-        with self._busy:
-            with self._cv:
-                taken = list(self._pending.values())
-                self._pending.clear()
-            self._publish(taken)
-
-    @staticmethod
-    def _publish(taken: list[Binding]) -> None:
-        if not taken:
-            return
-        for b in taken:
-            try:
-                b.publish()
-            except Exception:  # noqa: BLE001 - metrics never fail vllm-omni
-                logger.debug("omni-accum: publishing metrics failed", exc_info=True)
-        _changed()
-
-
-_publisher = _Publisher()
-
-
-def published_later(b: Binding) -> None:
-    """After a release: publish ``b``'s metrics and the status file soon, off the caller's locks."""
-    _publisher.mark(b)
-
-
-def publish_pending() -> None:
-    """Publish now what releases marked (:func:`published_later`), on the calling thread."""
-    _publisher.drain()
-
-
-atexit.register(publish_pending)
-
-
 def _changed() -> None:
     hook = Settings.on_change
     if hook is not None:
@@ -414,6 +344,9 @@ def _changed() -> None:
             hook()
         except Exception:  # noqa: BLE001 - reporting must never fail vllm-omni
             logger.debug("omni-accum: status update failed", exc_info=True)
+
+
+publishing.after_publish = _changed  # the status file follows each publish
 
 
 def bindings() -> list[tuple[Any, Binding]]:
