@@ -224,3 +224,42 @@ def test_a_forked_child_can_flush_though_another_thread_was_flushing_at_the_fork
     finally:
         r._flushing.release()
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+class _Interleaving(dict):
+    """A table whose first ``get`` of a missing key lets ``meanwhile`` run before it answers: another
+    thread making the same entry between this thread's lookup and its store."""
+
+    def __init__(self, meanwhile) -> None:
+        super().__init__()
+        self.meanwhile = meanwhile
+
+    def get(self, key, default=None):
+        found = super().get(key, default)
+        if found is None and self.meanwhile is not None:
+            run, self.meanwhile = self.meanwhile, None
+            run()
+        return found
+
+
+def test_a_merge_time_list_made_by_two_threads_at_once_is_one_list():
+    """Two threads asking for a new strategy's merge times at once get the same list, the one flush
+    reads: the second maker's list used to replace the first's, whose times were then never published."""
+    r = _on()
+    other: list = []
+    r._hist = _Interleaving(lambda: other.append(r._times("raced")))
+    mine = r._times("raced")
+    assert mine is other[0] is r._hist["raced"]
+
+
+def test_a_kept_off_slot_made_by_two_threads_at_once_counts_both():
+    """The same for the slot of bytes a strategy kept off the wire: both threads' bytes are published."""
+    r = _on()
+    labels = {"key": "raced", "strategy": "kept-race"}
+    before = _sample("omni_accum_wire_bytes_saved_total", **labels)
+    value = torch.zeros(8, dtype=torch.float32)  # 32 B
+    name_of = lambda p, v: "kept-race"  # noqa: E731
+    r._saved_slots = _Interleaving(lambda: r.sent({}, {"raced": value}, {}, name_of, (), {}))
+    r.sent({}, {"raced": value}, {}, name_of, (), {})
+    r.flush()
+    assert _sample("omni_accum_wire_bytes_saved_total", **labels) - before == 64

@@ -235,8 +235,8 @@ class Recorder:
     def _times(self, strategy: str) -> list[float]:
         """The merge times of ``strategy`` since the last flush (one list for good: flush empties it)."""
         h = self._hist.get(strategy)
-        if h is None:
-            h = self._hist[strategy] = []
+        if h is None:  # setdefault: a thread that made it meanwhile keeps its list (else its times were lost)
+            h = self._hist.setdefault(strategy, [])
         return h
 
     def _walk(self, payload: Any, name_of: Any, skip: Any, role: str) -> str | None:
@@ -348,7 +348,7 @@ class Recorder:
         if slot is None:
             top, qual = tq
             path = str(top) if qual is None else f"{top}.{qual}"
-            slot = self._saved_slots[k] = [0, (path, name_of(path, value))]
+            slot = self._saved_slots.setdefault(k, [0, (path, name_of(path, value))])  # as in _times
         return [value, value.nbytes if isinstance(value, torch.Tensor) else value_nbytes(value), slot]
 
     def fallback(self, reason: str) -> None:
