@@ -29,7 +29,7 @@ from pydantic import BaseModel
 
 from omni_accum import hookspecs
 from omni_accum.context import KeyMeta, StreamContext
-from omni_accum.errors import DuplicateStrategyError, PluginError, UnknownStrategyError
+from omni_accum.errors import DuplicateStrategyError, OmniAccumError, PluginError, UnknownStrategyError
 from omni_accum.hookspecs import PROJECT, hookimpl
 from omni_accum.policy.model import Policy, StrategyChoice
 from omni_accum.strategy import KINDS, Strategy, StrategySpec
@@ -67,18 +67,81 @@ def ensure_visible_logging(level: int | None = None, fmt: str = LOG_FORMAT) -> l
     if level is not None:
         if lg.level == logging.NOTSET or lg.level > level:
             lg.setLevel(level)
-    elif lg.level == logging.NOTSET:
-        named = logging.getLevelName(os.environ.get(ENV_LOG_LEVEL, "INFO").strip().upper())
+    bad = None
+    if level is None and lg.level == logging.NOTSET:
+        raw = os.environ.get(ENV_LOG_LEVEL, "INFO").strip() or "INFO"
+        named = logging.getLevelName(raw.upper())
         lg.setLevel(named if isinstance(named, int) else logging.INFO)
+        bad = None if isinstance(named, int) else raw
     if not lg.hasHandlers():
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter(fmt))
         lg.addHandler(handler)
+    if bad is not None:
+        levels = "DEBUG, INFO, WARNING, ERROR, CRITICAL"
+        lg.warning("omni_accum: %s=%r is not a log level (%s): INFO", ENV_LOG_LEVEL, bad, levels)
     return lg
 
 
+# ---- On/off environment switches (OMNI_ACCUM_*): one reader, strict about values. A switch set to a value
+# that is neither on (1, true, yes, on) nor off (0, false, no, off), case-insensitive, is an error naming the
+# variable, its value and the accepted values: OMNI_ACCUM_VLLM_OMNI=disable must not leave omni-accum on, nor
+# OMNI_ACCUM_REQUIRED=y off. Unset or empty: the switch's default.
+ON = ("1", "true", "yes", "on")
+OFF = ("0", "false", "no", "off")
+
+#: Every on/off switch omni-accum reads, with its default.
+SWITCHES: dict[str, bool] = {
+    "OMNI_ACCUM_VLLM_OMNI": True,
+    "OMNI_ACCUM_REQUIRED": False,
+    "OMNI_ACCUM_METRICS": True,
+    "OMNI_ACCUM_ARENA_CONNECTOR": True,
+    "OMNI_ACCUM_MOONCAKE_COMPAT": True,
+    "OMNI_ACCUM_STRICT_PLUGINS": False,
+    "OMNI_ACCUM_TRACE_PLUGINS": False,
+}
+
+
+class SettingError(OmniAccumError, ValueError):
+    """An environment switch has a value that is neither on nor off."""
+
+
+def env_flag(name: str, default: bool | None = None) -> bool:
+    """The on/off value of environment variable ``name`` (unset or empty: ``default``, else the value in
+    :data:`SWITCHES`). Raises SettingError for any other value."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return SWITCHES.get(name, False) if default is None else default
+    value = raw.strip().lower()
+    if value in ON:
+        return True
+    if value in OFF:
+        return False
+    raise SettingError(
+        f"environment variable {name}={raw!r} is neither on ({', '.join(ON)}) nor off ({', '.join(OFF)})"
+    )
+
+
+def switch_problems() -> list[str]:
+    """The message of every switch in :data:`SWITCHES` set to a value that is neither on nor off."""
+    out = []
+    for name in SWITCHES:
+        try:
+            env_flag(name)
+        except SettingError as e:
+            out.append(str(e))
+    return out
+
+
+def check_switches() -> None:
+    """Raise SettingError naming every switch set to a value that is neither on nor off."""
+    problems = switch_problems()
+    if problems:
+        raise SettingError("; ".join(problems))
+
+
 def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag(name, False)  # SettingError (an OmniAccumError) for a value neither on nor off
 
 
 def _canonical(name: str) -> str:

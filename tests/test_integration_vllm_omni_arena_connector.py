@@ -94,7 +94,18 @@ def test_registered_in_the_real_factory(vo, arena_name):
 
 @pytest.mark.parametrize(
     ("extra", "word"),
-    [({"arena_bytes": "lots"}, "arena_bytes"), ({"ring_bytes": -4}, "ring_bytes"), ({"arena_name": "a/b"}, "arena_name")],
+    [
+        ({"arena_bytes": "lots"}, "arena_bytes"),
+        ({"ring_bytes": -4}, "ring_bytes"),
+        ({"arena_name": "a/b"}, "arena_name"),
+        # each used to be taken as 0 or 1 byte (every put then fell back, or the ring's limit read -16)
+        ({"arena_bytes": "0.5"}, "arena_bytes = '0.5' is not a whole number"),
+        ({"arena_bytes": 1.5}, "arena_bytes = 1.5 is not a size"),
+        ({"ring_bytes": "0.1"}, "ring_bytes"),
+        ({"arena_bytes": 100}, "under the minimum of 4096"),
+        # a mistyped key used to be ignored (the default 1 GiB used), a name 0 to become "omni"
+        ({"arena_size": "8GiB"}, "unknown extra key.*'arena_size'.*arena_bytes"),
+    ],
 )
 def test_bad_settings_are_named(vo, extra, word):
     with pytest.raises(ValueError, match=word):

@@ -144,10 +144,10 @@ def parse_size(text: str | int) -> int:
     mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(s[-1:], 1)
     try:
         n = int(float(s[:-1] if mult > 1 else s) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise OmniAccumError(f"not a size: {text!r} (give bytes, or e.g. 512MiB, 2GiB)") from None
-    if n < 0:
-        raise OmniAccumError(f"not a size: {text!r}")
+    if n <= 0:
+        raise OmniAccumError(f"not a size: {text!r} (it must be at least 1 byte)")
     return n
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from omni_accum.errors import OmniAccumError
 from omni_accum.integrations.vllm_omni.families import SUPPORTED_VERSIONS, family_for
-from omni_accum.manager import get_manager
+from omni_accum.manager import SettingError, env_flag, get_manager, switch_problems
 
 #: Every supported vllm-omni release (the release families of :mod:`omni_accum.integrations.vllm_omni.families`).
 SUPPORTED_VLLM_OMNI = SUPPORTED_VERSIONS
@@ -264,7 +264,17 @@ def check_policy(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
         spec, source = (env or None), (f"{ENV_POLICY}={env!r}" if env else f"{ENV_POLICY} is not set")
     if spec is None and env_checks:
         return env_checks, info
-    if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("off", "none", "false", "0")):
+    if spec is not None and spec is not False and not isinstance(spec, (str, dict)):
+        bad = Check(
+            "policy",
+            False,
+            f"{source}: {spec!r} is not a policy: give a preset name, a policy file, inline YAML or a mapping "
+            "(false or 'off': vllm-omni's own accumulation)",
+            "fix omni_accum_policy in the deploy YAML",
+        )
+        return [*env_checks, bad], info
+    off = spec is False or (isinstance(spec, str) and spec.strip().lower() in ("off", "none", "false", "0"))
+    if spec is None or off:
         return env_checks + [
             Check(
                 "policy",
@@ -321,8 +331,10 @@ def check_plugins() -> list[Check]:
 def check_metrics() -> list[Check]:
     from omni_accum.integrations.vllm_omni.metrics import ENV_METRICS
 
-    off = os.environ.get(ENV_METRICS, "1").strip().lower() in ("0", "off", "false", "no")
     try:
+        off = not env_flag(ENV_METRICS)
+    except SettingError:
+        return []  # check_switches names it
         import prometheus_client  # noqa: F401
     except ImportError:
         return [
@@ -377,9 +389,20 @@ def check_arena_connector(deploy: str | None) -> list[Check]:
     return [Check("arena connector", True, f"{deploy} selects OmniAccumArenaConnector; omni_accum_arena registers it")]
 
 
+def check_switches(policy_set: bool) -> list[Check]:
+    """Every ``OMNI_ACCUM_*`` on/off switch set to something else; omni-accum switched off beside a policy."""
+    out = [Check("switch", False, p, "set it to 1 or 0, or unset it") for p in switch_problems()]
+    if os.environ.get("OMNI_ACCUM_VLLM_OMNI", "").strip().lower() in ("0", "false", "no", "off"):
+        detail = "OMNI_ACCUM_VLLM_OMNI=0: omni-accum installs nothing"
+        detail += ", so the policy below is not applied" if policy_set else ""
+        out.append(Check("switch", not policy_set, detail, "unset OMNI_ACCUM_VLLM_OMNI", warning=not policy_set))
+    return out
+
+
 def run_checks(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
     checks = check_versions() + check_entry_points() + check_arena_connector(deploy)
     policy_checks, info = check_policy(deploy)
+    checks += check_switches("policy" in info)
     policy_checks += check_context(deploy)
     return checks + policy_checks + check_plugins() + check_metrics(), info
 

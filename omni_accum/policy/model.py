@@ -98,13 +98,22 @@ class Rule(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     match: str = Field(min_length=1)
-    """A key path (``embed.decode``, ``thinker_embeddings``) or a glob (``embed.*``)."""
+    """A key path (``embed.decode``, ``thinker_embeddings``) or a glob (``embed.*``); no leading or trailing space."""
     strategy: str = Field(min_length=1)
     """Name of a registered strategy."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Params validated by the strategy's own ``Params`` model."""
     description: str = ""
     """Free text: why this rule exists."""
+
+    @field_validator("match")
+    @classmethod
+    def _no_outer_space(cls, v: str) -> str:
+        if v != v.strip():
+            raise ValueError(
+                f"match {v!r} has a leading or trailing space, which no key path has (write {v.strip()!r})"
+            )
+        return v
 
 
 class Policy(BaseModel):

@@ -89,7 +89,14 @@ class TunedTable(BaseModel):
                 raise ValueError(f"cells[{i}].context_len {c.context_len} is not one of context_len_edges")
             if c.concurrency not in self.concurrency_edges:
                 raise ValueError(f"cells[{i}].concurrency {c.concurrency} is not one of concurrency_edges")
-            self._index[(c.key, c.context_len, c.concurrency)] = c
+            k = (c.key, c.context_len, c.concurrency)
+            if k in self._index:
+                j = self.cells.index(self._index[k])
+                raise ValueError(
+                    f"cells[{i}] repeats cells[{j}] (key {c.key!r}, context_len {c.context_len}, concurrency "
+                    f"{c.concurrency}): a bucket has one cell per key"
+                )
+            self._index[k] = c
         return self
 
     @staticmethod

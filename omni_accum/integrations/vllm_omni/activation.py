@@ -12,6 +12,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from omni_accum.manager import SettingError, check_switches, env_flag
 from omni_accum.errors import OmniAccumError
 from omni_accum.integrations.vllm_omni import binding, deployment, reporting, send
 from omni_accum.integrations.vllm_omni.targets import ProbeHook, _patch, _patched, active_family
@@ -48,7 +49,9 @@ def install(
         PolicyError: the policy is invalid (nothing patched).
         ContextSettingError: ``OMNI_ACCUM_CONTEXT_LEN`` / ``OMNI_ACCUM_CONCURRENCY`` is not a whole number
             >= 1 (nothing patched).
+        SettingError: an ``OMNI_ACCUM_*`` on/off switch is set to something else (nothing patched).
     """
+    check_switches()  # a switch neither on nor off refuses here (nothing patched)
     loaded = load_policy(policy) if policy is not None else None
     deployment.deployment_context()  # a bad OMNI_ACCUM_CONTEXT_LEN / OMNI_ACCUM_CONCURRENCY refuses here, not in a hook
     with _lock:
@@ -105,11 +108,21 @@ def _probes_patched() -> bool:
 
 
 def _on_extra_policy(obj: Any) -> None:
+    """An adapter or transport was built with a connector extra naming a policy: install the wrappers, and
+    check its settings now (its binding is made on first use, on whichever thread vllm-omni calls from), so
+    that ``OMNI_ACCUM_REQUIRED=1`` ends the process here when they are bad."""
     try:
         if not is_installed():
             install(None)
+        binding.check_extra(binding.connector_extra(obj))
     except OmniAccumError as e:
         logger.error("omni-accum: connector extra of %s names a policy, but %s", type(obj).__name__, e)
+        try:
+            required = _flag(ENV_REQUIRED)
+        except SettingError:
+            required = True  # activation refused it already; asked for strictness, most likely
+        if required:
+            raise SystemExit(f"omni-accum: {ENV_REQUIRED}=1 and {type(obj).__name__}'s connector extra: {e}") from e
 
 
 ProbeHook.on_extra_policy = _on_extra_policy
@@ -125,7 +138,7 @@ def _describe_source(policy: Any) -> str:
 
 
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag(name)  # SettingError for a value neither on nor off (see activate)
 
 
 def activate() -> None:
@@ -140,8 +153,20 @@ def activate() -> None:
     process says what happened (installed, or why not). Idempotent: a process that loads both plugin
     groups activates (and logs) once.
     """
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
-        if _flag(ENV_REQUIRED):
+    try:
+        required = _flag(ENV_REQUIRED)
+    except SettingError as e:  # what was meant is unknown: asked for strictness, most likely
+        raise SystemExit(f"omni-accum: {e}") from e
+    try:
+        on = _flag(ENV_SWITCH)
+    except SettingError as e:  # neither switched on nor off: do nothing rather than guess
+        reporting.ensure_visible_logging()
+        logger.error("omni-accum not installed (pid=%d): %s", os.getpid(), e)
+        if required:
+            raise SystemExit(f"omni-accum: {ENV_REQUIRED}=1 and {e}") from e
+        return
+    if not on:
+        if required:
             raise SystemExit(f"omni-accum: {ENV_REQUIRED}=1 but {ENV_SWITCH}=0 disables it")
         return
     env = os.environ.get(ENV_POLICY, "").strip()
@@ -178,7 +203,7 @@ def activate() -> None:
             )
     except Exception as e:  # noqa: BLE001 - a plugin never fails vllm-omni unless asked to
         logger.error("omni-accum not installed (pid=%d, process=%s): %s", os.getpid(), where, e)
-        if _flag(ENV_REQUIRED):
+        if required:
             raise SystemExit(f"omni-accum: {ENV_REQUIRED}=1 and activation failed in pid {os.getpid()}: {e}") from e
     reporting.register_exit_dump()
 

@@ -78,16 +78,32 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
 _UNITS.update({"g": 1 << 30, "gb": 10**9, "gib": 1 << 30})
 
 
+#: The smallest ``arena_bytes`` / ``ring_bytes`` taken (one page; a smaller region could hold no message).
+MIN_BYTES = 4096
+
+
 def parse_size(value: Any, what: str) -> int:
-    """Bytes of ``value`` (an int, or a string like ``512MiB``, ``2GiB``, ``1GB``)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if m is None or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ValueError(
-            f"{NAME}: extra.{what} = {value!r} is not a size; use bytes or a number with B, KiB, MiB, GiB, KB, MB, GB"
-        )
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """Bytes of ``value`` (an int, or a string like ``512MiB``, ``2GiB``, ``1GB``), at least :data:`MIN_BYTES`."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if m is None or m.group(2).lower() not in _UNITS or isinstance(value, (bool, float)):
+            raise ValueError(
+                f"{NAME}: extra.{what} = {value!r} is not a size; use bytes or a number with B, KiB, MiB, GiB, KB, "
+                "MB, GB"
+            )
+        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if n != int(n):
+            raise ValueError(f"{NAME}: extra.{what} = {value!r} is not a whole number of bytes")
+        n = int(n)
+    if n < MIN_BYTES:
+        raise ValueError(f"{NAME}: extra.{what} = {value!r} is {n} bytes, under the minimum of {MIN_BYTES}")
+    return n
+
+
+#: The ``arena_*`` / ``ring_*`` keys the connector reads from its ``extra``.
+KNOWN_KEYS = ("arena_name", "arena_bytes", "ring_bytes")
 
 
 #: Key of a tensor's wire dict (vllm-omni's own tensor encoding) that says where its bytes are in the arena.
@@ -153,7 +169,12 @@ class ArenaConnector(OmniConnectorBase):
     def __init__(self, config: dict[str, Any] | None) -> None:
         self.config = dict(config or {})
         self.stage_id = self.config.get("stage_id", -1)
-        name = str(self.config.get("arena_name") or os.environ.get(ENV_NAME) or "omni")
+        unknown = sorted(k for k in self.config if str(k).startswith(("arena_", "ring_")) and k not in KNOWN_KEYS)
+        if unknown:
+            names = ", ".join(map(repr, unknown))
+            raise ValueError(f"{NAME}: unknown extra key(s) {names}; it reads {', '.join(KNOWN_KEYS)}")
+        given = self.config.get("arena_name")
+        name = str(given) if given is not None else (os.environ.get(ENV_NAME) or "omni")
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,120}", name):
             raise ValueError(f"{NAME}: extra.arena_name = {name!r}: use letters, digits, '_', '.', '-'")
         self.arena_name = name

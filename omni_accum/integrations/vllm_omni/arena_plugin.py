@@ -11,8 +11,9 @@ set, list ``omni_accum_arena`` in it too.
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from omni_accum.manager import SettingError, env_flag
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -32,7 +33,11 @@ def register() -> bool:
 
 def activate() -> None:
     """Entry point ``omni_accum_arena`` of ``vllm_omni.general_plugins``: register unless switched off; never raises."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+    try:
+        if not env_flag(ENV_SWITCH, True):
+            return
+    except SettingError as e:  # neither on nor off: do nothing rather than guess
+        logger.error("omni-accum: %s; not applied", e)
         return
     try:
         register()

@@ -17,7 +17,7 @@ from typing import Any
 
 from omni_accum.context import StreamContext
 from omni_accum.engine import Receiver, Sender
-from omni_accum.errors import AccumulationError
+from omni_accum.errors import AccumulationError, PolicyError
 from omni_accum.integrations.vllm_omni.deployment import _warn_untuned_context, deployment_context, reset_warning
 from omni_accum.integrations.vllm_omni import metrics
 from omni_accum.integrations.vllm_omni import handshake
@@ -274,10 +274,36 @@ def _policy_source(extra: Any) -> tuple[Any, str]:
         value = extra[EXTRA_POLICY]
         if value is None or value is False or (isinstance(value, str) and value.strip().lower() in _DISABLED):
             return None, f"connector extra {EXTRA_POLICY}={value!r} (off)"
+        if not isinstance(value, (str, Mapping)):
+            raise PolicyError(
+                f"connector extra {EXTRA_POLICY}={value!r} is not a policy: give a preset name, a policy file, "
+                "inline YAML or a mapping (false or 'off': vllm-omni's own accumulation)"
+            )
         return value, f"connector extra {EXTRA_POLICY}"
     if Settings.policy is not None:
         return Settings.policy, "install()"
     return None, "no policy"
+
+
+def _adapter_keys(keys: Any) -> tuple[str, ...] | None:
+    """``omni_accum_adapter_keys`` of a connector extra: a list of key paths (None: not given)."""
+    if keys is None:
+        return None
+    if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) and k.strip() for k in keys):
+        raise PolicyError(
+            f"connector extra {EXTRA_ADAPTER_KEYS}={keys!r} is not a list of key paths (e.g. [embed.prefill])"
+        )
+    return tuple(keys)
+
+
+def check_extra(extra: Any) -> None:
+    """Raise what :func:`binding_for` would log for this connector ``extra`` (policy, adapter keys, context)."""
+    spec, _ = _policy_source(extra)
+    if spec is not None:
+        load_policy(spec)
+    if isinstance(extra, Mapping):
+        _adapter_keys(extra.get(EXTRA_ADAPTER_KEYS))
+    deployment_context(extra)
 
 
 def connector_extra(obj: Any) -> Any:
@@ -308,7 +334,7 @@ def binding_for(obj: Any) -> Binding | None:
             extra = connector_extra(obj)
             spec, source = _policy_source(extra)
             if spec is not None:
-                keys = extra.get(EXTRA_ADAPTER_KEYS) if isinstance(extra, Mapping) else None
+                keys = _adapter_keys(extra.get(EXTRA_ADAPTER_KEYS) if isinstance(extra, Mapping) else None)
                 context = deployment_context(extra)
                 policy = load_policy(spec)
                 b = Binding(policy, tuple(keys) if keys else Settings.adapter_keys, source, context)

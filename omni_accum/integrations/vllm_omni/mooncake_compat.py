@@ -37,6 +37,8 @@ import os
 import sys
 from typing import Any
 
+from omni_accum.manager import SettingError, env_flag
+
 logger = logging.getLogger("omni_accum.vllm_omni")
 
 #: ``OMNI_ACCUM_MOONCAKE_COMPAT=0`` turns the compatibility step off.
@@ -145,7 +147,11 @@ def remove() -> None:
 
 def activate() -> None:
     """Entry point ``omni_accum_mooncake`` (both plugin groups): apply unless switched off; never raises."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+    try:
+        if not env_flag(ENV_SWITCH, True):
+            return
+    except SettingError as e:  # neither on nor off: do nothing rather than guess
+        logger.error("omni-accum: %s; not applied", e)
         return
     try:
         steps = [

@@ -5,11 +5,13 @@ as a histogram. :mod:`.metrics` counts on the hot path and publishes through thi
 
 from __future__ import annotations
 
+import logging
 import math
-import os
 import threading
 from bisect import bisect_right
 from typing import Any
+
+from omni_accum.manager import SettingError, env_flag
 
 ENV_METRICS = "OMNI_ACCUM_METRICS"
 MERGE_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1, 1.0)
@@ -19,9 +21,22 @@ _metrics: dict[str, Any] | None = None
 _unavailable = False
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(text: str) -> None:
+    if text not in _warned:
+        _warned.add(text)
+        logging.getLogger("omni_accum.vllm_omni").error("omni-accum: %s; metrics are off", text)
+
+
 def enabled() -> bool:
     """True when metrics are on (``OMNI_ACCUM_METRICS`` not 0/off/false) and ``prometheus_client`` imports."""
-    if os.environ.get(ENV_METRICS, "1").strip().lower() in ("0", "off", "false", "no"):
+    try:
+        if not env_flag(ENV_METRICS):
+            return False
+    except SettingError as e:  # install() refuses it first; a Recorder made meanwhile counts nothing
+        _warn_once(str(e))
         return False
     return _registry_metrics() is not None
 

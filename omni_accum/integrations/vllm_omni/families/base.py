@@ -114,7 +114,11 @@ def wrap_probe(orig: Callable[..., Any]) -> Callable[..., Any]:
     def probe(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = orig(self, *args, **kwargs)
         extra = connector_extra(self)
-        if isinstance(extra, Mapping) and _policy_source(extra)[0] is not None:
+        try:
+            named = isinstance(extra, Mapping) and _policy_source(extra)[0] is not None
+        except Exception:  # noqa: BLE001 - a bad value: on_extra_policy reports it
+            named = True
+        if named:
             ProbeHook.on_extra_policy(self)
         return result
 

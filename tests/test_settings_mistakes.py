@@ -1,0 +1,160 @@
+"""Settings an operator can get wrong: each is refused naming the value, never taken as something else."""
+
+from __future__ import annotations
+
+import logging
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from omni_accum.manager import SWITCHES, SettingError, env_flag, switch_problems
+from omni_accum.errors import PolicyError
+
+SWITCH_NAMES = sorted(SWITCHES)
+
+
+@pytest.fixture
+def no_switches(monkeypatch):
+    for name in (*SWITCHES, "OMNI_ACCUM_POLICY", "VLLM_PLUGINS", "OMNI_ACCUM_LOG_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("name", SWITCH_NAMES)
+def test_a_switch_neither_on_nor_off_is_named(no_switches, name):
+    for value, want in (("1", True), ("ON", True), (" yes ", True), ("0", False), ("Off", False), ("no", False)):
+        no_switches.setenv(name, value)
+        assert env_flag(name) is want
+    no_switches.setenv(name, "")
+    assert env_flag(name) is SWITCHES[name]
+    no_switches.setenv(name, "disable")
+    with pytest.raises(SettingError, match=rf"{name}='disable' is neither on \(1, true, yes, on\) nor off"):
+        env_flag(name)
+    assert switch_problems() == [f"environment variable {name}='disable' is neither on (1, true, yes, on) nor off (0, false, no, off)"]
+
+
+def test_install_refuses_a_bad_switch_and_patches_nothing(vo, no_switches):
+    no_switches.setenv("OMNI_ACCUM_METRICS", "disabled")
+    with pytest.raises(SettingError, match="OMNI_ACCUM_METRICS='disabled'"):
+        vo.install("qwen3-omni")
+    assert not vo.is_installed()
+
+
+def test_a_mistyped_required_ends_the_process(vo, no_switches):
+    """``OMNI_ACCUM_REQUIRED=y`` used to read as off: a bad policy was then logged and served without omni-accum."""
+    from omni_accum.integrations.vllm_omni.activation import activate
+
+    no_switches.setenv("OMNI_ACCUM_REQUIRED", "y")
+    no_switches.setenv("OMNI_ACCUM_POLICY", "qwen3-omn")
+    with pytest.raises(SystemExit, match="OMNI_ACCUM_REQUIRED='y'"):
+        activate()
+    assert not vo.is_installed()
+
+
+def test_a_mistyped_off_switch_installs_nothing(vo, no_switches, caplog):
+    """``OMNI_ACCUM_VLLM_OMNI=disable`` used to leave omni-accum on; now it does nothing and says why."""
+    from omni_accum.integrations.vllm_omni.activation import activate
+
+    no_switches.setenv("OMNI_ACCUM_VLLM_OMNI", "disable")
+    no_switches.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
+    with caplog.at_level(logging.ERROR, logger="omni_accum"):
+        activate()
+    assert not vo.is_installed()
+    assert "OMNI_ACCUM_VLLM_OMNI='disable'" in caplog.text
+    no_switches.setenv("OMNI_ACCUM_REQUIRED", "1")
+    with pytest.raises(SystemExit, match="OMNI_ACCUM_VLLM_OMNI='disable'"):
+        activate()
+
+
+def test_connector_extra_values_that_are_not_a_policy_or_key_list_are_named(vllm_omni):
+    from omni_accum.integrations.vllm_omni import binding
+
+    for value in (True, 5, ["qwen3-omni"]):
+        with pytest.raises(PolicyError, match=re.escape(f"omni_accum_policy={value!r} is not a policy")):
+            binding.check_extra({"omni_accum_policy": value})
+    assert binding._policy_source({"omni_accum_policy": False})[0] is None  # YAML's unquoted off
+    # a string used to be split into characters: no key was accumulated, and nothing said so
+    for keys in ("embed.prefill", [5], [""]):
+        with pytest.raises(PolicyError, match=r"omni_accum_adapter_keys=.* is not a list of key paths"):
+            binding.check_extra({"omni_accum_policy": "qwen3-omni", "omni_accum_adapter_keys": keys})
+    binding.check_extra({"omni_accum_policy": "qwen3-omni", "omni_accum_adapter_keys": ["embed.prefill"]})
+
+
+def test_required_ends_the_process_at_construction_for_a_bad_connector_extra(vo, no_switches, caplog):
+    """A bad policy in a deploy YAML's connector extra used to be logged only, even with OMNI_ACCUM_REQUIRED=1
+    (the binding is made on first use, on vllm-omni's threads: the check runs when the adapter is built)."""
+    from omni_accum.integrations.vllm_omni.activation import _on_extra_policy
+
+    obj = SimpleNamespace(connector=SimpleNamespace(config={"omni_accum_policy": "qwen3-omn"}))
+    with caplog.at_level(logging.ERROR, logger="omni_accum"):
+        _on_extra_policy(obj)  # without REQUIRED: logged, and the process goes on
+    assert "qwen3-omn" in caplog.text
+    no_switches.setenv("OMNI_ACCUM_REQUIRED", "1")
+    with pytest.raises(SystemExit, match="OMNI_ACCUM_REQUIRED=1 and SimpleNamespace's connector extra.*qwen3-omn"):
+        _on_extra_policy(obj)
+
+
+def _doctor(capsys, *args: str) -> tuple[int, str]:
+    from omni_accum.cli.main import main
+
+    rc = main(["doctor", *args])
+    return rc, capsys.readouterr().out
+
+
+def test_doctor_names_a_bad_switch(vllm_omni, no_switches, capsys):
+    no_switches.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
+    no_switches.setenv("OMNI_ACCUM_METRICS", "disabled")
+    rc, out = _doctor(capsys)
+    assert rc == 1 and "PROBLEM  switch: environment variable OMNI_ACCUM_METRICS='disabled'" in out, out
+
+
+def test_doctor_is_not_ready_when_omni_accum_is_switched_off_beside_a_policy(vllm_omni, no_switches, capsys):
+    no_switches.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
+    no_switches.setenv("OMNI_ACCUM_VLLM_OMNI", "0")
+    rc, out = _doctor(capsys)
+    assert rc == 1 and "OMNI_ACCUM_VLLM_OMNI=0: omni-accum installs nothing, so the policy below is not applied" in out
+    no_switches.delenv("OMNI_ACCUM_POLICY")
+    rc, out = _doctor(capsys)
+    assert rc == 0 and "note     switch: OMNI_ACCUM_VLLM_OMNI=0: omni-accum installs nothing" in out, out
+
+
+@pytest.mark.parametrize(("value", "rc", "said"), [("off", 0, "will change nothing"), ("true", 1, "True is not a policy")])
+def test_doctor_reads_an_unquoted_yaml_off_or_true_in_a_deploy_yaml(vllm_omni, no_switches, capsys, tmp_path, value, rc, said):
+    """``omni_accum_policy: off`` unquoted is YAML's false (the documented opt-out): doctor used to end in a
+    TypeError traceback on it, and on ``true``."""
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(f"connectors:\n  c:\n    name: SharedMemoryConnector\n    extra:\n      omni_accum_policy: {value}\n")
+    got, out = _doctor(capsys, "--deploy", str(deploy))
+    assert got == rc and said in out, out
+
+
+def test_a_tuned_bucket_with_two_cells_for_one_key_is_refused():
+    """The last cell used to win silently (validate said ok, explain showed the second strategy)."""
+    from omni_accum.policy import load_policy
+
+    cell = {"key": "embed.decode", "context_len": 1000, "concurrency": 1}
+    tuned = {"context_len_edges": [1000], "concurrency_edges": [1],
+             "cells": [{**cell, "strategy": "prealloc"}, {**cell, "strategy": "token_list"}]}  # fmt: skip
+    with pytest.raises(PolicyError, match=r"cells\[1\] repeats cells\[0\] \(key 'embed.decode', context_len 1000"):
+        load_policy({"tuned": tuned})
+
+
+@pytest.mark.parametrize("match", [" embed.decode", "embed.decode ", "embed.decode\t"])
+def test_a_rule_match_with_an_outer_space_is_refused(match):
+    """Such a rule never matched anything, and validate said ok."""
+    from omni_accum.policy import load_policy
+
+    with pytest.raises(PolicyError, match="has a leading or trailing space, which no key path has"):
+        load_policy({"rules": [{"match": match, "strategy": "prealloc"}]})
+
+
+@pytest.mark.parametrize("text", ["inf", "0", "0.3", "-0.5", "nan"])
+def test_a_mooncake_segment_that_is_no_size_is_refused(text):
+    """``inf`` ended in an OverflowError traceback; 0, 0.3 and -0.5 were taken as 0 bytes."""
+    from omni_accum.bench.mooncake_services import parse_size
+    from omni_accum.errors import OmniAccumError
+
+    with pytest.raises(OmniAccumError, match="not a size"):
+        parse_size(text)
+    assert parse_size("512MiB") == 512 << 20
