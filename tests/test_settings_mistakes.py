@@ -158,3 +158,17 @@ def test_a_mooncake_segment_that_is_no_size_is_refused(text):
     with pytest.raises(OmniAccumError, match="not a size"):
         parse_size(text)
     assert parse_size("512MiB") == 512 << 20
+
+
+def test_an_inline_policy_string_loads_wherever_a_policy_name_does(vllm_omni, no_switches, capsys):
+    """``OMNI_ACCUM_POLICY='default: prealloc'`` installs, but doctor called it "neither a policy file nor a
+    preset", and a block string in a connector extra failed the same way at run time."""
+    from omni_accum.integrations.vllm_omni import binding
+    from omni_accum.policy import load_policy
+
+    assert load_policy("default: prealloc").default.strategy == "prealloc"
+    assert load_policy("rules:\n  - {match: embed.decode, strategy: token_list}\n").rules[0].strategy == "token_list"
+    binding.check_extra({"omni_accum_policy": "default: prealloc\n"})
+    no_switches.setenv("OMNI_ACCUM_POLICY", "default: prealloc")
+    rc, out = _doctor(capsys)
+    assert rc == 0 and "default prealloc" in out, out

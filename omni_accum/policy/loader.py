@@ -428,6 +428,9 @@ def load_policy(
             return build_policy(parse_text(env, "yaml", ENV_POLICY), ENV_POLICY, env, manager)
         else:
             source = env
+    elif isinstance(source, str) and is_inline_policy(source) and not Path(source).exists():
+        # inline text (a connector extra's block string, OMNI_ACCUM_POLICY checked by doctor), as the environment's
+        return build_policy(parse_text(source, "yaml", "<inline policy>"), "<inline policy>", source, manager)
     label, text, fmt = read_source(source)
     data = parse_text(text, fmt, label)
     return build_policy(data, label, text if fmt == "yaml" else None, manager)
