@@ -172,3 +172,15 @@ def test_an_inline_policy_string_loads_wherever_a_policy_name_does(vllm_omni, no
     no_switches.setenv("OMNI_ACCUM_POLICY", "default: prealloc")
     rc, out = _doctor(capsys)
     assert rc == 0 and "default prealloc" in out, out
+
+
+def test_install_from_code_writes_the_status_file(vo, no_switches, tmp_path):
+    """README: with OMNI_ACCUM_STATUS_DIR every process where omni-accum activated writes DIR/<pid>.json;
+    only the plugin entry point used to, not install() from code."""
+    import json
+    import os
+
+    no_switches.setenv("OMNI_ACCUM_STATUS_DIR", str(tmp_path))
+    vo.install("qwen3-omni")
+    data = json.loads((tmp_path / f"{os.getpid()}.json").read_text())
+    assert data["installed"] is True

@@ -63,6 +63,7 @@ def install(
             binding.Settings.policy_source = _describe_source(policy)
         if adapter_keys is not None:
             binding.Settings.adapter_keys = tuple(adapter_keys)
+    reporting.register_exit_dump()  # OMNI_ACCUM_STATUS_DIR: installed from code too, not only by the plugin
 
 
 def ensure_patched() -> None:
