@@ -184,3 +184,21 @@ def test_install_from_code_writes_the_status_file(vo, no_switches, tmp_path):
     vo.install("qwen3-omni")
     data = json.loads((tmp_path / f"{os.getpid()}.json").read_text())
     assert data["installed"] is True
+
+
+def test_smaller_messages_name_what_is_wrong(tmp_path, capsys):
+    """validate '' said ".: is a directory"; tune --base bogus did not name --base; a tuned cell off the edges
+    did not list them."""
+    from omni_accum.cli.main import main
+    from omni_accum.policy import load_policy
+
+    assert main(["validate", ""]) != 0
+    assert "'': 1 error(s)\n  an empty POLICY argument" in capsys.readouterr().out
+    assert main(["tune", "--base", "no-such-base", "--out", str(tmp_path / "t.yaml"), "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "--base 'no-such-base'" in err and "Traceback" not in err
+    assert not (tmp_path / "t.yaml").exists()
+    tuned = {"context_len_edges": [1000, 8000], "concurrency_edges": [1],
+             "cells": [{"key": "k", "context_len": 2000, "concurrency": 1, "strategy": "cat"}]}  # fmt: skip
+    with pytest.raises(PolicyError, match=r"context_len 2000 is not one of context_len_edges \[1000, 8000\]"):
+        load_policy({"tuned": tuned})

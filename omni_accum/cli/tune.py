@@ -14,6 +14,7 @@ from omni_accum.cli.args import (
     apply_threads,
     positive_int,
 )
+from omni_accum.errors import OmniAccumError
 from omni_accum.policy.loader import load_policy
 from omni_accum.tuner.buckets import DEFAULT_CONCURRENCY, DEFAULT_CONTEXT_LENS, QUICK_CONCURRENCY, QUICK_CONTEXT_LENS
 from omni_accum.tuner.report import decision_table, gain_table, show
@@ -195,6 +196,11 @@ def run(args: argparse.Namespace) -> int:
         verify=args.verify,
     )
     problem = input_overwrite_problem(opts)  # before anything is read or measured: exit 2 as bench does
+    if not problem:
+        try:
+            load_policy(args.base)
+        except OmniAccumError as e:
+            problem = f"--base {args.base!r}: {e}"
     if problem:
         print(f"omni-accum tune: error: {problem}", file=sys.stderr)
         return 2

@@ -50,7 +50,8 @@ def _load_errors(e: OmniAccumError) -> list[dict[str, Any]]:
 
 def check_one(arg: str, manager: StrategyManager, allow_stale: bool = False) -> dict[str, Any]:
     """The validation record of one POLICY argument."""
-    rec: dict[str, Any] = {"policy": arg, "valid": False, "rules": None, "note": None, "errors": [], "warnings": []}
+    label = arg if arg.strip() else repr(arg)  # '' shows as ''
+    rec: dict[str, Any] = {"policy": label, "valid": False, "rules": None, "note": None, "errors": [], "warnings": []}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

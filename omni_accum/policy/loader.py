@@ -341,6 +341,10 @@ def read_policy_argument(arg: str) -> tuple[str, str, str]:
                 source="<stdin>",
             )
         return "<stdin>", text, "yaml"
+    if not arg.strip():
+        raise PolicyError(
+            "an empty POLICY argument: give a preset name, a policy file, inline YAML, or - for stdin", source="''"
+        )
     if not Path(arg).exists() and arg not in preset_names() and is_inline_policy(arg):
         return "<inline>", arg, "yaml"
     return read_source(arg)

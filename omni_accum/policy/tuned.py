@@ -86,9 +86,11 @@ class TunedTable(BaseModel):
     def _build_index(self) -> TunedTable:
         for i, c in enumerate(self.cells):
             if c.context_len not in self.context_len_edges:
-                raise ValueError(f"cells[{i}].context_len {c.context_len} is not one of context_len_edges")
+                edges = self.context_len_edges
+                raise ValueError(f"cells[{i}].context_len {c.context_len} is not one of context_len_edges {edges}")
             if c.concurrency not in self.concurrency_edges:
-                raise ValueError(f"cells[{i}].concurrency {c.concurrency} is not one of concurrency_edges")
+                edges = self.concurrency_edges
+                raise ValueError(f"cells[{i}].concurrency {c.concurrency} is not one of concurrency_edges {edges}")
             k = (c.key, c.context_len, c.concurrency)
             if k in self._index:
                 j = self.cells.index(self._index[k])
