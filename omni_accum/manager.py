@@ -239,6 +239,9 @@ class StrategyManager:
                 self._problem(ep.name, dist, str(e), e, is_first, already=True)
             else:
                 self._loaded_eps[ep.name] = ep.value
+        known = {_canonical(n) for ep in third for n in (ep.name, (dist_of(ep) or ("",))[0]) if n}
+        for name in sorted((allow or set()) - known):  # a typo would only show as an unknown strategy later
+            logger.warning("omni_accum: %s lists %r, but no installed strategy plugin has that name", ENV_ALLOW, name)
 
     def _problem(
         self,

@@ -202,3 +202,14 @@ def test_smaller_messages_name_what_is_wrong(tmp_path, capsys):
              "cells": [{"key": "k", "context_len": 2000, "concurrency": 1, "strategy": "cat"}]}  # fmt: skip
     with pytest.raises(PolicyError, match=r"context_len 2000 is not one of context_len_edges \[1000, 8000\]"):
         load_policy({"tuned": tuned})
+
+
+def test_an_allowlist_entry_naming_no_installed_plugin_is_warned_about(no_switches, caplog):
+    """A typo in OMNI_ACCUM_PLUGINS only showed later as "unknown strategy 'delta'", not as the filter's doing."""
+    from omni_accum.manager import StrategyManager
+
+    no_switches.setenv("OMNI_ACCUM_PLUGINS", "deltaa,omni-accum-delta")
+    with caplog.at_level(logging.WARNING, logger="omni_accum"):
+        StrategyManager()
+    said = [r.getMessage() for r in caplog.records if "OMNI_ACCUM_PLUGINS" in r.getMessage()]
+    assert said == ["omni_accum: OMNI_ACCUM_PLUGINS lists 'deltaa', but no installed strategy plugin has that name"]
