@@ -17,7 +17,7 @@ from typing import Any
 
 from omni_accum.errors import OmniAccumError
 from omni_accum.integrations.vllm_omni.families import SUPPORTED_VERSIONS, family_for
-from omni_accum.manager import SettingError, env_flag, get_manager, switch_problems
+from omni_accum.manager import OFF, SettingError, env_flag, get_manager, switch_problems
 
 #: Every supported vllm-omni release (the release families of :mod:`omni_accum.integrations.vllm_omni.families`).
 SUPPORTED_VLLM_OMNI = SUPPORTED_VERSIONS
@@ -392,7 +392,7 @@ def check_arena_connector(deploy: str | None) -> list[Check]:
 def check_switches(policy_set: bool) -> list[Check]:
     """Every ``OMNI_ACCUM_*`` on/off switch set to something else; omni-accum switched off beside a policy."""
     out = [Check("switch", False, p, "set it to 1 or 0, or unset it") for p in switch_problems()]
-    if os.environ.get("OMNI_ACCUM_VLLM_OMNI", "").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get("OMNI_ACCUM_VLLM_OMNI", "").strip().lower() in OFF:
         detail = "OMNI_ACCUM_VLLM_OMNI=0: omni-accum installs nothing"
         detail += ", so the policy below is not applied" if policy_set else ""
         out.append(Check("switch", not policy_set, detail, "unset OMNI_ACCUM_VLLM_OMNI", warning=not policy_set))

@@ -424,17 +424,12 @@ def load_policy(
         source = source.model_dump()
     if isinstance(source, Mapping):
         return build_policy(source, "<mapping>", None, manager)
+    label = "<inline policy>"  # inline text given as source: a connector extra's block string, say
     if source is None:
         env = os.environ.get(ENV_POLICY, "").strip()
-        if not env:
-            source = "default"
-        elif is_inline_policy(env) and not Path(env).exists():
-            return build_policy(parse_text(env, "yaml", ENV_POLICY), ENV_POLICY, env, manager)
-        else:
-            source = env
-    elif isinstance(source, str) and is_inline_policy(source) and not Path(source).exists():
-        # inline text (a connector extra's block string, OMNI_ACCUM_POLICY checked by doctor), as the environment's
-        return build_policy(parse_text(source, "yaml", "<inline policy>"), "<inline policy>", source, manager)
+        source, label = (env, ENV_POLICY) if env else ("default", label)
+    if isinstance(source, str) and is_inline_policy(source) and not Path(source).exists():
+        return build_policy(parse_text(source, "yaml", label), label, source, manager)
     label, text, fmt = read_source(source)
     data = parse_text(text, fmt, label)
     return build_policy(data, label, text if fmt == "yaml" else None, manager)

@@ -18,9 +18,8 @@ from typing import Any
 from omni_accum.context import StreamContext
 from omni_accum.engine import Receiver, Sender
 from omni_accum.errors import AccumulationError, PolicyError
+from omni_accum.integrations.vllm_omni import handshake, metrics, publishing
 from omni_accum.integrations.vllm_omni.deployment import _warn_untuned_context, deployment_context, reset_warning
-from omni_accum.integrations.vllm_omni import metrics
-from omni_accum.integrations.vllm_omni import handshake
 from omni_accum.integrations.vllm_omni.handshake import (  # noqa: F401 - policy_fingerprint re-exported
     _changes_wire,
     _readable_source,
@@ -29,7 +28,6 @@ from omni_accum.integrations.vllm_omni.handshake import (  # noqa: F401 - policy
     policy_fingerprint,
 )
 from omni_accum.integrations.vllm_omni.marker import MARKERS, _leaves, _path  # noqa: F401 - _leaves, _path re-exported
-from omni_accum.integrations.vllm_omni import publishing
 from omni_accum.integrations.vllm_omni.publishing import publish_pending, published_later  # noqa: F401 - re-exported
 from omni_accum.integrations.vllm_omni.store import ReleasingDict
 from omni_accum.policy import Policy, load_policy
@@ -296,14 +294,14 @@ def _adapter_keys(keys: Any) -> tuple[str, ...] | None:
     return tuple(keys)
 
 
-def check_extra(extra: Any) -> None:
-    """Raise what :func:`binding_for` would log for this connector ``extra`` (policy, adapter keys, context)."""
-    spec, _ = _policy_source(extra)
-    if spec is not None:
-        load_policy(spec)
-    if isinstance(extra, Mapping):
-        _adapter_keys(extra.get(EXTRA_ADAPTER_KEYS))
-    deployment_context(extra)
+def check_extra(extra: Any) -> tuple[Policy, str, tuple[str, ...], StreamContext | None] | None:
+    """What a binding for this connector ``extra`` is made of: ``(policy, source, adapter keys, context)``, or
+    None when no policy applies. Raises what :func:`binding_for` logs (a bad policy, adapter keys or context)."""
+    spec, source = _policy_source(extra)
+    if spec is None:
+        return None
+    keys = _adapter_keys(extra.get(EXTRA_ADAPTER_KEYS) if isinstance(extra, Mapping) else None)
+    return load_policy(spec), source, keys or Settings.adapter_keys, deployment_context(extra)
 
 
 def connector_extra(obj: Any) -> Any:
@@ -331,31 +329,19 @@ def binding_for(obj: Any) -> Binding | None:
             return b
         b = None
         try:
-            extra = connector_extra(obj)
-            spec, source = _policy_source(extra)
-            if spec is not None:
-                keys = _adapter_keys(extra.get(EXTRA_ADAPTER_KEYS) if isinstance(extra, Mapping) else None)
-                context = deployment_context(extra)
-                policy = load_policy(spec)
-                b = Binding(policy, tuple(keys) if keys else Settings.adapter_keys, source, context)
+            made = check_extra(connector_extra(obj))
+            if made is not None:
+                policy, source, keys, context = made
+                b = Binding(policy, keys, source, context)
                 _attach(obj, b)
                 _warn_untuned_context(policy, context, source)
-                logger.info(
-                    "omni-accum bound to %s (pid=%d, policy from %s, context %s)",
-                    type(obj).__name__,
-                    os.getpid(),
-                    source,
-                    context,
-                )
+                what = (type(obj).__name__, os.getpid(), source, context)
+                logger.info("omni-accum bound to %s (pid=%d, policy from %s, context %s)", *what)
         except Exception as e:  # noqa: BLE001 - a hooked path never raises where vllm-omni would not
             b = None
             metrics.fallback("bind_error")
-            logger.error(
-                "omni-accum cannot bind %s (pid=%d): %s. This instance runs vllm-omni's own code",
-                type(obj).__name__,
-                os.getpid(),
-                e,
-            )
+            what = (type(obj).__name__, os.getpid(), e)
+            logger.error("omni-accum cannot bind %s (pid=%d): %s. This instance runs vllm-omni's own code", *what)
         state[_ATTR] = b
         _track(obj)
     if b is not None:
