@@ -48,6 +48,7 @@ _DISABLED = ("off", "none", "false", "0", "")
 _lock = threading.Lock()
 #: Every instance given the binding attribute (a Binding or None), by id, weakly: uninstall detaches them.
 _instances: dict[int, weakref.ref[Any]] = {}
+_gone: list[int] = []  # ids of tracked objects gone since (see _track)
 
 
 class Settings:
@@ -395,14 +396,14 @@ def bind(obj: Any, policy: Policy | None, context: StreamContext | None = None) 
 
 
 def _track(obj: Any) -> None:
-    key = id(obj)
-
-    def gone(ref: weakref.ref[Any], key: int = key) -> None:
-        if _instances.get(key) is ref:
-            _instances.pop(key, None)
-
+    """Enter ``obj`` (under ``_lock``), first dropping entries whose object is gone (noted in ``_gone`` by a
+    weakref callback, which may run under ``_lock``): only a dead one goes, as a new object may reuse an id."""
+    while _gone:
+        r = _instances.get(k := _gone.pop())
+        if r is not None and r() is None:
+            del _instances[k]
     try:
-        _instances[key] = weakref.ref(obj, gone)
+        _instances[id(obj)] = weakref.ref(obj, lambda _, k=id(obj): _gone.append(k))
     except TypeError:  # not weak-referenceable: uninstall cannot reach it (vllm-omni's classes all are)
         pass
 

@@ -1,0 +1,93 @@
+"""The table of instances a binding was made for (``binding._instances``, what ``uninstall`` detaches):
+an entry goes only when its object is gone, even when a new object reuses a gone one's id."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+
+from omni_accum.integrations.vllm_omni import binding
+
+
+class _Adapter:
+    pass
+
+
+class _Interleaving(dict):
+    """An instance table whose first ``get`` of ``key`` lets ``meanwhile`` run after the lookup, before the
+    caller goes on: another thread acting between a clean-up's lookup and its removal."""
+
+    def __init__(self, base: dict, key: int, meanwhile) -> None:
+        super().__init__(base)
+        self.key, self.meanwhile = key, meanwhile
+
+    def get(self, key, default=None):
+        found = super().get(key, default)
+        if key == self.key and self.meanwhile is not None:
+            run, self.meanwhile = self.meanwhile, None
+            run()
+        return found
+
+
+@pytest.fixture
+def instances(monkeypatch):
+    monkeypatch.setattr(binding, "_instances", {})
+    monkeypatch.setattr(binding, "_gone", [])
+    return binding
+
+
+def test_a_gone_object_leaves_the_table_at_the_next_track(instances):
+    a, b = _Adapter(), _Adapter()
+    with binding._lock:
+        binding._track(a)
+        binding._track(b)
+    key = id(a)
+    del a
+    gc.collect()
+    assert binding._gone == [key]
+    with binding._lock:
+        binding._track(_keep := _Adapter())
+    assert key not in binding._instances and id(b) in binding._instances
+    assert binding._gone == []
+
+
+def test_a_new_object_reusing_a_gone_ones_id_keeps_its_entry(instances):
+    """Another thread tracks a new object under the id of one just gone, between the clean-up's lookup
+    and its removal. The clean-up runs under ``_lock``, as tracking does, so the newcomer's entry is made
+    after it and stays (the old weakref callback ran without the lock and popped the newcomer's entry)."""
+    a = _Adapter()
+    with binding._lock:
+        binding._track(a)
+    key = id(a)
+    newcomer = _Adapter()
+
+    def track_newcomer() -> None:  # what binding_for does for a new object whose id is the gone one's
+        with binding._lock:
+            binding._instances[key] = weakref.ref(newcomer)
+
+    other = threading.Thread(target=track_newcomer)
+    binding._instances = _Interleaving(binding._instances, key, lambda: (other.start(), other.join(0.2)))
+    del a
+    gc.collect()
+    with binding._lock:
+        binding._track(keep := _Adapter())
+    other.join(10)
+    assert not other.is_alive()
+    assert binding._instances[key]() is newcomer
+    assert binding._instances[id(keep)]() is keep
+
+
+def test_an_object_tracked_twice_is_one_entry_and_leaves_once(instances):
+    a = _Adapter()
+    with binding._lock:
+        binding._track(a)
+        binding._track(a)
+    assert list(binding._instances) == [id(a)]
+    del a
+    gc.collect()
+    with binding._lock:
+        binding._track(keep := _Adapter())
+    assert list(binding._instances) == [id(keep)]
