@@ -200,3 +200,15 @@ def test_a_workload_files_yaml_syntax_error_is_one_line_naming_line_and_column(t
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"{p}: line 3, column 1: invalid YAML: expected ',' or ']'")
     assert "(while parsing a flow sequence at line 2, column 7)" in msg
+
+
+def test_a_repeated_key_path_is_reported_at_its_own_line(tmp_path):
+    """A check over the whole workload (a path listed twice) names the repeat's line and the first
+    listing, not line 1 of a "top level" error."""
+    path = tmp_path / "dup.yaml"
+    keys = "  - path: a.x\n    kind: append\n  - path: a.y\n    kind: append\n  - path: a.x\n    kind: replace\n"
+    path.write_text("name: w\nkeys:\n" + keys)
+    with pytest.raises(WorkloadError) as e:
+        load_workload(str(path))
+    assert f"{path}: line 7: keys[2].path 'a.x' is listed twice (also keys[0].path)" in str(e.value)
+    assert "top level" not in str(e.value)

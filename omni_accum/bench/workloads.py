@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -149,11 +150,11 @@ class Workload(BaseModel):
 
     @model_validator(mode="after")
     def _unique(self) -> Workload:
-        seen: set[str] = set()
+        seen: dict[str, int] = {}
         for i, k in enumerate(self.keys):
             if k.path in seen:
-                raise ValueError(f"keys[{i}].path {k.path!r} is listed twice")
-            seen.add(k.path)
+                raise ValueError(f"keys[{i}].path {k.path!r} is listed twice (also keys[{seen[k.path]}].path)")
+            seen[k.path] = i
         nested = {k.path.split(".", 1)[0] for k in self.keys if "." in k.path}
         flat = {k.path for k in self.keys if "." not in k.path}
         clash = nested & flat
@@ -198,9 +199,11 @@ def _format_errors(err: ValidationError, source: str, text: str | None = None) -
         for p in e["loc"]:
             loc += f"[{p}]" if isinstance(p, int) else (f".{p}" if loc else str(p))
         msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
-        line = _yaml_line(text, tuple(e["loc"])) if text is not None else None
+        item = None if e["loc"] else re.match(r"keys\[(\d+)\]\.path ", msg)  # a whole-workload check naming a key
+        at = ("keys", int(item[1]), "path") if item else tuple(e["loc"])
+        line = _yaml_line(text, at) if text is not None else None
         where = f"line {line}: " if line else ""
-        lines.append(f"{source}: {where}{loc or '(top level)'}: {msg}")
+        lines.append(f"{source}: {where}{msg}" if item else f"{source}: {where}{loc or '(top level)'}: {msg}")
     return "invalid workload:\n  " + "\n  ".join(lines)
 
 
