@@ -428,3 +428,24 @@ def test_cli_tune_end_to_end_creates_the_output_folder(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "embed.decode" in printed and f"wrote {out}" in printed
     assert cli.main(["validate", str(out)]) == 0
+
+
+def test_show_names_the_cells_that_never_apply():
+    """A cell whose key an explicit rule or the protocol decides first is listed as never applying."""
+    from omni_accum.tuner.report import show
+
+    data = _tuned_policy(current_fingerprint())
+    data["tuned"]["cells"].append({"key": "meta.finished", "context_len": 8000, "concurrency": 1, "strategy": "cat"})
+    shown = show(omni_accum.load_policy(data), "p.yaml")
+    assert "never applies: embed.pinned: decided by rules[0] (match 'embed.pinned'), before the table" in shown
+    assert "never applies: meta.finished: decided by the protocol (vllm-omni always replaces it)" in shown
+    assert "never applies: embed.decode" not in shown
+
+
+def test_a_protocol_key_is_not_tuned():
+    from omni_accum.bench.workloads import build_workload
+    from omni_accum.tuner.core import tunable_keys
+
+    keys, skipped = tunable_keys(build_workload(TINY), omni_accum.load_policy("default: cat"), [64])
+    assert "meta.finished" not in keys and "protocol key" in skipped["meta.finished"]
+    assert "embed.decode" in keys

@@ -22,7 +22,7 @@ from typing import Any
 from omni_accum.errors import OmniAccumError
 from omni_accum.policy.loader import load_policy
 from omni_accum.manager import get_manager
-from omni_accum.policy.model import Policy
+from omni_accum.policy.model import PROTOCOL_REPLACE_KEYS, Policy
 from omni_accum.policy.tuned import TunedCell
 from omni_accum.bench.replay import UPSTREAM, ArmResult, measure
 from omni_accum.tuner.candidates import Candidate, candidates_for, same_choice
@@ -57,6 +57,9 @@ def tunable_keys(wl: Workload, base: Policy, context_lens: list[int]) -> tuple[l
         hit = base.match_rule(spec.path)
         if hit is not None:
             skipped[spec.path] = f"decided by the baseline's rules[{hit[0]}] (explicit rules beat the table)"
+            continue
+        if spec.path in PROTOCOL_REPLACE_KEYS:
+            skipped[spec.path] = "a protocol key: always replace (vllm-omni's rule), which beats the table"
             continue
         carried = max(sum(1 for p in chunk_plans(wl, cl) if _carries(spec, p)) for cl in context_lens)
         if carried <= 1:

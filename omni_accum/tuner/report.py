@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from omni_accum.policy.environment import table_mismatches
-from omni_accum.policy.model import Policy
+from omni_accum.policy.model import PROTOCOL_REPLACE_KEYS, Policy
 from omni_accum.policy.tuned import TunedTable
 from omni_accum.tuner.candidates import same_choice
 from omni_accum.tuner.core import BucketOutcome
@@ -79,6 +79,10 @@ def show(policy: Policy, source: str = "") -> str:
         lines.append(f"not tuned: {k}: {why}")
     lines.append("")
     lines.append(decision_table(t))
+    shadowed = {c.key: _decided_before(policy, c.key) for c in t.cells}
+    for key, why in shadowed.items():
+        if why:
+            lines.append(f"never applies: {key}: decided by {why}, before the table")
     excluded = [(c, lab, why) for c in t.cells for lab, why in c.excluded.items()]
     if excluded:
         lines.append("")
@@ -86,6 +90,14 @@ def show(policy: Policy, source: str = "") -> str:
         for c, lab, why in excluded:
             lines.append(f"  context>={c.context_len} conc>={c.concurrency} {c.key} {lab}: {why}")
     return "\n".join(lines)
+
+
+def _decided_before(policy: Policy, key: str) -> str | None:
+    """What decides ``key`` ahead of the tuned table (an explicit rule, a protocol key), else None."""
+    hit = policy.match_rule(key)
+    if hit is not None:
+        return f"rules[{hit[0]}] (match {policy.rules[hit[0]].match!r})"
+    return "the protocol (vllm-omni always replaces it)" if key in PROTOCOL_REPLACE_KEYS else None
 
 
 def gain_table(outcomes: list[BucketOutcome], reference: str) -> str:
