@@ -245,6 +245,37 @@ def test_json_and_toml_errors_name_the_line(tmp_path):
     assert "invalid TOML" in msg and "line 2" in msg
 
 
+def test_toml_validation_errors_name_the_line(tmp_path):
+    """A TOML policy's field errors carry lines as a YAML one's do: tables, arrays of tables (the n-th
+    ``[[rules]]`` is rules[n-1]), dotted and quoted keys."""
+    text = (
+        'version = 1\n\n[default]\nstrategy = "prealloc"\n\n[[rules]]\nmatch = "a"\nstrategy = "cat"\n\n'
+        '[[rules]]\n"match" = "b"\nstrategy = "prealloc"\nparams.growth_factor = 0.5\n'
+    )
+    errs, _ = errors_of(tmp_path, text, "p.toml")
+    joined = "\n".join(errs)
+    assert "p.toml, line 13: rules[1].params.growth_factor: Input should be greater than 1" in joined
+    errs, _ = errors_of(tmp_path, 'version = 1\nfoo = 1\n', "p.toml")
+    assert "p.toml, line 2: foo: unknown field" in errs[0]
+    twice = '[[rules]]\nmatch = "a"\nstrategy = "cat"\n' * 2
+    errs, _ = errors_of(tmp_path, twice, "p.toml")
+    assert errs[0].endswith(", line 5: rules[1].match: 'a' repeats rules[0].match; remove one")
+
+
+def test_toml_line_finds_the_longest_defined_prefix():
+    from omni_accum.policy.parsing import toml_line
+
+    text = (
+        'default = "cat"\n[tuned]\ncontext_len_edges = [\n  [1], 8000,\n]\n[[tuned.cells]]\nkey = "a"\n'
+        "[[tuned.cells]] # the second\nkey = 'b'\n"
+    )
+    assert toml_line(text, ("tuned", "cells", 1, "key")) == 9
+    assert toml_line(text, ("tuned", "cells", 1, "strategy")) == 8  # not written: its table's header
+    assert toml_line(text, ("tuned", "context_len_edges", 1)) == 3  # a line inside an array is no header
+    assert toml_line(text, ("default",)) == 1
+    assert toml_line(text, ("nothing",)) is None
+
+
 @pytest.mark.parametrize(
     "tag",
     [

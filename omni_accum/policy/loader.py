@@ -25,7 +25,7 @@ from omni_accum.errors import PolicyError
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import installed_plugins
 from omni_accum.policy.model import Policy
-from omni_accum.policy.parsing import DuplicateKeyError, load_json, load_yaml, yaml_error_parts
+from omni_accum.policy.parsing import DuplicateKeyError, TomlText, load_json, load_yaml, toml_line, yaml_error_parts
 
 ENV_POLICY = "OMNI_ACCUM_POLICY"
 PRESET_SUFFIX = ".yaml"
@@ -62,7 +62,9 @@ def line_of(text: str | None, loc: tuple[Any, ...]) -> int | None:
 
 
 def _yaml_line(text: str, loc: tuple[Any, ...]) -> int | None:
-    """Best-effort 1-based line of the node at ``loc`` in a YAML document."""
+    """Best-effort 1-based line of the node at ``loc`` in a YAML document (or a :class:`TomlText`)."""
+    if isinstance(text, TomlText):
+        return toml_line(text, loc)
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except (yaml.YAMLError, RecursionError):
@@ -354,7 +356,7 @@ def load_policy_argument(arg: str, manager: StrategyManager | None = None) -> tu
     """``(label, text, policy)`` of a command-line POLICY (see :func:`read_policy_argument`)."""
     label, text, fmt = read_policy_argument(arg)
     data = parse_text(text, fmt, label)
-    return label, text, build_policy(data, label, text if fmt in ("yaml", "json") else None, manager)
+    return label, text, build_policy(data, label, TomlText(text) if fmt == "toml" else text, manager)
 
 
 def build_policy(
@@ -432,7 +434,7 @@ def load_policy(
         return build_policy(parse_text(source, "yaml", label), label, source, manager)
     label, text, fmt = read_source(source)
     data = parse_text(text, fmt, label)
-    return build_policy(data, label, text if fmt == "yaml" else None, manager)
+    return build_policy(data, label, TomlText(text) if fmt == "toml" else text, manager)
 
 
 def dump_policy(policy: Policy, fmt: str = "yaml") -> str:

@@ -9,12 +9,13 @@ that build Python objects (``!!python/...``) are still refused.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import yaml
 from yaml.constructor import ConstructorError
 
-__all__ = ["DuplicateKeyError", "UniqueKeySafeLoader", "load_json", "load_yaml"]
+__all__ = ["DuplicateKeyError", "TomlText", "UniqueKeySafeLoader", "load_json", "load_yaml", "toml_line"]
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
@@ -93,3 +94,47 @@ def yaml_error_parts(e: yaml.YAMLError) -> tuple[str, str]:
     if e.context and ctx is not None and mark is not None and ctx.line != mark.line:
         problem += f" ({e.context} at line {ctx.line + 1}, column {ctx.column + 1})"
     return line, problem
+
+
+class TomlText(str):
+    """Policy text known to be TOML: error messages find a field's line with :func:`toml_line`."""
+
+
+_TOML_KEY = r'(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|\'[^\']*\')'
+_TOML_DOTTED = re.compile(rf"\s*({_TOML_KEY}(?:\s*\.\s*{_TOML_KEY})*)\s*")
+_TOML_PART = re.compile(_TOML_KEY)
+_TOML_HEADER = re.compile(rf"^(\[\[?)\s*({_TOML_KEY}(?:\s*\.\s*{_TOML_KEY})*)\s*\]\]?\s*(?:#.*)?$")
+
+
+def _toml_parts(dotted: str) -> tuple[str, ...]:
+    return tuple(json.loads(p) if p[0] == '"' else p.strip("'") for p in _TOML_PART.findall(dotted))
+
+
+def toml_line(text: str, loc: tuple[Any, ...]) -> int | None:
+    """Best-effort 1-based line of the field at ``loc`` (``("rules", 1, "strategy")``) in TOML text: table
+    headers (``[a]``, and ``[[a]]`` whose n-th one is item n) and ``key = value`` lines define paths; the
+    line of the longest prefix of ``loc`` defined is returned, None when none is."""
+    where: dict[tuple[Any, ...], int] = {}
+    arrays: dict[tuple[str, ...], int] = {}
+    table: tuple[Any, ...] = ()
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        head = _TOML_HEADER.match(line)
+        if head is not None:
+            parts: tuple[Any, ...] = _toml_parts(head[2])
+            if head[1] == "[[":
+                arrays[parts] = arrays.get(parts, -1) + 1
+                parts = (*parts, arrays[parts])
+            table = parts
+        else:
+            m = _TOML_DOTTED.match(line)
+            if m is None or not line[m.end() :].startswith("="):
+                continue
+            parts = (*table, *_toml_parts(m[1]))
+        for i in range(1, len(parts) + 1):
+            where.setdefault(parts[:i], n)
+    key = tuple(loc)
+    for i in range(len(key), 0, -1):
+        if key[:i] in where:
+            return where[key[:i]]
+    return None
