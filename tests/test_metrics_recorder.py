@@ -137,19 +137,86 @@ def test_metrics_off_still_number_and_find_what_was_left_off():
     assert not r._all and not r._saved_slots  # nothing counted
 
 
-def test_a_requests_cache_of_values_left_off_counts_each_value_by_its_own_bytes():
-    """The request's ``kept`` cache skips the byte count of a value left off again (the same object);
-    another object, or a value of another type, is counted by its own bytes under its own slot."""
+def test_a_run_of_chunks_leaving_the_same_keys_off_counts_each_keys_bytes_per_chunk():
+    """A key is left off only while its value is unchanged (``omits_unchanged``), so the request's run of
+    chunks leaving the same keys off counts chunks at each key's bytes; a chunk that sends a key ends the
+    run, and the next run counts the new value's bytes. Runs of equal sizes share one counter."""
     r = _on()
-    kept: dict = {}
     small, big = torch.zeros(16, dtype=torch.float32), torch.zeros(32, dtype=torch.float32)  # 64 B, 128 B
-    labels = {"key": "k", "strategy": "kept-cache"}
-    before = _sample("omni_accum_wire_bytes_saved_total", **labels)
-    for value in (small, small, big, "abc", small):
-        assert r.sent({}, {"k": value}, {}, lambda p, v: "kept-cache", (), kept) == [("k", None)]
-    assert kept[("k", None)][0] is small  # the cache holds the latest value left off
+    labels = {"k": {"key": "k", "strategy": "kept-run"}, "j": {"key": "j", "strategy": "kept-run"}}
+    before = {k: _sample("omni_accum_wire_bytes_saved_total", **v) for k, v in labels.items()}
+    kept: dict = {}
+    table: dict = {}
+
+    def send(value, k_on_wire: bool, kept=kept, table=table):
+        chunk = {"k": value, "j": "abc"}  # j: a 3-byte string, left off every time
+        wire = {"k": value} if k_on_wire else {}
+        left = r.sent(table, chunk, wire, lambda p, v: "kept-run", (), kept)
+        assert left == ([("j", None)] if k_on_wire else [("k", None), ("j", None)])
+
+    for value, k_on_wire in [(small, False), (small, False), (big, True), (big, False), (small, True), (small, False)]:
+        send(value, k_on_wire)
+    send(small, False, {}, {})  # another request, the same keys and sizes left off: the same counter
+    assert len(r._runs) == 3  # (k 64 B, j), (j), (k 128 B, j)
     r.flush()
-    assert _sample("omni_accum_wire_bytes_saved_total", **labels) - before == 64 + 64 + 128 + 3 + 64
+    saved = {k: _sample("omni_accum_wire_bytes_saved_total", **v) - before[k] for k, v in labels.items()}
+    assert saved == {"k": 64 + 64 + 128 + 64 + 64, "j": 3 * 7}
+
+
+@pytest.mark.parametrize("max_runs", [1, metrics.MAX_RUNS])
+def test_a_value_sent_anew_is_counted_by_its_own_bytes_also_past_max_runs(monkeypatch, max_runs):
+    r = _on()
+    monkeypatch.setattr(metrics, "MAX_RUNS", max_runs)
+    labels = {"key": "k", "strategy": f"kept-many-{max_runs}"}
+    before = _sample("omni_accum_wire_bytes_saved_total", **labels)
+    kept: dict = {}
+    # a value changes only on the wire (then nothing is left off: the run ends); a new size starts a new
+    # run, and only the first run gets a counter
+    for size, on_wire in [(4, False), (8, True), (8, False), (8, False), (16, True), (16, False)]:
+        chunk = {"k": torch.zeros(size, dtype=torch.uint8)}
+        wire = chunk if on_wire else {}
+        assert r.sent({}, chunk, wire, lambda p, v: labels["strategy"], (), kept) == ([] if on_wire else [("k", None)])
+    assert len(r._runs) == min(3, max_runs)
+    r.flush()
+    assert _sample("omni_accum_wire_bytes_saved_total", **labels) - before == 4 + 8 + 8 + 16
+
+
+def test_bytes_left_off_stay_exact_when_another_thread_flushes():
+    import sys
+    import threading
+
+    r = _on()
+    labels = {"key": "g.s", "strategy": "kept-race-run"}
+    before = _sample("omni_accum_wire_bytes_saved_total", **labels)
+    v = torch.zeros(3, dtype=torch.uint8)
+    n = 20000
+    start = threading.Barrier(2)
+
+    def sending() -> None:
+        start.wait()
+        kept: dict = {}
+        for i in range(n):
+            if i % 1000 == 0:
+                kept = {}  # a new request now and then: a new run, the same counter
+            r.sent({}, {"g": {"s": v}}, {}, lambda p, val: "kept-race-run", (), kept)
+
+    def publishing() -> None:
+        start.wait()
+        for _ in range(n // 7):
+            r.flush()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=sending), threading.Thread(target=publishing)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(old)
+    r.flush()
+    assert _sample("omni_accum_wire_bytes_saved_total", **labels) - before == 3 * n
 
 
 def test_counts_stay_exact_when_another_thread_flushes_while_this_one_counts():

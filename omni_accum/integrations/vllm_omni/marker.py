@@ -29,8 +29,8 @@ MARKERS = (WIRE_MARKER, OMITTED_KEY)
 
 class SendTable(dict):
     """A request's numbering on the sending side (``(top, qual) -> bit``, wire order), with the metrics'
-    per-request caches (see :meth:`.metrics.Recorder.sent`), released with it: ``kept``, the values left
-    off; ``meters``, each numbered key's metrics slot (by its number; None until counted)."""
+    per-request caches (see :meth:`.metrics.Recorder.sent`), released with it: ``kept``, its run of chunks
+    leaving the same keys off; ``meters``, each numbered key's metrics slot (by its number; None until counted)."""
 
     __slots__ = ("kept", "meters")
 

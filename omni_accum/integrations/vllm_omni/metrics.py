@@ -30,7 +30,6 @@ metric                                         type       labels
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -52,12 +51,13 @@ from omni_accum.integrations.vllm_omni.prometheus import (  # noqa: F401 - re-ex
 )
 from omni_accum.strategy import value_nbytes
 
-logger = logging.getLogger("omni_accum.vllm_omni")
 _Tensor = torch.Tensor
 _perf_counter = time.perf_counter
 
 #: Chunks after which a Recorder publishes without waiting for a release.
 FLUSH_EVERY = 256
+#: Distinct run counters of keys left off (key sets and sizes) a Recorder keeps (see Recorder._new_run).
+MAX_RUNS = 1024
 
 # A slot counts one (role, key path, value type): [chunks, tensor bytes, type, is tensor,
 # (role, path, strategy) labels, (role, path) labels, the strategy when append-kind else None]; an
@@ -102,6 +102,7 @@ class Recorder:
         "_by_type",
         "_all",
         "_saved_slots",
+        "_runs",
         "_hist",
         "_children",
         "armed",
@@ -121,6 +122,7 @@ class Recorder:
         self._by_type: dict[tuple[Any, ...], list[Any]] = {}  # (role, top, qual, type) -> slot
         self._all: list[list[Any]] = []  # every slot, for flush
         self._saved_slots: dict[tuple[Any, Any], list[Any]] = {}  # ((top, qual), type) -> [bytes, labels]
+        self._runs: dict[tuple[Any, ...], list[Any]] = {}  # run counters: sizes -> [chunks, [(slot, bytes)]]
         self._hist: dict[str, list[float]] = {}  # strategy -> merge times since the last flush
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._flat: dict[str, dict[tuple[Any, Any], list[Any]]] = {}  # role -> (top, qual) -> slot
@@ -193,7 +195,7 @@ class Recorder:
 
     def meter(self, flat: dict[tuple[Any, Any], list[Any]], role: str, tq: tuple[Any, Any], value: Any, name_of: Any):
         """The slot of key ``tq`` (qual None: a top-level key) for values of this type, entered in ``flat``."""
-        slot = flat[tq] = self._slot({}, role, tq[0], tq[1], value, name_of)
+        flat[tq] = slot = self._slot({}, role, tq[0], tq[1], value, name_of)
         return slot
 
     def _engine_slot(self, role: str, slot: Any) -> list[Any]:
@@ -203,8 +205,7 @@ class Recorder:
         k = (role, path, None, name)
         m = self._by_type.get(k)
         if m is None:
-            labels = (role, path, name)
-            m = [0, 0, None, None, labels, (role, path)]
+            m = [0, 0, None, None, (role, path, name), (role, path)]
             m.append(None if name in _REPLACE_LIKE else name)
             m.append(None if name in _REPLACE_LIKE else self._times(name))  # its merge times
             self._by_type[k] = m
@@ -287,16 +288,13 @@ class Recorder:
         kept: dict[tuple[Any, Any], list[Any]] | None = None,
     ) -> list[tuple[Any, Any]]:
         """One sent chunk, in one walk over ``chunk``: number each key of ``wire`` new to the request in
-        ``table`` (as :func:`.marker.number_once` does, wire order), count the keys on the wire and,
-        when metrics are on, the bytes of those the strategy left off; returns the keys left off, as
-        ``(top, qual)`` pairs (qual None for a top-level key). ``wire`` is ``chunk`` or its encoded form
-        (same key order, values possibly encoded, some keys left off). ``table``: the request's
-        :class:`.marker.SendTable` (or a plain dict), whose ``meters`` list holds each numbered key's
-        metrics slot, so a key costs one lookup (its number); ``kept``: the request's own cache of the
-        values left off (a value left off again, the same object, costs no byte count)."""
+        ``table`` (wire order, as :func:`.marker.number_once`), count the keys on the wire and, metrics on,
+        the bytes of those left off; returns the keys left off as ``(top, qual)`` (qual None: top-level).
+        ``wire``: ``chunk`` or its encoded form (same key order, some keys left off). ``table``: the
+        request's :class:`.marker.SendTable` (or a dict); its ``meters`` hold each numbered key's slot (a
+        key costs one lookup). ``kept``: the request's run of chunks leaving the same keys off (:meth:`_new_run`)."""
         on = self.on
-        if kept is None:
-            kept = {}
+        kept = {} if kept is None else kept
         omitted: list[tuple[Any, Any]] = []
         meters = getattr(table, "meters", None)
         if meters is None:  # a plain dict: slots by number for this chunk only
@@ -329,27 +327,45 @@ class Recorder:
                             x[1] += w.nbytes
                 else:
                     omitted.append(tq)
-                    if on:
-                        c = kept.get(tq)
-                        if c is None or c[0] is not qv:
-                            c = kept[tq] = self._kept(tq, qv, name_of)
-                        c[2][0] += c[1]
         if on:
+            if omitted:  # the same keys left off as in the request's last chunk that left any off: one count
+                run = kept.get(None)
+                if run is not None and run[0] == omitted:
+                    run[1][0] += 1
+                else:
+                    self._new_run(kept, omitted, chunk, name_of)
+            elif kept:  # nothing left off: the run ends (a key sent may have changed)
+                kept.clear()
             self.chunks_seen += 1
             if self.chunks_seen >= FLUSH_EVERY:
                 self.flush()
         return omitted
 
-    def _kept(self, tq: tuple[Any, Any], value: Any, name_of: Any) -> list[Any]:
-        """``[value, its bytes, the kept-off slot of key tq for values of its type]``: a request's cache
-        entry for a value left off (slot: ``[bytes, labels]``, one per key and value type)."""
-        k = (tq, type(value))
-        slot = self._saved_slots.get(k)
-        if slot is None:
+    def _new_run(self, kept: dict[Any, Any], omitted: list[tuple[Any, Any]], chunk: Any, name_of: Any) -> None:
+        """Start the request's run of chunks leaving ``omitted`` off; count this one. A key is left off only
+        while unchanged (``omits_unchanged``: the value last sent), so its bytes hold through the run: the
+        run counts chunks, :meth:`flush` multiplies. Runs of equal slots and sizes share a counter."""
+        entries = []
+        for tq in omitted:
             top, qual = tq
-            path = str(top) if qual is None else f"{top}.{qual}"
-            slot = self._saved_slots.setdefault(k, [0, (path, name_of(path, value))])  # as in _times
-        return [value, value.nbytes if isinstance(value, torch.Tensor) else value_nbytes(value), slot]
+            v = chunk[top] if qual is None else chunk[top][qual]
+            k = (tq, type(v))
+            slot = self._saved_slots.get(k)
+            if slot is None:  # setdefault: as in _times
+                path = str(top) if qual is None else f"{top}.{qual}"
+                slot = self._saved_slots.setdefault(k, [0, (path, name_of(path, v))])
+            entries.append((slot, v.nbytes if isinstance(v, torch.Tensor) else value_nbytes(v)))
+        sig = tuple((id(slot), n) for slot, n in entries)  # slots live as long as this Recorder
+        counter = self._runs.get(sig)
+        if counter is None:
+            if len(self._runs) >= MAX_RUNS:  # bounded: past it, the bytes are added at once
+                kept.pop(None, None)
+                for slot, n in entries:
+                    slot[0] += n
+                return
+            counter = self._runs.setdefault(sig, [0, entries])
+        kept[None] = [omitted, counter]
+        counter[0] += 1
 
     def fallback(self, reason: str) -> None:
         self.fallbacks[reason] += 1
@@ -384,6 +400,13 @@ class Recorder:
                 if n:
                     x[0] -= n
                     child(m, "saved", x[1]).inc(n)
+            for counter in list(self._runs.values()):
+                n = counter[0]
+                if n:
+                    counter[0] -= n
+                    for x, size in counter[1]:
+                        if size:
+                            child(m, "saved", x[1]).inc(n * size)
             for slot in self._all[:]:
                 n = slot[_N]
                 if n:
@@ -415,6 +438,8 @@ class Recorder:
             slot[_N] = slot[_B] = 0
         for x in self._saved_slots.values():
             x[0] = 0
+        for counter in self._runs.values():
+            counter[0] = 0
         self.fallbacks.clear()
         self.requests.clear()
         for times in self._hist.values():
