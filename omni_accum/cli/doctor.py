@@ -335,6 +335,7 @@ def check_metrics() -> list[Check]:
         off = not env_flag(ENV_METRICS)
     except SettingError:
         return []  # check_switches names it
+    try:
         import prometheus_client  # noqa: F401
     except ImportError:
         return [
