@@ -267,3 +267,28 @@ def test_a_receiver_killed_without_closing_leaves_no_region(vo, arena_name):
     # multiprocessing's resource tracker removes it once the process is gone, then exits
     wait_exited(int(done.stdout.split()[-1]))
     assert not glob.glob(f"/dev/shm/omni_accum_arena_{arena_name}*")
+
+
+def test_a_put_that_falls_back_is_counted_in_the_metrics(vo, arena_name, monkeypatch):
+    """``omni_accum_fallbacks_total{reason="arena_full"}``: a put the arena could not take (it went
+    through the inner connector) is counted where an operator looks, not only in ``health()``."""
+    from prometheus_client import REGISTRY
+
+    monkeypatch.delenv("OMNI_ACCUM_METRICS", raising=False)
+
+    def count() -> float:
+        return REGISTRY.get_sample_value("omni_accum_fallbacks_total", {"reason": "arena_full"}) or 0.0
+
+    tx, rx = _connector(0, arena_name), _connector(1, arena_name, arena_bytes="64KiB")
+    try:
+        assert rx.get("0", "1", "prime") is None
+        before = count()
+        big = {"x": torch.arange(64 * 1024, dtype=torch.int32)}  # 256 KiB: over the 64 KiB arena
+        assert tx.put("0", "1", f"{arena_name}-big", big)[0]
+        assert tx.health()["fallbacks"] == {"arena_full": 1}
+        assert count() - before == 1
+        assert_same(rx.get("0", "1", f"{arena_name}-big")[0], big, "big")
+    finally:
+        tx.close()
+        rx.close()
+    assert not glob.glob(f"/dev/shm/*{arena_name}*")
