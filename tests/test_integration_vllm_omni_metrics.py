@@ -168,6 +168,50 @@ def test_policy_off_in_the_environment(vo, monkeypatch, caplog):
     assert any("OMNI_ACCUM_POLICY=off" in m for m in caplog.messages), caplog.messages
 
 
+@pytest.mark.parametrize(
+    ("context_env", "context_words"),
+    [({}, "context unused (no tuned table)"),
+     ({"OMNI_ACCUM_CONTEXT_LEN": "8k", "OMNI_ACCUM_CONCURRENCY": "4"},
+      "deployment context 8000 tokens x 4 from OMNI_ACCUM_CONTEXT_LEN=8k, OMNI_ACCUM_CONCURRENCY=4")],
+)
+def test_the_activation_line_names_source_fingerprint_per_key_choices_and_context(
+    vo, monkeypatch, caplog, context_env, context_words
+):
+    from omni_accum.integrations.vllm_omni.binding import Settings, policy_fingerprint
+
+    monkeypatch.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
+    for k in ("OMNI_ACCUM_CONTEXT_LEN", "OMNI_ACCUM_CONCURRENCY"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in context_env.items():
+        monkeypatch.setenv(k, v)
+    with caplog.at_level(logging.INFO, logger="omni_accum"):
+        vo.activate()
+    assert vo.is_installed()
+    (line,) = [m for m in caplog.messages if "omni-accum installed into vllm-omni" in m]
+    assert "policy from OMNI_ACCUM_POLICY" in line and policy_fingerprint(Settings.policy) in line
+    assert "default cat" in line and "embed.decode -> prealloc" in line and "speaker -> send_once" in line, line
+    assert context_words in line, line
+
+
+def test_a_tuned_policys_activation_line_says_the_sender_decides_per_request(vo, monkeypatch, caplog, tmp_path):
+    import json
+
+    from omni_accum.policy.environment import current_fingerprint
+
+    cells = [{"key": "thinker_embeddings", "context_len": c, "concurrency": 1, "strategy": "prealloc"} for c in (1000, 32000)]
+    tuned = {"fingerprint": current_fingerprint("cpu"), "context_len_edges": [1000, 32000], "concurrency_edges": [1],
+             "cells": cells}
+    (tmp_path / "t.json").write_text(json.dumps({"tuned": tuned}))
+    monkeypatch.setenv("OMNI_ACCUM_POLICY", str(tmp_path / "t.json"))
+    for k in ("OMNI_ACCUM_CONTEXT_LEN", "OMNI_ACCUM_CONCURRENCY"):
+        monkeypatch.delenv(k, raising=False)
+    with caplog.at_level(logging.INFO, logger="omni_accum"):
+        vo.activate()
+    (line,) = [m for m in caplog.messages if "omni-accum installed into vllm-omni" in m]
+    assert "rules none, tuned table of 2x1 buckets (2 cells)" in line, line
+    assert "context per request (the sending stage decides each request's bucket)" in line, line
+
+
 def test_policy_info_names_the_policy_an_operator_set(vo, monkeypatch):
     # A binding of the process-wide policy labels omni_accum_policy_info with where that policy came
     # from, as the operator wrote it (not the internal "install()").

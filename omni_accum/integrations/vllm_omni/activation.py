@@ -184,13 +184,17 @@ def activate() -> None:
         if env and not off:
             install(load_policy(None))
             binding.Settings.policy_source = ENV_POLICY
-            fp = binding.policy_fingerprint(binding.Settings.policy) if binding.Settings.policy else "-"
+            policy = binding.Settings.policy
+            fp = binding.policy_fingerprint(policy) if policy else "-"
+            ctx = deployment.context_label(policy, deployment.deployment_context())
             logger.info(
-                "omni-accum installed into vllm-omni (pid=%d, process=%s, policy from %s, fingerprint %s)",
+                "omni-accum installed into vllm-omni (pid=%d, process=%s, policy from %s, fingerprint %s; %s; %s)",
                 os.getpid(),
                 where,
                 ENV_POLICY,
                 fp,
+                deployment.policy_summary(policy),
+                ctx,
             )
         else:
             with _lock:

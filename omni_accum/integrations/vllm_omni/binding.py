@@ -18,7 +18,7 @@ from typing import Any
 from omni_accum.context import StreamContext
 from omni_accum.engine import Receiver, Sender
 from omni_accum.errors import AccumulationError, PolicyError
-from omni_accum.integrations.vllm_omni import handshake, metrics, publishing
+from omni_accum.integrations.vllm_omni import deployment, handshake, metrics, publishing
 from omni_accum.integrations.vllm_omni.deployment import _warn_untuned_context, deployment_context, reset_warning
 from omni_accum.integrations.vllm_omni.handshake import (  # noqa: F401 - policy_fingerprint re-exported
     _changes_wire,
@@ -330,14 +330,14 @@ def binding_for(obj: Any) -> Binding | None:
             return b
         b = None
         try:
-            made = check_extra(connector_extra(obj))
+            made = check_extra(extra := connector_extra(obj))
             if made is not None:
                 policy, source, keys, context = made
                 b = Binding(policy, keys, source, context)
                 _attach(obj, b)
                 _warn_untuned_context(policy, context, source)
-                what = (type(obj).__name__, os.getpid(), source, context)
-                logger.info("omni-accum bound to %s (pid=%d, policy from %s, context %s)", *what)
+                what = (type(obj).__name__, os.getpid(), source, deployment.context_label(policy, context, extra))
+                logger.info("omni-accum bound to %s (pid=%d, policy from %s, %s)", *what)
         except Exception as e:  # noqa: BLE001 - a hooked path never raises where vllm-omni would not
             b = None
             metrics.fallback("bind_error")

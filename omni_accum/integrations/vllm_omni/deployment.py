@@ -82,11 +82,12 @@ def _warn_untuned_context(policy: Policy, context: StreamContext | None, source:
         return
     _warned_no_context = True
     c_edge, k_edge, _ = policy.tuned.bucket(DEFAULT_CONTEXT)
-    logger.warning(
-        "omni-accum: the policy from %s has a tuned table, but no deployment context is set: inside vllm-omni "
-        "every stream resolves in the table's first bucket (context_len>=%s, concurrency>=%s). Set %s and %s "
-        "(or %s / %s in the connector extra) to the deployment's typical prompt length and concurrency, the "
-        "same on every stage",
+    logger.info(
+        "omni-accum: the policy from %s has a tuned table and no deployment context is set: a sending stage "
+        "with omni-accum decides each request's bucket from its first chunk, and the receiving stage follows; "
+        "a request that arrives without that decision (a sender without omni-accum, the full-payload "
+        "accumulator) resolves in the table's first bucket (context_len>=%s, concurrency>=%s). Setting %s and "
+        "%s (or %s / %s in the connector extra) fixes one bucket for every request instead, the same on every stage",
         source,
         c_edge,
         k_edge,
@@ -95,3 +96,40 @@ def _warn_untuned_context(policy: Policy, context: StreamContext | None, source:
         EXTRA_CONTEXT_LEN,
         EXTRA_CONCURRENCY,
     )
+
+
+def policy_summary(policy: Policy | None) -> str:
+    """The per-key choices of ``policy`` in a few words, for the activation log line: its default, its
+    rules (``match -> strategy``) and the size of its tuned table."""
+    if policy is None:
+        return "no policy"
+    rules = ", ".join(f"{r.match} -> {r.strategy}" for r in policy.rules) or "none"
+    text = f"default {policy.default.strategy}, rules {rules}"
+    if policy.tuned is not None:
+        t = policy.tuned
+        text += f", tuned table of {len(t.context_len_edges)}x{len(t.concurrency_edges)} buckets ({len(t.cells)} cells)"
+    return text
+
+
+def context_label(policy: Policy | None, context: StreamContext | None, extra: Any = None) -> str:
+    """Where a binding's tuned bucket comes from, for the log lines: the deployment context (and the
+    settings that gave it: the connector ``extra``'s keys, else the environment), the sender's decision
+    per request, or nothing (no tuned table)."""
+    if context is not None:
+        where = context_where(extra) or "settings"
+        return f"deployment context {context.context_len} tokens x {context.concurrency} from {where}"
+    if policy is None or policy.tuned is None:
+        return "context unused (no tuned table)"
+    return "context per request (the sending stage decides each request's bucket)"
+
+
+def env_context_source() -> str:
+    """The environment variables that set a deployment context, as ``NAME=value`` (empty: none)."""
+    return ", ".join(f"{v}={os.environ[v].strip()}" for v in (ENV_CONTEXT_LEN, ENV_CONCURRENCY) if os.environ.get(v))
+
+
+def context_where(extra: Any) -> str:
+    """Which settings gave a binding's deployment context: its connector extra's keys, else the environment."""
+    if isinstance(extra, Mapping) and (EXTRA_CONTEXT_LEN in extra or EXTRA_CONCURRENCY in extra):
+        return "the connector extra"
+    return env_context_source()
