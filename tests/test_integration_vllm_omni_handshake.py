@@ -148,3 +148,66 @@ def test_default_sender_announces_nothing(vo, adapters):
     handed, _, _ = _combo(adapters, "default", "off", f"oa-quiet-{os.getpid()}")
     for h in handed:
         assert not any(str(k).startswith("__omni_accum") for k in h), sorted(h)
+
+
+def _tuned_cells(key: str, cells: list[tuple[int, int, str]], context_edges: list[int], conc_edges: list[int]) -> dict:
+    from omni_accum.policy.environment import current_fingerprint
+
+    return {
+        "default": "cat",
+        "tuned": {
+            "context_len_edges": context_edges,
+            "concurrency_edges": conc_edges,
+            "fingerprint": current_fingerprint("cpu"),
+            "cells": [{"key": key, "context_len": c, "concurrency": k, "strategy": s} for c, k, s in cells],
+        },
+    }
+
+
+def _sender(policy_spec: dict):
+    from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding
+    from omni_accum.policy import load_policy
+
+    return Binding(load_policy(policy_spec), DEFAULT_ADAPTER_KEYS, "tuned.yaml")
+
+
+def _bucket(tx, rid: str, chunk: dict) -> int:
+    from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY, hello_of
+    from omni_accum.integrations.vllm_omni.send import encode_payload
+
+    return hello_of(encode_payload(tx, rid, chunk)[OMITTED_KEY])[1]
+
+
+def test_chunked_prefill_is_decided_by_the_prompt_length_the_chunk_carries(vo, no_context_env):
+    """The first of several prefill chunks has the chunk's rows, not the prompt's: ``ids.prompt`` (the
+    whole prompt) decides; without it the rows of the first append key do."""
+    tx = _sender(_tuned_cells("embed.prefill", [(1000, 1, "token_list"), (32000, 1, "prealloc")], [1000, 32000], [1]))
+    prefill_chunk = torch.zeros(2048, 8)  # one chunk of a chunked prefill
+    with_prompt = {"embed": {"prefill": prefill_chunk}, "ids": {"prompt": list(range(40000))}}
+    assert _bucket(tx, "r-chunked", with_prompt) == 1  # 40000 tokens: the 32k bucket
+    assert _bucket(tx, "r-tensor-prompt", {"embed": {"prefill": prefill_chunk}, "ids": {"prompt": torch.arange(33000)}}) == 1
+    assert _bucket(tx, "r-rows", {"embed": {"prefill": prefill_chunk}}) == 0  # 2048 rows: the 1k bucket
+    assert _bucket(tx, "r-rows-32k", {"embed": {"prefill": torch.zeros(32000, 8)}}) == 1
+    assert tx.sender._requests["r-chunked"].context.context_len == 32000  # the sender encodes in it too
+
+
+def test_a_first_chunk_without_an_append_key_nor_a_prompt_takes_the_first_bucket(vo, no_context_env):
+    tx = _sender(_tuned_cells("embed.prefill", [(1000, 1, "token_list"), (32000, 1, "prealloc")], [1000, 32000], [1]))
+    assert _bucket(tx, "r-meta-only", {"meta": {"finished": torch.tensor(False)}, "speaker": "Ethan"}) == 0
+    assert _bucket(tx, "r-prompt-only", {"ids": {"prompt": list(range(32000))}, "speaker": "Ethan"}) == 1
+
+
+def test_the_concurrency_is_the_requests_live_on_the_sender(vo, no_context_env):
+    """Requests live on the sending binding when a request's first chunk goes out (itself included) give
+    its concurrency bucket; released ones no longer count."""
+    from omni_accum.integrations.vllm_omni.send import _release_sender
+
+    tx = _sender(
+        _tuned_cells("embed.prefill", [(1000, 1, "token_list"), (1000, 4, "prealloc")], [1000], [1, 4])
+    )
+    first = {"embed": {"prefill": torch.zeros(1000, 8)}}
+    got = [_bucket(tx, f"r-{i}", first) for i in range(5)]
+    assert got == [0, 0, 0, 1, 1]  # concurrency 1, 2, 3 -> the c1 bucket; 4, 5 -> c4
+    for i in range(5):
+        _release_sender(tx, f"r-{i}")  # what the adapter's sender-state release runs
+    assert _bucket(tx, "r-after", first) == 0  # alone again

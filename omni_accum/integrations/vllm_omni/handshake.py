@@ -25,9 +25,9 @@ logger = logging.getLogger("omni_accum.vllm_omni")
 
 def decide(self: Any, req_id: str, chunk: Mapping[str, Any]) -> int:
     """Sender side, first chunk of ``req_id``: the tuned bucket for it (-1: no tuned table), from the
-    deployment context when one is set, else from what the chunk shows (rows of its first append-kind
-    tensor key, or the length of ``ids.prompt``) and the requests live on this sender. The request's
-    strategies then follow that bucket on both ends."""
+    deployment context when one is set, else from what the chunk shows (the length of ``ids.prompt``, or
+    the rows of its first append-kind tensor key) and the requests live on this sender (this one
+    included). The request's strategies then follow that bucket on both ends."""
     table = self.policy.tuned
     ctx = self.context
     if ctx is None and table is not None:
@@ -129,7 +129,14 @@ def _changes_wire(strategy: Any) -> bool:
 
 
 def _context_len(b: Any, chunk: Mapping[str, Any]) -> int | None:
-    """Rows of the chunk's first append-kind tensor key (2-D or more), else the length of ``ids.prompt``."""
+    """The prompt length the chunk carries (``ids.prompt``: the whole prompt, also when the prefill comes
+    in several chunks), else the rows of its first append-kind tensor key (2-D or more), else None."""
+    ids = chunk.get("ids")
+    prompt = ids.get("prompt") if isinstance(ids, Mapping) else None
+    if isinstance(prompt, (list, tuple)) and prompt:
+        return len(prompt)
+    if getattr(prompt, "dim", None) is not None and prompt.dim() == 1 and prompt.numel():
+        return int(prompt.numel())
     for top, qual, value in _leaves(chunk):
         if getattr(value, "dim", None) is not None and value.dim() >= 2:
             try:
@@ -138,9 +145,7 @@ def _context_len(b: Any, chunk: Mapping[str, Any]) -> int | None:
                 continue
             if "append" in spec.kinds:
                 return int(value.shape[0])
-    ids = chunk.get("ids")
-    prompt = ids.get("prompt") if isinstance(ids, Mapping) else None
-    return len(prompt) if isinstance(prompt, (list, tuple)) and prompt else None
+    return None
 
 
 def policy_fingerprint(policy: Policy, manager: Any = None) -> str:
