@@ -111,7 +111,16 @@ def _combo(adapters, tx_policy: str, rx_policy: str, rid: str):
 
 
 @pytest.mark.parametrize(
-    ("tx_policy", "rx_policy"), [("default", "default"), ("default", "off"), ("off", "default"), ("off", "off")]
+    ("tx_policy", "rx_policy"),
+    [
+        ("default", "default"),
+        ("default", "off"),
+        ("off", "default"),
+        ("off", "off"),
+        # a policy that changes the wire (send_once leaves the statics off, prealloc accumulates)
+        ("qwen3-omni", "qwen3-omni"),
+        ("off", "qwen3-omni"),
+    ],
 )
 def test_four_on_off_combinations_hand_over_what_0_30_0_does(vo, adapters, tx_policy, rx_policy):
     vo.install(None)  # patched; each connector's extra decides
@@ -120,6 +129,10 @@ def test_four_on_off_combinations_hand_over_what_0_30_0_does(vo, adapters, tx_po
     assert_same(handed, base, "handed")
     assert (tx._omni_accum_binding is not None) == (tx_policy != "off")
     assert (rx._omni_accum_binding is not None) == (rx_policy != "off")
+    if tx_policy == "qwen3-omni":
+        assert tx._omni_accum_binding.stats["omitted"] > 0  # values were left off, and put back
+    if rx_policy == "qwen3-omni":
+        assert rx._omni_accum_binding.stats["chunks_received"] == len(handed)  # omni-accum took every chunk
 
 
 def test_policy_mismatch_is_logged_counted_and_handed_to_0_30_0(vo, adapters, caplog):
