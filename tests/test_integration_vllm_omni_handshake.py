@@ -120,6 +120,7 @@ def _combo(adapters, tx_policy: str, rx_policy: str, rid: str):
         # a policy that changes the wire (send_once leaves the statics off, prealloc accumulates)
         ("qwen3-omni", "qwen3-omni"),
         ("off", "qwen3-omni"),
+        ("default: prealloc", "off"),  # receiver-side strategies only: nothing left off, nothing marked
     ],
 )
 def test_four_on_off_combinations_hand_over_what_0_30_0_does(vo, adapters, tx_policy, rx_policy):
