@@ -181,8 +181,24 @@ def test_a_value_sent_anew_is_counted_by_its_own_bytes_also_past_max_runs(monkey
     assert _sample("omni_accum_wire_bytes_saved_total", **labels) - before == 4 + 8 + 8 + 16
 
 
-def test_bytes_left_off_stay_exact_when_another_thread_flushes():
+def _race(*targets) -> None:
+    """Run ``targets`` on threads of their own, switching threads as often as the interpreter allows."""
     import sys
+    import threading
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=t) for t in targets]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(old)
+
+
+def test_bytes_left_off_stay_exact_when_another_thread_flushes():
     import threading
 
     r = _on()
@@ -205,16 +221,7 @@ def test_bytes_left_off_stay_exact_when_another_thread_flushes():
         for _ in range(n // 7):
             r.flush()
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=sending), threading.Thread(target=publishing)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    finally:
-        sys.setswitchinterval(old)
+    _race(sending, publishing)
     r.flush()
     assert _sample("omni_accum_wire_bytes_saved_total", **labels) - before == 3 * n
 
@@ -223,7 +230,6 @@ def test_counts_stay_exact_when_another_thread_flushes_while_this_one_counts():
     """vllm-omni 0.30.0 calls the hooks from several threads (its chunk transfer adapter receives on one,
     saves on another, releases on the scheduler's): a flush on one thread must neither lose what another
     counts meanwhile nor publish it twice."""
-    import sys
     import threading
 
     key, strategy, reason = "race.k", "race-prealloc", "race-reason"
@@ -251,16 +257,7 @@ def test_counts_stay_exact_when_another_thread_flushes_while_this_one_counts():
             if i % 7 == 0:
                 r.flush()
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
-    try:
-        threads = [threading.Thread(target=receiving), threading.Thread(target=publishing)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    finally:
-        sys.setswitchinterval(old)
+    _race(receiving, publishing)
     r.flush()
     after = (
         _sample("omni_accum_chunks_total", role="receive", key=key, strategy=strategy),
