@@ -16,18 +16,20 @@ pytestmark = pytest.mark.vllm
 
 
 def _tuned(key: str, small: str, large: str) -> dict:
-    from omni_accum.policy.environment import current_fingerprint
+    return _tuned_cells(key, [(1000, 1, small), (32000, 1, large)], [1000, 32000], [1])
 
-    def cell(cl: int, s: str) -> dict:
-        return {"key": key, "context_len": cl, "concurrency": 1, "strategy": s}
+
+def _tuned_cells(key: str, cells: list[tuple[int, int, str]], context_edges: list[int], conc_edges: list[int]) -> dict:
+    """A policy whose tuned table (measured here) gives ``key`` the strategy of each (context, concurrency) cell."""
+    from omni_accum.policy.environment import current_fingerprint
 
     return {
         "default": "cat",
         "tuned": {
-            "context_len_edges": [1000, 32000],
-            "concurrency_edges": [1],
+            "context_len_edges": context_edges,
+            "concurrency_edges": conc_edges,
             "fingerprint": current_fingerprint("cpu"),
-            "cells": [cell(1000, small), cell(32000, large)],
+            "cells": [{"key": key, "context_len": c, "concurrency": k, "strategy": s} for c, k, s in cells],
         },
     }
 
@@ -164,20 +166,6 @@ def test_default_sender_announces_nothing(vo, adapters):
         assert not any(str(k).startswith("__omni_accum") for k in h), sorted(h)
 
 
-def _tuned_cells(key: str, cells: list[tuple[int, int, str]], context_edges: list[int], conc_edges: list[int]) -> dict:
-    from omni_accum.policy.environment import current_fingerprint
-
-    return {
-        "default": "cat",
-        "tuned": {
-            "context_len_edges": context_edges,
-            "concurrency_edges": conc_edges,
-            "fingerprint": current_fingerprint("cpu"),
-            "cells": [{"key": key, "context_len": c, "concurrency": k, "strategy": s} for c, k, s in cells],
-        },
-    }
-
-
 def _sender(policy_spec: dict):
     from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding
     from omni_accum.policy import load_policy
@@ -199,7 +187,8 @@ def test_chunked_prefill_is_decided_by_the_prompt_length_the_chunk_carries(vo, n
     prefill_chunk = torch.zeros(2048, 8)  # one chunk of a chunked prefill
     with_prompt = {"embed": {"prefill": prefill_chunk}, "ids": {"prompt": list(range(40000))}}
     assert _bucket(tx, "r-chunked", with_prompt) == 1  # 40000 tokens: the 32k bucket
-    assert _bucket(tx, "r-tensor-prompt", {"embed": {"prefill": prefill_chunk}, "ids": {"prompt": torch.arange(33000)}}) == 1
+    tensor_prompt = {"embed": {"prefill": prefill_chunk}, "ids": {"prompt": torch.arange(33000)}}
+    assert _bucket(tx, "r-tensor-prompt", tensor_prompt) == 1
     assert _bucket(tx, "r-rows", {"embed": {"prefill": prefill_chunk}}) == 0  # 2048 rows: the 1k bucket
     assert _bucket(tx, "r-rows-32k", {"embed": {"prefill": torch.zeros(32000, 8)}}) == 1
     assert tx.sender._requests["r-chunked"].context.context_len == 32000  # the sender encodes in it too

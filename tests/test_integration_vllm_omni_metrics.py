@@ -196,11 +196,9 @@ def test_the_activation_line_names_source_fingerprint_per_key_choices_and_contex
 def test_a_tuned_policys_activation_line_says_the_sender_decides_per_request(vo, monkeypatch, caplog, tmp_path):
     import json
 
-    from omni_accum.policy.environment import current_fingerprint
+    from tests.test_integration_vllm_omni_handshake import _tuned
 
-    cells = [{"key": "thinker_embeddings", "context_len": c, "concurrency": 1, "strategy": "prealloc"} for c in (1000, 32000)]
-    tuned = {"fingerprint": current_fingerprint("cpu"), "context_len_edges": [1000, 32000], "concurrency_edges": [1],
-             "cells": cells}
+    tuned = _tuned("thinker_embeddings", "prealloc", "prealloc")["tuned"]
     (tmp_path / "t.json").write_text(json.dumps({"tuned": tuned}))
     monkeypatch.setenv("OMNI_ACCUM_POLICY", str(tmp_path / "t.json"))
     for k in ("OMNI_ACCUM_CONTEXT_LEN", "OMNI_ACCUM_CONCURRENCY"):
