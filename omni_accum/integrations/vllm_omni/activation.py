@@ -14,7 +14,7 @@ from typing import Any
 
 from omni_accum.manager import SettingError, check_switches, env_flag
 from omni_accum.errors import OmniAccumError
-from omni_accum.integrations.vllm_omni import binding, deployment, reporting, send
+from omni_accum.integrations.vllm_omni import binding, deployment, peer, reporting, send
 from omni_accum.integrations.vllm_omni.targets import ProbeHook, _patch, _patched, active_family
 from omni_accum.policy import ENV_POLICY, Policy, load_policy
 
@@ -54,6 +54,7 @@ def install(
     check_switches()  # a switch neither on nor off refuses here (nothing patched)
     loaded = load_policy(policy) if policy is not None else None
     deployment.deployment_context()  # a bad OMNI_ACCUM_CONTEXT_LEN / OMNI_ACCUM_CONCURRENCY refuses here, not in a hook
+    peer.deployment_token()  # OMNI_ACCUM_DEPLOYMENT, inherited by the stage processes started from here
     with _lock:
         _patch("targets")
         send.wrap_connector_classes()
@@ -127,6 +128,7 @@ def _on_extra_policy(obj: Any) -> None:
 
 
 ProbeHook.on_extra_policy = _on_extra_policy
+ProbeHook.on_made = peer.announce_if_receiving
 
 
 def _describe_source(policy: Any) -> str:
@@ -170,6 +172,7 @@ def activate() -> None:
         if required:
             raise SystemExit(f"omni-accum: {ENV_REQUIRED}=1 but {ENV_SWITCH}=0 disables it")
         return
+    peer.deployment_token()  # before any stage process is started from this one (.peer)
     env = os.environ.get(ENV_POLICY, "").strip()
     off = env.lower() in _OFF
     with _lock:

@@ -174,7 +174,7 @@ class ArenaConnector(OmniConnectorBase):
         self.arena_name = name
         self.arena_bytes = parse_size(self.config.get("arena_bytes", DEFAULT_ARENA_BYTES), "arena_bytes")
         self.ring_bytes = parse_size(self.config.get("ring_bytes", DEFAULT_RING_BYTES), "ring_bytes")
-        self.inner = SharedMemoryConnector(self.config)
+        self.inner = self.peer_channel = SharedMemoryConnector(self.config)  # peer_channel: the stage hellos (.peer)
         # one lock per direction: a put waiting for ring space never holds up this process's gets
         self._tx_lock = threading.Lock()
         self._rx_lock = threading.Lock()

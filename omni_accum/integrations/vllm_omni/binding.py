@@ -18,7 +18,7 @@ from typing import Any
 from omni_accum.context import StreamContext
 from omni_accum.engine import Receiver, Sender
 from omni_accum.errors import AccumulationError, PolicyError
-from omni_accum.integrations.vllm_omni import deployment, handshake, metrics, publishing
+from omni_accum.integrations.vllm_omni import deployment, handshake, metrics, peer, publishing
 from omni_accum.integrations.vllm_omni.deployment import _warn_untuned_context, deployment_context, reset_warning
 from omni_accum.integrations.vllm_omni.handshake import (  # noqa: F401 - policy_fingerprint re-exported
     _changes_wire,
@@ -97,7 +97,6 @@ class Binding:
         self._names: dict[tuple[str, type], str] = {}
         self._append_kind = frozenset(s.name for s in self.receiver.manager.specs() if "append" in s.kinds)
         from omni_accum import __version__
-
         metrics.policy_info(_readable_source(source, Settings.policy_source), self.fingerprint, __version__)
         self.sent_once: dict[str, dict[tuple[Any, Any], int]] = {}  # ext id -> key -> bit (wire order)
         self.held_once: dict[str, dict[tuple[Any, Any], int]] = {}  # req id -> key -> bit (wire order)
@@ -266,6 +265,7 @@ class Binding:
         self.foreign.clear()
         self.mirror.clear()
         self.fell_back.clear()
+        peer.withdraw(self)  # its hello (receiving), its watcher (sending)
 
 
 def _policy_source(extra: Any) -> tuple[Any, str]:

@@ -30,12 +30,14 @@ MARKERS = (WIRE_MARKER, OMITTED_KEY)
 class SendTable(dict):
     """A request's numbering on the sending side (``(top, qual) -> bit``, wire order), with the metrics'
     per-request caches (see :meth:`.metrics.Recorder.sent`), released with it: ``kept``, its run of chunks
-    leaving the same keys off; ``meters``, each numbered key's metrics slot (by its number; None until counted)."""
+    leaving the same keys off; ``meters``, each numbered key's metrics slot (by its number; None until counted);
+    ``plain``: the request goes out as vllm-omni built it (its receiver had not said hello, :mod:`.peer`)."""
 
-    __slots__ = ("kept", "meters")
+    __slots__ = ("kept", "meters", "plain")
 
     def __init__(self) -> None:
         super().__init__()
+        self.plain = False
         self.kept: dict[tuple[Any, Any], list[Any]] = {}
         self.meters: list[Any] = []
 

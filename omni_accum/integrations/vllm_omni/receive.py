@@ -21,6 +21,7 @@ from omni_accum.engine import WIRE_MARKER
 from omni_accum.errors import AccumulationError, OmniAccumError
 from omni_accum.integrations.vllm_omni.binding import Binding, _leaves, _path, binding_for
 from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, count_bits, number_once, split_mask
+from omni_accum.integrations.vllm_omni.peer import announce
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -226,6 +227,8 @@ def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
         b = binding_for(self)
         payload = result[0] if isinstance(result, tuple) else None
         if b is not None and isinstance(payload, dict) and payload:
+            if not b.stats["chunks_received"]:
+                announce(self, b)  # an adapter made before omni-accum was installed says hello now (.peer)
             b.stats["chunks_received"] += 1
             ar = self.model_mode == "ar"
             new = req_id not in b.held_once

@@ -20,6 +20,7 @@ from typing import Any
 from omni_accum.engine import WIRE_MARKER
 from omni_accum.integrations.vllm_omni.binding import Binding, binding_for, published_later
 from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, SendTable, omitted_mask, with_hello
+from omni_accum.integrations.vllm_omni.peer import may_announce, watch
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -48,17 +49,21 @@ def encode_payload(b: Binding, req_id: str, data: Any) -> Any:
     if not isinstance(chunk, Mapping):
         return data
     hello = None
+    table = b.sent_once.get(req_id)
     if req_id not in b.live_send:
         b.live_send.add(req_id)
         bucket = b.decide(req_id, chunk)
         b.metrics.request("send", *b.bucket_labels(b.send_ctx.get(req_id)))
-        if b.announces:  # a policy that can change the wire tells the receiver who sent it
-            hello = (b.fingerprint, bucket, b.short_source)
-    wire = b.sender.encode(req_id, chunk, context=b.send_ctx.get(req_id))
-    b.stats["chunks_sent"] += 1
-    table = b.sent_once.get(req_id)
-    if table is None:
         table = b.sent_once[req_id] = SendTable()
+        if b.announces:  # a policy that can change the wire tells the receiver who sent it ...
+            if may_announce(b):
+                hello = (b.fingerprint, bucket, b.short_source)
+            else:  # ... once it said it runs omni-accum (the peer hello): until then, 0.30.0's payloads
+                table.plain = True
+    elif table is None:
+        table = b.sent_once[req_id] = SendTable()
+    wire = chunk if table.plain else b.sender.encode(req_id, chunk, context=b.send_ctx.get(req_id))
+    b.stats["chunks_sent"] += 1
     # One walk numbers the keys new on the wire, finds those left off and counts the metrics.
     omitted = b.metrics.sent(table, chunk, wire, b.strategy_name, MARKERS, table.kept)
     if wire is chunk and hello is None:
@@ -169,6 +174,7 @@ def wrap_send(orig: Callable[..., Any]) -> Callable[..., Any]:
         conn = getattr(self, "connector", None)
         if b is None or not ensure_encoding_put(conn):
             return orig(self, task, sender_token)
+        watch(b, conn)  # its receiving stage's hello decides whether requests are announced (.peer)
         ext_id = task["request"].external_req_id
         _tls.send = (b, ext_id, conn)
         try:

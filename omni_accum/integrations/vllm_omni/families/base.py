@@ -105,10 +105,14 @@ class ProbeHook:
     """Where :func:`wrap_probe` reports an instance whose connector ``extra`` names a policy."""
 
     on_extra_policy: Callable[[Any], None] = _no_policy_hook
+    #: Called with every instance made (the peer hello of a receiving adapter, :mod:`..peer`).
+    on_made: Callable[[Any], None] = _no_policy_hook
 
 
 def wrap_probe(orig: Callable[..., Any]) -> Callable[..., Any]:
-    """Constructor probe: after construction, a connector extra naming a policy calls ``ProbeHook.on_extra_policy``."""
+    """Constructor probe: after construction, a connector extra naming a policy calls ``ProbeHook.on_extra_policy``;
+    then ``ProbeHook.on_made`` (a receiving adapter's hello). The adapter's constructor is wrapped so both when
+    omni-accum is installed (a target) and before (a probe)."""
 
     @functools.wraps(orig)
     def probe(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -120,6 +124,7 @@ def wrap_probe(orig: Callable[..., Any]) -> Callable[..., Any]:
             named = True
         if named:
             ProbeHook.on_extra_policy(self)
+        ProbeHook.on_made(self)
         return result
 
     return probe

@@ -38,6 +38,7 @@ def wrap_data_plane_accumulate(f):
 def adapter_targets() -> tuple[Target, ...]:
     """The ``OmniChunkTransferAdapter`` methods (the same in 0.28 and 0.30)."""
     return (
+        Target(ADAPTER, "__init__", "(self, vllm_config)", wrap_probe),  # a receiving adapter's hello (.peer)
         Target(ADAPTER, "_send_single_request_for_generation", "(self, task, sender_token=None)", send.wrap_send),
         Target(
             ADAPTER,

@@ -1,0 +1,244 @@
+"""The peer hello: a sending stage changes the wire only once its receiving stage said it runs omni-accum.
+
+A sender whose policy can change what goes on the wire (``send_once`` leaves values off, a tuned table
+marks each request's first chunk) would hand a receiving stage without omni-accum chunks that lack
+those values and carry a marker key: vllm-omni 0.30.0 cannot read them. So, through the same connector:
+
+* a **receiving** adapter bound to a policy (stage id > 0, ``receives_chunks``) ``put``\\ s one small
+  hello when it is made (else at its first chunk) under :func:`hello_key`: its policy fingerprint, its
+  policy source, its process id and host. It withdraws it (``cleanup``) when its binding is closed;
+* a **sending** adapter's binding starts a watcher thread at its first send that ``get``\\ s that key
+  (first at once, then backing off from 50 ms to 30 s). Until the hello came, its requests go out as
+  vllm-omni 0.30.0 builds them: nothing left off, no marker (the request's first chunk waits at most
+  :data:`FIRST_WAIT_S` for the first look). A request that starts after it came is announced (fingerprint,
+  bucket) and may leave values off. A request keeps its choice until it is released.
+
+The key carries the deployment's token (:func:`deployment_token`, ``OMNI_ACCUM_DEPLOYMENT``: set by the
+first omni-accum process of a server, inherited by the stage processes it starts), so two servers on one
+host never read each other's hello, and a hello left by a stopped server is never found. A hello from
+a process on this host that is no longer alive is ignored, and a sender whose receiver (on this host)
+dies goes back to 0.30.0's payloads until a receiver says hello again. ``SharedMemoryConnector``'s
+``get`` consumes what it reads, so the sender puts the hello back for the stage's other senders (and
+withdraws it when its binding is closed). The arena connector carries hellos on its inner
+``SharedMemoryConnector`` (``peer_channel``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import socket
+import threading
+from typing import Any
+
+logger = logging.getLogger("omni_accum.vllm_omni")
+
+#: The deployment token: one value for every stage process of one server.
+ENV_DEPLOYMENT = "OMNI_ACCUM_DEPLOYMENT"
+#: The payload key of a hello: ``[1, fingerprint, source, pid, host]``.
+HELLO = "omni_accum_hello"
+#: How long a request's first chunk waits for the watcher's first look (seconds).
+FIRST_WAIT_S = 0.05
+POLL_S = (0.05, 30.0)  # the watcher's first and longest wait between looks
+ALIVE_S = 1.0  # how often a found receiver on this host is checked to be alive
+
+_lock = threading.Lock()
+
+
+def deployment_token() -> str:
+    """``OMNI_ACCUM_DEPLOYMENT``, or a fresh random token written there (the processes started from this
+    one inherit it)."""
+    tok = os.environ.get(ENV_DEPLOYMENT, "").strip()
+    if not tok:
+        with _lock:
+            tok = os.environ.get(ENV_DEPLOYMENT, "").strip()
+            if not tok:
+                tok = os.environ[ENV_DEPLOYMENT] = secrets.token_hex(6)
+    return tok
+
+
+def hello_key(src: int, dst: int) -> str:
+    """The connector key of the hello that stage ``dst`` (receiving) puts for stage ``src`` (sending)."""
+    tok = re.sub(r"[^A-Za-z0-9_.-]", "_", deployment_token())[:64]
+    return f"omni_accum_hello_{tok}_{src}_{dst}"
+
+
+def _channel(conn: Any) -> Any:
+    return getattr(conn, "peer_channel", None) or conn
+
+
+def _stage(conn: Any) -> int | None:
+    try:
+        return int(conn.stage_id)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def _hello_of(got: Any) -> list[Any] | None:
+    data = got[0] if isinstance(got, tuple) and got else None
+    h = data.get(HELLO) if isinstance(data, dict) else None
+    if isinstance(h, list) and len(h) >= 5 and isinstance(h[1], str) and type(h[3]) is int:
+        return h
+    return None
+
+
+def _stale(h: list[Any]) -> bool:
+    """True for a hello from a process on this host that is no longer alive."""
+    return h[4] == socket.gethostname() and not _alive(h[3])
+
+
+# ------------------------------------------------------------------------------ the receiving side
+def announce(adapter: Any, b: Any) -> None:
+    """Receiving adapter ``adapter`` bound to ``b``: put the hello (once per binding)."""
+    conn = getattr(adapter, "connector", None)
+    stage = _stage(conn)
+    if getattr(b, "_hello", None) is not None or stage is None or stage <= 0:
+        return
+    if not getattr(adapter, "receives_chunks", False):
+        return
+    chan, key = _channel(conn), hello_key(stage - 1, stage)
+    b._hello = (chan, key)
+    data = {HELLO: [1, b.fingerprint, b.short_source, os.getpid(), socket.gethostname()]}
+    try:
+        ok = bool(chan.put(str(stage - 1), str(stage), key, data)[0])
+    except Exception as e:  # noqa: BLE001 - the sender then sends 0.30.0's payloads
+        ok, why = False, str(e)
+    else:
+        why = "the connector's put failed"
+    if ok:
+        logger.info("omni-accum: stage %d told stage %d it runs omni-accum (pid=%d, fingerprint %s, key %s)",
+                    stage, stage - 1, os.getpid(), b.fingerprint, key)
+    else:
+        logger.warning("omni-accum: stage %d could not tell stage %d it runs omni-accum (%s); that sender sends "
+                       "vllm-omni's own payloads (nothing left off)", stage, stage - 1, why)
+
+
+def announce_if_receiving(adapter: Any) -> None:
+    """A chunk transfer adapter just made: put its hello when it receives chunks and a policy applies."""
+    from omni_accum.integrations.vllm_omni.binding import Settings, binding_for
+
+    stage = _stage(getattr(adapter, "connector", None))
+    if not Settings.installed or not getattr(adapter, "receives_chunks", False) or stage is None or stage <= 0:
+        return
+    b = binding_for(adapter)
+    if b is not None:
+        announce(adapter, b)
+
+
+def withdraw(b: Any) -> None:
+    """Binding ``b`` is closed: withdraw its hello (receiving) and stop its watcher (sending)."""
+    hello = b.__dict__.pop("_hello", None)
+    if hello is not None:
+        _cleanup(*hello)
+    w = b.__dict__.pop("_peer", None)
+    if w is not None:
+        w.close()
+
+
+def _cleanup(chan: Any, key: str) -> None:
+    try:
+        chan.cleanup(key)
+    except Exception:  # noqa: BLE001 - a connector's cleanup never fails omni-accum's
+        logger.debug("omni-accum: withdrawing hello %s failed", key, exc_info=True)
+
+
+# -------------------------------------------------------------------------------- the sending side
+class PeerWatch:
+    """The sending side's watch for its receiving stage's hello (see the module docstring)."""
+
+    def __init__(self, conn: Any, src: int) -> None:
+        self.chan = _channel(conn)
+        self.src, self.dst = src, src + 1
+        self.key = hello_key(src, self.dst)
+        self.hello: list[Any] | None = None
+        self.looks = 0
+        self._put_back = False
+        self._first = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def ready(self) -> bool:
+        """True once the receiving stage said hello (the first call starts the watcher and waits for its
+        first look, at most :data:`FIRST_WAIT_S`)."""
+        if self.hello is not None:
+            return True
+        if self._thread is None:
+            with _lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="omni-accum-peer", daemon=True)
+                    self._thread.start()
+            self._first.wait(FIRST_WAIT_S)
+        return self.hello is not None
+
+    def _run(self) -> None:
+        delay = POLL_S[0]
+        while not self._stop.is_set():
+            if self.hello is None:
+                found = self._look()
+                self._first.set()
+                delay = ALIVE_S if found else min(delay * 2, POLL_S[1])
+            elif _stale(self.hello):
+                logger.warning("omni-accum: stage %d's receiver (pid %d) is gone; stage %d sends vllm-omni's own "
+                               "payloads until a receiver says hello again", self.dst, self.hello[3], self.src)
+                self.hello, delay = None, POLL_S[0]
+                continue
+            self._stop.wait(delay)
+
+    def _look(self) -> bool:
+        try:
+            got = self.chan.get(str(self.src), str(self.dst), self.key)
+        except Exception:  # noqa: BLE001 - not there (yet)
+            got = None
+        self.looks += 1
+        h = _hello_of(got)
+        if h is None or _stale(h):
+            return False
+        if _consumes(self.chan):  # put it back for this stage's other senders
+            try:
+                self._put_back = bool(self.chan.put(str(self.src), str(self.dst), self.key, got[0])[0])
+            except Exception:  # noqa: BLE001 - the others look again later
+                logger.debug("omni-accum: putting hello %s back failed", self.key, exc_info=True)
+        self.hello = h
+        logger.info("omni-accum: stage %d's receiver runs omni-accum (pid=%s, fingerprint %s, policy from %s): stage %d "
+                    "announces its requests from now on and may leave values off", self.dst, h[3], h[1], h[2], self.src)
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._put_back:
+            _cleanup(self.chan, self.key)
+
+
+def _consumes(chan: Any) -> bool:
+    from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
+
+    return isinstance(chan, SharedMemoryConnector)
+
+
+def watch(b: Any, conn: Any) -> None:
+    """Sending binding ``b`` (on connector ``conn``): make its watcher when its policy can change the wire."""
+    if b.announces and b.__dict__.get("_peer") is None:
+        src = _stage(conn)
+        if src is not None:
+            with _lock:
+                if b.__dict__.get("_peer") is None:
+                    b._peer = PeerWatch(conn, src)
+
+
+def may_announce(b: Any) -> bool:
+    """Whether a request starting now on ``b`` is announced (its receiver said hello; a binding not on an
+    adapter, as in ``replay``, always is)."""
+    w = b.__dict__.get("_peer")
+    return w is None or w.ready()

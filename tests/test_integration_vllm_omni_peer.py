@@ -1,0 +1,163 @@
+"""The peer hello: a sender changes the wire (leaves values off, marks requests) only for requests that start
+after its receiving stage said it runs omni-accum (real adapters and SharedMemoryConnector, CPU)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.test_integration_vllm_omni import assert_same, run_thinker_to_talker
+
+pytestmark = pytest.mark.vllm
+
+QWEN = {"omni_accum_policy": "qwen3-omni"}
+OFF = {"omni_accum_policy": "off"}
+
+
+def _pair(adapters, tx_extra: dict, rx_extra: dict):
+    """A thinker adapter and a talker adapter, made in that order (as ``run_thinker_to_talker`` does)."""
+    return adapters(0, next_func=_t2t(), extra=tx_extra), adapters(1, extra=rx_extra)
+
+
+def _t2t() -> str:
+    from tests.test_integration_vllm_omni import T2T
+
+    return T2T
+
+
+def _run(pair, rid: str):
+    """One request through the given pair of adapters."""
+    it = iter(pair)
+    return run_thinker_to_talker(lambda stage_id, **kw: next(it), rid)[0]
+
+
+def _wait(cond, what: str, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def base(vo, adapters):
+    vo.install(None)
+    return _run(_pair(adapters, OFF, OFF), f"oa-peer-base-{os.getpid()}")
+
+
+def _no_marker(handed: list[dict]) -> None:
+    for h in handed:
+        assert not any(str(k).startswith("__omni_accum") for k in h), sorted(h)
+
+
+def test_a_tuned_table_sender_beside_a_receiver_without_omni_accum_marks_nothing(vo, adapters, base):
+    """A tuned table marks every announced request's first chunk (its bucket): with no hello, none is."""
+    from tests.test_integration_vllm_omni_handshake import _tuned
+
+    tuned = {"omni_accum_policy": _tuned("thinker_embeddings", "token_list", "prealloc")}
+    tx, rx = _pair(adapters, tuned, OFF)
+    handed = _run((tx, rx), f"oa-peer-tuned-{os.getpid()}")
+    assert_same(handed, base, "handed")
+    _no_marker(handed)
+    assert tx._omni_accum_binding.announces and tx._omni_accum_binding._peer.looks >= 1
+
+
+def test_a_receiver_that_says_hello_later_gets_marked_requests_from_then_on(vo, adapters, base):
+    """The talker's adapter was made before omni-accum was installed: it says hello at its first chunk. The
+    request under way stays 0.30.0's; the next one is announced and leaves values off."""
+    vo.uninstall()
+    rx = adapters(1, extra=QWEN)  # no constructor wrapper yet: no hello
+    vo.install(None)
+    tx = adapters(0, next_func=_t2t(), extra=QWEN)
+    first = _run((tx, rx), f"oa-peer-late-1-{os.getpid()}")
+    txb = tx._omni_accum_binding
+    assert txb.stats["omitted"] == 0  # no hello yet: nothing left off
+    assert_same(first, base, "first request")
+    _wait(lambda: txb._peer.hello is not None, "the sender to see the hello")
+    assert txb._peer.hello[1] == rx._omni_accum_binding.fingerprint
+    second = _run((tx, rx), f"oa-peer-late-2-{os.getpid()}")
+    assert txb.stats["omitted"] > 0  # now values are left off, and put back by the receiver
+    assert_same(second, base, "second request")
+
+
+def test_another_deployments_hello_is_not_read(vo, adapters, base, monkeypatch):
+    """Two servers on one host: the token in the key keeps them apart."""
+    monkeypatch.setenv("OMNI_ACCUM_DEPLOYMENT", "server-a")
+    adapters(1, extra=QWEN)  # server a's talker says hello
+    monkeypatch.setenv("OMNI_ACCUM_DEPLOYMENT", "server-b")
+    tx, rx = _pair(adapters, QWEN, OFF)  # server b: its talker runs without omni-accum
+    handed = _run((tx, rx), f"oa-peer-two-{os.getpid()}")
+    assert tx._omni_accum_binding.stats["omitted"] == 0
+    assert_same(handed, base, "handed")
+    _no_marker(handed)
+
+
+def _put_hello(conn, pid: int) -> str:
+    import socket
+
+    from omni_accum.integrations.vllm_omni.peer import HELLO, hello_key
+
+    key = hello_key(0, 1)
+    assert conn.put("0", "1", key, {HELLO: [1, "f" * 12, "test", pid, socket.gethostname()]})[0]
+    return key
+
+
+def test_a_hello_from_a_process_no_longer_alive_is_ignored(vo, adapters, base):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    tx, rx = _pair(adapters, QWEN, OFF)
+    _put_hello(rx.connector, dead.pid)  # left by a receiver killed with -9
+    handed = _run((tx, rx), f"oa-peer-dead-{os.getpid()}")
+    assert tx._omni_accum_binding.stats["omitted"] == 0
+    assert tx._omni_accum_binding._peer.hello is None
+    assert_same(handed, base, "handed")
+
+
+def test_a_sender_whose_receiver_dies_goes_back_to_0_30_0_payloads(vo, adapters, base, monkeypatch):
+    from omni_accum.integrations.vllm_omni import peer
+
+    monkeypatch.setattr(peer, "ALIVE_S", 0.02)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        tx, rx = _pair(adapters, QWEN, OFF)
+        _put_hello(rx.connector, live.pid)  # a receiver that said hello (then is replaced by one without omni-accum)
+        first = _run((tx, rx), f"oa-peer-gone-1-{os.getpid()}")
+        txb = tx._omni_accum_binding
+        assert txb._peer.hello is not None and txb.stats["omitted"] > 0  # it believed the hello
+        del first  # (that request went to a receiver that could not put the values back: the case to end)
+    finally:
+        live.kill()
+        live.wait()
+    _wait(lambda: txb._peer.hello is None, "the sender to see its receiver gone")
+    omitted = txb.stats["omitted"]
+    handed = _run((tx, rx), f"oa-peer-gone-2-{os.getpid()}")
+    assert txb.stats["omitted"] == omitted
+    assert_same(handed, base, "after the receiver died")
+
+
+def test_hellos_are_withdrawn_when_omni_accum_is_uninstalled(vo, adapters, base):
+    from omni_accum.integrations.vllm_omni.peer import hello_key
+
+    tx, rx = _pair(adapters, QWEN, QWEN)
+    _run((tx, rx), f"oa-peer-withdraw-{os.getpid()}")
+    assert tx._omni_accum_binding._peer.hello is not None
+    assert glob.glob(f"/dev/shm/{hello_key(0, 1)}")  # put back by the sender for the stage's other senders
+    vo.uninstall()
+    assert not glob.glob(f"/dev/shm/{hello_key(0, 1)}*")
+    assert not glob.glob(f"/dev/shm/shm_{hello_key(0, 1)}*")
+
+
+def test_the_deployment_token_is_inherited_by_processes_started_after_activation(vo, monkeypatch):
+    from omni_accum.integrations.vllm_omni import peer
+
+    monkeypatch.delenv("OMNI_ACCUM_DEPLOYMENT", raising=False)
+    tok = peer.deployment_token()
+    assert tok and os.environ["OMNI_ACCUM_DEPLOYMENT"] == tok and peer.deployment_token() == tok
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['OMNI_ACCUM_DEPLOYMENT'])"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    assert child.stdout.strip() == tok
