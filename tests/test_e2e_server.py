@@ -18,6 +18,7 @@ report:
   ``omni-accum bound to`` lines when there are none). With ``async_chunk: false``
   (``configs/qwen3_omni_cpu_full_payload.yaml``) the workers' runner transports carry them instead;
   see ``benchmarks/e2e/README.md``;
+* stages 1 and 2 said hello (the peer hello) and the senders of stages 0 and 1 read it (server log);
 * the server's ``/metrics`` (``PROMETHEUS_MULTIPROC_DIR`` set by the harness) shows chunks sent and
   received, wire bytes, the request and the policy's info, as counted in the stage processes;
 * the second arm, the same policy over ``configs/qwen3_omni_cpu_arena.yaml`` (``OmniAccumArenaConnector``
@@ -185,6 +186,19 @@ def test_every_stage_process_installed_and_the_payload_handlers_bound(smoke_repo
     assert not idle_bound, f"a worker bound omni-accum without counting a chunk:\n{table}"
 
 
+def test_each_receiving_stage_said_hello_and_its_sender_heard_it(smoke_report):
+    """The peer hello between the stage processes vllm-omni started: stages 1 and 2 put theirs when their
+    adapters were made, and the senders of stages 0 and 1 read them (one deployment token, inherited from
+    the API server), so the qwen3-omni policy's values were left off the wire (``send_once``)."""
+    log = Path(smoke_report["server_log"]).read_text(errors="replace").splitlines()
+    pairs = ((1, 0), (2, 1))
+    told = {(d, s) for d, s in pairs if any(f"stage {d} told stage {s} it runs omni-accum" in x for x in log)}
+    heard = {d for d in (1, 2) if any(f"stage {d}'s receiver runs omni-accum" in x for x in log)}
+    hello = [x for x in log if "runs omni-accum" in x or "could not tell" in x]
+    assert told == {(1, 0), (2, 1)}, "hellos put:\n" + "\n".join(hello)
+    assert heard == {1, 2}, "hellos read by the senders:\n" + "\n".join(hello)
+
+
 def test_the_servers_metrics_endpoint_shows_what_the_stage_processes_counted(smoke_report):
     # run.py gives the server a PROMETHEUS_MULTIPROC_DIR, as the README's Monitoring section tells an
     # operator to: the API server's /metrics then carries the counters of the stage engine cores,
@@ -195,6 +209,8 @@ def test_the_servers_metrics_endpoint_shows_what_the_stage_processes_counted(smo
     assert m.get("chunks", {}).get("receive", 0) > 0, f"no received chunk on /metrics: {m.get('lines')}"
     assert m.get("wire_bytes", {}).get("send", 0) > 0, f"no wire bytes on /metrics: {m.get('lines')}"
     assert m.get("requests", {}).get("send", 0) >= 1, f"no request on /metrics: {m.get('lines')}"
+    # qwen3-omni's send_once statics were kept off the wire: the senders had the receivers' hello
+    assert m.get("bytes_saved", 0) > 0, f"no bytes kept off the wire on /metrics: {m.get('lines')}"
     sources = {p.get("source") for p in m.get("policy_info") or []}
     assert any("qwen3-omni" in (s or "") for s in sources), f"omni_accum_policy_info sources: {sources}"
 

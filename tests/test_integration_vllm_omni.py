@@ -214,11 +214,13 @@ def test_no_policy_nothing_changes(vo, adapters, baseline, monkeypatch):
         OmniChunkTransferAdapter as A,
     )
 
-    before = {t.name: A.__dict__.get(t.name) for t in vo.TARGETS if t.owner.endswith(":OmniChunkTransferAdapter")}
+    probed = {t.name for t in vo.PROBES}  # the constructor: probed (and a target once installed)
+    adapter = [t.name for t in vo.TARGETS if t.owner.endswith(":OmniChunkTransferAdapter")]
+    before = {n: A.__dict__.get(n) for n in adapter if n not in probed}
     monkeypatch.delenv("OMNI_ACCUM_POLICY", raising=False)
     vo.activate()
     assert not vo.is_installed()
-    assert {n: A.__dict__.get(n) for n in before} == before
+    assert {n: A.__dict__.get(n) for n in before} == before and before
     rid = f"oa-none-{os.getpid()}"
     handed, wire, (tx, rx) = run_thinker_to_talker(adapters, rid)
     assert_same(handed, baseline[0], "handed")

@@ -65,6 +65,7 @@ def test_a_tuned_table_sender_beside_a_receiver_without_omni_accum_marks_nothing
     assert_same(handed, base, "handed")
     _no_marker(handed)
     assert tx._omni_accum_binding.announces and tx._omni_accum_binding._peer.looks >= 1
+    assert {r.peer for r in vo.status().bindings} == {"waiting for stage 1's hello"}
 
 
 def test_a_receiver_that_says_hello_later_gets_marked_requests_from_then_on(vo, adapters, base):
@@ -161,3 +162,11 @@ def test_the_deployment_token_is_inherited_by_processes_started_after_activation
     child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['OMNI_ACCUM_DEPLOYMENT'])"],
                            capture_output=True, text=True, check=True)  # fmt: skip
     assert child.stdout.strip() == tok
+
+
+def test_status_says_who_said_hello(vo, adapters, base):
+    tx, rx = _pair(adapters, QWEN, QWEN)
+    _run((tx, rx), f"oa-peer-status-{os.getpid()}")
+    rows = {r.peer for r in vo.status().bindings}
+    fp = rx._omni_accum_binding.fingerprint
+    assert "told stage 0" in rows and f"heard stage 1 (pid {os.getpid()}, fingerprint {fp})" in rows, rows

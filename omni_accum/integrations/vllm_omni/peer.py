@@ -19,8 +19,9 @@ host never read each other's hello, and a hello left by a stopped server is neve
 a process on this host that is no longer alive is ignored, and a sender whose receiver (on this host)
 dies goes back to 0.30.0's payloads until a receiver says hello again. ``SharedMemoryConnector``'s
 ``get`` consumes what it reads, so the sender puts the hello back for the stage's other senders (and
-withdraws it when its binding is closed). The arena connector carries hellos on its inner
-``SharedMemoryConnector`` (``peer_channel``).
+withdraws it when its binding is closed); hellos over shared memory go through a ``SharedMemoryConnector``
+of omni-accum's own (the adapter's connector counts none of their puts or bytes). The arena connector
+carries hellos on shared memory too (``peer_channel``: its inner ``SharedMemoryConnector``).
 """
 
 from __future__ import annotations
@@ -65,8 +66,20 @@ def hello_key(src: int, dst: int) -> str:
     return f"omni_accum_hello_{tok}_{src}_{dst}"
 
 
+_shm: list[Any] = []  # this process's own SharedMemoryConnector for hellos
+_shm_lock = threading.Lock()
+
+
 def _channel(conn: Any) -> Any:
-    return getattr(conn, "peer_channel", None) or conn
+    """What carries the hellos of connector ``conn``: for shared memory (key-addressed, local), a connector
+    of omni-accum's own, so the adapter's connector counts no put or byte that vllm-omni did not make."""
+    chan = getattr(conn, "peer_channel", None) or conn
+    if not _consumes(chan):
+        return chan
+    with _shm_lock:
+        if not _shm:
+            _shm.append(type(chan)({"stage_id": -1}))
+    return _shm[0]
 
 
 def _stage(conn: Any) -> int | None:
@@ -211,8 +224,9 @@ class PeerWatch:
             except Exception:  # noqa: BLE001 - the others look again later
                 logger.debug("omni-accum: putting hello %s back failed", self.key, exc_info=True)
         self.hello = h
-        logger.info("omni-accum: stage %d's receiver runs omni-accum (pid=%s, fingerprint %s, policy from %s): stage %d "
-                    "announces its requests from now on and may leave values off", self.dst, h[3], h[1], h[2], self.src)
+        logger.info("omni-accum: stage %d's receiver runs omni-accum (pid=%s, fingerprint %s, policy from %s): "
+                    "stage %d announces its requests from now on and may leave values off",
+                    self.dst, h[3], h[1], h[2], self.src)
         return True
 
     def close(self) -> None:
@@ -242,3 +256,16 @@ def may_announce(b: Any) -> bool:
     adapter, as in ``replay``, always is)."""
     w = b.__dict__.get("_peer")
     return w is None or w.ready()
+
+
+def describe(b: Any) -> str:
+    """The peer hello of binding ``b`` in a few words (:class:`.reporting.BindingStatus` ``peer``)."""
+    parts = []
+    hello = b.__dict__.get("_hello")
+    if hello is not None:
+        parts.append(f"told stage {hello[1].rsplit('_', 2)[-2]}")
+    w = b.__dict__.get("_peer")
+    if w is not None:
+        h = w.hello
+        parts.append(f"heard stage {w.dst} (pid {h[3]}, fingerprint {h[1]})" if h else f"waiting for stage {w.dst}'s hello")
+    return "; ".join(parts) or "-"

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from omni_accum.integrations.vllm_omni import binding as hooks
+from omni_accum.integrations.vllm_omni import peer
 from omni_accum.manager import ENV_LOG_LEVEL, LOG_FORMAT, ensure_visible_logging  # noqa: F401 - re-exported
 
 ENV_STATUS_DIR = "OMNI_ACCUM_STATUS_DIR"
@@ -64,6 +65,9 @@ class BindingStatus:
     chunks_received: int
     omitted: int
     active_requests: int
+    #: The peer hello: ``told stage N`` (receiving), ``heard stage N (pid, fingerprint)`` or ``waiting for
+    #: stage N's hello`` (sending, a policy that can change the wire), ``-`` (neither).
+    peer: str = "-"
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,7 @@ def status() -> Status:
                 chunks_received=b.stats["chunks_received"],
                 omitted=b.stats["omitted"],
                 active_requests=b.receiver.active_requests + b.sender.active_requests,
+                peer=peer.describe(b),
             )
         )
     policy = hooks.Settings.policy
