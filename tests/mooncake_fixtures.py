@@ -146,6 +146,8 @@ def thinker_stage(*, pipes: Any, connector: dict[str, Any], rids: list[str], dec
     info = _load_plugins()
     tx = _adapter(0, connector, next_func=T2T)
     info["installed"] = _installed()
+    if info["installed"]:
+        _wait_for_talker(tx)
     steps = {rid: _thinker_steps(seed=n, decode_steps=decode_steps) for n, rid in enumerate(rids)}
     out_ids: dict[str, list[int]] = {rid: [] for rid in rids}
     sent = 0
@@ -186,6 +188,16 @@ def thinker_stage(*, pipes: Any, connector: dict[str, Any], rids: list[str], dec
     finally:
         tx.shutdown()
     return info
+
+
+def _wait_for_talker(tx: Any) -> None:
+    """A server takes requests once every stage is up; here the thinker starts once the talker's adapter has
+    said hello through the store (the peer hello: before it, the thinker would send 0.30.0's payloads)."""
+    from test_integration_vllm_omni import _wait
+
+    from omni_accum.integrations.vllm_omni.peer import hello_key
+
+    _wait(lambda: tx.connector.get("0", "1", hello_key(0, 1)) is not None, "the talker's hello", timeout=120.0)
 
 
 def talker_stage(*, pipes: Any, connector: dict[str, Any], rids: list[str], chunks: int) -> dict[str, Any]:

@@ -98,35 +98,44 @@ def test_another_deployments_hello_is_not_read(vo, adapters, base, monkeypatch):
     _no_marker(handed)
 
 
-def _put_hello(conn, pid: int) -> str:
+@pytest.fixture
+def put_hello():
+    """Put a hello for stage 0 as stage 1 would, naming process ``pid``; withdrawn afterwards."""
     import socket
 
-    from omni_accum.integrations.vllm_omni.peer import HELLO, hello_key
+    from omni_accum.integrations.vllm_omni.peer import HELLO, SHM_CHANNEL, hello_key
 
-    key = hello_key(0, 1)
-    assert conn.put("0", "1", key, {HELLO: [1, "f" * 12, "test", pid, socket.gethostname()]})[0]
-    return key
+    keys = []
+
+    def put(pid: int) -> str:
+        keys.append(key := hello_key(0, 1))
+        assert SHM_CHANNEL.put("0", "1", key, {HELLO: [1, "f" * 12, "test", pid, socket.gethostname()]})[0]
+        return key
+
+    yield put
+    for key in keys:
+        SHM_CHANNEL.cleanup(key)
 
 
-def test_a_hello_from_a_process_no_longer_alive_is_ignored(vo, adapters, base):
+def test_a_hello_from_a_process_no_longer_alive_is_ignored(vo, adapters, base, put_hello):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     tx, rx = _pair(adapters, QWEN, OFF)
-    _put_hello(rx.connector, dead.pid)  # left by a receiver killed with -9
+    put_hello(dead.pid)  # left by a receiver killed with -9 (and no resource tracker to remove it)
     handed = _run((tx, rx), f"oa-peer-dead-{os.getpid()}")
     assert tx._omni_accum_binding.stats["omitted"] == 0
     assert tx._omni_accum_binding._peer.hello is None
     assert_same(handed, base, "handed")
 
 
-def test_a_sender_whose_receiver_dies_goes_back_to_0_30_0_payloads(vo, adapters, base, monkeypatch):
+def test_a_sender_whose_receiver_dies_goes_back_to_0_30_0_payloads(vo, adapters, base, monkeypatch, put_hello):
     from omni_accum.integrations.vllm_omni import peer
 
     monkeypatch.setattr(peer, "ALIVE_S", 0.02)
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         tx, rx = _pair(adapters, QWEN, OFF)
-        _put_hello(rx.connector, live.pid)  # a receiver that said hello (then is replaced by one without omni-accum)
+        put_hello(live.pid)  # a receiver that said hello (then is replaced by one without omni-accum)
         first = _run((tx, rx), f"oa-peer-gone-1-{os.getpid()}")
         txb = tx._omni_accum_binding
         assert txb._peer.hello is not None and txb.stats["omitted"] > 0  # it believed the hello
@@ -147,10 +156,9 @@ def test_hellos_are_withdrawn_when_omni_accum_is_uninstalled(vo, adapters, base)
     tx, rx = _pair(adapters, QWEN, QWEN)
     _run((tx, rx), f"oa-peer-withdraw-{os.getpid()}")
     assert tx._omni_accum_binding._peer.hello is not None
-    assert glob.glob(f"/dev/shm/{hello_key(0, 1)}")  # put back by the sender for the stage's other senders
+    assert glob.glob(f"/dev/shm/{hello_key(0, 1)}")  # read, not consumed: the stage's other senders read it too
     vo.uninstall()
-    assert not glob.glob(f"/dev/shm/{hello_key(0, 1)}*")
-    assert not glob.glob(f"/dev/shm/shm_{hello_key(0, 1)}*")
+    assert not glob.glob(f"/dev/shm/*{hello_key(0, 1)}*")  # nor a lock file
 
 
 def test_the_deployment_token_is_inherited_by_processes_started_after_activation(vo, monkeypatch):
@@ -170,3 +178,28 @@ def test_status_says_who_said_hello(vo, adapters, base):
     rows = {r.peer for r in vo.status().bindings}
     fp = rx._omni_accum_binding.fingerprint
     assert "told stage 0" in rows and f"heard stage 1 (pid {os.getpid()}, fingerprint {fp})" in rows, rows
+
+
+def test_a_hello_of_a_process_ended_by_sigterm_is_removed(vo):
+    """vllm-omni ends its stage processes with SIGTERM (no atexit): the resource tracker removes the hello."""
+    import signal
+
+    from omni_accum.integrations.vllm_omni.peer import hello_key
+
+    key = hello_key(7, 8)
+    code = (
+        "import sys, time\n"
+        "from omni_accum.integrations.vllm_omni.peer import SHM_CHANNEL\n"
+        f"SHM_CHANNEL.put('7', '8', {key!r}, {{'omni_accum_hello': [1, 'f', 's', 1, 'h']}})\n"
+        "print('put', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    env = {**os.environ, "OMNI_ACCUM_DEPLOYMENT": os.environ["OMNI_ACCUM_DEPLOYMENT"]}
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout.readline().strip() == "put"
+        assert os.path.exists(f"/dev/shm/{key}")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait()
+    _wait(lambda: not os.path.exists(f"/dev/shm/{key}"), "the resource tracker to remove the hello")

@@ -29,7 +29,9 @@ def _run(stage_host, mooncake, label: str, env: dict[str, str], keep_policy: boo
     rids = [f"mc-{label}-{os.getpid()}-{n}" for n in range(RIDS)]
     connector = deploy_connector(mooncake, keep_policy=keep_policy)
     assert connector["name"] == "MooncakeStoreConnector"
-    base_env = {"OMNI_ACCUM_VLLM_OMNI": "1", "OMNI_ACCUM_POLICY": "", "OMNI_ACCUM_METRICS": "0"}
+    # both stage processes of one deployment share its token, as those a server starts inherit it (peer hello)
+    base_env = {"OMNI_ACCUM_VLLM_OMNI": "1", "OMNI_ACCUM_POLICY": "", "OMNI_ACCUM_METRICS": "0",
+                "OMNI_ACCUM_DEPLOYMENT": f"mc-{label}-{os.getpid()}"}  # fmt: skip
     jobs = [
         Job(
             "mooncake_fixtures:thinker_stage",

@@ -127,8 +127,16 @@ def _on_extra_policy(obj: Any) -> None:
             raise SystemExit(f"omni-accum: {ENV_REQUIRED}=1 and {type(obj).__name__}'s connector extra: {e}") from e
 
 
+def _on_made(obj: Any) -> None:
+    """An adapter or transport was just made: a receiving adapter with a policy says hello (:mod:`.peer`)."""
+    if binding.Settings.installed and peer.receives(obj):
+        b = binding.binding_for(obj)
+        if b is not None:
+            peer.announce(obj, b)
+
+
 ProbeHook.on_extra_policy = _on_extra_policy
-ProbeHook.on_made = peer.announce_if_receiving
+ProbeHook.on_made = _on_made
 
 
 def _describe_source(policy: Any) -> str:

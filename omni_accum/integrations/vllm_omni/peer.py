@@ -17,15 +17,19 @@ The key carries the deployment's token (:func:`deployment_token`, ``OMNI_ACCUM_D
 first omni-accum process of a server, inherited by the stage processes it starts), so two servers on one
 host never read each other's hello, and a hello left by a stopped server is never found. A hello from
 a process on this host that is no longer alive is ignored, and a sender whose receiver (on this host)
-dies goes back to 0.30.0's payloads until a receiver says hello again. ``SharedMemoryConnector``'s
-``get`` consumes what it reads, so the sender puts the hello back for the stage's other senders (and
-withdraws it when its binding is closed); hellos over shared memory go through a ``SharedMemoryConnector``
-of omni-accum's own (the adapter's connector counts none of their puts or bytes). The arena connector
-carries hellos on shared memory too (``peer_channel``: its inner ``SharedMemoryConnector``).
+dies goes back to 0.30.0's payloads until a receiver says hello again.
+
+Over shared memory (``SharedMemoryConnector``, and the arena connector, whose ``peer_channel`` says so)
+the hello is a small segment of its own in ``/dev/shm`` (the key as its name), written whole and read
+without being consumed (``SharedMemoryConnector.get`` would unlink it), so every sender of the stage
+reads the same one; multiprocessing's resource tracker removes it when its process ends without
+withdrawing it (a SIGTERM), as for the arena's regions. Over any other connector (Mooncake's store) the
+hello is that connector's ``put`` / ``get`` / ``cleanup`` of the key.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -66,20 +70,58 @@ def hello_key(src: int, dst: int) -> str:
     return f"omni_accum_hello_{tok}_{src}_{dst}"
 
 
-_shm: list[Any] = []  # this process's own SharedMemoryConnector for hellos
-_shm_lock = threading.Lock()
+class ShmChannel:
+    """Hellos as segments of their own in ``/dev/shm`` (see the module docstring)."""
+
+    DIR = "/dev/shm"
+
+    def put(self, src: str, dst: str, key: str, data: Any) -> tuple[bool, int, None]:
+        from multiprocessing import resource_tracker
+
+        body = json.dumps(data).encode()
+        path = os.path.join(self.DIR, key)
+        tmp = os.path.join(self.DIR, f".{key}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(body)
+        os.replace(tmp, path)  # whole or not at all
+        try:
+            resource_tracker.register("/" + key, "shared_memory")  # removed if this process ends without withdrawing
+        except Exception:  # noqa: BLE001, S110 - no tracker: the hello stays until withdrawn (a dead pid is ignored)
+            pass
+        return True, len(body), None
+
+    def get(self, src: str, dst: str, key: str) -> tuple[Any, int] | None:
+        try:
+            with open(os.path.join(self.DIR, key), "rb") as f:
+                body = f.read(65536)
+            return json.loads(body), len(body)
+        except (OSError, ValueError):
+            return None
+
+    def cleanup(self, key: str) -> None:
+        from multiprocessing import resource_tracker
+
+        try:
+            os.unlink(os.path.join(self.DIR, key))
+        except FileNotFoundError:
+            return
+        try:
+            resource_tracker.unregister("/" + key, "shared_memory")
+        except Exception:  # noqa: BLE001, S110
+            pass
+
+
+SHM_CHANNEL = ShmChannel()
 
 
 def _channel(conn: Any) -> Any:
-    """What carries the hellos of connector ``conn``: for shared memory (key-addressed, local), a connector
-    of omni-accum's own, so the adapter's connector counts no put or byte that vllm-omni did not make."""
+    """What carries the hellos of connector ``conn``: for shared memory (key-addressed, this host)
+    :data:`SHM_CHANNEL`, so the adapter's connector counts no put or byte that vllm-omni did not make;
+    else the connector itself."""
     chan = getattr(conn, "peer_channel", None) or conn
-    if not _consumes(chan):
-        return chan
-    with _shm_lock:
-        if not _shm:
-            _shm.append(type(chan)({"stage_id": -1}))
-    return _shm[0]
+    from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
+
+    return SHM_CHANNEL if isinstance(chan, SharedMemoryConnector) else chan
 
 
 def _stage(conn: Any) -> int | None:
@@ -113,6 +155,12 @@ def _stale(h: list[Any]) -> bool:
 
 
 # ------------------------------------------------------------------------------ the receiving side
+def receives(adapter: Any) -> bool:
+    """Whether ``adapter`` is a chunk transfer adapter that receives chunks (stage id > 0)."""
+    stage = _stage(getattr(adapter, "connector", None))
+    return bool(getattr(adapter, "receives_chunks", False)) and stage is not None and stage > 0
+
+
 def announce(adapter: Any, b: Any) -> None:
     """Receiving adapter ``adapter`` bound to ``b``: put the hello (once per binding)."""
     conn = getattr(adapter, "connector", None)
@@ -136,18 +184,6 @@ def announce(adapter: Any, b: Any) -> None:
     else:
         logger.warning("omni-accum: stage %d could not tell stage %d it runs omni-accum (%s); that sender sends "
                        "vllm-omni's own payloads (nothing left off)", stage, stage - 1, why)
-
-
-def announce_if_receiving(adapter: Any) -> None:
-    """A chunk transfer adapter just made: put its hello when it receives chunks and a policy applies."""
-    from omni_accum.integrations.vllm_omni.binding import Settings, binding_for
-
-    stage = _stage(getattr(adapter, "connector", None))
-    if not Settings.installed or not getattr(adapter, "receives_chunks", False) or stage is None or stage <= 0:
-        return
-    b = binding_for(adapter)
-    if b is not None:
-        announce(adapter, b)
 
 
 def withdraw(b: Any) -> None:
@@ -177,7 +213,6 @@ class PeerWatch:
         self.key = hello_key(src, self.dst)
         self.hello: list[Any] | None = None
         self.looks = 0
-        self._put_back = False
         self._first = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -218,11 +253,6 @@ class PeerWatch:
         h = _hello_of(got)
         if h is None or _stale(h):
             return False
-        if _consumes(self.chan):  # put it back for this stage's other senders
-            try:
-                self._put_back = bool(self.chan.put(str(self.src), str(self.dst), self.key, got[0])[0])
-            except Exception:  # noqa: BLE001 - the others look again later
-                logger.debug("omni-accum: putting hello %s back failed", self.key, exc_info=True)
         self.hello = h
         logger.info("omni-accum: stage %d's receiver runs omni-accum (pid=%s, fingerprint %s, policy from %s): "
                     "stage %d announces its requests from now on and may leave values off",
@@ -231,14 +261,6 @@ class PeerWatch:
 
     def close(self) -> None:
         self._stop.set()
-        if self._put_back:
-            _cleanup(self.chan, self.key)
-
-
-def _consumes(chan: Any) -> bool:
-    from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
-
-    return isinstance(chan, SharedMemoryConnector)
 
 
 def watch(b: Any, conn: Any) -> None:
@@ -267,5 +289,8 @@ def describe(b: Any) -> str:
     w = b.__dict__.get("_peer")
     if w is not None:
         h = w.hello
-        parts.append(f"heard stage {w.dst} (pid {h[3]}, fingerprint {h[1]})" if h else f"waiting for stage {w.dst}'s hello")
+        if h is not None:
+            parts.append(f"heard stage {w.dst} (pid {h[3]}, fingerprint {h[1]})")
+        else:
+            parts.append(f"waiting for stage {w.dst}'s hello")
     return "; ".join(parts) or "-"
