@@ -378,3 +378,35 @@ def test_a_release_publishes_on_a_thread_of_its_own_not_under_the_adapters_lock(
     binding_mod.publish_pending()  # returns once any publish under way is done, and publishes what is left
     after = _sample("omni_accum_requests_total", role="send", context_bucket="none", concurrency_bucket="none")
     assert after - before == 1  # what the sender counted reached Prometheus, once
+
+
+def test_held_bytes_and_active_requests_gauges_follow_the_live_requests(vo, runner):
+    """The per-process gauges: bytes the Receivers of this process hold and their live requests, set at each
+    publish, back to zero once upstream released the requests."""
+    from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding, publish_pending
+    from omni_accum.integrations.vllm_omni.send import encode_payload
+    from omni_accum.policy import load_policy
+
+    policy = load_policy("qwen3-omni")
+    vo.install(policy)
+    tx = Binding(policy, DEFAULT_ADAPTER_KEYS, "test")
+    r = runner()
+    rids = [f"oa-gauge-{n}-{os.getpid()}" for n in range(2)]
+    for n, rid in enumerate(rids):
+        for i in range(3):
+            step = torch.full((1 + n, 32), float(i), dtype=torch.bfloat16)
+            r._accumulate_payload(rid, encode_payload(tx, rid, {"embed": {"decode": step}}))
+    b = r._omni_accum_binding
+    b.publish()
+    held = b.receiver.nbytes()
+    assert held >= (3 * 1 + 3 * 2) * 32 * 2  # the decode rows of both requests, at least
+    assert _sample("omni_accum_held_bytes") == held
+    assert _sample("omni_accum_active_requests", role="receive") == 2
+    r._send_side_request_payload.pop(rids[0])  # upstream releases one
+    publish_pending()
+    assert _sample("omni_accum_active_requests", role="receive") == 1
+    assert 0 < _sample("omni_accum_held_bytes") < held
+    r._send_side_request_payload.pop(rids[1])
+    publish_pending()
+    assert _sample("omni_accum_active_requests", role="receive") == 0
+    assert _sample("omni_accum_held_bytes") == 0
