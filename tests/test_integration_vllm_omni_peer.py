@@ -7,11 +7,10 @@ import glob
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.test_integration_vllm_omni import assert_same, run_thinker_to_talker
+from tests.test_integration_vllm_omni import _wait, assert_same, run_thinker_to_talker
 
 pytestmark = pytest.mark.vllm
 
@@ -34,14 +33,6 @@ def _run(pair, rid: str):
     """One request through the given pair of adapters."""
     it = iter(pair)
     return run_thinker_to_talker(lambda stage_id, **kw: next(it), rid)[0]
-
-
-def _wait(cond, what: str, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture
