@@ -36,6 +36,7 @@ import re
 import secrets
 import socket
 import threading
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("omni_accum.vllm_omni")
@@ -76,18 +77,14 @@ class ShmChannel:
     DIR = "/dev/shm"
 
     def put(self, src: str, dst: str, key: str, data: Any) -> tuple[bool, int, None]:
-        from multiprocessing import resource_tracker
-
         body = json.dumps(data).encode()
-        path = os.path.join(self.DIR, key)
-        tmp = os.path.join(self.DIR, f".{key}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(body)
+        path = Path(self.DIR, key)
+        tmp = Path(self.DIR, f".{key}.{os.getpid()}.tmp")
+        tmp.write_bytes(body)
         os.replace(tmp, path)  # whole or not at all
-        try:
-            resource_tracker.register("/" + key, "shared_memory")  # removed if this process ends without withdrawing
-        except Exception:  # noqa: BLE001, S110 - no tracker: the hello stays until withdrawn (a dead pid is ignored)
-            pass
+        from omni_accum.arena.region import _track  # noqa: PLC0415 - the arena package imports the bench's wires
+
+        _track(path)  # removed if this process ends without withdrawing it (as the arena's regions)
         return True, len(body), None
 
     def get(self, src: str, dst: str, key: str) -> tuple[Any, int] | None:
@@ -99,16 +96,14 @@ class ShmChannel:
             return None
 
     def cleanup(self, key: str) -> None:
-        from multiprocessing import resource_tracker
-
+        path = Path(self.DIR, key)
         try:
-            os.unlink(os.path.join(self.DIR, key))
+            path.unlink()
         except FileNotFoundError:
             return
-        try:
-            resource_tracker.unregister("/" + key, "shared_memory")
-        except Exception:  # noqa: BLE001, S110
-            pass
+        from omni_accum.arena.region import _untrack  # noqa: PLC0415
+
+        _untrack(path)
 
 
 SHM_CHANNEL = ShmChannel()
@@ -131,16 +126,6 @@ def _stage(conn: Any) -> int | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: alive
-        return True
-    return True
-
-
 def _hello_of(got: Any) -> list[Any] | None:
     data = got[0] if isinstance(got, tuple) and got else None
     h = data.get(HELLO) if isinstance(data, dict) else None
@@ -151,7 +136,9 @@ def _hello_of(got: Any) -> list[Any] | None:
 
 def _stale(h: list[Any]) -> bool:
     """True for a hello from a process on this host that is no longer alive."""
-    return h[4] == socket.gethostname() and not _alive(h[3])
+    from omni_accum.arena.region import pid_alive  # noqa: PLC0415
+
+    return h[4] == socket.gethostname() and not pid_alive(h[3])
 
 
 # ------------------------------------------------------------------------------ the receiving side
@@ -163,12 +150,10 @@ def receives(adapter: Any) -> bool:
 
 def announce(adapter: Any, b: Any) -> None:
     """Receiving adapter ``adapter`` bound to ``b``: put the hello (once per binding)."""
-    conn = getattr(adapter, "connector", None)
+    if getattr(b, "_hello", None) is not None or not receives(adapter):
+        return
+    conn = adapter.connector
     stage = _stage(conn)
-    if getattr(b, "_hello", None) is not None or stage is None or stage <= 0:
-        return
-    if not getattr(adapter, "receives_chunks", False):
-        return
     chan, key = _channel(conn), hello_key(stage - 1, stage)
     b._hello = (chan, key)
     data = {HELLO: [1, b.fingerprint, b.short_source, os.getpid(), socket.gethostname()]}
