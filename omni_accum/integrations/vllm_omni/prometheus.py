@@ -15,6 +15,8 @@ from omni_accum.manager import SettingError, env_flag
 
 ENV_METRICS = "OMNI_ACCUM_METRICS"
 MERGE_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1, 1.0)
+#: ``omni_accum_handoff_seconds`` (.handoff): a decode row's hand-off to a 32k prompt's prefill over a slow wire.
+HANDOFF_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
 
 _lock = threading.Lock()
 _metrics: dict[str, Any] | None = None
@@ -70,6 +72,18 @@ def _registry_metrics() -> dict[str, Any] | None:
             ),
             "merge": Histogram(
                 "omni_accum_merge_seconds", "Time a receive hook spends per chunk", ["strategy"], buckets=MERGE_BUCKETS
+            ),
+            "handoff": Histogram(
+                "omni_accum_handoff_seconds",
+                "Time from a chunk's put on the sending stage to its merge on the receiving stage",
+                ["pair", "kind"],
+                buckets=HANDOFF_BUCKETS,
+            ),
+            "handoff_bytes": Counter(
+                "omni_accum_handoff_bytes_total", "Tensor bytes of the hand-offs timed", ["pair", "kind"]
+            ),
+            "handoff_skipped": Counter(
+                "omni_accum_handoff_skipped_total", "Hand-off timestamps not turned into a duration", ["reason"]
             ),
             "info": Gauge(
                 "omni_accum_policy_info",
