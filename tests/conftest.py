@@ -10,14 +10,31 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
+import fuzzing  # tests/ is on sys.path (the rootdir conftest's folder)
 import omni_accum
 
 CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
-settings.register_profile(
-    "omni_accum", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
-)
-settings.load_profile("omni_accum")
+_SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large]
+# Derandomized by default: every run draws the same examples (a suite that fails at random is a defect);
+# OMNI_ACCUM_FUZZ=long explores new ones (tests/fuzzing.py).
+settings.register_profile("omni_accum", deadline=None, suppress_health_check=_SUPPRESS, derandomize=True, database=None)
+settings.register_profile("omni_accum_long", deadline=None, suppress_health_check=_SUPPRESS, derandomize=False)
+settings.load_profile("omni_accum_long" if fuzzing.LONG else "omni_accum")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    # A long fuzz's seed, printed in the header, unless --hypothesis-seed gave one (read by hypothesis' plugin).
+    if fuzzing.LONG and getattr(config.option, "hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = fuzzing.SEED
+
+
+def pytest_report_header(config):
+    if fuzzing.LONG:
+        seed = getattr(config.option, "hypothesis_seed", fuzzing.SEED)
+        return f"property tests: long fuzz (OMNI_ACCUM_FUZZ=long), {fuzzing.SCALE}x examples, --hypothesis-seed={seed}"
+    return "property tests: derandomized (the same examples every run; OMNI_ACCUM_FUZZ=long explores new ones)"
 
 
 def require_vllm_omni():

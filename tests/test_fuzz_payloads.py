@@ -19,9 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import omni_accum
+from fuzzing import examples
 from omni_accum.testing import ReferenceError_, copy_wire, first_difference, reference_merge
 
-EXAMPLES = 200  # per policy; 6 policies -> 1200 streams
+EXAMPLES = examples(200)  # per policy; 6 policies -> 1200 streams (more in a long fuzz: tests/fuzzing.py)
 
 POLICIES = {
     "default": "default",
@@ -39,6 +40,7 @@ POLICIES = {
 TOP_KEYS = ["embed", "meta", "x", "a.b", "", 0, -1, 2**70, 1.5, ("t", 1), None, "ünï", omni_accum.WIRE_MARKER]
 QUALS = ["decode", "b", "a.b", "finished", "", 0, 7, None, omni_accum.WIRE_MARKER, ("q",)]
 WIDTHS = [0, 1, 3]
+LEAF: Any = object()  # a top-level leaf's qualifier in _path
 
 
 def _tensor(draw: st.DrawFn) -> torch.Tensor:
@@ -115,8 +117,9 @@ def chunks(draw: st.DrawFn) -> list[dict]:
     return out
 
 
-def _path(top: Any, qual: Any = None) -> str:
-    return str(top) if qual is None else f"{top}.{qual}"
+def _path(top: Any, qual: Any = LEAF) -> str:
+    # ``None`` is a valid qualifier of a group ({"meta": {None: ...}} is "meta.None", not the leaf "meta")
+    return str(top) if qual is LEAF else f"{top}.{qual}"
 
 
 def _ref_step(ref: dict, chunk: dict, append_of) -> dict:
@@ -146,65 +149,78 @@ def _detached(v: Any) -> Any:
 COUNT = {"streams": 0, "chunks": 0, "rejected": 0}
 
 
+def _check_stream(policy_name: str, policy: Any, stream: list[dict]) -> None:
+    manager = omni_accum.get_manager()
+    tx, rx = omni_accum.Sender(policy), omni_accum.Receiver(policy)
+    kinds: dict[str, bool] = {}
+
+    def append_of(path: str, value: Any) -> bool:
+        if path not in kinds:
+            kinds[path] = "append" in manager.spec(rx.strategy_for(path, value)).kinds
+        return kinds[path]
+
+    ref: dict = {}
+    broken = False
+    COUNT["streams"] += 1
+    for k, chunk in enumerate(stream):
+        COUNT["chunks"] += 1
+        try:
+            expected = _ref_step(ref, chunk, append_of)
+            ref_ok = True
+        except ReferenceError_:
+            expected, ref_ok = ref, False
+        before = _view(rx)
+        try:
+            wire = tx.encode("r", chunk)
+            view = rx.merge("r", copy_wire(wire))
+        except (omni_accum.AccumulationError, omni_accum.PolicyError) as e:
+            COUNT["rejected"] += 1
+            documented = (
+                not ref_ok
+                or omni_accum.WIRE_MARKER in chunk
+                or "max_bytes_per_request" in str(e)
+                or "failed earlier" in str(e)
+                or "off the wire" in str(e)  # a send_once value lost with an earlier rejected chunk
+            )
+            assert documented, f"chunk {k}: rejected without a documented reason: {e}"
+            after = _view(rx)
+            assert first_difference(before, after) is None, f"chunk {k}: a rejected chunk changed the view"
+            broken = broken or not ref_ok or "failed earlier" in str(e)
+            continue
+        assert ref_ok or broken, f"chunk {k}: merged a value the reference cannot merge"
+        if broken:  # after a rejection the sender's send_once memory ran ahead: views are checked again after
+            break  # a release, not here
+        got = {
+            k2: (_detached(dict(v)) if isinstance(v, omni_accum.GroupView) else _detached(v))
+            for k2, v in view.items()
+        }
+        diff = first_difference(_detached(expected), got)
+        assert diff is None, f"policy {policy_name}, chunk {k}: view differs from the reference: {diff}"
+        ref = expected
+    tx.release("r")
+    rx.release("r")
+    assert rx.active_requests == 0 and tx.active_requests == 0
+
+
 @pytest.mark.parametrize("policy_name", list(POLICIES))
 def test_hostile_payloads_never_crash_or_corrupt(policy_name):
     policy = omni_accum.load_policy(POLICIES[policy_name])
-    manager = omni_accum.get_manager()
 
-    @settings(max_examples=EXAMPLES, database=None)
+    @settings(max_examples=EXAMPLES)
     @given(stream=chunks())
     def run(stream: list[dict]) -> None:
-        tx, rx = omni_accum.Sender(policy), omni_accum.Receiver(policy)
-        kinds: dict[str, bool] = {}
-
-        def append_of(path: str, value: Any) -> bool:
-            if path not in kinds:
-                kinds[path] = "append" in manager.spec(rx.strategy_for(path, value)).kinds
-            return kinds[path]
-
-        ref: dict = {}
-        broken = False
-        COUNT["streams"] += 1
-        for k, chunk in enumerate(stream):
-            COUNT["chunks"] += 1
-            try:
-                expected = _ref_step(ref, chunk, append_of)
-                ref_ok = True
-            except ReferenceError_:
-                expected, ref_ok = ref, False
-            before = _view(rx)
-            try:
-                wire = tx.encode("r", chunk)
-                view = rx.merge("r", copy_wire(wire))
-            except (omni_accum.AccumulationError, omni_accum.PolicyError) as e:
-                COUNT["rejected"] += 1
-                documented = (
-                    not ref_ok
-                    or omni_accum.WIRE_MARKER in chunk
-                    or "max_bytes_per_request" in str(e)
-                    or "failed earlier" in str(e)
-                    or "off the wire" in str(e)  # a send_once value lost with an earlier rejected chunk
-                )
-                assert documented, f"chunk {k}: rejected without a documented reason: {e}"
-                after = _view(rx)
-                assert first_difference(before, after) is None, f"chunk {k}: a rejected chunk changed the view"
-                broken = broken or not ref_ok or "failed earlier" in str(e)
-                continue
-            assert ref_ok or broken, f"chunk {k}: merged a value the reference cannot merge"
-            if broken:  # after a rejection the sender's send_once memory ran ahead: views are checked again after
-                break  # a release, not here
-            got = {
-                k2: (_detached(dict(v)) if isinstance(v, omni_accum.GroupView) else _detached(v))
-                for k2, v in view.items()
-            }
-            diff = first_difference(_detached(expected), got)
-            assert diff is None, f"policy {policy_name}, chunk {k}: view differs from the reference: {diff}"
-            ref = expected
-        tx.release("r")
-        rx.release("r")
-        assert rx.active_requests == 0 and tx.active_requests == 0
+        _check_stream(policy_name, policy, stream)
 
     run()
+
+
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_none_qualifier_is_its_own_key(policy_name):
+    """A group's ``None`` qualifier is the key "meta.None", not the top-level leaf "meta" (a stream the fuzzing
+    once drew: the reference named both "meta" and merged ``(0, 0)`` with ``(0, 1)`` by the leaf's strategy)."""
+    e00, e01 = torch.empty(0, 0), torch.empty(0, 1)
+    stream = [{"meta": e00}, {"meta": {None: e00}}, {"meta": {None: e01}}, {"meta": {None: e01}}]
+    _check_stream(policy_name, omni_accum.load_policy(POLICIES[policy_name]), stream)
 
 
 def _view(rx: omni_accum.Receiver) -> dict | None:

@@ -15,6 +15,7 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from fuzzing import examples
 from omni_accum import cli
 from omni_accum.manager import get_manager
 from omni_accum.policy.loader import load_policy
@@ -26,7 +27,7 @@ SUPPRESS = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthChe
 
 
 def SETTINGS(n: int) -> settings:  # noqa: N802 - reads like the decorator it returns
-    return settings(deadline=None, database=None, max_examples=n, suppress_health_check=SUPPRESS)
+    return settings(deadline=None, database=None, max_examples=examples(n), suppress_health_check=SUPPRESS)
 
 
 # -- generators -------------------------------------------------------------------------------- #

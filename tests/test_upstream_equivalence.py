@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import omni_accum
+from fuzzing import examples
 from omni_accum.testing import as_dict, first_difference
 
 HIDDEN = 8
@@ -96,13 +97,13 @@ def _run_both(stream, rx):
         assert diff is None, f"chunk {k}: omni-accum differs from the installed vllm-omni: {diff}"
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 @given(stream=upstream_streams())
 def test_default_preset_equals_upstream(vllm_omni, stream):
     _run_both(stream, omni_accum.Receiver("default"))
 
 
-@settings(max_examples=50)
+@settings(max_examples=examples(50))
 @given(stream=upstream_streams())
 def test_no_policy_equals_upstream(vllm_omni, stream):
     with pytest.MonkeyPatch.context() as mp:
