@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require_module
+
 RUN_PY = Path(__file__).resolve().parent.parent / "benchmarks" / "e2e" / "run.py"
 
 
@@ -23,6 +25,14 @@ def run():
         sys.modules.pop("e2e_run", None)
 
 
+@pytest.fixture(scope="module")
+def report(run):
+    """``benchmarks/e2e/e2e_report.py``, the module run.py imports from its own folder."""
+    import e2e_report
+
+    return e2e_report
+
+
 def test_an_arm_with_its_own_deploy_config(run):
     arm = run.make_arm("off@arena")
     assert arm.name == "off@arena" and arm.env == {"OMNI_ACCUM_VLLM_OMNI": "0"}
@@ -36,3 +46,182 @@ def test_an_arm_with_its_own_deploy_config(run):
 def test_an_unknown_deploy_config_is_named(run):
     with pytest.raises(SystemExit, match="nosuch"):
         run.make_arm("off@nosuch")
+
+
+def test_the_new_deploys_are_named_arms(run):
+    chunked = run.make_arm("off@chunked").deploy
+    assert chunked.name == "qwen3_omni_cpu_chunked.yaml"
+    full = run.make_arm("qwen3-omni@arena_full_payload").deploy
+    assert "OmniAccumArenaConnector" in full.read_text()
+    assert {"arena", "chunked", "full_payload", "arena_full_payload", "arena_chunked"} <= set(run.deploy_names())
+    assert run.resolve_deploy("chunked") == chunked and run.resolve_deploy("nosuch") is None
+
+
+def _deploy(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.mark.parametrize("name", ["", "arena", "chunked", "full_payload", "arena_full_payload", "arena_chunked"])
+def test_every_deploy_takes_a_32k_prompt_and_only_the_chunked_ones_chunk_it(run, name):
+    path = RUN_PY.parent / "configs" / (f"qwen3_omni_cpu_{name}.yaml" if name else "qwen3_omni_cpu.yaml")
+    d = _deploy(path)
+    thinker, talker = d["stages"][0], d["stages"][1]
+    for stage in (thinker, talker):  # 32k prompt tokens + 100 out + the chat template's few
+        assert stage["max_model_len"] >= 32000 + 100 + 64, (name, stage)
+    assert talker["max_num_batched_tokens"] >= 32000 + 64, "the talker's prefill stays one step"
+    if "chunked" in name:
+        assert thinker["max_num_batched_tokens"] == 2048 and thinker.get("enable_chunked_prefill", True)
+    else:
+        assert thinker["max_num_batched_tokens"] >= 32000 + 64
+    assert d["async_chunk"] is ("full_payload" not in name)
+    connectors = {c["name"] for c in d["connectors"].values()}
+    assert connectors == ({"OmniAccumArenaConnector"} if "arena" in name else {"SharedMemoryConnector"})
+
+
+def test_input_lengths_and_concurrencies_are_lists(run):
+    assert run.positive_ints("8000,16000,32000", "--input-len") == [8000, 16000, 32000]
+    assert run.positive_ints(" 8000 ", "--input-len") == [8000]
+    for bad in ("8k", "8000,,16000", "0", "-1", ""):
+        with pytest.raises(ValueError, match="--input-len") as e:
+            run.positive_ints(bad, "--input-len")
+        assert repr(bad) in str(e.value)
+
+
+def test_usage_errors_exit_2_with_one_line(run, capsys, tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text("{}")  # a model folder, so the later checks are reached
+    model = ["--model", str(tmp_path)]
+    cases = [  # each fails before any server starts
+        (["--input-len", "8000,32k"], "'32k'"),
+        (["--concurrency", "0"], "'0'"),
+        (["--model", str(tmp_path / "none")], str(tmp_path / "none")),
+        ([*model, "--deploy-config", "nosuch"], "chunked"),  # names the valid choices
+        ([*model, "--arms", "off@nosuch"], "nosuch"),
+    ]
+    for argv, needle in cases:
+        with pytest.raises(SystemExit) as e:
+            run.main(argv)
+        assert e.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, (argv, err)
+    monkeypatch.setitem(run.MODELS, "light", tmp_path / "not-built")
+    with pytest.raises(SystemExit):
+        run.main(["--model", "light"])
+    assert "build_model.py --variant light" in capsys.readouterr().err
+
+
+def test_the_model_option_names_a_variant_or_a_folder(run, tmp_path):
+    assert run.resolve_model("tiny") == RUN_PY.parent / ".work" / "model"
+    assert run.resolve_model("light") == RUN_PY.parent / ".work" / "model-light"
+    assert run.resolve_model(tmp_path) == tmp_path.resolve()
+
+
+METRICS_TEXT = """
+# HELP omni_accum_handoff_seconds hand-off
+omni_accum_handoff_seconds_bucket{kind="prefill",le="0.1",pair="0->1"} 1.0
+omni_accum_handoff_seconds_sum{kind="prefill",pair="0->1"} %(s01)s
+omni_accum_handoff_seconds_count{kind="prefill",pair="0->1"} %(n01)s
+omni_accum_handoff_bytes_total{kind="prefill",pair="0->1"} %(b01)s
+omni_accum_handoff_seconds_sum{kind="decode",pair="0->1"} 0.002
+omni_accum_handoff_seconds_count{kind="decode",pair="0->1"} 2.0
+omni_accum_handoff_seconds_sum{kind="prefill",pair="1->2"} 0.004
+omni_accum_handoff_seconds_count{kind="prefill",pair="1->2"} 2.0
+omni_accum_handoff_skipped_total{reason="clock_domain"} 1.0
+omni_accum_processor_merge_seconds_sum{stage="0",strategy="prealloc"} %(sp)s
+omni_accum_processor_merge_seconds_count{stage="0",strategy="prealloc"} %(np)s
+omni_accum_processor_bytes_copied_total{strategy="prealloc"} 1000.0
+omni_accum_chunks_total{key="embed.prefill",role="send",strategy="prealloc"} 3.0
+vllm_unrelated_total 5.0
+"""
+
+
+def _scrape(report, s01, n01, b01, sp, np_):
+    return report.parse_metrics(METRICS_TEXT % {"s01": s01, "n01": n01, "b01": b01, "sp": sp, "np": np_})
+
+
+def test_the_hand_off_and_processor_metrics_are_read_from_the_scrape(report):
+    m = _scrape(report, 0.3, 3.0, 3e8, 0.5, 2.0)
+    assert m["handoff"]["0->1 prefill"] == {"seconds": 0.3, "count": 3.0, "bytes": 3e8}
+    assert m["handoff"]["1->2 prefill"] == {"seconds": 0.004, "count": 2.0}
+    assert m["processor_merge"]["0 prealloc"] == {"seconds": 0.5, "count": 2.0}
+    assert m["handoff_skipped"] == {"clock_domain": 1.0} and m["processor_bytes_copied"] == {"prealloc": 1000.0}
+    assert m["chunks"] == {"send": 3.0} and not any("vllm_unrelated" in line for line in m["lines"])
+    # one benchmark's share: the difference of two scrapes, entries with no new event left out
+    d = report.metrics_delta(m, _scrape(report, 0.5, 5.0, 5e8, 0.9, 3.0))
+    assert d["handoff"] == {"0->1 prefill": {"seconds": pytest.approx(0.2), "count": 2.0, "bytes": 2e8}}
+    assert d["processor_merge"] == {"0 prealloc": {"seconds": pytest.approx(0.4), "count": 1.0}}
+    assert report.metrics_delta(m, {"error": "URLError"}) == {} and report.metrics_delta(None, m) == {}
+
+
+def _bench(n, c, ttfp, server=None, memcpy=None):
+    raw = {"p50_ttft_ms": 800.0, "p50_tpot_ms": 13.0, "p50_audio_ttfp_ms": ttfp, "median_e2el_ms": 3000.0}
+    return {"input_len": n, "concurrency": c, "raw": raw, "server": server or {}, "memcpy_ms": memcpy}
+
+
+def _rows(section: str) -> dict[str, str]:
+    """label -> the cells of one table section's rows."""
+    return {line[2:28].strip(): line[28:] for line in section.splitlines() if line.startswith("  ")}
+
+
+def test_the_table_shows_the_hand_off_beside_ttft_and_ttfp_per_input_length(report):
+    handoff = {
+        "handoff": {"0->1 prefill": {"seconds": 0.4, "count": 2.0}, "0->1 decode": {"seconds": 0.01, "count": 10.0}},
+        "processor_merge": {"0 prealloc": {"seconds": 0.2, "count": 2.0}},
+    }
+    arena = {"handoff": {"0->1 prefill": {"seconds": 0.02, "count": 2.0}}, "processor_merge": {}}
+    results = [
+        {"arm": "off", "bench": [_bench(8000, 1, 1800.0), _bench(32000, 1, 4000.0)]},
+        {"arm": "default", "bench": [_bench(8000, 1, 1600.0, handoff, 9.5), _bench(32000, 1, 4000.0)]},
+        {"arm": "qwen3-omni@arena", "bench": [_bench(8000, 1, 1000.0, arena, 9.5)]},
+    ]
+    text = "\n".join(report.table_lines(results))
+    assert "input 8000 tokens, concurrency 1" in text and "input 32000 tokens, concurrency 1" in text
+    assert text.index("input 8000 tokens") < text.index("input 32000 tokens")
+    rows = _rows(text[: text.index("input 32000 tokens")])
+    assert "1000.0 ms (0.56x)" in rows["audio TTFP p50"] and "E2EL p50" in rows  # median_ fallback
+    # the hand-off columns: off measures nothing ('-'), default's mean per event, the arena's ratio to it
+    assert rows["hand-off 0->1 prefill"].split()[0] == "-"
+    assert "200.0 ms" in rows["hand-off 0->1 prefill"] and "10.0 ms (0.05x)" in rows["hand-off 0->1 prefill"]
+    assert "1.0 ms" in rows["hand-off 0->1 decode"]
+    assert "100.0 ms" in rows["proc. merge 0 prealloc"]
+    # the share of audio TTFP p50 taken by the hand-offs on its path (prefill / full kinds only)
+    assert "12.5 %" in rows["hand-off/TTFP"] and "1.0 %" in rows["hand-off/TTFP"]
+    assert rows["payload memcpy"].split()[0] == "-" and "9.5 ms" in rows["payload memcpy"]
+    long = _rows(text[text.index("input 32000 tokens") :])
+    assert "hand-off 0->1 prefill" not in long and long["hand-off/TTFP"].split() == ["-", "-", "-"]
+
+
+def test_a_table_without_any_metric_prints_dashes(report):
+    text = "\n".join(report.table_lines([{"arm": "off", "bench": [{"input_len": 8000, "concurrency": 4, "raw": {}}]}]))
+    assert text.strip().startswith("input 8000 tokens, concurrency 4 (ratio: arm / off)")
+    rows = _rows(text)
+    del rows["metric"], rows["server side (hand-off and"]
+    assert rows and all(cells.split() == ["-"] for cells in rows.values()), rows
+    assert report.table_lines([{"arm": "off"}]) == []
+
+
+def _build_model():
+    spec = importlib.util.spec_from_file_location("e2e_build_model", RUN_PY.parent / "build_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_light_model_keeps_the_payload_widths_with_less_compute():
+    require_module("transformers", "the e2e model's config (Qwen3OmniMoeConfig); installed with vllm-omni")
+    bm = _build_model()
+    tiny, light = bm.build_config("tiny"), bm.build_config("light")
+    t, lt = tiny.thinker_config.text_config, light.thinker_config.text_config
+    # what travels between the stages: the thinker's hidden size, its vocabulary, the talker's width
+    assert (lt.hidden_size, lt.vocab_size) == (t.hidden_size, t.vocab_size) == (2048, 152064)
+    assert light.talker_config.thinker_hidden_size == 2048
+    assert light.talker_config.text_config.hidden_size == tiny.talker_config.text_config.hidden_size
+    # what computes: one layer, two heads of 64 over one KV head, two experts (top-1)
+    assert (lt.num_hidden_layers, lt.num_attention_heads, lt.num_key_value_heads, lt.head_dim) == (1, 2, 1, 64)
+    assert (lt.num_experts, lt.num_experts_per_tok) == (2, 1) and lt.moe_intermediate_size < t.moe_intermediate_size
+    assert light.code2wav_config.decoder_dim < tiny.code2wav_config.decoder_dim
+    # vllm-omni captures a thinker layer's input (layers 0 .. n-1): the talker's accepted layer must be one
+    for cfg in (tiny, light):
+        assert 0 <= cfg.talker_config.accept_hidden_layer < cfg.thinker_config.text_config.num_hidden_layers
+    assert bm.OUT_DIRS["light"] != bm.OUT_DIRS["tiny"] and bm.script_hash("light") != bm.script_hash("tiny")

@@ -1,6 +1,6 @@
 """Build a tiny random-weight Qwen3-Omni (thinker -> talker -> code2wav) for the e2e harness.
 
-    benchmarks/e2e/.work/venv/bin/python benchmarks/e2e/build_model.py [--out DIR] [--force]
+    benchmarks/e2e/.work/venv/bin/python benchmarks/e2e/build_model.py [--variant tiny|light] [--out DIR] [--force]
 
 No model hub is needed: the config comes from ``transformers.Qwen3OmniMoeConfig``, the weights are
 random (seeded, so every build is the same), the tokenizer is a byte-level BPE built here.
@@ -18,6 +18,18 @@ What is real and what is not:
   text is encoded byte by byte (a few common merges), so the ids differ from Qwen's but are stable.
 * with random weights the talker rarely emits codec EOS: the deploy config caps its max_tokens.
 
+Variants (``--variant``; each has its own folder):
+
+* ``tiny`` (default, ``.work/model``): the model above.
+* ``light`` (``.work/model-light``): the same payload widths (thinker hidden 2048, vocabulary 152064,
+  talker hidden 128) with as little compute as the architecture allows, so that the hand-off between
+  stages takes the share of a request's latency it takes on a GPU server: one thinker layer with 2
+  attention heads (1 KV head, head_dim 64), a MoE of 2 experts (top-1, intermediate 32), intermediate
+  sizes of 64; talker and code predictor likewise (1 layer, 2 heads, 2 experts); code2wav with
+  hidden 32 and decoder width 32. With one layer, the talker's ``accept_hidden_layer`` is 0 (the only
+  layer vllm-omni can capture: it captures a layer's input), so ``hidden_states.output`` is the
+  thinker's embedding output: still a ``[P, 2048]`` bf16 tensor of its own on the wire.
+
 The output folder is rebuilt only when missing, when ``--force`` is given, or when this script
 changed (a hash of it is stored in ``omni_accum_e2e_build.json``).
 """
@@ -32,7 +44,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / ".work" / "model"
+VARIANTS = ("tiny", "light")
+OUT_DIRS = {"tiny": HERE / ".work" / "model", "light": HERE / ".work" / "model-light"}
 SEED = 1234
 STAMP = "omni_accum_e2e_build.json"
 
@@ -77,8 +90,8 @@ def log(msg: str) -> None:
     print(f"[build_model] {msg}", file=sys.stderr, flush=True)
 
 
-def script_hash() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+def script_hash(variant: str = "tiny") -> str:
+    return hashlib.sha256(Path(__file__).read_bytes() + variant.encode()).hexdigest()[:16]
 
 
 def build_tokenizer_json() -> str:
@@ -154,7 +167,7 @@ def build_tokenizer(out: Path):
         unk_token=None,
         bos_token=None,
         extra_special_tokens=extra,
-        model_max_length=32768,
+        model_max_length=65536,  # the long-input arms (32k prompts)
     )
     tok.chat_template = CHAT_TEMPLATE
     tj.unlink()
@@ -176,7 +189,34 @@ def check_tokenizer(tok) -> None:
     assert roles == [ROLE_WORDS["system"], ROLE_WORDS["user"], ROLE_WORDS["assistant"]], (roles, ids)
 
 
-def build_config():
+# The light variant: the tiny model's dicts with these entries replaced (payload widths unchanged).
+LIGHT = {
+    "thinker.text_config": {
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64,
+        "moe_intermediate_size": 32, "num_experts": 2, "num_experts_per_tok": 1,
+    },
+    "talker.text_config": {
+        "intermediate_size": 64, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+        "num_experts": 2, "num_experts_per_tok": 1,
+    },
+    "talker.code_predictor_config": {"intermediate_size": 64},
+    # vllm-omni captures a thinker layer's input: with one layer, layer 0 is the only one it can capture.
+    "talker": {"accept_hidden_layer": 0},
+    "code2wav": {"hidden_size": 32, "intermediate_size": 64, "decoder_dim": 32},
+}  # fmt: skip
+
+
+def apply_variant(variant: str, parts: dict[str, dict]) -> None:
+    """Replace the entries LIGHT names (``part.sub_config``) in the tiny model's config dicts."""
+    if variant == "tiny":
+        return
+    for where, changes in LIGHT.items():
+        part, _, sub = where.partition(".")
+        target = parts[part][sub] if sub else parts[part]
+        target.update(changes)
+
+
+def build_config(variant: str = "tiny"):
     from transformers import Qwen3OmniMoeConfig
 
     mrope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [12, 10, 10],
@@ -222,7 +262,8 @@ def build_config():
         "codec_think_eos_id": 2157, "codec_pad_id": 2148, "codec_bos_id": 2149,
         "audio_token_id": 151675, "image_token_id": 151655, "video_token_id": 151656,
         "vision_start_token_id": 151652, "position_id_per_seconds": 13, "audio_start_token_id": 151669,
-        "audio_end_token_id": 151670, "speaker_id": {"chelsie": 2301, "ethan": 2302, "aiden": 2303}, "spatial_merge_size": 2,
+        "audio_end_token_id": 151670, "speaker_id": {"chelsie": 2301, "ethan": 2302, "aiden": 2303},
+        "spatial_merge_size": 2,
     }  # fmt: skip
     code2wav = {
         "codebook_size": 2048, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2,
@@ -230,6 +271,7 @@ def build_config():
         "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2], "decoder_dim": 64,
         "max_position_embeddings": 8000,
     }  # fmt: skip
+    apply_variant(variant, {"thinker": thinker, "talker": talker, "code2wav": code2wav})
     cfg = Qwen3OmniMoeConfig(
         thinker_config=thinker,
         talker_config=talker,
@@ -263,7 +305,7 @@ def build_processor(out: Path, tok) -> None:
     (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2, sort_keys=True) + "\n")
 
 
-def build(out: Path) -> None:
+def build(out: Path, variant: str = "tiny") -> None:
     import torch
     from transformers import Qwen3OmniMoeForConditionalGeneration, set_seed
 
@@ -277,8 +319,8 @@ def build(out: Path) -> None:
     tok.save_pretrained(str(tmp))
     log("processor (Whisper features, Qwen2-VL image / video processors, ChatML template)")
     build_processor(tmp, tok)
-    log(f"config + random weights (seed {SEED}, thinker hidden {THINKER_HIDDEN}, vocab {VOCAB_SIZE})")
-    cfg = build_config()
+    log(f"config + random weights ({variant}, seed {SEED}, thinker hidden {THINKER_HIDDEN}, vocab {VOCAB_SIZE})")
+    cfg = build_config(variant)
     set_seed(SEED)
     torch.manual_seed(SEED)
     prev = torch.get_default_dtype()
@@ -291,7 +333,16 @@ def build(out: Path) -> None:
     n = sum(p.numel() for p in model.parameters())
     del model
     (tmp / STAMP).write_text(
-        json.dumps({"builder": "benchmarks/e2e/build_model.py", "hash": script_hash(), "seed": SEED, "params": n}, indent=1)
+        json.dumps(
+            {
+                "builder": "benchmarks/e2e/build_model.py",
+                "variant": variant,
+                "hash": script_hash(variant),
+                "seed": SEED,
+                "params": n,
+            },
+            indent=1,
+        )
     )
     if out.exists():
         shutil.rmtree(out)
@@ -299,23 +350,29 @@ def build(out: Path) -> None:
     log(f"done: {out} ({n / 1e6:.1f} M parameters)")
 
 
-def is_current(out: Path) -> bool:
+def is_current(out: Path, variant: str = "tiny") -> bool:
     try:
-        return json.loads((out / STAMP).read_text()).get("hash") == script_hash()
+        return json.loads((out / STAMP).read_text()).get("hash") == script_hash(variant)
     except (OSError, ValueError):
         return False
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    ap.add_argument(
+        "--variant",
+        choices=VARIANTS,
+        default="tiny",
+        help="tiny: 2 thinker layers (default); light: the same payload widths with minimal compute",
+    )
+    ap.add_argument("--out", type=Path, help="output folder (default .work/model, .work/model-light for light)")
     ap.add_argument("--force", action="store_true", help="rebuild even when the folder is current")
     args = ap.parse_args(argv)
-    out = args.out.resolve()
-    if not args.force and is_current(out):
+    out = (args.out or OUT_DIRS[args.variant]).resolve()
+    if not args.force and is_current(out, args.variant):
         log(f"reusing {out} (up to date)")
         return 0
-    build(out)
+    build(out, args.variant)
     return 0
 
 
