@@ -15,6 +15,7 @@ from typing import Any
 from omni_accum.manager import SettingError, check_switches, env_flag
 from omni_accum.errors import OmniAccumError
 from omni_accum.integrations.vllm_omni import binding, deployment, peer, reporting, send
+from omni_accum.integrations.vllm_omni.processor import adopt as adopt_processor
 from omni_accum.integrations.vllm_omni.targets import ProbeHook, _patch, _patched, active_family
 from omni_accum.policy import ENV_POLICY, Policy, load_policy
 
@@ -128,7 +129,9 @@ def _on_extra_policy(obj: Any) -> None:
 
 
 def _on_made(obj: Any) -> None:
-    """An adapter or transport was just made: a receiving adapter with a policy says hello (:mod:`.peer`)."""
+    """An adapter or transport was just made: a receiving adapter with a policy says hello (:mod:`.peer`); a stage
+    input processor it resolved before the wrappers were installed becomes the wrapper (:mod:`.processor`)."""
+    adopt_processor(obj)
     if binding.Settings.installed and peer.receives(obj):
         b = binding.binding_for(obj)
         if b is not None:

@@ -24,7 +24,10 @@ class InstallRefused(OmniAccumError):
 
 @dataclass(frozen=True)
 class Target:
-    """One method omni-accum wraps: where it is, its signature in the release family, and the wrapper factory."""
+    """One method omni-accum wraps: where it is, its signature in the release family, and the wrapper factory.
+
+    ``owner`` is ``module:Class`` for a method, or a bare ``module`` for a module-level function (a stage
+    input processor, looked up by its dotted path when a stage starts)."""
 
     owner: str
     name: str
@@ -34,7 +37,8 @@ class Target:
 
     @property
     def label(self) -> str:
-        return f"{self.owner.rpartition(':')[2]}.{self.name}"
+        module, _, cls = self.owner.partition(":")
+        return f"{cls or module.rpartition('.')[2]}.{self.name}"
 
 
 @dataclass(frozen=True)
@@ -84,9 +88,11 @@ def _release(version: str) -> str:
     return version.split("+", 1)[0].strip()
 
 
-def _resolve(owner: str) -> type:
+def _resolve(owner: str) -> Any:
+    """The class ``module:Class`` names, or the module a bare ``module`` names."""
     module, _, name = owner.partition(":")
-    return getattr(importlib.import_module(module), name)
+    mod = importlib.import_module(module)
+    return getattr(mod, name) if name else mod
 
 
 def signature_shape(func: Any) -> str:

@@ -9,14 +9,21 @@
 * the full-payload accumulator and ``init_omni_connectors(self, model_config, kv_transfer_manager=None)``
   live on that mixin.
 
-The adapter methods are those of 0.30 (:func:`.v030.adapter_targets`).
+The adapter methods are those of 0.30 (:func:`.v030.adapter_targets`), and so is the Qwen3-Omni
+async-chunk thinker-to-talker processor (:func:`.v030.processor_targets`: its prefill branch is 0.30's,
+line for line).
 """
 
 from __future__ import annotations
 
 from omni_accum.integrations.vllm_omni import runner
 from omni_accum.integrations.vllm_omni.families.base import Family, Target, wrap_probe
-from omni_accum.integrations.vllm_omni.families.v030 import ADAPTER, adapter_targets, full_payload_targets
+from omni_accum.integrations.vllm_omni.families.v030 import (
+    ADAPTER,
+    adapter_targets,
+    full_payload_targets,
+    processor_targets,
+)
 
 MIXIN = "vllm_omni.worker.omni_connector_model_runner_mixin:OmniConnectorModelRunnerMixin"
 
@@ -33,6 +40,7 @@ FAMILY = Family(
         *adapter_targets(),
         Target(MIXIN, "_accumulate_payload", "(self, req_id, payload_data)", wrap_mixin_accumulate),
         *full_payload_targets(MIXIN),
+        *processor_targets(),
     ),
     probes=(
         Target(ADAPTER, "__init__", "(self, vllm_config)", wrap_probe),

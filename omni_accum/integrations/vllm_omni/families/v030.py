@@ -7,12 +7,13 @@
 * the full-payload accumulator lives on the transport mixin; ``init_omni_connectors`` moved to
   ``_OmniConnectorRuntimeMixin`` and takes ``synchronous``.
 
-The adapter methods are those of 0.28 (same signatures).
+The adapter methods are those of 0.28 (same signatures), and so is the Qwen3-Omni async-chunk
+thinker-to-talker stage input processor (``thinker2talker_async_chunk``, a module-level function).
 """
 
 from __future__ import annotations
 
-from omni_accum.integrations.vllm_omni import full_payload, receive, runner, send
+from omni_accum.integrations.vllm_omni import full_payload, processor, receive, runner, send
 from omni_accum.integrations.vllm_omni.families.base import Family, Target, wrap_probe
 
 ADAPTER = "vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter:OmniChunkTransferAdapter"
@@ -23,6 +24,8 @@ MIXIN = (
 RUNTIME = "vllm_omni.distributed.omni_connectors.model_runner.omni_connector_runtime:_OmniConnectorRuntimeMixin"
 DATA_PLANE = "vllm_omni.worker_v2.omni_data_plane:OmniRunnerDataPlane"
 RUNNER = "vllm_omni.worker.omni_connector_model_runner_mixin:OmniConnectorModelRunnerMixin"
+#: The module of the Qwen3-Omni stage input processors (a bare module: its functions are the targets).
+QWEN3_OMNI = "vllm_omni.model_executor.stage_input_processors.qwen3_omni"
 
 
 def wrap_transport_accumulate(f):
@@ -51,6 +54,19 @@ def adapter_targets() -> tuple[Target, ...]:
     )
 
 
+def processor_targets() -> tuple[Target, ...]:
+    """The Qwen3-Omni async-chunk thinker-to-talker processor (the same body in 0.28 and 0.30): its prefill
+    chunks accumulate under the policy (:mod:`..processor`)."""
+    return (
+        Target(
+            QWEN3_OMNI,
+            "thinker2talker_async_chunk",
+            "(transfer_manager, multimodal_output, request, is_finished=False)",
+            processor.wrap_processor,
+        ),
+    )
+
+
 def full_payload_targets(owner: str) -> tuple[Target, ...]:
     """The full-payload accumulator (bodies identical from 0.22 to 0.30; only its class moved)."""
     return (
@@ -72,6 +88,7 @@ FAMILY = Family(
         Target(MIXIN, "_accumulate_payload", "(self, req_id, payload_data)", wrap_transport_accumulate),
         Target(DATA_PLANE, "_accumulate_payload", "(self, req_id, payload_data)", wrap_data_plane_accumulate),
         *full_payload_targets(MIXIN),
+        *processor_targets(),
     ),
     probes=(
         Target(ADAPTER, "__init__", "(self, vllm_config)", wrap_probe),
