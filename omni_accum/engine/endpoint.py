@@ -9,12 +9,14 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
+
 from omni_accum.context import DEFAULT_CONTEXT, KeyMeta, StreamContext
 from omni_accum.errors import AccumulationError, OmniAccumError, PolicyError, UnknownRequestError
 from omni_accum.policy.loader import load_policy
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.model import Policy
-from omni_accum.strategy import Accumulator, KeyInfo, Strategy, StrategySpec
+from omni_accum.strategy import Accumulator, KeyInfo, Strategy, StrategySpec, describe
 
 #: Wire key carrying, when the sender left unchanged ``send_once`` values off, how many such
 #: values the receiver must already hold for the request. The count is negative (minus that count)
@@ -197,6 +199,46 @@ class _Endpoint:
     def strategy_for(self, path: str, value: Any = None, context: StreamContext | None = None) -> str:
         """Name of the strategy ``path`` gets (with a first value like ``value``)."""
         return self.select(path, value, context or self.context)[1].name
+
+
+def read_mismatch(value: Any, got: Any) -> str | None:
+    """Why ``got`` (a first ``read()`` after merging ``value``) is no view of a key whose chunk was ``value``, or None.
+
+    A tensor chunk reads as a tensor of its dtype, trailing shape and device (appended or replaced), a
+    list chunk as a list, any other value as a value of its type (every kind replaces those).
+    """
+    if isinstance(value, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"expected a tensor like the chunk's {describe(value)}"
+        if got.dtype != value.dtype or got.shape[1:] != value.shape[1:] or got.device != value.device:
+            return f"expected the chunk's dtype, trailing shape and device ({describe(value)})"
+        return None
+    if isinstance(value, list):
+        return None if isinstance(got, list) else "expected a list, as the chunk's value"
+    if isinstance(got, type(value)):
+        return None
+    return f"expected a {type(value).__name__}, as the chunk's value"
+
+
+def check_first_read(req_id: str, st: _Request, slot: _Slot, value: Any) -> None:
+    """Check a new key state's first ``read()`` after merging its first ``value`` (:func:`read_mismatch`).
+
+    Runs once per key and request, where a slot is made (never on the steady path of known keys): a
+    plugin whose view has the wrong type (a string for an append key) fails the request here, with an
+    :class:`AccumulationError`, as a strategy that raises does, instead of reaching the consumer. A
+    strategy that rewrites the wire form is not checked: its wire value says nothing of its view.
+    """
+    if rewrites_wire(slot.strategy):
+        return
+    try:
+        got = slot.acc.read()
+    except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
+        st.failed = f"strategy {slot.spec.name!r} raised {type(e).__name__} in read on key {slot.path!r}"
+        raise slot_error(f"read raised {type(e).__name__}: {e}", req_id, slot) from e
+    msg = read_mismatch(value, got)
+    if msg is not None:
+        st.failed = f"strategy {slot.spec.name!r} read {describe(got)} for key {slot.path!r}"
+        raise slot_error(f"read() returned {describe(got)}: {msg}", req_id, slot)
 
 
 def _bad_id(req_id: Any) -> AccumulationError:

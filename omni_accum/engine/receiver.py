@@ -19,6 +19,7 @@ from omni_accum.engine.endpoint import (
     _Request,
     _resets_on_override,
     _Slot,
+    check_first_read,
     rewrites_wire,
     slot_error,
 )
@@ -71,7 +72,8 @@ class Receiver(SequencedMerge, _Endpoint):
         A chunk is merged whole or not at all: if any key fails (dtype or trailing shape change,
         a 0-d tensor appended, the memory guard, an unknown strategy) an
         :class:`AccumulationError` is raised and the request's state is as before the chunk.
-        If a strategy raises half-way, the request is marked failed until released.
+        If a strategy raises half-way, or a new key's first read is of the wrong type (a string for
+        a tensor chunk: checked once per key and request), the request is marked failed until released.
 
         ``seq`` (opt-in; all chunks of a request carry one, or none does) numbers the request's
         chunks 0, 1, 2, ...: a chunk below the next expected number, or one already buffered, is a
@@ -378,7 +380,7 @@ class Receiver(SequencedMerge, _Endpoint):
             )
 
     def _apply(self, req_id: str, st: _Request, ops: list[tuple[Any, Any, Any, _Slot]]) -> None:
-        """Phase 2: merge every planned value."""
+        """Phase 2: merge every planned value; a new key's first read is checked (:func:`check_first_read`)."""
         entries = st.entries
         for top, qual, value, slot in ops:
             if slot is None:  # an empty group
@@ -390,6 +392,7 @@ class Receiver(SequencedMerge, _Endpoint):
             if qual is LEAF:
                 old = entries.get(top)
                 if old is not slot:
+                    check_first_read(req_id, st, slot, value)
                     st.held_once += slot.strategy.omits_unchanged - _held_once(old)
                     entries[top] = slot
             else:
@@ -399,6 +402,7 @@ class Receiver(SequencedMerge, _Endpoint):
                     group = entries[top] = {}
                 old = group.get(qual)
                 if old is not slot:
+                    check_first_read(req_id, st, slot, value)
                     st.held_once += slot.strategy.omits_unchanged - _held_once(old)
                     group[qual] = slot
         if self.on_merge is not None:
