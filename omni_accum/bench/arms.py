@@ -53,6 +53,21 @@ def strategy_arm(workload: Workload, strategy: str, params: dict[str, Any] | Non
     )
 
 
+def policy_misses_workload(policy: Policy, workload: Workload) -> str | None:
+    """What to tell a user whose policy decides none of the workload's keys (no rule matches one, no tuned
+    cell names one: every key gets the policy's default, and the arm measures that), or None."""
+    paths = [k.path for k in workload.keys]
+    if any(policy.match_rule(p) is not None for p in paths):
+        return None
+    if policy.tuned is not None and any(c.key in paths for c in policy.tuned.cells):
+        return None
+    shown = ", ".join(paths[:6]) + (f", ... ({len(paths)} keys)" if len(paths) > 6 else "")
+    return (
+        f"no rule or tuned cell of this policy matches a key of workload {workload.name!r} ({shown}): every key "
+        f"gets its default {policy.default.strategy!r}, so this arm measures that strategy, not the policy's choices"
+    )
+
+
 def workload_policy_problem(workload: Workload, source: str | None = None) -> str | None:
     """Why the workload's ``policy`` field names no policy preset nor policy file, or None.
 
@@ -134,6 +149,9 @@ def build_arms(workload: Workload, names: Sequence[str] | None = None, *, warn: 
             arms[name] = policy
         elif name in presets or Path(name).is_file():
             arms[name] = load_policy(name)
+            unmatched = policy_misses_workload(arms[name], workload)
+            if unmatched and warn is not None:
+                print(f"note: arm {name!r}: {unmatched}", file=warn)
         else:
             raise UnknownArmError(
                 f"unknown arm {name!r}: not 'upstream', 'wire-floor', a strategy ({', '.join(manager.names())}), "

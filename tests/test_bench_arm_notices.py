@@ -1,0 +1,50 @@
+"""``omni-accum bench`` says when a policy arm decides none of the workload's keys (issue 32, item 9)."""
+
+from __future__ import annotations
+
+import io
+
+import yaml
+
+from omni_accum.bench.arms import build_arms
+from omni_accum.bench.workloads import load_workload
+from omni_accum.cli import main
+
+SMALL = ["--context-lens", "16", "--concurrency", "1", "--steps", "2", "--repeats", "1", "--no-progress"]
+
+
+def test_a_policy_arm_that_matches_no_key_is_named_on_stderr(capsys):
+    """The 0.30.0 preset (``embed.*``, ``meta.*`` rules) on the seed workload's flat keys: every key gets the
+    preset's default, and bench says so; the flat preset, whose rules match, gets no such note."""
+    rc = main(["bench", "--workload", "qwen3-omni-seed", "--arms", "qwen3-omni", "qwen3-omni-flat", *SMALL])
+    err = capsys.readouterr().err
+    assert rc == 0
+    notes = [line for line in err.splitlines() if "matches a key of workload" in line]
+    assert len(notes) == 1, err
+    assert notes[0].startswith("note: arm 'qwen3-omni': ") and "'qwen3-omni-seed'" in notes[0]
+    assert "thinker_embeddings" in notes[0] and "default 'cat'" in notes[0]
+
+
+def test_tuned_cells_count_as_a_match(tmp_path):
+    """A policy whose only link to the workload is a tuned cell (no rules) is not reported; one whose cells
+    name other keys is."""
+    wl = load_workload("qwen3-omni-seed")
+
+    def policy_file(key: str) -> str:
+        doc = {
+            "default": "cat",
+            "tuned": {
+                "context_len_edges": [0],
+                "concurrency_edges": [1],
+                "cells": [{"key": key, "context_len": 0, "concurrency": 1, "strategy": "prealloc"}],
+            },
+        }
+        path = tmp_path / f"{key}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return str(path)
+
+    hit, miss = policy_file("thinker_embeddings"), policy_file("embed.prefill")
+    warn = io.StringIO()
+    build_arms(wl, [hit, miss], warn=warn)
+    lines = [line for line in warn.getvalue().splitlines() if "matches a key" in line]
+    assert lines == [lines[0]] and lines[0].startswith(f"note: arm {miss!r}: "), warn.getvalue()
