@@ -6,8 +6,9 @@ Opt-in (it builds a ~7 GB environment on first use and runs a server for a few m
 
 (``CI=true`` enables it too.) The test calls ``benchmarks/e2e/setup_env.sh`` (the harness's own
 virtualenv, reused when current), ``benchmarks/e2e/build_model.py`` (a tiny random Qwen3-Omni),
-then ``benchmarks/e2e/run.py --smoke --arms qwen3-omni,qwen3-omni@arena``, and checks from the run's JSON
-report:
+then ``benchmarks/e2e/run.py --smoke --arms qwen3-omni@arena`` (ONE server start: the comparison with
+``SharedMemoryConnector`` and with ``off`` belongs to the benchmark, ``run.py --arms off,...``), and checks
+from the run's JSON report:
 
 * the server started and the chat request with audio output returned text and audio;
 * every stage engine-core process and every stage worker process reported omni-accum installed;
@@ -21,11 +22,11 @@ report:
 * stages 1 and 2 said hello (the peer hello) and the senders of stages 0 and 1 read it (server log);
 * the server's ``/metrics`` (``PROMETHEUS_MULTIPROC_DIR`` set by the harness) shows chunks sent and
   received, wire bytes, the request and the policy's info, as counted in the stage processes;
-* the second arm, the same policy over ``configs/qwen3_omni_cpu_arena.yaml`` (``OmniAccumArenaConnector``
-  instead of ``SharedMemoryConnector``): the same answer, the receiving stages created the regions and
-  stages 0 and 1 put through the arena, the thinker's append keys went as append chains the talker's
-  stage read in place (no copy), nothing left in ``/dev/shm``;
-* nothing of either server is left running and its port is free.
+* the deploy is ``configs/qwen3_omni_cpu_arena.yaml`` (``OmniAccumArenaConnector`` instead of
+  ``SharedMemoryConnector``): the receiving stages created the regions and stages 0 and 1 put through
+  the arena, the thinker's append keys went as append chains the talker's stage read in place (no copy),
+  nothing left in ``/dev/shm``;
+* nothing of the server is left running and its port is free.
 
 Logs: ``benchmarks/e2e/.work/test-logs/``.
 """
@@ -54,7 +55,7 @@ pytestmark = pytest.mark.skipif(
 
 SETUP_TIMEOUT = 3600  # a cold environment build (download ~7 GB); a warm one takes seconds
 BUILD_TIMEOUT = 900
-RUN_TIMEOUT = 2400  # per arm: server start (~3-5 min on 2 shared cores) + one request + stop
+RUN_TIMEOUT = 1800  # one arm: server start (~3-5 min on 2 shared cores) + one request + stop
 
 
 def _run(cmd: list[str], log: Path, timeout: float) -> None:
@@ -90,19 +91,18 @@ def _port_free(port: int) -> bool:
     return True
 
 
-ARENA_ARM = "qwen3-omni@arena"  # the same policy over configs/qwen3_omni_cpu_arena.yaml (OmniAccumArenaConnector)
+ARM = "qwen3-omni@arena"  # the qwen3-omni policy over configs/qwen3_omni_cpu_arena.yaml (OmniAccumArenaConnector)
 
 
 @pytest.fixture(scope="module")
-def smoke_reports() -> dict:
+def smoke_report() -> dict:
     py = str(VENV / "bin" / "python")
     _run(["bash", str(E2E / "setup_env.sh")], LOGS / "setup_env.log", SETUP_TIMEOUT)
     _run([py, str(E2E / "build_model.py")], LOGS / "build_model.log", BUILD_TIMEOUT)
     out = LOGS / "smoke.json"
     if out.exists():
         out.unlink()
-    cmd = [py, str(E2E / "run.py"), "--smoke", "--arms", f"qwen3-omni,{ARENA_ARM}", "--json", str(out),
-           "--keep-logs", str(LOGS)]  # fmt: skip
+    cmd = [py, str(E2E / "run.py"), "--smoke", "--arms", ARM, "--json", str(out), "--keep-logs", str(LOGS)]
     log = LOGS / "run.log"
     with open(log, "wb") as f:
         try:
@@ -111,13 +111,9 @@ def smoke_reports() -> dict:
             pytest.fail(f"run.py --smoke timed out after {RUN_TIMEOUT} s; see {log}")
     if not out.exists():
         pytest.fail(f"run.py wrote no report; see {log}\n{log.read_text(errors='replace')[-3000:]}")
-    report = json.loads(out.read_text())
-    return {a["arm"]: a for a in report["arms"]}
-
-
-@pytest.fixture(scope="module")
-def smoke_report(smoke_reports) -> dict:
-    return smoke_reports["qwen3-omni"]
+    arms = {a["arm"]: a for a in json.loads(out.read_text())["arms"]}
+    assert list(arms) == [ARM], f"one server arm, found {list(arms)}"
+    return arms[ARM]
 
 
 def test_server_started_and_answered_with_text_and_audio(smoke_report):
@@ -213,18 +209,16 @@ def test_the_servers_metrics_endpoint_shows_what_the_stage_processes_counted(smo
     assert any("qwen3-omni" in (s or "") for s in sources), f"omni_accum_policy_info sources: {sources}"
 
 
-def test_the_arena_connector_carries_the_same_answer_in_a_real_server(smoke_reports):
+def test_the_arena_connector_carries_the_payloads_in_a_real_server(smoke_report):
     """``OmniAccumArenaConnector`` selected in the deploy YAML: the stage processes create and attach its
     regions and put through it, the thinker's append keys travel as append chains the talker's stage reads
-    in place, the answer is the SharedMemoryConnector arm's, and /dev/shm is left empty."""
-    shm, arena = smoke_reports["qwen3-omni"], smoke_reports[ARENA_ARM]
-    assert arena.get("started"), f"server did not start: {arena.get('error')}; log {arena.get('server_log')}"
-    a, b = arena.get("correctness") or {}, shm.get("correctness") or {}
-    assert a.get("http_status") == 200, f"chat request failed: {a}"
-    assert a.get("text_token_ids") == b.get("text_token_ids") and a.get("text_token_ids")
-    assert a.get("audio_sha256") == b.get("audio_sha256") and a.get("audio_bytes", 0) > 44
+    in place, and /dev/shm is left empty. (That its answer is the SharedMemoryConnector's, byte for byte, is
+    the benchmark's comparison: ``run.py --arms off,qwen3-omni,qwen3-omni@arena``.)"""
+    arena = smoke_report
+    a = arena.get("correctness") or {}
+    assert a.get("http_status") == 200 and a.get("text_token_ids"), f"chat request failed: {a}"
     log = Path(arena["server_log"]).read_text(errors="replace")
-    created = [line for line in log.splitlines() if "omni-accum arena omni_accum_arena_e2e_" in line and ": created" in line]
+    created = [line for line in log.splitlines() if "omni_accum_arena_e2e_" in line and ": created" in line]
     first = [line for line in log.splitlines() if "first put through the arena" in line]
     assert len(created) == 2, "regions 0->1 and 1->2 created by the receiving stages:\n" + "\n".join(created)
     assert len(first) == 2, "stage 0 and stage 1 put through the arena:\n" + "\n".join(first)
@@ -237,12 +231,8 @@ def test_the_arena_connector_carries_the_same_answer_in_a_real_server(smoke_repo
     assert not list(Path("/dev/shm").glob("omni_accum_arena_e2e_*"))
 
 
-def test_nothing_left_running(smoke_reports):
-    for arm in smoke_reports.values():
-        _nothing_left(arm)
-
-
-def _nothing_left(arm: dict) -> None:
+def test_nothing_left_running(smoke_report):
+    arm = smoke_report
     stop = arm.get("stop") or {}
     assert not stop.get("left_running"), f"left running after stop: {stop.get('left_running')}"
     still = [p for p in arm.get("processes") or [] if _alive(p["pid"], p["title"])]
