@@ -5,7 +5,9 @@ Both ends number a request's keys in the order they first appear on the wire, wh
 i-th key, bit 0 says the ``meta.override_keys`` list left off still applies (the engine's negative
 marker count). A request's first chunk carries the mask as a list with the sender's policy fingerprint,
 the tuned bucket it decided for the request and its policy source (:func:`with_hello`); later chunks
-carry the bare mask, and only when something was left off.
+carry the bare mask, and only when something was left off. A chunk whose hand-off is timed (:mod:`.handoff`)
+carries the sender's clock too: the first chunk's hello list gains ``t_ns, clock_id``; another chunk's marker
+is ``[mask, t_ns, clock_id, kind]`` (:func:`with_stamp`).
 """
 
 from __future__ import annotations
@@ -31,13 +33,15 @@ class SendTable(dict):
     """A request's numbering on the sending side (``(top, qual) -> bit``, wire order), with the metrics'
     per-request caches (see :meth:`.metrics.Recorder.sent`), released with it: ``kept``, its run of chunks
     leaving the same keys off; ``meters``, each numbered key's metrics slot (by its number; None until counted);
-    ``plain``: the request goes out as vllm-omni built it (its receiver had not said hello, :mod:`.peer`)."""
+    ``plain``: the request goes out as vllm-omni built it (its receiver had not said hello, :mod:`.peer`);
+    ``stamps``: how many of its chunks went out, when their hand-offs are timed (:mod:`.handoff`), else None."""
 
-    __slots__ = ("kept", "meters", "plain")
+    __slots__ = ("kept", "meters", "plain", "stamps")
 
     def __init__(self) -> None:
         super().__init__()
         self.plain = False
+        self.stamps: int | None = None  # chunks sent so far when its hand-offs are timed (.handoff), else None
         self.kept: dict[tuple[Any, Any], list[Any]] = {}
         self.meters: list[Any] = []
 
@@ -51,24 +55,52 @@ def omitted_mask(table: Mapping[tuple[Any, Any], int], omitted: list[tuple[Any, 
     return sum(1 << (table[p] + 1) for p in omitted) | bool(override)
 
 
-def with_hello(mask: int, fingerprint: str, bucket: int, source: str) -> list[Any]:
+def with_hello(mask: int, fingerprint: str, bucket: int, source: str, stamp: tuple[Any, ...] = ()) -> list[Any]:
     """The ``OMITTED_KEY`` value of a request's first chunk: the mask, then the stage handshake — the
     sender's policy fingerprint, the tuned bucket it decided for the request (-1: none) and its policy
-    source (shortened)."""
-    return [mask, fingerprint, bucket, source[:24]]
+    source (shortened) — and, when its hand-off is timed, the sender's ``t_ns, clock_id`` (``stamp``)."""
+    return [mask, fingerprint, bucket, source[:24], *stamp[:2]]
+
+
+def with_stamp(mask: int, stamp: tuple[int, str, str]) -> list[Any]:
+    """The ``OMITTED_KEY`` value of a timed chunk that is not an announced first chunk:
+    ``[mask, t_ns, clock_id, kind]`` (kind: ``p`` prefill, ``d`` decode, ``f`` full)."""
+    return [mask, *stamp]
 
 
 def hello_of(raw: Any) -> tuple[str, int, str] | None:
-    """``(fingerprint, bucket, source)`` of a first chunk's ``OMITTED_KEY`` value; None on later chunks."""
-    if isinstance(raw, (list, tuple)) and len(raw) == 4 and isinstance(raw[1], str) and type(raw[2]) is int:
+    """``(fingerprint, bucket, source)`` of a first chunk's ``OMITTED_KEY`` value (with or without the
+    sender's clock); None on later chunks."""
+    if (
+        isinstance(raw, (list, tuple))
+        and len(raw) in (4, 6)
+        and isinstance(raw[1], str)
+        and type(raw[2]) is int
+    ):
         return raw[1], raw[2], str(raw[3])
+    return None
+
+
+def stamp_of(raw: Any) -> tuple[int, str, str | None] | None:
+    """``(t_ns, clock_id, kind)`` of a timed chunk's ``OMITTED_KEY`` value (kind None: an announced first
+    chunk, whose hello carries no kind); None for a chunk that carries no timestamp."""
+    if not isinstance(raw, (list, tuple)):
+        return None
+    if len(raw) == 6 and isinstance(raw[1], str):
+        t, clock, kind = raw[4], raw[5], None
+    elif len(raw) == 4 and type(raw[1]) is int:
+        t, clock, kind = raw[1], raw[2], raw[3]
+    else:
+        return None
+    if type(t) is int and isinstance(clock, str) and (kind is None or isinstance(kind, str)):
+        return t, clock, kind
     return None
 
 
 def split_mask(raw: Any) -> tuple[int, bool]:
     """``(bits of the keys left off, override marker)`` of an ``OMITTED_KEY`` value (a bare mask, or a
-    first chunk's :func:`with_hello` list); a malformed one is refused."""
-    if hello_of(raw) is not None:
+    first chunk's :func:`with_hello` list, a timed chunk's :func:`with_stamp` list); a malformed one is refused."""
+    if isinstance(raw, (list, tuple)) and (hello_of(raw) is not None or stamp_of(raw) is not None):
         raw = raw[0]
     if type(raw) is not int or raw < 0:
         raise AccumulationError(

@@ -249,8 +249,9 @@ class PeerWatch:
 
 
 def watch(b: Any, conn: Any) -> None:
-    """Sending binding ``b`` (on connector ``conn``): make its watcher when its policy can change the wire."""
-    if b.announces and b.__dict__.get("_peer") is None:
+    """Sending binding ``b`` (on connector ``conn``): make its watcher when its policy can change the wire or
+    its hand-offs may be timed (metrics on, :mod:`.handoff`)."""
+    if (b.announces or b.metrics.on) and b.__dict__.get("_peer") is None:
         src = _stage(conn)
         if src is not None:
             with _lock:

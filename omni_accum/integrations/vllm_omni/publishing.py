@@ -17,6 +17,8 @@ logger = logging.getLogger("omni_accum.vllm_omni")
 
 #: Called after each batch is published (the binding module sets it: the status file, when asked for).
 after_publish: Callable[[], None] | None = None
+#: Called with each batch before ``after_publish`` (the hand-off meters, :mod:`.handoff`).
+also_publish: list[Callable[[], None]] = []
 Binding = Any  # a binding (omni_accum.integrations.vllm_omni.binding.Binding); that module imports this one
 
 
@@ -70,6 +72,11 @@ class _Publisher:
         for b in taken:
             try:
                 b.publish()
+            except Exception:  # noqa: BLE001 - metrics never fail vllm-omni
+                logger.debug("omni-accum: publishing metrics failed", exc_info=True)
+        for f in also_publish:
+            try:
+                f()
             except Exception:  # noqa: BLE001 - metrics never fail vllm-omni
                 logger.debug("omni-accum: publishing metrics failed", exc_info=True)
         if after_publish is not None:

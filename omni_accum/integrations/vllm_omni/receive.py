@@ -19,6 +19,7 @@ import torch
 
 from omni_accum.engine import WIRE_MARKER
 from omni_accum.errors import AccumulationError, OmniAccumError
+from omni_accum.integrations.vllm_omni import handoff
 from omni_accum.integrations.vllm_omni.binding import Binding, _leaves, _path, binding_for
 from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, count_bits, number_once, split_mask
 from omni_accum.integrations.vllm_omni.peer import announce
@@ -243,6 +244,9 @@ def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
                 rec.armed = False  # the fallback's re-seeding merge is not this chunk
                 handed = adapter_fallback(b, req_id, payload, ar, e)
             rec.armed = False
+            raw = payload.get(OMITTED_KEY)
+            if raw.__class__ is list:  # maybe timed: merged and readable now (.handoff)
+                handoff.arrived(b, stage_id, raw, payload)
             if counted and not new:  # the steady path: only the time is left to record
                 rec.timed(time.perf_counter() - t0)
             else:

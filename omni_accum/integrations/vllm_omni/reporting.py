@@ -28,11 +28,11 @@ import multiprocessing
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from omni_accum.integrations.vllm_omni import binding as hooks
-from omni_accum.integrations.vllm_omni import peer
+from omni_accum.integrations.vllm_omni import handoff, peer
 from omni_accum.manager import ENV_LOG_LEVEL, LOG_FORMAT, ensure_visible_logging  # noqa: F401 - re-exported
 
 ENV_STATUS_DIR = "OMNI_ACCUM_STATUS_DIR"
@@ -83,11 +83,15 @@ class Status:
     metrics: bool
     pid: int
     process: str
+    #: The hand-offs the receive hooks here timed (:mod:`.handoff`): ``{pair: {kind: {count, seconds_sum,
+    #: seconds_max, bytes}}}``, pair ``"0->1"`` (sending and receiving stage), kind prefill / decode / full.
+    handoff: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
 
 def status() -> Status:
     """This process's omni-accum status: installed, the vllm-omni version, the process-wide policy's
-    source and fingerprint, every binding with its chunk counts, live requests, whether metrics are on."""
+    source and fingerprint, every binding with its chunk counts, live requests, whether metrics are on, the
+    hand-offs timed here."""
     from importlib.metadata import PackageNotFoundError, version
 
     from omni_accum.integrations.vllm_omni import metrics
@@ -121,6 +125,7 @@ def status() -> Status:
         metrics=metrics.enabled(),
         pid=os.getpid(),
         process=process_label(),
+        handoff=handoff.summary(),
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from omni_accum.engine import WIRE_MARKER
 from omni_accum.errors import AccumulationError
+from omni_accum.integrations.vllm_omni import handoff
 from omni_accum.integrations.vllm_omni.binding import Binding, binding_for
 from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY, count_bits, split_mask
 
@@ -146,6 +147,8 @@ def wrap_accumulate(orig: Callable[..., Any], *, decode_spans: bool) -> Callable
             b.fall_back(req_id, e, f"{type(self).__name__}._accumulate_payload")
             return orig(self, req_id, _upstream_chunk(store, req_id, payload_data))
         store[req_id] = merged
+        if (raw := payload_data.get(OMITTED_KEY)).__class__ is list:  # maybe timed: merged now (.handoff)
+            handoff.arrived(b, getattr(self, "_stage_id", None), raw, payload_data)
         if not counted:
             b.received(payload_data, time.perf_counter() - t0, new, req_id)
         elif new:  # the merge counted the keys and its time: the request is left

@@ -18,8 +18,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from omni_accum.engine import WIRE_MARKER
+from omni_accum.integrations.vllm_omni import handoff
 from omni_accum.integrations.vllm_omni.binding import Binding, binding_for, published_later
-from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, SendTable, omitted_mask, with_hello
+from omni_accum.integrations.vllm_omni.marker import (
+    MARKERS,
+    OMITTED_KEY,
+    SendTable,
+    omitted_mask,
+    with_hello,
+    with_stamp,
+)
 from omni_accum.integrations.vllm_omni.peer import may_announce, watch
 
 logger = logging.getLogger("omni_accum.vllm_omni")
@@ -41,8 +49,9 @@ def _connector_base() -> type | None:
         return None
 
 
-def encode_payload(b: Binding, req_id: str, data: Any) -> Any:
-    """What goes on the wire for ``data`` (a payload struct or mapping) of ``req_id``."""
+def encode_payload(b: Binding, req_id: str, data: Any, task: Any = None) -> Any:
+    """What goes on the wire for ``data`` (a payload struct or mapping) of ``req_id``; ``task``: the sending
+    adapter's task (the hand-off's kind, :mod:`.handoff`)."""
     from vllm_omni.data_entry_keys import OmniPayloadStruct, to_dict
 
     chunk = to_dict(data) if isinstance(data, OmniPayloadStruct) else data
@@ -60,13 +69,16 @@ def encode_payload(b: Binding, req_id: str, data: Any) -> Any:
                 hello = (b.fingerprint, bucket, b.short_source)
             else:  # ... once it said it runs omni-accum (the peer hello): until then, 0.30.0's payloads
                 table.plain = True
+        if not table.plain and handoff.heard(b):  # its hand-offs are timed (the sender's clock in the marker)
+            table.stamps = 0
     elif table is None:
         table = b.sent_once[req_id] = SendTable()
+    stamp = None if table.stamps is None else handoff.stamp(table, task)
     wire = chunk if table.plain else b.sender.encode(req_id, chunk, context=b.send_ctx.get(req_id))
     b.stats["chunks_sent"] += 1
     # One walk numbers the keys new on the wire, finds those left off and counts the metrics.
     omitted = b.metrics.sent(table, chunk, wire, b.strategy_name, MARKERS, table.kept)
-    if wire is chunk and hello is None:
+    if wire is chunk and hello is None and stamp is None:
         return data
     if wire is chunk:
         wire = dict(chunk)
@@ -77,7 +89,9 @@ def encode_payload(b: Binding, req_id: str, data: Any) -> Any:
         mask = omitted_mask(table, omitted, override)
         b.stats["omitted"] += len(omitted)
     if hello is not None:
-        wire[OMITTED_KEY] = with_hello(mask, *hello)
+        wire[OMITTED_KEY] = with_hello(mask, *hello, stamp[:2] if stamp is not None else ())
+    elif stamp is not None:
+        wire[OMITTED_KEY] = with_stamp(mask, stamp)
     elif marked:
         wire[OMITTED_KEY] = mask
     return wire
@@ -90,8 +104,8 @@ def _encoding_put(orig: Callable[..., Any]) -> Callable[..., Any]:
         if ctx is None or ctx[2] is not self or "data" not in kwargs:
             return orig(self, *args, **kwargs)
         _tls.send = None  # one encoding per send, even through a subclass's put calling its parent's
-        b, req_id, _ = ctx
-        kwargs["data"] = encode_payload(b, req_id, kwargs["data"])
+        b, req_id, _, task = ctx
+        kwargs["data"] = encode_payload(b, req_id, kwargs["data"], task)
         _tls.putting = b  # the connector may ask which keys the policy appends (putting_binding)
         try:
             result = orig(self, *args, **kwargs)
@@ -176,7 +190,7 @@ def wrap_send(orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(self, task, sender_token)
         watch(b, conn)  # its receiving stage's hello decides whether requests are announced (.peer)
         ext_id = task["request"].external_req_id
-        _tls.send = (b, ext_id, conn)
+        _tls.send = (b, ext_id, conn, task)
         try:
             return orig(self, task, sender_token)
         finally:

@@ -1,0 +1,293 @@
+"""The hand-off metric: the time from a chunk's put on the sending stage to its merge on the receiving stage,
+per stage pair and kind, with its bytes (real adapters, SharedMemoryConnector and the arena connector, CPU)."""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from tests.test_integration_vllm_omni import T2T, _receive_and_hand_over, _request, _thinker_steps, _wait, assert_same
+from tests.test_integration_vllm_omni import run_thinker_to_talker
+from tests.test_integration_vllm_omni_arena_connector import arena_name  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.vllm
+
+OFF = {"omni_accum_policy": "off"}
+
+
+def _sample(name: str, **labels: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def _prom(pair: str = "0->1") -> dict[str, float]:
+    """The hand-off samples of ``pair`` and the skip counters, as Prometheus has them now."""
+    from omni_accum.integrations.vllm_omni import handoff
+
+    handoff.publish()
+    out = {}
+    for kind in ("prefill", "decode", "full"):
+        out[f"{kind}.count"] = _sample("omni_accum_handoff_seconds_count", pair=pair, kind=kind)
+        out[f"{kind}.bytes"] = _sample("omni_accum_handoff_bytes_total", pair=pair, kind=kind)
+    for reason in ("clock_domain", "out_of_range"):
+        out[reason] = _sample("omni_accum_handoff_skipped_total", reason=reason)
+    return out
+
+
+def _status(vo, pair: str = "0->1") -> dict[str, dict[str, float]]:
+    return vo.status().handoff.get(pair, {})
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
+
+
+def _tensor_bytes(payload: Any) -> int:
+    """Tensor bytes of a put's values, counted here independently of omni-accum (its marker holds none)."""
+    from vllm_omni.data_entry_keys import OmniPayloadStruct, to_dict
+
+    d = to_dict(payload) if isinstance(payload, OmniPayloadStruct) else payload
+    n = 0
+    for v in d.values():
+        for x in v.values() if isinstance(v, dict) else (v,):
+            n += x.nbytes if isinstance(x, torch.Tensor) else 0
+    return n
+
+
+@pytest.fixture
+def puts(monkeypatch, vllm_omni):
+    """Every payload a SharedMemoryConnector puts, as it goes on the wire (installed before omni-accum's
+    wrapper of the class put, which then encodes into it)."""
+    from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
+
+    seen: list[Any] = []
+    orig = SharedMemoryConnector.put
+
+    def put(self, *args, **kwargs):
+        seen.append(kwargs.get("data"))
+        return orig(self, *args, **kwargs)
+
+    monkeypatch.setattr(SharedMemoryConnector, "put", put)
+    return seen
+
+
+def _pair(adapters, extra: dict, rx_extra: dict | None = None, **kw):
+    """A thinker and a talker adapter; the thinker's watcher has heard the talker's hello (when it says one)."""
+    from omni_accum.integrations.vllm_omni import peer
+    from omni_accum.integrations.vllm_omni.binding import binding_for
+
+    tx = adapters(0, next_func=T2T, extra=extra, **kw)
+    rx = adapters(1, extra=extra if rx_extra is None else rx_extra, **kw)
+    b = binding_for(tx)
+    if rx_extra is None:
+        peer.watch(b, tx.connector)
+        b._peer.ready()
+        _wait(lambda: b._peer.hello is not None, "the thinker to hear the talker's hello")
+    return tx, rx
+
+
+def _run(tx, rx, rid: str) -> list[dict]:
+    """One request, thinker to talker (any connector); the payloads the talker was handed."""
+    from tests.test_integration_vllm_omni_lifecycle import drive
+
+    return drive(tx, rx, rid, _thinker_steps())
+
+
+@pytest.fixture
+def base(vo, adapters):
+    """What the talker is handed by 0.30.0's own code (omni-accum off on both stages)."""
+    vo.install(None)
+    tx, rx = adapters(0, next_func=T2T, extra=OFF), adapters(1, extra=OFF)
+    handed, wire, _ = run_thinker_to_talker(lambda s, **kw: tx if s == 0 else rx, f"oa-ho-base-{os.getpid()}")
+    return handed, wire
+
+
+def _no_marker(handed: list[dict]) -> None:
+    for h in handed:
+        assert not any(str(k).startswith("__omni_accum") for k in h), sorted(h)
+
+
+@pytest.mark.parametrize("policy", ["default", "qwen3-omni"])
+def test_a_known_stream_gives_exact_counts_and_bytes_per_pair_and_kind(monkeypatch, puts, vo, adapters, base, policy):
+    """Thinker adapter -> SHM -> talker adapter: chunk 0 (the whole prompt) is one prefill hand-off, and of the
+    five decode chunks those on the sample (every 2nd chunk of the request: chunks 2 and 4) are timed; the
+    bytes are those of the timed chunks as they went on the wire; the talker is handed what 0.30.0 hands."""
+    monkeypatch.setenv("OMNI_ACCUM_HANDOFF_SAMPLE", "2")
+    vo.install(None)
+    tx, rx = _pair(adapters, {"omni_accum_policy": policy})
+    prom0, stat0 = _prom(), _status(vo)
+    puts.clear()
+    handed = _run(tx, rx, f"oa-ho-{policy}-{os.getpid()}")
+    assert_same(handed, base[0], "handed")
+    _no_marker(handed)
+    assert len(puts) == 6 == len(handed)
+    want = {"prefill.count": 1, "prefill.bytes": _tensor_bytes(puts[0]), "decode.count": 2}
+    want["decode.bytes"] = _tensor_bytes(puts[2]) + _tensor_bytes(puts[4])
+    assert want["prefill.bytes"] > want["decode.bytes"] > 0
+    assert _delta(_prom(), prom0) == want
+    stat = _status(vo)
+    for kind in ("prefill", "decode"):
+        row, was = stat[kind], stat0.get(kind, {"count": 0, "bytes": 0, "seconds_sum": 0.0})
+        assert row["count"] - was["count"] == want[f"{kind}.count"]
+        assert row["bytes"] - was["bytes"] == want[f"{kind}.bytes"]
+        assert 0 <= row["seconds_max"] <= 600 and row["seconds_sum"] >= was["seconds_sum"]
+    assert "full" not in stat
+
+
+def test_the_arena_connector_carries_the_timestamp_too(monkeypatch, vo, arena_name, adapters):
+    """Over the arena connector the marker rides in the payload dict as over SHM: the same hand-offs, the same
+    bytes as the SHM run of the same stream."""
+    from omni_accum.integrations.vllm_omni import arena_plugin
+
+    monkeypatch.setenv("OMNI_ACCUM_HANDOFF_SAMPLE", "2")
+    arena_plugin.register()
+    vo.install(None)
+    extra = {"omni_accum_policy": "default"}
+    p0 = _prom()
+    shm = _run(*_pair(adapters, extra), f"oa-ho-shm-{os.getpid()}")
+    p1 = _prom()
+    tx, rx = _pair(adapters, {**extra, "arena_name": arena_name}, connector="OmniAccumArenaConnector")
+    assert type(tx.connector).__name__ == "ArenaConnector"
+    assert rx.connector.get("0", "1", "prime") is None  # the region exists before the first put
+    handed = _run(tx, rx, f"oa-ho-arena-{os.getpid()}")
+    assert tx.connector.health()["arena_puts"] == len(handed)
+    p2 = _prom()
+    assert_same(handed, shm, "handed")
+    over_shm, over_arena = _delta(p1, p0), _delta(p2, p1)
+    assert over_shm["prefill.count"] == 1 and over_shm["decode.count"] == 2
+    assert over_arena == over_shm
+
+
+def _raw_put(conn: Any, rid: str, marker: Any, chunk: int = 0) -> None:
+    """A chunk as a sender on another machine (or with a broken clock) would put it: a prefill payload and
+    omni-accum's marker, straight through the real connector."""
+    from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY
+
+    payload = {
+        "embed": {"prefill": torch.ones(3, 8, dtype=torch.bfloat16)},
+        "hidden_states": {"output": torch.ones(3, 8, dtype=torch.bfloat16)},
+        "ids": {"prompt": list(range(3)), "all": list(range(3))},
+        "meta": {"finished": torch.tensor(True)},
+        OMITTED_KEY: marker,
+    }
+    ok, _, _ = conn.put(from_stage="0", to_stage="1", put_key=f"{rid}_0_{chunk}", data=payload)
+    assert ok
+
+
+@pytest.mark.parametrize(
+    ("why", "clock", "offset_s"),
+    [("clock_domain", "0ther0st", 0.0), ("out_of_range", None, 3600.0), ("out_of_range", None, -3600.0)],
+)
+def test_a_timestamp_from_another_clock_or_far_off_is_skipped_not_measured(vo, adapters, why, clock, offset_s):
+    """Another host's clock domain, or a timestamp an hour in the future or the past: no duration (negative
+    or absurd) is recorded, the chunk counts as skipped, and the talker is handed the payload without the marker."""
+    from omni_accum.integrations.vllm_omni import handoff
+
+    vo.install(None)
+    tx, rx = _pair(adapters, {"omni_accum_policy": "default"})
+    rid = f"oa-ho-skip-{why}-{int(offset_s)}-{os.getpid()}"
+    t_ns = time.monotonic_ns() + int(offset_s * 1e9)
+    before, stat0 = _prom(), _status(vo)
+    _raw_put(tx.connector, rid, [0, t_ns, clock or handoff.clock_id(), "p"])
+    rreq = _request(rid, [], internal="rx-" + rid)
+    handed = _receive_and_hand_over(rx, rreq)
+    _no_marker([handed])
+    assert torch.equal(handed["embed"]["prefill"], torch.ones(3, 8, dtype=torch.bfloat16))
+    assert _delta(_prom(), before) == {why: 1}
+    assert _status(vo) == stat0
+    rx.cleanup(rreq.request_id, rid)
+
+
+def test_a_timestamp_on_this_clock_is_measured_from_the_put(vo, adapters):
+    """The same raw put with this host's clock, taken just before the put: one prefill hand-off, its bytes."""
+    from omni_accum.integrations.vllm_omni import handoff
+
+    vo.install(None)
+    tx, rx = _pair(adapters, {"omni_accum_policy": "default"})
+    rid = f"oa-ho-raw-{os.getpid()}"
+    before = _prom()
+    _raw_put(tx.connector, rid, [0, time.monotonic_ns(), handoff.clock_id(), "p"])
+    rreq = _request(rid, [], internal="rx-" + rid)
+    _receive_and_hand_over(rx, rreq)
+    assert _delta(_prom(), before) == {"prefill.count": 1, "prefill.bytes": 2 * 3 * 8 * 2 + 1}
+    rx.cleanup(rreq.request_id, rid)
+
+
+def test_a_receiver_that_never_said_hello_gets_no_marker(puts, vo, adapters, base):
+    """The talker runs no omni-accum (no hello): the thinker's wire is 0.30.0's, byte for byte."""
+    from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY
+
+    vo.install(None)
+    tx, rx = _pair(adapters, {"omni_accum_policy": "default"}, rx_extra=OFF)
+    before = _prom()
+    puts.clear()
+    handed, wire, _ = run_thinker_to_talker(lambda s, **kw: tx if s == 0 else rx, f"oa-ho-nohello-{os.getpid()}")
+    assert_same(handed, base[0], "handed")
+    assert wire == base[1]
+    assert puts and not any(isinstance(p, dict) and OMITTED_KEY in p for p in puts)
+    assert tx._omni_accum_binding._peer.hello is None
+    assert _delta(_prom(), before) == {}
+
+
+def test_metrics_off_times_nothing(monkeypatch, puts, vo, adapters, base):
+    """``OMNI_ACCUM_METRICS=0``: no timestamp goes on the wire, nothing is measured."""
+    from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY
+
+    monkeypatch.setenv("OMNI_ACCUM_METRICS", "0")
+    vo.install(None)
+    tx = adapters(0, next_func=T2T, extra={"omni_accum_policy": "default"})
+    rx = adapters(1, extra={"omni_accum_policy": "default"})
+    puts.clear()
+    handed = _run(tx, rx, f"oa-ho-off-{os.getpid()}")
+    assert_same(handed, base[0], "handed")
+    assert puts and not any(isinstance(p, dict) and OMITTED_KEY in p for p in puts)
+
+
+def test_a_bad_sample_setting_refuses_install(monkeypatch, vo):
+    from omni_accum.manager import SettingError
+
+    monkeypatch.setenv("OMNI_ACCUM_HANDOFF_SAMPLE", "every")
+    with pytest.raises(SettingError, match=r"OMNI_ACCUM_HANDOFF_SAMPLE='every' is not a whole number >= 0"):
+        vo.install(None)
+    assert not vo.status().installed
+
+
+# ------------------------------------------------------------------------------------------ units
+def test_the_marker_reads_old_and_new_hello_lists_and_timed_masks():
+    from omni_accum.integrations.vllm_omni.marker import hello_of, split_mask, stamp_of, with_hello, with_stamp
+
+    old = [6, "abc123", 2, "qwen3-omni"]  # a first chunk's marker before hand-offs were timed
+    assert hello_of(old) == ("abc123", 2, "qwen3-omni") and stamp_of(old) is None and split_mask(old) == (3, False)
+    new = with_hello(7, "abc123", -1, "default", (123456789, "356176b6", "p"))
+    assert new == [7, "abc123", -1, "default", 123456789, "356176b6"]
+    assert hello_of(new) == ("abc123", -1, "default") and stamp_of(new) == (123456789, "356176b6", None)
+    assert split_mask(new) == (3, True)
+    assert with_hello(0, "f", 0, "s") == [0, "f", 0, "s"]  # untimed: the old form
+    timed = with_stamp(4, (99, "clock", "d"))
+    assert timed == [4, 99, "clock", "d"] and hello_of(timed) is None
+    assert stamp_of(timed) == (99, "clock", "d") and split_mask(timed) == (2, False)
+    assert stamp_of(tuple(timed)) == (99, "clock", "d")  # a decoder that gives tuples
+    for bad in ([4, 99.5, "clock", "d"], [4, 99, 7, "d"], [1, 2, 3], 5, None, [4, "f", 0, "s", "t", "c"]):
+        assert stamp_of(bad) is None, bad
+
+
+def test_the_kind_of_a_chunk_follows_the_request_counts():
+    from omni_accum.integrations.vllm_omni.handoff import kind_of
+
+    def task(done: int, prompt: int, placeholders: int = 0) -> dict:
+        req = SimpleNamespace(num_computed_tokens=done, num_output_placeholders=placeholders, num_prompt_tokens=prompt)
+        return {"request": req}
+
+    assert kind_of(0, None) == "p"  # a request's first chunk
+    assert kind_of(3, task(4096, 8192)) == "p"  # chunked prefill: the prompt is not complete
+    assert kind_of(3, task(8192, 8192)) == "p"  # the chunk that completes it
+    assert kind_of(3, task(8194, 8192, placeholders=1)) == "d"
+    assert kind_of(3, task(8193, 8192)) == "d"
+    assert kind_of(3, task(0, 8192)) == "d"  # no counts: a later chunk is a decode chunk
+    assert kind_of(3, None) == "d"
