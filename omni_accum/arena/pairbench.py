@@ -18,7 +18,9 @@ it and stays on its CPU (the best case). Arms:
 * ``shm``: the workload's policy (omni-accum ``Sender.encode``), vllm-omni 0.30.0's
   ``SharedMemoryConnector`` ``put`` then ``get`` in the other process, ``Receiver.merge``.
 
-The receiver checks every request's final view against the ``torch.cat`` reference (untimed).
+The receiver checks every request's final view against the ``torch.cat`` reference (untimed), and each
+``delta`` read (the rows a chunk added, which the consumer takes) against that chunk. No arm here drops
+the rows taken (the arena keeps them in place in its slab), so a ``delta`` key's state grows as ``cat``'s.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 
 from omni_accum.arena._common import leaves
-from omni_accum.bench.reference import check_view
+from omni_accum.bench.reference import check_taken, check_view
 from omni_accum.bench.streams import append_length_hints, build_stream, chunk_plans
 from omni_accum.bench.workloads import Workload
 from omni_accum.context import StreamContext
@@ -146,17 +148,24 @@ def _receiver_main(
             else:
                 got = conns[arm].get("0", "1", key)
                 view = policy_rx.merge(rid, got[0])
+            chunk = streams[r][int(key.rsplit("_", 1)[1])]
+            taken = []
             for path, how in reads:
                 if how == "end" and not last:
                     continue
                 top, _, qual = path.partition(".")
+                if how == "delta" and (top not in chunk or (qual and qual not in chunk[top])):
+                    continue  # taken with the chunk that carried it
                 val = view[top][qual] if qual else view[top]
                 if how == "newest_row" and len(val):
                     val = val[-1:]
+                elif how == "delta":  # the rows this chunk added (each arm keeps them; none drops them)
+                    val = val[-len(chunk[top][qual] if qual else chunk[top]) :]
+                    taken.append((path, val))
             dt = (_clock() - t0) / 1000.0
-            mismatch = None
+            mismatch = check_taken(chunk, taken) if taken else None
             if last:
-                mismatch = check_view(wl, streams[r], view)
+                mismatch = mismatch or check_view(wl, streams[r], view)
                 if arm == "arena":
                     rx.release(rid)
                 else:

@@ -54,6 +54,10 @@ class Engine(ABC):
         """What a view hop ships for key ``path`` whose consumer read ``read`` (default: the read)."""
         return read
 
+    def consume(self, req_id: str, path: str) -> None:  # noqa: B027 - optional
+        """The consumer took key ``path`` (read ``delta``): drop what the receiver holds of it (default:
+        nothing, for an engine whose views are not accumulated)."""
+
     def key_nbytes(self) -> dict[str, int]:
         """Bytes held per key path, all requests together (may be empty when not cheap)."""
         return {}
@@ -84,6 +88,18 @@ class PolicyEngine(Engine):
             for slot in _iter_slots(self.rx._requests[rid].entries):
                 out[slot.path] = out.get(slot.path, 0) + slot.acc.nbytes()
         return out
+
+    def consume(self, req_id: str, path: str) -> None:
+        # The key's slot goes; its next chunk starts a new one (as the live integration re-seeds the Receiver
+        # from upstream's dict after 0.30.0's data plane popped consumed rows).
+        st = self.rx._requests.get(req_id)
+        if st is not None:
+            top, _, qual = path.partition(".")
+            group = st.entries.get(top)
+            if qual and isinstance(group, dict):
+                group.pop(qual, None)
+            elif not qual:
+                st.entries.pop(top, None)
 
     def hop_value(self, req_id: str, path: str, read: Any) -> Any:
         # A strategy keeping per-chunk parts (token_list) ships its parts, as pre-0.30 releases shipped the list.
@@ -147,8 +163,24 @@ class UpstreamEngine(Engine):
                 out[path] = out.get(path, 0) + value_nbytes(v)
         return out
 
+    def consume(self, req_id: str, path: str) -> None:
+        # As 0.30.0's data plane (``pop_local_stage_payload``) drops consumed rows; the group is copied, not
+        # changed in place: upstream's first merge stores the wire's own dicts, which a replay shares.
+        _drop_key(self._state._send_side_request_payload.get(req_id), path)
+
     def release(self, req_id: str) -> None:
         self._state._send_side_request_payload.pop(req_id, None)
+
+
+def _drop_key(payload: Any, path: str) -> None:
+    """Remove key ``path`` from an accumulated upstream payload dict, copying its group (never in place)."""
+    if not isinstance(payload, dict):
+        return
+    top, _, qual = path.partition(".")
+    if not qual:
+        payload.pop(top, None)
+    elif isinstance(payload.get(top), dict) and qual in payload[top]:
+        payload[top] = {k: v for k, v in payload[top].items() if k != qual}
 
 
 #: An arm as :func:`measure` takes it: a policy, ``"upstream"``, or an engine factory.

@@ -22,10 +22,11 @@ def check_view(workload: Workload, stream: list[dict[str, Any]], view: Mapping[s
     of every value sent; ``replace``/``static`` is the last value sent. Compared bit for bit,
     slice by slice (no reference tensor is built). Append keys and every key the consumer reads
     are checked; replace/static keys it never reads are not (upstream concatenates the constant
-    ``meta.override_keys`` list, which no consumer reads).
+    ``meta.override_keys`` list, which no consumer reads). Keys read as ``delta`` are not either: the
+    consumer takes them and the receiver drops them chunk by chunk, and :func:`check_taken` checks each take.
     """
     for spec in workload.keys:
-        if spec.kind != "append" and spec.read == "never":
+        if (spec.kind != "append" and spec.read == "never") or spec.read == "delta":
             continue
         values = [dict(iter_leaves(c))[spec.path] for c in stream if spec.path in dict(iter_leaves(c))]
         if not values:
@@ -39,6 +40,20 @@ def check_view(workload: Workload, stream: list[dict[str, Any]], view: Mapping[s
             msg = _diff(got, values[-1])
         if msg:
             return f"key {spec.path!r}: {msg}"
+    return None
+
+
+def check_taken(chunk: Mapping[str, Any], taken: list[tuple[str, Any]]) -> str | None:
+    """None when every ``(path, value)`` the consumer took (read ``delta``) after ``chunk`` equals that
+    chunk's value of the key, bit for bit (it takes every chunk that carries the key, so what accumulated
+    since its last take is that chunk's value); else the first mismatch."""
+    sent = dict(iter_leaves(chunk))
+    for path, got in taken:
+        if path not in sent:
+            return f"key {path!r}: taken after a chunk that does not carry it"
+        msg = _diff(got, sent[path])
+        if msg:
+            return f"key {path!r}: the rows taken differ from the chunk's: {msg}"
     return None
 
 

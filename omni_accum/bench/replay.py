@@ -44,7 +44,7 @@ from omni_accum.bench.engines import (  # noqa: F401 - re-exported
     WireFloorEngine,
     make_engine,
 )
-from omni_accum.bench.reference import check_view  # noqa: F401 - re-exported
+from omni_accum.bench.reference import check_taken, check_view  # noqa: F401 - re-exported
 from omni_accum.bench.wires import (  # noqa: F401 - re-exported
     WIRES,
     InprocWire,
@@ -215,6 +215,7 @@ def replay(
             got, nb = wire.carry(f"{rid}_{i}", sent)
             view = engine.merge(rid, got)
             hop: dict[str, Any] | None = {} if view_hop is not None else None
+            taken: list[tuple[str, Any]] | None = None
             for rd in reads:
                 if rd.pattern == "end" and not last:
                     continue
@@ -223,11 +224,19 @@ def replay(
                     continue
                 if rd.pattern == "newest_row" and isinstance(val, (torch.Tensor, list)) and len(val):
                     val = val[-1:]
+                elif rd.pattern == "delta":  # the consumer takes what accumulated; the receiver drops it
+                    engine.consume(rid, rd.path)
+                    if check:
+                        taken = (taken or []) + [(rd.path, val)]
                 if hop is not None:
                     hop[rd.path] = engine.hop_value(rid, rd.path, val)
             if hop:
                 view_hop.deserialize(view_hop.serialize(hop))
             dt = (clock() - t0) / 1000.0 if timer is None else timer.stop_us()
+            if taken and mismatch is None and getattr(engine, "checks_views", True):
+                m = check_taken(chunk, taken)
+                if m:
+                    mismatch = f"request {r}, chunk {i}: {m}"
             step_us.append(dt)
             totals[r] += dt
             wire_bytes += nb

@@ -2,7 +2,7 @@
 
 A workload names its keys (path, kind, value type, per-chunk shape and dtype, which chunks carry
 it, how the consumer reads it) and a chunk schedule (prefill rows P = the context length, arriving
-in one chunk or in chunks of ``prefill_chunk`` rows, then ``decode_steps`` decode chunks). The five
+in one chunk or in chunks of ``prefill_chunk`` rows, then ``decode_steps`` decode chunks). The six
 presets model Qwen3-Omni's traffic (:mod:`omni_accum.bench.workload_presets` says where the shapes
 come from); users write their own in the same schema
 as a YAML file (``omni-accum bench --workload my.yaml``).
@@ -18,7 +18,7 @@ Example (YAML)::
     concurrency: [1, 8]
     keys:
       - {path: embed.prefill, kind: append, carried: prefill, row_shape: [2048], read: end}
-      - {path: embed.decode, kind: append, carried: decode, row_shape: [2048], read: newest_row}
+      - {path: embed.decode, kind: append, carried: decode, row_shape: [2048], read: delta}
       - {path: meta.finished, kind: replace, value: flag, carried: every}
 """
 
@@ -40,7 +40,7 @@ from omni_accum.errors import OmniAccumError
 from omni_accum.policy.loader import _yaml_line
 from omni_accum.policy.parsing import DuplicateKeyError, load_json, load_yaml
 
-ReadPattern = Literal["every", "newest_row", "end", "never"]
+ReadPattern = Literal["every", "newest_row", "delta", "end", "never"]
 Carried = Literal["first", "prefill", "decode", "every"]
 ValueType = Literal["tensor", "ids", "flag", "bool", "names", "codes"]
 
@@ -94,8 +94,11 @@ class KeySpec(BaseModel):
     names: list[list[str]] = Field(default_factory=list)
     """``names`` only: the key pairs listed (``[[embed, decode], [ids, output]]``)."""
     read: ReadPattern = "every"
-    """How the consumer reads the key: after every chunk (whole view), the newest row of the whole
-    accumulated tensor after every chunk, once after the last chunk, or never."""
+    """How the consumer reads the key: ``every`` (the whole view after every chunk), ``newest_row`` (the
+    newest row of the whole accumulated tensor after every chunk), ``delta`` (append keys: after every
+    chunk that carries the key the consumer takes what accumulated since its last take and the receiver
+    drops it, as vllm-omni 0.30.0's receiving stage hands each chunk's rows to the model once and keeps
+    none, e.g. ``embed.decode``), ``end`` (once after the last chunk) or ``never``."""
 
     @model_validator(mode="after")
     def _check(self) -> KeySpec:
@@ -110,6 +113,11 @@ class KeySpec(BaseModel):
             raise ValueError(f"key {self.path!r}: value 'codes' needs windows (frames per chunk)")
         if self.read == "newest_row" and self.value not in ("tensor", "ids", "codes"):
             raise ValueError(f"key {self.path!r}: read 'newest_row' needs a tensor or list value")
+        if self.read == "delta" and self.kind != "append":
+            raise ValueError(
+                f"key {self.path!r}: read 'delta' (the consumer takes and drops the rows accumulated since its "
+                f"last take) needs an append key, got kind {self.kind!r}; use read 'every' for a {self.kind} key"
+            )
         return self
 
 

@@ -18,6 +18,7 @@ from omni_accum.cli.args import (
     non_negative_int,
     positive_int,
 )
+from omni_accum.bench.workload_presets import DEFAULT_WORKLOAD
 from omni_accum.bench.workloads import MAX_ROWS, workload_names
 
 EXAMPLES = """examples:
@@ -56,9 +57,9 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--workload",
-        default="qwen3-omni-seed",
+        default=DEFAULT_WORKLOAD,
         metavar="NAME|FILE",
-        help=f"workload preset ({', '.join(workload_names())}) or a YAML workload file (default: qwen3-omni-seed)",
+        help=f"workload preset ({', '.join(workload_names())}) or a YAML workload file (default: {DEFAULT_WORKLOAD})",
     )
     p.add_argument(
         "--arms",

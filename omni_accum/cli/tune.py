@@ -18,7 +18,8 @@ from omni_accum.errors import OmniAccumError
 from omni_accum.policy.loader import load_policy
 from omni_accum.tuner.buckets import DEFAULT_CONCURRENCY, DEFAULT_CONTEXT_LENS, QUICK_CONCURRENCY, QUICK_CONTEXT_LENS
 from omni_accum.tuner.report import decision_table, gain_table, show
-from omni_accum.tuner.run import TuneOptions, input_overwrite_problem, output_problem, tune
+from omni_accum.tuner.run import TuneOptions, input_overwrite_problem, output_problem, partial_path, tune
+from omni_accum.bench.workload_presets import DEFAULT_WORKLOAD
 from omni_accum.bench.workloads import workload_names
 
 HELP = """\
@@ -29,9 +30,11 @@ x concurrency, arms interleaved round by round. A key leaves the baseline policy
 reference, that raise, or that hold more than the memory budget are excluded and reported. The
 output is a policy file (validated, written atomically after every bucket) with the decision per
 key per bucket, every candidate's timings and an environment fingerprint; at run time a table
-whose fingerprint does not match is ignored with a warning. Ctrl-C leaves the previous file or a
-valid partial one; --resume reuses measured buckets. The file is YAML for .yaml/.yml and JSON for
-.json. Exit status: 0 complete, 3 partial (--budget-s spent), 130 interrupted, 1 or 2 on errors.
+whose fingerprint does not match is ignored with a warning. --out only ever receives a complete
+table: a run stopped early (Ctrl-C, --budget-s) keeps its buckets in a partial file beside it
+(t.yaml -> t.partial.yaml) and leaves --out as it was; --resume goes on from there. One run at a
+time per --out (a second is refused). The file is YAML for .yaml/.yml and JSON for .json. Exit
+status: 0 complete, 3 partial (--budget-s spent), 130 interrupted, 1 or 2 on errors.
 """
 
 
@@ -63,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--workload",
-        default="qwen3-omni-seed",
+        default=DEFAULT_WORKLOAD,
         metavar="NAME|FILE",
         help=f"workload preset ({', '.join(workload_names())}) or a YAML workload file (default: %(default)s)",
     )
@@ -98,8 +101,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=non_negative_float,
         metavar="S",
         help="stop starting new buckets once S seconds have passed; a run always measures at least one bucket, "
-        "so every run makes progress. With buckets left the file is partial (exit status 3) and --resume goes "
-        "on. Default (and 0): no budget",
+        "so every run makes progress. With buckets left they go to the partial file beside --out (exit status 3) "
+        "and --resume goes on. Default (and 0): no budget",
     )
     p.add_argument(
         "--quick",
@@ -109,7 +112,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="reuse the buckets already measured in --out when every setting recorded there (workload and "
+        help="reuse the buckets already measured (in the partial file beside --out, else in --out) when every setting recorded there (workload and "
         "--base contents, wire, device, threads, decode steps, rounds, grid, memory budget, min gain), the "
         "candidates and the environment match; otherwise say which differ and measure again (refused, leaving "
         "the file untouched, if it is not a tuned policy)",
@@ -208,11 +211,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         res = tune(opts, progress=sys.stderr, log=sys.stderr)
     except KeyboardInterrupt:
-        print(
-            f"omni-accum tune: interrupted; {args.out} holds the buckets finished so far (or the previous file); "
-            "run again with --resume",
-            file=sys.stderr,
-        )
+        part = partial_path(args.out)
+        kept = f"{args.out} is as it was" if Path(args.out).exists() else f"{args.out} was not written"
+        done = f"the buckets finished so far are in {part}" if part.is_file() else "no bucket was finished"
+        print(f"omni-accum tune: interrupted; {kept}; {done}: run again with --resume to finish", file=sys.stderr)
         return 130
     t = res.policy.tuned
     if t is None:  # not reached: a run measures at least one bucket or raises
@@ -232,6 +234,12 @@ def run(args: argparse.Namespace) -> int:
             + " (one interleaved round per bucket after a warm-up replay, step p50 and total per request):"
         )
         print(gain_table(res.outcomes, name))
-    state = "complete" if res.complete else f"PARTIAL ({res.stopped})"
-    print(f"\nwrote {args.out} ({state}) in {res.elapsed_s:.1f} s; check it with: omni-accum validate {args.out}")
+    if res.complete:
+        print(f"\nwrote {res.out} (complete) in {res.elapsed_s:.1f} s; check it with: omni-accum validate {res.out}")
+    else:
+        kept = f"{args.out} is as it was" if res.previous else f"{args.out} was not written"
+        print(
+            f"\nwrote {res.out} (PARTIAL: {res.stopped}) in {res.elapsed_s:.1f} s; {kept}; "
+            f"run again with --resume to finish"
+        )
     return 0 if res.complete else 3
