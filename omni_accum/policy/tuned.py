@@ -42,6 +42,9 @@ class TunedCell(BaseModel):
     """Candidates excluded, with the reason (wrong views, raised, over memory budget)."""
     peak_bytes: dict[str, int] = Field(default_factory=dict)
     """Peak bytes the key's state held under each candidate (label -> bytes)."""
+    reason: str | None = None
+    """Why the baseline was kept (below the noise, below ``--min-gain-us``, every candidate excluded, ...),
+    or why it was left although no candidate beat it (its views are wrong, it raised); None for a win."""
 
 
 class TunedTable(BaseModel):
@@ -135,6 +138,17 @@ class TunedTable(BaseModel):
         for c in self.cells:
             labels.update((c.strategy, c.baseline, *c.timings_us, *c.excluded, *c.peak_bytes))
         return frozenset(label.partition("{")[0] for label in labels if label)
+
+    def partial_note(self) -> str | None:
+        """What a user must know about a table whose tuning run stopped early (``complete: false``), or None."""
+        if self.complete:
+            return None
+        done = len({(c.context_len, c.concurrency) for c in self.cells})
+        total = len(self.context_len_edges) * len(self.concurrency_edges)
+        return (
+            f"partial tuned table: {done} of {total} buckets measured (the tuning run stopped early); requests in "
+            "the others get the rules and the default; finish it with omni-accum tune --resume"
+        )
 
     @property
     def clamped_lookups(self) -> int:

@@ -6,10 +6,13 @@ policy with one key switched to that candidate. Arms are interleaved round by ro
 order). After the first round a candidate is excluded when its views differ from the cat
 reference or it raised (correctness gate) or its state for the key exceeds the memory budget
 (default 2x the accumulated bytes, i.e. what ``cat`` holds). A key leaves the baseline only for
-a win > 5 % whose bootstrap interval excludes zero and that saves at least ``min_gain_us`` per step;
-among candidates within 5 % of the fastest that pass those gates too, the one holding the fewest
-bytes wins (then default params, then name), so noise does not flip winners. Clear decisions stop
-early; arms more than 2x slower than the best are dropped.
+a win beyond the noise: the whole bootstrap interval above 5 % and its low end saving at least
+``min_gain_us`` per step; among candidates within 5 % of the fastest that pass those gates too, the one
+holding the fewest bytes wins (then default params, then name), so noise does not flip winners. Every
+kept baseline records why (:attr:`KeyDecision.reason`). A baseline that raises on a key (``cat`` of the
+0-d ``meta.is_segment_finished`` flag vllm-omni 0.30.0 sends) is left like one whose views are wrong:
+the fastest correct candidate wins. Clear decisions stop early; arms more than 2x slower than the best
+are dropped.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from omni_accum.policy.loader import load_policy
 from omni_accum.manager import get_manager
 from omni_accum.policy.model import PROTOCOL_REPLACE_KEYS, Policy
 from omni_accum.policy.tuned import TunedCell
-from omni_accum.bench.replay import UPSTREAM, ArmResult, measure
+from omni_accum.bench.replay import UPSTREAM, WIRE_FLOOR, ArmResult, measure
 from omni_accum.tuner.candidates import Candidate, candidates_for, same_choice
 from omni_accum.tuner.stats import MIN_GAIN, MIN_GAIN_US, Gain, bootstrap_gain, median
 from omni_accum.bench.streams import chunk_plans
@@ -87,6 +90,8 @@ class KeyDecision:
     timings_us: dict[str, float]
     excluded: dict[str, str]
     peak_bytes: dict[str, int]
+    reason: str | None = None
+    """Why the baseline was kept, or why it was left without a win; None for a win."""
 
 
 @dataclass
@@ -113,6 +118,7 @@ class BucketOutcome:
                 timings_us={k: round(v, 2) for k, v in d.timings_us.items()},
                 excluded=d.excluded,
                 peak_bytes=d.peak_bytes,
+                reason=d.reason,
             )
             for d in self.decisions.values()
         ]
@@ -208,7 +214,9 @@ def _tune_key(
         rounds = rnd + 1
         for r in results:
             if r.arm == BASE and r.error is not None:
-                raise TuneError(f"the baseline policy fails on key {key!r}: {r.error}")
+                # e.g. cat of a 0-d flag (meta.is_segment_finished): the baseline cannot be kept; no timing
+                base_wrong = f"raised {_short(r.error)}"
+                continue
             if r.arm == BASE and not r.correct:
                 # e.g. upstream concatenating a static tensor that is re-sent: timed as the reference,
                 # but it cannot be kept; the fastest correct candidate wins.
@@ -232,6 +240,8 @@ def _tune_key(
         mine = [lab for lab in owner if lab not in excluded and samples[lab]]
         if not mine:
             break
+        if not samples[BASE]:
+            break  # the baseline raised: the fastest correct candidate wins after one round
         best = min(mine, key=lambda lab: median(samples[lab]))
         g = bootstrap_gain(samples[BASE], samples[best])
         if g.low > CLEAR_WIN or (g.high < MIN_GAIN and base_wrong is None):
@@ -244,43 +254,78 @@ def _tune_key(
 def _decide(
     key, base_label, base_choice, owner, samples, excluded, peak, base_wrong=None, min_gain_us=MIN_GAIN_US
 ) -> KeyDecision:
-    """The winner: leave the baseline only for a significant win (> 5 %, interval above zero, and at least
-    ``min_gain_us`` per step) or when the baseline's views are wrong. Among candidates the fastest is not
-    significantly faster than (or within 5 % of it), the one holding the fewest bytes, then default params;
-    the candidate picked must itself pass every gate against the baseline (a leaner one that saves less than
-    ``min_gain_us``, or whose win is not significant, is not picked)."""
+    """The winner: leave the baseline only for a win beyond the noise (the whole interval above 5 %, and its low
+    end saving at least ``min_gain_us`` per step) or when the baseline's views are wrong or it raised. Among
+    candidates the fastest is not significantly faster than (or within 5 % of it), the one holding the fewest
+    bytes, then default params; the candidate picked must itself pass every gate against the baseline. A kept
+    baseline says why (``reason``)."""
     mine = [lab for lab in owner if lab not in excluded and samples[lab]]
-    timings = {base_label: median(samples[BASE])}
+    timings = {base_label: median(samples[BASE])} if samples[BASE] else {}
     timings.update({lab: median(samples[lab]) for lab in mine})
     excl = {lab: why for lab, why in excluded.items()}
     if base_wrong is not None:
         excl[base_label] = f"baseline kept out: {base_wrong}"
     base_cand = Candidate(base_choice.strategy, dict(base_choice.params))
     if not mine:
-        return KeyDecision(key, base_cand, base_label, None, None, timings, excl, peak)
+        why = "no candidate to time" if not owner else f"every candidate was excluded ({len(excluded)}: see excluded)"
+        if base_wrong is not None:
+            why += f"; kept although the baseline {base_wrong}"
+        return KeyDecision(key, base_cand, base_label, None, None, timings, excl, peak, why)
+    if not samples[BASE]:  # the baseline raised: the fastest correct candidate, the leanest among equals
+        best = min(mine, key=lambda lab: timings[lab])
+        limit = timings[best] * (1.0 + MIN_GAIN)
+        order = {lab: i for i, lab in enumerate(mine)}
+        pick = min(
+            (lab for lab in mine if timings[lab] <= limit),
+            key=lambda lab: (peak.get(lab, 0), bool(owner[lab].params), order[lab]),
+        )
+        why = f"baseline left: it {base_wrong}"
+        return KeyDecision(key, owner[pick], base_label, None, None, timings, excl, peak, why)
     gains: dict[str, Gain] = {}
 
-    def passes(lab: str) -> bool:
-        """Every gate against the baseline: > 5 %, interval above zero, at least ``min_gain_us`` per step."""
+    def gate(lab: str) -> str | None:
+        """None when ``lab`` beats the baseline beyond the noise; else why not."""
         if lab not in gains:
             gains[lab] = bootstrap_gain(samples[BASE], samples[lab])
-        return gains[lab].significant_win and timings[base_label] - timings[lab] >= min_gain_us
+        return keep_reason(gains[lab], timings[base_label], min_gain_us)
 
     best = min(mine, key=lambda lab: timings[lab])
-    if not passes(best) and base_wrong is None:
+    why = gate(best)
+    if why is not None and base_wrong is None:
         g = gains[best]
-        return KeyDecision(key, base_cand, base_label, g.gain, (g.low, g.high), timings, excl, peak)
+        return KeyDecision(key, base_cand, base_label, g.gain, (g.low, g.high), timings, excl, peak, f"{best}: {why}")
     limit = timings[best] * (1.0 + MIN_GAIN)
     equivalent = [
         lab
         for lab in mine
         if (timings[lab] <= limit or bootstrap_gain(samples[lab], samples[best], resamples=200).low <= 0.0)
-        and (base_wrong is not None or passes(lab))
+        and (base_wrong is not None or gate(lab) is None)
     ]
     order = {lab: i for i, lab in enumerate(mine)}
     pick = min(equivalent, key=lambda lab: (peak.get(lab, 0), bool(owner[lab].params), order[lab]))
     gp = gains[pick] if pick in gains else bootstrap_gain(samples[BASE], samples[pick])
-    return KeyDecision(key, owner[pick], base_label, gp.gain, (gp.low, gp.high), timings, excl, peak)
+    why = None if base_wrong is None else f"baseline left: its {base_wrong}"
+    return KeyDecision(key, owner[pick], base_label, gp.gain, (gp.low, gp.high), timings, excl, peak, why)
+
+
+def _short(error: str, limit: int = 160) -> str:
+    """An arm's error for a reason line: up to its first parenthesised detail, at most ``limit`` characters."""
+    head = error.split(" (expected", 1)[0]
+    return head if len(head) <= limit else head[: limit - 3] + "..."
+
+
+def keep_reason(g: Gain, base_us: float, min_gain_us: float) -> str | None:
+    """Why a candidate with gain ``g`` over a baseline step of ``base_us`` does not leave the baseline (None: it
+    does). It must win beyond the noise: the whole interval above :data:`MIN_GAIN`, and the interval's low end
+    saving at least ``min_gain_us`` per step."""
+    pct = f"{100 * g.gain:+.1f}% [{100 * g.low:+.1f}%, {100 * g.high:+.1f}%]"
+    if g.low <= 0.0:
+        return f"{pct}: the interval crosses 0 (no win beyond the noise)"
+    if g.low <= MIN_GAIN:
+        return f"{pct}: the interval reaches below +{100 * MIN_GAIN:g}% (within the noise)"
+    if base_us * g.low < min_gain_us:
+        return f"{pct}: saves under --min-gain-us {min_gain_us:g} us per step (at least {base_us * g.low:.2f} us)"
+    return None
 
 
 def verify_bucket(
@@ -294,25 +339,38 @@ def verify_bucket(
     device: str = "cpu",
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
-    """One interleaved round of the tuned policy against ``baseline`` (upstream when available)."""
-    res = measure(
-        wl,
-        {"reference": baseline, "tuned": tuned},
-        context_len=context_len,
-        concurrency=concurrency,
-        wire=wire,
-        repeats=1,
-        check=False,
-        length_hints=False,
-        device=device,
-        progress=progress,
-        warmup=True,
-    )
-    ref, new = res
+    """One interleaved round of the tuned policy against ``baseline`` (upstream when available).
+
+    Where upstream's ``_accumulate_payload`` raises on the workload (vllm-omni 0.30.0's thinker -> talker
+    stream: ``torch.cat`` of the 0-d ``meta.is_segment_finished``), the reference is what 0.30.0's receiving
+    adapter does with that stream instead: it hands each chunk over as it came (the wire-floor arm);
+    ``reference`` in the result says which."""
+
+    def once(reference: Policy | str) -> list[ArmResult]:
+        return measure(
+            wl,
+            {"reference": reference, "tuned": tuned},
+            context_len=context_len,
+            concurrency=concurrency,
+            wire=wire,
+            repeats=1,
+            check=False,
+            length_hints=False,
+            device=device,
+            progress=progress,
+            warmup=True,
+        )
+
+    ref, new = once(baseline)
+    used = "upstream" if baseline == UPSTREAM else "default"
+    if ref.error and baseline == UPSTREAM and not new.error:
+        ref, new = once(WIRE_FLOOR)
+        used = WIRE_FLOOR
     if new.error or ref.error:
         return {}
     g = bootstrap_gain(ref.pooled(), new.pooled())
     return {
+        "reference": used,
         "reference_p50_us": round(ref.step_us_p50, 2),
         "tuned_p50_us": round(new.step_us_p50, 2),
         "reference_total_us": round(ref.total_us_per_request[0], 1),

@@ -55,7 +55,22 @@ def decision_table(table: TunedTable) -> str:
             ]
         )
     head = ["context", "conc", "key", "strategy", "margin", "95% CI", "baseline", "winner", "timed", "excluded"]
-    return _table(rows, head) + "\n(* = leaves the baseline; margin = step-time gain over the baseline)"
+    out = _table(rows, head) + "\n(* = leaves the baseline; margin = step-time gain over the baseline)"
+    why = reasons(table)
+    return out + ("\n\nwhy:\n" + "\n".join(why) if why else "")
+
+
+def reasons(table: TunedTable) -> list[str]:
+    """One line per cell that keeps its baseline (or left it without a win): why."""
+    lines = []
+    for c in sorted(table.cells, key=lambda c: (c.context_len, c.concurrency, c.key)):
+        kept = same_choice(c.strategy, c.params, c.baseline)
+        if c.reason is None and not kept:
+            continue
+        why = c.reason or "no reason recorded (a table from an older omni-accum)"
+        what = "kept the baseline" if kept else f"left the baseline for {c.strategy}"
+        lines.append(f"  >={c.context_len} x >={c.concurrency} {c.key}: {what}: {why}")
+    return lines
 
 
 def show(policy: Policy, source: str = "") -> str:
@@ -121,4 +136,11 @@ def gain_table(outcomes: list[BucketOutcome], reference: str) -> str:
             ]
         )
     head = ["context", "conc", f"{reference} p50", "tuned p50", f"{reference} /req", "tuned /req", "gain"]
-    return _table(rows, head)
+    out = _table(rows, head)
+    if any((o.verify or {}).get("reference") == "wire-floor" for o in outcomes):
+        out += (
+            f"\n(reference: {reference}'s _accumulate_payload raises on this stream (torch.cat of a 0-d flag such as "
+            "meta.is_segment_finished), so the reference is what vllm-omni 0.30.0's receiving adapter does with it: "
+            "each chunk handed over as it came, nothing accumulated)"
+        )
+    return out
