@@ -93,14 +93,18 @@ def test_a_spent_budget_still_measures_one_bucket_and_leaves_a_partial_file(tmp_
     assert not res.complete and "budget" in res.stopped
     assert res.policy.tuned is not None and res.policy.tuned.complete is False
     assert {c.context_len for c in res.policy.tuned.cells} == {64}
-    assert omni_accum.load_policy(tmp_path / "tuned.yaml").tuned.complete is False
+    assert res.out == tmp_path / "tuned.partial.yaml" and not (tmp_path / "tuned.yaml").exists()
+    assert omni_accum.load_policy(tmp_path / "tuned.partial.yaml").tuned.complete is False
 
     out = tmp_path / "cli.yaml"
     rc = cli.main(_tune_args(tmp_path, out, "--context-lens", "256", "--budget-s", "0.001"))
     captured = capsys.readouterr()
     assert rc == 3 and "Traceback" not in captured.err and "PARTIAL" in captured.out
-    assert {c.context_len for c in omni_accum.load_policy(out).tuned.cells} == {64}
-    assert cli.main(["validate", str(out)]) == 0
+    assert f"{out} was not written" in captured.out and "--resume" in captured.out
+    part = tmp_path / "cli.partial.yaml"
+    assert {c.context_len for c in omni_accum.load_policy(part).tuned.cells} == {64} and not out.exists()
+    assert cli.main(["validate", str(part)]) == 0
+    assert "partial" in capsys.readouterr().out  # validate says so
 
 
 def test_budget_zero_means_no_budget(tmp_path, monkeypatch):
@@ -334,6 +338,52 @@ def test_resume_starts_over_on_a_file_that_records_no_settings(tmp_path, monkeyp
     log = io.StringIO()
     tune(_opts(tmp_path, resume=True), log=log)
     assert calls == [64] and "records no tuning settings" in log.getvalue()
+
+
+def test_a_stopped_run_never_replaces_a_finished_file(tmp_path, monkeypatch, capsys):
+    """cp tuned.yaml good.yaml; tune --out good.yaml; Ctrl-C: good.yaml keeps the finished table, the buckets
+    measured so far go beside it, validate and doctor say the partial file is partial, --resume finishes."""
+    from omni_accum.tuner import run as tuner_run
+
+    good = tmp_path / "good.yaml"
+    tune(_opts(tmp_path, context_lens=[64, 256]))
+    (tmp_path / "tuned.yaml").rename(good)
+    before = good.read_bytes()
+    real, calls = tuner_run.tune_bucket, []
+
+    def stop_at_second(*a, **kw):
+        calls.append(kw["context_len"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tuner_run, "tune_bucket", stop_at_second)
+    rc = cli.main(_tune_args(tmp_path, good, "--context-lens", "64", "256"))
+    err = capsys.readouterr().err
+    part = tmp_path / "good.partial.yaml"
+    assert rc == 130 and good.read_bytes() == before
+    assert f"{good} is as it was" in err and str(part) in err and "--resume" in err
+    assert omni_accum.load_policy(part).tuned.complete is False
+    assert cli.main(["validate", str(good)]) == 0 and "partial" not in capsys.readouterr().out
+    assert cli.main(["validate", str(part)]) == 0
+    out = capsys.readouterr().out
+    assert "partial" in out and "--resume" in out
+    monkeypatch.setattr(tuner_run, "tune_bucket", real)
+    assert cli.main(_tune_args(tmp_path, good, "--context-lens", "64", "256", "--resume")) == 0
+    assert omni_accum.load_policy(good).tuned.complete is True and not part.exists()
+
+
+def test_two_runs_on_one_out_the_second_is_refused(tmp_path, capsys):
+    from omni_accum.tuner.files import OutputLock
+
+    out = tmp_path / "same.yaml"
+    with OutputLock(out):  # as a first run holds it
+        assert cli.main(_tune_args(tmp_path, out)) == 1
+        err = capsys.readouterr().err
+        assert f"{out} is being written by another omni-accum tune run (pid {os.getpid()}" in err
+        assert "give another --out" in err and not out.exists()
+    assert cli.main(_tune_args(tmp_path, out)) == 0  # the lock went with the first run
+    assert not (tmp_path / ".same.yaml.lock").exists()
 
 
 def test_resume_leaves_a_complete_table_alone_when_a_setting_differs(tmp_path, capsys):

@@ -198,7 +198,8 @@ def test_interrupt_leaves_a_valid_partial_file_and_resume_finishes(tmp_path, mon
     monkeypatch.setattr("omni_accum.tuner.run.tune_bucket", flaky)
     with pytest.raises(KeyboardInterrupt):
         tune(_opts(tmp_path, context_lens=[64, 256], concurrency=[1]))
-    partial = omni_accum.load_policy(tmp_path / "tuned.yaml")
+    assert not (tmp_path / "tuned.yaml").exists()  # only a complete table goes to --out
+    partial = omni_accum.load_policy(tmp_path / "tuned.partial.yaml")
     assert partial.tuned.complete is False
     assert {c.context_len for c in partial.tuned.cells} == {64}
     monkeypatch.setattr(
@@ -208,6 +209,7 @@ def test_interrupt_leaves_a_valid_partial_file_and_resume_finishes(tmp_path, mon
     res = tune(_opts(tmp_path, context_lens=[64, 256], concurrency=[1], resume=True))
     assert calls == [256]  # the measured bucket was reused
     assert res.complete and {c.context_len for c in res.policy.tuned.cells} == {64, 256}
+    assert omni_accum.load_policy(tmp_path / "tuned.yaml").tuned.complete and not (tmp_path / "tuned.partial.yaml").exists()
 
 
 def test_interrupt_before_any_bucket_keeps_the_previous_file(tmp_path, monkeypatch):
@@ -299,7 +301,11 @@ def test_cli_checks_output_paths_before_measuring_and_takes_int_lists(tmp_path, 
     assert "is not a folder" in capsys.readouterr().err
     from omni_accum.bench._paths import output_path_problem
 
-    assert output_path_problem(tmp_path / "new" / "dir" / "x.yaml", "--out") is None  # folders are created
+    missing = output_path_problem(tmp_path / "new" / "dir" / "x.yaml", "--out")  # never created: named
+    assert missing.endswith(f"no such folder: {tmp_path / 'new' / 'dir'} (create it first)")
+    assert cli.main(["bench", "--json", str(tmp_path / "nonexist2" / "x.json")]) == 2
+    assert f"no such folder: {tmp_path / 'nonexist2'}" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists() and not (tmp_path / "nonexist2").exists()
     args = cli.build_parser().parse_args(
         ["tune", "--context-lens", "1000", "8k,32000", "--concurrency", "1", "10", "--out", "x.yaml"]
     )
@@ -402,7 +408,7 @@ def test_a_grid_candidate_equal_to_the_baseline_is_not_timed_twice(tmp_path):
     assert "prealloc{growth_factor=1.5}" in timed and "prealloc{growth_factor=4.0}" not in timed
 
 
-def test_cli_tune_end_to_end_creates_the_output_folder(tmp_path, capsys):
+def test_cli_tune_end_to_end_and_a_missing_folder_is_an_error(tmp_path, capsys):
     import yaml
 
     wl = tmp_path / "tiny.yaml"
@@ -424,6 +430,12 @@ def test_cli_tune_end_to_end_creates_the_output_folder(tmp_path, capsys):
             str(out),
         ]
     )
+    assert rc == 2 and not (tmp_path / "new").exists()  # a missing folder is an error, never created
+    err = capsys.readouterr().err
+    assert str(tmp_path / "new") in err and "Traceback" not in err
+    (tmp_path / "new" / "folder").mkdir(parents=True)
+    rc = cli.main(["tune", "--workload", str(wl), "--context-lens", "64", "--concurrency", "1", "--no-verify",
+                   "--decode-steps", "4", "--out", str(out)])
     assert rc == 0 and out.is_file()
     printed = capsys.readouterr().out
     assert "embed.decode" in printed and f"wrote {out}" in printed

@@ -10,9 +10,9 @@ from pathlib import Path
 def output_path_problem(path: str | os.PathLike[str] | None, option: str) -> str | None:
     """Why ``path`` cannot be written as the output of ``option`` (checked before long runs), or None.
 
-    A symlink is checked at its target. Missing folders are fine (they are created) as long as the
-    nearest existing one is a folder files can be created in: it is probed with a temporary file,
-    so a read-only or virtual file system (``/proc``) is caught up front.
+    A symlink is checked at its target. The folder must exist (a missing one is an error that names it,
+    never created) and be one files can be created in: it is probed with a temporary file, so a
+    read-only or virtual file system (``/proc``) is caught up front.
     """
     if path is None:
         return None
@@ -21,8 +21,8 @@ def output_path_problem(path: str | os.PathLike[str] | None, option: str) -> str
     if target.is_dir():
         return f"{option} {p}: is a directory; give a file path"
     folder = target.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
+    if not folder.exists():
+        return f"{option} {p}: no such folder: {folder} (create it first)"
     if not folder.is_dir():
         return f"{option} {p}: {folder} is not a folder"
     try:

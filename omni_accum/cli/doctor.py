@@ -307,6 +307,9 @@ def check_policy(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
             )
         else:
             out.append(Check("tuned table", True, "its fingerprint matches this environment"))
+        partial = policy.tuned.partial_note()
+        if partial:
+            out.append(Check("tuned table", False, partial, "omni-accum tune --resume --out FILE", warning=True))
     return out, info
 
 

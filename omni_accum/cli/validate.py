@@ -77,6 +77,9 @@ def check_one(arg: str, manager: StrategyManager, allow_stale: bool = False) -> 
             )
             where = rec["warnings"] if allow_stale else rec["errors"]
             where.append(_problem("tuned.fingerprint", line_of(text, ("tuned", "fingerprint")), msg))
+        partial = policy.tuned.partial_note()
+        if partial:
+            rec["warnings"].append(_problem("tuned.complete", line_of(text, ("tuned", "complete")), partial))
     for later, earlier in policy.shadowed_rules():
         msg = (
             f"{policy.rules[later].match!r} is covered by the earlier glob rules[{earlier}].match "

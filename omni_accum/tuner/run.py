@@ -6,8 +6,6 @@ import hashlib
 import json
 import math
 import os
-import stat
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +26,7 @@ from omni_accum.tuner.buckets import (
     check_edges,
 )
 from omni_accum.tuner.candidates import candidate_set_hash
+from omni_accum.tuner.files import OutputBusy, OutputLock, partial_path, write_atomic
 from omni_accum.tuner.core import (
     BucketOutcome,
     KeyDecision,
@@ -73,6 +72,8 @@ class TuneResult:
     elapsed_s: float = 0.0
     complete: bool = True
     stopped: str | None = None
+    previous: bool = False
+    """``--out`` existed before the run (a partial run leaves it as it was)."""
 
 
 OUTPUT_FORMATS = {".yaml": "yaml", ".yml": "yaml", ".json": "json"}
@@ -110,46 +111,6 @@ def input_overwrite_problem(opts: TuneOptions) -> str | None:
     """Why ``--out`` would overwrite a file the run reads (workload, ``--base``), or None; ``--resume`` reads --out."""
     inputs = [("the --workload file", opts.workload), ("the --base policy file", opts.base)]
     return overwrite_problem([("--out", opts.out)], inputs)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never a half-written file.
-
-    A symlink is written through (its target is replaced, the link stays); an existing file keeps its
-    permission bits, a new one gets ``0666 & ~umask`` as with ``open()``. An ``OSError`` names ``path``,
-    not the temporary file.
-    """
-    path = Path(path)
-    target = Path(os.path.realpath(path))
-    tmp = None
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            mode = stat.S_IMODE(os.stat(target).st_mode)
-        except FileNotFoundError:
-            mode = 0o666 & ~_umask()
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.chmod(tmp, mode)
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException as e:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-        if isinstance(e, OSError):
-            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
-        raise
 
 
 def _serialise(policy: Policy, wl: Workload, opts: TuneOptions, complete: bool) -> str:
@@ -264,17 +225,22 @@ def settings_mismatches(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def _resumable(opts: TuneOptions, wl: Workload, fp: dict, log: TextIO | None) -> dict[tuple[int, int], list[TunedCell]]:
-    if not opts.resume or not Path(opts.out).is_file():
+    if not opts.resume:
         return {}
+    src = partial_path(opts.out)
+    if not src.is_file():
+        src = Path(opts.out)
+        if not src.is_file():
+            return {}
     how = "give another --out, or drop --resume to replace it"
     try:
-        old = load_policy(opts.out)
+        old = load_policy(src)
     except PolicyError as e:
         first = e.errors[0] if e.errors else str(e)
-        raise TuneError(f"--resume: cannot read {opts.out} as a policy ({first}); left it untouched: {how}") from e
+        raise TuneError(f"--resume: cannot read {src} as a policy ({first}); left it untouched: {how}") from e
     t = old.tuned
     if t is None:
-        raise TuneError(f"--resume: {opts.out} is not a tuned policy (no tuned table); left it untouched: {how}")
+        raise TuneError(f"--resume: {src} is not a tuned policy (no tuned table); left it untouched: {how}")
     why: list[str] = []
     recorded = t.fingerprint.get("settings")
     if not isinstance(recorded, dict):
@@ -288,12 +254,13 @@ def _resumable(opts: TuneOptions, wl: Workload, fp: dict, log: TextIO | None) ->
     diffs = table_mismatches(t, opts.device)
     if diffs:
         why.append("it was measured in another environment (" + "; ".join(diffs) + ")")
-    if why and t.complete:  # measuring again, a stop or a --budget-s would leave a partial table where it was
-        msg = f"{opts.out} is a complete tuned policy that this run would not reuse ({'; '.join(why)})"
+    if why and t.complete:  # the user asked to reuse it: measuring everything again is not what --resume means
+        msg = f"{src} is a complete tuned policy that this run would not reuse ({'; '.join(why)})"
         raise TuneError(f"--resume: {msg}; left it untouched: drop --resume to tune it again, or give another --out")
     if why:
-        _say(log, f"--resume: not reusing {opts.out}, measuring every bucket again: " + "; ".join(why))
+        _say(log, f"--resume: not reusing {src}, measuring every bucket again: " + "; ".join(why))
         return {}
+    _say(log, f"--resume: reusing the buckets of {src}")
     by_bucket: dict[tuple[int, int], list[TunedCell]] = {}
     for c in t.cells:
         by_bucket.setdefault((c.context_len, c.concurrency), []).append(c)
@@ -324,6 +291,19 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
     problem = output_problem(opts.out) or input_overwrite_problem(opts)
     if problem:
         raise TuneError(problem)
+    try:
+        lock = OutputLock(opts.out).acquire()
+    except OutputBusy as e:
+        raise TuneError(str(e)) from None
+    except OSError as e:
+        raise TuneError(f"--out {opts.out}: cannot lock it ({e.strerror or e})") from None
+    try:
+        return _run(opts, t0, progress, log)
+    finally:
+        lock.release()
+
+
+def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | None) -> TuneResult:
     wl = load_workload(opts.workload)
     try:
         cls = check_edges(
@@ -370,6 +350,7 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
         )
         bar = Progress(total, progress)
     result = TuneResult(policy=base, out=Path(opts.out))
+    result.previous = Path(opts.out).is_file()
     cells: list[TunedCell] = []
     # The budget only stops *new* buckets, and never before one was measured in this run: every run
     # (with --resume, every next run) makes progress and leaves a valid file.
@@ -427,7 +408,7 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
                     progress=bar.advance if bar else None,
                 )
             result.outcomes.append(outcome)
-            write_atomic(opts.out, _serialise(policy, wl, opts, done))
+            _write(opts, result, _serialise(policy, wl, opts, done), done)
             result.policy = policy
             _say(log, f"bucket context_len={cl} concurrency={c}: {outcome.rounds} round(s), {outcome.seconds:.1f} s")
     except KeyboardInterrupt:
@@ -441,10 +422,23 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
     result.complete = result.stopped is None
     if not result.complete and cells:
         policy = build_output(base, wl, opts, cells, (cls, concs), fp, skipped, complete=False)
-        write_atomic(opts.out, _serialise(policy, wl, opts, False))
+        _write(opts, result, _serialise(policy, wl, opts, False), False)
         result.policy = policy
     return result
 
 
+def _write(opts: TuneOptions, result: TuneResult, text: str, complete: bool) -> None:
+    """A complete table goes to ``--out`` (and the partial file beside it goes); an unfinished one only to
+    the partial file, so a finished ``--out`` is never replaced by a partial table."""
+    part = partial_path(opts.out)
+    if complete:
+        write_atomic(opts.out, text)
+        part.unlink(missing_ok=True)
+        result.out = Path(opts.out)
+    else:
+        write_atomic(part, text)
+        result.out = part
+
+
 __all__ = ["OmniAccumError", "TuneOptions", "TuneResult", "input_overwrite_problem", "output_format"]
-__all__ += ["output_problem", "tune", "write_atomic"]
+__all__ += ["output_problem", "partial_path", "tune", "write_atomic"]

@@ -1,0 +1,128 @@
+"""What ``tune`` writes and how: atomic replacement, the partial table beside ``--out``, one run per ``--out``.
+
+* :func:`write_atomic`: a temporary file in the same folder, then a rename: never a half-written file.
+* :func:`partial_path`: an unfinished run (stopped by Ctrl-C or ``--budget-s``) keeps its buckets in
+  ``t.partial.yaml`` beside ``t.yaml``; ``--out`` itself only ever receives a complete table, so a
+  finished file is never replaced by a partial one. ``--resume`` reads the partial file first.
+* :class:`OutputLock`: two runs writing one ``--out`` at once would each report "wrote ... (complete)"
+  while the file holds one of them; the second is refused instead, naming the first one's pid.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from omni_accum.errors import OmniAccumError
+
+PathLike = str | os.PathLike[str]
+
+
+def partial_path(out: PathLike) -> Path:
+    """Where an unfinished run keeps its buckets: beside ``out``, ``t.yaml`` -> ``t.partial.yaml``."""
+    p = Path(out)
+    return p.with_name(f"{p.stem}.partial{p.suffix}")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_atomic(path: PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: never a half-written file.
+
+    A symlink is written through (its target is replaced, the link stays); an existing file keeps its
+    permission bits, a new one gets ``0666 & ~umask`` as with ``open()``. The folder must exist (a
+    missing one is an error, never created). An ``OSError`` names ``path``, not the temporary file.
+    """
+    path = Path(path)
+    target = Path(os.path.realpath(path))
+    tmp = None
+    try:
+        if not target.parent.is_dir():
+            raise FileNotFoundError(errno.ENOENT, f"no such folder: {target.parent}")
+        try:
+            mode = stat.S_IMODE(os.stat(target).st_mode)
+        except FileNotFoundError:
+            mode = 0o666 & ~_umask()
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.chmod(tmp, mode)
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException as e:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if isinstance(e, OSError):
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        raise
+
+
+class OutputBusy(OmniAccumError):
+    """Another run holds the lock of this output file."""
+
+
+class OutputLock:
+    """An exclusive, non-blocking ``flock`` on ``.<name>.lock`` beside an output file, held for one run.
+
+    The lock file holds the owner's pid (for the message) and is removed when the run ends; a lock file
+    left by a killed run is taken over (``flock`` dies with its process). After locking, the path is
+    checked to still name the locked file (another run may have removed and recreated it meanwhile).
+    """
+
+    def __init__(self, out: PathLike) -> None:
+        target = Path(os.path.realpath(out))
+        self.path = target.with_name(f".{target.name}.lock")
+        self.out = Path(out)
+        self._fd: int | None = None
+
+    def acquire(self) -> OutputLock:
+        for _ in range(20):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.read(fd, 32).decode("ascii", "replace").strip() or "?"
+                os.close(fd)
+                raise OutputBusy(
+                    f"{self.out} is being written by another omni-accum tune run (pid {owner}; lock {self.path}): "
+                    "wait for it to finish, or give another --out"
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                self._fd = fd
+                return self
+            os.close(fd)  # removed (and maybe recreated) by the run that held it: lock the current file
+        raise OutputBusy(f"{self.out}: could not lock {self.path} (it keeps being replaced)")
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)  # while still locked: a waiting run sees the inode change and retries
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> OutputLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
