@@ -11,7 +11,8 @@ those values and carry a marker key: vllm-omni 0.30.0 cannot read them. So, thro
   (first at once, then backing off from 50 ms to 30 s). Until the hello came, its requests go out as
   vllm-omni 0.30.0 builds them: nothing left off, no marker (the request's first chunk waits at most
   :data:`FIRST_WAIT_S` for the first look). A request that starts after it came is announced (fingerprint,
-  bucket) and may leave values off. A request keeps its choice until it is released.
+  bucket) and may leave values off. A request keeps its choice until it is released. A sending binding with
+  metrics on watches under any policy: the hand-off metric's timestamps ride in the marker (:mod:`.handoff`).
 
 The key carries the deployment's token (:func:`deployment_token`, ``OMNI_ACCUM_DEPLOYMENT``: set by the
 first omni-accum process of a server, inherited by the stage processes it starts), so two servers on one
@@ -240,7 +241,7 @@ class PeerWatch:
             return False
         self.hello = h
         logger.info("omni-accum: stage %d's receiver runs omni-accum (pid=%s, fingerprint %s, policy from %s): "
-                    "stage %d announces its requests from now on and may leave values off",
+                    "stage %d marks its requests from now on (values left off, hand-offs timed, as configured)",
                     self.dst, h[3], h[1], h[2], self.src)
         return True
 
