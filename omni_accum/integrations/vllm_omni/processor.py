@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from omni_accum.context import StreamContext
-from omni_accum.errors import AccumulationError, OmniAccumError
+from omni_accum.errors import AccumulationError, MergeError, OmniAccumError
 from omni_accum.integrations.vllm_omni import binding as _binding
 from omni_accum.integrations.vllm_omni import prometheus
 from omni_accum.integrations.vllm_omni.binding import Binding, Settings, binding_for, published_later
@@ -198,7 +198,7 @@ def _give_back(store: dict[str, Any], rid: str) -> None:
 
 
 def _fall_back(b: Binding | None, rid: Any, error: Exception) -> None:
-    reason = "processor_refused" if isinstance(error, OmniAccumError) else "processor_error"
+    reason = "processor_refused" if isinstance(error, (OmniAccumError, MergeError)) else "processor_error"
     if b is not None:
         b.metrics.fallback(reason)
         published_later(b)
