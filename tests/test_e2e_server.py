@@ -225,7 +225,7 @@ def test_the_arena_connector_carries_the_payloads_in_a_real_server(smoke_report)
     # the thinker's append keys (qwen3-omni: prealloc) go as append chains, and the talker's stage hands
     # their rows out as views over the shared pages: the accumulation buffer is the arena
     written = [line for line in log.splitlines() if "first append chain rows written" in line]
-    handed = [line for line in log.splitlines() if "first append chain rows handed out" in line]
+    handed = [line for line in log.splitlines() if "omni-accum arena" in line and "handed out" in line]
     assert written and handed, "append chains in the stage processes:\n" + "\n".join(written + handed)
     assert not (arena.get("stop") or {}).get("shm", {}).get("left"), arena.get("stop")
     assert not list(Path("/dev/shm").glob("omni_accum_arena_e2e_*"))
