@@ -227,7 +227,9 @@ def test_the_arena_connector_carries_the_payloads_in_a_real_server(smoke_report)
     written = [line for line in log.splitlines() if "first append chain rows written" in line]
     handed = [line for line in log.splitlines() if "omni-accum arena" in line and "handed out" in line]
     assert written and handed, "append chains in the stage processes:\n" + "\n".join(written + handed)
-    assert not (arena.get("stop") or {}).get("shm", {}).get("left"), arena.get("stop")
+    # this server's entries only: /dev/shm is shared with whatever else runs on the machine
+    left = (arena.get("stop") or {}).get("shm", {}).get("left") or []
+    assert not [n for n in left if n.startswith(("omni_accum_arena_e2e_", "shm_chatcmpl-"))], arena.get("stop")
     assert not list(Path("/dev/shm").glob("omni_accum_arena_e2e_*"))
 
 
