@@ -268,3 +268,26 @@ def test_heap_guard_trims_only_past_its_slack(monkeypatch):
     rss[0] = 1500  # 400 above the post-trim 1100
     guard()
     assert guard.trims == 1
+
+
+def test_delta_reads_take_the_rows_and_the_receiver_drops_them():
+    """read 'delta' (0.30.0's talker takes each embed.decode row once): every arm hands over exactly the chunk's
+    rows and holds at most one chunk of them; an engine that keeps the rows is caught by the check."""
+    from omni_accum.policy import load_policy
+
+    wl = small("qwen3-omni-0.30", steps=5)
+    wl = wl.model_copy(update={"keys": [k for k in wl.keys if k.path != "meta.is_segment_finished"]})
+    arms = {"upstream": "upstream", "default": load_policy("default"), "qwen3-omni": load_policy("qwen3-omni")}
+    for r in measure(wl, arms, context_len=32, concurrency=2, repeats=1, check=True, per_key=True):
+        assert r.error is None and r.correct, (r.arm, r.mismatch)
+        assert r.per_key["embed.decode"].peak_bytes <= 2 * 2048 * 2, r.arm  # one bf16 row per request
+
+    class Keeps(PolicyEngine):
+        def consume(self, req_id, path):
+            pass
+
+    def keeps(ctx):
+        return Keeps(load_policy("default"), ctx)
+
+    (r,) = measure(wl, {"keeps": keeps}, context_len=32, concurrency=1, repeats=1, check=True)
+    assert not r.correct and "taken after a chunk that does not carry it" in r.mismatch  # embed.prefill kept

@@ -461,3 +461,51 @@ def test_a_protocol_key_is_not_tuned():
     keys, skipped = tunable_keys(build_workload(TINY), omni_accum.load_policy("default: cat"), [64])
     assert "meta.finished" not in keys and "protocol key" in skipped["meta.finished"]
     assert "embed.decode" in keys
+
+
+def test_a_gain_within_the_noise_keeps_the_baseline_and_says_why():
+    """`finished cat +8.1% [+0.7%, +19.2%]`: a win whose interval reaches below 5 % is noise, not a switch (it
+    flipped between runs); the kept baseline says why, in the cell and under the decision table."""
+    from omni_accum.policy import StrategyChoice
+    from omni_accum.tuner.candidates import Candidate
+    from omni_accum.tuner.core import BASE, BucketOutcome, _decide
+    from omni_accum.tuner.report import decision_table
+
+    base = [100.0 + 40.0 * ((i * 7) % 13) / 13 for i in range(40)]
+    cand = [0.91 * x + (6.0 if i % 3 else -6.0) for i, x in enumerate(base)]
+    g = bootstrap_gain(base, cand)
+    assert g.gain > 0.05 and 0.0 < g.low < 0.05, g  # what the old gate took as a significant win
+    owner = {"send_once": Candidate("send_once")}
+    d = _decide("flag", "cat", StrategyChoice("cat"), owner, {BASE: base, "send_once": cand}, {}, {}, None, 1.0)
+    assert d.winner == Candidate("cat")
+    assert d.reason.startswith("send_once: ") and "within the noise" in d.reason
+    cells = BucketOutcome(1000, 1, decisions={"flag": d}).cells()
+    assert cells[0].reason == d.reason
+    text = decision_table(TunedTable(context_len_edges=[1000], concurrency_edges=[1], cells=cells))
+    assert "why:" in text and ">=1000 x >=1 flag: kept the baseline: send_once: " in text
+    # interval crossing 0, and a clear win that saves under --min-gain-us: each kept with its own reason
+    d = _decide("flag", "cat", StrategyChoice("cat"), owner, {BASE: base, "send_once": base[::-1]}, {}, {}, None, 1.0)
+    assert d.winner == Candidate("cat") and "crosses 0" in d.reason
+    tiny = {BASE: [2.0, 2.01, 1.99] * 8, "send_once": [1.5, 1.51, 1.49] * 8}
+    d = _decide("flag", "cat", StrategyChoice("cat"), owner, tiny, {}, {}, None, 1.0)
+    assert d.winner == Candidate("cat") and "--min-gain-us 1" in d.reason
+    d = _decide("flag", "cat", StrategyChoice("cat"), owner, tiny, {}, {}, None, 0.1)
+    assert d.winner == Candidate("send_once") and d.reason is None
+
+
+def test_a_baseline_that_raises_on_a_flag_is_left_for_replace():
+    """vllm-omni 0.30.0 sends the 0-d meta.is_segment_finished flag every chunk; cat (the default baseline)
+    refuses it, so the tuner picks a correct replace-kind candidate and says why instead of failing."""
+    from omni_accum.bench.workloads import load_workload
+    from omni_accum.policy import load_policy
+    from omni_accum.tuner.core import all_candidates, tune_bucket
+
+    wl = load_workload("qwen3-omni-0.30").model_copy(update={"decode_steps": 4})
+    key = "meta.is_segment_finished"
+    out = tune_bucket(
+        wl, load_policy("default"), [key], all_candidates(wl, [key], grid=False),
+        context_len=16, concurrency=1, wire="inproc", max_rounds=1, memory_factor=2.0,
+    )  # fmt: skip
+    d = out.decisions[key]
+    assert d.winner.strategy in ("replace", "send_once") and d.reason.startswith("baseline left: it raised")
+    assert "0-d" in d.reason and d.excluded["cat"].startswith("baseline kept out")

@@ -16,6 +16,7 @@ from omni_accum.bench.workloads import (
 )
 
 PRESETS = [
+    "qwen3-omni-0.30",
     "qwen3-omni-seed",
     "qwen3-omni-chunked-prefill",
     "qwen3-omni-full-payload",
@@ -24,7 +25,7 @@ PRESETS = [
 ]
 
 
-def test_the_five_presets_exist():
+def test_the_six_presets_exist():
     assert sorted(PRESETS) == workload_names()
 
 
@@ -212,3 +213,73 @@ def test_a_repeated_key_path_is_reported_at_its_own_line(tmp_path):
         load_workload(str(path))
     assert f"{path}: line 7: keys[2].path 'a.x' is listed twice (also keys[0].path)" in str(e.value)
     assert "top level" not in str(e.value)
+
+
+def _processor_chunks(p: int, steps: int) -> list[dict]:
+    """What vllm-omni 0.30.0's own thinker -> talker processor and chunk adapter put on the wire for a request of
+    ``p`` prompt tokens and ``steps`` decode steps (the adapter adds meta.is_segment_finished to every payload)."""
+    from types import SimpleNamespace
+
+    from vllm_omni.model_executor.stage_input_processors.qwen3_omni import thinker2talker_async_chunk
+
+    hf = SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=24))
+    tm = SimpleNamespace(put_req_chunk={"r": 0}, request_payload={}, config=SimpleNamespace(hf_config=hf))
+    prompt = list(range(p))
+    tts = {k: torch.zeros(1, 1, 2048, dtype=torch.bfloat16) for k in ("tts_bos", "tts_eos", "tts_pad")}
+    out: list[dict] = []
+    rows = [p, 1] + [1] * steps  # the prefill step, the first sampled token, then one row per decode step
+    for i, n in enumerate(rows):
+        req = SimpleNamespace(
+            external_req_id="r", all_token_ids=prompt + [7] * i, prompt_token_ids=prompt, resumable=False,
+            additional_information=None,
+        )  # fmt: skip
+        layers = {0: torch.zeros(n, 2048, dtype=torch.bfloat16), 24: torch.zeros(n, 2048, dtype=torch.bfloat16)}
+        mm = {"hidden_states": {"layers": layers}, "embed": dict(tts)}
+        payload = thinker2talker_async_chunk(tm, mm, req, is_finished=i == len(rows) - 1)
+        if payload is None:
+            continue
+        tm.put_req_chunk["r"] += 1
+        leaves = {}
+        for f in payload.__struct_fields__:
+            v = getattr(payload, f)
+            for q in getattr(v, "__struct_fields__", ()):
+                if getattr(v, q) is not None:
+                    leaves[f"{f}.{q}"] = getattr(v, q)
+            if v is not None and not hasattr(v, "__struct_fields__"):
+                leaves[f] = v
+        leaves["meta.is_segment_finished"] = torch.tensor(False)  # set by OmniChunkTransferAdapter on every put
+        out.append(leaves)
+    return out
+
+
+def test_the_default_workload_is_the_stream_0_30_0_sends(vllm_omni):
+    """tune's and bench's default workload carries exactly the keys, shapes and dtypes vllm-omni 0.30.0's
+    thinker -> talker processor sends, chunk by chunk (qwen3-omni-seed's flat keys are never sent)."""
+    import argparse
+
+    from omni_accum.cli import bench as bench_cli, tune as tune_cli
+
+    for mod in (tune_cli, bench_cli):
+        parser = argparse.ArgumentParser()
+        mod.register(parser.add_subparsers())
+        args = parser.parse_args([mod.__name__.rsplit(".", 1)[1], "--out", "x.yaml"] if mod is tune_cli else ["bench"])
+        assert args.workload == "qwen3-omni-0.30"
+    p, steps = 24, 3
+    real = _processor_chunks(p, steps)
+    wl = load_workload("qwen3-omni-0.30").model_copy(update={"decode_steps": steps})
+    ours = [dict(iter_leaves(c)) for c in build_stream(wl, p)]
+    assert len(ours) == len(real) == 1 + steps
+    for i, (mine, theirs) in enumerate(zip(ours, real)):
+        assert set(mine) == set(theirs), (i, sorted(set(mine) ^ set(theirs)))
+        for k, v in theirs.items():
+            if isinstance(v, torch.Tensor):
+                assert (tuple(mine[k].shape), mine[k].dtype) == (tuple(v.shape), v.dtype), (i, k)
+            else:
+                assert type(mine[k]) is type(v) and len(mine[k]) == len(v), (i, k)
+    assert not {"thinker_embeddings", "finished"} & {k for c in ours for k in c}
+    assert wl.key("embed.decode").read == "delta" and wl.key("embed.prefill").read == "delta"
+
+
+def test_read_delta_needs_an_append_key():
+    with pytest.raises(WorkloadError, match="read 'delta'.*needs an append key"):
+        load_workload({"name": "x", "keys": [{"path": "a.b", "kind": "replace", "read": "delta"}]})
