@@ -26,8 +26,11 @@ HELP = """\
 Replay the workload's trace through every applicable strategy per key (built-ins and plugins,
 filtered by the kinds they declare, with a small params grid), in every bucket of context length
 x concurrency, arms interleaved round by round. A key leaves the baseline policy only for a win
-> 5 % whose bootstrap 95 % interval excludes zero; candidates whose views differ from the cat
-reference, that raise, or that hold more than the memory budget are excluded and reported. The
+beyond the noise (its whole bootstrap 95 % interval above 5 %, the interval's low end saving at least
+--min-gain-us per step); every kept baseline is listed with its reason under the decision table.
+Candidates whose views differ from the cat reference, that raise, or that hold more than the memory
+budget are excluded and reported (a baseline that raises on a key is left for the fastest correct
+candidate). The default workload is qwen3-omni-0.30, the stream vllm-omni 0.30.0 sends. The
 output is a policy file (validated, written atomically after every bucket) with the decision per
 key per bucket, every candidate's timings and an environment fingerprint; at run time a table
 whose fingerprint does not match is ignored with a warning. --out only ever receives a complete
@@ -152,8 +155,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=non_negative_float,
         default=1.0,
         metavar="US",
-        help="leave the baseline only for a win of at least US (>= 0) microseconds per step, besides > 5%% with "
-        "an interval above zero (default %(default)s)",
+        help="leave the baseline only when the low end of the win's interval saves at least US (>= 0) "
+        "microseconds per step, besides the whole interval above 5%% (default %(default)s)",
     )
     p.add_argument(
         "--verify",
