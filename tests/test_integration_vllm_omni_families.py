@@ -57,7 +57,6 @@ def test_tables_differ_where_the_releases_do():
     proc = lambda f: [(t.owner, t.signature) for t in f.targets if t.name == "thinker2talker_async_chunk"]  # noqa: E731
     assert proc(old) == proc(new) and len(proc(old)) == 1
     assert proc(old)[0][1] == "(transfer_manager, multimodal_output, request, is_finished=False)"
-    assert len(old.targets) == 9 and len(new.targets) == 10  # 5 adapter, 1 or 2 runner, 2 full-payload, 1 processor
     assert not old.empty_span_takes_incoming and new.empty_span_takes_incoming
     (init_old,) = [t for t in old.probes if t.name == "init_omni_connectors"]
     (init_new,) = [t for t in new.probes if t.name == "init_omni_connectors"]
