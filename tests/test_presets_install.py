@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "README.md", "omni_accum", "strategies", "config")
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", "omni_accum", "strategies", "config")
 
 CHECK = r"""
 import json, sys
