@@ -9,8 +9,9 @@ old slab after that) or the request is released. ``release`` hands the request's
 sender through ring B.
 
 Keyed messages (:meth:`ArenaSender.publish`, the connector's put) wait in a mailbox until their key
-is asked for (:meth:`take`); the taker copies their tensors out (:meth:`read_tensor`) and gives their
-pages back to the sender (:meth:`free`).
+is asked for (:meth:`take`); the taker copies their small tensors out (:meth:`read_tensor`) and gives
+their pages back to the sender (:meth:`free`), and hands the large ones out over their pages
+(:meth:`tensor_view`: no copy; the pages go back once no tensor over them is left).
 """
 
 from __future__ import annotations
@@ -97,9 +98,15 @@ class ArenaReceiver(ChainViews):
         self._chains: dict[int, tuple[int, torch.Tensor]] = {}  # chain number -> (lineage token, slab rows)
         self._chains_of: dict[str, dict[str, int]] = {}
         self._sender_pid = 0  # the sender whose chains these are (a new one numbers its own)
-        self._live_slabs: dict[int, int] = {}  # first page -> pages of every chain slab a tensor still shows
-        self._dead_slabs: deque[tuple[int, int]] = deque()  # slabs no tensor shows any more (any thread appends)
+        # first page -> pages of every chain slab and message tensor (tensor_view) a tensor still shows
+        self._live_slabs: dict[int, int] = {}
+        self._dead_slabs: deque[tuple[int, int]] = deque()  # of those, the ones no tensor shows any more (any thread)
+        #: called once a span is queued for :meth:`reap` (from whichever thread freed the last tensor over it, at
+        #: any point of its code: a hook must not block; it may reap with ``wait=False`` if nothing else is using
+        #: this receiver at that moment)
+        self.on_dead: list[Any] = []
         self.chain_views = 0  # tensors handed out as new rows of a chain (no copy)
+        self.tensor_views = 0  # tensors of keyed messages handed out over their pages (no copy; tensor_view)
         self._last_check = time.monotonic()
 
     # ------------------------------------------------------------------ receiving
@@ -129,8 +136,9 @@ class ArenaReceiver(ChainViews):
     # ------------------------------------------------------------------ keyed messages (the connector)
     def take(self, key: str) -> tuple[bytes, list[tuple[int, int]], dict[int, torch.Tensor]] | None:
         """``(body, pages, chains)`` of the keyed message ``key`` (taking every message published so far off
-        the ring first), or None when it has not arrived. Read its tensors with :meth:`read_tensor`, then
-        give its pages back with :meth:`free`; its rows of append chains with :meth:`chain_rows`. Raises
+        the ring first), or None when it has not arrived. Read its tensors with :meth:`read_tensor` (a copy)
+        or :meth:`tensor_view` (none), then give the pages of those not viewed back with :meth:`free`; its
+        rows of append chains with :meth:`chain_rows`. Raises
         PeerDied once when the sender is found dead (the messages it published before are kept)."""
         got = self._mailbox.pop(key, None)
         if got is not None:
@@ -301,16 +309,22 @@ class ArenaReceiver(ChainViews):
         req.view.clear()
         self._post_free(req_id, spans)
 
-    def _post_free(self, rid: str | None, spans: list[tuple[int, int]]) -> None:
+    def _post_free(self, rid: str | None, spans: list[tuple[int, int]], *, wait: bool = True) -> bool:
+        """Give ``spans`` back to the sender (False: ``wait=False`` and ring B is full; nothing sent)."""
         q = self.region.q
         if q[W_SENDER_PID] == 0:  # no sender: this side is the page map's only writer
             for p, n in spans:
                 self.region.pages[p : p + n] = b"\0" * n
-            return
+            return True
         msg = pickle.dumps((FREE, rid, spans), protocol=5)
         ring = self.region.ring_b
-        if not ring.push(msg) and not wait_until(lambda: ring.push(msg), 30.0, self.check_sender):
+        if ring.push(msg):
+            return True
+        if not wait:
+            return False
+        if not wait_until(lambda: ring.push(msg), 30.0, self.check_sender):
             raise ArenaError(f"arena {self.region.path.name}: the sender takes no released pages back")
+        return True
 
     # ------------------------------------------------------------------ the sender's liveness
     def check_sender(self) -> None:

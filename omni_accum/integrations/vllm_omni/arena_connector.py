@@ -9,17 +9,20 @@ Select it in a deploy YAML like any connector::
           arena_name: my-server        # default: $OMNI_ACCUM_ARENA_NAME, else "omni"
           arena_bytes: 2GiB            # per stage pair (default 1GiB); tmpfs pages are touched as used
           ring_bytes: 4MiB             # descriptor ring per stage pair (default 4MiB)
+          arena_view_bytes: 64KiB      # received tensors this large are not copied (default 64KiB; off)
 
 One shared-memory region per stage pair (``/dev/shm/omni_accum_arena_<arena_name>_<from>_<to>.<pid>``),
 created once by the receiving process (pid) on its first ``get`` and attached once by the sending process:
 no segment is created per message and no tensor byte is pickled. A ``put`` writes each tensor of the
 payload into arena pages with one copy and pushes a small message (the rest of the payload, in
 vllm-omni's own msgpack encoding, which ``SharedMemoryConnector`` uses for all of it) through the
-region's ring; the receiver's ``get`` copies the tensors out (the pages go back to the sender at
-once) and decodes the payload as ``SharedMemoryConnector`` would: the same objects come out. The rows
-of keys the sending policy appends are the exception: they go into the request's append chains
-(:mod:`.arena_chains`), one slab per request and key written once, and come out as views over the
-shared pages that ``prealloc`` takes as its buffer (docs/arena.md, "Append chains").
+region's ring; the receiver's ``get`` decodes the payload as ``SharedMemoryConnector`` would: the same
+values come out, the tensors of at least ``arena_view_bytes`` as tensors over their arena pages (no copy:
+the pages go back to the sender once no tensor over them is left), smaller ones copied out (their pages
+go back at once; :mod:`.arena_codec`). The rows of keys the sending policy appends go into the
+request's append chains instead (:mod:`.arena_chains`), one slab per request and key written once, and
+come out as views over the shared pages that ``prealloc`` takes as its buffer (docs/arena.md, "Append
+chains" and "Zero-copy receive").
 
 Everything the arena cannot take goes through an inner ``SharedMemoryConnector`` built from the same
 config, so nothing is lost: a put before the receiver has created the region, an arena that is full,
@@ -37,11 +40,13 @@ Registered with ``OmniConnectorFactory`` by :mod:`.arena_plugin` (entry point ``
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -49,13 +54,10 @@ from typing import Any
 import torch
 from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorBase
 from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
-from vllm_omni.distributed.omni_connectors.utils import serialization as _ser
 
-from omni_accum.arena._common import DTYPES
 from omni_accum.arena.region import PREFIX, SHM_DIR, ArenaError, ArenaFull, PeerDied, owner_of, pid_alive
-from omni_accum.integrations.vllm_omni.arena_chains import (  # noqa: I001 - one line of names (module size)
-    DTYPE_NAMES, IN_CHAIN, append_test, chain_payload, cpu_contiguous, request_of, struct_map, tensor_ref,
-)
+from omni_accum.integrations.vllm_omni.arena_chains import append_test, chain_payload, request_of, struct_map
+from omni_accum.integrations.vllm_omni.arena_codec import DEFAULT_VIEW_BYTES, Decoder, Encoder
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
 
 logger = logging.getLogger("omni_accum.vllm_omni")
@@ -97,49 +99,14 @@ def parse_size(value: Any, what: str) -> int:
 
 
 #: The ``arena_*`` / ``ring_*`` keys the connector reads from its ``extra``.
-KNOWN_KEYS = ("arena_name", "arena_bytes", "ring_bytes")
+KNOWN_KEYS = ("arena_name", "arena_bytes", "ring_bytes", "arena_view_bytes")
 
 
-#: Key of a tensor's wire dict (vllm-omni's own tensor encoding) that says where its bytes are in the arena.
-_IN_ARENA = "__omni_accum_arena__"
-
-
-class _Encoder(_ser.OmniMsgpackEncoder):
-    """vllm-omni's own payload encoding (what ``SharedMemoryConnector`` puts), except that each tensor's
-    bytes go into arena pages instead of the message."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tx: Any = None
-        self.spans: list[tuple[int, int]] = []
-        self.tensor_bytes = 0
-
-    def _encode_tensor(self, tensor: torch.Tensor) -> dict[str, Any]:
-        if tensor.dtype not in DTYPE_NAMES or tensor.is_sparse or not tensor.numel():
-            return super()._encode_tensor(tensor)
-        t = cpu_contiguous(tensor)
-        page, n = self.tx.write_tensor(t)
-        self.spans.append((page, n))
-        self.tensor_bytes += t.numel() * t.element_size()
-        return tensor_ref(t, list(tensor.shape), _IN_ARENA, page)
-
-
-class _Decoder(_ser.OmniMsgpackDecoder):
-    """vllm-omni's own payload decoding; tensors in the arena are copied out of it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rx: Any = None
-        self.chains: dict[int, tuple[int, torch.Tensor]] = {}  # the chains' slabs the message being decoded names
-
-    def _decode_tensor(self, obj: dict[str, Any]) -> torch.Tensor:
-        page = obj.get(_IN_ARENA)
-        if page is None:
-            chain = obj.get(IN_CHAIN)
-            if chain is not None:
-                return self.rx.chain_rows(self.chains, *chain)
-            return super()._decode_tensor(obj)
-        return self.rx.read_tensor(page, DTYPES[obj["dtype"]], obj["shape"])
+def parse_view_bytes(value: Any) -> int | None:
+    """``arena_view_bytes``: a size (:func:`parse_size`), or ``off`` (None: every tensor is copied out)."""
+    if value is False or (isinstance(value, str) and value.strip().lower() == "off"):
+        return None
+    return parse_size(value, "arena_view_bytes")
 
 
 def _live_region(base: str) -> str:
@@ -155,6 +122,19 @@ def _live_region(base: str) -> str:
     if not found:
         raise ArenaError(f"no live arena {PREFIX}{base}.<pid> yet: the receiving stage creates it on its first get")
     return max(found)[1]
+
+
+def _reap_soon(ref: Any) -> None:
+    """The last tensor over some arena pages was freed (any thread, any point of its code): give the pages
+    back to the sender now if no get is in progress, without waiting (else the next get does)."""
+    self = ref()
+    if self is not None and self._rx_lock.acquire(blocking=False):
+        try:
+            for rx in list(self._rx.values()):
+                if rx is not None:
+                    rx.reap(wait=False)
+        finally:
+            self._rx_lock.release()
 
 
 class ArenaConnector(OmniConnectorBase):
@@ -174,6 +154,7 @@ class ArenaConnector(OmniConnectorBase):
         self.arena_name = name
         self.arena_bytes = parse_size(self.config.get("arena_bytes", DEFAULT_ARENA_BYTES), "arena_bytes")
         self.ring_bytes = parse_size(self.config.get("ring_bytes", DEFAULT_RING_BYTES), "ring_bytes")
+        self.view_bytes = parse_view_bytes(self.config.get("arena_view_bytes", DEFAULT_VIEW_BYTES))
         self.inner = self.peer_channel = SharedMemoryConnector(self.config)  # peer_channel: the stage hellos (.peer)
         # one lock per direction: a put waiting for ring space never holds up this process's gets
         self._tx_lock = threading.Lock()
@@ -188,8 +169,8 @@ class ArenaConnector(OmniConnectorBase):
         #: hook is not making (a benchmark, a test); within the hook, the sending policy decides.
         self.append_test: Any = None
         self._closed = False
-        self._encoder = _Encoder()
-        self._decoder = _Decoder()
+        self._encoder = Encoder()
+        self._decoder = Decoder(self.view_bytes)
         self.counts = {"arena_puts": 0, "inner_puts": 0, "arena_gets": 0, "inner_gets": 0, "arena_bytes": 0,
                        "chain_appends": 0}
         self.fallbacks: dict[str, int] = {}
@@ -242,6 +223,7 @@ class ArenaConnector(OmniConnectorBase):
         else:
             logger.info("omni-accum arena %s: created (%d data bytes, pid=%d)", rx.region.path.name,
                         self.arena_bytes, os.getpid())
+            rx.on_dead.append(functools.partial(_reap_soon, weakref.ref(self)))
         self._rx[pair] = rx
         return rx
 
@@ -308,16 +290,19 @@ class ArenaConnector(OmniConnectorBase):
                 if msg is not None:
                     body, spans, chains = msg
                     dec = self._decoder
-                    dec.rx, dec.chains = rx, chains
+                    dec.rx, dec.chains, dec.spans = rx, chains, dict(spans)
                     try:
                         obj = dec.decode(body)
                     finally:
-                        dec.chains = {}
-                        rx.free(spans)  # the tensors are copied out: the sender may reuse the pages
-                    if chains and not self._chain_logged:
+                        # the pages of tensors copied out go back now; those of tensors handed out over
+                        # them, once no tensor over them is left (ChainViews.reap, on a later get)
+                        rx.free(list(dec.spans.items()))
+                        dec.chains, dec.spans = {}, {}
+                    if (chains or dec.views) and not self._chain_logged:
                         self._chain_logged = True
-                        logger.info("omni-accum arena %s: first append chain rows handed out as views over the "
-                                    "shared pages (no copy; %d chain view(s) so far)", rx.region.path.name, rx.chain_views)
+                        logger.info("omni-accum arena %s: first tensors handed out over the shared pages (no copy; "
+                                    "%d chain view(s), %d tensor view(s))", rx.region.path.name, rx.chain_views,
+                                    rx.tensor_views)
                     self.counts["arena_gets"] += 1
                     return obj, len(body) + sum(n for _, n in spans) * rx.region.layout.page
         got = self.inner.get(from_stage, to_stage, get_key, metadata)
@@ -410,6 +395,10 @@ class ArenaConnector(OmniConnectorBase):
             "status": "healthy" if not self._closed else "closed",
             **self.counts,
             "chain_views": sum(rx.chain_views for rx in self._rx.values() if rx is not None),
+            "tensor_views": self._decoder.views,  # received tensors handed out over arena pages (no copy)
+            "tensor_copies": self._decoder.copies,  # received tensors copied out (under arena_view_bytes)
+            # pages of chains and tensor views some tensor still shows (given back once none does)
+            "view_bytes_held": sum(rx.view_bytes() for rx in self._rx.values() if rx is not None),
             "fallbacks": dict(self.fallbacks),
             "regions": sorted(
                 [self.region_name(*p) + " (send)" for p in self._tx]
