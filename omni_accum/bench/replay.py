@@ -194,7 +194,7 @@ def replay(
     """
     reads = [_Read.of(k.path, k.read) for k in workload.keys if k.read != "never"]
     n_req = len(streams)
-    n_chunks = len(streams[0]) if streams else 0
+    n_chunks = max(map(len, streams), default=0)  # captured requests differ in length: each ends at its own
     step_us: list[float] = []
     totals = [0.0] * n_req
     wire_bytes = 0
@@ -206,8 +206,10 @@ def replay(
     timer = _CudaTimer() if device.startswith("cuda") else None
     guard = HeapGuard()
     for i in range(n_chunks):
-        last = i == n_chunks - 1
         for r in range(n_req):
+            if i >= len(streams[r]):
+                continue
+            last = i == len(streams[r]) - 1
             rid = req_ids[r]
             chunk = streams[r][i]
             t0 = clock() if timer is None else timer.start()
@@ -260,7 +262,7 @@ def replay(
             on_round()
     for rid in req_ids:
         engine.release(rid)
-    steps = max(1, n_req * n_chunks)
+    steps = max(1, sum(map(len, streams)))
     for ks in keys.values():
         ks.wire_bytes_per_step /= steps
     return step_us, totals, wire_bytes, peak, keys, mismatch
@@ -356,7 +358,7 @@ def measure(
     if view_hop not in (None, "serializer"):
         raise OmniAccumError(f"unknown view hop {view_hop!r}. Available: serializer")
     labels = list(arms)
-    n_chunks = len(streams[0])
+    n_chunks = max(map(len, streams), default=0)
     results = {lab: ArmResult(lab, cl, concurrency, wire, requests=concurrency, steps=n_chunks) for lab in labels}
     wire_totals = {lab: 0 for lab in labels}
     if warmup:

@@ -67,8 +67,12 @@ def build_stream(workload: Workload, context_len: int, request: int = 0) -> list
 
     Deterministic for (workload, context_len, request). Prefill-sized tensors (the chunks of
     ``first``/``prefill`` keys) are the same objects for every request (cached); decode rows depend
-    on ``request``. Chunks must be treated as read-only.
+    on ``request``. Chunks must be treated as read-only. A captured workload (``omni_accum.capture.trace``)
+    gives its recorded requests' chunks instead.
     """
+    recorded = getattr(workload, "recorded_stream", None)
+    if recorded is not None:
+        return recorded(context_len, request)
     plans = chunk_plans(workload, context_len)
     gen = torch.Generator().manual_seed(workload.seed * 1_000_003 + request * 7919 + 1)
     ids_so_far: dict[str, list[int]] = {}
