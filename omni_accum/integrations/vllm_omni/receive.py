@@ -19,7 +19,7 @@ import torch
 
 from omni_accum.engine import WIRE_MARKER
 from omni_accum.errors import AccumulationError, OmniAccumError
-from omni_accum.integrations.vllm_omni import handoff
+from omni_accum.integrations.vllm_omni import capture, handoff
 from omni_accum.integrations.vllm_omni.binding import Binding, _leaves, _path, binding_for
 from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, count_bits, number_once, split_mask
 from omni_accum.integrations.vllm_omni.peer import announce
@@ -247,6 +247,11 @@ def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
             raw = payload.get(OMITTED_KEY)
             if raw.__class__ is list:  # maybe timed: merged and readable now (.handoff)
                 handoff.arrived(b, stage_id, raw, payload)
+            cap = b.__dict__.get("_capture", False)
+            if cap is False:
+                cap = capture.attach(b, self)  # OMNI_ACCUM_CAPTURE / the extra's omni_accum_capture (.capture)
+            if cap is not None:
+                capture.received(cap, self, req_id, payload, raw)
             if counted and not new:  # the steady path: only the time is left to record
                 rec.timed(time.perf_counter() - t0)
             else:
@@ -272,5 +277,6 @@ def wrap_clear_receiver(orig: Callable[..., Any]) -> Callable[..., Any]:
         b = binding_for(self)
         if b is not None:
             b.forget(request_id)
+            capture.released(b, request_id, "recv")
 
     return _clear_receiver_state_locked

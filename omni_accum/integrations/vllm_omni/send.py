@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from omni_accum.engine import WIRE_MARKER
-from omni_accum.integrations.vllm_omni import handoff
+from omni_accum.integrations.vllm_omni import capture, handoff
 from omni_accum.integrations.vllm_omni.binding import Binding, binding_for, published_later
 from omni_accum.integrations.vllm_omni.marker import (
     MARKERS,
@@ -57,6 +57,9 @@ def encode_payload(b: Binding, req_id: str, data: Any, task: Any = None) -> Any:
     chunk = to_dict(data) if isinstance(data, OmniPayloadStruct) else data
     if not isinstance(chunk, Mapping):
         return data
+    cap = b.__dict__.get("_capture")
+    if cap is not None:  # recorded as the adapter built it (.capture)
+        capture.sent(cap, req_id, chunk, task)
     hello = None
     table = b.sent_once.get(req_id)
     if req_id not in b.live_send:
@@ -189,6 +192,8 @@ def wrap_send(orig: Callable[..., Any]) -> Callable[..., Any]:
         if b is None or not ensure_encoding_put(conn):
             return orig(self, task, sender_token)
         watch(b, conn)  # its receiving stage's hello decides whether requests are announced (.peer)
+        if "_capture" not in b.__dict__:
+            capture.attach(b, self)  # OMNI_ACCUM_CAPTURE / the extra's omni_accum_capture (.capture)
         ext_id = task["request"].external_req_id
         _tls.send = (b, ext_id, conn, task)
         try:
@@ -214,6 +219,7 @@ def _release_sender(b: Binding, ext_id: str, conn: Any = None) -> None:
     b.sent_once.pop(ext_id, None)
     b.live_send.discard(ext_id)
     b.send_ctx.pop(ext_id, None)
+    capture.released(b, ext_id, "send")
     published_later(b)  # off vllm-omni's sender lock, which this runs under
 
 

@@ -1,0 +1,195 @@
+"""A capture back into records: every complete, valid line; every other one reported, never fatal.
+
+:func:`read_capture` takes a capture folder (its ``capture-*.jsonl`` files) or files. A line cut by a
+stopped writer (no end of line), a line that is not JSON, or a record with a field of the wrong type is
+skipped and reported as a :class:`Problem` naming the file and the line number; the rest is used. Lines
+are parsed with :func:`json.loads` only: nothing read is unpickled or evaluated. Symlinks and other
+non-regular files are not read (reported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omni_accum.capture.recorder import VERSION
+from omni_accum.capture.writer import FILE_PREFIX, FILE_SUFFIX, CaptureError
+
+ROLES = ("send", "recv")
+KINDS = ("append", "replace")
+#: Problems listed one by one; past it, only counted.
+MAX_LISTED = 20
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A line that was skipped: its file, its line number (1-based; 0: the whole file) and why."""
+
+    file: str
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}, line {self.line}" if self.line else self.file
+        return f"{where}: {self.reason}"
+
+
+@dataclass
+class Capture:
+    """What :func:`read_capture` found: ``records`` (dicts, in file order, each with ``_file``/``_line``
+    of where it came from) and ``problems`` (the lines skipped)."""
+
+    files: list[Path] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+    def warnings(self) -> list[str]:
+        """One line per problem (the first :data:`MAX_LISTED`, then a count of the rest)."""
+        out = [f"skipped {p}" for p in self.problems[:MAX_LISTED]]
+        if len(self.problems) > MAX_LISTED:
+            out.append(f"... and {len(self.problems) - MAX_LISTED} more lines skipped")
+        return out
+
+
+def capture_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """The capture files ``paths`` name: a folder's ``capture-*.jsonl`` files (sorted), or the files given.
+
+    Raises:
+        CaptureError: a path that does not exist, or a folder without capture files (named).
+    """
+    out: list[Path] = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            found = sorted(x for x in p.iterdir() if x.name.startswith(FILE_PREFIX) and x.name.endswith(FILE_SUFFIX))
+            if not found:
+                raise CaptureError(
+                    f"{p}: no capture files in this folder (expected {FILE_PREFIX}<stage>-<pid>.<n>{FILE_SUFFIX}, "
+                    "written by a stage process run with OMNI_ACCUM_CAPTURE or the connector extra omni_accum_capture)"
+                )
+            out += found
+        elif p.exists() or p.is_symlink():
+            out.append(p)
+        else:
+            raise CaptureError(f"{p}: no such capture folder or file")
+    return out
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def check_record(rec: Any) -> str | None:
+    """Why ``rec`` is not a valid version-1 record, or None."""
+    if not isinstance(rec, dict):
+        return f"a record is a JSON object, got {type(rec).__name__}"
+    if rec.get("v") != VERSION:
+        return f"record version {rec.get('v')!r}: this omni-accum reads version {VERSION}"
+    checks = (
+        ("t", _number(rec.get("t"))),
+        ("req", isinstance(rec.get("req"), str) and bool(rec.get("req"))),
+        ("pair", isinstance(rec.get("pair"), str) and "->" in rec.get("pair", "")),
+        ("role", rec.get("role") in ROLES),
+        ("seq", _count(rec.get("seq"))),
+        ("dt", _number(rec.get("dt")) and rec.get("dt") >= 0),
+        ("keys", isinstance(rec.get("keys"), list)),
+        ("handoff_s", rec.get("handoff_s") is None or (_number(rec.get("handoff_s")) and rec["handoff_s"] >= 0)),
+        ("arm", rec.get("arm") is None or isinstance(rec.get("arm"), str)),
+        ("ctx", rec.get("ctx") is None or _count(rec.get("ctx"))),
+    )
+    for name, ok in checks:
+        if not ok:
+            return f"field {name!r}: invalid value {rec.get(name)!r}"
+    for i, k in enumerate(rec["keys"]):
+        why = _check_key(k)
+        if why:
+            return f"keys[{i}]: {why}"
+    return None
+
+
+def _check_key(k: Any) -> str | None:
+    if not isinstance(k, list) or len(k) not in (6, 7):
+        return "expected [path, kind, dtype, shape, bytes, strategy] (and an optional mapping)"
+    path, kind, dtype, shape, nbytes, strategy = k[:6]
+    if not isinstance(path, str) or not path:
+        return f"path {path!r} is not a key path"
+    if kind not in KINDS:
+        return f"kind {kind!r}: expected {' or '.join(KINDS)}"
+    if not isinstance(dtype, str) or not isinstance(strategy, str):
+        return "dtype and strategy are names"
+    if not isinstance(shape, list) or not all(_count(x) for x in shape) or len(shape) > 16:
+        return f"shape {shape!r} is not a list of sizes"
+    if not _count(nbytes):
+        return f"bytes {nbytes!r} is not a count"
+    if len(k) == 7 and not isinstance(k[6], dict):
+        return "its seventh element is not a mapping"
+    return None
+
+
+def _read_file(path: Path, into: Capture) -> None:
+    name = str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        why = "a symlink: not read" if path.is_symlink() else f"cannot read it ({e.strerror or e})"
+        into.problems.append(Problem(name, 0, why))
+        return
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            into.problems.append(Problem(name, 0, "not a regular file: not read"))
+            return
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read()
+    except OSError as e:
+        into.problems.append(Problem(name, 0, f"cannot read it ({e.strerror or e})"))
+        return
+    finally:
+        os.close(fd)
+    into.files.append(path)
+    lines = data.split(b"\n")
+    cut = lines.pop()  # after the last newline: empty, or a line the writer never finished
+    for no, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        _parse(raw, name, no, into)
+    if cut.strip():
+        into.problems.append(
+            Problem(name, len(lines) + 1, "truncated record (no end of line: the writer stopped mid-write)")
+        )
+
+
+def _parse(raw: bytes, name: str, no: int, into: Capture) -> None:
+    try:
+        rec = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        into.problems.append(Problem(name, no, f"not a JSON record ({str(e)[:80]})"))
+        return
+    why = check_record(rec)
+    if why:
+        into.problems.append(Problem(name, no, why))
+        return
+    rec["_file"], rec["_line"] = name, no
+    into.records.append(rec)
+
+
+def read_capture(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> Capture:
+    """Every valid record of the capture folder(s) or file(s) ``paths``; see the module docstring.
+
+    Raises:
+        CaptureError: a path that does not exist, or a folder without capture files.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out = Capture()
+    for p in capture_files(paths):
+        _read_file(p, out)
+    return out

@@ -1,0 +1,261 @@
+"""Where a capture goes: one JSON-lines file per process, bounded, crash-safe, private.
+
+A :class:`CaptureWriter` appends complete lines to ``DIR/capture-<stage>-<pid>.<n>.jsonl`` with
+``os.write`` on an ``O_APPEND`` descriptor, whole lines only: lines wait in a small buffer (at most
+``buffer_bytes``, default 16 KiB, and :data:`FLUSH_AFTER_S` seconds: a system call per record would
+cost about half of a record's budget) and go out in one write, and :meth:`CaptureWriter.flush` runs
+when a request is released and at exit. A process killed at any point (``kill -9``) leaves every file
+readable up to its last complete line (what was still buffered is lost; a write cut by the kill leaves
+a cut last line, which the reader reports and skips).
+A process writes at most ``max_bytes`` in all: its files rotate at ``max_bytes / keep`` bytes and only
+the newest ``keep`` stay (the oldest is removed when a new one opens). ``DIR`` is made with mode 0700
+when missing; files are made 0600 and opened with ``O_NOFOLLOW`` (a symlink planted in their place is
+refused, never followed). A capture holds no pickles and nothing that is evaluated: JSON text only.
+
+``DIR/salt`` (0600, made once by the first writer) salts the request hashes: every process of one
+capture hashes a request id the same way, and a hash cannot be looked up against a list of ids from
+outside the capture.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+import threading
+import time
+from pathlib import Path
+
+from omni_accum.errors import OmniAccumError
+
+#: Bytes one process writes to a capture at most (over all its rotated files).
+DEFAULT_MAX_BYTES = 64 << 20
+#: Files one process keeps (the newest ones); each holds at most ``max_bytes / keep`` bytes.
+DEFAULT_KEEP = 4
+#: Bytes of complete lines buffered before one write (0: a write per record).
+DEFAULT_BUFFER_BYTES = 16 << 10
+#: Seconds a buffered line waits at most (checked at the next record; a release or exit flushes too).
+FLUSH_AFTER_S = 1.0
+SALT_FILE = "salt"
+FILE_PREFIX = "capture-"
+FILE_SUFFIX = ".jsonl"
+_monotonic = time.monotonic
+_OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class CaptureError(OmniAccumError):
+    """A capture cannot be written (its folder, a file, a setting): the message names it."""
+
+
+def file_name(stage: str, pid: int, n: int) -> str:
+    """``capture-<stage>-<pid>.<n>.jsonl``."""
+    return f"{FILE_PREFIX}{stage}-{pid}.{n}{FILE_SUFFIX}"
+
+
+def prepare_dir(directory: str | os.PathLike[str]) -> Path:
+    """``directory``, made with mode 0700 when missing; :class:`CaptureError` when it is not a folder."""
+    d = Path(directory)
+    try:
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.stat(d, follow_symlinks=True)
+    except OSError as e:
+        raise CaptureError(f"capture folder {d}: cannot make or read it ({e.strerror or e})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise CaptureError(f"capture folder {d}: not a folder")
+    return d
+
+
+def read_salt(directory: Path) -> str:
+    """The capture's salt (``DIR/salt``), made by the first process that asks (atomically: a link of a
+    complete file, so a second process never reads half of one)."""
+    path = directory / SALT_FILE
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise CaptureError(f"capture salt {path}: cannot open it ({e.strerror or e}; a symlink is refused)") from None
+        else:
+            try:
+                text = os.read(fd, 256).decode("ascii", "replace").strip()
+            finally:
+                os.close(fd)
+            if text:
+                return text
+        tmp = directory / f".{SALT_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            try:
+                os.write(fd, (secrets.token_hex(16) + "\n").encode())
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass  # another process made it first: read theirs
+        except OSError as e:
+            raise CaptureError(f"capture salt {path}: cannot make it ({e.strerror or e})") from None
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    raise CaptureError(f"capture salt {path}: empty")
+
+
+class CaptureWriter:
+    """Complete lines into this process's capture files under ``directory`` (see the module docstring).
+
+    :meth:`write` may be called from several threads (a list append; writes and rotation take a lock). A write that fails (disk full, a removed folder) turns the writer
+    off and is reported once through ``on_error``; it never raises into the caller's hot path.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        stage: str,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        keep: int = DEFAULT_KEEP,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        on_error=None,
+    ) -> None:
+        if not isinstance(max_bytes, int) or max_bytes < 4096:
+            raise CaptureError(f"capture max_bytes={max_bytes!r}: give a whole number of bytes >= 4096")
+        if not isinstance(keep, int) or keep < 1:
+            raise CaptureError(f"capture keep={keep!r}: give a whole number of files >= 1")
+        self.directory = prepare_dir(directory)
+        self.stage = str(stage)
+        self.pid = os.getpid()
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self.file_bytes = max(1024, max_bytes // keep)
+        self.on_error = on_error
+        self.salt = read_salt(self.directory)
+        self.lines = 0
+        self.dropped = 0
+        self.buffer_bytes = max(0, int(buffer_bytes))
+        self._buf: list[bytes] = []
+        self._buffered = 0
+        self._since = 0.0
+        self._lock = threading.Lock()
+        self._n = 0
+        self._fd = -1
+        self._size = 0
+        self.closed = False
+        self._open(0)
+
+    @property
+    def path(self) -> Path:
+        """The file being written."""
+        return self.directory / file_name(self.stage, self.pid, self._n)
+
+    def _open(self, n: int) -> None:
+        path = self.directory / file_name(self.stage, self.pid, n)
+        try:
+            fd = os.open(path, _OPEN_FLAGS, 0o600)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CaptureError(f"capture file {path} is a symlink: refused (never followed)") from None
+            raise CaptureError(f"capture file {path}: cannot open it ({e.strerror or e})") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise CaptureError(f"capture file {path}: not a regular file")
+        old, self._fd, self._n, self._size = self._fd, fd, n, st.st_size
+        if old >= 0:
+            os.close(old)
+        stale = n - self.keep
+        if stale >= 0:
+            try:
+                os.unlink(self.directory / file_name(self.stage, self.pid, stale))
+            except OSError:
+                pass
+
+    def write(self, line: bytes) -> None:
+        """Append ``line`` (one complete record ending in a newline); it reaches the file at the latest when
+        :data:`FLUSH_AFTER_S` seconds have passed by the next record, or at :meth:`flush`."""
+        if self.closed:
+            self.dropped += 1
+            return
+        if not self.buffer_bytes:
+            with self._lock:
+                self._emit(line)
+            return
+        buf = self._buf
+        buf.append(line)
+        self._buffered += len(line)
+        if len(buf) == 1:
+            self._since = _monotonic()
+        elif self._buffered >= self.buffer_bytes or _monotonic() - self._since > FLUSH_AFTER_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered lines (whole lines, one ``os.write`` per file they go to)."""
+        with self._lock:
+            buf = self._buf
+            if not buf or self.closed:
+                return
+            lines = buf[:]
+            del buf[: len(lines)]
+            self._buffered = sum(len(x) for x in buf)
+            out: list[bytes] = []
+            size = 0
+            for line in lines:  # a file's last write never crosses its size bound
+                if out and self._size + size + len(line) > self.file_bytes:
+                    self._emit(b"".join(out))
+                    out, size = [], 0
+                out.append(line)
+                size += len(line)
+            if out:
+                self._emit(b"".join(out))
+
+    def _emit(self, data: bytes) -> None:
+        """One write of whole lines (under the lock), rotating first when the file would pass its bound."""
+        if self.closed:
+            return
+        n = len(data)
+        if self._size + n > self.file_bytes and self._size:
+            try:
+                self._open(self._n + 1)
+            except CaptureError as e:
+                self._fail(str(e))
+                return
+        try:
+            os.write(self._fd, data)
+        except OSError as e:
+            self._fail(f"capture file {self.path}: write failed ({e.strerror or e}); capture stopped")
+            return
+        self._size += n
+        self.lines += data.count(b"\n")
+
+    def _fail(self, message: str) -> None:
+        self.closed = True
+        self.dropped += 1
+        if self.on_error is not None:
+            try:
+                self.on_error(message)
+            except Exception:  # noqa: BLE001 - a report never fails the hot path
+                pass
+
+    def close(self) -> None:
+        """Write what is buffered and close the file (later writes are dropped)."""
+        self.flush()
+        with self._lock:
+            self.closed = True
+            if self._fd >= 0:
+                try:
+                    os.close(self._fd)
+                except OSError:
+                    pass
+                self._fd = -1
+
+    def files(self) -> list[Path]:
+        """This process's capture files that exist now, oldest first."""
+        return [
+            p
+            for i in range(max(0, self._n - self.keep + 1), self._n + 1)
+            if (p := self.directory / file_name(self.stage, self.pid, i)).is_file()
+        ]
