@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -322,6 +323,56 @@ def test_unreadable_and_binary_files(tmp_path):
     d.mkdir()
     with pytest.raises(PolicyError):
         load_policy(d)
+
+
+def _count_composes(monkeypatch) -> list[int]:
+    calls = [0]
+    compose = yaml.compose
+
+    def counting(*a, **kw):
+        calls[0] += 1
+        return compose(*a, **kw)
+
+    monkeypatch.setattr(yaml, "compose", counting)
+    return calls
+
+
+def test_a_policy_is_parsed_once_and_lines_are_looked_up_only_for_problems(tmp_path, monkeypatch):
+    """Loading was quadratic: the YAML was composed again for the line of every strategy reference, valid or not
+    (300 rules: ~10 s; 2,000 globs: minutes). A valid policy needs no line at all; many problems need one parse."""
+    rules = "".join(f"  - {{match: k{i}, strategy: prealloc, params: {{growth_factor: 2.0}}}}\n" for i in range(60))
+    calls = _count_composes(monkeypatch)
+    assert len(load_policy(write(tmp_path, "ok.yaml", "default: cat\nrules:\n" + rules)).rules) == 60
+    assert calls[0] == 0
+    bad = rules.replace("growth_factor: 2.0", "growth: 2")
+    with pytest.raises(PolicyError) as e:
+        load_policy(write(tmp_path, "bad.yaml", "default: catt\nrules:\n" + bad))
+    assert len(e.value.errors) == 61 and "bad.yaml, line 62: rules[59].params.growth: unknown param" in str(e.value)
+    assert calls[0] == 1
+
+
+def test_a_policy_file_over_the_size_cap_is_refused_naming_file_size_and_cap(tmp_path, monkeypatch):
+    """A 100 MB file of comments took 104 s to load; a file over the cap is refused before it is parsed."""
+    import omni_accum.policy.sources as sources
+
+    monkeypatch.setattr(sources, "MAX_POLICY_BYTES", 1024)
+    p = write(tmp_path, "big.yaml", "# a comment\n" * 100)  # 1200 bytes
+    with pytest.raises(PolicyError) as e:
+        load_policy(p)
+    assert str(e.value) == (
+        f"{p}: too large for a policy (1200 bytes; the limit is 1024 bytes (0 MiB)): a policy is a few KiB"
+    )
+    assert load_policy(write(tmp_path, "small.yaml", "# a comment\n" * 80)) == omni_accum.Policy()
+
+
+def test_a_fifo_or_device_is_not_a_regular_file_not_a_missing_one(tmp_path):
+    """``/dev/zero`` and a FIFO exist: "no such policy file" was wrong, and a FIFO must never be opened (it blocks)."""
+    fifo = tmp_path / "p.yaml"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a FIFO"), (Path("/dev/zero"), "a character device")):
+        with pytest.raises(PolicyError) as e:
+            read_source(path)
+        assert str(e.value) == f"{path}: not a regular file ({kind}); give a .yaml, .yml, .json or .toml file"
 
 
 def test_parse_text_plain_values():

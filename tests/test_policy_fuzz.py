@@ -274,6 +274,9 @@ def test_random_yaml_fragments(policy_path, text):
     except Exception:  # noqa: BLE001 - the oracle only needs to know whether it parses
         parsed_ok = False
     code, report, _ = validate(path)
+    if not text.strip():  # blank text is an error (a failed write, say), never the default policy by accident
+        assert code == 1 and "no policy text" in report["policies"][0]["errors"][0]["msg"]
+        return
     check_result(path, code, report, parsed_ok)
 
 

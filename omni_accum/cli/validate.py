@@ -20,8 +20,9 @@ from omni_accum.engine.endpoint import _Endpoint
 from omni_accum.errors import OmniAccumError, PolicyError
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import table_mismatches
-from omni_accum.policy.loader import format_problem, line_of, load_policy_argument
+from omni_accum.policy.loader import format_problem, load_policy_argument
 from omni_accum.policy.model import Policy
+from omni_accum.policy.parsing import LineIndex
 
 DESCRIPTION = (
     "Load each POLICY, check its schema, strategy names and every strategy's params, every repeated rule "
@@ -63,6 +64,7 @@ def check_one(arg: str, manager: StrategyManager, allow_stale: bool = False) -> 
         return rec
     rec["policy"] = label if label.startswith("<") else arg
     rec["rules"] = len(policy.rules)
+    lines = LineIndex(text)  # one parse for every warning's line, and none when there is none
     try:
         _Endpoint(policy, manager=manager)  # what a Sender or Receiver refuses (meta.override_keys' rule)
     except OmniAccumError as e:
@@ -76,7 +78,7 @@ def check_one(arg: str, manager: StrategyManager, allow_stale: bool = False) -> 
                 + "); re-run `omni-accum tune` here"
             )
             where = rec["warnings"] if allow_stale else rec["errors"]
-            where.append(_problem("tuned.fingerprint", line_of(text, ("tuned", "fingerprint")), msg))
+            where.append(_problem("tuned.fingerprint", lines(("tuned", "fingerprint")), msg))
         partial = policy.tuned.partial_note()
         if partial:
             rec["warnings"].append(_problem("tuned.complete", line_of(text, ("tuned", "complete")), partial))
@@ -85,7 +87,7 @@ def check_one(arg: str, manager: StrategyManager, allow_stale: bool = False) -> 
             f"{policy.rules[later].match!r} is covered by the earlier glob rules[{earlier}].match "
             f"{policy.rules[earlier].match!r} (among globs the first listed wins): this rule never decides a key"
         )
-        rec["warnings"].append(_problem(f"rules[{later}].match", line_of(text, ("rules", later, "match")), msg))
+        rec["warnings"].append(_problem(f"rules[{later}].match", lines(("rules", later, "match")), msg))
     rec["valid"] = not rec["errors"]
     if policy == Policy() and arg != "default":
         rec["note"] = "the default policy: vllm-omni 0.30.0's behaviour"

@@ -14,7 +14,6 @@ import re
 import tomllib
 import typing
 from collections.abc import Mapping
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -25,30 +24,18 @@ from omni_accum.errors import PolicyError
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import installed_plugins
 from omni_accum.policy.model import Policy
-from omni_accum.policy.parsing import DuplicateKeyError, TomlText, load_json, load_yaml, toml_line, yaml_error_parts
+from omni_accum.policy.parsing import DuplicateKeyError, LineIndex, TomlText, load_json, load_yaml, yaml_error_parts
+from omni_accum.policy.sources import (  # noqa: F401 - re-exported: the loader's public names
+    MAX_POLICY_BYTES,
+    PRESET_SUFFIX,
+    is_inline_policy,
+    preset_names,
+    preset_text,
+    read_policy_argument,
+    read_source,
+)
 
 ENV_POLICY = "OMNI_ACCUM_POLICY"
-PRESET_SUFFIX = ".yaml"
-
-
-# ---------------------------------------------------------------------------------------------- #
-# Presets
-# ---------------------------------------------------------------------------------------------- #
-
-
-def preset_names() -> list[str]:
-    """Names of the policy presets shipped in ``omni_accum.config``."""
-    root = resources.files("omni_accum.config")
-    return sorted(p.name[: -len(PRESET_SUFFIX)] for p in root.iterdir() if p.name.endswith(PRESET_SUFFIX))
-
-
-def preset_text(name: str) -> tuple[str, str]:
-    """Return ``(source label, YAML text)`` of a preset."""
-    names = preset_names()
-    if name not in names:
-        raise PolicyError(f"unknown policy preset {name!r}. Available presets: {', '.join(names)}")
-    res = resources.files("omni_accum.config").joinpath(name + PRESET_SUFFIX)
-    return f"preset {name!r}", res.read_text(encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------------- #
@@ -57,30 +44,16 @@ def preset_text(name: str) -> tuple[str, str]:
 
 
 def line_of(text: str | None, loc: tuple[Any, ...]) -> int | None:
-    """1-based line of the field at ``loc`` (``("rules", 0, "match")``) in YAML (or JSON) text, or None."""
-    return _yaml_line(text, loc) if text is not None else None
+    """1-based line of the field at ``loc`` (``("rules", 0, "match")``) in YAML (or JSON) text, or None.
+
+    Parses ``text`` each call: for several lookups in one text, use one :class:`LineIndex`.
+    """
+    return LineIndex(text)(loc)
 
 
 def _yaml_line(text: str, loc: tuple[Any, ...]) -> int | None:
     """Best-effort 1-based line of the node at ``loc`` in a YAML document (or a :class:`TomlText`)."""
-    if isinstance(text, TomlText):
-        return toml_line(text, loc)
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except (yaml.YAMLError, RecursionError):
-        return None
-    line = node.start_mark.line + 1 if node is not None else None
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            nxt = next((v for k, v in node.value if getattr(k, "value", None) == str(part)), None)
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            nxt = node.value[part]
-        else:
-            nxt = None
-        if nxt is None:
-            break
-        node, line = nxt, nxt.start_mark.line + 1
-    return line
+    return LineIndex(text)(loc)
 
 
 def parse_text(text: str, fmt: str, source: str) -> Any:
@@ -213,7 +186,7 @@ def _is_repeat(detail: Mapping[str, Any]) -> bool:
     )
 
 
-def _validation_details(err: ValidationError, text: str | None) -> list[dict[str, Any]]:
+def _validation_details(err: ValidationError, lines: LineIndex) -> list[dict[str, Any]]:
     out = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if p not in ("function-after[_index_rules(), Policy]",))
@@ -222,10 +195,10 @@ def _validation_details(err: ValidationError, text: str | None) -> list[dict[str
             # whole-policy checks that name one rule's field each (every repeated match): point at each
             for m in msg.splitlines():
                 rloc = ("rules", int(_RULE_MATCH_RE.match(m).group(1)), "match")  # type: ignore[union-attr]
-                line = _yaml_line(text, rloc) if text is not None else None
+                line = lines(rloc)
                 out.append({"loc": _format_loc(rloc), "line": line, "msg": m.split(" ", 1)[1]})
             continue
-        line = _yaml_line(text, loc) if text is not None and loc else None
+        line = lines(loc) if loc else None
         if loc and loc[-1] == "[key]":  # a mapping key of the wrong type
             loc = loc[:-1]
             msg = f"keys must be strings, got {type(loc[-1]).__name__ if loc else 'another type'} key"
@@ -252,17 +225,19 @@ def check_strategies(policy: Policy, manager: StrategyManager, source: str, text
     return [format_problem(source, d) for d in strategy_problems(policy, manager, text)]
 
 
-def strategy_problems(policy: Policy, manager: StrategyManager, text: str | None = None) -> list[dict[str, Any]]:
-    """:func:`check_strategies` as ``{"loc", "line", "msg"}`` records."""
+def strategy_problems(
+    policy: Policy, manager: StrategyManager, text: str | LineIndex | None = None
+) -> list[dict[str, Any]]:
+    """:func:`check_strategies` as ``{"loc", "line", "msg"}`` records (lines are looked up for problems only)."""
+    lines = text if isinstance(text, LineIndex) else LineIndex(text)
     errors: list[dict[str, Any]] = []
     available = manager.names()
     for where, name, params in policy.strategy_refs():
-        loc: tuple[Any, ...] = _loc_of(where)
-        line = _yaml_line(text, loc) if text is not None else None
         spec = manager.get_spec(name)
+        loc: tuple[Any, ...] = _loc_of(where)
         if spec is None:
             msg = f"unknown strategy {name!r}. Available: {', '.join(available)}"
-            errors.append({"loc": f"{where}.strategy", "line": line, "msg": msg})
+            errors.append({"loc": f"{where}.strategy", "line": lines(loc), "msg": msg})
             continue
         try:
             spec.params_model.model_validate(params)
@@ -276,7 +251,7 @@ def strategy_problems(policy: Policy, manager: StrategyManager, text: str | None
             )
             for pe in e.errors():
                 field = ".".join(str(p) for p in pe["loc"])
-                pline = _yaml_line(text, loc + ("params", *pe["loc"])) if text is not None else None
+                pline = lines(loc + ("params", *pe["loc"]))
                 msg = "unknown param" if pe["type"] == "extra_forbidden" else pe["msg"] + _got(pe)
                 msg += f" (strategy {name!r}; allowed params: {allowed})"
                 errors.append({"loc": f"{where}.params.{field}", "line": pline, "msg": msg})
@@ -296,67 +271,12 @@ def _loc_of(where: str) -> tuple[Any, ...]:
 # ---------------------------------------------------------------------------------------------- #
 
 
-def read_source(source: str | os.PathLike[str]) -> tuple[str, str, str]:
-    """Return ``(label, text, format)`` for a path or a preset name."""
-    path = Path(source)
-    suffix = path.suffix.lower()
-    if path.is_file():
-        fmt = {".json": "json", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml"}.get(suffix)
-        if fmt is None:
-            raise PolicyError(f"{path}: unsupported policy file type {suffix!r}. Use .yaml, .yml, .json or .toml")
-        try:
-            return str(path), path.read_text(encoding="utf-8"), fmt
-        except (OSError, UnicodeDecodeError) as e:
-            raise PolicyError(f"{path}: cannot read policy file: {e}") from e
-    name = str(source)
-    if path.is_dir():
-        raise PolicyError(f"{path}: is a directory, not a policy file (give a .yaml, .yml, .json or .toml file)")
-    if name in preset_names():
-        label, text = preset_text(name)
-        return label, text, "yaml"
-    if suffix in (".yaml", ".yml", ".json", ".toml") or os.sep in name:
-        raise PolicyError(f"{name}: no such policy file")
-    raise PolicyError(f"{name!r} is neither a policy file nor a preset. Available presets: {', '.join(preset_names())}")
-
-
-_INLINE_RE = re.compile(r"^\s*(\{|[A-Za-z_][\w-]*\s*:(\s|$))")
-
-
-def is_inline_policy(text: str) -> bool:
-    """True when ``text`` is policy text, not a path or preset name: ``{...}``, ``key: ...`` or several lines."""
-    return "\n" in text.strip() or bool(_INLINE_RE.match(text))
-
-
-def read_policy_argument(arg: str) -> tuple[str, str, str]:
-    """``(label, text, format)`` of a command-line POLICY: ``-`` (stdin), a file, a preset, or inline YAML/JSON text.
-
-    A file or preset of that name wins over inline text; inline text and stdin are read as YAML (JSON is YAML).
-    """
-    if arg == "-":
-        import sys
-
-        text = sys.stdin.read()
-        if not text.strip():  # a pipeline whose first command failed, or '-' given twice
-            raise PolicyError(
-                "<stdin>: no input (nothing, or only blanks, was read from stdin; to name the default policy, give "
-                "'default')",
-                source="<stdin>",
-            )
-        return "<stdin>", text, "yaml"
-    if not arg.strip():
-        raise PolicyError(
-            "an empty POLICY argument: give a preset name, a policy file, inline YAML, or - for stdin", source="''"
-        )
-    if not Path(arg).exists() and arg not in preset_names() and is_inline_policy(arg):
-        return "<inline>", arg, "yaml"
-    return read_source(arg)
-
-
 def load_policy_argument(arg: str, manager: StrategyManager | None = None) -> tuple[str, str, Policy]:
     """``(label, text, policy)`` of a command-line POLICY (see :func:`read_policy_argument`)."""
     label, text, fmt = read_policy_argument(arg)
     data = parse_text(text, fmt, label)
-    return label, text, build_policy(data, label, TomlText(text) if fmt == "toml" else text, manager)
+    text = TomlText(text) if fmt == "toml" else text  # a TOML file's lines are found by TOML rules
+    return label, text, build_policy(data, label, text, manager)
 
 
 def build_policy(
@@ -370,12 +290,13 @@ def build_policy(
             f"{source}: a policy must be a mapping with keys like 'default' and 'rules', got {type(data).__name__}",
             source=source,
         )
+    lines = LineIndex(text)  # parsed for the first problem's line, if any
     try:
         policy = Policy.model_validate(dict(data))
     except RecursionError as e:
         raise PolicyError(f"{source}: invalid policy: nested too deeply", source=source) from e
     except ValidationError as e:
-        details = _validation_details(e, text)
+        details = _validation_details(e, lines)
         if manager is None:
             manager = get_manager()
         if all(_is_repeat(d) for d in details):
@@ -387,13 +308,13 @@ def build_policy(
                 pass
             else:
                 details = sorted(
-                    details + strategy_problems(again, manager, text), key=lambda d: (d.get("line") or 0)
+                    details + strategy_problems(again, manager, lines), key=lambda d: (d.get("line") or 0)
                 )
         msgs = [format_problem(source, d) for d in details]
         raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(msgs), msgs, source, details) from e
     if manager is None:
         manager = get_manager()
-    details = strategy_problems(policy, manager, text)
+    details = strategy_problems(policy, manager, lines)
     if details:
         errors = [format_problem(source, d) for d in details]
         raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(errors), errors, source, details)

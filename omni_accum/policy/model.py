@@ -15,6 +15,7 @@ strategy plugins installed here is checked against the plugins the loader binds 
 from __future__ import annotations
 
 import fnmatch
+import heapq
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,6 +36,11 @@ PROTOCOL_REPLACE_KEYS = frozenset({"meta.finished"})
 def is_glob(pattern: str) -> bool:
     """True when ``pattern`` uses glob syntax (``*``, ``?`` or ``[...]``)."""
     return any(c in GLOB_CHARS for c in pattern)
+
+
+def _literal_prefix(pattern: str) -> str:
+    """The text of ``pattern`` before its first wildcard: every key it matches starts with it."""
+    return pattern[: min((i for i in map(pattern.find, GLOB_CHARS) if i >= 0), default=len(pattern))]
 
 
 _FILLS = {"*": ("", "x", "a.b_9", "\u2603Z-"), "?": ("x", ".", "9", "\u2603")}
@@ -187,12 +193,18 @@ class Policy(BaseModel):
         glob (each wildcard filled in several ways), so a report is near-certain, not a proof.
         """
         out = []
+        # A glob matches only keys that start with its literal prefix (the text before its first wildcard), so
+        # the only earlier globs to try on a later one are those whose prefix starts its first sample key.
+        by_prefix: dict[str, list[int]] = {}  # literal prefix -> positions in self._globs, ascending
         for n, (j, later) in enumerate(self._globs):
             samples = _glob_samples(later.match)
-            for i, earlier in self._globs[:n]:
+            lists = (by_prefix.get(samples[0][:k], ()) for k in range(len(samples[0]) + 1))
+            for m in heapq.merge(*lists):
+                i, earlier = self._globs[m]
                 if all(fnmatch.fnmatchcase(k, earlier.match) for k in samples):
                     out.append((j, i))
                     break
+            by_prefix.setdefault(_literal_prefix(later.match), []).append(n)
         return out
 
     # -- resolution -------------------------------------------------------------------------- #

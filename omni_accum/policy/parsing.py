@@ -15,7 +15,15 @@ from typing import Any
 import yaml
 from yaml.constructor import ConstructorError
 
-__all__ = ["DuplicateKeyError", "TomlText", "UniqueKeySafeLoader", "load_json", "load_yaml", "toml_line"]
+__all__ = [
+    "DuplicateKeyError",
+    "LineIndex",
+    "TomlText",
+    "UniqueKeySafeLoader",
+    "load_json",
+    "load_yaml",
+    "toml_line",
+]
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
@@ -114,6 +122,19 @@ def toml_line(text: str, loc: tuple[Any, ...]) -> int | None:
     """Best-effort 1-based line of the field at ``loc`` (``("rules", 1, "strategy")``) in TOML text: table
     headers (``[a]``, and ``[[a]]`` whose n-th one is item n) and ``key = value`` lines define paths; the
     line of the longest prefix of ``loc`` defined is returned, None when none is."""
+    return _toml_lookup(_toml_index(text), loc)
+
+
+def _toml_lookup(where: dict[tuple[Any, ...], int], loc: tuple[Any, ...]) -> int | None:
+    key = tuple(loc)
+    for i in range(len(key), 0, -1):
+        if key[:i] in where:
+            return where[key[:i]]
+    return None
+
+
+def _toml_index(text: str) -> dict[tuple[Any, ...], int]:
+    """The line of every path a TOML text defines (see :func:`toml_line`)."""
     where: dict[tuple[Any, ...], int] = {}
     arrays: dict[tuple[str, ...], int] = {}
     table: tuple[Any, ...] = ()
@@ -133,8 +154,55 @@ def toml_line(text: str, loc: tuple[Any, ...]) -> int | None:
             parts = (*table, *_toml_parts(m[1]))
         for i in range(1, len(parts) + 1):
             where.setdefault(parts[:i], n)
-    key = tuple(loc)
-    for i in range(len(key), 0, -1):
-        if key[:i] in where:
-            return where[key[:i]]
-    return None
+    return where
+
+
+_UNPARSED = object()
+
+
+class LineIndex:
+    """The 1-based lines of a policy's fields in its text, for error messages only.
+
+    The text is parsed (YAML, or JSON as YAML) or scanned (:class:`TomlText`) once, at the first lookup, and
+    every later lookup walks that one tree: a policy with many problems costs one parse, a valid one none.
+    ``LineIndex(None)`` (no text: a mapping) answers None.
+    """
+
+    def __init__(self, text: str | None) -> None:
+        self.text = text
+        self._root: Any = _UNPARSED
+
+    def __call__(self, loc: tuple[Any, ...]) -> int | None:
+        """Best-effort line of the node at ``loc`` (``("rules", 0, "match")``): the deepest part found, or None."""
+        if self.text is None:
+            return None
+        toml = isinstance(self.text, TomlText)
+        if self._root is _UNPARSED:
+            self._root = _toml_index(self.text) if toml else _compose(self.text)
+        if toml:
+            return _toml_lookup(self._root, loc)
+        return _node_line(self._root, loc)
+
+
+def _compose(text: str) -> yaml.Node | None:
+    try:
+        return yaml.compose(text, Loader=yaml.SafeLoader)
+    except (yaml.YAMLError, RecursionError):
+        return None
+
+
+def _node_line(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    if node is None:
+        return None
+    line = node.start_mark.line + 1
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            nxt = next((v for k, v in node.value if getattr(k, "value", None) == str(part)), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            nxt = node.value[part]
+        else:
+            nxt = None
+        if nxt is None:
+            break
+        node, line = nxt, nxt.start_mark.line + 1
+    return line
