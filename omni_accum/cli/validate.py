@@ -81,7 +81,7 @@ def check_one(arg: str, manager: StrategyManager, allow_stale: bool = False) -> 
             where.append(_problem("tuned.fingerprint", lines(("tuned", "fingerprint")), msg))
         partial = policy.tuned.partial_note()
         if partial:
-            rec["warnings"].append(_problem("tuned.complete", line_of(text, ("tuned", "complete")), partial))
+            rec["warnings"].append(_problem("tuned.complete", lines(("tuned", "complete")), partial))
     for later, earlier in policy.shadowed_rules():
         msg = (
             f"{policy.rules[later].match!r} is covered by the earlier glob rules[{earlier}].match "
