@@ -5,6 +5,10 @@ Upstream's rules are kept (``None`` skipped; 2-D+ tensors appended while the tra
 restarted otherwise; ``_FULL_PAYLOAD_REPLACE_KEYS`` restart; anything else replaced); only how an
 appended key is stored follows the policy.
 
+The hand-off of the whole payload (kind ``full``, :mod:`.handoff`) is timed around the runner transport's
+``_send_single_request`` (the sender's clock added to the task's payload, once the receiving transport said
+hello) and its ``_recv_full_payload_result`` (the marker taken off before vllm-omni stores the payload).
+
 A step whose value a strategy refuses (a dtype change, which upstream's final ``torch.cat``
 promotes) is not an error inside vllm-omni: the entry is turned into upstream's representation
 (each key's rows so far as one tensor) and upstream's own method takes the step; that request's
@@ -22,7 +26,9 @@ import torch
 
 from omni_accum.engine import Receiver
 from omni_accum.errors import AccumulationError
+from omni_accum.integrations.vllm_omni import handoff, peer
 from omni_accum.integrations.vllm_omni.binding import DETACH_HOOKS, binding_for
+from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY, with_stamp
 from omni_accum.strategy import Accumulator, KeyInfo
 
 
@@ -179,6 +185,50 @@ def wrap_materialize(orig: Callable[..., Any]) -> Callable[..., Any]:
         return orig(entry)
 
     return _materialize_full_payload_entry
+
+
+def wrap_full_send(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """The runner transport's put of a queued task: a full payload (``async_chunk: false``) whose receiving
+    stage said hello goes with the sender's clock (kind ``full``); any other task is vllm-omni's own."""
+
+    @functools.wraps(orig)
+    def _send_single_request(self: Any, task: dict) -> bool:
+        data = task.get("data") if isinstance(task, dict) else None
+        if getattr(self, "_async_chunk", True) is not False or not isinstance(data, dict) or OMITTED_KEY in data:
+            return orig(self, task)
+        b = binding_for(self)
+        conn = getattr(self, "_omni_connector", None)
+        if b is None or conn is None or not b.metrics.on:
+            return orig(self, task)
+        peer.watch(b, conn)
+        if handoff.heard(b):  # a copy: a retried task is stamped afresh
+            stamp = (time.monotonic_ns(), handoff.clock_id(), "f")
+            task = {**task, "data": {**data, OMITTED_KEY: with_stamp(0, stamp)}}
+        return orig(self, task)
+
+    return _send_single_request
+
+
+def wrap_full_recv(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """The runner transport's get of a full payload: a receiving transport bound to a policy says hello (at its
+    first look, :mod:`.peer`); a timed payload's marker is taken off and its hand-off recorded."""
+
+    @functools.wraps(orig)
+    def _recv_full_payload_result(self: Any, *args: Any, **kwargs: Any) -> Any:
+        b = binding_for(self)
+        if b is not None and b.__dict__.get("_hello") is None:
+            peer.announce(self, b)
+        result = orig(self, *args, **kwargs)
+        payload = result[0] if isinstance(result, tuple) and result else None
+        if isinstance(payload, dict) and OMITTED_KEY in payload:
+            raw = payload[OMITTED_KEY]
+            payload = {k: v for k, v in payload.items() if k != OMITTED_KEY}
+            if b is not None and raw.__class__ is list:
+                handoff.arrived(b, getattr(self, "_stage_id", None), raw, payload)
+            result = (payload, *result[1:])
+        return result
+
+    return _recv_full_payload_result
 
 
 def _detach(obj: Any) -> None:

@@ -8,7 +8,8 @@ hook, after the merge), per stage pair (``"0->1"``) and kind:
   prefill; the request's own counts at the save say so);
 * ``decode``: later chunks, timed on a sample only (every :data:`DEFAULT_SAMPLE`-th chunk of a request,
   ``OMNI_ACCUM_HANDOFF_SAMPLE``; 0: none), so that steady-state wire bytes do not grow;
-* ``full`` (``async_chunk: false``, the whole request sent once): reserved; that path has no receive hook.
+* ``full`` (``async_chunk: false``): the whole request, sent once by the runner transport when it finished
+  (timed around its ``_send_single_request`` and ``_recv_full_payload_result``, :mod:`.full_payload`).
 
 The sender's ``time.monotonic_ns()`` rides in omni-accum's wire marker (:mod:`.marker`), sent only to a
 receiving stage that said hello (:mod:`.peer`), with its clock domain: :func:`clock_id`, a short hash of

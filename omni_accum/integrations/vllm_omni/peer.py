@@ -144,9 +144,11 @@ def _stale(h: list[Any]) -> bool:
 
 # ------------------------------------------------------------------------------ the receiving side
 def receives(adapter: Any) -> bool:
-    """Whether ``adapter`` is a chunk transfer adapter that receives chunks (stage id > 0)."""
+    """Whether ``adapter`` is a chunk transfer adapter that receives chunks, or a runner transport that
+    receives full payloads (``async_chunk: false``), on a stage id > 0."""
     stage = _stage(getattr(adapter, "connector", None))
-    return bool(getattr(adapter, "receives_chunks", False)) and stage is not None and stage > 0
+    takes = getattr(adapter, "receives_chunks", False) or getattr(adapter, "_async_chunk", None) is False
+    return bool(takes) and stage is not None and stage > 0
 
 
 def announce(adapter: Any, b: Any) -> None:
