@@ -89,6 +89,20 @@ FAMILY = Family(
         Target(DATA_PLANE, "_accumulate_payload", "(self, req_id, payload_data)", wrap_data_plane_accumulate),
         *full_payload_targets(MIXIN),
         *processor_targets(),
+        # the whole payload's hand-off (kind full, .handoff); a receiving transport's hello (.peer)
+        Target(MIXIN, "_send_single_request", "(self, task)", full_payload.wrap_full_send),
+        Target(
+            MIXIN,
+            "_recv_full_payload_result",
+            "(self, connector, from_stage, to_stage, connector_get_key, metadata=None)",
+            full_payload.wrap_full_recv,
+        ),
+        Target(
+            RUNTIME,
+            "init_omni_connectors",
+            "(self, model_config, kv_transfer_manager=None, *, synchronous=False)",
+            wrap_probe,
+        ),
     ),
     probes=(
         Target(ADAPTER, "__init__", "(self, vllm_config)", wrap_probe),
