@@ -235,6 +235,79 @@ def test_a_receiver_that_never_said_hello_gets_no_marker(puts, vo, adapters, bas
     assert _delta(_prom(), before) == {}
 
 
+@pytest.fixture
+def transports(vllm_omni):
+    """Factory of real runner transports in full-payload mode (``async_chunk: false``) over SHM."""
+    from vllm_omni.worker.omni_connector_model_runner_mixin import OmniConnectorModelRunnerMixin
+
+    made = []
+
+    def make(stage_id: int, extra: dict) -> Any:
+        r = type("Runner", (OmniConnectorModelRunnerMixin,), {})()
+        r.init_omni_connectors(
+            SimpleNamespace(
+                stage_id=stage_id,
+                worker_type="ar",
+                async_chunk=False,
+                stage_connector_config={"name": "SharedMemoryConnector", "extra": {"stage_id": stage_id, **extra}},
+                custom_process_next_stage_input_func=None,
+            )
+        )
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.shutdown_omni_connectors()
+
+
+def _full_payload(rows: int) -> dict:
+    g = torch.Generator().manual_seed(rows)
+    return {
+        "embed": {"prefill": torch.randn(rows, 64, generator=g).bfloat16()},
+        "hidden_states": {"output": torch.randn(rows, 64, generator=g).bfloat16()},
+        "ids": {"prompt": list(range(rows)), "all": list(range(rows + 1))},
+        "meta": {"finished": torch.tensor(True)},
+    }
+
+
+def _send_full(tx, rx, rid: str, payload: dict) -> dict:
+    """The whole payload from the sending transport to the receiving one, as vllm-omni's runners move it."""
+    assert tx.send_full_payload_outputs(None, {rid: payload}) == [rid]
+    rx.register_chunk_recv(SimpleNamespace(request_id=rid, external_req_id=rid))
+    got: dict = {}
+    _wait(lambda: got.update(rx.recv_full_payload_inputs(None) or {}) or rid in got, "the full payload")
+    return got[rid]
+
+
+@pytest.mark.parametrize("rx_policy", ["default", "off"])
+def test_a_full_payload_is_one_full_hand_off(vo, transports, rx_policy):
+    """``async_chunk: false``: the receiving transport says hello when it is made; the whole payload is one
+    ``full`` hand-off with its bytes, and the receiver stores exactly what was sent (the marker taken off).
+    A receiving transport without omni-accum says no hello and gets vllm-omni's payload, nothing timed."""
+    from omni_accum.integrations.vllm_omni import peer
+    from omni_accum.integrations.vllm_omni.binding import binding_for
+
+    vo.install(None)
+    rx = transports(1, {"omni_accum_policy": rx_policy})
+    tx = transports(0, {"omni_accum_policy": "default"})
+    b = binding_for(tx)
+    if rx_policy != "off":
+        peer.watch(b, tx.connector)
+        b._peer.ready()
+        _wait(lambda: b._peer.hello is not None, "the sending transport to hear the receiving one's hello")
+    before = _prom()
+    sent = _full_payload(7)
+    got = _send_full(tx, rx, f"oa-ho-full-{rx_policy}-{os.getpid()}", sent)
+    assert_same(got, sent, "stored")
+    want = {"full.count": 1, "full.bytes": _tensor_bytes(sent)} if rx_policy == "default" else {}
+    assert _delta(_prom(), before) == want
+    if rx_policy == "default":
+        assert _status(vo)["full"]["count"] >= 1
+    else:
+        assert b._peer.looks >= 1 and b._peer.hello is None  # it looked, heard nothing: nothing was marked
+
+
 def test_metrics_off_times_nothing(monkeypatch, puts, vo, adapters, base):
     """``OMNI_ACCUM_METRICS=0``: no timestamp goes on the wire, nothing is measured."""
     from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY
