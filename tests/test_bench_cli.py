@@ -454,3 +454,14 @@ def test_options_a_wire_would_ignore_are_refused_before_measuring(tmp_path, monk
     assert main(["bench", *args]) == 2
     assert needle in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_json_writer_never_creates_folders(tmp_path):
+    """``bench --json /nonexist2/x.json`` created the folders (``mkdir(parents=True)``), even at ``/``; the CLI now
+    refuses a missing folder up front, and the writer itself never creates one (a folder removed meanwhile)."""
+    run = bench.BenchRun(load_workload("qwen3-omni-seed"), "inproc", None, 1)
+    with pytest.raises(FileNotFoundError):
+        bench.write_json(run, tmp_path / "gone" / "x.json")
+    assert not (tmp_path / "gone").exists()
+    bench.write_json(run, tmp_path / "x.json")
+    assert json.loads((tmp_path / "x.json").read_text())["wire"] == "inproc"

@@ -77,7 +77,6 @@ def plot(run: BenchRun, path: str | os.PathLike[str]) -> None:
     """Write :func:`figure` to ``path`` (the extension gives the format)."""
     plt = require_matplotlib()
     fig = figure(run)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
