@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_accum.bench._paths import output_path_problem
+from omni_accum.cli import trace as trace_cli
 from omni_accum.cli.args import (
     NameListAction,
     OnceAction,
@@ -57,10 +58,11 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--workload",
-        default=DEFAULT_WORKLOAD,
         metavar="NAME|FILE",
         help=f"workload preset ({', '.join(workload_names())}) or a YAML workload file (default: {DEFAULT_WORKLOAD})",
     )
+    p.add_argument("--trace", metavar="DIR", help=trace_cli.TRACE_HELP)
+    p.add_argument("--pair", metavar="A->B", help=trace_cli.PAIR_HELP)
     p.add_argument(
         "--arms",
         nargs="+",
@@ -219,6 +221,11 @@ def run(args: argparse.Namespace) -> int:
     problem = _wire_options_problem(args)
     if problem:
         return _usage_error(problem)
+    if args.trace and args.workload:
+        return _usage_error(f"--trace {args.trace} and --workload {args.workload}: give one (the capture is the workload)")
+    if args.pair and not args.trace:
+        return _usage_error(f"--pair {args.pair} needs --trace DIR")
+    args.workload = args.workload or DEFAULT_WORKLOAD
 
     for path, option in ((args.json, "--json"), (args.plot, "--plot")):
         problem = output_path_problem(path, option)
@@ -236,7 +243,12 @@ def run(args: argparse.Namespace) -> int:
         problem = bench.plot_path_problem(args.plot)
         if problem:
             return _usage_error(problem)
-    wl = load_workload(args.workload)
+    if args.trace:
+        wl = trace_cli.trace_workload(args, "omni-accum bench")
+        if wl is None:
+            return 2
+    else:
+        wl = load_workload(args.workload)
     problem = bench.workload_policy_problem(wl, args.workload)
     if problem:
         raise WorkloadError(problem)

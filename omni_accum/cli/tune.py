@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from omni_accum.cli import trace as trace_cli
 from omni_accum.cli.args import (
     add_int_list_argument,
     add_threads_argument,
@@ -69,10 +70,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--workload",
-        default=DEFAULT_WORKLOAD,
         metavar="NAME|FILE",
-        help=f"workload preset ({', '.join(workload_names())}) or a YAML workload file (default: %(default)s)",
+        help=f"workload preset ({', '.join(workload_names())}) or a YAML workload file (default: {DEFAULT_WORKLOAD})",
     )
+    p.add_argument("--trace", metavar="DIR", help=trace_cli.TRACE_HELP)
+    p.add_argument("--pair", metavar="A->B", help=trace_cli.PAIR_HELP)
     add_int_list_argument(
         p,
         "--context-lens",
@@ -184,11 +186,22 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"omni-accum tune: error: {problem}", file=sys.stderr)
         return 2
+    if args.trace and args.workload:
+        print(f"omni-accum tune: error: --trace {args.trace} and --workload {args.workload}: give one", file=sys.stderr)
+        return 2
+    if args.pair and not args.trace:
+        print(f"omni-accum tune: error: --pair {args.pair} needs --trace DIR", file=sys.stderr)
+        return 2
+    workload = args.workload or DEFAULT_WORKLOAD
+    if args.trace:  # the capture is the workload; its buckets unless given
+        workload = trace_cli.trace_workload(args, "omni-accum tune")
+        if workload is None:
+            return 2
     opts = TuneOptions(
-        workload=args.workload,
+        workload=workload,
         out=args.out,
-        context_lens=args.context_lens,
-        concurrency=args.concurrency,
+        context_lens=args.context_lens or (workload.context_lens if args.trace else None),
+        concurrency=args.concurrency or (workload.concurrency if args.trace else None),
         wire=args.wire,
         device=args.device,
         budget_s=args.budget_s,

@@ -1,0 +1,78 @@
+"""``omni-accum trace DIR``: summarise a capture; and the ``--trace DIR`` input of ``bench`` and ``tune``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from omni_accum.capture.writer import CaptureError
+
+TRACE_HELP = (
+    "replay a capture (a folder written with OMNI_ACCUM_CAPTURE=DIR) instead of a workload: the captured "
+    "requests' chunks with their keys, shapes, dtypes and order; buckets from their prompt lengths and "
+    "concurrency unless --context-lens / --concurrency are given"
+)
+PAIR_HELP = "with --trace: the stage pair replayed, e.g. 0->1 (default: the pair that moved the most bytes)"
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "trace",
+        help="summarise a capture: requests, per-key bytes and chunks, hand-offs, what each strategy would save",
+        description=(
+            "Read a capture folder (OMNI_ACCUM_CAPTURE=DIR, or the connector extra omni_accum_capture) and print, "
+            "per stage pair: the requests, their prompt lengths and concurrency (the buckets bench/tune --trace "
+            "use), the hand-off times the receiving stage recorded, and per key its kind, chunks, bytes, strategy "
+            "and what a strategy would save on this stream (counted from the recorded shapes; bench --trace times "
+            "it). A cut or corrupt line is reported (file and line) and skipped."
+        ),
+    )
+    p.add_argument("dir", metavar="DIR", nargs="+", help="capture folder(s) or capture file(s)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=run)
+
+
+def read(paths: list[str], prog: str) -> tuple[Any, Any] | None:
+    """``(capture, trace)`` of ``paths``, skipped lines warned about on stderr; None (after a one-line error)
+    when there is nothing to read."""
+    from omni_accum.capture.reader import read_capture
+    from omni_accum.capture.trace import build_trace
+
+    try:
+        cap = read_capture(paths)
+    except CaptureError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return None
+    for line in cap.warnings():
+        print(f"{prog}: warning: {line}", file=sys.stderr)
+    return cap, build_trace(cap)
+
+
+def trace_workload(args: argparse.Namespace, prog: str) -> Any:
+    """The captured workload ``--trace`` / ``--pair`` name, or None after a one-line error (exit 2)."""
+    from omni_accum.capture.trace import captured_workload
+
+    got = read([args.trace], prog)
+    if got is None:
+        return None
+    try:
+        return captured_workload(got[1], args.pair)
+    except CaptureError as e:
+        print(f"{prog}: error: {args.trace}: {e}", file=sys.stderr)
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from omni_accum.capture.summary import format_summary, summarize
+
+    got = read(args.dir, "omni-accum trace")
+    if got is None:
+        return 2
+    data = summarize(*got)
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        print(format_summary(data))
+    return 0
