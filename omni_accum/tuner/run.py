@@ -38,6 +38,7 @@ from omni_accum.tuner.core import (
     verify_bucket,
 )
 from omni_accum.tuner.candidates import Candidate
+from omni_accum.bench.workload_presets import DEFAULT_WORKLOAD
 from omni_accum.bench.workloads import Workload, load_workload
 
 
@@ -45,7 +46,7 @@ from omni_accum.bench.workloads import Workload, load_workload
 class TuneOptions:
     """Options of one tuning run (see ``omni-accum tune --help``)."""
 
-    workload: str | Workload = "qwen3-omni-seed"
+    workload: str | Workload = DEFAULT_WORKLOAD
     out: Path = Path("tuned-policy.yaml")
     context_lens: list[int] | None = None
     concurrency: list[int] | None = None
