@@ -39,6 +39,9 @@ Methods wrapped in 0.30.0 (all signature-checked before anything is patched):
   Receiver; upstream's accumulator dict pops release it.
 * ``_OmniConnectorPayloadTransportMixin.accumulate_full_payload_output`` /
   ``_materialize_full_payload_entry``: per-key strategies in the full-payload accumulator.
+* ``qwen3_omni.thinker2talker_async_chunk`` (the Qwen3-Omni thinker-to-talker stage input processor, a
+  module function): its prefill chunks of ``embed.prefill`` / ``hidden_states.output`` go into those keys'
+  strategies under chunked prefill, unless they are ``cat`` (:mod:`.processor`).
 
 A chunk omni-accum refuses (``AccumulationError``: a dtype change mid-stream, a legacy empty tensor
 followed by rows, which 0.30.0's ``torch.cat`` takes) never fails vllm-omni: the hook logs a warning
@@ -59,7 +62,8 @@ The modules: :mod:`.activation` (install, entry points), :mod:`.families` (the r
 their wrapped-method tables, signatures and runner hooks), :mod:`.targets` (the installed family's
 table and the all-or-nothing patching), :mod:`.binding` (per-instance policy, Sender, Receiver; every wrapper
 depends on it and on nothing else of the package), :mod:`.send`, :mod:`.receive` (the adapter),
-:mod:`.runner` (runner transports), :mod:`.full_payload`, :mod:`.marker` (the send_once bit mask),
+:mod:`.runner` (runner transports), :mod:`.full_payload`, :mod:`.processor` (the stage input processor),
+:mod:`.marker` (the send_once bit mask),
 :mod:`.deployment` (the deployment context), :mod:`.reporting` (log lines, :func:`status`, status
 files), :mod:`.metrics` (Prometheus),
 :mod:`.classes` (lazy access to vllm-omni classes for the bench) and :mod:`.replay` (the
