@@ -1,0 +1,111 @@
+"""``omni-accum trace``, ``bench --trace`` and ``tune --trace`` on a capture (written with the recorder the hooks
+use), including one with a cut and a corrupt line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_accum.capture import CaptureWriter, ChunkRecorder
+from omni_accum.cli.main import main
+
+D = 16
+
+
+def _kind(path: str, value) -> tuple[str, str]:
+    if isinstance(value, torch.Tensor) and value.dim() and path != "embed.tts_bos":
+        return "append", "cat"
+    return "replace", "replace"
+
+
+def write_capture(folder: Path, requests: int = 4, decode: int = 5) -> dict:
+    """Requests of two prompt lengths, two at a time, thinker -> talker; what was written, counted here."""
+    w = CaptureWriter(folder, "0", buffer_bytes=0)
+    rec = ChunkRecorder(w, "send", "0->1", _kind, ctx_of=lambda p: p)
+    counts = {"chunks": 0, "decode_bytes": 0}
+    flag = torch.tensor(False)
+    for r in range(requests):
+        p = 40 if r % 2 else 200
+        t = 1_000_000 + (r // 2) * 10_000_000
+        first = {"embed": {"prefill": torch.zeros(p + 1, D, dtype=torch.bfloat16), "tts_bos": torch.zeros(1, 1, D)},
+                 "meta": {"finished": flag}}
+        rec.record(f"req{r}", first, t, source=p)
+        counts["chunks"] += 1
+        for s in range(decode + r):
+            rec.record(f"req{r}", {"embed": {"decode": torch.zeros(1, D, dtype=torch.bfloat16)},
+                                   "meta": {"finished": flag}}, t + (s + 1) * 1000)
+            counts["chunks"] += 1
+            counts["decode_bytes"] += 2 * D
+    w.close()
+    return counts
+
+
+def test_trace_summarises_requests_keys_and_buckets(tmp_path, capsys):
+    counts = write_capture(tmp_path / "cap")
+    assert main(["trace", str(tmp_path / "cap"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    pair = data["pairs"]["0->1"]
+    assert pair["requests"] == 4 and pair["chunks"] == counts["chunks"]
+    assert pair["concurrency"]["max"] == 2
+    assert pair["buckets"]["context_lens"] == [40, 200]
+    dec = pair["keys"]["embed.decode"]
+    assert dec["bytes"] == counts["decode_bytes"] and dec["kind"] == "append" and dec["requests"] == 4
+    assert pair["keys"]["embed.prefill"]["would_save"]["bytes"] == 0  # one chunk per request
+    assert main(["trace", str(tmp_path / "cap")]) == 0
+    text = capsys.readouterr().out
+    assert "stage pair 0->1" in text and "--context-lens 40,200" in text and "embed.decode" in text
+
+
+def test_bench_trace_names_a_cut_and_a_corrupt_line_and_uses_the_rest(tmp_path, capsys):
+    write_capture(tmp_path / "cap")
+    (f,) = (tmp_path / "cap").glob("capture-*.jsonl")
+    lines = f.read_bytes().split(b"\n")
+    lines[3] = b'{"v": 1, "t": "soon"'  # corrupt in the middle
+    f.write_bytes(b"\n".join(lines[:-1]) + b"\n" + b'{"v":1,"t":12.5,"req":"ab')  # and a cut last line
+    rc = main(["bench", "--trace", str(tmp_path / "cap"), "--arms", "cat", "--repeats", "1", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert f"{f}, line 4: not a JSON record" in err
+    assert f"{f}, line {len(lines)}: truncated record" in err
+    assert "workload trace 0->1" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--trace", "NOPE"], "NOPE: no such capture folder or file"),
+        (["bench", "--trace", "EMPTY"], "no capture files in this folder"),
+        (["bench", "--trace", "CAP", "--workload", "qwen3-omni-0.30"], "give one"),
+        (["bench", "--pair", "0->1"], "--pair 0->1 needs --trace DIR"),
+        (["bench", "--trace", "CAP", "--pair", "1->2"], "no requests of that stage pair; it has 0->1"),
+        (["tune", "--trace", "NOPE", "--out", "OUT"], "NOPE: no such capture folder or file"),
+        (["tune", "--trace", "CAP", "--pair", "5->6", "--out", "OUT"], "it has 0->1"),
+        (["trace", "NOPE"], "NOPE: no such capture folder or file"),
+    ],
+)
+def test_a_bad_trace_argument_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    write_capture(tmp_path / "CAP")
+    (tmp_path / "EMPTY").mkdir()
+    subs = {"NOPE": str(tmp_path / "NOPE"), "EMPTY": str(tmp_path / "EMPTY"), "CAP": str(tmp_path / "CAP"),
+            "OUT": str(tmp_path / "t.yaml")}
+    message = message.replace("NOPE", subs["NOPE"])
+    assert main([subs.get(a, a) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert "Traceback" not in err[0]
+
+
+def test_tune_trace_writes_a_policy_tuned_on_the_capture(tmp_path, capsys):
+    write_capture(tmp_path / "cap", requests=4, decode=12)
+    out = tmp_path / "t.yaml"
+    rc = main(["tune", "--trace", str(tmp_path / "cap"), "--out", str(out), "--quick", "--max-rounds", "1"])
+    text, err = capsys.readouterr()
+    assert rc == 0, err
+    from omni_accum.policy import load_policy
+
+    t = load_policy(out).tuned
+    assert t.workload == "trace 0->1" and t.context_len_edges == [40, 200] and t.concurrency_edges == [2]
+    assert {c.key for c in t.cells} >= {"embed.decode"}
