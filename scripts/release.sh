@@ -140,7 +140,7 @@ set -e
 sed 's/^/    /' "$TMP/out.txt" | head -n 12 >&2
 [ "$rc" -le 2 ] || fail "omni-accum doctor exited $rc"
 ! grep -q "Traceback" "$TMP/out.txt" || fail "omni-accum doctor printed a traceback"
-grep -qi "vllm-omni.*not installed\|not installed.*vllm-omni\|no vllm-omni\|vllm-omni.*not importable\|cannot import.*vllm" \
+grep -qiE "vllm-omni.*not (installed|importable)|not installed.*vllm-omni|no vllm-omni|cannot import.*vllm" \
   "$TMP/out.txt" || fail "omni-accum doctor does not say that vllm-omni is missing"
 run "entry points" "$SPY" - <<'EOF'
 from importlib.metadata import distribution

@@ -2,7 +2,8 @@
 
 ``scripts/release.sh`` builds the sdist and wheel and smoke-tests them in a clean environment (minutes, so
 not in the suite); these checks catch the same mistakes at the source: a license setuptools deprecates,
-a package or a preset left out of the wheel, an entry point naming a module that is not shipped.
+a preset left out of the wheel, an entry point naming a module that is not shipped (a package left out of
+``[tool.setuptools] packages``: tests/test_layout.py).
 """
 
 from __future__ import annotations
@@ -52,16 +53,6 @@ def _package_dirs() -> dict[str, Path]:
         rel = Path(mapped[base], *name[len(base) :].split(".")[1:]) if base else Path(*name.split("."))
         out[name] = ROOT / rel
     return out
-
-
-def test_every_source_package_is_shipped():
-    """A subpackage missing from the explicit ``packages`` list is silently left out of the wheel."""
-    shipped = {d.resolve() for d in _package_dirs().values()}
-    roots = {d for d in _package_dirs().values() if len(d.relative_to(ROOT).parts) == 1}
-    found = {init.parent.resolve() for r in roots for init in r.rglob("__init__.py") if "__pycache__" not in init.parts}
-    missing = sorted(str(d.relative_to(ROOT)) for d in found - shipped)
-    assert not missing, f"packages with an __init__.py not in [tool.setuptools] packages: {missing}"
-    assert all(d.is_dir() for d in _package_dirs().values())
 
 
 def test_package_data_globs_cover_every_preset_and_deploy_example():
