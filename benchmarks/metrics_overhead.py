@@ -6,7 +6,8 @@ transport's ``_accumulate_payload`` hook, with metrics on and off, interleaved i
 Prints the p50 per chunk of each arm (metrics on and off on alternate steps of the same requests, or in
 alternate runs of ``--block`` steps) and their difference (the target is <= 2 us per chunk at p50), also
 for the send hook and the receive hook apart (each stage's process pays its own), then the
-metrics work alone on the same chunk. The "off" arm is what ``OMNI_ACCUM_METRICS=0`` runs (no merge callback).
+metrics work alone on the same chunk, and the capture arm (``OMNI_ACCUM_CAPTURE``: a record per chunk, paired
+on/off in the send hook, then the record alone on each side). The "off" arm is what ``OMNI_ACCUM_METRICS=0`` runs (no merge callback).
 On a shared 2-core VM the difference moves by a few tenths of a us from run to run, and reads about 1 us
 higher with ``--block 64`` (metrics on for 64 chunks in a row, as a deployment runs them) than alternating.
 A benchmark, not a test: it asserts nothing and is not collected by pytest.
@@ -15,6 +16,7 @@ A benchmark, not a test: it asserts nothing and is not collected by pytest.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from types import SimpleNamespace
@@ -114,7 +116,59 @@ def main() -> None:
             f"(the send hook's {diff('_send'):+.2f} us, the receive hook's {diff('_recv'):+.2f} us: each stage's process pays its own)"
         )
     isolated(tx, runner._omni_accum_binding, consts, rows[0], args.rounds)
+    capture_cost(tx, rows, args.steps, args.rounds)
     vo.uninstall()
+
+
+def capture_cost(tx, rows, steps: int, rounds: int) -> None:
+    """The capture arm (``OMNI_ACCUM_CAPTURE``): the send hook with a capture attached and without, on alternate
+    decode chunks of the same requests (paired, as the metrics above), then the record alone per decode chunk on
+    each side (the send hook's record and the receive hook's, which also reads the hand-off stamp)."""
+    import tempfile
+    import timeit
+
+    from omni_accum.capture import ChunkRecorder, CaptureWriter
+    from omni_accum.integrations.vllm_omni import capture
+    from omni_accum.integrations.vllm_omni.send import encode_payload
+
+    folder = tempfile.mkdtemp(prefix="oa-capture-bench-")
+    w = CaptureWriter(folder, "0")
+    kind_of = capture._kind_of(tx)
+    cap = capture.Capture(w, ChunkRecorder(w, "send", "0->1", kind_of), ChunkRecorder(w, "recv", "0->1", kind_of))
+    fin = torch.tensor(False)
+    diffs = []
+    for r in range(rounds):
+        rid = f"cap-{r}"
+        on_t, off_t = [], []
+        for i in range(steps):
+            on = (i % 2 == 0) is (r % 2 == 0)
+            tx.__dict__["_capture"] = cap if on else None
+            chunk = {"embed": {"decode": rows[i % 64]}, "meta": {"finished": fin, "is_segment_finished": fin}}
+            t0 = time.perf_counter()
+            encode_payload(tx, rid, chunk)
+            (on_t if on else off_t).append(time.perf_counter() - t0)
+        diffs.append((statistics.median(on_t) - statistics.median(off_t)) * 1e6)
+        tx.sender.release(rid)
+        tx.live_send.discard(rid)
+        tx.sent_once.pop(rid, None)
+    tx.__dict__.pop("_capture", None)
+    chunk = {"embed": {"decode": rows[0]}, "meta": {"finished": fin, "is_segment_finished": fin}}
+    n = 20000
+    send_us = min(timeit.repeat(lambda: capture.sent(cap, "iso", chunk, None), number=n, repeat=max(3, rounds))) / n
+    raw = [0, time.monotonic_ns(), "x", "d"]
+    recv_us = min(timeit.repeat(lambda: capture.received(cap, None, "iso", chunk, raw), number=n,
+                                repeat=max(3, rounds))) / n
+    w.close()
+    size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.startswith("capture-"))
+    for f in os.listdir(folder):
+        os.unlink(os.path.join(folder, f))
+    os.rmdir(folder)
+    print(
+        f"capture (OMNI_ACCUM_CAPTURE), per decode chunk: the send hook with a capture minus without, median of "
+        f"{rounds} rounds' p50 differences {statistics.median(diffs):+.2f} us; the record alone (best of "
+        f"{max(3, rounds)} x {n}): send side {send_us * 1e6:.2f} us, receive side {recv_us * 1e6:.2f} us "
+        f"(target: <= 2 us per chunk at p50); {size / max(1, w.lines):.0f} bytes per record"
+    )
 
 
 def isolated(tx, rx, consts, row, rounds: int) -> None:
