@@ -7,7 +7,8 @@ Prints the p50 per chunk of each arm (metrics on and off on alternate steps of t
 alternate runs of ``--block`` steps) and their difference (the target is <= 2 us per chunk at p50), also
 for the send hook and the receive hook apart (each stage's process pays its own), then the
 metrics work alone on the same chunk, and the capture arm (``OMNI_ACCUM_CAPTURE``: a record per chunk, paired
-on/off in the send hook, then the record alone on each side). The "off" arm is what ``OMNI_ACCUM_METRICS=0`` runs (no merge callback).
+on/off in the send hook, then the record alone on each side). The "off" arm is what ``OMNI_ACCUM_METRICS=0``
+runs (no merge callback).
 On a shared 2-core VM the difference moves by a few tenths of a us from run to run, and reads about 1 us
 higher with ``--block 64`` (metrics on for 64 chunks in a row, as a deployment runs them) than alternating.
 A benchmark, not a test: it asserts nothing and is not collected by pytest.

@@ -73,7 +73,8 @@ def describe(path: str, value: Any, kind_of: Callable[[str, Any], tuple[str, str
         if kind == "append" and value.dim() == 0:
             kind = "replace"
     elif isinstance(value, bool) or value is None:
-        dtype, shape, nbytes, kind = ("pybool" if value is not None else "none"), [], 1 if value is not None else 0, "replace"
+        dtype = "pybool" if value is not None else "none"
+        shape, nbytes, kind = [], 1 if value is not None else 0, "replace"
         extra["value"] = value
     elif isinstance(value, (int, float)):
         dtype, shape, nbytes, kind = type(value).__name__, [], 8, "replace"
@@ -189,9 +190,9 @@ class ChunkRecorder:
         name: Any = None,
     ) -> None:
         """One chunk of ``req_id`` (top-level keys in ``skip`` are not payload keys) at ``now``
-        (``time.monotonic_ns() // 1000``: whole microseconds). ``source``: what ``ctx_of`` reads the prompt length from, at the
-        request's first chunk. ``name``: the id hashed into ``req`` when it is not ``req_id`` (a receiving stage
-        follows its own id and records the sender's, so that both sides of a request agree)."""
+        (``time.monotonic_ns() // 1000``: whole microseconds). ``source``: what ``ctx_of`` reads the prompt
+        length from, at the request's first chunk. ``name``: the id hashed into ``req`` when it is not
+        ``req_id`` (a receiving stage follows its own id and records the sender's, so both sides agree)."""
         state = self._reqs.get(req_id)
         if state is None:
             state = self._request(req_id, source, name)

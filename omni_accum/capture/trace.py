@@ -353,11 +353,11 @@ def captured_workload(trace: Trace, pair: str | None = None, name: str | None = 
     if pair is None:
         pair = max(pairs, key=lambda p: sum(k.nbytes for r in trace.side(p) for c in r.chunks for k in c.keys))
     elif pair not in pairs:
-        raise CaptureError(f"--pair {pair!r}: the capture has no requests of that stage pair; it has {', '.join(pairs)}")
+        have = ", ".join(pairs)
+        raise CaptureError(f"--pair {pair!r}: the capture has no requests of that stage pair; it has {have}")
     reqs = trace.side(pair)
-    digest = hashlib.sha256(
-        repr([(r.req, [(c.seq, [(k.path, k.dtype, k.shape) for k in c.keys]) for c in r.chunks]) for r in reqs]).encode()
-    ).hexdigest()
+    layout = [(r.req, [(c.seq, [(k.path, k.dtype, k.shape) for k in c.keys]) for c in r.chunks]) for r in reqs]
+    digest = hashlib.sha256(repr(layout).encode()).hexdigest()
     edges = trace.context_lens(pair)
     wl = CapturedWorkload(
         name=name or f"trace {pair}",

@@ -76,7 +76,8 @@ def read_salt(directory: Path) -> str:
         except FileNotFoundError:
             pass
         except OSError as e:
-            raise CaptureError(f"capture salt {path}: cannot open it ({e.strerror or e}; a symlink is refused)") from None
+            why = e.strerror or e
+            raise CaptureError(f"capture salt {path}: cannot open it ({why}; a symlink is refused)") from None
         else:
             try:
                 text = os.read(fd, 256).decode("ascii", "replace").strip()
@@ -108,8 +109,9 @@ def read_salt(directory: Path) -> str:
 class CaptureWriter:
     """Complete lines into this process's capture files under ``directory`` (see the module docstring).
 
-    :meth:`write` may be called from several threads (a list append; writes and rotation take a lock). A write that fails (disk full, a removed folder) turns the writer
-    off and is reported once through ``on_error``; it never raises into the caller's hot path.
+    :meth:`write` may be called from several threads (a list append; writes and rotation take a lock). A write
+    that fails (disk full, a removed folder) turns the writer off and is reported once through ``on_error``; it
+    never raises into the caller's hot path.
     """
 
     def __init__(

@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         return _usage_error(problem)
     if args.trace and args.workload:
-        return _usage_error(f"--trace {args.trace} and --workload {args.workload}: give one (the capture is the workload)")
+        return _usage_error(f"--trace {args.trace} and --workload {args.workload}: give one, not both")
     if args.pair and not args.trace:
         return _usage_error(f"--pair {args.pair} needs --trace DIR")
     args.workload = args.workload or DEFAULT_WORKLOAD
