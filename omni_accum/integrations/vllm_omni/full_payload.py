@@ -209,6 +209,22 @@ def wrap_full_send(orig: Callable[..., Any]) -> Callable[..., Any]:
     return _send_single_request
 
 
+def wrap_transport_init(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``init_omni_connectors`` while installed: a transport that receives full payloads says hello at once (its
+    binding made now; a bad connector extra is reported by that, once). Before install, the probe does it."""
+
+    @functools.wraps(orig)
+    def init_omni_connectors(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig(self, *args, **kwargs)
+        if peer.receives(self):
+            b = binding_for(self)
+            if b is not None:
+                peer.announce(self, b)
+        return result
+
+    return init_omni_connectors
+
+
 def wrap_full_recv(orig: Callable[..., Any]) -> Callable[..., Any]:
     """The runner transport's get of a full payload: a receiving transport bound to a policy says hello (at its
     first look, :mod:`.peer`); a timed payload's marker is taken off and its hand-off recorded."""
