@@ -101,7 +101,7 @@ FAMILY = Family(
             RUNTIME,
             "init_omni_connectors",
             "(self, model_config, kv_transfer_manager=None, *, synchronous=False)",
-            wrap_probe,
+            full_payload.wrap_transport_init,
         ),
     ),
     probes=(
