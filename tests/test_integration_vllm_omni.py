@@ -174,12 +174,22 @@ def test_baseline_shape(baseline):
     assert handed[1]["speaker"] == "ethan" and handed[1]["language"] == ["English"]
 
 
-def test_default_policy_consumer_payloads_identical(vo, adapters, baseline):
+@pytest.mark.parametrize("metrics", ["0", "1"])
+def test_default_policy_consumer_payloads_identical(vo, adapters, baseline, monkeypatch, metrics):
+    """``default``: the talker is handed 0.30.0's payloads, and the wire is 0.30.0's byte for byte, but for
+    (metrics on) the hand-off's timestamp in the marker of the timed chunks (here chunk 0 only: the decode
+    chunks are off the sample of every 16th; tests/test_integration_vllm_omni_handoff.py)."""
+    monkeypatch.setenv("OMNI_ACCUM_METRICS", metrics)
     vo.install("default")
-    rid = f"oa-def-{os.getpid()}"
+    rid = f"oa-def-{metrics}-{os.getpid()}"
     handed, wire, (tx, rx) = run_thinker_to_talker(adapters, rid)
     assert_same(handed, baseline[0], "handed")
-    assert wire == baseline[1]
+    if metrics == "0":
+        assert wire == baseline[1]
+    else:  # chunk 0 timed (its sender heard the talker's hello in time): 4 small items under a 19-byte key
+        meter = rx._omni_accum_binding.__dict__.get("_handoff")
+        timed = meter is not None and sum(s[0] for s in meter.slots.values()) == 1
+        assert (0 < wire - baseline[1] < 64) if timed else wire == baseline[1], (wire, baseline[1], timed)
     b_tx, b_rx = tx._omni_accum_binding, rx._omni_accum_binding
     assert b_tx.stats["omitted"] == 0
     assert b_tx.sender.active_requests == 0 and b_rx.receiver.active_requests == 0  # released at cleanup
