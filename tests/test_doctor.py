@@ -79,9 +79,55 @@ def test_deploy_yaml_with_two_policies(clean_env, capsys, tmp_path):
         "  a: {name: SharedMemoryConnector, extra: {omni_accum_policy: qwen3-omni}}\n"
         "  b: {name: SharedMemoryConnector, extra: {omni_accum_policy: default}}\n"
     )
-    rc = main(["doctor", "--deploy", str(f)])
-    err = capsys.readouterr().err
-    assert rc == 1 and "every stage must run the same policy" in err
+    rc, out = _doctor(capsys, "--deploy", str(f))
+    assert rc == 1 and "PROBLEM  policy: " in out and "every stage must run the same policy" in out
+    # each policy named is still checked, and the other checks still run
+    assert "a.extra.omni_accum_policy: default" in out and "b.extra.omni_accum_policy: default" in out
+    assert "strategy plugins" in out and "not ready" in out
+
+
+def test_json_deploy_always_prints_json_with_every_finding(clean_env, capsys, tmp_path):
+    """``doctor --json --deploy`` printed nothing (exit 1, empty stdout) when the stages named different policies,
+    and stopped checking there: every finding is reported, as JSON."""
+    f = tmp_path / "deploy.yaml"
+    f.write_text(
+        "connectors:\n"
+        "  a: {name: SharedMemoryConnector, extra: {omni_accum_policy: qwen3-omni}}\n"
+        "  b: {name: SharedMemoryConnector, extra: {omni_accum_policy: {default: catt}}}\n"
+    )
+    rc, out = _doctor(capsys, "--json", "--deploy", str(f))
+    data = json.loads(out)
+    assert rc == 1 and data["ok"] is False
+    bad = [c["detail"] for c in data["checks"] if not c["ok"]]
+    assert any("connectors name different policies (connectors.a, connectors.b)" in d for d in bad), bad
+    assert any("b.extra.omni_accum_policy" in d and "unknown strategy 'catt'" in d for d in bad), bad
+    assert any(c["name"] == "strategy plugins" for c in data["checks"])
+    assert data["policy"]["source"].endswith("a.extra.omni_accum_policy")
+    for broken in ("[unclosed", "default: {strategy: prealloc}\n"):  # unreadable, or not a deploy YAML
+        f.write_text(broken)
+        rc, out = _doctor(capsys, "--json", "--deploy", str(f))
+        assert rc == 1 and not json.loads(out)["ok"]
+
+
+def test_a_policy_that_matches_no_key_of_the_installed_release_is_a_warning(clean_env, capsys, tmp_path):
+    """The 0.16-era flat keys (``thinker_embeddings``) are never sent by 0.28.0 or 0.30.0: such a policy changes
+    nothing there, yet doctor said "ready" with no word. A warning (exit 0) names the policy and the keys sent."""
+    from omni_accum.integrations.vllm_omni.families import current
+    from omni_accum.integrations.vllm_omni.families.keys import SENT_KEYS
+
+    sent = SENT_KEYS[current().name]
+    old = tmp_path / "old.yaml"
+    old.write_text("rules:\n  - {match: thinker_embeddings, strategy: prealloc}\n  - {match: 'talker_*', strategy: cat}\n")
+    clean_env.setenv("OMNI_ACCUM_POLICY", str(old))
+    rc, out = _doctor(capsys)
+    assert rc == 0 and "ready" in out, out
+    (line,) = [x for x in out.splitlines() if "policy keys" in x]
+    assert line.startswith("note") and str(old) in line and "none of its 2 rules and 0 tuned cells" in line
+    assert ", ".join(sorted(sent)) in line
+    for good in ("rules: [{match: 'embed.*', strategy: prealloc}]", "qwen3-omni"):
+        clean_env.setenv("OMNI_ACCUM_POLICY", good)
+        rc, out = _doctor(capsys)
+        assert rc == 0 and "policy keys" not in out, out
 
 
 def test_deploy_yaml_policy(clean_env, capsys):
@@ -143,9 +189,9 @@ def test_deploy_yaml_beside_a_bad_policy_in_the_environment_is_not_ready(clean_e
 def test_a_policy_file_given_as_the_deploy_yaml_is_refused(clean_env, capsys, tmp_path):
     pol = tmp_path / "policy.yaml"
     pol.write_text("default: {strategy: prealloc}\n")
-    assert main(["doctor", "--deploy", str(pol)]) == 1
-    err = capsys.readouterr().err
-    assert "not a vllm-omni deploy YAML" in err and str(pol) in err
+    rc, out = _doctor(capsys, "--deploy", str(pol))
+    assert rc == 1 and "PROBLEM  policy: " in out
+    assert "not a vllm-omni deploy YAML" in out and str(pol) in out
 
 
 def test_json_on_stdout_is_only_json_in_a_fresh_process(vllm_omni, tmp_path):
@@ -218,3 +264,18 @@ def test_a_missing_entry_point_is_a_problem_in_json_too(clean_env, capsys, monke
     bad = [c for c in data["checks"] if not c["ok"]]
     assert [c["name"] for c in bad] == ["entry point vllm.general_plugins"], bad
     assert bad[0]["detail"] == "omni_accum not registered" and bad[0]["fix"] == "pip install omni-accum"
+
+
+def test_the_sent_keys_are_fields_of_the_installed_releases_payload(vllm_omni):
+    """Every key doctor compares policies with is a field of vllm-omni's own payload structs (flattened as
+    ``embed.prefill``), and every supported family has its key set."""
+    from vllm_omni import data_entry_keys as dek
+
+    from omni_accum.integrations.vllm_omni.families import FAMILIES, current
+    from omni_accum.integrations.vllm_omni.families.keys import SENT_KEYS
+
+    assert {f.name for f in FAMILIES} <= set(SENT_KEYS)
+    for key in SENT_KEYS[current().name]:
+        head, _, leaf = key.partition(".")
+        fields = dek._NESTED_STRUCTS[head].__struct_fields__ if leaf else dek.OmniPayloadStruct.__struct_fields__
+        assert (leaf or head) in fields, key

@@ -11,27 +11,22 @@ import json
 import os
 import platform
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from importlib import metadata
 from typing import Any
 
-from omni_accum.errors import OmniAccumError
+from omni_accum.cli.doctor_policy import (  # noqa: F401 - _deploy_policy: the tests' entry
+    Check,
+    _deploy_extras,
+    _deploy_policy,
+    check_policy,
+)
 from omni_accum.integrations.vllm_omni.families import SUPPORTED_VERSIONS, family_for
 from omni_accum.manager import OFF, SettingError, env_flag, get_manager, switch_problems
 
 #: Every supported vllm-omni release (the release families of :mod:`omni_accum.integrations.vllm_omni.families`).
 SUPPORTED_VLLM_OMNI = SUPPORTED_VERSIONS
 PLUGIN_GROUPS = ("vllm_omni.general_plugins", "vllm.general_plugins")
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str
-    fix: str = ""
-    #: A warning does not make the exit status non-zero.
-    warning: bool = False
 
 
 def _version(dist: str) -> str | None:
@@ -126,78 +121,6 @@ def check_entry_points() -> list[Check]:
     return out
 
 
-def _read_deploy(path: str) -> Any:
-    """A deploy YAML, parsed (:class:`OmniAccumError` naming the file when it cannot be read or parsed)."""
-    import yaml
-
-    from omni_accum.policy.parsing import load_yaml, yaml_error_parts
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            return load_yaml(f.read())
-    except yaml.YAMLError as e:
-        line, problem = yaml_error_parts(e)
-        raise OmniAccumError(f"--deploy {path}: {line}invalid YAML: {problem}") from e
-    except (OSError, UnicodeDecodeError) as e:
-        raise OmniAccumError(f"--deploy {path}: cannot read it: {e}") from e
-
-
-def _connector_extras(node: Any, where: str = "") -> list[tuple[str, dict[str, Any]]]:
-    """``(where, extra)`` for every ``extra`` mapping of a parsed deploy YAML (where: its parent's path)."""
-    found: list[tuple[str, dict[str, Any]]] = []
-    if isinstance(node, dict):
-        if isinstance(node.get("extra"), dict):
-            found.append((where, node["extra"]))
-        for k, v in node.items():
-            found += _connector_extras(v, f"{where}.{k}" if where else str(k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            found += _connector_extras(v, f"{where}[{i}]")
-    return found
-
-
-def _deploy_policy(path: str) -> tuple[Any, str]:
-    """The ``omni_accum_policy`` of a deploy YAML's connectors (the first that names one)."""
-    data = _read_deploy(path)
-    found = [(w, e["omni_accum_policy"]) for w, e in _connector_extras(data) if "omni_accum_policy" in e]
-    if not found:
-        if not _has_connectors(data):
-            raise OmniAccumError(
-                f"--deploy {path}: not a vllm-omni deploy YAML (no connector in it: a key naming connectors, or an "
-                "'extra' mapping); give the deploy YAML the server starts with (a policy file goes in "
-                "OMNI_ACCUM_POLICY)"
-            )
-        return None, f"{path}: no connector extra names omni_accum_policy"
-    values = {json.dumps(v, sort_keys=True, default=str) for _, v in found}
-    if len(values) > 1:
-        raise OmniAccumError(
-            f"{path}: connectors name different policies ({', '.join(w for w, _ in found)}): every stage must run "
-            "the same policy"
-        )
-    return found[0][1], f"{path}: {found[0][0]}.extra.omni_accum_policy"
-
-
-def _has_connectors(node: Any) -> bool:
-    """Whether a parsed YAML has anything of a deploy YAML's connectors (a key naming connectors, or an ``extra``)."""
-    if isinstance(node, dict):
-        return any(
-            (isinstance(k, str) and ("connector" in k.lower() or k == "extra")) or _has_connectors(v)
-            for k, v in node.items()
-        )
-    if isinstance(node, list):
-        return any(_has_connectors(v) for v in node)
-    return False
-
-
-def _deploy_extras(path: str) -> list[tuple[str, dict[str, Any]]]:
-    """Every connector ``extra`` mapping of a deploy YAML, with where it is ([] when unreadable)."""
-    try:
-        data = _read_deploy(path)
-    except OmniAccumError:  # check_policy reports it
-        return []
-    return [(f"{w}.extra" if w else "extra", e) for w, e in _connector_extras(data)]
-
-
 def check_context(deploy: str | None) -> list[Check]:
     """The deployment context settings (``OMNI_ACCUM_CONTEXT_LEN`` / ``OMNI_ACCUM_CONCURRENCY``, and the deploy
     YAML's connector extra keys): a bad value makes omni-accum decline (or exit, with ``OMNI_ACCUM_REQUIRED=1``)."""
@@ -239,78 +162,6 @@ def check_context(deploy: str | None) -> list[Check]:
             )
             out.append(Check("context", True, f"{where}: {detail}"))
     return out
-
-
-def check_policy(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
-    from omni_accum.policy import ENV_POLICY, load_policy
-    from omni_accum.policy.environment import table_mismatches
-
-    info: dict[str, Any] = {}
-    env_checks: list[Check] = []
-    env = os.environ.get(ENV_POLICY, "").strip()
-    if deploy and env and env.lower() not in ("off", "none", "false", "0"):
-        # Each process loads OMNI_ACCUM_POLICY when omni-accum activates, before any connector's own policy.
-        try:
-            load_policy(env)
-            env_checks.append(Check("policy", True, f"{ENV_POLICY}={env!r} loads (connectors without a policy run it)"))
-        except OmniAccumError as e:
-            env_checks.append(
-                Check("policy", False, f"{ENV_POLICY}={env!r}: {e}", f"fix or unset {ENV_POLICY} (omni-accum validate)")
-            )
-    if deploy:
-        spec, source = _deploy_policy(deploy)
-    else:
-        env = os.environ.get(ENV_POLICY, "").strip()
-        spec, source = (env or None), (f"{ENV_POLICY}={env!r}" if env else f"{ENV_POLICY} is not set")
-    if spec is None and env_checks:
-        return env_checks, info
-    if spec is not None and spec is not False and not isinstance(spec, (str, dict)):
-        bad = Check(
-            "policy",
-            False,
-            f"{source}: {spec!r} is not a policy: give a preset name, a policy file, inline YAML or a mapping "
-            "(false or 'off': vllm-omni's own accumulation)",
-            "fix omni_accum_policy in the deploy YAML",
-        )
-        return [*env_checks, bad], info
-    off = spec is False or (isinstance(spec, str) and spec.strip().lower() in ("off", "none", "false", "0"))
-    if spec is None or off:
-        return env_checks + [
-            Check(
-                "policy",
-                True,
-                f"{source}: omni-accum will change nothing (vllm-omni's own accumulation)",
-                f"set {ENV_POLICY} (a preset, a file or inline YAML) or omni_accum_policy in the connector extra",
-                warning=True,
-            )
-        ], info
-    try:
-        policy = load_policy(spec)
-    except OmniAccumError as e:
-        bad = Check("policy", False, f"{source}: {e}", "fix the policy (omni-accum validate POLICY)")
-        return [*env_checks, bad], info
-    rules = [f"{r.match} -> {r.strategy}" for r in policy.rules]
-    info["policy"] = {"source": source, "default": policy.default.strategy, "rules": rules}
-    out = env_checks + [
-        Check("policy", True, f"{source}: default {policy.default.strategy}; " + ("; ".join(rules) or "no rules"))
-    ]
-    if policy.tuned is not None:
-        diffs = table_mismatches(policy.tuned)
-        if diffs:
-            out.append(
-                Check(
-                    "tuned table",
-                    False,
-                    "measured in another environment, it will be ignored: " + "; ".join(diffs),
-                    "re-run omni-accum tune in this environment (or --resume it)",
-                )
-            )
-        else:
-            out.append(Check("tuned table", True, "its fingerprint matches this environment"))
-        partial = policy.tuned.partial_note()
-        if partial:
-            out.append(Check("tuned table", False, partial, "omni-accum tune --resume --out FILE", warning=True))
-    return out, info
 
 
 def check_plugins() -> list[Check]:
@@ -363,6 +214,8 @@ def check_arena_connector(deploy: str | None) -> list[Check]:
     if not deploy:
         return []
     try:
+        if not os.path.isfile(deploy):  # a FIFO would block; check_policy reports it
+            return []
         with open(deploy, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError):

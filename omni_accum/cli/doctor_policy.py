@@ -1,0 +1,225 @@
+"""``omni-accum doctor``'s policy checks: the policy ``OMNI_ACCUM_POLICY`` or a deploy YAML's connectors name,
+whether it loads, whether its tuned table fits this environment, and whether it matches any key the installed
+vllm-omni release sends. Every finding is a :class:`Check`; nothing here raises for a bad deploy YAML.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from omni_accum.errors import OmniAccumError
+
+OFF_WORDS = ("off", "none", "false", "0")
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    #: A warning does not make the exit status non-zero.
+    warning: bool = False
+
+
+def _read_deploy(path: str) -> Any:
+    """A deploy YAML, parsed (:class:`OmniAccumError` naming the file when it cannot be read or parsed)."""
+    import yaml
+
+    from omni_accum.policy.parsing import load_yaml, yaml_error_parts
+
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block, /dev/zero never end
+        kind = "a directory" if os.path.isdir(path) else "not a regular file"
+        raise OmniAccumError(f"--deploy {path}: {kind}; give the deploy YAML the server starts with")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return load_yaml(f.read())
+    except yaml.YAMLError as e:
+        line, problem = yaml_error_parts(e)
+        raise OmniAccumError(f"--deploy {path}: {line}invalid YAML: {problem}") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise OmniAccumError(f"--deploy {path}: cannot read it: {e}") from e
+
+
+def _connector_extras(node: Any, where: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """``(where, extra)`` for every ``extra`` mapping of a parsed deploy YAML (where: its parent's path)."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    if isinstance(node, dict):
+        if isinstance(node.get("extra"), dict):
+            found.append((where, node["extra"]))
+        for k, v in node.items():
+            found += _connector_extras(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found += _connector_extras(v, f"{where}[{i}]")
+    return found
+
+
+def _deploy_policies(path: str) -> list[tuple[str, Any]]:
+    """``(where, omni_accum_policy)`` of every connector extra of a deploy YAML that names one.
+
+    Raises:
+        OmniAccumError: the file cannot be read or parsed, or it is not a deploy YAML (no connector in it).
+    """
+    data = _read_deploy(path)
+    found = [(w, e["omni_accum_policy"]) for w, e in _connector_extras(data) if "omni_accum_policy" in e]
+    if not found and not _has_connectors(data):
+        raise OmniAccumError(
+            f"--deploy {path}: not a vllm-omni deploy YAML (no connector in it: a key naming connectors, or an "
+            "'extra' mapping); give the deploy YAML the server starts with (a policy file goes in "
+            "OMNI_ACCUM_POLICY)"
+        )
+    return found
+
+
+def _deploy_policy(path: str) -> tuple[Any, str]:
+    """The ``omni_accum_policy`` of a deploy YAML's connectors, and where it is (raises when they differ)."""
+    found = _deploy_policies(path)
+    if not found:
+        return None, f"{path}: no connector extra names omni_accum_policy"
+    if len({_spec_key(v) for _, v in found}) > 1:
+        raise OmniAccumError(_different(path, found))
+    return found[0][1], f"{path}: {found[0][0]}.extra.omni_accum_policy"
+
+
+def _spec_key(spec: Any) -> str:
+    return json.dumps(spec, sort_keys=True, default=str)
+
+
+def _different(path: str, found: list[tuple[str, Any]]) -> str:
+    return (
+        f"{path}: connectors name different policies ({', '.join(w for w, _ in found)}): every stage must run "
+        "the same policy"
+    )
+
+
+def _has_connectors(node: Any) -> bool:
+    """Whether a parsed YAML has anything of a deploy YAML's connectors (a key naming connectors, or an ``extra``)."""
+    if isinstance(node, dict):
+        return any(
+            (isinstance(k, str) and ("connector" in k.lower() or k == "extra")) or _has_connectors(v)
+            for k, v in node.items()
+        )
+    if isinstance(node, list):
+        return any(_has_connectors(v) for v in node)
+    return False
+
+
+def _deploy_extras(path: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every connector ``extra`` mapping of a deploy YAML, with where it is ([] when unreadable)."""
+    try:
+        data = _read_deploy(path)
+    except OmniAccumError:  # check_policy reports it
+        return []
+    return [(f"{w}.extra" if w else "extra", e) for w, e in _connector_extras(data)]
+
+
+def check_policy(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
+    """Checks of the policy (or, when the deploy YAML's connectors name different ones, of each of them)."""
+    from omni_accum.policy import ENV_POLICY, load_policy
+
+    info: dict[str, Any] = {}
+    out: list[Check] = []
+    env = os.environ.get(ENV_POLICY, "").strip()
+    if deploy and env and env.lower() not in OFF_WORDS:
+        # Each process loads OMNI_ACCUM_POLICY when omni-accum activates, before any connector's own policy.
+        try:
+            load_policy(env)
+            out.append(Check("policy", True, f"{ENV_POLICY}={env!r} loads (connectors without a policy run it)"))
+        except OmniAccumError as e:
+            out.append(
+                Check("policy", False, f"{ENV_POLICY}={env!r}: {e}", f"fix or unset {ENV_POLICY} (omni-accum validate)")
+            )
+    if not deploy:
+        source = f"{ENV_POLICY}={env!r}" if env else f"{ENV_POLICY} is not set"
+        return out + _policy_checks(env or None, source, info, env_checked=False), info
+    try:
+        found = _deploy_policies(deploy)
+    except OmniAccumError as e:
+        return out + [Check("policy", False, str(e), "give the deploy YAML the server starts with (--deploy FILE)")], info
+    if not found:
+        source = f"{deploy}: no connector extra names omni_accum_policy"
+        return out + _policy_checks(None, source, info, env_checked=bool(out)), info
+    distinct: dict[str, tuple[str, Any]] = {}
+    for where, spec in found:
+        distinct.setdefault(_spec_key(spec), (where, spec))
+    if len(distinct) > 1:
+        fix = "name the same omni_accum_policy in every connector extra (or none, and set OMNI_ACCUM_POLICY)"
+        out.append(Check("policy", False, _different(deploy, found), fix))
+    for where, spec in distinct.values():  # every policy named is checked, each finding reported
+        out += _policy_checks(spec, f"{deploy}: {where}.extra.omni_accum_policy", info, env_checked=bool(out))
+    return out, info
+
+
+def _policy_checks(spec: Any, source: str, info: dict[str, Any], env_checked: bool) -> list[Check]:
+    """The checks of one policy spec (None: none named; ``info["policy"]`` describes the first that loads)."""
+    from omni_accum.policy import ENV_POLICY, load_policy
+    from omni_accum.policy.environment import table_mismatches
+
+    if spec is None and env_checked:
+        return []
+    if spec is not None and spec is not False and not isinstance(spec, (str, dict)):
+        detail = (
+            f"{source}: {spec!r} is not a policy: give a preset name, a policy file, inline YAML or a mapping "
+            "(false or 'off': vllm-omni's own accumulation)"
+        )
+        return [Check("policy", False, detail, "fix omni_accum_policy in the deploy YAML")]
+    if spec is None or spec is False or (isinstance(spec, str) and spec.strip().lower() in OFF_WORDS):
+        fix = f"set {ENV_POLICY} (a preset, a file or inline YAML) or omni_accum_policy in the connector extra"
+        detail = f"{source}: omni-accum will change nothing (vllm-omni's own accumulation)"
+        return [Check("policy", True, detail, fix, warning=True)]
+    try:
+        policy = load_policy(spec)
+    except OmniAccumError as e:
+        return [Check("policy", False, f"{source}: {e}", "fix the policy (omni-accum validate POLICY)")]
+    rules = [f"{r.match} -> {r.strategy}" for r in policy.rules]
+    info.setdefault("policy", {"source": source, "default": policy.default.strategy, "rules": rules})
+    out = [Check("policy", True, f"{source}: default {policy.default.strategy}; " + ("; ".join(rules) or "no rules"))]
+    out += _sent_keys_check(policy, source)
+    if policy.tuned is not None:
+        diffs = table_mismatches(policy.tuned)
+        if diffs:
+            out.append(
+                Check(
+                    "tuned table",
+                    False,
+                    "measured in another environment, it will be ignored: " + "; ".join(diffs),
+                    "re-run omni-accum tune in this environment (or --resume it)",
+                )
+            )
+        else:
+            out.append(Check("tuned table", True, "its fingerprint matches this environment"))
+        partial = policy.tuned.partial_note()
+        if partial:
+            out.append(Check("tuned table", False, partial, "omni-accum tune --resume --out FILE", warning=True))
+    return out
+
+
+def _sent_keys_check(policy: Any, source: str) -> list[Check]:
+    """A warning when none of the policy's rules and tuned cells matches a key the installed release sends."""
+    from omni_accum.integrations.vllm_omni.families import family_for, installed_version
+    from omni_accum.integrations.vllm_omni.families.keys import SENT_KEYS
+
+    version = installed_version()
+    fam = family_for(version)
+    cells = policy.tuned.cells if policy.tuned is not None else []
+    if fam is None or fam.name not in SENT_KEYS or not (policy.rules or cells):
+        return []  # no supported release to compare with (check_versions says so), or nothing but a default
+    sent = SENT_KEYS[fam.name]
+    patterns = [r.match for r in policy.rules] + [c.key for c in cells]
+    if any(fnmatch.fnmatchcase(k, p) for p in patterns for k in sent):
+        return []
+    detail = (
+        f"{source}: none of its {len(policy.rules)} rules and {len(cells)} tuned cells matches a key that vllm-omni "
+        f"{version} sends, so every key takes the default ({policy.default.strategy}); it sends "
+        + ", ".join(sorted(sent))
+    )
+    fix = (
+        "write the rules for these keys (omni-accum explain POLICY --key embed.prefill), or tune on the stream this "
+        "release sends (omni-accum tune's default workload)"
+    )
+    return [Check("policy keys", True, detail, fix, warning=True)]
