@@ -438,3 +438,23 @@ def test_context_lens_over_benchs_bound_are_refused_before_tuning(tmp_path, caps
     assert cli.main(["tune", "--out", str(out), "--quick", "--context-lens", "2000k"]) == 2
     assert "--context-lens 2000000: context lengths go from 1 to 1000000" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", [["tune", "--out", "t.yaml"], ["bench"]])
+def test_an_unknown_workload_is_a_usage_error(tmp_path, capsys, monkeypatch, command):
+    """A bad --workload exited 1 (a bad --base 2): every usage error exits 2, with the command's own prefix."""
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo(tmp_path / "w.yaml")
+    for name, says in (("nope", "'nope' is neither a workload file nor a preset"), ("w.yaml", "not a regular file")):
+        assert cli.main([*command, "--workload", name]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"omni-accum {command[0]}: error: --workload {name}: ") and says in err, err
+    assert not (tmp_path / "t.yaml").exists()
+
+
+def test_tune_help_has_examples_and_no_progress(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--help"])
+    out = capsys.readouterr().out
+    assert "examples:\n  omni-accum tune --quick --out tuned.yaml" in out and "--no-progress" in out
+    assert cli.build_parser().parse_args(["tune", "--out", "t.yaml", "--no-progress"]).no_progress is True

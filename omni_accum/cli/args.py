@@ -122,3 +122,24 @@ class OnceAction(argparse.Action):
             parser.error(f"{option_string} given twice ({seen} and {values}); give it once")
         setattr(namespace, f"_{self.dest}_given", values)
         setattr(namespace, self.dest, values)
+
+
+def workload_problem(name: str) -> str | None:
+    """Why ``--workload NAME`` names neither a preset nor a workload file: a usage error (exit 2), or None.
+
+    A FIFO or a device is refused without being opened (it could block or never end).
+    """
+    from pathlib import Path
+
+    from omni_accum.bench.workloads import PRESETS, WorkloadError, load_workload
+
+    path = Path(name)
+    if name in PRESETS or path.is_file():
+        return None
+    if path.exists() and not path.is_dir():
+        return f"--workload {name}: not a regular file; give a YAML or JSON workload file or a preset name"
+    try:
+        load_workload(name)
+    except WorkloadError as e:
+        return f"--workload {name}: {e}"
+    return None

@@ -18,6 +18,7 @@ from omni_accum.cli.args import (
     apply_threads,
     non_negative_int,
     positive_int,
+    workload_problem,
 )
 from omni_accum.bench.workload_presets import DEFAULT_WORKLOAD
 from omni_accum.bench.workloads import MAX_ROWS, workload_names
@@ -248,6 +249,9 @@ def run(args: argparse.Namespace) -> int:
         if wl is None:
             return 2
     else:
+        problem = workload_problem(args.workload)
+        if problem:
+            return _usage_error(problem)
         wl = load_workload(args.workload)
     problem = bench.workload_policy_problem(wl, args.workload)
     if problem:

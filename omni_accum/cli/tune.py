@@ -14,6 +14,7 @@ from omni_accum.cli.args import (
     add_threads_argument,
     apply_threads,
     positive_int,
+    workload_problem,
 )
 from omni_accum.errors import OmniAccumError
 from omni_accum.policy.loader import load_policy
@@ -61,11 +62,20 @@ positive_float = _number(0, strict=True)
 non_negative_float = _number(0, strict=False)
 
 
+EXAMPLES = """examples:
+  omni-accum tune --quick --out tuned.yaml
+  omni-accum tune --out tuned.yaml --context-lens 1k,8k,32k --concurrency 1,10 --budget-s 600
+  omni-accum tune --resume --out tuned.yaml
+  omni-accum tune --workload qwen3-omni-seed --base qwen3-omni-flat --out old-release.yaml --no-progress
+"""
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "tune",
         help="measure every strategy on a workload and write the fastest policy",
         description=HELP,
+        epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -168,6 +178,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "warm-up replay of each, and print the gain (default: on; off with --quick)",
     )
     add_threads_argument(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (as bench)")
     p.set_defaults(func=run)
 
 
@@ -215,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
         verify=args.verify,
     )
     problem = input_overwrite_problem(opts)  # before anything is read or measured: exit 2 as bench does
+    if not problem and not args.trace:
+        problem = workload_problem(workload)
     if not problem:
         try:
             load_policy(args.base)
@@ -225,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     apply_threads(args.threads)
     try:
-        res = tune(opts, progress=sys.stderr, log=sys.stderr)
+        res = tune(opts, progress=None if args.no_progress else sys.stderr, log=sys.stderr)
     except KeyboardInterrupt:
         part = partial_path(args.out)
         kept = f"{args.out} is as it was" if Path(args.out).exists() else f"{args.out} was not written"
