@@ -279,3 +279,10 @@ def test_the_sent_keys_are_fields_of_the_installed_releases_payload(vllm_omni):
         head, _, leaf = key.partition(".")
         fields = dek._NESTED_STRUCTS[head].__struct_fields__ if leaf else dek.OmniPayloadStruct.__struct_fields__
         assert (leaf or head) in fields, key
+
+
+def test_doctor_help_is_wrapped(capsys):
+    with pytest.raises(SystemExit):
+        main(["doctor", "--help"])
+    out = capsys.readouterr().out
+    assert "Check what a vllm-omni deployment" in out and max(map(len, out.splitlines())) <= 100

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import sys
+import textwrap
 from dataclasses import asdict
 from importlib import metadata
 from typing import Any
@@ -283,11 +284,16 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "doctor",
         help="check this environment before a deploy (versions, plugin entry points, policy, tuned table, metrics)",
-        description="Check what a vllm-omni deployment with omni-accum needs: Python, torch, vllm and vllm-omni "
-        "versions (and whether this vllm-omni is supported), omni-accum's plugin entry points, the policy that "
-        "OMNI_ACCUM_POLICY (or the deploy YAML given with --deploy) resolves to, whether its tuned table matches "
-        "this environment, the installed strategy plugins and any that failed to load, and whether metrics are "
-        "on. Exit 0 only when a deployment would run as configured, 1 otherwise.",
+        description=textwrap.fill(  # wrapped here: the raw formatter keeps the examples' lines as they are
+            "Check what a vllm-omni deployment with omni-accum needs: Python, torch, vllm and vllm-omni "
+            "versions (and whether this vllm-omni is supported), omni-accum's plugin entry points, the policy that "
+            "OMNI_ACCUM_POLICY (or the deploy YAML given with --deploy) resolves to, whether its tuned table matches "
+            "this environment and whether its rules match any key the installed release sends (a warning), the "
+            "installed strategy plugins and any that failed to load, and whether metrics are on. Every finding is "
+            "reported (with --json, always as JSON). Exit 0 only when a deployment would run as configured, 1 "
+            "otherwise, 2 on usage errors.",
+            width=100,
+        ),
         epilog="examples:\n  omni-accum doctor\n  OMNI_ACCUM_POLICY=qwen3-omni omni-accum doctor --json\n"
         "  omni-accum doctor --deploy config/deploy/qwen3_omni_async_chunk.yaml",
         formatter_class=argparse.RawDescriptionHelpFormatter,
