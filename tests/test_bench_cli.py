@@ -107,7 +107,7 @@ def test_default_arms_leave_upstream_out_without_vllm_omni(monkeypatch, capsys):
     rc = main(["bench", *SMALL])
     captured = capsys.readouterr()
     assert rc == 0 and "upstream arm is left out" in captured.err
-    assert "arms cat, token_list, prealloc, send_once, qwen3-omni-flat" in captured.out
+    assert "workload qwen3-omni-0.30: arms cat, token_list, prealloc, send_once, qwen3-omni;" in captured.out
 
 
 def test_progress_bar_draws_with_eta():
@@ -140,6 +140,8 @@ def test_bench_serializer_with_view_hop_against_upstream(tmp_path, capsys):
             "serializer",
             "--json",
             str(out),
+            "--workload",
+            "qwen3-omni-seed",  # the flat layout qwen3-omni-flat is for; upstream appends its keys
             *SMALL,
         ]
     )
@@ -465,3 +467,19 @@ def test_the_json_writer_never_creates_folders(tmp_path):
     assert not (tmp_path / "gone").exists()
     bench.write_json(run, tmp_path / "x.json")
     assert json.loads((tmp_path / "x.json").read_text())["wire"] == "inproc"
+
+
+def test_no_eta_before_one_percent_is_done():
+    """``bench`` opened with "ETA 4770 s": an extrapolation from the first moments (warm-up, set-up)."""
+    import io
+
+    from omni_accum.bench.runner import Progress
+
+    out = io.StringIO()
+    bar = Progress(10_000, out, use_tqdm=False)
+    bar.done = 5
+    bar._draw(bar.t0 + 5.0)
+    assert out.getvalue().rstrip().endswith("ETA      ?"), out.getvalue()
+    bar.done = 5_000
+    bar._draw(bar.t0 + 10.0)
+    assert out.getvalue().rstrip().endswith("ETA   10.0s"), out.getvalue()

@@ -112,9 +112,10 @@ class Progress:
     def _draw(self, now: float) -> None:
         frac = min(1.0, self.done / self.total)
         el = now - self.t0
-        eta = el / frac - el if frac > 0 else float("nan")
+        # Under 1 % done (warm-up, the first bucket's set-up) an extrapolation is noise ("ETA 4770 s"): none yet.
+        eta = f"{el / frac - el:6.1f}s" if frac >= 0.01 else "     ?"
         bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
-        line = f"[{bar}] {100 * frac:5.1f}% {el:6.1f}s elapsed, ETA {eta:6.1f}s"
+        line = f"[{bar}] {100 * frac:5.1f}% {el:6.1f}s elapsed, ETA {eta}"
         self.stream.write(("\r" + line) if self._tty else (line + "\n"))
         self.stream.flush()
         self._drawn = True
