@@ -271,7 +271,7 @@ def test_explain_and_show_invalid_policy_exit_1_without_traceback(capsys, tmp_pa
     p.write_text("default: nope\n")
     for argv in (["explain", str(p), "--key", "a"], ["show", str(p)], ["show", "nope"]):
         code, _, err = run(capsys, *argv)
-        assert code == 1 and err.startswith("omni-accum: error: ")
+        assert code == 1 and err.startswith(f"omni-accum {argv[0]}: error: ")  # the command's own prefix
 
 
 # -- show -------------------------------------------------------------------------------------- #

@@ -319,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
         print("note: upstream's own views differ from the workload's declared key semantics (see above)")
     if wrong:
         print(
-            f"omni-accum: error: arm(s) {', '.join(wrong)} gave views differing from the cat reference", file=sys.stderr
+            f"omni-accum bench: error: arm(s) {', '.join(wrong)} gave views differing from the cat reference", file=sys.stderr
         )
         return 1
     return 0

@@ -52,10 +52,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     if args.verbose or _env_flag(ENV_TRACE):  # omni_accum's own lines on stderr (root's WARNING hides INFO/DEBUG)
         ensure_visible_logging(logging.DEBUG if args.verbose else logging.INFO, "%(levelname)s %(message)s")
+    prefix = f"omni-accum {args.command}"  # one prefix per command, as argparse's usage errors have
     try:
         return int(args.func(args) or 0)
     except OmniAccumError as e:
-        print(f"omni-accum: error: {e}", file=sys.stderr)
+        print(f"{prefix}: error: {e}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # the reader stopped reading (| head): not an error of this command
         try:
@@ -65,10 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except OSError as e:  # an output path that cannot be written (a directory, a missing folder, no space)
         where = f": {e.filename}" if getattr(e, "filename", None) else ""
-        print(f"omni-accum: error: {e.strerror or e}{where}", file=sys.stderr)
+        print(f"{prefix}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("omni-accum: interrupted", file=sys.stderr)
+        print(f"{prefix}: interrupted", file=sys.stderr)
         return 130
 
 

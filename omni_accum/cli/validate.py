@@ -114,7 +114,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         for w in r["warnings"]:
             print(f"  warning: {format_problem(r['policy'], w)}")
     if bad:
-        print(f"omni-accum: {len(bad)} of {len(results)} policies invalid", file=sys.stderr)
+        print(f"omni-accum validate: {len(bad)} of {len(results)} policies invalid", file=sys.stderr)
     return 1 if bad else 0
 
 
