@@ -44,16 +44,8 @@ def test_every_arm_ends_with_the_cat_reference_inproc(name):
     wl = small(name)
     results = measure(wl, local_arms(wl), context_len=SMALL_P.get(name, 40), concurrency=3, repeats=1)
     for r in results:
-        if _flag_refused(name, r.arm):  # 0.30.0's 0-d meta.is_segment_finished: cat refuses it, as torch.cat does
-            assert r.error is not None and "meta.is_segment_finished" in r.error and "0-d" in r.error, r.arm
-            continue
         assert r.error is None, (r.arm, r.error)
         assert r.correct is not _expected_wrong(name, r.arm), (r.arm, r.mismatch)
-
-
-def _flag_refused(wl_name: str, arm: str) -> bool:
-    """Arms that append vllm-omni 0.30.0's 0-d meta.is_segment_finished flag (no rule makes it replace)."""
-    return wl_name == "qwen3-omni-0.30" and arm in ("cat", "token_list", "prealloc", "default")
 
 
 def test_samples_and_figures_shape():

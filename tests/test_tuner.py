@@ -494,14 +494,18 @@ def test_a_gain_within_the_noise_keeps_the_baseline_and_says_why():
 
 
 def test_a_baseline_that_raises_on_a_flag_is_left_for_replace():
-    """vllm-omni 0.30.0 sends the 0-d meta.is_segment_finished flag every chunk; cat (the default baseline)
-    refuses it, so the tuner picks a correct replace-kind candidate and says why instead of failing."""
+    """A 0-d flag key under cat (the default baseline) is refused, so the tuner picks a correct replace-kind
+    candidate and says why instead of failing (vllm-omni 0.30.0's own flags are protocol keys, always replaced:
+    this one is not)."""
     from omni_accum.bench.workloads import load_workload
     from omni_accum.policy import load_policy
     from omni_accum.tuner.core import all_candidates, tune_bucket
 
-    wl = load_workload("qwen3-omni-0.30").model_copy(update={"decode_steps": 4})
-    key = "meta.is_segment_finished"
+    base = load_workload("qwen3-omni-0.30")
+    keys = [k.model_copy(update={"path": "meta.other_flag"}) if k.path == "meta.is_segment_finished" else k
+            for k in base.keys]  # fmt: skip
+    wl = base.model_copy(update={"decode_steps": 4, "keys": keys})
+    key = "meta.other_flag"
     out = tune_bucket(
         wl, load_policy("default"), [key], all_candidates(wl, [key], grid=False),
         context_len=16, concurrency=1, wire="inproc", max_rounds=1, memory_factor=2.0,
@@ -509,3 +513,22 @@ def test_a_baseline_that_raises_on_a_flag_is_left_for_replace():
     d = out.decisions[key]
     assert d.winner.strategy in ("replace", "send_once") and d.reason.startswith("baseline left: it raised")
     assert "0-d" in d.reason and d.excluded["cat"].startswith("baseline kept out")
+
+
+def test_the_0_30_flags_are_protocol_keys_not_tuned():
+    """meta.is_segment_finished (a 0-d bool tensor in every 0.30.0 chunk) is replaced whatever the policy says by
+    default; the tuner lists it as skipped (the protocol decides it)."""
+    import torch
+
+    from omni_accum.bench.workloads import load_workload
+    from omni_accum.policy import load_policy
+    from omni_accum.tuner.core import tunable_keys
+
+    for name in ("default", "qwen3-omni"):
+        assert load_policy(name).resolve("meta.is_segment_finished").strategy == "replace"
+    rx = omni_accum.Receiver("default")
+    for flag in (False, True):
+        view = rx.merge("r", {"meta": {"is_segment_finished": torch.tensor(flag)}})
+        assert view["meta"]["is_segment_finished"].item() is flag
+    keys, skipped = tunable_keys(load_workload("qwen3-omni-0.30"), load_policy("default"), [8000])
+    assert "meta.is_segment_finished" not in keys and "meta.is_segment_finished" in skipped

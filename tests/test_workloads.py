@@ -259,11 +259,14 @@ def test_the_default_workload_is_the_stream_0_30_0_sends(vllm_omni):
 
     from omni_accum.cli import bench as bench_cli, tune as tune_cli
 
-    for mod in (tune_cli, bench_cli):
+    from omni_accum.tuner import TuneOptions
+
+    for mod in (tune_cli, bench_cli):  # no --workload (None: neither it nor --trace given) means the default
         parser = argparse.ArgumentParser()
         mod.register(parser.add_subparsers())
         args = parser.parse_args([mod.__name__.rsplit(".", 1)[1], "--out", "x.yaml"] if mod is tune_cli else ["bench"])
-        assert args.workload == "qwen3-omni-0.30"
+        assert args.workload in (None, "qwen3-omni-0.30")
+    assert TuneOptions().workload == "qwen3-omni-0.30"
     p, steps = 24, 3
     real = _processor_chunks(p, steps)
     wl = load_workload("qwen3-omni-0.30").model_copy(update={"decode_steps": steps})

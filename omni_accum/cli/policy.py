@@ -365,9 +365,9 @@ def register(subparsers: Any) -> None:
         "explain",
         help="which strategy and params a key gets under a policy, and why",
         description="Resolve one key path under POLICY, the way Sender and Receiver do (plugins' selection "
-        "hooks included): an exact rule, else the first matching glob rule, else a protocol key vllm-omni "
-        "always replaces (meta.finished), else the tuned table for the context's bucket (when measured in "
-        "this environment), else the default. Prints the strategy, its params with defaults filled, and why.",
+        "hooks included): an exact rule, else the first matching glob rule, else a protocol flag that is always "
+        "replaced (meta.finished, meta.is_segment_finished), else the tuned table for the context's bucket (when "
+        "measured in this environment), else the default. Prints the strategy, its params with defaults filled, and why.",
         epilog="examples:\n  omni-accum explain qwen3-omni --key embed.decode\n"
         "  omni-accum explain tuned.yaml --key embed.prefill --context-len 8000 --concurrency 10 --json",
         formatter_class=fmt,

@@ -28,9 +28,11 @@ from omni_accum.policy.tuned import TunedTable
 
 GLOB_CHARS = frozenset("*?[")
 
-#: Keys vllm-omni itself always replaces (``meta.finished``): replace-kind whatever the default,
-#: unless a rule names them.
-PROTOCOL_REPLACE_KEYS = frozenset({"meta.finished"})
+#: Keys that are per-chunk flags of vllm-omni's protocol: replace-kind whatever the default, unless a rule
+#: names them. ``meta.finished`` vllm-omni itself always replaces; ``meta.is_segment_finished`` is the 0-d
+#: bool tensor 0.30.0's Qwen3-Omni processor puts in every chunk (its consumers read it per chunk; 0.30.0's
+#: own ``_accumulate_payload`` would raise on it, a ``torch.cat`` of 0-d tensors, where omni-accum replaces it).
+PROTOCOL_REPLACE_KEYS = frozenset({"meta.finished", "meta.is_segment_finished"})
 
 
 def is_glob(pattern: str) -> bool:
