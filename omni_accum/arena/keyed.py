@@ -36,6 +36,12 @@ ENDED_KEPT = 65536
 class KeyedMessages:
     """Keyed messages and append chains; the attributes and page methods are :class:`.sender.ArenaSender`'s."""
 
+    def reclaim(self) -> None:
+        """Take back the pages the receiver gave back since (before a message's tensors are written: freed
+        pages are reused first, already mapped on both sides, rather than fresh ones)."""
+        if not self._dead and not self.region.ring_b.empty():
+            self._drain()
+
     def write_tensor(self, t: torch.Tensor) -> tuple[int, int]:
         """Copy a contiguous CPU tensor into fresh pages; ``(page, npages)``. Raises ArenaFull (nothing
         written). The pages belong to the message :meth:`publish` sends (or go back with :meth:`free`)."""

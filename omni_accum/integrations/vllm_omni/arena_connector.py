@@ -11,8 +11,10 @@ Select it in a deploy YAML like any connector::
           ring_bytes: 4MiB             # descriptor ring per stage pair (default 4MiB)
           arena_view_bytes: 64KiB      # received tensors this large are not copied (default 64KiB; off)
 
-One shared-memory region per stage pair (``/dev/shm/omni_accum_arena_<arena_name>_<from>_<to>.<pid>``),
-created once by the receiving process (pid) on its first ``get`` and attached once by the sending process:
+One shared-memory region per stage pair (``omni_accum_arena_<arena_name>_<from>_<to>.<random>`` in this user's
+private directory, ``/dev/shm/omni-accum-<euid>/``: :mod:`omni_accum.samehost`), created once by the receiving
+process on its first ``get`` and found by the sending process through the pair's pointer file
+(:mod:`omni_accum.arena.live`); a file there that is not this user's is refused (``samehost_refused``):
 no segment is created per message and no tensor byte is pickled. A ``put`` writes each tensor of the
 payload into arena pages with one copy and pushes a small message (the rest of the payload, in
 vllm-omni's own msgpack encoding, which ``SharedMemoryConnector`` uses for all of it) through the
@@ -55,10 +57,12 @@ import torch
 from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorBase
 from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
 
-from omni_accum.arena.region import PREFIX, SHM_DIR, ArenaError, ArenaFull, PeerDied, owner_of, pid_alive
+from omni_accum.arena.live import create_receiver, live_region
+from omni_accum.arena.region import ArenaError, ArenaFull, PeerDied
 from omni_accum.integrations.vllm_omni.arena_chains import append_test, chain_payload, request_of, struct_map
 from omni_accum.integrations.vllm_omni.arena_codec import DEFAULT_VIEW_BYTES, Decoder, Encoder
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
+from omni_accum.samehost import SameHostRefused, log_refusal
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -109,19 +113,10 @@ def parse_view_bytes(value: Any) -> int | None:
     return parse_size(value, "arena_view_bytes")
 
 
-def _live_region(base: str) -> str:
-    """The arena name of the live region of stage pair ``base`` (``<base>.<owner pid>``); files whose owner
-    died are removed on the way. Raises ArenaError when there is none."""
-    found = []
-    for p in SHM_DIR.glob(f"{PREFIX}{base}.*"):
-        owner = owner_of(p)
-        if owner is not None and pid_alive(owner):
-            found.append((p.stat().st_mtime, p.name[len(PREFIX) :]))
-        elif owner is not None:
-            p.unlink(missing_ok=True)  # its owner died without closing it
-    if not found:
-        raise ArenaError(f"no live arena {PREFIX}{base}.<pid> yet: the receiving stage creates it on its first get")
-    return max(found)[1]
+def _refused(e: SameHostRefused) -> None:
+    """A same-host file that is not this user's: logged once per path, counted (``samehost_refused``)."""
+    log_refusal(e, NAME)
+    _count_fallback("samehost_refused")
 
 
 def _reap_soon(ref: Any) -> None:
@@ -191,8 +186,10 @@ class ArenaConnector(OmniConnectorBase):
         from omni_accum.arena.sender import ArenaSender  # noqa: PLC0415 - torch-heavy, first put only
 
         try:
-            tx = ArenaSender(_live_region(self.region_name(*pair)), attach_timeout_s=0.0, timeout_s=30.0)
-        except ArenaError as e:
+            tx = ArenaSender(live_region(self.region_name(*pair)), attach_timeout_s=0.0, timeout_s=30.0)
+        except (ArenaError, SameHostRefused) as e:
+            if isinstance(e, SameHostRefused):
+                self._refused(e)
             self._tx_retry[pair] = time.monotonic() + ATTACH_RETRY_S
             self._warn(f"attach-{pair}", logging.INFO, "omni-accum arena %s: %s; sending through %s meanwhile",
                        self.region_name(*pair), str(e), type(self.inner).__name__)
@@ -204,18 +201,21 @@ class ArenaConnector(OmniConnectorBase):
     def _receiver(self, pair: tuple[str, str]) -> Any:
         if pair in self._rx:
             return self._rx[pair]
-        from omni_accum.arena.receiver import ArenaReceiver  # noqa: PLC0415
-
         base = self.region_name(*pair)
         try:
-            live = _live_region(base)
+            live = live_region(base)
+        except SameHostRefused as e:  # never read: a region of this process replaces it
+            self._refused(e)
+            live = None
         except ArenaError:
             live = None
         try:
             if live is not None:
                 raise ArenaError(f"arena {live} is in use by a live receiver")
-            rx = ArenaReceiver(f"{base}.{os.getpid()}", self.arena_bytes, ring_bytes=self.ring_bytes)
-        except (ArenaError, OSError) as e:
+            rx = create_receiver(base, self.arena_bytes, ring_bytes=self.ring_bytes)
+        except (ArenaError, OSError, SameHostRefused) as e:
+            if isinstance(e, SameHostRefused):
+                self._refused(e)
             logger.error(
                 "omni-accum arena %s: %s; this process receives through %s only (one receiving process per "
                 "stage pair)", self.region_name(*pair), str(e), type(self.inner).__name__)
@@ -226,6 +226,10 @@ class ArenaConnector(OmniConnectorBase):
             rx.on_dead.append(functools.partial(_reap_soon, weakref.ref(self)))
         self._rx[pair] = rx
         return rx
+
+    def _refused(self, e: SameHostRefused) -> None:
+        self.fallbacks["samehost_refused"] = self.fallbacks.get("samehost_refused", 0) + 1
+        _refused(e)
 
     def _fell_back(self, reason: str, pair: tuple[str, str], e: BaseException) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
@@ -316,6 +320,7 @@ class ArenaConnector(OmniConnectorBase):
         The tensors of keys the sending policy appends go behind the request's earlier rows of the key
         (its append chain): the receiver hands them out as views of one slab that holds all of the
         key's rows, which an append-kind accumulator (``prealloc``) takes as its buffer with no copy."""
+        tx.reclaim()
         enc = self._encoder
         enc.tx, enc.spans, enc.tensor_bytes = tx, [], 0
         opens: list[tuple[Any, ...]] = []
