@@ -82,7 +82,7 @@ def test_validate_presets_and_files(capsys, tmp_path):
     good.write_text(json.dumps({"default": "prealloc"}))
     code, out, err = run(capsys, "validate", "default", "qwen3-omni", "qwen3-omni-flat", str(good))
     assert code == 0 and err == ""
-    assert "qwen3-omni: ok (10 rules)" in out and f"{good}: ok (0 rules)" in out
+    assert "qwen3-omni: ok (13 rules)" in out and f"{good}: ok (0 rules)" in out
 
 
 def test_validate_lists_every_error_of_every_file(capsys, tmp_path):
@@ -308,7 +308,7 @@ def test_console_script_runs(tmp_path):
         [sys.executable, "-m", "omni_accum.cli", "validate", "qwen3-omni"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "qwen3-omni: ok (10 rules)"
+    assert r.stdout.strip() == "qwen3-omni: ok (13 rules)"
 
 
 # -- README "Policies" section: the commands shown work as written ------------------------------ #
