@@ -337,10 +337,10 @@ def wait_exited(pid: int) -> None:
 
 _OWNER_TERMINATED = (
     "import os, signal, sys\n"
-    "from multiprocessing import resource_tracker\n"
+    "from omni_accum import samehost\n"
     "from omni_accum.arena import ArenaReceiver\n"
     "rx = ArenaReceiver(sys.argv[1], 1 << 20)\n"
-    "print(rx.region.path, resource_tracker._resource_tracker._pid, flush=True)\n"
+    "print(rx.region.path, samehost._reaper[0].pid, flush=True)\n"
     "os.kill(os.getpid(), signal.SIGTERM)  # no atexit runs: as a daemon process or a vllm-omni stage ends\n"
 )
 
@@ -353,7 +353,7 @@ def test_an_owner_ended_by_sigterm_leaves_nothing_in_dev_shm():
     assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
     path, tracker = done.stdout.split()
     assert path == str(path_for(name))  # it did create its region
-    wait_exited(int(tracker))  # multiprocessing's resource tracker removes it once the process is gone
+    wait_exited(int(tracker))  # omni-accum's reaper process removes it once the process is gone
     assert not path_for(name).exists()
 
 

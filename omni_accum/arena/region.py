@@ -8,9 +8,12 @@ Layout (every offset a multiple of the page size)::
     ring B          receiver -> sender messages (released slabs)
     data            the slabs of the requests' tensor keys
 
-The file is named ``omni_accum_arena_<name>`` and records its owner's pid (the receiver): a new
-owner reclaims a file whose owner is dead, and refuses one whose owner lives. The owner unlinks the
-file when it closes (and at interpreter exit); a sender that finds the owner dead unlinks it too.
+The file is ``omni_accum_arena_<name>`` in this user's private directory (:mod:`omni_accum.samehost`:
+``/dev/shm/omni-accum-<euid>/``, 0700; every open is ``O_NOFOLLOW`` and checked: owner, mode, kind) and
+records its owner's pid (the receiver): a new owner reclaims a file whose owner is dead, and refuses one
+whose owner lives. The owner unlinks the file when it closes (and at interpreter exit, or by the reaper
+process of :func:`omni_accum.samehost.track` when it ends without either); a sender that finds the owner
+dead unlinks it too.
 """
 
 from __future__ import annotations
@@ -20,13 +23,12 @@ import mmap
 import os
 import re
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
 from pathlib import Path
 
+from omni_accum import samehost
 from omni_accum.arena.ring import Ring
 from omni_accum.errors import OmniAccumError
 
-SHM_DIR = Path(os.environ.get("OMNI_ACCUM_ARENA_DIR", "/dev/shm"))
 PREFIX = "omni_accum_arena_"
 MAGIC = int.from_bytes(b"OAARENA1", "little")
 VERSION = 1
@@ -58,7 +60,7 @@ class PeerDied(ArenaError):
 def path_for(name: str) -> Path:
     if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", name):
         raise ArenaError(f"arena name {name!r}: use letters, digits, '_', '.', '-'")
-    return SHM_DIR / f"{PREFIX}{name}"
+    return samehost.private_dir() / f"{PREFIX}{name}"
 
 
 def pid_alive(pid: int) -> bool:
@@ -130,6 +132,7 @@ class Region:
         )
         self.data_off = layout.data_off
         self._unlinked = False
+        self.pointer: Path | None = None  # the pointer file naming this region (omni_accum.arena.live), if any
         self._warm: bytearray | None = bytearray(layout.npages)  # data pages this process has prefaulted
 
     # ------------------------------------------------------------------ creation and attachment
@@ -141,12 +144,12 @@ class Region:
         path = path_for(name)
         npages = max(1, _round(data_bytes, page) // page)
         layout = Layout(page, npages, _round(ring_bytes, page), _round(back_bytes, page))
-        if path.exists():
-            owner = owner_of(path)
+        if os.path.lexists(path):
+            owner = owner_of(path)  # SameHostRefused: not this user's file (never read nor reclaimed)
             if owner is not None and owner != os.getpid() and pid_alive(owner):
                 raise ArenaError(f"arena {path} is in use by pid {owner} (close it there first)")
             path.unlink(missing_ok=True)  # stale: its owner is dead
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = samehost.open_private(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)  # FileExistsError: name taken
         try:
             os.ftruncate(fd, layout.size)  # tmpfs allocates pages on first touch
             mm = mmap.mmap(fd, layout.size)
@@ -170,7 +173,7 @@ class Region:
         """Map an existing region (the sender's side)."""
         path = path_for(name)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = samehost.open_private(path, os.O_RDWR)  # SameHostRefused: not this user's (never mapped)
         except FileNotFoundError as e:
             raise ArenaError(f"no arena {path}: the receiving stage creates it") from e
         try:
@@ -233,7 +236,11 @@ class Region:
             try:
                 if owner_of(self.path) in (self.q[W_OWNER_PID], None):
                     self.path.unlink(missing_ok=True)
-            except OSError:
+                    if self.pointer is not None:
+                        from omni_accum.arena.live import drop_pointer  # noqa: PLC0415
+
+                        drop_pointer(self.pointer, self.path.name[len(PREFIX) :])
+            except (OSError, samehost.SameHostRefused):
                 pass
 
     def close(self) -> None:
@@ -261,37 +268,49 @@ class Region:
 
 
 def _track(path: Path) -> None:
-    """Have multiprocessing's resource tracker remove the region if its owner ends without closing it
-    (a SIGTERM runs no ``atexit``: vllm-omni's stage processes end that way, so do daemon processes)."""
+    """Have the region removed if its owner ends without closing it (a SIGTERM runs no ``atexit``: vllm-omni's
+    stage processes end that way, so do daemon processes): :func:`omni_accum.samehost.track`."""
     try:
-        resource_tracker.register("/" + path.name, "shared_memory")
-    except Exception:  # noqa: BLE001, S110 - no tracker here: the next owner or sweep_stale() removes it
+        samehost.track(path)
+    except OSError:  # no reaper here: the next owner or sweep_stale() removes it
         pass
 
 
 def _untrack(path: Path) -> None:
     try:
-        resource_tracker.unregister("/" + path.name, "shared_memory")
-    except Exception:  # noqa: BLE001, S110
+        samehost.untrack(path)
+    except OSError:
         pass
 
 
 def owner_of(path: Path) -> int | None:
+    """The owner pid a region's header records; None when unreadable. Raises SameHostRefused for a file that
+    is not this user's (or a symlink): it is never read."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(8 * (W_OWNER_PID + 1))
+        fd = samehost.open_private(path, os.O_RDONLY)
     except OSError:
         return None
+    try:
+        head = os.pread(fd, 8 * (W_OWNER_PID + 1), 0)
+    finally:
+        os.close(fd)
     if len(head) < 8 * (W_OWNER_PID + 1):
         return None
     return int.from_bytes(head[8 * W_OWNER_PID : 8 * W_OWNER_PID + 8], "little")
 
 
 def sweep_stale(directory: Path | None = None) -> list[Path]:
-    """Remove every arena file of ``directory`` (default /dev/shm) whose owner is dead; the removed paths."""
+    """Remove every arena file of ``directory`` (default: this user's private directory) whose owner is dead;
+    the removed paths. A file that is not this user's is left alone (and logged once)."""
     removed = []
-    for p in sorted((directory or SHM_DIR).glob(PREFIX + "*")):
-        owner = owner_of(p)
+    for p in sorted((directory or samehost.private_dir()).glob(PREFIX + "*")):
+        if p.name.endswith(".live"):
+            continue  # a pointer file (omni_accum.arena.live): removed with its region
+        try:
+            owner = owner_of(p)
+        except samehost.SameHostRefused as e:
+            samehost.log_refusal(e, "sweep_stale")
+            continue
         if owner is None or not pid_alive(owner):
             p.unlink(missing_ok=True)
             removed.append(p)

@@ -21,10 +21,13 @@ a process on this host that is no longer alive is ignored, and a sender whose re
 dies goes back to 0.30.0's payloads until a receiver says hello again.
 
 Over shared memory (``SharedMemoryConnector``, and the arena connector, whose ``peer_channel`` says so)
-the hello is a small segment of its own in ``/dev/shm`` (the key as its name), written whole and read
-without being consumed (``SharedMemoryConnector.get`` would unlink it), so every sender of the stage
-reads the same one; multiprocessing's resource tracker removes it when its process ends without
-withdrawing it (a SIGTERM), as for the arena's regions. Over any other connector (Mooncake's store) the
+the hello is a small file of its own in this user's private directory (:mod:`omni_accum.samehost`,
+``/dev/shm/omni-accum-<euid>/``, 0700; the key as its name), written whole through a temporary file of an
+unguessable name and read without being consumed (``SharedMemoryConnector.get`` would unlink it), so every
+sender of the stage reads the same one; it is JSON (never unpickled), at most 4 KiB, and read only when the
+file is this user's, not a symlink and not writable by others (else refused: logged once, counted as the
+fallback ``samehost_refused``, and the sender sends vllm-omni's own payloads). omni-accum's reaper process
+removes it when its process ends without withdrawing it (a SIGTERM), as for the arena's regions. Over any other connector (Mooncake's store) the
 hello is that connector's ``put`` / ``get`` / ``cleanup`` of the key.
 """
 
@@ -39,6 +42,8 @@ import socket
 import threading
 from pathlib import Path
 from typing import Any
+
+from omni_accum import samehost
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -72,39 +77,45 @@ def hello_key(src: int, dst: int) -> str:
     return f"omni_accum_hello_{tok}_{src}_{dst}"
 
 
-class ShmChannel:
-    """Hellos as segments of their own in ``/dev/shm`` (see the module docstring)."""
+#: The largest hello read (bytes); a larger file is refused.
+HELLO_MAX = 4096
 
-    DIR = "/dev/shm"
+
+class ShmChannel:
+    """Hellos as files of their own in this user's private directory (see the module docstring)."""
+
+    def path(self, key: str) -> Path:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", key) or key.startswith("."):
+            raise ValueError(f"hello key {key!r}: use letters, digits, '_', '.', '-'")
+        return samehost.private_dir() / key
 
     def put(self, src: str, dst: str, key: str, data: Any) -> tuple[bool, int, None]:
         body = json.dumps(data).encode()
-        path = Path(self.DIR, key)
-        tmp = Path(self.DIR, f".{key}.{os.getpid()}.tmp")
-        tmp.write_bytes(body)
-        os.replace(tmp, path)  # whole or not at all
-        from omni_accum.arena.region import _track  # noqa: PLC0415 - the arena package imports the bench's wires
-
-        _track(path)  # removed if this process ends without withdrawing it (as the arena's regions)
+        path = self.path(key)
+        samehost.write_private(path, body, str(os.getpid()))  # whole or not at all
+        samehost.track(path)  # removed if this process ends without withdrawing it (as the arena's regions)
         return True, len(body), None
 
     def get(self, src: str, dst: str, key: str) -> tuple[Any, int] | None:
         try:
-            with open(os.path.join(self.DIR, key), "rb") as f:
-                body = f.read(65536)
+            body = samehost.read_private(self.path(key), HELLO_MAX)
             return json.loads(body), len(body)
-        except (OSError, ValueError):
+        except samehost.SameHostRefused as e:
+            if samehost.log_refusal(e, "peer hello"):
+                from omni_accum.integrations.vllm_omni.prometheus import fallback  # noqa: PLC0415
+
+                fallback("samehost_refused")
+            return None
+        except (OSError, ValueError, RecursionError):
             return None
 
     def cleanup(self, key: str) -> None:
-        path = Path(self.DIR, key)
+        path = self.path(key)
         try:
             path.unlink()
         except FileNotFoundError:
             return
-        from omni_accum.arena.region import _untrack  # noqa: PLC0415
-
-        _untrack(path)
+        samehost.untrack(path)
 
 
 SHM_CHANNEL = ShmChannel()

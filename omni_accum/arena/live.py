@@ -1,0 +1,85 @@
+"""The live region of a stage pair, found through a pointer file in the private directory (never a glob).
+
+The receiving process creates its region under a name with a random part, ``<pair>.<16 hex digits>``
+(a name already taken gives another one), then writes the pointer file ``omni_accum_arena_<pair>.live``
+(whole, through a temporary file of its own) that holds that name. The sending process reads the pointer
+(checked: this user's regular file, not a symlink, not writable by others, at most 512 bytes, a name of
+this pair) and attaches to the region it names if its owner lives. Both files are in
+:func:`omni_accum.samehost.private_dir`; nothing else is looked at.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from pathlib import Path
+from typing import Any
+
+from omni_accum import samehost
+from omni_accum.arena.region import ArenaError, owner_of, path_for, pid_alive
+
+POINTER_SUFFIX = ".live"
+#: Attempts at a fresh random name before a receiver gives up (each taken name is someone's live region).
+NAME_TRIES = 8
+
+
+def pointer_path(pair: str) -> Path:
+    p = path_for(pair)
+    return p.with_name(p.name + POINTER_SUFFIX)
+
+
+def live_region(pair: str) -> str:
+    """The name of stage pair ``pair``'s live region (for :class:`~omni_accum.arena.ArenaSender`). Raises
+    ArenaError when there is none (a region whose owner died is removed on the way), SameHostRefused when the
+    pointer or the region it names is not this user's (neither is read further)."""
+    ptr = pointer_path(pair)
+    try:
+        body = samehost.read_private(ptr, 512)
+    except FileNotFoundError:
+        raise ArenaError(f"no live arena {ptr.name} yet: the receiving stage creates it on its first get") from None
+    name = body.decode("ascii", "replace")
+    if not re.fullmatch(re.escape(pair) + r"\.[0-9a-f]{16}", name):
+        raise ArenaError(f"{ptr}: {name[:80]!r} is not a region name of {pair}")
+    owner = owner_of(path_for(name))
+    if owner is None or not pid_alive(owner):
+        if owner is not None:
+            path_for(name).unlink(missing_ok=True)  # its owner died without closing it
+        drop_pointer(ptr, name)
+        raise ArenaError(f"no live arena for {pair}: {name} has no live owner")
+    return name
+
+
+def create_receiver(pair: str, data_bytes: int, **kw: Any) -> Any:
+    """A new :class:`~omni_accum.arena.ArenaReceiver` for ``pair`` under a fresh random name, named by the pair's
+    pointer file (replacing any earlier pointer)."""
+    from omni_accum.arena.receiver import ArenaReceiver  # noqa: PLC0415
+
+    for _ in range(NAME_TRIES):
+        name = f"{pair}.{secrets.token_hex(8)}"
+        try:
+            rx = ArenaReceiver(name, data_bytes, **kw)
+        except FileExistsError:
+            continue  # taken (by anyone): another name
+        break
+    else:
+        raise ArenaError(f"arena {pair}: {NAME_TRIES} random names were all taken")
+    ptr = pointer_path(pair)
+    try:
+        samehost.write_private(ptr, name.encode(), "new")
+    except BaseException:
+        rx.close()
+        raise
+    rx.region.pointer = ptr
+    samehost.track(ptr, name)
+    return rx
+
+
+def drop_pointer(ptr: Path, name: str) -> None:
+    """Remove pointer ``ptr`` if it still names region ``name`` (a newer receiver may have rewritten it)."""
+    try:
+        body = samehost.read_private(ptr, 512)
+    except (OSError, samehost.SameHostRefused):
+        return
+    if body == name.encode():
+        ptr.unlink(missing_ok=True)
+        samehost.untrack(ptr)

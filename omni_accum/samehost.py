@@ -1,0 +1,218 @@
+"""Same-host files in a private place: one directory per user that only that user can enter.
+
+Every file omni-accum creates on a host for its same-host channels (the arena's regions and the pointer
+files that name them, the peer hellos and their temporary files) lives in :func:`private_dir`,
+``/dev/shm/omni-accum-<euid>/`` (``OMNI_ACCUM_ARENA_DIR`` replaces ``/dev/shm``), created with mode 0700.
+Before anything in it is trusted, the directory and each file are checked: :func:`check_dir` and
+:func:`open_private` open with ``O_NOFOLLOW`` and ``fstat`` what they opened; a symlink, another owner than
+the effective uid, a group- or world-writable mode, or another kind of file raises :class:`SameHostRefused`,
+whose message names the path, the owner and the mode. Callers log it once per path (:func:`log_refusal`)
+and fall back (the connector sends through its inner connector: nothing is lost).
+
+Files are removed when their process ends without removing them (a SIGTERM runs no ``atexit``) by a small
+reaper process per process that creates files here (:func:`track`): multiprocessing's resource tracker only
+removes names directly in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from omni_accum.errors import OmniAccumError
+
+ENV_DIR = "OMNI_ACCUM_ARENA_DIR"
+DEFAULT_BASE = "/dev/shm"
+#: The largest file this module reads whole (pointer files, hellos).
+SMALL_MAX = 65536
+
+logger = logging.getLogger("omni_accum.samehost")
+
+
+class SameHostRefused(OmniAccumError):
+    """A same-host file or directory that omni-accum does not trust (another owner, a symlink, a writable mode)."""
+
+    def __init__(self, path: str | os.PathLike[str], why: str, st: os.stat_result | None = None) -> None:
+        owner = st.st_uid if st is not None else "?"
+        mode = oct(stat.S_IMODE(st.st_mode)) if st is not None else "?"
+        super().__init__(
+            f"{path}: refused ({why}; owner uid {owner}, mode {mode}; omni-accum trusts only what uid "
+            f"{os.geteuid()} owns, not group- or world-writable, not a symlink)"
+        )
+        self.path = str(path)
+
+
+def base_dir() -> Path:
+    """``$OMNI_ACCUM_ARENA_DIR``, else ``/dev/shm``."""
+    return Path(os.environ.get(ENV_DIR) or DEFAULT_BASE)
+
+
+def private_dir() -> Path:
+    """This user's directory under :func:`base_dir` (created 0700 when missing, checked every time)."""
+    base = base_dir()
+    st = os.stat(base)  # the base may be a symlink (/dev/shm -> /run/shm); what it is must be safe
+    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX and st.st_uid != os.geteuid():
+        raise SameHostRefused(base, "a world-writable directory without the sticky bit", st)
+    d = base / f"omni-accum-{os.geteuid()}"
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    check_dir(d)
+    return d
+
+
+def _check(path: str | os.PathLike[str], st: os.stat_result, kind: str) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        raise SameHostRefused(path, "a symlink", st)
+    if kind == "dir" and not stat.S_ISDIR(st.st_mode):
+        raise SameHostRefused(path, "not a directory", st)
+    if kind == "file" and not stat.S_ISREG(st.st_mode):
+        raise SameHostRefused(path, "not a regular file", st)
+    if st.st_uid != os.geteuid():
+        raise SameHostRefused(path, "owned by another user", st)
+    if st.st_mode & 0o022:
+        raise SameHostRefused(path, "group- or world-writable", st)
+
+
+def _refuse_link(path: str | os.PathLike[str], e: OSError) -> None:
+    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+        try:
+            st = os.lstat(path)
+        except OSError:
+            st = None
+        raise SameHostRefused(path, "a symlink" if st is None or stat.S_ISLNK(st.st_mode) else "not a directory",
+                              st) from None
+
+
+def check_dir(path: str | os.PathLike[str]) -> None:
+    """Raise SameHostRefused unless ``path`` is a directory (not a symlink) of this uid, not group/world writable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        _refuse_link(path, e)
+        raise
+    try:
+        _check(path, os.fstat(fd), "dir")
+    finally:
+        os.close(fd)
+
+
+def open_private(path: str | os.PathLike[str], flags: int, mode: int = 0o600) -> int:
+    """``os.open`` with ``O_NOFOLLOW``, then the checks on what was opened; the fd (the caller closes it).
+    Raises SameHostRefused (nothing left open), or the OSError of the open (FileNotFoundError, FileExistsError)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        _refuse_link(path, e)
+        raise
+    try:
+        _check(path, os.fstat(fd), "file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_private(path: str | os.PathLike[str], limit: int = SMALL_MAX) -> bytes:
+    """The bytes of a small private file (at most ``limit``; a larger file is refused)."""
+    fd = open_private(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise SameHostRefused(path, f"{size} bytes, over the limit of {limit}", os.fstat(fd))
+        return os.read(fd, limit + 1)[:limit]
+    finally:
+        os.close(fd)
+
+
+def write_private(path: Path, body: bytes, tmp_tag: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file of an unguessable name (``O_EXCL``), then a rename."""
+    import secrets  # noqa: PLC0415
+
+    tmp = path.with_name(f".{path.name}.{tmp_tag}.{secrets.token_hex(8)}.tmp")
+    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        try:
+            os.write(fd, body)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+_logged: set[str] = set()
+
+
+def log_refusal(e: SameHostRefused, what: str = "") -> bool:
+    """Log ``e`` (a warning) once per path; True the first time."""
+    if e.path in _logged:
+        return False
+    _logged.add(e.path)
+    logger.warning("omni-accum same-host channel%s: %s", f" ({what})" if what else "", str(e))
+    return True
+
+
+# ------------------------------------------------------------------------------ removal at process end
+_REAPER = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+held = {}
+for line in sys.stdin:
+    op, _, rest = line.rstrip("\\n").partition(" ")
+    path, _, expect = rest.partition("\\t")
+    if op == "+":
+        held[path] = expect
+    else:
+        held.pop(path, None)
+for path, expect in held.items():
+    try:
+        if expect:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                same = os.read(fd, 4096).decode(errors="replace") == expect
+            finally:
+                os.close(fd)
+            if not same:
+                continue
+        os.unlink(path)
+    except OSError:
+        pass
+"""
+_reaper: list = [None, 0]  # [Popen, pid of the process that started it]
+_reaper_lock = threading.Lock()
+
+
+def _send(line: str) -> None:
+    with _reaper_lock:
+        p, pid = _reaper
+        if p is None or pid != os.getpid() or p.poll() is not None:
+            p = subprocess.Popen([sys.executable, "-S", "-c", _REAPER], stdin=subprocess.PIPE, close_fds=True,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+            _reaper[:] = [p, os.getpid()]
+        try:
+            p.stdin.write(line + "\n")
+            p.stdin.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def track(path: Path, expect: str = "") -> None:
+    """Have ``path`` removed when this process ends without :func:`untrack` (if it still holds ``expect``,
+    when given: a pointer file another process may have rewritten since)."""
+    if "\n" not in str(path) and "\t" not in str(path):
+        _send(f"+ {path}\t{expect}")
+
+
+def untrack(path: Path) -> None:
+    if _reaper[0] is not None and _reaper[1] == os.getpid():
+        _send(f"- {path}")
