@@ -286,3 +286,46 @@ def test_doctor_help_is_wrapped(capsys):
         main(["doctor", "--help"])
     out = capsys.readouterr().out
     assert "Check what a vllm-omni deployment" in out and max(map(len, out.splitlines())) <= 100
+
+
+def test_a_broken_plugin_is_reported_once(vllm_omni, tmp_path):
+    """A third-party plugin that fails to import: doctor's PROBLEM line, not also the manager's log warning."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "brokenplug").mkdir()
+    (tmp_path / "brokenplug" / "__init__.py").write_text("raise RuntimeError('boom at import')\n")
+    info = tmp_path / "brokenplug-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: brokenplug\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[omni_accum]\nbroken = brokenplug\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMNI_ACCUM_POLICY": "default"}
+    for cmd in (["doctor"], ["strategies"]):
+        r = subprocess.run([sys.executable, "-m", "omni_accum.cli", *cmd], env=env, capture_output=True, text=True)
+        said = (r.stdout + r.stderr).count("boom at import")
+        assert said == 1, (cmd, r.stdout, r.stderr)
+
+
+def test_a_partial_tuned_table_is_a_note(clean_env, capsys, tmp_path):
+    """A table whose tuning stopped early works (the other buckets get rules and default): doctor says so."""
+    import yaml
+
+    from omni_accum.policy.environment import current_fingerprint
+
+    data = {
+        "default": "cat",
+        "tuned": {
+            "context_len_edges": [1000, 8000],
+            "concurrency_edges": [1],
+            "complete": False,
+            "fingerprint": current_fingerprint(),
+            "cells": [{"key": "embed.decode", "context_len": 1000, "concurrency": 1, "strategy": "prealloc"}],
+        },
+    }
+    path = tmp_path / "good.partial.yaml"
+    path.write_text(yaml.safe_dump(data))
+    clean_env.setenv("OMNI_ACCUM_POLICY", str(path))
+    rc, out = _doctor(capsys)
+    assert "note     tuned table: partial tuned table: 1 of 2 buckets measured" in out, out
+    assert "tune --resume" in out

@@ -266,7 +266,10 @@ def run_checks(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    checks, info = run_checks(args.deploy)
+    from omni_accum.cli.policy import plugin_problems_reported_here
+
+    with plugin_problems_reported_here():  # check_plugins reports a skipped plugin: once, not also as a log line
+        checks, info = run_checks(args.deploy)
     healthy = all(c.ok for c in checks)
     if args.json:
         print(json.dumps({"ok": healthy, "checks": [asdict(c) for c in checks], **info}, indent=2))

@@ -195,7 +195,7 @@ def _policy_checks(spec: Any, source: str, info: dict[str, Any], env_checked: bo
             out.append(Check("tuned table", True, "its fingerprint matches this environment"))
         partial = policy.tuned.partial_note()
         if partial:
-            out.append(Check("tuned table", False, partial, "omni-accum tune --resume --out FILE", warning=True))
+            out.append(Check("tuned table", True, partial, "omni-accum tune --resume --out FILE", warning=True))
     return out
 
 

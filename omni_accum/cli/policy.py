@@ -8,10 +8,12 @@ line, field and allowed values (exit 1), never as tracebacks; argparse usage err
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import annotated_types as at
@@ -89,10 +91,22 @@ def spec_record(spec: StrategySpec) -> dict[str, Any]:
 
 
 class _NoSkippedPluginLog(logging.Filter):
-    """Drops the manager's "plugin skipped" warnings: ``strategies`` prints each problem itself, once."""
+    """Drops the manager's "plugin skipped" warnings: ``strategies`` and ``doctor`` print each problem
+    themselves, once."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "plugin skipped" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def plugin_problems_reported_here() -> Iterator[None]:
+    """While the command loads the plugins, leave their "plugin skipped" warnings to it (printed once)."""
+    log, quiet = logging.getLogger("omni_accum"), _NoSkippedPluginLog()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 def preset_records() -> list[dict[str, str]]:
@@ -108,12 +122,8 @@ def preset_records() -> list[dict[str, str]]:
 
 
 def cmd_strategies(args: argparse.Namespace) -> int:
-    log, quiet = logging.getLogger("omni_accum"), _NoSkippedPluginLog()
-    log.addFilter(quiet)
-    try:
+    with plugin_problems_reported_here():
         manager = get_manager()
-    finally:
-        log.removeFilter(quiet)
     records = [spec_record(s) for s in manager.specs()]
     problems = [{"plugin": p, "problem": m} for p, m in manager.problems]
     presets = preset_records()
