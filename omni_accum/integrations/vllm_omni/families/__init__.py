@@ -1,9 +1,9 @@
 """vllm-omni release families: which releases omni-accum supports, and what it wraps in each.
 
 A family (:class:`~.base.Family`) is a set of releases whose wrapped methods have the same places
-and signatures: :mod:`.v030` (0.30.0) and :mod:`.v028` (0.28.0). Everything that differs per
+and signatures: :mod:`.v030` (0.30.0), :mod:`.v028` (0.28.0) and :mod:`.v016` (0.16.0). Everything that differs per
 release lives in the family's module (the wrapped-method table with its signatures, the runner
-receive hooks, the decode-span rule); the wrappers themselves (:mod:`..send`, :mod:`..receive`,
+receive hooks, the decode-span rule); :mod:`.v016` (0.16.0) wraps the adapter's whole-payload merge; the wrappers themselves (:mod:`..send`, :mod:`..receive`,
 :mod:`..runner`, :mod:`..full_payload`) are shared.
 
 :func:`select` picks the family at activation: from the installed vllm-omni version, then a
@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 from importlib import metadata
 
-from omni_accum.integrations.vllm_omni.families import v028, v030
+from omni_accum.integrations.vllm_omni.families import v016, v028, v030
 from omni_accum.integrations.vllm_omni.families.base import (
     Family,
     InstallRefused,
@@ -27,7 +27,7 @@ from omni_accum.integrations.vllm_omni.families.base import (
 )
 
 #: Every supported family, oldest first.
-FAMILIES: tuple[Family, ...] = (v028.FAMILY, v030.FAMILY)
+FAMILIES: tuple[Family, ...] = (v016.FAMILY, v028.FAMILY, v030.FAMILY)
 #: Every supported vllm-omni release, oldest first.
 SUPPORTED_VERSIONS: tuple[str, ...] = tuple(v for f in FAMILIES for v in f.versions)
 #: The family used where no vllm-omni is installed (or an unsupported one), to say what would be wrapped.

@@ -1,0 +1,117 @@
+"""Receive side of vllm-omni 0.16's chunk transfer adapter: ``_update_request_payload`` and ``cleanup``.
+
+0.16.0's receiving adapter keeps the whole accumulated payload of a request (``request_payload``,
+keyed by the external request id) and, on every chunk, ``torch.cat``-s each tensor key with what it
+held (lists are joined with ``+``); ``finished`` and every other value are taken as they come, and
+a key the chunk does not carry is dropped. The chunk dict itself becomes the accumulated payload
+(updated in place: the caller hands that same dict to the scheduler as the request's
+``additional_information``). On Qwen3-Omni that is the whole ``thinker_embeddings`` ``[P+t, H]``
+copied on every decode step.
+
+The wrapper keeps that contract and moves the tensor and list keys through the binding's
+:class:`~omni_accum.engine.Receiver`: under ``cat`` (the ``default`` policy) the same values as
+0.16.0, under ``prealloc`` a row copy into a preallocated buffer whose prefix is handed over (a
+tensor, as the talker reads it). Upstream's dict stays the store of record: a request whose held
+keys differ from the chunk's (0.16 drops the keys a chunk does not carry) is re-seeded from it, and
+a chunk omni-accum refuses is handed to 0.16.0's own code.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from omni_accum.errors import AccumulationError
+from omni_accum.integrations.vllm_omni.binding import Binding, binding_for
+
+#: The key 0.16.0's adapter never accumulates (a 0-d bool tensor: the request's last chunk).
+FINISHED = "finished"
+
+
+def _kind(value: Any) -> type | None:
+    if isinstance(value, torch.Tensor):
+        return torch.Tensor
+    if isinstance(value, list):
+        return list
+    return None
+
+
+def _held_keys(b: Binding, req_id: str) -> set[Any]:
+    try:
+        return set(b.receiver.view(req_id).keys())
+    except KeyError:
+        return set()
+
+
+def _plan(b: Binding, req_id: str, origin: dict[str, Any] | None, chunk: dict[str, Any]) -> list[str] | None:
+    """The keys of ``chunk`` the Receiver accumulates, after aligning what it holds with upstream's
+    ``origin`` (None: the request's first chunk). None: a key whose kind changes, which 0.16.0 alone
+    handles (its ``torch.cat`` of a list, say)."""
+    keys = [k for k, v in chunk.items() if k != FINISHED and _kind(v) is not None]
+    if origin is None:
+        b.receiver.release(req_id)  # upstream starts afresh here too
+        return keys
+    carried = [k for k in keys if k in origin]
+    if any(_kind(origin[k]) is not _kind(chunk[k]) for k in carried):
+        return None
+    if _held_keys(b, req_id) != set(carried):  # 0.16 dropped keys the last chunk lacked, or a fallback ran
+        b.receiver.release(req_id)
+        if carried:
+            b.receiver.merge(req_id, {k: origin[k] for k in carried})
+    return keys
+
+
+def wrap_update_payload(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def _update_request_payload(self: Any, req_id: str, payload_data: dict[str, Any]) -> dict[str, Any]:
+        b = binding_for(self)
+        store = getattr(self, "request_payload", None)
+        if b is None or not isinstance(payload_data, dict) or not isinstance(store, dict):
+            return orig(self, req_id, payload_data)
+        b.stats["chunks_received"] += 1
+        origin = store.get(req_id) if req_id in store else None
+        new = origin is None
+        if not new and not isinstance(origin, dict):
+            return orig(self, req_id, payload_data)
+        incoming = dict(payload_data)
+        t0 = time.perf_counter()
+        try:
+            keys = _plan(b, req_id, origin, payload_data)
+            if keys is None:
+                b.receiver.release(req_id)
+                return orig(self, req_id, payload_data)
+            view = b.receiver.merge(req_id, {k: payload_data[k] for k in keys}) if keys else None
+            for k in keys:
+                payload_data[k] = view[k]  # type: ignore[index]
+        except AccumulationError as e:
+            # 0.16.0 takes this chunk (torch.cat promotes dtypes) or raises where it raises: its own code, on its
+            # own store (untouched so far); the next chunk re-seeds from it.
+            for k, v in incoming.items():
+                payload_data[k] = v
+            b.fall_back(req_id, e, f"{type(self).__name__}._update_request_payload")
+            return orig(self, req_id, payload_data)
+        if not keys:
+            b.receiver.release(req_id)
+        store[req_id] = payload_data
+        b.received(incoming, time.perf_counter() - t0, new, req_id)
+        return payload_data
+
+    return _update_request_payload
+
+
+def wrap_cleanup(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def cleanup(self: Any, request_id: str, external_req_id: str | None = None) -> None:
+        ext = external_req_id
+        if ext is None:  # as 0.16.0 looks it up (its mapping entry is gone afterwards)
+            ext = getattr(self, "request_ids_mapping", {}).get(request_id, request_id)
+        orig(self, request_id, external_req_id)
+        b = binding_for(self)
+        if b is not None:
+            b.forget(ext)  # the receive side is keyed by the external id, like request_payload
+
+    return cleanup

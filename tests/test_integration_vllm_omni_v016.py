@@ -1,0 +1,205 @@
+"""vllm-omni 0.16 (its own environment, .venv-016): the receiving adapter's whole-payload merge.
+
+Lockstep against 0.16.0's own ``OmniChunkTransferAdapter._update_request_payload``: every chunk of a
+seeded random stream of flat keys (tensors of two dtypes, lists, ``finished``, values replaced, keys
+that come and go, a 0-d tensor and a dtype change where 0.16.0's ``torch.cat`` raises or promotes, a
+key whose kind changes) goes through the release's own method on one real adapter and through the
+wrapped method of another (omni-accum installed, ``default`` policy): the payload dict handed to the
+scheduler and the stored payload must be equal after every chunk, bit for bit, and where 0.16.0
+raises, the wrapper raises the same. Under ``qwen3-omni`` the Qwen3-Omni stream's values are the
+same, with ``thinker_embeddings`` held in a preallocated buffer. The family's signature probe refuses
+a 0.16 build whose wrapped methods changed, naming them. ``bash scripts/test.sh`` runs this file in
+.venv-016; elsewhere every test skips, naming the installed release.
+"""
+
+from __future__ import annotations
+
+import random
+from importlib.metadata import version
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from omni_accum.integrations.vllm_omni import families
+from omni_accum.integrations.vllm_omni.binding import binding_for
+from omni_accum.integrations.vllm_omni.families import v016
+from omni_accum.testing import first_difference
+
+H = 8
+
+
+@pytest.fixture
+def vo16(vo):
+    have = version("vllm-omni")
+    if families.family_for(have) is not v016.FAMILY:
+        pytest.skip(f"vllm-omni {have} is installed; the 0.16 family runs in .venv-016 (scripts/test.sh)")
+    return vo
+
+
+def make_adapter(policy: str | None = None) -> Any:
+    """A real 0.16.0 ``OmniChunkTransferAdapter`` (SharedMemoryConnector, AR stage 1), its loops stopped."""
+    from vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter import (
+        OmniChunkTransferAdapter,
+    )
+
+    extra = {"stage_id": 1, **({"omni_accum_policy": policy} if policy else {})}
+    model_config = SimpleNamespace(
+        stage_connector_config={"name": "SharedMemoryConnector", "extra": extra},
+        worker_type="ar",
+        custom_process_next_stage_input_func=None,
+    )
+    vllm_config = SimpleNamespace(model_config=model_config, scheduler_config=SimpleNamespace(max_num_seqs=4))
+    a = OmniChunkTransferAdapter(vllm_config)
+    a.stop_event.set()
+    return a
+
+
+def original(name: str) -> Any:
+    from omni_accum.integrations.vllm_omni.families.base import _resolve
+
+    fn = _resolve(v016.ADAPTER).__dict__[name]
+    return getattr(fn, "__omni_accum_original__", fn)
+
+
+def leaf(rng: random.Random, key: str, n: int) -> Any:
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    if key == "thinker_embeddings":
+        return torch.randn(n, H, generator=g).bfloat16()
+    if key == "thinker_hidden_states":
+        return torch.randn(n, H, generator=g)
+    if key == "tts_bos_embed":
+        return torch.randn(1, 1, H, generator=g)
+    if key in ("thinker_sequences", "thinker_input_ids", "code_predictor_codes"):
+        return [rng.randrange(1000) for _ in range(n)]
+    if key == "finished":
+        return torch.tensor(rng.random() < 0.2)
+    if key == "speaker":
+        return rng.choice(["Ethan", "Chelsie"])
+    if key == "meta":
+        return {"left_context_size": n}
+    if key == "step":  # a 0-d tensor outside finished: 0.16.0's torch.cat raises
+        return torch.tensor(n)
+    if key == "promoted":  # dtype changes: 0.16.0's torch.cat promotes
+        return torch.randn(n, H, generator=g).to(rng.choice([torch.float32, torch.bfloat16]))
+    if key == "flip":  # kind changes: tensor, list, None
+        return [torch.randn(n, H, generator=g), [n], None][rng.randrange(3)]
+    raise KeyError(key)
+
+
+KEYS = [
+    "thinker_embeddings", "thinker_hidden_states", "tts_bos_embed", "thinker_sequences", "thinker_input_ids",
+    "code_predictor_codes", "finished", "speaker", "meta", "step", "promoted", "flip",
+]  # fmt: skip
+
+
+def random_stream(seed: int) -> list[tuple[str, dict]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(rng.randrange(1, 30)):
+        rid = rng.choice(["a", "b"])
+        keys = rng.sample(KEYS, rng.randrange(0, 6))
+        if rng.random() < 0.7 and "thinker_embeddings" not in keys:
+            keys.append("thinker_embeddings")
+        out.append((rid, {k: leaf(rng, k, rng.randrange(0, 4)) for k in keys}))
+    return out
+
+
+def _step(fn: Any, adapter: Any, rid: str, chunk: dict) -> tuple[Any, Any]:
+    payload = dict(chunk)
+    try:
+        fn(adapter, rid, payload)
+    except Exception as e:  # noqa: BLE001 - 0.16.0's own failure (torch.cat of a 0-d tensor, list + tensor)
+        return None, type(e)
+    return payload, None
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_default_policy_equals_0160_adapter(vo16, seed):
+    vo16.install("default")
+    up, wrapped = make_adapter(), make_adapter("default")
+    own = original("_update_request_payload")
+    b = binding_for(wrapped)
+    through = 0  # chunks whose accumulated keys came out of omni-accum's Receiver
+    stream = random_stream(seed)
+    for k, (rid, chunk) in enumerate(stream):
+        expected, raised = _step(own, up, rid, chunk)
+        got, got_raised = _step(type(wrapped)._update_request_payload, wrapped, rid, chunk)
+        assert got_raised is raised, f"chunk {k}: 0.16.0 raised {raised}, omni-accum {got_raised}"
+        if raised is None:
+            assert first_difference(expected, got) is None, f"chunk {k}: {first_difference(expected, got)}"
+        diff = first_difference(up.request_payload, wrapped.request_payload)
+        assert diff is None, f"chunk {k}: stored payload differs: {diff}"
+        through += rid in b.receiver.request_ids()
+        if k % 7 == 6:  # a request ends: both adapters forget it
+            up.cleanup(rid)
+            wrapped.cleanup(rid)
+            assert rid not in b.receiver.request_ids()
+    accumulable = any(k != "finished" and isinstance(v, (torch.Tensor, list)) for _, c in stream for k, v in c.items())
+    assert (through > 0) == accumulable and b.stats["chunks_received"] == len(stream)
+
+
+def qwen3_omni_stream(prompt: int, steps: int) -> list[dict]:
+    """What 0.16.0's thinker2talker_async_chunk sends: the prefill (+ the first decode row) with the
+    statics, then one thinker_embeddings row and finished per decode step."""
+    g = torch.Generator().manual_seed(prompt)
+    first = {
+        "thinker_embeddings": torch.randn(prompt + 1, H, generator=g).bfloat16(),
+        "thinker_hidden_states": torch.randn(prompt + 1, H, generator=g).bfloat16(),
+        "thinker_sequences": list(range(prompt + 1)),
+        "thinker_input_ids": list(range(prompt)),
+        "tts_bos_embed": torch.randn(1, H, generator=g).bfloat16(),
+        "tts_eos_embed": torch.randn(1, H, generator=g).bfloat16(),
+        "tts_pad_embed": torch.randn(1, H, generator=g).bfloat16(),
+        "finished": torch.tensor(False),
+    }
+    rows = [
+        {"thinker_embeddings": torch.randn(1, H, generator=g).bfloat16(), "finished": torch.tensor(i == steps - 1)}
+        for i in range(steps)
+    ]
+    return [first, *rows]
+
+
+def test_qwen3_omni_preset_prealloc_on_0160_stream(vo16):
+    """qwen3-omni on 0.16's flat keys: the talker gets 0.16.0's values, thinker_embeddings in one buffer."""
+    vo16.install("qwen3-omni")
+    up, wrapped = make_adapter(), make_adapter("qwen3-omni")
+    b = binding_for(wrapped)
+    assert b.strategy_name("thinker_embeddings", torch.zeros(1, H)) == "prealloc"
+    own = original("_update_request_payload")
+    storages = set()
+    for k, chunk in enumerate(qwen3_omni_stream(prompt=64, steps=40)):
+        expected, _ = _step(own, up, "r", chunk)
+        got, raised = _step(type(wrapped)._update_request_payload, wrapped, "r", chunk)
+        assert raised is None and first_difference(expected, got) is None, f"chunk {k}"
+        emb = got["thinker_embeddings"]
+        assert isinstance(emb, torch.Tensor) and emb.shape[0] == 64 + 1 + k
+        if k >= 2:  # after the one re-seed (0.16 drops the prefill's other keys at the first decode chunk)
+            storages.add(emb.untyped_storage().data_ptr())
+    assert len(storages) <= 2, "thinker_embeddings was copied into a new tensor on decode steps"
+    assert not b.fell_back and "r" in b.receiver.request_ids()
+
+
+def test_probe_refuses_a_changed_0160_build_naming_the_methods(vo16, monkeypatch):
+    from omni_accum.integrations.vllm_omni.families.base import _resolve
+
+    cls = _resolve(v016.ADAPTER)
+    raw = {t.name: cls.__dict__[t.name] for t in v016.FAMILY.targets}
+    monkeypatch.setattr(cls, "_update_request_payload", lambda self, req_id, payload_data, extra=None: None)
+    monkeypatch.delattr(cls, "cleanup")
+    problems = families.probe(v016.FAMILY)
+    assert any("OmniChunkTransferAdapter._update_request_payload: signature is" in p for p in problems), problems
+    assert any("OmniChunkTransferAdapter.cleanup: not found" in p for p in problems), problems
+    with pytest.raises(vo16.InstallRefused) as ei:
+        vo16.install("default")
+    msg = str(ei.value)
+    assert "_update_request_payload" in msg and "cleanup" in msg and "nothing was patched" in msg
+    assert cls.__dict__["__init__"] is raw["__init__"] and not vo16.is_installed()
+
+
+def test_0160_is_chosen_with_its_table(vo16):
+    assert families.select() is v016.FAMILY
+    names = {t.name for t in v016.FAMILY.targets}
+    assert names == {"__init__", "_update_request_payload", "cleanup"}
+    assert v016.FAMILY.data_plane is None and v016.FAMILY.span_merge == ()
