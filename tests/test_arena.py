@@ -382,20 +382,29 @@ def test_a_stale_arena_of_a_dead_owner_is_reclaimed():
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("wait", ["block", "spin"])
-def test_bench_wire_arena_compares_the_three_wires_in_two_processes(vllm_omni, capsys, wait):
+def test_bench_wire_arena_compares_the_three_wires_in_two_processes(vllm_omni, capsys, wait, tmp_path):
     """``omni-accum bench --wire arena``: the arena, the arena connector and vllm-omni's
     SharedMemoryConnector in one run, every view checked against the torch.cat reference; both ways of
-    waiting between steps (``--arena-wait``)."""
+    waiting between steps (``--arena-wait``); ``--json`` writes the table as every other wire does."""
+    import json
+
     from omni_accum.cli.main import main
 
+    out_json = tmp_path / "arena.json"
     rc = main(["bench", "--wire", "arena", "--workload", "qwen3-omni-seed", "--context-lens", "256",
-               "--concurrency", "2", "--repeats", "1", "--arena-wait", wait])
+               "--concurrency", "2", "--repeats", "1", "--arena-wait", wait, "--json", str(out_json)])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert f"waiting for each other by {wait}" in out
     rows = {line.split()[3]: line for line in out.splitlines() if line.startswith("256 x c2")}
     assert set(rows) == {"arena", "connector", "shm"}, out
     assert all(line.rstrip().endswith("yes") for line in rows.values()), out
+    doc = json.loads(out_json.read_text())
+    (bucket,) = doc["buckets"]
+    assert doc["wire"] == "arena" and (bucket["context_len"], bucket["concurrency"]) == (256, 2)
+    arms = {a["arm"]: a for a in bucket["arms"]}
+    assert set(arms) == {"arena", "connector", "shm"}
+    assert all(a["error"] is None and a["mismatch"] is None and a["prefill_us_p50"] > 0 for a in arms.values())
     # this run's regions (named after its pid: another bench may run on the host meanwhile)
     assert not glob.glob(f"/dev/shm/omni_accum_arena_bench_{os.getpid()}_*")
 

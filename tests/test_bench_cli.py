@@ -442,7 +442,7 @@ def test_a_bad_workload_field_names_its_line(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--wire", "arena", "--json", "x.json"], "--wire arena takes none of --json"),
+        (["--wire", "arena", "--plot", "x.png"], "--wire arena takes none of --plot"),
         (["--wire", "arena", "--arms", "upstream", "--per-key"], "--wire arena takes none of --arms, --per-key"),
         (["--wire", "arena", "--through", "vllm-omni"], "--through vllm-omni"),
         (["--mooncake-occupancy", "3"], "--mooncake-occupancy needs --wire mooncake (this run's wire: inproc)"),

@@ -321,10 +321,39 @@ def run_cli(args: Any, wl: Workload) -> int:
         f"policy {wl.policy or 'default'}; two processes, waiting for each other by {wait}; {args.repeats} repeats"
     )
     bad = False
+    buckets = []
     for cl in lens:
         for c in levels:
             rows = run_pair(wl, cl, c, repeats=args.repeats, wait=wait)
             print()
             print(format_pair_table(rows), flush=True)
             bad = bad or any(r.mismatch or r.error for r in rows)
+            buckets.append({"context_len": cl, "concurrency": c, "arms": [pair_record(r) for r in rows]})
+    if getattr(args, "json", None):
+        import json
+
+        from omni_accum.tuner.files import write_atomic
+
+        doc = {"wire": "arena", "workload": wl.name, "policy": wl.policy or "default", "wait": wait,
+               "repeats": args.repeats, "buckets": buckets}  # fmt: skip
+        write_atomic(args.json, json.dumps(doc, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
     return 1 if bad else 0
+
+
+def pair_record(r: PairResult) -> dict[str, Any]:
+    """One arm of one bucket for ``--json``: p50s (microseconds), every sample, and what went wrong."""
+    def p50(xs: list[float]) -> float | None:
+        return statistics.median(xs) if xs else None  # JSON has no NaN
+
+    return {
+        "arm": r.arm,
+        "prefill_us_p50": p50(r.prefill_us),
+        "decode_us_p50": p50(r.decode_us),
+        "total_us_p50": p50(r.totals_us),
+        "prefill_us": r.prefill_us,
+        "decode_us": r.decode_us,
+        "totals_us": r.totals_us,
+        "mismatch": r.mismatch,
+        "error": r.error,
+    }

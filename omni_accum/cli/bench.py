@@ -203,14 +203,14 @@ def _wire_options_problem(args: argparse.Namespace) -> str | None:
             verb = "needs" if len(stray) == 1 else "need"
             return f"{', '.join(stray)} {verb} --wire {wire} (this run's wire: {args.wire})"
     if args.wire == "arena":
-        stray = [f"--{n.replace('_', '-')}" for n in ("arms", "json", "plot", "per_key", "view_hop") if given(n)]
+        stray = [f"--{n.replace('_', '-')}" for n in ("arms", "plot", "per_key", "view_hop") if given(n)]
         if args.through != "direct":
             stray.append(f"--through {args.through}")
         if stray:
             return (
                 f"--wire arena takes none of {', '.join(stray)}: it compares its own arms (arena, connector, shm) "
                 "and prints its table (options it takes: --workload, --context-lens, --concurrency, --repeats, "
-                "--steps, --threads, --arena-wait)"
+                "--steps, --threads, --arena-wait, --json)"
             )
     return None
 
