@@ -209,6 +209,25 @@ def test_the_servers_metrics_endpoint_shows_what_the_stage_processes_counted(smo
     assert any("qwen3-omni" in (s or "") for s in sources), f"omni_accum_policy_info sources: {sources}"
 
 
+def test_the_server_times_the_hand_off_and_the_processor_accumulation(smoke_report):
+    """The hand-off metric (sender's timestamp in the wire marker, merged on the receiving stage) and the stage
+    input processor's accumulation, as the server's own ``/metrics`` shows them for the probe: the thinker's
+    chunk 0 to the talker and the talker's first codec chunk to code2wav, one each, with their bytes, on one
+    host's clock (nothing skipped); the thinker's processor accumulated the probe under the policy's
+    strategy."""
+    m = smoke_report.get("metrics") or {}
+    handoff = m.get("handoff") or {}
+    for pair in ("0->1", "1->2"):
+        e = handoff.get(f"{pair} prefill") or {}
+        assert e.get("count", 0) >= 1 and e.get("bytes", 0) > 0, f"no {pair} prefill hand-off: {handoff}"
+        assert 0 <= e["seconds"] / e["count"] < 600, e
+    # the thinker's chunk 0 carries embed.prefill and hidden_states.output, [P, 2048] bf16 each
+    assert handoff["0->1 prefill"]["bytes"] >= 2 * 16 * 2048 * 2, handoff
+    assert not m.get("handoff_skipped"), f"hand-offs skipped on one host: {m.get('handoff_skipped')}"
+    merged = m.get("processor_merge") or {}
+    assert any(k.startswith("0 ") and e.get("count", 0) >= 1 for k, e in merged.items()), merged
+
+
 def test_the_arena_connector_carries_the_payloads_in_a_real_server(smoke_report):
     """``OmniAccumArenaConnector`` selected in the deploy YAML: the stage processes create and attach its
     regions and put through it, the thinker's append keys travel as append chains the talker's stage reads
