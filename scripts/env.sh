@@ -8,7 +8,8 @@
 #   OMNI_ACCUM_VLLM_VERSION   the vllm and vllm-omni release (default: 0.30.0, pyproject's [vllm] extra).
 #                             Each vllm-omni release goes with the vllm of the same version; the
 #                             supported ones are in the README ("Supported vllm-omni releases").
-#                             test.sh also builds .venv-028 with 0.28.0 for the integration tests.
+#                             test.sh also builds .venv-028 with 0.28.0 and .venv-016 with 0.16.0 for the
+#                             integration tests.
 #   OMNI_ACCUM_SEED_VENV      an environment already set up (another release) whose packages a new
 #                             environment starts from (default: .venv, when it is set up and this is
 #                             another one): pip then fetches only what differs between the releases
@@ -79,6 +80,18 @@ if [ "$have" != "$want" ]; then
   _omni_accum_retry "$VENV/bin/python" -m pip install -q "torch==2.13.0"
   if [ "$VLLM_VERSION" = "0.30.0" ]; then
     _omni_accum_retry "$VENV/bin/python" -m pip install -q -e "$ROOT[vllm,test,plot,mooncake]"
+  elif [ "$VLLM_VERSION" = "0.16.0" ]; then
+    # vllm 0.16.0 pins torch 2.9.1 and transformers < 5: on top of 0.30.0's stack (the seed's, or installed
+    # here), both releases go in without their dependencies, beside the CPU torch, with the few packages
+    # their import needs that differ: transformers 4.57 (Qwen3-Omni's config) and the huggingface-hub it
+    # takes, diskcache (vllm's structured output). transformers 4.57's Qwen2-VL processors, which vllm
+    # imports, need torchvision importable; the registry has no CPU build for torch 2.13, and 0.16.2's
+    # Python part imports beside it (its C ops do not load; nothing here uses them). 0.30.0's kernels
+    # package breaks transformers 4.57's import: removed.
+    _omni_accum_retry "$VENV/bin/python" -m pip install -q -e "$ROOT[vllm,test,plot,mooncake]"
+    _omni_accum_retry "$VENV/bin/python" -m pip install -q --no-deps "vllm==$VLLM_VERSION" "vllm-omni==$VLLM_VERSION" \
+      "transformers==4.57.6" "huggingface-hub==0.36.2" "diskcache==5.6.3" "torchvision==0.16.2"
+    "$VENV/bin/python" -m pip uninstall -q -y kernels >/dev/null 2>&1 || true
   else
     # Another release than pyproject's [vllm] extra: pin both packages (torch stays the CPU build).
     _omni_accum_retry "$VENV/bin/python" -m pip install -q "torch==2.13.0" "vllm==$VLLM_VERSION" "vllm-omni==$VLLM_VERSION"

@@ -3,8 +3,11 @@
 #
 # Then, with no extra arguments (or OMNI_ACCUM_TEST_028=1), the vllm-omni integration tests run again
 # against vllm-omni 0.28.0 in .venv-028 (built by env.sh, started from .venv's packages; the path is
-# OMNI_ACCUM_VENV_028). OMNI_ACCUM_TEST_028=0 skips that run. The exit status is non-zero when either
-# run fails, and the last line sums both runs up as pytest does.
+# OMNI_ACCUM_VENV_028). OMNI_ACCUM_TEST_028=0 skips that run. Likewise OMNI_ACCUM_TEST_016 for vllm-omni
+# 0.16.0 in .venv-016 (OMNI_ACCUM_VENV_016), with the integration files that apply to that release (its
+# adapter accumulates the whole payload; it has no runner transport, data plane, processor hook, arena
+# connector or hand-off). The exit status is non-zero when any run fails, and the last line sums the
+# runs up as pytest does.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -12,11 +15,16 @@ paths=(tests)
 for d in examples/plugins/*/tests; do [ -d "$d" ] && paths+=("$d"); done
 # The files that exercise the live integration; they run in every supported release's environment.
 integration=(tests/test_integration_vllm_omni*.py tests/test_upstream_equivalence.py tests/test_vllm_omni_smoke.py)
+# The ones that apply to vllm-omni 0.16.0 (the release's family, its lockstep; the families file skips,
+# naming why, the cases 0.16 lacks).
+integration_016=(tests/test_integration_vllm_omni_families.py tests/test_integration_vllm_omni_v016.py)
 logs="$(mktemp -d)"
 trap 'rm -rf "$logs"' EXIT
 
 want_028="${OMNI_ACCUM_TEST_028:-}"
 [ -z "$want_028" ] && { [ $# -eq 0 ] && want_028=1 || want_028=0; }
+want_016="${OMNI_ACCUM_TEST_016:-}"
+[ -z "$want_016" ] && { [ $# -eq 0 ] && want_016=1 || want_016=0; }
 
 start=$(date +%s)
 ( source "$ROOT/scripts/env.sh" && python -m pytest "${paths[@]}" "$@" ) 2>&1 | tee "$logs/main.log"
@@ -29,11 +37,25 @@ if [ "$want_028" = "1" ]; then
     source "$ROOT/scripts/env.sh" && python -m pytest "${integration[@]}" "$@"
   ) 2>&1 | tee "$logs/028.log"
   rc_028=${PIPESTATUS[0]}
-  # One closing line for both runs, in pytest's words (the per-run lines are above).
-  python3 - "$logs/main.log" "$logs/028.log" "$(( $(date +%s) - start ))" <<'EOF'
+fi
+rc_016=0
+if [ "$want_016" = "1" ]; then
+  echo "== vllm-omni 0.16.0: the integration tests that apply in ${OMNI_ACCUM_VENV_016:-$ROOT/.venv-016} =="
+  (
+    export OMNI_ACCUM_VENV="${OMNI_ACCUM_VENV_016:-$ROOT/.venv-016}" OMNI_ACCUM_VLLM_VERSION=0.16.0
+    source "$ROOT/scripts/env.sh" && python -m pytest "${integration_016[@]}" "$@"
+  ) 2>&1 | tee "$logs/016.log"
+  rc_016=${PIPESTATUS[0]}
+fi
+if [ "$want_028" = "1" ] || [ "$want_016" = "1" ]; then
+  # One closing line for every run, in pytest's words (the per-run lines are above).
+  runs=("$logs/main.log")
+  [ "$want_028" = "1" ] && runs+=("$logs/028.log")
+  [ "$want_016" = "1" ] && runs+=("$logs/016.log")
+  python3 - "$(( $(date +%s) - start ))" "${runs[@]}" <<'EOF'
 import re, sys
 counts = {}
-for path in sys.argv[1:3]:
+for path in sys.argv[2:]:
     lines = [l for l in open(path, errors="replace").read().splitlines() if re.search(r"\d+ (passed|failed|error)", l)]
     if not lines:
         counts["error"] = counts.get("error", 0) + 1  # a run that ended without a summary
@@ -43,8 +65,8 @@ for path in sys.argv[1:3]:
         counts[what] = counts.get(what, 0) + int(n)
 order = ["failed", "passed", "skipped", "deselected", "xfailed", "xpassed", "error"]
 parts = [f"{counts[k]} {k + 's' if k == 'error' and counts[k] != 1 else k}" for k in order if counts.get(k)]
-print("== both runs together (vllm-omni 0.30.0: the suite; 0.28.0: the integration tests) ==")
-print(f"{'=' * 20} {', '.join(parts) or 'no tests ran'} in {float(sys.argv[3]):.2f}s {'=' * 20}")
+print(f"== all {len(sys.argv) - 2} runs together (vllm-omni 0.30.0: the suite; 0.28.0 / 0.16.0: the integration tests) ==")
+print(f"{'=' * 20} {', '.join(parts) or 'no tests ran'} in {float(sys.argv[1]):.2f}s {'=' * 20}")
 EOF
 fi
-[ "$rc_main" -eq 0 ] && [ "$rc_028" -eq 0 ]
+[ "$rc_main" -eq 0 ] && [ "$rc_028" -eq 0 ] && [ "$rc_016" -eq 0 ]
