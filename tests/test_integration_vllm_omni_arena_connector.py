@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from omni_accum.arena.region import W_SENDER_PID, PeerDied
+from omni_accum.samehost import private_dir
 
 from tests.test_arena import wait_exited
 from tests.test_integration_vllm_omni import T2T, _thinker_steps, assert_same
@@ -29,7 +30,7 @@ NAME = "OmniAccumArenaConnector"
 def arena_name(tmp_path):
     name = f"t{os.getpid()}_{int(time.monotonic_ns() % 10**9)}"
     yield name
-    left = glob.glob(f"/dev/shm/omni_accum_arena_{name}*")
+    left = glob.glob(f"/dev/shm/omni_accum_arena_{name}*") + glob.glob(f"{private_dir()}/*{name}*")
     for p in left:
         os.unlink(p)
     assert not left, f"arena files left behind: {left}"
@@ -250,8 +251,8 @@ _RECEIVER_DIES = textwrap.dedent(
     from tests.test_integration_vllm_omni_arena_connector import _connector
     rx = _connector(1, sys.argv[1])
     assert rx.get("0", "1", "nothing") is None  # creates the region
-    from multiprocessing import resource_tracker
-    print(rx.health()["regions"], resource_tracker._resource_tracker._pid, flush=True)
+    from omni_accum import samehost
+    print(rx.health()["regions"], samehost._reaper[0].pid, flush=True)
     os.kill(os.getpid(), 9)  # ends without closing the connector (vllm-omni's stages end so on SIGTERM)
     """
 )
@@ -264,9 +265,9 @@ def test_a_receiver_killed_without_closing_leaves_no_region(vo, arena_name):
     )
     assert done.returncode == -9, done.stderr[-2000:]
     assert f"{arena_name}_0_1" in done.stdout  # it did create one
-    # multiprocessing's resource tracker removes it once the process is gone, then exits
+    # omni-accum's reaper process removes it (and the pair's pointer file) once the process is gone, then exits
     wait_exited(int(done.stdout.split()[-1]))
-    assert not glob.glob(f"/dev/shm/omni_accum_arena_{arena_name}*")
+    assert not glob.glob(f"{private_dir()}/*{arena_name}*")
 
 
 def test_a_put_that_falls_back_is_counted_in_the_metrics(vo, arena_name, monkeypatch):

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from omni_accum.samehost import private_dir
 from tests.test_integration_vllm_omni import _wait, assert_same, run_thinker_to_talker
 
 pytestmark = pytest.mark.vllm
@@ -147,9 +148,11 @@ def test_hellos_are_withdrawn_when_omni_accum_is_uninstalled(vo, adapters, base)
     tx, rx = _pair(adapters, QWEN, QWEN)
     _run((tx, rx), f"oa-peer-withdraw-{os.getpid()}")
     assert tx._omni_accum_binding._peer.hello is not None
-    assert glob.glob(f"/dev/shm/{hello_key(0, 1)}")  # read, not consumed: the stage's other senders read it too
+    d = private_dir()  # /dev/shm/omni-accum-<euid>/: the hellos live there, nowhere else
+    assert glob.glob(f"{d}/{hello_key(0, 1)}")  # read, not consumed: the stage's other senders read it too
+    assert not glob.glob(f"/dev/shm/*{hello_key(0, 1)}*")
     vo.uninstall()
-    assert not glob.glob(f"/dev/shm/*{hello_key(0, 1)}*")  # nor a lock file
+    assert not glob.glob(f"{d}/*{hello_key(0, 1)}*")  # nor a lock or temporary file
 
 
 def test_the_deployment_token_is_inherited_by_processes_started_after_activation(vo, monkeypatch):
@@ -172,7 +175,7 @@ def test_status_says_who_said_hello(vo, adapters, base):
 
 
 def test_a_hello_of_a_process_ended_by_sigterm_is_removed(vo):
-    """vllm-omni ends its stage processes with SIGTERM (no atexit): the resource tracker removes the hello."""
+    """vllm-omni ends its stage processes with SIGTERM (no atexit): omni-accum's reaper process removes the hello."""
     import signal
 
     from omni_accum.integrations.vllm_omni.peer import hello_key
@@ -189,8 +192,8 @@ def test_a_hello_of_a_process_ended_by_sigterm_is_removed(vo):
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert p.stdout.readline().strip() == "put"
-        assert os.path.exists(f"/dev/shm/{key}")
+        assert os.path.exists(f"{private_dir()}/{key}")
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait()
-    _wait(lambda: not os.path.exists(f"/dev/shm/{key}"), "the resource tracker to remove the hello")
+    _wait(lambda: not os.path.exists(f"{private_dir()}/{key}"), "omni-accum's reaper to remove the hello")

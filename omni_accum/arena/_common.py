@@ -38,7 +38,7 @@ DTYPES: dict[str, torch.dtype] = {
 #: A decode step's descriptor in binary (no pickling): b"R", then ROWS_HEAD (the request's number, the
 #: sender's stamp, the item count), then one ROWS_ITEM per key: (key number, kind, value). Kinds: an
 #: append key's new row count, or a small value (None, a bool, an int). Request and key numbers are
-#: announced by the request's pickled CHUNK descriptors; a pickled message never starts with b"R".
+#: announced by the request's CHUNK descriptors (:mod:`.wire`, whose messages start with b"t", never b"R").
 ROWS_TAG = 0x52
 ROWS_HEAD = struct.Struct("<QqH")
 ROWS_ITEM = struct.Struct("<HBq")

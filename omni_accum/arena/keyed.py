@@ -6,11 +6,11 @@ receiver hands out as views (see docs/arena.md, "Append chains"). A mixin of :cl
 from __future__ import annotations
 
 import ctypes
-import pickle
 from typing import Any
 
 import torch
 
+from omni_accum.arena import wire
 from omni_accum.arena._common import CHAINS_DONE, MSG, dtype_name, row_bytes, wait_until
 from omni_accum.arena.region import ArenaError, ArenaFull
 
@@ -112,7 +112,7 @@ class KeyedMessages:
         if req_id not in self._chains or self._dead:
             self._chains.pop(req_id, None)
             return True
-        msg = pickle.dumps((CHAINS_DONE, req_id), protocol=5)
+        msg = wire.dumps((CHAINS_DONE, req_id))
         ring = self.region.ring_f
         if not ring.push(msg):
             if not wait:
@@ -140,7 +140,7 @@ class KeyedMessages:
         written. Raises PeerDied, ArenaError (over the ring's limit, or no ring space within
         ``timeout_s``); the caller then frees ``spans`` and the opened slabs' pages."""
         self._ready()
-        msg = pickle.dumps((MSG, key, body, spans, opens or (), chains or ()), protocol=5)
+        msg = wire.dump_msg(key, body, spans, opens or (), chains or ())
         ring = self.region.ring_f
         if len(msg) > ring.max_message():
             raise ArenaError(

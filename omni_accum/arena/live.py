@@ -58,8 +58,8 @@ def create_receiver(pair: str, data_bytes: int, **kw: Any) -> Any:
         name = f"{pair}.{secrets.token_hex(8)}"
         try:
             rx = ArenaReceiver(name, data_bytes, **kw)
-        except FileExistsError:
-            continue  # taken (by anyone): another name
+        except (FileExistsError, ArenaError):
+            continue  # taken (a live owner's region, or a file of anyone): another name
         break
     else:
         raise ArenaError(f"arena {pair}: {NAME_TRIES} random names were all taken")

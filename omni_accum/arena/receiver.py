@@ -16,7 +16,8 @@ their pages back to the sender (:meth:`free`), and hands the large ones out over
 
 from __future__ import annotations
 
-import pickle
+import logging
+import struct
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -24,12 +25,12 @@ from typing import Any
 
 import torch
 
+from omni_accum.arena import wire
 from omni_accum.arena._common import (
     CHAINS_DONE,
     CHUNK,
     DONE,
     DTYPES,
-    FREE,
     LIVENESS_EVERY_S,
     MSG,
     R_BOOL,
@@ -44,6 +45,8 @@ from omni_accum.arena._common import (
 from omni_accum.arena.region import W_SENDER_CLOSED, W_SENDER_PID, ArenaError, PeerDied, Region
 from omni_accum.arena.views import ChainViews
 from omni_accum.errors import UnknownRequestError
+
+logger = logging.getLogger("omni_accum.arena")
 
 #: how many released requests' numbers a receiver remembers (to drop their chunks still in flight)
 _GONE_KEPT = 65536
@@ -72,7 +75,8 @@ class _Req:
 
 
 class ArenaReceiver(ChainViews):
-    """Create the arena ``name`` (``/dev/shm/omni_accum_arena_<name>``) and receive from its one sender.
+    """Create the arena ``name`` (``omni_accum_arena_<name>`` in the private directory: :mod:`omni_accum.samehost`)
+    and receive from its one sender.
 
     Args:
         data_bytes: the slab space (the memory bound: tmpfs pages are touched as slabs are first used).
@@ -108,6 +112,9 @@ class ArenaReceiver(ChainViews):
         self.chain_views = 0  # tensors handed out as new rows of a chain (no copy)
         self.tensor_views = 0  # tensors of keyed messages handed out over their pages (no copy; tensor_view)
         self._last_check = time.monotonic()
+        self.bad_frames = 0  # ring messages dropped as malformed or out of bounds (:meth:`_take`)
+        #: called with the error of each message dropped (the connector counts it as a fallback)
+        self.on_bad: Any = None
 
     # ------------------------------------------------------------------ receiving
     def poll(self, timeout_s: float = 0.0) -> Event | None:
@@ -156,8 +163,14 @@ class ArenaReceiver(ChainViews):
         for d in shape:
             numel *= d
         nb = numel * dtype.itemsize
+        self._in_data(page, nb)
         off = self._data_off + page * self._page
         return self._u8[off : off + nb].view(dtype).view(tuple(shape)).clone()
+
+    def _in_data(self, page: Any, nbytes: int) -> None:
+        """BadFrame unless ``nbytes`` from data page ``page`` lie in the data area (a message names them)."""
+        lay = self.region.layout
+        wire.need(wire.is_int(page) and page * lay.page + nbytes <= lay.npages * lay.page, "a tensor outside the data")
 
     def free(self, spans: list[tuple[int, int]]) -> None:
         """Give a taken message's pages back to the sender."""
@@ -183,11 +196,32 @@ class ArenaReceiver(ChainViews):
             self._take(msg)
 
     def _take(self, msg: bytes) -> Event | None:
-        return self._apply_rows(msg) if msg[0] == ROWS_TAG else self._apply(pickle.loads(msg))
+        """Apply one ring message. One that is malformed, or names pages, keys or requests it may not
+        (:mod:`.wire`: nothing in it can construct an object or run code) is dropped and counted; the
+        request it was meant for gets no more of it (its get falls back or times out), the others go on."""
+        try:
+            tag = msg[0] if msg else 0
+            if tag == ROWS_TAG:
+                return self._apply_rows(msg)
+            m = wire.load_msg(msg) if tag == wire.MSG_TAG else wire.loads(msg)
+            wire.need(tag == wire.MSG_TAG or type(m) is not tuple or m[:1] != (MSG,), "an unframed keyed message")
+            return self._apply(wire.checked(m, self.region.layout))
+        except PeerDied:
+            raise
+        except (ArenaError, KeyError, IndexError, ValueError, TypeError, RuntimeError, OverflowError,
+                struct.error) as e:
+            self.bad_frames += 1
+            if self.bad_frames == 1:
+                logger.warning("omni-accum arena %s: dropped a malformed message from the sender: %s (counted in "
+                               "bad_frames)", self.region.path.name, str(e))
+            if self.on_bad is not None:
+                self.on_bad(e)
+            return None
 
     def _apply_rows(self, msg: bytes) -> Event | None:
         """A binary decode-step descriptor (see ``ROWS_HEAD``): new row counts and small values."""
         rix, t0, n = ROWS_HEAD.unpack_from(msg, 1)
+        wire.need(len(msg) == 1 + ROWS_HEAD.size + n * ROWS_ITEM.size, f"{len(msg)} bytes for {n} items")
         hit = self._by_rix.get(rix)
         if hit is None:
             if rix in self._gone:
@@ -316,7 +350,7 @@ class ArenaReceiver(ChainViews):
             for p, n in spans:
                 self.region.pages[p : p + n] = b"\0" * n
             return True
-        msg = pickle.dumps((FREE, rid, spans), protocol=5)
+        msg = wire.dump_free(rid, spans)
         ring = self.region.ring_b
         if ring.push(msg):
             return True
@@ -391,4 +425,5 @@ class ArenaReceiver(ChainViews):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
 

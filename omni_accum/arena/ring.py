@@ -66,7 +66,8 @@ class Ring:
         return True
 
     def pop(self) -> bytes | None:
-        """The next message (a copy), or None when the ring is empty."""
+        """The next message (a copy), or None when the ring is empty; ``b""`` when the ring holds a length no
+        producer writes (every message published so far is then dropped: the reader counts it as malformed)."""
         q = self._q
         head = q[self._head_i]
         tail = q[self._tail_i]  # load the index first, then the payload it covers
@@ -80,6 +81,9 @@ class Ring:
             head += cap - pos
             pos = 0
             n = _LEN.unpack_from(buf, 0)[0]
+        if n > cap // 2 - 16 or head + 8 + _padded(n) > tail:  # a length no producer writes: the ring is
+            q[self._head_i] = tail  # corrupt from here on; what was published is dropped, b"" says so
+            return b""
         msg = bytes(buf[pos + 8 : pos + 8 + n])
         q[self._head_i] = head + 8 + _padded(n)
         return msg

@@ -3,26 +3,26 @@
 Per request and tensor key, an *append* key gets one slab (sized from the length hint, grown by a
 move when it runs out); each chunk copies its new rows into the slab behind the rows already
 published (one ``memmove``), then pushes one descriptor: the request, the new row count per key,
-the small non-tensor values (pickled) and any slab the receiver has not seen yet. A *replace* or
-*static* tensor gets a fresh slab per value. The sender is the only writer of the page map: it
-allocates pages, and frees them when the receiver reports them released (ring B).
+the small non-tensor values (:mod:`.wire`: plain values only, never pickled) and any slab the receiver has
+not seen yet. A *replace* or *static* tensor gets a fresh slab per value. The sender is the only writer of
+the page map: it allocates pages, and frees them when the receiver reports them released (ring B).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
-import pickle
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from omni_accum.arena import wire
 from omni_accum.arena._common import (
     CHUNK,
     DONE,
-    FREE,
     LIVENESS_EVERY_S,
     R_BOOL,
     R_INT,
@@ -47,6 +47,7 @@ from omni_accum.arena.region import (
 )
 
 _memmove = ctypes.memmove
+logger = logging.getLogger("omni_accum.arena")
 _ROWS = bytes((ROWS_TAG,))  # the first byte of a binary descriptor
 
 
@@ -112,6 +113,7 @@ class ArenaSender(KeyedMessages):
         self._chains: dict[str, dict[str, _Chain]] = {}
         self._ended: dict[str, None] = {}  # requests whose chains ended (oldest forgotten past ENDED_KEPT)
         self._next_chain = (self.gen << 40) + 1
+        self.bad_frames = 0  # messages on ring B that were not well-formed page releases (dropped)
 
     # ------------------------------------------------------------------ pages
     def _alloc(self, nbytes: int) -> tuple[int, int]:
@@ -139,14 +141,20 @@ class ArenaSender(KeyedMessages):
     def _drain(self) -> None:
         ring = self.region.ring_b
         while (msg := ring.pop()) is not None:
-            tag, rid, spans = pickle.loads(msg)
-            if tag == FREE:
-                for page, n in spans:
-                    self._free(page, n)
-                if rid is not None and rid in self._reqs:
-                    del self._reqs[rid]  # the receiver dropped it: later sends of it are refused
-                    self._released.add(rid)
-                    self._fast.pop(rid, None)
+            try:
+                rid, spans = wire.load_free(msg, self._npages)
+            except wire.BadFrame as e:
+                self.bad_frames += 1
+                if self.bad_frames == 1:
+                    logger.warning("omni-accum arena %s: dropped a message from the receiver: %s (counted in "
+                                   "bad_frames)", self.region.path.name, str(e))
+                continue
+            for page, n in spans:
+                self._free(page, n)
+            if rid is not None and rid in self._reqs:
+                del self._reqs[rid]  # the receiver dropped it: later sends of it are refused
+                self._released.add(rid)
+                self._fast.pop(rid, None)
 
     # ------------------------------------------------------------------ liveness
     def _check_owner(self) -> None:
@@ -246,7 +254,7 @@ class ArenaSender(KeyedMessages):
             if path not in self._keys and len(self._keys) < 0xFFFF:
                 self._keys[path] = len(self._keys)
                 keys.append((self._keys[path], path))
-        msg = pickle.dumps((CHUNK, req_id, t0_ns, opens, rows, values, rix, keys), protocol=5)
+        msg = wire.dumps((CHUNK, req_id, t0_ns, opens, rows, values, rix, keys))
         ring = self.region.ring_f
         if not ring.push(msg):  # ... then the descriptor that publishes it (back-pressure: wait)
             if not wait_until(lambda: ring.push(msg), self.timeout_s, self._check_owner):
@@ -343,7 +351,7 @@ class ArenaSender(KeyedMessages):
         self._released.discard(req_id)
         self._fast.pop(req_id, None)
         self._rix.pop(req_id, None)
-        msg = pickle.dumps((DONE, req_id), protocol=5)
+        msg = wire.dumps((DONE, req_id))
         ring = self.region.ring_f
         if not ring.push(msg) and not wait_until(lambda: ring.push(msg), self.timeout_s, self._check_owner):
             raise ArenaError(f"arena {self.region.path.name}: the receiver took nothing for {self.timeout_s}s")

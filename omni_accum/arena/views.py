@@ -62,6 +62,7 @@ class ChainViews:
         numel = 1
         for d in shape:
             numel *= d
+        self._in_data(page, numel * dtype.itemsize)  # (a message names it: checked)
         off = self._data_off + page * self._page
         mv = memoryview(self.region.mm)[off : off + numel * dtype.itemsize]
         t = torch.frombuffer(mv, dtype=dtype).view(tuple(shape))

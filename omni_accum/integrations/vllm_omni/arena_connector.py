@@ -33,7 +33,7 @@ in the arena first, then in the inner connector. ``health()`` counts both paths.
 
 One receiving process per stage pair: a second process that asks for the same pair finds the region
 in use (logged as an error) and receives through the inner connector only. The region is removed when
-the connector closes, and otherwise by multiprocessing's resource tracker once the server's processes
+the connector closes, and otherwise by omni-accum's reaper process once the server's processes
 have ended (vllm-omni's stage processes end on SIGTERM without closing their connectors); a region
 whose owner died is removed by the next process that looks for the pair.
 
@@ -224,6 +224,7 @@ class ArenaConnector(OmniConnectorBase):
             logger.info("omni-accum arena %s: created (%d data bytes, pid=%d)", rx.region.path.name,
                         self.arena_bytes, os.getpid())
             rx.on_dead.append(functools.partial(_reap_soon, weakref.ref(self)))
+            rx.on_bad = functools.partial(self._fell_back, "bad_frame", pair)  # a malformed ring message
         self._rx[pair] = rx
         return rx
 
@@ -297,18 +298,22 @@ class ArenaConnector(OmniConnectorBase):
                     dec.rx, dec.chains, dec.spans = rx, chains, dict(spans)
                     try:
                         obj = dec.decode(body)
+                    except Exception as e:  # noqa: BLE001 - malformed: this get looks in the inner connector
+                        obj = msg = None
+                        self._fell_back("bad_frame", pair, e)
                     finally:
                         # the pages of tensors copied out go back now; those of tensors handed out over
                         # them, once no tensor over them is left (ChainViews.reap, on a later get)
                         rx.free(list(dec.spans.items()))
                         dec.chains, dec.spans = {}, {}
-                    if (chains or dec.views) and not self._chain_logged:
+                    if msg is not None and (chains or dec.views) and not self._chain_logged:
                         self._chain_logged = True
                         logger.info("omni-accum arena %s: first tensors handed out over the shared pages (no copy; "
                                     "%d chain view(s), %d tensor view(s))", rx.region.path.name, rx.chain_views,
                                     rx.tensor_views)
-                    self.counts["arena_gets"] += 1
-                    return obj, len(body) + sum(n for _, n in spans) * rx.region.layout.page
+                    if msg is not None:
+                        self.counts["arena_gets"] += 1
+                        return obj, len(body) + sum(n for _, n in spans) * rx.region.layout.page
         got = self.inner.get(from_stage, to_stage, get_key, metadata)
         if got is not None:
             self.counts["inner_gets"] += 1

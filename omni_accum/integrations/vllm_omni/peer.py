@@ -27,8 +27,8 @@ unguessable name and read without being consumed (``SharedMemoryConnector.get`` 
 sender of the stage reads the same one; it is JSON (never unpickled), at most 4 KiB, and read only when the
 file is this user's, not a symlink and not writable by others (else refused: logged once, counted as the
 fallback ``samehost_refused``, and the sender sends vllm-omni's own payloads). omni-accum's reaper process
-removes it when its process ends without withdrawing it (a SIGTERM), as for the arena's regions. Over any other connector (Mooncake's store) the
-hello is that connector's ``put`` / ``get`` / ``cleanup`` of the key.
+removes it when its process ends without withdrawing it (a SIGTERM), as for the arena's regions. Over any
+other connector (Mooncake's store) the hello is that connector's ``put`` / ``get`` / ``cleanup`` of the key.
 """
 
 from __future__ import annotations
