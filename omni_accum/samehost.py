@@ -109,6 +109,10 @@ def open_private(path: str | os.PathLike[str], flags: int, mode: int = 0o600) ->
     Raises SameHostRefused (nothing left open), or the OSError of the open (FileNotFoundError, FileExistsError)."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except FileNotFoundError:
+        if not flags & os.O_CREAT or Path(path).parent != private_dir():
+            raise
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)  # the directory was removed empty: again
     except OSError as e:
         _refuse_link(path, e)
         raise
@@ -166,12 +170,13 @@ _REAPER = """
 import os, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-held = {}
+held, dirs = {}, set()
 for line in sys.stdin:
     op, _, rest = line.rstrip("\\n").partition(" ")
     path, _, expect = rest.partition("\\t")
     if op == "+":
         held[path] = expect
+        dirs.add(os.path.dirname(path))
     else:
         held.pop(path, None)
 for path, expect in held.items():
@@ -185,6 +190,11 @@ for path, expect in held.items():
             if not same:
                 continue
         os.unlink(path)
+    except OSError:
+        pass
+for d in dirs:  # the private directory, if no other process has a file there now (a creator makes it again)
+    try:
+        os.rmdir(d)
     except OSError:
         pass
 """
