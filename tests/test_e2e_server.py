@@ -250,6 +250,7 @@ def test_the_arena_connector_carries_the_payloads_in_a_real_server(smoke_report)
     left = (arena.get("stop") or {}).get("shm", {}).get("left") or []
     assert not [n for n in left if n.startswith(("omni_accum_arena_e2e_", "shm_chatcmpl-"))], arena.get("stop")
     assert not list(Path("/dev/shm").glob("omni_accum_arena_e2e_*"))
+    assert not list(Path(f"/dev/shm/omni-accum-{os.geteuid()}").glob("omni_accum_arena_e2e_*"))  # where they live
 
 
 def test_nothing_left_running(smoke_report):
