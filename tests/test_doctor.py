@@ -275,6 +275,14 @@ def test_the_sent_keys_are_fields_of_the_installed_releases_payload(vllm_omni):
     from omni_accum.integrations.vllm_omni.families.keys import SENT_KEYS
 
     assert {f.name for f in FAMILIES} <= set(SENT_KEYS)
+    if current().name == "0.16":  # flat keys, no payload structs in that release: its processor names them
+        import inspect
+
+        from vllm_omni.model_executor.stage_input_processors import qwen3_omni
+
+        source = inspect.getsource(qwen3_omni)
+        assert all(f'"{key}"' in source for key in SENT_KEYS["0.16"])
+        return
     for key in SENT_KEYS[current().name]:
         head, _, leaf = key.partition(".")
         fields = dek._NESTED_STRUCTS[head].__struct_fields__ if leaf else dek.OmniPayloadStruct.__struct_fields__

@@ -33,5 +33,24 @@ QWEN3_OMNI_KEYS: frozenset[str] = frozenset(
     }
 )
 
+#: The same in vllm-omni 0.16.0: flat keys (its ``qwen3_omni.py`` processors; the adapter adds nothing).
+QWEN3_OMNI_KEYS_016: frozenset[str] = frozenset(
+    {
+        "thinker_embeddings",
+        "thinker_hidden_states",
+        "thinker_input_ids",
+        "thinker_sequences",
+        "tts_bos_embed",
+        "tts_eos_embed",
+        "tts_pad_embed",
+        "finished",
+        "code_predictor_codes",
+    }
+)
+
 #: Release family name (``"0.30"``) -> the keys its stages send.
-SENT_KEYS: dict[str, frozenset[str]] = {"0.28": QWEN3_OMNI_KEYS, "0.30": QWEN3_OMNI_KEYS}
+SENT_KEYS: dict[str, frozenset[str]] = {
+    "0.16": QWEN3_OMNI_KEYS_016,
+    "0.28": QWEN3_OMNI_KEYS,
+    "0.30": QWEN3_OMNI_KEYS,
+}
