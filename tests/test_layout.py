@@ -320,6 +320,7 @@ TOP_LEVEL = [
     "hookspecs.py",
     "manager.py",
     "pytest_plugin.py",
+    "samehost.py",  # the private directory of the same-host files (the arena and the peer hellos share it)
     "strategy.py",
     "testing.py",
 ]

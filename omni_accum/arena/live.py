@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_accum import samehost
-from omni_accum.arena.region import ArenaError, owner_of, path_for, pid_alive
+from omni_accum.arena.region import ArenaError, drop_pointer, owner_of, path_for, pid_alive
 
 POINTER_SUFFIX = ".live"
 #: Attempts at a fresh random name before a receiver gives up (each taken name is someone's live region).
@@ -73,13 +73,3 @@ def create_receiver(pair: str, data_bytes: int, **kw: Any) -> Any:
     samehost.track(ptr, name)
     return rx
 
-
-def drop_pointer(ptr: Path, name: str) -> None:
-    """Remove pointer ``ptr`` if it still names region ``name`` (a newer receiver may have rewritten it)."""
-    try:
-        body = samehost.read_private(ptr, 512)
-    except (OSError, samehost.SameHostRefused):
-        return
-    if body == name.encode():
-        ptr.unlink(missing_ok=True)
-        samehost.untrack(ptr)

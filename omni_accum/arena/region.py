@@ -237,8 +237,6 @@ class Region:
                 if owner_of(self.path) in (self.q[W_OWNER_PID], None):
                     self.path.unlink(missing_ok=True)
                     if self.pointer is not None:
-                        from omni_accum.arena.live import drop_pointer  # noqa: PLC0415
-
                         drop_pointer(self.pointer, self.path.name[len(PREFIX) :])
             except (OSError, samehost.SameHostRefused):
                 pass
@@ -281,6 +279,18 @@ def _untrack(path: Path) -> None:
         samehost.untrack(path)
     except OSError:
         pass
+
+
+def drop_pointer(ptr: Path, name: str) -> None:
+    """Remove pointer file ``ptr`` (:mod:`.live`) if it still names region ``name`` (a newer receiver may have
+    rewritten it)."""
+    try:
+        body = samehost.read_private(ptr, 512)
+    except (OSError, samehost.SameHostRefused):
+        return
+    if body == name.encode():
+        ptr.unlink(missing_ok=True)
+        samehost.untrack(ptr)
 
 
 def owner_of(path: Path) -> int | None:
