@@ -80,10 +80,16 @@ OUR_LOCKFILE_PREFIX = "shm_chatcmpl-"
 
 
 def shm_entries() -> set[str]:
+    """/dev/shm's entries, and those of omni-accum's private folder there (``omni-accum-<euid>/NAME``, where
+    the arena's regions live)."""
     try:
-        return set(os.listdir(SHM))
+        out = set(os.listdir(SHM))
     except OSError:
         return set()
+    private = f"omni-accum-{os.geteuid()}"
+    with contextlib.suppress(OSError):
+        out |= {f"{private}/{n}" for n in os.listdir(SHM / private)}
+    return out
 
 
 def shm_cleanup(before: set[str]) -> dict[str, Any]:
