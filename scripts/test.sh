@@ -6,7 +6,8 @@
 # OMNI_ACCUM_VENV_028). OMNI_ACCUM_TEST_028=0 skips that run. Likewise OMNI_ACCUM_TEST_016 for vllm-omni
 # 0.16.0 in .venv-016 (OMNI_ACCUM_VENV_016), with the integration files that apply to that release (its
 # adapter accumulates the whole payload; it has no runner transport, data plane, processor hook, arena
-# connector or hand-off). The exit status is non-zero when any run fails, and the last line sums the
+# connector or hand-off). Those two environments are built in the background while the 0.30.0 suite runs.
+# The exit status is non-zero when any run fails, and the last line sums the
 # runs up as pytest does.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,26 +27,46 @@ want_028="${OMNI_ACCUM_TEST_028:-}"
 want_016="${OMNI_ACCUM_TEST_016:-}"
 [ -z "$want_016" ] && { [ $# -eq 0 ] && want_016=1 || want_016=0; }
 
+venv_028="${OMNI_ACCUM_VENV_028:-$ROOT/.venv-028}"
+venv_016="${OMNI_ACCUM_VENV_016:-$ROOT/.venv-016}"
 start=$(date +%s)
+# .venv first: the other releases' environments start from its packages.
+( source "$ROOT/scripts/env.sh" ) 2>&1 | tee "$logs/setup.log"
+# Then those are built in the background while the 0.30.0 suite runs (pip waits on the network and the disk,
+# the suite on the CPU); each run below waits for its environment and prints its set-up log.
+_setup_bg() {  # venv, release, log
+  ( export OMNI_ACCUM_VENV="$1" OMNI_ACCUM_VLLM_VERSION="$2"; source "$ROOT/scripts/env.sh" ) >"$3" 2>&1
+}
+pid_028="" pid_016=""
+[ "$want_028" = "1" ] && { _setup_bg "$venv_028" 0.28.0 "$logs/setup-028.log" & pid_028=$!; }
+[ "$want_016" = "1" ] && { _setup_bg "$venv_016" 0.16.0 "$logs/setup-016.log" & pid_016=$!; }
 ( source "$ROOT/scripts/env.sh" && python -m pytest "${paths[@]}" "$@" ) 2>&1 | tee "$logs/main.log"
 rc_main=${PIPESTATUS[0]}
+_other_release() {  # pid of its set-up, set-up log, venv, release, log; then the test files
+  local pid="$1" setup_log="$2" venv="$3" release="$4" log="$5"
+  shift 5
+  wait "$pid"
+  local rc_setup=$?
+  cat "$setup_log"
+  if [ "$rc_setup" -ne 0 ]; then
+    echo "[setup] building $venv (vllm-omni $release) failed (exit status $rc_setup): see the lines above" | tee "$log"
+    return 1
+  fi
+  ( export OMNI_ACCUM_VENV="$venv" OMNI_ACCUM_VLLM_VERSION="$release"
+    source "$ROOT/scripts/env.sh" && python -m pytest "$@" ) 2>&1 | tee "$log"
+  return "${PIPESTATUS[0]}"
+}
 rc_028=0
 if [ "$want_028" = "1" ]; then
-  echo "== vllm-omni 0.28.0: the integration tests in ${OMNI_ACCUM_VENV_028:-$ROOT/.venv-028} =="
-  (
-    export OMNI_ACCUM_VENV="${OMNI_ACCUM_VENV_028:-$ROOT/.venv-028}" OMNI_ACCUM_VLLM_VERSION=0.28.0
-    source "$ROOT/scripts/env.sh" && python -m pytest "${integration[@]}" "$@"
-  ) 2>&1 | tee "$logs/028.log"
-  rc_028=${PIPESTATUS[0]}
+  echo "== vllm-omni 0.28.0: the integration tests in $venv_028 =="
+  _other_release "$pid_028" "$logs/setup-028.log" "$venv_028" 0.28.0 "$logs/028.log" "${integration[@]}" "$@"
+  rc_028=$?
 fi
 rc_016=0
 if [ "$want_016" = "1" ]; then
-  echo "== vllm-omni 0.16.0: the integration tests that apply in ${OMNI_ACCUM_VENV_016:-$ROOT/.venv-016} =="
-  (
-    export OMNI_ACCUM_VENV="${OMNI_ACCUM_VENV_016:-$ROOT/.venv-016}" OMNI_ACCUM_VLLM_VERSION=0.16.0
-    source "$ROOT/scripts/env.sh" && python -m pytest "${integration_016[@]}" "$@"
-  ) 2>&1 | tee "$logs/016.log"
-  rc_016=${PIPESTATUS[0]}
+  echo "== vllm-omni 0.16.0: the integration tests that apply in $venv_016 =="
+  _other_release "$pid_016" "$logs/setup-016.log" "$venv_016" 0.16.0 "$logs/016.log" "${integration_016[@]}" "$@"
+  rc_016=$?
 fi
 if [ "$want_028" = "1" ] || [ "$want_016" = "1" ]; then
   # One closing line for every run, in pytest's words (the per-run lines are above).
