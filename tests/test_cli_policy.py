@@ -266,12 +266,12 @@ def test_explain_plugin_override(capsys):
     assert explain(capsys, "default", "--key", "ids.all")["strategy"] == "cat"
 
 
-def test_explain_and_show_invalid_policy_exit_1_without_traceback(capsys, tmp_path):
+def test_explain_and_show_invalid_policy_is_a_usage_error_without_traceback(capsys, tmp_path):
     p = tmp_path / "p.yaml"
     p.write_text("default: nope\n")
     for argv in (["explain", str(p), "--key", "a"], ["show", str(p)], ["show", "nope"]):
         code, _, err = run(capsys, *argv)
-        assert code == 1 and err.startswith(f"omni-accum {argv[0]}: error: ")  # the command's own prefix
+        assert code == 2 and err.startswith(f"omni-accum {argv[0]}: error: ")  # the command's own prefix, exit 2
 
 
 # -- show -------------------------------------------------------------------------------------- #

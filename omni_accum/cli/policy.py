@@ -252,11 +252,23 @@ def _edge_label(name: str, value: int | None, edge: int) -> str:
     return f"{name}>={edge}"
 
 
+def _policy_argument(command: str, name: str, manager: StrategyManager) -> Policy | None:
+    """The POLICY argument of ``explain`` / ``show``; one that does not load is a usage error (exit 2), as a bad
+    ``--base`` or ``--workload`` is (``validate`` is the command whose verdict on a policy is its exit status)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return load_policy(name, manager=manager)
+    except OmniAccumError as e:
+        print(f"omni-accum {command}: error: {e}", file=sys.stderr)
+        return None
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     manager = get_manager()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        policy = load_policy(args.policy, manager=manager)
+    policy = _policy_argument("explain", args.policy, manager)
+    if policy is None:
+        return 2
     try:
         context = StreamContext(context_len=args.context_len, concurrency=args.concurrency)
     except ValueError as e:
@@ -319,9 +331,9 @@ def resolved_policy_data(policy: Policy, manager: StrategyManager | None = None)
 
 def cmd_show(args: argparse.Namespace) -> int:
     manager = get_manager()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        policy = load_policy(args.policy, manager=manager)
+    policy = _policy_argument("show", args.policy, manager)
+    if policy is None:
+        return 2
     data = resolved_policy_data(policy, manager)
     if args.json:
         _json(data)
