@@ -297,22 +297,7 @@ def coverage(procs: list[dict[str, Any]], status: dict[int, dict[str, Any]], log
         st = status.get(p["pid"])
         lg = logs.get(p["pid"], {})
         s = summarize_status(st) if st and "error" not in st else None
-        rows.append(
-            {
-                "pid": p["pid"],
-                "role": role_of(p, by_pid),
-                "title": p["title"][:80],
-                "rss_mb": p.get("rss_mb"),
-                "status_file": s is not None,
-                "installed": s["installed"] if s else bool(lg.get("installed")),
-                "bound": s["bound"] if s else bool(lg.get("bound")),
-                "chunks_sent": s["chunks_sent"] if s else None,
-                "chunks_received": s["chunks_received"] if s else None,
-                "owners": s["owners"] if s else [],
-                "log_installed": bool(lg.get("installed")),
-                "log_bound": bool(lg.get("bound")),
-            }
-        )
+        rows.append(_coverage_row(p["pid"], role_of(p, by_pid), p["title"][:80], p.get("rss_mb"), s, lg))
         seen.add(p["pid"])
     # Processes that reported but were not in the listing (e.g. gone before the snapshot).
     for pid in sorted(set(status) | set(logs)):
@@ -320,23 +305,27 @@ def coverage(procs: list[dict[str, Any]], status: dict[int, dict[str, Any]], log
             continue
         st, lg = status.get(pid), logs.get(pid, {})
         s = summarize_status(st) if st else None
-        rows.append(
-            {
-                "pid": pid,
-                "role": "unlisted",
-                "title": (s or {}).get("process") or lg.get("title") or "?",
-                "rss_mb": None,
-                "status_file": s is not None,
-                "installed": s["installed"] if s else bool(lg.get("installed")),
-                "bound": s["bound"] if s else bool(lg.get("bound")),
-                "chunks_sent": s["chunks_sent"] if s else None,
-                "chunks_received": s["chunks_received"] if s else None,
-                "owners": s["owners"] if s else [],
-                "log_installed": bool(lg.get("installed")),
-                "log_bound": bool(lg.get("bound")),
-            }
-        )
+        title = (s or {}).get("process") or lg.get("title") or "?"
+        rows.append(_coverage_row(pid, "unlisted", title, None, s, lg))
     return rows
+
+
+def _coverage_row(pid: int, role: str, title: str, rss_mb: Any, s: dict | None, lg: dict) -> dict[str, Any]:
+    """One process's coverage: from its status file (``s``, summarised) where it wrote one, else its log lines."""
+    return {
+        "pid": pid,
+        "role": role,
+        "title": title,
+        "rss_mb": rss_mb,
+        "status_file": s is not None,
+        "installed": s["installed"] if s else bool(lg.get("installed")),
+        "bound": s["bound"] if s else bool(lg.get("bound")),
+        "chunks_sent": s["chunks_sent"] if s else None,
+        "chunks_received": s["chunks_received"] if s else None,
+        "owners": s["owners"] if s else [],
+        "log_installed": bool(lg.get("installed")),
+        "log_bound": bool(lg.get("bound")),
+    }
 
 
 def print_coverage(arm: str, rows: list[dict[str, Any]], status_files: int, disabled: bool = False) -> None:
