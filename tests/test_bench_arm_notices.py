@@ -13,15 +13,18 @@ from omni_accum.cli import main
 SMALL = ["--context-lens", "16", "--concurrency", "1", "--steps", "2", "--repeats", "1", "--no-progress"]
 
 
-def test_a_policy_arm_that_matches_no_key_is_named_on_stderr(capsys):
-    """The 0.30.0 preset (``embed.*``, ``meta.*`` rules) on the seed workload's flat keys: every key gets the
-    preset's default, and bench says so; the flat preset, whose rules match, gets no such note."""
-    rc = main(["bench", "--workload", "qwen3-omni-seed", "--arms", "qwen3-omni", "qwen3-omni-flat", *SMALL])
+def test_a_policy_arm_that_matches_no_key_is_named_on_stderr(capsys, tmp_path):
+    """A policy whose rules name only 0.30.0's nested keys (``embed.*``, ``meta.*``) on the seed workload's flat
+    keys: every key gets its default, and bench says so; the flat preset, whose rules match, gets no such note."""
+    nested = tmp_path / "nested-only.yaml"
+    nested.write_text(yaml.safe_dump({"default": "cat", "rules": [
+        {"match": "embed.*", "strategy": "prealloc"}, {"match": "meta.*", "strategy": "replace"}]}))  # fmt: skip
+    rc = main(["bench", "--workload", "qwen3-omni-seed", "--arms", str(nested), "qwen3-omni-flat", *SMALL])
     err = capsys.readouterr().err
     assert rc == 0
     notes = [line for line in err.splitlines() if "matches a key of workload" in line]
     assert len(notes) == 1, err
-    assert notes[0].startswith("note: arm 'qwen3-omni': ") and "'qwen3-omni-seed'" in notes[0]
+    assert notes[0].startswith(f"note: arm '{nested}': ") and "'qwen3-omni-seed'" in notes[0]
     assert "thinker_embeddings" in notes[0] and "default 'cat'" in notes[0]
 
 
