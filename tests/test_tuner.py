@@ -280,7 +280,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         cli.main(["tune", "--workload", "qwen3-omni-seed"])
     assert e.value.code == 2
     assert "--out" in capsys.readouterr().err
-    assert cli.main(["tune", "--workload", "no-such-workload", "--out", str(tmp_path / "x.yaml")]) == 1
+    assert cli.main(["tune", "--workload", "no-such-workload", "--out", str(tmp_path / "x.yaml")]) == 2  # a usage error, as a bad --base
     err = capsys.readouterr().err
     assert "no-such-workload" in err and "qwen3-omni-seed" in err and "Traceback" not in err
     with pytest.raises(SystemExit) as e:
