@@ -16,7 +16,7 @@ line for line).
 
 from __future__ import annotations
 
-from omni_accum.integrations.vllm_omni import runner
+from omni_accum.integrations.vllm_omni import full_payload, runner
 from omni_accum.integrations.vllm_omni.families.base import Family, Target, wrap_probe
 from omni_accum.integrations.vllm_omni.families.v030 import (
     ADAPTER,
@@ -41,6 +41,19 @@ FAMILY = Family(
         Target(MIXIN, "_accumulate_payload", "(self, req_id, payload_data)", wrap_mixin_accumulate),
         *full_payload_targets(MIXIN),
         *processor_targets(),
+        # the whole payload's hand-off (kind full) and a receiving transport's hello, as in 0.30 (0.28's get
+        # takes no metadata; init_omni_connectors is the mixin's, without ``synchronous``)
+        Target(MIXIN, "_send_single_request", "(self, task)", full_payload.wrap_full_send),
+        Target(
+            MIXIN,
+            "_recv_full_payload_result",
+            "(self, connector, from_stage, to_stage, connector_get_key)",
+            full_payload.wrap_full_recv,
+        ),
+        Target(
+            MIXIN, "init_omni_connectors", "(self, model_config, kv_transfer_manager=None)",
+            full_payload.wrap_transport_init,
+        ),  # fmt: skip
     ),
     probes=(
         Target(ADAPTER, "__init__", "(self, vllm_config)", wrap_probe),
