@@ -365,7 +365,9 @@ class ArenaReceiver(ChainViews):
         """Raise PeerDied (after resetting the arena for a new sender) if the attached sender is dead."""
         q = self.region.q
         pid = q[W_SENDER_PID]
-        if pid != self._sender_pid:
+        # (no sender attached while chains are open: theirs closed, also when this side never saw its pid,
+        # as happens when it attached and closed between two liveness checks)
+        if pid != self._sender_pid or (pid == 0 and self._chains):
             self._new_sender(pid)
         if pid == 0:
             return
