@@ -364,3 +364,26 @@ def test_the_kind_of_a_chunk_follows_the_request_counts():
     assert kind_of(3, task(8193, 8192)) == "d"
     assert kind_of(3, task(0, 8192)) == "d"  # no counts: a later chunk is a decode chunk
     assert kind_of(3, None) == "d"
+
+
+def test_a_dropped_binding_keeps_its_hand_offs_in_status_and_prometheus():
+    """Status and Prometheus are per process: a meter whose binding was garbage collected (an adapter closed)
+    still counts, and what it had not published yet is published (status shrank at a collection: a test that
+    compared two status reads failed at random)."""
+    import gc
+
+    from omni_accum.integrations.vllm_omni import handoff
+
+    pair = "7->8"
+    before, prom0 = handoff.summary().get(pair, {}), _prom(pair)
+    m = handoff.Meter()
+    now = time.monotonic_ns()
+    m.record(7, 8, [0, now - 5_000_000, handoff.clock_id(), "p"], {"embed": {"prefill": torch.ones(2, 4)}}, now)
+    m.record(7, 8, [0, now, "0ther0st", "p"], {}, now)
+    during = handoff.summary()[pair]["prefill"]
+    assert during["count"] == before.get("prefill", {}).get("count", 0) + 1
+    del m
+    gc.collect()
+    assert handoff.summary()[pair]["prefill"] == during
+    got = {k: v - prom0.get(k, 0) for k, v in _prom(pair).items() if v - prom0.get(k, 0)}
+    assert got == {"prefill.count": 1, "prefill.bytes": 32, "clock_domain": 1}

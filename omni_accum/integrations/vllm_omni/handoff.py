@@ -159,6 +159,9 @@ class Meter:
         self.pending = 0
         self._flushing = threading.Lock()
         _meters.add(self)
+        # a binding dropped (its adapter closed, garbage collected) keeps its hand-offs counted: status and
+        # Prometheus are per process, and a total that shrank with a collection would read as wrong
+        weakref.finalize(self, _retire, self.slots, self.skipped, self._flushing)
 
     def _slot(self, key: tuple[int, int, str]) -> list[Any]:
         slot = self.slots[key] = [0, 0.0, 0.0, 0, [], (f"{key[0]}->{key[1]}", KINDS[key[2]]), 0]
@@ -195,26 +198,48 @@ class Meter:
 
     def flush(self) -> None:
         """Publish what was timed since the last flush (one flush at a time; the hot path only adds)."""
-        with self._flushing:
-            self.pending = 0
-            m = _registry_metrics()
-            for slot in list(self.slots.values()):
-                k = len(slot[_TIMES])
-                batch = slot[_TIMES][:k]
-                del slot[_TIMES][:k]
-                n = slot[_BYTES] - slot[_PUB]
-                slot[_PUB] += n
-                if m is not None:
-                    hist = m["handoff"].labels(*slot[_LABELS])
-                    for x in batch:
-                        hist.observe(x)
-                    if n:
-                        m["handoff_bytes"].labels(*slot[_LABELS]).inc(n)
-            for reason, c in self.skipped.items():
-                n = c[0] - c[1]
-                c[1] += n
-                if n and m is not None:
-                    m["handoff_skipped"].labels(reason).inc(n)
+        self.pending = 0
+        _flush(self.slots, self.skipped, self._flushing)
+
+
+def _flush(slots: dict[tuple[int, int, str], list[Any]], skipped: dict[str, list[int]], lock: threading.Lock) -> None:
+    with lock:
+        m = _registry_metrics()
+        for slot in list(slots.values()):
+            k = len(slot[_TIMES])
+            batch = slot[_TIMES][:k]
+            del slot[_TIMES][:k]
+            n = slot[_BYTES] - slot[_PUB]
+            slot[_PUB] += n
+            if m is not None:
+                hist = m["handoff"].labels(*slot[_LABELS])
+                for x in batch:
+                    hist.observe(x)
+                if n:
+                    m["handoff_bytes"].labels(*slot[_LABELS]).inc(n)
+        for reason, c in skipped.items():
+            n = c[0] - c[1]
+            c[1] += n
+            if n and m is not None:
+                m["handoff_skipped"].labels(reason).inc(n)
+
+
+#: The counts of meters whose binding is gone: (pair, kind) labels -> [count, seconds sum, seconds max, bytes].
+_retired: dict[tuple[str, str], list[Any]] = {}
+
+
+def _retire(slots: dict[tuple[int, int, str], list[Any]], skipped: dict[str, list[int]], lock: threading.Lock) -> None:
+    """A meter's binding is gone: publish what it had not, keep its counts for :func:`summary`."""
+    try:
+        _flush(slots, skipped, lock)
+    except Exception:  # noqa: BLE001 - at interpreter exit Prometheus may be half torn down
+        pass
+    for slot in list(slots.values()):
+        row = _retired.setdefault(slot[_LABELS], [0, 0.0, 0.0, 0])
+        row[0] += slot[_COUNT]
+        row[1] += slot[_SUM]
+        row[2] = max(row[2], slot[_MAX])
+        row[3] += slot[_BYTES]
 
 
 def payload_bytes(payload: Mapping[str, Any]) -> int:
@@ -260,17 +285,16 @@ def publish() -> None:
 def summary() -> dict[str, dict[str, dict[str, float]]]:
     """``{pair: {kind: {count, seconds_sum, seconds_max, bytes}}}`` of every meter in this process."""
     out: dict[str, dict[str, dict[str, float]]] = {}
-    for m in list(_meters):
-        for slot in list(m.slots.values()):
-            if not slot[_COUNT]:
-                continue
-            pair, kind = slot[_LABELS]
-            row = out.setdefault(pair, {}).setdefault(kind, {"count": 0, "seconds_sum": 0.0, "seconds_max": 0.0,
-                                                            "bytes": 0})
-            row["count"] += slot[_COUNT]
-            row["seconds_sum"] += slot[_SUM]
-            row["seconds_max"] = max(row["seconds_max"], slot[_MAX])
-            row["bytes"] += slot[_BYTES]
+    rows = [(s[_LABELS], s[_COUNT], s[_SUM], s[_MAX], s[_BYTES]) for m in list(_meters) for s in list(m.slots.values())]
+    rows += [(labels, *r) for labels, r in list(_retired.items())]
+    for (pair, kind), count, total, top, nbytes in rows:
+        if not count:
+            continue
+        row = out.setdefault(pair, {}).setdefault(kind, {"count": 0, "seconds_sum": 0.0, "seconds_max": 0.0, "bytes": 0})
+        row["count"] += count
+        row["seconds_sum"] += total
+        row["seconds_max"] = max(row["seconds_max"], top)
+        row["bytes"] += nbytes
     return out
 
 
