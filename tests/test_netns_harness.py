@@ -1,0 +1,201 @@
+"""``benchmarks/e2e/netns.py``: simulated hosts (network namespaces on a bridge) for ``run.py --hosts``.
+
+Every test makes its own lab (namespaces named with a unique prefix, addresses in a 10.231.X.0/24 that
+overlaps no route here) and checks afterwards, from the outside (``ip netns list``, ``ip link``, ``ip
+route``, ``/proc``), that no namespace, link, route or process of it remains, also after a step that
+fails on purpose and after SIGTERM. The only addresses used are the lab's own. Needs root and a kernel /
+container that allows network namespaces; otherwise the tests skip saying which.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+E2E = Path(__file__).resolve().parent.parent / "benchmarks" / "e2e"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("e2e_netns", E2E / "netns.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["e2e_netns"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+netns = _load()
+
+# An echo server (one connection, answers the bytes upper-cased) and its client, run inside namespaces.
+ECHO_SERVER = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen()
+print("listening", flush=True)
+c, peer = s.accept(); c.sendall(c.recv(100).upper() + b" from " + peer[0].encode()); c.close()
+"""
+ECHO_CLIENT = """
+import socket, sys, time
+for _ in range(100):
+    try:
+        s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5); break
+    except OSError:
+        time.sleep(0.1)
+s.sendall(b"hello"); sys.stdout.write(s.recv(100).decode())
+"""
+# A process that leaves its process group (setsid in a forked child) and sleeps: only the namespace sweep
+# of the teardown (``ip netns pids``) finds it. It prints the escaped child's pid.
+ESCAPER = """
+import os, sys, time
+pid = os.fork()
+if pid == 0:
+    os.setsid(); time.sleep(600); os._exit(0)
+print(pid, flush=True); time.sleep(600)
+"""
+
+
+@pytest.fixture(scope="module")
+def root_netns():
+    why = netns.problem()
+    if why:
+        pytest.skip(why)
+
+
+def _assert_gone(prefix: str, pids: list[int], subnet, ns_inodes) -> None:
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in names, names
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert prefix not in links, links
+    routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True).stdout
+    assert str(subnet.network_address) not in routes, routes
+    for pid in pids:
+        assert not netns._alive(pid), f"process {pid} is still running"
+    # no live process anywhere is still inside one of the lab's namespaces
+    assert ns_inodes
+    inside = [pid for pid, ino in netns._proc_net_inodes().items() if ino in set(ns_inodes) and netns._alive(pid)]
+    assert not inside, inside
+
+
+def _wait_line(path: Path, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = path.read_text() if path.exists() else ""
+        if text.strip():
+            return text.strip().splitlines()[0]
+        time.sleep(0.05)
+    raise AssertionError(f"nothing written to {path} in {timeout} s")
+
+
+def test_echo_between_hosts_then_a_failed_step_leaves_nothing(root_netns, tmp_path):
+    lab = netns.NetnsLab(3, names=["mooncake", "api", "stage1"], grace=2)
+    pids: list[int] = []
+    with pytest.raises(netns.StepFailed, match=r"step 'stage exits 1' on stage1 \(10\.231\.\d+\.12\) exited with 1"):
+        with lab:
+            mc, api, s1 = lab.hosts
+            assert [h.addr.rsplit(".", 1)[1] for h in lab.hosts] == ["10", "11", "12"]
+            assert all(h.addr.startswith("10.231.") for h in lab.hosts)
+            assert {lab.prefix + "-h0", lab.prefix + "-h1", lab.prefix + "-h2", lab.switch_ns} <= set(
+                netns.list_namespaces()
+            )
+            # TCP between two namespaces over the bridge, on the lab's addresses only
+            echo = [sys.executable, "-c", ECHO_SERVER, api.addr, "7000"]
+            server = lab.spawn(api, echo, name="echo", log=tmp_path / "echo.log")
+            pids.append(server.popen.pid)
+            r = lab.run(s1, [sys.executable, "-c", ECHO_CLIENT, api.addr, "7000"], step="echo client", timeout=60)
+            assert r.stdout.decode() == f"HELLO from {s1.addr}"  # the peer seen is stage1's own address
+            assert server.popen.wait(timeout=30) == 0
+            # isolation: host mooncake has no route to the server's port on its own loopback
+            r = lab.run(mc, [sys.executable, "-c", ECHO_CLIENT.replace("range(100)", "range(1)"), "127.0.0.1", "7000"],
+                        check=False, timeout=60)  # fmt: skip
+            assert r.returncode != 0
+            # a long-lived process whose child escapes its process group, in another namespace
+            esc_log = tmp_path / "escaper.log"
+            escaper = lab.spawn(mc, [sys.executable, "-c", ESCAPER], name="escaper", log=esc_log)
+            pids += [escaper.popen.pid, int(_wait_line(esc_log))]
+            assert all(netns._alive(p) for p in pids[1:])
+            assert set(pids[1:]) <= set(lab.pids_in(mc.ns))
+            # the step that fails on purpose
+            lab.run(s1, [sys.executable, "-c", "raise SystemExit(1)"], step="stage exits 1")
+            raise AssertionError("not reached: the step above fails")
+    assert lab.leftovers == {"namespaces": [], "links": [], "processes": [], "routes": []}
+    _assert_gone(lab.prefix, pids, lab.subnet, lab._ns_inodes.values())
+
+
+def test_a_process_that_dies_early_is_a_failed_step(root_netns, tmp_path):
+    lab = netns.NetnsLab(2, grace=2)
+    with pytest.raises(netns.StepFailed, match=r"bad-master on h0 .* exited with 3; log .*\nno such option"):
+        with lab:
+            p = lab.spawn(lab.hosts[0], [sys.executable, "-c", "import sys; print('no such option'); sys.exit(3)"],
+                          name="bad-master", log=tmp_path / "m.log")  # fmt: skip
+            p.popen.wait(timeout=30)
+            lab.expect_running(p)
+    _assert_gone(lab.prefix, [p.popen.pid], lab.subnet, lab._ns_inodes.values())
+
+
+def test_the_driver_reaches_a_host_and_the_route_goes_with_the_lab(root_netns, tmp_path):
+    with netns.NetnsLab(1, grace=2) as lab:
+        (h,) = lab.hosts
+        routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True).stdout
+        assert f"{lab.subnet} dev {lab.prefix}d" in routes
+        lab.spawn(h, [sys.executable, "-c", ECHO_SERVER, h.addr, "7001"], log=tmp_path / "s.log")
+        _wait_line(tmp_path / "s.log")
+        with socket.create_connection((h.addr, 7001), timeout=10) as s:
+            s.sendall(b"hi")
+            assert s.recv(100) == f"HI from {lab.driver_addr}".encode()
+    _assert_gone(lab.prefix, [], lab.subnet, lab._ns_inodes.values())
+
+
+DRIVER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import netns
+with netns.NetnsLab(2, grace=2) as lab:
+    p = lab.spawn(lab.hosts[1], [sys.executable, "-c", "import time; time.sleep(600)"])
+    print(lab.prefix, lab.subnet, p.popen.pid, *lab._ns_inodes.values(), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_sigterm_to_the_harness_cleans_up(root_netns):
+    drv = subprocess.Popen([sys.executable, "-c", DRIVER, str(E2E)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)  # fmt: skip
+    try:
+        prefix, subnet, pid, *inodes = drv.stdout.readline().split()
+        assert netns._alive(int(pid)) and len([n for n in netns.list_namespaces() if n.startswith(prefix)]) == 3
+        drv.send_signal(signal.SIGTERM)
+        drv.wait(timeout=60)
+    finally:
+        if drv.poll() is None:
+            drv.kill()
+            drv.wait()
+    err = drv.stderr.read()
+    assert "Interrupted: interrupted by SIGTERM" in err, err  # unwound through the lab, not killed outright
+    import ipaddress
+
+    _assert_gone(prefix, [int(pid)], ipaddress.ip_network(subnet), [int(i) for i in inodes])
+
+
+def test_not_root_says_so(monkeypatch):
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert netns.problem() == "network namespaces need root (this process runs as uid 1000)"
+    with pytest.raises(netns.NetnsUnavailable, match="need root"):
+        with netns.NetnsLab(2):
+            pass
+
+
+def test_a_subnet_overlapping_a_route_is_not_picked(monkeypatch):
+    import ipaddress
+
+    taken = [ipaddress.ip_network("10.231.5.0/24"), ipaddress.ip_network("10.231.6.0/23")]
+    monkeypatch.setattr(netns, "root_networks", lambda: taken)
+    assert str(netns.pick_subnet(start=5)) == "10.231.8.0/24"
+    monkeypatch.setattr(netns, "root_networks", lambda: [ipaddress.ip_network("10.231.0.0/16")])
+    with pytest.raises(netns.NetnsUnavailable, match="overlaps a route"):
+        netns.pick_subnet()
