@@ -3,17 +3,23 @@
 Importing vllm-omni costs 15 s or more per process; forking costs milliseconds. :class:`StageHost`
 runs ``python -m omni_accum.bench.mooncake stage-host MODULE...``, which imports the modules and then,
 per :meth:`StageHost.run`, forks one fresh process per :class:`Job` (all at once, sharing os.pipe()
-pairs) and reports their exit statuses; each job's picklable result comes back through a file.
+pairs) and reports their exit statuses; each job's result comes back through a file. The request and
+result files (in the host's private temporary folder) are JSON that can make plain values, tuples, dicts,
+bytes, tensors, a :class:`~omni_accum.bench.workloads.Workload` and a :class:`~omni_accum.policy.model.Policy`
+only (pydantic-validated): nothing read from them is unpickled, and a file that is not this format is refused.
 :func:`make_connector` builds vllm-omni 0.30.0's ``MooncakeStoreConnector`` in a stage process.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import importlib
 import json
+import math
 import os
-import pickle
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -52,6 +58,184 @@ class Job:
 
 class StageFailed(OmniAccumError):
     """A stage process raised, crashed or ran out of time."""
+
+
+# ---------------------------------------------------------------------------------------------- #
+# The files between the host and its stage processes: JSON, never pickled
+# ---------------------------------------------------------------------------------------------- #
+
+MAX_FILE_BYTES = 1 << 30
+"""The largest request or result file read (a result carries its tensors' bytes, base64)."""
+MAX_DEPTH = 64
+"""The deepest nesting of a value in a request or result."""
+
+
+class BadStageFile(StageFailed):
+    """A request or result file that is not this format's JSON (a pickle, say): refused, never executed."""
+
+
+def _enc(v: Any, depth: int = 0) -> Any:
+    """A JSON value for ``v``: plain values as they are; every other thing a one-key object (``{"$tag": ...}``)."""
+    if depth > MAX_DEPTH:
+        raise TypeError(f"nested deeper than {MAX_DEPTH}")
+    t = type(v)
+    if v is None or t is bool or t is int or t is str:
+        return v
+    if t is float:
+        return v if math.isfinite(v) else {"$float": repr(v)}
+    if t is list:
+        return [_enc(x, depth + 1) for x in v]
+    if t is tuple:
+        return {"$tuple": [_enc(x, depth + 1) for x in v]}
+    if t is dict:
+        return {"$dict": [[_enc(k, depth + 1), _enc(x, depth + 1)] for k, x in v.items()]}
+    if t is bytes:
+        return {"$bytes": base64.b64encode(v).decode("ascii")}
+    mod = t.__module__
+    if mod.startswith("torch") and t.__name__ in ("Tensor", "Parameter"):
+        return {"$tensor": _enc_tensor(v)}
+    from omni_accum.bench.workloads import Workload  # noqa: PLC0415
+    from omni_accum.policy.model import Policy  # noqa: PLC0415
+
+    if t is Workload:
+        return {"$workload": v.model_dump(mode="json")}
+    if t is Policy:
+        return {"$policy": {"policy": v.model_dump(mode="json"), "bound": v._plugins is not None}}
+    raise TypeError(
+        f"a {mod}.{t.__name__} does not cross to or from a stage process (plain values, tuples, dicts, bytes, "
+        "tensors, a Workload or a Policy only)"
+    )
+
+
+def _enc_tensor(t: Any) -> dict[str, Any]:
+    import torch  # noqa: PLC0415
+
+    c = t.detach().to("cpu").contiguous().reshape(-1)
+    raw = c.view(torch.uint8).numpy().tobytes() if c.numel() else b""
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": base64.b64encode(raw).decode("ascii")}
+
+
+def _dec(v: Any, depth: int = 0) -> Any:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_DEPTH}")
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, list):
+        return [_dec(x, depth + 1) for x in v]
+    if not isinstance(v, dict) or len(v) != 1:
+        raise ValueError(f"not a value of this format: {str(v)[:80]!r}")
+    ((tag, body),) = v.items()
+    if tag == "$tuple" and isinstance(body, list):
+        return tuple(_dec(x, depth + 1) for x in body)
+    if tag == "$dict" and isinstance(body, list):
+        out = {}
+        for kv in body:
+            if not (isinstance(kv, list) and len(kv) == 2):
+                raise ValueError("a $dict item is not a [key, value] pair")
+            k = _dec(kv[0], depth + 1)
+            if isinstance(k, (list, dict)):
+                raise ValueError(f"a $dict key is a {type(k).__name__}")
+            out[k] = _dec(kv[1], depth + 1)
+        return out
+    if tag == "$float" and body in ("nan", "inf", "-inf"):
+        return float(body)
+    if tag == "$bytes" and isinstance(body, str):
+        return base64.b64decode(body, validate=True)
+    if tag == "$tensor" and isinstance(body, dict):
+        return _dec_tensor(body)
+    if tag == "$workload" and isinstance(body, dict):
+        from omni_accum.bench.workloads import Workload  # noqa: PLC0415
+
+        return Workload.model_validate(body)
+    if tag == "$policy" and isinstance(body, dict) and isinstance(body.get("policy"), dict):
+        from omni_accum.policy.environment import installed_plugins  # noqa: PLC0415
+        from omni_accum.policy.model import Policy  # noqa: PLC0415
+
+        policy = Policy.model_validate(body["policy"], context={"allow_repeats": True})
+        if body.get("bound") is True:
+            policy.bind_plugins(installed_plugins)
+        return policy
+    raise ValueError(f"unknown or malformed tag {str(tag)[:40]!r}")
+
+
+def _dec_tensor(body: dict[str, Any]) -> Any:
+    import torch  # noqa: PLC0415
+
+    name, shape, data = body.get("dtype"), body.get("shape"), body.get("data")
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"a tensor of dtype {name!r}: not a torch dtype")
+    if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape) and isinstance(data, str)):
+        raise ValueError(f"a tensor of shape {shape!r}: not a list of sizes, or no data")
+    raw = base64.b64decode(data, validate=True)
+    numel = math.prod(shape)
+    if len(raw) != numel * dtype.itemsize:
+        raise ValueError(f"a {name} tensor of shape {shape}: {len(raw)} bytes, not {numel * dtype.itemsize}")
+    if not numel:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _write_file(path: str | os.PathLike[str], value: Any) -> None:
+    """Write ``value`` (see :func:`_enc`) as JSON, readable only by this user."""
+    text = json.dumps({"omni_accum_stage_file": 1, "value": _enc(value)}, allow_nan=False)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _read_file(path: str | os.PathLike[str], limit: int = MAX_FILE_BYTES) -> Any:
+    """The value of a file :func:`_write_file` wrote; :class:`BadStageFile` for anything else (never unpickled)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise BadStageFile(f"{path}: cannot open: {e.strerror}") from e
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise BadStageFile(f"{path}: not a regular file")
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise BadStageFile(f"{path}: larger than {limit} bytes")
+    try:
+        doc = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        if not (isinstance(doc, dict) and doc.keys() == {"omni_accum_stage_file", "value"}
+                and doc["omni_accum_stage_file"] == 1):  # fmt: skip
+            raise ValueError("not a stage file (no 'omni_accum_stage_file': 1)")
+        return _dec(doc["value"])
+    except (UnicodeDecodeError, ValueError, TypeError, RecursionError, binascii.Error) as e:
+        raise BadStageFile(f"{path}: not a stage file of this format: {e}") from e
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _check_request(req: Any, path: str) -> None:
+    """A request as :meth:`StageHost.run` writes it, with its result files beside it; BadStageFile otherwise."""
+    where = os.path.dirname(path)
+    ok = (
+        isinstance(req, dict)
+        and req.keys() == {"jobs", "pipes", "timeout"}
+        and type(req["pipes"]) is int
+        and 0 <= req["pipes"] <= 64
+        and type(req["timeout"]) in (int, float)
+        and req["timeout"] > 0
+        and isinstance(req["jobs"], list)
+    )
+    for job in req["jobs"] if ok else ():
+        ok = ok and (
+            isinstance(job, tuple)
+            and len(job) == 4
+            and isinstance(job[0], str)
+            and isinstance(job[1], dict)
+            and all(isinstance(k, str) for k in job[1])
+            and isinstance(job[2], dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in job[2].items())
+            and isinstance(job[3], str)
+            and os.path.dirname(job[3]) == where
+        )
+    if not ok:
+        raise BadStageFile(f"{path}: not a stage request (jobs, pipes, timeout; result files beside it)")
 
 
 class StageHost:
@@ -94,13 +278,15 @@ class StageHost:
     def run(self, jobs: Sequence[Job], *, pipes: int = 2, timeout: float = 600.0) -> list[Any]:
         if self.proc is None or self.proc.poll() is not None:
             raise StageFailed("the stage host is not running")
-        req = Path(self._tmp.name) / f"req-{time.monotonic_ns()}.pkl"
+        req = Path(self._tmp.name) / f"req-{time.monotonic_ns()}.json"
         outs = [str(req) + f".out{i}" for i in range(len(jobs))]
-        with open(req, "wb") as f:
-            pickle.dump(
+        try:
+            _write_file(
+                req,
                 {"jobs": [(j.fn, j.kwargs, j.env, o) for j, o in zip(jobs, outs)], "pipes": pipes, "timeout": timeout},
-                f,
             )
+        except TypeError as e:
+            raise StageFailed(f"a job's arguments cannot go to a stage process: {e}") from e
         assert self.proc.stdin is not None
         self.proc.stdin.write((str(req) + "\n").encode())
         self.proc.stdin.flush()
@@ -108,13 +294,11 @@ class StageHost:
         if not line:
             raise StageFailed(f"the stage host gave no answer within {timeout + 30:.0f} s")
         rcs = json.loads(line)
+        if isinstance(rcs, dict):
+            raise StageFailed(f"the stage host refused the request: {rcs.get('error')}")
         results, errors = [], []
         for job, out, rc in zip(jobs, outs, rcs):
-            try:
-                with open(out, "rb") as f:
-                    status, value = pickle.load(f)
-            except (OSError, EOFError, pickle.UnpicklingError):
-                status, value = "error", f"no result (exit status {rc})"
+            status, value = _read_result(out, rc)
             if status != "ok":
                 errors.append(f"{job.fn}: {value}")
             results.append(value)
@@ -143,6 +327,21 @@ class StageHost:
         self.stop()
 
 
+def _read_result(out: str, rc: int) -> tuple[str, Any]:
+    """``("ok", value)`` or ``("error", why)`` of one job's result file."""
+    if not os.path.lexists(out):
+        return "error", f"no result (exit status {rc})"
+    try:
+        res = _read_file(out)
+    except BadStageFile as e:
+        return "error", f"result refused (exit status {rc}): {e}"
+    if not (isinstance(res, tuple) and len(res) == 2 and res[0] in ("ok", "error")):
+        return "error", f"result refused (exit status {rc}): {out}: not a (status, value) pair"
+    if res[0] == "error" and not isinstance(res[1], str):
+        return "error", f"result refused (exit status {rc}): {out}: an error without its text"
+    return res
+
+
 def _resolve(name: str) -> Callable[..., Any]:
     mod, _, attr = name.partition(":")
     return getattr(importlib.import_module(mod), attr)
@@ -157,8 +356,14 @@ def _host_main(preload: Sequence[str]) -> int:
     proto.write("ready\n")
     proto.flush()
     for line in sys.stdin:
-        with open(line.strip(), "rb") as f:
-            req = pickle.load(f)
+        path = line.strip()
+        try:
+            req = _read_file(path)
+            _check_request(req, path)
+        except BadStageFile as e:
+            proto.write(json.dumps({"error": str(e)}) + "\n")
+            proto.flush()
+            continue
         fds = [os.pipe() for _ in range(req["pipes"])]
         pids = []
         for fn, kwargs, env, out in req["jobs"]:
@@ -171,12 +376,10 @@ def _host_main(preload: Sequence[str]) -> int:
                     os.dup2(devnull, 0)
                     os.environ.update(env)
                     value = _resolve(fn)(pipes=fds, **kwargs)
-                    with open(out, "wb") as f:
-                        pickle.dump(("ok", value), f)
+                    _write_file(out, ("ok", value))
                     rc = 0
                 except BaseException:  # noqa: BLE001 - reported to the parent
-                    with open(out, "wb") as f:
-                        pickle.dump(("error", traceback.format_exc()), f)
+                    _write_file(out, ("error", traceback.format_exc()))
                 finally:
                     sys.stdout.flush()
                     sys.stderr.flush()
