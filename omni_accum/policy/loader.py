@@ -8,6 +8,7 @@ the allowed values.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import re
@@ -141,13 +142,16 @@ _RULE_MATCH_RE = re.compile(r"^rules\[(\d+)\]\.match ")
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     """The policy model that holds the field at ``loc`` (``("rules", 0, "x")`` -> Rule), or None."""
     model: Any = Policy
+    keyed = False  # the part before was a mapping of models by name (``ab.arms``): this part is a name
     for part in loc[:-1]:
-        if isinstance(part, int):
+        if isinstance(part, int) or keyed:
+            keyed = False
             continue
         field = model.model_fields.get(part) if isinstance(part, str) else None
         if field is None:
             return None
         ann = field.annotation
+        keyed = typing.get_origin(ann) is dict
         model = next(
             (
                 a
@@ -319,7 +323,54 @@ def build_policy(
         errors = [format_problem(source, d) for d in details]
         raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(errors), errors, source, details)
     policy.bind_plugins(installed_plugins)
+    if policy.ab is not None:
+        policy._arms = resolve_arms(policy, source, lines, manager)
     return policy
+
+
+#: True while an A/B arm's policy is being loaded: an arm that splits again is refused, not followed.
+_IN_ARM: contextvars.ContextVar[bool] = contextvars.ContextVar("omni_accum_in_arm", default=False)
+
+
+def resolve_arms(
+    policy: Policy, source: str = "<mapping>", text: str | LineIndex | None = None, manager: StrategyManager | None = None
+) -> dict[str, Policy]:
+    """Load the policy of each arm of ``policy``'s ``ab`` section (a preset name or a file; a relative path is
+    read from the folder of ``source`` first when ``source`` is a file). Every problem is reported at once, each
+    at its ``ab.arms.NAME.policy`` line, naming the value and what would do."""
+    lines = text if isinstance(text, LineIndex) else LineIndex(text)
+    if policy.ab is None:
+        return {}
+    if _IN_ARM.get():
+        msg = "an A/B arm's policy has an ab section of its own: an arm runs one policy (name a preset or a policy file)"
+        detail = {"loc": "ab", "line": lines(("ab",)), "msg": msg}
+        raise PolicyError(f"{source}: invalid policy:\n  {format_problem(source, detail)}", None, source, [detail])
+    folder = Path(source).parent if Path(source).is_file() else None
+    arms: dict[str, Policy] = {}
+    details: list[dict[str, Any]] = []
+    for name, arm in policy.ab.arms.items():
+        loc = ("ab", "arms", name, "policy")
+        ref = arm.policy
+        target = ref
+        if folder is not None and not Path(ref).is_absolute() and (folder / ref).is_file():
+            target = str(folder / ref)
+        token = _IN_ARM.set(True)
+        try:
+            if is_inline_policy(ref) and not Path(target).exists():
+                raise PolicyError(f"{ref!r} is neither a policy file nor a preset. Available presets: {', '.join(preset_names())}")
+            arms[name] = load_policy(target, manager=manager)
+        except PolicyError as e:
+            why = str(e).replace("\n", " ")
+            msg = f"{ref!r} does not load as an arm's policy: {why}"
+            if "Available presets" not in msg:
+                msg += f" (give a preset: {', '.join(preset_names())}; or a policy file)"
+            details.append({"loc": _format_loc(loc), "line": lines(loc), "msg": msg})
+        finally:
+            _IN_ARM.reset(token)
+    if details:
+        errors = [format_problem(source, d) for d in details]
+        raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(errors), errors, source, details)
+    return arms
 
 
 def load_policy(

@@ -15,7 +15,9 @@ strategy plugins installed here is checked against the plugins the loader binds 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import heapq
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -124,6 +126,76 @@ class Rule(BaseModel):
         return v
 
 
+#: An A/B arm's name: it travels in the wire marker and becomes a metric label, so it is short and plain.
+ARM_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,15}")
+#: The hash that splits requests between arms (:meth:`ABSplit.arm_for`): BLAKE2b, this personalization.
+ARM_HASH_PERSON = b"omni-accum-ab"
+
+
+class ABArm(BaseModel):
+    """One arm of an A/B split: the policy its requests run and its share of them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    policy: str = Field(min_length=1)
+    """The arm's policy: a preset name or a policy file (a relative path is read from the folder of the file
+    holding the split first). It may not split again."""
+    weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    """Its share of the requests: this weight over the sum of every arm's weight (default 1)."""
+
+    @field_validator("weight", mode="before")
+    @classmethod
+    def _weight_not_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError(f"Input should be a number > 0 (got {v!r})")
+        return v
+
+
+class ABSplit(BaseModel):
+    """A live A/B split: each request runs one arm's policy, picked from a stable hash of its request id.
+
+    Example (YAML)::
+
+        ab:
+          arms:
+            control: {policy: default, weight: 1}
+            treatment: {policy: qwen3-omni, weight: 1}
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    arms: dict[str, ABArm]
+    """Two or more arms by name, in the order their shares are laid out (names: a letter, then letters, digits
+    or ``_``, at most 16 characters)."""
+
+    @field_validator("arms")
+    @classmethod
+    def _arm_names(cls, v: dict[str, ABArm]) -> dict[str, ABArm]:
+        bad = [n for n in v if not ARM_NAME.fullmatch(n)]
+        if bad:
+            raise ValueError(
+                f"arm name {bad[0]!r} is not allowed: names travel in the wire marker and become a metric label, so "
+                "they start with a letter and hold only letters, digits and '_', at most 16 characters (e.g. control, "
+                "treatment)"
+            )
+        if len(v) < 2:
+            raise ValueError(f"an A/B split needs two or more arms, got {len(v)} ({', '.join(map(repr, v)) or 'none'})")
+        return v
+
+    def arm_for(self, request_id: Any) -> str:
+        """The arm of ``request_id``: the first 8 bytes of its BLAKE2b hash (``str(request_id)`` as UTF-8,
+        personalization :data:`ARM_HASH_PERSON`) as a fraction of 2**64, laid over the arms' weights in order.
+        The same id gives the same arm in every process and on every host."""
+        h = hashlib.blake2b(str(request_id).encode("utf-8", "surrogatepass"), digest_size=8, person=ARM_HASH_PERSON)
+        x = int.from_bytes(h.digest(), "big") / 2.0**64 * sum(a.weight for a in self.arms.values())
+        name = ""
+        for name, arm in self.arms.items():
+            if x < arm.weight:
+                return name
+            x -= arm.weight
+        return name  # rounding at the very end: the last arm
+
+
 class Policy(BaseModel):
     """An accumulation policy.
 
@@ -155,11 +227,15 @@ class Policy(BaseModel):
     """Ordered rules; an exact key path beats any glob, and among globs the first listed wins."""
     tuned: TunedTable | None = None
     """Decisions of ``omni-accum tune`` per bucket; explicit rules still beat it."""
+    ab: ABSplit | None = None
+    """A live A/B split between named policies (off when absent). A policy with one takes every strategy from
+    its arms: it sets nothing else but ``version`` and ``description``."""
 
     _exact: dict[str, tuple[int, Rule]] = PrivateAttr(default_factory=dict)
     _globs: list[tuple[int, Rule]] = PrivateAttr(default_factory=list)
     _tuned_ok: bool | None = PrivateAttr(default=None)
     _plugins: Callable[[], Mapping[str, str]] | None = PrivateAttr(default=None)
+    _arms: dict[str, Policy] | None = PrivateAttr(default=None)
 
     _coerce_default = field_validator("default", mode="before")(classmethod(lambda cls, v: _coerce_strategy_ref(v)))
 
@@ -186,6 +262,40 @@ class Policy(BaseModel):
         if repeats and not (info.context or {}).get("allow_repeats"):  # the loader's second pass allows them
             raise ValueError("\n".join(repeats))  # every one, a line each (the loader reports each at its rule's line)
         return self
+
+    @field_validator("ab")
+    @classmethod
+    def _ab_alone(cls, v: ABSplit | None, info: ValidationInfo) -> ABSplit | None:
+        d = info.data  # the fields declared before ``ab`` (every other one)
+        if v is not None:
+            also = [
+                name
+                for name, is_set in (
+                    ("default", d.get("default", StrategyRef(strategy="cat")) != StrategyRef(strategy="cat")),
+                    ("max_bytes_per_request", d.get("max_bytes_per_request", 0) != 0),
+                    ("honor_override_keys", d.get("honor_override_keys", True) is not True),
+                    ("rules", bool(d.get("rules"))),
+                    ("tuned", d.get("tuned") is not None),
+                )
+                if is_set
+            ]
+            if also:
+                raise ValueError(
+                    f"a policy with an ab section takes every strategy from its arms' policies, but this one also sets "
+                    f"{', '.join(also)}: move {'it' if len(also) == 1 else 'them'} into an arm's policy"
+                )
+        return v
+
+    def arm_policies(self) -> dict[str, Policy]:
+        """The resolved policy of each A/B arm, in order (empty without an ``ab`` section). ``load_policy``
+        resolves them; a policy built otherwise resolves them here, at the first call (raises ``PolicyError``)."""
+        if self.ab is None:
+            return {}
+        if self._arms is None:
+            from omni_accum.policy.loader import resolve_arms  # noqa: PLC0415 - the loader imports this module
+
+            self._arms = resolve_arms(self)
+        return self._arms
 
     def shadowed_rules(self) -> list[tuple[int, int]]:
         """``(later, earlier)`` glob rules where the earlier glob matches every key the later one matches.
@@ -246,7 +356,12 @@ class Policy(BaseModel):
         return self._tuned_ok
 
     def resolve(self, key: str, context: StreamContext = DEFAULT_CONTEXT) -> StrategyChoice:
-        """Return the strategy ``key`` gets under this policy in ``context``, and why."""
+        """Return the strategy ``key`` gets under this policy in ``context``, and why. A policy with an ``ab``
+        section resolves as its first arm (the live integration picks an arm per request)."""
+        if self.ab is not None:
+            name, arm = next(iter(self.arm_policies().items()))
+            got = arm.resolve(key, context)
+            return StrategyChoice(got.strategy, got.params, f"ab arm {name!r}: {got.source}")
         hit = self.match_rule(key)
         if hit is not None:
             i, rule = hit

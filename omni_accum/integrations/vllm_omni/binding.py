@@ -74,6 +74,11 @@ class Binding:
             went through the Sender) and ``chunks_received`` (payloads a receive hook handled).
         fell_back: requests one of whose chunks omni-accum refused and left to upstream's code
             (:meth:`fall_back`), until released.
+        split: the policy's A/B split (:class:`~omni_accum.policy.model.ABSplit`), or None.
+        arms: with a split, one binding per arm (its policy, Sender and Receiver; fingerprint
+            ``<this binding's>/<arm>``), sharing this one's stats; the chunk transfer adapter's hooks route
+            each request to its arm (:mod:`.ab`). This binding itself runs the first arm (every other path).
+        arm: an arm binding's name (None: not an arm).
     """
 
     def __init__(
@@ -82,7 +87,12 @@ class Binding:
         adapter_keys: tuple[str, ...] | list[str],
         source: str,
         context: StreamContext | None = None,
+        *,
+        arm: tuple[Binding, str] | None = None,
     ) -> None:
+        split = policy.ab
+        arm_policies = policy.arm_policies()
+        whole, policy = policy, next(iter(arm_policies.values())) if arm_policies else policy
         self.policy = policy
         self.source = source
         self.context = context
@@ -90,14 +100,21 @@ class Binding:
         self.receiver = _RequestContextReceiver(self, policy, context=context)
         self.adapter_keys = frozenset(adapter_keys)
         self.stats = {"puts": 0, "wire_bytes": 0, "omitted": 0, "chunks_sent": 0, "chunks_received": 0}
-        self.metrics = metrics.Recorder()
+        self.arm = arm[1] if arm is not None else None
+        if arm is not None:
+            self.stats = arm[0].stats  # one adapter's counts, whichever arm a chunk ran
+        self.metrics = metrics.Recorder(arm=self.arm)
         if self.metrics.on:  # the hooks' merges count each key in the merge's own pass (Recorder.merged)
             self.receiver.on_merge = self.metrics.merged
-        self.fingerprint = policy_fingerprint(policy, self.receiver.manager)
         self._names: dict[tuple[str, type], str] = {}
         self._append_kind = frozenset(s.name for s in self.receiver.manager.specs() if "append" in s.kinds)
-        from omni_accum import __version__
-        metrics.policy_info(_readable_source(source, Settings.policy_source), self.fingerprint, __version__)
+        if arm is None:
+            from omni_accum import __version__
+
+            self.fingerprint = policy_fingerprint(whole, self.receiver.manager)
+            metrics.policy_info(_readable_source(source, Settings.policy_source), self.fingerprint, __version__)
+        else:  # the split's fingerprint and the arm: a receiver follows a request's arm only on the same split
+            self.fingerprint = f"{arm[0].fingerprint}/{arm[1]}"
         self.sent_once: dict[str, dict[tuple[Any, Any], int]] = {}  # ext id -> key -> bit (wire order)
         self.held_once: dict[str, dict[tuple[Any, Any], int]] = {}  # req id -> key -> bit (wire order)
         #: Per request: the stream context of the tuned bucket the sender decided (the handshake), as the
@@ -109,12 +126,29 @@ class Binding:
         #: Foreign requests on an adapter: the latest value of every key, to put back what the sender left off.
         self.mirror: dict[str, dict[tuple[Any, Any], Any]] = {}
         self.short_source = _short_source(source, Settings.policy_source)
-        self.announces = policy.tuned is not None or any(
-            _changes_wire(self.receiver.manager.build(c.strategy, c.params)) for c in [policy.default, *policy.rules]
+        self.announces = (
+            split is not None  # an A/B split announces each request's arm
+            or arm is not None
+            or policy.tuned is not None
+            or any(
+                _changes_wire(self.receiver.manager.build(c.strategy, c.params)) for c in [policy.default, *policy.rules]
+            )
         )
         self.fell_back: set[str] = set()
         self.live_send: set[str] = set()  # requests this binding has sent a chunk of, until released
         self._full: Receiver | None = None
+        self.split = split
+        #: A split's receiving side: the arm each live request runs (its first chunk's, else its id's hash).
+        self.recv_arm: dict[str, str] = {}
+        self.arms: dict[str, Binding] | None = None
+        if split is not None:
+            self.arms = {
+                name: Binding(p, adapter_keys, source, context, arm=(self, name)) for name, p in arm_policies.items()
+            }
+
+    def each(self) -> tuple[Binding, ...]:
+        """This binding and its A/B arms' (just itself without a split)."""
+        return (self,) if self.arms is None else (self, *self.arms.values())
 
     @property
     def full_payload_endpoint(self) -> Receiver:
@@ -178,14 +212,18 @@ class Binding:
     def publish(self) -> None:
         """Publish this binding's metrics with the process's held-bytes and active-request gauges."""
         held, active = 0, {"send": 0, "receive": 0}
-        for _, other in bindings():
-            try:
-                held += other.receiver.nbytes()
-            except Exception:  # noqa: BLE001 - a gauge never fails vllm-omni
-                pass
-            active["send"] += other.sender.active_requests
-            active["receive"] += other.receiver.active_requests
+        for _, top in bindings():
+            for other in top.each():
+                try:
+                    held += other.receiver.nbytes()
+                except Exception:  # noqa: BLE001 - a gauge never fails vllm-omni
+                    pass
+                active["send"] += other.sender.active_requests
+                active["receive"] += other.receiver.active_requests
         self.metrics.flush((held, active))
+        if self.arms is not None:
+            for a in self.arms.values():
+                a.metrics.flush()
 
     def context_of(self, req_id: Any) -> StreamContext:
         """The stream context strategy selection uses for ``req_id`` (its handshake bucket, else the binding's)."""
@@ -225,7 +263,12 @@ class Binding:
         self.req_ctx.pop(req_id, None)
         self.foreign.pop(req_id, None)
         self.mirror.pop(req_id, None)
-        published_later(self)
+        if self.arms is not None:
+            self.recv_arm.pop(req_id, None)
+            for a in self.arms.values():
+                a.forget(req_id)
+        if self.arm is None:  # an arm's are published with its split's binding
+            published_later(self)
 
     def fall_back(self, req_id: str, error: AccumulationError, where: str, *, release: bool = True) -> None:
         """omni-accum refused a chunk of ``req_id``: log it (once per request until it is released) and
@@ -265,6 +308,9 @@ class Binding:
         self.foreign.clear()
         self.mirror.clear()
         self.fell_back.clear()
+        self.recv_arm.clear()
+        for a in self.each()[1:]:
+            a.close()
         peer.withdraw(self)  # its hello (receiving), its watcher (sending)
 
 

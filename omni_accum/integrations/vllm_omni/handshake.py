@@ -150,8 +150,14 @@ def _context_len(b: Any, chunk: Mapping[str, Any]) -> int | None:
 
 def policy_fingerprint(policy: Policy, manager: Any = None) -> str:
     """A short fingerprint of a resolved policy: its rules, strategies, params and tuned table, and the
-    distribution versions of the strategy plugins it names. Equal on two stages that run the same policy."""
+    distribution versions of the strategy plugins it names. Equal on two stages that run the same policy. An A/B
+    split's takes in each arm's resolved policy, in the arms' order (which lays out their shares)."""
     data = policy.model_dump(mode="json", exclude_none=True)
+    if policy.ab is not None:
+        data["ab_resolved"] = [
+            [name, policy.ab.arms[name].weight, arm.model_dump(mode="json", exclude_none=True)]
+            for name, arm in policy.arm_policies().items()
+        ]
     text = json.dumps(data, sort_keys=True, default=str)
     versions = {}
     if manager is None:

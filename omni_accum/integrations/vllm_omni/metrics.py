@@ -25,7 +25,14 @@ metric                                         type       labels
 ``omni_accum_active_requests``                 gauge      ``role``
 ``omni_accum_merge_seconds``                   histogram  ``strategy`` (of the chunk's first append key)
 ``omni_accum_policy_info``                     gauge = 1  ``source``, ``fingerprint``, ``version``
+``omni_accum_ab_requests_total``               counter    ``arm``, ``role`` (an A/B split's arms only)
+``omni_accum_ab_merge_seconds``                histogram  ``arm`` (every chunk's receive-hook time)
+``omni_accum_ab_handoff_seconds``              histogram  ``arm``, ``pair``, ``kind`` (as ``omni_accum_handoff_seconds``)
 =============================================  =========  ============================================
+
+An A/B split's arm bindings (:mod:`.ab`) count into the families above as any binding does, and also into the
+``omni_accum_ab_*`` families under their arm (published at the same flush): a series that existed without a
+split keeps its labels.
 """
 
 from __future__ import annotations
@@ -110,11 +117,15 @@ class Recorder:
         "_flat",
         "t0",
         "_flushing",
+        "ab_arm",
+        "_ab_handoff",
         "__weakref__",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, arm: str | None = None) -> None:
         self.on = enabled()
+        self.ab_arm = arm  # an A/B arm's name: its counts also go to the omni_accum_ab_* families
+        self._ab_handoff: dict[tuple[str, str], list[float]] = {}  # (pair, kind) -> hand-off seconds (arms)
         self.fallbacks: defaultdict[str, int] = defaultdict(int)
         self.requests: defaultdict[tuple[str, str, str], int] = defaultdict(int)
         self.chunks_seen = 0
@@ -370,6 +381,13 @@ class Recorder:
     def fallback(self, reason: str) -> None:
         self.fallbacks[reason] += 1
 
+    def ab_handoff(self, pair: str, kind: str, seconds: float) -> None:
+        """An arm's timed hand-off (``omni_accum_ab_handoff_seconds``), published at the next flush."""
+        h = self._ab_handoff.get((pair, kind))
+        if h is None:
+            h = self._ab_handoff.setdefault((pair, kind), [])
+        h.append(seconds)
+
     def request(self, role: str, context_bucket: str = "none", concurrency_bucket: str = "none") -> None:
         self.requests[(role, context_bucket, concurrency_bucket)] += 1
 
@@ -416,17 +434,31 @@ class Recorder:
                 if n:
                     slot[_B] -= n
                     child(m, "wire", slot[_WLABELS]).inc(n)
+            arm = self.ab_arm
             for table, name in ((self.fallbacks, "fallbacks"), (self.requests, "requests")):
                 for labels, n in list(table.items()):
                     if n:
                         table[labels] -= n
                         child(m, name, labels if name == "requests" else (labels,)).inc(n)
+                        if arm is not None and name == "requests":
+                            child(m, "ab_requests", (arm, labels[0])).inc(n)
             for strategy, times in list(self._hist.items()):
                 k = len(times)
                 if k:
                     batch = times[:k]
                     del times[:k]
-                    _observe_many(child(m, "merge", (strategy,)), *_buckets(batch))
+                    counts, sums = _buckets(batch)
+                    _observe_many(child(m, "merge", (strategy,)), counts, sums)
+                    if arm is not None:
+                        _observe_many(child(m, "ab_merge", (arm,)), counts, sums)
+            for labels, times in list(self._ab_handoff.items()):
+                k = len(times)
+                if k:
+                    batch = times[:k]
+                    del times[:k]
+                    hist = child(m, "ab_handoff", (arm or "", *labels))
+                    for x in batch:
+                        hist.observe(x)
             if gauges is not None:
                 held, active = gauges
                 m["held"].set(held)
@@ -443,6 +475,8 @@ class Recorder:
         self.fallbacks.clear()
         self.requests.clear()
         for times in self._hist.values():
+            times.clear()
+        for times in self._ab_handoff.values():
             times.clear()
 
 

@@ -99,6 +99,22 @@ def _registry_metrics() -> dict[str, Any] | None:
                 "Bytes the stage input processor's prefill accumulation copied",
                 ["strategy"],
             ),
+            # A/B splits (:mod:`.ab`): new families, so a split leaves every series above as it was
+            "ab_requests": Counter(
+                "omni_accum_ab_requests_total", "Requests per arm of an A/B split", ["arm", "role"]
+            ),
+            "ab_merge": Histogram(
+                "omni_accum_ab_merge_seconds",
+                "Time a receive hook spends per chunk, per arm of an A/B split",
+                ["arm"],
+                buckets=MERGE_BUCKETS,
+            ),
+            "ab_handoff": Histogram(
+                "omni_accum_ab_handoff_seconds",
+                "omni_accum_handoff_seconds per arm of an A/B split",
+                ["arm", "pair", "kind"],
+                buckets=HANDOFF_BUCKETS,
+            ),
             "info": Gauge(
                 "omni_accum_policy_info",
                 "The policy a binding runs (value 1)",

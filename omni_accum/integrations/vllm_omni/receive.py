@@ -19,7 +19,7 @@ import torch
 
 from omni_accum.engine import WIRE_MARKER
 from omni_accum.errors import AccumulationError, OmniAccumError
-from omni_accum.integrations.vllm_omni import capture, handoff
+from omni_accum.integrations.vllm_omni import ab, capture, handoff
 from omni_accum.integrations.vllm_omni.binding import Binding, _leaves, _path, binding_for
 from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, count_bits, number_once, split_mask
 from omni_accum.integrations.vllm_omni.peer import announce
@@ -230,6 +230,10 @@ def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
         if b is not None and isinstance(payload, dict) and payload:
             if not b.stats["chunks_received"]:
                 announce(self, b)  # an adapter made before omni-accum was installed says hello now (.peer)
+            if b.arms is not None:  # an A/B split: the arm the sender announced, else the id's (.ab)
+                if "_capture" not in b.__dict__:
+                    capture.attach(b, self)
+                b = ab.receive_arm(b, self, req_id, payload, connector_get_key)
             b.stats["chunks_received"] += 1
             ar = self.model_mode == "ar"
             new = req_id not in b.held_once
@@ -247,6 +251,8 @@ def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
             raw = payload.get(OMITTED_KEY)
             if raw.__class__ is list:  # maybe timed: merged and readable now (.handoff)
                 handoff.arrived(b, stage_id, raw, payload)
+                if b.arm is not None:
+                    ab.arrived(b, stage_id, raw)
             cap = b.__dict__.get("_capture", False)
             if cap is False:
                 cap = capture.attach(b, self)  # OMNI_ACCUM_CAPTURE / the extra's omni_accum_capture (.capture)

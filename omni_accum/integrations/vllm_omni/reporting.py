@@ -110,7 +110,7 @@ def status() -> Status:
                 chunks_sent=b.stats["chunks_sent"],
                 chunks_received=b.stats["chunks_received"],
                 omitted=b.stats["omitted"],
-                active_requests=b.receiver.active_requests + b.sender.active_requests,
+                active_requests=sum(x.receiver.active_requests + x.sender.active_requests for x in b.each()),
                 peer=peer.describe(b),
             )
         )

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from omni_accum.engine import WIRE_MARKER
-from omni_accum.integrations.vllm_omni import capture, handoff
+from omni_accum.integrations.vllm_omni import ab, capture, handoff
 from omni_accum.integrations.vllm_omni.binding import Binding, binding_for, published_later
 from omni_accum.integrations.vllm_omni.marker import (
     MARKERS,
@@ -195,6 +195,9 @@ def wrap_send(orig: Callable[..., Any]) -> Callable[..., Any]:
         if "_capture" not in b.__dict__:
             capture.attach(b, self)  # OMNI_ACCUM_CAPTURE / the extra's omni_accum_capture (.capture)
         ext_id = task["request"].external_req_id
+        top = b
+        if b.arms is not None:  # an A/B split: the request's arm, from its id (.ab)
+            b = ab.send_arm(b, ext_id)
         _tls.send = (b, ext_id, conn, task)
         try:
             return orig(self, task, sender_token)
@@ -203,7 +206,7 @@ def wrap_send(orig: Callable[..., Any]) -> Callable[..., Any]:
             # A terminal chunk whose request the adapter already forgot (its clear ran before this put
             # finished, as 0.28 allows): release what the encode just (re)created, or it would leak.
             if task.get("is_finished") and ext_id not in getattr(self, "put_req_chunk", {}):
-                _release_sender(b, ext_id, conn)
+                _release_sender(top, ext_id, conn)
 
     return _send_single_request_for_generation
 
@@ -215,10 +218,11 @@ def _release_sender(b: Binding, ext_id: str, conn: Any = None) -> None:
             release(ext_id)
         except Exception as e:  # noqa: BLE001 - a connector's cleanup never fails vllm-omni's
             logger.warning("omni-accum: %s.release_request(%r) failed: %s", type(conn).__name__, ext_id, e)
-    b.sender.release(ext_id)
-    b.sent_once.pop(ext_id, None)
-    b.live_send.discard(ext_id)
-    b.send_ctx.pop(ext_id, None)
+    for x in b.each():  # itself and its A/B arms'
+        x.sender.release(ext_id)
+        x.sent_once.pop(ext_id, None)
+        x.live_send.discard(ext_id)
+        x.send_ctx.pop(ext_id, None)
     capture.released(b, ext_id, "send")
     published_later(b)  # off vllm-omni's sender lock, which this runs under
 
