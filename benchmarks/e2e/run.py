@@ -52,12 +52,16 @@ from e2e_procs import (  # noqa: E402
 )  # fmt: skip
 from e2e_report import compare, metrics_delta, payload_memcpy_ms, print_metrics, print_table, scrape_metrics  # noqa: E402
 
+import hosts as hosts_mode  # noqa: E402 - run.py --hosts N (network namespaces, netns.py)
+
 WORK = HERE / ".work"
 MODELS = {"tiny": WORK / "model", "light": WORK / "model-light"}  # build_model.py --variant NAME
 DEFAULT_MODEL = "tiny"
 DEFAULT_DEPLOY = HERE / "configs" / "qwen3_omni_cpu.yaml"
 VENV_BIN = Path(sys.executable).parent
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el,audio_ttfp,audio_rtf"
+# --hosts runs this in place of the default deploy: both stage hops over Mooncake, the only ones that cross hosts
+HOSTS_DEPLOY = HERE / "configs" / "qwen3_omni_cpu_mooncake.yaml"
 SMOKE_PROMPT = "Say hello to the world."
 # The correctness probes: a short prompt and a longer one (a few hundred tokens of prefill payload).
 PROBE_PROMPTS = (
@@ -187,8 +191,17 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
         for f in prom_dir.glob("*"):
             f.unlink()
     prom_dir.mkdir(exist_ok=True)
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
+    server = None  # --hosts: the stages on simulated hosts (hosts.py); else one `vllm-omni serve` here
+    if args.hosts:
+        server = hosts_mode.HostsServer(
+            hosts=args.hosts, deploy=Path(arm.deploy or args.deploy_config), model=Path(args.model), venv_bin=VENV_BIN,
+            arm_dir=arm_dir, start_timeout=args.start_timeout, grace=args.stop_grace, log=log,
+        ).open()  # fmt: skip
+    port = hosts_mode.API_PORT if server else free_port()
+    base = server.base if server else f"http://127.0.0.1:{port}"
+    no_proxy = ",".join(["127.0.0.1", "localhost", *(server.addresses if server else [])])
+    if server:
+        os.environ["NO_PROXY"] = os.environ["no_proxy"] = no_proxy  # this process' own requests to the hosts
     env = {k: v for k, v in os.environ.items() if k not in arm.unset}
     env.update(
         {
@@ -201,8 +214,8 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
             "PROMETHEUS_MULTIPROC_DIR": str(prom_dir),
             "PATH": f"{VENV_BIN}:{env.get('PATH', '')}",
             "PYTHONUNBUFFERED": "1",
-            "NO_PROXY": "127.0.0.1,localhost",
-            "no_proxy": "127.0.0.1,localhost",
+            "NO_PROXY": no_proxy,
+            "no_proxy": no_proxy,
         }
     )
     env.update(arm.env)
@@ -227,17 +240,32 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
         "server_log": str(server_log),
         "status_dir": str(status_dir),
     }
+    if server:
+        server_log = arm_dir / "api.log"  # the head's; each host's process logs to <arm dir>/<host>.log
+        result["server_log"] = str(server_log)
+        result["server_cmd"] = None  # the head's, once it starts (result["hosts"]["commands"]: every host's)
     shm_before = shm_entries()
-    log(f"[{arm.name}] starting: {' '.join(cmd)} (env {arm.env}; log {server_log})")
+    if server:
+        cmd = []  # each host's command is logged as it starts (hosts.py), and in result["hosts"]
+        log(f"[{arm.name}] starting on {args.hosts} hosts (env {arm.env}; logs {arm_dir}/<host>.log)")
+    else:
+        log(f"[{arm.name}] starting: {' '.join(cmd)} (env {arm.env}; log {server_log})")
     t0 = time.monotonic()
     known: list[dict[str, Any]] = []
-    with open(server_log, "wb") as slog, open(client_log, "ab") as clog:
-        proc = subprocess.Popen(cmd, env=env, stdout=slog, stderr=subprocess.STDOUT, start_new_session=True)
-        result["server_pid"] = proc.pid
+    with open(os.devnull if server else server_log, "wb") as slog, open(client_log, "ab") as clog:
+        proc = None
         try:
-            result["start_s"] = round(wait_ready(base, proc, args.start_timeout), 1)
+            if server:
+                result["hosts"] = server.describe()  # its "commands" fill in as each host's process starts
+                proc = server.start(env).popen
+                result["server_cmd"] = server.commands["api"]
+            else:
+                proc = subprocess.Popen(cmd, env=env, stdout=slog, stderr=subprocess.STDOUT, start_new_session=True)
+            result["server_pid"] = proc.pid
+            ready_s = server.wait_ready(args.start_timeout) if server else wait_ready(base, proc, args.start_timeout)
+            result["start_s"] = round(ready_s, 1)
             result["started"] = True
-            known = server_processes(proc.pid)
+            known = server.processes() if server else server_processes(proc.pid)
             log(f"[{arm.name}] ready in {result['start_s']} s on port {port}, {len(known)} processes")
             probes = []
             for prompt in PROBE_PROMPTS[:1] if args.smoke else PROBE_PROMPTS:
@@ -268,7 +296,7 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
             result["metrics"] = scrape_or_error(base)  # what omni-accum counted, as an operator's scrape sees it
             print_metrics(arm.name, result["metrics"])
             snap = {i["pid"]: i for i in known}
-            snap.update({i["pid"]: i for i in server_processes(proc.pid)})
+            snap.update({i["pid"]: i for i in (server.processes() if server else server_processes(proc.pid))})
             known = sorted(snap.values(), key=lambda i: i["pid"])
             live = [proc_info(i["pid"]) for i in known if alive(i)]
             result["rss_total_mb"] = round(sum(i["rss_mb"] or 0 for i in live if i), 1)
@@ -279,16 +307,27 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
             result["error"] = f"{type(e).__name__}: {e}"
             log(f"[{arm.name}] {result['error']}")
             snap = {i["pid"]: i for i in known}
-            snap.update({i["pid"]: i for i in server_processes(proc.pid)})
+            if server:
+                snap.update({i["pid"]: i for i in server.processes()})
+            elif proc is not None:
+                snap.update({i["pid"]: i for i in server_processes(proc.pid)})
             known = sorted(snap.values(), key=lambda i: i["pid"])
-        finally:
+        finally:  # also on Ctrl-C and SIGTERM (netns.Interrupted, --hosts): nothing of the arm stays
             status_before = read_status_dir(status_dir)
-            result["stop"] = stop_server(proc, known, port, args.stop_grace)
+            if server:
+                result["stop"] = server.stop(known)
+            elif proc is not None:
+                result["stop"] = stop_server(proc, known, port, args.stop_grace)
+            else:
+                result["stop"] = {"clean": False, "note": "the server never started"}
             result["stop"]["shm"] = shm_cleanup(shm_before)
             log(f"[{arm.name}] stopped: {result['stop']}")
     result["wall_s"] = round(time.monotonic() - t0, 1)
     status = read_status_dir(status_dir) or status_before  # refreshed at exit; else the last refresh
     logs = scan_log(server_log)
+    if server:  # the stages' log lines are in their hosts' own files
+        for f in sorted(arm_dir.glob("stage*.log")):
+            logs.update(scan_log(f))
     result["processes"] = [
         {
             "pid": i["pid"],
@@ -298,6 +337,7 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
             "rss_mb": i["rss_mb"],
             "pss_mb": i.get("pss_mb"),
             "role": role_of(i, {k["pid"]: k for k in known}),
+            **({"host": i["host"]} if "host" in i else {}),
         }
         for i in known
     ]
@@ -308,7 +348,7 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
     if args.keep_logs:
         keep = Path(args.keep_logs) / arm_dir.name
         keep.mkdir(parents=True, exist_ok=True)
-        for f in (server_log, client_log):
+        for f in (server_log, client_log, *(sorted(arm_dir.glob("*.log")) if server else [])):
             if f.exists():
                 (keep / f.name).write_bytes(f.read_bytes())
     return result
@@ -337,6 +377,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="benchmark dataset seed")
     ap.add_argument("--json", dest="json_out", type=Path, help="write every result here")
     ap.add_argument("--keep-logs", type=Path, help="copy each arm's server / client logs here")
+    ap.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="run each arm's server across N simulated hosts (network namespaces; root): the Mooncake master, "
+        "the API server with stage 0, one per other stage (4 for Qwen3-Omni), over "
+        "configs/qwen3_omni_cpu_mooncake.yaml in place of the default deploy. 0: one host (default)",
+    )
     ap.add_argument(
         "--smoke",
         action="store_true",
@@ -380,6 +428,21 @@ def main(argv: list[str] | None = None) -> int:
         arms = [make_arm(a.strip()) for a in args.arms.split(",") if a.strip()]
     except SystemExit as e:
         ap.error(str(e))
+    if args.hosts:
+        if args.hosts < 0:
+            ap.error(f"--hosts: {args.hosts} is not a host count (0: one host; 4 for the Qwen3-Omni deploys)")
+        if (HERE / "configs" / "qwen3_omni_cpu.yaml").resolve() == Path(args.deploy_config).resolve():
+            args.deploy_config = HOSTS_DEPLOY.resolve()  # shared memory does not cross hosts
+        for arm in arms:
+            try:
+                hosts_mode.plan(Path(arm.deploy or args.deploy_config), args.hosts)
+            except (hosts_mode.HostsUsageError, OSError) as e:
+                ap.error(f"arm {arm.name}: {e}")
+        # root, ip, namespaces, Mooncake: without them the mode says so and stops
+        why = hosts_mode.prerequisites(VENV_BIN / "python")
+        if why:
+            print(f"run.py --hosts {args.hosts}: {why}", file=sys.stderr)
+            return 2
     args.work_dir.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=args.work_dir))
     log(f"run folder {run_dir}")
