@@ -3,7 +3,7 @@
 Each command family lives in its own module of :mod:`omni_accum.cli` exposing
 ``register(subparsers)`` (:mod:`~omni_accum.cli.policy`: ``strategies``, ``validate``,
 ``explain``, ``show``; :mod:`~omni_accum.cli.bench`; :mod:`~omni_accum.cli.tune`;
-:mod:`~omni_accum.cli.trace`); this module only builds the parser and turns omni-accum's own errors into one-line messages (exit 1) instead
+:mod:`~omni_accum.cli.trace`; :mod:`~omni_accum.cli.ab`); this module only builds the parser and turns omni-accum's own errors into one-line messages (exit 1) instead
 of tracebacks. argparse usage errors exit 2.
 """
 
@@ -17,12 +17,12 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from omni_accum import __version__
-from omni_accum.cli import bench, doctor, policy, trace, tune
+from omni_accum.cli import ab, bench, doctor, policy, trace, tune
 from omni_accum.errors import OmniAccumError
 from omni_accum.manager import ENV_TRACE, _env_flag, ensure_visible_logging
 
 #: Modules contributing subcommands, in the order they appear in ``--help``.
-COMMAND_MODULES: tuple[ModuleType, ...] = (policy, bench, tune, trace, doctor)
+COMMAND_MODULES: tuple[ModuleType, ...] = (policy, bench, tune, trace, ab, doctor)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -146,8 +146,8 @@ class ABArm(BaseModel):
     @field_validator("weight", mode="before")
     @classmethod
     def _weight_not_bool(cls, v: Any) -> Any:
-        if isinstance(v, bool):
-            raise ValueError(f"Input should be a number > 0 (got {v!r})")
+        if isinstance(v, bool) or (isinstance(v, (int, float)) and not v > 0):
+            raise ValueError(f"Input should be a number > 0, a share of the requests (got {v!r})")
         return v
 
 

@@ -1,0 +1,300 @@
+"""``omni-accum ab --metrics URL|FILE``: compare the arms of a live A/B split from a ``/metrics`` scrape.
+
+Reads ``omni_accum_ab_merge_seconds{arm}`` and ``omni_accum_ab_handoff_seconds{arm,pair,kind}`` (the
+Prometheus text format, parsed by ``prometheus_client.parser``) and prints, per arm, the count, the mean with
+a 95% interval of the mean, and approximate p50 / p90; then each other arm against the baseline arm
+(``--baseline``; default ``control`` when there is one, else the first by name): the
+difference of the means with its 95% interval and a verdict, ``above the noise`` when that interval leaves
+out 0, else ``within the noise``.
+
+Everything comes from histogram buckets, so it is approximate: the mean is exact (``_sum / _count``); the
+spread is estimated with each observation at its bucket's midpoint plus the bucket's own width (as if uniform
+inside it: ``width**2 / 12``; the +Inf bucket counts at its lower bound), which widens rather than narrows the
+interval; quantiles are interpolated inside their bucket as Prometheus' ``histogram_quantile`` does. An arm
+with fewer than :data:`MIN_COUNT` observations gets no verdict (``too few``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+MERGE = "omni_accum_ab_merge_seconds"
+HANDOFF = "omni_accum_ab_handoff_seconds"
+REQUESTS = "omni_accum_ab_requests_total"
+#: Observations an arm needs for a verdict.
+MIN_COUNT = 30
+Z95 = 1.959963984540054
+MAX_BYTES = 64 * 1024 * 1024  # a /metrics page is some KiB to a few MiB
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "ab",
+        help="compare the arms of a live A/B split: per-arm merge and hand-off time, and whether they differ",
+        description=(
+            "Read omni-accum's A/B metrics from a /metrics URL or a saved scrape and print, per arm, the merge "
+            "time per chunk (omni_accum_ab_merge_seconds) and the hand-off time per stage pair and kind "
+            "(omni_accum_ab_handoff_seconds): count, mean with a 95% interval, p50 and p90 (approximate: from "
+            "the histogram buckets); then each arm against the baseline arm: the difference and whether it is "
+            "above the noise (its 95% interval leaves out 0). Exit 0: printed; 1: no A/B series in the input; "
+            "2: the input cannot be read."
+        ),
+    )
+    p.add_argument(
+        "--metrics",
+        required=True,
+        metavar="URL|FILE",
+        help="an http(s) URL of a /metrics page (e.g. http://127.0.0.1:8091/metrics) or a file holding one scrape",
+    )
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="seconds to wait for the URL (default 10)")
+    p.add_argument(
+        "--baseline",
+        metavar="ARM",
+        help="the arm the others are compared with (default: 'control' when there is one, else the first by name)",
+    )
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    p.set_defaults(func=run)
+
+
+class InputError(Exception):
+    """The input named cannot be read or parsed (exit 2)."""
+
+
+def read_text(where: str, timeout: float = 10.0) -> str:
+    """The text of a ``/metrics`` URL or of a saved scrape file."""
+    scheme = urllib.parse.urlsplit(where).scheme.lower()
+    if scheme in ("http", "https"):
+        try:
+            with urllib.request.urlopen(where, timeout=timeout) as resp:  # noqa: S310 - http(s) only, checked above
+                body = resp.read(MAX_BYTES + 1)
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            reason = getattr(e, "reason", None) or e
+            if isinstance(e, urllib.error.HTTPError):
+                reason = f"HTTP {e.code} {e.reason}"
+            raise InputError(f"{where}: cannot read the URL: {reason}") from e
+        if len(body) > MAX_BYTES:
+            raise InputError(f"{where}: more than {MAX_BYTES >> 20} MiB: not a /metrics page")
+        return body.decode("utf-8", "replace")
+    if scheme and len(scheme) > 1:  # a URL of another kind (c:\\ is a drive, not a scheme)
+        raise InputError(f"{where}: unsupported URL scheme {scheme!r}: give an http(s) URL or a file")
+    path = Path(where)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "no such file" if not path.exists() else "not a regular file"
+        raise InputError(f"{where}: {what} (give a saved /metrics scrape or an http(s) URL)")
+    try:
+        with path.open("rb") as f:
+            body = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise InputError(f"{where}: cannot read: {e.strerror or e}") from e
+    if len(body) > MAX_BYTES:
+        raise InputError(f"{where}: more than {MAX_BYTES >> 20} MiB: not a /metrics scrape")
+    return body.decode("utf-8", "replace")
+
+
+@dataclass
+class Hist:
+    """One arm's histogram (summed over the series that share its labels): cumulative counts per ``le``."""
+
+    buckets: dict[float, float]
+    total: float = 0.0
+    count: float = 0.0
+
+
+def parse(text: str, where: str) -> tuple[dict[tuple[str, ...], Hist], dict[tuple[str, ...], Hist], dict[str, dict]]:
+    """``(merge by (arm,), hand-off by (arm, pair, kind), requests by arm by role)`` of a scrape."""
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError as e:  # vLLM depends on it; a bare install may not have it
+        raise InputError(f"reading {where} needs prometheus_client: pip install prometheus_client") from e
+    merge: dict[tuple[str, ...], Hist] = {}
+    hand: dict[tuple[str, ...], Hist] = {}
+    reqs: dict[str, dict[str, float]] = {}
+    try:
+        for fam in text_string_to_metric_families(text):
+            if fam.name in (MERGE, HANDOFF):
+                into, names = (merge, ("arm",)) if fam.name == MERGE else (hand, ("arm", "pair", "kind"))
+                for s in fam.samples:
+                    key = tuple(s.labels.get(n, "") for n in names)
+                    h = into.setdefault(key, Hist({}))
+                    if s.name.endswith("_bucket"):
+                        le = float(s.labels.get("le", "+Inf"))
+                        h.buckets[le] = h.buckets.get(le, 0.0) + s.value
+                    elif s.name.endswith("_sum"):
+                        h.total += s.value
+                    elif s.name.endswith("_count"):
+                        h.count += s.value
+            elif fam.name in (REQUESTS, REQUESTS.removesuffix("_total")):
+                for s in fam.samples:
+                    if s.name.endswith("_total"):
+                        row = reqs.setdefault(s.labels.get("arm", ""), {})
+                        role = s.labels.get("role", "")
+                        row[role] = row.get(role, 0.0) + s.value
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        raise InputError(f"{where}: not the Prometheus text format: {e}") from e
+    return merge, hand, reqs
+
+
+def _bins(h: Hist) -> list[tuple[float, float, float]]:
+    """``(lower, upper, count)`` per bucket (upper +Inf for the last)."""
+    out, lo, seen = [], 0.0, 0.0
+    for le in sorted(h.buckets):
+        c = h.buckets[le] - seen
+        seen = h.buckets[le]
+        if c > 0:
+            out.append((lo, le, c))
+        lo = le if math.isfinite(le) else lo
+    return out
+
+
+def quantile(h: Hist, q: float) -> float | None:
+    """Approximate ``q`` quantile (Prometheus' ``histogram_quantile``: linear inside the bucket; the +Inf
+    bucket answers its lower bound)."""
+    n = h.count or (max(h.buckets.values()) if h.buckets else 0.0)
+    if n <= 0:
+        return None
+    rank, seen = q * n, 0.0
+    for lo, hi, c in _bins(h):
+        if seen + c >= rank:
+            if not math.isfinite(hi):
+                return lo
+            return lo + (hi - lo) * (rank - seen) / c
+        seen += c
+    return None
+
+
+@dataclass
+class ArmStats:
+    count: int
+    mean: float | None
+    ci_low: float | None
+    ci_high: float | None
+    se: float | None
+    p50: float | None
+    p90: float | None
+
+
+def stats(h: Hist) -> ArmStats:
+    """Count, mean, 95% interval of the mean (normal approximation, spread from the buckets), p50, p90."""
+    n = h.count
+    if n <= 0:
+        return ArmStats(0, None, None, None, None, None, None)
+    mean = h.total / n
+    ss = 0.0
+    for lo, hi, c in _bins(h):
+        mid, width = ((lo + hi) / 2, hi - lo) if math.isfinite(hi) else (lo, 0.0)
+        ss += c * ((mid - mean) ** 2 + width**2 / 12)
+    se = math.sqrt(ss / max(n - 1, 1) / n)
+    return ArmStats(int(n), mean, mean - Z95 * se, mean + Z95 * se, se, quantile(h, 0.5), quantile(h, 0.9))
+
+
+def compare(a: ArmStats, b: ArmStats) -> dict[str, Any]:
+    """Arm ``b`` against arm ``a``: the difference of the means, its 95% interval and the verdict."""
+    if a.count < MIN_COUNT or b.count < MIN_COUNT or a.mean is None or b.mean is None:
+        return {"difference": None, "ci_low": None, "ci_high": None, "verdict": f"too few (< {MIN_COUNT} per arm)"}
+    d = b.mean - a.mean
+    half = Z95 * math.hypot(a.se or 0.0, b.se or 0.0)
+    above = abs(d) > half
+    return {
+        "difference": d,
+        "relative": d / a.mean if a.mean else None,
+        "ci_low": d - half,
+        "ci_high": d + half,
+        "verdict": "difference above the noise" if above else "within the noise",
+    }
+
+
+def analyse(merge: dict, hand: dict, reqs: dict, baseline: str | None = None) -> dict[str, Any]:
+    """The comparison as plain data (what ``--json`` prints); ``baseline``: the arm the others are compared
+    with (default: ``control`` when there is one, else the first by name)."""
+    out: dict[str, Any] = {"requests": reqs, "groups": []}
+    groups: list[tuple[str, dict[str, Hist]]] = [("merge", {k[0]: h for k, h in merge.items()})]
+    for pk in sorted({k[1:] for k in hand}):
+        groups.append((f"handoff {pk[0]} {pk[1]}", {k[0]: h for k, h in hand.items() if k[1:] == pk}))
+    for what, by_arm in groups:
+        arms = {arm: stats(h) for arm, h in by_arm.items()}
+        first = baseline if baseline in arms else "control" if "control" in arms else None
+        order = sorted(arms, key=lambda a: (a != first, a))
+        base = order[0] if order else None
+        vs = {arm: compare(arms[base], arms[arm]) for arm in order[1:]} if base else {}
+        out["groups"].append(
+            {"what": what, "arms": {a: asdict(arms[a]) for a in order}, "baseline": base, "versus": vs}
+        )
+    return out
+
+
+def _us(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1e6:.1f} us" if abs(x) < 1e-2 else f"{x * 1e3:.2f} ms"
+
+
+def format_report(data: dict[str, Any]) -> str:
+    lines = []
+    reqs = data["requests"]
+    if reqs:
+        lines.append("requests per arm: " + ", ".join(
+            f"{arm} " + "/".join(f"{role} {int(n)}" for role, n in sorted(roles.items())) for arm, roles in reqs.items()
+        ))
+    for g in data["groups"]:
+        title = "merge time per chunk (receive hook)" if g["what"] == "merge" else f"hand-off {g['what'][8:]}"
+        lines.append("")
+        lines.append(title)
+        lines.append(f"  {'arm':<16} {'count':>8}  {'mean':>10}  {'95% interval of the mean':>26}  {'p50':>10}  {'p90':>10}")
+        for arm, s in g["arms"].items():
+            ci = f"[{_us(s['ci_low'])}, {_us(s['ci_high'])}]" if s["mean"] is not None else "-"
+            lines.append(
+                f"  {arm:<16} {s['count']:>8}  {_us(s['mean']):>10}  {ci:>26}  {_us(s['p50']):>10}  {_us(s['p90']):>10}"
+            )
+        for arm, v in g["versus"].items():
+            if v["difference"] is None:
+                lines.append(f"  {arm} vs {g['baseline']}: {v['verdict']}")
+                continue
+            rel = f" ({v['relative']:+.1%})" if v.get("relative") is not None else ""
+            sign = "+" if v["difference"] >= 0 else "-"
+            lines.append(
+                f"  {arm} vs {g['baseline']}: {sign}{_us(abs(v['difference']))}{rel}, 95% interval "
+                f"[{_us(v['ci_low'])}, {_us(v['ci_high'])}]: {v['verdict']}"
+            )
+    lines.append("")
+    lines.append("(approximate: spread and quantiles from the histogram buckets; means exact)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    prog = "omni-accum ab"
+    where = args.metrics
+    if not (args.timeout > 0):
+        print(f"{prog}: error: --timeout {args.timeout}: give seconds > 0", file=sys.stderr)
+        return 2
+    try:
+        merge, hand, reqs = parse(read_text(where, args.timeout), where)
+    except InputError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if not merge and not hand:
+        print(
+            f"{prog}: {where}: no {MERGE} or {HANDOFF} series: no A/B split has recorded there (a policy with an ab "
+            "section, metrics on, and chunks received since the server started)",
+            file=sys.stderr,
+        )
+        return 1
+    arms = {k[0] for k in merge} | {k[0] for k in hand}
+    if args.baseline is not None and args.baseline not in arms:
+        print(f"{prog}: error: --baseline {args.baseline!r}: no such arm in {where} (arms: {', '.join(sorted(arms))})",
+              file=sys.stderr)
+        return 2
+    data = analyse(merge, hand, reqs, args.baseline)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        print(format_report(data))
+    return 0

@@ -1,0 +1,273 @@
+"""Live A/B without vllm-omni: the ``ab`` policy section (validation, arms, the hash that splits requests,
+the fingerprint) and ``omni-accum ab`` on a scrape (a file, and a loopback URL)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import subprocess
+import sys
+import threading
+from collections import Counter
+
+import pytest
+
+from omni_accum.cli import main
+from omni_accum.errors import PolicyError
+from omni_accum.policy import load_policy
+
+SPLIT = {"ab": {"arms": {"control": {"policy": "default"}, "treatment": {"policy": "qwen3-omni", "weight": 3}}}}
+
+
+# ------------------------------------------------------------------------------------------- the section
+def test_arms_resolve_like_any_policy_reference_and_the_policy_resolves_as_its_first_arm():
+    p = load_policy(SPLIT)
+    arms = p.arm_policies()
+    assert list(arms) == ["control", "treatment"]
+    assert arms["treatment"] == load_policy("qwen3-omni") and arms["control"] == load_policy("default")
+    key = "thinker_embeddings"  # send_once under qwen3-omni, cat under default
+    assert load_policy("qwen3-omni").resolve(key).strategy != load_policy("default").resolve(key).strategy
+    assert p.resolve(key).strategy == arms["control"].resolve(key).strategy
+    assert "ab arm 'control'" in p.resolve(key).source
+
+
+def test_an_arm_file_is_read_from_the_folder_of_the_policy_that_names_it(tmp_path):
+    (tmp_path / "mine.yaml").write_text("default: token_list\n")
+    top = tmp_path / "split.yaml"
+    top.write_text("ab:\n  arms:\n    control: {policy: default}\n    mine: {policy: mine.yaml}\n")
+    assert load_policy(str(top)).arm_policies()["mine"].default.strategy == "token_list"
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "wanted"),
+    [
+        (
+            "ab:\n  arms:\n    control: {policy: default}\n    treatment: {policy: nope}\n",
+            4,
+            ["ab.arms.treatment.policy", "'nope'", "Available presets: default, qwen3-omni"],
+        ),
+        ("ab:\n  arms:\n    control: {policy: default}\n", 3, ["two or more arms", "'control'"]),
+        (
+            "ab:\n  arms:\n    control: {policy: default}\n    'a-b': {policy: default}\n",
+            3,
+            ["arm name 'a-b'", "letters, digits and '_'", "16 characters"],
+        ),
+        (
+            "ab:\n  arms:\n    control: {policy: default}\n    averyveryverylongarmname: {policy: default}\n",
+            3,
+            ["'averyveryverylongarmname'"],
+        ),
+        ("ab:\n  arms:\n    control: {policy: default, weight: 0}\n    t: {policy: default}\n", 3, ["weight", "> 0"]),
+        ("ab:\n  arms:\n    control: {policy: default, weight: -1}\n    t: {policy: default}\n", 3, ["weight"]),
+        ("ab:\n  arms:\n    control: {policy: default, weight: true}\n    t: {policy: default}\n", 3, ["True"]),
+        (
+            "ab:\n  arms:\n    control: {policy: default, wieght: 2}\n    t: {policy: default}\n",
+            3,
+            ["wieght", "Allowed fields: policy, weight"],
+        ),
+        (
+            "rules: [{match: x, strategy: replace}]\nab:\n  arms:\n    c: {policy: default}\n    t: {policy: default}\n",
+            3,  # the ab section's body
+            ["ab:", "also sets rules", "into an arm's policy"],
+        ),
+    ],
+)
+def test_a_bad_split_names_the_value_the_place_and_the_choices(tmp_path, text, line, wanted):
+    f = tmp_path / "split.yaml"
+    f.write_text(text)
+    with pytest.raises(PolicyError) as e:
+        load_policy(str(f))
+    msg = str(e.value)
+    assert f"{f}, line {line}:" in msg, msg
+    for w in wanted:
+        assert w in msg, (w, msg)
+
+
+def test_an_arm_that_splits_again_is_refused_not_followed(tmp_path):
+    f = tmp_path / "loop.yaml"  # an arm naming the file itself: refused, no recursion
+    f.write_text(f"ab:\n  arms:\n    a: {{policy: {f}}}\n    b: {{policy: default}}\n")
+    with pytest.raises(PolicyError, match=r"ab.arms.a.policy: .*an ab section of its own"):
+        load_policy(str(f))
+
+
+def test_the_cli_validates_a_split(tmp_path, capsys):
+    f = tmp_path / "split.yaml"
+    f.write_text("ab:\n  arms:\n    control: {policy: default}\n    treatment: {policy: qwen3-omni}\n")
+    assert main(["validate", str(f)]) == 0
+    capsys.readouterr()
+    f.write_text("ab:\n  arms:\n    control: {policy: default}\n    treatment: {policy: nope}\n")
+    assert main(["validate", str(f)]) != 0
+    got = capsys.readouterr()
+    assert f"{f}, line 4: ab.arms.treatment.policy: 'nope'" in got.out + got.err
+
+
+# ---------------------------------------------------------------------------------------- the hash
+def test_the_same_request_id_takes_the_same_arm_in_every_process():
+    split = load_policy(SPLIT).ab
+    ids = [f"chatcmpl-{i}" for i in range(200)]
+    here = [split.arm_for(r) for r in ids]
+    code = (
+        "import json, sys; from omni_accum.policy import load_policy\n"
+        f"s = load_policy({SPLIT!r}).ab\n"
+        f"print(json.dumps([s.arm_for(r) for r in {ids!r}]))"
+    )
+    env_run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(env_run.stdout.strip().splitlines()[-1]) == here
+    # BLAKE2b of the id, not Python's per-process hash(): a fixed id has a fixed arm, here as anywhere
+    assert [split.arm_for(f"req-{i}") for i in range(6)] == [split.arm_for(f"req-{i}") for i in range(6)]
+
+
+def test_weights_lay_out_the_shares():
+    split = load_policy(SPLIT).ab  # control 1, treatment 3
+    n = Counter(split.arm_for(f"r{i}") for i in range(4000))
+    assert set(n) == {"control", "treatment"}
+    assert 0.2 < n["control"] / 4000 < 0.3  # 1/4, on fixed ids (derandomized: the same count every run)
+    even = load_policy(
+        {"ab": {"arms": {"a": {"policy": "default"}, "b": {"policy": "default"}, "c": {"policy": "default"}}}}
+    ).ab
+    m = Counter(even.arm_for(f"r{i}") for i in range(3000))
+    assert all(800 < m[k] < 1200 for k in "abc"), m
+
+
+def test_the_fingerprint_covers_the_arms_policies_weights_and_order():
+    from omni_accum.integrations.vllm_omni.handshake import policy_fingerprint
+
+    def fp(arms):
+        return policy_fingerprint(load_policy({"ab": {"arms": arms}}))
+
+    a = {"control": {"policy": "default"}, "treatment": {"policy": "qwen3-omni"}}
+    assert fp(a) == fp(dict(a))
+    assert fp(a) != fp({"treatment": {"policy": "qwen3-omni"}, "control": {"policy": "default"}})  # order
+    assert fp(a) != fp({**a, "treatment": {"policy": "qwen3-omni", "weight": 2}})
+    assert fp(a) != fp({**a, "treatment": {"policy": "qwen3-omni-flat"}})
+
+
+# -------------------------------------------------------------------------------------- omni-accum ab
+def _scrape(control: list[float], treatment: list[float]) -> bytes:
+    """A /metrics page with the A/B families, observations as given (a registry of its own)."""
+    from prometheus_client import CollectorRegistry, Counter as PCounter, Histogram, generate_latest
+
+    from omni_accum.integrations.vllm_omni.prometheus import HANDOFF_BUCKETS, MERGE_BUCKETS
+
+    reg = CollectorRegistry()
+    merge = Histogram("omni_accum_ab_merge_seconds", "m", ["arm"], buckets=MERGE_BUCKETS, registry=reg)
+    hand = Histogram(
+        "omni_accum_ab_handoff_seconds", "h", ["arm", "pair", "kind"], buckets=HANDOFF_BUCKETS, registry=reg
+    )
+    reqs = PCounter("omni_accum_ab_requests_total", "r", ["arm", "role"], registry=reg)
+    for arm, xs in (("control", control), ("treatment", treatment)):
+        for x in xs:
+            merge.labels(arm).observe(x)
+            hand.labels(arm, "0->1", "prefill").observe(x * 100)
+        reqs.labels(arm, "receive").inc(len(xs) // 10)
+    return generate_latest(reg)
+
+
+def _spread(center: float, n: int = 200) -> list[float]:
+    return [center * (0.8 + 0.4 * (i % 10) / 9) for i in range(n)]
+
+
+def test_ab_reads_a_saved_scrape_and_says_a_real_difference_is_above_the_noise(tmp_path, capsys):
+    f = tmp_path / "metrics.txt"
+    f.write_bytes(_scrape(_spread(8e-6), _spread(40e-6)))
+    assert main(["ab", "--metrics", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "merge time per chunk" in out and "hand-off 0->1 prefill" in out
+    assert out.count("difference above the noise") == 2, out
+    assert main(["ab", "--metrics", str(f), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    merge = next(g for g in data["groups"] if g["what"] == "merge")
+    c, t = merge["arms"]["control"], merge["arms"]["treatment"]
+    assert c["count"] == t["count"] == 200
+    assert c["ci_low"] < c["mean"] < c["ci_high"] and c["mean"] == pytest.approx(8e-6, rel=1e-6)
+    assert merge["versus"]["treatment"]["difference"] == pytest.approx(32e-6, rel=1e-6)
+
+
+def test_ab_says_within_the_noise_for_the_same_distribution(tmp_path, capsys):
+    f = tmp_path / "metrics.txt"
+    f.write_bytes(_scrape(_spread(20e-6), list(reversed(_spread(20e-6)))))
+    assert main(["ab", "--metrics", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "difference above the noise" not in out and out.count("within the noise") == 2, out
+
+
+def test_ab_gives_no_verdict_on_too_few_observations(tmp_path, capsys):
+    f = tmp_path / "metrics.txt"
+    f.write_bytes(_scrape(_spread(8e-6, 5), _spread(40e-6, 5)))
+    assert main(["ab", "--metrics", str(f)]) == 0
+    assert "too few" in capsys.readouterr().out
+
+
+@pytest.fixture
+def served():
+    """A /metrics page on 127.0.0.1 (a free port), stopped afterwards; ``served(body)`` returns its URL."""
+    servers = []
+
+    def serve(body: bytes) -> str:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                if self.path != "/metrics":
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        t = threading.Thread(target=srv.serve_forever, daemon=True)
+        t.start()
+        servers.append((srv, t))
+        return f"http://127.0.0.1:{srv.server_address[1]}"
+
+    yield serve
+    for srv, t in servers:
+        srv.shutdown()
+        srv.server_close()
+        t.join(5)
+
+
+def test_ab_reads_a_metrics_url(served, capsys):
+    url = served(_scrape(_spread(8e-6), _spread(40e-6)))
+    assert main(["ab", "--metrics", f"{url}/metrics"]) == 0
+    assert "difference above the noise" in capsys.readouterr().out
+    assert main(["ab", "--metrics", f"{url}/nothing-here"]) == 2
+    err = capsys.readouterr().err
+    assert f"{url}/nothing-here" in err and "404" in err and "Traceback" not in err
+
+
+def test_ab_without_ab_series_says_so(tmp_path, capsys):
+    f = tmp_path / "metrics.txt"
+    f.write_text("# HELP up x\n# TYPE up gauge\nup 1\n")
+    assert main(["ab", "--metrics", str(f)]) == 1
+    assert "no omni_accum_ab_merge_seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("arg", "wanted"),
+    [
+        ("{tmp}/missing.txt", "no such file"),
+        ("{tmp}", "is a directory"),
+        ("ftp://127.0.0.1/metrics", "unsupported URL scheme 'ftp'"),
+        ("http://127.0.0.1:1/metrics", "cannot read the URL"),
+    ],
+)
+def test_ab_usage_errors_exit_2_naming_the_input(tmp_path, capsys, arg, wanted):
+    arg = arg.format(tmp=tmp_path)
+    assert main(["ab", "--metrics", arg, "--timeout", "5"]) == 2
+    err = capsys.readouterr().err
+    assert arg in err and wanted in err and "Traceback" not in err, err
+
+
+def test_ab_refuses_text_that_is_not_a_scrape_and_an_unknown_baseline(tmp_path, capsys):
+    f = tmp_path / "metrics.txt"
+    f.write_text("omni_accum_ab_merge_seconds_bucket{arm=\"a\",le=\"x\"} what\n")
+    assert main(["ab", "--metrics", str(f)]) == 2
+    assert str(f) in capsys.readouterr().err
+    f.write_bytes(_scrape(_spread(8e-6), _spread(40e-6)))
+    assert main(["ab", "--metrics", str(f), "--baseline", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "'nope'" in err and "arms: control, treatment" in err, err
