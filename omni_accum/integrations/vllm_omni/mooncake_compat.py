@@ -22,6 +22,9 @@ Nothing else is touched (no vllm-omni method, no other Mooncake attribute). A Mo
 has ``with_soft_pin`` (older, or a future release that brings it back) is left alone, and so is one
 that has neither attribute (the connector then fails as it would without omni-accum).
 
+The same entry point registers ``OmniAccumMooncakeConnector`` (:mod:`.mooncake_connector`: 0.30.0's connector
+with a tensor fast path over the store's registered buffers) with vllm-omni's ``OmniConnectorFactory``.
+
 It is applied by its own plugin entry point ``omni_accum_mooncake`` in vllm-omni's
 ``vllm_omni.general_plugins`` group and vLLM's ``vllm.general_plugins`` group (the stage engine-core
 processes load only the latter, see :func:`omni_accum.integrations.vllm_omni.activate_from_vllm`),
@@ -169,6 +172,21 @@ def activate() -> None:
             )
     except Exception as e:  # noqa: BLE001 - a plugin never fails vllm-omni
         logger.error("omni-accum: Mooncake compatibility step failed: %s", e)
+    try:
+        register_connector()
+    except Exception as e:  # noqa: BLE001 - a plugin never fails vllm-omni
+        logger.error("omni-accum: could not register OmniAccumMooncakeConnector: %s", e)
+
+
+def register_connector() -> bool:
+    """Register ``OmniAccumMooncakeConnector`` with ``OmniConnectorFactory`` (once); True when it is registered."""
+    from vllm_omni.distributed.omni_connectors.factory import OmniConnectorFactory  # noqa: PLC0415
+
+    from omni_accum.integrations.vllm_omni.mooncake_connector import NAME, MooncakeFastConnector  # noqa: PLC0415
+
+    if NAME not in OmniConnectorFactory.list_registered_connectors():
+        OmniConnectorFactory.register_connector(NAME, MooncakeFastConnector)
+    return True
 
 
 def activate_from_vllm() -> None:

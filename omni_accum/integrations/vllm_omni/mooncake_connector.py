@@ -1,0 +1,472 @@
+"""``OmniAccumMooncakeConnector``: vllm-omni 0.30.0's ``MooncakeStoreConnector`` with a tensor fast path.
+
+Select it in a deploy YAML in place of ``MooncakeStoreConnector`` (the same ``extra``, plus two optional keys)::
+
+    connectors:
+      connector_of_mooncake:
+        name: OmniAccumMooncakeConnector
+        extra:
+          host: 10.0.0.2
+          master: 10.0.0.1:50151
+          metadata_server: http://10.0.0.1:8080/metadata
+          segment: 536870912
+          localbuf: 268435456
+          mooncake_buffer_bytes: 64MiB       # registered staging buffer per direction (default 64MiB)
+          mooncake_tensor_min_bytes: 256KiB  # smaller tensors stay in the serialized payload (default 256KiB)
+
+0.30.0's connector serializes the whole payload (msgpack, every tensor's bytes copied into the message),
+``put`` s it as one object, and the receiver ``get`` s the bytes and decodes them (another copy). For the
+tensors of keys the sending policy appends (the prefill's ``[P+1, 2048]`` embeddings and hidden states:
+66 MB at 8k) this connector moves the bytes with the store's buffer-based calls instead:
+
+* sending, each such tensor of at least ``mooncake_tensor_min_bytes`` is copied once into a registered
+  staging buffer (``MooncakeDistributedStore.register_buffer``) and stored from it as objects of their own
+  (``batch_put_from``; a tensor larger than the buffer goes as several parts, one buffer-full per call);
+  the rest of the payload is serialized as 0.30.0 does, each such tensor replaced by a reference naming
+  its parts, and ``put`` last under the chunk's key: a receiver that finds the key finds every part;
+* receiving, the payload is decoded with vllm-omni's own decoder, each referenced tensor allocated and
+  its parts read with ``batch_get_into`` into the registered receive buffer and copied into it (one copy),
+  then the key and its parts are removed from the store (0.30.0 leaves every object soft-pinned; its own
+  puts stay so here too).
+
+The values that come out are those 0.30.0's connector gives: the same dtypes, shapes and bytes.
+
+Which tensors: within omni-accum's send hook, those of the keys the sending policy appends (as the arena
+connector's append chains); outside it (a benchmark, a test), the keys ``append_test(path, value)`` says.
+A payload with no such tensor is 0.30.0's put, unchanged (the peer hellos, the decode chunks).
+
+Fallbacks, as the arena connector's (counted in ``health()["fallbacks"]`` and
+``omni_accum_fallbacks_total{reason=...}``): a buffer that cannot be registered (``mooncake_register_error``:
+every put of that process is serialized, gets of parts fail), a part the store refuses (``mooncake_put_error``:
+the parts put are removed and the whole payload goes serialized), a payload that does not encode
+(``encode_error``: serialized, which says why), parts that cannot be read (``mooncake_get_error``: the get
+returns None, as a get that found nothing, and the key stays for the next try). A request the sending side has
+released (``release_request``, omni-accum's sender-release hook) sends its later puts serialized; a put in
+progress when it is released completes whole (the key goes last).
+
+Registered with ``OmniConnectorFactory`` by the ``omni_accum_mooncake`` entry point
+(:mod:`.mooncake_compat`).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorBase
+from vllm_omni.distributed.omni_connectors.utils import serialization as _ser
+
+from omni_accum.arena._common import DTYPES
+from omni_accum.integrations.vllm_omni.arena_chains import append_test, request_of, struct_map, tensor_ref
+from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
+
+logger = logging.getLogger("omni_accum.vllm_omni")
+
+#: The name the ``omni_accum_mooncake`` entry point registers the connector under.
+NAME = "OmniAccumMooncakeConnector"
+DEFAULT_BUFFER_BYTES = 64 << 20
+DEFAULT_TENSOR_MIN_BYTES = 256 << 10
+#: Key of a tensor's wire dict (vllm-omni's tensor encoding) listing its parts: ``[[part key, bytes], ...]``.
+IN_STORE = "__omni_accum_mooncake__"
+#: The separator of a part's key from its chunk's key (``<chunk key>#oa<nonce>.<tensor>.<part>``).
+PART_SEP = "#oa"
+#: At most this many parts per tensor are read (a reference naming more is malformed).
+MAX_PARTS = 1 << 16
+#: The released requests remembered (their later puts go serialized).
+MAX_RELEASED = 4096
+KNOWN_KEYS = ("mooncake_buffer_bytes", "mooncake_tensor_min_bytes")
+
+
+def _size(extra: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
+    from omni_accum.integrations.vllm_omni.arena_connector import NAME as ARENA  # noqa: PLC0415
+    from omni_accum.integrations.vllm_omni.arena_connector import parse_size  # noqa: PLC0415
+
+    value = extra.get(key, default)
+    try:
+        n = parse_size(value, key) if not (isinstance(value, int) and not isinstance(value, bool)) else value
+    except ValueError as e:
+        raise ValueError(str(e).replace(ARENA, NAME)) from None
+    if n < minimum:
+        raise ValueError(f"{NAME}: extra.{key} = {value!r} is {n} bytes, under the minimum of {minimum}")
+    return n
+
+
+def _fast(t: Any) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.dtype in _DTYPE_NAMES
+        and t.layout is torch.strided
+        and not t.is_quantized
+        and not t.is_neg()
+        and not t.is_conj()
+        and t.numel() > 0
+    )
+
+
+_DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a CPU contiguous tensor, as a flat uint8 tensor over the same memory."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class _Encoder(_ser.OmniMsgpackEncoder):
+    """vllm-omni's payload encoding; a tensor in ``parts`` (by id) becomes a reference to its parts."""
+
+    def __init__(self, parts: dict[int, tuple[torch.Tensor, list[list[Any]]]]) -> None:
+        super().__init__()
+        self.parts = parts  # id(tensor) -> (its CPU contiguous copy or itself, [[part key, bytes], ...])
+
+    def _encode_tensor(self, tensor: torch.Tensor) -> dict[str, Any]:
+        hit = self.parts.get(id(tensor))
+        if hit is None:
+            return super()._encode_tensor(tensor)
+        return tensor_ref(hit[0], list(tensor.shape), IN_STORE, hit[1])
+
+
+class _Decoder(_ser.OmniMsgpackDecoder):
+    """vllm-omni's payload decoding; a referenced tensor comes out allocated, its parts to read in ``todo``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefix = ""
+        self.todo: list[tuple[torch.Tensor, list[tuple[str, int]]]] = []
+
+    def _decode_tensor(self, obj: dict[str, Any]) -> torch.Tensor:
+        parts = obj.get(IN_STORE)
+        if parts is None:
+            return super()._decode_tensor(obj)
+        dtype, shape = DTYPES.get(obj.get("dtype")), obj.get("shape")
+        if dtype is None or not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"a tensor reference of dtype {obj.get('dtype')!r}, shape {shape!r}")
+        numel = 1
+        for n in shape:
+            numel *= n
+        if not isinstance(parts, list) or not 0 < len(parts) <= MAX_PARTS:
+            raise ValueError("a tensor reference without its parts")
+        checked: list[tuple[str, int]] = []
+        for p in parts:
+            if not (isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and type(p[1]) is int and p[1] > 0):
+                raise ValueError(f"a part {str(p)[:80]!r} is not [key, bytes]")
+            if not p[0].startswith(self.prefix):
+                raise ValueError(f"a part {p[0][:80]!r} is not one of this key's")
+            checked.append((p[0], p[1]))
+        if sum(n for _, n in checked) != numel * dtype.itemsize:
+            raise ValueError(f"the parts of a {obj['dtype']} tensor of shape {shape} do not add up to its bytes")
+        t = torch.empty(shape, dtype=dtype)
+        self.todo.append((t, checked))
+        return t
+
+
+class _Buffer:
+    """A staging buffer registered with the store (``register_buffer``), unregistered by :meth:`close`."""
+
+    def __init__(self, store: Any, nbytes: int) -> None:
+        self.store = store
+        self.mem = torch.empty(nbytes, dtype=torch.uint8)
+        self.ptr = self.mem.data_ptr()
+        self.nbytes = nbytes
+        rc = store.register_buffer(self.ptr, nbytes)
+        if rc != 0:
+            raise RuntimeError(f"register_buffer({nbytes} bytes) returned {rc}")
+
+    def close(self) -> None:
+        if self.store is not None:
+            try:
+                self.store.unregister_buffer(self.ptr)
+            finally:
+                self.store = None
+
+
+class MooncakeFastConnector(OmniConnectorBase):
+    """See the module docstring. ``config`` is the connector's ``extra`` (vllm-omni adds ``stage_id``)."""
+
+    def __init__(self, config: dict[str, Any] | None) -> None:
+        from omni_accum.integrations.vllm_omni import mooncake_compat  # noqa: PLC0415
+
+        self.config = dict(config or {})
+        unknown = sorted(k for k in self.config if str(k).startswith("mooncake_") and k not in KNOWN_KEYS)
+        if unknown:
+            raise ValueError(f"{NAME}: unknown extra key(s) {', '.join(map(repr, unknown))}; it reads "
+                             f"{', '.join(KNOWN_KEYS)}")
+        self.buffer_bytes = _size(self.config, "mooncake_buffer_bytes", DEFAULT_BUFFER_BYTES, 4096)
+        self.tensor_min_bytes = _size(self.config, "mooncake_tensor_min_bytes", DEFAULT_TENSOR_MIN_BYTES, 1)
+        mooncake_compat.apply()  # 0.30.0's connector does not build on Mooncake 0.3.13 without it
+        cls = mooncake_compat._connector_class()
+        if cls is None:
+            raise ImportError(f"{NAME}: vllm-omni's MooncakeStoreConnector cannot be imported")
+        inner_cfg = {k: v for k, v in self.config.items() if k not in KNOWN_KEYS}
+        self.inner = cls(inner_cfg)
+        self._tx_lock = threading.Lock()
+        self._rx_lock = threading.Lock()
+        self._tx_buf: _Buffer | None = None
+        self._rx_buf: _Buffer | None = None
+        self._no_buffer = False  # registration failed once: serialized from then on
+        self._released: OrderedDict[str, None] = OrderedDict()
+        #: ``(key path, value) -> bool``: the keys whose tensors take the fast path in a put that omni-accum's
+        #: send hook is not making (a benchmark, a test); within the hook, the sending policy decides.
+        self.append_test: Any = None
+        #: Called between two buffer-fulls of one put (tests: a release mid-transfer).
+        self.between_parts: Any = None
+        self.counts = {"fast_puts": 0, "inner_puts": 0, "fast_gets": 0, "inner_gets": 0, "fast_tensor_bytes": 0,
+                       "fast_parts": 0, "remove_errors": 0}
+        self.fallbacks: dict[str, int] = {}
+        self._warned: set[str] = set()
+        self._closed = False
+
+    @property
+    def stage_id(self) -> int:
+        return self.config.get("stage_id", -1)
+
+    @property
+    def store(self) -> Any:
+        return self.inner.store
+
+    @property
+    def pin(self) -> Any:
+        return self.inner.pin
+
+    # ------------------------------------------------------------------ fallbacks
+    def _fell_back(self, reason: str, e: BaseException | str) -> None:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        _count_fallback(reason)
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning("omni-accum %s: %s (%s); that put or get goes 0.30.0's way", NAME, reason, str(e))
+
+    def _buffer(self, which: str) -> _Buffer | None:
+        attr = "_tx_buf" if which == "tx" else "_rx_buf"
+        buf = getattr(self, attr)
+        if buf is None and not self._no_buffer and self.store is not None:
+            try:
+                buf = _Buffer(self.store, self.buffer_bytes)
+            except Exception as e:  # noqa: BLE001 - no fast path in this process
+                self._no_buffer = True
+                self._fell_back("mooncake_register_error", e)
+                return None
+            setattr(self, attr, buf)
+        return buf
+
+    # ------------------------------------------------------------------ put
+    def _chosen(self, put_key: str, data: Any) -> dict[int, torch.Tensor]:
+        req = request_of(put_key)
+        if req is not None and req in self._released:
+            return {}
+        test = append_test() or self.append_test
+        if test is None:
+            return {}
+        as_map = data if isinstance(data, Mapping) else struct_map(data)
+        if as_map is None:
+            return {}
+        out: dict[int, torch.Tensor] = {}
+
+        def pick(path: str, v: Any) -> None:
+            if _fast(v) and v.numel() * v.element_size() >= self.tensor_min_bytes and test(path, v):
+                out[id(v)] = v
+
+        for top, value in as_map.items():
+            if isinstance(value, Mapping):
+                for qual, qv in value.items():
+                    pick(f"{top}.{qual}", qv)
+            else:
+                pick(str(top), value)
+        return out
+
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
+        with self._tx_lock:
+            chosen = {} if self._closed else self._chosen(put_key, data)
+            buf = self._buffer("tx") if chosen else None
+            if buf is not None:
+                try:
+                    return self._put(buf, from_stage, to_stage, put_key, data, chosen)
+                except _PutFailed as e:
+                    self._fell_back("mooncake_put_error", e)
+                except Exception as e:  # noqa: BLE001 - a payload that does not encode: 0.30.0's put says why
+                    self._fell_back("encode_error", e)
+        result = self.inner.put(from_stage, to_stage, put_key, data)
+        if result[0]:
+            self.counts["inner_puts"] += 1
+        return result
+
+    def _put(self, buf: _Buffer, from_stage: str, to_stage: str, put_key: str, data: Any,
+             chosen: dict[int, torch.Tensor]) -> tuple[bool, int, dict[str, Any]]:  # fmt: skip
+        key = self._make_key(put_key, from_stage, to_stage)
+        nonce = secrets.token_hex(4)
+        parts: dict[int, tuple[torch.Tensor, list[list[Any]]]] = {}
+        plan: list[tuple[str, torch.Tensor, int, int]] = []  # (part key, tensor bytes, offset, length)
+        for i, (tid, tensor) in enumerate(chosen.items()):
+            t = tensor.detach()
+            t = (t if t.is_cpu else t.cpu()).contiguous()
+            listed: list[list[Any]] = []
+            parts[tid] = (t, listed)
+            flat = _bytes_of(t)
+            n = flat.numel()
+            for j, off in enumerate(range(0, n, buf.nbytes)):
+                ln = min(buf.nbytes, n - off)
+                pk = f"{key}{PART_SEP}{nonce}.{i}.{j}"
+                listed.append([pk, ln])
+                plan.append((pk, flat, off, ln))
+        done: list[str] = []
+        try:
+            k = 0
+            while k < len(plan):
+                keys, ptrs, sizes, used = [], [], [], 0
+                while k < len(plan) and used + plan[k][3] <= buf.nbytes:
+                    pk, flat, off, ln = plan[k]
+                    buf.mem[used : used + ln].copy_(flat[off : off + ln])
+                    keys.append(pk)
+                    ptrs.append(buf.ptr + used)
+                    sizes.append(ln)
+                    used += ln
+                    k += 1
+                rcs = self.store.batch_put_from(keys, ptrs, sizes, self.pin)
+                ok = [pk for pk, rc in zip(keys, rcs) if rc == 0]
+                done += ok
+                if len(ok) != len(keys):
+                    raise _PutFailed(f"batch_put_from of {len(keys)} part(s) returned {list(rcs)}")
+                if k < len(plan) and self.between_parts is not None:
+                    self.between_parts(put_key)
+            body = _Encoder(parts).encode(data)
+            rc = self.store.put(key, body, self.pin)
+            if not (rc is None or rc == 0 or rc is True):
+                raise _PutFailed(f"put of the payload's {len(body)} bytes returned {rc!r}")
+        except BaseException:
+            if done:
+                try:
+                    self.store.batch_remove(done, True)
+                except Exception as e:  # noqa: BLE001 - left to the store's eviction
+                    logger.warning("omni-accum %s: could not remove %d part(s): %s", NAME, len(done), e)
+            raise
+        tensor_bytes = sum(t.numel() * t.element_size() for t, _ in parts.values())
+        n = len(body) + tensor_bytes
+        self.counts["fast_puts"] += 1
+        self.counts["fast_tensor_bytes"] += tensor_bytes
+        self.counts["fast_parts"] += len(plan)
+        m = self.inner._metrics
+        m["puts"] += 1
+        m["bytes_transferred"] += n
+        if self.counts["fast_puts"] == 1:
+            logger.info("omni-accum %s: first put through registered buffers (%d tensor(s), %d part(s), %d bytes)",
+                        NAME, len(parts), len(plan), n)
+        return True, n, {"mooncake_parts": [p[0] for p in plan], "size": n}
+
+    def release_request(self, external_req_id: str) -> None:
+        """The sending side is done with ``external_req_id``: its later puts go serialized (a put in progress
+        completes whole). Never waits."""
+        self._released[external_req_id] = None
+        while len(self._released) > MAX_RELEASED:
+            self._released.popitem(last=False)
+
+    # ------------------------------------------------------------------ get
+    def get(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
+    ) -> tuple[Any, int] | None:
+        import time  # noqa: PLC0415
+
+        if self.store is None or self._closed:
+            return None
+        key = self._make_key(get_key, from_stage, to_stage)
+        for attempt in range(20):  # 0.30.0's connector: 20 tries, 50 ms apart
+            with self._rx_lock:
+                try:
+                    raw = self.store.get(key)
+                except Exception as e:  # noqa: BLE001 - as 0.30.0: try again
+                    logger.debug("%s get attempt %s failed: %s", NAME, attempt, e)
+                    raw = None
+                if raw:
+                    got = self._decode(key, raw)
+                    if got is not None:
+                        return got
+            if attempt < 19:
+                time.sleep(0.05)
+        self.inner._metrics["timeouts"] += 1
+        return None
+
+    def _decode(self, key: str, raw: bytes) -> tuple[Any, int] | None:
+        dec = _Decoder()
+        dec.prefix = key + PART_SEP
+        obj = dec.decode(raw)
+        self.inner._metrics["gets"] += 1
+        if not dec.todo:
+            self.counts["inner_gets"] += 1
+            return obj, len(raw)
+        try:
+            n = self._read_parts(dec.todo)
+        except Exception as e:  # noqa: BLE001 - counted; the key stays for another try
+            self.inner._metrics["gets"] -= 1
+            self._fell_back("mooncake_get_error", e)
+            return None
+        # taken: the key and its parts go now (force: the lease this get holds would refuse it; they are
+        # this payload's alone, under keys of their own, and this get was their one reader)
+        keys = list(dict.fromkeys([pk for _, parts in dec.todo for pk, _ in parts] + [key]))
+        try:
+            rcs = self.store.batch_remove(keys, True)
+            bad = [k for k, rc in zip(keys, rcs) if rc != 0]
+        except Exception as e:  # noqa: BLE001 - left to the store's eviction
+            bad = [f"{key} ({e})"]
+        if bad:
+            self.counts["remove_errors"] += len(bad)
+            logger.warning("omni-accum %s: could not remove %s", NAME, ", ".join(bad[:3]))
+        self.counts["fast_gets"] += 1
+        return obj, len(raw) + n
+
+    def _read_parts(self, todo: list[tuple[torch.Tensor, list[tuple[str, int]]]]) -> int:
+        buf = self._buffer("rx")
+        if buf is None:
+            raise RuntimeError("no registered buffer to read into")
+        plan = []  # (part key, destination bytes, offset, length)
+        for t, parts in todo:
+            flat = _bytes_of(t)
+            off = 0
+            for pk, ln in parts:
+                if ln > buf.nbytes:
+                    raise RuntimeError(f"part {pk} has {ln} bytes, more than the {buf.nbytes}-byte buffer")
+                plan.append((pk, flat, off, ln))
+                off += ln
+        k = total = 0
+        while k < len(plan):
+            batch, used = [], 0
+            while k < len(plan) and used + plan[k][3] <= buf.nbytes:
+                batch.append((plan[k], used))
+                used += plan[k][3]
+                k += 1
+            got = self.store.batch_get_into([p[0] for p, _ in batch], [buf.ptr + u for _, u in batch],
+                                            [p[3] for p, _ in batch])  # fmt: skip
+            for ((pk, flat, off, ln), u), rc in zip(batch, got):
+                if rc != ln:
+                    raise RuntimeError(f"batch_get_into of part {pk} ({ln} bytes) returned {rc}")
+                flat[off : off + ln].copy_(buf.mem[u : u + ln])
+            total += used
+        return total
+
+    # ------------------------------------------------------------------ the rest of the interface
+    def cleanup(self, request_id: str) -> None:
+        self.inner.cleanup(request_id)
+
+    def health(self) -> dict[str, Any]:
+        return {**self.inner.health(), **self.counts, "fallbacks": dict(self.fallbacks)}
+
+    def close(self) -> None:
+        """Unregister the buffers, close 0.30.0's connector (idempotent)."""
+        if getattr(self, "_closed", True):
+            return
+        with self._tx_lock, self._rx_lock:
+            self._closed = True
+            for buf in (self._tx_buf, self._rx_buf):
+                if buf is not None:
+                    try:
+                        buf.close()
+                    except Exception as e:  # noqa: BLE001
+                        logger.warning("omni-accum %s: unregister_buffer: %s", NAME, e)
+            self._tx_buf = self._rx_buf = None
+        self.inner.close()
+
+
+class _PutFailed(RuntimeError):
+    """The store refused a part or the payload's key."""

@@ -1,0 +1,177 @@
+"""``OmniAccumMooncakeConnector``'s tensor fast path between two stage processes on a real Mooncake master:
+the values received are bit for bit those 0.30.0's connector gives, a payload larger than one registered
+buffer goes in parts, a request released mid-transfer completes whole, and nothing is left in the store."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from mooncake_fixtures import *  # noqa: F403 - the fixtures (mooncake, stage_host)
+
+BUFFER = 1 << 20  # the registered buffer: a 2.5 MiB tensor needs 3 parts
+APPENDS = {"embed.prefill", "hidden"}
+NAME = "OmniAccumMooncakeConnector"
+
+#: (request, chunk, rows of the append tensors, what the case shows)
+CASES = [
+    ("rq-a", 0, 200, "fits one buffer (two tensors, one batch_put_from each buffer-full)"),
+    ("rq-b", 0, 640, "larger than one registered buffer: parts"),
+    ("rq-c", 0, 640, "released mid-transfer (between two buffer-fulls)"),
+    ("rq-c", 1, 640, "a later put of the released request: serialized"),
+    ("rq-d", 0, 1, "no tensor of the threshold's size: serialized"),
+]
+RELEASED = "rq-c"
+
+
+def _payload(seed: int, rows: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed": {
+            "prefill": torch.randn(rows, 2048, generator=g).to(torch.bfloat16),
+            "tts_bos": torch.randn(1, 64, generator=g),  # not an append key: serialized
+        },
+        "hidden": torch.randn(rows, 1024, generator=g).to(torch.float16),
+        "ids": list(range(rows % 17)),
+        "meta": {"finished": torch.tensor(True), "override_keys": ["ids"]},
+        "odd": torch.arange(24, dtype=torch.int64).reshape(4, 6).t(),  # not contiguous, serialized
+    }
+
+
+def _same(a, b, where: str, out: list[str]) -> None:
+    if type(a) is not type(b):
+        out.append(f"{where}: {type(a).__name__} != {type(b).__name__}")
+    elif isinstance(a, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            out.append(f"{where}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}")
+        elif not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+            out.append(f"{where}: bytes differ")
+    elif isinstance(a, dict):
+        if list(a) != list(b):
+            out.append(f"{where}: keys {list(a)} != {list(b)}")
+        for k in a:
+            if k in b:
+                _same(a[k], b[k], f"{where}.{k}", out)
+    elif isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            out.append(f"{where}: {len(a)} items != {len(b)}")
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]", out)
+    elif a != b:
+        out.append(f"{where}: {a!r} != {b!r}")
+
+
+def _connector(stage_id: int, extra: dict):
+    from omni_accum.integrations.vllm_omni import mooncake_compat
+    from vllm_omni.distributed.omni_connectors.factory import OmniConnectorFactory
+    from vllm_omni.distributed.omni_connectors.utils.config import ConnectorSpec
+
+    mooncake_compat.activate()  # what the omni_accum_mooncake entry point does in a vllm-omni process
+    extra = {**extra, "mooncake_buffer_bytes": BUFFER, "mooncake_tensor_min_bytes": "64KiB", "stage_id": stage_id}
+    return OmniConnectorFactory.create_connector(ConnectorSpec(name=NAME, extra=extra))
+
+
+def fast_sender(*, pipes, extra: dict, tag: str) -> dict:
+    from omni_accum.bench.stage_host import pipe_ends
+
+    rd, wr = pipe_ends(pipes, "tx")
+    conn = _connector(0, extra)
+    conn.append_test = lambda path, value: path in APPENDS
+    released_at: list[str] = []
+
+    def release_mid_transfer(put_key: str) -> None:
+        if put_key.startswith(f"{tag}{RELEASED}_") and not released_at:
+            released_at.append(put_key)
+            conn.release_request(f"{tag}{RELEASED}")
+
+    conn.between_parts = release_mid_transfer
+    out: dict = {"puts": [], "type": type(conn).__name__}
+    parts: list[str] = []
+    try:
+        for n, (rq, chunk, rows, _) in enumerate(CASES):
+            before = dict(conn.counts)
+            ok, size, meta = conn.put("0", "1", f"{tag}{rq}_0_{chunk}", _payload(n, rows))
+            parts += (meta or {}).get("mooncake_parts", [])
+            out["puts"].append({
+                "ok": ok, "size": size, "parts": len((meta or {}).get("mooncake_parts", [])),
+                "fast": conn.counts["fast_puts"] - before["fast_puts"],
+            })  # fmt: skip
+            wr.write(json.dumps([n, f"{tag}{rq}_0_{chunk}"]) + "\n")
+            wr.flush()
+            assert rd.readline().strip() == "ok"
+        wr.write("null\n")
+        wr.flush()
+        assert rd.readline().strip() == "done"
+        keys = parts + [conn._make_key(f"{tag}{rq}_0_{c}", "0", "1") for rq, c, _, _ in CASES]
+        out["left"] = [k for k, e in zip(keys, conn.store.batch_is_exist(keys)) if e != 0]
+        out["released_at"] = released_at
+        out["health"] = conn.health()
+    finally:
+        conn.close()
+    return out
+
+
+def fast_receiver(*, pipes, extra: dict, tag: str) -> dict:
+    from vllm_omni.distributed.omni_connectors.utils.serialization import OmniSerializer
+
+    from omni_accum.bench.stage_host import pipe_ends
+
+    rd, wr = pipe_ends(pipes, "rx")
+    conn = _connector(1, extra)
+    out: dict = {"mismatch": [], "sizes": []}
+    try:
+        for line in rd:
+            msg = json.loads(line)
+            if msg is None:
+                break
+            n, key = msg
+            got = conn.get("0", "1", key)
+            if got is None:
+                out["mismatch"].append(f"case {n}: nothing received")
+            else:
+                # what vllm-omni 0.30.0's MooncakeStoreConnector hands over: its serializer's round trip
+                want = OmniSerializer.deserialize(OmniSerializer.serialize(_payload(n, CASES[n][2])))
+                _same(got[0], want, f"case {n}", out["mismatch"])
+                out["sizes"].append(got[1])
+            wr.write("ok\n")
+            wr.flush()
+        out["health"] = conn.health()
+        wr.write("done\n")
+        wr.flush()
+    finally:
+        conn.close()
+    return out
+
+
+def test_fast_path_views_are_bit_identical_between_processes(stage_host, mooncake):
+    from omni_accum.bench.mooncake import Job
+
+    tag = f"fast{os.getpid()}-"
+    kw = {"extra": mooncake.connector_extra(), "tag": tag}
+    tx, rx = stage_host.run([Job("test_mooncake_fast:fast_sender", kw), Job("test_mooncake_fast:fast_receiver", kw)],
+                            timeout=300)  # fmt: skip
+    assert tx["type"] == "MooncakeFastConnector"
+    assert rx["mismatch"] == []  # every value, every case: dtype, shape and bytes as 0.30.0's connector gives
+    puts = tx["puts"]
+    assert all(p["ok"] for p in puts)
+    assert [p["fast"] for p in puts] == [1, 1, 1, 0, 0]
+    # 200 x 2048 bf16 (800 KiB) + 200 x 1024 fp16 (400 KiB): two parts, one of each tensor
+    assert puts[0]["parts"] == 2
+    # 640 x 2048 bf16 = 2.5 MiB -> 3 parts of a 1 MiB buffer; 640 x 1024 fp16 = 1.25 MiB -> 2
+    assert puts[1]["parts"] == 5 and puts[2]["parts"] == 5
+    assert tx["released_at"] == [f"{tag}rq-c_0_0"]  # released between two buffer-fulls of that put
+    assert rx["sizes"] == [p["size"] for p in puts]  # what was put is what was got
+    h_tx, h_rx = tx["health"], rx["health"]
+    assert h_tx["fast_puts"] == 3 and h_tx["inner_puts"] == 2 and h_tx["fallbacks"] == {}
+    assert h_tx["puts"] == 5 and h_tx["bytes_transferred"] == sum(p["size"] for p in puts)
+    assert h_rx["fast_gets"] == 3 and h_rx["inner_gets"] == 2 and h_rx["fallbacks"] == {}
+    assert h_rx["remove_errors"] == 0
+    # the receiver removed every fast-path key and part it took; 0.30.0's puts stay as 0.30.0 leaves them
+    assert tx["left"] == [mooncake_key(tag, "rq-c", 1), mooncake_key(tag, "rq-d", 0)]
+
+
+def mooncake_key(tag: str, rq: str, chunk: int) -> str:
+    return f"{tag}{rq}_0_{chunk}@0_1"
