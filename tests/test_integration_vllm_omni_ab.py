@@ -4,10 +4,12 @@ when the receiver never sees a request's first chunk."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
+from omni_accum.integrations.vllm_omni.binding import publish_pending
 from omni_accum.policy import load_policy
 from tests.test_integration_vllm_omni import (
     _receive_and_hand_over,
@@ -93,19 +95,26 @@ def _no_marker(handed: list[dict]) -> None:
         assert not any(str(k).startswith("__omni_accum") for k in h), sorted(h)
 
 
-def test_both_stages_agree_on_every_requests_arm_and_hand_over_what_0_30_0_does(vo, adapters, base, arms_seen):
+def test_both_stages_agree_on_every_requests_arm_and_hand_over_what_0_30_0_does(
+    vo, adapters, base, arms_seen, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.delenv("OMNI_ACCUM_METRICS", raising=False)
     vo.install(None)
     tx, rx = adapters(0, next_func=_t2t(), extra=AB), adapters(1, extra=AB)
     txb, rxb = _bound(tx), _bound(rx)
     ids = _ids(f"oa-ab-{os.getpid()}")
     _run(tx, rx, f"oa-ab-warm-{os.getpid()}")  # the receiver's hello reaches the sender
     _wait(lambda: txb._peer.hello is not None, "the sender to see the receiver's hello")
+    publish_pending()
+    before = _ab_samples()
     # The receiver follows the arm the first chunk announces, not its own hash: make its hash say "control".
     real = rxb.split
     rxb.split = type("AllControl", (), {"arm_for": staticmethod(lambda rid: "control")})()
     try:
+        chunks = {}
         for rid in ids:
-            assert_same(_run(tx, rx, rid), base, rid)
+            handed = chunks[rid] = _run(tx, rx, rid)
+            assert_same(handed, base, rid)
     finally:
         rxb.split = real
     wanted = {rid: real.arm_for(rid) for rid in ids}
@@ -116,6 +125,42 @@ def test_both_stages_agree_on_every_requests_arm_and_hand_over_what_0_30_0_does(
     for arm in rxb.arms.values():
         assert not arm.foreign and not arm.fell_back  # every request ran its arm's policy, none went to 0.30.0
     assert rxb.arms["treatment"].fingerprint == f"{rxb.fingerprint}/treatment" == txb.arms["treatment"].fingerprint
+    # The metrics carry the arm: requests on each side, every chunk's merge time, each first chunk's hand-off.
+    publish_pending()
+    after = _ab_samples()
+    for arm in ("control", "treatment"):
+        n = sum(1 for a in wanted.values() if a == arm)
+        assert after[("requests", arm, "send")] - before[("requests", arm, "send")] == n
+        assert after[("requests", arm, "receive")] - before[("requests", arm, "receive")] == n
+        assert after[("merge", arm)] - before[("merge", arm)] == sum(len(chunks[r]) for r in ids if wanted[r] == arm)
+        assert after[("handoff", arm)] - before[("handoff", arm)] == n  # the first chunk, timed as prefill
+    # ... and omni-accum ab reads them from a scrape.
+    from prometheus_client import REGISTRY, generate_latest
+
+    from omni_accum.cli import main
+
+    scrape = tmp_path / "metrics.txt"
+    scrape.write_bytes(generate_latest(REGISTRY))
+    assert main(["ab", "--metrics", str(scrape), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    merge = next(g for g in got["groups"] if g["what"] == "merge")
+    assert set(merge["arms"]) >= {"control", "treatment"} and merge["baseline"] == "control"
+    assert merge["arms"]["treatment"]["count"] >= after[("merge", "treatment")] - before[("merge", "treatment")]
+
+
+def _ab_samples() -> dict[tuple[str, ...], float]:
+    from prometheus_client import REGISTRY
+
+    def v(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    out = {}
+    for arm in ("control", "treatment"):
+        for role in ("send", "receive"):
+            out[("requests", arm, role)] = v("omni_accum_ab_requests_total", arm=arm, role=role)
+        out[("merge", arm)] = v("omni_accum_ab_merge_seconds_count", arm=arm)
+        out[("handoff", arm)] = v("omni_accum_ab_handoff_seconds_count", arm=arm, pair="0->1", kind="prefill")
+    return out
 
 
 def test_a_receiver_without_omni_accum_gets_plain_payloads_on_either_arm(vo, adapters, base, arms_seen):
