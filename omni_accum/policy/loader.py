@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from omni_accum.errors import PolicyError
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import installed_plugins
+from omni_accum.policy import model
 from omni_accum.policy.model import Policy
 from omni_accum.policy.parsing import DuplicateKeyError, LineIndex, TomlText, load_json, load_yaml, yaml_error_parts
 from omni_accum.policy.sources import (  # noqa: F401 - re-exported: the loader's public names
@@ -371,6 +372,9 @@ def resolve_arms(
         errors = [format_problem(source, d) for d in details]
         raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(errors), errors, source, details)
     return arms
+
+
+model.ARM_RESOLVER = resolve_arms  # Policy.arm_policies of a policy not built here (model cannot import this module)
 
 
 def load_policy(

@@ -128,6 +128,8 @@ class Rule(BaseModel):
 
 #: An A/B arm's name: it travels in the wire marker and becomes a metric label, so it is short and plain.
 ARM_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,15}")
+#: Loads an A/B split's arm policies (the loader sets it: this module does not import the loader).
+ARM_RESOLVER: Callable[[Any], dict[str, Any]] | None = None
 #: The hash that splits requests between arms (:meth:`ABSplit.arm_for`): BLAKE2b, this personalization.
 ARM_HASH_PERSON = b"omni-accum-ab"
 
@@ -292,9 +294,9 @@ class Policy(BaseModel):
         if self.ab is None:
             return {}
         if self._arms is None:
-            from omni_accum.policy.loader import resolve_arms  # noqa: PLC0415 - the loader imports this module
-
-            self._arms = resolve_arms(self)
+            if ARM_RESOLVER is None:  # pragma: no cover - omni_accum.policy imports the loader, which sets it
+                raise RuntimeError("omni_accum.policy.loader was not imported: no arm resolver")
+            self._arms = ARM_RESOLVER(self)
         return self._arms
 
     def shadowed_rules(self) -> list[tuple[int, int]]:
