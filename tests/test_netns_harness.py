@@ -212,7 +212,7 @@ import os, socket, sys, time
 a = sys.argv
 opt = lambda name: a[a.index(name) + 1]
 pids = os.environ["FAKE_PIDS"]
-open(os.path.join(pids, f"{os.getpid()}.pid"), "w").write(" ".join(a))
+open(os.path.join(pids, f"{os.getpid()}.pid"), "w").write(os.environ.get("OMNI_ACCUM_DEPLOYMENT", "-"))
 if "--headless" in a and opt("--stage-id") == "2":
     for _ in range(300):
         if os.path.exists(os.path.join(pids, "escaped")):
@@ -287,6 +287,9 @@ def test_run_py_hosts_cleans_up_after_a_stage_fails(root_netns, tmp_path):
     # from the outside: no namespace, link, route of the lab; no process it started (the escaped child too)
     started = [int(p.stem) for p in pids.glob("*.pid")] + [int((pids / "escaped").read_text())]
     assert len(started) == 4  # the head, stage 1, stage 2 and stage 1's escaped child
+    # one omni-accum deployment token for the whole server (the hellos' keys), not one per launch
+    tokens = {p.read_text() for p in pids.glob("*.pid")}
+    assert tokens == {lab["omni_accum_deployment"]} and lab["omni_accum_deployment"].startswith("hosts-")
     mc_pid = arm["processes"][0]["pid"] if arm["processes"] else None
     import ipaddress
 

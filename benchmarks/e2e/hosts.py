@@ -14,7 +14,10 @@ Per arm, a fresh lab of N namespaces on one bridge (addresses ``10.231.X.10+I``,
 Every stage gets its own copy of the deploy (``<arm dir>/deploy-<host>.yaml``) whose Mooncake connectors
 name its own address (``host``) and the master's (``master``, ``metadata_server``), and
 ``MC_TCP_BIND_ADDRESS`` / ``VLLM_HOST_IP`` = its address. omni-accum is on or off per arm through the same
-environment as on one host (``OMNI_ACCUM_POLICY``, ``OMNI_ACCUM_VLLM_OMNI``).
+environment as on one host (``OMNI_ACCUM_POLICY``, ``OMNI_ACCUM_VLLM_OMNI``); every host's processes get
+one ``OMNI_ACCUM_DEPLOYMENT`` per arm (on one host the API server's plugin draws it and the stage
+processes it starts inherit it; separately launched stages need it set, else a receiver's hello is put
+under another deployment's key and its sender never finds it: docs/vllm-omni.md, "Deployment token").
 
 What stays shared between the simulated hosts (one kernel, one file system): ``/dev/shm`` (so a
 ``SharedMemoryConnector`` would still "work": the deploy is refused unless every connector is a Mooncake
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -154,6 +158,7 @@ class HostsServer:
         self.lab = netns.NetnsLab(len(self.roles), names=self.roles, grace=grace)
         self.head: netns.Proc | None = None
         self.commands: dict[str, list[str]] = {}
+        self.deployment = f"hosts-{secrets.token_hex(6)}"  # OMNI_ACCUM_DEPLOYMENT of every host's processes
         self._stopped = False
 
     # ------------------------------------------------------------------------------------------ addresses
@@ -177,6 +182,7 @@ class HostsServer:
             "driver": self.lab.driver_addr,
             "hosts": [{"role": h.name, "namespace": h.ns, "addr": h.addr} for h in self.lab.hosts],
             "commands": self.commands,
+            "omni_accum_deployment": self.deployment,
         }
 
     # ------------------------------------------------------------------------------------------ start
@@ -234,7 +240,9 @@ class HostsServer:
         return host_deploy(self.deploy, self.arm_dir / f"deploy-{host.name}.yaml", host.addr, mc.addr)
 
     def _spawn(self, host: netns.Host, argv: list[str], name: str, env: dict[str, str]) -> netns.Proc:
-        env = {**env, "MC_TCP_BIND_ADDRESS": host.addr, "VLLM_HOST_IP": host.addr}
+        # one server, one deployment token (the hellos' keys), a fresh one per arm (a new server)
+        env = {**env, "MC_TCP_BIND_ADDRESS": host.addr, "VLLM_HOST_IP": host.addr,
+               "OMNI_ACCUM_DEPLOYMENT": self.deployment}  # fmt: skip
         self.commands[name] = [f"ip netns exec {host.ns}", *argv]
         log = self.arm_dir / f"{name}.log"
         self.log(f"hosts: [{name} @ {host.addr}] {' '.join(argv)} (log {log})")
