@@ -225,3 +225,80 @@ def test_the_light_model_keeps_the_payload_widths_with_less_compute():
     for cfg in (tiny, light):
         assert 0 <= cfg.talker_config.accept_hidden_layer < cfg.thinker_config.text_config.num_hidden_layers
     assert bm.OUT_DIRS["light"] != bm.OUT_DIRS["tiny"] and bm.script_hash("light") != bm.script_hash("tiny")
+
+
+# --------------------------------------------------------------------------------------------------
+# vllm-omni 0.16.0's server environment (run.py --release 0.16)
+
+CONFIGS_016 = RUN_PY.parent / "configs" / "0.16"
+
+
+def test_the_016_stage_config_is_that_release_s_async_chunk_pipeline_on_cpu():
+    d = _deploy(CONFIGS_016 / "qwen3_omni_cpu.yaml")
+    assert d["async_chunk"] is True and "stages" not in d  # 0.16.0's format: stage_args, not 0.30's stages
+    stages = d["stage_args"]
+    assert [s["stage_id"] for s in stages] == [0, 1, 2]
+    assert [s["engine_args"]["model_stage"] for s in stages] == ["thinker", "talker", "code2wav"]
+    procs = [s["engine_args"].get("custom_process_next_stage_input_func", "") for s in stages]
+    assert procs[0].endswith("qwen3_omni.thinker2talker_async_chunk")
+    assert procs[1].endswith("qwen3_omni.talker2code2wav_async_chunk")
+    for s in stages:
+        assert "devices" not in (s.get("runtime") or {}), "one CPU device: no per-stage devices"
+        assert s["engine_args"]["enforce_eager"] is True
+        assert "gpu_memory_utilization" not in s["engine_args"]
+    for s in stages[:2]:  # a 32k prompt, its output and the template's tokens, prefilled in one step
+        assert s["engine_args"]["max_model_len"] >= 32000 + 100 + 64
+        assert s["engine_args"]["max_num_batched_tokens"] >= 32000 + 64
+    assert stages[0]["default_sampling_params"]["temperature"] == 0.0
+    assert stages[1]["default_sampling_params"]["max_tokens"] == 64  # random weights: capped codec frames
+    assert [s.get("engine_input_source") for s in stages] == [None, [0], [1]]
+
+
+def test_release_016_picks_its_venv_models_and_config_format(run, monkeypatch, tmp_path, capsys):
+    import dataclasses
+
+    monkeypatch.setattr(run, "RELEASE", run.RELEASE)  # main() sets both; restored after the test
+    monkeypatch.setattr(run, "VENV_BIN", run.VENV_BIN)
+    monkeypatch.delenv("OMNI_ACCUM_E2E_VENV", raising=False)
+    missing = tmp_path / "no-venv"
+    monkeypatch.setitem(run.RELEASES, "0.16", dataclasses.replace(run.RELEASES["0.16"], venv=missing))
+    with pytest.raises(SystemExit) as e:
+        run.main(["--release", "0.16"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "setup_env.sh --release 0.16" in err and str(missing) in err, err
+    venv = tmp_path / "venv-016"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "vllm-omni").write_text("")
+    models = {**run.RELEASES["0.16"].models, "light": tmp_path / "not-built-light"}
+    monkeypatch.setitem(run.RELEASES, "0.16", dataclasses.replace(run.RELEASES["0.16"], venv=venv, models=models))
+    with pytest.raises(SystemExit) as e:
+        run.main(["--release", "0.16", "--model", "light"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "not-built-light" in err, err
+    assert f"{venv / 'bin' / 'python'} benchmarks/e2e/build_model.py --variant light" in err, err
+    assert run.VENV_BIN == venv / "bin" and run.RELEASE.config_flag == "--stage-configs-path"
+    assert run.resolve_model("tiny") == RUN_PY.parent / ".work" / "model-016"
+    assert run.resolve_deploy("nosuch") is None and run.deploy_names() == []
+    assert run.resolve_deploy(CONFIGS_016 / "qwen3_omni_cpu.yaml") == CONFIGS_016 / "qwen3_omni_cpu.yaml"
+
+
+def test_the_default_release_keeps_0_30_s_deploy_flag_and_folders(run):
+    r = run.RELEASES["0.30"]
+    assert r.config_flag == "--deploy-config" and r.configs == RUN_PY.parent / "configs"
+    assert r.models is run.MODELS and r.venv == RUN_PY.parent / ".work" / "venv"
+    assert run.RELEASES["0.16"].venv == RUN_PY.parent / ".work" / "venv-016"
+
+
+def test_the_model_config_takes_the_rope_layout_of_the_installed_transformers(monkeypatch):
+    bm = _build_model()
+    mrope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [12, 10, 10]}
+    monkeypatch.setattr(bm, "transformers_major", lambda: 5)
+    assert bm.rope(mrope) == {"rope_parameters": mrope}
+    monkeypatch.setattr(bm, "transformers_major", lambda: 4)  # vllm-omni 0.16.0's transformers 4.57
+    assert bm.rope(mrope) == {
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [12, 10, 10]},
+    }
+    assert bm.rope({"rope_type": "default", "rope_theta": 10.0}) == {"rope_theta": 10.0, "rope_scaling": None}
+    assert bm.OUT_DIRS_016["light"] != bm.OUT_DIRS["light"]
+    assert bm.script_hash("light", "0.16") != bm.script_hash("light", "0.30")

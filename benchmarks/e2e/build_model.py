@@ -1,6 +1,7 @@
 """Build a tiny random-weight Qwen3-Omni (thinker -> talker -> code2wav) for the e2e harness.
 
     benchmarks/e2e/.work/venv/bin/python benchmarks/e2e/build_model.py [--variant tiny|light] [--out DIR] [--force]
+    benchmarks/e2e/.work/venv-016/bin/python benchmarks/e2e/build_model.py [--variant tiny|light]   # vllm-omni 0.16.0
 
 No model hub is needed: the config comes from ``transformers.Qwen3OmniMoeConfig``, the weights are
 random (seeded, so every build is the same), the tokenizer is a byte-level BPE built here.
@@ -46,6 +47,35 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("tiny", "light")
 OUT_DIRS = {"tiny": HERE / ".work" / "model", "light": HERE / ".work" / "model-light"}
+# vllm-omni 0.16.0's environment (setup_env.sh --release 0.16) has transformers 4.57, whose Qwen3-Omni config
+# takes rope_theta / rope_scaling (not 5.x's rope_parameters) and whose MoE weights are per expert: its
+# models are built by that environment's python into their own folders (run.py --release 0.16 uses them).
+OUT_DIRS_016 = {"tiny": HERE / ".work" / "model-016", "light": HERE / ".work" / "model-light-016"}
+
+
+def installed_release() -> str:
+    """``0.16`` when the running environment has vllm-omni 0.16.x, else ``0.30``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return "0.16" if version("vllm-omni").startswith("0.16.") else "0.30"
+    except PackageNotFoundError:
+        return "0.30"
+
+
+def transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+def rope(params: dict) -> dict:
+    """``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (4.x) for one text config."""
+    if transformers_major() >= 5:
+        return {"rope_parameters": dict(params)}
+    rest = {k: v for k, v in params.items() if k != "rope_theta"}
+    scaling = rest if set(rest) - {"rope_type"} else None  # only the plain default: no scaling dict
+    return {"rope_theta": params["rope_theta"], "rope_scaling": scaling}
 SEED = 1234
 STAMP = "omni_accum_e2e_build.json"
 
@@ -90,8 +120,9 @@ def log(msg: str) -> None:
     print(f"[build_model] {msg}", file=sys.stderr, flush=True)
 
 
-def script_hash(variant: str = "tiny") -> str:
-    return hashlib.sha256(Path(__file__).read_bytes() + variant.encode()).hexdigest()[:16]
+def script_hash(variant: str = "tiny", release: str = "0.30") -> str:
+    tag = variant if release == "0.30" else f"{variant}@{release}"
+    return hashlib.sha256(Path(__file__).read_bytes() + tag.encode()).hexdigest()[:16]
 
 
 def build_tokenizer_json() -> str:
@@ -237,7 +268,7 @@ def build_config(variant: str = "tiny"):
             "vocab_size": VOCAB_SIZE, "hidden_size": THINKER_HIDDEN, "intermediate_size": 256,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
             "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
-            "norm_topk_prob": True, "max_position_embeddings": 65536, "rope_parameters": dict(mrope),
+            "norm_topk_prob": True, "max_position_embeddings": 65536, **rope(mrope),
             "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
         },
         "position_id_per_seconds": 13, "audio_start_token_id": 151669, "audio_token_id": 151675,
@@ -250,12 +281,12 @@ def build_config(variant: str = "tiny"):
             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "moe_intermediate_size": 64,
             "shared_expert_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2,
             "decoder_sparse_step": 1, "norm_topk_prob": False, "max_position_embeddings": 65536,
-            "rope_parameters": dict(mrope), "rms_norm_eps": 1e-6,
+            **rope(mrope), "rms_norm_eps": 1e-6,
         },
         "code_predictor_config": {
             "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1,
             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "num_code_groups": 16,
-            "max_position_embeddings": 65536, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "max_position_embeddings": 65536, **rope({"rope_type": "default", "rope_theta": 1000000.0}),
         },
         "num_code_groups": 16, "thinker_hidden_size": THINKER_HIDDEN, "accept_hidden_layer": 1,
         "codec_eos_token_id": 2150, "codec_nothink_id": 2155, "codec_think_bos_id": 2156,
@@ -305,7 +336,7 @@ def build_processor(out: Path, tok) -> None:
     (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2, sort_keys=True) + "\n")
 
 
-def build(out: Path, variant: str = "tiny") -> None:
+def build(out: Path, variant: str = "tiny", release: str = "0.30") -> None:
     import torch
     from transformers import Qwen3OmniMoeForConditionalGeneration, set_seed
 
@@ -329,6 +360,8 @@ def build(out: Path, variant: str = "tiny") -> None:
     torch.set_default_dtype(prev)
     model.generation_config.do_sample = False
     cfg.dtype = "bfloat16"
+    if transformers_major() < 5:
+        cfg.torch_dtype = torch.bfloat16  # 4.x writes this key
     model.save_pretrained(str(tmp), safe_serialization=True)
     n = sum(p.numel() for p in model.parameters())
     del model
@@ -337,7 +370,8 @@ def build(out: Path, variant: str = "tiny") -> None:
             {
                 "builder": "benchmarks/e2e/build_model.py",
                 "variant": variant,
-                "hash": script_hash(variant),
+                "release": release,
+                "hash": script_hash(variant, release),
                 "seed": SEED,
                 "params": n,
             },
@@ -350,9 +384,9 @@ def build(out: Path, variant: str = "tiny") -> None:
     log(f"done: {out} ({n / 1e6:.1f} M parameters)")
 
 
-def is_current(out: Path, variant: str = "tiny") -> bool:
+def is_current(out: Path, variant: str = "tiny", release: str = "0.30") -> bool:
     try:
-        return json.loads((out / STAMP).read_text()).get("hash") == script_hash(variant)
+        return json.loads((out / STAMP).read_text()).get("hash") == script_hash(variant, release)
     except (OSError, ValueError):
         return False
 
@@ -365,14 +399,20 @@ def main(argv: list[str] | None = None) -> int:
         default="tiny",
         help="tiny: 2 thinker layers (default); light: the same payload widths with minimal compute",
     )
-    ap.add_argument("--out", type=Path, help="output folder (default .work/model, .work/model-light for light)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="output folder (default .work/model, .work/model-light for light; in vllm-omni 0.16.0's environment "
+        ".work/model-016, .work/model-light-016)",
+    )
     ap.add_argument("--force", action="store_true", help="rebuild even when the folder is current")
     args = ap.parse_args(argv)
-    out = (args.out or OUT_DIRS[args.variant]).resolve()
-    if not args.force and is_current(out, args.variant):
+    release = installed_release()
+    out = (args.out or (OUT_DIRS_016 if release == "0.16" else OUT_DIRS)[args.variant]).resolve()
+    if not args.force and is_current(out, args.variant, release):
         log(f"reusing {out} (up to date)")
         return 0
-    build(out, args.variant)
+    build(out, args.variant, release)
     return 0
 
 

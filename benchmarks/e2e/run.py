@@ -57,8 +57,34 @@ import hosts as hosts_mode  # noqa: E402 - run.py --hosts N (network namespaces,
 WORK = HERE / ".work"
 MODELS = {"tiny": WORK / "model", "light": WORK / "model-light"}  # build_model.py --variant NAME
 DEFAULT_MODEL = "tiny"
-DEFAULT_DEPLOY = HERE / "configs" / "qwen3_omni_cpu.yaml"
 VENV_BIN = Path(sys.executable).parent
+
+
+@dataclass(frozen=True)
+class Release:
+    """One vllm-omni release's server environment (``setup_env.sh --release NAME``)."""
+
+    name: str
+    venv: Path  # setup_env.sh's default folder for it
+    models: dict  # build_model.py --variant NAME's folders, built by this release's transformers
+    configs: Path  # the deploy / stage configs: qwen3_omni_cpu.yaml and qwen3_omni_cpu_NAME.yaml
+    config_flag: str  # how `vllm-omni serve` takes it
+
+
+RELEASES = {
+    # vllm-omni 0.30.0: deploy YAML (`stages:`), --deploy-config
+    "0.30": Release("0.30", WORK / "venv", MODELS, HERE / "configs", "--deploy-config"),
+    # vllm-omni 0.16.0: stage config YAML (`stage_args:` with runtime / engine_args), --stage-configs-path; its
+    # transformers 4.57 reads the model's config in the older layout (build_model.py writes it so there)
+    "0.16": Release(
+        "0.16",
+        WORK / "venv-016",
+        {"tiny": WORK / "model-016", "light": WORK / "model-light-016"},
+        HERE / "configs" / "0.16",
+        "--stage-configs-path",
+    ),
+}
+RELEASE = RELEASES["0.30"]  # main() sets the one --release names
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el,audio_ttfp,audio_rtf"
 # --hosts runs this in place of the default deploy: both stage hops over Mooncake, the only ones that cross hosts
 HOSTS_DEPLOY = HERE / "configs" / "qwen3_omni_cpu_mooncake.yaml"
@@ -119,13 +145,13 @@ class Arm:
 
 
 def deploy_names() -> list[str]:
-    """The NAMEs of ``configs/qwen3_omni_cpu_NAME.yaml``."""
-    return sorted(p.stem.removeprefix("qwen3_omni_cpu_") for p in (HERE / "configs").glob("qwen3_omni_cpu_*.yaml"))
+    """The NAMEs of ``qwen3_omni_cpu_NAME.yaml`` in the release's config folder."""
+    return sorted(p.stem.removeprefix("qwen3_omni_cpu_") for p in RELEASE.configs.glob("qwen3_omni_cpu_*.yaml"))
 
 
 def resolve_deploy(value: str | Path) -> Path | None:
-    """A deploy YAML path, or NAME for ``configs/qwen3_omni_cpu_NAME.yaml``; None when neither exists."""
-    path = Path(value) if Path(value).exists() else HERE / "configs" / f"qwen3_omni_cpu_{value}.yaml"
+    """A deploy YAML path, or NAME for the release's ``qwen3_omni_cpu_NAME.yaml``; None when neither exists."""
+    path = Path(value) if Path(value).exists() else RELEASE.configs / f"qwen3_omni_cpu_{value}.yaml"
     return path.resolve() if path.is_file() else None
 
 
@@ -167,8 +193,8 @@ def positive_ints(text: str, option: str) -> list[int]:
 
 
 def resolve_model(value: str | Path) -> Path:
-    """``tiny`` / ``light`` (``build_model.py --variant NAME``'s folder) or a model folder path."""
-    return (MODELS[str(value)] if str(value) in MODELS else Path(value)).resolve()
+    """``tiny`` / ``light`` (``build_model.py --variant NAME``'s folder for the release) or a model folder path."""
+    return (RELEASE.models[str(value)] if str(value) in RELEASE.models else Path(value)).resolve()
 
 
 def scrape_or_error(base: str) -> dict[str, Any]:
@@ -229,7 +255,7 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
     cmd = [
         str(VENV_BIN / "vllm-omni"), "serve", str(args.model), "--omni",
         "--host", "127.0.0.1", "--port", str(port),
-        "--deploy-config", str(arm.deploy or args.deploy_config),
+        RELEASE.config_flag, str(arm.deploy or args.deploy_config),
         "--stage-init-timeout", str(int(args.start_timeout)),
     ]  # fmt: skip
     result: dict[str, Any] = {
@@ -397,8 +423,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--deploy-config",
-        default=str(DEFAULT_DEPLOY),
-        help="a deploy YAML, or NAME of configs/qwen3_omni_cpu_NAME.yaml (default configs/qwen3_omni_cpu.yaml)",
+        default=None,
+        help="a deploy YAML, or NAME of configs/qwen3_omni_cpu_NAME.yaml (default configs/qwen3_omni_cpu.yaml; "
+        "with --release 0.16 the stage configs of configs/0.16/)",
+    )
+    ap.add_argument(
+        "--release",
+        choices=sorted(RELEASES),
+        default=None,
+        help="the vllm-omni release's server environment: its virtualenv (setup_env.sh --release NAME), its model "
+        "folders (build_model.py run with that virtualenv's python) and its config format / folder "
+        "(default: the virtualenv of the python running this script, 0.30's configs)",
     )
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
@@ -407,6 +442,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke-max-tokens", type=int, default=16, help="thinker max_tokens of the correctness request")
     ap.add_argument("--work-dir", type=Path, default=WORK / "runs", help="per-run folders (logs, status files)")
     args = ap.parse_args(argv)
+    global RELEASE, VENV_BIN
+    if args.release is not None:
+        RELEASE = RELEASES[args.release]
+        venv = Path(os.environ.get("OMNI_ACCUM_E2E_VENV") or RELEASE.venv)
+        if not (venv / "bin" / "vllm-omni").exists():
+            ap.error(
+                f"--release {args.release}: no vllm-omni in {venv} "
+                f"(run: bash benchmarks/e2e/setup_env.sh --release {args.release})"
+            )
+        VENV_BIN = venv / "bin"
+    if args.deploy_config is None:
+        args.deploy_config = str(RELEASE.configs / "qwen3_omni_cpu.yaml")
     try:
         args.concurrency = positive_ints(args.concurrency, "--concurrency")
         args.input_len = positive_ints(args.input_len, "--input-len")
@@ -415,8 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     model_name = str(args.model)
     args.model = resolve_model(args.model)
     if not (args.model / "config.json").exists():
-        how = f"build_model.py --variant {model_name}" if model_name in MODELS else "build_model.py --out DIR"
-        ap.error(f"--model {model_name}: no model at {args.model} (run {how} first; names: {', '.join(MODELS)})")
+        how = f"build_model.py --variant {model_name}" if model_name in RELEASE.models else "build_model.py --out DIR"
+        if RELEASE.name != "0.30" and model_name in RELEASE.models:
+            how = f"{VENV_BIN / 'python'} benchmarks/e2e/{how}"
+        ap.error(
+            f"--model {model_name}: no model at {args.model} (run {how} first; names: {', '.join(RELEASE.models)})"
+        )
     deploy = resolve_deploy(args.deploy_config)
     if deploy is None:
         ap.error(

