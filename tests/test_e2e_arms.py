@@ -276,6 +276,12 @@ def test_release_016_picks_its_venv_models_and_config_format(run, monkeypatch, t
     err = capsys.readouterr().err
     assert e.value.code == 2 and "not-built-light" in err, err
     assert f"{venv / 'bin' / 'python'} benchmarks/e2e/build_model.py --variant light" in err, err
+    (tmp_path / "model-016").mkdir()
+    (tmp_path / "model-016" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:  # the simulated hosts are 0.30's deploys
+        run.main(["--release", "0.16", "--model", str(tmp_path / "model-016"), "--hosts", "4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--hosts 4" in err and "0.16" in err, err
     assert run.VENV_BIN == venv / "bin" and run.RELEASE.config_flag == "--stage-configs-path"
     assert run.resolve_model("tiny") == RUN_PY.parent / ".work" / "model-016"
     assert run.resolve_deploy("nosuch") is None and run.deploy_names() == []

@@ -479,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         arms = [make_arm(a.strip()) for a in args.arms.split(",") if a.strip()]
     except SystemExit as e:
         ap.error(str(e))
+    if args.hosts and RELEASE.name != "0.30":
+        ap.error(f"--hosts {args.hosts}: the simulated hosts run vllm-omni 0.30.0's deploys (not --release {RELEASE.name})")
     if args.hosts:
         if args.hosts < 0:
             ap.error(f"--hosts: {args.hosts} is not a host count (0: one host; 4 for the Qwen3-Omni deploys)")
