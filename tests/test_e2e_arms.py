@@ -307,4 +307,20 @@ def test_the_model_config_takes_the_rope_layout_of_the_installed_transformers(mo
     }
     assert bm.rope({"rope_type": "default", "rope_theta": 10.0}) == {"rope_theta": 10.0, "rope_scaling": None}
     assert bm.OUT_DIRS_016["light"] != bm.OUT_DIRS["light"]
+
+
+def test_the_016_models_capture_the_thinker_layer_0_16_s_processors_read():
+    require_module("transformers", "the e2e model's config (Qwen3OmniMoeConfig); installed with vllm-omni")
+    bm = _build_model()
+    for variant in ("tiny", "light"):
+        plain, v016 = bm.build_config(variant), bm.build_config(variant, "0.16")
+        # 0.16.0's thinker2talker_async_chunk reads pooling_output["24"]: layer 24 must exist and be captured
+        assert v016.talker_config.accept_hidden_layer == 24
+        assert v016.thinker_config.text_config.num_hidden_layers == 25
+        t, p = v016.thinker_config.text_config, plain.thinker_config.text_config
+        # everything else is the variant's: the same payload widths and per-layer sizes
+        assert (t.hidden_size, t.vocab_size, t.num_attention_heads, t.num_experts, t.moe_intermediate_size) == (
+            p.hidden_size, p.vocab_size, p.num_attention_heads, p.num_experts, p.moe_intermediate_size
+        )
+        assert plain.talker_config.accept_hidden_layer < plain.thinker_config.text_config.num_hidden_layers <= 2
     assert bm.script_hash("light", "0.16") != bm.script_hash("light", "0.30")

@@ -31,6 +31,11 @@ Variants (``--variant``; each has its own folder):
   layer vllm-omni can capture: it captures a layer's input), so ``hidden_states.output`` is the
   thinker's embedding output: still a ``[P, 2048]`` bf16 tensor of its own on the wire.
 
+vllm-omni 0.16.0 (this script run by ``.work/venv-016``'s python, into ``.work/model-016`` /
+``.work/model-light-016``): the config in transformers 4.x's layout (``rope_theta`` / ``rope_scaling``),
+and 25 thinker layers with the talker's ``accept_hidden_layer`` 24, in both variants: 0.16.0's stage
+input processors read the captured hidden states under the literal key ``"24"``.
+
 The output folder is rebuilt only when missing, when ``--force`` is given, or when this script
 changed (a hash of it is stored in ``omni_accum_e2e_build.json``).
 """
@@ -237,17 +242,27 @@ LIGHT = {
 }  # fmt: skip
 
 
-def apply_variant(variant: str, parts: dict[str, dict]) -> None:
-    """Replace the entries LIGHT names (``part.sub_config``) in the tiny model's config dicts."""
-    if variant == "tiny":
-        return
-    for where, changes in LIGHT.items():
-        part, _, sub = where.partition(".")
-        target = parts[part][sub] if sub else parts[part]
-        target.update(changes)
+# vllm-omni 0.16.0's Qwen3-Omni stage input processors read the thinker's captured hidden states under the
+# literal key "24" (``pooling_output.get("24")``: the real model's accept_hidden_layer); the thinker captures
+# layers 0 and ``accept_hidden_layer`` by index. So its models have 25 thinker layers and capture layer 24
+# (each layer as small as the variant's; the light one stays far below its LM head's compute).
+RELEASE_016 = {
+    "thinker.text_config": {"num_hidden_layers": 25},
+    "talker": {"accept_hidden_layer": 24},
+}
 
 
-def build_config(variant: str = "tiny"):
+def apply_variant(variant: str, parts: dict[str, dict], release: str = "0.30") -> None:
+    """Replace the entries LIGHT names (``part.sub_config``) in the tiny model's config dicts; then, for
+    vllm-omni 0.16.0, RELEASE_016's."""
+    for table in ([LIGHT] if variant == "light" else []) + ([RELEASE_016] if release == "0.16" else []):
+        for where, changes in table.items():
+            part, _, sub = where.partition(".")
+            target = parts[part][sub] if sub else parts[part]
+            target.update(changes)
+
+
+def build_config(variant: str = "tiny", release: str = "0.30"):
     from transformers import Qwen3OmniMoeConfig
 
     mrope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [12, 10, 10],
@@ -302,7 +317,7 @@ def build_config(variant: str = "tiny"):
         "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2], "decoder_dim": 64,
         "max_position_embeddings": 8000,
     }  # fmt: skip
-    apply_variant(variant, {"thinker": thinker, "talker": talker, "code2wav": code2wav})
+    apply_variant(variant, {"thinker": thinker, "talker": talker, "code2wav": code2wav}, release)
     cfg = Qwen3OmniMoeConfig(
         thinker_config=thinker,
         talker_config=talker,
@@ -351,7 +366,7 @@ def build(out: Path, variant: str = "tiny", release: str = "0.30") -> None:
     log("processor (Whisper features, Qwen2-VL image / video processors, ChatML template)")
     build_processor(tmp, tok)
     log(f"config + random weights ({variant}, seed {SEED}, thinker hidden {THINKER_HIDDEN}, vocab {VOCAB_SIZE})")
-    cfg = build_config(variant)
+    cfg = build_config(variant, release)
     set_seed(SEED)
     torch.manual_seed(SEED)
     prev = torch.get_default_dtype()
