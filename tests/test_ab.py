@@ -94,7 +94,7 @@ def test_the_cli_validates_a_split(tmp_path, capsys):
     f = tmp_path / "split.yaml"
     f.write_text("ab:\n  arms:\n    control: {policy: default}\n    treatment: {policy: qwen3-omni}\n")
     assert main(["validate", str(f)]) == 0
-    capsys.readouterr()
+    assert capsys.readouterr().out == f"{f}: ok (A/B split by request id: control 50% default, treatment 50% qwen3-omni)\n"
     f.write_text("ab:\n  arms:\n    control: {policy: default}\n    treatment: {policy: nope}\n")
     assert main(["validate", str(f)]) != 0
     got = capsys.readouterr()

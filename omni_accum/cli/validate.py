@@ -91,6 +91,9 @@ def check_one(arg: str, manager: StrategyManager, allow_stale: bool = False) -> 
     rec["valid"] = not rec["errors"]
     if policy == Policy() and arg != "default":
         rec["note"] = "the default policy: vllm-omni 0.30.0's behaviour"
+    if policy.ab is not None:
+        total = sum(a.weight for a in policy.ab.arms.values())
+        rec["ab"] = {n: {"policy": a.policy, "share": a.weight / total} for n, a in policy.ab.arms.items()}
     rec["text"] = [format_problem(rec["policy"], p) for p in rec["errors"]]
     return rec
 
@@ -106,7 +109,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for r, lines in zip(results, texts):
         if r["valid"]:
             note = f"; same as {r['note']}" if r["note"] else ""
-            print(f"{r['policy']}: ok ({r['rules']} rule{'' if r['rules'] == 1 else 's'}{note})")
+            if r.get("ab"):
+                arms = ", ".join(f"{n} {a['share']:.0%} {a['policy']}" for n, a in r["ab"].items())
+                print(f"{r['policy']}: ok (A/B split by request id: {arms})")
+            else:
+                print(f"{r['policy']}: ok ({r['rules']} rule{'' if r['rules'] == 1 else 's'}{note})")
         else:
             print(f"{r['policy']}: {len(r['errors'])} error(s)")
             for line in lines:
