@@ -245,9 +245,11 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
         }
     )
     env.update(arm.env)
+    if args.capture:  # every stage process records what passes through omni-accum (omni-accum trace / tune --trace)
+        env["OMNI_ACCUM_CAPTURE"] = str(Path(args.capture).resolve() / arm_dir.name)
     # The benchmark client loads vllm-omni's plugins too: keep omni-accum out of it (and out of the
     # status folder, which is for the server's processes).
-    server_only = ("OMNI_ACCUM_STATUS_DIR", "OMNI_ACCUM_POLICY", "PROMETHEUS_MULTIPROC_DIR")
+    server_only = ("OMNI_ACCUM_STATUS_DIR", "OMNI_ACCUM_POLICY", "PROMETHEUS_MULTIPROC_DIR", "OMNI_ACCUM_CAPTURE")
     client_env = {k: v for k, v in env.items() if k not in server_only}
     client_env["OMNI_ACCUM_VLLM_OMNI"] = "0"
     server_log = arm_dir / "server.log"
@@ -403,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="benchmark dataset seed")
     ap.add_argument("--json", dest="json_out", type=Path, help="write every result here")
     ap.add_argument("--keep-logs", type=Path, help="copy each arm's server / client logs here")
+    ap.add_argument(
+        "--capture",
+        type=Path,
+        metavar="DIR",
+        help="record each arm's stream through omni-accum (OMNI_ACCUM_CAPTURE) into DIR/ARM, for `omni-accum trace "
+        "DIR/ARM` and `omni-accum tune --trace DIR/ARM` (arms with omni-accum on only)",
+    )
     ap.add_argument(
         "--hosts",
         type=int,
