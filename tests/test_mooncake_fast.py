@@ -23,7 +23,28 @@ CASES = [
     ("rq-c", 0, 640, "released mid-transfer (between two buffer-fulls)"),
     ("rq-c", 1, 640, "a later put of the released request: serialized"),
     ("rq-d", 0, 1, "no tensor of the threshold's size: serialized"),
+    ("rq-e", 0, 640, "the store refuses the second buffer-full: the first removed, the payload serialized"),
 ]
+REFUSED = "rq-e"
+
+
+class _Refusing:
+    """The store, except that its second ``batch_put_from`` is refused (as a full segment refuses, rc -200)."""
+
+    def __init__(self, store):
+        self._store = store
+        self.calls = 0
+        self.keys: list[str] = []
+
+    def batch_put_from(self, keys, ptrs, sizes, config):
+        self.calls += 1
+        self.keys += keys
+        if self.calls == 2:
+            return [-200] * len(keys)
+        return self._store.batch_put_from(keys, ptrs, sizes, config)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
 RELEASED = "rq-c"
 
 
@@ -93,7 +114,15 @@ def fast_sender(*, pipes, extra: dict, tag: str) -> dict:
     try:
         for n, (rq, chunk, rows, _) in enumerate(CASES):
             before = dict(conn.counts)
-            ok, size, meta = conn.put("0", "1", f"{tag}{rq}_0_{chunk}", _payload(n, rows))
+            refusing = None
+            if rq == REFUSED:
+                conn.inner.store = refusing = _Refusing(conn.inner.store)
+            try:
+                ok, size, meta = conn.put("0", "1", f"{tag}{rq}_0_{chunk}", _payload(n, rows))
+            finally:
+                if refusing is not None:
+                    conn.inner.store = refusing._store
+                    out["refused_keys"] = refusing.keys
             parts += (meta or {}).get("mooncake_parts", [])
             out["puts"].append({
                 "ok": ok, "size": size, "parts": len((meta or {}).get("mooncake_parts", [])),
@@ -105,7 +134,7 @@ def fast_sender(*, pipes, extra: dict, tag: str) -> dict:
         wr.write("null\n")
         wr.flush()
         assert rd.readline().strip() == "done"
-        keys = parts + [conn._make_key(f"{tag}{rq}_0_{c}", "0", "1") for rq, c, _, _ in CASES]
+        keys = parts + out["refused_keys"] + [conn._make_key(f"{tag}{rq}_0_{c}", "0", "1") for rq, c, _, _ in CASES]
         out["left"] = [k for k, e in zip(keys, conn.store.batch_is_exist(keys)) if e != 0]
         out["released_at"] = released_at
         out["health"] = conn.health()
@@ -157,7 +186,7 @@ def test_fast_path_views_are_bit_identical_between_processes(stage_host, mooncak
     assert rx["mismatch"] == []  # every value, every case: dtype, shape and bytes as 0.30.0's connector gives
     puts = tx["puts"]
     assert all(p["ok"] for p in puts)
-    assert [p["fast"] for p in puts] == [1, 1, 1, 0, 0]
+    assert [p["fast"] for p in puts] == [1, 1, 1, 0, 0, 0]
     # 200 x 2048 bf16 (800 KiB) + 200 x 1024 fp16 (400 KiB): two parts, one of each tensor
     assert puts[0]["parts"] == 2
     # 640 x 2048 bf16 = 2.5 MiB -> 3 parts of a 1 MiB buffer; 640 x 1024 fp16 = 1.25 MiB -> 2
@@ -165,13 +194,92 @@ def test_fast_path_views_are_bit_identical_between_processes(stage_host, mooncak
     assert tx["released_at"] == [f"{tag}rq-c_0_0"]  # released between two buffer-fulls of that put
     assert rx["sizes"] == [p["size"] for p in puts]  # what was put is what was got
     h_tx, h_rx = tx["health"], rx["health"]
-    assert h_tx["fast_puts"] == 3 and h_tx["inner_puts"] == 2 and h_tx["fallbacks"] == {}
-    assert h_tx["puts"] == 5 and h_tx["bytes_transferred"] == sum(p["size"] for p in puts)
-    assert h_rx["fast_gets"] == 3 and h_rx["inner_gets"] == 2 and h_rx["fallbacks"] == {}
+    assert len(tx["refused_keys"]) == 2  # the first buffer-full was put (then removed: not in "left"), the second refused
+    assert h_tx["fast_puts"] == 3 and h_tx["inner_puts"] == 3 and h_tx["fallbacks"] == {"mooncake_put_error": 1}
+    assert h_tx["puts"] == 6 and h_tx["bytes_transferred"] == sum(p["size"] for p in puts)
+    assert h_rx["fast_gets"] == 3 and h_rx["inner_gets"] == 3 and h_rx["fallbacks"] == {}
     assert h_rx["remove_errors"] == 0
     # the receiver removed every fast-path key and part it took; 0.30.0's puts stay as 0.30.0 leaves them
-    assert tx["left"] == [mooncake_key(tag, "rq-c", 1), mooncake_key(tag, "rq-d", 0)]
+    assert tx["left"] == [mooncake_key(tag, "rq-c", 1), mooncake_key(tag, "rq-d", 0), mooncake_key(tag, "rq-e", 0)]
 
 
 def mooncake_key(tag: str, rq: str, chunk: int) -> str:
     return f"{tag}{rq}_0_{chunk}@0_1"
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Through vllm-omni's chunk adapter: omni-accum's sending policy picks the tensors
+# ---------------------------------------------------------------------------------------------- #
+
+RIDS = 2
+DECODE = 4
+
+
+def _capturing(stage_fn: str, **kw):
+    """Run ``mooncake_fixtures.<stage_fn>`` and add its connector's fast-path counts to what it returns."""
+    import mooncake_fixtures as mf
+
+    made = []
+    orig = mf._adapter
+
+    def adapter(*a, **k):
+        made.append(orig(*a, **k))
+        return made[-1]
+
+    mf._adapter = adapter
+    try:
+        info = getattr(mf, stage_fn)(**kw)
+    finally:
+        mf._adapter = orig
+    conn = made[0].connector
+    info["connector"] = type(conn).__name__
+    info["fast"] = {k: v for k, v in getattr(conn, "counts", {}).items()}
+    info["fallbacks"] = dict(getattr(conn, "fallbacks", {}))
+    return info
+
+
+def fast_thinker(**kw):
+    return _capturing("thinker_stage", **kw)
+
+
+def fast_talker(**kw):
+    return _capturing("talker_stage", **kw)
+
+
+def _adapter_run(stage_host, mooncake, label: str, name: str, env: dict) -> tuple[dict, dict]:
+    from mooncake_fixtures import deploy_connector
+
+    from omni_accum.bench.mooncake import Job
+
+    rids = [f"mf-{label}-{os.getpid()}-{n}" for n in range(RIDS)]
+    connector = deploy_connector(mooncake)
+    # every appended tensor takes the fast path (this stream's prefill chunks are small), in parts of 4 KiB
+    connector = {"name": name, "extra": {**connector["extra"], "mooncake_tensor_min_bytes": 1,
+                                         "mooncake_buffer_bytes": 4096} if name == NAME else connector["extra"]}  # fmt: skip
+    base = {"OMNI_ACCUM_VLLM_OMNI": "1", "OMNI_ACCUM_POLICY": "qwen3-omni", "OMNI_ACCUM_METRICS": "0",
+            "OMNI_ACCUM_DEPLOYMENT": f"mf-{label}-{os.getpid()}", **env}  # fmt: skip
+    jobs = [
+        Job("test_mooncake_fast:fast_thinker", {"connector": connector, "rids": rids, "decode_steps": DECODE}, base),
+        Job("test_mooncake_fast:fast_talker", {"connector": connector, "rids": rids, "chunks": DECODE}, base),
+    ]
+    tx, rx = stage_host.run(jobs, timeout=300)
+    rx["handed"] = {rid.split("-", 3)[-1]: v for rid, v in rx["handed"].items()}
+    return tx, rx
+
+
+def test_adapter_views_through_the_fast_path_equal_0_30_0s(stage_host, mooncake):
+    """vllm-omni's thinker -> talker adapters over OmniAccumMooncakeConnector (qwen3-omni policy): the talker is
+    handed bit for bit what it is handed over 0.30.0's MooncakeStoreConnector with omni-accum off; the tensors
+    of the keys the policy appends went through registered buffers, in parts."""
+    from test_integration_vllm_omni import assert_same
+
+    up_tx, up_rx = _adapter_run(stage_host, mooncake, "up", "MooncakeStoreConnector", {"OMNI_ACCUM_VLLM_OMNI": "0"})
+    tx, rx = _adapter_run(stage_host, mooncake, "fast", NAME, {})
+    assert up_tx["connector"] == "MooncakeStoreConnector" and tx["connector"] == "MooncakeFastConnector"
+    assert tx["installed"] and rx["installed"] and tx["errors"] == 0
+    assert tx["fast"]["fast_puts"] > 0 and tx["fast"]["fast_parts"] > tx["fast"]["fast_puts"], tx["fast"]
+    assert rx["fast"]["fast_gets"] == tx["fast"]["fast_puts"], (rx["fast"], tx["fast"])
+    assert tx["fallbacks"] == {} and rx["fallbacks"] == {}
+    assert tx["binding_wire_bytes"] == tx["bytes"]  # what the put returned is what the binding counted
+    assert_same(rx["handed"], up_rx["handed"], "handed")  # bit for bit, every request, every step
+    assert rx["active_after_cleanup"] == 0

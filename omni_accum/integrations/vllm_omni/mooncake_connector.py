@@ -21,7 +21,8 @@ tensors of keys the sending policy appends (the prefill's ``[P+1, 2048]`` embedd
 
 * sending, each such tensor of at least ``mooncake_tensor_min_bytes`` is copied once into a registered
   staging buffer (``MooncakeDistributedStore.register_buffer``) and stored from it as objects of their own
-  (``batch_put_from``; a tensor larger than the buffer goes as several parts, one buffer-full per call);
+  (``batch_put_from``; a tensor larger than the buffer goes as several parts, one buffer-full per call;
+  in this process's own segment when it contributes one, ``segment`` > 0: the put is a local copy);
   the rest of the payload is serialized as 0.30.0 does, each such tensor replaced by a reference naming
   its parts, and ``put`` last under the chunk's key: a receiver that finds the key finds every part;
 * receiving, the payload is decoded with vllm-omni's own decoder, each referenced tensor allocated and
@@ -219,6 +220,9 @@ class MooncakeFastConnector(OmniConnectorBase):
         self.fallbacks: dict[str, int] = {}
         self._warned: set[str] = set()
         self._closed = False
+        self._pin: Any = None
+        #: This process's own segment, where the fast path's objects go (None: the master chooses).
+        self.local_segment: str | None = None
 
     @property
     def stage_id(self) -> int:
@@ -231,6 +235,26 @@ class MooncakeFastConnector(OmniConnectorBase):
     @property
     def pin(self) -> Any:
         return self.inner.pin
+
+    def _part_pin(self) -> Any:
+        """The replication config of the fast path's objects: 0.30.0's (soft pin), preferring this process's own
+        segment when it contributes one (``segment`` > 0): the put is then a local copy, and the receiver's get
+        the one transfer."""
+        if self._pin is None:
+            pin = self.inner.pin
+            try:
+                if int(self.inner.segment or 0) > 0:
+                    from mooncake.store import ReplicateConfig  # noqa: PLC0415
+
+                    pin = ReplicateConfig()
+                    pin.with_soft_pin = True
+                    pin.preferred_segment = self.store.get_hostname()
+                    self.local_segment = pin.preferred_segment
+            except Exception as e:  # noqa: BLE001 - 0.30.0's config then
+                logger.info("omni-accum %s: no preferred segment (%s)", NAME, e)
+                pin = self.inner.pin
+            self._pin = pin
+        return self._pin
 
     # ------------------------------------------------------------------ fallbacks
     def _fell_back(self, reason: str, e: BaseException | str) -> None:
@@ -325,7 +349,7 @@ class MooncakeFastConnector(OmniConnectorBase):
                     sizes.append(ln)
                     used += ln
                     k += 1
-                rcs = self.store.batch_put_from(keys, ptrs, sizes, self.pin)
+                rcs = self.store.batch_put_from(keys, ptrs, sizes, self._part_pin())
                 ok = [pk for pk, rc in zip(keys, rcs) if rc == 0]
                 done += ok
                 if len(ok) != len(keys):
@@ -333,7 +357,7 @@ class MooncakeFastConnector(OmniConnectorBase):
                 if k < len(plan) and self.between_parts is not None:
                     self.between_parts(put_key)
             body = _Encoder(parts).encode(data)
-            rc = self.store.put(key, body, self.pin)
+            rc = self.store.put(key, body, self._part_pin())
             if not (rc is None or rc == 0 or rc is True):
                 raise _PutFailed(f"put of the payload's {len(body)} bytes returned {rc!r}")
         except BaseException:
@@ -450,7 +474,8 @@ class MooncakeFastConnector(OmniConnectorBase):
         self.inner.cleanup(request_id)
 
     def health(self) -> dict[str, Any]:
-        return {**self.inner.health(), **self.counts, "fallbacks": dict(self.fallbacks)}
+        return {**self.inner.health(), **self.counts, "fallbacks": dict(self.fallbacks),
+                "local_segment": self.local_segment}
 
     def close(self) -> None:
         """Unregister the buffers, close 0.30.0's connector (idempotent)."""
