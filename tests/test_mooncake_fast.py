@@ -18,12 +18,12 @@ NAME = "OmniAccumMooncakeConnector"
 
 #: (request, chunk, rows of the append tensors, what the case shows)
 CASES = [
-    ("rq-a", 0, 200, "fits one buffer (two tensors, one batch_put_from each buffer-full)"),
-    ("rq-b", 0, 640, "larger than one registered buffer: parts"),
-    ("rq-c", 0, 640, "released mid-transfer (between two buffer-fulls)"),
+    ("rq-a", 0, 200, "each tensor fits the staging buffer: copied into it, one batch_put_from per buffer-full"),
+    ("rq-b", 0, 640, "larger than the registered buffer: parts, from the tensors' own registered memory"),
+    ("rq-c", 0, 640, "released mid-transfer (between the two tensors' batch_put_from)"),
     ("rq-c", 1, 640, "a later put of the released request: serialized"),
     ("rq-d", 0, 1, "no tensor of the threshold's size: serialized"),
-    ("rq-e", 0, 640, "the store refuses the second buffer-full: the first removed, the payload serialized"),
+    ("rq-e", 0, 640, "the store refuses the second batch_put_from: the first's parts removed, the payload serialized"),
 ]
 REFUSED = "rq-e"
 
@@ -191,11 +191,15 @@ def test_fast_path_views_are_bit_identical_between_processes(stage_host, mooncak
     assert puts[0]["parts"] == 2
     # 640 x 2048 bf16 = 2.5 MiB -> 3 parts of a 1 MiB buffer; 640 x 1024 fp16 = 1.25 MiB -> 2
     assert puts[1]["parts"] == 5 and puts[2]["parts"] == 5
-    assert tx["released_at"] == [f"{tag}rq-c_0_0"]  # released between two buffer-fulls of that put
+    assert tx["released_at"] == [f"{tag}rq-c_0_0"]  # released between two batch_put_from calls of that put
     assert rx["sizes"] == [p["size"] for p in puts]  # what was put is what was got
     h_tx, h_rx = tx["health"], rx["health"]
-    assert len(tx["refused_keys"]) == 2  # the first buffer-full was put (then removed: not in "left"), the second refused
+    # the first tensor's 3 parts were put (then removed: not in "left"), the second's 2 refused
+    assert len(tx["refused_keys"]) == 5
     assert h_tx["fast_puts"] == 3 and h_tx["inner_puts"] == 3 and h_tx["fallbacks"] == {"mooncake_put_error": 1}
+    # the tensors larger than the buffer went from their own registered memory (rq-b, rq-c, rq-e: 2 each);
+    # the receiver read those of rq-b and rq-c straight into its tensors
+    assert h_tx["direct_tensors"] == 6 and h_rx["direct_tensors"] == 4
     assert h_tx["puts"] == 6 and h_tx["bytes_transferred"] == sum(p["size"] for p in puts)
     assert h_rx["fast_gets"] == 3 and h_rx["inner_gets"] == 3 and h_rx["fallbacks"] == {}
     assert h_rx["remove_errors"] == 0

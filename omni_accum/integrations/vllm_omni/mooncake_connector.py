@@ -11,7 +11,7 @@ Select it in a deploy YAML in place of ``MooncakeStoreConnector`` (the same ``ex
           metadata_server: http://10.0.0.1:8080/metadata
           segment: 536870912
           localbuf: 268435456
-          mooncake_buffer_bytes: 64MiB       # registered staging buffer per direction (default 64MiB)
+          mooncake_buffer_bytes: 16MiB       # registered staging buffer per direction, and the largest part (default)
           mooncake_tensor_min_bytes: 256KiB  # smaller tensors stay in the serialized payload (default 256KiB)
 
 0.30.0's connector serializes the whole payload (msgpack, every tensor's bytes copied into the message),
@@ -21,12 +21,15 @@ tensors of keys the sending policy appends (the prefill's ``[P+1, 2048]`` embedd
 
 * sending, each such tensor of at least ``mooncake_tensor_min_bytes`` is copied once into a registered
   staging buffer (``MooncakeDistributedStore.register_buffer``) and stored from it as objects of their own
-  (``batch_put_from``; a tensor larger than the buffer goes as several parts, one buffer-full per call;
+  (``batch_put_from``); a tensor larger than the buffer has its own memory registered for the call instead
+  (no copy; through the staging buffer, one buffer-full per call, if that fails) and goes as parts of at
+  most the buffer's size (objects stay small enough for any segment;
   in this process's own segment when it contributes one, ``segment`` > 0: the put is a local copy);
   the rest of the payload is serialized as 0.30.0 does, each such tensor replaced by a reference naming
   its parts, and ``put`` last under the chunk's key: a receiver that finds the key finds every part;
 * receiving, the payload is decoded with vllm-omni's own decoder, each referenced tensor allocated and
-  its parts read with ``batch_get_into`` into the registered receive buffer and copied into it (one copy),
+  its parts read with ``batch_get_into`` into the registered receive buffer and copied into it (one copy;
+  a tensor larger than the buffer is registered itself and read into directly),
   then the key and its parts are removed from the store (0.30.0 leaves every object soft-pinned; its own
   puts stay so here too).
 
@@ -70,7 +73,7 @@ logger = logging.getLogger("omni_accum.vllm_omni")
 
 #: The name the ``omni_accum_mooncake`` entry point registers the connector under.
 NAME = "OmniAccumMooncakeConnector"
-DEFAULT_BUFFER_BYTES = 64 << 20
+DEFAULT_BUFFER_BYTES = 16 << 20
 DEFAULT_TENSOR_MIN_BYTES = 256 << 10
 #: Key of a tensor's wire dict (vllm-omni's tensor encoding) listing its parts: ``[[part key, bytes], ...]``.
 IN_STORE = "__omni_accum_mooncake__"
@@ -216,7 +219,7 @@ class MooncakeFastConnector(OmniConnectorBase):
         #: Called between two buffer-fulls of one put (tests: a release mid-transfer).
         self.between_parts: Any = None
         self.counts = {"fast_puts": 0, "inner_puts": 0, "fast_gets": 0, "inner_gets": 0, "fast_tensor_bytes": 0,
-                       "fast_parts": 0, "remove_errors": 0}
+                       "fast_parts": 0, "remove_errors": 0, "direct_tensors": 0}
         self.fallbacks: dict[str, int] = {}
         self._warned: set[str] = set()
         self._closed = False
@@ -337,25 +340,51 @@ class MooncakeFastConnector(OmniConnectorBase):
                 listed.append([pk, ln])
                 plan.append((pk, flat, off, ln))
         done: list[str] = []
+        calls = 0
+        pin = self._part_pin()
+
+        def call(keys: list[str], ptrs: list[int], sizes: list[int]) -> None:
+            nonlocal calls
+            if calls and self.between_parts is not None:
+                self.between_parts(put_key)
+            calls += 1
+            rcs = self.store.batch_put_from(keys, ptrs, sizes, pin)
+            ok = [pk for pk, rc in zip(keys, rcs) if rc == 0]
+            done.extend(ok)
+            if len(ok) != len(keys):
+                raise _PutFailed(f"batch_put_from of {len(keys)} part(s) returned {list(rcs)}")
+
         try:
-            k = 0
-            while k < len(plan):
-                keys, ptrs, sizes, used = [], [], [], 0
-                while k < len(plan) and used + plan[k][3] <= buf.nbytes:
-                    pk, flat, off, ln = plan[k]
+            staged: list[tuple[str, torch.Tensor, int, int]] = []  # parts waiting in the staging buffer
+            used = 0
+
+            def flush() -> None:
+                nonlocal used
+                if staged:
+                    call([p[0] for p in staged], [buf.ptr + u for *_, u in staged], [p[3] for p in staged])
+                    staged.clear()
+                    used = 0
+
+            for t, listed in parts.values():
+                flat = _bytes_of(t)
+                if flat.numel() > buf.nbytes and self._register(flat):
+                    # larger than the staging buffer: its own memory registered for this call, no copy
+                    flush()
+                    try:
+                        call([pk for pk, _ in listed], [flat.data_ptr() + j * buf.nbytes for j in range(len(listed))],
+                             [ln for _, ln in listed])  # fmt: skip
+                    finally:
+                        self._unregister(flat)
+                    continue
+                off = 0
+                for pk, ln in listed:
+                    if used + ln > buf.nbytes:
+                        flush()
                     buf.mem[used : used + ln].copy_(flat[off : off + ln])
-                    keys.append(pk)
-                    ptrs.append(buf.ptr + used)
-                    sizes.append(ln)
+                    staged.append((pk, flat, off, ln, used))  # type: ignore[arg-type]
                     used += ln
-                    k += 1
-                rcs = self.store.batch_put_from(keys, ptrs, sizes, self._part_pin())
-                ok = [pk for pk, rc in zip(keys, rcs) if rc == 0]
-                done += ok
-                if len(ok) != len(keys):
-                    raise _PutFailed(f"batch_put_from of {len(keys)} part(s) returned {list(rcs)}")
-                if k < len(plan) and self.between_parts is not None:
-                    self.between_parts(put_key)
+                    off += ln
+            flush()
             body = _Encoder(parts).encode(data)
             rc = self.store.put(key, body, self._part_pin())
             if not (rc is None or rc == 0 or rc is True):
@@ -440,20 +469,57 @@ class MooncakeFastConnector(OmniConnectorBase):
         self.counts["fast_gets"] += 1
         return obj, len(raw) + n
 
+    def _register(self, flat: torch.Tensor) -> bool:
+        """Register a tensor's own memory for one call (False: it goes through the staging buffer)."""
+        try:
+            rc = self.store.register_buffer(flat.data_ptr(), flat.numel())
+        except Exception as e:  # noqa: BLE001
+            rc = str(e)
+        if rc != 0:
+            if "register-direct" not in self._warned:
+                self._warned.add("register-direct")
+                logger.info("omni-accum %s: register_buffer of a tensor returned %s; it goes through the staging "
+                            "buffer", NAME, rc)
+            return False
+        self.counts["direct_tensors"] += 1
+        return True
+
+    def _unregister(self, flat: torch.Tensor) -> None:
+        try:
+            self.store.unregister_buffer(flat.data_ptr())
+        except Exception as e:  # noqa: BLE001
+            logger.warning("omni-accum %s: unregister_buffer: %s", NAME, e)
+
     def _read_parts(self, todo: list[tuple[torch.Tensor, list[tuple[str, int]]]]) -> int:
         buf = self._buffer("rx")
         if buf is None:
             raise RuntimeError("no registered buffer to read into")
         plan = []  # (part key, destination bytes, offset, length)
+        total = 0
         for t, parts in todo:
             flat = _bytes_of(t)
+            if flat.numel() > buf.nbytes and self._register(flat):
+                # larger than the receive buffer: read straight into the tensor's own (registered) memory
+                try:
+                    offs = [0]
+                    for _, ln in parts[:-1]:
+                        offs.append(offs[-1] + ln)
+                    got = self.store.batch_get_into([pk for pk, _ in parts], [flat.data_ptr() + o for o in offs],
+                                                    [ln for _, ln in parts])  # fmt: skip
+                finally:
+                    self._unregister(flat)
+                for (pk, ln), rc in zip(parts, got):
+                    if rc != ln:
+                        raise RuntimeError(f"batch_get_into of part {pk} ({ln} bytes) returned {rc}")
+                total += flat.numel()
+                continue
             off = 0
             for pk, ln in parts:
                 if ln > buf.nbytes:
                     raise RuntimeError(f"part {pk} has {ln} bytes, more than the {buf.nbytes}-byte buffer")
                 plan.append((pk, flat, off, ln))
                 off += ln
-        k = total = 0
+        k = 0
         while k < len(plan):
             batch, used = [], 0
             while k < len(plan) and used + plan[k][3] <= buf.nbytes:
