@@ -324,3 +324,27 @@ def test_the_016_models_capture_the_thinker_layer_0_16_s_processors_read():
         )
         assert plain.talker_config.accept_hidden_layer < plain.thinker_config.text_config.num_hidden_layers <= 2
     assert bm.script_hash("light", "0.16") != bm.script_hash("light", "0.30")
+
+
+@pytest.mark.parametrize(
+    "argv, env, needle",
+    [
+        (["--release", "0.99"], {}, "unknown release '0.99' (valid: 0.30, 0.16)"),
+        (["--release"], {}, "--release needs a value"),
+        (["--bogus"], {}, "unknown argument '--bogus'"),
+        ([], {"OMNI_ACCUM_E2E_RELEASE": "1.0"}, "unknown release '1.0'"),
+        (["--release", "0.16"], {"OMNI_ACCUM_E2E_VLLM_CPU_DIST": "vllm"}, "OMNI_ACCUM_E2E_VLLM_CPU_DIST='vllm' is not"),
+    ],
+)
+def test_setup_env_refuses_a_bad_release_before_building_anything(tmp_path, argv, env, needle):
+    import os
+    import subprocess
+
+    venv = tmp_path / "venv"
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_ACCUM_E2E_")}
+    full_env.update(env, OMNI_ACCUM_E2E_VENV=str(venv))
+    r = subprocess.run(
+        ["bash", str(RUN_PY.parent / "setup_env.sh"), *argv], env=full_env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and needle in r.stderr, (r.returncode, r.stderr)
+    assert not venv.exists()
