@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,10 @@ from e2e_procs import (  # noqa: E402
     server_processes, shm_cleanup, shm_entries, stop_server, wait_ready,
 )  # fmt: skip
 from e2e_report import compare, metrics_delta, payload_memcpy_ms, print_metrics, print_table, scrape_metrics  # noqa: E402
+from e2e_watch import (  # noqa: E402 - memory samples, a stage killed on purpose, omni-accum's leftovers
+    Sampler, StageKiller, bench_errors, client_errors, fallbacks_delta, fault_report, health_status, omni_accum_left,
+    stage_number,
+)  # fmt: skip
 
 import hosts as hosts_mode  # noqa: E402 - run.py --hosts N (network namespaces, netns.py)
 
@@ -106,17 +111,20 @@ def log(msg: str) -> None:
 
 
 def run_bench(
-    base: str, model: str, args, input_len: int, concurrency: int, out_dir: Path, env: dict[str, str], logf
+    base: str, model: str, args, input_len: int, concurrency: int, out_dir: Path, env: dict[str, str], logf,
+    round_: int = 0,
 ) -> dict:
     num = args.num_prompts if args.num_prompts else max(4, 2 * concurrency)
-    fname = f"bench-in{input_len}-c{concurrency}.json"
+    if args.duration_s and not args.num_prompts:
+        num = 8 * concurrency  # --duration-s: rounds long enough that each one's ramp-down is a small part
+    fname = f"bench-in{input_len}-c{concurrency}{f'-r{round_}' if round_ else ''}.json"
     cmd = [
         str(VENV_BIN / "vllm"), "bench", "serve", "--omni",
         "--backend", "openai-chat-omni", "--endpoint", "/v1/chat/completions",
         "--base-url", base, "--model", model, "--tokenizer", model,
         "--dataset-name", "random", "--random-input-len", str(input_len),
         "--random-output-len", str(args.output_len), "--ignore-eos",
-        "--num-prompts", str(num), "--max-concurrency", str(concurrency), "--seed", str(args.seed),
+        "--num-prompts", str(num), "--max-concurrency", str(concurrency), "--seed", str(args.seed + round_),
         "--percentile-metrics", PERCENTILE_METRICS, "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", str(out_dir), "--result-filename", fname, "--disable-tqdm",
     ]  # fmt: skip
@@ -129,7 +137,33 @@ def run_bench(
     if f.exists():
         raw = json.loads(f.read_text())
         res["raw"] = {k: v for k, v in raw.items() if not isinstance(v, list)}
+        res["errors"] = bench_errors(f)  # the failed requests' error texts, with counts
     return res
+
+
+def run_bench_held(base: str, model: str, args, n: int, c: int, arm_dir: Path, env: dict[str, str], clog,
+                   on_round: Any = None) -> dict[str, Any]:  # fmt: skip
+    """``--duration-s``: the benchmark client again and again (rounds of ``8 x C`` prompts, seed + round) until
+    the time is up, so that concurrency C is held that long; one entry with every round and the totals
+    (requests sent, answered, failed, their errors). Without it: one run."""
+    if not args.duration_s:
+        return run_bench(base, model, args, n, c, arm_dir, env, clog)
+    t0 = time.monotonic()
+    rounds = []
+    while not rounds or time.monotonic() - t0 < args.duration_s:
+        rounds.append(run_bench(base, model, args, n, c, arm_dir, env, clog, round_=len(rounds) + 1))
+        if on_round is not None:
+            on_round(rounds[-1])
+        if rounds[-1]["rc"] != 0 and not (rounds[-1].get("raw") or {}).get("completed"):
+            break  # the client fails outright (the server is gone): no point in more rounds
+    totals = client_errors(rounds)
+    out: dict[str, Any] = {"input_len": n, "concurrency": c, "duration_s": args.duration_s,
+                           "wall_s": round(time.monotonic() - t0, 1), "rounds": rounds, **totals,
+                           "num_prompts": totals["sent"], "rc": max(r["rc"] for r in rounds)}  # fmt: skip
+    out["raw"] = rounds[0].get("raw")  # the table shows the first round's latencies
+    log(f"held c={c} for {out['wall_s']} s: {len(rounds)} rounds, {totals['completed']}/{totals['sent']} answered, "
+        f"{totals['failed']} failed")  # fmt: skip
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -280,6 +314,7 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
         log(f"[{arm.name}] starting: {' '.join(cmd)} (env {arm.env}; log {server_log})")
     t0 = time.monotonic()
     known: list[dict[str, Any]] = []
+    sampler = killer = None  # --sample-every-s, --kill-stage
     with open(os.devnull if server else server_log, "wb") as slog, open(client_log, "ab") as clog:
         proc = None
         try:
@@ -295,6 +330,17 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
             result["started"] = True
             known = server.processes() if server else server_processes(proc.pid)
             log(f"[{arm.name}] ready in {result['start_s']} s on port {port}, {len(known)} processes")
+            root = proc.pid
+            listing = (lambda: server.processes()) if server else (lambda: server_processes(root))  # noqa: E731
+            if args.sample_every_s > 0:
+                sampler = Sampler(root, args.sample_every_s, processes=listing).start()
+            if args.kill_stage is not None:
+                killer = StageKiller(
+                    args.kill_stage, args.kill_after_s, listing, log_path=server_log,
+                    on_kill=lambda r: (log(f"[{arm.name}] SIGKILL stage{r['stage']} pid {r.get('pid')} "
+                                           f"({r.get('note') or r.get('title', '')[:60]})"),
+                                       sampler and sampler.mark(f"SIGKILL stage{r['stage']}", pid=r.get("pid"))),
+                )  # fmt: skip
             probes = []
             for prompt in PROBE_PROMPTS[:1] if args.smoke else PROBE_PROMPTS:
                 c = chat_with_audio(base, str(args.model), args.smoke_max_tokens, args.request_timeout, prompt)
@@ -315,11 +361,23 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
                 for n in args.input_len:
                     for c in args.concurrency:
                         before = scrape_or_error(base)
-                        b = run_bench(base, str(args.model), args, n, c, arm_dir, client_env, clog)
+                        if sampler:
+                            sampler.mark(f"bench in{n} c{c}")
+                        if killer:
+                            killer.arm()  # once: its time counts from the first benchmark's start
+                        b = run_bench_held(base, str(args.model), args, n, c, arm_dir, client_env, clog)
+                        after = scrape_or_error(base)
                         # the server's own hand-off and processor times for this benchmark's requests
-                        b["server"] = metrics_delta(before, scrape_or_error(base))
+                        b["server"] = metrics_delta(before, after)
+                        b["fallbacks"] = fallbacks_delta(before, after)  # omni-accum's during it, by reason
                         b["memcpy_ms"] = payload_memcpy_ms(n)
                         result["bench"].append(b)
+                if killer:
+                    killer.cancel()
+                    result["fault"] = fault_report(
+                        killer.record, listing(), proc.poll() is None, health_status(base), server_log, result["bench"]
+                    )
+                    log(f"[{arm.name}] after the kill: {json.dumps({k: v for k, v in result['fault'].items() if k != 'log_lines'})}")
             time.sleep(1)
             result["metrics"] = scrape_or_error(base)  # what omni-accum counted, as an operator's scrape sees it
             print_metrics(arm.name, result["metrics"])
@@ -341,6 +399,12 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
                 snap.update({i["pid"]: i for i in server_processes(proc.pid)})
             known = sorted(snap.values(), key=lambda i: i["pid"])
         finally:  # also on Ctrl-C and SIGTERM (netns.Interrupted, --hosts): nothing of the arm stays
+            if killer:
+                killer.cancel()
+                if "fault" not in result:
+                    result["fault"] = fault_report(killer.record, [], False, None, server_log, result.get("bench"))
+            if sampler:
+                sampler.stop()
             status_before = read_status_dir(status_dir)
             if server:
                 result["stop"] = server.stop(known)
@@ -348,8 +412,15 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
                 result["stop"] = stop_server(proc, known, port, args.stop_grace)
             else:
                 result["stop"] = {"clean": False, "note": "the server never started"}
+            # what omni-accum left in /dev/shm and its private folder (its reapers remove a killed process's)
+            result["stop"]["omni_accum_left"] = omni_accum_left(shm_before, shm_entries)
             result["stop"]["shm"] = shm_cleanup(shm_before)
             log(f"[{arm.name}] stopped: {result['stop']}")
+            if sampler:
+                sampler.sample()  # after the stop: what /dev/shm holds once the server is gone
+                sampler.mark("stopped")
+                result["memory"] = sampler.write(arm_dir, args.warmup_s)
+                log(f"[{arm.name}] memory samples: {result['memory']['csv']}; plot: {result['memory']['plot']}")
     result["wall_s"] = round(time.monotonic() - t0, 1)
     status = read_status_dir(status_dir) or status_before  # refreshed at exit; else the last refresh
     logs = scan_log(server_log)
@@ -376,10 +447,15 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
     if args.keep_logs:
         keep = Path(args.keep_logs) / arm_dir.name
         keep.mkdir(parents=True, exist_ok=True)
-        for f in (server_log, client_log, *(sorted(arm_dir.glob("*.log")) if server else [])):
+        for f in (server_log, client_log, *(sorted(arm_dir.glob("*.log")) if server else []),
+                  *sorted(arm_dir.glob("memory.*"))):  # fmt: skip
             if f.exists():
                 (keep / f.name).write_bytes(f.read_bytes())
     return result
+
+
+def _interrupted(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,7 +526,49 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-grace", type=float, default=60.0, help="seconds after SIGTERM before SIGKILL")
     ap.add_argument("--smoke-max-tokens", type=int, default=16, help="thinker max_tokens of the correctness request")
     ap.add_argument("--work-dir", type=Path, default=WORK / "runs", help="per-run folders (logs, status files)")
+    ap.add_argument(
+        "--sample-every-s",
+        type=float,
+        default=5.0,
+        help="while an arm's server runs, record every N seconds the RSS of each server process (VmRSS), the bytes "
+        "in omni-accum's private folder (/dev/shm/omni-accum-<euid>/) and the bytes in use on /dev/shm, into "
+        "<run>/<arm>/memory.csv and memory.json, and plot them to memory.png (needs matplotlib; without it the "
+        "data only, and the report says so). 0: off (default %(default)s)",
+    )
+    ap.add_argument(
+        "--warmup-s",
+        type=float,
+        default=60.0,
+        help="samples before this many seconds after the server was ready are left out of the flatness verdict "
+        "(memory.json 'flat': each series' growth from its first to its last quarter; default %(default)s)",
+    )
+    ap.add_argument(
+        "--duration-s",
+        type=float,
+        default=0.0,
+        help="hold each concurrency at least this long: the benchmark client runs again and again (rounds of "
+        "8 x C prompts unless --num-prompts, the seed + 1 per round) until the time is up; the JSON has every "
+        "round, the requests sent / answered / failed with their errors, and omni-accum's fallbacks from "
+        "/metrics by reason. 0: one run (default)",
+    )
+    ap.add_argument(
+        "--kill-stage",
+        default=None,
+        help="fault injection: SIGKILL this stage's engine-core process (thinker, talker, code2wav, or a stage "
+        "number) --kill-after-s after the first benchmark starts, then record what the server did (still "
+        "running, /health, the stage restarted or not, new processes, the client's errors, the server log's "
+        "error / death / restart lines after the kill) in the arm's 'fault' entry; after the stop, "
+        "'stop.omni_accum_left' lists what omni-accum left in /dev/shm (it should be empty). Needs the benchmark "
+        "(not with --smoke); give a short --bench-timeout, a killed stage can leave the client waiting",
+    )
+    ap.add_argument(
+        "--kill-after-s", type=float, default=30.0, help="seconds after the first benchmark starts (default %(default)s)"
+    )
     args = ap.parse_args(argv)
+    # SIGTERM / SIGHUP end this script as Ctrl-C does, through each arm's clean-up (the server's process group
+    # stopped, its /dev/shm files checked): the default action left a running server behind.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _interrupted)
     global RELEASE, VENV_BIN
     if args.release is not None:
         RELEASE = RELEASES[args.release]
@@ -463,6 +581,16 @@ def main(argv: list[str] | None = None) -> int:
         VENV_BIN = venv / "bin"
     if args.deploy_config is None:
         args.deploy_config = str(RELEASE.configs / "qwen3_omni_cpu.yaml")
+    if args.kill_stage is not None:
+        try:
+            args.kill_stage = stage_number(args.kill_stage)
+        except ValueError as e:
+            ap.error(str(e))
+        if args.smoke:
+            ap.error("--kill-stage needs the benchmark (it kills the stage while the benchmark runs): drop --smoke")
+    for opt in ("sample_every_s", "warmup_s", "duration_s", "kill_after_s"):
+        if getattr(args, opt) < 0:
+            ap.error(f"--{opt.replace('_', '-')}: {getattr(args, opt)} is negative (seconds, 0 or more)")
     try:
         args.concurrency = positive_ints(args.concurrency, "--concurrency")
         args.input_len = positive_ints(args.input_len, "--input-len")
