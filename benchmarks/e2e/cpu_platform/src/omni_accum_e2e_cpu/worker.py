@@ -8,6 +8,7 @@ building the omni runner instead of the plain CPU one. Stand-in, see the package
 
 from __future__ import annotations
 
+import torch
 from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _torch_cuda_wrapper
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -51,7 +52,9 @@ class _CPUOmniWorker(OmniWorkerMixin, CPUWorker):
             logger.warning("%s forces the v1 model runner (omni hooks).", type(self).__name__)
             self.use_v2_model_runner = False
         super().init_device()
-        self.model_runner = self.model_runner_cls(self.vllm_config, self.device)
+        # vLLM 0.30.0's CPUWorker sets self.device; 0.16.0's passes torch.device("cpu") to its runner and
+        # leaves self.device None
+        self.model_runner = self.model_runner_cls(self.vllm_config, getattr(self, "device", None) or torch.device("cpu"))
 
 
 class CPUOmniARWorker(_CPUOmniWorker):
