@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -380,6 +381,12 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
                     log(f"[{arm.name}] after the kill: {json.dumps({k: v for k, v in result['fault'].items() if k != 'log_lines'})}")
             time.sleep(1)
             result["metrics"] = scrape_or_error(base)  # what omni-accum counted, as an operator's scrape sees it
+            try:  # the raw scrape too, for `omni-accum ab --metrics FILE` (an A/B split's arms) and other readers
+                with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+                    (arm_dir / "metrics.prom").write_bytes(r.read())
+                result["metrics_file"] = str(arm_dir / "metrics.prom")
+            except OSError as e:
+                log(f"[{arm.name}] could not save /metrics: {e}")
             print_metrics(arm.name, result["metrics"])
             snap = {i["pid"]: i for i in known}
             snap.update({i["pid"]: i for i in (server.processes() if server else server_processes(proc.pid))})
