@@ -19,6 +19,7 @@ dead unlinks it too.
 from __future__ import annotations
 
 import atexit
+import errno
 import mmap
 import os
 import re
@@ -119,9 +120,11 @@ _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 class Region:
     """A mapping of an arena file; :meth:`create` (the receiver) or :meth:`attach` (the sender)."""
 
-    def __init__(self, path: Path, mm: mmap.mmap, layout: Layout, owner: bool) -> None:
+    def __init__(self, path: Path, mm: mmap.mmap, layout: Layout, owner: bool, fd: int = -1) -> None:
         self.path = path
         self.mm = mm
+        #: the file, kept open to reserve tmpfs pages before they are first written (:meth:`prefault`)
+        self.fd = fd
         self.layout = layout
         self.owner = owner
         self.q = memoryview(mm)[:HEADER].cast("Q")
@@ -134,6 +137,7 @@ class Region:
         self._unlinked = False
         self.pointer: Path | None = None  # the pointer file naming this region (omni_accum.arena.live), if any
         self._warm: bytearray | None = bytearray(layout.npages)  # data pages this process has prefaulted
+        self._populate = True  # MADV_POPULATE_WRITE works here (Linux 5.14+)
 
     # ------------------------------------------------------------------ creation and attachment
     @classmethod
@@ -151,14 +155,17 @@ class Region:
             path.unlink(missing_ok=True)  # stale: its owner is dead
         fd = samehost.open_private(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)  # FileExistsError: name taken
         try:
-            os.ftruncate(fd, layout.size)  # tmpfs allocates pages on first touch
+            os.ftruncate(fd, layout.size)  # tmpfs allocates the data pages on first use (prefault)
+            # header, page map and rings are written in place by both sides: reserved now, so that a full
+            # file system fails here (ENOSPC: the connector receives through its inner connector) and never
+            # as a SIGBUS on a first write into a page tmpfs cannot give
+            _reserve(fd, 0, layout.data_off, path)
             mm = mmap.mmap(fd, layout.size)
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise
-        os.close(fd)
-        r = cls(path, mm, layout, owner=True)
+        r = cls(path, mm, layout, owner=True, fd=fd)
         q = r.q
         q[W_MAGIC], q[W_VERSION], q[W_PAGE], q[W_NPAGES] = MAGIC, VERSION, page, npages
         q[W_RING_F], q[W_RING_B], q[W_DATA_OFF] = layout.ring_f, layout.ring_b, layout.data_off
@@ -181,19 +188,24 @@ class Region:
             if size < HEADER:
                 raise ArenaError(f"arena {path} is not initialised yet")
             mm = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         q = memoryview(mm)[:HEADER].cast("Q")
         try:
             if q[W_MAGIC] != MAGIC or q[W_VERSION] != VERSION or not q[W_READY]:
                 raise ArenaError(f"arena {path} is not an omni-accum arena of version {VERSION} (or not ready)")
             layout = Layout(q[W_PAGE], q[W_NPAGES], q[W_RING_F], q[W_RING_B])
+        except BaseException:
+            os.close(fd)
+            raise
         finally:
             q.release()
         if layout.size != size:
             mm.close()
+            os.close(fd)
             raise ArenaError(f"arena {path}: size {size} does not match its header ({layout.size})")
-        return cls(path, mm, layout, owner=False)
+        return cls(path, mm, layout, owner=False, fd=fd)
 
     # ------------------------------------------------------------------ page tables
     def prefault(self, page: int, n: int) -> None:
@@ -202,7 +214,11 @@ class Region:
         first touch; without this, each decode row that starts a new page costs its writer a page fault
         (several us on a VM) in the step. Pages stay resident once touched (freed slabs are reused, not
         punched), so this runs once per page and process. The contents are untouched
-        (``MADV_POPULATE_WRITE``, Linux 5.14); on a kernel without it, nothing is done."""
+        (``MADV_POPULATE_WRITE``, Linux 5.14); on a kernel without it, the pages fault in as they are written.
+
+        First the pages are reserved in the file (``fallocate``): a file system with no room for them (a full
+        ``/dev/shm``) raises :class:`ArenaFull` here (the caller frees the slab; the connector's put falls
+        back) instead of a SIGBUS when the sender writes into a page tmpfs cannot give."""
         warm = self._warm
         if warm is None or warm.find(0, page, page + n) < 0:
             return
@@ -210,11 +226,16 @@ class Region:
         start = self.data_off + page * self.layout.page
         end = start + n * self.layout.page
         start -= start % ps
-        try:
-            self.mm.madvise(_POPULATE_WRITE, start, end - start)
-        except (OSError, ValueError):  # an older kernel: the pages fault in as they are touched
-            self._warm = None
-            return
+        if self.fd >= 0:
+            try:
+                _reserve(self.fd, start, end - start, self.path)
+            except OSError as e:
+                raise ArenaFull(str(e)) from None
+        if self._populate:
+            try:
+                self.mm.madvise(_POPULATE_WRITE, start, end - start)
+            except (OSError, ValueError):  # an older kernel: the pages fault in as they are touched
+                self._populate = False
         warm[page : page + n] = b"\1" * n
 
     # ------------------------------------------------------------------ liveness
@@ -246,8 +267,10 @@ class Region:
         if self.mm.closed:
             return
         try:
-            self.q[W_OWNER_CLOSED if self.owner else W_SENDER_CLOSED] = 1
-            if not self.owner:
+            if self.owner:
+                self.q[W_OWNER_CLOSED] = 1
+            elif self.q[W_SENDER_PID] == os.getpid():  # only the attached sender's own slot (a process that
+                self.q[W_SENDER_CLOSED] = 1  # could not attach leaves another sender's, live or dead, alone)
                 self.q[W_SENDER_PID] = 0
         except (ValueError, TypeError):
             pass
@@ -263,6 +286,26 @@ class Region:
             self.mm.close()
         except BufferError:
             pass  # tensors over the mapping are still alive: it is unmapped when they are freed
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _reserve(fd: int, offset: int, length: int, path: Path) -> None:
+    """Give bytes ``offset .. offset + length`` of the file their pages now. Raises OSError (ENOSPC, its message
+    naming the file and the directory) when the file system has no room for them; a file system that cannot
+    reserve (no ``fallocate``) is left to give pages as they are written."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
+            raise OSError(
+                e.errno,
+                f"arena {path.name}: no room for {length} bytes in {path.parent} ({os.strerror(e.errno)}: the "
+                f"file system is full; free space there or make it larger)",
+            ) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
 
 
 def _track(path: Path) -> None:

@@ -89,8 +89,9 @@ class ArenaSender(KeyedMessages):
         self.region: Region = region
         q = region.q
         if not wait_until(lambda: q[W_SENDER_PID] == 0, attach_timeout_s, self._check_owner):
+            held = q[W_SENDER_PID]  # (read before the mapping goes)
             region.close()
-            raise ArenaError(f"arena {name!r} still has sender pid {q[W_SENDER_PID]} (the receiver resets it)")
+            raise ArenaError(f"arena {name!r} still has sender pid {held} (the receiver resets it)")
         self.gen = q[W_SENDER_GEN] % 255 + 1
         q[W_SENDER_GEN] = self.gen
         q[W_SENDER_PID] = os.getpid()
@@ -132,7 +133,11 @@ class ArenaSender(KeyedMessages):
         page = i - lo
         fill = self._fill * (n // 256) + self._fill[: n % 256]
         self.region.pages[page : page + n] = fill
-        self.region.prefault(page, n)  # once per page: no page fault per row later
+        try:
+            self.region.prefault(page, n)  # once per page: no page fault per row later
+        except ArenaFull:  # the file system has no room for them (a full /dev/shm): nothing written
+            self._free(page, n)
+            raise
         return page, n
 
     def _free(self, page: int, n: int) -> None:

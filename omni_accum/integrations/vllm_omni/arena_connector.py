@@ -42,6 +42,7 @@ Registered with ``OmniConnectorFactory`` by :mod:`.arena_plugin` (entry point ``
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -73,6 +74,9 @@ DEFAULT_ARENA_BYTES = 1 << 30
 DEFAULT_RING_BYTES = 4 << 20
 #: A sender that found no region tries again after this long (puts meanwhile use the inner connector).
 ATTACH_RETRY_S = 0.05
+#: A receiver whose region found no room (a full /dev/shm: ``no_space``) tries to create it again after this long.
+CREATE_RETRY_S = 5.0
+NO_SPACE = (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT)
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20}
 _UNITS.update({"g": 1 << 30, "gb": 10**9, "gib": 1 << 30})
@@ -157,6 +161,7 @@ class ArenaConnector(OmniConnectorBase):
         self._tx: dict[tuple[str, str], Any] = {}  # pair -> ArenaSender
         self._tx_retry: dict[tuple[str, str], float] = {}  # pair -> monotonic time of the next attach
         self._rx: dict[tuple[str, str], Any] = {}  # pair -> ArenaReceiver, or None: inner connector only
+        self._rx_retry: dict[tuple[str, str], float] = {}  # pair -> monotonic time of the next create (no_space)
         self._warned: set[str] = set()
         self._chain_logged = False
         self._to_release: deque[str] = deque()  # requests whose chains end at the next chance (release_request)
@@ -201,6 +206,8 @@ class ArenaConnector(OmniConnectorBase):
     def _receiver(self, pair: tuple[str, str]) -> Any:
         if pair in self._rx:
             return self._rx[pair]
+        if time.monotonic() < self._rx_retry.get(pair, 0.0):
+            return None  # no room for a region a moment ago (a full /dev/shm): the inner connector meanwhile
         base = self.region_name(*pair)
         try:
             live = live_region(base)
@@ -213,12 +220,17 @@ class ArenaConnector(OmniConnectorBase):
             if live is not None:
                 raise ArenaError(f"arena {live} is in use by a live receiver")
             rx = create_receiver(base, self.arena_bytes, ring_bytes=self.ring_bytes)
-        except (ArenaError, OSError, SameHostRefused) as e:
+        except OSError as e:
+            if e.errno in NO_SPACE:  # a full file system: receive through the inner connector, try again later
+                self._rx_retry[pair] = time.monotonic() + CREATE_RETRY_S
+                self._fell_back("no_space", pair, e)
+                return None
+            self._no_region(pair, e)
+            rx = None
+        except (ArenaError, SameHostRefused) as e:
             if isinstance(e, SameHostRefused):
                 self._refused(e)
-            logger.error(
-                "omni-accum arena %s: %s; this process receives through %s only (one receiving process per "
-                "stage pair)", self.region_name(*pair), str(e), type(self.inner).__name__)
+            self._no_region(pair, e)
             rx = None
         else:
             logger.info("omni-accum arena %s: created (%d data bytes, pid=%d)", rx.region.path.name,
@@ -227,6 +239,11 @@ class ArenaConnector(OmniConnectorBase):
             rx.on_bad = functools.partial(self._fell_back, "bad_frame", pair)  # a malformed ring message
         self._rx[pair] = rx
         return rx
+
+    def _no_region(self, pair: tuple[str, str], e: BaseException) -> None:
+        logger.error(
+            "omni-accum arena %s: %s; this process receives through %s only (one receiving process per "
+            "stage pair)", self.region_name(*pair), str(e), type(self.inner).__name__)
 
     def _refused(self, e: SameHostRefused) -> None:
         self.fallbacks["samehost_refused"] = self.fallbacks.get("samehost_refused", 0) + 1
