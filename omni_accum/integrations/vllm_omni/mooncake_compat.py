@@ -182,8 +182,10 @@ def register_connector() -> bool:
     """Register ``OmniAccumMooncakeConnector`` with ``OmniConnectorFactory`` (once); True when it is registered."""
     from vllm_omni.distributed.omni_connectors.factory import OmniConnectorFactory  # noqa: PLC0415
 
+    from omni_accum.integrations.vllm_omni import mooncake_connector  # noqa: PLC0415
     from omni_accum.integrations.vllm_omni.mooncake_connector import NAME, MooncakeFastConnector  # noqa: PLC0415
 
+    mooncake_connector._prepare, mooncake_connector._inner_class = apply, _connector_class
     if NAME not in OmniConnectorFactory.list_registered_connectors():
         OmniConnectorFactory.register_connector(NAME, MooncakeFastConnector)
     return True

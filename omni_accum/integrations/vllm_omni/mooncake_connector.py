@@ -188,12 +188,17 @@ class _Buffer:
                 self.store = None
 
 
+#: Set by :func:`.mooncake_compat.register_connector` (the plugin's activation, which registers this connector):
+#: the compatibility step for vllm-omni 0.30.0 on Mooncake 0.3.13, and vllm-omni's ``MooncakeStoreConnector``
+#: class (None: not importable). This module does not import that one: it imports this one.
+_prepare: Any = None
+_inner_class: Any = None
+
+
 class MooncakeFastConnector(OmniConnectorBase):
     """See the module docstring. ``config`` is the connector's ``extra`` (vllm-omni adds ``stage_id``)."""
 
     def __init__(self, config: dict[str, Any] | None) -> None:
-        from omni_accum.integrations.vllm_omni import mooncake_compat  # noqa: PLC0415
-
         self.config = dict(config or {})
         unknown = sorted(k for k in self.config if str(k).startswith("mooncake_") and k not in KNOWN_KEYS)
         if unknown:
@@ -201,8 +206,11 @@ class MooncakeFastConnector(OmniConnectorBase):
                              f"{', '.join(KNOWN_KEYS)}")
         self.buffer_bytes = _size(self.config, "mooncake_buffer_bytes", DEFAULT_BUFFER_BYTES, 4096)
         self.tensor_min_bytes = _size(self.config, "mooncake_tensor_min_bytes", DEFAULT_TENSOR_MIN_BYTES, 1)
-        mooncake_compat.apply()  # 0.30.0's connector does not build on Mooncake 0.3.13 without it
-        cls = mooncake_compat._connector_class()
+        if _prepare is None or _inner_class is None:
+            raise ImportError(f"{NAME}: not set up: omni-accum's omni_accum_mooncake plugin registers it "
+                              "(omni_accum.integrations.vllm_omni.mooncake_compat.activate())")
+        _prepare()  # 0.30.0's connector does not build on Mooncake 0.3.13 without the compatibility step
+        cls = _inner_class()
         if cls is None:
             raise ImportError(f"{NAME}: vllm-omni's MooncakeStoreConnector cannot be imported")
         inner_cfg = {k: v for k, v in self.config.items() if k not in KNOWN_KEYS}
