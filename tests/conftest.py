@@ -30,6 +30,11 @@ def pytest_configure(config):
         config.option.hypothesis_seed = fuzzing.SEED
 
 
+def pytest_collection_modifyitems(config, items):
+    # The end-to-end server test last: the test command builds its virtualenv in the background meanwhile.
+    items.sort(key=lambda item: item.path.name == "test_e2e_server.py")
+
+
 def pytest_report_header(config):
     if fuzzing.LONG:
         seed = getattr(config.option, "hypothesis_seed", fuzzing.SEED)

