@@ -77,6 +77,16 @@ def test_the_sampler_records_each_server_process_rss_and_the_folders_bytes(tree,
     assert priv == [priv[0]] * 2 and 1 << 20 <= priv[0] < 2 << 20  # allocated blocks, not apparent sizes
     assert len([r for r in s.rows if r["kind"] == "dev_shm"]) == 2
     assert e2e_watch.dir_bytes(tmp_path / "none") == 0
+    # /dev/shm by group of entries: the private folder is "omni" (its 1 MiB), nothing else is there
+    groups = {r["role"]: r["bytes"] for r in s.rows if r["kind"] == "shm_group"}
+    assert set(groups) == {"omni"} and groups["omni"] >= 1 << 20
+    (tmp_path / "psm_1a2b").write_bytes(b"\2" * (256 << 10))
+    (tmp_path / "psm_9f").write_bytes(b"\3" * (256 << 10))
+    g = e2e_watch.shm_groups(tmp_path)
+    assert set(g) == {"omni", "psm"} and (512 << 10) <= g["psm"] < (1 << 20)
+    assert "shm:psm" not in e2e_watch.series(s.rows)
+    s.sample()
+    assert e2e_watch.series(s.rows)["shm:psm"][0][1] == g["psm"]
 
 
 def test_the_sampler_thread_writes_csv_json_and_says_when_it_cannot_plot(tree, tmp_path, monkeypatch):
@@ -206,3 +216,27 @@ def test_the_new_options_usage_errors_exit_2(run, capsys, tmp_path):  # noqa: F8
     with pytest.raises(ValueError, match="more than 0 seconds"):
         e2e_watch.Sampler(1, 0)
     assert Path(e2e_watch.private_dir()).name == f"omni-accum-{os.geteuid()}"
+
+
+def test_the_sampler_lists_the_processes_again_only_every_relist_s_or_when_one_has_gone(tmp_path):
+    """The listing (every process's cmdline and smaps_rollup: slow while a big worker is busy) runs once per
+    ``relist_s``; the samples between read the listed processes' RSS only, and a listed process that has
+    ended makes the next sample list again."""
+    me = {"pid": os.getpid(), "ppid": 0, "title": "me", "comm": "python"}
+    dead = {"pid": 2**22 + 7, "ppid": 0, "title": "gone", "comm": "x"}  # above pid_max's default: never alive
+    calls = []
+
+    def listing():
+        calls.append(1)
+        return [me, dead] if len(calls) == 1 else [me]
+
+    s = e2e_watch.Sampler(os.getpid(), 1.0, shm=tmp_path, private=tmp_path / "p", processes=listing, relist_s=3600)
+    s.sample()  # lists, finds the dead one gone, lists again once
+    assert len(calls) == 2
+    for _ in range(3):
+        s.sample()
+    assert len(calls) == 2 and s.listings == 2
+    assert {r["pid"] for r in s.rows if r["kind"] == "rss"} == {os.getpid()}
+    s.relist_s = 0.0
+    s.sample()
+    assert len(calls) == 3

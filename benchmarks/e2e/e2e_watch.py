@@ -87,10 +87,33 @@ def fs_used_bytes(path: Path) -> int | None:
     return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
+_GROUP_RE = re.compile(r"[A-Za-z]+")
+
+
+def shm_groups(path: Path) -> dict[str, int]:
+    """Bytes the top-level entries of ``path`` take (allocated blocks, folders whole), grouped by the leading
+    letters of their names (``psm_1a2b`` -> ``psm``, ``omni-accum-0`` -> ``omni``, ``chatcmpl-...`` ->
+    ``chatcmpl``): which component's files grow when ``/dev/shm`` does."""
+    out: dict[str, int] = {}
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return out
+    for e in entries:
+        m = _GROUP_RE.match(e.name)
+        group = m.group(0) if m else "other"
+        with contextlib.suppress(OSError):
+            st = e.stat(follow_symlinks=False)
+            n = st.st_blocks * 512 + (dir_bytes(Path(e.path)) if e.is_dir(follow_symlinks=False) else 0)
+            out[group] = out.get(group, 0) + n
+    return out
+
+
 class Sampler:
     """Samples the processes ``processes()`` returns (default: the server under ``root``) every ``every_s``
     seconds on a thread, from :meth:`start` to :meth:`stop`. Rows (``t_s`` from the start):
-    ``kind=rss`` one per process (pid, role, bytes), ``kind=private_dir`` and ``kind=dev_shm`` one each.
+    ``kind=rss`` one per process (pid, role, bytes), ``kind=private_dir`` and ``kind=dev_shm`` one each, and
+    ``kind=shm_group`` one per group of ``/dev/shm`` entries (role: the group, :func:`shm_groups`).
     :meth:`mark` records an event (a kill, a benchmark's start) on the same clock."""
 
     FIELDS = ("t_s", "kind", "pid", "role", "bytes")
@@ -103,12 +126,21 @@ class Sampler:
         processes: Callable[[], list[dict[str, Any]]] | None = None,
         shm: Path = SHM,
         private: Path | None = None,
+        relist_s: float = 60.0,
     ) -> None:
         if every_s <= 0:
             raise ValueError(f"sampling interval {every_s!r}: must be more than 0 seconds")
         self.root, self.every_s, self.shm = root, every_s, shm
         self.private = private if private is not None else private_dir(shm)
         self._processes = processes or (lambda: server_processes(root))
+        # The listing reads every process's cmdline and smaps_rollup, which wait for a busy process's memory
+        # map lock (a 13 GB worker in its prefill held one sample up for minutes on a 2-core VM): it is taken
+        # again only every ``relist_s`` seconds, or when a listed process has gone; each sample between reads
+        # only ``/proc/PID/status`` of the listed processes.
+        self.relist_s = relist_s
+        self._listed: list[dict[str, Any]] | None = None
+        self._listed_at = float("-inf")
+        self.listings = 0
         self.rows: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self._t0 = time.monotonic()
@@ -122,17 +154,30 @@ class Sampler:
     def sample(self) -> None:
         """Take one sample now."""
         t = self.now()
-        procs = self._processes()
-        by_pid = {i["pid"]: i for i in procs}
         rows = []
-        for i in procs:
-            rss = rss_bytes(i["pid"])
-            if rss is not None:
-                rows.append({"t_s": t, "kind": "rss", "pid": i["pid"], "role": role_of(i, by_pid), "bytes": rss})
+        for attempt in (0, 1):
+            if self._listed is None or t - self._listed_at >= self.relist_s:
+                self._listed, self._listed_at = self._processes(), t
+                self.listings += 1
+            procs = self._listed
+            by_pid = {i["pid"]: i for i in procs}
+            rows = []
+            gone = False
+            for i in procs:
+                rss = rss_bytes(i["pid"])
+                if rss is not None:
+                    rows.append({"t_s": t, "kind": "rss", "pid": i["pid"], "role": role_of(i, by_pid), "bytes": rss})
+                else:
+                    gone = True
+            if not gone or attempt:
+                break
+            self._listed = None  # a listed process has ended (a kill, a restart): list again, once
         rows.append({"t_s": t, "kind": "private_dir", "pid": "", "role": "", "bytes": dir_bytes(self.private)})
         used = fs_used_bytes(self.shm)
         if used is not None:
             rows.append({"t_s": t, "kind": "dev_shm", "pid": "", "role": "", "bytes": used})
+        for group, n in sorted(shm_groups(self.shm).items()):
+            rows.append({"t_s": t, "kind": "shm_group", "pid": "", "role": group, "bytes": n})
         with self._lock:
             self.rows.extend(rows)
 
@@ -184,10 +229,12 @@ class Sampler:
 
 
 def series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[float, int]]]:
-    """The rows as time series: ``"<role> <pid>"`` per process (RSS), ``private_dir``, ``dev_shm``."""
+    """The rows as time series: ``"<role> <pid>"`` per process (RSS), ``private_dir``, ``dev_shm``, and
+    ``"shm:<group>"`` per group of ``/dev/shm`` entries."""
     out: dict[str, list[tuple[float, int]]] = {}
     for r in rows:
-        name = f"{r['role']} {r['pid']}" if r["kind"] == "rss" else r["kind"]
+        kind = r["kind"]
+        name = f"{r['role']} {r['pid']}" if kind == "rss" else (f"shm:{r['role']}" if kind == "shm_group" else kind)
         out.setdefault(name, []).append((float(r["t_s"]), int(r["bytes"])))
     return out
 
@@ -236,9 +283,10 @@ def plot(
     for col, arm in enumerate(arms):
         top, bottom = axes[0][col], axes[1][col]
         for name, pts in sorted(series(rows_by_arm[arm]).items()):
-            ax = bottom if name in ("private_dir", "dev_shm") else top
+            ax = bottom if name in ("private_dir", "dev_shm") or name.startswith("shm:") else top
             label = {"private_dir": "omni-accum private dir", "dev_shm": "/dev/shm in use"}.get(name, name)
-            ax.plot([t for t, _ in pts], [v / 2**20 for _, v in pts], label=label, lw=1)
+            ax.plot([t for t, _ in pts], [v / 2**20 for _, v in pts], label=label, lw=1,
+                    ls=":" if name.startswith("shm:") else "-")
         for e in events_by_arm.get(arm, []):
             for ax in (top, bottom):
                 ax.axvline(e["t_s"], color="red" if "kill" in e["event"] else "grey", ls="--", lw=0.8)
