@@ -13,7 +13,9 @@ is the sender's ``put`` plus the receiver's ``get`` (each timed in its own proce
 wait between them is not counted), until the payload is decoded and readable on the receiving side;
 the receiver then drops it (untimed). Arms run interleaved, in a rotating order, each repeat; the first
 round is a warm-up (printed as ``cold``: tmpfs pages and page tables touched for the first time) and
-left out of the medians. ``memcpy`` copies the payload's tensor bytes once into a buffer allocated and
+left out of the medians; ``arena-warm`` is ``arena`` with the connector's ``arena_warm: all`` (the region's
+pages reserved and mapped on both sides when it is created / attached, before the first put), so its
+``cold`` is what a server's first request pays with that setting. ``memcpy`` copies the payload's tensor bytes once into a buffer allocated and
 touched beforehand (``memcpy-fresh``: into a new allocation, as a receiver that copies out does). Every
 arm's first hand-off is checked bit for bit against the payload (untimed). One thread per process.
 Read the ratios of one run (the 2-core development VM's absolute times move by 2x from run to run).
@@ -32,7 +34,8 @@ from typing import Any
 
 import torch
 
-ARMS = ("shm", "arena", "arena-copy", "memcpy", "memcpy-fresh")
+ARMS = ("shm", "arena", "arena-warm", "arena-copy", "memcpy", "memcpy-fresh")
+CONNECTOR_ARMS = ("shm", "arena", "arena-warm", "arena-copy")
 _clock = time.perf_counter_ns
 
 
@@ -58,8 +61,17 @@ def _connector(arm: str, stage: int, name: str, arena_bytes: int) -> Any:
         return SharedMemoryConnector({"stage_id": stage})
     from omni_accum.integrations.vllm_omni.arena_connector import ArenaConnector
 
-    extra = {"stage_id": stage, "arena_name": f"{name}{'c' if arm == 'arena-copy' else 'v'}", "arena_bytes": arena_bytes}
+    suffix = {"arena": "v", "arena-warm": "w", "arena-copy": "c"}[arm]
+    extra = {"stage_id": stage, "arena_name": f"{name}{suffix}", "arena_bytes": arena_bytes}
+    if arm == "arena-warm":
+        extra["arena_warm"] = "all"
     return ArenaConnector({**extra, "arena_view_bytes": "off"} if arm == "arena-copy" else extra)
+
+
+def _join_warm(region: Any) -> None:
+    t = getattr(region, "_warm_thread", None)
+    if t is not None:
+        t.join()
 
 
 def _same(got: Any, want: Any) -> bool:
@@ -81,9 +93,10 @@ def _same(got: Any, want: Any) -> bool:
 
 def _receiver(conn: Any, name: str, arena_bytes: int) -> None:
     torch.set_num_threads(1)
-    conns = {arm: _connector(arm, 1, name, arena_bytes) for arm in ("shm", "arena", "arena-copy")}
+    conns = {arm: _connector(arm, 1, name, arena_bytes) for arm in CONNECTOR_ARMS}
     for c in conns.values():
         c.get("0", "1", "create")  # the arena connector's receiver creates its region
+    _join_warm(conns["arena-warm"]._rx[("0", "1")].region)  # arena_warm: its pages given before the first put
     conn.send("ready")
     while True:
         cmd = conn.recv()
@@ -122,10 +135,11 @@ def run(rows_list: list[int], repeats: int) -> dict[str, Any]:
     proc = ctx.Process(target=_receiver, args=(child, name, arena_bytes), daemon=True)
     proc.start()
     assert parent.recv() == "ready"
-    senders = {arm: _connector(arm, 0, name, arena_bytes) for arm in ("shm", "arena", "arena-copy")}
-    for arm in ("arena", "arena-copy"):
+    senders = {arm: _connector(arm, 0, name, arena_bytes) for arm in CONNECTOR_ARMS}
+    for arm in ("arena", "arena-warm", "arena-copy"):
         while senders[arm]._sender(("0", "1")) is None:  # attach before the first timed put
             time.sleep(0.06)
+    _join_warm(senders["arena-warm"]._sender(("0", "1")).region)
     results: dict[str, Any] = {}
     try:
         for rows in rows_list:
@@ -174,6 +188,7 @@ def run(rows_list: list[int], repeats: int) -> dict[str, Any]:
                 "arena_over_memcpy": med["arena"] / med["memcpy"],
                 "arena_over_memcpy_fresh": med["arena"] / med["memcpy-fresh"],
                 "arena_copy_over_shm": med["arena-copy"] / med["shm"],
+                "cold_arena_warm_over_arena": times["arena-warm"][0] / times["arena"][0],
             }
             del payload, tensors, dst
     finally:

@@ -106,11 +106,40 @@ def test_registered_in_the_real_factory(vo, arena_name):
         ({"arena_bytes": 100}, "under the minimum of 4096"),
         # a mistyped key used to be ignored (the default 1 GiB used), a name 0 to become "omni"
         ({"arena_size": "8GiB"}, "unknown extra key.*'arena_size'.*arena_bytes"),
+        ({"arena_warm": "lots"}, r"arena_warm = 'lots' is not a size.*\(or all, off\)"),
+        ({"arena_warm": 100}, "arena_warm = 100 is 100 bytes, under the minimum"),
     ],
 )
 def test_bad_settings_are_named(vo, extra, word):
     with pytest.raises(ValueError, match=word):
         _connector(1, "bad", **extra)
+
+
+def test_arena_warm_reads_a_size_all_or_off(vo):
+    assert _connector(1, "w1", arena_bytes="64MiB").warm_bytes == 0  # the default: off
+    assert _connector(1, "w2", arena_bytes="64MiB", arena_warm="16MiB").warm_bytes == 16 << 20
+    assert _connector(1, "w3", arena_bytes="64MiB", arena_warm="all").warm_bytes == 64 << 20
+    assert _connector(1, "w4", arena_bytes="64MiB", arena_warm="1GiB").warm_bytes == 64 << 20  # at most the region
+    assert _connector(1, "w5", arena_bytes="64MiB", arena_warm="off").warm_bytes == 0
+
+
+def test_a_warmed_region_serves_bit_exact_payloads(vo, arena_name):
+    rx, tx = _connector(1, arena_name, arena_warm="8MiB"), _connector(0, arena_name, arena_warm="8MiB")
+    try:
+        assert rx.get("0", "1", "nothing yet") is None  # creates the region, warms it in the background
+        sent = _payloads(1, 3)
+        for i, p in enumerate(sent):
+            ok, _, meta = tx.put("0", "1", f"k{i}", p)
+            assert ok and meta["arena"] == f"{arena_name}_0_1"
+        for i in range(3):
+            got, _ = rx.get("0", "1", f"k{i}")
+            assert_same(got, sent[i], f"payload {i}")
+        for region in (rx._rx[("0", "1")].region, tx._tx[("0", "1")].region):
+            region._warm_thread.join(timeout=60)
+            assert region.warmed["bytes"] == 8 << 20 and region.warmed["stopped"] is None, region.warmed
+    finally:
+        tx.close()
+        rx.close()
 
 
 def test_one_process_round_trip_is_bit_exact_and_uses_the_arena(vo, arena_name):
@@ -593,3 +622,26 @@ def test_a_full_dev_shm_gives_counted_fallbacks_and_bit_exact_payloads_never_a_c
         for p in (rx, tx):
             p.stop()
     _nothing_left(arena_name)
+
+
+def test_a_warm_that_finds_no_room_stops_there_and_the_region_still_serves(small_tmpfs, monkeypatch):
+    """``arena_warm`` larger than what ``/dev/shm`` has left: the warm stops at the first step with no room
+    (said in ``warmed``), raises nothing, and the region is left as usable as an unwarmed one."""
+    from omni_accum.arena import ArenaReceiver, ArenaSender
+
+    monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", str(small_tmpfs))
+    name = f"warmfull{os.getpid()}"
+    rx = ArenaReceiver(name, 4 << 20, ring_bytes=64 << 10)
+    try:
+        rx.region.warm(4 << 20, background=False, step_bytes=256 << 10)
+        w = rx.region.warmed
+        assert w["stopped"] is not None and w["stopped"].startswith("no room"), w
+        assert 0 < w["bytes"] < 4 << 20, w  # what fitted was warmed
+        tx = ArenaSender(name, {"emb": "append"}, timeout_s=30)
+        try:
+            page, n = tx._alloc(4096)  # a slab in the warmed pages: served
+            assert page == 0 and n == 1
+        finally:
+            tx.close()
+    finally:
+        rx.close()

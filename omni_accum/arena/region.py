@@ -20,15 +20,20 @@ from __future__ import annotations
 
 import atexit
 import errno
+import logging
 import mmap
 import os
 import re
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from omni_accum import samehost
 from omni_accum.arena.ring import Ring
 from omni_accum.errors import OmniAccumError
+
+logger = logging.getLogger("omni_accum.arena")
 
 PREFIX = "omni_accum_arena_"
 MAGIC = int.from_bytes(b"OAARENA1", "little")
@@ -138,6 +143,11 @@ class Region:
         self.pointer: Path | None = None  # the pointer file naming this region (omni_accum.arena.live), if any
         self._warm: bytearray | None = bytearray(layout.npages)  # data pages this process has prefaulted
         self._populate = True  # MADV_POPULATE_WRITE works here (Linux 5.14+)
+        #: held by :meth:`warm` per step and by :meth:`close` (never reserve through a closed descriptor)
+        self._warm_lock = threading.Lock()
+        self._warm_thread: threading.Thread | None = None
+        #: what the last :meth:`warm` did: ``{"bytes": warmed, "seconds": s, "stopped": None | why}``
+        self.warmed: dict[str, object] | None = None
 
     # ------------------------------------------------------------------ creation and attachment
     @classmethod
@@ -238,6 +248,54 @@ class Region:
                 self._populate = False
         warm[page : page + n] = b"\1" * n
 
+    def warm(self, nbytes: int, *, background: bool = True, step_bytes: int = 32 << 20) -> threading.Thread | None:
+        """Reserve and map the first ``nbytes`` of the data area now (all of it when ``nbytes`` is larger), so
+        that the first requests' slabs (allocated first fit, from the lowest pages) find their pages given
+        and mapped instead of paying tmpfs's page allocation and this process's page faults inside a hand-off
+        (~0.4 s for an 8k-token prefill's 66 MB on a 2-core VM). :meth:`prefault` in ``step_bytes`` steps, in a
+        daemon thread unless ``background`` is false (each step releases the GIL in its system calls, and the
+        lock is taken per step, so puts and :meth:`close` wait at most one step). Stops at the first step the
+        file system has no room for (a full ``/dev/shm``: the rest is reserved as slabs are allocated, or
+        falls back as before) or when the region closes. The cost: ``nbytes`` of ``/dev/shm`` held from now
+        on instead of as requests first need them. Returns the thread (None when run in place or nothing to
+        do); :attr:`warmed` says what was done."""
+        page = self.layout.page
+        n_all = min(self.layout.npages, max(0, int(nbytes)) // page)
+        if n_all <= 0 or self._warm is None:
+            return None
+        per = max(1, int(step_bytes) // page)
+
+        def run() -> None:
+            t0 = time.monotonic()
+            done, stopped = 0, None
+            for first in range(0, n_all, per):
+                n = min(per, n_all - first)
+                with self._warm_lock:
+                    if self.mm.closed or self.fd < 0:
+                        stopped = "closed"
+                        break
+                    try:
+                        self.prefault(first, n)
+                    except ArenaFull as e:
+                        stopped = f"no room: {e}"
+                        break
+                    except (OSError, ValueError) as e:  # the mapping went away under us
+                        stopped = f"{type(e).__name__}: {e}"
+                        break
+                done += n
+            self.warmed = {"bytes": done * page, "seconds": time.monotonic() - t0, "stopped": stopped}
+            logger.info("omni-accum arena %s: warmed %d of %d bytes in %.3f s (pid=%d)%s", self.path.name,
+                        done * page, n_all * page, self.warmed["seconds"], os.getpid(),
+                        "" if stopped is None else f"; stopped: {stopped}")
+
+        if not background:
+            run()
+            return None
+        t = threading.Thread(target=run, name=f"omni-accum-arena-warm-{self.path.name}", daemon=True)
+        self._warm_thread = t
+        t.start()
+        return t
+
     # ------------------------------------------------------------------ liveness
     def peer_pid(self) -> int:
         return int(self.q[W_SENDER_PID] if self.owner else self.q[W_OWNER_PID])
@@ -264,6 +322,12 @@ class Region:
 
     def close(self) -> None:
         """Mark this side closed; the owner also unlinks the file. Views still held keep the mapping alive."""
+        if self.mm.closed:
+            return
+        with self._warm_lock:  # a warm step in flight ends first; the next one sees the region closed
+            self._close_locked()
+
+    def _close_locked(self) -> None:
         if self.mm.closed:
             return
         try:

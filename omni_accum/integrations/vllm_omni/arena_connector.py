@@ -10,6 +10,8 @@ Select it in a deploy YAML like any connector::
           arena_bytes: 2GiB            # per stage pair (default 1GiB); tmpfs pages are touched as used
           ring_bytes: 4MiB             # descriptor ring per stage pair (default 4MiB)
           arena_view_bytes: 64KiB      # received tensors this large are not copied (default 64KiB; off)
+          arena_warm: 1GiB             # reserve and map this much of a region when it is created / attached
+                                       # (default 0: pages are given as slabs first need them; all: arena_bytes)
 
 One shared-memory region per stage pair (``omni_accum_arena_<arena_name>_<from>_<to>.<random>`` in this user's
 private directory, ``/dev/shm/omni-accum-<euid>/``: :mod:`omni_accum.samehost`), created once by the receiving
@@ -107,7 +109,19 @@ def parse_size(value: Any, what: str) -> int:
 
 
 #: The ``arena_*`` / ``ring_*`` keys the connector reads from its ``extra``.
-KNOWN_KEYS = ("arena_name", "arena_bytes", "ring_bytes", "arena_view_bytes")
+KNOWN_KEYS = ("arena_name", "arena_bytes", "ring_bytes", "arena_view_bytes", "arena_warm")
+
+
+def parse_warm(value: Any, arena_bytes: int) -> int:
+    """``arena_warm``: a size (:func:`parse_size`), ``all`` (``arena_bytes``), or ``0`` / ``off`` (nothing)."""
+    if value is None or value == 0 or str(value).strip().lower() in ("0", "off", "false", "none"):
+        return 0
+    if str(value).strip().lower() == "all":
+        return arena_bytes
+    try:
+        return min(parse_size(value, "arena_warm"), arena_bytes)
+    except ValueError as e:
+        raise ValueError(f"{e} (or all, off)") from None
 
 
 def parse_view_bytes(value: Any) -> int | None:
@@ -154,6 +168,7 @@ class ArenaConnector(OmniConnectorBase):
         self.arena_bytes = parse_size(self.config.get("arena_bytes", DEFAULT_ARENA_BYTES), "arena_bytes")
         self.ring_bytes = parse_size(self.config.get("ring_bytes", DEFAULT_RING_BYTES), "ring_bytes")
         self.view_bytes = parse_view_bytes(self.config.get("arena_view_bytes", DEFAULT_VIEW_BYTES))
+        self.warm_bytes = parse_warm(self.config.get("arena_warm", 0), self.arena_bytes)
         self.inner = self.peer_channel = SharedMemoryConnector(self.config)  # peer_channel: the stage hellos (.peer)
         # one lock per direction: a put waiting for ring space never holds up this process's gets
         self._tx_lock = threading.Lock()
@@ -201,6 +216,8 @@ class ArenaConnector(OmniConnectorBase):
             return None
         self._tx[pair] = tx
         logger.info("omni-accum arena %s: attached as sender (pid=%d)", self.region_name(*pair), os.getpid())
+        if self.warm_bytes:
+            tx.region.warm(self.warm_bytes)  # this process's page tables for the first slabs (arena_warm)
         return tx
 
     def _receiver(self, pair: tuple[str, str]) -> Any:
@@ -237,6 +254,8 @@ class ArenaConnector(OmniConnectorBase):
                         self.arena_bytes, os.getpid())
             rx.on_dead.append(functools.partial(_reap_soon, weakref.ref(self)))
             rx.on_bad = functools.partial(self._fell_back, "bad_frame", pair)  # a malformed ring message
+            if self.warm_bytes:
+                rx.region.warm(self.warm_bytes)  # tmpfs gives the first slabs' pages now (arena_warm)
         self._rx[pair] = rx
         return rx
 
