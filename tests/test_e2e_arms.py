@@ -142,16 +142,41 @@ def _scrape(report, s01, n01, b01, sp, np_):
 
 def test_the_hand_off_and_processor_metrics_are_read_from_the_scrape(report):
     m = _scrape(report, 0.3, 3.0, 3e8, 0.5, 2.0)
-    assert m["handoff"]["0->1 prefill"] == {"seconds": 0.3, "count": 3.0, "bytes": 3e8}
+    assert m["handoff"]["0->1 prefill"] == {"seconds": 0.3, "count": 3.0, "bytes": 3e8, "buckets": {"0.1": 1.0}}
     assert m["handoff"]["1->2 prefill"] == {"seconds": 0.004, "count": 2.0}
     assert m["processor_merge"]["0 prealloc"] == {"seconds": 0.5, "count": 2.0}
     assert m["handoff_skipped"] == {"clock_domain": 1.0} and m["processor_bytes_copied"] == {"prealloc": 1000.0}
     assert m["chunks"] == {"send": 3.0} and not any("vllm_unrelated" in line for line in m["lines"])
     # one benchmark's share: the difference of two scrapes, entries with no new event left out
     d = report.metrics_delta(m, _scrape(report, 0.5, 5.0, 5e8, 0.9, 3.0))
-    assert d["handoff"] == {"0->1 prefill": {"seconds": pytest.approx(0.2), "count": 2.0, "bytes": 2e8}}
+    assert d["handoff"] == {"0->1 prefill": {"seconds": pytest.approx(0.2), "count": 2.0, "bytes": 2e8,
+                                             "buckets": {"0.1": 0.0}}}
     assert d["processor_merge"] == {"0 prealloc": {"seconds": pytest.approx(0.4), "count": 1.0}}
     assert report.metrics_delta(m, {"error": "URLError"}) == {} and report.metrics_delta(None, m) == {}
+
+
+def test_the_hand_off_median_comes_from_the_buckets_of_one_benchmark(report):
+    """Three fast hand-offs and one that waited 20 s: the mean says 5 s, the median what most requests saw."""
+    text = "\n".join(
+        [f'omni_accum_handoff_seconds_bucket{{kind="prefill",le="{le}",pair="0->1"}} {c}' for le, c in
+         (("0.025", 0), ("0.05", 2), ("0.1", 3), ("25.0", 4), ("+Inf", 4))]
+        + ['omni_accum_handoff_seconds_sum{kind="prefill",pair="0->1"} 20.15',
+           'omni_accum_handoff_seconds_count{kind="prefill",pair="0->1"} 4']
+    )
+    before = report.parse_metrics(text.replace("} 4", "} 1").replace("} 2\n", "} 1\n").replace("} 3", "} 1")
+                                  .replace("20.15", "0.04"))
+    after = report.parse_metrics(text)
+    e = after["handoff"]["0->1 prefill"]
+    assert report.mean_ms(e) == pytest.approx(5037.5)
+    assert report.p50_ms(e) == pytest.approx(50.0)  # rank 2 of 4: the top of the (0.025, 0.05] bucket
+    d = report.metrics_delta(before, after)["handoff"]["0->1 prefill"]  # this benchmark's 3 hand-offs
+    assert d["buckets"] == {"0.025": 0, "0.05": 1, "0.1": 2, "25.0": 3, "+Inf": 3} and d["count"] == 3
+    assert report.p50_ms(d) == pytest.approx(75.0)  # rank 1.5: halfway into (0.05, 0.1]
+    rows = dict((label, v) for label, v, _ in report.server_rows({"server": {"handoff": {"0->1 prefill": d}}}))
+    assert rows["hand-off 0->1 prefill p50"] == pytest.approx(75.0)
+    assert report.p50_ms({"seconds": 1.0, "count": 1.0}) is None  # no buckets: no median
+    inf_only = {"buckets": {"0.1": 0.0, "+Inf": 2.0}}
+    assert report.p50_ms(inf_only) == pytest.approx(100.0)  # the +Inf bucket answers its lower bound
 
 
 def _bench(n, c, ttfp, server=None, memcpy=None):

@@ -52,6 +52,11 @@ def parse_metrics(text: str) -> dict[str, Any]:
             field_, label = _BY_LABEL[name]
             by = out[field_]
             by[labels.get(label, "?")] = by.get(labels.get(label, "?"), 0.0) + value
+        elif name == "omni_accum_handoff_seconds_bucket":  # cumulative counts per upper bound: the p50 row
+            e = out["handoff"].setdefault(" ".join(labels.get(k, "?") for k in ("pair", "kind")), {})
+            le = labels.get("le", "+Inf")
+            bk = e.setdefault("buckets", {})
+            bk[le] = bk.get(le, 0.0) + value
         elif name in _PER_KEY:
             field_, keys, entry = _PER_KEY[name]
             e = out[field_].setdefault(" ".join(labels.get(k, "?") for k in keys), {})
@@ -82,7 +87,10 @@ def metrics_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -
         d = {}
         for key, e in (after.get(field_) or {}).items():
             b = (before.get(field_) or {}).get(key, {})
-            diff = {k: v - b.get(k, 0.0) for k, v in e.items()}
+            diff = {k: v - b.get(k, 0.0) for k, v in e.items() if k != "buckets"}
+            if "buckets" in e:
+                was = b.get("buckets") or {}
+                diff["buckets"] = {le: c - was.get(le, 0.0) for le, c in e["buckets"].items()}
             if diff.get("count", 0) > 0:
                 d[key] = diff
         out[field_] = d
@@ -93,6 +101,27 @@ def mean_ms(entry: dict[str, float] | None) -> float | None:
     if not entry or not entry.get("count"):
         return None
     return 1000.0 * entry.get("seconds", 0.0) / entry["count"]
+
+
+def p50_ms(entry: dict[str, Any] | None) -> float | None:
+    """The median from the histogram's buckets (``entry["buckets"]``: cumulative count per upper bound), linear
+    inside its bucket as Prometheus' ``histogram_quantile``; None without buckets. The mean of a few requests
+    carries any one that waited (a request the receiving stage had not scheduled yet, fresh pages): the
+    median does not."""
+    bk = (entry or {}).get("buckets") or {}
+    pts = sorted((float(le), c) for le, c in bk.items())
+    n = pts[-1][1] if pts else 0.0
+    if n <= 0:
+        return None
+    rank, lo, seen = 0.5 * n, 0.0, 0.0
+    for le, cum in pts:
+        c = cum - seen
+        if c > 0 and cum >= rank:
+            if le == float("inf"):
+                return 1000.0 * lo
+            return 1000.0 * (lo + (le - lo) * (rank - seen) / c)
+        seen, lo = cum, le
+    return None
 
 
 def print_metrics(arm: str, m: dict[str, Any] | None) -> None:
@@ -173,12 +202,14 @@ def metric(raw: dict[str, Any], key: str) -> float | None:
 
 def server_rows(bench: dict[str, Any]) -> list[tuple[str, float | None, str]]:
     """(label, value, unit) rows a benchmark's server-side counts add to the table: mean hand-off per
-    pair and kind, mean processor accumulation per request, the hand-off on the way to the first audio
+    pair and kind (and its median from the histogram's buckets), mean processor accumulation per request, the hand-off on the way to the first audio
     packet as a share of audio TTFP p50, and one memcpy of the prefill payload measured in the run."""
     srv = bench.get("server") or {}
     rows: list[tuple[str, float | None, str]] = []
     for key, e in sorted((srv.get("handoff") or {}).items()):
         rows.append((f"hand-off {key}", mean_ms(e), "ms"))
+        if e.get("buckets"):
+            rows.append((f"hand-off {key} p50", p50_ms(e), "ms"))
     for key, e in sorted((srv.get("processor_merge") or {}).items()):
         rows.append((f"proc. merge {key}", mean_ms(e), "ms"))
     path = [mean_ms(e) for k, e in (srv.get("handoff") or {}).items() if k.split(" ")[-1] in TTFP_KINDS]
