@@ -345,6 +345,8 @@ def test_the_016_models_capture_the_thinker_layer_0_16_s_processors_read():
         # 0.16.0's thinker2talker_async_chunk reads pooling_output["24"]: layer 24 must exist and be captured
         assert v016.talker_config.accept_hidden_layer == 24
         assert v016.thinker_config.text_config.num_hidden_layers == 25
+        # 0.16.0's M-RoPE reads thinker_config.seconds_per_chunk on every request (the real model's 2)
+        assert v016.thinker_config.seconds_per_chunk == 2 and v016.to_dict()["thinker_config"]["seconds_per_chunk"] == 2
         t, p = v016.thinker_config.text_config, plain.thinker_config.text_config
         # everything else is the variant's: the same payload widths and per-layer sizes
         assert (t.hidden_size, t.vocab_size, t.num_attention_heads, t.num_experts, t.moe_intermediate_size) == (

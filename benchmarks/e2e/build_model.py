@@ -245,8 +245,11 @@ LIGHT = {
 # vllm-omni 0.16.0's Qwen3-Omni stage input processors read the thinker's captured hidden states under the
 # literal key "24" (``pooling_output.get("24")``: the real model's accept_hidden_layer); the thinker captures
 # layers 0 and ``accept_hidden_layer`` by index. So its models have 25 thinker layers and capture layer 24
-# (each layer as small as the variant's; the light one stays far below its LM head's compute).
+# (each layer as small as the variant's; the light one stays far below its LM head's compute). And 0.16.0's
+# M-RoPE positions read the thinker config's ``seconds_per_chunk`` for every request (the talker's first
+# step failed without it; transformers 4.57's Qwen3-Omni config has no such field): the real model's 2.
 RELEASE_016 = {
+    "thinker": {"seconds_per_chunk": 2},
     "thinker.text_config": {"num_hidden_layers": 25},
     "talker": {"accept_hidden_layer": 24},
 }
