@@ -11,6 +11,12 @@ on/off in the send hook, then the record alone on each side). The "off" arm is w
 runs (no merge callback).
 On a shared 2-core VM the difference moves by a few tenths of a us from run to run, and reads about 1 us
 higher with ``--block 64`` (metrics on for 64 chunks in a row, as a deployment runs them) than alternating.
+The capture arm pairs the send hook only (the runner receive hook timed above records nothing: the receive
+record is the chunk adapter's commit hook), so its paired figure is what the sending stage's process pays; the
+receive record is timed alone, on a chunk that carries a foreign clock stamp (read every time; in a deployment
+only a timed chunk carries one), and "both" adds the two records alone, to set beside the metrics' "both".
+Bytes per record are counted in the files the capture's rotation kept (until 2026-12-02 the count divided those
+files' bytes by every record written, rotated-away ones included, and read about half the true size).
 A benchmark, not a test: it asserts nothing and is not collected by pytest.
 """
 
@@ -160,15 +166,21 @@ def capture_cost(tx, rows, steps: int, rounds: int) -> None:
     recv_us = min(timeit.repeat(lambda: capture.received(cap, None, "iso", chunk, raw), number=n,
                                 repeat=max(3, rounds))) / n
     w.close()
-    size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.startswith("capture-"))
+    size = lines = 0
+    for f in os.listdir(folder):  # the files rotation kept (the older ones are gone with their lines)
+        if f.startswith("capture-"):
+            with open(os.path.join(folder, f), "rb") as fh:
+                data = fh.read()
+            size, lines = size + len(data), lines + data.count(b"\n")
     for f in os.listdir(folder):
         os.unlink(os.path.join(folder, f))
     os.rmdir(folder)
     print(
         f"capture (OMNI_ACCUM_CAPTURE), per decode chunk: the send hook with a capture minus without, median of "
         f"{rounds} rounds' p50 differences {statistics.median(diffs):+.2f} us; the record alone (best of "
-        f"{max(3, rounds)} x {n}): send side {send_us * 1e6:.2f} us, receive side {recv_us * 1e6:.2f} us "
-        f"(target: <= 2 us per chunk at p50); {size / max(1, w.lines):.0f} bytes per record"
+        f"{max(3, rounds)} x {n}): send side {send_us * 1e6:.2f} us, receive side {recv_us * 1e6:.2f} us, "
+        f"both {(send_us + recv_us) * 1e6:.2f} us (target: <= 2 us per chunk at p50); "
+        f"{size / max(1, lines):.0f} bytes per record"
     )
 
 

@@ -154,7 +154,8 @@ class ChunkRecorder:
         self.sample = values == "sample"
         self._salt = writer.salt
         self._keys: dict[tuple[Any, ...], str] = {}
-        self._reqs: dict[Any, list[Any]] = {}  # req id -> [hash, next seq, last t, line head, sampled keys]
+        # req id -> [hash, next seq, last t, line head, sampled keys, ctx, line end without handoff_s / arm]
+        self._reqs: dict[Any, list[Any]] = {}
         self._head = f',"pair":{_dumps(pair)},"role":{_dumps(role)},"seq":'
 
     def _request(self, req_id: Any, source: Any, name: Any) -> list[Any]:
@@ -170,7 +171,10 @@ class ChunkRecorder:
             except Exception:  # noqa: BLE001 - an unknown prompt length is null
                 ctx = None
         tail = "null" if ctx is None else str(int(ctx))
-        state = reqs[req_id] = [h, 0, None, f'"req":"{h}"' + self._head, set() if self.sample else None, tail]
+        state = reqs[req_id] = [
+            h, 0, None, f'"req":"{h}"' + self._head, set() if self.sample else None, tail,
+            f'],"handoff_s":null,"arm":null,"ctx":{tail}}}\n',  # the line's end when neither is known (most chunks)
+        ]
         return state
 
     def forget(self, req_id: Any) -> None:
@@ -205,31 +209,44 @@ class ChunkRecorder:
             sub = cache.get(top)
             if sub is None:
                 sub = cache[top] = {}
-            items = value.items() if value.__class__ is dict else ((None, value),)
-            for qual, v in items:
+            for qual, v in value.items() if value.__class__ is dict else ((None, value),):
                 c = sub.get(qual)
                 if v.__class__ is _Tensor:  # the hot case: the part of the key's last value, when it still fits
-                    if c is not None and c[0] is v.dtype and c[1] == v.shape:
-                        text = c[2]
-                    else:
-                        text = self._part(sub, top, qual, v)
+                    fits = c is not None and c[0] is v.dtype and c[1] == v.shape
+                    text = c[2] if fits else self._part(sub, top, qual, v)
+                    if sampled is not None and (top, qual) not in sampled:
+                        sampled.add((top, qual))
+                        text = self._with_sample(text, v)
                 elif c is not None and c[0] is v.__class__ and c[1] == _signature(v):
                     text = c[2]
                 else:
                     text = self._part(sub, top, qual, v)
-                if sampled is not None and isinstance(v, _Tensor) and (top, qual) not in sampled:
-                    sampled.add((top, qual))
-                    text = self._with_sample(text, v)
+                    if sampled is not None and isinstance(v, _Tensor) and (top, qual) not in sampled:  # a subclass
+                        sampled.add((top, qual))
+                        text = self._with_sample(text, v)
                 parts.append(text)
         seq = state[1]
         last = state[2]
         state[1] = seq + 1
         state[2] = now
-        line = (
-            f'{{"v":1,"t":{_seconds(now)},{state[3]}{seq},"dt":{"0.0" if last is None else _seconds(now - last)},'
-            f'"keys":[{",".join(parts)}],"handoff_s":{"null" if handoff_s is None else f"{handoff_s:.6f}"},'
-            f'"arm":{"null" if arm is None else _dumps(arm)},"ctx":{state[5]}}}\n'
-        )
+        if handoff_s is None and arm is None:
+            tail = state[6]
+        else:
+            tail = (
+                f'],"handoff_s":{"null" if handoff_s is None else f"{handoff_s:.6f}"},'
+                f'"arm":{"null" if arm is None else _dumps(arm)},"ctx":{state[5]}}}\n'
+            )
+        if last is not None and 0 <= now - last < 1_000_000 <= now:  # the hot case, in one string: _seconds inlined
+            t = str(now)
+            line = (
+                f'{{"v":1,"t":{t[:-6]}.{t[-6:]},{state[3]}{seq},"dt":0.{str(1_000_000 + now - last)[1:]},'
+                f'"keys":[{",".join(parts)}{tail}'
+            )
+        else:
+            line = (
+                f'{{"v":1,"t":{_seconds(now)},{state[3]}{seq},"dt":{"0.0" if last is None else _seconds(now - last)},'
+                f'"keys":[{",".join(parts)}{tail}'
+            )
         self.writer.write(line.encode())
 
     def _part(self, sub: dict[Any, list[Any]], top: Any, qual: Any, v: Any) -> str:

@@ -184,7 +184,7 @@ class CaptureWriter:
             return
         if not self.buffer_bytes:
             with self._lock:
-                self._emit(line)
+                self._emit(line, 1)
             return
         buf = self._buf
         buf.append(line)
@@ -202,20 +202,25 @@ class CaptureWriter:
                 return
             lines = buf[:]
             del buf[: len(lines)]
-            self._buffered = sum(len(x) for x in buf)
+            self._buffered = sum(map(len, buf)) if buf else 0  # lines another thread added meanwhile
+            data = b"".join(lines)
+            if self._size + len(data) <= self.file_bytes:  # the usual case: all of it fits in the file
+                self._emit(data, len(lines))
+                return
             out: list[bytes] = []
             size = 0
             for line in lines:  # a file's last write never crosses its size bound
                 if out and self._size + size + len(line) > self.file_bytes:
-                    self._emit(b"".join(out))
+                    self._emit(b"".join(out), len(out))
                     out, size = [], 0
                 out.append(line)
                 size += len(line)
             if out:
-                self._emit(b"".join(out))
+                self._emit(b"".join(out), len(out))
 
-    def _emit(self, data: bytes) -> None:
-        """One write of whole lines (under the lock), rotating first when the file would pass its bound."""
+    def _emit(self, data: bytes, records: int) -> None:
+        """One write of whole lines (``records`` of them; under the lock), rotating first when the file would pass
+        its bound."""
         if self.closed:
             return
         n = len(data)
@@ -231,7 +236,7 @@ class CaptureWriter:
             self._fail(f"capture file {self.path}: write failed ({e.strerror or e}); capture stopped")
             return
         self._size += n
-        self.lines += data.count(b"\n")
+        self.lines += records  # one per write(), as its caller promised (counting the newlines cost more)
 
     def _fail(self, message: str) -> None:
         self.closed = True

@@ -180,9 +180,13 @@ def received(cap: Capture, adapter: Any, req_id: Any, payload: Mapping[str, Any]
             if 0 <= s <= handoff.MAX_SECONDS:
                 seconds = s
     try:
-        mapping = getattr(adapter, "request_ids_mapping", None)
-        ext = mapping.get(req_id, req_id) if isinstance(mapping, dict) else req_id  # the sender's id: joins both
-        cap.recv.record(req_id, payload, now // 1000, handoff_s=seconds, skip=MARKERS, name=ext)
+        rec = cap.recv
+        if req_id in rec._reqs:  # followed since its first chunk, whose record hashed the sender's id
+            ext = None
+        else:
+            mapping = getattr(adapter, "request_ids_mapping", None)
+            ext = mapping.get(req_id, req_id) if isinstance(mapping, dict) else req_id  # the sender's id: joins both
+        rec.record(req_id, payload, now // 1000, handoff_s=seconds, skip=MARKERS, name=ext)
     except Exception as e:  # noqa: BLE001 - a capture never fails a chunk
         _report(f"a receive record failed ({type(e).__name__}: {e})")
 
