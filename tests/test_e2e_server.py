@@ -246,6 +246,9 @@ def test_the_arena_connector_carries_the_payloads_in_a_real_server(smoke_report)
     written = [line for line in log.splitlines() if "first append chain rows written" in line]
     handed = [line for line in log.splitlines() if "omni-accum arena" in line and "handed out" in line]
     assert written and handed, "append chains in the stage processes:\n" + "\n".join(written + handed)
+    # arena_warm (1GiB in the deploy): each receiving stage reserved its region's first pages at creation
+    warmed = [line for line in log.splitlines() if "omni_accum_arena_e2e_" in line and ": warmed " in line]
+    assert len(warmed) >= 2 and not [w for w in warmed if "no room" in w], "arena_warm:\n" + "\n".join(warmed)
     # this server's entries only: /dev/shm is shared with whatever else runs on the machine
     left = (arena.get("stop") or {}).get("shm", {}).get("left") or []
     ours = ("omni_accum_arena_e2e_", "shm_chatcmpl-")  # also in omni-accum's private folder (omni-accum-<euid>/)
