@@ -378,3 +378,71 @@ def test_setup_env_refuses_a_bad_release_before_building_anything(tmp_path, argv
     )
     assert r.returncode == 2 and needle in r.stderr, (r.returncode, r.stderr)
     assert not venv.exists()
+
+
+@pytest.mark.parametrize("release, cli", [("0.30", "vllm"), ("0.16", "vllm-omni")])
+def test_the_benchmark_client_runs_from_the_release_s_own_cli(run, monkeypatch, tmp_path, release, cli):
+    # vLLM 0.16.0's own `vllm bench serve` has no openai-chat-omni backend (the first 0.16.0 benchmark failed on
+    # it): vllm-omni 0.16.0 takes `bench serve --omni` in its `vllm-omni` CLI only
+    import argparse
+
+    seen = []
+    monkeypatch.setattr(run, "RELEASE", run.RELEASES[release])
+    monkeypatch.setattr(run, "VENV_BIN", tmp_path / "bin")
+    monkeypatch.setattr(run.subprocess, "run", lambda cmd, **kw: seen.append(cmd) or argparse.Namespace(returncode=0))
+    args = argparse.Namespace(num_prompts=0, duration_s=0, output_len=100, seed=0, bench_timeout=10)
+    run.run_bench("http://127.0.0.1:1", "m", args, 100, 10, tmp_path, {}, None)
+    assert seen[0][:4] == [str(tmp_path / "bin" / cli), "bench", "serve", "--omni"], seen
+    assert seen[0][seen[0].index("--backend") + 1] == "openai-chat-omni"
+    assert seen[0][seen[0].index("--percentile-metrics") + 1] == "ttft,tpot,itl,e2el,audio_ttfp,audio_rtf"
+
+
+def test_the_016_client_reads_the_server_s_wav_chunks_without_ffmpeg(tmp_path):
+    # vllm-omni 0.16.0's openai-chat-omni client decodes each audio chunk with pydub.AudioSegment.from_file(BytesIO)
+    # and no format (ffmpeg / ffprobe, which this host lacks); run.py --release 0.16 puts client_016 first on the
+    # client's PYTHONPATH, whose sitecustomize hands WAV chunks to pydub as format="wav" (its own reader). Here a
+    # stand-in pydub records the format it is asked for (the real one lives in .work/venv-016 only).
+    import io
+    import os
+    import subprocess
+    import wave
+
+    (tmp_path / "pydub").mkdir()
+    (tmp_path / "pydub" / "__init__.py").write_text(
+        "class AudioSegment:\n"
+        "    @classmethod\n"
+        "    def from_file(cls, file, format=None, codec=None, **kw):\n"
+        "        return (cls.__name__, format, codec, file.read(4))\n"
+    )
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(24000)
+        w.writeframes(bytes(2 * 2400))
+    (tmp_path / "chunk.wav").write_bytes(buf.getvalue())
+    (tmp_path / "chunk.bin").write_bytes(b"ID3 not a wav file")
+    code = (
+        "import io, sys\n"
+        "from pydub import AudioSegment\n"
+        "print(AudioSegment.from_file(io.BytesIO(open(sys.argv[1], 'rb').read())), "
+        "AudioSegment.from_file(io.BytesIO(open(sys.argv[1], 'rb').read()), format='mp3'))\n"
+    )
+    client_path = RUN_PY.parent / "client_016"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def decode(name: str, with_stand_in: bool = True) -> str:
+        path = os.pathsep.join([str(client_path), str(tmp_path)] if with_stand_in else [str(tmp_path)])
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path / name)], capture_output=True, text=True,
+                           env={**env, "PYTHONPATH": path}, timeout=120)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.strip()
+
+    # a WAV chunk: pydub's WAV reader; a format the caller names and anything not WAV: as they come
+    assert decode("chunk.wav") == "('AudioSegment', 'wav', None, b'RIFF') ('AudioSegment', 'mp3', None, b'RIFF')"
+    assert decode("chunk.bin") == "('AudioSegment', None, None, b'ID3 ') ('AudioSegment', 'mp3', None, b'ID3 ')"
+    assert decode("chunk.wav", with_stand_in=False).startswith("('AudioSegment', None,")  # what 0.16.0 asks for
+
+
+def test_release_016_gives_the_client_and_only_the_client_the_wav_stand_in(run):
+    assert run.RELEASES["0.16"].client_path == RUN_PY.parent / "client_016"
+    assert (run.RELEASES["0.16"].client_path / "sitecustomize.py").is_file()
+    assert run.RELEASES["0.30"].client_path is None

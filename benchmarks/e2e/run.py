@@ -75,6 +75,12 @@ class Release:
     models: dict  # build_model.py --variant NAME's folders, built by this release's transformers
     configs: Path  # the deploy / stage configs: qwen3_omni_cpu.yaml and qwen3_omni_cpu_NAME.yaml
     config_flag: str  # how `vllm-omni serve` takes it
+    # the benchmark client's command (`X bench serve --omni`): vllm-omni 0.30.0 adds --omni to vLLM's own `vllm`;
+    # 0.16.0 has it only in its `vllm-omni` CLI (vLLM 0.16.0's `vllm bench serve` has no openai-chat-omni backend)
+    bench_cli: str = "vllm"
+    # put first on the benchmark client's PYTHONPATH (0.16: client_016/sitecustomize.py, pydub's WAV reader for
+    # the audio chunks in place of the ffmpeg this host lacks)
+    client_path: Path | None = None
 
 
 RELEASES = {
@@ -88,6 +94,8 @@ RELEASES = {
         {"tiny": WORK / "model-016", "light": WORK / "model-light-016"},
         HERE / "configs" / "0.16",
         "--stage-configs-path",
+        "vllm-omni",
+        HERE / "client_016",
     ),
 }
 RELEASE = RELEASES["0.30"]  # main() sets the one --release names
@@ -120,7 +128,7 @@ def run_bench(
         num = 8 * concurrency  # --duration-s: rounds long enough that each one's ramp-down is a small part
     fname = f"bench-in{input_len}-c{concurrency}{f'-r{round_}' if round_ else ''}.json"
     cmd = [
-        str(VENV_BIN / "vllm"), "bench", "serve", "--omni",
+        str(VENV_BIN / RELEASE.bench_cli), "bench", "serve", "--omni",
         "--backend", "openai-chat-omni", "--endpoint", "/v1/chat/completions",
         "--base-url", base, "--model", model, "--tokenizer", model,
         "--dataset-name", "random", "--random-input-len", str(input_len),
@@ -287,6 +295,8 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
     server_only = ("OMNI_ACCUM_STATUS_DIR", "OMNI_ACCUM_POLICY", "PROMETHEUS_MULTIPROC_DIR", "OMNI_ACCUM_CAPTURE")
     client_env = {k: v for k, v in env.items() if k not in server_only}
     client_env["OMNI_ACCUM_VLLM_OMNI"] = "0"
+    if RELEASE.client_path is not None:
+        client_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(RELEASE.client_path), env.get("PYTHONPATH")) if p)
     server_log = arm_dir / "server.log"
     client_log = arm_dir / "client.log"
     cmd = [
