@@ -144,7 +144,7 @@ class Region:
         self._warm: bytearray | None = bytearray(layout.npages)  # data pages this process has prefaulted
         self._populate = True  # MADV_POPULATE_WRITE works here (Linux 5.14+)
         #: held by :meth:`warm` per step and by :meth:`close` (never reserve through a closed descriptor)
-        self._warm_lock = threading.Lock()
+        self._warm_lock = threading.RLock()  # re-entrant: a close() reached from within close() never deadlocks
         self._warm_thread: threading.Thread | None = None
         #: what the last :meth:`warm` did: ``{"bytes": warmed, "seconds": s, "stopped": None | why}``
         self.warmed: dict[str, object] | None = None
