@@ -38,14 +38,19 @@ _setup_bg() {  # venv, release, log
   ( export OMNI_ACCUM_VENV="$1" OMNI_ACCUM_VLLM_VERSION="$2"; source "$ROOT/scripts/env.sh" ) >"$3" 2>&1
 }
 pid_028="" pid_016="" pid_e2e=""
-# With the end-to-end test enabled (CI=true or OMNI_ACCUM_E2E=1) and no extra arguments, the harness's
-# own virtualenv (~7 GB of downloads) is built in the background too; the test calls setup_env.sh again,
-# which waits for this build and then finds it up to date.
-want_e2e=0
-{ [ "${OMNI_ACCUM_E2E:-}" = "1" ] || [ "$(echo "${CI:-}" | tr '[:upper:]' '[:lower:]')" = "true" ]; } && [ $# -eq 0 ] && want_e2e=1
-[ "$want_e2e" = "1" ] && { bash "$ROOT/benchmarks/e2e/setup_env.sh" >"$logs/setup-e2e.log" 2>&1 & pid_e2e=$!; }
 [ "$want_028" = "1" ] && { _setup_bg "$venv_028" 0.28.0 "$logs/setup-028.log" & pid_028=$!; }
 [ "$want_016" = "1" ] && { _setup_bg "$venv_016" 0.16.0 "$logs/setup-016.log" & pid_016=$!; }
+# With the end-to-end test enabled (CI=true or OMNI_ACCUM_E2E=1) and no extra arguments, the harness's
+# own virtualenv (~7 GB of downloads, ~11 GB on disk) is built in the background too, once the two builds
+# above have ended: the three at once held pip's unpacked wheels on the disk together and filled a CI
+# machine's disk. The test calls setup_env.sh again, which waits for this build and finds it up to date.
+want_e2e=0
+{ [ "${OMNI_ACCUM_E2E:-}" = "1" ] || [ "$(echo "${CI:-}" | tr '[:upper:]' '[:lower:]')" = "true" ]; } && [ $# -eq 0 ] && want_e2e=1
+if [ "$want_e2e" = "1" ]; then
+  ( for p in $pid_028 $pid_016; do while kill -0 "$p" 2>/dev/null; do sleep 5; done; done
+    exec bash "$ROOT/benchmarks/e2e/setup_env.sh" ) >"$logs/setup-e2e.log" 2>&1 &
+  pid_e2e=$!
+fi
 ( source "$ROOT/scripts/env.sh" && python -m pytest "${paths[@]}" "$@" ) 2>&1 | tee "$logs/main.log"
 rc_main=${PIPESTATUS[0]}
 if [ -n "$pid_e2e" ]; then

@@ -119,6 +119,19 @@ if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
 
+# Room on the disk: a first build takes ~8 GB in the virtualenv and up to ~3 GB of pip's downloads at once.
+# pip's temporary files go beside the virtualenv (not /tmp, which may be a small tmpfs) and are removed at exit.
+need_gb="${OMNI_ACCUM_E2E_NEED_GB:-12}"
+free_gb=$(df -Pk "$(dirname "$VENV")" | awk 'NR==2 {print int($4 / 1048576)}')
+if [ -n "$free_gb" ] && [ "$free_gb" -lt "$need_gb" ]; then
+  log "not enough room to build $VENV: $free_gb GB free on its file system, a first build needs ~$need_gb GB" \
+      "(free some, or put it on another disk with OMNI_ACCUM_E2E_VENV=/path; OMNI_ACCUM_E2E_NEED_GB lowers the check)"
+  exit 1
+fi
+export TMPDIR="$VENV.tmp"
+rm -rf "$TMPDIR" && mkdir -p "$TMPDIR"
+trap 'rm -rf "$TMPDIR"' EXIT
+
 P="$VENV/bin/python"
 # The registry directly: this machine's pip configuration (config files and PIP_* variables) points
 # torch at a local CPU build and caps versions; bypass it for the commands that need the registry's
