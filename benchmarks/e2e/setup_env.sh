@@ -119,9 +119,9 @@ if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
 
-# Room on the disk: a first build takes ~8 GB in the virtualenv and up to ~3 GB of pip's downloads at once.
+# Room on the disk: a first build leaves ~7.5 GB in the virtualenv, and pip holds what it is installing meanwhile.
 # pip's temporary files go beside the virtualenv (not /tmp, which may be a small tmpfs) and are removed at exit.
-need_gb="${OMNI_ACCUM_E2E_NEED_GB:-12}"
+need_gb="${OMNI_ACCUM_E2E_NEED_GB:-8}"
 free_gb=$(df -Pk "$(dirname "$VENV")" | awk 'NR==2 {print int($4 / 1048576)}')
 if [ -n "$free_gb" ] && [ "$free_gb" -lt "$need_gb" ]; then
   log "not enough room to build $VENV: $free_gb GB free on its file system, a first build needs ~$need_gb GB" \
