@@ -82,7 +82,7 @@ class Release:
     # the audio chunks in place of the ffmpeg this host lacks)
     client_path: Path | None = None
     # the benchmark client's niceness (0: as this script). 0.16.0's three stage workers poll on every core (load
-    # 15-17 on 2 cores while idle) and the client then got ~0.5 % of a core: 8 s of CPU in its first 30 minutes,
+    # 15-17 on 2 cores while idle) and the client then got ~0.5 % of a core: 8 s of CPU in its first 15+ minutes,
     # still importing, no request sent. Negative needs root; without it `nice` says so and runs the client as is.
     client_nice: int = 0
 
