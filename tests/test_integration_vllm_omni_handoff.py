@@ -387,3 +387,30 @@ def test_a_dropped_binding_keeps_its_hand_offs_in_status_and_prometheus():
     assert handoff.summary()[pair]["prefill"] == during
     got = {k: v - prom0.get(k, 0) for k, v in _prom(pair).items() if v - prom0.get(k, 0)}
     assert got == {"prefill.count": 1, "prefill.bytes": 32, "clock_domain": 1}
+
+
+def test_status_sums_are_the_same_to_the_last_bit_whatever_the_order_and_the_collections():
+    """Meters are visited in a weak set's order and retire when their binding is collected: the seconds summed
+    in status must not depend on either (two equal status reads differed in the last bit and failed CI)."""
+    import gc
+    import math
+
+    from omni_accum.integrations.vllm_omni import handoff
+
+    pair = "17->18"
+    now = time.monotonic_ns()
+    # durations whose float sum added one by one, in any of the 120 orders, is not the exactly rounded sum
+    ages_ns = [50_469_587, 630_291_950, 58_735_806, 961, 235_474_629]
+    meters = [handoff.Meter() for _ in ages_ns]
+    for m, age in zip(meters, ages_ns):
+        m.record(17, 18, [0, now - age, handoff.clock_id(), "p"], {}, now)
+    exact = math.fsum(age / 1e9 for age in ages_ns)
+    first = handoff.summary()[pair]["prefill"]
+    assert first["count"] == len(ages_ns) and first["seconds_sum"] == exact
+    for i in (3, 0, 4):  # retire some, in an order of their own
+        meters[i] = None
+        gc.collect()
+        assert handoff.summary()[pair]["prefill"] == first
+    del meters
+    gc.collect()
+    assert handoff.summary()[pair]["prefill"] == first

@@ -34,6 +34,7 @@ nothing is timed and the wire stays as it was.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import threading
 import time
@@ -224,7 +225,9 @@ def _flush(slots: dict[tuple[int, int, str], list[Any]], skipped: dict[str, list
                 m["handoff_skipped"].labels(reason).inc(n)
 
 
-#: The counts of meters whose binding is gone: (pair, kind) labels -> [count, seconds sum, seconds max, bytes].
+#: The counts of meters whose binding is gone: (pair, kind) labels -> [count, [seconds sum per meter], seconds
+#: max, bytes]. The sums stay apart so that :func:`summary` adds them exactly (``math.fsum``): a meter retired
+#: between two calls, or meters visited in another order, give the same total to the last bit.
 _retired: dict[tuple[str, str], list[Any]] = {}
 
 
@@ -235,9 +238,9 @@ def _retire(slots: dict[tuple[int, int, str], list[Any]], skipped: dict[str, lis
     except Exception:  # noqa: BLE001 - at interpreter exit Prometheus may be half torn down
         pass
     for slot in list(slots.values()):
-        row = _retired.setdefault(slot[_LABELS], [0, 0.0, 0.0, 0])
+        row = _retired.setdefault(slot[_LABELS], [0, [], 0.0, 0])
         row[0] += slot[_COUNT]
-        row[1] += slot[_SUM]
+        row[1].append(slot[_SUM])
         row[2] = max(row[2], slot[_MAX])
         row[3] += slot[_BYTES]
 
@@ -283,18 +286,24 @@ def publish() -> None:
 
 
 def summary() -> dict[str, dict[str, dict[str, float]]]:
-    """``{pair: {kind: {count, seconds_sum, seconds_max, bytes}}}`` of every meter in this process."""
+    """``{pair: {kind: {count, seconds_sum, seconds_max, bytes}}}`` of every meter in this process.
+
+    The same hand-offs give the same figures whatever order the meters are visited in and whether their
+    bindings are gone yet: the seconds are added with ``math.fsum`` (exactly rounded)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
-    rows = [(s[_LABELS], s[_COUNT], s[_SUM], s[_MAX], s[_BYTES]) for m in list(_meters) for s in list(m.slots.values())]
-    rows += [(labels, *r) for labels, r in list(_retired.items())]
-    for (pair, kind), count, total, top, nbytes in rows:
+    sums: dict[tuple[str, str], list[float]] = {}
+    rows = [(s[_LABELS], s[_COUNT], [s[_SUM]], s[_MAX], s[_BYTES]) for m in list(_meters) for s in list(m.slots.values())]
+    rows += [(labels, r[0], list(r[1]), r[2], r[3]) for labels, r in list(_retired.items())]
+    for (pair, kind), count, totals, top, nbytes in rows:
         if not count:
             continue
         row = out.setdefault(pair, {}).setdefault(kind, {"count": 0, "seconds_sum": 0.0, "seconds_max": 0.0, "bytes": 0})
         row["count"] += count
-        row["seconds_sum"] += total
+        sums.setdefault((pair, kind), []).extend(totals)
         row["seconds_max"] = max(row["seconds_max"], top)
         row["bytes"] += nbytes
+    for (pair, kind), totals in sums.items():
+        out[pair][kind]["seconds_sum"] = math.fsum(totals)
     return out
 
 
