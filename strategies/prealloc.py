@@ -9,6 +9,15 @@ and grows by ``growth_factor`` when full. Capacity never exceeds
 Views are borrowed: the rows they show never change, but writing into a view writes into the
 buffer.
 
+``reuse_bytes`` (0 by default) lets a process keep up to that many bytes of CPU buffers for the next
+request instead of giving them back to the allocator: a buffer of hundreds of MiB is otherwise fresh
+memory every request, and the kernel zeroes and maps each of its pages at the first write (at 32k rows of
+``[., 2048]`` bf16, most of the time an append takes). A kept buffer is handed out again only when nothing
+but the pool refers to its storage (no accumulator, no view, no tensor derived from one: its storage's use
+count is back to what it was when the pool took it), and only to a key of the same dtype and row shape
+whose rows it can hold within the capacity bound below; its bytes beyond the rows written are never shown.
+The memory kept is resident while idle: that is the price.
+
 Over omni-accum's arena connector (``OmniAccumArenaConnector``) the buffer is the arena itself: the
 sender writes each chunk's rows of an append key behind the key's earlier rows in one shared slab,
 and the receiver hands them out as a view tagged with that slab's rows so far (``ARENA_TAG``). While
@@ -22,9 +31,10 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
 from omni_accum.hookspecs import hookimpl
 from omni_accum.strategy import ARENA_TAG, AppendAccumulator, KeyInfo, Strategy, StrategySpec, value_nbytes
@@ -46,17 +56,20 @@ class Params(BaseModel):
     """Rows allocated at the first append, at least (more when the key already holds more)."""
     growth_factor: float = Field(default=2.0, gt=1.0, le=16.0)
     """Capacity multiplier when the buffer is full (> 1)."""
+    reuse_bytes: ByteSize = Field(default=ByteSize(0), ge=0, le=1 << 40)
+    """CPU buffers this process keeps for later requests, in bytes (``512MiB`` or a number; 0: none)."""
 
 
 class PreallocAccumulator(AppendAccumulator):
     """A buffer with ``rows`` valid rows; the first chunk is held by reference until an append."""
 
-    __slots__ = ("_first", "_buf", "_cap", "_rows", "_view", "_g", "_init", "_ptr", "_row_bytes", "_chain")
+    __slots__ = ("_first", "_buf", "_cap", "_rows", "_view", "_g", "_init", "_ptr", "_row_bytes", "_chain", "_reuse")
 
     def __init__(self, key: KeyInfo, params: Params) -> None:
         super().__init__(key)
         self._g = params.growth_factor
         self._init = params.initial_capacity
+        self._reuse = int(params.reuse_bytes)
         self._first: torch.Tensor | None = None
         self._buf: torch.Tensor | None = None
         self._cap = 0
@@ -103,7 +116,9 @@ class PreallocAccumulator(AppendAccumulator):
         if buf is None or need > self._cap:
             cap = self._target(need, self.capacity)
             src = self._first if buf is None else buf[:rows]
-            new = torch.empty((cap, *src.shape[1:]), dtype=src.dtype, device=src.device)
+            new = _new_buffer(cap, int(self._g * need) + self._init, src, self._reuse) if self._reuse else None
+            if new is None:
+                new = torch.empty((cap, *src.shape[1:]), dtype=src.dtype, device=src.device)
             new[:rows] = src.detach() if src.requires_grad else src
             self._buf, self._first, self._cap, buf = new, None, cap, new
             self._ptr, self._row_bytes = _raw_copy_target(new)
@@ -152,6 +167,64 @@ class PreallocAccumulator(AppendAccumulator):
         like = self.current_tensor_meta()
         row = _row_numel(like) * like.element_size()
         return cap * row
+
+
+# ------------------------------------------------------------------------------------------ buffer reuse
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; without it nothing is kept
+#: The buffers kept (``reuse_bytes``): [base tensor, its storage's use count when only the pool held it].
+_pool: list[list[object]] = []
+_pool_lock = threading.Lock()
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    return int(_use_count(t.untyped_storage()._cdata))  # type: ignore[misc]
+
+
+def _new_buffer(cap: int, bound: int, like: torch.Tensor, budget: int) -> torch.Tensor | None:
+    """A buffer of ``cap`` rows shaped like ``like``'s rows: the first ``cap`` rows of a kept one nothing else
+    uses (one of ``cap`` to ``bound`` rows, so a small request does not pin a much larger buffer), else a new
+    one that the pool keeps too while ``budget`` allows (kept ones nothing uses are dropped to make room).
+    None: allocate as usual."""
+    if _use_count is None or like.device.type != "cpu" or like.is_quantized or like.layout is not torch.strided:
+        return None
+    shape = tuple(like.shape[1:])
+    with _pool_lock:
+        free = [e for e in _pool if _storage_uses(e[0]) == e[1]]  # type: ignore[arg-type]
+        for e in free:
+            base: torch.Tensor = e[0]  # type: ignore[assignment]
+            if base.dtype == like.dtype and tuple(base.shape[1:]) == shape and cap <= base.shape[0] <= max(cap, bound):
+                return base[:cap]  # an alias of the rows asked for: capacity and bytes as for a new buffer
+        row = like.element_size()
+        for d in shape:
+            row *= int(d)
+        nbytes = cap * row
+        if nbytes > budget:
+            return None
+        held = sum(e[0].nbytes for e in _pool)  # type: ignore[attr-defined]
+        if held - sum(e[0].nbytes for e in free) + nbytes > budget:  # type: ignore[attr-defined]
+            return None  # no room even without the unused ones: keep them for a request they fit
+        for e in free:  # make room: kept buffers nothing uses go first
+            if held + nbytes <= budget:
+                break
+            _pool[:] = [x for x in _pool if x is not e]  # by identity (== on tensors compares values)
+            held -= e[0].nbytes  # type: ignore[attr-defined]
+        if held + nbytes > budget:
+            return None
+        base = torch.empty((cap, *shape), dtype=like.dtype, device=like.device)
+        _pool.append([base, _storage_uses(base)])
+        return base[:cap]
+
+
+def kept_bytes() -> int:
+    """Bytes of the buffers this process keeps for reuse (``reuse_bytes``)."""
+    with _pool_lock:
+        return sum(e[0].nbytes for e in _pool)  # type: ignore[attr-defined]
+
+
+def drop_kept() -> None:
+    """Forget every kept buffer (the ones still in use are freed when their users let go)."""
+    with _pool_lock:
+        _pool.clear()
 
 
 def _raw_copy_target(buf: torch.Tensor) -> tuple[int, int]:

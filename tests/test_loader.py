@@ -193,7 +193,10 @@ def test_bad_params_name_rule_field_line_and_allowed_params(tmp_path):
     assert "line 7: rules[1].params.growth_factor: Input should be greater than 1" in errs[0]
     assert "line 8: rules[1].params.bogus: unknown param" in errs[1]
     for e in errs:
-        assert "strategy 'prealloc'; allowed params: initial_capacity (default 64), growth_factor (default 2.0)" in e
+        assert (
+            "strategy 'prealloc'; allowed params: initial_capacity (default 64), growth_factor (default 2.0), "
+            "reuse_bytes (default 0)"
+        ) in e
     assert msg.count("\n") == 2
 
 

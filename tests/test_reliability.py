@@ -670,3 +670,117 @@ def test_a_first_value_is_checked_before_any_key_of_the_chunk_is_merged():
         rx.merge("r", {"x": torch.ones(1), "n": "not an int"})
     assert dict(rx.view("r")) == {}  # nothing merged, the request usable
     assert rx.merge("r", {"x": torch.ones(1), "n": 1})["n"] == 1
+
+
+# ---------------------------------------------------------------------------------------------- #
+# prealloc's kept buffers (reuse_bytes)
+# ---------------------------------------------------------------------------------------------- #
+
+
+@pytest.fixture
+def no_kept_buffers():
+    from omni_accum.strategies import prealloc
+
+    prealloc.drop_kept()
+    yield prealloc
+    prealloc.drop_kept()
+
+
+def _filled(params, chunks, hint):
+    acc = PreallocAccumulator(KeyInfo("x", "r", hint), params)
+    for c in chunks:
+        acc.merge(c)
+    return acc
+
+
+def test_a_kept_buffer_is_reused_only_when_nothing_refers_to_it(no_kept_buffers):
+    """Bit-for-bit views from a reused buffer; never reused while its accumulator, a view or a tensor made
+    from a view still refers to it; another dtype or row shape never gets it; the pool stays in its budget."""
+    prealloc = no_kept_buffers
+    params = omni_accum.get_manager().spec("prealloc").params_model(reuse_bytes="4KiB")
+    g = torch.Generator().manual_seed(0)
+    chunks = [[torch.randn(n, 4, generator=g) for n in (5, 7, 9)] for _ in range(4)]
+    first = _filled(params, chunks[0], 21)
+    addr = first.read().data_ptr()
+    assert prealloc.kept_bytes() == 21 * 4 * 4  # the hinted rows, float32
+    second = _filled(params, chunks[1], 21)  # the first accumulator still holds its buffer
+    assert second.read().data_ptr() != addr and torch.equal(second.read(), torch.cat(chunks[1]))
+    view = first.read()
+    derived = view.view(torch.uint8)  # a tensor made from the view keeps the storage in use as well
+    del first, view
+    third = _filled(params, chunks[2], 21)
+    assert third.read().data_ptr() != addr
+    del derived, third
+    other = _filled(params, [c.double() for c in chunks[3]], 21)  # another dtype: a buffer of its own
+    assert other.read().data_ptr() != addr
+    fourth = _filled(params, chunks[3], 21)  # nothing refers to the first buffer any more: reused
+    assert fourth.read().data_ptr() == addr
+    assert torch.equal(fourth.read(), torch.cat(chunks[3]))
+    assert prealloc.kept_bytes() == 3 * 336 + 672  # three float32 buffers (the fourth reused one) and a float64 one
+
+
+def test_the_budget_drops_unused_kept_buffers_first_and_never_grows_past_it(no_kept_buffers):
+    prealloc = no_kept_buffers
+    params = omni_accum.get_manager().spec("prealloc").params_model(reuse_bytes=700)
+    a = _filled(params, [torch.ones(2, 4), torch.ones(19, 4)], 21)  # 336 B, kept
+    b = _filled(params, [torch.ones(2, 4), torch.ones(19, 4)], 21)  # 336 B, kept (672)
+    c = _filled(params, [torch.ones(2, 4), torch.ones(19, 4)], 21)  # no room, a and b in use: not kept
+    assert prealloc.kept_bytes() == 672
+    del a
+    d = _filled(params, [torch.ones(2, 8), torch.ones(19, 8)], 21)  # 672 B: no room while b is in use
+    assert prealloc.kept_bytes() == 672 and d.read().shape == (21, 8)  # a's buffer was not dropped for nothing
+    del b, c, d
+    e = _filled(params, [torch.ones(2, 8), torch.ones(19, 8)], 21)  # a's and b's unused: dropped, e's kept
+    assert prealloc.kept_bytes() == 672
+    addr = e.read().data_ptr()
+    del e
+    assert _filled(params, [torch.ones(2, 8), torch.ones(19, 8)], 21).read().data_ptr() == addr
+
+
+def test_a_kept_buffer_too_large_for_the_capacity_bound_is_not_handed_out(no_kept_buffers):
+    params = omni_accum.get_manager().spec("prealloc").params_model(initial_capacity=1, reuse_bytes="1MiB")
+    big = _filled(params, [torch.ones(2, 4), torch.ones(998, 4)], 1000)
+    addr = big.read().data_ptr()
+    del big
+    small = _filled(params, [torch.ones(2, 4), torch.ones(3, 4)], 5)
+    assert small.read().data_ptr() != addr and small.capacity <= 2.0 * 5 + 1
+    again = _filled(params, [torch.ones(2, 4), torch.ones(900, 4)], 1000)
+    assert again.read().data_ptr() == addr and again.capacity == 1000
+
+
+@given(
+    growth=st.floats(1.01, 8.0),
+    requests=st.lists(
+        st.tuples(st.lists(st.integers(1, 30), min_size=1, max_size=8), st.none() | st.integers(0, 200)),
+        min_size=1,
+        max_size=8,
+    ),
+    keep=st.lists(st.booleans(), min_size=8, max_size=8),
+)
+def test_prealloc_with_kept_buffers_holds_the_bound_and_equals_cat(growth, requests, keep):
+    from omni_accum.strategies import prealloc
+
+    prealloc.drop_kept()
+    params = omni_accum.get_manager().spec("prealloc").params_model(
+        initial_capacity=4, growth_factor=growth, reuse_bytes=4096
+    )
+    held = []
+    try:
+        for i, (sizes, hint) in enumerate(requests):
+            chunks = [torch.full((n, 3), float(i * 100 + j)) for j, n in enumerate(sizes)]
+            acc = PreallocAccumulator(KeyInfo("x", f"r{i}", hint), params)
+            n = 0
+            for c in chunks:
+                projected = acc.projected_nbytes(c)
+                acc.merge(c)
+                n += c.shape[0]
+                assert n <= acc.capacity <= growth * n + 4
+                assert acc.nbytes() == projected
+            assert torch.equal(acc.read(), torch.cat(chunks))
+            for other, other_chunks in held:  # a later request never wrote into rows shown elsewhere
+                assert torch.equal(other.read(), torch.cat(other_chunks))
+            if keep[i]:
+                held.append((acc, chunks))
+            assert prealloc.kept_bytes() <= 4096
+    finally:
+        prealloc.drop_kept()
