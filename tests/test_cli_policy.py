@@ -163,7 +163,7 @@ def explain(capsys, *argv):
 
 def test_explain_exact_rule(capsys):
     d = explain(capsys, "qwen3-omni", "--key", "embed.decode")
-    assert d["strategy"] == "prealloc" and d["params"] == {"initial_capacity": 64, "growth_factor": 2.0}
+    assert d["strategy"] == "prealloc" and d["params"] == {"initial_capacity": 64, "growth_factor": 2.0, "reuse_bytes": 0}
     assert d["reason"] == {
         "kind": "rule",
         "rule_index": 2,
@@ -298,7 +298,7 @@ def test_show_fills_param_defaults(capsys, tmp_path):
     code, out, _ = run(capsys, "show", str(p), "--json")
     assert json.loads(out)["default"] == {
         "strategy": "prealloc",
-        "params": {"initial_capacity": 64, "growth_factor": 2.0},
+        "params": {"initial_capacity": 64, "growth_factor": 2.0, "reuse_bytes": 0},
     }
 
 
