@@ -194,10 +194,7 @@ def _new_buffer(cap: int, bound: int, like: torch.Tensor, budget: int) -> torch.
             base: torch.Tensor = e[0]  # type: ignore[assignment]
             if base.dtype == like.dtype and tuple(base.shape[1:]) == shape and cap <= base.shape[0] <= max(cap, bound):
                 return base[:cap]  # an alias of the rows asked for: capacity and bytes as for a new buffer
-        row = like.element_size()
-        for d in shape:
-            row *= int(d)
-        nbytes = cap * row
+        nbytes = cap * _row_numel(like) * like.element_size()
         if nbytes > budget:
             return None
         held = sum(e[0].nbytes for e in _pool)  # type: ignore[attr-defined]
