@@ -449,3 +449,45 @@ def test_release_016_gives_the_client_and_only_the_client_the_wav_stand_in(run):
     assert run.RELEASES["0.16"].client_path == RUN_PY.parent / "client_016"
     assert (run.RELEASES["0.16"].client_path / "sitecustomize.py").is_file()
     assert run.RELEASES["0.30"].client_path is None
+
+
+def test_the_talker_s_time_per_token_comes_from_vllm_omni_s_own_stage_tables(report, run):
+    """run.py --release 0.16 starts the server with --log-stats and reads each benchmark's requests from the
+    orchestrator's tables: here written by vllm-omni's own table formatter, two requests among other log lines
+    (a probe's table before the benchmark's offset is not read: run_arm reads from the offset on)."""
+    utils = require_module("vllm_omni.metrics.utils", "vllm-omni's stage tables (--log-stats)")
+
+    def request(rid, walls, tokens):
+        summary = {"e2e_requests": 1, **{f"e2e_stage_{i}_wall_time_ms": w for i, w in enumerate(walls)}}
+        stages = [{"stage_id": i, "num_tokens_out": n, "stage_gen_time_ms": 3.25} for i, n in enumerate(tokens)]
+        return (
+            "INFO 12-03 06:00:00 [stats.py:502] \n" + utils._format_table("Overall Summary", summary, list(summary))
+            + f"\nINFO 12-03 06:00:00 [stats.py:528] \n"
+            + utils._format_table(f"RequestE2EStats [request_id={rid}]", {"e2e_total_ms": 9.0}, ["e2e_total_ms"])
+            + "\nINFO 12-03 06:00:00 [stats.py:581] \n"
+            + utils._format_table(f"StageRequestStats [request_id={rid}]", stages, ["num_tokens_out", "stage_gen_time_ms"],
+                                  column_key="stage_id")
+            + "\n(EngineCore pid=7) INFO 12-03 06:00:01 [loggers.py:1] Avg generation throughput: 3.0 tokens/s\n"
+        )  # fmt: skip
+
+    text = request("chatcmpl-a", [20000.0, 12800.0, 9000.0], [100, 64, 1]) + request(
+        "chatcmpl-b", [21000.0, 6400.0, 5000.0], [100, 32, 1]
+    )
+    reqs = report.stage_requests(text)
+    assert [r["request_id"] for r in reqs] == ["chatcmpl-a", "chatcmpl-b"]
+    assert reqs[0]["wall_ms"] == {0: 20000.0, 1: 12800.0, 2: 9000.0} and reqs[0]["tokens_out"] == {0: 100, 1: 64, 2: 1}
+    rows = report.stage_rows(reqs)
+    assert rows["requests"] == 2
+    assert rows["stages"][1] == {"wall_ms": 9600.0, "ms_per_token": 200.0, "n": 2}  # medians of 12800/64, 6400/32
+    assert rows["stages"][0]["ms_per_token"] == 205.0
+    # the table: talker time per token with its ratio to off
+    off = {"arm": "off", "bench": [dict(_bench(8000, 1, 1800.0), stages=rows)]}
+    fast = report.stage_rows(report.stage_requests(request("chatcmpl-c", [20000.0, 3200.0, 9000.0], [100, 64, 1])))
+    on = {"arm": "qwen3-omni", "bench": [dict(_bench(8000, 1, 1500.0), stages=fast)]}
+    lines = _rows("\n".join(report.table_lines([off, on])))
+    assert "200.0 ms" in lines["talker ms/token p50"] and "50.0 ms (0.25x)" in lines["talker ms/token p50"]
+    assert "talker ms/token p50" not in _rows("\n".join(report.table_lines([{"arm": "off", "bench": [_bench(8000, 1, 1.0)]}])))
+    # a table without its summary (a log cut at the offset) still counts the request, with no wall time
+    cut = text[text.index("[RequestE2EStats [request_id=chatcmpl-a]]"):]
+    assert report.stage_requests(cut)[0]["wall_ms"] == {} and report.stage_rows(report.stage_requests(cut))["requests"] == 2
+    assert run.RELEASES["0.16"].server_flags == ("--log-stats",) and run.RELEASES["0.30"].server_flags == ()

@@ -5,6 +5,7 @@ probes' comparison with ``off``. Pure functions (no server needed) plus one fetc
 from __future__ import annotations
 
 import re
+import statistics
 import time
 import urllib.request
 from typing import Any
@@ -171,6 +172,87 @@ def payload_memcpy_ms(input_len: int, width: int = 2048, repeat: int = 5) -> flo
 
 
 # --------------------------------------------------------------------------------------------------
+# the orchestrator's per-request stage tables (vllm-omni's --log-stats), for what the client cannot see
+
+_TITLE_RE = re.compile(r"^\[(Overall Summary|StageRequestStats \[request_id=(.+)\])\]\s*$")
+
+
+def _table_rows(lines: list[str], i: int) -> tuple[list[list[str]], int]:
+    """The cells of the PrettyTable that starts at ``lines[i]`` (its ``+---`` rules skipped), and the index
+    after it."""
+    rows: list[list[str]] = []
+    while i < len(lines) and lines[i][:1] in "+|" and lines[i].strip():
+        if lines[i].startswith("|"):
+            rows.append([c.strip() for c in lines[i].strip().strip("|").split("|")])
+        i += 1
+    return rows, i
+
+
+def _number(cell: str) -> float | None:
+    try:
+        return float(cell.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def stage_requests(text: str) -> list[dict[str, Any]]:
+    """Per request, from the tables vllm-omni's orchestrator logs with ``--log-stats`` (its
+    ``OrchestratorAggregator.build_and_log_summary``: an "Overall Summary" and then the request's
+    "StageRequestStats" table, logged one after the other by one synchronous call): ``request_id``,
+    ``wall_ms`` (stage -> ms from the stage's submission to its last output, ``e2e_stage_N_wall_time_ms``)
+    and ``tokens_out`` (stage -> the tokens of its last output, ``num_tokens_out``). Requests whose stage
+    table did not come with a summary have no ``wall_ms``."""
+    lines = text.splitlines()
+    out: list[dict[str, Any]] = []
+    summary: dict[str, float] | None = None
+    i = 0
+    while i < len(lines):
+        m = _TITLE_RE.match(lines[i].strip())
+        if not m:
+            i += 1
+            continue
+        rows, i = _table_rows(lines, i + 1)
+        if m.group(2) is None:  # Overall Summary: Field | Value
+            summary = {r[0]: v for r in rows[1:] if len(r) == 2 and (v := _number(r[1])) is not None}
+            continue
+        if not rows or rows[0][:1] != ["Field"]:
+            continue
+        stages = [int(c) if c.isdigit() else c for c in rows[0][1:]]
+        cells = {r[0]: r[1:] for r in rows[1:]}
+        tokens = {s: int(v) for s, c in zip(stages, cells.get("num_tokens_out", [])) if (v := _number(c)) is not None}
+        wall = {}
+        for key, v in (summary or {}).items():
+            k = re.fullmatch(r"e2e_stage_(\d+)_wall_time_ms", key)
+            if k:
+                wall[int(k.group(1))] = v
+        out.append({"request_id": m.group(2), "wall_ms": wall, "tokens_out": tokens})
+        summary = None
+    return out
+
+
+def stage_rows(requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over ``requests`` (:func:`stage_requests`): each stage's wall time and its time per output
+    token (wall time / tokens out). The talker's (stage 1) is the talker TPOT the client does not report: the
+    client's TPOT is the thinker's text; it includes the talker's own prefill and, with async chunks, the
+    waits for the thinker's rows, so it is the pace a user's audio is made at."""
+    per: dict[int, dict[str, list[float]]] = {}
+    for r in requests:
+        for s, ms in r.get("wall_ms", {}).items():
+            n = r.get("tokens_out", {}).get(s)
+            e = per.setdefault(s, {"wall_ms": [], "ms_per_token": []})
+            e["wall_ms"].append(ms)
+            if n:
+                e["ms_per_token"].append(ms / n)
+    return {
+        "requests": len(requests),
+        "stages": {
+            s: {k: (round(statistics.median(v), 3) if v else None) for k, v in e.items()} | {"n": len(e["wall_ms"])}
+            for s, e in sorted(per.items())
+        },
+    }
+
+
+# --------------------------------------------------------------------------------------------------
 # the table
 
 METRICS = [  # (label, key in vllm bench's result json, unit)
@@ -186,6 +268,12 @@ METRICS = [  # (label, key in vllm bench's result json, unit)
     ("audio TTFP p99", "p99_audio_ttfp_ms", "ms"),
     ("audio RTF p50", "p50_audio_rtf", ""),
     ("audio RTF p99", "p99_audio_rtf", ""),
+]
+# (label, stage, field of stage_rows) from vllm-omni's --log-stats tables (run.py --release 0.16 turns them on)
+STAGE_METRICS = [
+    ("talker ms/token p50", 1, "ms_per_token"),
+    ("talker wall p50", 1, "wall_ms"),
+    ("thinker wall p50", 0, "wall_ms"),
 ]
 # the hand-off kinds on the way to the first audio packet (a request's first chunk of each pair, or its
 # whole payload with async_chunk off)
@@ -245,6 +333,12 @@ def table_lines(results: list[dict[str, Any]]) -> list[str]:
             base = metric((per_arm.get("off") or {}).get("raw") or {}, key)
             cells = [_cell(metric((per_arm.get(a) or {}).get("raw") or {}, key), unit, base, a != "off") for a in arms]
             out.append(f"  {label:<26}" + "".join(cells))
+        for label, stage, field in STAGE_METRICS:  # the orchestrator's tables (--log-stats), where the run has them
+            vals = {a: (((per_arm.get(a) or {}).get("stages") or {}).get("stages") or {}).get(stage, {}).get(field)
+                    for a in arms}  # fmt: skip
+            if any(v is not None for v in vals.values()):
+                cells = [_cell(vals[a], "ms", vals.get("off"), a != "off") for a in arms]
+                out.append(f"  {label:<26}" + "".join(cells))
         srv = {a: {label: (v, unit) for label, v, unit in server_rows(per_arm.get(a) or {})} for a in arms}
         labels: list[str] = []
         for a in arms:

@@ -52,7 +52,9 @@ from e2e_procs import (  # noqa: E402
     alive, chat_with_audio, coverage, free_port, print_coverage, proc_info, read_status_dir, role_of, scan_log,
     server_processes, shm_cleanup, shm_entries, stop_server, wait_ready,
 )  # fmt: skip
-from e2e_report import compare, metrics_delta, payload_memcpy_ms, print_metrics, print_table, scrape_metrics  # noqa: E402
+from e2e_report import (  # noqa: E402
+    compare, metrics_delta, payload_memcpy_ms, print_metrics, print_table, scrape_metrics, stage_requests, stage_rows,
+)  # fmt: skip
 from e2e_watch import (  # noqa: E402 - memory samples, a stage killed on purpose, omni-accum's leftovers
     Sampler, StageKiller, bench_errors, client_errors, fallbacks_delta, fault_report, health_status, omni_accum_left,
     stage_number,
@@ -85,6 +87,10 @@ class Release:
     # 15-17 on 2 cores while idle) and the client then got ~0.5 % of a core: 8 s of CPU in its first 15+ minutes,
     # still importing, no request sent. Negative needs root; without it `nice` says so and runs the client as is.
     client_nice: int = 0
+    # added to `vllm-omni serve`. 0.16: --log-stats, the orchestrator's per-request stage tables (each stage's
+    # wall time and tokens: the talker's time per token, which neither the client nor 0.16.0's Prometheus
+    # metrics tell apart, as every stage there reports as engine "0")
+    server_flags: tuple[str, ...] = ()
 
 
 RELEASES = {
@@ -101,6 +107,7 @@ RELEASES = {
         "vllm-omni",
         HERE / "client_016",
         -10,
+        ("--log-stats",),
     ),
 }
 RELEASE = RELEASES["0.30"]  # main() sets the one --release names
@@ -247,6 +254,16 @@ def resolve_model(value: str | Path) -> Path:
     return (RELEASE.models[str(value)] if str(value) in RELEASE.models else Path(value)).resolve()
 
 
+def read_from(path: Path, offset: int) -> str:
+    """``path``'s text from byte ``offset`` on ("" when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
 def scrape_or_error(base: str) -> dict[str, Any]:
     try:
         return scrape_metrics(base)
@@ -310,7 +327,7 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
         str(VENV_BIN / "vllm-omni"), "serve", str(args.model), "--omni",
         "--host", "127.0.0.1", "--port", str(port),
         RELEASE.config_flag, str(arm.deploy or args.deploy_config),
-        "--stage-init-timeout", str(int(args.start_timeout)),
+        "--stage-init-timeout", str(int(args.start_timeout)), *RELEASE.server_flags,
     ]  # fmt: skip
     result: dict[str, Any] = {
         "arm": arm.name,
@@ -379,6 +396,7 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
                 for n in args.input_len:
                     for c in args.concurrency:
                         before = scrape_or_error(base)
+                        log_from = server_log.stat().st_size if server_log.exists() else 0
                         if sampler:
                             sampler.mark(f"bench in{n} c{c}")
                         if killer:
@@ -389,6 +407,8 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
                         b["server"] = metrics_delta(before, after)
                         b["fallbacks"] = fallbacks_delta(before, after)  # omni-accum's during it, by reason
                         b["memcpy_ms"] = payload_memcpy_ms(n)
+                        if "--log-stats" in RELEASE.server_flags:  # the stages' own times, from this benchmark's lines
+                            b["stages"] = stage_rows(stage_requests(read_from(server_log, log_from)))
                         result["bench"].append(b)
                 if killer:
                     killer.cancel()
