@@ -457,17 +457,20 @@ def test_the_talker_s_time_per_token_comes_from_vllm_omni_s_own_stage_tables(rep
     (a probe's table before the benchmark's offset is not read: run_arm reads from the offset on)."""
     utils = require_module("vllm_omni.metrics.utils", "vllm-omni's stage tables (--log-stats)")
 
+    def logged(where, message):  # as vLLM's logger writes a message: its prefix on every line
+        return "".join(f"(APIServer pid=5439) INFO 12-03 06:24:06 [{where}] {line}\n" for line in message.split("\n"))
+
     def request(rid, walls, tokens):
         summary = {"e2e_requests": 1, **{f"e2e_stage_{i}_wall_time_ms": w for i, w in enumerate(walls)}}
         stages = [{"stage_id": i, "num_tokens_out": n, "stage_gen_time_ms": 3.25} for i, n in enumerate(tokens)]
         return (
-            "INFO 12-03 06:00:00 [stats.py:502] \n" + utils._format_table("Overall Summary", summary, list(summary))
-            + f"\nINFO 12-03 06:00:00 [stats.py:528] \n"
-            + utils._format_table(f"RequestE2EStats [request_id={rid}]", {"e2e_total_ms": 9.0}, ["e2e_total_ms"])
-            + "\nINFO 12-03 06:00:00 [stats.py:581] \n"
-            + utils._format_table(f"StageRequestStats [request_id={rid}]", stages, ["num_tokens_out", "stage_gen_time_ms"],
-                                  column_key="stage_id")
-            + "\n(EngineCore pid=7) INFO 12-03 06:00:01 [loggers.py:1] Avg generation throughput: 3.0 tokens/s\n"
+            logged("stats.py:502", "\n" + utils._format_table("Overall Summary", summary, list(summary)))
+            + logged("stats.py:528", "\n" + utils._format_table(f"RequestE2EStats [request_id={rid}]",
+                                                               {"e2e_total_ms": 9.0}, ["e2e_total_ms"]))
+            + logged("stats.py:581", "\n" + utils._format_table(f"StageRequestStats [request_id={rid}]", stages,
+                                                               ["num_tokens_out", "stage_gen_time_ms"], column_key="stage_id"))
+            + "(EngineCore pid=7) INFO 12-03 06:00:01 [loggers.py:1] Avg generation throughput: 3.0 tokens/s\n"
+            + utils._format_table("Overall Summary", {"e2e_requests": 1}, ["e2e_requests"]).replace("[", "(", 1) + "\n"
         )  # fmt: skip
 
     text = request("chatcmpl-a", [20000.0, 12800.0, 9000.0], [100, 64, 1]) + request(
@@ -491,3 +494,23 @@ def test_the_talker_s_time_per_token_comes_from_vllm_omni_s_own_stage_tables(rep
     cut = text[text.index("[RequestE2EStats [request_id=chatcmpl-a]]"):]
     assert report.stage_requests(cut)[0]["wall_ms"] == {} and report.stage_rows(report.stage_requests(cut))["requests"] == 2
     assert run.RELEASES["0.16"].server_flags == ("--log-stats",) and run.RELEASES["0.30"].server_flags == ()
+
+
+def test_the_016_server_session_yields_the_cpu_to_the_client(run):
+    """0.16.0's server runs in a session of its own whose autogroup gets niceness 10 (the kernel shares the CPU
+    between sessions first: the client's own nice -10 did not help); a real child in a new session here."""
+    import subprocess
+
+    assert run.RELEASES["0.16"].server_group_nice == 10 and run.RELEASES["0.30"].server_group_nice == 0
+    if not Path("/proc/self/autogroup").exists():
+        pytest.skip("this kernel has no autogroups (/proc/self/autogroup): nothing to set")
+    child = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        said = run.set_group_nice(child.pid, 10)
+        assert said.endswith("nice 10"), said
+        assert Path(f"/proc/{child.pid}/autogroup").read_text().split()[-1] == "10"
+        assert Path("/proc/self/autogroup").read_text().split()[-1] != "10"  # this session keeps its own
+        assert run.set_group_nice(2**22 + 7, 10).startswith("not set (")  # no such process: said, not raised
+    finally:
+        child.kill()
+        child.wait()

@@ -175,6 +175,8 @@ def payload_memcpy_ms(input_len: int, width: int = 2048, repeat: int = 5) -> flo
 # the orchestrator's per-request stage tables (vllm-omni's --log-stats), for what the client cannot see
 
 _TITLE_RE = re.compile(r"^\[(Overall Summary|StageRequestStats \[request_id=(.+)\])\]\s*$")
+# what vLLM's logger puts before each line of a message: "(APIServer pid=5439) INFO 12-03 06:24:06 [stats.py:502] "
+_LOG_PREFIX_RE = re.compile(r"^(?:\([^)]*pid=\d+\)\s+)?(?:[A-Z]+ \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? \[[^\]]*\]\s?)?")
 
 
 def _table_rows(lines: list[str], i: int) -> tuple[list[list[str]], int]:
@@ -202,7 +204,7 @@ def stage_requests(text: str) -> list[dict[str, Any]]:
     ``wall_ms`` (stage -> ms from the stage's submission to its last output, ``e2e_stage_N_wall_time_ms``)
     and ``tokens_out`` (stage -> the tokens of its last output, ``num_tokens_out``). Requests whose stage
     table did not come with a summary have no ``wall_ms``."""
-    lines = text.splitlines()
+    lines = [_LOG_PREFIX_RE.sub("", line, count=1) for line in text.splitlines()]
     out: list[dict[str, Any]] = []
     summary: dict[str, float] | None = None
     i = 0
