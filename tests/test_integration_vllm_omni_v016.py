@@ -203,3 +203,39 @@ def test_0160_is_chosen_with_its_table(vo16):
     names = {t.name for t in v016.FAMILY.targets}
     assert names == {"__init__", "_update_request_payload", "cleanup"}
     assert v016.FAMILY.data_plane is None and v016.FAMILY.span_merge == ()
+
+
+def test_a_talker_s_metrics_reach_the_scrape_though_0160_never_releases_its_requests(vo16, monkeypatch):
+    """0.16.0's AR scheduler calls the adapter's cleanup only after a failed KV load, so a talker's requests
+    are never released: the hook publishes at a request's first chunk, its last one and once a second
+    between (the first 0.16 server run showed no chunk and no merge time in /metrics: 158 chunks, no flush)."""
+    from prometheus_client import REGISTRY
+
+    from omni_accum.integrations.vllm_omni import publishing, whole_payload
+
+    def sample(name, labels):
+        publishing.publish_pending()
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    clock = [100.0]
+    monkeypatch.setattr(whole_payload.time, "perf_counter", lambda: clock[0])
+    vo16.install("default")
+    wrapped = make_adapter("default")
+    fn = type(wrapped)._update_request_payload
+    stream = qwen3_omni_stream(prompt=16, steps=6)
+    key = {"role": "receive", "key": "thinker_embeddings", "strategy": "cat"}
+    before = sample("omni_accum_chunks_total", key)
+    merges = sample("omni_accum_merge_seconds_count", {"strategy": "cat"})
+    _step(fn, wrapped, "r", stream[0])  # the request's first chunk: published
+    assert sample("omni_accum_chunks_total", key) == before + 1
+    for chunk in stream[1:3]:  # no second has passed, not the last chunk: still buffered
+        _step(fn, wrapped, "r", chunk)
+    assert sample("omni_accum_chunks_total", key) == before + 1
+    clock[0] += whole_payload.PUBLISH_EVERY_S
+    _step(fn, wrapped, "r", stream[3])  # a second later: published, with the merge times
+    assert sample("omni_accum_chunks_total", key) == before + 4
+    assert sample("omni_accum_merge_seconds_count", {"strategy": "cat"}) == merges + 4
+    for chunk in stream[4:]:  # the last chunk (finished) publishes too
+        _step(fn, wrapped, "r", chunk)
+    assert stream[-1]["finished"].item() and sample("omni_accum_chunks_total", key) == before + len(stream)
+    assert "r" in binding_for(wrapped).receiver.request_ids()  # not released: 0.16.0 never asked

@@ -27,9 +27,17 @@ import torch
 
 from omni_accum.errors import AccumulationError
 from omni_accum.integrations.vllm_omni.binding import Binding, binding_for
+from omni_accum.integrations.vllm_omni.publishing import published_later
 
 #: The key 0.16.0's adapter never accumulates (a 0-d bool tensor: the request's last chunk).
 FINISHED = "finished"
+#: Seconds between publications of a binding's metrics and status from this hook. 0.16.0's AR scheduler
+#: calls the adapter's ``cleanup`` only for a request whose KV load failed, so a talker's requests are
+#: never released (upstream keeps their ``request_payload`` too) and the release that publishes on the
+#: later families never comes; a talker that stops at its token cap reads fewer than the metrics' 256
+#: chunks of a flush per request. Published from here instead: a request's first and last chunk and
+#: at most this often in between (a time read the hook makes anyway).
+PUBLISH_EVERY_S = 1.0
 
 
 def _kind(value: Any) -> type | None:
@@ -65,6 +73,15 @@ def _plan(b: Binding, req_id: str, origin: dict[str, Any] | None, chunk: dict[st
     return keys
 
 
+def _finished(chunk: dict[str, Any]) -> bool:
+    """The chunk says it is the request's last (``finished``: a bool or a one-element tensor)."""
+    v = chunk.get(FINISHED)
+    try:
+        return bool(v) if v is not None else False
+    except (RuntimeError, ValueError):  # a tensor of several elements: not a flag
+        return False
+
+
 def wrap_update_payload(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def _update_request_payload(self: Any, req_id: str, payload_data: dict[str, Any]) -> dict[str, Any]:
@@ -97,7 +114,12 @@ def wrap_update_payload(orig: Callable[..., Any]) -> Callable[..., Any]:
         if not keys:
             b.receiver.release(req_id)
         store[req_id] = payload_data
-        b.received(incoming, time.perf_counter() - t0, new, req_id)
+        t1 = time.perf_counter()
+        b.received(incoming, t1 - t0, new, req_id)
+        state = b.__dict__
+        if new or t1 - state.get("_published_at", 0.0) >= PUBLISH_EVERY_S or _finished(incoming):
+            state["_published_at"] = t1
+            published_later(b)
         return payload_data
 
     return _update_request_payload
