@@ -154,8 +154,7 @@ class ChunkRecorder:
         self.sample = values == "sample"
         self._salt = writer.salt
         self._keys: dict[tuple[Any, ...], str] = {}
-        # req id -> [hash, next seq, last t, line head, sampled keys, ctx, line end without handoff_s / arm,
-        #            last key parts, their text with that end]
+        # req id -> [hash, next seq, last t, line head, sampled keys, ctx, line end without handoff_s / arm]
         self._reqs: dict[Any, list[Any]] = {}
         self._head = f',"pair":{_dumps(pair)},"role":{_dumps(role)},"seq":'
 
@@ -175,7 +174,6 @@ class ChunkRecorder:
         state = reqs[req_id] = [
             h, 0, None, f'"req":"{h}"' + self._head, set() if self.sample else None, tail,
             f'],"handoff_s":null,"arm":null,"ctx":{tail}}}\n',  # the line's end when neither is known (most chunks)
-            None, None,  # the last chunk's key parts and their text with that end (reused while they stay the same)
         ]
         return state
 
@@ -205,7 +203,6 @@ class ChunkRecorder:
         cache = self._keys
         sampled = state[4]
         parts = []
-        add = parts.append
         for top, value in chunk.items():
             if top in skip:
                 continue
@@ -215,10 +212,8 @@ class ChunkRecorder:
             for qual, v in value.items() if value.__class__ is dict else ((None, value),):
                 c = sub.get(qual)
                 if v.__class__ is _Tensor:  # the hot case: the part of the key's last value, when it still fits
-                    if c is not None and c[0] is v.dtype and (c[1] == v.shape if c[3] else not v.dim()):
-                        text = c[2]
-                    else:
-                        text = self._part(sub, top, qual, v)
+                    fits = c is not None and c[0] is v.dtype and c[1] == v.shape
+                    text = c[2] if fits else self._part(sub, top, qual, v)
                     if sampled is not None and (top, qual) not in sampled:
                         sampled.add((top, qual))
                         text = self._with_sample(text, v)
@@ -229,37 +224,36 @@ class ChunkRecorder:
                     if sampled is not None and isinstance(v, _Tensor) and (top, qual) not in sampled:  # a subclass
                         sampled.add((top, qual))
                         text = self._with_sample(text, v)
-                add(text)
+                parts.append(text)
         seq = state[1]
         last = state[2]
         state[1] = seq + 1
         state[2] = now
         if handoff_s is None and arm is None:
-            if parts == state[7]:  # the keys of the request's previous chunk (the same cached texts): its line end
-                end = state[8]
-            else:
-                end = state[8] = f'{",".join(parts)}{state[6]}'
-                state[7] = parts
+            tail = state[6]
         else:
-            end = (
-                f'{",".join(parts)}],"handoff_s":{"null" if handoff_s is None else f"{handoff_s:.6f}"},'
+            tail = (
+                f'],"handoff_s":{"null" if handoff_s is None else f"{handoff_s:.6f}"},'
                 f'"arm":{"null" if arm is None else _dumps(arm)},"ctx":{state[5]}}}\n'
             )
-        t = str(now)
         if last is not None and 0 <= now - last < 1_000_000 <= now:  # the hot case, in one string: _seconds inlined
-            line = f'{{"v":1,"t":{t[:-6]}.{t[-6:]},{state[3]}{seq},"dt":0.{str(1_000_000 + now - last)[1:]},"keys":[{end}'
+            t = str(now)
+            line = (
+                f'{{"v":1,"t":{t[:-6]}.{t[-6:]},{state[3]}{seq},"dt":0.{str(1_000_000 + now - last)[1:]},'
+                f'"keys":[{",".join(parts)}{tail}'
+            )
         else:
             line = (
                 f'{{"v":1,"t":{_seconds(now)},{state[3]}{seq},"dt":{"0.0" if last is None else _seconds(now - last)},'
-                f'"keys":[{end}'
+                f'"keys":[{",".join(parts)}{tail}'
             )
-        self.writer.write(line.encode(), now)
+        self.writer.write(line.encode())
 
     def _part(self, sub: dict[Any, list[Any]], top: Any, qual: Any, v: Any) -> str:
         path = str(top) if qual is None else f"{top}.{qual}"
         text = describe(path, v, self.kind_of)
         if isinstance(v, _Tensor):
-            sub[qual] = [v.dtype, v.shape, text, v.dim()]  # 0-d (a flag): dim() is the cheaper check
+            sub[qual] = [v.dtype, v.shape, text]
         else:
             sig = _signature(v)
             sub[qual] = None if sig is _NEVER else [v.__class__, sig, text]

@@ -176,10 +176,9 @@ class CaptureWriter:
             except OSError:
                 pass
 
-    def write(self, line: bytes, now_us: int | None = None) -> None:
+    def write(self, line: bytes) -> None:
         """Append ``line`` (one complete record ending in a newline); it reaches the file at the latest when
-        :data:`FLUSH_AFTER_S` seconds have passed by the next record, or at :meth:`flush`. ``now_us``: the
-        record's ``time.monotonic_ns() // 1000`` when the caller has it (saves reading the clock again)."""
+        :data:`FLUSH_AFTER_S` seconds have passed by the next record, or at :meth:`flush`."""
         if self.closed:
             self.dropped += 1
             return
@@ -190,10 +189,9 @@ class CaptureWriter:
         buf = self._buf
         buf.append(line)
         self._buffered += len(line)
-        now = _monotonic() if now_us is None else now_us / 1e6
         if len(buf) == 1:
-            self._since = now
-        elif self._buffered >= self.buffer_bytes or now - self._since > FLUSH_AFTER_S:
+            self._since = _monotonic()
+        elif self._buffered >= self.buffer_bytes or _monotonic() - self._since > FLUSH_AFTER_S:
             self.flush()
 
     def flush(self) -> None:
