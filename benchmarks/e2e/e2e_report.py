@@ -176,6 +176,7 @@ def payload_memcpy_ms(input_len: int, width: int = 2048, repeat: int = 5) -> flo
 
 _TITLE_RE = re.compile(r"^\[(Overall Summary|StageRequestStats \[request_id=(.+)\])\]\s*$")
 # what vLLM's logger puts before each line of a message: "(APIServer pid=5439) INFO 12-03 06:24:06 [stats.py:502] "
+_STAGE_WALL_RE = re.compile(r"e2e_stage_(\d+)_wall_time_ms")
 _LOG_PREFIX_RE = re.compile(r"^(?:\([^)]*pid=\d+\)\s+)?(?:[A-Z]+ \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? \[[^\]]*\]\s?)?")
 
 
@@ -222,11 +223,7 @@ def stage_requests(text: str) -> list[dict[str, Any]]:
         stages = [int(c) if c.isdigit() else c for c in rows[0][1:]]
         cells = {r[0]: r[1:] for r in rows[1:]}
         tokens = {s: int(v) for s, c in zip(stages, cells.get("num_tokens_out", [])) if (v := _number(c)) is not None}
-        wall = {}
-        for key, v in (summary or {}).items():
-            k = re.fullmatch(r"e2e_stage_(\d+)_wall_time_ms", key)
-            if k:
-                wall[int(k.group(1))] = v
+        wall = {int(k.group(1)): v for key, v in (summary or {}).items() if (k := _STAGE_WALL_RE.fullmatch(key))}
         out.append({"request_id": m.group(2), "wall_ms": wall, "tokens_out": tokens})
         summary = None
     return out
