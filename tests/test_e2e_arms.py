@@ -509,7 +509,10 @@ def test_the_016_server_session_yields_the_cpu_to_the_client(run):
         said = run.set_group_nice(child.pid, 10)
         assert said.endswith("nice 10"), said
         assert Path(f"/proc/{child.pid}/autogroup").read_text().split()[-1] == "10"
-        assert Path("/proc/self/autogroup").read_text().split()[-1] != "10"  # this session keeps its own
+        # this session keeps its own niceness; an empty file means the root group (a session never set apart),
+        # as in a container whose init never called setsid
+        ours = Path("/proc/self/autogroup").read_text().split()
+        assert not ours or ours[-1] != "10", ours
         assert run.set_group_nice(2**22 + 7, 10).startswith("not set (")  # no such process: said, not raised
     finally:
         child.kill()
