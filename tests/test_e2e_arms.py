@@ -517,3 +517,23 @@ def test_the_016_server_session_yields_the_cpu_to_the_client(run):
     finally:
         child.kill()
         child.wait()
+
+
+def test_hosts_take_the_fast_path_deploy_and_point_each_host_s_connectors_at_its_own_address(run, tmp_path):
+    """``qwen3-omni@mooncake_fast`` under ``--hosts 4``: the fast path's connector is a Mooncake connector for
+    the plan, and each host's copy names that host and the lab's master; a shared-memory deploy is refused."""
+    import yaml
+
+    hosts = run.hosts_mode
+    fast = run.make_arm("qwen3-omni@mooncake_fast")
+    assert fast.deploy.name == "qwen3_omni_cpu_mooncake_fast.yaml"
+    assert hosts.plan(fast.deploy, 4) == ["mooncake", "api", "stage1", "stage2"]
+    out = hosts.host_deploy(fast.deploy, tmp_path / "deploy-stage1.yaml", "10.231.7.12", "10.231.7.10")
+    conns = yaml.safe_load(out.read_text())["connectors"]
+    assert {c["name"] for c in conns.values()} == {"OmniAccumMooncakeConnector"}
+    for c in conns.values():
+        assert c["extra"]["host"] == "10.231.7.12" and c["extra"]["master"] == "10.231.7.10:50151"
+        assert c["extra"]["metadata_server"] == "http://10.231.7.10:8080/metadata"
+        assert c["extra"]["mooncake_buffer_bytes"] == "16MiB"
+    with pytest.raises(hosts.HostsUsageError, match="SharedMemoryConnector"):
+        hosts.plan(run.make_arm("qwen3-omni@arena").deploy.with_name("qwen3_omni_cpu.yaml"), 4)

@@ -52,7 +52,8 @@ MOONCAKE_HTTP_PORT = 8080
 MOONCAKE_METRICS_PORT = 9003
 API_PORT = 8000
 OMNI_MASTER_PORT = 15000
-MOONCAKE_CONNECTORS = ("MooncakeStoreConnector",)
+# vllm-omni 0.30.0's own, and omni-accum's with the tensor fast path (configs/qwen3_omni_cpu_mooncake_fast.yaml)
+MOONCAKE_CONNECTORS = ("MooncakeStoreConnector", "OmniAccumMooncakeConnector")
 # run with the server's python: the path of mooncake_master inside its Mooncake package
 MASTER_BINARY = "from omni_accum.bench.mooncake_services import master_binary; print(master_binary())"
 
