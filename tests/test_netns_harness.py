@@ -294,3 +294,81 @@ def test_run_py_hosts_cleans_up_after_a_stage_fails(root_netns, tmp_path):
     import ipaddress
 
     _assert_gone(lab["prefix"], started + ([mc_pid] if mc_pid else []), ipaddress.ip_network(lab["subnet"]), [])
+
+
+# ---------------------------------------------------------------------------------------------- #
+# run.py --hosts-fault: the master restarted, a host's link down and up again
+# ---------------------------------------------------------------------------------------------- #
+
+
+def _hosts_module():
+    sys.path.insert(0, str(E2E))
+    try:
+        import hosts
+    finally:
+        sys.path.remove(str(E2E))
+    return hosts
+
+
+def test_a_fault_spec_names_its_bad_part_and_the_valid_choices():
+    hosts = _hosts_module()
+    roles = ["mooncake", "api", "stage1", "stage2"]
+    assert hosts.parse_fault("master-restart", roles) == {"kind": "master-restart", "role": None, "seconds": 5.0,
+                                                          "spec": "master-restart"}  # fmt: skip
+    assert hosts.parse_fault("link-down:stage1:3", roles)["role"] == "stage1"
+    assert hosts.parse_fault("link-down:api", roles)["seconds"] == 5.0
+    for bad, said in (("reboot", "unknown fault 'reboot'"), ("link-down", "no host is not a host"),
+                      ("link-down:stage9", "'stage9' is not a host of this deploy (mooncake, api, stage1, stage2)"),
+                      ("master-restart:soon", "'soon' is not a number of seconds"),
+                      ("link-down:api:1:2", "too many parts")):  # fmt: skip
+        with pytest.raises(hosts.HostsUsageError) as e:
+            hosts.parse_fault(bad, roles)
+        assert said in str(e.value) and repr(bad) in str(e.value)
+
+
+def _link_up(ns: str, link: str) -> bool:
+    out = subprocess.run(["ip", "-n", ns, "-o", "link", "show", "dev", link], capture_output=True, text=True).stdout
+    return ",UP" in out or "<UP" in out
+
+
+def test_a_master_restart_and_a_link_down_are_made_recorded_and_leave_nothing(root_netns, tmp_path):
+    """The real ``mooncake_master`` in its namespace: SIGKILLed and a fresh one answering on the same address;
+    a stage host's link down (its address unreachable from the harness) and up again; the lab then closes clean."""
+    import threading
+
+    from omni_accum.bench.mooncake_services import mooncake_problem
+
+    if mooncake_problem():
+        pytest.skip(mooncake_problem())
+    hosts = _hosts_module()
+    model = tmp_path / "model"
+    model.mkdir()
+    server = hosts.HostsServer(hosts=4, deploy=E2E / "configs" / "qwen3_omni_cpu_mooncake.yaml", model=model,
+                               venv_bin=Path(sys.executable).parent, arm_dir=tmp_path, start_timeout=60, grace=2,
+                               log=lambda *a: None)  # fmt: skip
+    server.open()
+    try:
+        first = server.start_master(dict(os.environ))
+        rec = server.inject(hosts.parse_fault("master-restart:0.5", server.roles))
+        assert rec["done"] and rec["killed_pid"] == first.popen.pid and first.popen.returncode == -9
+        assert rec["new_pid"] != rec["killed_pid"] and rec["master_answers_after_s"] >= 0.5
+        mc = server.lab.host("mooncake")
+        assert hosts._connects(mc.addr, hosts.MOONCAKE_RPC_PORT)  # the fresh master, on the same address
+        h = server.lab.host("stage1")
+        assert _link_up(h.ns, h.link)
+        t = threading.Thread(target=server.inject, args=(hosts.parse_fault("link-down:stage1:3", server.roles),))
+        t.start()
+        deadline = time.monotonic() + 3
+        while _link_up(h.ns, h.link) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _link_up(h.ns, h.link)  # down while the fault lasts
+        t.join(timeout=30)
+        assert _link_up(h.ns, h.link) and server.fault_record["done"] and server.fault_record["link"] == h.link
+        report = server.fault_report(None)
+        assert report["running"]["mooncake-master"] is False and report["running"]["mooncake-master-2"] is True
+        assert "log_offsets" not in report and report["health"] is None  # no API server in this lab
+    finally:
+        stop = server.stop([])
+    assert stop["clean"] is True, stop
+    assert stop["netns_left"] == {"namespaces": [], "links": [], "processes": [], "routes": []}
+    assert not netns._alive(rec["new_pid"])

@@ -25,6 +25,14 @@ one), the run folder, ``OMNI_ACCUM_STATUS_DIR`` and ``PROMETHEUS_MULTIPROC_DIR``
 ``/metrics`` shows the stage processes' counters, as on one host; on real machines each would have its
 own), CPU and memory.
 
+Faults (``run.py --hosts-fault``, ``--kill-after-s`` seconds after the first benchmark starts, once):
+``master-restart[:DOWN_S]`` SIGKILLs ``mooncake_master`` and starts a fresh one on the same address after
+DOWN_S seconds (default 5; the store's objects are lost with it); ``link-down:ROLE[:SECONDS]`` takes host
+ROLE's link down for SECONDS (default 5) and up again. The arm's ``fault`` entry says what was done when,
+how long the master took to answer again, ``/health`` and the processes per host afterwards, the client's
+answered and failed requests, and each host's log lines after the fault that name an error, a time-out, a
+death or a restart.
+
 Stopping: SIGTERM to each process group, newest first (the head before the stages before the master),
 SIGKILL after the grace, then everything still in the namespaces, then the namespaces and links
 (``NetnsLab.close``), also when a step fails (an exit before ready, a time-out).
@@ -35,9 +43,11 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -46,6 +56,7 @@ from typing import Any
 
 import netns
 from e2e_procs import alive, http_json, proc_info
+from e2e_watch import EVENT_RE, client_errors
 
 MOONCAKE_RPC_PORT = 50151
 MOONCAKE_HTTP_PORT = 8080
@@ -147,6 +158,32 @@ def _metadata_answers(url: str) -> bool:
     return True
 
 
+FAULTS = ("master-restart[:DOWN_S]", "link-down:ROLE[:SECONDS]")
+
+
+def parse_fault(text: str, roles: list[str]) -> dict[str, Any]:
+    """``master-restart[:DOWN_S]`` or ``link-down:ROLE[:SECONDS]`` -> ``{"kind", "role", "seconds"}``;
+    HostsUsageError naming the bad part and the valid choices."""
+    kind, *rest = str(text).split(":")
+    if kind not in ("master-restart", "link-down"):
+        raise HostsUsageError(f"--hosts-fault {text!r}: unknown fault {kind!r} (valid: {', '.join(FAULTS)})")
+    role = None
+    if kind == "link-down":
+        if not rest or rest[0] not in roles:
+            got = repr(rest[0]) if rest else "no host"
+            raise HostsUsageError(f"--hosts-fault {text!r}: {got} is not a host of this deploy ({', '.join(roles)})")
+        role, rest = rest[0], rest[1:]
+    if len(rest) > 1:
+        raise HostsUsageError(f"--hosts-fault {text!r}: too many parts (valid: {', '.join(FAULTS)})")
+    try:
+        seconds = float(rest[0]) if rest else 5.0
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 600:
+        raise HostsUsageError(f"--hosts-fault {text!r}: {rest[0]!r} is not a number of seconds from 0 to 600")
+    return {"kind": kind, "role": role, "seconds": seconds, "spec": str(text)}
+
+
 class HostsServer:
     """One arm's server across simulated hosts: :meth:`open` (lab + master + head + stages), :meth:`wait_ready`,
     :meth:`processes`, :meth:`stop` (everything, the lab included). Use ``try: ... finally: stop()``."""
@@ -161,6 +198,10 @@ class HostsServer:
         self.commands: dict[str, list[str]] = {}
         self.deployment = f"hosts-{secrets.token_hex(6)}"  # OMNI_ACCUM_DEPLOYMENT of every host's processes
         self._stopped = False
+        self._master: tuple[netns.Proc, list[str], dict[str, str]] | None = None  # its process, argv, env
+        self._gone: set[int] = set()  # processes a fault ended on purpose (not a failed step)
+        self._timer: threading.Timer | None = None
+        self.fault_record: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------ addresses
 
@@ -197,24 +238,8 @@ class HostsServer:
 
     def start(self, env: dict[str, str]) -> netns.Proc:
         """mooncake_master, then the head, then each headless stage; returns the head's process."""
+        self.start_master(env)
         mc = self.lab.host("mooncake")
-        py = str(self.venv_bin / "python")
-        r = subprocess.run([py, "-c", MASTER_BINARY], capture_output=True, text=True, check=True)
-        master = [
-            r.stdout.strip(),
-            f"--rpc_address={mc.addr}",
-            f"--rpc_port={MOONCAKE_RPC_PORT}",
-            "--enable_http_metadata_server=true",
-            f"--http_metadata_server_host={mc.addr}",
-            f"--http_metadata_server_port={MOONCAKE_HTTP_PORT}",
-            f"--metrics_host={mc.addr}",
-            f"--metrics_port={MOONCAKE_METRICS_PORT}",
-        ]
-        mproc = self._spawn(mc, master, "mooncake-master", env)
-        metadata = f"http://{mc.addr}:{MOONCAKE_HTTP_PORT}/metadata"
-        self._wait(lambda: _metadata_answers(metadata) and _connects(mc.addr, MOONCAKE_RPC_PORT), 60, "mooncake_master")
-        self.log(f"hosts: mooncake_master answers on {mc.addr}:{MOONCAKE_RPC_PORT} (pid {mproc.popen.pid})")
-
         serve = [str(self.venv_bin / "vllm-omni"), "serve", str(self.model), "--omni"]
         api = self.api
         head = [
@@ -237,6 +262,126 @@ class HostsServer:
             self._spawn(h, cmd, h.name, env)
         return self.head
 
+    def start_master(self, env: dict[str, str]) -> netns.Proc:
+        """``mooncake_master`` on host ``mooncake``, waited for (60 s)."""
+        mc = self.lab.host("mooncake")
+        py = str(self.venv_bin / "python")
+        r = subprocess.run([py, "-c", MASTER_BINARY], capture_output=True, text=True, check=True)
+        master = [
+            r.stdout.strip(),
+            f"--rpc_address={mc.addr}",
+            f"--rpc_port={MOONCAKE_RPC_PORT}",
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_host={mc.addr}",
+            f"--http_metadata_server_port={MOONCAKE_HTTP_PORT}",
+            f"--metrics_host={mc.addr}",
+            f"--metrics_port={MOONCAKE_METRICS_PORT}",
+        ]
+        mproc = self._spawn(mc, master, "mooncake-master", env)
+        self._master = (mproc, master, env)
+        self._wait_master(60)
+        self.log(f"hosts: mooncake_master answers on {mc.addr}:{MOONCAKE_RPC_PORT} (pid {mproc.popen.pid})")
+        return mproc
+
+    def _wait_master(self, timeout: float) -> None:
+        mc = self.lab.host("mooncake")
+        metadata = f"http://{mc.addr}:{MOONCAKE_HTTP_PORT}/metadata"
+        self._wait(lambda: _metadata_answers(metadata) and _connects(mc.addr, MOONCAKE_RPC_PORT), timeout, "mooncake_master")
+
+    # ------------------------------------------------------------------------------------------ faults
+
+    def arm_fault(self, fault: dict[str, Any], after_s: float) -> None:
+        """:meth:`inject` ``fault`` (``parse_fault``'s) ``after_s`` seconds from now, once."""
+        if self._timer is None:
+            self.fault_record = {**fault, "after_s": after_s, "done": False}
+            self._timer = threading.Timer(after_s, self._inject_quietly, args=(fault,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def cancel_fault(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _inject_quietly(self, fault: dict[str, Any]) -> None:
+        try:
+            self.inject(fault)
+        except Exception as e:  # noqa: BLE001 - recorded: the arm's report says the fault could not be made
+            self.fault_record["error"] = f"{type(e).__name__}: {e}"
+            self.log(f"hosts: fault {fault['spec']} failed: {self.fault_record['error']}")
+
+    def inject(self, fault: dict[str, Any]) -> dict[str, Any]:
+        """Make ``fault`` now (blocks for its duration); the record also goes to :attr:`fault_record`."""
+        rec = self.fault_record = {**self.fault_record, **fault, "done": False}
+        rec["log_offsets"] = {p.name: _size(p.log) for p in self.lab.procs if p.log}
+        rec["t0_wall"] = time.time()
+        t0 = time.monotonic()
+        if fault["kind"] == "master-restart":
+            if self._master is None:
+                raise netns.StepFailed("no mooncake_master to restart")
+            old, argv, env = self._master
+            self._gone.add(old.popen.pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(old.popen.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                old.popen.wait(timeout=10)
+            rec["killed_pid"] = old.popen.pid
+            self.log(f"hosts: fault: SIGKILL mooncake_master (pid {old.popen.pid}); a fresh one in {fault['seconds']} s")
+            time.sleep(fault["seconds"])
+            mc = self.lab.host("mooncake")
+            n = sum(p.name.startswith("mooncake-master") for p in self.lab.procs) + 1
+            new = self._spawn(mc, argv, f"mooncake-master-{n}", env)
+            self._master = (new, argv, env)
+            self._wait_master(60)
+            rec["new_pid"] = new.popen.pid
+            rec["master_answers_after_s"] = round(time.monotonic() - t0, 2)
+            self.log(f"hosts: fault: the fresh mooncake_master answers (pid {new.popen.pid}) "
+                     f"{rec['master_answers_after_s']} s after the kill")  # fmt: skip
+        else:
+            h = self.lab.host(fault["role"])
+            netns.ip("-n", h.ns, "link", "set", "dev", h.link, "down")
+            self.log(f"hosts: fault: link {h.link} of {h.name} ({h.addr}) down for {fault['seconds']} s")
+            try:
+                time.sleep(fault["seconds"])
+            finally:
+                netns.ip("-n", h.ns, "link", "set", "dev", h.link, "up")
+            rec["link"] = h.link
+            self.log(f"hosts: fault: link {h.link} of {h.name} up again")
+        rec["took_s"] = round(time.monotonic() - t0, 2)
+        rec["done"] = True
+        return rec
+
+    def fault_report(self, bench: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """What the servers did after the fault: ``/health``, the processes per host (the head's, the stages',
+        a master's restart), the client's answered and failed requests, and each host's log lines after it that
+        name an error, a time-out, a death or a restart (at most 20 per host)."""
+        out = dict(self.fault_record)
+        offsets = out.pop("log_offsets", {})
+        if not out.get("done"):
+            return out
+        with contextlib.suppress(Exception):
+            out["health"] = http_json("GET", self.base + "/health", timeout=10)[0]
+        out.setdefault("health", None)
+        out["running"] = {p.name: p.popen.poll() is None for p in self.lab.procs}
+        if bench is not None:
+            out["client"] = client_errors(bench)
+        lines: dict[str, list[str]] = {}
+        for p in self.lab.procs:
+            if not p.log or not Path(p.log).exists():
+                continue
+            got: list[str] = []
+            with open(p.log, "rb") as f:
+                f.seek(offsets.get(p.name, 0))
+                for raw in f:
+                    line = raw.decode(errors="replace").rstrip()
+                    if EVENT_RE.search(line):
+                        got.append(line[:300])
+                        if len(got) >= 20:
+                            break
+            if got:
+                lines[p.name] = got
+        out["log_lines"] = lines
+        return out
+
     def _deploy_for(self, host: netns.Host, mc: netns.Host) -> Path:
         return host_deploy(self.deploy, self.arm_dir / f"deploy-{host.name}.yaml", host.addr, mc.addr)
 
@@ -253,7 +398,8 @@ class HostsServer:
         deadline = time.monotonic() + timeout
         while not ready():
             for p in self.lab.procs:
-                self.lab.expect_running(p, f"{p.name} (waiting for {what})")
+                if p.popen.pid not in self._gone:  # a master a fault killed is not a failed step
+                    self.lab.expect_running(p, f"{p.name} (waiting for {what})")
             if time.monotonic() > deadline:
                 raise netns.StepFailed(f"{what} not ready after {timeout:.0f} s")
             time.sleep(0.5)
@@ -290,6 +436,7 @@ class HostsServer:
         if self._stopped:
             return {"clean": True, "note": "already stopped"}
         self._stopped = True
+        self.cancel_fault()
         exits = {}
         left = self.lab.close(raise_on_leftovers=False)
         for p in self.lab.procs:
@@ -305,6 +452,13 @@ class HostsServer:
         }
         report["clean"] = not still and not any(v for v in left.values())
         return report
+
+
+def _size(path: str | None) -> int:
+    try:
+        return os.path.getsize(path) if path else 0
+    except OSError:
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - a manual check of the prerequisites

@@ -422,6 +422,8 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
                             sampler.mark(f"bench in{n} c{c}")
                         if killer:
                             killer.arm()  # once: its time counts from the first benchmark's start
+                        if server and args.hosts_fault:
+                            server.arm_fault(args.hosts_fault, args.kill_after_s)  # once, as the killer
                         b = run_bench_held(base, str(args.model), args, n, c, arm_dir, client_env, clog)
                         after = scrape_or_error(base)
                         # the server's own hand-off and processor times for this benchmark's requests
@@ -431,6 +433,9 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
                         if "--log-stats" in RELEASE.server_flags:  # the stages' own times, from this benchmark's lines
                             b["stages"] = stage_rows(stage_requests(read_from(server_log, log_from)))
                         result["bench"].append(b)
+                if server and args.hosts_fault:
+                    result["fault"] = server.fault_report(result["bench"])
+                    log(f"[{arm.name}] after the fault: {json.dumps({k: v for k, v in result['fault'].items() if k != 'log_lines'})}")
                 if killer:
                     killer.cancel()
                     result["fault"] = fault_report(
@@ -468,6 +473,9 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
                 killer.cancel()
                 if "fault" not in result:
                     result["fault"] = fault_report(killer.record, [], False, None, server_log, result.get("bench"))
+            if server and args.hosts_fault and "fault" not in result:
+                server.cancel_fault()
+                result["fault"] = server.fault_report(result.get("bench"))
             if sampler:
                 sampler.stop()
             status_before = read_status_dir(status_dir)
@@ -627,7 +635,20 @@ def main(argv: list[str] | None = None) -> int:
         "(not with --smoke); give a short --bench-timeout, a killed stage can leave the client waiting",
     )
     ap.add_argument(
-        "--kill-after-s", type=float, default=30.0, help="seconds after the first benchmark starts (default %(default)s)"
+        "--hosts-fault",
+        default=None,
+        metavar="FAULT",
+        help="with --hosts, a fault --kill-after-s after the first benchmark starts: master-restart[:DOWN_S] "
+        "(SIGKILL mooncake_master, a fresh one on the same address DOWN_S seconds later, default 5) or "
+        "link-down:ROLE[:SECONDS] (host ROLE's link down SECONDS, default 5, then up: mooncake, api, stage1, "
+        "stage2); the arm's 'fault' entry says what vllm-omni did (/health, the processes, the client's errors, "
+        "each host's error lines after it); 'stop.omni_accum_left' what omni-accum left. Needs the benchmark",
+    )
+    ap.add_argument(
+        "--kill-after-s",
+        type=float,
+        default=30.0,
+        help="seconds after the first benchmark starts, for --kill-stage and --hosts-fault (default %(default)s)",
     )
     args = ap.parse_args(argv)
     # SIGTERM / SIGHUP end this script as Ctrl-C does, through each arm's clean-up (the server's process group
@@ -683,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if args.hosts and RELEASE.name != "0.30":
         ap.error(f"--hosts {args.hosts}: the simulated hosts run vllm-omni 0.30.0's deploys (not --release {RELEASE.name})")
+    if args.hosts_fault is not None and (not args.hosts or args.smoke):
+        ap.error(f"--hosts-fault {args.hosts_fault}: needs --hosts N and the benchmark (not --smoke)")
     if args.hosts:
         if args.hosts < 0:
             ap.error(f"--hosts: {args.hosts} is not a host count (0: one host; 4 for the Qwen3-Omni deploys)")
@@ -690,9 +713,13 @@ def main(argv: list[str] | None = None) -> int:
             args.deploy_config = HOSTS_DEPLOY.resolve()  # shared memory does not cross hosts
         for arm in arms:
             try:
-                hosts_mode.plan(Path(arm.deploy or args.deploy_config), args.hosts)
+                roles = hosts_mode.plan(Path(arm.deploy or args.deploy_config), args.hosts)
+                if args.hosts_fault is not None:
+                    fault = hosts_mode.parse_fault(args.hosts_fault, roles)
             except (hosts_mode.HostsUsageError, OSError) as e:
                 ap.error(f"arm {arm.name}: {e}")
+        if args.hosts_fault is not None:
+            args.hosts_fault = fault
         # root, ip, namespaces, Mooncake: without them the mode says so and stops
         why = hosts_mode.prerequisites(VENV_BIN / "python")
         if why:
