@@ -349,9 +349,19 @@ def test_a_master_restart_and_a_link_down_are_made_recorded_and_leave_nothing(ro
     server.open()
     try:
         first = server.start_master(dict(os.environ))
-        rec = server.inject(hosts.parse_fault("master-restart:0.5", server.roles))
+        # as run.py makes it: from the timer's thread, which must outlive the fresh master (a process gets
+        # SIGTERM when the thread that started it ends: PR_SET_PDEATHSIG)
+        server.arm_fault(hosts.parse_fault("master-restart:0.5", server.roles), 0.1)
+        deadline = time.monotonic() + 90
+        while not server.fault_record.get("done") and "error" not in server.fault_record:
+            assert time.monotonic() < deadline, server.fault_record
+            time.sleep(0.1)
+        rec = server.fault_record
         assert rec["done"] and rec["killed_pid"] == first.popen.pid and first.popen.returncode == -9
         assert rec["new_pid"] != rec["killed_pid"] and rec["master_answers_after_s"] >= 0.5
+        time.sleep(2)
+        fresh = [p for p in server.lab.procs if p.popen.pid == rec["new_pid"]][0]
+        assert fresh.popen.poll() is None, "the fresh master died with the thread that started it"
         mc = server.lab.host("mooncake")
         assert hosts._connects(mc.addr, hosts.MOONCAKE_RPC_PORT)  # the fresh master, on the same address
         h = server.lab.host("stage1")
@@ -364,6 +374,7 @@ def test_a_master_restart_and_a_link_down_are_made_recorded_and_leave_nothing(ro
         assert not _link_up(h.ns, h.link)  # down while the fault lasts
         t.join(timeout=30)
         assert _link_up(h.ns, h.link) and server.fault_record["done"] and server.fault_record["link"] == h.link
+        assert fresh.popen.poll() is None
         report = server.fault_report(None)
         assert report["running"]["mooncake-master"] is False and report["running"]["mooncake-master-2"] is True
         assert "log_offsets" not in report and report["health"] is None  # no API server in this lab

@@ -201,6 +201,7 @@ class HostsServer:
         self._master: tuple[netns.Proc, list[str], dict[str, str]] | None = None  # its process, argv, env
         self._gone: set[int] = set()  # processes a fault ended on purpose (not a failed step)
         self._timer: threading.Timer | None = None
+        self._hold = threading.Event()  # set by stop(): the fault's thread may end
         self.fault_record: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------ addresses
@@ -308,6 +309,9 @@ class HostsServer:
         except Exception as e:  # noqa: BLE001 - recorded: the arm's report says the fault could not be made
             self.fault_record["error"] = f"{type(e).__name__}: {e}"
             self.log(f"hosts: fault {fault['spec']} failed: {self.fault_record['error']}")
+        # A process started here (the fresh master) gets SIGTERM when the *thread* that forked it ends
+        # (PR_SET_PDEATHSIG, netns.spawn's guard against a killed harness): this thread lives until stop().
+        self._hold.wait()
 
     def inject(self, fault: dict[str, Any]) -> dict[str, Any]:
         """Make ``fault`` now (blocks for its duration); the record also goes to :attr:`fault_record`."""
@@ -439,6 +443,7 @@ class HostsServer:
         self.cancel_fault()
         exits = {}
         left = self.lab.close(raise_on_leftovers=False)
+        self._hold.set()
         for p in self.lab.procs:
             exits[p.name] = p.popen.returncode
         still = [i for i in known if alive(i)]  # the very process (pid and start time), not a zombie
