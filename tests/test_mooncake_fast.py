@@ -287,3 +287,29 @@ def test_adapter_views_through_the_fast_path_equal_0_30_0s(stage_host, mooncake)
     assert tx["binding_wire_bytes"] == tx["bytes"]  # what the put returned is what the binding counted
     assert_same(rx["handed"], up_rx["handed"], "handed")  # bit for bit, every request, every step
     assert rx["active_after_cleanup"] == 0
+
+
+def test_a_get_that_finds_nothing_names_the_key_it_waited_for(monkeypatch, caplog):
+    """As 0.30.0's connector, a get that finds nothing in its 20 tries is counted and logged with the key (the
+    one line that tells which chunk a stalled stage waits for, as seen in a link-down run across hosts)."""
+    import logging
+    import threading
+
+    from omni_accum.integrations.vllm_omni import mooncake_connector as mc
+
+    class _Empty:
+        def get(self, key):
+            return b""
+
+    conn = object.__new__(mc.MooncakeFastConnector)
+    conn.config, conn._closed, conn._rx_lock = {}, False, threading.Lock()
+    conn.close = lambda: None  # nothing was opened (vllm-omni's base class closes at garbage collection)
+    conn.inner = type("Inner", (), {"_metrics": {"timeouts": 0, "gets": 0}, "store": _Empty(),
+                                    "_make_key": staticmethod(lambda k, f, t: f"{k}@{f}_{t}")})()  # fmt: skip
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    with caplog.at_level(logging.WARNING):
+        assert conn.get("0", "1", "req-7_0_0") is None
+    assert conn.inner._metrics["timeouts"] == 1
+    assert [r.getMessage() for r in caplog.records if "timeout waiting" in r.getMessage()] == [
+        f"{NAME}: timeout waiting for req-7_0_0@0_1"
+    ]

@@ -447,6 +447,7 @@ class MooncakeFastConnector(OmniConnectorBase):
             if attempt < 19:
                 time.sleep(0.05)
         self.inner._metrics["timeouts"] += 1
+        logger.warning("%s: timeout waiting for %s", NAME, key)  # as 0.30.0's connector says it: the key waited for
         return None
 
     def _decode(self, key: str, raw: bytes) -> tuple[Any, int] | None:
