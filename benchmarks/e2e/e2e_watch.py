@@ -394,18 +394,25 @@ def fault_report(record: dict[str, Any], now_procs: list[dict[str, Any]], server
     )
     if bench is not None:
         out["client"] = client_errors(bench)
-    lines: list[str] = []
-    if log_path is not None and log_path.exists():
-        with open(log_path, "rb") as f:
-            f.seek(record.get("log_offset", 0))
-            for raw in f:
-                line = raw.decode(errors="replace").rstrip()
-                if EVENT_RE.search(line):
-                    lines.append(line[:300])
-                    if len(lines) >= 60:
-                        break
-    out["log_lines"] = lines
+    out["log_lines"] = event_lines(log_path, record.get("log_offset", 0), 60)
     return out
+
+
+def event_lines(log_path: Path | str | None, offset: int = 0, limit: int = 60) -> list[str]:
+    """The lines of ``log_path`` from byte ``offset`` on that name an error, a death, a restart, a time-out
+    (:data:`EVENT_RE`), at most ``limit``, each cut at 300 characters; [] when the file is missing."""
+    lines: list[str] = []
+    if log_path is None or not Path(log_path).exists():
+        return lines
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        for raw in f:
+            line = raw.decode(errors="replace").rstrip()
+            if EVENT_RE.search(line):
+                lines.append(line[:300])
+                if len(lines) >= limit:
+                    break
+    return lines
 
 
 def health_status(base: str, timeout: float = 10) -> int | None:

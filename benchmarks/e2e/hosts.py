@@ -56,7 +56,7 @@ from typing import Any
 
 import netns
 from e2e_procs import alive, http_json, proc_info
-from e2e_watch import EVENT_RE, client_errors
+from e2e_watch import client_errors, event_lines
 
 MOONCAKE_RPC_PORT = 50151
 MOONCAKE_HTTP_PORT = 8080
@@ -368,22 +368,8 @@ class HostsServer:
         out["running"] = {p.name: p.popen.poll() is None for p in self.lab.procs}
         if bench is not None:
             out["client"] = client_errors(bench)
-        lines: dict[str, list[str]] = {}
-        for p in self.lab.procs:
-            if not p.log or not Path(p.log).exists():
-                continue
-            got: list[str] = []
-            with open(p.log, "rb") as f:
-                f.seek(offsets.get(p.name, 0))
-                for raw in f:
-                    line = raw.decode(errors="replace").rstrip()
-                    if EVENT_RE.search(line):
-                        got.append(line[:300])
-                        if len(got) >= 20:
-                            break
-            if got:
-                lines[p.name] = got
-        out["log_lines"] = lines
+        got = {p.name: event_lines(p.log, offsets.get(p.name, 0), 20) for p in self.lab.procs}
+        out["log_lines"] = {name: lines for name, lines in got.items() if lines}
         return out
 
     def _deploy_for(self, host: netns.Host, mc: netns.Host) -> Path:
