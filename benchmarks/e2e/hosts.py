@@ -287,7 +287,8 @@ class HostsServer:
     def _wait_master(self, timeout: float) -> None:
         mc = self.lab.host("mooncake")
         metadata = f"http://{mc.addr}:{MOONCAKE_HTTP_PORT}/metadata"
-        self._wait(lambda: _metadata_answers(metadata) and _connects(mc.addr, MOONCAKE_RPC_PORT), timeout, "mooncake_master")
+        answers = lambda: _metadata_answers(metadata) and _connects(mc.addr, MOONCAKE_RPC_PORT)  # noqa: E731
+        self._wait(answers, timeout, "mooncake_master")
 
     # ------------------------------------------------------------------------------------------ faults
 
@@ -329,7 +330,8 @@ class HostsServer:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 old.popen.wait(timeout=10)
             rec["killed_pid"] = old.popen.pid
-            self.log(f"hosts: fault: SIGKILL mooncake_master (pid {old.popen.pid}); a fresh one in {fault['seconds']} s")
+            self.log(f"hosts: fault: SIGKILL mooncake_master (pid {old.popen.pid}); "
+                     f"a fresh one in {fault['seconds']} s")
             time.sleep(fault["seconds"])
             mc = self.lab.host("mooncake")
             n = sum(p.name.startswith("mooncake-master") for p in self.lab.procs) + 1

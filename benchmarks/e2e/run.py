@@ -435,7 +435,8 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
                         result["bench"].append(b)
                 if server and args.hosts_fault:
                     result["fault"] = server.fault_report(result["bench"])
-                    log(f"[{arm.name}] after the fault: {json.dumps({k: v for k, v in result['fault'].items() if k != 'log_lines'})}")
+                    said = {k: v for k, v in result["fault"].items() if k != "log_lines"}
+                    log(f"[{arm.name}] after the fault: {json.dumps(said)}")
                 if killer:
                     killer.cancel()
                     result["fault"] = fault_report(
