@@ -38,7 +38,7 @@ def vo16(vo):
     return vo
 
 
-def make_adapter(policy: str | None = None) -> Any:
+def make_adapter(policy: str | None = None, backend: str | None = None) -> Any:
     """A real 0.16.0 ``OmniChunkTransferAdapter`` (SharedMemoryConnector, AR stage 1), its loops stopped."""
     from vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter import (
         OmniChunkTransferAdapter,
@@ -50,7 +50,11 @@ def make_adapter(policy: str | None = None) -> Any:
         worker_type="ar",
         custom_process_next_stage_input_func=None,
     )
-    vllm_config = SimpleNamespace(model_config=model_config, scheduler_config=SimpleNamespace(max_num_seqs=4))
+    vllm_config = SimpleNamespace(
+        model_config=model_config,
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        parallel_config=SimpleNamespace(distributed_executor_backend=backend),
+    )
     a = OmniChunkTransferAdapter(vllm_config)
     a.stop_event.set()
     return a
@@ -201,7 +205,7 @@ def test_probe_refuses_a_changed_0160_build_naming_the_methods(vo16, monkeypatch
 def test_0160_is_chosen_with_its_table(vo16):
     assert families.select() is v016.FAMILY
     names = {t.name for t in v016.FAMILY.targets}
-    assert names == {"__init__", "_update_request_payload", "cleanup"}
+    assert names == {"__init__", "_update_request_payload", "cleanup", "postprocess_scheduler_output"}
     assert v016.FAMILY.data_plane is None and v016.FAMILY.span_merge == ()
 
 
@@ -239,3 +243,80 @@ def test_a_talker_s_metrics_reach_the_scrape_though_0160_never_releases_its_requ
         _step(fn, wrapped, "r", chunk)
     assert stream[-1]["finished"].item() and sample("omni_accum_chunks_total", key) == before + len(stream)
     assert "r" in binding_for(wrapped).receiver.request_ids()  # not released: 0.16.0 never asked
+
+
+def _scheduled(rid: str, new: bool, request: Any) -> Any:
+    """One step's output for one request, as 0.16.0's AR scheduler builds it (before the adapter's
+    ``postprocess_scheduler_output``): a new request carries its ``additional_information``."""
+    from vllm_omni.core.sched.output import OmniCachedRequestData, OmniNewRequestData
+
+    empty = dict(new_token_ids=[], all_token_ids={}, new_block_ids=[], num_computed_tokens=[], num_output_tokens=[])
+    if new:
+        nr = OmniNewRequestData(
+            req_id=rid, external_req_id=rid, prompt_token_ids=[0], mm_features=[], sampling_params=None,
+            pooling_params=None, block_ids=([0],), num_computed_tokens=0, lora_request=None, prompt_embeds=None,
+            additional_information=request.additional_information,
+        )  # fmt: skip
+        cached = OmniCachedRequestData(req_ids=[], resumed_req_ids=set(), prompt_token_ids={}, **empty)
+        return SimpleNamespace(scheduled_new_reqs=[nr], scheduled_cached_reqs=cached)
+    cached = OmniCachedRequestData(req_ids=[rid], resumed_req_ids=set(), prompt_token_ids={}, **empty)
+    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached)
+
+
+@pytest.mark.parametrize("policy", ["default", "qwen3-omni"])
+def test_the_runner_gets_0160_s_values_and_qwen3_omni_sends_it_only_new_rows(vo16, policy):
+    """The scheduler -> runner crossing (``runner_rows``) through the real adapter's
+    ``postprocess_scheduler_output``, vLLM's message queue pickling (protocol 5, out-of-band buffers) and 0.16.0's
+    own ``OmniGPUModelRunner._update_request_information``: the model's ``thinker_embeddings`` equal 0.16.0's at every
+    step under both policies; under ``qwen3-omni`` a decode step sends the new row, not the buffer (before the fix,
+    the prealloc view crossed with its spare capacity: twice 0.16.0's bytes per step); under ``default`` what
+    crosses is what 0.16.0 sends."""
+    from vllm_omni.worker.gpu_model_runner import OmniGPUModelRunner
+
+    from test_runner_rows import cross
+
+    vo16.install(policy)
+    up, wrapped = make_adapter(), make_adapter(policy, backend="mp")
+    own = original("_update_request_payload")
+    p = 4096  # [p, 8] bf16: 64 KiB, a decode row 16 bytes
+    request = SimpleNamespace(request_id="r", additional_information=None)
+    runner = SimpleNamespace(requests={"r": SimpleNamespace(additional_information_cpu=None)})
+    sent = []
+    for k, chunk in enumerate(qwen3_omni_stream(prompt=p, steps=30)):
+        expected, _ = _step(own, up, "r", chunk)
+        got, raised = _step(type(wrapped)._update_request_payload, wrapped, "r", chunk)
+        assert raised is None
+        request.additional_information = got
+        so = _scheduled("r", k == 0, request)
+        wrapped.postprocess_scheduler_output(so, {"r": request})
+        assert request.additional_information is got and first_difference(expected, got) is None, f"chunk {k}"
+        seen, nbytes = cross(so)
+        sent.append(nbytes)
+        state = runner.requests["r"]
+        if k == 0:
+            state.additional_information_cpu = seen.scheduled_new_reqs[0].additional_information
+        else:
+            OmniGPUModelRunner._update_request_information(runner, "r", seen.scheduled_cached_reqs.additional_information["r"])
+        model_sees = state.additional_information_cpu["thinker_embeddings"]
+        assert isinstance(model_sees, torch.Tensor)
+        assert first_difference(expected["thinker_embeddings"], model_sees) is None, f"step {k}"
+    stats = binding_for(wrapped).stats
+    if policy == "qwen3-omni":
+        assert stats["runner_delta"] >= 25, stats
+        assert max(sent[5:]) < 4096, sent  # a row and the pickle's frame, not [p + t, 8]
+    else:
+        assert stats.get("runner_full", 0) == stats.get("runner_delta", 0) == 0
+        assert min(sent[1:]) > p * H * 2  # the whole tensor, every step, as 0.16.0 sends it
+
+
+def test_a_uni_executor_s_runner_gets_the_scheduler_s_own_objects(vo16):
+    vo16.install("qwen3-omni")
+    wrapped = make_adapter("qwen3-omni", backend="uni")
+    request = SimpleNamespace(request_id="r", additional_information=None)
+    for k, chunk in enumerate(qwen3_omni_stream(prompt=64, steps=4)):
+        got, _ = _step(type(wrapped)._update_request_payload, wrapped, "r", chunk)
+        request.additional_information = got
+        so = _scheduled("r", k == 0, request)
+        wrapped.postprocess_scheduler_output(so, {"r": request})
+        shipped = so.scheduled_new_reqs[0].additional_information if k == 0 else so.scheduled_cached_reqs.additional_information["r"]
+        assert shipped is got

@@ -33,6 +33,7 @@ from typing import Any
 
 from omni_accum.integrations.vllm_omni import binding as hooks
 from omni_accum.integrations.vllm_omni import handoff, peer
+from omni_accum.integrations.vllm_omni.runner_rows import STATS as RUNNER_ROWS_STATS
 from omni_accum.manager import ENV_LOG_LEVEL, LOG_FORMAT, ensure_visible_logging  # noqa: F401 - re-exported
 
 ENV_STATUS_DIR = "OMNI_ACCUM_STATUS_DIR"
@@ -68,6 +69,10 @@ class BindingStatus:
     #: The peer hello: ``told stage N`` (receiving), ``heard stage N (pid, fingerprint)`` or ``waiting for
     #: stage N's hello`` (sending, a policy that can change the wire), ``-`` (neither).
     peer: str = "-"
+    #: vllm-omni 0.16 with a pickling executor: the accumulated tensors shipped to the model runner as their rows
+    #: (``runner_full``), as the rows the worker lacked (``runner_delta``), and the bytes that did not cross
+    #: (``runner_bytes_saved``); empty elsewhere.
+    runner_rows: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,7 @@ def status() -> Status:
                 omitted=b.stats["omitted"],
                 active_requests=sum(x.receiver.active_requests + x.sender.active_requests for x in b.each()),
                 peer=peer.describe(b),
+                runner_rows={k: b.stats[k] for k in RUNNER_ROWS_STATS if k in b.stats},
             )
         )
     policy = hooks.Settings.policy

@@ -8,6 +8,10 @@
   ``tts_bos_embed`` ..., ``finished``; no ``override_keys``). Wrapped by :mod:`..whole_payload`.
 * ``OmniChunkTransferAdapter.cleanup(self, request_id, external_req_id=None)`` frees a request's state
   (its ``request_payload`` entry, keyed by the external id): the Receiver is released there.
+* ``OmniChunkTransferAdapter.postprocess_scheduler_output(self, scheduler_output, requests=None)`` attaches
+  every running request's whole accumulated dict to the step's output, which the ``mp`` executor pickles to the
+  worker every step: the views omni-accum handed over cross as their rows only, and after the first time as the
+  rows the worker lacks (:mod:`..runner_rows`); the worker's runner is not wrapped.
 * no runner transport, no MRv2 data plane, no full-payload accumulator: the scheduler hands the
   accumulated dict to the runner as ``additional_information``.
 * the send side (``_send_single_request(self, task)``) is left alone: 0.16.0's Qwen3-Omni
@@ -18,20 +22,28 @@
 
 from __future__ import annotations
 
-from omni_accum.integrations.vllm_omni import whole_payload
+from omni_accum.integrations.vllm_omni import runner_rows, whole_payload
 from omni_accum.integrations.vllm_omni.families.base import Family, Target, wrap_probe
 
+#: The constructor: the probe, and whether the stage's executor pickles the scheduler output (:mod:`..runner_rows`).
+INIT = runner_rows.wrap_init(wrap_probe)
 ADAPTER = "vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter:OmniChunkTransferAdapter"
 
 FAMILY = Family(
     name="0.16",
     versions=("0.16.0",),
     targets=(
-        Target(ADAPTER, "__init__", "(self, vllm_config)", wrap_probe),
+        Target(ADAPTER, "__init__", "(self, vllm_config)", INIT),
         Target(ADAPTER, "_update_request_payload", "(self, req_id, payload_data)", whole_payload.wrap_update_payload),
         Target(ADAPTER, "cleanup", "(self, request_id, external_req_id=None)", whole_payload.wrap_cleanup),
+        Target(
+            ADAPTER,
+            "postprocess_scheduler_output",
+            "(self, scheduler_output, requests=None)",
+            runner_rows.wrap_postprocess,
+        ),
     ),
-    probes=(Target(ADAPTER, "__init__", "(self, vllm_config)", wrap_probe),),
+    probes=(Target(ADAPTER, "__init__", "(self, vllm_config)", INIT),),
     runner_accumulate=ADAPTER,
     runner_class=ADAPTER,
     span_merge=(),
