@@ -176,3 +176,67 @@ def test_only_pickling_executors_are_served():
     assert runner_rows.serializing(cfg("mp")) and runner_rows.serializing(cfg("ray"))
     assert not runner_rows.serializing(cfg("uni")) and not runner_rows.serializing(cfg(None))
     assert not runner_rows.serializing(SimpleNamespace())
+
+
+class GrowingRows:
+    """A request's key as omni-accum's receivers hand it over: a prefix of a buffer that grows by a factor
+    (a new storage when full), or, after a fallback, a fresh exact tensor (0.16.0's ``torch.cat``)."""
+
+    def __init__(self, rng, first: torch.Tensor):
+        self.rng, self.rows = rng, first.clone()
+        self.buf = None
+
+    def append(self, new: torch.Tensor) -> torch.Tensor:
+        self.rows = torch.cat([self.rows, new])
+        n = self.rows.shape[0]
+        if self.rng.random() < 0.1:  # a fallback: upstream's cat, exact storage
+            self.buf = None
+            return self.rows.clone()
+        if self.buf is None or self.buf.shape[0] < n:
+            self.buf = torch.empty(max(2 * n, 8), H, dtype=self.rows.dtype)
+            self.buf[:n].copy_(self.rows)
+        else:
+            self.buf[n - new.shape[0] : n].copy_(new)
+        return self.buf[:n]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_streams_reach_the_worker_as_the_cat_of_their_chunks(seed):
+    """Interleaved requests, buffers that grow, fallbacks to exact tensors, steps without the key, resumed
+    requests, requests that end: after every step each running request's tensor on the worker equals the
+    ``torch.cat`` of its chunks, bit for bit."""
+    import random
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    reqs: dict[str, tuple[SimpleNamespace, GrowingRows]] = {}
+    st, w, started = stats(), Worker(), 0
+    for _ in range(rng.randrange(10, 60)):
+        new_reqs, cached, resumed = [], {}, []
+        if not reqs or (started < 5 and rng.random() < 0.3):
+            rid = f"r{started}"
+            started += 1
+            rows = GrowingRows(rng, torch.randn(rng.randrange(1, 40), H, generator=g).bfloat16())
+            view = rows.rows if rng.random() < 0.5 else rows.append(torch.randn(1, H, generator=g).bfloat16())
+            reqs[rid] = (SimpleNamespace(), rows)
+            new_reqs.append((rid, {"e": view, "finished": torch.tensor(False)}))
+        for rid, (req, rows) in list(reqs.items()):
+            if any(r == rid for r, _ in new_reqs):
+                continue
+            if rng.random() < 0.1:  # the request ends: the worker drops its state
+                del reqs[rid]
+                w.info.pop(rid, None)
+                continue
+            info: dict = {"finished": torch.tensor(False)}
+            if rng.random() < 0.8:
+                info["e"] = rows.append(torch.randn(rng.randrange(0, 3), H, generator=g).bfloat16())
+            cached[rid] = info
+            if rng.random() < 0.05:
+                resumed.append(rid)
+        so = output(new=new_reqs, cached=cached, resumed=resumed)
+        runner_rows.ship_rows(st, so, {rid: req for rid, (req, _) in reqs.items()})
+        w.step(cross(so)[0])
+        for rid, (_, rows) in reqs.items():
+            got = w.info[rid]["e"]
+            assert torch.equal(got.view(torch.int16), rows.rows.view(torch.int16)), f"{rid}: {got.shape} vs {rows.rows.shape}"
+    gc.collect()
