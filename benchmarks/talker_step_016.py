@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import statistics
 import sys
 import time
@@ -62,18 +61,9 @@ def adapter(policy: str | None) -> Any:
 
 def cross(obj: Any) -> Any:
     """vLLM 0.16.0's ``MessageQueue.enqueue`` / ``dequeue`` in one process (the bytes copied once into the queue)."""
-    buffers: list[Any] = []
+    from omni_accum.integrations.vllm_omni.runner_rows import through_message_queue
 
-    def cb(buf: pickle.PickleBuffer) -> bool:
-        raw = buf.raw()
-        if len(raw) < 1024 * 1024:
-            return True
-        buffers.append(raw)
-        return False
-
-    main = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=cb)
-    queue = [bytearray(main), *(bytearray(b) for b in buffers)]
-    return pickle.loads(queue[0], buffers=queue[1:])
+    return through_message_queue(obj, reuse=False)[0]
 
 
 def scheduled(new: bool, request: Any) -> Any:

@@ -273,7 +273,7 @@ def test_the_runner_gets_0160_s_values_and_qwen3_omni_sends_it_only_new_rows(vo1
     crosses is what 0.16.0 sends."""
     from vllm_omni.worker.gpu_model_runner import OmniGPUModelRunner
 
-    from test_runner_rows import cross
+    from omni_accum.integrations.vllm_omni.runner_rows import through_message_queue
 
     vo16.install(policy)
     up, wrapped = make_adapter(), make_adapter(policy, backend="mp")
@@ -290,7 +290,7 @@ def test_the_runner_gets_0160_s_values_and_qwen3_omni_sends_it_only_new_rows(vo1
         so = _scheduled("r", k == 0, request)
         wrapped.postprocess_scheduler_output(so, {"r": request})
         assert request.additional_information is got and first_difference(expected, got) is None, f"chunk {k}"
-        seen, nbytes = cross(so)
+        seen, nbytes = through_message_queue(so)
         sent.append(nbytes)
         state = runner.requests["r"]
         if k == 0:

@@ -11,7 +11,6 @@ the dicts (``info_dict = new``; ``info_dict.update(cached)``). The real 0.16.0 a
 from __future__ import annotations
 
 import gc
-import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -23,23 +22,8 @@ H = 16
 
 
 def cross(obj):
-    """vLLM's message queue: protocol 5, out-of-band buffers >= 1 MiB, the ring overwritten after the load.
-    Returns the object the worker sees and the bytes that crossed."""
-    oob: list[memoryview] = []
-
-    def cb(buf: pickle.PickleBuffer) -> bool:
-        raw = buf.raw()
-        if len(raw) < 1024 * 1024:
-            return True
-        oob.append(raw)
-        return False
-
-    main = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=cb)
-    ring = [bytearray(bytes(b)) for b in oob]
-    out = pickle.loads(main, buffers=ring)
-    for r in ring:  # the next message reuses the ring
-        r[:] = b"\xff" * len(r)
-    return out, len(main) + sum(len(b) for b in oob)
+    """vLLM's message queue (``runner_rows.through_message_queue``): what the worker sees and the bytes that crossed."""
+    return runner_rows.through_message_queue(obj)
 
 
 def prealloc_views(p: int, steps: int, cap: int):
