@@ -128,7 +128,7 @@ def test_records_say_what_went_through_and_values_only_when_asked(tmp_path):
 
 def test_a_process_keeps_at_most_max_bytes_over_its_newest_files(tmp_path):
     w = CaptureWriter(tmp_path, "1", max_bytes=8192, keep=2, buffer_bytes=1024)
-    line = b'{"v":1}' + b" " * 90 + b"\n"
+    line = '{"v":1}' + " " * 90 + "\n"
     for _ in range(1000):
         w.write(line)
     w.close()
@@ -137,14 +137,14 @@ def test_a_process_keeps_at_most_max_bytes_over_its_newest_files(tmp_path):
     assert w._n > 5  # it rotated, removing the oldest each time
     assert all(f.stat().st_size <= 4096 for f in files)
     assert sum(f.stat().st_size for f in files) <= 8192
-    assert all(f.read_bytes().endswith(b"\n") and f.read_bytes().count(b"\n") * len(line) == f.stat().st_size
+    assert all(f.read_bytes().endswith(b"\n") and f.read_bytes().count(b"\n") * len(line.encode()) == f.stat().st_size
                for f in files)  # whole lines only, never one cut at a bound
 
 
 def test_the_folder_is_private_the_files_too_and_a_symlink_is_refused(tmp_path):
     folder = tmp_path / "new" / "cap"
     w = CaptureWriter(folder, "0")
-    w.write(b"{}\n")
+    w.write("{}\n")
     w.close()
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert stat.S_IMODE(w.path.stat().st_mode) == 0o600

@@ -2,13 +2,15 @@
 
 A record (one JSON line, schema version 1)::
 
-    {"v": 1, "t": 1234.567890, "req": "3f2a9c01b7e4", "pair": "0->1", "role": "send", "seq": 0,
-     "dt": 0.0, "keys": [["embed.prefill", "append", "bfloat16", [8001, 2048], 32772096, "cat"], ...],
+    {"v": 1, "t": 1234567890e-6, "req": "3f2a9c01b7e4", "pair": "0->1", "role": "send", "seq": 0,
+     "dt": 0e-6, "keys": [["embed.prefill", "append", "bfloat16", [8001, 2048], 32772096, "cat"], ...],
      "handoff_s": null, "arm": null, "ctx": 8000}
 
-``t``: the process's ``time.monotonic()`` (stages on one host share the clock); ``req``: a salted hash of
+``t``: the process's ``time.monotonic()`` in seconds (stages on one host share the clock), written as whole
+microseconds with an exponent (``1234567890e-6`` is 1234.56789 s: a plain JSON number, no float formatting
+on the hot path); ``req``: a salted hash of
 the request id (the capture's salt, so both stages of a request agree); ``seq``: the chunk's index in the
-request for this role; ``dt``: seconds since the request's previous chunk in this role; ``keys``: per key
+request for this role; ``dt``: seconds since the request's previous chunk in this role (0 for its first; written as ``t`` is); ``keys``: per key
 ``[path, kind (append|replace), dtype, shape, bytes, strategy]`` (dtype: a tensor's torch dtype; else
 ``pybool``, ``int``, ``float``, ``none``, ``str``, ``bytes``, ``ids`` (a list of numbers), ``names`` (a
 list of key names) or ``list``, with the length as shape), and a seventh element, a mapping, only
@@ -119,14 +121,6 @@ def _signature(v: Any) -> Any:
     return v if v is None or isinstance(v, (bool, int, float)) else None
 
 
-def _seconds(us: int) -> str:
-    """Whole microseconds as seconds (``1500823244`` -> ``1500.823244``), without float formatting."""
-    if us >= 1_000_000:
-        s = str(us)
-        return f"{s[:-6]}.{s[-6:]}"
-    return f"0.{us:06d}"
-
-
 class ChunkRecorder:
     """Records of one role (``send`` or ``recv``) of one stage pair into a :class:`CaptureWriter`.
 
@@ -154,11 +148,11 @@ class ChunkRecorder:
         self.sample = values == "sample"
         self._salt = writer.salt
         self._keys: dict[tuple[Any, ...], str] = {}
-        # req id -> [hash, next seq, last t, line head, sampled keys, ctx, line end without handoff_s / arm]
+        # req id -> [hash, next seq, last t (us), line head, sampled keys, ctx, line end without handoff_s / arm]
         self._reqs: dict[Any, list[Any]] = {}
         self._head = f',"pair":{_dumps(pair)},"role":{_dumps(role)},"seq":'
 
-    def _request(self, req_id: Any, source: Any, name: Any) -> list[Any]:
+    def _request(self, req_id: Any, source: Any, name: Any, now: int) -> list[Any]:
         reqs = self._reqs
         if len(reqs) >= MAX_REQUESTS:
             for k in list(reqs)[: MAX_REQUESTS // 4]:
@@ -172,7 +166,7 @@ class ChunkRecorder:
                 ctx = None
         tail = "null" if ctx is None else str(int(ctx))
         state = reqs[req_id] = [
-            h, 0, None, f'"req":"{h}"' + self._head, set() if self.sample else None, tail,
+            h, 0, now, f'"req":"{h}"' + self._head, set() if self.sample else None, tail,
             f'],"handoff_s":null,"arm":null,"ctx":{tail}}}\n',  # the line's end when neither is known (most chunks)
         ]
         return state
@@ -199,34 +193,32 @@ class ChunkRecorder:
         ``req_id`` (a receiving stage follows its own id and records the sender's, so both sides agree)."""
         state = self._reqs.get(req_id)
         if state is None:
-            state = self._request(req_id, source, name)
+            state = self._request(req_id, source, name, now)
         cache = self._keys
         sampled = state[4]
-        parts = []
+        parts: list[str] = []
+        add = parts.append
         for top, value in chunk.items():
-            if top in skip:
-                continue
-            sub = cache.get(top)
-            if sub is None:
-                sub = cache[top] = {}
-            for qual, v in value.items() if value.__class__ is dict else ((None, value),):
-                c = sub.get(qual)
-                if v.__class__ is _Tensor:  # the hot case: the part of the key's last value, when it still fits
-                    fits = c is not None and c[0] is v.dtype and c[1] == v.shape
-                    text = c[2] if fits else self._part(sub, top, qual, v)
-                    if sampled is not None and (top, qual) not in sampled:
-                        sampled.add((top, qual))
-                        text = self._with_sample(text, v)
-                elif c is not None and c[0] is v.__class__ and c[1] == _signature(v):
-                    text = c[2]
-                else:
-                    text = self._part(sub, top, qual, v)
-                    if sampled is not None and isinstance(v, _Tensor) and (top, qual) not in sampled:  # a subclass
-                        sampled.add((top, qual))
-                        text = self._with_sample(text, v)
-                parts.append(text)
+            sub = cache.get(top)  # a skipped top never has one
+            if sub is not None and value.__class__ is dict and sampled is None:
+                for qual, v in value.items():
+                    c = sub.get(qual)
+                    if (
+                        c is not None
+                        and v.__class__ is _Tensor
+                        and c[0] is v.dtype
+                        and (not v.ndim if c[1] is None else c[1] == v.shape)  # None: 0-d (a flag), checked cheaper
+                    ):
+                        add(c[2])  # the hot case: the part of the key's last value, when it still fits
+                    else:
+                        add(self._text(sub, top, qual, v, None))
+            elif top not in skip:
+                if sub is None:
+                    sub = cache[top] = {}
+                for qual, v in value.items() if value.__class__ is dict else ((None, value),):
+                    add(self._text(sub, top, qual, v, sampled))
         seq = state[1]
-        last = state[2]
+        dt = now - state[2]
         state[1] = seq + 1
         state[2] = now
         if handoff_s is None and arm is None:
@@ -236,24 +228,39 @@ class ChunkRecorder:
                 f'],"handoff_s":{"null" if handoff_s is None else f"{handoff_s:.6f}"},'
                 f'"arm":{"null" if arm is None else _dumps(arm)},"ctx":{state[5]}}}\n'
             )
-        if last is not None and 0 <= now - last < 1_000_000 <= now:  # the hot case, in one string: _seconds inlined
-            t = str(now)
-            line = (
-                f'{{"v":1,"t":{t[:-6]}.{t[-6:]},{state[3]}{seq},"dt":0.{str(1_000_000 + now - last)[1:]},'
-                f'"keys":[{",".join(parts)}{tail}'
-            )
-        else:
-            line = (
-                f'{{"v":1,"t":{_seconds(now)},{state[3]}{seq},"dt":{"0.0" if last is None else _seconds(now - last)},'
-                f'"keys":[{",".join(parts)}{tail}'
-            )
-        self.writer.write(line.encode())
+        # t and dt as whole microseconds with an exponent: JSON numbers any reader parses as the seconds
+        # (1500823244e-6 is 1500.823244), written without float formatting
+        self.writer.write(
+            f'{{"v":1,"t":{now}e-6,{state[3]}{seq},"dt":{dt if dt > 0 else 0}e-6,"keys":[{",".join(parts)}{tail}',
+            now,
+        )
+
+    def _text(self, sub: dict[Any, list[Any]], top: Any, qual: Any, v: Any, sampled: set[Any] | None) -> str:
+        """The part of one key (from the cache when the value still fits it), with a sample when asked for."""
+        c = sub.get(qual)
+        if isinstance(v, _Tensor):
+            if (
+                v.__class__ is _Tensor
+                and c is not None
+                and c[0] is v.dtype
+                and (not v.ndim if c[1] is None else c[1] == v.shape)
+            ):
+                text = c[2]
+            else:
+                text = self._part(sub, top, qual, v)
+            if sampled is not None and (top, qual) not in sampled:
+                sampled.add((top, qual))
+                text = self._with_sample(text, v)
+            return text
+        if c is not None and c[0] is v.__class__ and c[1] == _signature(v):
+            return c[2]
+        return self._part(sub, top, qual, v)
 
     def _part(self, sub: dict[Any, list[Any]], top: Any, qual: Any, v: Any) -> str:
         path = str(top) if qual is None else f"{top}.{qual}"
         text = describe(path, v, self.kind_of)
         if isinstance(v, _Tensor):
-            sub[qual] = [v.dtype, v.shape, text]
+            sub[qual] = [v.dtype, v.shape if v.ndim else None, text]
         else:
             sig = _signature(v)
             sub[qual] = None if sig is _NEVER else [v.__class__, sig, text]

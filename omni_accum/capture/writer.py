@@ -1,7 +1,7 @@
 """Where a capture goes: one JSON-lines file per process, bounded, crash-safe, private.
 
 A :class:`CaptureWriter` appends complete lines to ``DIR/capture-<stage>-<pid>.<n>.jsonl`` with
-``os.write`` on an ``O_APPEND`` descriptor, whole lines only: lines wait in a small buffer (at most
+``os.write`` on an ``O_APPEND`` descriptor, whole lines only: lines (ASCII text) wait in a small buffer (at most
 ``buffer_bytes``, default 16 KiB, and :data:`FLUSH_AFTER_S` seconds: a system call per record would
 cost about half of a record's budget) and go out in one write, and :meth:`CaptureWriter.flush` runs
 when a request is released and at exit. A process killed at any point (``kill -9``) leaves every file
@@ -40,7 +40,8 @@ FLUSH_AFTER_S = 1.0
 SALT_FILE = "salt"
 FILE_PREFIX = "capture-"
 FILE_SUFFIX = ".jsonl"
-_monotonic = time.monotonic
+_FLUSH_AFTER_US = int(FLUSH_AFTER_S * 1_000_000)
+_monotonic_ns = time.monotonic_ns
 _OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -141,7 +142,7 @@ class CaptureWriter:
         self.buffer_bytes = max(0, int(buffer_bytes))
         self._buf: list[bytes] = []
         self._buffered = 0
-        self._since = 0.0
+        self._since = 0  # us: when the oldest buffered line came
         self._lock = threading.Lock()
         self._n = 0
         self._fd = -1
@@ -176,40 +177,42 @@ class CaptureWriter:
             except OSError:
                 pass
 
-    def write(self, line: bytes) -> None:
-        """Append ``line`` (one complete record ending in a newline); it reaches the file at the latest when
-        :data:`FLUSH_AFTER_S` seconds have passed by the next record, or at :meth:`flush`."""
-        if self.closed:
-            self.dropped += 1
-            return
-        if not self.buffer_bytes:
-            with self._lock:
-                self._emit(line, 1)
-            return
+    def write(self, line: str, now_us: int | None = None) -> None:
+        """Append ``line`` (one complete record, ASCII text ending in a newline; it is encoded with the others
+        when they go out). It reaches the file at the latest when :data:`FLUSH_AFTER_S` seconds have passed by
+        the next record (``now_us``: that record's ``time.monotonic_ns() // 1000``, read here when not given),
+        or at :meth:`flush`. After :meth:`close` or a failed write, lines are dropped at the next flush
+        (counted in ``dropped``)."""
         buf = self._buf
         buf.append(line)
-        self._buffered += len(line)
-        if len(buf) == 1:
-            self._since = _monotonic()
-        elif self._buffered >= self.buffer_bytes or _monotonic() - self._since > FLUSH_AFTER_S:
+        size = self._buffered = self._buffered + len(line)
+        if size >= self.buffer_bytes:  # also every line when buffer_bytes is 0
+            self.flush()
+        elif len(buf) == 1:
+            self._since = _monotonic_ns() // 1000 if now_us is None else now_us
+        elif (_monotonic_ns() // 1000 if now_us is None else now_us) - self._since > _FLUSH_AFTER_US:
             self.flush()
 
     def flush(self) -> None:
         """Write the buffered lines (whole lines, one ``os.write`` per file they go to)."""
         with self._lock:
             buf = self._buf
-            if not buf or self.closed:
+            if not buf:
                 return
             lines = buf[:]
             del buf[: len(lines)]
             self._buffered = sum(map(len, buf)) if buf else 0  # lines another thread added meanwhile
-            data = b"".join(lines)
+            if self.closed:
+                self.dropped += len(lines)
+                return
+            data = "".join(lines).encode()
             if self._size + len(data) <= self.file_bytes:  # the usual case: all of it fits in the file
                 self._emit(data, len(lines))
                 return
             out: list[bytes] = []
             size = 0
-            for line in lines:  # a file's last write never crosses its size bound
+            for text in lines:  # a file's last write never crosses its size bound
+                line = text.encode()
                 if out and self._size + size + len(line) > self.file_bytes:
                     self._emit(b"".join(out), len(out))
                     out, size = [], 0
