@@ -215,3 +215,33 @@ def test_bad_capture_settings_are_named(monkeypatch):
         capture.settings({"omni_accum_capture": "/tmp/x"})
     with pytest.raises(SettingError, match="omni_accum_capture=5"):
         capture.settings({"omni_accum_capture": 5})
+
+
+def test_times_are_written_as_microseconds_and_read_as_seconds_and_older_files_read_the_same(tmp_path):
+    w = CaptureWriter(tmp_path, "0", buffer_bytes=0)
+    rec = ChunkRecorder(w, "send", "0->1", lambda path, value: ("append", "cat"))
+    rec.record("r", {"embed": {"x": torch.zeros(1, 2)}}, 1_500_823_244)
+    rec.record("r", {"embed": {"x": torch.zeros(1, 2)}}, 1_500_823_300)
+    w.close()
+    text = w.path.read_text()
+    assert '"t":1500823244e-6' in text and '"dt":56e-6' in text  # no float formatting on the hot path
+    first, second = read_capture(tmp_path).records
+    assert first["t"] == 1500.823244 and first["dt"] == 0 and second["dt"] == 56e-6
+    # a line as the recorder wrote it before (decimal seconds) reads as the same record
+    older = text.splitlines()[0].replace("1500823244e-6", "1500.823244").replace('"dt":0e-6', '"dt":0.0')
+    w.path.write_text(older + "\n")
+    assert read_capture(tmp_path).records == [first]
+
+
+def test_a_key_whose_shape_or_dtype_changes_is_described_again(tmp_path):
+    w = CaptureWriter(tmp_path, "0", buffer_bytes=0)
+    rec = ChunkRecorder(w, "send", "0->1", _kind)
+    values = [torch.tensor(True), torch.tensor(False), torch.zeros(2, dtype=torch.bool), torch.tensor(1.5),
+              torch.zeros(0), torch.tensor(True), torch.zeros(1, 3, dtype=torch.bfloat16),
+              torch.zeros(2, 3, dtype=torch.bfloat16), "text", torch.tensor(False)]
+    for i, v in enumerate(values):
+        rec.record("r", {"meta": {"flag": v}}, 1_000_000 + i)
+    w.close()
+    got = [r["keys"][0][2:4] for r in read_capture(tmp_path).records]
+    assert got == [["bool", []], ["bool", []], ["bool", [2]], ["float32", []], ["float32", [0]], ["bool", []],
+                   ["bfloat16", [1, 3]], ["bfloat16", [2, 3]], ["str", [4]], ["bool", []]]
