@@ -87,6 +87,17 @@ def test_the_sampler_records_each_server_process_rss_and_the_folders_bytes(tree,
     assert "shm:psm" not in e2e_watch.series(s.rows)
     s.sample()
     assert e2e_watch.series(s.rows)["shm:psm"][0][1] == g["psm"]
+    # a fixed-size ring (vLLM's message queues are such files): its size is the most it can take
+    with open(tmp_path / "psm_ring", "wb") as f:
+        f.truncate(8 << 20)
+        f.write(b"\4" * (256 << 10))  # the pages written so far
+    used, size = e2e_watch.shm_groups(tmp_path), e2e_watch.shm_groups(tmp_path, apparent=True)
+    assert (768 << 10) <= used["psm"] < (2 << 20) and size["psm"] == (8 << 20) + (512 << 10)
+    for _ in range(3):
+        s.sample()
+    flat = e2e_watch.flatness(s.rows)
+    assert flat["shm:psm"]["size"] == size["psm"] and flat["shm:psm"]["fill"] == round(used["psm"] / size["psm"], 3)
+    assert "size" not in flat["shm:omni"] or flat["shm:omni"]["fill"] <= 1
 
 
 def test_the_sampler_thread_writes_csv_json_and_says_when_it_cannot_plot(tree, tmp_path, monkeypatch):

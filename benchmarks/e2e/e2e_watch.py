@@ -61,9 +61,10 @@ def rss_bytes(pid: int) -> int | None:
     return int(m.group(1)) * 1024 if m else None
 
 
-def dir_bytes(path: Path) -> int:
+def dir_bytes(path: Path, apparent: bool = False) -> int:
     """Bytes the files in ``path`` take on their file system (allocated blocks: sparse arena regions count what
-    was touched, not their size); 0 when ``path`` does not exist. Symlinks are not followed."""
+    was touched, not their size); with ``apparent``, their sizes instead (what they can take at most once every
+    page is touched). 0 when ``path`` does not exist. Symlinks are not followed."""
     total = 0
     try:
         entries = list(os.scandir(path))
@@ -72,9 +73,10 @@ def dir_bytes(path: Path) -> int:
     for e in entries:
         with contextlib.suppress(OSError):
             st = e.stat(follow_symlinks=False)
-            total += st.st_blocks * 512
             if e.is_dir(follow_symlinks=False):
-                total += dir_bytes(Path(e.path))
+                total += (0 if apparent else st.st_blocks * 512) + dir_bytes(Path(e.path), apparent)
+            else:
+                total += st.st_size if apparent else st.st_blocks * 512
     return total
 
 
@@ -90,10 +92,11 @@ def fs_used_bytes(path: Path) -> int | None:
 _GROUP_RE = re.compile(r"[A-Za-z]+")
 
 
-def shm_groups(path: Path) -> dict[str, int]:
+def shm_groups(path: Path, apparent: bool = False) -> dict[str, int]:
     """Bytes the top-level entries of ``path`` take (allocated blocks, folders whole), grouped by the leading
     letters of their names (``psm_1a2b`` -> ``psm``, ``omni-accum-0`` -> ``omni``, ``chatcmpl-...`` ->
-    ``chatcmpl``): which component's files grow when ``/dev/shm`` does."""
+    ``chatcmpl``): which component's files grow when ``/dev/shm`` does. With ``apparent``, the entries' sizes
+    (the most they can take: a fixed-size ring whose pages are touched as it wraps grows up to it, no further)."""
     out: dict[str, int] = {}
     try:
         entries = list(os.scandir(path))
@@ -104,7 +107,10 @@ def shm_groups(path: Path) -> dict[str, int]:
         group = m.group(0) if m else "other"
         with contextlib.suppress(OSError):
             st = e.stat(follow_symlinks=False)
-            n = st.st_blocks * 512 + (dir_bytes(Path(e.path)) if e.is_dir(follow_symlinks=False) else 0)
+            if e.is_dir(follow_symlinks=False):
+                n = (0 if apparent else st.st_blocks * 512) + dir_bytes(Path(e.path), apparent)
+            else:
+                n = st.st_size if apparent else st.st_blocks * 512
             out[group] = out.get(group, 0) + n
     return out
 
@@ -113,7 +119,8 @@ class Sampler:
     """Samples the processes ``processes()`` returns (default: the server under ``root``) every ``every_s``
     seconds on a thread, from :meth:`start` to :meth:`stop`. Rows (``t_s`` from the start):
     ``kind=rss`` one per process (pid, role, bytes), ``kind=private_dir`` and ``kind=dev_shm`` one each, and
-    ``kind=shm_group`` one per group of ``/dev/shm`` entries (role: the group, :func:`shm_groups`).
+    ``kind=shm_group`` one per group of ``/dev/shm`` entries (role: the group, :func:`shm_groups`), and
+    ``kind=shm_size`` the same groups' sizes (the most their files can take).
     :meth:`mark` records an event (a kill, a benchmark's start) on the same clock."""
 
     FIELDS = ("t_s", "kind", "pid", "role", "bytes")
@@ -178,6 +185,8 @@ class Sampler:
             rows.append({"t_s": t, "kind": "dev_shm", "pid": "", "role": "", "bytes": used})
         for group, n in sorted(shm_groups(self.shm).items()):
             rows.append({"t_s": t, "kind": "shm_group", "pid": "", "role": group, "bytes": n})
+        for group, n in sorted(shm_groups(self.shm, apparent=True).items()):
+            rows.append({"t_s": t, "kind": "shm_size", "pid": "", "role": group, "bytes": n})
         with self._lock:
             self.rows.extend(rows)
 
@@ -234,7 +243,12 @@ def series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[float, int]]]:
     out: dict[str, list[tuple[float, int]]] = {}
     for r in rows:
         kind = r["kind"]
-        name = f"{r['role']} {r['pid']}" if kind == "rss" else (f"shm:{r['role']}" if kind == "shm_group" else kind)
+        if kind == "rss":
+            name = f"{r['role']} {r['pid']}"
+        elif kind in ("shm_group", "shm_size"):
+            name = f"{'shm' if kind == 'shm_group' else 'size'}:{r['role']}"
+        else:
+            name = kind
         out.setdefault(name, []).append((float(r["t_s"]), int(r["bytes"])))
     return out
 
@@ -262,6 +276,11 @@ def flatness(rows: list[dict[str, Any]], warmup_s: float = 0.0) -> dict[str, dic
         else:
             entry["flat"] = None
         out[name] = entry
+    for name, entry in out.items():  # a /dev/shm group beside the most its files can take
+        size = out.get("size:" + name[4:]) if name.startswith("shm:") else None
+        if size is not None and size.get("last") and "last" in entry:
+            entry["size"] = size["last"]
+            entry["fill"] = round(entry["last"] / size["last"], 3)
     return out
 
 
@@ -283,6 +302,8 @@ def plot(
     for col, arm in enumerate(arms):
         top, bottom = axes[0][col], axes[1][col]
         for name, pts in sorted(series(rows_by_arm[arm]).items()):
+            if name.startswith("size:"):
+                continue  # the groups' sizes are in memory.json ("fill"), not drawn
             ax = bottom if name in ("private_dir", "dev_shm") or name.startswith("shm:") else top
             label = {"private_dir": "omni-accum private dir", "dev_shm": "/dev/shm in use"}.get(name, name)
             ax.plot([t for t, _ in pts], [v / 2**20 for _, v in pts], label=label, lw=1,
