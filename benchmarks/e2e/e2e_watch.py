@@ -280,7 +280,8 @@ def flatness(rows: list[dict[str, Any]], warmup_s: float = 0.0) -> dict[str, dic
         size = out.get("size:" + name[4:]) if name.startswith("shm:") else None
         if size is not None and size.get("last") and "last" in entry:
             entry["size"] = size["last"]
-            entry["fill"] = round(entry["last"] / size["last"], 3)
+            if entry["last"] <= size["last"]:  # sparse files (small ones round up to whole blocks: no fill)
+                entry["fill"] = round(entry["last"] / size["last"], 3)
     return out
 
 
