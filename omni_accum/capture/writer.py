@@ -188,9 +188,11 @@ class CaptureWriter:
         size = self._buffered = self._buffered + len(line)
         if size >= self.buffer_bytes:  # also every line when buffer_bytes is 0
             self.flush()
-        elif len(buf) == 1:
-            self._since = _monotonic_ns() // 1000 if now_us is None else now_us
-        elif (_monotonic_ns() // 1000 if now_us is None else now_us) - self._since > _FLUSH_AFTER_US:
+            return
+        now = _monotonic_ns() // 1000 if now_us is None else now_us
+        if len(buf) == 1:
+            self._since = now
+        elif now - self._since > _FLUSH_AFTER_US:
             self.flush()
 
     def flush(self) -> None:
