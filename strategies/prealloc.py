@@ -142,6 +142,17 @@ class PreallocAccumulator(AppendAccumulator):
         self._rows = need
         self._view = None
 
+    def own(self) -> int:
+        """Copy a first chunk held by reference into the buffer now (sized from the key's length hint, as an
+        append would size it), so that the next append copies only its own rows. Returns the bytes copied
+        (0: nothing held by reference, or a chunk over the arena). Same rows, same view, bit for bit."""
+        first = self._first
+        if self._buf is not None or first is None or not first.dim() or not first.shape[0] or self._chain is not None:
+            return 0
+        self.start_tensor(first[:0])
+        self.append_tensor(first)
+        return value_nbytes(first)
+
     def read_tensor(self) -> torch.Tensor:
         view = self._view
         if view is None:

@@ -146,7 +146,7 @@ def test_two_requests_interleaved(vo, adapters, upstream):
 
 def test_cost_per_chunk_does_not_grow_with_the_rows_held(vo, adapters):
     """prealloc: each chunk's rows are copied once into one buffer of the prompt's rows + 1 (allocated at the
-    first append, never moved); the bytes copied per chunk are the chunk's own, whatever is held. Under
+    first chunk, never moved); the bytes copied per chunk are the chunk's own, whatever is held. Under
     ``default`` (0.30.0's torch.cat) the metric counts what each cat copies: everything held, again."""
     from omni_accum.integrations.vllm_omni.processor import _Held
 
@@ -166,13 +166,11 @@ def test_cost_per_chunk_does_not_grow_with_the_rows_held(vo, adapters):
             copied.append(held.copied)
             acc = held.accs[0][1]
             ptrs.append(acc.current_tensor_meta().data_ptr())
-            if i:
-                assert acc.capacity == sum(sizes) + 1
+            assert acc.capacity == sum(sizes) + 1
     per_chunk = [b - a for a, b in zip(copied, copied[1:])]
-    assert copied[0] == 0  # the first chunk is held by reference
-    assert per_chunk[0] == 2 * 2 * 256 * ROW  # both keys: chunk 0 moved into the buffer, then chunk 1
-    assert per_chunk[1:] == [2 * 256 * ROW] * (len(sizes) - 2)  # constant: only the chunk's own rows
-    assert len(set(ptrs[1:])) == 1  # one buffer from the first append on: nothing moved again
+    assert copied[0] == 2 * 256 * ROW  # the first chunk goes into the buffer as it comes (both keys)
+    assert per_chunk == [2 * 256 * ROW] * (len(sizes) - 1)  # constant: only the chunk's own rows
+    assert len(set(ptrs)) == 1  # one buffer from the first chunk on: nothing moved again
     total = 2 * (sum(sizes) + 1) * ROW  # linear: every row of both keys copied once
     assert _prom("omni_accum_processor_bytes_copied_total", {"strategy": "prealloc"}) - before == total
     assert p.embed.prefill.untyped_storage().nbytes() == p.embed.prefill.nbytes  # no spare rows
@@ -184,6 +182,31 @@ def test_cost_per_chunk_does_not_grow_with_the_rows_held(vo, adapters):
     _drive(ref, "cost-ref", sizes, steps)
     held_rows = [sum(sizes[: k + 1]) for k in range(1, len(sizes))] + [sum(sizes) + 1]
     assert _prom("omni_accum_processor_bytes_copied_total", {"strategy": "cat"}) - before == 2 * ROW * sum(held_rows)
+
+
+def test_whole_prompt_is_copied_before_the_first_decode_step(vo, adapters, upstream):
+    """Without chunked prefill the release holds the whole prompt's rows until the thinker's first decode
+    step: under prealloc they are copied into the buffer when they come, so the call at that step (the
+    hand-over, on the way to the talker) copies one row per key, and hands over that buffer's rows."""
+    from omni_accum.integrations.vllm_omni.processor import _Held
+
+    vo.install()
+    tx = adapters(0, next_func=T2T, extra=QWEN)
+    sizes = [700]
+    steps = _steps(sizes, seed=11)
+    want = _drive(upstream, "whole-up", sizes, steps)
+    assert tx.custom_process_next_stage_input_func(tx, steps[0], _request_at("whole", sizes, 0), False) is None
+    held = tx.request_payload["whole"]
+    assert isinstance(held, _Held)
+    assert held.copied == 2 * 700 * ROW  # both keys' rows, copied now
+    buf = held.accs[0][1].current_tensor_meta()
+    assert buf.untyped_storage().data_ptr() != steps[0]["hidden_states"]["layers"][0].untyped_storage().data_ptr()
+    p = tx.custom_process_next_stage_input_func(tx, steps[1], _request_at("whole", sizes, 1), False)
+    assert held.copied == 2 * 701 * ROW  # the decode step added one row per key
+    assert p.embed.prefill.data_ptr() == buf.data_ptr()  # the buffer's rows, no final copy
+    from vllm_omni.data_entry_keys import to_dict
+
+    assert_same([None, to_dict(p)], want[:2])
 
 
 def test_default_is_the_releases_own_code(vo, adapters, upstream, monkeypatch):

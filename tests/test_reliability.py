@@ -784,3 +784,32 @@ def test_prealloc_with_kept_buffers_holds_the_bound_and_equals_cat(growth, reque
             assert prealloc.kept_bytes() <= 4096
     finally:
         prealloc.drop_kept()
+
+
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=6),
+    hint=st.none() | st.integers(0, 200),
+    own_at=st.integers(0, 6),
+)
+def test_prealloc_own_copies_the_first_chunk_once_and_changes_no_view(sizes, hint, own_at):
+    """``own()`` (the stage input processor's call after a prompt's first chunk): the chunk held by reference
+    moves into a buffer sized as an append would size it; every view stays the cat of the chunks, the bound
+    holds, and it copies nothing once a buffer exists (or for an empty first chunk)."""
+    params = omni_accum.get_manager().spec("prealloc").params_model(initial_capacity=4, growth_factor=2.0)
+    g = torch.Generator().manual_seed(len(sizes) * 1000 + own_at)
+    chunks = [torch.randn(n, 3, generator=g) for n in sizes]
+    acc = PreallocAccumulator(KeyInfo("x", "r", hint), params)
+    n = 0
+    for i, c in enumerate(chunks):
+        acc.merge(c)
+        n += c.shape[0]
+        if i == own_at:
+            before = acc.current_tensor_meta().untyped_storage().data_ptr()
+            copied = acc.own()
+            if i == 0 and c.shape[0]:
+                assert copied == c.nbytes
+                assert acc.current_tensor_meta().untyped_storage().data_ptr() != c.untyped_storage().data_ptr()
+            else:
+                assert copied == 0 and acc.current_tensor_meta().untyped_storage().data_ptr() == before
+        assert torch.equal(acc.read(), torch.cat(chunks[: i + 1]))
+        assert n <= acc.capacity <= 2.0 * n + 4 or n == 0

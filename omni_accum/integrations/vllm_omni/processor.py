@@ -9,9 +9,13 @@ the strategies the sending binding's policy names for them (the same key paths a
 
 * both append-kind and neither ``cat`` (``prealloc`` under the ``qwen3-omni`` preset): the chunks go
   into the strategies' accumulators (``prealloc``: one buffer of the prompt's rows + 1, the rows the
-  processor hands over, so every chunk's rows are copied once), and the payload handed over carries
-  their views (``prealloc``: the filled rows of that buffer, no final copy), equal to the ``torch.cat``
-  bit for bit. The rest of the payload is the release's own, built by its own function;
+  processor hands over, so every chunk's rows are copied once, each as it comes: the first chunk's too,
+  which ``prealloc`` would otherwise hold by reference until the next append. Without chunked prefill
+  that first chunk is the whole prompt, and the release holds it until the thinker's first decode step:
+  its copy is then made while the thinker computes that step, not after it, and the hand-over copies
+  one row), and the payload handed over carries their views (``prealloc``: the filled rows of that
+  buffer, no final copy), equal to the ``torch.cat`` bit for bit. The rest of the payload is the
+  release's own, built by its own function;
 * anything else (``default``: ``cat``): the release's own function, untouched.
 
 vllm-omni looks the processor up by its dotted path when an adapter or runner transport is made;
@@ -133,14 +137,19 @@ def _rows(value: Any) -> int:
 
 def _start(b: Binding, chosen: list[tuple[str, Any, Any]], rid: str, out: Any) -> _Held:
     final = len(out.ids.prompt) + 1  # the rows handed over: the prompt's, then the first decode step's
-    accs, rows = [], []
+    accs, rows, copied = [], [], 0
     for (group, key), (path, strategy, _spec) in zip(KEYS, chosen):
         value = getattr(getattr(out, group), key)
         acc = _accumulator(b, strategy, path, rid, final)
         acc.merge(value)
+        own = getattr(acc, "own", None)
+        if own is not None:  # prealloc: the rows go into the buffer now, not at the first decode step
+            copied += own()
         accs.append((path, acc))
         rows.append(_rows(value))
-    return _Held(accs, rows, out, chosen[0][2].name)
+    held = _Held(accs, rows, out, chosen[0][2].name)
+    held.copied = copied
+    return held
 
 
 def _append(held: _Held, out: Any) -> int:
