@@ -142,13 +142,31 @@ class PreallocAccumulator(AppendAccumulator):
         self._rows = need
         self._view = None
 
-    def own(self) -> int:
+    def own(self, into: torch.Tensor | None = None) -> int:
         """Copy a first chunk held by reference into the buffer now (sized from the key's length hint, as an
-        append would size it), so that the next append copies only its own rows. Returns the bytes copied
+        append would size it), so that the next append copies only its own rows. ``into``: the buffer to use
+        instead of a new one (rows of the chunk's dtype, row shape and device, contiguous, at least the chunk's
+        rows and within the capacity bound: the stage input processor passes the arena slab its put will
+        announce, so the put copies nothing); one that does not fit is not used. Returns the bytes copied
         (0: nothing held by reference, or a chunk over the arena). Same rows, same view, bit for bit."""
         first = self._first
         if self._buf is not None or first is None or not first.dim() or not first.shape[0] or self._chain is not None:
             return 0
+        rows = int(first.shape[0])
+        if (
+            into is not None
+            and type(into) is torch.Tensor
+            and into.dtype == first.dtype
+            and into.device == first.device
+            and tuple(into.shape[1:]) == tuple(first.shape[1:])
+            and rows <= into.shape[0] <= int(self._g * rows) + self._init
+            and into.is_contiguous()
+            and not into.requires_grad
+        ):
+            into[:rows] = first.detach() if first.requires_grad else first
+            self._buf, self._first, self._cap, self._view = into, None, int(into.shape[0]), None
+            self._ptr, self._row_bytes = _raw_copy_target(into)
+            return value_nbytes(first)
         self.start_tensor(first[:0])
         self.append_tensor(first)
         return value_nbytes(first)

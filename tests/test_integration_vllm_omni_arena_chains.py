@@ -73,6 +73,9 @@ def test_adapter_keys_live_in_the_arena_with_real_adapters(vo, arena_name, adapt
     assert seen and all(inside for _, inside in seen), seen
     assert tx.connector.health()["chain_appends"] >= 2 and rx.connector.health()["chain_views"] >= 2
     assert tx.connector.health()["inner_puts"] == 0
+    # the processor built both prompt keys (10 prefill rows, then the first decode step's) in the slabs
+    # their put announced: the put copied none of those rows
+    assert tx.connector.health()["chain_rows_in_place"] == 2 * (4 + 4 + 2 + 1)
     del handed
     assert _all_pages_back(tx.connector, rx.connector)
 
@@ -224,6 +227,62 @@ def _receive(rx: Any, recv: Any, arena: Any) -> None:
     assert rx.health()["chain_views"] > 300
     # r0 and r2 all the way, r1 until its chunk went through the inner connector
     assert zero_copy > copied > 0, (zero_copy, copied)
+
+
+def test_rows_staged_in_a_slab_go_out_without_a_copy_and_unannounced_slabs_come_back(vo, arena_name):
+    """``stage_rows``: a buffer over the slab of a request's chain. Rows written there and put from there are
+    not copied (counted in place), the receiver's view is those pages, bit for bit; rows put from elsewhere
+    are copied into it; a put that outgrows it moves to a larger slab; a staged slab no put announced goes
+    back at the request's release or after a failed put; a chain that holds rows is not staged again."""
+    rx, tx = _connector(1, arena_name, arena_bytes="8MiB"), _connector(0, arena_name)
+    g = torch.Generator().manual_seed(7)
+    try:
+        assert rx.get("0", "1", "prime") is None
+        arena = rx._rx[("0", "1")]
+        with _sending():
+            rows = torch.randn(40, 256, generator=g).bfloat16()
+            buf = tx.stage_rows("0", "1", "s1", "embed.prefill", torch.bfloat16, (256,), 41)
+            assert buf is not None and buf.shape == (41, 256)
+            buf[:40] = rows
+            buf[40:41] = rows[:1]
+            assert tx.put("0", "1", "s1_0_0", {"embed": {"prefill": buf[:41]}})[2].get("arena")
+            got = rx.get("0", "1", "s1_0_0")[0]["embed"]["prefill"]
+            assert torch.equal(got, torch.cat([rows, rows[:1]])) and _inside(got, arena)
+            assert tx.health()["chain_rows_in_place"] == 41
+            # the next rows of the chain (a decode row from elsewhere) are copied behind them
+            more = torch.randn(1, 256, generator=g).bfloat16()
+            assert tx.put("0", "1", "s1_0_1", {"embed": {"prefill": more}})[2].get("arena")
+            assert torch.equal(rx.get("0", "1", "s1_0_1")[0]["embed"]["prefill"], more)
+            assert tx.health()["chain_rows_in_place"] == 41
+            assert tx.stage_rows("0", "1", "s1", "embed.prefill", torch.bfloat16, (256,), 10) is None  # holds rows
+            del got
+            # rows put from their own memory into a staged slab: copied; more rows than it holds: moved
+            buf2 = tx.stage_rows("0", "1", "s2", "embed.prefill", torch.bfloat16, (256,), 8)
+            big = torch.randn(30, 256, generator=g).bfloat16()
+            assert tx.put("0", "1", "s2_0_0", {"embed": {"prefill": big}})[2].get("arena")
+            assert torch.equal(rx.get("0", "1", "s2_0_0")[0]["embed"]["prefill"], big)
+            assert tx.health()["chain_rows_in_place"] == 41
+            del buf2
+            # staged, never put: the pages go back at the release
+            tx_arena = tx._tx[("0", "1")]
+            used = sum(1 for b in bytes(tx_arena.region.pages) if b)
+            buf3 = tx.stage_rows("0", "1", "s3", "hidden_states.output", torch.bfloat16, (256,), 100)
+            assert sum(1 for b in bytes(tx_arena.region.pages) if b) > used
+            del buf3
+            tx.release_request("s3")
+            assert sum(1 for b in bytes(tx_arena.region.pages) if b) == used
+            # staged, then a put that fails after the slab was announced in it: pages back, chain dropped
+            buf4 = tx.stage_rows("0", "1", "s4", "embed.prefill", torch.bfloat16, (256,), 5)
+            buf4[:5] = torch.ones(5, 256)
+            tx_arena.drop_chains("s4")
+            assert sum(1 for b in bytes(tx_arena.region.pages) if b) == used
+            del buf4
+            for rid in ("s1", "s2", "s4"):
+                tx.release_request(rid)
+        assert _all_pages_back(tx, rx)
+    finally:
+        tx.close()
+        rx.close()
 
 
 def test_released_chain_space_is_reused_over_many_requests(vo, arena_name):

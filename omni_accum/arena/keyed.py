@@ -20,11 +20,12 @@ _memmove = ctypes.memmove
 class _Chain:
     """A request's append key in keyed messages: its rows so far in one slab (moved to a larger one when full)."""
 
-    __slots__ = ("no", "page", "npages", "addr", "cap", "rows", "row_bytes", "dtype", "row_shape")
+    __slots__ = ("no", "page", "npages", "addr", "cap", "rows", "row_bytes", "dtype", "row_shape", "staged")
 
     def __init__(self, no: int, dtype: Any, row_shape: tuple, row_bytes: int) -> None:
         self.no, self.dtype, self.row_shape, self.row_bytes = no, dtype, row_shape, row_bytes
         self.page = self.npages = self.addr = self.cap = self.rows = 0
+        self.staged = False  # a slab :meth:`KeyedMessages.stage` opened here that no message announced yet
 
 
 #: requests whose append chains a sender keeps at most (the oldest end first; their receivers are told)
@@ -49,6 +50,39 @@ class KeyedMessages:
         page, n = self._alloc(nb)
         _memmove(self._base + page * self._page, t.data_ptr(), nb)
         return page, n
+
+    def stage(self, req_id: str, path: str, dtype: torch.dtype, row_shape: tuple, cap: int) -> torch.Tensor:
+        """A tensor of ``cap`` rows over a new slab of the request's chain of key ``path``, which no message
+        announced yet: rows the caller writes into it (the stage input processor, while the thinker still
+        computes) go out with no copy when a later put appends a tensor that starts at the slab's first row
+        (:meth:`append_rows` sees its address). The chain must hold no rows yet. The slab is announced by the
+        first put that appends to it, moved to a larger one like any slab if the rows outgrow it, and its
+        pages go back here if no put announced it before :meth:`release_chains` or :meth:`drop_chains`.
+        Raises ArenaFull (nothing taken), ArenaError (the chain already holds rows)."""
+        chains = self._chains.get(req_id)
+        if chains is None:
+            if len(self._chains) >= CHAINS_KEPT:
+                self.release_chains(next(iter(self._chains)))
+            chains = self._chains[req_id] = {}
+        c = chains.get(path)
+        if c is not None and (c.rows or c.staged):
+            raise ArenaError(f"request {req_id!r} key {path!r}: its chain already holds rows")
+        row_shape = tuple(row_shape)
+        c = _Chain(self._next_chain, dtype, row_shape, row_bytes(dtype, row_shape))
+        cap = max(1, int(cap))
+        page, npg = self._alloc(cap * c.row_bytes)
+        chains[path] = c
+        self._next_chain += 1
+        c.page, c.npages, c.addr, c.cap, c.staged = page, npg, self._base + page * self._page, cap, True
+        off = self.region.data_off + page * self._page
+        return self._u8[off : off + cap * c.row_bytes].view(dtype).view(cap, *row_shape)
+
+    def _free_staged(self, chains: Any) -> None:
+        for c in chains.values():
+            if c.staged:
+                self._free(c.page, c.npages)
+                c.staged = False
+                c.page = c.npages = c.addr = c.cap = 0
 
     def append_rows(
         self, req_id: str, path: str, t: torch.Tensor, opens: list[tuple[Any, ...]], taken: list[tuple[int, int]]
@@ -75,6 +109,7 @@ class KeyedMessages:
             self._next_chain += 1
         start = c.rows
         need = start + n
+        unannounced = None  # a staged slab these rows outgrew: its pages go back once the rows are written
         if need > c.cap:
             cap = max(need + max(64, need // 4), 2 * c.cap)
             try:
@@ -86,9 +121,21 @@ class KeyedMessages:
             addr = self._base + page * self._page
             if start:
                 _memmove(addr, c.addr, start * c.row_bytes)  # the old slab stays the receiver's until it frees it
+            if c.staged:
+                unannounced, c.staged = (c.page, c.npages), False
             c.page, c.npages, c.addr, c.cap = page, npg, addr, cap
             opens.append((req_id, path, c.no, page, npg, cap, dtype_name(c.dtype), row_shape))
-        _memmove(c.addr + start * c.row_bytes, t.data_ptr(), n * c.row_bytes)
+        elif c.staged:  # this message announces the slab stage() opened
+            c.staged = False
+            taken.append((c.page, c.npages))
+            opens.append((req_id, path, c.no, c.page, c.npages, c.cap, dtype_name(c.dtype), row_shape))
+        dst = c.addr + start * c.row_bytes
+        if t.data_ptr() != dst:
+            _memmove(dst, t.data_ptr(), n * c.row_bytes)
+        else:  # the rows were written in place (stage()): nothing to copy
+            self.rows_in_place += n
+        if unannounced is not None:
+            self._free(*unannounced)
         c.rows = need
         return c.no, start, n
 
@@ -97,6 +144,7 @@ class KeyedMessages:
         holds other rows than they say); its next rows start new chains. The request's end is still
         sent (:meth:`release_chains`): the receiver drops the chains it has of it then."""
         if req_id in self._chains:
+            self._free_staged(self._chains[req_id])
             self._chains[req_id] = {}
 
     def ended(self, req_id: str) -> bool:
@@ -109,6 +157,9 @@ class KeyedMessages:
         self._ended[req_id] = None
         if len(self._ended) > ENDED_KEPT:
             del self._ended[next(iter(self._ended))]
+        chains = self._chains.get(req_id)
+        if chains is not None and not self._dead:
+            self._free_staged(chains)  # slabs no message announced: the receiver never saw them
         if req_id not in self._chains or self._dead:
             self._chains.pop(req_id, None)
             return True

@@ -115,6 +115,7 @@ class ArenaSender(KeyedMessages):
         self._ended: dict[str, None] = {}  # requests whose chains ended (oldest forgotten past ENDED_KEPT)
         self._next_chain = (self.gen << 40) + 1
         self.bad_frames = 0  # messages on ring B that were not well-formed page releases (dropped)
+        self.rows_in_place = 0  # chain rows a put found already written in their slab (stage()): not copied
 
     # ------------------------------------------------------------------ pages
     def _alloc(self, nbytes: int) -> tuple[int, int]:

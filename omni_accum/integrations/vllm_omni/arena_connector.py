@@ -394,6 +394,24 @@ class ArenaConnector(OmniConnectorBase):
         self.counts["chain_appends"] += len(refs)
         return enc.tensor_bytes + len(body)
 
+    def stage_rows(
+        self, from_stage: str, to_stage: str, req: str, path: str, dtype: torch.dtype, row_shape: tuple, rows: int
+    ) -> torch.Tensor | None:
+        """A tensor of ``rows`` rows in the arena where the request's append chain of ``path`` will live, for a
+        caller in this process that builds the key's rows before they are put (the stage input processor):
+        a later put of rows written there copies none of them (``health()["chain_rows_in_place"]``). None
+        when there is no region to send into, the request's chains already ended or hold rows of the key, or
+        the arena has no room: the caller builds its rows in its own memory and the put copies them."""
+        pair = (str(from_stage), str(to_stage))
+        with self._tx_lock:
+            tx = None if self._closed else self._sender(pair)
+            if tx is None or tx.ended(req):
+                return None
+            try:
+                return tx.stage(req, path, dtype, tuple(row_shape), rows)
+            except (ArenaError, OSError, ValueError, TypeError, RuntimeError):
+                return None
+
     def release_request(self, external_req_id: str) -> None:
         """The sending side is done with ``external_req_id``: the receivers drop its append chains' slabs
         once no tensor over them is left (omni-accum's sender-release hook calls this, possibly on the
@@ -441,6 +459,8 @@ class ArenaConnector(OmniConnectorBase):
             "status": "healthy" if not self._closed else "closed",
             **self.counts,
             "chain_views": sum(rx.chain_views for rx in self._rx.values() if rx is not None),
+            # chain rows a put found written in place (stage_rows): not copied at the put
+            "chain_rows_in_place": sum(tx.rows_in_place for tx in self._tx.values()),
             "tensor_views": self._decoder.views,  # received tensors handed out over arena pages (no copy)
             "tensor_copies": self._decoder.copies,  # received tensors copied out (under arena_view_bytes)
             # pages of chains and tensor views some tensor still shows (given back once none does)

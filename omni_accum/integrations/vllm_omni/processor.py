@@ -135,7 +135,18 @@ def _rows(value: Any) -> int:
     return int(value.shape[0]) if isinstance(value, torch.Tensor) and value.dim() else 0
 
 
-def _start(b: Binding, chosen: list[tuple[str, Any, Any]], rid: str, out: Any) -> _Held:
+def _in_arena(tm: Any, rid: str, path: str, value: Any, rows: int) -> torch.Tensor | None:
+    """A buffer of ``rows`` rows for ``path`` in the arena slab the adapter's next put of ``rid`` appends to
+    (``OmniAccumArenaConnector.stage_rows``), else None: the accumulator's own memory."""
+    connector = getattr(tm, "connector", None)
+    stage_rows = getattr(connector, "stage_rows", None)
+    sid = getattr(connector, "stage_id", None)
+    if stage_rows is None or not isinstance(sid, int) or not isinstance(value, torch.Tensor) or not value.is_cpu:
+        return None
+    return stage_rows(str(sid), str(sid + 1), rid, path, value.dtype, tuple(value.shape[1:]), rows)
+
+
+def _start(b: Binding, chosen: list[tuple[str, Any, Any]], rid: str, out: Any, tm: Any = None) -> _Held:
     final = len(out.ids.prompt) + 1  # the rows handed over: the prompt's, then the first decode step's
     accs, rows, copied = [], [], 0
     for (group, key), (path, strategy, _spec) in zip(KEYS, chosen):
@@ -143,8 +154,9 @@ def _start(b: Binding, chosen: list[tuple[str, Any, Any]], rid: str, out: Any) -
         acc = _accumulator(b, strategy, path, rid, final)
         acc.merge(value)
         own = getattr(acc, "own", None)
-        if own is not None:  # prealloc: the rows go into the buffer now, not at the first decode step
-            copied += own()
+        if own is not None:  # prealloc: the rows go into the buffer now, not at the first decode step ...
+            # ... and over the arena connector, into the slab the put will announce (the put copies none)
+            copied += own(_in_arena(tm, rid, path, value, final) if value.dim() and value.shape[0] else None)
         accs.append((path, acc))
         rows.append(_rows(value))
     held = _Held(accs, rows, out, chosen[0][2].name)
@@ -324,7 +336,7 @@ def _merge(
     if held is None:
         if is_finished:  # a one-chunk request: handed over as it is, nothing accumulated
             return out
-        held = _start(b, chosen, rid, out)
+        held = _start(b, chosen, rid, out, tm)
         held.seconds += time.perf_counter() - t0
         dict.__setitem__(store, rid, held)
         return None
