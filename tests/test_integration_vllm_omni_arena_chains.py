@@ -283,6 +283,11 @@ def test_rows_staged_in_a_slab_go_out_without_a_copy_and_unannounced_slabs_come_
     finally:
         tx.close()
         rx.close()
+    off = _connector(0, arena_name, arena_stage_rows="off")
+    try:  # arena_stage_rows off: no slab is handed out (the processor builds its rows in its own memory)
+        assert off.stage_rows("0", "1", "s5", "embed.prefill", torch.bfloat16, (256,), 8) is None
+    finally:
+        off.close()
 
 
 def test_released_chain_space_is_reused_over_many_requests(vo, arena_name):

@@ -108,6 +108,7 @@ def test_registered_in_the_real_factory(vo, arena_name):
         ({"arena_size": "8GiB"}, "unknown extra key.*'arena_size'.*arena_bytes"),
         ({"arena_warm": "lots"}, r"arena_warm = 'lots' is not a size.*\(or all, off\)"),
         ({"arena_warm": 100}, "arena_warm = 100 is 100 bytes, under the minimum"),
+        ({"arena_stage_rows": "maybe"}, r"arena_stage_rows = 'maybe': use true or false"),
     ],
 )
 def test_bad_settings_are_named(vo, extra, word):

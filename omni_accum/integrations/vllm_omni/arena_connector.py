@@ -12,6 +12,8 @@ Select it in a deploy YAML like any connector::
           arena_view_bytes: 64KiB      # received tensors this large are not copied (default 64KiB; off)
           arena_warm: 1GiB             # reserve and map this much of a region when it is created / attached
                                        # (default 0: pages are given as slabs first need them; all: arena_bytes)
+          arena_stage_rows: true       # the stage input processor builds the prompt's rows in the arena
+                                       # (stage_rows: chunk 0's put copies none of them); false: it does not
 
 One shared-memory region per stage pair (``omni_accum_arena_<arena_name>_<from>_<to>.<random>`` in this user's
 private directory, ``/dev/shm/omni-accum-<euid>/``: :mod:`omni_accum.samehost`), created once by the receiving
@@ -109,7 +111,19 @@ def parse_size(value: Any, what: str) -> int:
 
 
 #: The ``arena_*`` / ``ring_*`` keys the connector reads from its ``extra``.
-KNOWN_KEYS = ("arena_name", "arena_bytes", "ring_bytes", "arena_view_bytes", "arena_warm")
+KNOWN_KEYS = ("arena_name", "arena_bytes", "ring_bytes", "arena_view_bytes", "arena_warm", "arena_stage_rows")
+
+
+def parse_switch(value: Any, what: str) -> bool:
+    """An on/off extra (``true`` / ``false``, ``on`` / ``off``, ``yes`` / ``no``, 1 / 0)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "on", "yes"):
+        return True
+    if text in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{NAME}: extra.{what} = {value!r}: use true or false (on / off)")
 
 
 def parse_warm(value: Any, arena_bytes: int) -> int:
@@ -169,6 +183,7 @@ class ArenaConnector(OmniConnectorBase):
         self.ring_bytes = parse_size(self.config.get("ring_bytes", DEFAULT_RING_BYTES), "ring_bytes")
         self.view_bytes = parse_view_bytes(self.config.get("arena_view_bytes", DEFAULT_VIEW_BYTES))
         self.warm_bytes = parse_warm(self.config.get("arena_warm", 0), self.arena_bytes)
+        self.stage_rows_on = parse_switch(self.config.get("arena_stage_rows", True), "arena_stage_rows")
         self.inner = self.peer_channel = SharedMemoryConnector(self.config)  # peer_channel: the stage hellos (.peer)
         # one lock per direction: a put waiting for ring space never holds up this process's gets
         self._tx_lock = threading.Lock()
@@ -400,8 +415,11 @@ class ArenaConnector(OmniConnectorBase):
         """A tensor of ``rows`` rows in the arena where the request's append chain of ``path`` will live, for a
         caller in this process that builds the key's rows before they are put (the stage input processor):
         a later put of rows written there copies none of them (``health()["chain_rows_in_place"]``). None
-        when there is no region to send into, the request's chains already ended or hold rows of the key, or
-        the arena has no room: the caller builds its rows in its own memory and the put copies them."""
+        when ``arena_stage_rows`` is off, there is no region to send into, the request's chains already ended
+        or hold rows of the key, or the arena has no room: the caller builds its rows in its own memory and the
+        put copies them."""
+        if not self.stage_rows_on:
+            return None
         pair = (str(from_stage), str(to_stage))
         with self._tx_lock:
             tx = None if self._closed else self._sender(pair)
