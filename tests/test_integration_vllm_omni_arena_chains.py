@@ -290,6 +290,34 @@ def test_rows_staged_in_a_slab_go_out_without_a_copy_and_unannounced_slabs_come_
         off.close()
 
 
+def test_a_staged_slab_takes_the_pages_the_receiver_gave_back(vo, arena_name):
+    """``stage_rows`` first takes back the pages the receiver released (as a put does), so a request's slab
+    reuses the previous request's pages (already given and mapped) instead of fresh ones."""
+    rx, tx = _connector(1, arena_name, arena_bytes="8MiB"), _connector(0, arena_name)
+    try:
+        assert rx.get("0", "1", "prime") is None
+        arena = rx._rx[("0", "1")]
+        with _sending():
+            buf = tx.stage_rows("0", "1", "p1", "embed.prefill", torch.bfloat16, (256,), 64)
+            first = buf.data_ptr()
+            buf[:] = 1
+            assert tx.put("0", "1", "p1_0_0", {"embed": {"prefill": buf}})[2].get("arena")
+            got = rx.get("0", "1", "p1_0_0")[0]
+            tx.release_request("p1")
+            del buf, got
+            rx.get("0", "1", "none")  # the receiver takes the chain's end ...
+            gc.collect()
+            arena.reap()  # ... and, with no view left, gives the slab back on its ring
+            again = tx.stage_rows("0", "1", "p2", "embed.prefill", torch.bfloat16, (256,), 64)
+            assert again.data_ptr() == first
+            del again
+            tx.release_request("p2")
+        assert _all_pages_back(tx, rx)
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_released_chain_space_is_reused_over_many_requests(vo, arena_name):
     """A thousand requests of growing chains through a 1 MiB arena: space comes back as requests end,
     so no put ever falls back for lack of it, and the page map ends empty."""

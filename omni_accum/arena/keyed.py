@@ -59,6 +59,7 @@ class KeyedMessages:
         first put that appends to it, moved to a larger one like any slab if the rows outgrow it, and its
         pages go back here if no put announced it before :meth:`release_chains` or :meth:`drop_chains`.
         Raises ArenaFull (nothing taken), ArenaError (the chain already holds rows)."""
+        self.reclaim()  # pages the receiver gave back first: already mapped and given, not fresh ones
         chains = self._chains.get(req_id)
         if chains is None:
             if len(self._chains) >= CHAINS_KEPT:
