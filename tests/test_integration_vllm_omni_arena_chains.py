@@ -277,6 +277,12 @@ def test_rows_staged_in_a_slab_go_out_without_a_copy_and_unannounced_slabs_come_
             tx_arena.drop_chains("s4")
             assert sum(1 for b in bytes(tx_arena.region.pages) if b) == used
             del buf4
+            # staged for one dtype, put as another: a new chain; the staged slab's pages come back (the page
+            # map ends empty below)
+            tx.stage_rows("0", "1", "s6", "embed.prefill", torch.bfloat16, (256,), 4)
+            assert tx.put("0", "1", "s6_0_0", {"embed": {"prefill": torch.ones(4, 256)}})[2].get("arena")
+            assert torch.equal(rx.get("0", "1", "s6_0_0")[0]["embed"]["prefill"], torch.ones(4, 256))
+            tx.release_request("s6")
             for rid in ("s1", "s2", "s4"):
                 tx.release_request(rid)
         assert _all_pages_back(tx, rx)

@@ -105,12 +105,14 @@ class KeyedMessages:
         n = t.shape[0]
         row_shape = tuple(t.shape[1:])
         c = chains.get(path)
+        unannounced = None  # a staged slab these rows do not go into: its pages go back once the rows are written
         if c is None or c.dtype is not t.dtype or c.row_shape != row_shape:
+            if c is not None and c.staged:
+                unannounced = (c.page, c.npages)
             c = chains[path] = _Chain(self._next_chain, t.dtype, row_shape, row_bytes(t.dtype, row_shape))
             self._next_chain += 1
         start = c.rows
         need = start + n
-        unannounced = None  # a staged slab these rows outgrew: its pages go back once the rows are written
         if need > c.cap:
             cap = max(need + max(64, need // 4), 2 * c.cap)
             try:
