@@ -66,83 +66,28 @@ from omni_accum.arena.live import create_receiver, live_region
 from omni_accum.arena.region import ArenaError, ArenaFull, PeerDied
 from omni_accum.integrations.vllm_omni.arena_chains import append_test, chain_payload, request_of, struct_map
 from omni_accum.integrations.vllm_omni.arena_codec import DEFAULT_VIEW_BYTES, Decoder, Encoder
+from omni_accum.integrations.vllm_omni.arena_settings import (
+    DEFAULT_ARENA_BYTES,
+    DEFAULT_RING_BYTES,
+    ENV_NAME,
+    KNOWN_KEYS,
+    NAME,
+    parse_size,
+    parse_switch,
+    parse_view_bytes,
+    parse_warm,
+)
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
 from omni_accum.samehost import SameHostRefused, log_refusal
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
-#: The name :mod:`.arena_plugin` registers the connector under (``name:`` of a deploy YAML's connector).
-NAME = "OmniAccumArenaConnector"
-ENV_NAME = "OMNI_ACCUM_ARENA_NAME"
-DEFAULT_ARENA_BYTES = 1 << 30
-DEFAULT_RING_BYTES = 4 << 20
 #: A sender that found no region tries again after this long (puts meanwhile use the inner connector).
 ATTACH_RETRY_S = 0.05
 #: A receiver whose region found no room (a full /dev/shm: ``no_space``) tries to create it again after this long.
 CREATE_RETRY_S = 5.0
 NO_SPACE = (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT)
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20}
-_UNITS.update({"g": 1 << 30, "gb": 10**9, "gib": 1 << 30})
-
-
-#: The smallest ``arena_bytes`` / ``ring_bytes`` taken (one page; a smaller region could hold no message).
-MIN_BYTES = 4096
-
-
-def parse_size(value: Any, what: str) -> int:
-    """Bytes of ``value`` (an int, or a string like ``512MiB``, ``2GiB``, ``1GB``), at least :data:`MIN_BYTES`."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        n = value
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-        if m is None or m.group(2).lower() not in _UNITS or isinstance(value, (bool, float)):
-            raise ValueError(
-                f"{NAME}: extra.{what} = {value!r} is not a size; use bytes or a number with B, KiB, MiB, GiB, KB, "
-                "MB, GB"
-            )
-        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-        if n != int(n):
-            raise ValueError(f"{NAME}: extra.{what} = {value!r} is not a whole number of bytes")
-        n = int(n)
-    if n < MIN_BYTES:
-        raise ValueError(f"{NAME}: extra.{what} = {value!r} is {n} bytes, under the minimum of {MIN_BYTES}")
-    return n
-
-
-#: The ``arena_*`` / ``ring_*`` keys the connector reads from its ``extra``.
-KNOWN_KEYS = ("arena_name", "arena_bytes", "ring_bytes", "arena_view_bytes", "arena_warm", "arena_stage_rows")
-
-
-def parse_switch(value: Any, what: str) -> bool:
-    """An on/off extra (``true`` / ``false``, ``on`` / ``off``, ``yes`` / ``no``, 1 / 0)."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "on", "yes"):
-        return True
-    if text in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"{NAME}: extra.{what} = {value!r}: use true or false (on / off)")
-
-
-def parse_warm(value: Any, arena_bytes: int) -> int:
-    """``arena_warm``: a size (:func:`parse_size`), ``all`` (``arena_bytes``), or ``0`` / ``off`` (nothing)."""
-    if value is None or value == 0 or str(value).strip().lower() in ("0", "off", "false", "none"):
-        return 0
-    if str(value).strip().lower() == "all":
-        return arena_bytes
-    try:
-        return min(parse_size(value, "arena_warm"), arena_bytes)
-    except ValueError as e:
-        raise ValueError(f"{e} (or all, off)") from None
-
-
-def parse_view_bytes(value: Any) -> int | None:
-    """``arena_view_bytes``: a size (:func:`parse_size`), or ``off`` (None: every tensor is copied out)."""
-    if value is False or (isinstance(value, str) and value.strip().lower() == "off"):
-        return None
-    return parse_size(value, "arena_view_bytes")
 
 
 def _refused(e: SameHostRefused) -> None:

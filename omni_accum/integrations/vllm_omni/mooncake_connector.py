@@ -87,8 +87,8 @@ KNOWN_KEYS = ("mooncake_buffer_bytes", "mooncake_tensor_min_bytes")
 
 
 def _size(extra: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
-    from omni_accum.integrations.vllm_omni.arena_connector import NAME as ARENA  # noqa: PLC0415
-    from omni_accum.integrations.vllm_omni.arena_connector import parse_size  # noqa: PLC0415
+    from omni_accum.integrations.vllm_omni.arena_settings import NAME as ARENA  # noqa: PLC0415
+    from omni_accum.integrations.vllm_omni.arena_settings import parse_size  # noqa: PLC0415
 
     value = extra.get(key, default)
     try:
