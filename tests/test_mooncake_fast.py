@@ -239,6 +239,8 @@ def _capturing(stage_fn: str, **kw):
     info["connector"] = type(conn).__name__
     info["fast"] = {k: v for k, v in getattr(conn, "counts", {}).items()}
     info["fallbacks"] = dict(getattr(conn, "fallbacks", {}))
+    info["get_poll"] = "blocking" if getattr(conn, "get_poll", None) is None else conn.get_poll
+    info["fast_seconds"] = dict(getattr(conn, "seconds", {}))
     return info
 
 
@@ -250,7 +252,7 @@ def fast_talker(**kw):
     return _capturing("talker_stage", **kw)
 
 
-def _adapter_run(stage_host, mooncake, label: str, name: str, env: dict) -> tuple[dict, dict]:
+def _adapter_run(stage_host, mooncake, label: str, name: str, env: dict, extra: dict | None = None) -> tuple[dict, dict]:
     from mooncake_fixtures import deploy_connector
 
     from omni_accum.bench.mooncake import Job
@@ -259,7 +261,8 @@ def _adapter_run(stage_host, mooncake, label: str, name: str, env: dict) -> tupl
     connector = deploy_connector(mooncake)
     # every appended tensor takes the fast path (this stream's prefill chunks are small), in parts of 4 KiB
     connector = {"name": name, "extra": {**connector["extra"], "mooncake_tensor_min_bytes": 1,
-                                         "mooncake_buffer_bytes": 4096} if name == NAME else connector["extra"]}  # fmt: skip
+                                         "mooncake_buffer_bytes": 4096, **(extra or {})}
+                 if name == NAME else connector["extra"]}  # fmt: skip
     base = {"OMNI_ACCUM_VLLM_OMNI": "1", "OMNI_ACCUM_POLICY": "qwen3-omni", "OMNI_ACCUM_METRICS": "0",
             "OMNI_ACCUM_DEPLOYMENT": f"mf-{label}-{os.getpid()}", **env}  # fmt: skip
     jobs = [
@@ -278,15 +281,20 @@ def test_adapter_views_through_the_fast_path_equal_0_30_0s(stage_host, mooncake)
     from test_integration_vllm_omni import assert_same
 
     up_tx, up_rx = _adapter_run(stage_host, mooncake, "up", "MooncakeStoreConnector", {"OMNI_ACCUM_VLLM_OMNI": "0"})
-    tx, rx = _adapter_run(stage_host, mooncake, "fast", NAME, {})
-    assert up_tx["connector"] == "MooncakeStoreConnector" and tx["connector"] == "MooncakeFastConnector"
-    assert tx["installed"] and rx["installed"] and tx["errors"] == 0
-    assert tx["fast"]["fast_puts"] > 0 and tx["fast"]["fast_parts"] > tx["fast"]["fast_puts"], tx["fast"]
-    assert rx["fast"]["fast_gets"] == tx["fast"]["fast_puts"], (rx["fast"], tx["fast"])
-    assert tx["fallbacks"] == {} and rx["fallbacks"] == {}
-    assert tx["binding_wire_bytes"] == tx["bytes"]  # what the put returned is what the binding counted
-    assert_same(rx["handed"], up_rx["handed"], "handed")  # bit for bit, every request, every step
-    assert rx["active_after_cleanup"] == 0
+    assert up_tx["connector"] == "MooncakeStoreConnector"
+    # 0.30.0's blocking get, then the polling get (one ask per call, at most one per 2 ms per key)
+    for label, extra in (("fast", {}), ("poll", {"mooncake_get_poll": "2ms"})):
+        tx, rx = _adapter_run(stage_host, mooncake, label, NAME, {}, extra)
+        assert tx["connector"] == "MooncakeFastConnector", label
+        assert tx["installed"] and rx["installed"] and tx["errors"] == 0
+        assert tx["fast"]["fast_puts"] > 0 and tx["fast"]["fast_parts"] > tx["fast"]["fast_puts"], tx["fast"]
+        assert rx["fast"]["fast_gets"] == tx["fast"]["fast_puts"], (rx["fast"], tx["fast"])
+        assert tx["fallbacks"] == {} and rx["fallbacks"] == {}
+        assert tx["binding_wire_bytes"] == tx["bytes"]  # what the put returned is what the binding counted
+        assert_same(rx["handed"], up_rx["handed"], f"handed ({label})")  # bit for bit, every request, every step
+        assert rx["active_after_cleanup"] == 0
+        assert rx["get_poll"] == ("blocking" if label == "fast" else 0.002), rx["get_poll"]
+        assert rx["fast_seconds"]["get_parts"] > 0 and tx["fast_seconds"]["put_parts"] > 0
 
 
 def test_a_get_that_finds_nothing_names_the_key_it_waited_for(monkeypatch, caplog):
@@ -303,6 +311,7 @@ def test_a_get_that_finds_nothing_names_the_key_it_waited_for(monkeypatch, caplo
 
     conn = object.__new__(mc.MooncakeFastConnector)
     conn.config, conn._closed, conn._rx_lock = {}, False, threading.Lock()
+    conn.get_poll, conn.waits = None, mc.KeyWaits(None)
     conn.close = lambda: None  # nothing was opened (vllm-omni's base class closes at garbage collection)
     conn.inner = type("Inner", (), {"_metrics": {"timeouts": 0, "gets": 0}, "store": _Empty(),
                                     "_make_key": staticmethod(lambda k, f, t: f"{k}@{f}_{t}")})()  # fmt: skip

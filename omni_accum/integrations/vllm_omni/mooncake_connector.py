@@ -13,6 +13,7 @@ Select it in a deploy YAML in place of ``MooncakeStoreConnector`` (the same ``ex
           localbuf: 268435456
           mooncake_buffer_bytes: 16MiB       # registered staging buffer per direction, and the largest part (default)
           mooncake_tensor_min_bytes: 256KiB  # smaller tensors stay in the serialized payload (default 256KiB)
+          mooncake_get_poll: 2ms             # how a get waits for a key not there yet (default blocking: 0.30.0's)
 
 0.30.0's connector serializes the whole payload (msgpack, every tensor's bytes copied into the message),
 ``put`` s it as one object, and the receiver ``get`` s the bytes and decodes them (another copy). For the
@@ -57,6 +58,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -67,6 +69,7 @@ from vllm_omni.distributed.omni_connectors.utils import serialization as _ser
 
 from omni_accum.arena._common import DTYPES
 from omni_accum.integrations.vllm_omni.arena_chains import append_test, request_of, struct_map, tensor_ref
+from omni_accum.integrations.vllm_omni.mooncake_wait import TRIES, TRY_INTERVAL_S, KeyWaits, monotonic, parse_poll
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
 
 logger = logging.getLogger("omni_accum.vllm_omni")
@@ -83,7 +86,7 @@ PART_SEP = "#oa"
 MAX_PARTS = 1 << 16
 #: The released requests remembered (their later puts go serialized).
 MAX_RELEASED = 4096
-KNOWN_KEYS = ("mooncake_buffer_bytes", "mooncake_tensor_min_bytes")
+KNOWN_KEYS = ("mooncake_buffer_bytes", "mooncake_tensor_min_bytes", "mooncake_get_poll")
 
 
 def _size(extra: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
@@ -206,6 +209,10 @@ class MooncakeFastConnector(OmniConnectorBase):
                              f"{', '.join(KNOWN_KEYS)}")
         self.buffer_bytes = _size(self.config, "mooncake_buffer_bytes", DEFAULT_BUFFER_BYTES, 4096)
         self.tensor_min_bytes = _size(self.config, "mooncake_tensor_min_bytes", DEFAULT_TENSOR_MIN_BYTES, 1)
+        try:
+            self.get_poll = parse_poll(self.config.get("mooncake_get_poll"))
+        except ValueError as e:
+            raise ValueError(f"{NAME}: {e}") from None
         if _prepare is None or _inner_class is None:
             raise ImportError(f"{NAME}: not set up: omni-accum's omni_accum_mooncake plugin registers it "
                               "(omni_accum.integrations.vllm_omni.mooncake_compat.activate())")
@@ -228,6 +235,10 @@ class MooncakeFastConnector(OmniConnectorBase):
         self.between_parts: Any = None
         self.counts = {"fast_puts": 0, "inner_puts": 0, "fast_gets": 0, "inner_gets": 0, "fast_tensor_bytes": 0,
                        "fast_parts": 0, "remove_errors": 0, "direct_tensors": 0}
+        #: Seconds spent in the fast path's phases, summed (``health()["fast_seconds"]``).
+        self.seconds = {"put_parts": 0.0, "put_key": 0.0, "get_waited": 0.0, "get_key": 0.0, "get_parts": 0.0,
+                        "get_remove": 0.0}
+        self.waits = KeyWaits(self.get_poll)
         self.fallbacks: dict[str, int] = {}
         self._warned: set[str] = set()
         self._closed = False
@@ -350,6 +361,7 @@ class MooncakeFastConnector(OmniConnectorBase):
         done: list[str] = []
         calls = 0
         pin = self._part_pin()
+        t0 = monotonic()
 
         def call(keys: list[str], ptrs: list[int], sizes: list[int]) -> None:
             nonlocal calls
@@ -393,6 +405,7 @@ class MooncakeFastConnector(OmniConnectorBase):
                     used += ln
                     off += ln
             flush()
+            t1 = monotonic()
             body = _Encoder(parts).encode(data)
             rc = self.store.put(key, body, self._part_pin())
             if not (rc is None or rc == 0 or rc is True):
@@ -404,8 +417,13 @@ class MooncakeFastConnector(OmniConnectorBase):
                 except Exception as e:  # noqa: BLE001 - left to the store's eviction
                     logger.warning("omni-accum %s: could not remove %d part(s): %s", NAME, len(done), e)
             raise
+        t2 = monotonic()
+        self.seconds["put_parts"] += t1 - t0
+        self.seconds["put_key"] += t2 - t1
         tensor_bytes = sum(t.numel() * t.element_size() for t, _ in parts.values())
         n = len(body) + tensor_bytes
+        logger.info("omni-accum %s: put %s: %d tensor bytes in %d part(s) %.1f ms, payload %d bytes %.1f ms",
+                    NAME, key, tensor_bytes, len(plan), (t1 - t0) * 1e3, len(body), (t2 - t1) * 1e3)
         self.counts["fast_puts"] += 1
         self.counts["fast_tensor_bytes"] += tensor_bytes
         self.counts["fast_parts"] += len(plan)
@@ -428,35 +446,53 @@ class MooncakeFastConnector(OmniConnectorBase):
     def get(
         self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
     ) -> tuple[Any, int] | None:
-        import time  # noqa: PLC0415
-
         if self.store is None or self._closed:
             return None
         key = self._make_key(get_key, from_stage, to_stage)
-        for attempt in range(20):  # 0.30.0's connector: 20 tries, 50 ms apart
-            with self._rx_lock:
-                try:
-                    raw = self.store.get(key)
-                except Exception as e:  # noqa: BLE001 - as 0.30.0: try again
-                    logger.debug("%s get attempt %s failed: %s", NAME, attempt, e)
-                    raw = None
-                if raw:
-                    got = self._decode(key, raw)
-                    if got is not None:
-                        return got
-            if attempt < 19:
-                time.sleep(0.05)
+        if self.get_poll is not None:
+            return self._poll(key)
+        self.waits.due(key, monotonic())  # its first ask, for the time waited
+        for attempt in range(TRIES):  # 0.30.0's connector: 20 tries, 50 ms apart
+            got = self._try(key, attempt)
+            if got is not None:
+                return got
+            if attempt < TRIES - 1:
+                time.sleep(TRY_INTERVAL_S)
         self.inner._metrics["timeouts"] += 1
         logger.warning("%s: timeout waiting for %s", NAME, key)  # as 0.30.0's connector says it: the key waited for
         return None
 
-    def _decode(self, key: str, raw: bytes) -> tuple[Any, int] | None:
+    def _poll(self, key: str) -> tuple[Any, int] | None:
+        """``mooncake_get_poll``: ask the store at most once per interval for ``key``, never wait (:mod:`.mooncake_wait`)."""
+        if not self.waits.due(key, monotonic()):
+            return None
+        got = self._try(key, 0)
+        if got is None and self.waits.missed(key, monotonic()):
+            self.inner._metrics["timeouts"] += 1
+            logger.warning("%s: timeout waiting for %s", NAME, key)
+        return got
+
+    def _try(self, key: str, attempt: int) -> tuple[Any, int] | None:
+        with self._rx_lock:
+            t0 = monotonic()
+            try:
+                raw = self.store.get(key)
+            except Exception as e:  # noqa: BLE001 - as 0.30.0: try again
+                logger.debug("%s get attempt %s failed: %s", NAME, attempt, e)
+                raw = None
+            if not raw:
+                return None
+            return self._decode(key, raw, t0)
+
+    def _decode(self, key: str, raw: bytes, t0: float) -> tuple[Any, int] | None:
+        t1 = monotonic()
         dec = _Decoder()
         dec.prefix = key + PART_SEP
         obj = dec.decode(raw)
         self.inner._metrics["gets"] += 1
         if not dec.todo:
             self.counts["inner_gets"] += 1
+            self.waits.found(key, t1)
             return obj, len(raw)
         try:
             n = self._read_parts(dec.todo)
@@ -464,6 +500,7 @@ class MooncakeFastConnector(OmniConnectorBase):
             self.inner._metrics["gets"] -= 1
             self._fell_back("mooncake_get_error", e)
             return None
+        t2 = monotonic()
         # taken: the key and its parts go now (force: the lease this get holds would refuse it; they are
         # this payload's alone, under keys of their own, and this get was their one reader)
         keys = list(dict.fromkeys([pk for _, parts in dec.todo for pk, _ in parts] + [key]))
@@ -475,7 +512,17 @@ class MooncakeFastConnector(OmniConnectorBase):
         if bad:
             self.counts["remove_errors"] += len(bad)
             logger.warning("omni-accum %s: could not remove %s", NAME, ", ".join(bad[:3]))
+        t3 = monotonic()
+        waited = self.waits.found(key, t0)
+        sec = self.seconds
+        sec["get_waited"] += waited
+        sec["get_key"] += t1 - t0
+        sec["get_parts"] += t2 - t1
+        sec["get_remove"] += t3 - t2
         self.counts["fast_gets"] += 1
+        logger.info("omni-accum %s: got %s: waited %.1f ms, payload %d bytes %.1f ms, %d tensor bytes in %d part(s) "
+                    "%.1f ms, removed in %.1f ms", NAME, key, waited * 1e3, len(raw), (t1 - t0) * 1e3, n,
+                    len(keys) - 1, (t2 - t1) * 1e3, (t3 - t2) * 1e3)  # fmt: skip
         return obj, len(raw) + n
 
     def _register(self, flat: torch.Tensor) -> bool:
@@ -550,7 +597,8 @@ class MooncakeFastConnector(OmniConnectorBase):
 
     def health(self) -> dict[str, Any]:
         return {**self.inner.health(), **self.counts, "fallbacks": dict(self.fallbacks),
-                "local_segment": self.local_segment}
+                "local_segment": self.local_segment, "fast_seconds": dict(self.seconds),
+                "get_poll": "blocking" if self.get_poll is None else self.get_poll}
 
     def close(self) -> None:
         """Unregister the buffers, close 0.30.0's connector (idempotent)."""

@@ -1,0 +1,100 @@
+"""How :class:`.mooncake_connector.MooncakeFastConnector`'s ``get`` waits for a key that is not in the store yet.
+
+vllm-omni 0.30.0's ``MooncakeStoreConnector.get`` asks the store up to 20 times, 50 ms apart, inside the call
+(up to ~1 s). Its callers (the chunk adapter's receive loop, the runner transport's) poll: they call ``get``
+for one waiting request after the other and call it again later when it returned None. So a get that waits
+holds back every other request's chunk behind it: with four requests waiting for their prefill, a chunk 0
+that arrives can sit up to ~3 s before its get comes round, and even alone a chunk waits up to 50 ms for the
+next try.
+
+``mooncake_get_poll`` (the connector's ``extra``) chooses:
+
+* ``blocking`` (the default): 0.30.0's 20 tries 50 ms apart within the call;
+* a duration (``5ms``, ``0.002s``, a number of seconds; at most 1 s): one try per call, and a key is asked for at
+  most once per that interval (a call in between returns None at once, asking nothing), so the caller's loop
+  goes round every waiting request and a chunk is found within about that interval of its put.
+
+Either way a key is counted in the connector's ``timeouts`` (and logged with the key, as 0.30.0 does) each
+time it has been waited for another :data:`TIMEOUT_S` seconds.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import OrderedDict
+from typing import Any
+
+#: 0.30.0's wait within one get: 20 tries, 50 ms apart.
+TRIES = 20
+TRY_INTERVAL_S = 0.05
+#: A key waited for this long (again) counts one timeout.
+TIMEOUT_S = 1.0
+#: The longest poll interval taken.
+MAX_POLL_S = 1.0
+#: Keys remembered (the oldest forgotten first: a request given up leaves its key here).
+MAX_KEYS = 4096
+BLOCKING = "blocking"
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$", re.IGNORECASE)
+
+
+def parse_poll(value: Any, what: str = "extra.mooncake_get_poll") -> float | None:
+    """``None`` for ``blocking`` (0.30.0's), else the interval in seconds (0 < interval <= 1)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == BLOCKING):
+        return None
+    if isinstance(value, bool):
+        m = None
+    elif isinstance(value, (int, float)):
+        m = _DURATION.match(repr(float(value)))
+    else:
+        m = _DURATION.match(str(value))
+    if m is None:
+        raise ValueError(f"{what} = {value!r} is not '{BLOCKING}' or a duration such as 5ms or 0.005s")
+    seconds = float(m.group(1)) / (1000.0 if (m.group(2) or "s").lower() == "ms" else 1.0)
+    if not 0 < seconds <= MAX_POLL_S:
+        raise ValueError(f"{what} = {value!r} is {seconds:g} s: it must be above 0 and at most {MAX_POLL_S:g} s "
+                         f"(or '{BLOCKING}')")
+    return seconds
+
+
+class KeyWaits:
+    """When each key was first asked for, when it may be asked again, how many timeouts it has counted."""
+
+    def __init__(self, interval: float | None) -> None:
+        self.interval = interval
+        self._keys: OrderedDict[str, list[float]] = OrderedDict()  # key -> [first ask, next ask, timeouts]
+
+    def due(self, key: str, now: float) -> bool:
+        """Whether the store may be asked for ``key`` now (always, the first time and when blocking)."""
+        st = self._keys.get(key)
+        if st is None:
+            self._keys[key] = [now, now, 0]
+            while len(self._keys) > MAX_KEYS:
+                self._keys.popitem(last=False)
+            return True
+        return self.interval is None or now >= st[1]
+
+    def missed(self, key: str, now: float) -> bool:
+        """``key`` was not there at ``now``; True when that makes another :data:`TIMEOUT_S` of waiting."""
+        st = self._keys.get(key)
+        if st is None:
+            st = self._keys[key] = [now, now, 0]
+        st[1] = now + (self.interval or 0.0)
+        n = int((now - st[0]) // TIMEOUT_S)
+        if n > st[2]:
+            st[2] = n
+            return True
+        return False
+
+    def found(self, key: str, now: float) -> float:
+        """``key`` was found: how long it was waited for (0 when this was its first ask); forgotten."""
+        st = self._keys.pop(key, None)
+        return 0.0 if st is None else max(0.0, now - st[0])
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def monotonic() -> float:
+    return time.monotonic()
