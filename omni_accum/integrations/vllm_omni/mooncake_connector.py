@@ -36,6 +36,10 @@ tensors of keys the sending policy appends (the prefill's ``[P+1, 2048]`` embedd
 
 The values that come out are those 0.30.0's connector gives: the same dtypes, shapes and bytes.
 
+A get waits for a key as 0.30.0's does (20 tries 50 ms apart, in the call) unless ``mooncake_get_poll`` names an
+interval: then one ask per call, at most one per interval per key (:mod:`.mooncake_wait`). Each fast put and get
+logs what its phases took (INFO) and adds them to ``health()["fast_seconds"]``.
+
 Which tensors: within omni-accum's send hook, those of the keys the sending policy appends (as the arena
 connector's append chains); outside it (a benchmark, a test), the keys ``append_test(path, value)`` says.
 A payload with no such tensor is 0.30.0's put, unchanged (the peer hellos, the decode chunks).
