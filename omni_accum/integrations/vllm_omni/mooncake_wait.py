@@ -21,6 +21,7 @@ time it has been waited for another :data:`TIMEOUT_S` seconds.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections import OrderedDict
 from typing import Any
@@ -59,14 +60,20 @@ def parse_poll(value: Any, what: str = "extra.mooncake_get_poll") -> float | Non
 
 
 class KeyWaits:
-    """When each key was first asked for, when it may be asked again, how many timeouts it has counted."""
+    """When each key was first asked for, when it may be asked again, how many timeouts it has counted
+    (thread-safe: the adapter's and the runner transport's receive threads may share a connector)."""
 
     def __init__(self, interval: float | None) -> None:
         self.interval = interval
         self._keys: OrderedDict[str, list[float]] = OrderedDict()  # key -> [first ask, next ask, timeouts]
+        self._lock = threading.Lock()
 
     def due(self, key: str, now: float) -> bool:
         """Whether the store may be asked for ``key`` now (always, the first time and when blocking)."""
+        with self._lock:
+            return self._due(key, now)
+
+    def _due(self, key: str, now: float) -> bool:
         st = self._keys.get(key)
         if st is None:
             self._keys[key] = [now, now, 0]
@@ -77,6 +84,10 @@ class KeyWaits:
 
     def missed(self, key: str, now: float) -> bool:
         """``key`` was not there at ``now``; True when that makes another :data:`TIMEOUT_S` of waiting."""
+        with self._lock:
+            return self._missed(key, now)
+
+    def _missed(self, key: str, now: float) -> bool:
         st = self._keys.get(key)
         if st is None:
             st = self._keys[key] = [now, now, 0]
@@ -89,7 +100,8 @@ class KeyWaits:
 
     def found(self, key: str, now: float) -> float:
         """``key`` was found: how long it was waited for (0 when this was its first ask); forgotten."""
-        st = self._keys.pop(key, None)
+        with self._lock:
+            st = self._keys.pop(key, None)
         return 0.0 if st is None else max(0.0, now - st[0])
 
     def __len__(self) -> int:
