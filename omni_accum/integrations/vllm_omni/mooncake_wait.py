@@ -71,32 +71,24 @@ class KeyWaits:
     def due(self, key: str, now: float) -> bool:
         """Whether the store may be asked for ``key`` now (always, the first time and when blocking)."""
         with self._lock:
-            return self._due(key, now)
-
-    def _due(self, key: str, now: float) -> bool:
-        st = self._keys.get(key)
-        if st is None:
-            self._keys[key] = [now, now, 0]
-            while len(self._keys) > MAX_KEYS:
-                self._keys.popitem(last=False)
-            return True
+            st = self._keys.get(key)
+            if st is None:
+                self._keys[key] = [now, now, 0]
+                while len(self._keys) > MAX_KEYS:
+                    self._keys.popitem(last=False)
+                return True
         return self.interval is None or now >= st[1]
 
     def missed(self, key: str, now: float) -> bool:
         """``key`` was not there at ``now``; True when that makes another :data:`TIMEOUT_S` of waiting."""
         with self._lock:
-            return self._missed(key, now)
-
-    def _missed(self, key: str, now: float) -> bool:
-        st = self._keys.get(key)
-        if st is None:
-            st = self._keys[key] = [now, now, 0]
-        st[1] = now + (self.interval or 0.0)
-        n = int((now - st[0]) // TIMEOUT_S)
-        if n > st[2]:
+            st = self._keys.setdefault(key, [now, now, 0])
+            st[1] = now + (self.interval or 0.0)
+            n = int((now - st[0]) // TIMEOUT_S)
+            if n <= st[2]:
+                return False
             st[2] = n
             return True
-        return False
 
     def found(self, key: str, now: float) -> float:
         """``key`` was found: how long it was waited for (0 when this was its first ask); forgotten."""
