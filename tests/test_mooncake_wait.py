@@ -14,6 +14,7 @@ pytest.importorskip("vllm_omni")
 
 from omni_accum.integrations.vllm_omni import mooncake_connector as mc  # noqa: E402
 from omni_accum.integrations.vllm_omni import mooncake_wait as mw  # noqa: E402
+from omni_accum.integrations.vllm_omni.mooncake_wire import Encoder  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -78,7 +79,7 @@ def _connector(monkeypatch, poll: float | None, store: _Store, clock: _Clock):
 
 
 def _body(payload: dict) -> bytes:
-    return bytes(mc._Encoder({}).encode(payload))
+    return bytes(Encoder({}).encode(payload))
 
 
 def test_a_polling_get_asks_once_per_interval_and_never_waits(monkeypatch, caplog):

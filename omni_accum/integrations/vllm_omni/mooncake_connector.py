@@ -69,11 +69,18 @@ from typing import Any
 
 import torch
 from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorBase
-from vllm_omni.distributed.omni_connectors.utils import serialization as _ser
 
-from omni_accum.arena._common import DTYPES
-from omni_accum.integrations.vllm_omni.arena_chains import append_test, request_of, struct_map, tensor_ref
+from omni_accum.integrations.vllm_omni.arena_chains import append_test, request_of, struct_map
 from omni_accum.integrations.vllm_omni.mooncake_wait import TRIES, TRY_INTERVAL_S, KeyWaits, monotonic, parse_poll
+from omni_accum.integrations.vllm_omni.mooncake_wire import (
+    PART_SEP,
+    Buffer,
+    Decoder,
+    Encoder,
+    bytes_of,
+    fast_tensor,
+    read_parts,
+)
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
 
 logger = logging.getLogger("omni_accum.vllm_omni")
@@ -82,12 +89,6 @@ logger = logging.getLogger("omni_accum.vllm_omni")
 NAME = "OmniAccumMooncakeConnector"
 DEFAULT_BUFFER_BYTES = 16 << 20
 DEFAULT_TENSOR_MIN_BYTES = 256 << 10
-#: Key of a tensor's wire dict (vllm-omni's tensor encoding) listing its parts: ``[[part key, bytes], ...]``.
-IN_STORE = "__omni_accum_mooncake__"
-#: The separator of a part's key from its chunk's key (``<chunk key>#oa<nonce>.<tensor>.<part>``).
-PART_SEP = "#oa"
-#: At most this many parts per tensor are read (a reference naming more is malformed).
-MAX_PARTS = 1 << 16
 #: The released requests remembered (their later puts go serialized).
 MAX_RELEASED = 4096
 KNOWN_KEYS = ("mooncake_buffer_bytes", "mooncake_tensor_min_bytes", "mooncake_get_poll")
@@ -105,94 +106,6 @@ def _size(extra: Mapping[str, Any], key: str, default: int, minimum: int) -> int
     if n < minimum:
         raise ValueError(f"{NAME}: extra.{key} = {value!r} is {n} bytes, under the minimum of {minimum}")
     return n
-
-
-def _fast(t: Any) -> bool:
-    return (
-        isinstance(t, torch.Tensor)
-        and t.dtype in _DTYPE_NAMES
-        and t.layout is torch.strided
-        and not t.is_quantized
-        and not t.is_neg()
-        and not t.is_conj()
-        and t.numel() > 0
-    )
-
-
-_DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a CPU contiguous tensor, as a flat uint8 tensor over the same memory."""
-    return t.reshape(-1).view(torch.uint8)
-
-
-class _Encoder(_ser.OmniMsgpackEncoder):
-    """vllm-omni's payload encoding; a tensor in ``parts`` (by id) becomes a reference to its parts."""
-
-    def __init__(self, parts: dict[int, tuple[torch.Tensor, list[list[Any]]]]) -> None:
-        super().__init__()
-        self.parts = parts  # id(tensor) -> (its CPU contiguous copy or itself, [[part key, bytes], ...])
-
-    def _encode_tensor(self, tensor: torch.Tensor) -> dict[str, Any]:
-        hit = self.parts.get(id(tensor))
-        if hit is None:
-            return super()._encode_tensor(tensor)
-        return tensor_ref(hit[0], list(tensor.shape), IN_STORE, hit[1])
-
-
-class _Decoder(_ser.OmniMsgpackDecoder):
-    """vllm-omni's payload decoding; a referenced tensor comes out allocated, its parts to read in ``todo``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.prefix = ""
-        self.todo: list[tuple[torch.Tensor, list[tuple[str, int]]]] = []
-
-    def _decode_tensor(self, obj: dict[str, Any]) -> torch.Tensor:
-        parts = obj.get(IN_STORE)
-        if parts is None:
-            return super()._decode_tensor(obj)
-        dtype, shape = DTYPES.get(obj.get("dtype")), obj.get("shape")
-        if dtype is None or not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
-            raise ValueError(f"a tensor reference of dtype {obj.get('dtype')!r}, shape {shape!r}")
-        numel = 1
-        for n in shape:
-            numel *= n
-        if not isinstance(parts, list) or not 0 < len(parts) <= MAX_PARTS:
-            raise ValueError("a tensor reference without its parts")
-        checked: list[tuple[str, int]] = []
-        for p in parts:
-            if not (isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and type(p[1]) is int and p[1] > 0):
-                raise ValueError(f"a part {str(p)[:80]!r} is not [key, bytes]")
-            if not p[0].startswith(self.prefix):
-                raise ValueError(f"a part {p[0][:80]!r} is not one of this key's")
-            checked.append((p[0], p[1]))
-        if sum(n for _, n in checked) != numel * dtype.itemsize:
-            raise ValueError(f"the parts of a {obj['dtype']} tensor of shape {shape} do not add up to its bytes")
-        t = torch.empty(shape, dtype=dtype)
-        self.todo.append((t, checked))
-        return t
-
-
-class _Buffer:
-    """A staging buffer registered with the store (``register_buffer``), unregistered by :meth:`close`."""
-
-    def __init__(self, store: Any, nbytes: int) -> None:
-        self.store = store
-        self.mem = torch.empty(nbytes, dtype=torch.uint8)
-        self.ptr = self.mem.data_ptr()
-        self.nbytes = nbytes
-        rc = store.register_buffer(self.ptr, nbytes)
-        if rc != 0:
-            raise RuntimeError(f"register_buffer({nbytes} bytes) returned {rc}")
-
-    def close(self) -> None:
-        if self.store is not None:
-            try:
-                self.store.unregister_buffer(self.ptr)
-            finally:
-                self.store = None
 
 
 #: Set by :func:`.mooncake_compat.register_connector` (the plugin's activation, which registers this connector):
@@ -228,8 +141,8 @@ class MooncakeFastConnector(OmniConnectorBase):
         self.inner = cls(inner_cfg)
         self._tx_lock = threading.Lock()
         self._rx_lock = threading.Lock()
-        self._tx_buf: _Buffer | None = None
-        self._rx_buf: _Buffer | None = None
+        self._tx_buf: Buffer | None = None
+        self._rx_buf: Buffer | None = None
         self._no_buffer = False  # registration failed once: serialized from then on
         self._released: OrderedDict[str, None] = OrderedDict()
         #: ``(key path, value) -> bool``: the keys whose tensors take the fast path in a put that omni-accum's
@@ -290,12 +203,12 @@ class MooncakeFastConnector(OmniConnectorBase):
             self._warned.add(reason)
             logger.warning("omni-accum %s: %s (%s); that put or get goes 0.30.0's way", NAME, reason, str(e))
 
-    def _buffer(self, which: str) -> _Buffer | None:
+    def _buffer(self, which: str) -> Buffer | None:
         attr = "_tx_buf" if which == "tx" else "_rx_buf"
         buf = getattr(self, attr)
         if buf is None and not self._no_buffer and self.store is not None:
             try:
-                buf = _Buffer(self.store, self.buffer_bytes)
+                buf = Buffer(self.store, self.buffer_bytes)
             except Exception as e:  # noqa: BLE001 - no fast path in this process
                 self._no_buffer = True
                 self._fell_back("mooncake_register_error", e)
@@ -317,7 +230,7 @@ class MooncakeFastConnector(OmniConnectorBase):
         out: dict[int, torch.Tensor] = {}
 
         def pick(path: str, v: Any) -> None:
-            if _fast(v) and v.numel() * v.element_size() >= self.tensor_min_bytes and test(path, v):
+            if fast_tensor(v) and v.numel() * v.element_size() >= self.tensor_min_bytes and test(path, v):
                 out[id(v)] = v
 
         for top, value in as_map.items():
@@ -344,7 +257,7 @@ class MooncakeFastConnector(OmniConnectorBase):
             self.counts["inner_puts"] += 1
         return result
 
-    def _put(self, buf: _Buffer, from_stage: str, to_stage: str, put_key: str, data: Any,
+    def _put(self, buf: Buffer, from_stage: str, to_stage: str, put_key: str, data: Any,
              chosen: dict[int, torch.Tensor]) -> tuple[bool, int, dict[str, Any]]:  # fmt: skip
         key = self._make_key(put_key, from_stage, to_stage)
         nonce = secrets.token_hex(4)
@@ -355,7 +268,7 @@ class MooncakeFastConnector(OmniConnectorBase):
             t = (t if t.is_cpu else t.cpu()).contiguous()
             listed: list[list[Any]] = []
             parts[tid] = (t, listed)
-            flat = _bytes_of(t)
+            flat = bytes_of(t)
             n = flat.numel()
             for j, off in enumerate(range(0, n, buf.nbytes)):
                 ln = min(buf.nbytes, n - off)
@@ -390,7 +303,7 @@ class MooncakeFastConnector(OmniConnectorBase):
                     used = 0
 
             for t, listed in parts.values():
-                flat = _bytes_of(t)
+                flat = bytes_of(t)
                 if flat.numel() > buf.nbytes and self._register(flat):
                     # larger than the staging buffer: its own memory registered for this call, no copy
                     flush()
@@ -410,7 +323,7 @@ class MooncakeFastConnector(OmniConnectorBase):
                     off += ln
             flush()
             t1 = monotonic()
-            body = _Encoder(parts).encode(data)
+            body = Encoder(parts).encode(data)
             rc = self.store.put(key, body, self._part_pin())
             if not (rc is None or rc == 0 or rc is True):
                 raise _PutFailed(f"put of the payload's {len(body)} bytes returned {rc!r}")
@@ -490,7 +403,7 @@ class MooncakeFastConnector(OmniConnectorBase):
 
     def _decode(self, key: str, raw: bytes, t0: float) -> tuple[Any, int] | None:
         t1 = monotonic()
-        dec = _Decoder()
+        dec = Decoder()
         dec.prefix = key + PART_SEP
         obj = dec.decode(raw)
         self.inner._metrics["gets"] += 1
@@ -554,46 +467,7 @@ class MooncakeFastConnector(OmniConnectorBase):
         buf = self._buffer("rx")
         if buf is None:
             raise RuntimeError("no registered buffer to read into")
-        plan = []  # (part key, destination bytes, offset, length)
-        total = 0
-        for t, parts in todo:
-            flat = _bytes_of(t)
-            if flat.numel() > buf.nbytes and self._register(flat):
-                # larger than the receive buffer: read straight into the tensor's own (registered) memory
-                try:
-                    offs = [0]
-                    for _, ln in parts[:-1]:
-                        offs.append(offs[-1] + ln)
-                    got = self.store.batch_get_into([pk for pk, _ in parts], [flat.data_ptr() + o for o in offs],
-                                                    [ln for _, ln in parts])  # fmt: skip
-                finally:
-                    self._unregister(flat)
-                for (pk, ln), rc in zip(parts, got):
-                    if rc != ln:
-                        raise RuntimeError(f"batch_get_into of part {pk} ({ln} bytes) returned {rc}")
-                total += flat.numel()
-                continue
-            off = 0
-            for pk, ln in parts:
-                if ln > buf.nbytes:
-                    raise RuntimeError(f"part {pk} has {ln} bytes, more than the {buf.nbytes}-byte buffer")
-                plan.append((pk, flat, off, ln))
-                off += ln
-        k = 0
-        while k < len(plan):
-            batch, used = [], 0
-            while k < len(plan) and used + plan[k][3] <= buf.nbytes:
-                batch.append((plan[k], used))
-                used += plan[k][3]
-                k += 1
-            got = self.store.batch_get_into([p[0] for p, _ in batch], [buf.ptr + u for _, u in batch],
-                                            [p[3] for p, _ in batch])  # fmt: skip
-            for ((pk, flat, off, ln), u), rc in zip(batch, got):
-                if rc != ln:
-                    raise RuntimeError(f"batch_get_into of part {pk} ({ln} bytes) returned {rc}")
-                flat[off : off + ln].copy_(buf.mem[u : u + ln])
-            total += used
-        return total
+        return read_parts(self.store, buf, todo, self._register, self._unregister)
 
     # ------------------------------------------------------------------ the rest of the interface
     def cleanup(self, request_id: str) -> None:
