@@ -82,34 +82,57 @@ def _body(payload: dict) -> bytes:
     return bytes(Encoder({}).encode(payload))
 
 
-def test_a_polling_get_asks_once_per_interval_and_never_waits(monkeypatch, caplog):
+def test_a_polling_get_asks_once_per_interval_and_sleeps_only_while_no_key_is_due(monkeypatch, caplog):
     store, clock = _Store(_body({"meta": {"finished": False}, "ids": [1, 2, 3]})), _Clock()
     conn, sleeps = _connector(monkeypatch, 0.002, store, clock)
-    assert conn.get("0", "1", "rq_0_0") is None and store.asks == 1
-    # within the interval: no ask, at once
-    clock.now += 0.001
-    assert conn.get("0", "1", "rq_0_0") is None and store.asks == 1
+    assert conn.get("0", "1", "rq_0_0") is None and store.asks == 1  # due again at 100.002
     # another key is asked for at once (nothing waits behind the first)
+    clock.now += 0.001
+    assert conn.get("0", "1", "rq2_0_0") is None and store.asks == 2 and sleeps == []  # due at 100.003
+    # no key is due: the call sleeps until the soonest is (rq's), then asks nothing (its own is not due yet)
+    clock.now += 0.0005
     assert conn.get("0", "1", "rq2_0_0") is None and store.asks == 2
-    clock.now += 0.0015
+    assert sleeps == [pytest.approx(0.0005)] and clock.now == pytest.approx(100.002)
     store.ready = True
-    got = conn.get("0", "1", "rq_0_0")
+    got = conn.get("0", "1", "rq_0_0")  # due now: asked at once
     assert store.asks == 3 and got is not None and got[0]["ids"] == [1, 2, 3] and got[1] == len(store.body)
-    assert sleeps == [] and conn.counts["inner_gets"] == 1 and conn.inner._metrics["timeouts"] == 0
+    assert len(sleeps) == 1 and conn.counts["inner_gets"] == 1 and conn.inner._metrics["timeouts"] == 0
     assert len(conn.waits) == 1  # the found key is forgotten; rq2's still waits
-
-    # a key waited for: one timeout (and the key named) per second of waiting, as 0.30.0's 20 tries count one
+    # the sleep ends when the caller's own key is due: then it is asked in the same call
     store.ready = False
+    clock.now += 0.0004
+    assert conn.get("0", "1", "rq2_0_0") is None and store.asks == 4
+    assert sleeps[-1] == pytest.approx(0.0006) and clock.now == pytest.approx(100.003)
+
+    # a key waited for, its caller retrying every 0.5 ms: about one ask per 2 ms, one timeout (and the key
+    # named) per second of waiting, as 0.30.0's 20 tries count one; every sleep within the interval
+    clock.now += 1.0  # rq2 given up long ago
+    start, asks = clock.now, store.asks
     with caplog.at_level(logging.WARNING):
-        for _ in range(2100):
+        while clock.now < start + 2.1:
             conn.get("0", "1", "rq3_0_0")
-            clock.now += 0.001
+            clock.now += 0.0005
     assert conn.inner._metrics["timeouts"] == 2
     assert [r.getMessage() for r in caplog.records if "timeout waiting" in r.getMessage()] == [
         "OmniAccumMooncakeConnector: timeout waiting for rq3_0_0@0_1"
     ] * 2
-    assert 700 <= store.asks - 3 <= 1100  # about one ask per 2 ms, not one per call
-    assert sleeps == []
+    assert 1000 <= store.asks - asks <= 1060
+    assert all(0 < s <= 0.002 for s in sleeps[2:]) and len(sleeps) > 500
+
+
+def test_a_pause_is_until_the_soonest_key_asked_for_lately():
+    w = mw.KeyWaits(0.01)
+    assert w.pause(0.0) == 0.0  # nothing asked for
+    assert w.due("a", 0.0) and not w.missed("a", 0.0)  # a: due again at 0.01
+    assert w.pause(0.004) == pytest.approx(0.006)
+    assert w.due("b", 0.005) and not w.missed("b", 0.005)  # b: at 0.015
+    assert w.pause(0.006) == pytest.approx(0.004)  # a's, the soonest
+    assert w.pause(0.011) == 0.0  # a may be asked now
+    # a given up (never asked again): once it was last asked for more than RECENT_S ago it holds nothing back
+    assert w.due("b", 0.015) and not w.missed("b", 0.25)  # b: at 0.26
+    assert w.pause(0.255) == pytest.approx(0.005)
+    assert w.pause(0.5) == 0.0  # b not asked for lately either
+    assert mw.KeyWaits(None).pause(0.0) == 0.0  # blocking: the get waits in its own tries
 
 
 def test_a_blocking_get_is_0_30_0s_twenty_tries(monkeypatch):

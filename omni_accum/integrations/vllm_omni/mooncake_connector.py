@@ -13,7 +13,7 @@ Select it in a deploy YAML in place of ``MooncakeStoreConnector`` (the same ``ex
           localbuf: 268435456
           mooncake_buffer_bytes: 16MiB       # registered staging buffer per direction, and the largest part (default)
           mooncake_tensor_min_bytes: 256KiB  # smaller tensors stay in the serialized payload (default 256KiB)
-          mooncake_get_poll: 2ms             # how a get waits for a key not there yet (default blocking: 0.30.0's)
+          mooncake_get_poll: 10ms            # how a get waits for a key not there yet (default blocking: 0.30.0's)
 
 0.30.0's connector serializes the whole payload (msgpack, every tensor's bytes copied into the message),
 ``put`` s it as one object, and the receiver ``get`` s the bytes and decodes them (another copy). For the
@@ -24,21 +24,19 @@ tensors of keys the sending policy appends (the prefill's ``[P+1, 2048]`` embedd
   staging buffer (``MooncakeDistributedStore.register_buffer``) and stored from it as objects of their own
   (``batch_put_from``); a tensor larger than the buffer has its own memory registered for the call instead
   (no copy; through the staging buffer, one buffer-full per call, if that fails) and goes as parts of at
-  most the buffer's size (objects stay small enough for any segment;
-  in this process's own segment when it contributes one, ``segment`` > 0: the put is a local copy);
-  the rest of the payload is serialized as 0.30.0 does, each such tensor replaced by a reference naming
-  its parts, and ``put`` last under the chunk's key: a receiver that finds the key finds every part;
-* receiving, the payload is decoded with vllm-omni's own decoder, each referenced tensor allocated and
-  its parts read with ``batch_get_into`` into the registered receive buffer and copied into it (one copy;
-  a tensor larger than the buffer is registered itself and read into directly),
-  then the key and its parts are removed from the store (0.30.0 leaves every object soft-pinned; its own
-  puts stay so here too).
+  most the buffer's size (objects stay small enough for any segment; in this process's own segment when it
+  contributes one, ``segment`` > 0: the put is a local copy); the rest of the payload is serialized as 0.30.0
+  does, each such tensor replaced by a reference naming its parts (:mod:`.mooncake_wire`), and ``put`` last
+  under the chunk's key: a receiver that finds the key finds every part;
+* receiving, the payload is decoded with vllm-omni's own decoder, each referenced tensor allocated and its
+  parts read with ``batch_get_into`` into the registered receive buffer and copied into it (one copy; a tensor
+  larger than the buffer is registered itself and read into directly), then the key and its parts are
+  removed from the store (0.30.0 leaves every object soft-pinned; its own puts stay so here too).
 
 The values that come out are those 0.30.0's connector gives: the same dtypes, shapes and bytes.
 
 A get waits for a key as 0.30.0's does (20 tries 50 ms apart, in the call) unless ``mooncake_get_poll`` names an
-interval: then one ask per call, at most one per interval per key (:mod:`.mooncake_wait`). Each fast put and get
-logs what its phases took (INFO) and adds them to ``health()["fast_seconds"]``.
+interval (:mod:`.mooncake_wait`). Each fast put and get logs its phases (INFO), summed in ``health()["fast_seconds"]``.
 
 Which tensors: within omni-accum's send hook, those of the keys the sending policy appends (as the arena
 connector's append chains); outside it (a benchmark, a test), the keys ``append_test(path, value)`` says.
@@ -380,8 +378,9 @@ class MooncakeFastConnector(OmniConnectorBase):
         return None
 
     def _poll(self, key: str) -> tuple[Any, int] | None:
-        """``mooncake_get_poll``: ask the store at most once per interval for ``key``, never wait (:mod:`.mooncake_wait`)."""
-        if not self.waits.due(key, monotonic()):
+        """``mooncake_get_poll``: ask the store at most once per interval for ``key``; sleep only while no key asked
+        for lately is due (:mod:`.mooncake_wait`)."""
+        if not self.waits.turn(key, monotonic, time.sleep):
             return None
         got = self._try(key, 0)
         if got is None and self.waits.missed(key, monotonic()):

@@ -11,8 +11,12 @@ next try.
 
 * ``blocking`` (the default): 0.30.0's 20 tries 50 ms apart within the call;
 * a duration (``5ms``, ``0.002s``, a number of seconds; at most 1 s): one try per call, and a key is asked for at
-  most once per that interval (a call in between returns None at once, asking nothing), so the caller's loop
-  goes round every waiting request and a chunk is found within about that interval of its put.
+  most once per that interval, so the caller's loop goes round every waiting request and a chunk is found
+  within about that interval of its put. A call in between asks nothing; when no key asked for lately
+  (within :data:`RECENT_S`, or ten intervals if longer) may be asked yet, it first sleeps until the soonest may
+  (never longer than the interval), then asks if its own key is due, else returns None. Nothing could be asked
+  sooner, and the callers' loops, which retry after 1-5 ms, do not wake hundreds of times a second to find
+  nothing due (CPU that the stage's model needs on a busy host).
 
 Either way a key is counted in the connector's ``timeouts`` (and logged with the key, as 0.30.0 does) each
 time it has been waited for another :data:`TIMEOUT_S` seconds.
@@ -24,6 +28,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 #: 0.30.0's wait within one get: 20 tries, 50 ms apart.
@@ -35,6 +40,9 @@ TIMEOUT_S = 1.0
 MAX_POLL_S = 1.0
 #: Keys remembered (the oldest forgotten first: a request given up leaves its key here).
 MAX_KEYS = 4096
+#: A key asked for within this long (or ten intervals, if longer) holds a call back until it is due; one no
+#: longer asked for (its request given up or taken elsewhere) stops counting after it.
+RECENT_S = 0.1
 BLOCKING = "blocking"
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$", re.IGNORECASE)
@@ -84,11 +92,41 @@ class KeyWaits:
         with self._lock:
             st = self._keys.setdefault(key, [now, now, 0])
             st[1] = now + (self.interval or 0.0)
+            self._keys.move_to_end(key)  # most lately asked last (:meth:`pause`)
             n = int((now - st[0]) // TIMEOUT_S)
             if n <= st[2]:
                 return False
             st[2] = n
             return True
+
+    def turn(self, key: str, clock: Callable[[], float], sleep: Callable[[float], Any]) -> bool:
+        """Whether the store may be asked for ``key`` now. When neither it nor any key asked for lately may be,
+        first ``sleep`` until the soonest may (:meth:`pause`: nothing could be asked sooner), then say whether
+        ``key`` may."""
+        now = clock()
+        if self.due(key, now):
+            return True
+        pause = self.pause(now)
+        if pause <= 0:
+            return False
+        sleep(pause)
+        return self.due(key, clock())
+
+    def pause(self, now: float) -> float:
+        """Seconds until a key asked for lately may be asked again, at most the interval: 0 when one may be now,
+        when none was asked for lately, or when blocking."""
+        if self.interval is None:
+            return 0.0
+        recent = max(RECENT_S, 10 * self.interval)
+        soonest: float | None = None
+        with self._lock:
+            for st in reversed(self._keys.values()):
+                if now - (st[1] - self.interval) > recent:
+                    break  # asked for longer ago, as was every key before it
+                if st[1] <= now:
+                    return 0.0
+                soonest = st[1] - now if soonest is None else min(soonest, st[1] - now)
+        return 0.0 if soonest is None else min(soonest, self.interval)
 
     def found(self, key: str, now: float) -> float:
         """``key`` was found: how long it was waited for (0 when this was its first ask); forgotten."""
