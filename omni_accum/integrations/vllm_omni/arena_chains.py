@@ -57,11 +57,11 @@ def struct_map(obj: Any) -> dict[str, Any] | None:
 _NO_DEFAULT = object()
 
 
-def _chainable(t: Any) -> bool:
+def plain_tensor(t: Any) -> bool:
+    """A non-empty dense tensor of a dtype the wire names, whose bytes are its values (not quantized, no lazy
+    negation or conjugation): its bytes can be moved as they are."""
     return (
         isinstance(t, torch.Tensor)
-        and t.dim() >= 1
-        and t.shape[0] > 0
         and t.dtype in DTYPE_NAMES
         and t.layout is torch.strided
         and not t.is_quantized
@@ -69,6 +69,10 @@ def _chainable(t: Any) -> bool:
         and not t.is_conj()
         and t.numel() > 0
     )
+
+
+def _chainable(t: Any) -> bool:
+    return plain_tensor(t) and t.dim() >= 1 and t.shape[0] > 0
 
 
 def chain_payload(

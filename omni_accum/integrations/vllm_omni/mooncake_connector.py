@@ -68,7 +68,7 @@ from typing import Any
 import torch
 from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorBase
 
-from omni_accum.integrations.vllm_omni.arena_chains import append_test, request_of, struct_map
+from omni_accum.integrations.vllm_omni.arena_chains import append_test, plain_tensor, request_of, struct_map
 from omni_accum.integrations.vllm_omni.mooncake_wait import TRIES, TRY_INTERVAL_S, KeyWaits, monotonic, parse_poll
 from omni_accum.integrations.vllm_omni.mooncake_wire import (
     PART_SEP,
@@ -76,7 +76,6 @@ from omni_accum.integrations.vllm_omni.mooncake_wire import (
     Decoder,
     Encoder,
     bytes_of,
-    fast_tensor,
     read_parts,
 )
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
@@ -228,7 +227,7 @@ class MooncakeFastConnector(OmniConnectorBase):
         out: dict[int, torch.Tensor] = {}
 
         def pick(path: str, v: Any) -> None:
-            if fast_tensor(v) and v.numel() * v.element_size() >= self.tensor_min_bytes and test(path, v):
+            if plain_tensor(v) and v.numel() * v.element_size() >= self.tensor_min_bytes and test(path, v):
                 out[id(v)] = v
 
         for top, value in as_map.items():

@@ -29,21 +29,6 @@ PART_SEP = "#oa"
 MAX_PARTS = 1 << 16
 
 
-def fast_tensor(t: Any) -> bool:
-    return (
-        isinstance(t, torch.Tensor)
-        and t.dtype in DTYPE_NAMES
-        and t.layout is torch.strided
-        and not t.is_quantized
-        and not t.is_neg()
-        and not t.is_conj()
-        and t.numel() > 0
-    )
-
-
-DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
-
-
 def bytes_of(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a CPU contiguous tensor, as a flat uint8 tensor over the same memory."""
     return t.reshape(-1).view(torch.uint8)
