@@ -68,7 +68,8 @@ from typing import Any
 import torch
 from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorBase
 
-from omni_accum.integrations.vllm_omni.arena_chains import append_test, plain_tensor, request_of, struct_map
+from omni_accum.integrations.vllm_omni.arena_chains import append_test, cpu_contiguous, plain_tensor, request_of
+from omni_accum.integrations.vllm_omni.arena_chains import struct_map
 from omni_accum.integrations.vllm_omni.mooncake_wait import TRIES, TRY_INTERVAL_S, KeyWaits, monotonic, parse_poll
 from omni_accum.integrations.vllm_omni.mooncake_wire import (
     PART_SEP,
@@ -259,10 +260,9 @@ class MooncakeFastConnector(OmniConnectorBase):
         key = self._make_key(put_key, from_stage, to_stage)
         nonce = secrets.token_hex(4)
         parts: dict[int, tuple[torch.Tensor, list[list[Any]]]] = {}
-        plan: list[tuple[str, torch.Tensor, int, int]] = []  # (part key, tensor bytes, offset, length)
+        plan: list[str] = []  # the part keys, in order
         for i, (tid, tensor) in enumerate(chosen.items()):
-            t = tensor.detach()
-            t = (t if t.is_cpu else t.cpu()).contiguous()
+            t = cpu_contiguous(tensor)
             listed: list[list[Any]] = []
             parts[tid] = (t, listed)
             flat = bytes_of(t)
@@ -271,7 +271,7 @@ class MooncakeFastConnector(OmniConnectorBase):
                 ln = min(buf.nbytes, n - off)
                 pk = f"{key}{PART_SEP}{nonce}.{i}.{j}"
                 listed.append([pk, ln])
-                plan.append((pk, flat, off, ln))
+                plan.append(pk)
         done: list[str] = []
         calls = 0
         pin = self._part_pin()
@@ -347,7 +347,7 @@ class MooncakeFastConnector(OmniConnectorBase):
         if self.counts["fast_puts"] == 1:
             logger.info("omni-accum %s: first put through registered buffers (%d tensor(s), %d part(s), %d bytes)",
                         NAME, len(parts), len(plan), n)
-        return True, n, {"mooncake_parts": [p[0] for p in plan], "size": n}
+        return True, n, {"mooncake_parts": plan, "size": n}
 
     def release_request(self, external_req_id: str) -> None:
         """The sending side is done with ``external_req_id``: its later puts go serialized (a put in progress
