@@ -331,6 +331,8 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
         }
     )
     env.update(arm.env)
+    if args.idle_spin_s is not None:  # the harness's CPU platform package caps vLLM's busy loop (every arm alike)
+        env["OMNI_ACCUM_E2E_IDLE_SPIN_S"] = repr(float(args.idle_spin_s))
     if args.capture:  # every stage process records what passes through omni-accum (omni-accum trace / tune --trace)
         env["OMNI_ACCUM_CAPTURE"] = str(Path(args.capture).resolve() / arm_dir.name)
     # The benchmark client loads vllm-omni's plugins too: keep omni-accum out of it (and out of the
@@ -594,6 +596,18 @@ def main(argv: list[str] | None = None) -> int:
         "folders (build_model.py run with that virtualenv's python) and its config format / folder "
         "(default: the virtualenv of the python running this script, 0.30's configs)",
     )
+    ap.add_argument(
+        "--idle-spin-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="every arm's server: vLLM's shared-memory message-queue readers busy-loop at most S seconds after a "
+        "message before they sleep on its notification (vLLM 0.30.0 spins 1 s, sched_yield in a loop: each engine "
+        "core while its worker computes, each worker between steps; on a GPU server they have cores to spare, on "
+        "2 cores they take a third of the CPU from the stages' work and hand-offs). 0: sleep at once. Done by the "
+        "harness's CPU platform package (OMNI_ACCUM_E2E_IDLE_SPIN_S), the same for every arm, off included; "
+        "omni-accum plays no part. Default: vLLM's own",
+    )
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--bench-timeout", type=float, default=3600.0)
@@ -675,8 +689,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(e))
         if args.smoke:
             ap.error("--kill-stage needs the benchmark (it kills the stage while the benchmark runs): drop --smoke")
-    for opt in ("sample_every_s", "warmup_s", "duration_s", "kill_after_s"):
-        if getattr(args, opt) < 0:
+    for opt in ("sample_every_s", "warmup_s", "duration_s", "kill_after_s", "idle_spin_s"):
+        if getattr(args, opt) is not None and not getattr(args, opt) >= 0:
             ap.error(f"--{opt.replace('_', '-')}: {getattr(args, opt)} is negative (seconds, 0 or more)")
     try:
         args.concurrency = positive_ints(args.concurrency, "--concurrency")

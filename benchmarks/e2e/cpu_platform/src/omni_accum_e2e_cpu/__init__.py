@@ -9,6 +9,10 @@ the same approach as the open upstream PR vllm-project/vllm-omni#4665 ("Allow vl
 
 It activates only when vLLM itself runs on its CPU platform (and ``OMNI_ACCUM_E2E_CPU_PLATFORM`` is
 not ``0``).
+
+``idle_spin_plugin`` (entry point group ``vllm.general_plugins``, loaded by vLLM in the API server, every
+engine core and every worker) shortens vLLM's shared-memory message-queue busy loop when
+``OMNI_ACCUM_E2E_IDLE_SPIN_S`` is set (``run.py --idle-spin-s``); unset, vLLM's own (1 s) stays.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import os
 
 PLATFORM = "omni_accum_e2e_cpu.platform.CPUOmniPlatform"
+IDLE_SPIN_ENV = "OMNI_ACCUM_E2E_IDLE_SPIN_S"
 
 
 def cpu_omni_platform_plugin() -> str | None:
@@ -27,3 +32,63 @@ def cpu_omni_platform_plugin() -> str | None:
         return PLATFORM if current_platform.is_cpu() else None
     except Exception:  # noqa: BLE001 - detection must never fail vllm-omni
         return None
+
+
+def idle_spin_s() -> float | None:
+    """``OMNI_ACCUM_E2E_IDLE_SPIN_S`` as seconds (0 or more); None when unset. A bad value raises ValueError."""
+    raw = os.environ.get(IDLE_SPIN_ENV, "").strip()
+    if not raw:
+        return None
+    value = float(raw)
+    if not value >= 0:  # also NaN
+        raise ValueError(f"{IDLE_SPIN_ENV}={raw!r}: seconds, 0 or more")
+    return value
+
+
+def idle_spin_plugin() -> None:
+    """Cap how long vLLM's shared-memory message-queue readers busy-loop after each message.
+
+    vLLM 0.30.0's ``SpinCondition.wait`` (``vllm/distributed/device_communicators/shm_broadcast.py``) makes
+    a reader call ``sched_yield()`` in a loop for ``busy_loop_s`` (1 s, not configurable) after every read
+    before it sleeps on the writer's zmq notification: each engine core spins while its worker computes a
+    step, each worker between steps. On a GPU server those processes have cores to spare; on a 2-core
+    machine running three stages they are a third of the load, and every copy of a stage hand-off waits
+    behind them. With ``OMNI_ACCUM_E2E_IDLE_SPIN_S=S`` a reader spins at most S seconds (0: it sleeps on
+    the notification at once; the writer notifies on every message, so nothing is missed). The same in
+    every arm of a run; omni-accum plays no part in it.
+    """
+    try:
+        cap = idle_spin_s()
+    except ValueError as e:
+        import logging
+
+        logging.getLogger("vllm.omni_accum_e2e_cpu").warning("%s; vLLM's own busy loop stays", e)
+        return
+    if cap is None:
+        return
+    try:
+        from vllm.distributed.device_communicators import shm_broadcast
+    except Exception:  # noqa: BLE001 - never fail vLLM's start over a harness knob
+        return
+    cls = getattr(shm_broadcast, "SpinCondition", None)
+    if cls is None or not callable(getattr(cls, "wait", None)):
+        return  # a vLLM without it (0.16's readers spin differently): nothing to cap
+    if getattr(cls, "_omni_accum_e2e_idle_spin_s", None) is not None:
+        cls._omni_accum_e2e_idle_spin_s = cap
+        return
+    wait = cls.wait
+
+    def capped_wait(self, *args, **kwargs):
+        if getattr(self, "is_reader", False):
+            self.busy_loop_s = min(self.busy_loop_s, type(self)._omni_accum_e2e_idle_spin_s)
+        return wait(self, *args, **kwargs)
+
+    cls._omni_accum_e2e_idle_spin_s = cap
+    cls.wait = capped_wait
+    import logging
+
+    # under vLLM's logger, so that the line lands in the server log with the process's name
+    logging.getLogger("vllm.omni_accum_e2e_cpu").info(
+        "omni-accum e2e: vLLM's message-queue readers busy-loop at most %g s (%s=%s, pid %d)",
+        cap, IDLE_SPIN_ENV, os.environ.get(IDLE_SPIN_ENV), os.getpid(),
+    )

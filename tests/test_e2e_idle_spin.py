@@ -1,0 +1,105 @@
+"""The e2e harness's idle-spin cap (``run.py --idle-spin-s``): the CPU platform package's ``vllm.general_plugins``
+hook against vLLM's real ``SpinCondition`` (shared-memory message queue readers)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import require_module
+
+SRC = Path(__file__).resolve().parent.parent / "benchmarks" / "e2e" / "cpu_platform" / "src"
+
+
+@pytest.fixture()
+def e2e_cpu(monkeypatch):
+    monkeypatch.syspath_prepend(str(SRC))
+    sys.modules.pop("omni_accum_e2e_cpu", None)
+    import omni_accum_e2e_cpu
+
+    yield omni_accum_e2e_cpu
+    sys.modules.pop("omni_accum_e2e_cpu", None)
+
+
+@pytest.fixture()
+def spin(monkeypatch):
+    """vLLM's shm_broadcast module, its SpinCondition restored after the test, sched_yield counted."""
+    sb = require_module("vllm.distributed.device_communicators.shm_broadcast", "vLLM's message queue")
+    cls = getattr(sb, "SpinCondition", None)
+    if cls is None:
+        pytest.skip(f"this vLLM ({sys.modules['vllm'].__version__}) has no SpinCondition: the cap does nothing here")
+    monkeypatch.setattr(cls, "wait", cls.wait)
+    monkeypatch.setattr(cls, "_omni_accum_e2e_idle_spin_s", None, raising=False)
+    yields = []
+    monkeypatch.setattr(sb, "sched_yield", lambda: yields.append(1))
+    return sb, yields
+
+
+def _reader(sb):
+    import zmq
+    from vllm.utils.network_utils import get_open_zmq_ipc_path
+
+    ctx = zmq.Context()
+    addr = get_open_zmq_ipc_path()
+    writer = sb.SpinCondition(is_reader=False, context=ctx, notify_address=addr)
+    reader = sb.SpinCondition(is_reader=True, context=ctx, notify_address=addr)
+    return ctx, writer, reader
+
+
+def test_without_the_variable_vllms_busy_loop_stays(e2e_cpu, spin, monkeypatch):
+    sb, yields = spin
+    monkeypatch.delenv(e2e_cpu.IDLE_SPIN_ENV, raising=False)
+    before = sb.SpinCondition.wait
+    e2e_cpu.idle_spin_plugin()
+    assert sb.SpinCondition.wait is before
+    ctx, writer, reader = _reader(sb)
+    try:
+        reader.wait(timeout_ms=0)  # just made: within vLLM's 1 s busy loop, it yields and returns
+        assert yields == [1] and reader.busy_loop_s == 1
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_zero_cap_makes_a_reader_sleep_on_the_notification_at_once_and_miss_nothing(e2e_cpu, spin, monkeypatch):
+    sb, yields = spin
+    monkeypatch.setenv(e2e_cpu.IDLE_SPIN_ENV, "0")
+    e2e_cpu.idle_spin_plugin()
+    e2e_cpu.idle_spin_plugin()  # loaded twice in one process (vLLM and vllm-omni both load plugins): one wrapper
+    assert sb.SpinCondition._omni_accum_e2e_idle_spin_s == 0.0
+    ctx, writer, reader = _reader(sb)
+    polls = []
+    real_poll = reader.poller.poll
+    reader.poller.poll = lambda timeout=None: polls.append(timeout) or real_poll(timeout)
+    try:
+        reader.wait(timeout_ms=0)
+        assert yields == [] and polls == [0] and reader.busy_loop_s == 0  # no spin: straight to the poller
+        for _ in range(100):  # zmq's SUB joins late: notify until one reaches the reader
+            writer.notify()
+            if reader.local_notify_socket.poll(50):
+                break
+        else:
+            pytest.fail("no notification reached the reader")
+        reader.wait(timeout_ms=1000)
+        assert reader.local_notify_socket.poll(0) == 0  # the wait took the writer's notification
+        assert yields == [] and len(polls) == 2
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("bad", ["-1", "soon", "nan"])
+def test_a_bad_value_is_named_and_leaves_vllms_loop_alone(e2e_cpu, spin, monkeypatch, bad, caplog):
+    sb, _ = spin
+    monkeypatch.setenv(e2e_cpu.IDLE_SPIN_ENV, bad)
+    before = sb.SpinCondition.wait
+    with pytest.raises(ValueError):
+        e2e_cpu.idle_spin_s()
+    e2e_cpu.idle_spin_plugin()  # never fails vLLM's start
+    assert sb.SpinCondition.wait is before
+
+
+def test_the_harness_package_declares_the_hook_in_vllms_plugin_group():
+    text = (SRC.parent / "pyproject.toml").read_text()
+    assert '[project.entry-points."vllm.general_plugins"]' in text
+    assert 'omni_accum_e2e_idle_spin = "omni_accum_e2e_cpu:idle_spin_plugin"' in text
