@@ -103,3 +103,33 @@ def test_the_harness_package_declares_the_hook_in_vllms_plugin_group():
     text = (SRC.parent / "pyproject.toml").read_text()
     assert '[project.entry-points."vllm.general_plugins"]' in text
     assert 'omni_accum_e2e_idle_spin = "omni_accum_e2e_cpu:idle_spin_plugin"' in text
+
+
+@pytest.mark.parametrize("cap", [0.0, 30.0])
+def test_vllm_016s_spin_timer_sleeps_between_looks_once_past_the_cap(e2e_cpu, spin, monkeypatch, cap):
+    """vLLM 0.16.0's readers have no notification (``SpinTimer``: sched_yield until a message comes): past the cap
+    they sleep ``POLL_S`` between looks; within it, after a message, they still spin. Its class as in 0.16.0."""
+    sb, yields = spin
+    monkeypatch.delattr(sb, "SpinCondition")
+
+    class SpinTimer:  # vllm 0.16.0, shm_broadcast.py
+        def record_activity(self):
+            pass
+
+        def spin(self):
+            sb.sched_yield()
+
+    monkeypatch.setattr(sb, "SpinTimer", SpinTimer, raising=False)
+    sleeps = []
+    monkeypatch.setattr(e2e_cpu.time, "sleep", sleeps.append)
+    monkeypatch.setenv(e2e_cpu.IDLE_SPIN_ENV, repr(cap))
+    e2e_cpu.idle_spin_plugin()
+    t = SpinTimer()
+    t.spin()  # no message read yet: idle
+    assert sleeps == [e2e_cpu.POLL_S] and yields == []
+    t.record_activity()
+    t.spin()  # right after a message
+    if cap:
+        assert yields == [1] and len(sleeps) == 1
+    else:
+        assert yields == [] and len(sleeps) == 2

@@ -18,9 +18,11 @@ engine core and every worker) shortens vLLM's shared-memory message-queue busy l
 from __future__ import annotations
 
 import os
+import time
 
 PLATFORM = "omni_accum_e2e_cpu.platform.CPUOmniPlatform"
 IDLE_SPIN_ENV = "OMNI_ACCUM_E2E_IDLE_SPIN_S"
+POLL_S = 0.0005  # vLLM 0.16.0's idle readers, capped: how often they look for a message
 
 
 def cpu_omni_platform_plugin() -> str | None:
@@ -54,8 +56,9 @@ def idle_spin_plugin() -> None:
     step, each worker between steps. On a GPU server those processes have cores to spare; on a 2-core
     machine running three stages they are a third of the load, and every copy of a stage hand-off waits
     behind them. With ``OMNI_ACCUM_E2E_IDLE_SPIN_S=S`` a reader spins at most S seconds (0: it sleeps on
-    the notification at once; the writer notifies on every message, so nothing is missed). The same in
-    every arm of a run; omni-accum plays no part in it.
+    the notification at once; the writer notifies on every message, so nothing is missed). vLLM 0.16.0's
+    readers (``SpinTimer``) spin until a message comes and have no notification: past S seconds they sleep
+    ``POLL_S`` between looks. The same in every arm of a run; omni-accum plays no part in it.
     """
     try:
         cap = idle_spin_s()
@@ -71,11 +74,28 @@ def idle_spin_plugin() -> None:
     except Exception:  # noqa: BLE001 - never fail vLLM's start over a harness knob
         return
     cls = getattr(shm_broadcast, "SpinCondition", None)
-    if cls is None or not callable(getattr(cls, "wait", None)):
-        return  # a vLLM without it (0.16's readers spin differently): nothing to cap
-    if getattr(cls, "_omni_accum_e2e_idle_spin_s", None) is not None:
-        cls._omni_accum_e2e_idle_spin_s = cap
-        return
+    if cls is not None and callable(getattr(cls, "wait", None)):
+        how = _cap_spin_condition(cls, cap)
+    elif callable(getattr(getattr(shm_broadcast, "SpinTimer", None), "spin", None)):
+        how = _cap_spin_timer(shm_broadcast, cap)
+    else:
+        return  # a vLLM with neither: nothing to cap
+    if how:
+        import logging
+
+        # under vLLM's logger, so that the line lands in the server log with the process's name
+        logging.getLogger("vllm.omni_accum_e2e_cpu").info(
+            "omni-accum e2e: vLLM's message-queue readers busy-loop at most %g s, then %s (%s=%s, pid %d)",
+            cap, how, IDLE_SPIN_ENV, os.environ.get(IDLE_SPIN_ENV), os.getpid(),
+        )  # fmt: skip
+
+
+def _cap_spin_condition(cls, cap: float) -> str:
+    """vLLM 0.30.0: a reader past ``busy_loop_s`` sleeps on the writer's notification; cap ``busy_loop_s``."""
+    first = getattr(cls, "_omni_accum_e2e_idle_spin_s", None) is None
+    cls._omni_accum_e2e_idle_spin_s = cap
+    if not first:
+        return ""
     wait = cls.wait
 
     def capped_wait(self, *args, **kwargs):
@@ -83,12 +103,29 @@ def idle_spin_plugin() -> None:
             self.busy_loop_s = min(self.busy_loop_s, type(self)._omni_accum_e2e_idle_spin_s)
         return wait(self, *args, **kwargs)
 
-    cls._omni_accum_e2e_idle_spin_s = cap
     cls.wait = capped_wait
-    import logging
+    return "sleep on the writer's notification"
 
-    # under vLLM's logger, so that the line lands in the server log with the process's name
-    logging.getLogger("vllm.omni_accum_e2e_cpu").info(
-        "omni-accum e2e: vLLM's message-queue readers busy-loop at most %g s (%s=%s, pid %d)",
-        cap, IDLE_SPIN_ENV, os.environ.get(IDLE_SPIN_ENV), os.getpid(),
-    )
+
+def _cap_spin_timer(shm_broadcast, cap: float) -> str:
+    """vLLM 0.16.0: a reader spins (``SpinTimer``) until a message comes, for ever; there is no notification to
+    sleep on, so past the cap it looks again every ``POLL_S`` (a message waits at most that long more). vLLM's
+    own ``SpinSleepTimer`` (``VLLM_SLEEP_WHEN_IDLE=1``: 3 s, then 100 ms sleeps) is left as it is."""
+    timer = shm_broadcast.SpinTimer
+    first = getattr(timer, "_omni_accum_e2e_idle_spin_s", None) is None
+    timer._omni_accum_e2e_idle_spin_s = cap
+    if not first:
+        return ""
+
+    def record_activity(self):
+        self._omni_accum_e2e_last = time.monotonic()
+
+    def spin(self):
+        if time.monotonic() < getattr(self, "_omni_accum_e2e_last", 0.0) + type(self)._omni_accum_e2e_idle_spin_s:
+            shm_broadcast.sched_yield()
+        else:
+            time.sleep(POLL_S)
+
+    timer.record_activity = record_activity
+    timer.spin = spin
+    return f"look again every {POLL_S * 1e3:g} ms"
