@@ -62,6 +62,26 @@ def require_module(name: str, why: str):
         pytest.skip(f"{name} not installed here ({why}): bash scripts/env.sh installs it")
 
 
+#: The end-to-end harness's CPU stand-in package (not installed in .venv: imported from its source).
+E2E_CPU_SRC = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "e2e", "cpu_platform", "src"
+)
+
+
+def e2e_cpu_module(name: str, *requires: tuple[str, str]):
+    """Yield ``omni_accum_e2e_cpu.<name>`` imported from the harness's source, after ``require_module`` of each
+    ``(module, why)`` it builds on; the source folder leaves ``sys.path`` afterwards (a generator for a fixture)."""
+    import sys
+
+    for module, why in requires:
+        require_module(module, why)
+    sys.path.insert(0, E2E_CPU_SRC)
+    try:
+        yield importlib.import_module(f"omni_accum_e2e_cpu.{name}")
+    finally:
+        sys.path.remove(E2E_CPU_SRC)
+
+
 @pytest.fixture(scope="session")
 def vllm_omni():
     return require_vllm_omni()

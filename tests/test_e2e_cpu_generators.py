@@ -3,30 +3,22 @@ is rewound the CPU way. vLLM 0.30.0 rewinds it with ``set_offset``, which a CPU 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import require_module
-
-SRC = Path(__file__).resolve().parent.parent / "benchmarks" / "e2e" / "cpu_platform" / "src"
+from conftest import e2e_cpu_module
 
 
 @pytest.fixture(scope="module")
 def worker():
-    require_module("vllm.v1.worker.cpu_model_runner", "the CPU stand-in runner builds on vLLM's CPU runner")
-    require_module("vllm_omni.worker.gpu_ar_model_runner", "the CPU stand-in runner builds on vllm-omni's runner")
-    sys.path.insert(0, str(SRC))
-    try:
-        import omni_accum_e2e_cpu.worker as w
-
-        yield w
-    finally:
-        sys.path.remove(str(SRC))
+    yield from e2e_cpu_module(
+        "worker",
+        ("vllm.v1.worker.cpu_model_runner", "the CPU stand-in runner builds on vLLM's CPU runner"),
+        ("vllm_omni.worker.gpu_ar_model_runner", "the CPU stand-in runner builds on vllm-omni's runner"),
+    )
 
 
 def test_a_cpu_generator_has_no_offset_to_rewind():

@@ -9,29 +9,21 @@ norms in the harness's own environment by ``tests/test_e2e_server.py``, in a rea
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import require_module
-
-SRC = Path(__file__).resolve().parent.parent / "benchmarks" / "e2e" / "cpu_platform" / "src"
+from conftest import e2e_cpu_module
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    require_module("vllm.ir", "vLLM 0.30.0's IR ops")
-    require_module("vllm.platforms.cpu", "vLLM's CPU platform class")
-    sys.path.insert(0, str(SRC))
-    try:
-        import omni_accum_e2e_cpu.ir_kernels as k
-
-        yield k
-    finally:
-        sys.path.remove(str(SRC))
+    yield from e2e_cpu_module(
+        "ir_kernels",
+        ("vllm.ir", "vLLM 0.30.0's IR ops"),
+        ("vllm.platforms.cpu", "vLLM's CPU platform class"),
+    )
 
 
 def _reference_kernel(name):
