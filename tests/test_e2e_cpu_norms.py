@@ -64,10 +64,10 @@ def installed(kernels):
         yield kernels, how
     finally:
         mp.undo()
-        if saved is None:
-            vars(CpuPlatform).get("get_default_ir_op_priority") and delattr(CpuPlatform, "get_default_ir_op_priority")
-        else:
+        if saved is not None:
             CpuPlatform.get_default_ir_op_priority = saved
+        elif "get_default_ir_op_priority" in vars(CpuPlatform):  # install() set its own: back to Platform's
+            delattr(CpuPlatform, "get_default_ir_op_priority")
 
 
 def test_the_variable_picks_compiled_or_native_and_names_a_bad_value(kernels, monkeypatch):
