@@ -1,0 +1,226 @@
+"""What the prefill hand-off of one Qwen3-Omni chunk 0 costs on a GPU server's host, piece by piece, in one run.
+
+    python3 benchmarks/gpu_handoff.py --rows 8000,32000 --repeats 7 [--json OUT.json]
+
+The end-to-end harness runs vllm-omni on CPU, where the thinker's rows are born in host memory. On a GPU server
+they are born on the GPU: vllm-omni 0.30.0's thinker-to-talker processor (``thinker2talker_async_chunk``)
+takes ``embed.prefill`` and ``hidden_states.output`` (``[P, 2048]`` bf16 each) off the device with
+``.detach().cpu()`` (a pageable copy) before the connector sees them, and the talker's runner moves what it
+received back onto its own device. This script times, on the machine it runs on, each piece of that path for
+both tensors of a prompt of P tokens:
+
+* ``d2h_cpu``: ``t.detach().cpu()``, what vllm-omni's processor does (a new pageable tensor);
+* ``d2h_pinned``: into a pinned buffer allocated beforehand;
+* ``d2h_slab``: into a warm buffer over a ``/dev/shm`` mapping, what the arena's staged rows are (the rows
+  copied into the arena's slab as they come, so the put copies none);
+* ``d2h_slab_registered``: the same slab registered with CUDA (``cudaHostRegister``), page-locked;
+* ``memcpy``: one host copy of the payload's bytes into a warm buffer (one thread); vllm-omni's
+  ``SharedMemoryConnector`` makes about six such copies of chunk 0 (to bytes, into the msgpack buffer, into a
+  fresh segment, out of it, the decode, a bytearray) where the arena makes none (staged rows, views);
+* ``shm_copies``: those six copies made with the same Python primitives (a model of that path, not vllm-omni's
+  code: its serializer and connector import the whole of vLLM, which this machine may not have);
+* ``h2d_pageable`` / ``h2d_slab`` / ``h2d_pinned``: the talker's move back onto the device from a pageable
+  tensor (what the SHM path hands it), from the arena's view, and from pinned memory.
+
+Medians over ``--repeats`` after one warm-up; every copy is checked bit for bit against the source (untimed).
+Without CUDA (or with ``--device cpu``) only the host pieces run. Read ratios between pieces of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import sys
+import tempfile
+import time
+from multiprocessing import shared_memory
+from typing import Any, Callable
+
+import torch
+
+_clock = time.perf_counter
+
+
+def _timed(fn: Callable[[], Any], repeats: int, sync: bool) -> tuple[float, Any]:
+    """Median milliseconds of ``fn`` over ``repeats`` runs after a warm-up, and its last result."""
+    out = fn()
+    if sync:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = _clock()
+        out = fn()
+        if sync:
+            torch.cuda.synchronize()
+        times.append((_clock() - t0) * 1e3)
+        del out
+        out = None
+    out = fn()
+    if sync:
+        torch.cuda.synchronize()
+    return statistics.median(times), out
+
+
+class _Slab:
+    """A warm host buffer over a /dev/shm file mapping (what the arena's region is), as bf16 tensors."""
+
+    def __init__(self, nbytes: int):
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.file = tempfile.NamedTemporaryFile(dir=folder, prefix="gpu-handoff-")
+        os.ftruncate(self.file.fileno(), nbytes)
+        self.map = mmap.mmap(self.file.fileno(), nbytes)
+        self.flat = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.flat.fill_(0)  # pages taken and mapped: a warm slab
+        self.registered = False
+
+    def tensors(self, shape: tuple[int, int], n: int) -> list[torch.Tensor]:
+        per = shape[0] * shape[1] * 2
+        return [self.flat[i * per : (i + 1) * per].view(torch.bfloat16).view(shape) for i in range(n)]
+
+    def register(self) -> bool:
+        cudart = torch.cuda.cudart()
+        rc = cudart.cudaHostRegister(self.flat.data_ptr(), self.flat.numel(), 0)
+        self.registered = int(rc) == 0 if not isinstance(rc, tuple) else int(rc[0]) == 0
+        return self.registered
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
+        del self.flat
+        self.map.close()
+        self.file.close()
+
+
+def _shm_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The six host copies of vllm-omni's shared-memory path, made with the same Python primitives."""
+    out = []
+    for t in tensors:
+        raw = t.view(torch.uint8).numpy().tobytes()  # 1. tensor -> bytes
+        packed = bytearray()
+        packed += raw  # 2. into the msgpack buffer
+        del raw
+        seg = shared_memory.SharedMemory(create=True, size=len(packed))  # a fresh segment per put
+        try:
+            seg.buf[: len(packed)] = packed  # 3. into the segment
+            del packed
+            back = bytes(seg.buf[: seg.size])  # 4. out of it
+        finally:
+            seg.close()
+            seg.unlink()
+        decoded = bytes(memoryview(back))  # 5. msgspec's decode of a bin field (a bytes object)
+        del back
+        buf = bytearray(decoded)  # 6. a writable bytearray for torch.frombuffer
+        del decoded
+        out.append(torch.frombuffer(buf, dtype=torch.bfloat16).view(t.shape))
+    return out
+
+
+def run(rows_list: list[int], repeats: int, device: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    cuda = device == "cuda"
+    results: dict[str, Any] = {}
+    for rows in rows_list:
+        shape = (rows, 2048)
+        g = torch.Generator().manual_seed(rows)
+        host = [torch.randn(*shape, generator=g).bfloat16() for _ in range(2)]
+        nbytes = sum(t.numel() * 2 for t in host)
+        med: dict[str, float] = {}
+        checks: dict[str, bool] = {}
+
+        def check(name: str, got: list[torch.Tensor]) -> None:
+            checks[name] = all(torch.equal(a.cpu(), b) for a, b in zip(got, host))
+
+        warm = [torch.empty_like(t).fill_(0) for t in host]
+        med["memcpy"], got = _timed(lambda: [d.copy_(s) for d, s in zip(warm, host)], repeats, False)
+        check("memcpy", got)
+        med["shm_copies"], got = _timed(lambda: _shm_copies(host), repeats, False)
+        check("shm_copies", got)
+        if cuda:
+            dev = [t.to("cuda") for t in host]
+            pinned = [torch.empty_like(t).pin_memory() for t in host]
+            slab = _Slab(nbytes)
+            slab_t = slab.tensors(shape, 2)
+            med["d2h_cpu"], got = _timed(lambda: [t.detach().cpu() for t in dev], repeats, True)
+            check("d2h_cpu", got)
+            med["d2h_pinned"], got = _timed(lambda: [p.copy_(t, non_blocking=True) for p, t in zip(pinned, dev)],
+                                            repeats, True)
+            check("d2h_pinned", got)
+            med["d2h_slab"], got = _timed(lambda: [s.copy_(t) for s, t in zip(slab_t, dev)], repeats, True)
+            check("d2h_slab", got)
+            pageable = [t.clone() for t in host]
+            med["h2d_pageable"], got = _timed(lambda: [t.to("cuda") for t in pageable], repeats, True)
+            check("h2d_pageable", got)
+            med["h2d_slab"], got = _timed(lambda: [s.to("cuda") for s in slab_t], repeats, True)
+            check("h2d_slab", got)
+            med["h2d_pinned"], got = _timed(lambda: [p.to("cuda", non_blocking=True) for p in pinned], repeats, True)
+            check("h2d_pinned", got)
+            if slab.register():
+                med["d2h_slab_registered"], got = _timed(
+                    lambda: [s.copy_(t, non_blocking=True) for s, t in zip(slab_t, dev)], repeats, True)
+                check("d2h_slab_registered", got)
+                med["h2d_slab_registered"], got = _timed(
+                    lambda: [s.to("cuda", non_blocking=True) for s in slab_t], repeats, True)
+                check("h2d_slab_registered", got)
+            del got, slab_t
+            slab.close()
+            del dev, pinned
+            torch.cuda.empty_cache()
+        gbps = {k: round(nbytes / (v / 1e3) / 1e9, 2) for k, v in med.items()}
+        results[str(rows)] = {"payload_bytes": nbytes, "median_ms": {k: round(v, 3) for k, v in med.items()},
+                              "GB_per_s": gbps, "bit_identical": checks}
+        if cuda:
+            # the expected hand-off of chunk 0 on this host, pieces added: vllm-omni over SharedMemoryConnector
+            # (its pageable D2H, six host copies, a pageable H2D) against the arena with staged rows as omni-accum
+            # does it today (the same D2H, one copy into the slab, the H2D from the view), and with the D2H
+            # itself landing in the slab (what a hook on the processor's .cpu() would add)
+            off = med["d2h_cpu"] + med["shm_copies"] + med["h2d_pageable"]
+            arena = med["d2h_cpu"] + med["memcpy"] + med["h2d_slab"]
+            direct = med["d2h_slab"] + med["h2d_slab"]
+            results[str(rows)]["expected_ms"] = {
+                "shm_path": round(off, 2), "arena_path": round(arena, 2), "arena_d2h_into_slab": round(direct, 2),
+                "arena_over_shm": round(arena / off, 3), "arena_d2h_into_slab_over_shm": round(direct / off, 3)}
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="8000,32000", help="prompt lengths P, comma-separated (default 8000,32000)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed runs per piece after one warm-up (default 7)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cuda times the device copies too (default: cuda when available)")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    try:
+        rows_list = [int(x) for x in args.rows.split(",")]
+        if any(r <= 0 for r in rows_list) or args.repeats < 1:
+            raise ValueError
+    except ValueError:
+        print(f"gpu_handoff: --rows {args.rows!r} / --repeats {args.repeats}: use positive integers "
+              "(--rows as a comma-separated list)", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_handoff: --device cuda: torch sees no CUDA device (use --device cpu)", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, {name}, {os.cpu_count()} CPUs", flush=True)
+    res = run(rows_list, args.repeats, args.device)
+    for rows, r in res.items():
+        print(f"P={rows}: {r['payload_bytes'] / 1e6:.1f} MB")
+        for k, v in r["median_ms"].items():
+            print(f"  {k:<22} {v:9.2f} ms  {r['GB_per_s'][k]:7.2f} GB/s  bit-identical {r['bit_identical'][k]}")
+        if "expected_ms" in r:
+            e = r["expected_ms"]
+            print(f"  expected hand-off: SHM path {e['shm_path']:.1f} ms, arena {e['arena_path']:.1f} ms "
+                  f"({e['arena_over_shm']:.3f}x), the D2H into the slab {e['arena_d2h_into_slab']:.1f} ms "
+                  f"({e['arena_d2h_into_slab_over_shm']:.3f}x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "cpus": os.cpu_count(), "torch": torch.__version__, "results": res}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
