@@ -83,9 +83,72 @@ def test_a_zero_cap_makes_a_reader_sleep_on_the_notification_at_once_and_miss_no
             pytest.fail("no notification reached the reader")
         reader.wait(timeout_ms=1000)
         assert reader.local_notify_socket.poll(0) == 0  # the wait took the writer's notification
-        assert yields == [] and len(polls) == 2
+        assert yields == [] and polls == [0, e2e_cpu.RECHECK_MS]  # vLLM's 1000 ms: capped
     finally:
         ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("asked", [None, 5000])
+def test_a_capped_reader_never_sleeps_longer_than_the_recheck(e2e_cpu, spin, monkeypatch, asked):
+    """vLLM asks for ``SHM_READER_RECHECK_INTERVAL_MS`` (5 s) or for no limit: a capped reader looks again after
+    ``RECHECK_MS`` whatever it was asked, so that a lost notification costs that and not 5 s."""
+    sb, _ = spin
+    assert getattr(sb, "SHM_READER_RECHECK_INTERVAL_MS", 5000) == 5000
+    monkeypatch.setenv(e2e_cpu.IDLE_SPIN_ENV, "0")
+    e2e_cpu.idle_spin_plugin()
+    ctx, writer, reader = _reader(sb)
+    polls = []
+    real_poll = reader.poller.poll
+    reader.poller.poll = lambda timeout=None: polls.append(timeout) or real_poll(timeout)
+    try:
+        reader.wait(timeout_ms=asked)  # nothing sent: the poller times out and the wait returns
+        assert polls == [e2e_cpu.RECHECK_MS] and 0 < e2e_cpu.RECHECK_MS < 5000
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_message_whose_notification_was_lost_is_still_read_through_vllms_message_queue(e2e_cpu, spin, monkeypatch):
+    """vLLM's real MessageQueue, the reader asleep on the notification when the writer writes and the notification
+    lost (under load it is): the capped reader finds the message at its own recheck. Every sleep it took through
+    vLLM's dequeue (which asks for SHM_READER_RECHECK_INTERVAL_MS, 5 s) was at most ``RECHECK_MS``."""
+    import threading
+
+    sb, _ = spin
+    monkeypatch.setenv(e2e_cpu.IDLE_SPIN_ENV, "0")
+    e2e_cpu.idle_spin_plugin()
+    writer = sb.MessageQueue(1, 1)
+    made = {}
+
+    def connect():
+        made["reader"] = sb.MessageQueue.create_from_handle(writer.export_handle(), 0)
+        made["reader"].wait_until_ready()
+
+    t = threading.Thread(target=connect)
+    t.start()
+    writer.wait_until_ready()
+    t.join()
+    reader = made["reader"]
+    asleep = threading.Event()
+    polls = []
+    real_poll = reader._spin_condition.poller.poll
+
+    def poll(timeout=None):
+        polls.append(timeout)
+        asleep.set()
+        return real_poll(timeout)
+
+    reader._spin_condition.poller.poll = poll
+    monkeypatch.setattr(writer._spin_condition, "notify", lambda: None)  # the notification lost
+    got = []
+    r = threading.Thread(target=lambda: got.append(reader.dequeue()))
+    r.start()
+    try:
+        assert asleep.wait(30), "the reader never went to sleep on the notification"
+        writer.enqueue("row 0")
+    finally:
+        r.join(30)
+    assert got == ["row 0"]
+    assert polls and max(polls) == e2e_cpu.RECHECK_MS < sb.SHM_READER_RECHECK_INTERVAL_MS, polls
 
 
 @pytest.mark.parametrize("bad", ["-1", "soon", "nan"])

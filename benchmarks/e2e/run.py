@@ -604,9 +604,10 @@ def main(argv: list[str] | None = None) -> int:
         help="every arm's server: vLLM's shared-memory message-queue readers busy-loop at most S seconds after a "
         "message before they sleep on its notification (vLLM 0.30.0 spins 1 s, sched_yield in a loop: each engine "
         "core while its worker computes, each worker between steps; on a GPU server they have cores to spare, on "
-        "2 cores they take a third of the CPU from the stages' work and hand-offs). 0: sleep at once. Done by the "
-        "harness's CPU platform package (OMNI_ACCUM_E2E_IDLE_SPIN_S), the same for every arm, off included; "
-        "omni-accum plays no part. Default: vLLM's own",
+        "2 cores they take a third of the CPU from the stages' work and hand-offs). 0: sleep at once. A sleeping "
+        "reader looks again every 10 ms (vLLM's own 5 s recheck made a lost notification stall a stage 5 s). "
+        "Done by the harness's CPU platform package (OMNI_ACCUM_E2E_IDLE_SPIN_S), the same for every arm, off "
+        "included; omni-accum plays no part. Default: vLLM's own",
     )
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--request-timeout", type=float, default=600.0)

@@ -26,6 +26,9 @@ import time
 PLATFORM = "omni_accum_e2e_cpu.platform.CPUOmniPlatform"
 IDLE_SPIN_ENV = "OMNI_ACCUM_E2E_IDLE_SPIN_S"
 POLL_S = 0.0005  # vLLM 0.16.0's idle readers, capped: how often they look for a message
+# vLLM 0.30.0's idle readers, capped: the longest they sleep on the writer's notification before they look at the
+# ring again (vLLM's own recheck, SHM_READER_RECHECK_INTERVAL_MS, is 5 s: a notification lost then cost 5 s)
+RECHECK_MS = 10
 
 
 def cpu_omni_platform_plugin() -> str | None:
@@ -59,9 +62,14 @@ def idle_spin_plugin() -> None:
     step, each worker between steps. On a GPU server those processes have cores to spare; on a 2-core
     machine running three stages they are a third of the load, and every copy of a stage hand-off waits
     behind them. With ``OMNI_ACCUM_E2E_IDLE_SPIN_S=S`` a reader spins at most S seconds (0: it sleeps on
-    the notification at once; the writer notifies on every message, so nothing is missed). vLLM 0.16.0's
-    readers (``SpinTimer``) spin until a message comes and have no notification: past S seconds they sleep
-    ``POLL_S`` between looks. The same in every arm of a run; omni-accum plays no part in it.
+    the notification at once) and then sleeps at most ``RECHECK_MS`` before it looks at the ring again. The
+    notification can be lost when the CPUs are busy (vLLM's ``MessageQueue`` between two processes, the reader
+    sleeping after every message, two busy loops beside them: the last message of a burst came 5.00 s late in
+    each of three runs of 300): vLLM then finds the message at its own recheck, ``SHM_READER_RECHECK_INTERVAL_MS``,
+    5 s later. Its 1 s busy loop makes that rare; a reader that sleeps after every message met it in a third of
+    the requests of a server (a stage's first step 5 s late). vLLM 0.16.0's readers
+    (``SpinTimer``) spin until a message comes and have no notification: past S seconds they sleep ``POLL_S``
+    between looks. The same in every arm of a run; omni-accum plays no part in it.
     """
     try:
         cap = idle_spin_s()
@@ -119,20 +127,22 @@ def cpu_norms_plugin() -> None:
 
 
 def _cap_spin_condition(cls, cap: float) -> str:
-    """vLLM 0.30.0: a reader past ``busy_loop_s`` sleeps on the writer's notification; cap ``busy_loop_s``."""
+    """vLLM 0.30.0: a reader past ``busy_loop_s`` sleeps on the writer's notification; cap ``busy_loop_s``, and the
+    sleep at ``RECHECK_MS`` (a lost notification then costs that, not vLLM's 5 s recheck)."""
     first = getattr(cls, "_omni_accum_e2e_idle_spin_s", None) is None
     cls._omni_accum_e2e_idle_spin_s = cap
     if not first:
         return ""
     wait = cls.wait
 
-    def capped_wait(self, *args, **kwargs):
+    def capped_wait(self, timeout_ms=None):
         if getattr(self, "is_reader", False):
             self.busy_loop_s = min(self.busy_loop_s, type(self)._omni_accum_e2e_idle_spin_s)
-        return wait(self, *args, **kwargs)
+            timeout_ms = RECHECK_MS if timeout_ms is None else min(timeout_ms, RECHECK_MS)
+        return wait(self, timeout_ms=timeout_ms)
 
     cls.wait = capped_wait
-    return "sleep on the writer's notification"
+    return f"sleep on the writer's notification, at most {RECHECK_MS} ms at a time"
 
 
 def _cap_spin_timer(shm_broadcast, cap: float) -> str:
