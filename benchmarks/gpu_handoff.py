@@ -40,6 +40,7 @@ from multiprocessing import shared_memory
 from typing import Any, Callable
 
 import torch
+from _rows import rows_and_repeats  # benchmarks/, the folder of this script
 
 _clock = time.perf_counter
 
@@ -193,13 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="cuda times the device copies too (default: cuda when available)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
-    try:
-        rows_list = [int(x) for x in args.rows.split(",")]
-        if any(r <= 0 for r in rows_list) or args.repeats < 1:
-            raise ValueError
-    except ValueError:
-        print(f"gpu_handoff: --rows {args.rows!r} / --repeats {args.repeats}: use positive integers "
-              "(--rows as a comma-separated list)", file=sys.stderr)
+    rows_list = rows_and_repeats("gpu_handoff", args.rows, args.repeats)
+    if rows_list is None:
         return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_handoff: --device cuda: torch sees no CUDA device (use --device cpu)", file=sys.stderr)

@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 import torch
+from _rows import rows_and_repeats  # benchmarks/, the folder of this script
 
 ARMS = ("shm", "arena", "arena-warm", "arena-copy", "memcpy", "memcpy-fresh")
 CONNECTOR_ARMS = ("shm", "arena", "arena-warm", "arena-copy")
@@ -205,13 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds per length (after one warm-up round)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
-    try:
-        rows_list = [int(x) for x in args.rows.split(",")]
-        if any(r <= 0 for r in rows_list) or args.repeats < 1:
-            raise ValueError
-    except ValueError:
-        print(f"handoff_chunk0: --rows {args.rows!r} / --repeats {args.repeats}: use positive integers "
-              "(--rows as a comma-separated list)", file=sys.stderr)
+    rows_list = rows_and_repeats("handoff_chunk0", args.rows, args.repeats)
+    if rows_list is None:
         return 2
     res = run(rows_list, args.repeats)
     print(f"{'P':>6} {'MB':>6} " + " ".join(f"{a:>13}" for a in ARMS) + "  arena/shm arena/memcpy arena-copy/shm")

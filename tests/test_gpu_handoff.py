@@ -14,8 +14,9 @@ import torch
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_handoff.py"
 
 
-@pytest.fixture(scope="module")
-def gpu_handoff():
+@pytest.fixture()
+def gpu_handoff(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as `python3 benchmarks/gpu_handoff.py` has it (its _rows)
     spec = importlib.util.spec_from_file_location("gpu_handoff", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
