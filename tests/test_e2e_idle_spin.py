@@ -37,6 +37,22 @@ def spin(monkeypatch):
     return sb, yields
 
 
+def _close_queue(mq) -> None:
+    """Close a vLLM MessageQueue's zmq sockets and contexts now (linger 0): left to the garbage collector, a
+    context's ``term()`` waits for ever on a socket with messages still queued, and hangs the test run."""
+    import zmq
+
+    contexts = []
+    for holder in (mq, getattr(mq, "_spin_condition", None)):
+        for value in list(vars(holder).values()) if holder is not None else []:
+            if isinstance(value, zmq.Socket) and not value.closed:
+                if value.context not in contexts:
+                    contexts.append(value.context)
+                value.close(linger=0)
+    for ctx in contexts:
+        ctx.destroy(linger=0)
+
+
 def _reader(sb):
     import zmq
     from vllm.utils.network_utils import get_open_zmq_ipc_path
@@ -147,6 +163,8 @@ def test_a_message_whose_notification_was_lost_is_still_read_through_vllms_messa
         writer.enqueue("row 0")
     finally:
         r.join(30)
+        for mq in (reader, writer):
+            _close_queue(mq)
     assert got == ["row 0"]
     assert polls and max(polls) == e2e_cpu.RECHECK_MS < sb.SHM_READER_RECHECK_INTERVAL_MS, polls
 
