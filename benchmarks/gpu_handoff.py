@@ -46,23 +46,22 @@ _clock = time.perf_counter
 
 
 def _timed(fn: Callable[[], Any], repeats: int, sync: bool) -> tuple[float, Any]:
-    """Median milliseconds of ``fn`` over ``repeats`` runs after a warm-up, and its last result."""
-    out = fn()
-    if sync:
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        t0 = _clock()
+    """Median milliseconds of ``fn`` over ``repeats`` runs after a warm-up, and the result of one more (untimed)."""
+
+    def once() -> Any:
         out = fn()
         if sync:
             torch.cuda.synchronize()
+        return out
+
+    once()
+    times = []
+    for _ in range(repeats):
+        t0 = _clock()
+        out = once()
         times.append((_clock() - t0) * 1e3)
-        del out
-        out = None
-    out = fn()
-    if sync:
-        torch.cuda.synchronize()
-    return statistics.median(times), out
+        del out  # freed after the clock, before the next run (which does not find its memory still held)
+    return statistics.median(times), once()
 
 
 class _Slab:
