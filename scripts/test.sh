@@ -41,7 +41,7 @@ pid_028="" pid_016="" pid_e2e=""
 [ "$want_028" = "1" ] && { _setup_bg "$venv_028" 0.28.0 "$logs/setup-028.log" & pid_028=$!; }
 [ "$want_016" = "1" ] && { _setup_bg "$venv_016" 0.16.0 "$logs/setup-016.log" & pid_016=$!; }
 # With the end-to-end test enabled (CI=true or OMNI_ACCUM_E2E=1) and no extra arguments, the harness's
-# own virtualenv (~7.5 GB on disk) is built in the background too, once the two builds
+# own virtualenv (~5.3 GB on disk, started from .venv's packages) is built in the background too, once the two builds
 # above have ended: the three at once held pip's unpacked wheels on the disk together and filled a CI
 # machine's disk. The test calls setup_env.sh again, which waits for this build and finds it up to date.
 want_e2e=0

