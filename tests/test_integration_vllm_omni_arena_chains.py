@@ -405,6 +405,7 @@ _KILLED = textwrap.dedent(
 )
 
 
+@pytest.mark.once
 def test_a_sender_killed_mid_chain_leaves_views_valid_and_gives_every_page_back(vo, arena_name):
     """kill -9 of a sender with chains in flight: what it published stays readable bit for bit (prealloc
     views over the shared pages), the receiver resets the region for a new sender without giving it the

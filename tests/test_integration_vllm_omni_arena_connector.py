@@ -224,6 +224,7 @@ def _sender(name: str, n: int, die: bool = False) -> subprocess.CompletedProcess
     )
 
 
+@pytest.mark.once
 def test_across_processes_and_a_sender_killed_mid_stream(vo, arena_name):
     rx = _connector(1, arena_name)
     try:
@@ -288,6 +289,7 @@ _RECEIVER_DIES = textwrap.dedent(
 )
 
 
+@pytest.mark.once
 def test_a_receiver_killed_without_closing_leaves_no_region(vo, arena_name):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run(
@@ -478,6 +480,7 @@ def _nothing_left(name: str, base: str = "/dev/shm") -> None:
     assert not left, f"left behind: {left}"
 
 
+@pytest.mark.once
 def test_receivers_killed_mid_stream_the_sender_serves_the_next_and_holds_nothing_more(vo, arena_name):
     tx = _Peer(0, arena_name)
     rx = None
@@ -513,6 +516,7 @@ def test_receivers_killed_mid_stream_the_sender_serves_the_next_and_holds_nothin
     _nothing_left(arena_name)
 
 
+@pytest.mark.once
 def test_senders_killed_mid_stream_the_receiver_serves_the_next_and_holds_nothing_more(vo, arena_name):
     rx = _Peer(1, arena_name)
     tx = None

@@ -43,3 +43,11 @@ def test_libibverbs_is_installed_when_root():
 def test_the_stamp_covers_the_script_itself():
     # An edit to the installer must re-run it in an existing environment.
     assert re.search(r'want=.*cat "\$ROOT/scripts/env.sh"', ENV_SH)
+
+
+def test_the_other_releases_runs_leave_out_only_the_tests_marked_once():
+    # The recovery-from-kill tests run once (0.30.0), the rest of the integration files in every release's run.
+    test_sh = (ROOT / "scripts" / "test.sh").read_text()
+    assert re.search(r'python -m pytest -m "not once" "\$@"', test_sh)
+    markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
+    assert any(m.startswith("once:") for m in markers)
