@@ -3,20 +3,27 @@
     python3 benchmarks/gpu_handoff.py --rows 8000,32000 --repeats 7 [--json OUT.json]
 
 The end-to-end harness runs vllm-omni on CPU, where the thinker's rows are born in host memory. On a GPU server
-they are born on the GPU: vllm-omni 0.30.0's thinker-to-talker processor (``thinker2talker_async_chunk``)
-takes ``embed.prefill`` and ``hidden_states.output`` (``[P, 2048]`` bf16 each) off the device with
-``.detach().cpu()`` (a pageable copy) before the connector sees them, and the talker's runner moves what it
-received back onto its own device. This script times, on the machine it runs on, each piece of that path for
-both tensors of a prompt of P tokens:
+they are born on the GPU. vllm-omni 0.30.0's thinker runner (``use_async_omni_output``, on with ``async_chunk``
+and async scheduling) snapshots each step's captured layers to host memory itself: it clones them on the device,
+then copies them on a side stream into pinned host tensors allocated for the step
+(``_snapshot_tensor_payload_to_cpu_async``, ``pin_memory=is_pin_memory_available()``). The thinker-to-talker
+processor (``thinker2talker_async_chunk``) then takes ``embed.prefill`` and ``hidden_states.output`` (``[P, 2048]``
+bf16 each) with ``.detach().cpu()``, which returns those host tensors as they are; a runner without that snapshot
+(async scheduling off) hands the processor device tensors, and ``.cpu()`` is a pageable copy. The talker's runner
+moves what it received back onto its own device. This script times, on the machine it runs on, each piece of that
+path for both tensors of a prompt of P tokens:
 
-* ``d2h_cpu``: ``t.detach().cpu()``, what vllm-omni's processor does (a new pageable tensor);
+* ``d2h_snapshot``: 0.30.0's runner snapshot as its code makes it (clone on the device, a pinned host tensor
+  allocated per call, the copy on a side stream, the wait for its event);
+* ``d2h_cpu``: ``t.detach().cpu()`` on a device tensor (a new pageable tensor: the path without the snapshot);
 * ``d2h_pinned``: into a pinned buffer allocated beforehand;
 * ``d2h_slab``: into a warm buffer over a ``/dev/shm`` mapping, what the arena's staged rows are (the rows
   copied into the arena's slab as they come, so the put copies none);
 * ``d2h_slab_registered``: the same slab registered with CUDA (``cudaHostRegister``), page-locked;
 * ``memcpy``: one host copy of the payload's bytes into a warm buffer (one thread); vllm-omni's
   ``SharedMemoryConnector`` makes about six such copies of chunk 0 (to bytes, into the msgpack buffer, into a
-  fresh segment, out of it, the decode, a bytearray) where the arena makes none (staged rows, views);
+  fresh segment, out of it, the decode, a bytearray) where the arena makes one (the sender's, into the slab)
+  and the receiver none (views);
 * ``shm_copies``: those six copies made with the same Python primitives (a model of that path, not vllm-omni's
   code: its serializer and connector import the whole of vLLM, which this machine may not have);
 * ``h2d_pageable`` / ``h2d_slab`` / ``h2d_pinned``: the talker's move back onto the device from a pageable
@@ -118,6 +125,46 @@ def _shm_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _runner_snapshot(dev: list[torch.Tensor], copy_stream: Any) -> list[torch.Tensor]:
+    """vllm-omni 0.30.0's ``_snapshot_tensor_payload_to_cpu_async`` for these tensors, waited for as its output is."""
+    cloned = [t.detach().clone() for t in dev]
+    ready = torch.cuda.Event()
+    with torch.cuda.stream(copy_stream):
+        copy_stream.wait_stream(torch.cuda.current_stream())
+        out = []
+        for c in cloned:
+            cpu = torch.empty_like(c, device="cpu", pin_memory=True)
+            cpu.copy_(c, non_blocking=True)
+            out.append(cpu)
+        ready.record(copy_stream)
+    ready.synchronize()
+    return out
+
+
+def expected(med: dict[str, float]) -> dict[str, float]:
+    """The expected hand-off of chunk 0 on this host, pieces added (milliseconds, and ratios to vllm-omni's path).
+
+    ``shm_path``: vllm-omni 0.30.0 over ``SharedMemoryConnector`` (the runner's pinned snapshot, six host copies,
+    a pageable H2D); ``arena_path``: over omni-accum's arena as it is (the same snapshot, one copy into the slab,
+    the H2D from the view); ``arena_d2h_into_slab``: the snapshot landing in the slab registered with CUDA instead
+    (not built: the runner's allocation would have to come from the arena). The ``*_pageable_d2h`` pair: the same
+    two paths for a runner without the snapshot, whose processor's ``.cpu()`` makes a pageable copy. A run without
+    ``d2h_snapshot`` (an older output of this script) uses ``d2h_pinned`` for it: the same copy, its buffer
+    allocated beforehand.
+    """
+    snap = med.get("d2h_snapshot", med["d2h_pinned"])
+    into_slab = med.get("d2h_slab_registered", med["d2h_slab"])
+    off = snap + med["shm_copies"] + med["h2d_pageable"]
+    arena = snap + med["memcpy"] + med["h2d_slab"]
+    direct = into_slab + med["h2d_slab"]
+    off_p = med["d2h_cpu"] + med["shm_copies"] + med["h2d_pageable"]
+    arena_p = med["d2h_cpu"] + med["memcpy"] + med["h2d_slab"]
+    return {"shm_path": round(off, 2), "arena_path": round(arena, 2), "arena_d2h_into_slab": round(direct, 2),
+            "arena_over_shm": round(arena / off, 3), "arena_d2h_into_slab_over_shm": round(direct / off, 3),
+            "shm_path_pageable_d2h": round(off_p, 2), "arena_path_pageable_d2h": round(arena_p, 2),
+            "arena_over_shm_pageable_d2h": round(arena_p / off_p, 3)}
+
+
 def run(rows_list: list[int], repeats: int, device: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     cuda = device == "cuda"
@@ -143,6 +190,9 @@ def run(rows_list: list[int], repeats: int, device: str) -> dict[str, Any]:
             pinned = [torch.empty_like(t).pin_memory() for t in host]
             slab = _Slab(nbytes)
             slab_t = slab.tensors(shape, 2)
+            copy_stream = torch.cuda.Stream()
+            med["d2h_snapshot"], got = _timed(lambda: _runner_snapshot(dev, copy_stream), repeats, True)
+            check("d2h_snapshot", got)
             med["d2h_cpu"], got = _timed(lambda: [t.detach().cpu() for t in dev], repeats, True)
             check("d2h_cpu", got)
             med["d2h_pinned"], got = _timed(lambda: [p.copy_(t, non_blocking=True) for p, t in zip(pinned, dev)],
@@ -172,17 +222,22 @@ def run(rows_list: list[int], repeats: int, device: str) -> dict[str, Any]:
         results[str(rows)] = {"payload_bytes": nbytes, "median_ms": {k: round(v, 3) for k, v in med.items()},
                               "GB_per_s": gbps, "bit_identical": checks}
         if cuda:
-            # the expected hand-off of chunk 0 on this host, pieces added: vllm-omni over SharedMemoryConnector
-            # (its pageable D2H, six host copies, a pageable H2D) against the arena with staged rows as omni-accum
-            # does it today (the same D2H, one copy into the slab, the H2D from the view), and with the D2H
-            # itself landing in the slab (what a hook on the processor's .cpu() would add)
-            off = med["d2h_cpu"] + med["shm_copies"] + med["h2d_pageable"]
-            arena = med["d2h_cpu"] + med["memcpy"] + med["h2d_slab"]
-            direct = med["d2h_slab"] + med["h2d_slab"]
-            results[str(rows)]["expected_ms"] = {
-                "shm_path": round(off, 2), "arena_path": round(arena, 2), "arena_d2h_into_slab": round(direct, 2),
-                "arena_over_shm": round(arena / off, 3), "arena_d2h_into_slab_over_shm": round(direct / off, 3)}
+            results[str(rows)]["expected_ms"] = expected(med)
     return results
+
+
+def _report(res: dict[str, Any]) -> None:
+    for rows, r in res.items():
+        print(f"P={rows}: {r['payload_bytes'] / 1e6:.1f} MB")
+        for k, v in r["median_ms"].items():
+            print(f"  {k:<22} {v:9.2f} ms  {r['GB_per_s'][k]:7.2f} GB/s  bit-identical {r['bit_identical'][k]}")
+        if "expected_ms" in r:
+            e = r["expected_ms"]
+            print(f"  expected hand-off: SHM path {e['shm_path']:.1f} ms, arena {e['arena_path']:.1f} ms "
+                  f"({e['arena_over_shm']:.3f}x), the snapshot into the slab {e['arena_d2h_into_slab']:.1f} ms "
+                  f"({e['arena_d2h_into_slab_over_shm']:.3f}x); without the runner's snapshot (pageable .cpu()): "
+                  f"SHM path {e['shm_path_pageable_d2h']:.1f} ms, arena {e['arena_path_pageable_d2h']:.1f} ms "
+                  f"({e['arena_over_shm_pageable_d2h']:.3f}x)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,7 +247,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cuda times the device copies too (default: cuda when available)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--from-json", metavar="FILE",
+                    help="time nothing: print the results this script wrote to FILE, the expected hand-off worked out "
+                         "again from its medians (with --json, written there)")
     args = ap.parse_args(argv)
+    if args.from_json:
+        try:
+            with open(args.from_json) as f:
+                stored = json.load(f)
+            res = stored["results"]
+            for r in res.values():
+                med = r["median_ms"]
+                if "d2h_pinned" in med:
+                    r["expected_ms"] = expected(med)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"gpu_handoff: --from-json {args.from_json}: not a result of this script ({e!r})", file=sys.stderr)
+            return 2
+        print(f"torch {stored.get('torch')}, {stored.get('device')}, {stored.get('cpus')} CPUs "
+              f"(stored: {args.from_json})", flush=True)
+        _report(res)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**stored, "results": res}, f, indent=1)
+        return 0
     rows_list = rows_and_repeats("gpu_handoff", args.rows, args.repeats)
     if rows_list is None:
         return 2
@@ -202,15 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(f"torch {torch.__version__}, {name}, {os.cpu_count()} CPUs", flush=True)
     res = run(rows_list, args.repeats, args.device)
-    for rows, r in res.items():
-        print(f"P={rows}: {r['payload_bytes'] / 1e6:.1f} MB")
-        for k, v in r["median_ms"].items():
-            print(f"  {k:<22} {v:9.2f} ms  {r['GB_per_s'][k]:7.2f} GB/s  bit-identical {r['bit_identical'][k]}")
-        if "expected_ms" in r:
-            e = r["expected_ms"]
-            print(f"  expected hand-off: SHM path {e['shm_path']:.1f} ms, arena {e['arena_path']:.1f} ms "
-                  f"({e['arena_over_shm']:.3f}x), the D2H into the slab {e['arena_d2h_into_slab']:.1f} ms "
-                  f"({e['arena_d2h_into_slab_over_shm']:.3f}x)")
+    _report(res)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "cpus": os.cpu_count(), "torch": torch.__version__, "results": res}, f, indent=1)

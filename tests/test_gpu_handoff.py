@@ -62,3 +62,48 @@ def test_bad_arguments_are_named_without_a_traceback(gpu_handoff, capsys, argv):
 def test_cuda_asked_for_without_a_device_is_refused(gpu_handoff, capsys):
     assert gpu_handoff.main(["--device", "cuda", "--rows", "16"]) == 2
     assert "torch sees no CUDA device (use --device cpu)" in capsys.readouterr().err
+
+
+MED = {"memcpy": 10.0, "shm_copies": 160.0, "d2h_snapshot": 2.0, "d2h_cpu": 35.0, "d2h_pinned": 1.0,
+       "d2h_slab": 4.0, "d2h_slab_registered": 1.5, "h2d_pageable": 7.0, "h2d_slab": 6.0}
+
+
+def test_the_expected_hand_off_adds_0_30_0s_pieces(gpu_handoff):
+    e = gpu_handoff.expected(MED)
+    # vllm-omni 0.30.0's runner snapshot (pinned), six host copies, a pageable H2D
+    assert e["shm_path"] == 2.0 + 160.0 + 7.0
+    # the same snapshot, the sender's one copy into the slab, the H2D from the receiver's view
+    assert e["arena_path"] == 2.0 + 10.0 + 6.0
+    assert e["arena_d2h_into_slab"] == 1.5 + 6.0
+    assert e["arena_over_shm"] == round(18.0 / 169.0, 3)
+    # a runner without the snapshot: the processor's .cpu() is a pageable D2H
+    assert e["shm_path_pageable_d2h"] == 35.0 + 160.0 + 7.0 and e["arena_path_pageable_d2h"] == 35.0 + 10.0 + 6.0
+    older = {k: v for k, v in MED.items() if k not in ("d2h_snapshot", "d2h_slab_registered")}
+    e = gpu_handoff.expected(older)  # an older result: the pinned copy stands in, the unregistered slab
+    assert e["shm_path"] == 1.0 + 160.0 + 7.0 and e["arena_d2h_into_slab"] == 4.0 + 6.0
+
+
+def test_a_stored_run_is_worked_out_again_from_its_medians(gpu_handoff, tmp_path, capsys):
+    stored = tmp_path / "old.json"
+    stored.write_text(json.dumps({"device": "NVIDIA H200", "cpus": 16, "torch": "2.11.0", "results": {
+        "8000": {"payload_bytes": 65536000, "median_ms": MED, "GB_per_s": {k: 1.0 for k in MED},
+                 "bit_identical": {k: True for k in MED}, "expected_ms": {"shm_path": 1.0}},
+        "16": {"payload_bytes": 131072, "median_ms": {"memcpy": 0.1, "shm_copies": 0.2},
+               "GB_per_s": {"memcpy": 1.0, "shm_copies": 1.0},
+               "bit_identical": {"memcpy": True, "shm_copies": True}}}}))
+    again = tmp_path / "again.json"
+    assert gpu_handoff.main(["--from-json", str(stored), "--json", str(again)]) == 0
+    res = json.loads(again.read_text())
+    assert res["device"] == "NVIDIA H200"
+    assert res["results"]["8000"]["expected_ms"] == gpu_handoff.expected(MED)
+    assert "expected_ms" not in res["results"]["16"]  # host pieces only: nothing to add up
+    out = capsys.readouterr().out
+    assert "(stored: " in out and "arena 18.0 ms (0.107x)" in out
+
+
+def test_a_file_that_is_not_a_result_is_named(gpu_handoff, tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"results": {"8000": {"median_ms": {"d2h_pinned": 1.0}}}}')
+    assert gpu_handoff.main(["--from-json", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpu_handoff: --from-json {bad}: not a result of this script")
