@@ -260,12 +260,12 @@ def main(argv: list[str] | None = None) -> int:
                 med = r["median_ms"]
                 if "d2h_pinned" in med:
                     r["expected_ms"] = expected(med)
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"torch {stored.get('torch')}, {stored.get('device')}, {stored.get('cpus')} CPUs "
+                  f"(stored: {args.from_json})", flush=True)
+            _report(res)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             print(f"gpu_handoff: --from-json {args.from_json}: not a result of this script ({e!r})", file=sys.stderr)
             return 2
-        print(f"torch {stored.get('torch')}, {stored.get('device')}, {stored.get('cpus')} CPUs "
-              f"(stored: {args.from_json})", flush=True)
-        _report(res)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({**stored, "results": res}, f, indent=1)

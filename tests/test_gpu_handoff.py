@@ -103,7 +103,12 @@ def test_a_stored_run_is_worked_out_again_from_its_medians(gpu_handoff, tmp_path
 
 def test_a_file_that_is_not_a_result_is_named(gpu_handoff, tmp_path, capsys):
     bad = tmp_path / "bad.json"
-    bad.write_text('{"results": {"8000": {"median_ms": {"d2h_pinned": 1.0}}}}')
-    assert gpu_handoff.main(["--from-json", str(bad)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"gpu_handoff: --from-json {bad}: not a result of this script")
+    for text in ('{"results": {"8000": {"median_ms": {"d2h_pinned": 1.0}}}}',  # pieces missing
+                 '{"results": {"16": {"payload_bytes": 1, "median_ms": {"memcpy": 0.1}}}}',  # no GB_per_s
+                 '[1, 2]', 'not json'):
+        bad.write_text(text)
+        assert gpu_handoff.main(["--from-json", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"gpu_handoff: --from-json {bad}: not a result of this script"), text
+    assert gpu_handoff.main(["--from-json", str(tmp_path / "absent.json")]) == 2
+    assert "not a result of this script (FileNotFoundError" in capsys.readouterr().err
