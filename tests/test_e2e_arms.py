@@ -43,6 +43,14 @@ def test_an_arm_with_its_own_deploy_config(run):
     assert run.make_arm("off").deploy is None
 
 
+def test_an_arm_run_again_is_named_apart(run):
+    again = run.make_arm("off#2")
+    assert again.name == "off#2" and again.env == run.make_arm("off").env and again.deploy is None
+    arena = run.make_arm("qwen3-omni@arena#3")
+    assert arena.name == "qwen3-omni@arena#3" and arena.env["OMNI_ACCUM_POLICY"] == "qwen3-omni"
+    assert arena.deploy == run.make_arm("qwen3-omni@arena").deploy
+
+
 def test_an_unknown_deploy_config_is_named(run):
     with pytest.raises(SystemExit, match="nosuch"):
         run.make_arm("off@nosuch")
@@ -98,6 +106,7 @@ def test_usage_errors_exit_2_with_one_line(run, capsys, tmp_path, monkeypatch):
         (["--model", str(tmp_path / "none")], str(tmp_path / "none")),
         ([*model, "--deploy-config", "nosuch"], "chunked"),  # names the valid choices
         ([*model, "--arms", "off@nosuch"], "nosuch"),
+        ([*model, "--arms", "off,default,off"], "off given twice"),  # and how to run it again: ARM#2
     ]
     for argv, needle in cases:
         with pytest.raises(SystemExit) as e:

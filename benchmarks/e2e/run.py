@@ -219,7 +219,13 @@ def resolve_deploy(value: str | Path) -> Path | None:
 
 
 def make_arm(spec: str) -> Arm:
-    """``SPEC`` or ``SPEC@CONFIG``: CONFIG is a deploy YAML path, or NAME for ``configs/qwen3_omni_cpu_NAME.yaml``."""
+    """``SPEC`` or ``SPEC@CONFIG``: CONFIG is a deploy YAML path, or NAME for ``configs/qwen3_omni_cpu_NAME.yaml``.
+    ``ARM#N`` (N a number) is ARM again on a server of its own, named apart (an A-B-A run's second A)."""
+    again = re.fullmatch(r"(.+)#(\d+)", spec)
+    if again:
+        arm = make_arm(again.group(1))
+        arm.name = spec
+        return arm
     if "@" in spec:
         base, _, cfg = spec.partition("@")
         path = resolve_deploy(cfg)
@@ -542,8 +548,9 @@ def main(argv: list[str] | None = None) -> int:
         "--arms",
         default="off,default,qwen3-omni",
         help="comma-separated: off, default, qwen3-omni, or policy file paths; ARM@CONFIG runs ARM with "
-        "another deploy config (a path, or NAME of configs/qwen3_omni_cpu_NAME.yaml, e.g. off@arena) "
-        "(default %(default)s)",
+        "another deploy config (a path, or NAME of configs/qwen3_omni_cpu_NAME.yaml, e.g. off@arena); ARM#N "
+        "runs ARM again on a fresh server, named apart: off,qwen3-omni@arena,off#2 shows in off#2's ratios how far "
+        "the machine drifted during the run (default %(default)s)",
     )
     ap.add_argument(
         "--input-len",
@@ -718,6 +725,10 @@ def main(argv: list[str] | None = None) -> int:
         arms = [make_arm(a.strip()) for a in args.arms.split(",") if a.strip()]
     except SystemExit as e:
         ap.error(str(e))
+    names = [a.name for a in arms]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        ap.error(f"--arms: {', '.join(twice)} given twice (to run an arm again on a server of its own, name it ARM#2)")
     if args.hosts and RELEASE.name != "0.30":
         ap.error(f"--hosts {args.hosts}: the simulated hosts run vllm-omni 0.30.0's deploys (not --release {RELEASE.name})")
     if args.hosts_fault is not None and (not args.hosts or args.smoke):
