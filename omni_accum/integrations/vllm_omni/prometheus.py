@@ -18,8 +18,11 @@ MERGE_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-
 #: The stage input processor's accumulation time per request (seconds; a 32k prompt in 2048-row chunks
 #: takes ~1 s per tensor under ``torch.cat`` on a small CPU).
 PROCESSOR_BUCKETS = (1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-#: ``omni_accum_handoff_seconds`` (.handoff): from a decode row's hand-off to a 32k prompt's over a slow wire.
-HANDOFF_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
+#: ``omni_accum_handoff_seconds`` (.handoff): from a decode row's hand-off to a 32k prompt's over a slow wire, and
+#: decode rows waiting 10-40 s for a talker still in its own 32k prefill on a small CPU (20 and 30 s told apart).
+HANDOFF_BUCKETS = (
+    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+)  # fmt: skip
 
 _lock = threading.Lock()
 _metrics: dict[str, Any] | None = None
