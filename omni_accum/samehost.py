@@ -53,6 +53,10 @@ def base_dir() -> Path:
     return Path(os.environ.get(ENV_DIR) or DEFAULT_BASE)
 
 
+#: How often :func:`private_dir` makes its directory again when a reaper removes it empty in between.
+_MKDIR_ATTEMPTS = 8
+
+
 def private_dir() -> Path:
     """This user's directory under :func:`base_dir` (created 0700 when missing, checked every time)."""
     base = base_dir()
@@ -60,12 +64,19 @@ def private_dir() -> Path:
     if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX and st.st_uid != os.geteuid():
         raise SameHostRefused(base, "a world-writable directory without the sticky bit", st)
     d = base / f"omni-accum-{os.geteuid()}"
-    try:
-        os.mkdir(d, 0o700)
-    except FileExistsError:
-        pass
-    check_dir(d)
-    return d
+    for attempt in range(_MKDIR_ATTEMPTS):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        try:
+            check_dir(d)
+            return d
+        except FileNotFoundError:
+            # another process's reaper removed the directory empty between the mkdir and the check: make it again
+            if attempt == _MKDIR_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _check(path: str | os.PathLike[str], st: os.stat_result, kind: str) -> None:

@@ -78,13 +78,20 @@ def _put_until_arena(tx, payload) -> list[str]:
     return keys
 
 
+def _private_names() -> set[str]:
+    try:
+        return set(os.listdir(private_dir()))
+    except FileNotFoundError:  # a reaper removed it empty after private_dir() made it: nothing is in it
+        return set()
+
+
 @pytest.fixture
 def clean_private():
-    before = set(os.listdir(private_dir()))
+    before = _private_names()
     yield private_dir()
-    left = set(os.listdir(private_dir())) - before
+    left = _private_names() - before
     for n in left:
-        os.unlink(private_dir() / n)
+        (private_dir() / n).unlink(missing_ok=True)
     assert not left, f"left in the private directory: {sorted(left)}"
 
 
@@ -95,6 +102,27 @@ def test_the_private_directory_is_this_users_and_0700():
     assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
     assert d.parent == Path(os.environ.get("OMNI_ACCUM_ARENA_DIR") or "/dev/shm")
     assert d.name == f"omni-accum-{os.geteuid()}"
+
+
+def test_the_private_directory_removed_empty_by_a_reaper_between_mkdir_and_check_is_made_again(tmp_path, monkeypatch):
+    """A reaper of another process removes the directory when it is empty; private_dir() must not fail for that."""
+    monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", str(tmp_path))
+    real_check = samehost.check_dir
+    removed = []
+
+    def check_after_a_reaper(path):
+        if len(removed) < 3:  # the reaper wins the race three times in a row
+            os.rmdir(path)
+            removed.append(path)
+        return real_check(path)
+
+    monkeypatch.setattr(samehost, "check_dir", check_after_a_reaper)
+    d = private_dir()
+    assert len(removed) == 3 and d.is_dir() and stat.S_IMODE(os.lstat(d).st_mode) == 0o700
+    removed.clear()
+    monkeypatch.setattr(samehost, "_MKDIR_ATTEMPTS", 2)  # a directory that never stays is not looped on forever
+    with pytest.raises(FileNotFoundError):
+        private_dir()
 
 
 def test_another_owner_a_writable_mode_and_a_symlink_are_refused_with_path_owner_and_mode(tmp_path):
