@@ -133,6 +133,7 @@ def test_usage_errors_exit_2_with_one_line(run, capsys, tmp_path, monkeypatch):
 def test_the_model_option_names_a_variant_or_a_folder(run, tmp_path):
     assert run.resolve_model("tiny") == RUN_PY.parent / ".work" / "model"
     assert run.resolve_model("light") == RUN_PY.parent / ".work" / "model-light"
+    assert run.resolve_model("lean") == RUN_PY.parent / ".work" / "model-lean"
     assert run.resolve_model(tmp_path) == tmp_path.resolve()
 
 
@@ -269,6 +270,34 @@ def test_the_light_model_keeps_the_payload_widths_with_less_compute():
     for cfg in (tiny, light):
         assert 0 <= cfg.talker_config.accept_hidden_layer < cfg.thinker_config.text_config.num_hidden_layers
     assert bm.OUT_DIRS["light"] != bm.OUT_DIRS["tiny"] and bm.script_hash("light") != bm.script_hash("tiny")
+
+
+def _rope_of(text_config) -> dict:
+    rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None)
+    return dict(rope or {})
+
+
+@pytest.mark.parametrize("release", ["0.30", "0.16"])
+def test_the_lean_model_is_light_with_one_attention_head_of_32(release):
+    require_module("transformers", "the e2e model's config (Qwen3OmniMoeConfig); installed with vllm-omni")
+    bm = _build_model()
+    light, lean = bm.build_config("light", release), bm.build_config("lean", release)
+    head = {"num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 32}
+    for part in ("thinker_config.text_config", "talker_config.text_config", "talker_config.code_predictor_config"):
+        a, b = light, lean
+        for attr in part.split("."):
+            a, b = getattr(a, attr), getattr(b, attr)
+        assert {k: getattr(b, k) for k in head} == head, part
+        assert getattr(a, "head_dim") == 64, part
+        # the payload widths and everything else light chose stay
+        assert (b.hidden_size, b.vocab_size, b.num_hidden_layers) == (a.hidden_size, a.vocab_size, a.num_hidden_layers)
+    for tc in (lean.thinker_config.text_config, lean.talker_config.text_config):
+        # M-RoPE rotates head_dim / 2 pairs: the sections must add up to them, or the rotary embedding breaks
+        assert sum(_rope_of(tc)["mrope_section"]) == 16
+    assert sum(_rope_of(light.thinker_config.text_config)["mrope_section"]) == 32
+    assert lean.talker_config.accept_hidden_layer == light.talker_config.accept_hidden_layer
+    assert bm.OUT_DIRS["lean"] not in (bm.OUT_DIRS["light"], bm.OUT_DIRS_016["lean"])
+    assert bm.script_hash("lean", release) != bm.script_hash("light", release)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Build a tiny random-weight Qwen3-Omni (thinker -> talker -> code2wav) for the e2e harness.
 
-    benchmarks/e2e/.work/venv/bin/python benchmarks/e2e/build_model.py [--variant tiny|light] [--out DIR] [--force]
-    benchmarks/e2e/.work/venv-016/bin/python benchmarks/e2e/build_model.py [--variant tiny|light]   # vllm-omni 0.16.0
+    benchmarks/e2e/.work/venv/bin/python benchmarks/e2e/build_model.py [--variant tiny|light|lean] [--out DIR] [--force]
+    benchmarks/e2e/.work/venv-016/bin/python benchmarks/e2e/build_model.py [--variant NAME]   # vllm-omni 0.16.0
 
 No model hub is needed: the config comes from ``transformers.Qwen3OmniMoeConfig``, the weights are
 random (seeded, so every build is the same), the tokenizer is a byte-level BPE built here.
@@ -23,13 +23,17 @@ Variants (``--variant``; each has its own folder):
 
 * ``tiny`` (default, ``.work/model``): the model above.
 * ``light`` (``.work/model-light``): the same payload widths (thinker hidden 2048, vocabulary 152064,
-  talker hidden 128) with as little compute as the architecture allows, so that the hand-off between
+  talker hidden 128) with little compute (less only in attention: see lean), so that the hand-off between
   stages takes the share of a request's latency it takes on a GPU server: one thinker layer with 2
   attention heads (1 KV head, head_dim 64), a MoE of 2 experts (top-1, intermediate 32), intermediate
   sizes of 64; talker and code predictor likewise (1 layer, 2 heads, 2 experts); code2wav with
   hidden 32 and decoder width 32. With one layer, the talker's ``accept_hidden_layer`` is 0 (the only
   layer vllm-omni can capture: it captures a layer's input), so ``hidden_states.output`` is the
   thinker's embedding output: still a ``[P, 2048]`` bf16 tensor of its own on the wire.
+* ``lean`` (``.work/model-lean``): the light model with one attention head of head_dim 32 (the CPU
+  attention backend's smallest) in the thinker, the talker and the code predictor instead of two of 64:
+  a quarter of the attention work, the part of a prefill that grows with the square of the input and
+  most of light's prefill time at 32k on a CPU. Its hidden sizes, vocabularies and payloads are light's.
 
 vllm-omni 0.16.0 (this script run by ``.work/venv-016``'s python, into ``.work/model-016`` /
 ``.work/model-light-016``): the config in transformers 4.x's layout (``rope_theta`` / ``rope_scaling``),
@@ -50,12 +54,14 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("tiny", "light")
-OUT_DIRS = {"tiny": HERE / ".work" / "model", "light": HERE / ".work" / "model-light"}
+VARIANTS = ("tiny", "light", "lean")
+OUT_DIRS = {"tiny": HERE / ".work" / "model", "light": HERE / ".work" / "model-light",
+            "lean": HERE / ".work" / "model-lean"}
 # vllm-omni 0.16.0's environment (setup_env.sh --release 0.16) has transformers 4.57, whose Qwen3-Omni config
 # takes rope_theta / rope_scaling (not 5.x's rope_parameters) and whose MoE weights are per expert: its
 # models are built by that environment's python into their own folders (run.py --release 0.16 uses them).
-OUT_DIRS_016 = {"tiny": HERE / ".work" / "model-016", "light": HERE / ".work" / "model-light-016"}
+OUT_DIRS_016 = {"tiny": HERE / ".work" / "model-016", "light": HERE / ".work" / "model-light-016",
+                "lean": HERE / ".work" / "model-lean-016"}
 
 
 def installed_release() -> str:
@@ -241,6 +247,17 @@ LIGHT = {
     "code2wav": {"hidden_size": 32, "intermediate_size": 64, "decoder_dim": 32},
 }  # fmt: skip
 
+# The lean variant: the light one's entries, then these (payload widths unchanged): one attention head of
+# head_dim 32 (the CPU attention backend's smallest) in the thinker, the talker and the code predictor, a quarter
+# of light's attention work, which is what grows with the input (quadratically: most of a 32k prefill's time).
+# M-RoPE splits head_dim / 2 = 16 rotary pairs over time, height and width as the real model splits its 64.
+LEAN_ATTENTION = {"num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 32}
+LEAN = {
+    "thinker.text_config": {**LEAN_ATTENTION, "mrope_section": [6, 5, 5]},
+    "talker.text_config": {**LEAN_ATTENTION, "mrope_section": [6, 5, 5]},
+    "talker.code_predictor_config": dict(LEAN_ATTENTION),
+}
+
 
 # vllm-omni 0.16.0's Qwen3-Omni stage input processors read the thinker's captured hidden states under the
 # literal key "24" (``pooling_output.get("24")``: the real model's accept_hidden_layer); the thinker captures
@@ -258,11 +275,17 @@ RELEASE_016 = {
 def apply_variant(variant: str, parts: dict[str, dict], release: str = "0.30") -> None:
     """Replace the entries LIGHT names (``part.sub_config``) in the tiny model's config dicts; then, for
     vllm-omni 0.16.0, RELEASE_016's."""
-    for table in ([LIGHT] if variant == "light" else []) + ([RELEASE_016] if release == "0.16" else []):
+    tables = {"tiny": [], "light": [LIGHT], "lean": [LIGHT, LEAN]}[variant]
+    for table in tables + ([RELEASE_016] if release == "0.16" else []):
         for where, changes in table.items():
             part, _, sub = where.partition(".")
             target = parts[part][sub] if sub else parts[part]
+            changes = dict(changes)
+            section = changes.pop("mrope_section", None)
             target.update(changes)
+            if section is not None:  # inside the rope dict of the layout this transformers reads
+                rope_key = "rope_parameters" if "rope_parameters" in target else "rope_scaling"
+                target[rope_key] = {**target[rope_key], "mrope_section": section}
 
 
 def build_config(variant: str = "tiny", release: str = "0.30"):
@@ -415,13 +438,14 @@ def main(argv: list[str] | None = None) -> int:
         "--variant",
         choices=VARIANTS,
         default="tiny",
-        help="tiny: 2 thinker layers (default); light: the same payload widths with minimal compute",
+        help="tiny: 2 thinker layers (default); light: the same payload widths with minimal compute; lean: light "
+        "with one attention head of 32 in each stage's language model",
     )
     ap.add_argument(
         "--out",
         type=Path,
-        help="output folder (default .work/model, .work/model-light for light; in vllm-omni 0.16.0's environment "
-        ".work/model-016, .work/model-light-016)",
+        help="output folder (default .work/model, .work/model-light, .work/model-lean; in vllm-omni 0.16.0's "
+        "environment .work/model-016, .work/model-light-016, .work/model-lean-016)",
     )
     ap.add_argument("--force", action="store_true", help="rebuild even when the folder is current")
     args = ap.parse_args(argv)

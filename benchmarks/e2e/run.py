@@ -63,7 +63,7 @@ from e2e_watch import (  # noqa: E402 - memory samples, a stage killed on purpos
 import hosts as hosts_mode  # noqa: E402 - run.py --hosts N (network namespaces, netns.py)
 
 WORK = HERE / ".work"
-MODELS = {"tiny": WORK / "model", "light": WORK / "model-light"}  # build_model.py --variant NAME
+MODELS = {"tiny": WORK / "model", "light": WORK / "model-light", "lean": WORK / "model-lean"}  # --variant NAME
 DEFAULT_MODEL = "tiny"
 VENV_BIN = Path(sys.executable).parent
 
@@ -106,7 +106,7 @@ RELEASES = {
     "0.16": Release(
         "0.16",
         WORK / "venv-016",
-        {"tiny": WORK / "model-016", "light": WORK / "model-light-016"},
+        {"tiny": WORK / "model-016", "light": WORK / "model-light-016", "lean": WORK / "model-lean-016"},
         HERE / "configs" / "0.16",
         "--stage-configs-path",
         "vllm-omni",
@@ -262,7 +262,8 @@ def positive_ints(text: str, option: str) -> list[int]:
 
 
 def resolve_model(value: str | Path) -> Path:
-    """``tiny`` / ``light`` (``build_model.py --variant NAME``'s folder for the release) or a model folder path."""
+    """``tiny`` / ``light`` / ``lean`` (``build_model.py --variant NAME``'s folder for the release) or a model
+    folder path."""
     return (RELEASE.models[str(value)] if str(value) in RELEASE.models else Path(value)).resolve()
 
 
