@@ -322,3 +322,52 @@ def test_a_get_that_finds_nothing_names_the_key_it_waited_for(monkeypatch, caplo
     assert [r.getMessage() for r in caplog.records if "timeout waiting" in r.getMessage()] == [
         f"{NAME}: timeout waiting for req-7_0_0@0_1"
     ]
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [("remote", "'remote' is not one of local, any"), ("", "'' is not one of local, any"),
+     (True, "True is not one of local, any")],
+)  # fmt: skip
+def test_a_bad_parts_segment_is_named_with_the_choices(value, message):
+    from omni_accum.integrations.vllm_omni import mooncake_connector as mc
+
+    with pytest.raises(ValueError, match=f"{NAME}: extra.mooncake_parts_segment = {message}"):
+        mc.MooncakeFastConnector({"mooncake_parts_segment": value})
+
+
+@pytest.mark.parametrize("parts_segment", ["local", "any"])
+@pytest.mark.parametrize("segment", [0, 512 << 20])
+def test_the_parts_go_to_this_process_s_segment_only_when_asked_and_contributed(parts_segment, segment):
+    """``local`` (the default) prefers this process's own segment when it contributes one; ``any`` keeps 0.30.0's
+    replication config, so the master chooses (as for 0.30.0's own puts)."""
+    from conftest import require_module
+
+    from omni_accum.integrations.vllm_omni import mooncake_connector as mc
+
+    from omni_accum.integrations.vllm_omni import mooncake_compat
+
+    require_module("mooncake.store", "Mooncake's ReplicateConfig; installed by scripts/env.sh")
+    was_applied = mooncake_compat.is_applied()
+    assert mooncake_compat.apply_soft_pin()  # as the connector's set-up does: 0.30.0's name on Mooncake 0.3.13
+    try:
+        _check_part_pin(mc, parts_segment, segment)
+    finally:
+        if not was_applied:
+            mooncake_compat.remove()
+
+
+def _check_part_pin(mc, parts_segment: str, segment: int) -> None:
+    conn = object.__new__(mc.MooncakeFastConnector)
+    conn.close = lambda: None  # nothing was opened
+    plain = object()  # 0.30.0's config, as its connector made it
+    store = type("Store", (), {"get_hostname": lambda self: "10.0.0.2:12345"})()
+    conn.inner = type("Inner", (), {"pin": plain, "segment": segment, "store": store})()
+    conn.parts_segment, conn._pin, conn.local_segment = parts_segment, None, None
+    pin = conn._part_pin()
+    if parts_segment == "local" and segment:
+        assert pin is not plain and pin.preferred_segment == "10.0.0.2:12345" and pin.with_soft_pin
+        assert conn.local_segment == "10.0.0.2:12345"
+    else:
+        assert pin is plain and conn.local_segment is None
+    assert conn._part_pin() is pin  # made once

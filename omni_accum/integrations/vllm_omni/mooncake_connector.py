@@ -14,6 +14,7 @@ Select it in a deploy YAML in place of ``MooncakeStoreConnector`` (the same ``ex
           mooncake_buffer_bytes: 16MiB       # registered staging buffer per direction, and the largest part (default)
           mooncake_tensor_min_bytes: 256KiB  # smaller tensors stay in the serialized payload (default 256KiB)
           mooncake_get_poll: 10ms            # how a get waits for a key not there yet (default blocking: 0.30.0's)
+          mooncake_parts_segment: any        # where the parts go: local (default: this process's segment) or any
 
 0.30.0's connector serializes the whole payload (msgpack, every tensor's bytes copied into the message),
 ``put`` s it as one object, and the receiver ``get`` s the bytes and decodes them (another copy). For the
@@ -25,7 +26,8 @@ tensors of keys the sending policy appends (the prefill's ``[P+1, 2048]`` embedd
   (``batch_put_from``); a tensor larger than the buffer has its own memory registered for the call instead
   (no copy; through the staging buffer, one buffer-full per call, if that fails) and goes as parts of at
   most the buffer's size (objects stay small enough for any segment; in this process's own segment when it
-  contributes one, ``segment`` > 0: the put is a local copy); the rest of the payload is serialized as 0.30.0
+  contributes one, ``segment`` > 0, and ``mooncake_parts_segment`` is ``local``, the default: the put is a
+  local copy; ``any``: the master chooses, as for 0.30.0's puts); the rest of the payload is serialized as 0.30.0
   does, each such tensor replaced by a reference naming its parts (:mod:`.mooncake_wire`), and ``put`` last
   under the chunk's key: a receiver that finds the key finds every part;
 * receiving, the payload is decoded with vllm-omni's own decoder, each referenced tensor allocated and its
@@ -89,7 +91,8 @@ DEFAULT_BUFFER_BYTES = 16 << 20
 DEFAULT_TENSOR_MIN_BYTES = 256 << 10
 #: The released requests remembered (their later puts go serialized).
 MAX_RELEASED = 4096
-KNOWN_KEYS = ("mooncake_buffer_bytes", "mooncake_tensor_min_bytes", "mooncake_get_poll")
+KNOWN_KEYS = ("mooncake_buffer_bytes", "mooncake_tensor_min_bytes", "mooncake_get_poll", "mooncake_parts_segment")
+PARTS_SEGMENTS = ("local", "any")
 
 
 def _size(extra: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
@@ -128,6 +131,10 @@ class MooncakeFastConnector(OmniConnectorBase):
             self.get_poll = parse_poll(self.config.get("mooncake_get_poll"))
         except ValueError as e:
             raise ValueError(f"{NAME}: {e}") from None
+        self.parts_segment = self.config.get("mooncake_parts_segment", "local")
+        if self.parts_segment not in PARTS_SEGMENTS:
+            raise ValueError(f"{NAME}: extra.mooncake_parts_segment = {self.parts_segment!r} is not one of "
+                             f"{', '.join(PARTS_SEGMENTS)}")
         if _prepare is None or _inner_class is None:
             raise ImportError(f"{NAME}: not set up: omni-accum's omni_accum_mooncake plugin registers it "
                               "(omni_accum.integrations.vllm_omni.mooncake_compat.activate())")
@@ -175,12 +182,12 @@ class MooncakeFastConnector(OmniConnectorBase):
 
     def _part_pin(self) -> Any:
         """The replication config of the fast path's objects: 0.30.0's (soft pin), preferring this process's own
-        segment when it contributes one (``segment`` > 0): the put is then a local copy, and the receiver's get
-        the one transfer."""
+        segment when it contributes one (``segment`` > 0) and ``mooncake_parts_segment`` is ``local``: the put is
+        then a local copy, and the receiver's get the one transfer."""
         if self._pin is None:
             pin = self.inner.pin
             try:
-                if int(self.inner.segment or 0) > 0:
+                if self.parts_segment == "local" and int(self.inner.segment or 0) > 0:
                     from mooncake.store import ReplicateConfig  # noqa: PLC0415
 
                     pin = ReplicateConfig()
@@ -473,7 +480,8 @@ class MooncakeFastConnector(OmniConnectorBase):
 
     def health(self) -> dict[str, Any]:
         return {**self.inner.health(), **self.counts, "fallbacks": dict(self.fallbacks),
-                "local_segment": self.local_segment, "fast_seconds": dict(self.seconds),
+                "local_segment": self.local_segment, "parts_segment": self.parts_segment,
+                "fast_seconds": dict(self.seconds),
                 "get_poll": "blocking" if self.get_poll is None else self.get_poll}
 
     def close(self) -> None:
