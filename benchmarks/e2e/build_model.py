@@ -23,7 +23,7 @@ Variants (``--variant``; each has its own folder):
 
 * ``tiny`` (default, ``.work/model``): the model above.
 * ``light`` (``.work/model-light``): the same payload widths (thinker hidden 2048, vocabulary 152064,
-  talker hidden 128) with little compute (less only in attention: see lean), so that the hand-off between
+  talker hidden 128) with little compute (lean has less, in attention only), so that the hand-off between
   stages takes the share of a request's latency it takes on a GPU server: one thinker layer with 2
   attention heads (1 KV head, head_dim 64), a MoE of 2 experts (top-1, intermediate 32), intermediate
   sizes of 64; talker and code predictor likewise (1 layer, 2 heads, 2 experts); code2wav with
@@ -273,8 +273,8 @@ RELEASE_016 = {
 
 
 def apply_variant(variant: str, parts: dict[str, dict], release: str = "0.30") -> None:
-    """Replace the entries LIGHT names (``part.sub_config``) in the tiny model's config dicts; then, for
-    vllm-omni 0.16.0, RELEASE_016's."""
+    """Replace the entries LIGHT names (``part.sub_config``) in the tiny model's config dicts, then for ``lean``
+    LEAN's (its ``mrope_section`` goes inside the rope dict); then, for vllm-omni 0.16.0, RELEASE_016's."""
     tables = {"tiny": [], "light": [LIGHT], "lean": [LIGHT, LEAN]}[variant]
     for table in tables + ([RELEASE_016] if release == "0.16" else []):
         for where, changes in table.items():
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         "--variant",
         choices=VARIANTS,
         default="tiny",
-        help="tiny: 2 thinker layers (default); light: the same payload widths with minimal compute; lean: light "
+        help="tiny: 2 thinker layers (default); light: the same payload widths with little compute; lean: light "
         "with one attention head of 32 in each stage's language model",
     )
     ap.add_argument(
