@@ -343,9 +343,8 @@ def test_the_parts_go_to_this_process_s_segment_only_when_asked_and_contributed(
     replication config, so the master chooses (as for 0.30.0's own puts)."""
     from conftest import require_module
 
-    from omni_accum.integrations.vllm_omni import mooncake_connector as mc
-
     from omni_accum.integrations.vllm_omni import mooncake_compat
+    from omni_accum.integrations.vllm_omni import mooncake_connector as mc
 
     require_module("mooncake.store", "Mooncake's ReplicateConfig; installed by scripts/env.sh")
     was_applied = mooncake_compat.is_applied()
