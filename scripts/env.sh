@@ -23,6 +23,9 @@ VENV="${OMNI_ACCUM_VENV:-$ROOT/.venv}"
 VLLM_VERSION="${OMNI_ACCUM_VLLM_VERSION:-0.30.0}"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.omni-accum-setup"
+# What a new environment leaves on disk (measured on 2026-12-04): ~7 GB from scratch, ~1.5 GB started from a
+# seed (hard links); the check stops a build that would not fit before pip starts (scripts/disk.sh).
+source "$ROOT/scripts/disk.sh"
 _omni_accum_sources() {
   cat "$ROOT/pyproject.toml"
   find "$ROOT/examples/plugins" -type f \( -name '*.py' -o -name pyproject.toml \) \
@@ -64,6 +67,7 @@ if [ "$have" != "$want" ]; then
     if [ "$SEED" != "none" ] && [ "$(cd "$SEED" 2>/dev/null && pwd)" != "$(mkdir -p "$VENV" && cd "$VENV" && pwd)" ] \
       && [ -s "$SEED/.omni-accum-setup" ] && [ -x "$SEED/bin/python" ] \
       && [ "$("$SEED/bin/python" -c "$pyver")" = "$("$PY" -c "$pyver")" ]; then
+      omni_accum_need_disk "$VENV" 1.5 "$VENV (started from $SEED)" || { return 1 2>/dev/null || exit 1; }
       echo "[setup] starting $VENV from the packages of $SEED (pip fetches only what differs)" >&2
       "$PY" -m venv --without-pip "$VENV"
       purelib='import sysconfig; print(sysconfig.get_paths()["purelib"])'
@@ -72,6 +76,7 @@ if [ "$have" != "$want" ]; then
       # installed file (it moves the old one away, or unlinks it, before writing), so the seed is untouched.
       cp -al "$src/." "$dst/" 2>/dev/null || { rm -rf "$dst" && mkdir -p "$dst" && cp -a "$src/." "$dst/"; }
     else
+      omni_accum_need_disk "$VENV" 7 "$VENV (from scratch)" || { return 1 2>/dev/null || exit 1; }
       "$PY" -m venv "$VENV"
     fi
   fi

@@ -30,6 +30,24 @@ want_016="${OMNI_ACCUM_TEST_016:-}"
 venv_028="${OMNI_ACCUM_VENV_028:-$ROOT/.venv-028}"
 venv_016="${OMNI_ACCUM_VENV_016:-$ROOT/.venv-016}"
 start=$(date +%s)
+# Room for every environment this run will build, side by side on one file system as a rule (the sizes they
+# leave on disk; see scripts/disk.sh): a run that cannot fit stops here with one line instead of failing in pip.
+source "$ROOT/scripts/disk.sh"
+venv_main="${OMNI_ACCUM_VENV:-$ROOT/.venv}"
+e2e_venv="${OMNI_ACCUM_E2E_VENV:-$ROOT/benchmarks/e2e/.work/venv}"
+builds=()
+[ -x "$venv_main/bin/python" ] || builds+=("$venv_main" 7 "the 0.30.0 environment")
+[ "$want_028" = "1" ] && [ ! -x "$venv_028/bin/python" ] && builds+=("$venv_028" 1.5 "the 0.28.0 environment")
+[ "$want_016" = "1" ] && [ ! -x "$venv_016/bin/python" ] && builds+=("$venv_016" 1.5 "the 0.16.0 environment")
+# The end-to-end test runs with CI=true or OMNI_ACCUM_E2E=1 and no extra arguments (see below); it needs the
+# harness's virtualenv (~5.3 GB from .venv's packages) and its tiny model (~1.2 GB).
+want_e2e=0
+{ [ "${OMNI_ACCUM_E2E:-}" = "1" ] || [ "$(echo "${CI:-}" | tr '[:upper:]' '[:lower:]')" = "true" ]; } && [ $# -eq 0 ] && want_e2e=1
+[ "$want_e2e" = "1" ] && [ ! -x "$e2e_venv/bin/python" ] && builds+=("$e2e_venv" 6.5 "the end-to-end harness")
+if [ ${#builds[@]} -gt 0 ] && ! omni_accum_need_disk "${builds[@]}"; then
+  echo "[setup] nothing was built or run" >&2
+  exit 1
+fi
 # .venv first: the other releases' environments start from its packages.
 ( source "$ROOT/scripts/env.sh" ) 2>&1 | tee "$logs/setup.log"
 # Then those are built in the background while the 0.30.0 suite runs (pip waits on the network and the disk,
@@ -44,8 +62,6 @@ pid_028="" pid_016="" pid_e2e=""
 # own virtualenv (~5.3 GB on disk, started from .venv's packages) is built in the background too, once the two builds
 # above have ended: the three at once held pip's unpacked wheels on the disk together and filled a CI
 # machine's disk. The test calls setup_env.sh again, which waits for this build and finds it up to date.
-want_e2e=0
-{ [ "${OMNI_ACCUM_E2E:-}" = "1" ] || [ "$(echo "${CI:-}" | tr '[:upper:]' '[:lower:]')" = "true" ]; } && [ $# -eq 0 ] && want_e2e=1
 if [ "$want_e2e" = "1" ]; then
   ( for p in $pid_028 $pid_016; do while kill -0 "$p" 2>/dev/null; do sleep 5; done; done
     exec bash "$ROOT/benchmarks/e2e/setup_env.sh" ) >"$logs/setup-e2e.log" 2>&1 &

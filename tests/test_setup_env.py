@@ -7,7 +7,10 @@ not a skip, there).
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -51,3 +54,45 @@ def test_the_other_releases_runs_leave_out_only_the_tests_marked_once():
     assert re.search(r'python -m pytest -m "not once" "\$@"', test_sh)
     markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
     assert any(m.startswith("once:") for m in markers)
+
+
+def _need_disk(*triples: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = f'source "{ROOT / "scripts" / "disk.sh"}" && omni_accum_need_disk "$@"'
+    return subprocess.run(["bash", "-c", cmd, "disk", *triples], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+
+
+def _free_gb(path: Path) -> float:
+    return shutil.disk_usage(path).free / 1e9
+
+
+def test_the_disk_check_passes_a_build_that_fits_and_refuses_one_that_does_not(tmp_path):
+    free = _free_gb(tmp_path)
+    assert _need_disk(str(tmp_path / "venv"), f"{free / 4:.1f}", "a small build").returncode == 0
+    refused = _need_disk(str(tmp_path / "a" / "venv"), f"{free * 2 + 1:.0f}", "a huge build")
+    assert refused.returncode == 1
+    # One line that names what, where (the path and its mount point), what is needed and what is free.
+    assert "not enough disk on /" in refused.stderr and "a huge build" in refused.stderr
+    assert str(tmp_path / "a" / "venv") in refused.stderr and "GB free" in refused.stderr
+    assert "OMNI_ACCUM_SKIP_DISK_CHECK=1" in refused.stderr
+    # The switch turns it off.
+    assert _need_disk(str(tmp_path), f"{free * 2 + 1:.0f}", "x", env={"OMNI_ACCUM_SKIP_DISK_CHECK": "1"}).returncode == 0
+
+
+def test_the_disk_check_adds_up_builds_that_share_a_file_system(tmp_path):
+    # Each fits alone; together they do not (test.sh builds four environments side by side).
+    share = f"{_free_gb(tmp_path) * 0.6:.1f}"
+    assert _need_disk(str(tmp_path / "one"), share, "one").returncode == 0
+    both = _need_disk(str(tmp_path / "one"), share, "one", str(tmp_path / "two"), share, "two")
+    assert both.returncode == 1
+    assert "one (" in both.stderr and "two (" in both.stderr
+
+
+def test_the_environments_are_checked_for_room_before_anything_is_built():
+    # env.sh: before each new virtualenv (seeded or from scratch); test.sh: every build of the run, summed,
+    # before the first one starts.
+    for guard, build in (("1.5", 'cp -al "$src/."'), ("7", '"$PY" -m venv "$VENV"\n')):
+        check = ENV_SH.index(f'omni_accum_need_disk "$VENV" {guard} ')
+        assert check < ENV_SH.index(build, check), f"env.sh builds before checking the disk ({build!r})"
+    test_sh = (ROOT / "scripts" / "test.sh").read_text()
+    assert test_sh.index('omni_accum_need_disk "${builds[@]}"') < test_sh.index('( source "$ROOT/scripts/env.sh" )')
