@@ -72,7 +72,8 @@ from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorB
 
 from omni_accum.integrations.vllm_omni.arena_chains import append_test, cpu_contiguous, plain_tensor, request_of
 from omni_accum.integrations.vllm_omni.arena_chains import struct_map
-from omni_accum.integrations.vllm_omni.mooncake_wait import TRIES, TRY_INTERVAL_S, KeyWaits, monotonic, parse_poll
+from omni_accum.integrations.vllm_omni.mooncake_settings import KNOWN_KEYS, NAME, parse_settings
+from omni_accum.integrations.vllm_omni.mooncake_wait import TRIES, TRY_INTERVAL_S, KeyWaits, monotonic
 from omni_accum.integrations.vllm_omni.mooncake_wire import (
     PART_SEP,
     Buffer,
@@ -85,28 +86,8 @@ from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fall
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
-#: The name the ``omni_accum_mooncake`` entry point registers the connector under.
-NAME = "OmniAccumMooncakeConnector"
-DEFAULT_BUFFER_BYTES = 16 << 20
-DEFAULT_TENSOR_MIN_BYTES = 256 << 10
 #: The released requests remembered (their later puts go serialized).
 MAX_RELEASED = 4096
-KNOWN_KEYS = ("mooncake_buffer_bytes", "mooncake_tensor_min_bytes", "mooncake_get_poll", "mooncake_parts_segment")
-PARTS_SEGMENTS = ("local", "any")
-
-
-def _size(extra: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
-    from omni_accum.integrations.vllm_omni.arena_settings import NAME as ARENA  # noqa: PLC0415
-    from omni_accum.integrations.vllm_omni.arena_settings import parse_size  # noqa: PLC0415
-
-    value = extra.get(key, default)
-    try:
-        n = parse_size(value, key) if not (isinstance(value, int) and not isinstance(value, bool)) else value
-    except ValueError as e:
-        raise ValueError(str(e).replace(ARENA, NAME)) from None
-    if n < minimum:
-        raise ValueError(f"{NAME}: extra.{key} = {value!r} is {n} bytes, under the minimum of {minimum}")
-    return n
 
 
 #: Set by :func:`.mooncake_compat.register_connector` (the plugin's activation, which registers this connector):
@@ -121,20 +102,11 @@ class MooncakeFastConnector(OmniConnectorBase):
 
     def __init__(self, config: dict[str, Any] | None) -> None:
         self.config = dict(config or {})
-        unknown = sorted(k for k in self.config if str(k).startswith("mooncake_") and k not in KNOWN_KEYS)
-        if unknown:
-            raise ValueError(f"{NAME}: unknown extra key(s) {', '.join(map(repr, unknown))}; it reads "
-                             f"{', '.join(KNOWN_KEYS)}")
-        self.buffer_bytes = _size(self.config, "mooncake_buffer_bytes", DEFAULT_BUFFER_BYTES, 4096)
-        self.tensor_min_bytes = _size(self.config, "mooncake_tensor_min_bytes", DEFAULT_TENSOR_MIN_BYTES, 1)
-        try:
-            self.get_poll = parse_poll(self.config.get("mooncake_get_poll"))
-        except ValueError as e:
-            raise ValueError(f"{NAME}: {e}") from None
-        self.parts_segment = self.config.get("mooncake_parts_segment", "local")
-        if self.parts_segment not in PARTS_SEGMENTS:
-            raise ValueError(f"{NAME}: extra.mooncake_parts_segment = {self.parts_segment!r} is not one of "
-                             f"{', '.join(PARTS_SEGMENTS)}")
+        settings = parse_settings(self.config)  # refuses a bad value of its own keys, naming it
+        self.buffer_bytes = settings.buffer_bytes
+        self.tensor_min_bytes = settings.tensor_min_bytes
+        self.get_poll = settings.get_poll
+        self.parts_segment = settings.parts_segment
         if _prepare is None or _inner_class is None:
             raise ImportError(f"{NAME}: not set up: omni-accum's omni_accum_mooncake plugin registers it "
                               "(omni_accum.integrations.vllm_omni.mooncake_compat.activate())")

@@ -1,0 +1,67 @@
+"""The ``extra`` settings of ``OmniAccumMooncakeConnector`` (:mod:`.mooncake_connector`): the four keys of its own,
+each bad value refused with the key, the value and what it takes; every other key goes to vllm-omni 0.30.0's
+``MooncakeStoreConnector`` unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from omni_accum.integrations.vllm_omni.mooncake_wait import parse_poll
+
+#: The name the ``omni_accum_mooncake`` entry point registers the connector under.
+NAME = "OmniAccumMooncakeConnector"
+DEFAULT_BUFFER_BYTES = 16 << 20
+DEFAULT_TENSOR_MIN_BYTES = 256 << 10
+KNOWN_KEYS = ("mooncake_buffer_bytes", "mooncake_tensor_min_bytes", "mooncake_get_poll", "mooncake_parts_segment")
+#: ``mooncake_parts_segment``: ``local`` (the sending process's own segment) or ``any`` (the master chooses).
+PARTS_SEGMENTS = ("local", "any")
+
+
+@dataclass(frozen=True)
+class MooncakeFastSettings:
+    #: The registered staging buffer per direction, and the largest part.
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    #: Smaller tensors stay in the serialized payload.
+    tensor_min_bytes: int = DEFAULT_TENSOR_MIN_BYTES
+    #: Seconds between two asks for a key not there yet; None: 0.30.0's blocking get.
+    get_poll: float | None = None
+    parts_segment: str = "local"
+
+
+def _size(extra: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
+    from omni_accum.integrations.vllm_omni.arena_settings import NAME as ARENA  # noqa: PLC0415
+    from omni_accum.integrations.vllm_omni.arena_settings import parse_size  # noqa: PLC0415
+
+    value = extra.get(key, default)
+    try:
+        n = parse_size(value, key) if not (isinstance(value, int) and not isinstance(value, bool)) else value
+    except ValueError as e:
+        raise ValueError(str(e).replace(ARENA, NAME)) from None
+    if n < minimum:
+        raise ValueError(f"{NAME}: extra.{key} = {value!r} is {n} bytes, under the minimum of {minimum}")
+    return n
+
+
+def parse_settings(extra: Mapping[str, Any]) -> MooncakeFastSettings:
+    """The connector's own settings from a deploy's ``extra``. ``ValueError`` names the key, the value and the
+    choices: an unknown ``mooncake_*`` key (a typo would otherwise reach 0.30.0's connector, which ignores it)."""
+    unknown = sorted(k for k in extra if str(k).startswith("mooncake_") and k not in KNOWN_KEYS)
+    if unknown:
+        raise ValueError(f"{NAME}: unknown extra key(s) {', '.join(map(repr, unknown))}; it reads "
+                         f"{', '.join(KNOWN_KEYS)}")
+    try:
+        get_poll = parse_poll(extra.get("mooncake_get_poll"))
+    except ValueError as e:
+        raise ValueError(f"{NAME}: {e}") from None
+    parts_segment = extra.get("mooncake_parts_segment", "local")
+    if parts_segment not in PARTS_SEGMENTS:
+        raise ValueError(f"{NAME}: extra.mooncake_parts_segment = {parts_segment!r} is not one of "
+                         f"{', '.join(PARTS_SEGMENTS)}")
+    return MooncakeFastSettings(
+        buffer_bytes=_size(extra, "mooncake_buffer_bytes", DEFAULT_BUFFER_BYTES, 4096),
+        tensor_min_bytes=_size(extra, "mooncake_tensor_min_bytes", DEFAULT_TENSOR_MIN_BYTES, 1),
+        get_poll=get_poll,
+        parts_segment=parts_segment,
+    )
