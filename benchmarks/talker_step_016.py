@@ -61,7 +61,7 @@ def adapter(policy: str | None) -> Any:
 
 def cross(obj: Any) -> Any:
     """vLLM 0.16.0's ``MessageQueue.enqueue`` / ``dequeue`` in one process (the bytes copied once into the queue)."""
-    from omni_accum.integrations.vllm_omni.runner_rows import through_message_queue
+    from _message_queue import through_message_queue  # noqa: PLC0415 - beside this script
 
     return through_message_queue(obj, reuse=False)[0]
 

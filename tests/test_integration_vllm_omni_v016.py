@@ -273,7 +273,7 @@ def test_the_runner_gets_0160_s_values_and_qwen3_omni_sends_it_only_new_rows(vo1
     crosses is what 0.16.0 sends."""
     from vllm_omni.worker.gpu_model_runner import OmniGPUModelRunner
 
-    from omni_accum.integrations.vllm_omni.runner_rows import through_message_queue
+    from message_queue import through_message_queue  # tests/ is on sys.path
 
     vo16.install(policy)
     up, wrapped = make_adapter(), make_adapter(policy, backend="mp")

@@ -16,14 +16,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from message_queue import through_message_queue  # tests/ is on sys.path
+
 from omni_accum.integrations.vllm_omni import runner_rows
 
 H = 16
 
 
 def cross(obj):
-    """vLLM's message queue (``runner_rows.through_message_queue``): what the worker sees and the bytes that crossed."""
-    return runner_rows.through_message_queue(obj)
+    """vLLM's message queue (``benchmarks/_message_queue.py``): what the worker sees and the bytes that crossed."""
+    return through_message_queue(obj)
 
 
 def prealloc_views(p: int, steps: int, cap: int):

@@ -263,25 +263,3 @@ def wrap_postprocess(orig: Callable[..., Any]) -> Callable[..., Any]:
 
     return postprocess_scheduler_output
 
-
-def through_message_queue(obj: Any, *, reuse: bool = True) -> tuple[Any, int]:
-    """``obj`` as a worker gets it from vLLM's ``MessageQueue`` (``enqueue``: ``pickle.dumps`` with protocol 5,
-    buffers of 1 MiB or more out of band, their bytes copied into the queue; ``dequeue``: ``pickle.loads``), and
-    the bytes that crossed. ``reuse``: the queue's bytes are overwritten after the load, as the ring's next
-    message does (what was not copied out shows it). For tests and ``benchmarks/talker_step_016.py``."""
-    oob: list[Any] = []
-
-    def callback(buf: pickle.PickleBuffer) -> bool:
-        raw = buf.raw()
-        if len(raw) < 1024 * 1024:
-            return True
-        oob.append(raw)
-        return False
-
-    main = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=callback)
-    queue = [bytearray(main), *(bytearray(b) for b in oob)]
-    out = pickle.loads(queue[0], buffers=queue[1:])
-    if reuse:
-        for q in queue:
-            q[:] = b"\xff" * len(q)
-    return out, sum(len(q) for q in queue)
