@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -95,7 +97,7 @@ def _connector(stage_id: int, extra: dict):
     return OmniConnectorFactory.create_connector(ConnectorSpec(name=NAME, extra=extra))
 
 
-def fast_sender(*, pipes, extra: dict, tag: str) -> dict:
+def fast_sender(*, pipes, extra: dict, tag: str, rx_extra: dict | None = None) -> dict:
     from omni_accum.bench.stage_host import pipe_ends
 
     rd, wr = pipe_ends(pipes, "tx")
@@ -143,14 +145,14 @@ def fast_sender(*, pipes, extra: dict, tag: str) -> dict:
     return out
 
 
-def fast_receiver(*, pipes, extra: dict, tag: str) -> dict:
+def fast_receiver(*, pipes, extra: dict, tag: str, rx_extra: dict | None = None) -> dict:
     from vllm_omni.distributed.omni_connectors.utils.serialization import OmniSerializer
 
     from omni_accum.bench.stage_host import pipe_ends
 
     rd, wr = pipe_ends(pipes, "rx")
-    conn = _connector(1, extra)
-    out: dict = {"mismatch": [], "sizes": []}
+    conn = _connector(1, {**extra, **(rx_extra or {})})
+    out: dict = {"mismatch": [], "sizes": [], "first_none": []}
     try:
         for line in rd:
             msg = json.loads(line)
@@ -158,6 +160,14 @@ def fast_receiver(*, pipes, extra: dict, tag: str) -> dict:
                 break
             n, key = msg
             got = conn.get("0", "1", key)
+            # with reader threads, the get that finds parts starts their read and returns None, as vllm-omni's
+            # receive loop then asks again on its next pass (bounded: 0.30.0's blocking get waits 1 s per call)
+            out["first_none"].append(got is None)
+            for _ in range(300):
+                if got is not None:
+                    break
+                time.sleep(0.01)
+                got = conn.get("0", "1", key)
             if got is None:
                 out["mismatch"].append(f"case {n}: nothing received")
             else:
@@ -175,11 +185,13 @@ def fast_receiver(*, pipes, extra: dict, tag: str) -> dict:
     return out
 
 
-def test_fast_path_views_are_bit_identical_between_processes(stage_host, mooncake):
+@pytest.mark.parametrize("read_threads", [0, 2])
+def test_fast_path_views_are_bit_identical_between_processes(stage_host, mooncake, read_threads):
+    """Also with the receiver's parts read by threads of their own (``mooncake_read_threads``)."""
     from omni_accum.bench.mooncake import Job
 
-    tag = f"fast{os.getpid()}-"
-    kw = {"extra": mooncake.connector_extra(), "tag": tag}
+    tag = f"fast{os.getpid()}-{read_threads}-"
+    kw = {"extra": mooncake.connector_extra(), "tag": tag, "rx_extra": {"mooncake_read_threads": read_threads}}
     tx, rx = stage_host.run([Job("test_mooncake_fast:fast_sender", kw), Job("test_mooncake_fast:fast_receiver", kw)],
                             timeout=300)  # fmt: skip
     assert tx["type"] == "MooncakeFastConnector"
@@ -202,6 +214,9 @@ def test_fast_path_views_are_bit_identical_between_processes(stage_host, mooncak
     assert h_tx["direct_tensors"] == 6 and h_rx["direct_tensors"] == 4
     assert h_tx["puts"] == 6 and h_tx["bytes_transferred"] == sum(p["size"] for p in puts)
     assert h_rx["fast_gets"] == 3 and h_rx["inner_gets"] == 3 and h_rx["fallbacks"] == {}
+    assert h_rx["read_threads"] == read_threads and h_rx["background_reads"] == (3 if read_threads else 0)
+    # the get that found parts returned None while a reader thread read them; a serialized payload came at once
+    assert rx["first_none"] == [bool(read_threads) and p["fast"] == 1 for p in puts]
     assert h_rx["remove_errors"] == 0
     # the receiver removed every fast-path key and part it took; 0.30.0's puts stay as 0.30.0 leaves them
     assert tx["left"] == [mooncake_key(tag, "rq-c", 1), mooncake_key(tag, "rq-d", 0), mooncake_key(tag, "rq-e", 0)]
@@ -283,7 +298,8 @@ def test_adapter_views_through_the_fast_path_equal_0_30_0s(stage_host, mooncake)
     up_tx, up_rx = _adapter_run(stage_host, mooncake, "up", "MooncakeStoreConnector", {"OMNI_ACCUM_VLLM_OMNI": "0"})
     assert up_tx["connector"] == "MooncakeStoreConnector"
     # 0.30.0's blocking get, then the polling get (one ask per call, at most one per 2 ms per key)
-    for label, extra in (("fast", {}), ("poll", {"mooncake_get_poll": "2ms"})):
+    # and with the parts read by reader threads, vllm-omni's receive loop asking again on its next pass
+    for label, extra in (("fast", {}), ("poll", {"mooncake_get_poll": "2ms"}), ("threads", {"mooncake_read_threads": 2})):
         tx, rx = _adapter_run(stage_host, mooncake, label, NAME, {}, extra)
         assert tx["connector"] == "MooncakeFastConnector", label
         assert tx["installed"] and rx["installed"] and tx["errors"] == 0
@@ -293,7 +309,8 @@ def test_adapter_views_through_the_fast_path_equal_0_30_0s(stage_host, mooncake)
         assert tx["binding_wire_bytes"] == tx["bytes"]  # what the put returned is what the binding counted
         assert_same(rx["handed"], up_rx["handed"], f"handed ({label})")  # bit for bit, every request, every step
         assert rx["active_after_cleanup"] == 0
-        assert rx["get_poll"] == ("blocking" if label == "fast" else 0.002), rx["get_poll"]
+        assert rx["get_poll"] == (0.002 if label == "poll" else "blocking"), rx["get_poll"]
+        assert rx["fast"]["background_reads"] == (rx["fast"]["fast_gets"] if label == "threads" else 0), rx["fast"]
         assert rx["fast_seconds"]["get_parts"] > 0 and tx["fast_seconds"]["put_parts"] > 0
 
 
@@ -311,7 +328,7 @@ def test_a_get_that_finds_nothing_names_the_key_it_waited_for(monkeypatch, caplo
 
     conn = object.__new__(mc.MooncakeFastConnector)
     conn.config, conn._closed, conn._rx_lock = {}, False, threading.Lock()
-    conn.get_poll, conn.waits = None, mc.KeyWaits(None)
+    conn.get_poll, conn.waits, conn.reads = None, mc.KeyWaits(None), None
     conn.close = lambda: None  # nothing was opened (vllm-omni's base class closes at garbage collection)
     conn.inner = type("Inner", (), {"_metrics": {"timeouts": 0, "gets": 0}, "store": _Empty(),
                                     "_make_key": staticmethod(lambda k, f, t: f"{k}@{f}_{t}")})()  # fmt: skip
@@ -370,3 +387,59 @@ def _check_part_pin(mc, parts_segment: str, segment: int) -> None:
     else:
         assert pin is plain and conn.local_segment is None
     assert conn._part_pin() is pin  # made once
+
+
+@pytest.mark.parametrize("value", [-1, 65, "x", "", True, 1.5, "2.0"])
+def test_a_bad_number_of_read_threads_is_named_with_the_range(value):
+    from omni_accum.integrations.vllm_omni import mooncake_connector as mc
+
+    with pytest.raises(ValueError, match=rf"{NAME}: extra.mooncake_read_threads = .* is not a whole number from 0 "
+                                         r"\(reads in the get, the default\) to 64"):  # fmt: skip
+        mc.MooncakeFastConnector({"mooncake_read_threads": value})
+
+
+class _Buf:
+    def __init__(self):
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_background_reads_run_apart_hand_over_once_and_close_their_buffers():
+    """:class:`BackgroundReads`: a read runs on a thread of its own (the caller does not wait), ``take`` says it is
+    running until it ends, then hands its result over once; a failed read (None) is reported as done with None; each
+    reader thread makes one staging buffer, and ``close`` waits for the reads, then closes the buffers."""
+    from omni_accum.integrations.vllm_omni.mooncake_reads import DONE, NONE, RUNNING, BackgroundReads
+
+    made: list[_Buf] = []
+    reads = BackgroundReads(2, lambda: made.append(_Buf()) or made[-1])
+    go = threading.Event()
+    reads.start("k1", lambda buf: go.wait() and ("payload", buf))
+    assert reads.take("k1") == (RUNNING, None)  # still waiting for `go`: start did not wait for it
+    assert reads.take("other") == (NONE, None)
+    go.set()
+    reads._reads["k1"][0].result(timeout=60)  # the read's own future: it has ended
+    state, got = reads.take("k1")
+    assert state == DONE and got[0] == "payload" and got[1] is made[0]
+    assert reads.take("k1") == (NONE, None)  # handed over once
+    reads.start("k2", lambda buf: None)  # a failed read (counted by the connector's own code)
+    reads._reads["k2"][0].result(timeout=60)
+    assert reads.take("k2") == (DONE, None)
+    assert 1 <= len(made) <= 2 and not any(b.closed for b in made)
+    reads.close()
+    assert all(b.closed for b in made) and len(reads) == 0
+
+
+def test_a_finished_read_that_no_get_takes_is_dropped(monkeypatch):
+    """A request aborted while its parts were read: the result is dropped after RESULT_TTL_S, not kept forever."""
+    from omni_accum.integrations.vllm_omni import mooncake_reads as mr
+
+    reads = mr.BackgroundReads(1, lambda: None)
+    reads.start("gone", lambda buf: ("payload", 1))
+    reads._reads["gone"][0].result(timeout=60)  # the read has ended
+    now = [time.monotonic() + mr.RESULT_TTL_S + 1]
+    monkeypatch.setattr(mr.time, "monotonic", lambda: now[0])
+    reads.start("next", lambda buf: ("payload", 2))  # each start expires what no get took in time
+    assert reads.dropped == 1 and reads.take("gone") == (mr.NONE, None)
+    reads.close()

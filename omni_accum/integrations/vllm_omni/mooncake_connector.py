@@ -59,6 +59,7 @@ Registered with ``OmniConnectorFactory`` by the ``omni_accum_mooncake`` entry po
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -72,6 +73,7 @@ from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorB
 
 from omni_accum.integrations.vllm_omni.arena_chains import append_test, cpu_contiguous, plain_tensor, request_of
 from omni_accum.integrations.vllm_omni.arena_chains import struct_map
+from omni_accum.integrations.vllm_omni.mooncake_reads import DONE, RUNNING, BackgroundReads
 from omni_accum.integrations.vllm_omni.mooncake_settings import KNOWN_KEYS, NAME, parse_settings
 from omni_accum.integrations.vllm_omni.mooncake_wait import TRIES, TRY_INTERVAL_S, KeyWaits, monotonic
 from omni_accum.integrations.vllm_omni.mooncake_wire import (
@@ -88,6 +90,8 @@ logger = logging.getLogger("omni_accum.vllm_omni")
 
 #: The released requests remembered (their later puts go serialized).
 MAX_RELEASED = 4096
+#: What a get returns inside the connector when it has started a read of the parts in the background.
+READING = object()
 
 
 #: Set by :func:`.mooncake_compat.register_connector` (the plugin's activation, which registers this connector):
@@ -107,6 +111,7 @@ class MooncakeFastConnector(OmniConnectorBase):
         self.tensor_min_bytes = settings.tensor_min_bytes
         self.get_poll = settings.get_poll
         self.parts_segment = settings.parts_segment
+        self.read_threads = settings.read_threads
         if _prepare is None or _inner_class is None:
             raise ImportError(f"{NAME}: not set up: omni-accum's omni_accum_mooncake plugin registers it "
                               "(omni_accum.integrations.vllm_omni.mooncake_compat.activate())")
@@ -118,6 +123,7 @@ class MooncakeFastConnector(OmniConnectorBase):
         self.inner = cls(inner_cfg)
         self._tx_lock = threading.Lock()
         self._rx_lock = threading.Lock()
+        self._count_lock = threading.Lock()
         self._tx_buf: Buffer | None = None
         self._rx_buf: Buffer | None = None
         self._no_buffer = False  # registration failed once: serialized from then on
@@ -128,7 +134,9 @@ class MooncakeFastConnector(OmniConnectorBase):
         #: Called between two buffer-fulls of one put (tests: a release mid-transfer).
         self.between_parts: Any = None
         self.counts = {"fast_puts": 0, "inner_puts": 0, "fast_gets": 0, "inner_gets": 0, "fast_tensor_bytes": 0,
-                       "fast_parts": 0, "remove_errors": 0, "direct_tensors": 0}
+                       "fast_parts": 0, "remove_errors": 0, "direct_tensors": 0, "background_reads": 0}
+        #: The reads of parts outside the get (``mooncake_read_threads``; None: in the get).
+        self.reads = BackgroundReads(self.read_threads, self._new_buffer) if self.read_threads else None
         #: Seconds spent in the fast path's phases, summed (``health()["fast_seconds"]``).
         self.seconds = {"put_parts": 0.0, "put_key": 0.0, "get_waited": 0.0, "get_key": 0.0, "get_parts": 0.0,
                         "get_remove": 0.0}
@@ -342,11 +350,20 @@ class MooncakeFastConnector(OmniConnectorBase):
         if self.store is None or self._closed:
             return None
         key = self._make_key(get_key, from_stage, to_stage)
+        if self.reads is not None:
+            state, got = self.reads.take(key)
+            if state == RUNNING:
+                return None  # its parts are being read: the adapter asks again on its next pass
+            if state == DONE and got is not None:
+                return got
+            # no read of it, or the read failed (counted): ask the store
         if self.get_poll is not None:
             return self._poll(key)
         self.waits.due(key, monotonic())  # its first ask, for the time waited
         for attempt in range(TRIES):  # 0.30.0's connector: 20 tries, 50 ms apart
             got = self._try(key, attempt)
+            if got is READING:
+                return None
             if got is not None:
                 return got
             if attempt < TRIES - 1:
@@ -361,6 +378,8 @@ class MooncakeFastConnector(OmniConnectorBase):
         if not self.waits.turn(key, monotonic, time.sleep):
             return None
         got = self._try(key, 0)
+        if got is READING:
+            return None
         if got is None and self.waits.missed(key, monotonic()):
             self.inner._metrics["timeouts"] += 1
             logger.warning("%s: timeout waiting for %s", NAME, key)
@@ -388,11 +407,25 @@ class MooncakeFastConnector(OmniConnectorBase):
             self.counts["inner_gets"] += 1
             self.waits.found(key, t1)
             return obj, len(raw)
+        if self.reads is not None:
+            self.counts["background_reads"] += 1
+            self.reads.start(key, lambda buf: self._complete(key, raw, dec, obj, t0, t1, buf, self._rx_lock))
+            return READING
+        return self._complete(key, raw, dec, obj, t0, t1, self._buffer("rx"), contextlib.nullcontext())
+
+    def _complete(self, key: str, raw: bytes, dec: Decoder, obj: Any, t0: float, t1: float, buf: Buffer | None,
+                  counting: Any) -> tuple[Any, int] | None:
+        """Read the parts ``dec`` found into its tensors through ``buf``, remove them and the key; None when the read
+        fails (counted; the key stays for another get). ``counting``: held while the counts change (a reader
+        thread takes the receive lock then; a get already holds it)."""
         try:
-            n = self._read_parts(dec.todo)
+            if buf is None:
+                raise RuntimeError("no registered buffer to read into")
+            n = read_parts(self.store, buf, dec.todo, self._register, self._unregister)
         except Exception as e:  # noqa: BLE001 - counted; the key stays for another try
-            self.inner._metrics["gets"] -= 1
-            self._fell_back("mooncake_get_error", e)
+            with counting:
+                self.inner._metrics["gets"] -= 1
+                self._fell_back("mooncake_get_error", e)
             return None
         t2 = monotonic()
         # taken: the key and its parts go now (force: the lease this get holds would refuse it; they are
@@ -403,20 +436,22 @@ class MooncakeFastConnector(OmniConnectorBase):
             bad = [k for k, rc in zip(keys, rcs) if rc != 0]
         except Exception as e:  # noqa: BLE001 - left to the store's eviction
             bad = [f"{key} ({e})"]
-        if bad:
-            self.counts["remove_errors"] += len(bad)
-            logger.warning("omni-accum %s: could not remove %s", NAME, ", ".join(bad[:3]))
         t3 = monotonic()
-        waited = self.waits.found(key, t0)
-        sec = self.seconds
-        sec["get_waited"] += waited
-        sec["get_key"] += t1 - t0
-        sec["get_parts"] += t2 - t1
-        sec["get_remove"] += t3 - t2
-        self.counts["fast_gets"] += 1
+        with counting:
+            if bad:
+                self.counts["remove_errors"] += len(bad)
+                logger.warning("omni-accum %s: could not remove %s", NAME, ", ".join(bad[:3]))
+            waited = self.waits.found(key, t0)
+            sec = self.seconds
+            sec["get_waited"] += waited
+            sec["get_key"] += t1 - t0
+            sec["get_parts"] += t2 - t1
+            sec["get_remove"] += t3 - t2
+            self.counts["fast_gets"] += 1
         logger.info("omni-accum %s: got %s: waited %.1f ms, payload %d bytes %.1f ms, %d tensor bytes in %d part(s) "
-                    "%.1f ms, removed in %.1f ms", NAME, key, waited * 1e3, len(raw), (t1 - t0) * 1e3, n,
-                    len(keys) - 1, (t2 - t1) * 1e3, (t3 - t2) * 1e3)  # fmt: skip
+                    "%.1f ms%s, removed in %.1f ms", NAME, key, waited * 1e3, len(raw), (t1 - t0) * 1e3, n,
+                    len(keys) - 1, (t2 - t1) * 1e3, "" if self.reads is None else " (a reader thread)",
+                    (t3 - t2) * 1e3)  # fmt: skip
         return obj, len(raw) + n
 
     def _register(self, flat: torch.Tensor) -> bool:
@@ -431,7 +466,8 @@ class MooncakeFastConnector(OmniConnectorBase):
                 logger.info("omni-accum %s: register_buffer of a tensor returned %s; it goes through the staging "
                             "buffer", NAME, rc)
             return False
-        self.counts["direct_tensors"] += 1
+        with self._count_lock:  # reader threads register too
+            self.counts["direct_tensors"] += 1
         return True
 
     def _unregister(self, flat: torch.Tensor) -> None:
@@ -440,11 +476,13 @@ class MooncakeFastConnector(OmniConnectorBase):
         except Exception as e:  # noqa: BLE001
             logger.warning("omni-accum %s: unregister_buffer: %s", NAME, e)
 
-    def _read_parts(self, todo: list[tuple[torch.Tensor, list[tuple[str, int]]]]) -> int:
-        buf = self._buffer("rx")
-        if buf is None:
-            raise RuntimeError("no registered buffer to read into")
-        return read_parts(self.store, buf, todo, self._register, self._unregister)
+    def _new_buffer(self) -> Buffer | None:
+        """A staging buffer for a reader thread (None: registration failed, counted; its reads fail)."""
+        try:
+            return Buffer(self.store, self.buffer_bytes)
+        except Exception as e:  # noqa: BLE001
+            self._fell_back("mooncake_register_error", e)
+            return None
 
     # ------------------------------------------------------------------ the rest of the interface
     def cleanup(self, request_id: str) -> None:
@@ -454,12 +492,15 @@ class MooncakeFastConnector(OmniConnectorBase):
         return {**self.inner.health(), **self.counts, "fallbacks": dict(self.fallbacks),
                 "local_segment": self.local_segment, "parts_segment": self.parts_segment,
                 "fast_seconds": dict(self.seconds),
-                "get_poll": "blocking" if self.get_poll is None else self.get_poll}
+                "get_poll": "blocking" if self.get_poll is None else self.get_poll, "read_threads": self.read_threads,
+                "reads_dropped": 0 if self.reads is None else self.reads.dropped}
 
     def close(self) -> None:
         """Unregister the buffers, close 0.30.0's connector (idempotent)."""
         if getattr(self, "_closed", True):
             return
+        if self.reads is not None:
+            self.reads.close()  # the reads running finish first
         with self._tx_lock, self._rx_lock:
             self._closed = True
             for buf in (self._tx_buf, self._rx_buf):

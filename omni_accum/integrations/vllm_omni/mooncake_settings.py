@@ -1,4 +1,4 @@
-"""The ``extra`` settings of ``OmniAccumMooncakeConnector`` (:mod:`.mooncake_connector`): the four keys of its own,
+"""The ``extra`` settings of ``OmniAccumMooncakeConnector`` (:mod:`.mooncake_connector`): the five keys of its own,
 each bad value refused with the key, the value and what it takes; every other key goes to vllm-omni 0.30.0's
 ``MooncakeStoreConnector`` unchanged."""
 
@@ -8,13 +8,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from omni_accum.integrations.vllm_omni.mooncake_reads import MAX_THREADS
 from omni_accum.integrations.vllm_omni.mooncake_wait import parse_poll
 
 #: The name the ``omni_accum_mooncake`` entry point registers the connector under.
 NAME = "OmniAccumMooncakeConnector"
 DEFAULT_BUFFER_BYTES = 16 << 20
 DEFAULT_TENSOR_MIN_BYTES = 256 << 10
-KNOWN_KEYS = ("mooncake_buffer_bytes", "mooncake_tensor_min_bytes", "mooncake_get_poll", "mooncake_parts_segment")
+KNOWN_KEYS = ("mooncake_buffer_bytes", "mooncake_tensor_min_bytes", "mooncake_get_poll", "mooncake_parts_segment",
+              "mooncake_read_threads")
 #: ``mooncake_parts_segment``: ``local`` (the sending process's own segment) or ``any`` (the master chooses).
 PARTS_SEGMENTS = ("local", "any")
 
@@ -28,6 +30,8 @@ class MooncakeFastSettings:
     #: Seconds between two asks for a key not there yet; None: 0.30.0's blocking get.
     get_poll: float | None = None
     parts_segment: str = "local"
+    #: Threads that read a payload's parts outside the get (:mod:`.mooncake_reads`); 0: in the get.
+    read_threads: int = 0
 
 
 def _size(extra: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
@@ -59,9 +63,17 @@ def parse_settings(extra: Mapping[str, Any]) -> MooncakeFastSettings:
     if parts_segment not in PARTS_SEGMENTS:
         raise ValueError(f"{NAME}: extra.mooncake_parts_segment = {parts_segment!r} is not one of "
                          f"{', '.join(PARTS_SEGMENTS)}")
+    threads = extra.get("mooncake_read_threads", 0)
+    whole = (isinstance(threads, int) and not isinstance(threads, bool)) or (
+        isinstance(threads, str) and threads.strip().isdigit())
+    n_threads = int(threads) if whole else -1
+    if not 0 <= n_threads <= MAX_THREADS:
+        raise ValueError(f"{NAME}: extra.mooncake_read_threads = {threads!r} is not a whole number from 0 (reads in "
+                         f"the get, the default) to {MAX_THREADS}")
     return MooncakeFastSettings(
         buffer_bytes=_size(extra, "mooncake_buffer_bytes", DEFAULT_BUFFER_BYTES, 4096),
         tensor_min_bytes=_size(extra, "mooncake_tensor_min_bytes", DEFAULT_TENSOR_MIN_BYTES, 1),
         get_poll=get_poll,
         parts_segment=parts_segment,
+        read_threads=n_threads,
     )

@@ -1,0 +1,99 @@
+"""``mooncake_read_threads``: the reads of a fast-path payload's parts in threads of their own, so that one large
+read does not hold vllm-omni's receive loop.
+
+vllm-omni 0.30.0's chunk adapter receives in one thread (``recv_loop``): it asks the connector for each waiting
+request's next chunk in turn, and a get that returns None puts the request at the back of the queue until the next
+pass. With the tensor fast path a get of chunk 0 reads its parts (66 MB at 8k input) from another host inside that
+call: at concurrency 4 across simulated hosts one such read took 4.2 s, and three other requests' chunk 0s, already in
+the store, waited behind it 7.2-7.8 s.
+
+With ``mooncake_read_threads: N`` (1 to 64) a get that finds a payload with parts starts their read on one of N
+threads and returns None, as a get of a key not there yet; a later get of the key returns the payload once the read
+has finished (bit for bit what a read in the get gives). A read that fails is counted (``mooncake_get_error``) and the
+key stays in the store for the next get to read again. A finished read that no get takes within
+:data:`RESULT_TTL_S` (its request was aborted) is dropped. 0, the default, reads in the get as before.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+#: What :meth:`BackgroundReads.take` says of a key.
+NONE, RUNNING, DONE = "none", "running", "done"
+#: A finished read that no get took in this many seconds is dropped (vllm-omni asks every pass, within milliseconds).
+RESULT_TTL_S = 60.0
+MAX_THREADS = 64
+
+
+class BackgroundReads:
+    """The reads running or finished, per store key (thread-safe), on a pool of ``threads`` threads, each with a
+    staging buffer of its own (made by ``make_buffer`` on the thread's first read, closed by :meth:`close`)."""
+
+    def __init__(self, threads: int, make_buffer: Callable[[], Any]) -> None:
+        self.threads = threads
+        self._make_buffer = make_buffer
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="omni-accum-mooncake-read")
+        self._reads: dict[str, tuple[Future, list[float]]] = {}  # key -> (its read, [when it finished])
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._buffers: list[Any] = []
+        self.dropped = 0
+
+    def start(self, key: str, read: Callable[[Any], Any]) -> None:
+        """Run ``read(buffer)`` on a reader thread; its result (None: failed) is :meth:`take`'s for ``key``."""
+        finished: list[float] = []
+
+        def run() -> Any:
+            try:
+                return read(self.buffer())
+            finally:
+                finished.append(time.monotonic())
+
+        with self._lock:
+            self._expire(time.monotonic())
+            self._reads[key] = (self._pool.submit(run), finished)
+
+    def take(self, key: str) -> tuple[str, Any]:
+        """``(NONE, None)``: no read of ``key``; ``(RUNNING, None)``; ``(DONE, result)``, forgotten from then on."""
+        with self._lock:
+            got = self._reads.get(key)
+            if got is None:
+                return NONE, None
+            if not got[0].done():
+                return RUNNING, None
+            del self._reads[key]
+        try:
+            return DONE, got[0].result()
+        except Exception:  # noqa: BLE001 - the read counts its own failures; this one found none to count
+            return DONE, None
+
+    def buffer(self) -> Any:
+        """This thread's staging buffer (None when it cannot be made: the read registers its tensors or fails)."""
+        buf = getattr(self._local, "buffer", None)
+        if buf is None:
+            buf = self._local.buffer = self._make_buffer()
+            if buf is not None:
+                with self._lock:
+                    self._buffers.append(buf)
+        return buf
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, (f, done) in self._reads.items() if done and now - done[0] > RESULT_TTL_S]:
+            del self._reads[key]
+            self.dropped += 1
+
+    def __len__(self) -> int:
+        return len(self._reads)
+
+    def close(self) -> None:
+        """Wait for the reads running, then close the threads' buffers."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            self._reads.clear()
+            buffers, self._buffers = self._buffers, []
+        for buf in buffers:
+            buf.close()
