@@ -299,7 +299,8 @@ def test_adapter_views_through_the_fast_path_equal_0_30_0s(stage_host, mooncake)
     assert up_tx["connector"] == "MooncakeStoreConnector"
     # 0.30.0's blocking get, then the polling get (one ask per call, at most one per 2 ms per key)
     # and with the parts read by reader threads, vllm-omni's receive loop asking again on its next pass
-    for label, extra in (("fast", {}), ("poll", {"mooncake_get_poll": "2ms"}), ("threads", {"mooncake_read_threads": 2})):
+    threads = {"mooncake_read_threads": 2}
+    for label, extra in (("fast", {}), ("poll", {"mooncake_get_poll": "2ms"}), ("threads", threads)):
         tx, rx = _adapter_run(stage_host, mooncake, label, NAME, {}, extra)
         assert tx["connector"] == "MooncakeFastConnector", label
         assert tx["installed"] and rx["installed"] and tx["errors"] == 0
@@ -328,7 +329,7 @@ def test_a_get_that_finds_nothing_names_the_key_it_waited_for(monkeypatch, caplo
 
     conn = object.__new__(mc.MooncakeFastConnector)
     conn.config, conn._closed, conn._rx_lock = {}, False, threading.Lock()
-    conn.get_poll, conn.waits, conn.reads = None, mc.KeyWaits(None), None
+    conn.get_poll, conn.waits = None, mc.KeyWaits(None)
     conn.close = lambda: None  # nothing was opened (vllm-omni's base class closes at garbage collection)
     conn.inner = type("Inner", (), {"_metrics": {"timeouts": 0, "gets": 0}, "store": _Empty(),
                                     "_make_key": staticmethod(lambda k, f, t: f"{k}@{f}_{t}")})()  # fmt: skip

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("vllm_omni")
 
 from omni_accum.integrations.vllm_omni import mooncake_connector as mc  # noqa: E402
+from omni_accum.integrations.vllm_omni import mooncake_get as mg  # noqa: E402
 from omni_accum.integrations.vllm_omni import mooncake_wait as mw  # noqa: E402
 from omni_accum.integrations.vllm_omni.mooncake_wire import Encoder  # noqa: E402
 
@@ -72,7 +73,7 @@ def _connector(monkeypatch, poll: float | None, store: _Store, clock: _Clock):
     conn.seconds = {k: 0.0 for k in ("get_waited", "get_key", "get_parts", "get_remove")}
     conn.inner = type("Inner", (), {"_metrics": {"timeouts": 0, "gets": 0}, "store": store,
                                     "_make_key": staticmethod(lambda k, f, t: f"{k}@{f}_{t}")})()  # fmt: skip
-    monkeypatch.setattr(mc, "monotonic", clock)
+    monkeypatch.setattr(mg, "monotonic", clock)  # the receiving side's clock
     sleeps = []
     monkeypatch.setattr("time.sleep", lambda s: (sleeps.append(s), setattr(clock, "now", clock.now + s)))
     return conn, sleeps

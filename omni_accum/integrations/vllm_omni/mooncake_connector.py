@@ -1,6 +1,7 @@
 """``OmniAccumMooncakeConnector``: vllm-omni 0.30.0's ``MooncakeStoreConnector`` with a tensor fast path.
 
-Select it in a deploy YAML in place of ``MooncakeStoreConnector`` (the same ``extra``, plus two optional keys)::
+Select it in a deploy YAML in place of ``MooncakeStoreConnector`` (the same ``extra``, plus optional keys of its own,
+:mod:`.mooncake_settings`)::
 
     connectors:
       connector_of_mooncake:
@@ -15,6 +16,7 @@ Select it in a deploy YAML in place of ``MooncakeStoreConnector`` (the same ``ex
           mooncake_tensor_min_bytes: 256KiB  # smaller tensors stay in the serialized payload (default 256KiB)
           mooncake_get_poll: 10ms            # how a get waits for a key not there yet (default blocking: 0.30.0's)
           mooncake_parts_segment: any        # where the parts go: local (default: this process's segment) or any
+          mooncake_read_threads: 4           # threads that read the parts outside the get (default 0: in the get)
 
 0.30.0's connector serializes the whole payload (msgpack, every tensor's bytes copied into the message),
 ``put`` s it as one object, and the receiver ``get`` s the bytes and decodes them (another copy). For the
@@ -38,7 +40,9 @@ tensors of keys the sending policy appends (the prefill's ``[P+1, 2048]`` embedd
 The values that come out are those 0.30.0's connector gives: the same dtypes, shapes and bytes.
 
 A get waits for a key as 0.30.0's does (20 tries 50 ms apart, in the call) unless ``mooncake_get_poll`` names an
-interval (:mod:`.mooncake_wait`). Each fast put and get logs its phases (INFO), summed in ``health()["fast_seconds"]``.
+interval (:mod:`.mooncake_wait`), and reads the parts it finds inside the call unless ``mooncake_read_threads`` names
+threads for that (:mod:`.mooncake_reads`: the get then returns None until the read has finished). The receiving side
+is :mod:`.mooncake_get`'s. Each fast put and get logs its phases (INFO), summed in ``health()["fast_seconds"]``.
 
 Which tensors: within omni-accum's send hook, those of the keys the sending policy appends (as the arena
 connector's append chains); outside it (a benchmark, a test), the keys ``append_test(path, value)`` says.
@@ -59,11 +63,9 @@ Registered with ``OmniConnectorFactory`` by the ``omni_accum_mooncake`` entry po
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -73,25 +75,17 @@ from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorB
 
 from omni_accum.integrations.vllm_omni.arena_chains import append_test, cpu_contiguous, plain_tensor, request_of
 from omni_accum.integrations.vllm_omni.arena_chains import struct_map
-from omni_accum.integrations.vllm_omni.mooncake_reads import DONE, RUNNING, BackgroundReads
+from omni_accum.integrations.vllm_omni.mooncake_get import FastGets
+from omni_accum.integrations.vllm_omni.mooncake_reads import BackgroundReads
 from omni_accum.integrations.vllm_omni.mooncake_settings import KNOWN_KEYS, NAME, parse_settings
-from omni_accum.integrations.vllm_omni.mooncake_wait import TRIES, TRY_INTERVAL_S, KeyWaits, monotonic
-from omni_accum.integrations.vllm_omni.mooncake_wire import (
-    PART_SEP,
-    Buffer,
-    Decoder,
-    Encoder,
-    bytes_of,
-    read_parts,
-)
+from omni_accum.integrations.vllm_omni.mooncake_wait import KeyWaits, monotonic
+from omni_accum.integrations.vllm_omni.mooncake_wire import PART_SEP, Buffer, Encoder, bytes_of
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
 #: The released requests remembered (their later puts go serialized).
 MAX_RELEASED = 4096
-#: What a get returns inside the connector when it has started a read of the parts in the background.
-READING = object()
 
 
 #: Set by :func:`.mooncake_compat.register_connector` (the plugin's activation, which registers this connector):
@@ -101,7 +95,7 @@ _prepare: Any = None
 _inner_class: Any = None
 
 
-class MooncakeFastConnector(OmniConnectorBase):
+class MooncakeFastConnector(FastGets, OmniConnectorBase):
     """See the module docstring. ``config`` is the connector's ``extra`` (vllm-omni adds ``stage_id``)."""
 
     def __init__(self, config: dict[str, Any] | None) -> None:
@@ -343,117 +337,6 @@ class MooncakeFastConnector(OmniConnectorBase):
         while len(self._released) > MAX_RELEASED:
             self._released.popitem(last=False)
 
-    # ------------------------------------------------------------------ get
-    def get(
-        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
-    ) -> tuple[Any, int] | None:
-        if self.store is None or self._closed:
-            return None
-        key = self._make_key(get_key, from_stage, to_stage)
-        if self.reads is not None:
-            state, got = self.reads.take(key)
-            if state == RUNNING:
-                return None  # its parts are being read: the adapter asks again on its next pass
-            if state == DONE and got is not None:
-                return got
-            # no read of it, or the read failed (counted): ask the store
-        if self.get_poll is not None:
-            return self._poll(key)
-        self.waits.due(key, monotonic())  # its first ask, for the time waited
-        for attempt in range(TRIES):  # 0.30.0's connector: 20 tries, 50 ms apart
-            got = self._try(key, attempt)
-            if got is READING:
-                return None
-            if got is not None:
-                return got
-            if attempt < TRIES - 1:
-                time.sleep(TRY_INTERVAL_S)
-        self.inner._metrics["timeouts"] += 1
-        logger.warning("%s: timeout waiting for %s", NAME, key)  # as 0.30.0's connector says it: the key waited for
-        return None
-
-    def _poll(self, key: str) -> tuple[Any, int] | None:
-        """``mooncake_get_poll``: ask the store at most once per interval for ``key``; sleep only while no key asked
-        for lately is due (:mod:`.mooncake_wait`)."""
-        if not self.waits.turn(key, monotonic, time.sleep):
-            return None
-        got = self._try(key, 0)
-        if got is READING:
-            return None
-        if got is None and self.waits.missed(key, monotonic()):
-            self.inner._metrics["timeouts"] += 1
-            logger.warning("%s: timeout waiting for %s", NAME, key)
-        return got
-
-    def _try(self, key: str, attempt: int) -> tuple[Any, int] | None:
-        with self._rx_lock:
-            t0 = monotonic()
-            try:
-                raw = self.store.get(key)
-            except Exception as e:  # noqa: BLE001 - as 0.30.0: try again
-                logger.debug("%s get attempt %s failed: %s", NAME, attempt, e)
-                raw = None
-            if not raw:
-                return None
-            return self._decode(key, raw, t0)
-
-    def _decode(self, key: str, raw: bytes, t0: float) -> tuple[Any, int] | None:
-        t1 = monotonic()
-        dec = Decoder()
-        dec.prefix = key + PART_SEP
-        obj = dec.decode(raw)
-        self.inner._metrics["gets"] += 1
-        if not dec.todo:
-            self.counts["inner_gets"] += 1
-            self.waits.found(key, t1)
-            return obj, len(raw)
-        if self.reads is not None:
-            self.counts["background_reads"] += 1
-            self.reads.start(key, lambda buf: self._complete(key, raw, dec, obj, t0, t1, buf, self._rx_lock))
-            return READING
-        return self._complete(key, raw, dec, obj, t0, t1, self._buffer("rx"), contextlib.nullcontext())
-
-    def _complete(self, key: str, raw: bytes, dec: Decoder, obj: Any, t0: float, t1: float, buf: Buffer | None,
-                  counting: Any) -> tuple[Any, int] | None:
-        """Read the parts ``dec`` found into its tensors through ``buf``, remove them and the key; None when the read
-        fails (counted; the key stays for another get). ``counting``: held while the counts change (a reader
-        thread takes the receive lock then; a get already holds it)."""
-        try:
-            if buf is None:
-                raise RuntimeError("no registered buffer to read into")
-            n = read_parts(self.store, buf, dec.todo, self._register, self._unregister)
-        except Exception as e:  # noqa: BLE001 - counted; the key stays for another try
-            with counting:
-                self.inner._metrics["gets"] -= 1
-                self._fell_back("mooncake_get_error", e)
-            return None
-        t2 = monotonic()
-        # taken: the key and its parts go now (force: the lease this get holds would refuse it; they are
-        # this payload's alone, under keys of their own, and this get was their one reader)
-        keys = list(dict.fromkeys([pk for _, parts in dec.todo for pk, _ in parts] + [key]))
-        try:
-            rcs = self.store.batch_remove(keys, True)
-            bad = [k for k, rc in zip(keys, rcs) if rc != 0]
-        except Exception as e:  # noqa: BLE001 - left to the store's eviction
-            bad = [f"{key} ({e})"]
-        t3 = monotonic()
-        with counting:
-            if bad:
-                self.counts["remove_errors"] += len(bad)
-                logger.warning("omni-accum %s: could not remove %s", NAME, ", ".join(bad[:3]))
-            waited = self.waits.found(key, t0)
-            sec = self.seconds
-            sec["get_waited"] += waited
-            sec["get_key"] += t1 - t0
-            sec["get_parts"] += t2 - t1
-            sec["get_remove"] += t3 - t2
-            self.counts["fast_gets"] += 1
-        logger.info("omni-accum %s: got %s: waited %.1f ms, payload %d bytes %.1f ms, %d tensor bytes in %d part(s) "
-                    "%.1f ms%s, removed in %.1f ms", NAME, key, waited * 1e3, len(raw), (t1 - t0) * 1e3, n,
-                    len(keys) - 1, (t2 - t1) * 1e3, "" if self.reads is None else " (a reader thread)",
-                    (t3 - t2) * 1e3)  # fmt: skip
-        return obj, len(raw) + n
-
     def _register(self, flat: torch.Tensor) -> bool:
         """Register a tensor's own memory for one call (False: it goes through the staging buffer)."""
         try:
@@ -475,14 +358,6 @@ class MooncakeFastConnector(OmniConnectorBase):
             self.store.unregister_buffer(flat.data_ptr())
         except Exception as e:  # noqa: BLE001
             logger.warning("omni-accum %s: unregister_buffer: %s", NAME, e)
-
-    def _new_buffer(self) -> Buffer | None:
-        """A staging buffer for a reader thread (None: registration failed, counted; its reads fail)."""
-        try:
-            return Buffer(self.store, self.buffer_bytes)
-        except Exception as e:  # noqa: BLE001
-            self._fell_back("mooncake_register_error", e)
-            return None
 
     # ------------------------------------------------------------------ the rest of the interface
     def cleanup(self, request_id: str) -> None:
