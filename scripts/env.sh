@@ -67,7 +67,8 @@ if [ "$have" != "$want" ]; then
     if [ "$SEED" != "none" ] && [ "$(cd "$SEED" 2>/dev/null && pwd)" != "$(mkdir -p "$VENV" && cd "$VENV" && pwd)" ] \
       && [ -s "$SEED/.omni-accum-setup" ] && [ -x "$SEED/bin/python" ] \
       && [ "$("$SEED/bin/python" -c "$pyver")" = "$("$PY" -c "$pyver")" ]; then
-      omni_accum_need_disk "$VENV" 1.5 "$VENV (started from $SEED)" || { return 1 2>/dev/null || exit 1; }
+      omni_accum_need_disk "$VENV" 1.5 "a new environment started from $SEED" \
+        || { rmdir "$VENV" 2>/dev/null; return 1 2>/dev/null || exit 1; }
       echo "[setup] starting $VENV from the packages of $SEED (pip fetches only what differs)" >&2
       "$PY" -m venv --without-pip "$VENV"
       purelib='import sysconfig; print(sysconfig.get_paths()["purelib"])'
@@ -76,7 +77,7 @@ if [ "$have" != "$want" ]; then
       # installed file (it moves the old one away, or unlinks it, before writing), so the seed is untouched.
       cp -al "$src/." "$dst/" 2>/dev/null || { rm -rf "$dst" && mkdir -p "$dst" && cp -a "$src/." "$dst/"; }
     else
-      omni_accum_need_disk "$VENV" 7 "$VENV (from scratch)" || { return 1 2>/dev/null || exit 1; }
+      omni_accum_need_disk "$VENV" 7 "a new environment from scratch" || { return 1 2>/dev/null || exit 1; }
       "$PY" -m venv "$VENV"
     fi
   fi
