@@ -186,14 +186,21 @@ class MooncakeFastConnector(FastGets, OmniConnectorBase):
         attr = "_tx_buf" if which == "tx" else "_rx_buf"
         buf = getattr(self, attr)
         if buf is None and not self._no_buffer and self.store is not None:
-            try:
-                buf = Buffer(self.store, self.buffer_bytes)
-            except Exception as e:  # noqa: BLE001 - no fast path in this process
-                self._no_buffer = True
-                self._fell_back("mooncake_register_error", e)
+            buf = self._new_buffer()
+            if buf is None:
+                self._no_buffer = True  # no fast path in this process
                 return None
             setattr(self, attr, buf)
         return buf
+
+    def _new_buffer(self) -> Buffer | None:
+        """A registered staging buffer: this process's per direction (:meth:`_buffer`), or a reader thread's (None:
+        registration failed, counted as ``mooncake_register_error``)."""
+        try:
+            return Buffer(self.store, self.buffer_bytes)
+        except Exception as e:  # noqa: BLE001
+            self._fell_back("mooncake_register_error", e)
+            return None
 
     # ------------------------------------------------------------------ put
     def _chosen(self, put_key: str, data: Any) -> dict[int, torch.Tensor]:

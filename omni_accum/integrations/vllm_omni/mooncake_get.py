@@ -146,12 +146,3 @@ class FastGets:
                     len(keys) - 1, (t2 - t1) * 1e3, "" if self.reads is None else " (a reader thread)",
                     (t3 - t2) * 1e3)  # fmt: skip
         return obj, len(raw) + n
-
-    def _new_buffer(self) -> Buffer | None:
-        """A staging buffer for a reader thread (None: registration failed, counted; its reads fail)."""
-        try:
-            return Buffer(self.store, self.buffer_bytes)
-        except Exception as e:  # noqa: BLE001
-            self._fell_back("mooncake_register_error", e)
-            return None
-

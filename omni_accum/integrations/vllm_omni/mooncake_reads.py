@@ -34,7 +34,6 @@ class BackgroundReads:
     staging buffer of its own (made by ``make_buffer`` on the thread's first read, closed by :meth:`close`)."""
 
     def __init__(self, threads: int, make_buffer: Callable[[], Any]) -> None:
-        self.threads = threads
         self._make_buffer = make_buffer
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="omni-accum-mooncake-read")
         self._reads: dict[str, tuple[Future, list[float]]] = {}  # key -> (its read, [when it finished])
