@@ -47,7 +47,8 @@ def main() -> None:
     from vllm_omni.worker.omni_connector_model_runner_mixin import OmniConnectorModelRunnerMixin
 
     from omni_accum.integrations import vllm_omni as vo
-    from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding
+    from omni_accum.integrations.vllm_omni.binding import Binding
+    from omni_accum.integrations.vllm_omni.binding_settings import DEFAULT_ADAPTER_KEYS
     from omni_accum.integrations.vllm_omni.send import encode_payload
     from omni_accum.policy import load_policy
 

@@ -137,7 +137,8 @@ class _sending:
 
     def __enter__(self) -> None:
         from omni_accum.integrations.vllm_omni import send
-        from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding
+        from omni_accum.integrations.vllm_omni.binding import Binding
+        from omni_accum.integrations.vllm_omni.binding_settings import DEFAULT_ADAPTER_KEYS
         from omni_accum.policy import load_policy
 
         send._tls.putting = Binding(load_policy("qwen3-omni"), DEFAULT_ADAPTER_KEYS, "test")

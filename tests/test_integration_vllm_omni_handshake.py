@@ -50,7 +50,8 @@ def no_context_env(monkeypatch):
 def test_1k_and_32k_requests_take_their_own_buckets(vo, runner, no_context_env):
     """One deployment, two prompts: the sender decides each request's bucket from its prefill rows, the
     receiving runner transport follows it (strategies per request), and the metrics say which bucket."""
-    from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding
+    from omni_accum.integrations.vllm_omni.binding import Binding
+    from omni_accum.integrations.vllm_omni.binding_settings import DEFAULT_ADAPTER_KEYS
     from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY, hello_of
     from omni_accum.integrations.vllm_omni.send import encode_payload
     from omni_accum.policy import load_policy
@@ -93,7 +94,8 @@ def test_1k_and_32k_requests_take_their_own_buckets(vo, runner, no_context_env):
 
 
 def test_deployment_context_still_overrides(vo, runner, no_context_env):
-    from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding
+    from omni_accum.integrations.vllm_omni.binding import Binding
+    from omni_accum.integrations.vllm_omni.binding_settings import DEFAULT_ADAPTER_KEYS
     from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY, hello_of
     from omni_accum.integrations.vllm_omni.send import encode_payload
     from omni_accum.policy import load_policy
@@ -171,7 +173,8 @@ def test_default_sender_announces_nothing(vo, adapters):
 
 
 def _sender(policy_spec: dict):
-    from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding
+    from omni_accum.integrations.vllm_omni.binding import Binding
+    from omni_accum.integrations.vllm_omni.binding_settings import DEFAULT_ADAPTER_KEYS
     from omni_accum.policy import load_policy
 
     return Binding(load_policy(policy_spec), DEFAULT_ADAPTER_KEYS, "tuned.yaml")

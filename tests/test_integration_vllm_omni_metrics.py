@@ -21,7 +21,8 @@ def _sample(name: str, **labels: str) -> float:
 
 
 def test_exact_metric_values_for_a_known_stream(vo):
-    from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding
+    from omni_accum.integrations.vllm_omni.binding import Binding
+    from omni_accum.integrations.vllm_omni.binding_settings import DEFAULT_ADAPTER_KEYS
     from omni_accum.integrations.vllm_omni.send import encode_payload
     from omni_accum.policy import load_policy
 
@@ -91,7 +92,8 @@ def _version() -> str:
 
 
 def test_metrics_off_records_nothing(vo, monkeypatch):
-    from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding
+    from omni_accum.integrations.vllm_omni.binding import Binding
+    from omni_accum.integrations.vllm_omni.binding_settings import DEFAULT_ADAPTER_KEYS
     from omni_accum.integrations.vllm_omni.send import encode_payload
     from omni_accum.policy import load_policy
 
@@ -177,7 +179,8 @@ def test_policy_off_in_the_environment(vo, monkeypatch, caplog):
 def test_the_activation_line_names_source_fingerprint_per_key_choices_and_context(
     vo, monkeypatch, caplog, context_env, context_words
 ):
-    from omni_accum.integrations.vllm_omni.binding import Settings, policy_fingerprint
+    from omni_accum.integrations.vllm_omni.binding import policy_fingerprint
+    from omni_accum.integrations.vllm_omni.binding_settings import Settings
 
     monkeypatch.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
     for k in ("OMNI_ACCUM_CONTEXT_LEN", "OMNI_ACCUM_CONCURRENCY"):
@@ -213,7 +216,8 @@ def test_a_tuned_policys_activation_line_says_the_sender_decides_per_request(vo,
 def test_policy_info_names_the_policy_an_operator_set(vo, monkeypatch):
     # A binding of the process-wide policy labels omni_accum_policy_info with where that policy came
     # from, as the operator wrote it (not the internal "install()").
-    from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding, Settings
+    from omni_accum.integrations.vllm_omni.binding import Binding
+    from omni_accum.integrations.vllm_omni.binding_settings import DEFAULT_ADAPTER_KEYS, Settings
 
     monkeypatch.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
     vo.activate()
@@ -273,7 +277,8 @@ def test_receive_hooks_count_every_key_once_as_sent(vo, adapters):
 def test_runner_hook_counts_in_the_merge_pass(vo, runner):
     """The runner transport's hook lets the merge count each key (Receiver.on_merge): exact counts and
     bytes per key and strategy, a chunk refused and handed to 0.30.0's code counts as a fallback only."""
-    from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding
+    from omni_accum.integrations.vllm_omni.binding import Binding
+    from omni_accum.integrations.vllm_omni.binding_settings import DEFAULT_ADAPTER_KEYS
     from omni_accum.integrations.vllm_omni.send import encode_payload
     from omni_accum.policy import load_policy
 
@@ -383,7 +388,8 @@ def test_a_release_publishes_on_a_thread_of_its_own_not_under_the_adapters_lock(
 def test_held_bytes_and_active_requests_gauges_follow_the_live_requests(vo, runner):
     """The per-process gauges: bytes the Receivers of this process hold and their live requests, set at each
     publish, back to zero once upstream released the requests."""
-    from omni_accum.integrations.vllm_omni.binding import DEFAULT_ADAPTER_KEYS, Binding, publish_pending
+    from omni_accum.integrations.vllm_omni.binding import Binding, publish_pending
+    from omni_accum.integrations.vllm_omni.binding_settings import DEFAULT_ADAPTER_KEYS
     from omni_accum.integrations.vllm_omni.send import encode_payload
     from omni_accum.policy import load_policy
 

@@ -68,17 +68,17 @@ def test_a_mistyped_off_switch_installs_nothing(vo, no_switches, caplog):
 
 
 def test_connector_extra_values_that_are_not_a_policy_or_key_list_are_named(vllm_omni):
-    from omni_accum.integrations.vllm_omni import binding
+    from omni_accum.integrations.vllm_omni import binding_settings
 
     for value in (True, 5, ["qwen3-omni"]):
         with pytest.raises(PolicyError, match=re.escape(f"omni_accum_policy={value!r} is not a policy")):
-            binding.check_extra({"omni_accum_policy": value})
-    assert binding._policy_source({"omni_accum_policy": False})[0] is None  # YAML's unquoted off
+            binding_settings.check_extra({"omni_accum_policy": value})
+    assert binding_settings._policy_source({"omni_accum_policy": False})[0] is None  # YAML's unquoted off
     # a string used to be split into characters: no key was accumulated, and nothing said so
     for keys in ("embed.prefill", [5], [""]):
         with pytest.raises(PolicyError, match=r"omni_accum_adapter_keys=.* is not a list of key paths"):
-            binding.check_extra({"omni_accum_policy": "qwen3-omni", "omni_accum_adapter_keys": keys})
-    binding.check_extra({"omni_accum_policy": "qwen3-omni", "omni_accum_adapter_keys": ["embed.prefill"]})
+            binding_settings.check_extra({"omni_accum_policy": "qwen3-omni", "omni_accum_adapter_keys": keys})
+    binding_settings.check_extra({"omni_accum_policy": "qwen3-omni", "omni_accum_adapter_keys": ["embed.prefill"]})
 
 
 def test_required_ends_the_process_at_construction_for_a_bad_connector_extra(vo, no_switches, caplog):
@@ -163,12 +163,12 @@ def test_a_mooncake_segment_that_is_no_size_is_refused(text):
 def test_an_inline_policy_string_loads_wherever_a_policy_name_does(vllm_omni, no_switches, capsys):
     """``OMNI_ACCUM_POLICY='default: prealloc'`` installs, but doctor called it "neither a policy file nor a
     preset", and a block string in a connector extra failed the same way at run time."""
-    from omni_accum.integrations.vllm_omni import binding
+    from omni_accum.integrations.vllm_omni import binding_settings
     from omni_accum.policy import load_policy
 
     assert load_policy("default: prealloc").default.strategy == "prealloc"
     assert load_policy("rules:\n  - {match: embed.decode, strategy: token_list}\n").rules[0].strategy == "token_list"
-    binding.check_extra({"omni_accum_policy": "default: prealloc\n"})
+    binding_settings.check_extra({"omni_accum_policy": "default: prealloc\n"})
     no_switches.setenv("OMNI_ACCUM_POLICY", "default: prealloc")
     rc, out = _doctor(capsys)
     assert rc == 0 and "default prealloc" in out, out

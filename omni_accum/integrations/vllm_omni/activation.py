@@ -15,6 +15,12 @@ from typing import Any
 from omni_accum.manager import SettingError, check_switches, env_flag
 from omni_accum.errors import OmniAccumError
 from omni_accum.integrations.vllm_omni import binding, deployment, handoff, peer, reporting, send
+from omni_accum.integrations.vllm_omni.binding_settings import (
+    DEFAULT_ADAPTER_KEYS,
+    Settings,
+    check_extra,
+    connector_extra,
+)
 from omni_accum.integrations.vllm_omni.processor import adopt as adopt_processor
 from omni_accum.integrations.vllm_omni.targets import ProbeHook, _patch, _patched, active_family
 from omni_accum.policy import ENV_POLICY, Policy, load_policy
@@ -61,12 +67,12 @@ def install(
     with _lock:
         _patch("targets")
         send.wrap_connector_classes()
-        binding.Settings.policy = loaded
-        binding.Settings.installed = True
+        Settings.policy = loaded
+        Settings.installed = True
         if policy is not None:
-            binding.Settings.policy_source = _describe_source(policy)
+            Settings.policy_source = _describe_source(policy)
         if adapter_keys is not None:
-            binding.Settings.adapter_keys = tuple(adapter_keys)
+            Settings.adapter_keys = tuple(adapter_keys)
     reporting.register_exit_dump()  # OMNI_ACCUM_STATUS_DIR: installed from code too, not only by the plugin
 
 
@@ -95,10 +101,10 @@ def uninstall() -> None:
         _patched.clear()
         binding.detach_all()
         send.restore_connector_classes()
-        binding.Settings.policy = None
-        binding.Settings.installed = False
-        binding.Settings.policy_source = "no policy"
-        binding.Settings.adapter_keys = binding.DEFAULT_ADAPTER_KEYS
+        Settings.policy = None
+        Settings.installed = False
+        Settings.policy_source = "no policy"
+        Settings.adapter_keys = DEFAULT_ADAPTER_KEYS
 
 
 def is_installed() -> bool:
@@ -119,7 +125,7 @@ def _on_extra_policy(obj: Any) -> None:
     try:
         if not is_installed():
             install(None)
-        binding.check_extra(binding.connector_extra(obj))
+        check_extra(connector_extra(obj))
     except OmniAccumError as e:
         logger.error("omni-accum: connector extra of %s names a policy, but %s", type(obj).__name__, e)
         try:
@@ -134,7 +140,7 @@ def _on_made(obj: Any) -> None:
     """An adapter or transport was just made: a receiving adapter with a policy says hello (:mod:`.peer`); a stage
     input processor it resolved before the wrappers were installed becomes the wrapper (:mod:`.processor`)."""
     adopt_processor(obj)
-    if binding.Settings.installed and peer.receives(obj):
+    if Settings.installed and peer.receives(obj):
         b = binding.binding_for(obj)
         if b is not None:
             peer.announce(obj, b)
@@ -190,7 +196,7 @@ def activate() -> None:
     off = env.lower() in _OFF
     with _lock:
         if env and not off:
-            if is_installed() and binding.Settings.policy_source == ENV_POLICY:
+            if is_installed() and Settings.policy_source == ENV_POLICY:
                 return
         elif _probes_patched():
             return
@@ -199,8 +205,8 @@ def activate() -> None:
     try:
         if env and not off:
             install(load_policy(None))
-            binding.Settings.policy_source = ENV_POLICY
-            policy = binding.Settings.policy
+            Settings.policy_source = ENV_POLICY
+            policy = Settings.policy
             fp = binding.policy_fingerprint(policy) if policy else "-"
             ctx = deployment.context_label(policy, deployment.deployment_context())
             logger.info(

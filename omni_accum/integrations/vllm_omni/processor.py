@@ -44,7 +44,8 @@ from omni_accum.context import StreamContext
 from omni_accum.errors import AccumulationError, MergeError, OmniAccumError
 from omni_accum.integrations.vllm_omni import binding as _binding
 from omni_accum.integrations.vllm_omni import prometheus
-from omni_accum.integrations.vllm_omni.binding import Binding, Settings, binding_for, published_later
+from omni_accum.integrations.vllm_omni.binding import Binding, binding_for, published_later
+from omni_accum.integrations.vllm_omni.binding_settings import Settings
 from omni_accum.strategy import KeyInfo, value_nbytes
 
 logger = logging.getLogger("omni_accum.vllm_omni")

@@ -33,6 +33,7 @@ from typing import Any
 
 from omni_accum.integrations.vllm_omni import binding as hooks
 from omni_accum.integrations.vllm_omni import handoff, peer
+from omni_accum.integrations.vllm_omni.binding_settings import Settings
 from omni_accum.integrations.vllm_omni.runner_rows import STATS as RUNNER_ROWS_STATS
 from omni_accum.manager import ENV_LOG_LEVEL, LOG_FORMAT, ensure_visible_logging  # noqa: F401 - re-exported
 
@@ -120,11 +121,11 @@ def status() -> Status:
                 runner_rows={k: b.stats[k] for k in RUNNER_ROWS_STATS if k in b.stats},
             )
         )
-    policy = hooks.Settings.policy
+    policy = Settings.policy
     return Status(
-        installed=hooks.Settings.installed,
+        installed=Settings.installed,
         vllm_omni_version=vo_version,
-        policy_source=hooks.Settings.policy_source,
+        policy_source=Settings.policy_source,
         fingerprint=hooks.policy_fingerprint(policy) if policy is not None else None,
         bindings=tuple(rows),
         live_requests=sum(r.active_requests for r in rows),
@@ -167,7 +168,7 @@ def register_exit_dump() -> None:
     global _exit_registered_pid
     if not os.environ.get(ENV_STATUS_DIR, "").strip():
         return
-    hooks.Settings.on_change = _safe_write
+    Settings.on_change = _safe_write
     if _exit_registered_pid != os.getpid():
         _exit_registered_pid = os.getpid()
         atexit.register(_safe_write)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_accum.errors import OmniAccumError
-from omni_accum.integrations.vllm_omni.binding import _policy_source, connector_extra
+from omni_accum.integrations.vllm_omni.binding_settings import _policy_source, connector_extra
 
 
 class InstallRefused(OmniAccumError):
