@@ -107,7 +107,7 @@ def test_default_arms_leave_upstream_out_without_vllm_omni(monkeypatch, capsys):
     rc = main(["bench", *SMALL])
     captured = capsys.readouterr()
     assert rc == 0 and "upstream arm is left out" in captured.err
-    assert "workload qwen3-omni-0.30: arms cat, token_list, prealloc, send_once, qwen3-omni;" in captured.out
+    assert "workload qwen3-omni-0.30: arms cat, token_list, prealloc, wire-floor, send_once, qwen3-omni;" in captured.out
 
 
 def test_progress_bar_draws_with_eta():
@@ -286,6 +286,25 @@ def test_default_arms_add_send_once_but_not_replace_for_replace_keys():
         "send_once",
         "qwen3-omni",
     ]
+
+
+def test_on_the_0_30_stream_the_default_arms_add_wire_floor_and_the_ratios_compare_with_it(capsys):
+    """vllm-omni 0.30.0's own _accumulate_payload raises on its thinker -> talker stream (the 0-d
+    meta.is_segment_finished); its adapter hands each chunk over as it came: the wire-floor arm is that reference."""
+    wl = load_workload("qwen3-omni-0.30")
+    assert bench.default_arm_names(wl) == [
+        "upstream", "cat", "token_list", "prealloc", "wire-floor", "send_once", "qwen3-omni",
+    ]  # fmt: skip
+    rc = main(["bench", "--context-lens", "32", "--concurrency", "1", "--repeats", "1", "--steps", "3", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    table = out[out.index("arm ") :]
+    assert "p50 vs wire-floor" in table and "p50 vs upstream" not in table
+    lines = table.splitlines()[2:]
+    rows = {ln.split()[0]: ln.split()[-1] for ln in lines[: next(i for i, ln in enumerate(lines) if ln.startswith("("))]}
+    if "upstream" in rows:  # vllm-omni installed: its code ran and raised
+        assert rows["upstream"] == "fails" and "raised on this stream" in out
+    assert rows["wire-floor"] == "n/a" and rows["cat"] == rows["qwen3-omni"] == "ok"
 
 
 def test_help_has_examples_defaults_and_the_wire_floor_arm(capsys):

@@ -171,6 +171,15 @@ def test_serializer_wire_with_view_hop_keeps_views_exact():
     assert all(r.wire_bytes_per_step > 2048 * 2 for r in res)
 
 
+def test_view_hop_on_a_stream_read_as_deltas_ships_before_the_receiver_drops():
+    """0.30.0's stream (keys read as deltas): the hop used to look the key up after the consumer's take had dropped
+    it (KeyError 'prefill' in every arm, cat included)."""
+    wl = small("qwen3-omni-0.30")
+    arms = build_arms(wl, ["cat", "token_list", "prealloc", "qwen3-omni"])
+    res = measure(wl, arms, context_len=24, concurrency=2, repeats=1, wire="serializer", view_hop="serializer")
+    assert all(r.correct and r.error is None for r in res), [(r.arm, r.mismatch) for r in res]
+
+
 def _ours(pid: int) -> list[str]:
     return sorted(f for f in os.listdir("/dev/shm") if f"omniaccum_{pid}_" in f)
 

@@ -83,9 +83,13 @@ def workload_policy_problem(workload: Workload, source: str | None = None) -> st
 
 
 def default_arm_names(workload: Workload) -> list[str]:
-    """``upstream``; ``cat``, ``token_list`` and ``prealloc`` when a key is append-kind; ``send_once`` when
-    one is replace or static (``replace`` is upstream's behaviour there already); the workload's ``policy``."""
+    """``upstream``; ``cat``, ``token_list`` and ``prealloc`` when a key is append-kind; ``wire-floor`` when a key is
+    read as deltas (vllm-omni 0.30.0's stream: its receiving adapter hands each chunk over as it came and
+    accumulates nothing, so that is the reference its users compare with); ``send_once`` when one is replace or
+    static (``replace`` is upstream's behaviour there already); the workload's ``policy``."""
     names = [UPSTREAM, "cat", "token_list", "prealloc"] if workload.keys_of_kind("append") else [UPSTREAM]
+    if any(k.read == "delta" for k in workload.keys):
+        names.append(WIRE_FLOOR)
     if workload.keys_of_kind("replace", "static"):
         names.append("send_once")
     if workload.policy:

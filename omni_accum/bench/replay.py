@@ -226,12 +226,12 @@ def replay(
                     continue
                 if rd.pattern == "newest_row" and isinstance(val, (torch.Tensor, list)) and len(val):
                     val = val[-1:]
-                elif rd.pattern == "delta":  # the consumer takes what accumulated; the receiver drops it
+                if hop is not None:  # before a delta read drops the key's state, which the hop may ship
+                    hop[rd.path] = engine.hop_value(rid, rd.path, val)
+                if rd.pattern == "delta":  # the consumer takes what accumulated; the receiver drops it
                     engine.consume(rid, rd.path)
                     if check:
                         taken = (taken or []) + [(rd.path, val)]
-                if hop is not None:
-                    hop[rd.path] = engine.hop_value(rid, rd.path, val)
             if hop:
                 view_hop.deserialize(view_hop.serialize(hop))
             dt = (clock() - t0) / 1000.0 if timer is None else timer.stop_us()
