@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 
@@ -305,6 +307,17 @@ def test_on_the_0_30_stream_the_default_arms_add_wire_floor_and_the_ratios_compa
     if "upstream" in rows:  # vllm-omni installed: its code ran and raised
         assert rows["upstream"] == "fails" and "raised on this stream" in out
     assert rows["wire-floor"] == "n/a" and rows["cat"] == rows["qwen3-omni"] == "ok"
+
+
+def test_a_fifo_as_json_or_plot_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    fifo = tmp_path / "out.json"
+    os.mkfifo(fifo)
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("the run started"))
+    for option in ("--json", "--plot"):
+        assert main(["bench", *SMALL, option, str(fifo)]) == 2
+        err = capsys.readouterr().err
+        assert f"{option} {fifo}: is a FIFO, not a regular file" in err and "Traceback" not in err
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
 
 
 def test_help_has_examples_defaults_and_the_wire_floor_arm(capsys):

@@ -215,6 +215,21 @@ def test_unwritable_folder_is_caught_before_measuring(tmp_path, capsys, no_measu
     assert "--out /proc/t.yaml" in err and ".tmp" not in err and "Traceback" not in err
 
 
+def test_a_device_or_fifo_as_out_is_refused_before_measuring_and_left_as_it_is(tmp_path, capsys, no_measuring):
+    """The rename behind every output used to put a regular file in place of a FIFO or a device (``--out
+    /dev/null`` run as root replaced /dev/null), and said it wrote the policy."""
+    assert "is a character device, not a regular file" in (output_problem("/dev/null") or "")  # a stat, no write
+    fifo = tmp_path / "tuned.yaml"
+    os.mkfifo(fifo)
+    assert cli.main(_tune_args(tmp_path, fifo)) == 2
+    err = capsys.readouterr().err
+    assert f"--out {fifo}: is a FIFO, not a regular file" in err and "Traceback" not in err
+    with pytest.raises(OSError, match="is a FIFO, not a regular file") as e:
+        write_atomic(fifo, "a: 1\n")
+    assert e.value.filename == str(fifo)
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
 # -- 4. --resume never replaces a policy that is not a tuned one ---------------------------------- #
 
 

@@ -318,7 +318,7 @@ def to_json(run: BenchRun) -> dict[str, Any]:
 
 
 def write_json(run: BenchRun, path: str | os.PathLike[str]) -> None:
-    p = Path(path)  # its folder exists: checked before the run (never created)
+    p = Path(path)  # its folder exists and it is no device or FIFO: checked before the run (output_path_problem)
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text(json.dumps(to_json(run), indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, p)

@@ -17,6 +17,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+from omni_accum.bench._paths import special_file_kind
 from omni_accum.errors import OmniAccumError
 
 PathLike = str | os.PathLike[str]
@@ -37,7 +38,8 @@ def _umask() -> int:
 def write_atomic(path: PathLike, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: never a half-written file.
 
-    A symlink is written through (its target is replaced, the link stays); an existing file keeps its
+    A symlink is written through (its target is replaced, the link stays); a device, FIFO or socket there is
+    refused (``OSError``), never replaced; an existing file keeps its
     permission bits, a new one gets ``0666 & ~umask`` as with ``open()``. The folder must exist (a
     missing one is an error, never created). An ``OSError`` names ``path``, not the temporary file.
     """
@@ -47,6 +49,9 @@ def write_atomic(path: PathLike, text: str) -> None:
     try:
         if not target.parent.is_dir():
             raise FileNotFoundError(errno.ENOENT, f"no such folder: {target.parent}")
+        kind = special_file_kind(target)
+        if kind is not None:  # the rename would put a regular file in place of a device, FIFO or socket
+            raise OSError(errno.EINVAL, f"is {kind}, not a regular file")
         try:
             mode = stat.S_IMODE(os.stat(target).st_mode)
         except FileNotFoundError:
