@@ -151,6 +151,35 @@ def test_deploy_yaml_selecting_the_arena_connector(clean_env, capsys, tmp_path):
 
 
 @pytest.mark.parametrize(
+    "extra, said",
+    [
+        ("{arena_bytes: lots}", "extra.arena_bytes = 'lots' is not a size"),
+        ("{arena_veiw_bytes: 64KiB}", "unknown extra key(s) 'arena_veiw_bytes'; it reads arena_name"),
+        ("{arena_stage_rows: maybe}", "extra.arena_stage_rows = 'maybe': use true or false"),
+        ("{omni_accum_adapter_keys: embed.prefill}", "omni_accum_adapter_keys='embed.prefill' is not a list"),
+        ("{omni_accum_polcy: qwen3-omni}", "unknown key(s) 'omni_accum_polcy'; omni-accum reads omni_accum_policy"),
+    ],
+)
+def test_connector_settings_a_stage_would_refuse_or_ignore_are_problems(clean_env, capsys, tmp_path, extra, said):
+    """doctor called these deploys ready: the arena connector refuses the first three when a stage builds it (the
+    server does not start), a string of adapter keys is refused at the first request, a misspelt key is ignored."""
+    f = tmp_path / "deploy.yaml"
+    f.write_text(
+        "connectors:\n"
+        "  a: {name: OmniAccumArenaConnector, extra: {arena_name: doctor, omni_accum_policy: qwen3-omni}}\n"
+        f"  b: {{name: OmniAccumArenaConnector, extra: {extra}}}\n"
+    )
+    rc, out = _doctor(capsys, "--deploy", str(f))
+    assert rc == 1 and "not ready" in out, out
+    problem = next(line for line in out.splitlines() if line.startswith("PROBLEM  connector"))
+    assert f"{f}: connectors.b.extra: " in problem and said in problem, out
+    assert "connectors.a.extra" not in out.split("PROBLEM", 1)[1]  # the good connector is not blamed
+    f.write_text(f.read_text().replace(f"extra: {extra}", "extra: {arena_bytes: 2GiB, omni_accum_adapter_keys: [x]}"))
+    rc, out = _doctor(capsys, "--deploy", str(f))
+    assert rc == 0 and "ok       connector: " in out, out
+
+
+@pytest.mark.parametrize(
     "var, value",
     [("OMNI_ACCUM_CONTEXT_LEN", "8q"), ("OMNI_ACCUM_CONCURRENCY", "0")],
 )

@@ -20,6 +20,7 @@ from omni_accum.cli.doctor_policy import (  # noqa: F401 - _deploy_policy: the t
     Check,
     _deploy_extras,
     _deploy_policy,
+    check_connectors,
     check_policy,
 )
 from omni_accum.integrations.vllm_omni.families import SUPPORTED_VERSIONS, family_for
@@ -261,7 +262,7 @@ def run_checks(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
     checks = check_versions() + check_entry_points() + check_arena_connector(deploy)
     policy_checks, info = check_policy(deploy)
     checks += check_switches("policy" in info)
-    policy_checks += check_context(deploy)
+    policy_checks += check_context(deploy) + check_connectors(deploy)
     return checks + policy_checks + check_plugins() + check_metrics(), info
 
 
@@ -291,7 +292,9 @@ def register(subparsers: Any) -> None:
             "Check what a vllm-omni deployment with omni-accum needs: Python, torch, vllm and vllm-omni "
             "versions (and whether this vllm-omni is supported), omni-accum's plugin entry points, the policy that "
             "OMNI_ACCUM_POLICY (or the deploy YAML given with --deploy) resolves to, whether its tuned table matches "
-            "this environment and whether its rules match any key the installed release sends (a warning), the "
+            "this environment and whether its rules match any key the installed release sends (a warning), with "
+            "--deploy every connector extra as the stages read it (omni-accum's omni_accum_* keys, a misspelt one "
+            "named, and the settings of OmniAccumArenaConnector and OmniAccumMooncakeConnector), the "
             "installed strategy plugins and any that failed to load, and whether metrics are on. Every finding is "
             "reported (with --json, always as JSON). Exit 0 only when a deployment would run as configured, 1 "
             "otherwise, 2 on usage errors.",

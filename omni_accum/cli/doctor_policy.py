@@ -45,18 +45,77 @@ def _read_deploy(path: str) -> Any:
         raise OmniAccumError(f"--deploy {path}: cannot read it: {e}") from e
 
 
-def _connector_extras(node: Any, where: str = "") -> list[tuple[str, dict[str, Any]]]:
-    """``(where, extra)`` for every ``extra`` mapping of a parsed deploy YAML (where: its parent's path)."""
+def _connector_nodes(node: Any, where: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """``(where, node)`` for every mapping with an ``extra`` mapping in a parsed deploy YAML (a connector: its
+    ``name`` and ``extra``), where: the node's path."""
     found: list[tuple[str, dict[str, Any]]] = []
     if isinstance(node, dict):
         if isinstance(node.get("extra"), dict):
-            found.append((where, node["extra"]))
+            found.append((where, node))
         for k, v in node.items():
-            found += _connector_extras(v, f"{where}.{k}" if where else str(k))
+            found += _connector_nodes(v, f"{where}.{k}" if where else str(k))
     elif isinstance(node, list):
         for i, v in enumerate(node):
-            found += _connector_extras(v, f"{where}[{i}]")
+            found += _connector_nodes(v, f"{where}[{i}]")
     return found
+
+
+def _connector_extras(node: Any) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, extra)`` for every ``extra`` mapping of a parsed deploy YAML (where: its parent's path)."""
+    return [(where, n["extra"]) for where, n in _connector_nodes(node)]
+
+
+def extra_keys() -> tuple[str, ...]:
+    """Every ``omni_accum_*`` key omni-accum reads from a connector ``extra``."""
+    from omni_accum.integrations.vllm_omni.binding_settings import EXTRA_ADAPTER_KEYS, EXTRA_POLICY
+    from omni_accum.integrations.vllm_omni.capture import EXTRA_CAPTURE, EXTRA_MAX_BYTES, EXTRA_VALUES
+    from omni_accum.integrations.vllm_omni.deployment import EXTRA_CONCURRENCY, EXTRA_CONTEXT_LEN
+
+    return (EXTRA_POLICY, EXTRA_ADAPTER_KEYS, EXTRA_CONTEXT_LEN, EXTRA_CONCURRENCY, EXTRA_CAPTURE, EXTRA_VALUES,
+            EXTRA_MAX_BYTES)  # fmt: skip
+
+
+def check_connectors(deploy: str | None) -> list[Check]:
+    """Every connector ``extra`` of the deploy YAML read as the stage processes read it: omni-accum's own
+    ``omni_accum_*`` keys (a misspelt one is ignored there, so it is named here; ``omni_accum_adapter_keys`` a list
+    of key paths), and the settings of omni-accum's connectors (``OmniAccumArenaConnector``,
+    ``OmniAccumMooncakeConnector``), which a stage refuses when it builds the connector: the server does not start."""
+    if not deploy:
+        return []
+    try:
+        data = _read_deploy(deploy)
+    except OmniAccumError:  # check_policy reports it
+        return []
+    from omni_accum.integrations.vllm_omni import arena_settings, mooncake_settings
+    from omni_accum.integrations.vllm_omni.binding_settings import EXTRA_ADAPTER_KEYS, _adapter_keys
+
+    known = extra_keys()
+    parsers = {name: mod.parse_settings for mod in (arena_settings, mooncake_settings) for name in [mod.NAME]}
+    out: list[Check] = []
+    read = 0
+    for where, node in _connector_nodes(data):
+        extra, place = node["extra"], f"{deploy}: {where}.extra" if where else f"{deploy}: extra"
+        unknown = sorted(str(k) for k in extra if str(k).startswith("omni_accum_") and k not in known)
+        if unknown:
+            detail = f"{place}: unknown key(s) {', '.join(map(repr, unknown))}; omni-accum reads {', '.join(known)}"
+            out.append(Check("connector", False, detail, "correct the key (a misspelt key is ignored: its setting "
+                                                         "does not apply)"))  # fmt: skip
+        try:
+            _adapter_keys(extra.get(EXTRA_ADAPTER_KEYS))
+        except OmniAccumError as e:
+            out.append(Check("connector", False, f"{place}: {e}", f"give {EXTRA_ADAPTER_KEYS} as a list"))
+        parse = parsers.get(node.get("name"))  # type: ignore[arg-type]
+        if parse is not None:
+            try:
+                parse(extra)
+                read += 1
+            except ValueError as e:
+                fix = f"correct it: the stage refuses to build {node['name']}, and the server does not start"
+                out.append(Check("connector", False, f"{place}: {e}", fix))
+    if read and not out:
+        out.append(Check("connector", True, f"{deploy}: the settings of omni-accum's connector(s) read as the stages "
+                                            "will read them"))  # fmt: skip
+    return out
 
 
 def _deploy_policies(path: str) -> list[tuple[str, Any]]:

@@ -17,11 +17,10 @@ from vllm_omni.distributed.omni_connectors.utils import serialization as _ser
 
 from omni_accum.arena._common import DTYPES
 from omni_accum.integrations.vllm_omni.arena_chains import DTYPE_NAMES, IN_CHAIN, cpu_contiguous, tensor_ref
+from omni_accum.integrations.vllm_omni.arena_settings import DEFAULT_VIEW_BYTES  # noqa: F401 - re-exported
 
 #: Key of a tensor's wire dict (vllm-omni's own tensor encoding) that says where its bytes are in the arena.
 IN_ARENA = "__omni_accum_arena__"
-#: Tensors of at least this many bytes are handed to the consumer over the arena's pages (``arena_view_bytes``).
-DEFAULT_VIEW_BYTES = 64 << 10
 
 
 class Encoder(_ser.OmniMsgpackEncoder):

@@ -50,7 +50,6 @@ import errno
 import functools
 import logging
 import os
-import re
 import threading
 import time
 import weakref
@@ -65,18 +64,8 @@ from vllm_omni.distributed.omni_connectors.connectors.shm_connector import Share
 from omni_accum.arena.live import create_receiver, live_region
 from omni_accum.arena.region import ArenaError, ArenaFull, PeerDied
 from omni_accum.integrations.vllm_omni.arena_chains import append_test, chain_payload, request_of, struct_map
-from omni_accum.integrations.vllm_omni.arena_codec import DEFAULT_VIEW_BYTES, Decoder, Encoder
-from omni_accum.integrations.vllm_omni.arena_settings import (
-    DEFAULT_ARENA_BYTES,
-    DEFAULT_RING_BYTES,
-    ENV_NAME,
-    KNOWN_KEYS,
-    NAME,
-    parse_size,
-    parse_switch,
-    parse_view_bytes,
-    parse_warm,
-)
+from omni_accum.integrations.vllm_omni.arena_codec import Decoder, Encoder
+from omni_accum.integrations.vllm_omni.arena_settings import NAME, parse_settings
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
 from omni_accum.samehost import SameHostRefused, log_refusal
 
@@ -115,20 +104,13 @@ class ArenaConnector(OmniConnectorBase):
     def __init__(self, config: dict[str, Any] | None) -> None:
         self.config = dict(config or {})
         self.stage_id = self.config.get("stage_id", -1)
-        unknown = sorted(k for k in self.config if str(k).startswith(("arena_", "ring_")) and k not in KNOWN_KEYS)
-        if unknown:
-            names = ", ".join(map(repr, unknown))
-            raise ValueError(f"{NAME}: unknown extra key(s) {names}; it reads {', '.join(KNOWN_KEYS)}")
-        given = self.config.get("arena_name")
-        name = str(given) if given is not None else (os.environ.get(ENV_NAME) or "omni")
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,120}", name):
-            raise ValueError(f"{NAME}: extra.arena_name = {name!r}: use letters, digits, '_', '.', '-'")
-        self.arena_name = name
-        self.arena_bytes = parse_size(self.config.get("arena_bytes", DEFAULT_ARENA_BYTES), "arena_bytes")
-        self.ring_bytes = parse_size(self.config.get("ring_bytes", DEFAULT_RING_BYTES), "ring_bytes")
-        self.view_bytes = parse_view_bytes(self.config.get("arena_view_bytes", DEFAULT_VIEW_BYTES))
-        self.warm_bytes = parse_warm(self.config.get("arena_warm", 0), self.arena_bytes)
-        self.stage_rows_on = parse_switch(self.config.get("arena_stage_rows", True), "arena_stage_rows")
+        settings = parse_settings(self.config)
+        self.arena_name = settings.arena_name
+        self.arena_bytes = settings.arena_bytes
+        self.ring_bytes = settings.ring_bytes
+        self.view_bytes = settings.view_bytes
+        self.warm_bytes = settings.warm_bytes
+        self.stage_rows_on = settings.stage_rows
         self.inner = self.peer_channel = SharedMemoryConnector(self.config)  # peer_channel: the stage hellos (.peer)
         # one lock per direction: a put waiting for ring space never holds up this process's gets
         self._tx_lock = threading.Lock()

@@ -4,7 +4,9 @@ the key, the value and what it takes."""
 
 from __future__ import annotations
 
+import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 #: The name :mod:`.arena_plugin` registers the connector under (``name:`` of a deploy YAML's connector).
@@ -12,6 +14,8 @@ NAME = "OmniAccumArenaConnector"
 ENV_NAME = "OMNI_ACCUM_ARENA_NAME"
 DEFAULT_ARENA_BYTES = 1 << 30
 DEFAULT_RING_BYTES = 4 << 20
+#: Tensors of at least this many bytes are handed to the consumer over the arena's pages (``arena_view_bytes``).
+DEFAULT_VIEW_BYTES = 64 << 10
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20}
 _UNITS.update({"g": 1 << 30, "gb": 10**9, "gib": 1 << 30})
@@ -74,3 +78,41 @@ def parse_view_bytes(value: Any) -> int | None:
     if value is False or (isinstance(value, str) and value.strip().lower() == "off"):
         return None
     return parse_size(value, "arena_view_bytes")
+
+
+@dataclass(frozen=True)
+class ArenaSettings:
+    """What ``OmniAccumArenaConnector`` reads from its ``extra`` (:func:`parse_settings`)."""
+
+    arena_name: str
+    arena_bytes: int
+    ring_bytes: int
+    #: None: every received tensor is copied out (``arena_view_bytes: off``).
+    view_bytes: int | None
+    warm_bytes: int
+    stage_rows: bool
+
+
+def parse_settings(extra: Any) -> ArenaSettings:
+    """The connector's settings from a deploy's ``extra`` (``arena_name`` defaults to ``$OMNI_ACCUM_ARENA_NAME``,
+    else ``omni``). ``ValueError`` names the key, the value and what it takes; an unknown ``arena_*`` / ``ring_*``
+    key is refused with the keys it reads (a typo would otherwise be ignored). ``omni-accum doctor --deploy``
+    calls it too, so that a deploy the connector would refuse is not called ready."""
+    config = extra if isinstance(extra, dict) else {}
+    unknown = sorted(str(k) for k in config if str(k).startswith(("arena_", "ring_")) and k not in KNOWN_KEYS)
+    if unknown:
+        names = ", ".join(map(repr, unknown))
+        raise ValueError(f"{NAME}: unknown extra key(s) {names}; it reads {', '.join(KNOWN_KEYS)}")
+    given = config.get("arena_name")
+    name = str(given) if given is not None else (os.environ.get(ENV_NAME) or "omni")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,120}", name):
+        raise ValueError(f"{NAME}: extra.arena_name = {name!r}: use letters, digits, '_', '.', '-'")
+    arena_bytes = parse_size(config.get("arena_bytes", DEFAULT_ARENA_BYTES), "arena_bytes")
+    return ArenaSettings(
+        arena_name=name,
+        arena_bytes=arena_bytes,
+        ring_bytes=parse_size(config.get("ring_bytes", DEFAULT_RING_BYTES), "ring_bytes"),
+        view_bytes=parse_view_bytes(config.get("arena_view_bytes", DEFAULT_VIEW_BYTES)),
+        warm_bytes=parse_warm(config.get("arena_warm", 0), arena_bytes),
+        stage_rows=parse_switch(config.get("arena_stage_rows", True), "arena_stage_rows"),
+    )
