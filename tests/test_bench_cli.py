@@ -221,6 +221,33 @@ def test_out_of_memory_is_one_line_naming_the_bucket(monkeypatch, capsys):
     assert "Traceback" not in err
 
 
+def test_an_address_space_limit_is_out_of_memory_too(monkeypatch, capsys):
+    """Under ``ulimit -v`` torch's C++ throws std::bad_alloc, which came out as a traceback."""
+    monkeypatch.setattr(bench.runner, "measure", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("std::bad_alloc")))
+    rc = main(["bench", "--arms", "cat", *SMALL])
+    err = capsys.readouterr().err
+    assert rc == 1 and "context_len=16 concurrency=2: out of memory;" in err and "Traceback" not in err
+
+
+def test_a_bucket_larger_than_the_memory_available_is_refused_before_any_is_measured(monkeypatch, capsys):
+    """Each request in flight holds what it keeps (the seed stream: every key; 0.30.0's: keys read as deltas go);
+    c=100000 ran into the kernel's out-of-memory killer or a traceback from deep in building the streams."""
+    wl = load_workload("qwen3-omni-seed")
+    per = bench.runner.bucket_memory_problem
+    monkeypatch.setattr(bench.runner, "available_memory", lambda: 100_000_000)
+    assert per(wl, 1000, 1) is None  # ~8 MB
+    problem = per(wl, 1000, 100)
+    assert problem.startswith("context_len=1000 concurrency=100: needs at least ") and "100.0 MB is available" in problem
+    kept = per(wl, 1000, 100).split("(")[1].split()[0]
+    assert float(kept) > 8  # MB per request: the two [1001, 2048] bf16 prefill tensors and more
+    assert per(load_workload("qwen3-omni-0.30"), 1000, 100) is None  # its tensors are taken and dropped
+    monkeypatch.setattr(bench.runner, "measure", lambda *a, **k: pytest.fail("a bucket was measured"))
+    rc = main(["bench", "--workload", "qwen3-omni-seed", "--arms", "cat", "--context-lens", "1k", "--concurrency",
+               "1", "100", "--no-progress"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 1 and "context_len=1000 concurrency=100: needs at least" in err and "Traceback" not in err
+
+
 def test_other_runtime_errors_are_not_taken_for_memory(monkeypatch):
     monkeypatch.setattr(bench.runner, "measure", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):

@@ -230,6 +230,16 @@ def test_a_device_or_fifo_as_out_is_refused_before_measuring_and_left_as_it_is(t
     assert stat.S_ISFIFO(fifo.stat().st_mode) and not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_a_bucket_larger_than_the_memory_available_is_refused_before_measuring(tmp_path, capsys, no_measuring,
+                                                                               monkeypatch):
+    monkeypatch.setattr("omni_accum.bench.runner.available_memory", lambda: 1)
+    out = tmp_path / "t.yaml"
+    assert cli.main(_tune_args(tmp_path, out)) == 1
+    err = capsys.readouterr().err
+    assert "concurrency=" in err and "needs at least" in err and "and 1 B is available" in err
+    assert "Traceback" not in err and not out.exists()
+
+
 # -- 4. --resume never replaces a policy that is not a tuned one ---------------------------------- #
 
 

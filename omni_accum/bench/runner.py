@@ -17,6 +17,8 @@ import torch
 
 from omni_accum.bench.replay import Arm, ArmResult, delta_roundtrip_us, measure
 from omni_accum.bench.report import BenchRun, _fmt_bytes
+from omni_accum.bench.streams import build_stream
+from omni_accum.bench.wires import iter_leaves
 from omni_accum.bench.workloads import MAX_ROWS, Workload, load_workload
 from omni_accum.errors import OmniAccumError
 
@@ -39,7 +41,56 @@ def is_allocation_failure(e: BaseException) -> bool:
         return True
     text = str(e)
     return isinstance(e, RuntimeError) and (
-        "can't allocate memory" in text or "out of memory" in text.lower() or "size calculation overflowed" in text
+        "can't allocate memory" in text
+        or "out of memory" in text.lower()
+        or "size calculation overflowed" in text
+        or "bad_alloc" in text  # C++'s std::bad_alloc (an address-space limit: ulimit -v)
+    )
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _held_nbytes(value: Any) -> int:
+    """Bytes a value takes in memory: tensor data; 36 per list element (a CPython int and its pointer)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_held_nbytes(v) if isinstance(v, (torch.Tensor, list, tuple)) else 36 for v in value)
+    return 64
+
+
+def bucket_memory_problem(wl: Workload, context_len: int, concurrency: int) -> str | None:
+    """Why a bucket cannot fit in this machine's memory (checked before measuring it), or None.
+
+    The lower bound it checks: every request in flight holds its own stream and the receiver's copy of every key
+    it keeps (keys read as deltas are dropped once taken and do not count), one request's bytes times the
+    concurrency; against ``MemAvailable``. Without this a bucket of 100000 requests ran into the kernel's
+    out-of-memory killer, or into an allocation failure deep in building the streams."""
+    avail = available_memory()
+    if avail is None:
+        return None
+    dropped = {k.path for k in wl.keys if k.read == "delta"}
+    per_request = sum(
+        _held_nbytes(v) for chunk in build_stream(wl, context_len, 0) for path, v in iter_leaves(chunk)
+        if path not in dropped
+    )  # fmt: skip
+    need = per_request * concurrency
+    if need <= avail:
+        return None
+    return (
+        f"context_len={context_len} concurrency={concurrency}: needs at least {_fmt_bytes(need)} of memory "
+        f"({_fmt_bytes(per_request)} per request in flight), and {_fmt_bytes(avail)} is available; give a lower "
+        "--concurrency or shorter --context-lens"
     )
 
 
@@ -157,13 +208,16 @@ def run_bench(
 ) -> BenchRun:
     """Measure ``arms`` in every bucket (context length x concurrency) of the workload.
 
-    Raises :class:`BenchError` for a context length over :data:`~omni_accum.bench.workloads.MAX_ROWS` (before
-    measuring) and when a bucket's stream or state cannot be allocated.
+    Raises :class:`BenchError` for a context length over :data:`~omni_accum.bench.workloads.MAX_ROWS` or a bucket
+    that cannot fit in memory (:func:`bucket_memory_problem`; both before measuring), and when a bucket's stream
+    or state cannot be allocated.
     """
     wl = load_workload(workload)
     cls = list(context_lens or wl.default_context_lens())
     concs = list(concurrency or wl.concurrency)
-    problem = context_lens_problem(cls)
+    problem = context_lens_problem(cls) or next(
+        (p for cl in cls for c in concs if (p := bucket_memory_problem(wl, cl, c))), None
+    )
     if problem:
         raise BenchError(problem)
     total = sum(repeats * len(arms) * c * wl.n_chunks(cl) * step_weight(cl) for cl in cls for c in concs)

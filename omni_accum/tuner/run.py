@@ -338,6 +338,11 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
     fp["settings"] = tune_settings(opts, wl, base, decode_steps=steps, step_samples=target, rounds=rounds)
     reuse = _resumable(opts, wl, fp, log)
     buckets = [(cl, c) for cl in cls for c in concs]
+    from omni_accum.bench.runner import bucket_memory_problem
+
+    problem = next((p for cl, c in buckets if (p := bucket_memory_problem(bucket_workload(c), cl, c))), None)
+    if problem:  # before any bucket: the kernel's out-of-memory killer would end the run without a word
+        raise TuneError(problem)
     verify = (not opts.quick) if opts.verify is None else opts.verify
     ref = reference_arm() if verify else None
     bar = None
