@@ -289,6 +289,19 @@ def test_resume_reuses_buckets_when_every_setting_matches(tmp_path, monkeypatch)
     assert settings["min_gain_us"] == 1.0 and settings["decode_steps"] == 4 and settings["params_grid"] is False
 
 
+def test_resume_keeps_the_reason_of_every_kept_baseline(tmp_path, monkeypatch):
+    """A reused bucket was written back without its reasons ("no reason recorded (a table from an older
+    omni-accum)" in place of "the interval crosses 0")."""
+    tune(_opts(tmp_path, min_gain_us=100000.0))  # no gain that large: every baseline is kept, with its reason
+    out = tmp_path / "tuned.yaml"
+    before = {(c.key, c.context_len, c.concurrency): c.reason for c in omni_accum.load_policy(out).tuned.cells}
+    assert before and all(before.values()), before
+    monkeypatch.setattr("omni_accum.tuner.run.tune_bucket", lambda *a, **k: pytest.fail("a bucket was measured"))
+    tune(_opts(tmp_path, min_gain_us=100000.0, resume=True))
+    after = {(c.key, c.context_len, c.concurrency): c.reason for c in omni_accum.load_policy(out).tuned.cells}
+    assert after == before and "no reason recorded" not in out.read_text()
+
+
 @pytest.mark.parametrize(
     ("first", "second", "said"),
     [

@@ -378,6 +378,7 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
                             dict(x.timings_us),
                             dict(x.excluded),
                             dict(x.peak_bytes),
+                            x.reason,  # a kept baseline's why (a reused table lost it, "no reason recorded")
                         )
                 _say(log, f"bucket context_len={cl} concurrency={c}: reused from {opts.out}")
             else:
