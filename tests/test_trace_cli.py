@@ -73,6 +73,18 @@ def test_bench_trace_names_a_cut_and_a_corrupt_line_and_uses_the_rest(tmp_path, 
     assert "workload trace 0->1" in out
 
 
+def test_trace_of_a_capture_with_no_complete_record_fails_and_lists_each_skipped_line_once(tmp_path, capsys):
+    """It printed "0 records" and exited 0 (bench --trace of the same folder fails), each skipped line twice."""
+    cap = tmp_path / "cap"
+    cap.mkdir()
+    (cap / "capture-1.jsonl").write_text('not json\n{"x": 1}\n')
+    assert main(["trace", str(cap)]) == 2
+    out, err = capsys.readouterr()
+    assert "0 records" in out and out.count("capture-1.jsonl, line 1: not a JSON record") == 1
+    assert err.strip() == f"omni-accum trace: error: {cap}: the capture holds no complete record (2 line(s) skipped, "\
+        "listed above)"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -34,9 +34,9 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def read(paths: list[str], prog: str) -> tuple[Any, Any] | None:
-    """``(capture, trace)`` of ``paths``, skipped lines warned about on stderr; None (after a one-line error)
-    when there is nothing to read."""
+def read(paths: list[str], prog: str, warn: bool = True) -> tuple[Any, Any] | None:
+    """``(capture, trace)`` of ``paths``, skipped lines warned about on stderr (``warn``); None (after a one-line
+    error) when there is nothing to read."""
     from omni_accum.capture.reader import read_capture
     from omni_accum.capture.trace import build_trace
 
@@ -45,7 +45,7 @@ def read(paths: list[str], prog: str) -> tuple[Any, Any] | None:
     except CaptureError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return None
-    for line in cap.warnings():
+    for line in cap.warnings() if warn else ():
         print(f"{prog}: warning: {line}", file=sys.stderr)
     return cap, build_trace(cap)
 
@@ -67,7 +67,7 @@ def trace_workload(args: argparse.Namespace, prog: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     from omni_accum.capture.summary import format_summary, summarize
 
-    got = read(args.dir, "omni-accum trace")
+    got = read(args.dir, "omni-accum trace", warn=False)  # the summary lists the skipped lines
     if got is None:
         return 2
     data = summarize(*got)
@@ -75,4 +75,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2, default=str))
     else:
         print(format_summary(data))
+    if not data["records"]:  # as bench / tune --trace: nothing in it to replay or summarise
+        said = f"{len(data['skipped'])} line(s) skipped, listed above" if data["skipped"] else "no line in it"
+        where = " ".join(args.dir)
+        print(f"omni-accum trace: error: {where}: the capture holds no complete record ({said})", file=sys.stderr)
+        return 2
     return 0
