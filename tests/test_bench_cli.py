@@ -75,6 +75,15 @@ def test_unknown_arm_lists_the_choices(capsys):
     assert rc == 2 and "unknown arm 'fastest'" in err and "prealloc" in err and "qwen3-omni" in err
 
 
+@pytest.mark.parametrize("name, said", [("nonexist.yaml", "no such file"), ("policies/", "is a directory")])
+def test_an_arm_that_names_a_missing_policy_file_says_so(tmp_path, monkeypatch, capsys, name, said):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "policies").mkdir()
+    rc = main(["bench", "--arms", name, *SMALL])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"arm {name!r}: a policy file? {said} (from {tmp_path})" in err, err
+
+
 def test_strategy_arm_that_fits_no_key_is_skipped(capsys):
     rc = main(["bench", "--workload", "talker-code2wav", "--arms", "prealloc", "send_once", *SMALL])
     captured = capsys.readouterr()

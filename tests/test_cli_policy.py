@@ -189,6 +189,18 @@ def test_explain_glob_default_and_protocol(capsys, tmp_path):
     assert d["reason"]["rule_index"] == 0 and any("a.b*" in n for n in d["notes"])
 
 
+def test_explain_of_a_key_no_release_sends_says_so_and_suggests_the_closest(capsys):
+    """A typo silently took the policy's default."""
+    d = explain(capsys, "qwen3-omni", "--key", "embed.decod")
+    assert d["reason"] == {"kind": "default"}
+    assert any("'embed.decod' is not a key a supported vllm-omni release sends" in n and "'embed.decode'" in n
+               for n in d["notes"]), d["notes"]  # fmt: skip
+    d = explain(capsys, "qwen3-omni", "--key", "ids.all", "--value-type", "list")  # sent, default: no such note
+    assert not any("is not a key" in n for n in d["notes"])
+    d = explain(capsys, "qwen3-omni", "--key", "thinker_embeddings")  # 0.16's flat key: sent by a supported release
+    assert not any("is not a key" in n for n in d["notes"])
+
+
 def test_explain_text_says_why_and_what_it_assumed(capsys):
     code, out, _ = run(capsys, "explain", "qwen3-omni", "--key", "speaker", "--context-len", "8000")
     assert code == 0

@@ -156,6 +156,9 @@ def build_arms(workload: Workload, names: Sequence[str] | None = None, *, warn: 
             unmatched = policy_misses_workload(arms[name], workload)
             if unmatched and warn is not None:
                 print(f"note: arm {name!r}: {unmatched}", file=warn)
+        elif Path(name).suffix.lower() in (".yaml", ".yml", ".json", ".toml") or "/" in name:
+            what = "is a directory" if Path(name).is_dir() else "no such file"
+            raise UnknownArmError(f"arm {name!r}: a policy file? {what} (from {Path.cwd()})")
         else:
             raise UnknownArmError(
                 f"unknown arm {name!r}: not 'upstream', 'wire-floor', a strategy ({', '.join(manager.names())}), "

@@ -208,6 +208,7 @@ def explain_key(
                 )
     else:
         reason = {"kind": "default"}
+        notes += _unknown_key_notes(key)
     if policy.tuned is not None and reason["kind"] in ("default", "rule"):
         if not policy.tuned_usable():
             diffs = "; ".join(table_mismatches(policy.tuned))
@@ -237,6 +238,21 @@ def explain_key(
         "reason": reason,
         "notes": notes,
     }
+
+
+def _unknown_key_notes(key: str) -> list[str]:
+    """A note when ``key`` is not one that a supported vllm-omni release sends (a typo takes the default silently),
+    with the closest such keys."""
+    import difflib
+
+    from omni_accum.integrations.vllm_omni.families.keys import SENT_KEYS
+
+    sent = sorted(set().union(*SENT_KEYS.values()))
+    if key in sent:
+        return []
+    close = difflib.get_close_matches(key, sent, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return [f"{key!r} is not a key a supported vllm-omni release sends (Qwen3-Omni's stages){hint}"]
 
 
 def _fnmatch(key: str, pattern: str) -> bool:
