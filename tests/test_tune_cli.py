@@ -240,6 +240,18 @@ def test_a_bucket_larger_than_the_memory_available_is_refused_before_measuring(t
     assert "Traceback" not in err and not out.exists()
 
 
+def test_decode_steps_beyond_the_workload_or_too_few_to_tune_are_named(tmp_path, capsys, no_measuring):
+    """--decode-steps 100000 was capped to the workload's 4 without a word (and recorded as 100000); --decode-steps 1
+    failed with "nothing to tune" without pointing at it."""
+    assert cli.main(_tune_args(tmp_path, tmp_path / "t.yaml", "--decode-steps", "5")) == 1
+    err = capsys.readouterr().err
+    assert "--decode-steps 5: workload 'small' has 4 decode steps per request; give at most 4" in err
+    decode_only = dict(SMALL, keys=[dict(SMALL["keys"][0], carried="decode")])
+    with pytest.raises(TuneError, match=r"--decode-steps 1 leaves too few decode chunks"):
+        tune(_opts(tmp_path, workload=decode_only, decode_steps=1))
+    assert not (tmp_path / "t.yaml").exists() and not (tmp_path / "tuned.yaml").exists()
+
+
 # -- 4. --resume never replaces a policy that is not a tuned one ---------------------------------- #
 
 

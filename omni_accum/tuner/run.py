@@ -315,6 +315,11 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
         )
     except ValueError as e:
         raise TuneError(str(e)) from e
+    if opts.decode_steps is not None and opts.decode_steps > wl.decode_steps:  # it was capped, and recorded as given
+        raise TuneError(
+            f"--decode-steps {opts.decode_steps}: workload {wl.name!r} has {wl.decode_steps} decode steps per request; "
+            f"give at most {wl.decode_steps}"
+        )
     steps = opts.decode_steps if opts.decode_steps is not None else (3 if opts.quick else 8)
     target = 12 if opts.quick else 24
 
@@ -328,8 +333,10 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
     base = load_policy(opts.base)
     keys, skipped = tunable_keys(wl_t, base, cls)
     if not keys:
+        few = opts.decode_steps is not None and any("one chunk only" in v for v in skipped.values())
+        hint = f" (--decode-steps {opts.decode_steps} leaves too few decode chunks: give 2 or more)" if few else ""
         raise TuneError(
-            f"nothing to tune on workload {wl.name!r}: " + "; ".join(f"{k}: {v}" for k, v in skipped.items())
+            f"nothing to tune on workload {wl.name!r}: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()) + hint
         )
     cands = all_candidates(wl_t, keys, grid=not opts.quick)
     fp = current_fingerprint(
