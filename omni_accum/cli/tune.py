@@ -149,9 +149,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default: %(default)s = vllm-omni 0.30.0 behaviour)",
     )
     p.add_argument(
-        "--decode-steps", type=positive_int, metavar="N", help="decode chunks replayed per request, exactly N, at most the "
-        "workload's (default: at least 8, or 3 with --quick, raised at low concurrency so that each round gets >= 24 "
-        "step samples, 12 with --quick; at most the workload's)"
+        "--decode-steps",
+        type=positive_int,
+        metavar="N",
+        help="decode chunks replayed per request, exactly N, at most the workload's (default: at least 8, or 3 with "
+        "--quick, raised at low concurrency so that each round gets >= 24 step samples, 12 with --quick; at most the "
+        "workload's)",
     )
     p.add_argument(
         "--max-rounds", type=positive_int, metavar="N", help="most interleaved rounds per bucket (default 3, quick 2)"
