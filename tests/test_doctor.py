@@ -136,6 +136,15 @@ def test_deploy_yaml_policy(clean_env, capsys):
     assert "omni_accum_policy" in out
 
 
+def test_a_deploy_file_that_does_not_exist_is_a_usage_error(clean_env, capsys, tmp_path):
+    """Exit 2, as doctor's help says for usage errors (it was 1, "not ready", as for a deploy with a problem)."""
+    missing = tmp_path / "nope.yaml"
+    for extra in ([], ["--json"]):
+        assert main(["doctor", "--deploy", str(missing), *extra]) == 2
+        out, err = capsys.readouterr()
+        assert err.strip() == f"omni-accum doctor: error: --deploy {missing}: no such file" and not out
+
+
 def test_deploy_yaml_selecting_the_arena_connector(clean_env, capsys, tmp_path):
     f = tmp_path / "deploy.yaml"
     f.write_text(

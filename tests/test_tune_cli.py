@@ -136,6 +136,8 @@ def test_output_format_follows_the_extension_and_reads_back(tmp_path, monkeypatc
     assert cli.main(["validate", str(out)]) == 0
     assert cli.main(["tune", "--show", str(out)]) == 0
     assert "embed.decode" in capsys.readouterr().out
+    assert cli.main(["tune", "--show", str(tmp_path / "nope.yaml")]) == 2  # a usage error, as `omni-accum show`'s
+    assert "no such policy file" in capsys.readouterr().err
 
     def refuse(*a, **kw):
         raise AssertionError("--resume should have reused the bucket")

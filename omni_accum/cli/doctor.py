@@ -269,6 +269,9 @@ def run_checks(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from omni_accum.cli.policy import plugin_problems_reported_here
 
+    if args.deploy is not None and not os.path.exists(args.deploy):  # a usage error (2), as the help says
+        print(f"omni-accum doctor: error: --deploy {args.deploy}: no such file", file=sys.stderr)
+        return 2
     with plugin_problems_reported_here():  # check_plugins reports a skipped plugin: once, not also as a log line
         checks, info = run_checks(args.deploy)
     healthy = all(c.ok for c in checks)

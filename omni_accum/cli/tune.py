@@ -188,7 +188,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.show:
-        print(show(load_policy(args.show), str(args.show)))
+        try:
+            shown = load_policy(args.show)
+        except OmniAccumError as e:  # a usage error (2), as for `omni-accum show`
+            print(f"omni-accum tune: error: {e}", file=sys.stderr)
+            return 2
+        print(show(shown, str(args.show)))
         return 0
     if args.out is None:
         print("omni-accum tune: error: --out FILE is required (or --show POLICY)", file=sys.stderr)
