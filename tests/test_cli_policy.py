@@ -161,6 +161,20 @@ def explain(capsys, *argv):
     return json.loads(out)
 
 
+@pytest.mark.parametrize(
+    "command, needed",
+    [("validate", []), ("bench", []), ("tune", ["--out", "t.yaml"]), ("trace", []), ("doctor", []),
+     ("ab", ["--metrics", "m.txt"])],
+)  # fmt: skip
+def test_an_unknown_option_after_a_command_is_that_commands_usage_error(capsys, command, needed):
+    """It was reported as the top-level parser's ("omni-accum: error: ...", its usage naming no command)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, *needed, "--jsn", "x"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"omni-accum {command}: error: unrecognized arguments: --jsn" in err, err
+    assert f"usage: omni-accum {command} " in err
+
+
 def test_explain_exact_rule(capsys):
     d = explain(capsys, "qwen3-omni", "--key", "embed.decode")
     assert d["strategy"] == "prealloc" and d["params"] == {"initial_capacity": 64, "growth_factor": 2.0, "reuse_bytes": 0}

@@ -25,6 +25,17 @@ from omni_accum.manager import ENV_TRACE, _env_flag, ensure_visible_logging
 COMMAND_MODULES: tuple[ModuleType, ...] = (policy, bench, tune, trace, ab, doctor)
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an argument it does not know is its own error (``omni-accum validate: error:
+    unrecognized arguments: --jsn``, with its usage), not the top-level parser's, which named no command."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]  # noqa: ANN001
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omni-accum",
@@ -36,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"omni-accum {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages (plugin loading, hooks)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_CommandParser)
     for module in COMMAND_MODULES:
         module.register(sub)
     for command in sub.choices.values():  # -v after the command too (it does not reset one given before)
