@@ -139,8 +139,23 @@ def parse(text: str, where: str) -> tuple[dict[tuple[str, ...], Hist], dict[tupl
                         role = s.labels.get("role", "")
                         row[role] = row.get(role, 0.0) + s.value
     except (ValueError, TypeError, KeyError, IndexError) as e:
-        raise InputError(f"{where}: not the Prometheus text format: {e}") from e
+        raise InputError(f"{where}{_bad_line(text)}: not the Prometheus text format: {e}") from e
     return merge, hand, reqs
+
+
+def _bad_line(text: str) -> str:
+    """``", line N"`` of the first line that does not parse alone (a sample or a comment), else ``""``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        try:
+            for fam in text_string_to_metric_families(line + "\n"):
+                list(fam.samples)
+        except (ValueError, TypeError, KeyError, IndexError):
+            return f", line {n}"
+    return ""
 
 
 def _bins(h: Hist) -> list[tuple[float, float, float]]:
