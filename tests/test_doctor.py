@@ -210,6 +210,10 @@ def test_bad_context_values_in_a_deploy_yamls_connector_extra_are_problems(clean
     )
     rc, out = _doctor(capsys, "--deploy", str(dep))
     assert rc == 1 and "PROBLEM  context" in out and "omni_accum_context_len='8q'" in out
+    dep.write_text(dep.read_text().replace("8q}", "8q, omni_accum_concurrency: lots}"))
+    rc, out = _doctor(capsys, "--deploy", str(dep))  # each bad value named, not only the first
+    assert rc == 1 and "omni_accum_context_len='8q'" in out and "omni_accum_concurrency='lots'" in out, out
+    dep.write_text(dep.read_text().replace(", omni_accum_concurrency: lots", ""))
     dep.write_text(dep.read_text().replace("8q", "8k"))
     rc, out = _doctor(capsys, "--deploy", str(dep))
     assert rc == 0 and "context length 8000" in out, out

@@ -69,8 +69,19 @@ def deployment_context(extra: Any = None) -> StreamContext | None:
     Raises:
         ContextSettingError: a value that is not a whole number >= 1 (names the variable and value).
     """
-    context_len = _context_setting(extra, EXTRA_CONTEXT_LEN, ENV_CONTEXT_LEN, "context length (prompt tokens)")
-    concurrency = _context_setting(extra, EXTRA_CONCURRENCY, ENV_CONCURRENCY, "concurrency (requests at once)")
+    got: list[int | None] = []
+    bad: list[str] = []
+    for key, env, what in (
+        (EXTRA_CONTEXT_LEN, ENV_CONTEXT_LEN, "context length (prompt tokens)"),
+        (EXTRA_CONCURRENCY, ENV_CONCURRENCY, "concurrency (requests at once)"),
+    ):
+        try:
+            got.append(_context_setting(extra, key, env, what))
+        except ContextSettingError as e:  # both are named, not only the first
+            bad.append(str(e))
+    if bad:
+        raise ContextSettingError("; ".join(bad))
+    context_len, concurrency = got
     if context_len is None and concurrency is None:
         return None
     return StreamContext(context_len=context_len, concurrency=concurrency or 1)
