@@ -175,6 +175,19 @@ def test_an_unknown_option_after_a_command_is_that_commands_usage_error(capsys, 
     assert f"usage: omni-accum {command} " in err
 
 
+@pytest.mark.parametrize(
+    "argv, said",
+    [(["bench", "--context-lens", "-1k"], "argument --context-lens: expected positive integers such as 1000,8000 or "
+      "1k,8k, got '-1k'"),
+     (["bench", "--concurrency", "-5,8"], "argument --concurrency: expected positive integers such as 1,10, got '-5,8'")],
+)  # fmt: skip
+def test_a_negative_looking_value_is_named_as_a_bad_value_not_a_missing_one(capsys, argv, said):
+    """argparse took '-1k' for an option ("expected at least one argument"), naming no value."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_explain_exact_rule(capsys):
     d = explain(capsys, "qwen3-omni", "--key", "embed.decode")
     assert d["strategy"] == "prealloc" and d["params"] == {"initial_capacity": 64, "growth_factor": 2.0, "reuse_bytes": 0}

@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 from omni_accum import __version__
 from omni_accum.cli import ab, bench, doctor, policy, trace, tune
@@ -28,6 +30,12 @@ COMMAND_MODULES: tuple[ModuleType, ...] = (policy, bench, tune, trace, ab, docto
 class _CommandParser(argparse.ArgumentParser):
     """A subcommand's parser: an argument it does not know is its own error (``omni-accum validate: error:
     unrecognized arguments: --jsn``, with its usage), not the top-level parser's, which named no command."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # "-1k" and "-5,8" are values (refused by the option's type, naming them), not unknown options: argparse's
+        # own pattern takes only plain negative numbers ("--context-lens -1k": "expected at least one argument")
+        self._negative_number_matcher = re.compile(r"^-\d[\w.,]*$")
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]  # noqa: ANN001
         ns, extras = super().parse_known_args(args, namespace)
