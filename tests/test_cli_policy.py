@@ -179,7 +179,8 @@ def test_an_unknown_option_after_a_command_is_that_commands_usage_error(capsys, 
     "argv, said",
     [(["bench", "--context-lens", "-1k"], "argument --context-lens: expected positive integers such as 1000,8000 or "
       "1k,8k, got '-1k'"),
-     (["bench", "--concurrency", "-5,8"], "argument --concurrency: expected positive integers such as 1,10, got '-5,8'")],
+     (["bench", "--concurrency", "-5,8"], "argument --concurrency: expected positive integers such as 1,10, got "
+      "'-5,8'")],
 )  # fmt: skip
 def test_a_negative_looking_value_is_named_as_a_bad_value_not_a_missing_one(capsys, argv, said):
     """argparse took '-1k' for an option ("expected at least one argument"), naming no value."""
