@@ -192,13 +192,27 @@ def test_write_atomic_keeps_modes_and_writes_through_symlinks(tmp_path, umask_02
 
 def test_tune_writes_through_a_symlinked_out(tmp_path, umask_022):
     target = tmp_path / "deployed.yaml"
-    target.write_text("default: cat\n")
+    tune(_opts(tmp_path, out=target))  # the table deployed
     target.chmod(0o664)
+    before = target.read_text()
     link = tmp_path / "tuned.yaml"
     link.symlink_to(target)
-    tune(_opts(tmp_path, out=link))
-    assert link.is_symlink() and omni_accum.load_policy(target).tuned is not None
+    tune(_opts(tmp_path, out=link, min_gain_us=2.0))
+    assert link.is_symlink() and omni_accum.load_policy(target).tuned is not None and target.read_text() != before
     assert stat.S_IMODE(target.stat().st_mode) == 0o664
+
+
+@pytest.mark.parametrize("text", ["default: cat\n", "rules: [\n", "notes from yesterday\n"])
+def test_tune_refuses_to_overwrite_a_file_that_is_not_a_tuned_policy(tmp_path, capsys, no_measuring, text):
+    """A hand-written policy (or any other file) given as --out was replaced without a word."""
+    out = tmp_path / "my-policy.yaml"
+    out.write_text(text)
+    assert cli.main(_tune_args(tmp_path, out)) == 1
+    err = capsys.readouterr().err
+    assert f"--out {out}: holds a policy that is not a tuned one" in err and "left it untouched" in err
+    assert out.read_text() == text and "Traceback" not in err
+    out.write_text("")  # an empty file is taken (touch-ed beforehand)
+    assert omni_accum.tuner.run.hand_written_problem(out) is None
 
 
 def test_write_errors_name_the_users_path(tmp_path):
@@ -263,7 +277,7 @@ def test_resume_refuses_to_overwrite_a_policy_that_is_not_tuned(tmp_path, capsys
     out.write_text(text)
     assert cli.main(_tune_args(tmp_path, out, "--resume")) == 1
     err = capsys.readouterr().err
-    assert str(out) in err and "--out" in err and "drop --resume" in err and "Traceback" not in err
+    assert str(out) in err and "--out" in err and "remove it first" in err and "Traceback" not in err
     assert out.read_text() == text
 
 

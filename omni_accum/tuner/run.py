@@ -108,6 +108,27 @@ def output_problem(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
+def hand_written_problem(out: str | os.PathLike[str]) -> str | None:
+    """Why ``tune`` would not replace ``out``: an existing, non-empty file that is not a tuned policy (a hand-written
+    policy, or something else), which the run's first bucket would overwrite; or None. ``--resume`` refuses the same
+    files (:func:`_resumable`)."""
+    p = Path(out)
+    try:
+        if not p.is_file() or p.stat().st_size == 0:
+            return None
+        tuned = load_policy(p).tuned is not None
+    except OmniAccumError:
+        tuned = False
+    except OSError:
+        return None  # output_problem and the write name what is wrong with it
+    if tuned:
+        return None
+    return (
+        f"--out {out}: holds a policy that is not a tuned one (or something else), which this run would replace; "
+        "left it untouched: give another --out (its rules can be the base: --base FILE), or remove it first"
+    )
+
+
 def input_overwrite_problem(opts: TuneOptions) -> str | None:
     """Why ``--out`` would overwrite a file the run reads (workload, ``--base``), or None; ``--resume`` reads --out."""
     inputs = [("the --workload file", opts.workload), ("the --base policy file", opts.base)]
@@ -233,7 +254,7 @@ def _resumable(opts: TuneOptions, wl: Workload, fp: dict, log: TextIO | None) ->
         src = Path(opts.out)
         if not src.is_file():
             return {}
-    how = "give another --out, or drop --resume to replace it"
+    how = "give another --out, or remove it first (tune replaces only a tuned policy)"
     try:
         old = load_policy(src)
     except PolicyError as e:
@@ -289,7 +310,7 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
         raise TuneError(f"--min-gain-us must be a number >= 0, got {opts.min_gain_us}")
     if opts.budget_s is not None and not opts.budget_s >= 0:
         raise TuneError(f"--budget-s must be >= 0 seconds (0: no budget), got {opts.budget_s}")
-    problem = output_problem(opts.out) or input_overwrite_problem(opts)
+    problem = output_problem(opts.out) or input_overwrite_problem(opts) or (None if opts.resume else hand_written_problem(opts.out))
     if problem:
         raise TuneError(problem)
     try:
