@@ -1,4 +1,8 @@
-"""What ``tune`` writes and how: atomic replacement, the partial table beside ``--out``, one run per ``--out``.
+"""What ``tune`` writes and how: which ``--out`` it takes, atomic replacement, the partial table beside ``--out``,
+one run per ``--out``.
+
+* :func:`output_problem`, :func:`hand_written_problem`: an ``--out`` refused before measuring (its extension, its
+  folder, a device or FIFO, a file that is not a tuned policy).
 
 * :func:`write_atomic`: a temporary file in the same folder, then a rename: never a half-written file.
 * :func:`partial_path`: an unfinished run (stopped by Ctrl-C or ``--budget-s``) keeps its buckets in
@@ -17,8 +21,10 @@ import stat
 import tempfile
 from pathlib import Path
 
-from omni_accum.bench._paths import special_file_kind
+from omni_accum.bench._paths import output_path_problem, special_file_kind
 from omni_accum.errors import OmniAccumError
+from omni_accum.policy.loader import load_policy
+from omni_accum.tuner.core import TuneError
 
 PathLike = str | os.PathLike[str]
 
@@ -131,3 +137,55 @@ class OutputLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+OUTPUT_FORMATS = {".yaml": "yaml", ".yml": "yaml", ".json": "json"}
+"""Extensions ``tune`` writes, and the format of each (``omni-accum validate`` also reads ``.toml``)."""
+
+
+def output_format(path: str | os.PathLike[str]) -> str:
+    """``"yaml"`` or ``"json"`` from the extension of ``path``; :class:`TuneError` for any other."""
+    p = Path(path)
+    fmt = OUTPUT_FORMATS.get(p.suffix.lower())
+    if fmt is None:
+        what = f"{p.suffix!r} files" if p.suffix else "files without an extension"
+        raise TuneError(f"--out {p}: tune writes .yaml, .yml (YAML) or .json (JSON) policy files, not {what}")
+    return fmt
+
+
+def output_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``tune`` cannot write its policy to ``path`` (extension, folder), checked before measuring; or None.
+
+    A symlink is checked at its target. The folder (or the nearest existing one, when folders are to be
+    created) is probed with a temporary file, so a read-only or virtual file system is caught up front.
+    """
+    p = Path(path)
+    problem = output_path_problem(p, "--out")
+    if problem:
+        return problem
+    try:
+        output_format(p)
+    except TuneError as e:
+        return str(e)
+    return None
+
+
+def hand_written_problem(out: str | os.PathLike[str]) -> str | None:
+    """Why ``tune`` would not replace ``out``: an existing, non-empty file that is not a tuned policy (a hand-written
+    policy, or something else), which the run's first bucket would overwrite; or None. ``--resume`` refuses the same
+    files (:func:`.run._resumable`)."""
+    p = Path(out)
+    try:
+        if not p.is_file() or p.stat().st_size == 0:
+            return None
+        tuned = load_policy(p).tuned is not None
+    except OmniAccumError:
+        tuned = False
+    except OSError:
+        return None  # output_problem and the write name what is wrong with it
+    if tuned:
+        return None
+    return (
+        f"--out {out}: holds a policy that is not a tuned one (or something else), which this run would replace; "
+        "left it untouched: give another --out (its rules can be the base: --base FILE), or remove it first"
+    )

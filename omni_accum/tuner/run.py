@@ -5,13 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from omni_accum.bench._paths import output_path_problem
 from omni_accum.errors import OmniAccumError, PolicyError
 from omni_accum.tuner.paths import overwrite_problem
 from omni_accum.policy.environment import current_fingerprint, table_mismatches
@@ -26,7 +24,15 @@ from omni_accum.tuner.buckets import (
     check_edges,
 )
 from omni_accum.tuner.candidates import candidate_set_hash
-from omni_accum.tuner.files import OutputBusy, OutputLock, partial_path, write_atomic
+from omni_accum.tuner.files import (
+    OutputBusy,
+    OutputLock,
+    hand_written_problem,
+    output_format,
+    output_problem,
+    partial_path,
+    write_atomic,
+)
 from omni_accum.tuner.core import (
     BucketOutcome,
     KeyDecision,
@@ -75,58 +81,6 @@ class TuneResult:
     stopped: str | None = None
     previous: bool = False
     """``--out`` existed before the run (a partial run leaves it as it was)."""
-
-
-OUTPUT_FORMATS = {".yaml": "yaml", ".yml": "yaml", ".json": "json"}
-"""Extensions ``tune`` writes, and the format of each (``omni-accum validate`` also reads ``.toml``)."""
-
-
-def output_format(path: str | os.PathLike[str]) -> str:
-    """``"yaml"`` or ``"json"`` from the extension of ``path``; :class:`TuneError` for any other."""
-    p = Path(path)
-    fmt = OUTPUT_FORMATS.get(p.suffix.lower())
-    if fmt is None:
-        what = f"{p.suffix!r} files" if p.suffix else "files without an extension"
-        raise TuneError(f"--out {p}: tune writes .yaml, .yml (YAML) or .json (JSON) policy files, not {what}")
-    return fmt
-
-
-def output_problem(path: str | os.PathLike[str]) -> str | None:
-    """Why ``tune`` cannot write its policy to ``path`` (extension, folder), checked before measuring; or None.
-
-    A symlink is checked at its target. The folder (or the nearest existing one, when folders are to be
-    created) is probed with a temporary file, so a read-only or virtual file system is caught up front.
-    """
-    p = Path(path)
-    problem = output_path_problem(p, "--out")
-    if problem:
-        return problem
-    try:
-        output_format(p)
-    except TuneError as e:
-        return str(e)
-    return None
-
-
-def hand_written_problem(out: str | os.PathLike[str]) -> str | None:
-    """Why ``tune`` would not replace ``out``: an existing, non-empty file that is not a tuned policy (a hand-written
-    policy, or something else), which the run's first bucket would overwrite; or None. ``--resume`` refuses the same
-    files (:func:`_resumable`)."""
-    p = Path(out)
-    try:
-        if not p.is_file() or p.stat().st_size == 0:
-            return None
-        tuned = load_policy(p).tuned is not None
-    except OmniAccumError:
-        tuned = False
-    except OSError:
-        return None  # output_problem and the write name what is wrong with it
-    if tuned:
-        return None
-    return (
-        f"--out {out}: holds a policy that is not a tuned one (or something else), which this run would replace; "
-        "left it untouched: give another --out (its rules can be the base: --base FILE), or remove it first"
-    )
 
 
 def input_overwrite_problem(opts: TuneOptions) -> str | None:
@@ -310,7 +264,8 @@ def tune(opts: TuneOptions, *, progress: TextIO | None = None, log: TextIO | Non
         raise TuneError(f"--min-gain-us must be a number >= 0, got {opts.min_gain_us}")
     if opts.budget_s is not None and not opts.budget_s >= 0:
         raise TuneError(f"--budget-s must be >= 0 seconds (0: no budget), got {opts.budget_s}")
-    problem = output_problem(opts.out) or input_overwrite_problem(opts) or (None if opts.resume else hand_written_problem(opts.out))
+    problem = output_problem(opts.out) or input_overwrite_problem(opts)
+    problem = problem or (None if opts.resume else hand_written_problem(opts.out))  # --resume says it its way
     if problem:
         raise TuneError(problem)
     try:
