@@ -188,6 +188,20 @@ def test_connector_settings_a_stage_would_refuse_or_ignore_are_problems(clean_en
     assert rc == 0 and "ok       connector: " in out, out
 
 
+def test_every_shipped_deploy_reads_as_its_stages_read_it():
+    """doctor's connector check names no problem in the deploys this repository ships (no false alarm)."""
+    from pathlib import Path
+
+    from omni_accum.cli.doctor_policy import check_connectors
+
+    root = Path(__file__).resolve().parents[1]
+    deploys = sorted(root.glob("config/deploy/*.yaml")) + sorted(root.glob("benchmarks/e2e/configs/**/*.yaml"))
+    assert len(deploys) > 10
+    for f in deploys:
+        bad = [c for c in check_connectors(str(f)) if not c.ok]
+        assert not bad, (f, bad)
+
+
 @pytest.mark.parametrize(
     "var, value",
     [("OMNI_ACCUM_CONTEXT_LEN", "8q"), ("OMNI_ACCUM_CONCURRENCY", "0")],
