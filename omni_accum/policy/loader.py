@@ -204,7 +204,9 @@ def _validation_details(err: ValidationError, lines: LineIndex) -> list[dict[str
                 out.append({"loc": _format_loc(rloc), "line": line, "msg": m.split(" ", 1)[1]})
             continue
         line = lines(loc) if loc else None
-        if loc and loc[-1] == "[key]":  # a mapping key of the wrong type
+        if loc and loc[-1] == "[key]" and e["type"] == "value_error":  # a key refused by its check (an arm name)
+            loc = loc[:-1]
+        elif loc and loc[-1] == "[key]":  # a mapping key of the wrong type
             loc = loc[:-1]
             msg = f"keys must be strings, got {type(loc[-1]).__name__ if loc else 'another type'} key"
         elif e["type"] == "extra_forbidden":

@@ -20,9 +20,18 @@ import heapq
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from omni_accum.context import DEFAULT_CONTEXT, StreamContext
 from omni_accum.policy.fingerprint import check_fingerprint
@@ -134,6 +143,20 @@ ARM_RESOLVER: Callable[[Any], dict[str, Any]] | None = None
 ARM_HASH_PERSON = b"omni-accum-ab"
 
 
+def _arm_name(name: str) -> str:
+    if not ARM_NAME.fullmatch(name):
+        raise ValueError(
+            f"arm name {name!r} is not allowed: names travel in the wire marker and become a metric label, so they "
+            "start with a letter and hold only letters, digits and '_', at most 16 characters (e.g. control, "
+            "treatment)"
+        )
+    return name
+
+
+#: An arm's name as a dict key: checked beside its arm's fields (a bad name and a bad weight are both reported).
+ArmName = Annotated[str, AfterValidator(_arm_name)]
+
+
 class ABArm(BaseModel):
     """One arm of an A/B split: the policy its requests run and its share of them."""
 
@@ -166,20 +189,13 @@ class ABSplit(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    arms: dict[str, ABArm]
+    arms: dict[ArmName, ABArm]
     """Two or more arms by name, in the order their shares are laid out (names: a letter, then letters, digits
     or ``_``, at most 16 characters)."""
 
     @field_validator("arms")
     @classmethod
-    def _arm_names(cls, v: dict[str, ABArm]) -> dict[str, ABArm]:
-        bad = [n for n in v if not ARM_NAME.fullmatch(n)]
-        if bad:
-            raise ValueError(
-                f"arm name {bad[0]!r} is not allowed: names travel in the wire marker and become a metric label, so "
-                "they start with a letter and hold only letters, digits and '_', at most 16 characters (e.g. control, "
-                "treatment)"
-            )
+    def _two_or_more(cls, v: dict[str, ABArm]) -> dict[str, ABArm]:
         if len(v) < 2:
             raise ValueError(f"an A/B split needs two or more arms, got {len(v)} ({', '.join(map(repr, v)) or 'none'})")
         return v
