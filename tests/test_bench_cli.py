@@ -356,6 +356,17 @@ def test_a_fifo_as_json_or_plot_is_refused_before_the_run(tmp_path, capsys, monk
     assert stat.S_ISFIFO(fifo.stat().st_mode)
 
 
+def test_through_vllm_omni_leaves_wire_floor_out_of_the_default_arms(capsys):
+    """docs/benchmarks.md's --through example exited 1: the default arms of the 0.30 stream hold wire-floor, which
+    that path does not take."""
+    require_vllm_omni()
+    rc = main(["bench", "--wire", "shm", "--through", "vllm-omni", "--context-lens", "32", "--concurrency", "1",
+               "--steps", "2", "--repeats", "1", "--no-progress"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "arms upstream, cat, token_list, prealloc, send_once, qwen3-omni;" in out and "wire-floor" not in err
+
+
 def test_help_has_examples_defaults_and_the_wire_floor_arm(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
