@@ -136,6 +136,32 @@ def test_deploy_yaml_policy(clean_env, capsys):
     assert "omni_accum_policy" in out
 
 
+@pytest.mark.parametrize(
+    "deploy, env, said",
+    [
+        ("qwen3_omni_arena_async_chunk.yaml", {"OMNI_ACCUM_ARENA_CONNECTOR": "0"},
+         "PROBLEM  arena connector: {f} selects OmniAccumArenaConnector but OMNI_ACCUM_ARENA_CONNECTOR='0' turns off"),
+        ("qwen3_omni_mooncake_fast.yaml", {"VLLM_PLUGINS": "omni_accum"},
+         "PROBLEM  mooncake connector: {f} selects OmniAccumMooncakeConnector but VLLM_PLUGINS='omni_accum' does not "
+         "list omni_accum_mooncake"),
+        ("qwen3_omni_mooncake_fast.yaml", {"OMNI_ACCUM_MOONCAKE_COMPAT": "off"},
+         "PROBLEM  mooncake connector: {f} selects OmniAccumMooncakeConnector but OMNI_ACCUM_MOONCAKE_COMPAT='off'"),
+    ],
+)  # fmt: skip
+def test_a_connector_of_ours_that_no_plugin_will_register_is_a_problem(clean_env, capsys, deploy, env, said):
+    """doctor said ready while the switch or VLLM_PLUGINS kept the plugin that registers the connector from running
+    (vllm-omni then fails with "Unknown connector" when the stage builds it)."""
+    from pathlib import Path
+
+    f = Path(__file__).resolve().parents[1] / "config" / "deploy" / deploy
+    rc, out = _doctor(capsys, "--deploy", str(f))
+    assert rc == 0 and "ok       " + ("arena" if "arena" in deploy else "mooncake") + " connector:" in out, out
+    for k, v in env.items():
+        clean_env.setenv(k, v)
+    rc, out = _doctor(capsys, "--deploy", str(f))
+    assert rc == 1 and said.format(f=f) in out, out
+
+
 def test_a_deploy_file_that_does_not_exist_is_a_usage_error(clean_env, capsys, tmp_path):
     """Exit 2, as doctor's help says for usage errors (it was 1, "not ready", as for a deploy with a problem)."""
     missing = tmp_path / "nope.yaml"

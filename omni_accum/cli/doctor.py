@@ -209,10 +209,18 @@ def check_metrics() -> list[Check]:
     return [Check("metrics", True, "on" + (f" (multiprocess: {where})" if where else ""))]
 
 
+#: omni-accum's connectors: (the name a deploy selects, the entry point that registers it, its on/off switch, label).
+OUR_CONNECTORS = (
+    ("OmniAccumArenaConnector", "omni_accum_arena", "OMNI_ACCUM_ARENA_CONNECTOR", "arena connector"),
+    ("OmniAccumMooncakeConnector", "omni_accum_mooncake", "OMNI_ACCUM_MOONCAKE_COMPAT", "mooncake connector"),
+)
+
+
 def check_arena_connector(deploy: str | None) -> list[Check]:
-    """When the deploy YAML selects ``OmniAccumArenaConnector``: its registering entry point is installed in
-    both plugin groups and ``VLLM_PLUGINS`` (if set) lets vLLM load it; else vllm-omni fails with
-    "Unknown connector" when the stage builds it."""
+    """For each of omni-accum's connectors the deploy YAML selects (``OmniAccumArenaConnector``,
+    ``OmniAccumMooncakeConnector``): its registering entry point is installed in both plugin groups, its switch
+    (``OMNI_ACCUM_ARENA_CONNECTOR`` / ``OMNI_ACCUM_MOONCAKE_COMPAT``) is not off and ``VLLM_PLUGINS`` (if set) lets
+    vLLM load it; else vllm-omni fails with "Unknown connector" when the stage builds it."""
     if not deploy:
         return []
     try:
@@ -222,30 +230,30 @@ def check_arena_connector(deploy: str | None) -> list[Check]:
             text = f.read()
     except (OSError, UnicodeDecodeError):
         return []  # check_policy already reported it
-    if "OmniAccumArenaConnector" not in text:
-        return []
+    out: list[Check] = []
     allowed = os.environ.get("VLLM_PLUGINS")
-    for group in PLUGIN_GROUPS:
-        if not any(e.name == "omni_accum_arena" for e in metadata.entry_points(group=group)):
-            return [
-                Check(
-                    "arena connector",
-                    False,
-                    f"{deploy} selects OmniAccumArenaConnector but entry point omni_accum_arena is not in {group}",
-                    "reinstall omni-accum (pip install omni-accum)",
-                )
-            ]
-    if allowed is not None and "omni_accum_arena" not in [p.strip() for p in allowed.split(",")]:
-        return [
-            Check(
-                "arena connector",
-                False,
-                f"{deploy} selects OmniAccumArenaConnector but VLLM_PLUGINS={allowed!r} does not list omni_accum_arena: "
-                "vllm-omni will not know the connector",
-                "add omni_accum_arena to VLLM_PLUGINS",
-            )
-        ]
-    return [Check("arena connector", True, f"{deploy} selects OmniAccumArenaConnector; omni_accum_arena registers it")]
+    for name, entry, switch, label in OUR_CONNECTORS:
+        if name not in text:
+            continue
+        missing = [g for g in PLUGIN_GROUPS if not any(e.name == entry for e in metadata.entry_points(group=g))]
+        try:
+            on = env_flag(switch, True)
+        except SettingError as e:
+            on, bad = False, str(e)
+        else:
+            bad = f"{switch}={os.environ.get(switch)!r} turns off the plugin that registers it"
+        if missing:
+            detail = f"{deploy} selects {name} but entry point {entry} is not in {missing[0]}"
+            out.append(Check(label, False, detail, "reinstall omni-accum (pip install omni-accum)"))
+        elif not on:
+            out.append(Check(label, False, f"{deploy} selects {name} but {bad}", f"unset {switch}"))
+        elif allowed is not None and entry not in [p.strip() for p in allowed.split(",")]:
+            detail = (f"{deploy} selects {name} but VLLM_PLUGINS={allowed!r} does not list {entry}: vllm-omni will not "
+                      "know the connector")  # fmt: skip
+            out.append(Check(label, False, detail, f"add {entry} to VLLM_PLUGINS"))
+        else:
+            out.append(Check(label, True, f"{deploy} selects {name}; {entry} registers it"))
+    return out
 
 
 def check_switches(policy_set: bool) -> list[Check]:
