@@ -82,13 +82,14 @@ def workload_policy_problem(workload: Workload, source: str | None = None) -> st
     )
 
 
-def default_arm_names(workload: Workload) -> list[str]:
+def default_arm_names(workload: Workload, through: str = "direct") -> list[str]:
     """``upstream``; ``cat``, ``token_list`` and ``prealloc`` when a key is append-kind; ``wire-floor`` when a key is
     read as deltas (vllm-omni 0.30.0's stream: its receiving adapter hands each chunk over as it came and
     accumulates nothing, so that is the reference its users compare with); ``send_once`` when one is replace or
-    static (``replace`` is upstream's behaviour there already); the workload's ``policy``."""
+    static (``replace`` is upstream's behaviour there already); the workload's ``policy``. ``through`` ``vllm-omni``
+    (``bench --through``, which takes policy arms and ``upstream``): no ``wire-floor``."""
     names = [UPSTREAM, "cat", "token_list", "prealloc"] if workload.keys_of_kind("append") else [UPSTREAM]
-    if any(k.read == "delta" for k in workload.keys):
+    if through == "direct" and any(k.read == "delta" for k in workload.keys):
         names.append(WIRE_FLOOR)
     if workload.keys_of_kind("replace", "static"):
         names.append("send_once")
@@ -120,8 +121,10 @@ def upstream_available() -> bool:
     return True
 
 
-def build_arms(workload: Workload, names: Sequence[str] | None = None, *, warn: TextIO | None = None) -> dict[str, Arm]:
-    """Arms by name (see the module docstring); ``None`` gives :func:`default_arm_names`.
+def build_arms(
+    workload: Workload, names: Sequence[str] | None = None, *, warn: TextIO | None = None, through: str = "direct"
+) -> dict[str, Arm]:
+    """Arms by name (see the module docstring); ``None`` gives :func:`default_arm_names` (for ``through``).
 
     With the default names, ``upstream`` is left out (with a note) when vllm-omni cannot be imported;
     named explicitly, it raises :class:`VllmOmniUnavailable`.
@@ -131,7 +134,7 @@ def build_arms(workload: Workload, names: Sequence[str] | None = None, *, warn: 
         problem = workload_policy_problem(workload)
         if problem:
             raise OmniAccumError(problem)
-    names = list(names) if names is not None else default_arm_names(workload)
+    names = list(names) if names is not None else default_arm_names(workload, through)
     manager = get_manager()
     presets = set(preset_names())
     arms: dict[str, Arm] = {}

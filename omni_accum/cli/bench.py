@@ -263,11 +263,8 @@ def run(args: argparse.Namespace) -> int:
         return _usage_error(problem)
     if args.steps is not None:
         wl = wl.model_copy(update={"decode_steps": args.steps})
-    names = args.arms
-    if names is None and args.through == "vllm-omni":  # it takes policy arms and upstream: no wire-floor there
-        names = [n for n in bench.default_arm_names(wl) if n != "wire-floor"]
     try:
-        arms = bench.build_arms(wl, names, warn=sys.stderr)
+        arms = bench.build_arms(wl, args.arms, warn=sys.stderr, through=args.through)
     except bench.UnknownArmError as e:
         return _usage_error(str(e))
     apply_threads(args.threads)
