@@ -153,8 +153,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=positive_int,
         metavar="N",
         help="decode chunks replayed per request, exactly N, at most the workload's (default: at least 8, or 3 with "
-        "--quick, raised at low concurrency so that each round gets >= 24 step samples, 12 with --quick; at most the "
-        "workload's)",
+        "--quick, raised at low concurrency so that each round gets >= 24 step samples, 12 with --quick)",
     )
     p.add_argument(
         "--max-rounds", type=positive_int, metavar="N", help="most interleaved rounds per bucket (default 3, quick 2)"
