@@ -18,6 +18,7 @@ import torch
 from omni_accum.capture import CaptureError, CaptureWriter, ChunkRecorder
 from omni_accum.capture.reader import read_capture
 from omni_accum.capture.trace import build_trace, captured_workload
+from tests.waiting import poll
 
 
 def _kind(path: str, value: Any) -> tuple[str, str]:
@@ -184,10 +185,7 @@ def test_a_writer_killed_mid_stream_leaves_a_readable_file(tmp_path, buffer_byte
     p = subprocess.Popen([sys.executable, "-c", _WRITER, str(folder), str(buffer_bytes)], stdout=subprocess.PIPE)
     try:
         assert p.stdout.readline().strip() == b"ready"
-        deadline = 200
-        while deadline and sum(f.stat().st_size for f in folder.glob("capture-*")) < 200_000:
-            deadline -= 1
-            subprocess.run(["sleep", "0.05"])
+        poll(lambda: sum(f.stat().st_size for f in folder.glob("capture-*")) >= 200_000, 10)
     finally:
         os.kill(p.pid, signal.SIGKILL)
         p.wait()

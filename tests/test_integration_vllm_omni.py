@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import glob
 import os
-import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+
+from tests.waiting import poll
 
 pytestmark = pytest.mark.vllm
 
@@ -57,11 +58,7 @@ def _request(rid: str, out_ids: list[int], *, finished: bool = False, internal: 
 
 def _wait(cond, what: str, timeout: float = 10.0) -> None:
     """Poll for the adapters' background threads (a hang guard, not a speed check)."""
-    for _ in range(int(timeout / 0.005)):
-        if cond():
-            return
-        time.sleep(0.005)
-    if not cond():
+    if not poll(cond, timeout, 0.005):
         raise AssertionError(f"never happened: {what}")
 
 

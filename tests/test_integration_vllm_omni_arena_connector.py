@@ -339,6 +339,7 @@ _PEER = textwrap.dedent(
     sys.path.insert(0, sys.argv[4])
     from tests.test_integration_vllm_omni_arena_connector import _connector, _payloads, _held
     from tests.test_integration_vllm_omni import assert_same
+    from tests.waiting import poll
     from omni_accum import samehost
     role, name = int(sys.argv[1]), sys.argv[2]
     c = _connector(role, name, **json.loads(sys.argv[3]))
@@ -352,9 +353,7 @@ _PEER = textwrap.dedent(
                 out = {"ok": ok, "arena": bool(meta and meta.get("arena"))}
             elif op == "get":
                 before = c.counts["arena_gets"]
-                deadline = time.monotonic() + 60
-                while (got := c.get("0", "1", a[0])) is None and time.monotonic() < deadline:
-                    time.sleep(0.005)
+                got = poll(lambda: c.get("0", "1", a[0]), 60, 0.005)
                 assert got is not None, f"{a[0]} never arrived"
                 assert_same(got[0], want[int(a[1])], a[0])
                 out = {"ok": True, "arena": c.counts["arena_gets"] > before}

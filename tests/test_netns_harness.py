@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import poll
+
 E2E = Path(__file__).resolve().parent.parent / "benchmarks" / "e2e"
 
 
@@ -83,13 +85,9 @@ def _assert_gone(prefix: str, pids: list[int], subnet, ns_inodes) -> None:
 
 
 def _wait_line(path: Path, timeout: float = 30) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = path.read_text() if path.exists() else ""
-        if text.strip():
-            return text.strip().splitlines()[0]
-        time.sleep(0.05)
-    raise AssertionError(f"nothing written to {path} in {timeout} s")
+    text = poll(lambda: (path.read_text() if path.exists() else "").strip(), timeout)
+    assert text, f"nothing written to {path} in {timeout} s"
+    return text.splitlines()[0]
 
 
 def test_echo_between_hosts_then_a_failed_step_leaves_nothing(root_netns, tmp_path):
@@ -352,11 +350,7 @@ def test_a_master_restart_and_a_link_down_are_made_recorded_and_leave_nothing(ro
         # as run.py makes it: from the timer's thread, which must outlive the fresh master (a process gets
         # SIGTERM when the thread that started it ends: PR_SET_PDEATHSIG)
         server.arm_fault(hosts.parse_fault("master-restart:0.5", server.roles), 0.1)
-        deadline = time.monotonic() + 90  # a bound on the wait, not a speed check: the state is asserted below
-        while time.monotonic() < deadline:
-            if server.fault_record.get("done") or "error" in server.fault_record:
-                break
-            time.sleep(0.1)
+        poll(lambda: server.fault_record.get("done") or "error" in server.fault_record, 90, 0.1)
         rec = server.fault_record
         assert rec.get("done"), rec
         assert rec["done"] and rec["killed_pid"] == first.popen.pid and first.popen.returncode == -9
@@ -370,9 +364,7 @@ def test_a_master_restart_and_a_link_down_are_made_recorded_and_leave_nothing(ro
         assert _link_up(h.ns, h.link)
         t = threading.Thread(target=server.inject, args=(hosts.parse_fault("link-down:stage1:3", server.roles),))
         t.start()
-        deadline = time.monotonic() + 3
-        while _link_up(h.ns, h.link) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        poll(lambda: not _link_up(h.ns, h.link), 3)
         assert not _link_up(h.ns, h.link)  # down while the fault lasts
         t.join(timeout=30)
         assert _link_up(h.ns, h.link) and server.fault_record["done"] and server.fault_record["link"] == h.link

@@ -35,6 +35,7 @@ from omni_accum.arena.region import (
     path_for,
 )
 from omni_accum.samehost import SameHostRefused, check_dir, open_private, private_dir
+from tests.waiting import poll
 
 
 def _nobody() -> int:
@@ -70,11 +71,13 @@ def _put_until_arena(tx, payload) -> list[str]:
     """Put until a put goes through the arena (the sender attaches a few ms after the receiver made its
     region; the puts before go through the inner connector); the keys put."""
     keys: list[str] = []
-    deadline = time.monotonic() + 60
-    while tx.counts["arena_puts"] == 0 and time.monotonic() < deadline:
+
+    def put() -> bool:
         keys.append(f"k{len(keys)}")
         assert tx.put("0", "1", keys[-1], payload())[0]
-        time.sleep(0.06)
+        return tx.counts["arena_puts"] > 0
+
+    poll(put, 60, 0.06)
     return keys
 
 
