@@ -216,7 +216,7 @@ def test_the_new_options_usage_errors_exit_2(run, capsys, tmp_path):  # noqa: F8
     for argv, needle in [
         ([*model, "--kill-stage", "vocoder"], "'vocoder': use thinker, talker, code2wav or a stage number"),
         ([*model, "--kill-stage", "talker", "--smoke"], "drop --smoke"),
-        ([*model, "--duration-s", "-1"], "--duration-s: -1.0 is negative"),
+        ([*model, "--duration-s", "-1"], "--duration-s: -1 is negative"),
         ([*model, "--sample-every-s", "-5"], "--sample-every-s"),
         ([*model, "--idle-spin-s", "-0.5"], "--idle-spin-s: -0.5 is negative"),
     ]:

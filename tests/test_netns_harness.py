@@ -315,7 +315,8 @@ def test_a_fault_spec_names_its_bad_part_and_the_valid_choices():
                                                           "spec": "master-restart"}  # fmt: skip
     assert hosts.parse_fault("link-down:stage1:3", roles)["role"] == "stage1"
     assert hosts.parse_fault("link-down:api", roles)["seconds"] == 5.0
-    for bad, said in (("reboot", "unknown fault 'reboot'"), ("link-down", "no host is not a host"),
+    for bad, said in (("reboot", "unknown fault 'reboot'"),
+                      ("link-down", "which host? (link-down:ROLE[:SECONDS], ROLE one of mooncake"),
                       ("link-down:stage9", "'stage9' is not a host of this deploy (mooncake, api, stage1, stage2)"),
                       ("master-restart:soon", "'soon' is not a number of seconds"),
                       ("link-down:api:1:2", "too many parts")):  # fmt: skip

@@ -94,9 +94,10 @@ def shm_entries() -> set[str]:
 
 def shm_cleanup(before: set[str]) -> dict[str, Any]:
     """/dev/shm entries that appeared during the arm. vllm-omni's SharedMemoryConnector leaves an empty
-    ``shm_<request>_..._lockfile.lock`` per chunk key behind; those (empty, new, and keyed by one of
-    this server's request ids, ``chatcmpl-...``) are removed. Other new entries are only reported:
-    /dev/shm is shared with whatever else runs on the machine (other test runs' connector keys)."""
+    ``shm_<request>_..._lockfile.lock`` per chunk key behind; those (empty, new since ``before`` and keyed by
+    a chat request id, ``chatcmpl-...``: this server's, as no other vllm-omni server runs beside the harness's
+    one) are removed. Other new entries are only reported: /dev/shm is shared with whatever else runs on the
+    machine (other test runs' connector keys)."""
     new = sorted(shm_entries() - before)
     removed, left = 0, []
     for name in new:
@@ -308,6 +309,21 @@ def coverage(procs: list[dict[str, Any]], status: dict[int, dict[str, Any]], log
         title = (s or {}).get("process") or lg.get("title") or "?"
         rows.append(_coverage_row(pid, "unlisted", title, None, s, lg))
     return rows
+
+
+def coverage_problem(result: dict[str, Any]) -> str | None:
+    """Why an arm's server did not run with omni-accum as the arm's name says, from its coverage rows: an arm with
+    omni-accum on (``OMNI_ACCUM_VLLM_OMNI=1``) whose stages bound it nowhere ran vllm-omni's own code (a policy the
+    stages refused, an activation that declined: the server log says which), and an ``off`` arm must install it
+    nowhere. None when it did."""
+    rows = result.get("coverage") or []
+    on = (result.get("env") or {}).get("OMNI_ACCUM_VLLM_OMNI") != "0"
+    if on and not any(r.get("bound") for r in rows):
+        return "omni-accum is on in this arm, and no server process bound it (see the server log's omni-accum lines)"
+    if not on and any(r.get("installed") for r in rows):
+        pids = ", ".join(str(r["pid"]) for r in rows if r.get("installed"))
+        return f"omni-accum is off in this arm, and it installed in process {pids}"
+    return None
 
 
 def _coverage_row(pid: int, role: str, title: str, rss_mb: Any, s: dict | None, lg: dict) -> dict[str, Any]:

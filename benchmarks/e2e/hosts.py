@@ -169,9 +169,13 @@ def parse_fault(text: str, roles: list[str]) -> dict[str, Any]:
         raise HostsUsageError(f"--hosts-fault {text!r}: unknown fault {kind!r} (valid: {', '.join(FAULTS)})")
     role = None
     if kind == "link-down":
-        if not rest or rest[0] not in roles:
-            got = repr(rest[0]) if rest else "no host"
-            raise HostsUsageError(f"--hosts-fault {text!r}: {got} is not a host of this deploy ({', '.join(roles)})")
+        if not rest:
+            raise HostsUsageError(f"--hosts-fault {text!r}: which host? (link-down:ROLE[:SECONDS], ROLE one of "
+                                  f"{', '.join(roles)})")  # fmt: skip
+        if rest[0] not in roles:
+            raise HostsUsageError(
+                f"--hosts-fault {text!r}: {rest[0]!r} is not a host of this deploy ({', '.join(roles)})"
+            )
         role, rest = rest[0], rest[1:]
     if len(rest) > 1:
         raise HostsUsageError(f"--hosts-fault {text!r}: too many parts (valid: {', '.join(FAULTS)})")

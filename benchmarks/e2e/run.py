@@ -25,7 +25,10 @@ accumulation times and the hand-off's share of audio TTFP), compares the correct
 (``default`` must equal ``off`` byte for byte) and writes ``--json``.
 
 Only one server runs at a time. Exit status: 0 when every arm started, answered with text and
-audio, and was cleaned up, and ``default`` equals ``off`` when both ran; 1 otherwise.
+audio, ran with omni-accum as its name says (bound in the stage processes when on, installed nowhere
+when off) and was cleaned up, and ``default`` equals ``off`` when both ran; 1 otherwise; 2 for a bad
+option (checked before any server starts); 130 when interrupted (``--json`` then holds the arms that
+ended).
 """
 
 from __future__ import annotations
@@ -49,8 +52,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the harness's own modules next to this script
 
 from e2e_procs import (  # noqa: E402
-    alive, chat_with_audio, coverage, free_port, print_coverage, proc_info, read_status_dir, role_of, scan_log,
-    server_processes, shm_cleanup, shm_entries, stop_server, wait_ready,
+    alive, chat_with_audio, coverage, coverage_problem, free_port, print_coverage, proc_info, read_status_dir,
+    role_of, scan_log, server_processes, shm_cleanup, shm_entries, stop_server, wait_ready,
 )  # fmt: skip
 from e2e_report import (  # noqa: E402
     compare, metrics_delta, payload_memcpy_ms, print_metrics, print_table, scrape_metrics, stage_requests, stage_rows,
@@ -61,6 +64,9 @@ from e2e_watch import (  # noqa: E402 - memory samples, a stage killed on purpos
 )  # fmt: skip
 
 import hosts as hosts_mode  # noqa: E402 - run.py --hosts N (network namespaces, netns.py)
+from e2e_options import (  # noqa: E402 - the options, and the checks of their values
+    build_parser, check_deploy, check_num_prompts, check_outputs, check_values, release_name,
+)  # fmt: skip
 
 WORK = HERE / ".work"
 MODELS = {"tiny": WORK / "model", "light": WORK / "model-light", "lean": WORK / "model-lean"}  # --variant NAME
@@ -220,7 +226,10 @@ def resolve_deploy(value: str | Path) -> Path | None:
 
 def make_arm(spec: str) -> Arm:
     """``SPEC`` or ``SPEC@CONFIG``: CONFIG is a deploy YAML path, or NAME for ``configs/qwen3_omni_cpu_NAME.yaml``.
-    ``ARM#N`` (N a number) is ARM again on a server of its own, named apart (an A-B-A run's second A)."""
+    ``ARM#N`` (N a number) is ARM again on a server of its own, named apart (an A-B-A run's second A). SPEC is
+    ``off`` or a policy omni-accum loads (a preset or a policy file), checked here as the server's stages would
+    load it: an arm whose policy they refused would run vllm-omni's own code under the arm's name.
+    SystemExit naming the arm and what it takes."""
     again = re.fullmatch(r"(.+)#(\d+)", spec)
     if again:
         arm = make_arm(again.group(1))
@@ -230,22 +239,29 @@ def make_arm(spec: str) -> Arm:
         base, _, cfg = spec.partition("@")
         path = resolve_deploy(cfg)
         if path is None:
+            names = ", ".join(deploy_names()) or f"none in {RELEASE.configs} for --release {RELEASE.name}"
             raise SystemExit(
-                f"arm {spec!r}: no deploy config {cfg!r} (a path, or NAME of configs/qwen3_omni_cpu_NAME.yaml: "
-                f"{', '.join(deploy_names())})"
+                f"arm {spec!r}: no deploy config {cfg!r} (a path, or NAME of "
+                f"{RELEASE.configs.relative_to(HERE)}/qwen3_omni_cpu_NAME.yaml: {names})"
             )
+        if not base:
+            raise SystemExit(f"arm {spec!r}: no arm before '@' (e.g. off@{cfg} or qwen3-omni@{cfg})")
         arm = make_arm(base)
         arm.name, arm.deploy = spec, path
         return arm
     if spec == "off":
         return Arm("off", {"OMNI_ACCUM_VLLM_OMNI": "0"}, ("OMNI_ACCUM_POLICY",))
-    if spec in ("default", "qwen3-omni", "qwen3-omni-flat"):
-        return Arm(spec, {"OMNI_ACCUM_VLLM_OMNI": "1", "OMNI_ACCUM_POLICY": spec})
-    p = Path(spec)
-    if p.exists():
-        return Arm(spec, {"OMNI_ACCUM_VLLM_OMNI": "1", "OMNI_ACCUM_POLICY": str(p.resolve())})
-    # Let omni-accum resolve any other preset name (or refuse it in the server log).
-    return Arm(spec, {"OMNI_ACCUM_VLLM_OMNI": "1", "OMNI_ACCUM_POLICY": spec})
+    from omni_accum import PolicyError, load_policy, preset_names
+
+    try:
+        load_policy(spec)
+    except PolicyError as e:
+        first = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit(
+            f"arm {spec!r}: {first} (an arm is off, a preset: {', '.join(preset_names())}, or a policy file)"
+        ) from None
+    policy = str(Path(spec).resolve()) if Path(spec).is_file() else spec
+    return Arm(spec, {"OMNI_ACCUM_VLLM_OMNI": "1", "OMNI_ACCUM_POLICY": policy})
 
 
 def positive_ints(text: str, option: str) -> list[int]:
@@ -253,9 +269,10 @@ def positive_ints(text: str, option: str) -> list[int]:
     items = [t.strip() for t in str(text).split(",")]
     out = []
     for t in items:
-        if not t.isdigit() or int(t) <= 0:
+        if not (t.isascii() and t.isdigit()) or int(t) <= 0:
+            example = "8000,32000" if option == "--input-len" else "1,4"
             raise ValueError(
-                f"{option}: {t!r} in {text!r} is not a positive integer (a comma-separated list, e.g. 8000,32000)"
+                f"{option}: {t!r} in {text!r} is not a positive integer (a comma-separated list, e.g. {example})"
             )
         out.append(int(t))
     return out
@@ -550,164 +567,101 @@ def _interrupted(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
+def installed_release(venv_bin: Path) -> str | None:
+    """The vllm-omni release installed beside ``venv_bin`` (``0.30``, ``0.16``, ``0.28`` ...; ``unknown`` when its
+    version cannot be read), or None when there is no vllm-omni there."""
+    if not (venv_bin / "vllm-omni").exists():
+        return None
+    found = sorted(venv_bin.parent.glob("lib/python*/site-packages/vllm_omni-*.dist-info"))
+    if not found:
+        return "unknown"
+    return release_name(found[0].name.removeprefix("vllm_omni-").removesuffix(".dist-info"))
+
+
+def check_release(ap: argparse.ArgumentParser, given: str | None) -> None:
+    """The server environment: ``--release``'s virtualenv, else the one of the python running this script; it must
+    hold that release's vllm-omni (a 0.16.0 server started with 0.30's deploy and model fails minutes later)."""
+    global RELEASE, VENV_BIN
+    if given is not None:
+        RELEASE = RELEASES[given]
+        venv = Path(os.environ.get("OMNI_ACCUM_E2E_VENV") or RELEASE.venv)
+        if not (venv / "bin" / "vllm-omni").exists():
+            ap.error(
+                f"--release {given}: no vllm-omni in {venv} (run: bash benchmarks/e2e/setup_env.sh --release {given})"
+            )
+        VENV_BIN = venv / "bin"
+    found = installed_release(VENV_BIN)
+    if found is None:
+        ap.error(
+            f"no vllm-omni beside {VENV_BIN / 'python'}: run this script with the harness's python, "
+            f"{RELEASES['0.30'].venv / 'bin' / 'python'} (bash benchmarks/e2e/setup_env.sh builds it)"
+        )
+    if found != RELEASE.name and found != "unknown":
+        fix = f"add --release {found}" if found in RELEASES else f"the harness runs {', '.join(RELEASES)}"
+        ap.error(f"{VENV_BIN.parent} has vllm-omni {found}, and this run is for {RELEASE.name}'s server: {fix}")
+
+
+def write_json(path: Path, summary: dict[str, Any]) -> None:
+    """``--json``, whole or not at all (a temporary file beside it, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(summary, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def verdict(results: list[dict[str, Any]], say: Any = log) -> bool:
+    """Every arm started, answered each probe with text and audio, ran with omni-accum as its name says (bound
+    in the stages when on, nowhere when off) and was cleaned up, and ``default`` equals ``off`` (logged where not)."""
+    ok = True
+    for r in results:
+        probes = (r.get("correctness") or {}).get("probes") or [{}]
+        if not r.get("started") or any(
+            c.get("http_status") != 200 or not c.get("text") or not c.get("audio_bytes") for c in probes
+        ):
+            ok = False
+        if not (r.get("stop") or {}).get("clean"):
+            ok = False
+        problem = r.get("started") and coverage_problem(r)
+        if problem:
+            say(f"FAIL: arm {r['arm']}: {problem}")
+            ok = False
+    cmp_ = compare(results)
+    if "default" in cmp_ and not cmp_["default"]["equals_off"]:
+        say("FAIL: the default arm differs from off")
+        ok = False
+    return ok
+
+
+def print_correctness(results: list[dict[str, Any]]) -> None:
+    cmp_ = compare(results)
+    print("\ncorrectness (temperature-0 chat with audio)")
+    for r in results:
+        for i, c in enumerate((r.get("correctness") or {}).get("probes") or [{}]):
+            print(
+                f"  {r['arm'] if i == 0 else '':<24} probe {i}: HTTP {c.get('http_status', '-')}, "
+                f"text {c.get('text', '')[:30]!r}, audio {c.get('audio_bytes', 0)} B "
+                f"sha {str(c.get('audio_sha256'))[:12]}"
+            )
+        if r["arm"] in cmp_:
+            print(f"  {'':<24} equals off: {cmp_[r['arm']]}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--arms",
-        default="off,default,qwen3-omni",
-        help="comma-separated: off, default, qwen3-omni, or policy file paths; ARM@CONFIG runs ARM with "
-        "another deploy config (a path, or NAME of configs/qwen3_omni_cpu_NAME.yaml, e.g. off@arena); ARM#N "
-        "runs ARM again on a fresh server, named apart: off,qwen3-omni@arena,off#2 shows in off#2's ratios how far "
-        "the machine drifted during the run (default %(default)s)",
-    )
-    ap.add_argument(
-        "--input-len",
-        default="8000",
-        help="prompt tokens, comma-separated: the benchmark runs once per length on each arm's server "
-        "(default %(default)s)",
-    )
-    ap.add_argument("--output-len", type=int, default=100)
-    ap.add_argument("--concurrency", default="1", help="comma-separated list (default %(default)s)")
-    ap.add_argument("--num-prompts", type=int, default=0, help="per concurrency (default: max(4, 2 x concurrency))")
-    ap.add_argument("--seed", type=int, default=0, help="benchmark dataset seed")
-    ap.add_argument("--json", dest="json_out", type=Path, help="write every result here")
-    ap.add_argument("--keep-logs", type=Path, help="copy each arm's server / client logs here")
-    ap.add_argument(
-        "--capture",
-        type=Path,
-        metavar="DIR",
-        help="record each arm's stream through omni-accum (OMNI_ACCUM_CAPTURE) into DIR/ARM, for `omni-accum trace "
-        "DIR/ARM` and `omni-accum tune --trace DIR/ARM` (arms with omni-accum on only)",
-    )
-    ap.add_argument(
-        "--hosts",
-        type=int,
-        default=0,
-        help="run each arm's server across N simulated hosts (network namespaces; root): the Mooncake master, "
-        "the API server with stage 0, one per other stage (4 for Qwen3-Omni), over "
-        "configs/qwen3_omni_cpu_mooncake.yaml in place of the default deploy. 0: one host (default)",
-    )
-    ap.add_argument(
-        "--smoke",
-        action="store_true",
-        help="one short chat request with audio per arm (the first probe only), no benchmark client",
-    )
-    ap.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"{' or '.join(MODELS)} (build_model.py --variant NAME's folder) or a model folder (default %(default)s)",
-    )
-    ap.add_argument(
-        "--deploy-config",
-        default=None,
-        help="a deploy YAML, or NAME of configs/qwen3_omni_cpu_NAME.yaml (default configs/qwen3_omni_cpu.yaml; "
-        "with --release 0.16 the stage configs of configs/0.16/)",
-    )
-    ap.add_argument(
-        "--release",
-        choices=sorted(RELEASES),
-        default=None,
-        help="the vllm-omni release's server environment: its virtualenv (setup_env.sh --release NAME), its model "
-        "folders (build_model.py run with that virtualenv's python) and its config format / folder "
-        "(default: the virtualenv of the python running this script, 0.30's configs)",
-    )
-    ap.add_argument(
-        "--idle-spin-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="every arm's server: vLLM's shared-memory message-queue readers busy-loop at most S seconds after a "
-        "message before they sleep on its notification (vLLM 0.30.0 spins 1 s, sched_yield in a loop: each engine "
-        "core while its worker computes, each worker between steps; on a GPU server they have cores to spare, on "
-        "2 cores they take a third of the CPU from the stages' work and hand-offs). 0: sleep at once. A sleeping "
-        "reader looks again every 10 ms (vLLM's own 5 s recheck made a lost notification stall a stage 5 s). "
-        "Done by the harness's CPU platform package (OMNI_ACCUM_E2E_IDLE_SPIN_S), the same for every arm, off "
-        "included; omni-accum plays no part. Default: vLLM's own",
-    )
-    ap.add_argument(
-        "--omp-wait",
-        choices=("passive", "active"),
-        default=None,
-        help="every arm's server: OMP_WAIT_POLICY of its processes' OpenMP runtime (torch's libgomp). passive: a "
-        "thread that reaches a barrier or runs out of work sleeps at once; libgomp's default spins first, and "
-        "with three stage workers' thread pools on 2 cores the spinning took ~40 %% of the CPU (a light-model 8k "
-        "request: 40.6 s of CPU under the default, 24.7 s under passive). The same for every arm, off included; "
-        "omni-accum plays no part. Default: the environment's OMP_WAIT_POLICY, else libgomp's own",
-    )
-    ap.add_argument("--start-timeout", type=float, default=900.0)
-    ap.add_argument("--request-timeout", type=float, default=600.0)
-    ap.add_argument("--bench-timeout", type=float, default=3600.0)
-    ap.add_argument("--stop-grace", type=float, default=60.0, help="seconds after SIGTERM before SIGKILL")
-    ap.add_argument("--smoke-max-tokens", type=int, default=16, help="thinker max_tokens of the correctness request")
-    ap.add_argument("--work-dir", type=Path, default=WORK / "runs", help="per-run folders (logs, status files)")
-    ap.add_argument(
-        "--sample-every-s",
-        type=float,
-        default=5.0,
-        help="while an arm's server runs, record every N seconds the RSS of each server process (VmRSS), the bytes "
-        "in omni-accum's private folder (/dev/shm/omni-accum-<euid>/) and the bytes in use on /dev/shm, into "
-        "<run>/<arm>/memory.csv and memory.json, and plot them to memory.png (needs matplotlib; without it the "
-        "data only, and the report says so). 0: off (default %(default)s)",
-    )
-    ap.add_argument(
-        "--warmup-s",
-        type=float,
-        default=60.0,
-        help="samples before this many seconds after the server was ready are left out of the flatness verdict "
-        "(memory.json 'flat': each series' growth from its first to its last quarter; default %(default)s)",
-    )
-    ap.add_argument(
-        "--duration-s",
-        type=float,
-        default=0.0,
-        help="hold each concurrency at least this long: the benchmark client runs again and again (rounds of "
-        "8 x C prompts unless --num-prompts, the seed + 1 per round) until the time is up; the JSON has every "
-        "round, the requests sent / answered / failed with their errors, and omni-accum's fallbacks from "
-        "/metrics by reason. 0: one run (default)",
-    )
-    ap.add_argument(
-        "--kill-stage",
-        default=None,
-        help="fault injection: SIGKILL this stage's engine-core process (thinker, talker, code2wav, or a stage "
-        "number) --kill-after-s after the first benchmark starts, then record what the server did (still "
-        "running, /health, the stage restarted or not, new processes, the client's errors, the server log's "
-        "error / death / restart lines after the kill) in the arm's 'fault' entry; after the stop, "
-        "'stop.omni_accum_left' lists what omni-accum left in /dev/shm (it should be empty). Needs the benchmark "
-        "(not with --smoke); give a short --bench-timeout, a killed stage can leave the client waiting",
-    )
-    ap.add_argument(
-        "--hosts-fault",
-        default=None,
-        metavar="FAULT",
-        help="with --hosts, a fault --kill-after-s after the first benchmark starts: master-restart[:DOWN_S] "
-        "(SIGKILL mooncake_master, a fresh one on the same address DOWN_S seconds later, default 5) or "
-        "link-down:ROLE[:SECONDS] (host ROLE's link down SECONDS, default 5, then up: mooncake, api, stage1, "
-        "stage2); the arm's 'fault' entry says what vllm-omni did (/health, the processes, the client's errors, "
-        "each host's error lines after it); 'stop.omni_accum_left' what omni-accum left. Needs the benchmark",
-    )
-    ap.add_argument(
-        "--kill-after-s",
-        type=float,
-        default=30.0,
-        help="seconds after the first benchmark starts, for --kill-stage and --hosts-fault (default %(default)s)",
-    )
+    ap = build_parser(__doc__, list(MODELS), DEFAULT_MODEL, sorted(RELEASES), WORK / "runs")
     args = ap.parse_args(argv)
     # SIGTERM / SIGHUP end this script as Ctrl-C does, through each arm's clean-up (the server's process group
     # stopped, its /dev/shm files checked): the default action left a running server behind.
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _interrupted)
-    global RELEASE, VENV_BIN
-    if args.release is not None:
-        RELEASE = RELEASES[args.release]
-        venv = Path(os.environ.get("OMNI_ACCUM_E2E_VENV") or RELEASE.venv)
-        if not (venv / "bin" / "vllm-omni").exists():
-            ap.error(
-                f"--release {args.release}: no vllm-omni in {venv} "
-                f"(run: bash benchmarks/e2e/setup_env.sh --release {args.release})"
-            )
-        VENV_BIN = venv / "bin"
+    check_values(ap, args)  # numbers, options that do nothing together; fills in the defaults
+    try:
+        args.concurrency = positive_ints(args.concurrency, "--concurrency")
+        args.input_len = positive_ints(args.input_len, "--input-len")
+    except ValueError as e:
+        ap.error(str(e))
+    check_num_prompts(ap, args)
+    check_outputs(ap, args)
+    check_release(ap, args.release)
     if args.deploy_config is None:
         args.deploy_config = str(RELEASE.configs / "qwen3_omni_cpu.yaml")
     if args.kill_stage is not None:
@@ -717,14 +671,6 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(e))
         if args.smoke:
             ap.error("--kill-stage needs the benchmark (it kills the stage while the benchmark runs): drop --smoke")
-    for opt in ("sample_every_s", "warmup_s", "duration_s", "kill_after_s", "idle_spin_s"):
-        if getattr(args, opt) is not None and not getattr(args, opt) >= 0:
-            ap.error(f"--{opt.replace('_', '-')}: {getattr(args, opt)} is negative (seconds, 0 or more)")
-    try:
-        args.concurrency = positive_ints(args.concurrency, "--concurrency")
-        args.input_len = positive_ints(args.input_len, "--input-len")
-    except ValueError as e:
-        ap.error(str(e))
     model_name = str(args.model)
     args.model = resolve_model(args.model)
     if not (args.model / "config.json").exists():
@@ -736,15 +682,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     deploy = resolve_deploy(args.deploy_config)
     if deploy is None:
+        names = ", ".join(deploy_names()) or f"none in {RELEASE.configs} for --release {RELEASE.name}"
         ap.error(
-            f"--deploy-config {args.deploy_config}: no such file, nor a NAME of configs/qwen3_omni_cpu_NAME.yaml "
-            f"({', '.join(deploy_names())})"
+            f"--deploy-config {args.deploy_config}: no such file, nor a NAME of "
+            f"{RELEASE.configs.relative_to(HERE)}/qwen3_omni_cpu_NAME.yaml ({names})"
         )
     args.deploy_config = deploy
     try:
         arms = [make_arm(a.strip()) for a in args.arms.split(",") if a.strip()]
     except SystemExit as e:
         ap.error(str(e))
+    if not arms:
+        ap.error(f"--arms {args.arms!r}: no arm (e.g. off,qwen3-omni)")
     names = [a.name for a in arms]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -753,11 +702,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--hosts {args.hosts}: the simulated hosts run vllm-omni 0.30.0's deploys (not --release {RELEASE.name})")
     if args.hosts_fault is not None and (not args.hosts or args.smoke):
         ap.error(f"--hosts-fault {args.hosts_fault}: needs --hosts N and the benchmark (not --smoke)")
+    if args.hosts and (HERE / "configs" / "qwen3_omni_cpu.yaml").resolve() == Path(args.deploy_config).resolve():
+        args.deploy_config = HOSTS_DEPLOY.resolve()  # shared memory does not cross hosts
+    for arm in arms:
+        what = f"arm {arm.name}'s deploy" if arm.deploy else "--deploy-config"
+        problem = check_deploy(Path(arm.deploy or args.deploy_config), RELEASE.name, args, what)
+        if problem:
+            ap.error(problem)
+    if args.capture:
+        for arm in arms:
+            if arm.env.get("OMNI_ACCUM_VLLM_OMNI") == "0":
+                log(f"note: --capture: arm {arm.name} runs without omni-accum and records nothing")
     if args.hosts:
-        if args.hosts < 0:
-            ap.error(f"--hosts: {args.hosts} is not a host count (0: one host; 4 for the Qwen3-Omni deploys)")
-        if (HERE / "configs" / "qwen3_omni_cpu.yaml").resolve() == Path(args.deploy_config).resolve():
-            args.deploy_config = HOSTS_DEPLOY.resolve()  # shared memory does not cross hosts
         for arm in arms:
             try:
                 roles = hosts_mode.plan(Path(arm.deploy or args.deploy_config), args.hosts)
@@ -772,45 +728,39 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             print(f"run.py --hosts {args.hosts}: {why}", file=sys.stderr)
             return 2
+    if args.keep_logs:
+        Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=args.work_dir))
     log(f"run folder {run_dir}")
 
-    results = []
-    for arm in arms:
-        results.append(run_arm(arm, args, run_dir))
-    print_table(results)
-    cmp_ = compare(results)
-    print("\ncorrectness (temperature-0 chat with audio)")
-    for r in results:
-        for i, c in enumerate((r.get("correctness") or {}).get("probes") or [{}]):
-            print(
-                f"  {r['arm'] if i == 0 else '':<24} probe {i}: HTTP {c.get('http_status', '-')}, "
-                f"text {c.get('text', '')[:30]!r}, audio {c.get('audio_bytes', 0)} B "
-                f"sha {str(c.get('audio_sha256'))[:12]}"
-            )
-        if r["arm"] in cmp_:
-            print(f"  {'':<24} equals off: {cmp_[r['arm']]}")
-    ok = True
-    for r in results:
-        probes = (r.get("correctness") or {}).get("probes") or [{}]
-        if not r.get("started") or any(
-            c.get("http_status") != 200 or not c.get("text") or not c.get("audio_bytes") for c in probes
-        ):
-            ok = False
-        if not (r.get("stop") or {}).get("clean"):
-            ok = False
-    if "default" in cmp_ and not cmp_["default"]["equals_off"]:
-        log("FAIL: the default arm differs from off")
-        ok = False
-    summary = {"ok": ok, "run_dir": str(run_dir), "args": {k: str(v) for k, v in vars(args).items()},
-               "arms": results, "comparison": cmp_}  # fmt: skip
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(summary, indent=1, default=str))
-        log(f"wrote {args.json_out}")
-    return 0 if ok else 1
+    results: list[dict[str, Any]] = []
 
+    def summary(say: Any = lambda _msg: None, **state: Any) -> dict[str, Any]:
+        given = {k: str(v) for k, v in vars(args).items()}
+        return {"ok": verdict(results, say), **state, "run_dir": str(run_dir), "args": given, "arms": results,
+                "comparison": compare(results)}  # fmt: skip
+
+    try:
+        for arm in arms:
+            results.append(run_arm(arm, args, run_dir))
+            if args.json_out and len(results) < len(arms):
+                write_json(args.json_out, summary(complete=False, arms_left=[a.name for a in arms[len(results):]]))
+    except KeyboardInterrupt as e:
+        why = str(e) or "Ctrl-C"
+        log(f"interrupted ({why}): {len(results)} of {len(arms)} arms ended")
+        if args.json_out:
+            write_json(args.json_out, summary(complete=False, interrupted=why,
+                                              arms_left=[a.name for a in arms[len(results):]]))  # fmt: skip
+            log(f"wrote {args.json_out} (the arms that ended)")
+        return 130
+    print_table(results)
+    print_correctness(results)
+    done = summary(log, complete=True)
+    if args.json_out:
+        write_json(args.json_out, done)
+        log(f"wrote {args.json_out}")
+    return 0 if done["ok"] else 1
 
 if __name__ == "__main__":
     sys.exit(main())

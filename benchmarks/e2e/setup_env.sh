@@ -37,7 +37,21 @@ while [ $# -gt 0 ]; do
     --release) [ $# -ge 2 ] || { echo "setup_env.sh: --release needs a value (0.30 or 0.16)" >&2; exit 2; }
                RELEASE="$2"; shift 2 ;;
     --release=*) RELEASE="${1#--release=}"; shift ;;
-    *) echo "setup_env.sh: unknown argument '$1' (valid: --release 0.30|0.16)" >&2; exit 2 ;;
+    -h|--help)
+      echo "usage: bash benchmarks/e2e/setup_env.sh [--release 0.30|0.16]"
+      echo
+      echo "Create or reuse the end-to-end harness's virtualenv: a real vllm-omni server on a CPU-only machine"
+      echo "(0.30: benchmarks/e2e/.work/venv, ~5.3 GB from the project's .venv; 0.16: .work/venv-016, ~9 GB)."
+      echo "A second run with nothing changed does nothing."
+      echo
+      echo "  --release 0.30|0.16   the vllm-omni release (also 0.30.0 / 0.16.0;"
+      echo "                        default: OMNI_ACCUM_E2E_RELEASE, else 0.30)"
+      echo
+      echo "environment: OMNI_ACCUM_E2E_VENV (the virtualenv's folder), OMNI_ACCUM_E2E_RELEASE,"
+      echo "OMNI_ACCUM_E2E_SEED_VENV (the environment it starts from; 'none': from scratch),"
+      echo "OMNI_ACCUM_SKIP_DISK_CHECK=1 (no free-space check). Details: the comments at the top of this script."
+      exit 0 ;;
+    *) echo "setup_env.sh: unknown argument '$1' (valid: --release 0.30|0.16, --help)" >&2; exit 2 ;;
   esac
 done
 case "$RELEASE" in

@@ -1,0 +1,341 @@
+"""run.py's options: the parser (each option with what it does and its default) and the checks that need only
+the values given (numbers, output folders and files, options that do nothing together, what a deploy file
+allows). What needs the release's environment, the model or omni-accum (the arms) run.py checks after these.
+Every check runs before anything is started or written, and a bad value is a usage error: exit 2, one line
+naming the option, the value and what it takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+# The options whose default run.py fills in after the checks (None until then), so that a check can tell a value
+# the user gave from the default. BENCH_ONLY: what only the benchmark client uses (nothing with --smoke).
+DEFAULTS: dict[str, Any] = {
+    "input_len": "8000", "output_len": 100, "concurrency": "1", "num_prompts": 0, "seed": 0, "duration_s": 0.0,
+    "bench_timeout": 3600.0, "kill_after_s": 30.0,
+}  # fmt: skip
+BENCH_ONLY = ("input_len", "output_len", "concurrency", "num_prompts", "seed", "duration_s", "bench_timeout")
+# seconds: (dest, smallest allowed, whether the smallest is allowed)
+SECONDS = (
+    ("start_timeout", 0, False), ("request_timeout", 0, False), ("bench_timeout", 0, False), ("stop_grace", 0, True),
+    ("sample_every_s", 0, True), ("warmup_s", 0, True), ("duration_s", 0, True), ("kill_after_s", 0, True),
+    ("idle_spin_s", 0, True),
+)  # fmt: skip
+COUNTS = (("output_len", 1), ("num_prompts", 0), ("seed", 0), ("smoke_max_tokens", 1), ("hosts", 0))
+
+
+def option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def release_name(text: str) -> str:
+    """``0.16.0`` -> ``0.16`` (setup_env.sh takes both); argparse's choices then check the result."""
+    parts = str(text).strip().split(".")
+    return ".".join(parts[:2]) if len(parts) == 3 and parts[2] == "0" else str(text).strip()
+
+
+def build_parser(
+    doc: str, models: list[str], default_model: str, releases: list[str], runs: Path
+) -> argparse.ArgumentParser:
+    """Every option of run.py; ``doc``: run.py's docstring (its first paragraph is the description, its example
+    commands the epilog)."""
+    head, examples = doc.split("\n\n")[:2]
+    ap = argparse.ArgumentParser(
+        description=head, epilog="examples:\n" + examples, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--arms",
+        default="off,default,qwen3-omni",
+        help="comma-separated: off (omni-accum turned off: vllm-omni's own code), a policy preset (default, "
+        "qwen3-omni, qwen3-omni-flat) or a policy file; ARM@CONFIG runs ARM with another deploy config (a path, "
+        "or NAME of configs/qwen3_omni_cpu_NAME.yaml, e.g. off@arena); ARM#N runs ARM again on a fresh server, "
+        "named apart: off,qwen3-omni@arena,off#2 shows in off#2's ratios how far the machine drifted during the "
+        "run. Each arm is checked before any server starts (default %(default)s)",
+    )
+    ap.add_argument(
+        "--input-len",
+        default=None,
+        help="prompt tokens, comma-separated: the benchmark runs once per length on each arm's server; prompt "
+        f"plus --output-len must fit the deploy's max_model_len (default {DEFAULTS['input_len']})",
+    )
+    ap.add_argument(
+        "--output-len", type=int, default=None, help=f"tokens the thinker generates per request "
+        f"(--random-output-len, --ignore-eos; default {DEFAULTS['output_len']})",
+    )  # fmt: skip
+    ap.add_argument(
+        "--concurrency", default=None, help=f"requests in flight, comma-separated: the benchmark runs once per value "
+        f"(default {DEFAULTS['concurrency']})",
+    )  # fmt: skip
+    ap.add_argument(
+        "--num-prompts", type=int, default=None, help="requests per benchmark, at least the largest --concurrency "
+        "(default: max(4, 2 x concurrency); with --duration-s 8 x concurrency per round)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--seed", type=int, default=None, help=f"benchmark dataset seed (default {DEFAULTS['seed']})"
+    )  # fmt: skip
+    ap.add_argument(
+        "--json", dest="json_out", type=Path, metavar="FILE", help="write every result here, rewritten after each "
+        "arm (\"complete\": false until the last arm ends, or what had ended when the run was interrupted)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--keep-logs", type=Path, metavar="DIR", help="copy each arm's server / client logs into DIR/ARM"
+    )  # fmt: skip
+    ap.add_argument(
+        "--capture",
+        type=Path,
+        metavar="DIR",
+        help="record each arm's stream through omni-accum (OMNI_ACCUM_CAPTURE) into DIR/ARM, for `omni-accum trace "
+        "DIR/ARM` and `omni-accum tune --trace DIR/ARM` (arms with omni-accum on only: an off arm records nothing)",
+    )
+    ap.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="run each arm's server across N simulated hosts (network namespaces; root): the Mooncake master, "
+        "the API server with stage 0, one per other stage (4 for Qwen3-Omni), over "
+        "configs/qwen3_omni_cpu_mooncake.yaml in place of the default deploy. 0: one host (default)",
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one short chat request with audio per arm (the first probe only), no benchmark client (so none of "
+        "the benchmark's options: --input-len, --output-len, --concurrency, --num-prompts, --seed, --duration-s, "
+        "--bench-timeout)",
+    )
+    ap.add_argument(
+        "--model",
+        default=default_model,
+        help=f"{' or '.join(models)} (build_model.py --variant NAME's folder) or a model folder (default %(default)s)",
+    )
+    ap.add_argument(
+        "--deploy-config",
+        default=None,
+        help="a deploy YAML, or NAME of configs/qwen3_omni_cpu_NAME.yaml (default configs/qwen3_omni_cpu.yaml; "
+        "with --release 0.16 the stage configs of configs/0.16/)",
+    )
+    ap.add_argument(
+        "--release",
+        type=release_name,
+        choices=releases,
+        default=None,
+        help="the vllm-omni release's server environment: its virtualenv (setup_env.sh --release NAME), its model "
+        "folders (build_model.py run with that virtualenv's python) and its config format / folder "
+        "(default: the release installed beside the python running this script, which must be 0.30's)",
+    )
+    ap.add_argument(
+        "--idle-spin-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="every arm's server: vLLM's shared-memory message-queue readers busy-loop at most S seconds after a "
+        "message before they sleep on its notification (vLLM 0.30.0 spins 1 s, sched_yield in a loop: each engine "
+        "core while its worker computes, each worker between steps; on a GPU server they have cores to spare, on "
+        "2 cores they take a third of the CPU from the stages' work and hand-offs). 0: sleep at once. A sleeping "
+        "reader looks again every 10 ms (vLLM's own 5 s recheck made a lost notification stall a stage 5 s). "
+        "Done by the harness's CPU platform package (OMNI_ACCUM_E2E_IDLE_SPIN_S), the same for every arm, off "
+        "included; omni-accum plays no part. Default: vLLM's own",
+    )
+    ap.add_argument(
+        "--omp-wait",
+        choices=("passive", "active"),
+        default=None,
+        help="every arm's server: OMP_WAIT_POLICY of its processes' OpenMP runtime (torch's libgomp). passive: a "
+        "thread that reaches a barrier or runs out of work sleeps at once; libgomp's default spins first, and "
+        "with three stage workers' thread pools on 2 cores the spinning took ~40 %% of the CPU (a light-model 8k "
+        "request: 40.6 s of CPU under the default, 24.7 s under passive). The same for every arm, off included; "
+        "omni-accum plays no part. Default: the environment's OMP_WAIT_POLICY, else libgomp's own",
+    )
+    ap.add_argument(
+        "--start-timeout", type=float, default=900.0, metavar="S",
+        help="seconds each server may take to answer /health, also its stages' --stage-init-timeout "
+        "(default %(default)s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--request-timeout", type=float, default=600.0, metavar="S",
+        help="seconds each correctness probe (a chat request with audio) may take (default %(default)s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--bench-timeout", type=float, default=None, metavar="S",
+        help=f"seconds one run of the benchmark client may take (default {DEFAULTS['bench_timeout']})",
+    )  # fmt: skip
+    ap.add_argument(
+        "--stop-grace", type=float, default=60.0, metavar="S",
+        help="seconds after SIGTERM to the server's processes before SIGKILL (default %(default)s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--smoke-max-tokens", type=int, default=16, metavar="N",
+        help="the thinker's max_tokens in each correctness probe (default %(default)s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--work-dir", type=Path, default=runs, metavar="DIR",
+        help="a folder per run under it: each arm's logs, status files, metrics, benchmark results "
+        "(default benchmarks/e2e/.work/runs)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--sample-every-s",
+        type=float,
+        default=5.0,
+        help="while an arm's server runs, record every N seconds the RSS of each server process (VmRSS), the bytes "
+        "in omni-accum's private folder (/dev/shm/omni-accum-<euid>/) and the bytes in use on /dev/shm, into "
+        "<run>/<arm>/memory.csv and memory.json, and plot them to memory.png (needs matplotlib; without it the "
+        "data only, and the report says so). 0: off (default %(default)s)",
+    )
+    ap.add_argument(
+        "--warmup-s",
+        type=float,
+        default=60.0,
+        help="samples before this many seconds after the server was ready are left out of the flatness verdict "
+        "(memory.json 'flat': each series' growth from its first to its last quarter; default %(default)s)",
+    )
+    ap.add_argument(
+        "--duration-s",
+        type=float,
+        default=None,
+        help="hold each concurrency at least this long: the benchmark client runs again and again (rounds of "
+        "8 x C prompts unless --num-prompts, the seed + 1 per round) until the time is up; the JSON has every "
+        "round, the requests sent / answered / failed with their errors, and omni-accum's fallbacks from "
+        "/metrics by reason. 0: one run (default)",
+    )
+    ap.add_argument(
+        "--kill-stage",
+        default=None,
+        help="fault injection: SIGKILL this stage's engine-core process (thinker, talker, code2wav, or a stage "
+        "number of the deploy) --kill-after-s after the first benchmark starts, then record what the server did "
+        "(still running, /health, the stage restarted or not, new processes, the client's errors, the server log's "
+        "error / death / restart lines after the kill) in the arm's 'fault' entry; after the stop, "
+        "'stop.omni_accum_left' lists what omni-accum left in /dev/shm (it should be empty). Needs the benchmark "
+        "(not with --smoke); give a short --bench-timeout, a killed stage can leave the client waiting",
+    )
+    ap.add_argument(
+        "--hosts-fault",
+        default=None,
+        metavar="FAULT",
+        help="with --hosts, a fault --kill-after-s after the first benchmark starts: master-restart[:DOWN_S] "
+        "(SIGKILL mooncake_master, a fresh one on the same address DOWN_S seconds later, default 5) or "
+        "link-down:ROLE[:SECONDS] (host ROLE's link down SECONDS, default 5, then up: mooncake, api, stage1, "
+        "stage2); the arm's 'fault' entry says what vllm-omni did (/health, the processes, the client's errors, "
+        "each host's error lines after it); 'stop.omni_accum_left' what omni-accum left. Needs the benchmark",
+    )
+    ap.add_argument(
+        "--kill-after-s",
+        type=float,
+        default=None,
+        help="seconds after the first benchmark starts, for --kill-stage and --hosts-fault (default "
+        f"{DEFAULTS['kill_after_s']:g})",
+    )
+    return ap
+
+
+def check_values(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Numbers in range, options that do nothing together; then the defaults of :data:`DEFAULTS` filled in."""
+    given = {k for k in DEFAULTS if getattr(args, k) is not None}
+    for dest, low, inclusive in SECONDS:
+        v = getattr(args, dest)
+        if v is None:
+            continue
+        if not math.isfinite(v):
+            ap.error(f"{option(dest)}: {v} is not a number of seconds (a finite number, {low} or more)")
+        if v < low or (v == low and not inclusive):
+            ap.error(f"{option(dest)}: {v:g} is {'negative' if v < 0 else 'not more than 0'} (seconds, "
+                     f"{'0 or more' if inclusive else 'more than 0'})")  # fmt: skip
+    for dest, low in COUNTS:
+        v = getattr(args, dest)
+        if v is not None and v < low:
+            ap.error(f"{option(dest)}: {v} is below {low} (a whole number, {low} or more)")
+    if args.smoke and given & set(BENCH_ONLY):
+        named = ", ".join(option(d) for d in BENCH_ONLY if d in given)
+        ap.error(f"--smoke runs no benchmark, so {named} would do nothing: drop {'them' if ',' in named else 'it'} "
+                 "or --smoke")  # fmt: skip
+    if "kill_after_s" in given and args.kill_stage is None and args.hosts_fault is None:
+        ap.error(f"--kill-after-s {args.kill_after_s:g}: times --kill-stage or --hosts-fault, and neither is given")
+    for k, v in DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
+def check_num_prompts(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A benchmark of fewer requests than its concurrency never has that many in flight (its results would be
+    labelled with a concurrency it did not reach)."""
+    if args.num_prompts and not args.smoke and args.num_prompts < max(args.concurrency):
+        ap.error(f"--num-prompts {args.num_prompts} is below --concurrency {max(args.concurrency)}: that many "
+                 f"requests are never in flight (give at least {max(args.concurrency)}, or leave it out)")  # fmt: skip
+
+
+def _writable_dir_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be (or be made) a folder this script writes into; None when it can."""
+    if path.exists():
+        if not path.is_dir():
+            return f"{path} exists and is not a folder"
+        return None if os.access(path, os.W_OK | os.X_OK) else f"{path} is not writable"
+    up = path.parent
+    while not up.exists() and up != up.parent:
+        up = up.parent
+    if not up.is_dir():
+        return f"{up} is not a folder, so {path} cannot be made"
+    return None if os.access(up, os.W_OK | os.X_OK) else f"{up} is not writable, so {path} cannot be made"
+
+
+def check_outputs(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every folder and file the run writes can be written, before the first server starts (a run of hours that
+    ended in a traceback on its --json lost its results)."""
+    for dest in ("work_dir", "keep_logs", "capture"):
+        path = getattr(args, dest)
+        why = path is not None and _writable_dir_problem(Path(path))
+        if why:
+            ap.error(f"{option(dest)} {path}: {why} (give a folder)")
+    if args.json_out is not None:
+        path = Path(args.json_out)
+        if path.is_dir():
+            ap.error(f"--json {path}: is a folder (give a file name, e.g. {path / 'e2e.json'})")
+        if path.exists() and not path.is_file():
+            ap.error(f"--json {path}: exists and is not a regular file")
+        if path.exists() and not os.access(path, os.W_OK):
+            ap.error(f"--json {path}: is not writable")
+        why = _writable_dir_problem(path.parent)
+        if why:
+            ap.error(f"--json {path}: {why}")
+
+
+def read_deploy(path: Path) -> tuple[str, dict[int, int | None]]:
+    """A deploy file's release format (``0.30``: ``stages:``; ``0.16``: ``stage_args:``) and its stages: stage id
+    -> ``max_model_len`` (None where it sets none); ValueError when it is neither."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"{path}: not a readable YAML file ({e})") from e
+    if not isinstance(data, dict) or not isinstance(data.get("stages", data.get("stage_args")), list):
+        raise ValueError(f"{path}: neither a vllm-omni 0.30 deploy (stages:) nor 0.16 stage configs (stage_args:)")
+    fmt, key = ("0.30", "stages") if "stages" in data else ("0.16", "stage_args")
+    stages: dict[int, int | None] = {}
+    for i, s in enumerate(data[key]):
+        s = s if isinstance(s, dict) else {}
+        engine = s.get("engine_args") if fmt == "0.16" and isinstance(s.get("engine_args"), dict) else s
+        stages[int(s.get("stage_id", i))] = engine.get("max_model_len")
+    return fmt, stages
+
+
+def check_deploy(path: Path, release: str, args: argparse.Namespace, what: str) -> str | None:
+    """What in ``args`` the deploy at ``path`` cannot run (``what``: where it was named, for the message)."""
+    try:
+        fmt, stages = read_deploy(path)
+    except ValueError as e:
+        return f"{what}: {e}"
+    if fmt != release:
+        fix = "run it with --release 0.16" if fmt == "0.16" else "give one of configs/0.16/ (stage_args:)"
+        return f"{what}: {path} is vllm-omni {fmt}'s format and this run starts a {release} server: {fix}"
+    if args.kill_stage is not None and args.kill_stage not in stages:
+        return f"--kill-stage {args.kill_stage}: {what} has no stage {args.kill_stage} (stages {sorted(stages)})"
+    limit = stages.get(0)
+    if limit and not args.smoke:
+        longest = max(args.input_len) + args.output_len
+        if longest > limit:
+            return (f"--input-len {max(args.input_len)} + --output-len {args.output_len} = {longest} tokens exceed "
+                    f"{what}'s max_model_len {limit} (stage 0 of {path.name})")  # fmt: skip
+    return None

@@ -1,0 +1,222 @@
+"""``benchmarks/e2e/run.py``'s options as a user meets them: every value checked before a server starts (a usage
+error, exit 2, one line naming it), the README's own commands accepted, results kept when a run stops early,
+and an arm that did not run with omni-accum as its name says failing the run. No server is started here: the
+arms run through a stand-in for ``run_arm``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_e2e_arms import RUN_PY, run  # noqa: F401 - the fixture
+
+E2E = RUN_PY.parent
+
+
+@pytest.fixture
+def model(run, tmp_path, monkeypatch):  # noqa: F811
+    """A model folder for every variant name of both releases, a 0.16 virtualenv with vllm-omni 0.16.0, and
+    ``run``'s release globals restored after the test."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    monkeypatch.setattr(run, "RELEASE", run.RELEASE)
+    monkeypatch.setattr(run, "VENV_BIN", run.VENV_BIN)
+    monkeypatch.delenv("OMNI_ACCUM_E2E_VENV", raising=False)
+    for name in list(run.MODELS):
+        monkeypatch.setitem(run.MODELS, name, folder)
+    venv = _venv(tmp_path / "venv-016", "0.16.0")
+    monkeypatch.setitem(run.RELEASES, "0.16", dataclasses.replace(
+        run.RELEASES["0.16"], venv=venv, models={n: folder for n in run.RELEASES["0.16"].models}))  # fmt: skip
+    return folder
+
+
+def _venv(path: Path, version: str | None) -> Path:
+    (path / "bin").mkdir(parents=True)
+    (path / "bin" / "vllm-omni").write_text("")
+    if version:
+        (path / "lib" / "python3.11" / "site-packages" / f"vllm_omni-{version}.dist-info").mkdir(parents=True)
+    return path
+
+
+def _usage_error(run, capsys, argv: list[str]) -> str:  # noqa: F811
+    with pytest.raises(SystemExit) as e:
+        run.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, (argv, err)
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--arms", "bogus"], "arm 'bogus': 'bogus' is neither a policy file nor a preset"),
+        (["--arms", "Off"], "a preset: default, qwen3-omni, qwen3-omni-flat, or a policy file"),
+        (["--arms", "off#x"], "arm 'off#x'"),
+        (["--arms", "qwen3_omni@arena"], "arm 'qwen3_omni'"),
+        (["--arms", "@arena"], "arm '@arena': no arm before '@' (e.g. off@arena"),
+        (["--arms", ","], "--arms ',': no arm"),
+        (["--arms", "off,missing-policy.yaml"], "missing-policy.yaml: no such policy file"),
+        (["--output-len", "0"], "--output-len: 0 is below 1"),
+        (["--num-prompts", "-3"], "--num-prompts: -3 is below 0"),
+        (["--num-prompts", "2", "--concurrency", "1,4"], "--num-prompts 2 is below --concurrency 4"),
+        (["--start-timeout", "0"], "--start-timeout: 0 is not more than 0"),
+        (["--stop-grace", "-1"], "--stop-grace: -1 is negative"),
+        (["--duration-s", "inf"], "--duration-s: inf is not a number of seconds"),
+        (["--sample-every-s", "nan"], "--sample-every-s: nan is not a number of seconds"),
+        (["--smoke-max-tokens", "0"], "--smoke-max-tokens: 0 is below 1"),
+        (["--input-len", "²"], "--input-len: '²'"),
+        (["--concurrency", "x"], "e.g. 1,4"),
+        (["--input-len", "40900"], "--input-len 40900 + --output-len 100 = 41000 tokens exceed --deploy-config's "
+                                   "max_model_len 40960"),  # fmt: skip
+        (["--kill-stage", "7"], "--kill-stage 7: --deploy-config has no stage 7 (stages [0, 1, 2])"),
+        (["--smoke", "--input-len", "8000", "--seed", "3"], "--smoke runs no benchmark, so --input-len, --seed"),
+        (["--kill-after-s", "5"], "--kill-after-s 5: times --kill-stage or --hosts-fault, and neither is given"),
+        (["--deploy-config", str(E2E / "configs" / "0.16" / "qwen3_omni_cpu.yaml")],
+         "is vllm-omni 0.16's format and this run starts a 0.30 server: run it with --release 0.16"),  # fmt: skip
+        (["--release", "0.16.0", "--deploy-config", str(E2E / "configs" / "qwen3_omni_cpu.yaml")],
+         "is vllm-omni 0.30's format and this run starts a 0.16 server"),  # fmt: skip
+        (["--release", "0.16", "--arms", "off@arena"], "none in"),  # 0.16 has no NAMEd deploys
+        (["--hosts", "4", "--hosts-fault", "link-down"], "which host? (link-down:ROLE[:SECONDS], ROLE one of"),
+    ],
+)
+def test_a_bad_value_is_one_line_before_anything_starts(run, model, capsys, monkeypatch, argv, needle):  # noqa: F811
+    monkeypatch.setattr(run, "run_arm", lambda *a: pytest.fail(f"an arm started for {argv}"))
+    assert needle in _usage_error(run, capsys, ["--model", str(model), *argv])
+
+
+def test_outputs_that_cannot_be_written_are_refused_first(run, model, capsys, monkeypatch, tmp_path):  # noqa: F811
+    monkeypatch.setattr(run, "run_arm", lambda *a: pytest.fail("an arm started"))
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for argv, needle in [
+        (["--json", str(tmp_path)], f"--json {tmp_path}: is a folder (give a file name"),
+        (["--json", str(a_file / "e.json")], f"{a_file} exists and is not a folder"),
+        (["--keep-logs", str(a_file)], f"--keep-logs {a_file}: {a_file} exists and is not a folder"),
+        (["--work-dir", str(a_file / "runs")], f"{a_file} is not a folder, so {a_file / 'runs'} cannot be made"),
+        (["--capture", str(a_file)], f"--capture {a_file}"),
+    ]:
+        assert needle in _usage_error(run, capsys, ["--model", str(model), *argv]), argv
+
+
+def test_the_interpreter_must_hold_the_release_it_runs(run, model, capsys, monkeypatch, tmp_path):  # noqa: F811
+    assert run.installed_release(tmp_path / "none" / "bin") is None
+    assert run.installed_release(_venv(tmp_path / "v030", "0.30.0") / "bin") == "0.30"
+    assert run.installed_release(_venv(tmp_path / "vx", None) / "bin") == "unknown"
+    monkeypatch.setattr(run, "VENV_BIN", _venv(tmp_path / "v016", "0.16.0") / "bin")
+    assert "has vllm-omni 0.16, and this run is for 0.30's server: add --release 0.16" in _usage_error(
+        run, capsys, ["--model", str(model)]
+    )
+    monkeypatch.setattr(run, "VENV_BIN", _venv(tmp_path / "v028", "0.28.0") / "bin")
+    assert "the harness runs 0.30, 0.16" in _usage_error(run, capsys, ["--model", str(model)])
+    monkeypatch.setattr(run, "VENV_BIN", tmp_path / "plain" / "bin")
+    assert "no vllm-omni beside" in _usage_error(run, capsys, ["--model", str(model)])
+
+
+def _fake_arm(seen: list[str], interrupt_at: str | None = None):
+    def run_arm(arm, args, run_dir):  # what run.run_arm returns for a server that answered and was stopped
+        if arm.name == interrupt_at:
+            raise KeyboardInterrupt("signal SIGTERM")
+        seen.append(arm.name)
+        on = arm.env["OMNI_ACCUM_VLLM_OMNI"] == "1"
+        probe = {"http_status": 200, "text": "hi", "audio_bytes": 10, "audio_sha256": "ab", "token_ids": [1]}
+        return {"arm": arm.name, "env": arm.env, "started": True, "stop": {"clean": True},
+                "correctness": dict(probe, probes=[probe]),
+                "coverage": [{"pid": 7, "installed": on, "bound": on}]}  # fmt: skip
+
+    return run_arm
+
+
+def test_the_json_is_written_after_each_arm_and_when_interrupted(run, model, monkeypatch, tmp_path):  # noqa: F811
+    seen: list[str] = []
+    out = tmp_path / "res" / "e2e.json"
+    writes: list[dict[str, Any]] = []
+    real = run.write_json
+    monkeypatch.setattr(run, "write_json", lambda p, s: (writes.append(json.loads(json.dumps(s, default=str))),
+                                                         real(p, s)))  # fmt: skip
+    monkeypatch.setattr(run, "run_arm", _fake_arm(seen, interrupt_at="qwen3-omni"))
+    argv = ["--model", str(model), "--arms", "off,default,qwen3-omni", "--json", str(out), "--work-dir", str(tmp_path)]
+    assert run.main(argv) == 130
+    assert seen == ["off", "default"]
+    assert [(w["complete"], w.get("arms_left")) for w in writes] == [
+        (False, ["default", "qwen3-omni"]), (False, ["qwen3-omni"]), (False, ["qwen3-omni"])
+    ]  # fmt: skip
+    last = json.loads(out.read_text())
+    assert last["interrupted"] == "signal SIGTERM" and [a["arm"] for a in last["arms"]] == ["off", "default"]
+    assert not list(out.parent.glob(".*tmp"))
+    seen.clear()
+    monkeypatch.setattr(run, "run_arm", _fake_arm(seen))
+    assert run.main(argv) == 0
+    done = json.loads(out.read_text())
+    assert done["complete"] is True and done["ok"] is True and "arms_left" not in done and len(done["arms"]) == 3
+
+
+def test_an_arm_that_did_not_run_as_named_fails_the_run(run, model, capsys, monkeypatch, tmp_path):  # noqa: F811
+    import e2e_procs
+
+    def unbound(*a):
+        r = _fake_arm([])(*a)
+        r["coverage"] = [{"pid": 7, "installed": True, "bound": False}]  # a policy the stages refused
+        return r
+
+    monkeypatch.setattr(run, "run_arm", unbound)
+    assert run.main(["--model", str(model), "--arms", "qwen3-omni", "--work-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "FAIL: arm qwen3-omni: omni-accum is on in this arm, and no server process bound it" in err
+    off = {"env": {"OMNI_ACCUM_VLLM_OMNI": "0"}, "coverage": [{"pid": 9, "installed": True, "bound": False}]}
+    assert e2e_procs.coverage_problem(off) == "omni-accum is off in this arm, and it installed in process 9"
+    assert e2e_procs.coverage_problem({"env": {"OMNI_ACCUM_VLLM_OMNI": "0"}, "coverage": [{"pid": 9}]}) is None
+
+
+def _readme_commands() -> list[list[str]]:
+    """Every ``run.py`` command line of the harness's README's bash blocks, as arguments after ``run.py``."""
+    text = (E2E / "README.md").read_text()
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0]
+            if "benchmarks/e2e/run.py" in line and not line.lstrip().startswith("#"):
+                words = shlex.split(line.split(">")[0].split("|")[0])
+                out.append(words[words.index("benchmarks/e2e/run.py") + 1 :])
+    return out
+
+
+def test_every_command_of_the_readme_is_accepted(run, model, monkeypatch, tmp_path):  # noqa: F811
+    """Each README command passes every check (with model folders in place; the policy files it names as
+    arms are ones it writes first, made here), and reaches the first arm."""
+    commands = _readme_commands()
+    assert len(commands) > 40
+    monkeypatch.setattr(run.hosts_mode, "prerequisites", lambda _python: None)  # root, ip, Mooncake
+    release, venv_bin = run.RELEASE, run.VENV_BIN
+    monkeypatch.chdir(tmp_path)
+    reached = []
+
+    class Reached(Exception):
+        pass
+
+    def first_arm(arm, args, run_dir):
+        reached.append(arm.name)
+        raise Reached
+
+    monkeypatch.setattr(run, "run_arm", first_arm)
+    for argv in commands:
+        argv = [a for a in argv if not a.startswith("--work-dir")] + ["--work-dir", str(tmp_path / "runs")]
+        for i, a in enumerate(argv):
+            if argv[i - 1] == "--model" and a not in run.MODELS:
+                argv[i] = str(model)  # a model folder of the user's
+        for arm in ",".join(a for i, a in enumerate(argv) if argv[i - 1] == "--arms").split(","):
+            policy = arm.split("@")[0].split("#")[0]
+            if policy.endswith((".yaml", ".json", ".toml")):  # a policy the README's commands tuned first
+                Path(policy).parent.mkdir(parents=True, exist_ok=True)
+                Path(policy).write_text("rules: []\n")
+        run.RELEASE, run.VENV_BIN = release, venv_bin  # as a fresh run.py starts (--release changes both)
+        n = len(reached)
+        with pytest.raises(Reached):
+            run.main(argv)
+        assert len(reached) == n + 1, argv
