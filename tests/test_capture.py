@@ -18,7 +18,7 @@ import torch
 from omni_accum.capture import CaptureError, CaptureWriter, ChunkRecorder
 from omni_accum.capture.reader import read_capture
 from omni_accum.capture.trace import build_trace, captured_workload
-from tests.waiting import poll
+from waiting import poll  # tests/ is on sys.path (the rootdir conftest's folder), in stage processes too
 
 
 def _kind(path: str, value: Any) -> tuple[str, str]:
@@ -200,7 +200,7 @@ def test_a_writer_killed_mid_stream_leaves_a_readable_file(tmp_path, buffer_byte
 
 def test_bad_capture_settings_are_named(monkeypatch):
     from omni_accum.integrations.vllm_omni import capture
-    from omni_accum.manager import SettingError
+    from omni_accum.switches import SettingError
 
     assert capture.settings({"omni_accum_capture": "off"}) is None
     monkeypatch.delenv("OMNI_ACCUM_CAPTURE", raising=False)

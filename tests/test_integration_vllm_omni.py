@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-
-from tests.waiting import poll
 
 pytestmark = pytest.mark.vllm
 
@@ -58,7 +57,11 @@ def _request(rid: str, out_ids: list[int], *, finished: bool = False, internal: 
 
 def _wait(cond, what: str, timeout: float = 10.0) -> None:
     """Poll for the adapters' background threads (a hang guard, not a speed check)."""
-    if not poll(cond, timeout, 0.005):
+    for _ in range(int(timeout / 0.005)):
+        if cond():
+            return
+        time.sleep(0.005)
+    if not cond():
         raise AssertionError(f"never happened: {what}")
 
 

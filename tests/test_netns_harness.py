@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.waiting import poll
+from waiting import poll  # tests/ is on sys.path (the rootdir conftest's folder), in stage processes too
 
 E2E = Path(__file__).resolve().parent.parent / "benchmarks" / "e2e"
 

@@ -35,7 +35,7 @@ from omni_accum.arena.region import (
     path_for,
 )
 from omni_accum.samehost import SameHostRefused, check_dir, open_private, private_dir
-from tests.waiting import poll
+from waiting import poll  # tests/ is on sys.path (the rootdir conftest's folder), in stage processes too
 
 
 def _nobody() -> int:
