@@ -126,3 +126,8 @@ class DuplicateStrategyError(PluginError):
             f"strategy {name!r} is registered twice: by plugin {first!r} and by plugin {second!r}; "
             f"disable one of them (OMNI_ACCUM_DISABLED_PLUGINS={second})"
         )
+
+
+def describe_plugin(plugin: str, distribution: tuple[str, str] | None) -> str:
+    """``plugin 'delta' (distribution omni-accum-delta 0.1.0)``: how errors name a plugin."""
+    return f"plugin {plugin!r}" + (f" (distribution {distribution[0]} {distribution[1]})" if distribution else "")

@@ -4,8 +4,9 @@ Built-in strategies and third-party plugins go through the same path: entry poin
 ``omni_accum`` are loaded, registered with a pluggy ``PluginManager``, checked with
 ``check_pending()``, and their ``omni_accum_register_strategies`` results validated.
 
-A broken third-party plugin (fails to import, raises in a hook, returns invalid records, repeats
-a strategy name) is reported and skipped; ``OMNI_ACCUM_STRICT_PLUGINS=1`` makes that an error. A
+A broken third-party plugin (fails to import, implements no hook or an unknown one, raises in a hook,
+returns invalid records, takes a reserved or repeated strategy name) is reported and skipped, in one line;
+``OMNI_ACCUM_STRICT_PLUGINS=1`` makes that an error. A
 broken built-in is always an error. ``OMNI_ACCUM_PLUGINS`` (comma-separated allowlist) and
 ``OMNI_ACCUM_DISABLED_PLUGINS`` (blocklist) filter third-party plugins by entry-point or
 distribution name; ``OMNI_ACCUM_TRACE_PLUGINS=1`` logs every hook call.
@@ -13,6 +14,7 @@ distribution name; ``OMNI_ACCUM_TRACE_PLUGINS=1`` logs every hook call.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
 import os
@@ -29,10 +31,11 @@ from pydantic import BaseModel
 
 from omni_accum import hookspecs
 from omni_accum.context import KeyMeta, StreamContext
-from omni_accum.errors import DuplicateStrategyError, OmniAccumError, PluginError, UnknownStrategyError
-from omni_accum.hookspecs import PROJECT, hookimpl
+from omni_accum.errors import DuplicateStrategyError, PluginError, UnknownStrategyError, describe_plugin
+from omni_accum.hookspecs import ALL_HOOKS, PROJECT, hookimpl
 from omni_accum.policy.model import Policy, StrategyChoice
-from omni_accum.strategy import KINDS, Strategy, StrategySpec
+from omni_accum.strategy import KINDS, Strategy, StrategySpec, describe_strategy, validation_summary
+from omni_accum.switches import _env_flag, ensure_visible_logging
 
 logger = logging.getLogger("omni_accum")
 
@@ -50,98 +53,9 @@ ENV_ALLOW = "OMNI_ACCUM_PLUGINS"
 ENV_DENY = "OMNI_ACCUM_DISABLED_PLUGINS"
 ENV_TRACE = "OMNI_ACCUM_TRACE_PLUGINS"
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
-
-
-ENV_LOG_LEVEL = "OMNI_ACCUM_LOG_LEVEL"
-LOG_FORMAT = "%(levelname)s %(asctime)s [omni-accum pid=%(process)d] %(message)s"
-
-
-def ensure_visible_logging(level: int | None = None, fmt: str = LOG_FORMAT) -> logging.Logger:
-    """Give the ``omni_accum`` logger a stderr handler unless it (or an ancestor) already has one.
-
-    Called when ``OMNI_ACCUM_TRACE_PLUGINS=1`` asks for hook traces (so a library process shows them)
-    and by the CLI for ``-v``; an application's own handler is kept. ``level``: at most this level when
-    given; otherwise the level is set only when unset, from ``OMNI_ACCUM_LOG_LEVEL`` (default INFO).
-    """
-    lg = logging.getLogger("omni_accum")
-    if level is not None:
-        if lg.level == logging.NOTSET or lg.level > level:
-            lg.setLevel(level)
-    bad = None
-    if level is None and lg.level == logging.NOTSET:
-        raw = os.environ.get(ENV_LOG_LEVEL, "INFO").strip() or "INFO"
-        named = logging.getLevelName(raw.upper())
-        lg.setLevel(named if isinstance(named, int) else logging.INFO)
-        bad = None if isinstance(named, int) else raw
-    if not lg.hasHandlers():
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(fmt))
-        lg.addHandler(handler)
-    if bad is not None:
-        levels = "DEBUG, INFO, WARNING, ERROR, CRITICAL"
-        lg.warning("omni_accum: %s=%r is not a log level (%s): INFO", ENV_LOG_LEVEL, bad, levels)
-    return lg
-
-
-# ---- On/off environment switches (OMNI_ACCUM_*): one reader, strict about values. A switch set to a value
-# that is neither on (1, true, yes, on) nor off (0, false, no, off), case-insensitive, is an error naming the
-# variable, its value and the accepted values: OMNI_ACCUM_VLLM_OMNI=disable must not leave omni-accum on, nor
-# OMNI_ACCUM_REQUIRED=y off. Unset or empty: the switch's default.
-ON = ("1", "true", "yes", "on")
-OFF = ("0", "false", "no", "off")
-
-#: Every on/off switch omni-accum reads, with its default.
-SWITCHES: dict[str, bool] = {
-    "OMNI_ACCUM_VLLM_OMNI": True,
-    "OMNI_ACCUM_REQUIRED": False,
-    "OMNI_ACCUM_METRICS": True,
-    "OMNI_ACCUM_ARENA_CONNECTOR": True,
-    "OMNI_ACCUM_MOONCAKE_COMPAT": True,
-    "OMNI_ACCUM_STRICT_PLUGINS": False,
-    "OMNI_ACCUM_TRACE_PLUGINS": False,
-}
-
-
-class SettingError(OmniAccumError, ValueError):
-    """An environment switch has a value that is neither on nor off."""
-
-
-def env_flag(name: str, default: bool | None = None) -> bool:
-    """The on/off value of environment variable ``name`` (unset or empty: ``default``, else the value in
-    :data:`SWITCHES`). Raises SettingError for any other value."""
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return SWITCHES.get(name, False) if default is None else default
-    value = raw.strip().lower()
-    if value in ON:
-        return True
-    if value in OFF:
-        return False
-    raise SettingError(
-        f"environment variable {name}={raw!r} is neither on ({', '.join(ON)}) nor off ({', '.join(OFF)})"
-    )
-
-
-def switch_problems() -> list[str]:
-    """The message of every switch in :data:`SWITCHES` set to a value that is neither on nor off."""
-    out = []
-    for name in SWITCHES:
-        try:
-            env_flag(name)
-        except SettingError as e:
-            out.append(str(e))
-    return out
-
-
-def check_switches() -> None:
-    """Raise SettingError naming every switch set to a value that is neither on nor off."""
-    problems = switch_problems()
-    if problems:
-        raise SettingError("; ".join(problems))
-
-
-def _env_flag(name: str) -> bool:
-    return env_flag(name, False)  # SettingError (an OmniAccumError) for a value neither on nor off
+#: What ``omni-accum bench --arms`` names besides strategies: a strategy may not take one (it could never be
+#: reached there, or would hide the other). The policy presets (``preset_names()``) are reserved too.
+RESERVED_NAMES = ("upstream", "wire-floor")
 
 
 def _canonical(name: str) -> str:
@@ -154,11 +68,6 @@ def _env_list(name: str) -> set[str] | None:
     if raw is None or not raw.strip():
         return None
     return {_canonical(p.strip()) for p in raw.split(",") if p.strip()}
-
-
-def describe_plugin(plugin: str, distribution: tuple[str, str] | None) -> str:
-    """``plugin 'delta' (distribution omni-accum-delta 0.1.0)``: how errors name a plugin."""
-    return f"plugin {plugin!r}" + (f" (distribution {distribution[0]} {distribution[1]})" if distribution else "")
 
 
 class _PolicySelector:
@@ -193,6 +102,8 @@ class StrategyManager:
         self._trace = _env_flag(ENV_TRACE)
         self._dists: dict[str, tuple[str, str] | None] = {}  # plugin name -> its distribution
         self._loaded_eps: dict[str, str] = {}  # entry-point name -> value, for idempotent reloads
+        #: Third-party plugins left out by OMNI_ACCUM_PLUGINS / OMNI_ACCUM_DISABLED_PLUGINS (entry-point names).
+        self.disabled: list[str] = []
         if self._trace:
             ensure_visible_logging()  # a trace asked for is shown, even where nobody configured logging
             self.pm.trace.root.setwriter(lambda msg: logger.info("omni_accum hook: %s", msg.rstrip()))
@@ -225,6 +136,8 @@ class StrategyManager:
                 names = {_canonical(ep.name)} | ({_canonical(dist[0])} if dist else set())
                 if names & deny or (allow is not None and not names & allow):
                     logger.debug("omni_accum: plugin %r disabled by %s/%s", ep.name, ENV_ALLOW, ENV_DENY)
+                    if ep.name not in self.disabled:
+                        self.disabled.append(ep.name)
                     continue
             if self._loaded_eps.get(ep.name) == ep.value:
                 continue  # loaded by an earlier call
@@ -240,8 +153,18 @@ class StrategyManager:
             else:
                 self._loaded_eps[ep.name] = ep.value
         known = {_canonical(n) for ep in third for n in (ep.name, (dist_of(ep) or ("",))[0]) if n}
-        for name in sorted((allow or set()) - known):  # a typo would only show as an unknown strategy later
-            logger.warning("omni_accum: %s lists %r, but no installed strategy plugin has that name", ENV_ALLOW, name)
+        builtin = {_canonical(n) for ep in first for n in (ep.name, FIRST_PARTY_DIST)} | set(BUILTIN_MODULES)
+        valid = ", ".join(sorted(known)) or "none installed"
+        for env, names in ((ENV_ALLOW, allow or set()), (ENV_DENY, deny)):  # a typo would only show later
+            for name in sorted(names - known):
+                if name in builtin:  # built-ins always load: allowing one is harmless, disabling one is not done
+                    if env == ENV_DENY:
+                        logger.warning("omni_accum: %s lists %r, a built-in: built-ins cannot be disabled", env, name)
+                    continue
+                logger.warning(
+                    "omni_accum: %s lists %r, but no installed strategy plugin has that name (plugins: %s)",
+                    env, name, valid,
+                )  # fmt: skip
 
     def _problem(
         self,
@@ -284,10 +207,14 @@ class StrategyManager:
         try:
             self.pm.register(plugin, name=name)
         except ValueError as e:
-            raise PluginError(f"{who}: cannot register: {e}") from e
+            raise PluginError(f"{who}: cannot register: {self._clash(plugin, name)}") from e
         except pluggy.PluginValidationError as e:
-            raise PluginError(f"{who}: invalid hook implementation: {e}") from e
+            raise PluginError(f"{who}: invalid hook implementation: {_hook_problem(e)}") from e
         try:
+            if not self.pm.get_hookcallers(plugin):
+                unmarked = [n for n in ALL_HOOKS if callable(getattr(plugin, n, None))]
+                raise PluginError(f"{who}: implements no omni_accum hook (mark {' or '.join(unmarked or ALL_HOOKS)} "
+                                  "with @omni_accum.hookimpl)")  # fmt: skip
             new_specs = self._collect(plugin, name, distribution, who)
         except BaseException:
             self.pm.unregister(plugin)
@@ -298,6 +225,20 @@ class StrategyManager:
         if new_specs:
             where = f"{distribution[0]} {distribution[1]}" if distribution else "no distribution"
             logger.debug("omni_accum: plugin %r (%s) registered %s", name, where, ", ".join(sorted(new_specs)))
+        elif not first_party and {c.name for c in self.pm.get_hookcallers(plugin) or []} == {ALL_HOOKS[0]}:
+            logger.warning("omni_accum: %s: omni_accum_register_strategies returned no strategy", who)
+
+    def _clash(self, plugin: Any, name: str) -> str:
+        """Why pluggy refused ``plugin`` as ``name``, in a line (pluggy's own text prints the whole registry)."""
+        taken = self.pm.get_plugin(name)
+        if taken is not None and taken is not plugin:
+            builtin = name in BUILTIN_MODULES or (self._dists.get(name) or ("",))[0] == FIRST_PARTY_DIST
+            owner = "omni-accum's built-in strategy plugin" if builtin else describe_plugin(name, self._dists.get(name))
+            return f"the name {name!r} is taken by {owner}; give the entry point another name"
+        other = self.pm.get_name(plugin)
+        if other is not None:
+            return f"the same object is already registered as plugin {other!r} (two entry points name one module)"
+        return f"the name {name!r} is already registered"
 
     def _collect(
         self, plugin: Any, name: str, distribution: tuple[str, str] | None, who: str
@@ -305,7 +246,7 @@ class StrategyManager:
         try:
             self.pm.check_pending()
         except pluggy.PluginValidationError as e:
-            raise PluginError(f"{who}: {e}") from e
+            raise PluginError(f"{who}: {_hook_problem(e)}") from e
         out: dict[str, StrategySpec] = {}
         for impl in self.pm.hook.omni_accum_register_strategies.get_hookimpls():
             if impl.plugin is not plugin:
@@ -342,6 +283,13 @@ class StrategyManager:
             raise PluginError(f"{who}: returned {type(rec).__name__}, expected omni_accum.StrategySpec")
         if not isinstance(rec.name, str) or not _NAME_RE.match(rec.name):
             raise PluginError(f"{who}: invalid strategy name {rec.name!r} (letters, digits, _ . -)")
+        from omni_accum.policy.sources import preset_names  # the presets' folder, no plugin loading
+
+        reserved = (*RESERVED_NAMES, *preset_names())
+        if rec.name in reserved:
+            raise PluginError(
+                f"{who}: strategy name {rec.name!r} is reserved (bench arms and policy presets: {', '.join(reserved)})"
+            )
         if not callable(rec.factory):
             raise PluginError(f"{who}: strategy {rec.name!r}: factory is not callable")
         pm = rec.params_model
@@ -353,12 +301,14 @@ class StrategyManager:
                 "model_config = ConfigDict(extra='forbid') so misspelled params are errors"
             )
         try:
-            pm()
+            pm.model_validate(pm().model_dump())  # pydantic does not check defaults: a default must be a valid value
         except Exception as e:  # noqa: BLE001
             raise PluginError(
                 f"{who}: strategy {rec.name!r}: params_model {pm.__name__} must validate with no arguments "
-                f"(every param needs a default): {e}"
+                f"(every param needs a default of its own type): {validation_summary(e)}"
             ) from e
+        if isinstance(rec.kinds, str):
+            raise PluginError(f"{who}: strategy {rec.name!r}: kinds {rec.kinds!r} must be a set of {list(KINDS)}")
         kinds = frozenset(rec.kinds)
         if not kinds or not kinds <= set(KINDS):
             raise PluginError(
@@ -368,8 +318,23 @@ class StrategyManager:
             try:
                 pm.model_validate(grid)
             except Exception as e:  # noqa: BLE001
-                raise PluginError(f"{who}: strategy {rec.name!r}: params_grid[{i}] invalid: {e}") from e
+                raise PluginError(
+                    f"{who}: strategy {rec.name!r}: params_grid[{i}] invalid: {validation_summary(e)}"
+                ) from e
         return replace(rec, kinds=kinds)
+
+    def selectors(self) -> list[str]:
+        """The plugins with an ``omni_accum_select_strategy`` of their own (the policy's is left out), named."""
+        impls = self.pm.hook.omni_accum_select_strategy.get_hookimpls()
+        return [describe_plugin(i.plugin_name, self._dists.get(i.plugin_name)) for i in impls if i.plugin_name
+                != "omni_accum.policy"]  # fmt: skip
+
+    def not_loaded_note(self) -> str:
+        """`` (not loaded here: ...)``, naming the plugins that were disabled or failed to load, for a message
+        about a strategy no loaded plugin provides; empty when every plugin loaded."""
+        parts = [f"{n!r} disabled by {ENV_ALLOW}/{ENV_DENY}" for n in self.disabled]
+        parts += [f"{n!r} failed to load" for n, _ in self.problems]
+        return f" (plugins not loaded here: {', '.join(parts)}; see omni-accum doctor)" if parts else ""
 
     # -- lookups ----------------------------------------------------------------------------- #
     def specs(self) -> list[StrategySpec]:
@@ -389,14 +354,36 @@ class StrategyManager:
             raise UnknownStrategyError(name, self.names(), where)
         return spec
 
-    def build(self, name: str, params: Any = None) -> Strategy:
-        """Create (or reuse) the strategy ``name`` with ``params`` validated by its Params model."""
+    def params(self, name: str, params: Any = None, where: str | None = None) -> BaseModel:
+        """``params`` validated by strategy ``name``'s Params model. PluginError in one line naming the strategy,
+        its plugin, what is wrong and the params it takes (a selection hook's choice is not checked by any
+        policy loader); ``where``: the key and who chose it."""
+        spec = self.spec(name, where)
+        if isinstance(params, BaseModel):
+            return params
+        try:
+            return spec.params_model.model_validate(dict(params or {}))
+        except Exception as e:  # noqa: BLE001 - a ValidationError, or a validator of the plugin's raising
+            raise PluginError(
+                f"{describe_strategy(spec, where)} refuses params {dict(params or {})!r}: {validation_summary(e)} "
+                f"(allowed params: {spec.allowed_params()})"
+            ) from e
+
+    def build(self, name: str, params: Any = None, where: str | None = None) -> Strategy:
+        """Create (or reuse) the strategy ``name`` with ``params`` validated by its Params model. PluginError in
+        one line when the params are refused or the plugin's factory raises."""
         key = (name, repr(sorted((params or {}).items())) if isinstance(params, dict) else repr(params))
         built = self._built.get(key)
         if built is None:
-            built = self.spec(name).build(
-                dict(params) if params is not None and not isinstance(params, BaseModel) else params
-            )
+            spec = self.spec(name, where)
+            valid = self.params(name, params, where)
+            try:
+                built = spec.factory(valid)
+            except Exception as e:  # noqa: BLE001 - a plugin's factory raising is that plugin's problem
+                raise PluginError(
+                    f"{describe_strategy(spec, where)}: its factory raised {type(e).__name__} with params "
+                    f"{valid.model_dump()!r}: {e}"
+                ) from e
             with self._lock:
                 self._built[key] = built
         return built
@@ -424,6 +411,18 @@ class StrategyManager:
             if getattr(func, "__code__", None) in codes:
                 return describe_plugin(impl.plugin_name, self._dists.get(impl.plugin_name))
         return "a plugin"
+
+
+def _hook_problem(err: pluggy.PluginValidationError) -> str:
+    """pluggy's text for a bad hook implementation, on one line; an unknown hook name with the valid ones and the
+    closest."""
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    m = re.match(r"unknown hook '([^']+)'", text)
+    if m:
+        close = difflib.get_close_matches(m.group(1), ALL_HOOKS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"unknown hook {m.group(1)!r} (omni_accum's hooks: {', '.join(ALL_HOOKS)}){hint}"
+    return text
 
 
 _manager: StrategyManager | None = None

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from omni_accum.errors import MergeError
+from omni_accum.errors import MergeError, describe_plugin
 
 #: Kinds of keys. ``append``: every chunk adds rows / items (the view is the concatenation);
 #: ``replace``: the latest value wins; ``static``: replace-kind whose value rarely or never changes.
@@ -179,6 +179,36 @@ class StrategySpec:
         if not isinstance(params, BaseModel):
             params = self.params_model.model_validate(params or {})
         return self.factory(params)
+
+    def allowed_params(self) -> str:
+        """``initial_capacity (default 64), growth_factor (default 2.0)``: the params this strategy takes."""
+        return (
+            ", ".join(
+                f"{f} (default {fi.default!r})" if not fi.is_required() else f"{f} (required)"
+                for f, fi in self.params_model.model_fields.items()
+            )
+            or "none"
+        )
+
+
+def describe_strategy(spec: StrategySpec, where: str | None = None) -> str:
+    """``key 'x' (rules[0]): strategy 'prealloc' (plugin 'prealloc' (distribution ...))``: how errors name one."""
+    return f"{where + ': ' if where else ''}strategy {spec.name!r} ({describe_plugin(spec.plugin, spec.distribution)})"
+
+
+def validation_summary(err: Any) -> str:
+    """A pydantic ``ValidationError`` on one line: ``field: problem; field: problem`` (an unknown field is
+    ``unknown param``), without pydantic's header and documentation links."""
+    try:
+        errors = err.errors()
+    except AttributeError:
+        return str(err).splitlines()[0] if str(err).strip() else type(err).__name__
+    parts = []
+    for e in errors:
+        loc = ".".join(str(p) for p in e.get("loc", ())) or "value"
+        msg = str(e.get("msg", "")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {'unknown param' if e.get('type') == 'extra_forbidden' else msg}")
+    return "; ".join(parts) or type(err).__name__
 
 
 # ---------------------------------------------------------------------------------------------- #

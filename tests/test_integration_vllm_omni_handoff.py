@@ -323,7 +323,7 @@ def test_metrics_off_times_nothing(monkeypatch, puts, vo, adapters, base):
 
 
 def test_a_bad_sample_setting_refuses_install(monkeypatch, vo):
-    from omni_accum.manager import SettingError
+    from omni_accum.switches import SettingError
 
     monkeypatch.setenv("OMNI_ACCUM_HANDOFF_SAMPLE", "every")
     with pytest.raises(SettingError, match=r"OMNI_ACCUM_HANDOFF_SAMPLE='every' is not a whole number >= 0"):

@@ -322,6 +322,7 @@ TOP_LEVEL = [
     "pytest_plugin.py",
     "samehost.py",  # the private directory of the same-host files (the arena and the peer hellos share it)
     "strategy.py",
+    "switches.py",  # the on/off OMNI_ACCUM_* switches and the log handler: the manager, the CLI, the integration
     "testing.py",
 ]
 

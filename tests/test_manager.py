@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 import omni_accum
 from omni_accum.context import KeyMeta, StreamContext
@@ -106,8 +106,12 @@ def test_build_validates_params_and_caches(m):
     a = m.build("latest", {"depth": 2})
     assert a is m.build("latest", {"depth": 2}) and a.params.depth == 2
     assert m.build("latest") is not a
-    with pytest.raises(ValidationError):
-        m.build("latest", {"depht": 2})
+    with pytest.raises(PluginError) as e:  # one line: the strategy, its plugin, the param, what it takes
+        m.build("latest", {"depht": 2}, "key 'x' (a plugin's choice)")
+    assert str(e.value) == (
+        "key 'x' (a plugin's choice): strategy 'latest' (plugin 'acme') refuses params {'depht': 2}: depht: "
+        "unknown param (allowed params: depth (default 1))"
+    )
     with pytest.raises(UnknownStrategyError):
         m.build("nope")
 

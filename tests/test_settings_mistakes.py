@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from omni_accum.manager import SWITCHES, SettingError, env_flag, switch_problems
+from omni_accum.switches import SWITCHES, SettingError, env_flag, switch_problems
 from omni_accum.errors import PolicyError
 
 SWITCH_NAMES = sorted(SWITCHES)
@@ -208,8 +208,15 @@ def test_an_allowlist_entry_naming_no_installed_plugin_is_warned_about(no_switch
     """A typo in OMNI_ACCUM_PLUGINS only showed later as "unknown strategy 'delta'", not as the filter's doing."""
     from omni_accum.manager import StrategyManager
 
-    no_switches.setenv("OMNI_ACCUM_PLUGINS", "deltaa,omni-accum-delta")
+    no_switches.setenv("OMNI_ACCUM_PLUGINS", "deltaa,omni-accum-delta,cat")  # cat: a built-in, always loaded
+    no_switches.setenv("OMNI_ACCUM_DISABLED_PLUGINS", "dleta,prealloc")
     with caplog.at_level(logging.WARNING, logger="omni_accum"):
         StrategyManager()
-    said = [r.getMessage() for r in caplog.records if "OMNI_ACCUM_PLUGINS" in r.getMessage()]
-    assert said == ["omni_accum: OMNI_ACCUM_PLUGINS lists 'deltaa', but no installed strategy plugin has that name"]
+    said = [r.getMessage() for r in caplog.records if "_PLUGINS lists" in r.getMessage()]
+    assert said == [
+        "omni_accum: OMNI_ACCUM_PLUGINS lists 'deltaa', but no installed strategy plugin has that name (plugins: "
+        "delta, omni-accum-delta)",
+        "omni_accum: OMNI_ACCUM_DISABLED_PLUGINS lists 'dleta', but no installed strategy plugin has that name "
+        "(plugins: delta, omni-accum-delta)",
+        "omni_accum: OMNI_ACCUM_DISABLED_PLUGINS lists 'prealloc', a built-in: built-ins cannot be disabled",
+    ]

@@ -24,7 +24,8 @@ from omni_accum.cli.doctor_policy import (  # noqa: F401 - _deploy_policy: the t
     check_policy,
 )
 from omni_accum.integrations.vllm_omni.families import SUPPORTED_VERSIONS, family_for
-from omni_accum.manager import OFF, SettingError, env_flag, get_manager, switch_problems
+from omni_accum.manager import get_manager
+from omni_accum.switches import OFF, SettingError, env_flag, switch_problems
 
 #: Every supported vllm-omni release (the release families of :mod:`omni_accum.integrations.vllm_omni.families`).
 SUPPORTED_VLLM_OMNI = SUPPORTED_VERSIONS

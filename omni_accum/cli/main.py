@@ -21,7 +21,8 @@ from typing import Any
 from omni_accum import __version__
 from omni_accum.cli import ab, bench, doctor, policy, trace, tune
 from omni_accum.errors import OmniAccumError
-from omni_accum.manager import ENV_TRACE, _env_flag, ensure_visible_logging
+from omni_accum.manager import ENV_TRACE
+from omni_accum.switches import _env_flag, ensure_visible_logging
 
 #: Modules contributing subcommands, in the order they appear in ``--help``.
 COMMAND_MODULES: tuple[ModuleType, ...] = (policy, bench, tune, trace, ab, doctor)

@@ -126,9 +126,10 @@ def cmd_strategies(args: argparse.Namespace) -> int:
         manager = get_manager()
     records = [spec_record(s) for s in manager.specs()]
     problems = [{"plugin": p, "problem": m} for p, m in manager.problems]
-    presets = preset_records()
+    presets, selectors = preset_records(), manager.selectors()
     if args.json:
-        _json({"strategies": records, "presets": presets, "problems": problems})
+        _json({"strategies": records, "presets": presets, "selectors": selectors, "disabled": manager.disabled,
+               "problems": problems})  # fmt: skip
         return 0
     for r in records:
         dist = r["distribution"]
@@ -147,8 +148,12 @@ def cmd_strategies(args: argparse.Namespace) -> int:
     _out("\npresets (policies to pass by name: --arms, validate/explain/show, omni_accum_policy, OMNI_ACCUM_POLICY):")
     for pr in presets:
         _out(f"{pr['name']}\n    {pr['description']}" if pr["description"] else pr["name"])
+    if selectors:  # plugins that choose a strategy per key themselves, over the policy's rules
+        _out("\nselection hooks (omni_accum_select_strategy, before the policy): " + ", ".join(selectors))
+    if manager.disabled:
+        _out(f"\nplugins disabled by OMNI_ACCUM_PLUGINS / OMNI_ACCUM_DISABLED_PLUGINS: {', '.join(manager.disabled)}")
     for p in problems:
-        print(f"omni-accum: warning: plugin {p['plugin']!r} skipped: {p['problem']}", file=sys.stderr)
+        print(f"omni-accum: warning: {p['problem']}; plugin skipped", file=sys.stderr)
     return 0
 
 
@@ -217,8 +222,9 @@ def explain_key(
             notes.append("tuned table has no cell for this key in this bucket")
     elif policy.tuned is None and (context.context_len is not None or context.concurrency != 1):
         notes.append("the policy has no tuned table, so --context-len / --concurrency do not change the choice")
-    spec = manager.spec(choice.strategy, where=f"key {key!r} ({choice.source})")
-    resolved = spec.params_model.model_validate(dict(choice.params)).model_dump(mode="json")
+    where = f"key {key!r} ({choice.source})"
+    spec = manager.spec(choice.strategy, where=where)
+    resolved = manager.params(choice.strategy, choice.params, where).model_dump(mode="json")
     if value_type == "other" and "append" in spec.kinds:
         notes.append(f"{choice.strategy!r} appends tensors and lists; a value of another type is just replaced")
     if value_type != "other" and "append" not in spec.kinds:

@@ -113,9 +113,9 @@ class _Endpoint:
         """Refuse a policy whose rules give ``meta.override_keys`` a strategy that rewrites its wire form."""
         hit = self.policy.match_rule(OVERRIDE_KEYS_PATH)
         ref = hit[1] if hit is not None else self.policy.default
-        strategy = self.manager.build(ref.strategy, dict(ref.params))
+        where = f"rules[{hit[0]}] ({hit[1].match!r})" if hit is not None else "default"
+        strategy = self.manager.build(ref.strategy, dict(ref.params), f"{where} for {OVERRIDE_KEYS_PATH}")
         if rewrites_wire(strategy):
-            where = f"rules[{hit[0]}] ({hit[1].match!r})" if hit is not None else "default"
             raise PolicyError(_override_keys_message(ref.strategy, where))
 
     # -- requests ---------------------------------------------------------------------------- #
@@ -164,8 +164,9 @@ class _Endpoint:
         hit = self._selected.get(ck)
         if hit is None:
             choice = self.manager.select(path, meta, context, self.policy)
-            spec = self.manager.spec(choice.strategy, where=f"key {path!r} ({choice.source})")
-            hit = self._selected[ck] = (self.manager.build(choice.strategy, dict(choice.params)), spec)
+            where = f"key {path!r} ({choice.source})"
+            spec = self.manager.spec(choice.strategy, where=where)
+            hit = self._selected[ck] = (self.manager.build(choice.strategy, dict(choice.params), where), spec)
         return hit
 
     def _key_state(

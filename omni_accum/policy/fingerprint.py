@@ -97,7 +97,7 @@ def _plugin_diffs(recorded: Any, now: Mapping[str, str], strategies: Iterable[st
     old = dict(recorded) if isinstance(recorded, Mapping) else {}
     names = sorted(set(strategies) if strategies is not None else set(old) | set(now))
     diffs = [
-        f"{n}: table {old.get(n, 'not installed')}, here {now.get(n, 'not installed')}"
+        f"{n}: table {old.get(n, 'not installed')}, here {now.get(n, 'not loaded (not installed, or disabled)')}"
         for n in names
         if old.get(n) != now.get(n)
     ]

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from omni_accum.errors import PolicyError
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import installed_plugins
+from omni_accum.policy.fingerprint import fingerprint_mismatches, plugin_versions
 from omni_accum.policy import model
 from omni_accum.policy.model import Policy
 from omni_accum.policy.parsing import DuplicateKeyError, LineIndex, TomlText, load_json, load_yaml, yaml_error_parts
@@ -239,23 +240,27 @@ def strategy_problems(
     lines = text if isinstance(text, LineIndex) else LineIndex(text)
     errors: list[dict[str, Any]] = []
     available = manager.names()
+    # A tuned table measured elsewhere is ignored at run time (a warning, then the rules and default), so the
+    # strategies and params of its cells are not this environment's to check: a winner whose plugin is not here
+    # makes the table stale, not the policy invalid (validate reports the stale table itself).
+    stale = policy.tuned is not None and bool(
+        fingerprint_mismatches(
+            policy.tuned.fingerprint, plugins=plugin_versions(manager.specs()), strategies=policy.tuned.strategy_names()
+        )
+    )
     for where, name, params in policy.strategy_refs():
+        if stale and where.startswith("tuned."):
+            continue
         spec = manager.get_spec(name)
         loc: tuple[Any, ...] = _loc_of(where)
         if spec is None:
-            msg = f"unknown strategy {name!r}. Available: {', '.join(available)}"
+            msg = f"unknown strategy {name!r}. Available: {', '.join(available)}{manager.not_loaded_note()}"
             errors.append({"loc": f"{where}.strategy", "line": lines(loc), "msg": msg})
             continue
         try:
             spec.params_model.model_validate(params)
         except ValidationError as e:
-            allowed = (
-                ", ".join(
-                    f"{f} (default {fi.default!r})" if not fi.is_required() else f"{f} (required)"
-                    for f, fi in spec.params_model.model_fields.items()
-                )
-                or "none"
-            )
+            allowed = spec.allowed_params()
             for pe in e.errors():
                 field = ".".join(str(p) for p in pe["loc"])
                 pline = lines(loc + ("params", *pe["loc"]))

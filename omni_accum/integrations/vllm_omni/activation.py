@@ -12,7 +12,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from omni_accum.manager import SettingError, check_switches, env_flag
+from omni_accum.switches import SettingError, check_switches, env_flag
 from omni_accum.errors import OmniAccumError
 from omni_accum.integrations.vllm_omni import binding, deployment, handoff, peer, reporting, send
 from omni_accum.integrations.vllm_omni.binding_settings import (

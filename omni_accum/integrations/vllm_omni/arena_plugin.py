@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from omni_accum.manager import SettingError, env_flag
+from omni_accum.switches import SettingError, env_flag
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 

@@ -28,7 +28,7 @@ from omni_accum.capture.recorder import VALUES, ChunkRecorder
 from omni_accum.capture.writer import DEFAULT_KEEP, DEFAULT_MAX_BYTES, CaptureError, CaptureWriter
 from omni_accum.integrations.vllm_omni import handoff
 from omni_accum.integrations.vllm_omni.marker import MARKERS, stamp_of
-from omni_accum.manager import SettingError
+from omni_accum.switches import SettingError
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 

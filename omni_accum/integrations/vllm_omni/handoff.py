@@ -47,7 +47,7 @@ import torch
 from omni_accum.integrations.vllm_omni import publishing
 from omni_accum.integrations.vllm_omni.marker import MARKERS, stamp_of
 from omni_accum.integrations.vllm_omni.prometheus import _registry_metrics
-from omni_accum.manager import SettingError
+from omni_accum.switches import SettingError
 
 ENV_SAMPLE = "OMNI_ACCUM_HANDOFF_SAMPLE"
 #: Decode chunks: every n-th chunk of a request is timed.

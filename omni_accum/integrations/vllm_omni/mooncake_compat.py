@@ -40,7 +40,7 @@ import os
 import sys
 from typing import Any
 
-from omni_accum.manager import SettingError, env_flag
+from omni_accum.switches import SettingError, env_flag
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 

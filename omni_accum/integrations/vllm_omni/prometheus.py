@@ -11,7 +11,7 @@ import threading
 from bisect import bisect_right
 from typing import Any
 
-from omni_accum.manager import SettingError, env_flag
+from omni_accum.switches import SettingError, env_flag
 
 ENV_METRICS = "OMNI_ACCUM_METRICS"
 MERGE_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1, 1.0)

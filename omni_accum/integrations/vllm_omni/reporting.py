@@ -35,7 +35,7 @@ from omni_accum.integrations.vllm_omni import binding as hooks
 from omni_accum.integrations.vllm_omni import handoff, peer
 from omni_accum.integrations.vllm_omni.binding_settings import Settings
 from omni_accum.integrations.vllm_omni.runner_rows import STATS as RUNNER_ROWS_STATS
-from omni_accum.manager import ENV_LOG_LEVEL, LOG_FORMAT, ensure_visible_logging  # noqa: F401 - re-exported
+from omni_accum.switches import ENV_LOG_LEVEL, LOG_FORMAT, ensure_visible_logging  # noqa: F401 - re-exported
 
 ENV_STATUS_DIR = "OMNI_ACCUM_STATUS_DIR"
 
