@@ -15,6 +15,7 @@ distribution name; ``OMNI_ACCUM_TRACE_PLUGINS=1`` logs every hook call.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import logging
 import os
@@ -153,18 +154,13 @@ class StrategyManager:
             else:
                 self._loaded_eps[ep.name] = ep.value
         known = {_canonical(n) for ep in third for n in (ep.name, (dist_of(ep) or ("",))[0]) if n}
-        builtin = {_canonical(n) for ep in first for n in (ep.name, FIRST_PARTY_DIST)} | set(BUILTIN_MODULES)
+        builtin = {_canonical(n) for n in [*(ep.name for ep in first), FIRST_PARTY_DIST, *BUILTIN_MODULES]}
         valid = ", ".join(sorted(known)) or "none installed"
         for env, names in ((ENV_ALLOW, allow or set()), (ENV_DENY, deny)):  # a typo would only show later
-            for name in sorted(names - known):
-                if name in builtin:  # built-ins always load: allowing one is harmless, disabling one is not done
-                    if env == ENV_DENY:
-                        logger.warning("omni_accum: %s lists %r, a built-in: built-ins cannot be disabled", env, name)
-                    continue
-                logger.warning(
-                    "omni_accum: %s lists %r, but no installed strategy plugin has that name (plugins: %s)",
-                    env, name, valid,
-                )  # fmt: skip
+            for name in sorted(names - known - (builtin if env == ENV_ALLOW else set())):  # built-ins always load
+                no_such = f"but no installed strategy plugin has that name (plugins: {valid})"
+                why = "a built-in: built-ins cannot be disabled" if name in builtin else no_such
+                logger.warning("omni_accum: %s lists %r, %s", env, name, why)
 
     def _problem(
         self,
@@ -283,9 +279,7 @@ class StrategyManager:
             raise PluginError(f"{who}: returned {type(rec).__name__}, expected omni_accum.StrategySpec")
         if not isinstance(rec.name, str) or not _NAME_RE.match(rec.name):
             raise PluginError(f"{who}: invalid strategy name {rec.name!r} (letters, digits, _ . -)")
-        from omni_accum.policy.sources import preset_names  # the presets' folder, no plugin loading
-
-        reserved = (*RESERVED_NAMES, *preset_names())
+        reserved = _reserved_names()
         if rec.name in reserved:
             raise PluginError(
                 f"{who}: strategy name {rec.name!r} is reserved (bench arms and policy presets: {', '.join(reserved)})"
@@ -301,7 +295,7 @@ class StrategyManager:
                 "model_config = ConfigDict(extra='forbid') so misspelled params are errors"
             )
         try:
-            pm.model_validate(pm().model_dump())  # pydantic does not check defaults: a default must be a valid value
+            pm.model_validate(pm().model_dump(by_alias=True))  # pydantic does not check defaults: each must be valid
         except Exception as e:  # noqa: BLE001
             raise PluginError(
                 f"{who}: strategy {rec.name!r}: params_model {pm.__name__} must validate with no arguments "
@@ -378,7 +372,7 @@ class StrategyManager:
             spec = self.spec(name, where)
             valid = self.params(name, params, where)
             try:
-                built = spec.factory(valid)
+                built = spec.build(valid)
             except Exception as e:  # noqa: BLE001 - a plugin's factory raising is that plugin's problem
                 raise PluginError(
                     f"{describe_strategy(spec, where)}: its factory raised {type(e).__name__} with params "
@@ -411,6 +405,14 @@ class StrategyManager:
             if getattr(func, "__code__", None) in codes:
                 return describe_plugin(impl.plugin_name, self._dists.get(impl.plugin_name))
         return "a plugin"
+
+
+@functools.cache
+def _reserved_names() -> tuple[str, ...]:
+    """The bench arms' names and the policy presets' (read from the presets' folder once, no plugin loading)."""
+    from omni_accum.policy.sources import preset_names
+
+    return (*RESERVED_NAMES, *preset_names())
 
 
 def _hook_problem(err: pluggy.PluginValidationError) -> str:

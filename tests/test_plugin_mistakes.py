@@ -56,7 +56,8 @@ def test_a_selection_hook_s_bad_params_fail_the_request_in_one_line(m):  # noqa:
         tx.encode("r", {"embed": {"bad": torch.ones(2, 3)}})
     msg = str(e.value)
     assert "\n" not in msg and "errors.pydantic.dev" not in msg, msg
-    assert "key 'embed.bad' (plugin 'chooser'): strategy 'prealloc' (plugin 'prealloc') refuses params " in msg
+    assert "key 'embed.bad': chosen by plugin 'chooser': strategy 'prealloc' (plugin 'prealloc') refuses params " in msg
+    assert msg.count("embed.bad") == 1, msg
     assert "growth: unknown param (allowed params: initial_capacity (default 64), growth_factor" in msg
     tx.encode("r2", {"embed": {"good": torch.ones(2, 3)}})  # other keys and requests go on
 
@@ -194,3 +195,17 @@ def test_explain_of_a_hook_s_bad_choice_is_an_error_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("\n") == 1, err
     assert err.startswith("omni-accum explain: error: key 'embed.badparam' (plugin 'chooser'): strategy 'prealloc'")
+
+
+def test_a_stale_table_s_other_cells_are_still_checked(m):  # noqa: F811
+    """Only a cell measured with a plugin that is not here (or not at its version) is left to the stale check: a
+    typo in any other cell is an error whatever the rest of the fingerprint says (another torch, another device)."""
+    from omni_accum.policy.fingerprint import current_fingerprint, plugin_versions
+
+    fp = {**current_fingerprint("cpu", "x", plugins=plugin_versions(m.specs())), "torch": "9.9.9"}
+    cell = {"key": "embed.decode", "context_len": 1000, "concurrency": 1}
+    for bad, said in (({"strategy": "prealoc"}, "unknown strategy 'prealoc'"),
+                      ({"strategy": "prealloc", "params": {"growht": 2}}, "growht")):  # fmt: skip
+        table = {"fingerprint": fp, "context_len_edges": [1000], "concurrency_edges": [1], "cells": [{**cell, **bad}]}
+        with pytest.raises(PolicyError, match=said):
+            omni_accum.load_policy({"default": "cat", "tuned": table}, manager=m)

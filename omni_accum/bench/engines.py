@@ -19,11 +19,11 @@ from omni_accum.context import StreamContext
 from omni_accum.engine import Receiver, Sender, _iter_slots
 from omni_accum.errors import OmniAccumError
 from omni_accum.integrations.vllm_omni.classes import transport_mixin
+from omni_accum.manager import RESERVED_NAMES
 from omni_accum.policy.model import Policy
 from omni_accum.strategy import value_nbytes
 
-UPSTREAM = "upstream"
-WIRE_FLOOR = "wire-floor"
+UPSTREAM, WIRE_FLOOR = RESERVED_NAMES  # arms of every bench: no strategy may take their names
 
 
 # ---------------------------------------------------------------------------------------------- #

@@ -164,9 +164,9 @@ class _Endpoint:
         hit = self._selected.get(ck)
         if hit is None:
             choice = self.manager.select(path, meta, context, self.policy)
-            where = f"key {path!r} ({choice.source})"
-            spec = self.manager.spec(choice.strategy, where=where)
-            hit = self._selected[ck] = (self.manager.build(choice.strategy, dict(choice.params), where), spec)
+            spec = self.manager.spec(choice.strategy, where=f"key {path!r} ({choice.source})")
+            chosen = f"chosen by {choice.source or 'a selection hook'}"  # the request's error names the key
+            hit = self._selected[ck] = (self.manager.build(choice.strategy, dict(choice.params), chosen), spec)
         return hit
 
     def _key_state(

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from omni_accum.errors import PolicyError
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import installed_plugins
-from omni_accum.policy.fingerprint import fingerprint_mismatches, plugin_versions
+from omni_accum.policy.fingerprint import plugin_versions
 from omni_accum.policy import model
 from omni_accum.policy.model import Policy
 from omni_accum.policy.parsing import DuplicateKeyError, LineIndex, TomlText, load_json, load_yaml, yaml_error_parts
@@ -240,16 +240,14 @@ def strategy_problems(
     lines = text if isinstance(text, LineIndex) else LineIndex(text)
     errors: list[dict[str, Any]] = []
     available = manager.names()
-    # A tuned table measured elsewhere is ignored at run time (a warning, then the rules and default), so the
-    # strategies and params of its cells are not this environment's to check: a winner whose plugin is not here
-    # makes the table stale, not the policy invalid (validate reports the stale table itself).
-    stale = policy.tuned is not None and bool(
-        fingerprint_mismatches(
-            policy.tuned.fingerprint, plugins=plugin_versions(manager.specs()), strategies=policy.tuned.strategy_names()
-        )
-    )
+    # A tuned cell whose strategy was measured with a plugin that is not loaded here, or loaded at another version
+    # (the table's fingerprint records each winner's), is not checked here: that plugin makes the table stale, which
+    # is ignored at run time (a warning, then the rules and default) and reported by validate, not an invalid policy.
+    # Every other cell is checked as a rule is.
+    recorded = (policy.tuned.fingerprint.get("plugins") if policy.tuned is not None else None) or {}
+    here = plugin_versions(manager.specs()) if recorded else {}
     for where, name, params in policy.strategy_refs():
-        if stale and where.startswith("tuned."):
+        if where.startswith("tuned.") and name in recorded and recorded[name] != here.get(name):
             continue
         spec = manager.get_spec(name)
         loc: tuple[Any, ...] = _loc_of(where)
