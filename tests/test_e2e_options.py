@@ -63,6 +63,7 @@ def _usage_error(run, capsys, argv: list[str]) -> str:  # noqa: F811
         (["--arms", "@arena"], "arm '@arena': no arm before '@' (e.g. off@arena"),
         (["--arms", ","], "--arms ',': no arm"),
         (["--arms", "off,missing-policy.yaml"], "missing-policy.yaml: no such policy file"),
+        (["--arms", f"{E2E / 'configs' / 'qwen3_omni_cpu.yaml'}"], "unknown field. Allowed fields: "),  # each problem
         (["--output-len", "0"], "--output-len: 0 is below 1"),
         (["--num-prompts", "-3"], "--num-prompts: -3 is below 0"),
         (["--num-prompts", "2", "--concurrency", "1,4"], "--num-prompts 2 is below --concurrency 4"),
@@ -108,15 +109,23 @@ def test_outputs_that_cannot_be_written_are_refused_first(run, model, capsys, mo
 def test_the_interpreter_must_hold_the_release_it_runs(run, model, capsys, monkeypatch, tmp_path):  # noqa: F811
     assert run.installed_release(tmp_path / "none" / "bin") is None
     assert run.installed_release(_venv(tmp_path / "v030", "0.30.0") / "bin") == "0.30"
+    assert run.installed_release(_venv(tmp_path / "v030p", "0.30.0.post1") / "bin") == "0.30"
     assert run.installed_release(_venv(tmp_path / "vx", None) / "bin") == "unknown"
-    monkeypatch.setattr(run, "VENV_BIN", _venv(tmp_path / "v016", "0.16.0") / "bin")
+    monkeypatch.setattr(run, "INTERPRETER_BIN", _venv(tmp_path / "v016", "0.16.0") / "bin")
     assert "has vllm-omni 0.16, and this run is for 0.30's server: add --release 0.16" in _usage_error(
         run, capsys, ["--model", str(model)]
     )
-    monkeypatch.setattr(run, "VENV_BIN", _venv(tmp_path / "v028", "0.28.0") / "bin")
+    monkeypatch.setattr(run, "INTERPRETER_BIN", _venv(tmp_path / "v028", "0.28.0") / "bin")
     assert "the harness runs 0.30, 0.16" in _usage_error(run, capsys, ["--model", str(model)])
-    monkeypatch.setattr(run, "VENV_BIN", tmp_path / "plain" / "bin")
+    monkeypatch.setattr(run, "INTERPRETER_BIN", tmp_path / "plain" / "bin")
     assert "no vllm-omni beside" in _usage_error(run, capsys, ["--model", str(model)])
+    # a run after a --release 0.16 run in the same process starts 0.30's server again
+    monkeypatch.setattr(run, "INTERPRETER_BIN", _venv(tmp_path / "v030b", "0.30.0") / "bin")
+    argv_016 = ["--model", str(model), "--release", "0.16", "--kill-stage", "9"]
+    assert "--kill-stage 9" in _usage_error(run, capsys, argv_016)
+    assert "this run starts a 0.30 server" in _usage_error(
+        run, capsys, ["--model", str(model), "--deploy-config", str(E2E / "configs" / "0.16" / "qwen3_omni_cpu.yaml")]
+    )
 
 
 def _fake_arm(seen: list[str], interrupt_at: str | None = None):
@@ -193,7 +202,6 @@ def test_every_command_of_the_readme_is_accepted(run, model, monkeypatch, tmp_pa
     commands = _readme_commands()
     assert len(commands) > 40
     monkeypatch.setattr(run.hosts_mode, "prerequisites", lambda _python: None)  # root, ip, Mooncake
-    release, venv_bin = run.RELEASE, run.VENV_BIN
     monkeypatch.chdir(tmp_path)
     reached = []
 
@@ -215,7 +223,6 @@ def test_every_command_of_the_readme_is_accepted(run, model, monkeypatch, tmp_pa
             if policy.endswith((".yaml", ".json", ".toml")):  # a policy the README's commands tuned first
                 Path(policy).parent.mkdir(parents=True, exist_ok=True)
                 Path(policy).write_text("rules: []\n")
-        run.RELEASE, run.VENV_BIN = release, venv_bin  # as a fresh run.py starts (--release changes both)
         n = len(reached)
         with pytest.raises(Reached):
             run.main(argv)

@@ -104,8 +104,7 @@ def build_parser(
         "--smoke",
         action="store_true",
         help="one short chat request with audio per arm (the first probe only), no benchmark client (so none of "
-        "the benchmark's options: --input-len, --output-len, --concurrency, --num-prompts, --seed, --duration-s, "
-        "--bench-timeout)",
+        f"the benchmark's options: {', '.join(option(d) for d in BENCH_ONLY)})",
     )
     ap.add_argument(
         "--model",
@@ -253,17 +252,35 @@ def check_values(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                  "or --smoke")  # fmt: skip
     if "kill_after_s" in given and args.kill_stage is None and args.hosts_fault is None:
         ap.error(f"--kill-after-s {args.kill_after_s:g}: times --kill-stage or --hosts-fault, and neither is given")
+    if args.kill_stage is not None and args.smoke:
+        ap.error("--kill-stage needs the benchmark (it kills the stage while the benchmark runs): drop --smoke")
+    if args.hosts_fault is not None and (not args.hosts or args.smoke):
+        ap.error(f"--hosts-fault {args.hosts_fault}: needs --hosts N and the benchmark (not --smoke)")
     for k, v in DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-
-
-def check_num_prompts(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """A benchmark of fewer requests than its concurrency never has that many in flight (its results would be
-    labelled with a concurrency it did not reach)."""
+    try:
+        args.concurrency = positive_ints(args.concurrency, "--concurrency")
+        args.input_len = positive_ints(args.input_len, "--input-len")
+    except ValueError as e:
+        ap.error(str(e))
+    # A benchmark of fewer requests than its concurrency never has that many in flight (its results would be
+    # labelled with a concurrency it did not reach).
     if args.num_prompts and not args.smoke and args.num_prompts < max(args.concurrency):
         ap.error(f"--num-prompts {args.num_prompts} is below --concurrency {max(args.concurrency)}: that many "
                  f"requests are never in flight (give at least {max(args.concurrency)}, or leave it out)")  # fmt: skip
+
+
+def positive_ints(text: str, flag: str) -> list[int]:
+    """``8000,16000,32000`` -> [8000, 16000, 32000]; ValueError naming the option and the bad item."""
+    out = []
+    for t in (t.strip() for t in str(text).split(",")):
+        if not (t.isascii() and t.isdigit()) or int(t) <= 0:
+            example = "8000,32000" if flag == "--input-len" else "1,4"
+            raise ValueError(f"{flag}: {t!r} in {text!r} is not a positive integer (a comma-separated list, e.g. "
+                             f"{example})")  # fmt: skip
+        out.append(int(t))
+    return out
 
 
 def _writable_dir_problem(path: Path) -> str | None:
@@ -294,8 +311,6 @@ def check_outputs(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None
             ap.error(f"--json {path}: is a folder (give a file name, e.g. {path / 'e2e.json'})")
         if path.exists() and not path.is_file():
             ap.error(f"--json {path}: exists and is not a regular file")
-        if path.exists() and not os.access(path, os.W_OK):
-            ap.error(f"--json {path}: is not writable")
         why = _writable_dir_problem(path.parent)
         if why:
             ap.error(f"--json {path}: {why}")

@@ -65,13 +65,14 @@ from e2e_watch import (  # noqa: E402 - memory samples, a stage killed on purpos
 
 import hosts as hosts_mode  # noqa: E402 - run.py --hosts N (network namespaces, netns.py)
 from e2e_options import (  # noqa: E402 - the options, and the checks of their values
-    build_parser, check_deploy, check_num_prompts, check_outputs, check_values, release_name,
+    build_parser, check_deploy, check_outputs, check_values, positive_ints,  # noqa: F401 - positive_ints: the tests
 )  # fmt: skip
 
 WORK = HERE / ".work"
 MODELS = {"tiny": WORK / "model", "light": WORK / "model-light", "lean": WORK / "model-lean"}  # --variant NAME
 DEFAULT_MODEL = "tiny"
-VENV_BIN = Path(sys.executable).parent
+INTERPRETER_BIN = Path(sys.executable).parent  # the python running this script: its virtualenv's bin/
+VENV_BIN = INTERPRETER_BIN  # the server's (main() sets it: --release's virtualenv, else this one)
 
 
 @dataclass(frozen=True)
@@ -251,31 +252,17 @@ def make_arm(spec: str) -> Arm:
         return arm
     if spec == "off":
         return Arm("off", {"OMNI_ACCUM_VLLM_OMNI": "0"}, ("OMNI_ACCUM_POLICY",))
-    from omni_accum import PolicyError, load_policy, preset_names
+    from omni_accum import OmniAccumError, load_policy, preset_names
 
     try:
         load_policy(spec)
-    except PolicyError as e:
-        first = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+    except OmniAccumError as e:  # a policy's problems (each), a plugin or an OMNI_ACCUM_* switch that is wrong
+        said = "; ".join(getattr(e, "errors", None) or [" ".join(str(e).split())]) or type(e).__name__
         raise SystemExit(
-            f"arm {spec!r}: {first} (an arm is off, a preset: {', '.join(preset_names())}, or a policy file)"
+            f"arm {spec!r}: {said} (an arm is off, a preset: {', '.join(preset_names())}, or a policy file)"
         ) from None
     policy = str(Path(spec).resolve()) if Path(spec).is_file() else spec
     return Arm(spec, {"OMNI_ACCUM_VLLM_OMNI": "1", "OMNI_ACCUM_POLICY": policy})
-
-
-def positive_ints(text: str, option: str) -> list[int]:
-    """``8000,16000,32000`` -> [8000, 16000, 32000]; ValueError naming the option and the bad item."""
-    items = [t.strip() for t in str(text).split(",")]
-    out = []
-    for t in items:
-        if not (t.isascii() and t.isdigit()) or int(t) <= 0:
-            example = "8000,32000" if option == "--input-len" else "1,4"
-            raise ValueError(
-                f"{option}: {t!r} in {text!r} is not a positive integer (a comma-separated list, e.g. {example})"
-            )
-        out.append(int(t))
-    return out
 
 
 def resolve_model(value: str | Path) -> Path:
@@ -575,13 +562,16 @@ def installed_release(venv_bin: Path) -> str | None:
     found = sorted(venv_bin.parent.glob("lib/python*/site-packages/vllm_omni-*.dist-info"))
     if not found:
         return "unknown"
-    return release_name(found[0].name.removeprefix("vllm_omni-").removesuffix(".dist-info"))
+    version = found[0].name.removeprefix("vllm_omni-").removesuffix(".dist-info")
+    m = re.match(r"(\d+)\.(\d+)", version)  # 0.30.0, 0.30.0.post1, 0.30.0rc1: the 0.30 release
+    return f"{m.group(1)}.{m.group(2)}" if m else "unknown"
 
 
 def check_release(ap: argparse.ArgumentParser, given: str | None) -> None:
     """The server environment: ``--release``'s virtualenv, else the one of the python running this script; it must
     hold that release's vllm-omni (a 0.16.0 server started with 0.30's deploy and model fails minutes later)."""
     global RELEASE, VENV_BIN
+    RELEASE, VENV_BIN = RELEASES["0.30"], INTERPRETER_BIN  # what a run without --release starts
     if given is not None:
         RELEASE = RELEASES[given]
         venv = Path(os.environ.get("OMNI_ACCUM_E2E_VENV") or RELEASE.venv)
@@ -653,13 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     # stopped, its /dev/shm files checked): the default action left a running server behind.
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _interrupted)
-    check_values(ap, args)  # numbers, options that do nothing together; fills in the defaults
-    try:
-        args.concurrency = positive_ints(args.concurrency, "--concurrency")
-        args.input_len = positive_ints(args.input_len, "--input-len")
-    except ValueError as e:
-        ap.error(str(e))
-    check_num_prompts(ap, args)
+    check_values(ap, args)  # numbers, lists, options that do nothing together; fills in the defaults
     check_outputs(ap, args)
     check_release(ap, args.release)
     if args.deploy_config is None:
@@ -669,8 +653,6 @@ def main(argv: list[str] | None = None) -> int:
             args.kill_stage = stage_number(args.kill_stage)
         except ValueError as e:
             ap.error(str(e))
-        if args.smoke:
-            ap.error("--kill-stage needs the benchmark (it kills the stage while the benchmark runs): drop --smoke")
     model_name = str(args.model)
     args.model = resolve_model(args.model)
     if not (args.model / "config.json").exists():
@@ -700,8 +682,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--arms: {', '.join(twice)} given twice (to run an arm again on a server of its own, name it ARM#2)")
     if args.hosts and RELEASE.name != "0.30":
         ap.error(f"--hosts {args.hosts}: the simulated hosts run vllm-omni 0.30.0's deploys (not --release {RELEASE.name})")
-    if args.hosts_fault is not None and (not args.hosts or args.smoke):
-        ap.error(f"--hosts-fault {args.hosts_fault}: needs --hosts N and the benchmark (not --smoke)")
     if args.hosts and (HERE / "configs" / "qwen3_omni_cpu.yaml").resolve() == Path(args.deploy_config).resolve():
         args.deploy_config = HOSTS_DEPLOY.resolve()  # shared memory does not cross hosts
     for arm in arms:

@@ -49,7 +49,8 @@ while [ $# -gt 0 ]; do
       echo
       echo "environment: OMNI_ACCUM_E2E_VENV (the virtualenv's folder), OMNI_ACCUM_E2E_RELEASE,"
       echo "OMNI_ACCUM_E2E_SEED_VENV (the environment it starts from; 'none': from scratch),"
-      echo "OMNI_ACCUM_SKIP_DISK_CHECK=1 (no free-space check). Details: the comments at the top of this script."
+      echo "OMNI_ACCUM_E2E_NEED_GB (the free space it asks for first: 6 GB from a seed, else 8)."
+      echo "Details: the comments at the top of this script."
       exit 0 ;;
     *) echo "setup_env.sh: unknown argument '$1' (valid: --release 0.30|0.16, --help)" >&2; exit 2 ;;
   esac
