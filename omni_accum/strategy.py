@@ -267,7 +267,7 @@ def check_appendable(current: torch.Tensor, value: torch.Tensor) -> None:
         raise MergeError(f"dtype changed mid-stream: expected {current.dtype}, received {value.dtype}")
     if value.shape[1:] != current.shape[1:]:
         raise MergeError(
-            f"trailing shape changed mid-stream: expected [*, {', '.join(map(str, current.shape[1:]))}], "
+            f"trailing shape changed mid-stream: expected [{', '.join(['*', *map(str, current.shape[1:])])}], "
             f"received {list(value.shape)}"
         )
     if value.device != current.device:

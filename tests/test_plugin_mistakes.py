@@ -209,3 +209,18 @@ def test_a_stale_table_s_other_cells_are_still_checked(m):  # noqa: F811
         table = {"fingerprint": fp, "context_len_edges": [1000], "concurrency_edges": [1], "cells": [{**cell, **bad}]}
         with pytest.raises(PolicyError, match=said):
             omni_accum.load_policy({"default": "cat", "tuned": table}, manager=m)
+
+
+def test_shape_messages_read_as_shapes():
+    """``[*]`` for rows of scalars (it read ``[*, ]``), and the reference's expected shape as one list (it read
+    ``[209, *[2048]]``)."""
+    from omni_accum.bench.reference import _check_concat
+    from omni_accum.errors import MergeError
+    from omni_accum.strategy import check_appendable
+
+    with pytest.raises(MergeError, match=r"expected \[\*\], received \[2, 3\]$"):
+        check_appendable(torch.ones(4), torch.ones(2, 3))
+    with pytest.raises(MergeError, match=r"expected \[\*, 3\], received \[2, 4\]$"):
+        check_appendable(torch.ones(4, 3), torch.ones(2, 4))
+    said = _check_concat(torch.ones(5, 2048), [torch.ones(200, 2048), torch.ones(9, 2048)])
+    assert said == "shape/dtype [5, 2048] torch.float32, expected [209, 2048] torch.float32"

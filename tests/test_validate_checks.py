@@ -79,6 +79,7 @@ def test_validate_reads_stdin_and_inline_text(capsys, monkeypatch):
     assert code == 0 and "<stdin>: ok" in out
     code, out, _ = _run(capsys, "validate", "default: catt")
     assert code == 1 and "unknown strategy 'catt'" in out
+    assert out.startswith("<inline>: 1 error(s)\n"), out  # the header as when it is valid, not the text itself
     code, out, _ = _run(capsys, "validate", '{"default": "replace"}')
     assert code == 0 and ": ok" in out
 

@@ -67,7 +67,7 @@ def _check_concat(got: Any, values: list[Any]) -> str | None:
     if got.shape[0] != rows or got.shape[1:] != values[0].shape[1:] or got.dtype != values[0].dtype:
         return (
             f"shape/dtype {list(got.shape)} {got.dtype}, "
-            f"expected [{rows}, *{list(values[0].shape[1:])}] {values[0].dtype}"
+            f"expected {[rows, *values[0].shape[1:]]} {values[0].dtype}"
         )
     off = 0
     for i, v in enumerate(values):

@@ -58,7 +58,8 @@ def check_one(arg: str, manager: StrategyManager, allow_stale: bool = False) -> 
             warnings.simplefilter("ignore")
             label, text, policy = load_policy_argument(arg, manager)
     except OmniAccumError as e:
-        rec["policy"] = "<stdin>" if arg == "-" else rec["policy"]
+        src = getattr(e, "source", None)  # "<inline>" for inline text: the same header as when it is valid
+        rec["policy"] = "<stdin>" if arg == "-" else src if isinstance(src, str) and src.startswith("<") else label
         rec["errors"] = _load_errors(e)
         rec["text"] = [str(m) for m in (getattr(e, "errors", None) or [str(e)])]
         return rec
