@@ -226,3 +226,41 @@ def test_a_request_whose_first_chunk_is_lost_still_runs_the_senders_arm(vo, adap
     assert set(wanted.values()) == {"control", "treatment"}
     for arm in rxb.arms.values():
         assert not arm.foreign  # no request was taken for another policy's
+
+
+def test_a_capture_under_a_split_names_each_requests_arm_and_that_arms_strategies(
+    vo, adapters, tmp_path, monkeypatch
+):
+    """OMNI_ACCUM_CAPTURE with an A/B split: every record (both stages) names the arm its request ran, and the
+    strategy column is that arm's policy's (control `default`: cat; treatment `qwen3-omni`: not cat)."""
+    from omni_accum.capture.reader import read_capture
+    from omni_accum.capture.recorder import request_hash
+    from omni_accum.capture.writer import read_salt
+    from omni_accum.integrations.vllm_omni import capture
+
+    folder = tmp_path / "cap"
+    monkeypatch.setenv("OMNI_ACCUM_CAPTURE", str(folder))
+    vo.install(None)
+    try:
+        tx, rx = adapters(0, next_func=_t2t(), extra=AB), adapters(1, extra=AB)
+        split = _bound(tx).split
+        ids = _ids(f"oa-ab-cap-{os.getpid()}")
+        for rid in ids:
+            _run(tx, rx, rid)
+        capture.flush_all()
+    finally:
+        capture.close_all()
+    salt = read_salt(folder)
+    arm_of = {request_hash(salt, rid): split.arm_for(rid) for rid in ids}
+    cap = read_capture(folder)
+    assert cap.problems == []
+    seen: dict[tuple[str, str], set[str]] = {}
+    for rec in cap.records:
+        assert rec["arm"] == arm_of[rec["req"]], rec
+        for key in rec["keys"]:
+            if key[0] == "embed.prefill":
+                seen.setdefault((rec["arm"], rec["role"]), set()).add(key[5])
+    assert set(arm_of.values()) == {"control", "treatment"}
+    for role in ("send", "recv"):
+        assert seen[("control", role)] == {"cat"}, seen
+        assert "cat" not in seen[("treatment", role)], seen

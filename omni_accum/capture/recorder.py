@@ -126,10 +126,10 @@ class ChunkRecorder:
 
     ``kind_of(path, value) -> (kind, strategy)``: the key's kind (``append``/``replace``) and the strategy
     the policy gives it (called once per key and value type, dtype, shape). ``values``: ``none`` or
-    ``sample``.
+    ``sample``. ``arm``: the A/B arm whose requests it records (in every record's ``arm``; None: no split).
     """
 
-    __slots__ = ("writer", "role", "pair", "kind_of", "ctx_of", "sample", "_keys", "_reqs", "_head", "_salt")
+    __slots__ = ("writer", "role", "pair", "kind_of", "ctx_of", "sample", "arm", "_keys", "_reqs", "_head", "_salt")
 
     def __init__(
         self,
@@ -139,8 +139,10 @@ class ChunkRecorder:
         kind_of: Callable[[str, Any], tuple[str, str]],
         values: str = "none",
         ctx_of: Callable[[Any], int | None] | None = None,
+        arm: str | None = None,
     ) -> None:
         self.writer = writer
+        self.arm = arm
         self.ctx_of = ctx_of
         self.role = role
         self.pair = pair
@@ -148,7 +150,7 @@ class ChunkRecorder:
         self.sample = values == "sample"
         self._salt = writer.salt
         self._keys: dict[tuple[Any, ...], str] = {}
-        # req id -> [hash, next seq, last t (us), line head, sampled keys, ctx, line end without handoff_s / arm]
+        # req id -> [hash, next seq, last t (us), line head, sampled keys, ctx, line end without handoff_s]
         self._reqs: dict[Any, list[Any]] = {}
         self._head = f',"pair":{_dumps(pair)},"role":{_dumps(role)},"seq":'
 
@@ -167,9 +169,13 @@ class ChunkRecorder:
         tail = "null" if ctx is None else str(int(ctx))
         state = reqs[req_id] = [
             h, 0, now, f'"req":"{h}"' + self._head, set() if self.sample else None, tail,
-            f'],"handoff_s":null,"arm":null,"ctx":{tail}}}\n',  # the line's end when neither is known (most chunks)
+            f'],"handoff_s":null,"arm":{self._arm},"ctx":{tail}}}\n',  # the line's end without a hand-off
         ]
         return state
+
+    @property
+    def _arm(self) -> str:
+        return "null" if self.arm is None else _dumps(self.arm)
 
     def forget(self, req_id: Any) -> None:
         """The request is released (its next chunk, if any, starts again at ``seq`` 0)."""
@@ -224,9 +230,10 @@ class ChunkRecorder:
         if handoff_s is None and arm is None:
             tail = state[6]
         else:
+            arm = self._arm if arm is None else _dumps(arm)
             tail = (
                 f'],"handoff_s":{"null" if handoff_s is None else f"{handoff_s:.6f}"},'
-                f'"arm":{"null" if arm is None else _dumps(arm)},"ctx":{state[5]}}}\n'
+                f'"arm":{arm},"ctx":{state[5]}}}\n'
             )
         # t and dt as whole microseconds with an exponent: JSON numbers any reader parses as the seconds
         # (1500823244e-6 is 1500.823244), written without float formatting

@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from omni_accum.integrations.vllm_omni import handoff
+from omni_accum.integrations.vllm_omni import capture, handoff
 from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY, hello_of, stamp_of
 
 _monotonic_ns = time.monotonic_ns
@@ -37,9 +37,10 @@ _monotonic_ns = time.monotonic_ns
 def _share(b: Any, arm: Any) -> Any:
     """What the split's binding holds for its adapter (the peer watcher, the capture) serves its arms too."""
     d, ad = b.__dict__, arm.__dict__
-    for k in ("_peer", "_capture"):
-        if k in d and k not in ad:
-            ad[k] = d[k]
+    if "_peer" in d and "_peer" not in ad:
+        ad["_peer"] = d["_peer"]
+    if "_capture" in d and "_capture" not in ad:  # the same files; records that name the arm (.capture)
+        ad["_capture"] = capture.for_arm(d["_capture"], arm)
     return arm
 
 

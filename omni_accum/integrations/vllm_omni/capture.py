@@ -161,6 +161,22 @@ def attach(b: Any, adapter: Any) -> Capture | None:
     return cap
 
 
+def for_arm(cap: Capture | None, arm: Any) -> Capture | None:
+    """The capture of A/B arm binding ``arm`` (:mod:`.ab`): the split's writer, recorders of its own, so that
+    its records name the arm and the strategies of the arm's policy."""
+    if cap is None:
+        return None
+    recorders = []
+    for r in (cap.send, cap.recv):
+        recorders.append(
+            None if r is None else ChunkRecorder(
+                cap.writer, r.role, r.pair, _kind_of(arm), "sample" if r.sample else "none", ctx_of=r.ctx_of,
+                arm=arm.arm,
+            )
+        )
+    return Capture(cap.writer, *recorders)
+
+
 def sent(cap: Capture, req_id: Any, chunk: Mapping[str, Any], task: Any) -> None:
     """The send hook: ``chunk`` of ``req_id`` as the adapter built it (before omni-accum encodes it)."""
     try:
@@ -193,13 +209,13 @@ def received(cap: Capture, adapter: Any, req_id: Any, payload: Mapping[str, Any]
 
 def released(b: Any, req_id: Any, role: str) -> None:
     """A request was released on ``role``'s side: forget it and write what is buffered."""
-    cap = b.__dict__.get("_capture")
-    if cap is None:
-        return
-    rec = cap.send if role == "send" else cap.recv
-    if rec is not None:
-        rec.forget(req_id)
-    cap.writer.flush()
+    caps = [c for c in (x.__dict__.get("_capture") for x in b.each()) if c is not None]
+    for cap in caps:  # the binding's and, under an A/B split, its arms' (the request is in one of them)
+        rec = cap.send if role == "send" else cap.recv
+        if rec is not None:
+            rec.forget(req_id)
+    if caps:
+        caps[0].writer.flush()
 
 
 def flush_all() -> None:
