@@ -243,3 +243,22 @@ def test_a_key_whose_shape_or_dtype_changes_is_described_again(tmp_path):
     got = [r["keys"][0][2:4] for r in read_capture(tmp_path).records]
     assert got == [["bool", []], ["bool", []], ["bool", [2]], ["float32", []], ["float32", [0]], ["bool", []],
                    ["bfloat16", [1, 3]], ["bfloat16", [2, 3]], ["str", [4]], ["bool", []]]
+
+
+def test_a_capture_whose_files_are_cleared_goes_on_and_one_whose_folder_is_removed_says_so(tmp_path):
+    import shutil
+
+    errors: list[str] = []
+    w = CaptureWriter(tmp_path / "cap", "0", buffer_bytes=0, on_error=errors.append)
+    rec = ChunkRecorder(w, "send", "0->1", lambda path, value: ("append", "cat"))
+    rec.record("r", {"embed": {"x": torch.zeros(1, 2)}}, 1_000_000)
+    for f in (tmp_path / "cap").glob("capture-*"):
+        f.unlink()  # the operator clears the files between two experiments; the folder and its salt stay
+    rec.record("r", {"embed": {"x": torch.zeros(1, 2)}}, 1_000_100)
+    assert errors == [] and not w.closed
+    assert len(read_capture(tmp_path / "cap").records) == 1  # the second record went to a new file
+    shutil.rmtree(tmp_path / "cap")
+    rec.record("r", {"embed": {"x": torch.zeros(1, 2)}}, 1_000_200)
+    assert w.closed and len(errors) == 1 and "was removed with its folder or salt; capture stopped" in errors[0]
+    rec.record("r", {"embed": {"x": torch.zeros(1, 2)}}, 1_000_300)
+    assert len(errors) == 1  # reported once

@@ -207,7 +207,7 @@ def test_tune_refuses_to_overwrite_a_file_that_is_not_a_tuned_policy(tmp_path, c
     """A hand-written policy (or any other file) given as --out was replaced without a word."""
     out = tmp_path / "my-policy.yaml"
     out.write_text(text)
-    assert cli.main(_tune_args(tmp_path, out)) == 1
+    assert cli.main(_tune_args(tmp_path, out)) == 2
     err = capsys.readouterr().err
     assert f"--out {out}: holds a policy that is not a tuned one" in err and "left it untouched" in err
     assert out.read_text() == text and "Traceback" not in err
@@ -250,7 +250,7 @@ def test_a_bucket_larger_than_the_memory_available_is_refused_before_measuring(t
                                                                                monkeypatch):
     monkeypatch.setattr("omni_accum.bench.runner.available_memory", lambda: 1)
     out = tmp_path / "t.yaml"
-    assert cli.main(_tune_args(tmp_path, out)) == 1
+    assert cli.main(_tune_args(tmp_path, out)) == 2
     err = capsys.readouterr().err
     assert "concurrency=" in err and "needs at least" in err and "and 1 B is available" in err
     assert "Traceback" not in err and not out.exists()
@@ -259,7 +259,7 @@ def test_a_bucket_larger_than_the_memory_available_is_refused_before_measuring(t
 def test_decode_steps_beyond_the_workload_or_too_few_to_tune_are_named(tmp_path, capsys, no_measuring):
     """--decode-steps 100000 was capped to the workload's 4 without a word (and recorded as 100000); --decode-steps 1
     failed with "nothing to tune" without pointing at it."""
-    assert cli.main(_tune_args(tmp_path, tmp_path / "t.yaml", "--decode-steps", "5")) == 1
+    assert cli.main(_tune_args(tmp_path, tmp_path / "t.yaml", "--decode-steps", "5")) == 2
     err = capsys.readouterr().err
     assert "--decode-steps 5: workload 'small' has 4 decode steps per request; give at most 4" in err
     decode_only = dict(SMALL, keys=[dict(SMALL["keys"][0], carried="decode")])
@@ -275,7 +275,7 @@ def test_decode_steps_beyond_the_workload_or_too_few_to_tune_are_named(tmp_path,
 def test_resume_refuses_to_overwrite_a_policy_that_is_not_tuned(tmp_path, capsys, no_measuring, text):
     out = tmp_path / "hand-written.yaml"
     out.write_text(text)
-    assert cli.main(_tune_args(tmp_path, out, "--resume")) == 1
+    assert cli.main(_tune_args(tmp_path, out, "--resume")) == 2
     err = capsys.readouterr().err
     assert str(out) in err and "--out" in err and "remove it first" in err and "Traceback" not in err
     assert out.read_text() == text
@@ -444,7 +444,7 @@ def test_two_runs_on_one_out_the_second_is_refused(tmp_path, capsys):
 
     out = tmp_path / "same.yaml"
     with OutputLock(out):  # as a first run holds it
-        assert cli.main(_tune_args(tmp_path, out)) == 1
+        assert cli.main(_tune_args(tmp_path, out)) == 2
         err = capsys.readouterr().err
         assert f"{out} is being written by another omni-accum tune run (pid {os.getpid()}" in err
         assert "give another --out" in err and not out.exists()
@@ -524,3 +524,16 @@ def test_tune_help_has_examples_and_no_progress(capsys):
     out = capsys.readouterr().out
     assert "examples:\n  omni-accum tune --quick --out tuned.yaml" in out and "--no-progress" in out
     assert cli.build_parser().parse_args(["tune", "--out", "t.yaml", "--no-progress"]).no_progress is True
+
+
+def test_a_base_with_an_ab_section_is_tuned_from_its_first_arm(tmp_path, capsys):
+    """`tune --base ab.yaml` refused a policy `validate` accepts ("a policy with an ab section also sets rules"):
+    as in bench and explain, the split runs as its first arm."""
+    ab = tmp_path / "ab.yaml"
+    ab.write_text("ab:\n  arms:\n    control: {policy: default}\n    treatment: {policy: qwen3-omni}\n")
+    out = tmp_path / "t.yaml"
+    assert cli.main(_tune_args(tmp_path, out, "--base", str(ab), "--no-progress")) == 0
+    err = capsys.readouterr().err
+    assert f"--base {ab}: an A/B split; tuning from its first arm, 'control'" in err and "Traceback" not in err
+    tuned = omni_accum.load_policy(out)
+    assert tuned.ab is None and tuned.tuned is not None

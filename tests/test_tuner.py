@@ -288,7 +288,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         cli.main(["tune", "--context-lens", "ten", "--out", str(tmp_path / "x.yaml")])
     assert e.value.code == 2
     if not torch.cuda.is_available():
-        assert cli.main(["tune", "--device", "cuda", "--out", str(tmp_path / "x.yaml")]) == 1
+        assert cli.main(["tune", "--device", "cuda", "--out", str(tmp_path / "x.yaml")]) == 2
         assert "no CUDA device" in capsys.readouterr().err
 
 

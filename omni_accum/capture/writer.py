@@ -107,12 +107,27 @@ def read_salt(directory: Path) -> str:
     raise CaptureError(f"capture salt {path}: empty")
 
 
+def read_salt_if_present(directory: Path) -> str | None:
+    """The salt in ``DIR/salt``, or None when the file is not there (never made here)."""
+    try:
+        fd = os.open(directory / SALT_FILE, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CaptureError(f"capture salt {directory / SALT_FILE}: cannot open it ({e.strerror or e})") from None
+    try:
+        return os.read(fd, 256).decode("ascii", "replace").strip() or None
+    finally:
+        os.close(fd)
+
+
 class CaptureWriter:
     """Complete lines into this process's capture files under ``directory`` (see the module docstring).
 
     :meth:`write` may be called from several threads (a list append; writes and rotation take a lock). A write
     that fails (disk full, a removed folder) turns the writer off and is reported once through ``on_error``; it
-    never raises into the caller's hot path.
+    never raises into the caller's hot path. A file removed while written (the folder's files cleared, the
+    folder and its salt kept) is followed by the next one at the next write.
     """
 
     def __init__(
@@ -229,6 +244,12 @@ class CaptureWriter:
         if self.closed:
             return
         n = len(data)
+        try:
+            removed = os.fstat(self._fd).st_nlink == 0
+        except OSError:
+            removed = False
+        if removed and not self._reopen():
+            return
         if self._size + n > self.file_bytes and self._size:
             try:
                 self._open(self._n + 1)
@@ -242,6 +263,28 @@ class CaptureWriter:
             return
         self._size += n
         self.lines += records  # one per write(), as its caller promised (counting the newlines cost more)
+
+    def _reopen(self) -> bool:
+        """The file being written was removed (under the lock): go on in the next file when the capture's folder
+        and salt are still there (its files were cleared), else stop and report it (the folder was removed: a
+        new salt would hash requests another way than this process's records so far)."""
+        path = self.path
+        try:
+            same = read_salt_if_present(self.directory) == self.salt
+        except CaptureError:
+            same = False
+        if same:
+            try:
+                self._open(self._n + 1)
+                return True
+            except CaptureError as e:
+                self._fail(str(e))
+                return False
+        self._fail(
+            f"capture file {path} was removed with its folder or salt; capture stopped in pid {self.pid} "
+            "(restart the server to capture again)"
+        )
+        return False
 
     def _fail(self, message: str) -> None:
         self.closed = True

@@ -18,6 +18,7 @@ from omni_accum.cli.args import (
 )
 from omni_accum.errors import OmniAccumError
 from omni_accum.policy.loader import load_policy
+from omni_accum.tuner.core import TuneError
 from omni_accum.tuner.buckets import DEFAULT_CONCURRENCY, DEFAULT_CONTEXT_LENS, QUICK_CONCURRENCY, QUICK_CONTEXT_LENS
 from omni_accum.tuner.report import decision_table, gain_table, show
 from omni_accum.tuner.run import TuneOptions, input_overwrite_problem, output_problem, partial_path, tune
@@ -247,6 +248,9 @@ def run(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
     try:
         res = tune(opts, progress=None if args.no_progress else sys.stderr, log=sys.stderr)
+    except TuneError as e:  # it cannot run as asked (an option, the --out file, the device): a usage error
+        print(f"omni-accum tune: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         part = partial_path(args.out)
         kept = f"{args.out} is as it was" if Path(args.out).exists() else f"{args.out} was not written"

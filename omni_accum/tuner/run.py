@@ -307,6 +307,10 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
     wl_t = bucket_workload(max(concs))
     rounds = opts.max_rounds or (2 if opts.quick else 3)
     base = load_policy(opts.base)
+    arms = base.arm_policies()
+    if arms:  # a policy with an ab section runs as its first arm in bench, tune and explain
+        first, base = next(iter(arms.items()))
+        _say(log, f"--base {opts.base}: an A/B split; tuning from its first arm, {first!r}")
     keys, skipped = tunable_keys(wl_t, base, cls)
     if not keys:
         few = opts.decode_steps is not None and any("one chunk only" in v for v in skipped.values())
