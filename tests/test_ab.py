@@ -258,6 +258,8 @@ def test_ab_without_ab_series_says_so(tmp_path, capsys):
         ("{tmp}", "is a directory"),
         ("ftp://127.0.0.1/metrics", "unsupported URL scheme 'ftp'"),
         ("http://127.0.0.1:1/metrics", "cannot read the URL"),
+        ("localhost:8000/metrics", "a host and port without a scheme: give http://localhost:8000/metrics"),
+        ("127.0.0.1:8000/metrics", "give http://127.0.0.1:8000/metrics"),
     ],
 )
 def test_ab_usage_errors_exit_2_naming_the_input(tmp_path, capsys, arg, wanted):
@@ -279,3 +281,10 @@ def test_ab_refuses_text_that_is_not_a_scrape_and_an_unknown_baseline(tmp_path, 
     assert main(["ab", "--metrics", str(f), "--baseline", "nope"]) == 2
     err = capsys.readouterr().err
     assert "'nope'" in err and "arms: control, treatment" in err, err
+
+
+@pytest.mark.parametrize("timeout", ["inf", "1e400", "0", "nan"])
+def test_ab_timeout_must_be_finite_and_positive(capsys, timeout):
+    assert main(["ab", "--metrics", "http://127.0.0.1:9/metrics", "--timeout", timeout]) == 2
+    err = capsys.readouterr().err
+    assert f"--timeout {float(timeout)}: give seconds > 0 (finite)" in err and "Traceback" not in err

@@ -95,6 +95,8 @@ def test_trace_of_a_capture_with_no_complete_record_fails_and_lists_each_skipped
         (["bench", "--trace", "CAP", "--pair", "1->2"], "no requests of that stage pair; it has 0->1"),
         (["tune", "--trace", "NOPE", "--out", "OUT"], "NOPE: no such capture folder or file"),
         (["tune", "--trace", "CAP", "--pair", "5->6", "--out", "OUT"], "it has 0->1"),
+        (["tune", "--trace", "CAP", "--pair", "5-6", "--out", "OUT"], "--pair '5->6': the capture has no requests"),
+        (["tune", "--trace", "CAP", "--pair", "0-", "--out", "OUT"], "(quote it: --pair '0->1'; the shell took >"),
         (["trace", "NOPE"], "NOPE: no such capture folder or file"),
     ],
 )
@@ -113,7 +115,8 @@ def test_a_bad_trace_argument_is_one_line_and_exit_2(tmp_path, capsys, argv, mes
 def test_tune_trace_writes_a_policy_tuned_on_the_capture(tmp_path, capsys):
     write_capture(tmp_path / "cap", requests=4, decode=12)
     out = tmp_path / "t.yaml"
-    rc = main(["tune", "--trace", str(tmp_path / "cap"), "--out", str(out), "--quick", "--max-rounds", "1"])
+    rc = main(["tune", "--trace", str(tmp_path / "cap"), "--pair", "0-1", "--out", str(out), "--quick",
+               "--max-rounds", "1"])
     text, err = capsys.readouterr()
     assert rc == 0, err
     from omni_accum.policy import load_policy

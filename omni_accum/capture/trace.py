@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import math
+import re
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -341,6 +342,12 @@ def _from_sample(sample: dict[str, Any], dtype: torch.dtype, shape: tuple[int, .
     return rows.repeat(reps, *([1] * (len(shape) - 1)))[: shape[0]].clone()
 
 
+def normal_pair(pair: str) -> str:
+    """``0->1`` for ``0->1``, ``0-1``, ``0:1`` or ``0,1`` (a stage pair written without the shell's ``>``)."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?:->|-|:|,)\s*(\d+)\s*", pair)
+    return f"{m.group(1)}->{m.group(2)}" if m else pair
+
+
 def captured_workload(trace: Trace, pair: str | None = None, name: str | None = None) -> CapturedWorkload:
     """The workload replaying ``pair``'s captured requests (default: the pair with the most bytes).
 
@@ -352,9 +359,12 @@ def captured_workload(trace: Trace, pair: str | None = None, name: str | None = 
         raise CaptureError("the capture holds no complete record to replay")
     if pair is None:
         pair = max(pairs, key=lambda p: sum(k.nbytes for r in trace.side(p) for c in r.chunks for k in c.keys))
-    elif pair not in pairs:
+    else:
+        pair = normal_pair(pair)
+    if pair not in pairs:
         have = ", ".join(pairs)
-        raise CaptureError(f"--pair {pair!r}: the capture has no requests of that stage pair; it has {have}")
+        hint = " (quote it: --pair '0->1'; the shell took > as a redirection)" if pair.endswith("-") else ""
+        raise CaptureError(f"--pair {pair!r}: the capture has no requests of that stage pair; it has {have}{hint}")
     reqs = trace.side(pair)
     layout = [(r.req, [(c.seq, [(k.path, k.dtype, k.shape) for k in c.keys]) for c in r.chunks]) for r in reqs]
     digest = hashlib.sha256(repr(layout).encode()).hexdigest()

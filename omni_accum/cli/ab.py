@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import urllib.error
 import urllib.parse
@@ -71,6 +72,8 @@ class InputError(Exception):
 
 def read_text(where: str, timeout: float = 10.0) -> str:
     """The text of a ``/metrics`` URL or of a saved scrape file."""
+    if re.match(r"[\w.-]+:\d+(/|$)", where) and not Path(where).exists():  # host:port/metrics, no scheme
+        raise InputError(f"{where}: a host and port without a scheme: give http://{where}")
     scheme = urllib.parse.urlsplit(where).scheme.lower()
     if scheme in ("http", "https"):
         try:
@@ -287,8 +290,8 @@ def format_report(data: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     prog = "omni-accum ab"
     where = args.metrics
-    if not (args.timeout > 0):
-        print(f"{prog}: error: --timeout {args.timeout}: give seconds > 0", file=sys.stderr)
+    if not (0 < args.timeout < 1e9):  # inf overflowed the socket's timeout (a traceback)
+        print(f"{prog}: error: --timeout {args.timeout}: give seconds > 0 (finite)", file=sys.stderr)
         return 2
     try:
         merge, hand, reqs = parse(read_text(where, args.timeout), where)
@@ -298,7 +301,8 @@ def run(args: argparse.Namespace) -> int:
     if not merge and not hand:
         print(
             f"{prog}: {where}: no {MERGE} or {HANDOFF} series: no A/B split has recorded there (a policy with an ab "
-            "section, metrics on, and chunks received since the server started)",
+            "section, metrics on, PROMETHEUS_MULTIPROC_DIR set for the server so that the stages' series reach "
+            "its /metrics, and chunks received since the server started)",
             file=sys.stderr,
         )
         return 1

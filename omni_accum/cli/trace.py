@@ -14,7 +14,10 @@ TRACE_HELP = (
     "requests' chunks with their keys, shapes, dtypes and order; buckets from their prompt lengths and "
     "concurrency unless --context-lens / --concurrency are given"
 )
-PAIR_HELP = "with --trace: the stage pair replayed, e.g. 0->1 (default: the pair that moved the most bytes)"
+PAIR_HELP = (
+    "with --trace: the stage pair replayed, as 0-1 or '0->1' (quoted: the shell reads > as a redirection) "
+    "(default: the pair that moved the most bytes)"
+)
 
 
 def register(subparsers: Any) -> None:
