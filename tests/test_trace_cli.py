@@ -124,3 +124,26 @@ def test_tune_trace_writes_a_policy_tuned_on_the_capture(tmp_path, capsys):
     t = load_policy(out).tuned
     assert t.workload == "trace 0->1" and t.context_len_edges == [40, 200] and t.concurrency_edges == [2]
     assert {c.key for c in t.cells} >= {"embed.decode"}
+
+
+@pytest.mark.parametrize(
+    ("shape", "nbytes", "why"),
+    [
+        ([1000000000000, D], 4096, "do not match shape [1000000000000, %d] of bfloat16" % D),
+        ([1000000000000, D], 1000000000000 * D * 2, "more than a key of a chunk holds (16 GiB)"),
+    ],
+)
+def test_a_recorded_shape_that_does_not_fit_its_bytes_or_any_chunk_is_a_skipped_line(tmp_path, capsys, shape, nbytes,
+                                                                                      why):
+    """A corrupt or hostile shape in a capture was replayed as it was: tune died allocating 8 PB (a traceback)."""
+    write_capture(tmp_path / "cap")
+    f = next((tmp_path / "cap").glob("capture-*.jsonl"))
+    lines = f.read_text().splitlines()
+    rec = json.loads(lines[0])
+    rec["keys"][0][3], rec["keys"][0][4] = shape, nbytes
+    f.write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
+    out = tmp_path / "t.yaml"
+    rc = main(["tune", "--trace", str(tmp_path / "cap"), "--out", str(out), "--quick", "--max-rounds", "1",
+               "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "line 1" in err and why in err and "Traceback" not in err, err

@@ -80,6 +80,15 @@ def capture_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
     return out
 
 
+#: Bytes per element of the tensor dtypes a capture names (other dtype names are not tensors).
+ITEM_BYTES = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
+    "float32": 4, "float64": 8, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+#: A recorded key larger than this is refused as corrupt (chunk 0 of a 32k prompt is 128 MiB a key).
+MAX_KEY_BYTES = 16 << 30
+
+
 def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -130,6 +139,15 @@ def _check_key(k: Any) -> str | None:
         return f"shape {shape!r} is not a list of sizes"
     if not _count(nbytes):
         return f"bytes {nbytes!r} is not a count"
+    size = ITEM_BYTES.get(dtype)
+    if size is not None:  # a tensor: its bytes follow from its shape, within a bound (a replay allocates it)
+        n = size
+        for x in shape:
+            n *= x
+        if n != nbytes:
+            return f"bytes {nbytes} do not match shape {shape} of {dtype} ({n} bytes)"
+        if n > MAX_KEY_BYTES:
+            return f"shape {shape} of {dtype}: {n} bytes, more than a key of a chunk holds ({MAX_KEY_BYTES >> 30} GiB)"
     if len(k) == 7 and not isinstance(k[6], dict):
         return "its seventh element is not a mapping"
     return None
