@@ -147,3 +147,31 @@ def test_a_recorded_shape_that_does_not_fit_its_bytes_or_any_chunk_is_a_skipped_
                "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 0 and "line 1" in err and why in err and "Traceback" not in err, err
+
+
+def test_keys_of_an_older_release_and_re_sent_static_keys_are_read_as_the_preset_that_has_them(tmp_path, capsys):
+    """A 0.16 stream (flat keys, the whole thinker_embeddings read every step) read as "nothing to save", and a
+    static key re-sent on every chunk under `default` (recorded as the policy's append/cat) was offered only
+    append strategies: the kind and read now come from the built-in preset that has the key."""
+    w = CaptureWriter(tmp_path / "c016", "0", buffer_bytes=0)
+    rec = ChunkRecorder(w, "send", "0->1", lambda path, value: ("append", "cat"), ctx_of=lambda p: p)
+    for r in range(2):
+        t = 1_000_000 + r * 10_000_000
+        static = {"tts_bos_embed": torch.zeros(1, 1, 64)}
+        rec.record(f"r{r}", {"thinker_embeddings": torch.zeros(101, D, dtype=torch.bfloat16), **static}, t, source=100)
+        for s in range(12):
+            rec.record(f"r{r}", {"thinker_embeddings": torch.zeros(1, D, dtype=torch.bfloat16), **static},
+                       t + (s + 1) * 1000)
+    w.close()
+    assert main(["trace", str(tmp_path / "c016"), "--json"]) == 0
+    keys = json.loads(capsys.readouterr().out)["pairs"]["0->1"]["keys"]
+    emb, bos = keys["thinker_embeddings"], keys["tts_bos_embed"]
+    assert emb["read"] == "newest_row" and emb["read_from"] == "qwen3-omni-seed"
+    assert emb["would_save"]["strategy"] == "prealloc or token_list" and emb["would_save"]["bytes"] > 0
+    assert bos["kind"] == "replace" and bos["would_save"]["strategy"] == "send_once"
+    from omni_accum.capture.reader import read_capture
+    from omni_accum.capture.trace import build_trace, captured_workload
+
+    wl = captured_workload(build_trace(read_capture(tmp_path / "c016")))
+    kinds = {k.path: (k.kind, k.read) for k in wl.keys}
+    assert kinds["thinker_embeddings"] == ("append", "newest_row") and kinds["tts_bos_embed"][0] == "replace"

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from omni_accum.capture.reader import Capture
-from omni_accum.capture.trace import Trace, _read_of
+from omni_accum.capture.trace import Trace, _read_of, kind_of_key, known_key
 
 #: Bytes per chunk under which a key's saving is "nothing measurable".
 TINY = 64
@@ -77,9 +77,10 @@ def summarize(capture: Capture, trace: Trace) -> dict[str, Any]:
             last_shape: dict[str, tuple[int, ...]] = {}
             for c in r.chunks:
                 for k in c.keys:
-                    e = keys.setdefault(k.path, {"kind": k.kind, "dtype": k.dtype, "strategies": [], "chunks": 0,
+                    e = keys.setdefault(k.path, {"kind": "replace", "dtype": k.dtype, "strategies": [], "chunks": 0,
                                                  "requests": 0, "bytes": 0, "_cat": 0, "_resent": 0, "_reqs": set()})
-                    if k.kind == "append":
+                    kind = kind_of_key(k.path, k.kind)
+                    if kind == "append":
                         e["kind"] = "append"
                     if k.strategy not in e["strategies"]:
                         e["strategies"].append(k.strategy)
@@ -88,14 +89,22 @@ def summarize(capture: Capture, trace: Trace) -> dict[str, Any]:
                     e["_reqs"].add(r.req)
                     acc[k.path] = acc.get(k.path, 0) + k.nbytes
                     e["_cat"] += acc[k.path] if last_shape.get(k.path) is not None else 0
-                    if k.kind != "append" and last_shape.get(k.path) == k.shape:
+                    if kind != "append" and last_shape.get(k.path) == k.shape:
                         e["_resent"] += k.nbytes
                     last_shape[k.path] = k.shape
         for path, e in keys.items():
             e["requests"] = len(e.pop("_reqs"))
             cat, resent = e.pop("_cat"), e.pop("_resent")
+            known = known_key(path)
+            e["kind"] = kind_of_key(path, e["kind"])
             e["read"] = _read_of(path, e["kind"])
+            e["read_from"] = known[0] if known else None
             e["would_save"] = _saving(e["kind"], e["read"], e["chunks"], e["requests"], e["bytes"], cat, resent)
+            if known is None and e["kind"] == "append" and e["chunks"] > e["requests"]:
+                e["would_save"]["note"] += (
+                    f"; read taken as '{e['read']}', as 0.30.0's talker reads an appended key (no built-in preset has "
+                    "this key; bench and tune --trace replay it so)"
+                )
         handoffs = _handoffs(trace, pair)
         out["pairs"][pair] = {
             "side": role,

@@ -3,8 +3,9 @@
 :func:`build_trace` groups the records of a capture by stage pair, role and request (ordered by time and
 chunk index). :func:`captured_workload` turns one pair's requests into a :class:`CapturedWorkload`: a
 :class:`~omni_accum.bench.workloads.Workload` whose keys are the captured ones (kind, dtype, row shape;
-the consumer's read taken from the built-in preset that has the key, else ``delta`` for append keys and
-``every`` for the others) and whose chunk stream per request is the captured one: every chunk with the
+the key's kind and the consumer's read taken from the built-in preset that has the key: the default one,
+else another, e.g. 0.16's flat keys; else the kind recorded, ``delta`` for append keys and ``every`` for the
+others) and whose chunk stream per request is the captured one: every chunk with the
 recorded keys, shapes and dtypes, in the recorded order (:meth:`CapturedWorkload.recorded_stream`, which
 :func:`~omni_accum.bench.streams.build_stream` calls). Values are seeded random data, or the rows kept
 with ``values: sample`` tiled to the shape; a flag is set on a request's last chunk only; a replace-kind
@@ -19,6 +20,7 @@ three edges at their quantiles); the concurrency is how many requests overlapped
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import math
 import re
@@ -170,12 +172,33 @@ def build_trace(capture: Capture) -> Trace:
 
 
 # ---------------------------------------------------------------------------------- the replayed workload
+@functools.lru_cache(maxsize=1024)
+def known_key(path: str) -> tuple[str, dict[str, Any]] | None:
+    """``(preset, key spec)`` of the built-in workload preset that has ``path`` (the default preset first, then
+    the others in order: 0.16's flat keys are in ``qwen3-omni-seed``), or None for a key no preset has."""
+    for name in (DEFAULT_WORKLOAD, *(n for n in PRESETS if n != DEFAULT_WORKLOAD)):
+        for spec in PRESETS[name]["keys"]:
+            if spec["path"] == path:
+                return name, spec
+    return None
+
+
+def kind_of_key(path: str, recorded: str) -> str:
+    """``append`` or ``replace``: what the key is, from the preset that has it (a capture records what the
+    policy did with it: under ``default`` every tensor reads ``append``), else as recorded."""
+    known = known_key(path)
+    if known is None:
+        return recorded
+    return "append" if known[1].get("kind", "append") == "append" else "replace"
+
+
 def _read_of(path: str, kind: str) -> str:
-    """How the consumer reads ``path``: as the default preset says for that key, else ``delta`` (append: the
-    receiving stage takes each chunk's rows, as 0.30.0's does) or ``every``."""
-    for spec in PRESETS[DEFAULT_WORKLOAD]["keys"]:
-        read = spec.get("read", "every")
-        if spec["path"] == path and (read != "delta" or kind == "append"):
+    """How the consumer reads ``path``: as the preset that has the key says (:func:`known_key`), else ``delta``
+    (append: the receiving stage takes each chunk's rows, as 0.30.0's does) or ``every``."""
+    known = known_key(path)
+    if known is not None:
+        read = known[1].get("read", "every")
+        if read != "delta" or kind == "append":
             return read
     return "delta" if kind == "append" else "every"
 
@@ -206,7 +229,7 @@ def _key_specs(reqs: list[Request]) -> list[dict[str, Any]]:
                 where.setdefault(k.path, set()).add("first" if i == 0 else ("last" if i == n - 1 else "mid"))
     specs = []
     for path, k in first.items():
-        kind = "append" if "append" in kinds[path] else "replace"
+        kind = kind_of_key(path, "append" if "append" in kinds[path] else "replace")
         value = _value_type(k)
         if kind == "append" and value not in ("tensor", "ids"):
             kind = "replace"
