@@ -175,3 +175,33 @@ def test_keys_of_an_older_release_and_re_sent_static_keys_are_read_as_the_preset
     wl = captured_workload(build_trace(read_capture(tmp_path / "c016")))
     kinds = {k.path: (k.kind, k.read) for k in wl.keys}
     assert kinds["thinker_embeddings"] == ("append", "newest_row") and kinds["tts_bos_embed"][0] == "replace"
+
+
+def test_buckets_given_beyond_the_capture_are_warned_about(tmp_path, capsys):
+    """A --context-lens whose bucket holds no captured request, or a --concurrency above the capture's, was
+    measured on other requests without a word."""
+    write_capture(tmp_path / "cap")  # prompts of 40 and 200 tokens, at most 2 at once
+    out = tmp_path / "t.yaml"
+    rc = main(["tune", "--trace", str(tmp_path / "cap"), "--out", str(out), "--quick", "--max-rounds", "1",
+               "--context-lens", "200,32000", "--concurrency", "1,64", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "--context-lens 32000: no captured request falls in that bucket (the capture's prompts are 40-200" in err
+    assert "--context-lens 200:" not in err
+    assert "--concurrency 64: the capture had at most 2 requests at once" in err and "--concurrency 1:" not in err
+
+
+def test_a_key_whose_rows_change_width_or_dtype_within_a_capture_is_warned_about(tmp_path, capsys):
+    """Two servers (hidden 16 and 8) capturing into one folder were merged into one stream without a word."""
+    write_capture(tmp_path / "cap")
+    assert main(["trace", str(tmp_path / "cap")]) == 0
+    assert "comes as" not in capsys.readouterr().err  # one server's capture: nothing to warn about
+    w = CaptureWriter(tmp_path / "cap", "1", buffer_bytes=0)
+    rec = ChunkRecorder(w, "send", "0->1", _kind, ctx_of=lambda p: p)
+    rec.record("other", {"embed": {"prefill": torch.zeros(41, 8, dtype=torch.bfloat16)}}, 2_000_000, source=40)
+    rec.record("other", {"embed": {"decode": torch.zeros(1, 8, dtype=torch.float16)}}, 2_001_000)
+    w.close()
+    assert main(["trace", str(tmp_path / "cap")]) == 0
+    err = capsys.readouterr().err
+    assert "key embed.prefill comes as bfloat16 rows [16], bfloat16 rows [8]" in err
+    assert "key embed.decode comes as bfloat16 rows [16], float16 rows [8]" in err

@@ -108,6 +108,28 @@ class Trace:
         reqs = sorted(self.side(pair), key=lambda r: r.start)
         return [sum(1 for o in reqs if o.start <= r.start <= o.end) for r in reqs]
 
+    def warnings(self) -> list[str]:
+        """Keys whose rows change shape or dtype within a pair (an appended key's rows, any tensor's dtype):
+        requests of two models or servers in one capture folder, say, which a replay takes as they came."""
+        from omni_accum.capture.reader import ITEM_BYTES
+
+        out = []
+        for pair in self.pairs():
+            forms: dict[str, set[str]] = {}
+            for r in self.side(pair):
+                for c in r.chunks:
+                    for k in c.keys:
+                        if k.dtype in ITEM_BYTES and k.shape:
+                            row = list(k.shape[1:]) if kind_of_key(k.path, k.kind) == "append" else None
+                            forms.setdefault(k.path, set()).add(k.dtype if row is None else f"{k.dtype} rows {row}")
+            for path, got in forms.items():
+                if len(got) > 1:
+                    out.append(
+                        f"stage pair {pair}: key {path} comes as {', '.join(sorted(got))}: requests of other models "
+                        "or servers in one capture folder? (replayed as they came)"
+                    )
+        return out
+
     def context_lens(self, pair: str, most: int = 3) -> list[int]:
         """Bucket edges of context length: the prompt lengths at up to ``most`` quantiles (rounded to 2
         significant digits, capped at the bench's row bound)."""
@@ -263,6 +285,32 @@ class CapturedWorkload(Workload):
         if not pool:
             pool = sorted(reqs, key=lambda r: abs(math.log(max(1, r.prompt_len()) / context_len)))[:8]
         return pool
+
+    def bucket_warnings(self, context_lens: list[int] | None, concurrency: list[int] | None) -> list[str]:
+        """What the buckets given by hand replay that the capture does not hold: a context length whose bucket
+        holds no captured request (it replays the nearest ones), a concurrency above the capture's most."""
+        out = []
+        lens = [r.prompt_len() for r in self._requests]
+        for cl in sorted(set(context_lens or ())) if lens else ():
+            if not self._in_bucket(cl):  # as requests_for finds it
+                out.append(
+                    f"--context-lens {cl}: no captured request falls in that bucket (the capture's prompts are "
+                    f"{min(lens)}-{max(lens)} tokens); it replays the nearest ones"
+                )
+        most = max(self.concurrency) if self.concurrency else None
+        for c in sorted(set(concurrency or ())):
+            if most is not None and c > most:
+                out.append(
+                    f"--concurrency {c}: the capture had at most {most} requests at once; that bucket replays its "
+                    f"requests {c} at a time"
+                )
+        return out
+
+    def _in_bucket(self, context_len: int) -> bool:
+        edges = sorted({*self._edges, context_len})
+        i = edges.index(context_len)
+        lo, hi = edges[i] if i else 0, edges[i + 1] if i + 1 < len(edges) else math.inf
+        return any(lo <= r.prompt_len() < hi for r in self._requests)
 
     def recorded_stream(self, context_len: int, request: int = 0) -> list[dict[str, Any]]:
         """The chunks of the ``request``-th captured request of ``context_len``'s bucket (cycling), at most

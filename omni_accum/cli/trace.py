@@ -50,7 +50,10 @@ def read(paths: list[str], prog: str, warn: bool = True) -> tuple[Any, Any] | No
         return None
     for line in cap.warnings() if warn else ():
         print(f"{prog}: warning: {line}", file=sys.stderr)
-    return cap, build_trace(cap)
+    trace = build_trace(cap)
+    for line in trace.warnings():
+        print(f"{prog}: warning: {line}", file=sys.stderr)
+    return cap, trace
 
 
 def trace_workload(args: argparse.Namespace, prog: str) -> Any:
@@ -61,10 +64,13 @@ def trace_workload(args: argparse.Namespace, prog: str) -> Any:
     if got is None:
         return None
     try:
-        return captured_workload(got[1], args.pair)
+        wl = captured_workload(got[1], args.pair)
     except CaptureError as e:
         print(f"{prog}: error: {args.trace}: {e}", file=sys.stderr)
         return None
+    for line in wl.bucket_warnings(getattr(args, "context_lens", None), getattr(args, "concurrency", None)):
+        print(f"{prog}: warning: {args.trace}: {line}", file=sys.stderr)
+    return wl
 
 
 def run(args: argparse.Namespace) -> int:
