@@ -205,3 +205,23 @@ def test_a_key_whose_rows_change_width_or_dtype_within_a_capture_is_warned_about
     err = capsys.readouterr().err
     assert "key embed.prefill comes as bfloat16 rows [16], bfloat16 rows [8]" in err
     assert "key embed.decode comes as bfloat16 rows [16], float16 rows [8]" in err
+
+
+def test_a_capture_folder_of_another_user_says_whose_it_is_to_read(tmp_path, capsys, monkeypatch):
+    """The usual case (0700, the serving user's) read "error: Permission denied: DIR", exit 1. (As root nothing is
+    denied, so the refusal is simulated.)"""
+    import pathlib
+
+    write_capture(tmp_path / "cap")
+    real = pathlib.Path.iterdir
+
+    def denied(self):
+        if self == tmp_path / "cap":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(pathlib.Path, "iterdir", denied)
+    assert main(["trace", str(tmp_path / "cap")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot list the folder (permission denied)" in err[0] and "read it as that user" in err[0]
+    assert main(["tune", "--trace", str(tmp_path / "cap"), "--out", str(tmp_path / "t.yaml")]) == 2

@@ -66,7 +66,16 @@ def capture_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
-            found = sorted(x for x in p.iterdir() if x.name.startswith(FILE_PREFIX) and x.name.endswith(FILE_SUFFIX))
+            try:
+                names = list(p.iterdir())
+            except PermissionError:
+                raise CaptureError(
+                    f"{p}: cannot list the folder (permission denied): a capture is private to the user the server "
+                    "runs as (folder 0700, files 0600); read it as that user"
+                ) from None
+            except OSError as e:
+                raise CaptureError(f"{p}: cannot list the folder ({e.strerror or e})") from None
+            found = sorted(x for x in names if x.name.startswith(FILE_PREFIX) and x.name.endswith(FILE_SUFFIX))
             if not found:
                 raise CaptureError(
                     f"{p}: no capture files in this folder (expected {FILE_PREFIX}<stage>-<pid>.<n>{FILE_SUFFIX}, "
@@ -159,6 +168,8 @@ def _read_file(path: Path, into: Capture) -> None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError as e:
         why = "a symlink: not read" if path.is_symlink() else f"cannot read it ({e.strerror or e})"
+        if isinstance(e, PermissionError):
+            why += ": a capture file is private to the user the server runs as (0600); read it as that user"
         into.problems.append(Problem(name, 0, why))
         return
     try:
