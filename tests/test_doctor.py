@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -419,3 +420,50 @@ def test_a_partial_tuned_table_is_a_note(clean_env, capsys, tmp_path):
     rc, out = _doctor(capsys)
     assert "note     tuned table: partial tuned table: 1 of 2 buckets measured" in out, out
     assert "tune --resume" in out
+
+
+def test_capture_settings_and_folder_are_checked(clean_env, capsys, tmp_path):
+    """A bad OMNI_ACCUM_CAPTURE_VALUES (or a folder other users may write to) read "ready", and each stage process
+    then logged one line and recorded nothing."""
+    for var in ("OMNI_ACCUM_CAPTURE", "OMNI_ACCUM_CAPTURE_VALUES", "OMNI_ACCUM_CAPTURE_MAX_BYTES"):
+        clean_env.delenv(var, raising=False)
+    clean_env.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
+    rc, out = _doctor(capsys)
+    assert rc == 0 and "capture" not in out, out  # not asked for: nothing to say
+    clean_env.setenv("OMNI_ACCUM_CAPTURE", str(tmp_path / "cap"))
+    rc, out = _doctor(capsys)
+    assert rc == 0 and f"ok       capture: the environment: records to {tmp_path / 'cap'} (values: none" in out, out
+    assert not (tmp_path / "cap").exists()  # doctor makes nothing
+    clean_env.setenv("OMNI_ACCUM_CAPTURE_VALUES", "sampel")
+    rc, out = _doctor(capsys)
+    assert rc == 1 and "PROBLEM  capture: the environment: environment variable OMNI_ACCUM_CAPTURE_VALUES='sampel'" in out
+    clean_env.delenv("OMNI_ACCUM_CAPTURE_VALUES")
+    (tmp_path / "cap").mkdir(mode=0o777)
+    os.chmod(tmp_path / "cap", 0o777)
+    rc, out = _doctor(capsys)
+    assert rc == 1 and "mode 0777 lets other users write to it" in out and "chmod 700" in out, out
+    clean_env.delenv("OMNI_ACCUM_CAPTURE")
+    dep = tmp_path / "deploy.yaml"
+    dep.write_text(
+        "stages:\n  - stage_id: 0\n    stage_connector_config:\n      name: SharedMemoryConnector\n"
+        "      extra: {omni_accum_policy: qwen3-omni, omni_accum_capture: /tmp/x, omni_accum_capture_max_bytes: 64MiB}\n"
+    )
+    rc, out = _doctor(capsys, "--deploy", str(dep))
+    assert rc == 1 and "connector extra omni_accum_capture_max_bytes='64MiB'" in out, out
+
+
+def test_a_capture_folder_other_users_may_write_to_is_refused(tmp_path):
+    from omni_accum.capture import CaptureError, CaptureWriter
+
+    d = tmp_path / "cap"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    (d / "salt").write_text("0000\n")  # planted by another user: never used
+    with pytest.raises(CaptureError, match="mode 0777 lets other users write to it"):
+        CaptureWriter(d, "0")
+    os.chmod(d, 0o755)
+    assert CaptureWriter(d, "0").salt == "0000"  # the folder is this user's alone again: its salt is
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(CaptureError, match="not a folder"):
+        CaptureWriter(f, "0")

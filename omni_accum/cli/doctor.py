@@ -167,6 +167,33 @@ def check_context(deploy: str | None) -> list[Check]:
     return out
 
 
+def check_capture(deploy: str | None) -> list[Check]:
+    """The capture settings (``OMNI_ACCUM_CAPTURE*``, and the deploy YAML's ``omni_accum_capture*`` extra keys) and
+    the folder they name: a bad one leaves a stage process recording nothing (serving goes on, one log line)."""
+    from omni_accum.capture.writer import folder_problem
+    from omni_accum.integrations.vllm_omni import capture
+
+    keys = (capture.EXTRA_CAPTURE, capture.EXTRA_VALUES, capture.EXTRA_MAX_BYTES)
+    places: list[tuple[str, Any]] = [("the environment", None)]
+    if deploy:
+        places += [(f"{deploy}: {w}", e) for w, e in _deploy_extras(deploy) if any(k in e for k in keys)]
+    out: list[Check] = []
+    for where, extra in places:
+        try:
+            got = capture.settings(extra)
+            problem = folder_problem(got[0]) if got else None
+        except SettingError as e:
+            got, problem = None, str(e)
+        if problem:
+            out.append(Check("capture", False, f"{where}: {problem}",
+                             "fix it, or unset the capture settings: a stage process records nothing then"))
+        elif got:
+            folder, values, max_bytes = got
+            out.append(Check("capture", True, f"{where}: records to {folder} (values: {values}, at most "
+                             f"{max_bytes} bytes a process)"))
+    return out
+
+
 def check_plugins() -> list[Check]:
     mgr = get_manager()
     names = ", ".join(
@@ -271,7 +298,7 @@ def run_checks(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
     checks = check_versions() + check_entry_points() + check_arena_connector(deploy)
     policy_checks, info = check_policy(deploy)
     checks += check_switches("policy" in info)
-    policy_checks += check_context(deploy) + check_connectors(deploy)
+    policy_checks += check_context(deploy) + check_capture(deploy) + check_connectors(deploy)
     return checks + policy_checks + check_plugins() + check_metrics(), info
 
 

@@ -97,11 +97,6 @@ def settings(extra: Any = None) -> tuple[str, str, int] | None:
     return os.fspath(folder), values, max_bytes
 
 
-def read_settings() -> None:
-    """Check the environment's capture settings (install calls it: a bad value refuses there)."""
-    settings(None)
-
-
 def _report(message: str) -> None:
     if message not in _reported:
         _reported.add(message)
