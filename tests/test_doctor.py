@@ -467,3 +467,14 @@ def test_a_capture_folder_other_users_may_write_to_is_refused(tmp_path):
     f.write_text("x")
     with pytest.raises(CaptureError, match="not a folder"):
         CaptureWriter(f, "0")
+
+
+def test_an_ab_policy_is_described_as_its_split(clean_env, capsys, tmp_path):
+    """doctor printed "default cat; no rules" for a policy whose arms are default and qwen3-omni."""
+    ab = tmp_path / "ab.yaml"
+    ab.write_text("ab:\n  arms:\n    control: {policy: default}\n    treatment: {policy: qwen3-omni}\n")
+    clean_env.setenv("OMNI_ACCUM_POLICY", str(ab))
+    rc, out = _doctor(capsys)
+    assert rc == 0 and "an A/B split by request id: control 50% default, treatment 50% qwen3-omni" in out, out
+    rc, out = _doctor(capsys, "--json")
+    assert json.loads(out)["policy"]["ab"]["treatment"] == {"policy": "qwen3-omni", "share": 0.5}

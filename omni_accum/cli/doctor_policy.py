@@ -236,8 +236,16 @@ def _policy_checks(spec: Any, source: str, info: dict[str, Any], env_checked: bo
     except OmniAccumError as e:
         return [Check("policy", False, f"{source}: {e}", "fix the policy (omni-accum validate POLICY)")]
     rules = [f"{r.match} -> {r.strategy}" for r in policy.rules]
-    info.setdefault("policy", {"source": source, "default": policy.default.strategy, "rules": rules})
-    out = [Check("policy", True, f"{source}: default {policy.default.strategy}; " + ("; ".join(rules) or "no rules"))]
+    if policy.ab is not None:  # its own default and rules are the first arm's: name the split
+        total = sum(a.weight for a in policy.ab.arms.values())
+        arms = {n: {"policy": a.policy, "share": a.weight / total} for n, a in policy.ab.arms.items()}
+        info.setdefault("policy", {"source": source, "ab": arms})
+        split = ", ".join(f"{n} {a['share']:.0%} {a['policy']}" for n, a in arms.items())
+        out = [Check("policy", True, f"{source}: an A/B split by request id: {split}")]
+    else:
+        info.setdefault("policy", {"source": source, "default": policy.default.strategy, "rules": rules})
+        said = "; ".join(rules) or "no rules"
+        out = [Check("policy", True, f"{source}: default {policy.default.strategy}; {said}")]
     out += _sent_keys_check(policy, source)
     if policy.tuned is not None:
         diffs = table_mismatches(policy.tuned)
