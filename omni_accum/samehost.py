@@ -93,6 +93,12 @@ def _check(path: str | os.PathLike[str], st: os.stat_result, kind: str) -> None:
 
 
 def _refuse_link(path: str | os.PathLike[str], e: OSError) -> None:
+    if e.errno in (errno.EACCES, errno.EPERM):  # e.g. a directory another user made under our name, mode 0700
+        try:
+            st = os.lstat(path)
+        except OSError:
+            st = None
+        raise SameHostRefused(path, "not accessible to this user (permission denied)", st) from None
     if e.errno in (errno.ELOOP, errno.ENOTDIR):
         try:
             st = os.lstat(path)
@@ -217,8 +223,10 @@ def _send(line: str) -> None:
     with _reaper_lock:
         p, pid = _reaper
         if p is None or pid != os.getpid() or p.poll() is not None:
-            p = subprocess.Popen([sys.executable, "-S", "-c", _REAPER], stdin=subprocess.PIPE, close_fds=True,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+            # -I: the standard library only (with -c the working directory comes first on sys.path, and a
+            # signal.py planted in a shared one would run as the serving user); cwd "/" for the same reason
+            p = subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER], stdin=subprocess.PIPE, close_fds=True,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, cwd="/")
             _reaper[:] = [p, os.getpid()]
         try:
             p.stdin.write(line + "\n")

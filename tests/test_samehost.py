@@ -411,3 +411,66 @@ def test_hostile_frames_through_the_connector_fall_back_and_the_stage_lives(vllm
         rx.close()
     assert not marker.exists()
     assert not glob.glob(f"{private_dir()}/*{name}*") and not glob.glob(f"/dev/shm/*{name}*")
+
+
+def test_a_private_directory_this_user_may_not_open_is_refused_and_every_put_and_get_falls_back(
+    vllm_omni, tmp_path, monkeypatch
+):
+    """Another user's `mkdir -m 700 /dev/shm/omni-accum-<our uid>` made every put and get raise PermissionError
+    (vllm-omni fails a request whose put raises): it is refused as any directory not ours. (Root may open any
+    directory, so the denial is simulated.)"""
+    import errno
+
+    from tests.test_integration_vllm_omni_arena_connector import _connector
+
+    monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", str(tmp_path))
+    d = tmp_path / f"omni-accum-{os.geteuid()}"
+    d.mkdir(mode=0o700)
+    real_open = os.open
+
+    def denied(path, flags, *a, **kw):
+        if str(path) == str(d) or str(path).startswith(f"{d}/"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", denied)
+    with pytest.raises(SameHostRefused, match="not accessible to this user \\(permission denied\\)"):
+        check_dir(d)
+    name = _name("denied")
+    rx, tx = _connector(1, name), _connector(0, name)
+    try:
+        assert rx.get("0", "1", "k0") is None
+        assert rx.fallbacks.get("samehost_refused", 0) >= 1
+        for i in range(3):
+            assert tx.put("0", "1", f"k{i}", {"x": torch.arange(4) + i})[0]
+            got = rx.get("0", "1", f"k{i}")
+            assert got is not None and torch.equal(got[0]["x"], torch.arange(4) + i)
+        assert tx.counts["arena_puts"] == 0  # all through the inner connector, none failed
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_pids_and_page_sizes_out_of_range_in_a_shared_header_are_not_trusted():
+    from omni_accum.arena.region import pid_alive
+
+    assert not pid_alive(1 << 40) and not pid_alive(-1) and pid_alive(os.getpid())  # 1 << 40 raised OverflowError
+
+
+def test_the_reaper_imports_nothing_from_the_working_directory(tmp_path, monkeypatch):
+    """The reaper ran `python -S -c`: the working directory first on sys.path, so a signal.py planted in a shared
+    folder the server was started from ran as the serving user."""
+    import subprocess
+    import sys
+
+    shared, scripts = tmp_path / "shared", tmp_path / "scripts"
+    shared.mkdir()
+    scripts.mkdir()
+    (shared / "signal.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\nfrom _signal import *\n")
+    (scripts / "serve.py").write_text(  # a script: its own folder on sys.path, not the working directory
+        "from omni_accum import samehost\nsamehost._send('- nothing')\np = samehost._reaper[0]\n"
+        "p.stdin.close()\nassert p.wait(30) == 0\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    subprocess.run([sys.executable, str(scripts / "serve.py")], cwd=shared, env=env, check=True, timeout=120)
+    assert not (tmp_path / "ran").exists()

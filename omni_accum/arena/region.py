@@ -69,13 +69,17 @@ def path_for(name: str) -> Path:
     return samehost.private_dir() / f"{PREFIX}{name}"
 
 
+#: Above Linux's largest pid (2**22): a pid read from shared memory that is not a process.
+PID_LIMIT = 1 << 22
+
+
 def pid_alive(pid: int) -> bool:
     """True when ``pid`` runs (a zombie, killed but not yet reaped, counts as dead)."""
-    if pid <= 0:
+    if not 0 < pid < PID_LIMIT:  # a pid from a shared header or hello: no process has one out of range
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True
@@ -206,6 +210,8 @@ class Region:
             if q[W_MAGIC] != MAGIC or q[W_VERSION] != VERSION or not q[W_READY]:
                 raise ArenaError(f"arena {path} is not an omni-accum arena of version {VERSION} (or not ready)")
             layout = Layout(q[W_PAGE], q[W_NPAGES], q[W_RING_F], q[W_RING_B])
+            if not 4096 <= layout.page <= 1 << 30 or layout.page & (layout.page - 1):
+                raise ArenaError(f"arena {path}: page size {layout.page} in its header is not a power of two >= 4096")
         except BaseException:
             os.close(fd)
             raise

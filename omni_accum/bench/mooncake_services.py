@@ -177,6 +177,7 @@ class MooncakeServices:
     master_proc: subprocess.Popen | None = field(default=None, repr=False)
     holder_proc: subprocess.Popen | None = field(default=None, repr=False)
     _logs: list[Any] = field(default_factory=list, repr=False)
+    _tmp: Any = field(default=None, repr=False)  # the holder's private working directory
 
     @property
     def own_master(self) -> bool:
@@ -290,7 +291,7 @@ class MooncakeServices:
             stdout=subprocess.PIPE,
             stderr=self._log("holder"),
             env=self.env(),
-            cwd=tempfile.gettempdir(),
+            cwd=self._holder_dir(),  # private: python -m puts its cwd first on sys.path (a shared /tmp could plant)
         )
         line = _readline(self.holder_proc.stdout, timeout)
         if line.strip() != "ready":
@@ -312,6 +313,10 @@ class MooncakeServices:
                     pass
         return out
 
+    def _holder_dir(self) -> str:
+        self._tmp = self._tmp or tempfile.TemporaryDirectory(prefix="omni-accum-mooncake-")
+        return self._tmp.name
+
     def stop(self) -> None:
         """Stop the holder, then the master, by their process ids (SIGTERM, then SIGKILL after 10 s)."""
         if self.holder_proc is not None:
@@ -325,6 +330,9 @@ class MooncakeServices:
         for f in self._logs:
             f.close()
         self._logs.clear()
+        tmp, self._tmp = self._tmp, None
+        if tmp is not None:
+            tmp.cleanup()
 
     def __enter__(self) -> MooncakeServices:
         return self.start()

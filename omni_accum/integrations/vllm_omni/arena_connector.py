@@ -149,7 +149,7 @@ class ArenaConnector(OmniConnectorBase):
 
         try:
             tx = ArenaSender(live_region(self.region_name(*pair)), attach_timeout_s=0.0, timeout_s=30.0)
-        except (ArenaError, SameHostRefused) as e:
+        except (ArenaError, SameHostRefused, OSError) as e:  # a put never fails for the arena: the inner connector
             if isinstance(e, SameHostRefused):
                 self._refused(e)
             self._tx_retry[pair] = time.monotonic() + ATTACH_RETRY_S
@@ -173,7 +173,7 @@ class ArenaConnector(OmniConnectorBase):
         except SameHostRefused as e:  # never read: a region of this process replaces it
             self._refused(e)
             live = None
-        except ArenaError:
+        except (ArenaError, OSError):
             live = None
         try:
             if live is not None:
