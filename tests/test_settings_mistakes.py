@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 from types import SimpleNamespace
 
@@ -220,3 +221,24 @@ def test_an_allowlist_entry_naming_no_installed_plugin_is_warned_about(no_switch
         "(plugins: delta, omni-accum-delta)",
         "omni_accum: OMNI_ACCUM_DISABLED_PLUGINS lists 'prealloc', a built-in: built-ins cannot be disabled",
     ]
+
+
+def test_a_prometheus_multiproc_dir_that_cannot_be_written_turns_metrics_off_in_one_line(tmp_path):
+    """prometheus_client raised (PermissionError, then DuplicateTimeseries on every later call) out of
+    omni-accum's hooks, the binding and activate() itself: metrics are off instead, said once, naming the folder."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging; logging.basicConfig(level=logging.ERROR)\n"
+        "from omni_accum.integrations.vllm_omni import prometheus as p, reporting\n"
+        "assert p.enabled() is False and p.enabled() is False\n"
+        "assert reporting.status().installed is False\n"
+        "print('fine')\n"
+    )
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR="/proc/no-such-folder", OMNI_ACCUM_METRICS="1")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert got.returncode == 0 and "fine" in got.stdout, got.stderr
+    lines = [ln for ln in got.stderr.splitlines() if "cannot create the metrics" in ln]
+    assert len(lines) == 1 and "PROMETHEUS_MULTIPROC_DIR=/proc/no-such-folder: a folder this user can write" in lines[0]
+    assert "Traceback" not in got.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 from bisect import bisect_right
 from typing import Any
@@ -49,6 +50,73 @@ def enabled() -> bool:
     return _registry_metrics() is not None
 
 
+def _make(Counter: Any, Gauge: Any, Histogram: Any) -> dict[str, Any]:
+    """The metric objects (registered in the default registry)."""
+    return {
+        "chunks": Counter("omni_accum_chunks_total", "Payload chunks per key", ["role", "key", "strategy"]),
+        "requests": Counter(
+            "omni_accum_requests_total", "Requests seen", ["role", "context_bucket", "concurrency_bucket"]
+        ),
+        "wire": Counter("omni_accum_wire_bytes_total", "Payload bytes of the values on the wire", ["role", "key"]),
+        "saved": Counter(
+            "omni_accum_wire_bytes_saved_total", "Bytes a strategy kept off the wire", ["key", "strategy"]
+        ),
+        "fallbacks": Counter("omni_accum_fallbacks_total", "Chunks left to vllm-omni's own code", ["reason"]),
+        "held": Gauge("omni_accum_held_bytes", "Bytes held by live requests", multiprocess_mode="livesum"),
+        "active": Gauge(
+            "omni_accum_active_requests", "Requests holding state", ["role"], multiprocess_mode="livesum"
+        ),
+        "merge": Histogram(
+            "omni_accum_merge_seconds", "Time a receive hook spends per chunk", ["strategy"], buckets=MERGE_BUCKETS
+        ),
+        "handoff": Histogram(
+            "omni_accum_handoff_seconds",
+            "Time from a chunk's put on the sending stage to its merge on the receiving stage",
+            ["pair", "kind"],
+            buckets=HANDOFF_BUCKETS,
+        ),
+        "handoff_bytes": Counter(
+            "omni_accum_handoff_bytes_total", "Tensor bytes of the hand-offs timed", ["pair", "kind"]
+        ),
+        "handoff_skipped": Counter(
+            "omni_accum_handoff_skipped_total", "Hand-off timestamps not turned into a duration", ["reason"]
+        ),
+        "processor_merge": Histogram(
+            "omni_accum_processor_merge_seconds",
+            "Time the stage input processor spends on one request's prefill chunks",
+            ["stage", "strategy"],
+            buckets=PROCESSOR_BUCKETS,
+        ),
+        "processor_copied": Counter(
+            "omni_accum_processor_bytes_copied_total",
+            "Bytes the stage input processor's prefill accumulation copied",
+            ["strategy"],
+        ),
+        # A/B splits (:mod:`.ab`): new families, so a split leaves every series above as it was
+        "ab_requests": Counter(
+            "omni_accum_ab_requests_total", "Requests per arm of an A/B split", ["arm", "role"]
+        ),
+        "ab_merge": Histogram(
+            "omni_accum_ab_merge_seconds",
+            "Time a receive hook spends per chunk, per arm of an A/B split",
+            ["arm"],
+            buckets=MERGE_BUCKETS,
+        ),
+        "ab_handoff": Histogram(
+            "omni_accum_ab_handoff_seconds",
+            "omni_accum_handoff_seconds per arm of an A/B split",
+            ["arm", "pair", "kind"],
+            buckets=HANDOFF_BUCKETS,
+        ),
+        "info": Gauge(
+            "omni_accum_policy_info",
+            "The policy a binding runs (value 1)",
+            ["source", "fingerprint", "version"],
+            multiprocess_mode="liveall",
+        ),
+    }
+
+
 def _registry_metrics() -> dict[str, Any] | None:
     """The metric objects, created once per process in the default registry (None: unavailable)."""
     global _metrics, _unavailable
@@ -62,69 +130,15 @@ def _registry_metrics() -> dict[str, Any] | None:
         except ImportError:
             _unavailable = True
             return None
-        _metrics = {
-            "chunks": Counter("omni_accum_chunks_total", "Payload chunks per key", ["role", "key", "strategy"]),
-            "requests": Counter(
-                "omni_accum_requests_total", "Requests seen", ["role", "context_bucket", "concurrency_bucket"]
-            ),
-            "wire": Counter("omni_accum_wire_bytes_total", "Payload bytes of the values on the wire", ["role", "key"]),
-            "saved": Counter(
-                "omni_accum_wire_bytes_saved_total", "Bytes a strategy kept off the wire", ["key", "strategy"]
-            ),
-            "fallbacks": Counter("omni_accum_fallbacks_total", "Chunks left to vllm-omni's own code", ["reason"]),
-            "held": Gauge("omni_accum_held_bytes", "Bytes held by live requests", multiprocess_mode="livesum"),
-            "active": Gauge(
-                "omni_accum_active_requests", "Requests holding state", ["role"], multiprocess_mode="livesum"
-            ),
-            "merge": Histogram(
-                "omni_accum_merge_seconds", "Time a receive hook spends per chunk", ["strategy"], buckets=MERGE_BUCKETS
-            ),
-            "handoff": Histogram(
-                "omni_accum_handoff_seconds",
-                "Time from a chunk's put on the sending stage to its merge on the receiving stage",
-                ["pair", "kind"],
-                buckets=HANDOFF_BUCKETS,
-            ),
-            "handoff_bytes": Counter(
-                "omni_accum_handoff_bytes_total", "Tensor bytes of the hand-offs timed", ["pair", "kind"]
-            ),
-            "handoff_skipped": Counter(
-                "omni_accum_handoff_skipped_total", "Hand-off timestamps not turned into a duration", ["reason"]
-            ),
-            "processor_merge": Histogram(
-                "omni_accum_processor_merge_seconds",
-                "Time the stage input processor spends on one request's prefill chunks",
-                ["stage", "strategy"],
-                buckets=PROCESSOR_BUCKETS,
-            ),
-            "processor_copied": Counter(
-                "omni_accum_processor_bytes_copied_total",
-                "Bytes the stage input processor's prefill accumulation copied",
-                ["strategy"],
-            ),
-            # A/B splits (:mod:`.ab`): new families, so a split leaves every series above as it was
-            "ab_requests": Counter(
-                "omni_accum_ab_requests_total", "Requests per arm of an A/B split", ["arm", "role"]
-            ),
-            "ab_merge": Histogram(
-                "omni_accum_ab_merge_seconds",
-                "Time a receive hook spends per chunk, per arm of an A/B split",
-                ["arm"],
-                buckets=MERGE_BUCKETS,
-            ),
-            "ab_handoff": Histogram(
-                "omni_accum_ab_handoff_seconds",
-                "omni_accum_handoff_seconds per arm of an A/B split",
-                ["arm", "pair", "kind"],
-                buckets=HANDOFF_BUCKETS,
-            ),
-            "info": Gauge(
-                "omni_accum_policy_info",
-                "The policy a binding runs (value 1)",
-                ["source", "fingerprint", "version"],
-                multiprocess_mode="liveall",
-            ),
-        }
+        try:
+            _metrics = _make(Counter, Gauge, Histogram)
+        except Exception as e:  # noqa: BLE001 - e.g. PROMETHEUS_MULTIPROC_DIR missing or not writable by this user
+            _unavailable = True
+            where = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+            hint = f" (PROMETHEUS_MULTIPROC_DIR={where}: a folder this user can write; vLLM's own metrics need it too)"
+            what = f"cannot create the metrics in pid {os.getpid()} ({type(e).__name__}: {e})"
+            _warn_once(what + (hint if where else ""))
+            return None
         return _metrics
 
 
