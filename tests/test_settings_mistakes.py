@@ -242,3 +242,26 @@ def test_a_prometheus_multiproc_dir_that_cannot_be_written_turns_metrics_off_in_
     lines = [ln for ln in got.stderr.splitlines() if "cannot create the metrics" in ln]
     assert len(lines) == 1 and "PROMETHEUS_MULTIPROC_DIR=/proc/no-such-folder: a folder this user can write" in lines[0]
     assert "Traceback" not in got.stderr
+
+
+def test_status_files_go_only_where_no_other_user_can_write_and_a_problem_is_said_once(vo, no_switches, tmp_path,
+                                                                                        caplog):
+    """The status folder was any folder (0777 kept, another user's accepted), the temporary file a predictable
+    name that followed a planted link, the file 0644, and an unwritable folder warned on every write."""
+    import json
+    import stat
+
+    from omni_accum.integrations.vllm_omni import reporting
+
+    d = tmp_path / "status"
+    no_switches.setenv("OMNI_ACCUM_STATUS_DIR", str(d))
+    path = reporting.write()
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700 and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert json.loads(open(path).read())["installed"] in (True, False)
+    assert sorted(os.listdir(d)) == [f"{os.getpid()}.json"]  # no temporary file left
+    os.chmod(d, 0o777)
+    caplog.set_level(logging.WARNING, "omni_accum.vllm_omni")
+    for _ in range(3):
+        reporting._safe_write()
+    said = [r.getMessage() for r in caplog.records if "cannot write the status file" in r.getMessage()]
+    assert len(said) == 1 and "mode 0777 lets other users write to it" in said[0] and "OMNI_ACCUM_STATUS_DIR" in said[0]

@@ -54,10 +54,10 @@ def file_name(stage: str, pid: int, n: int) -> str:
     return f"{FILE_PREFIX}{stage}-{pid}.{n}{FILE_SUFFIX}"
 
 
-def folder_problem(directory: str | os.PathLike[str]) -> str | None:
-    """Why ``directory`` cannot hold this user's capture, or None. An existing folder must be a folder of this
-    process's user that no other user may write to (they could plant files, the salt among them); a missing
-    one, a folder that can be made (mode 0700)."""
+def folder_problem(directory: str | os.PathLike[str], what: str = "capture folder") -> str | None:
+    """Why ``directory`` cannot hold this user's private files (a capture, status files), or None. An existing
+    folder must be a folder of this process's user that no other user may write to (they could plant files, a
+    capture's salt among them, or swap them for links); a missing one, a folder that can be made (mode 0700)."""
     d = Path(directory)
     try:
         st = os.stat(d, follow_symlinks=True)
@@ -66,22 +66,22 @@ def folder_problem(directory: str | os.PathLike[str]) -> str | None:
         while not parent.exists() and parent != parent.parent:
             parent = parent.parent
         if not os.access(parent, os.W_OK | os.X_OK):
-            return f"capture folder {d}: cannot be made ({parent} is not writable by this user)"
+            return f"{what} {d}: cannot be made ({parent} is not writable by this user)"
         return None
     except OSError as e:
-        return f"capture folder {d}: cannot read it ({e.strerror or e})"
+        return f"{what} {d}: cannot read it ({e.strerror or e})"
     if not stat.S_ISDIR(st.st_mode):
-        return f"capture folder {d}: not a folder"
+        return f"{what} {d}: not a folder"
     euid = os.geteuid()
     if st.st_uid != euid:
-        return f"capture folder {d}: belongs to uid {st.st_uid}, not to this process's user (uid {euid})"
+        return f"{what} {d}: belongs to uid {st.st_uid}, not to this process's user (uid {euid})"
     if st.st_mode & 0o022:
         return (
-            f"capture folder {d}: mode {stat.S_IMODE(st.st_mode):04o} lets other users write to it (files could "
+            f"{what} {d}: mode {stat.S_IMODE(st.st_mode):04o} lets other users write to it (files could "
             f"be planted): chmod 700 {d}, or name a new folder (made 0700)"
         )
     if not os.access(d, os.W_OK | os.X_OK):
-        return f"capture folder {d}: not writable by this user"
+        return f"{what} {d}: not writable by this user"
     return None
 
 

@@ -22,15 +22,18 @@ chunks each handled. Written atomically (a temporary file, then a rename).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import multiprocessing
 import os
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from omni_accum.capture.writer import folder_problem
 from omni_accum.integrations.vllm_omni import binding as hooks
 from omni_accum.integrations.vllm_omni import handoff, peer
 from omni_accum.integrations.vllm_omni.binding_settings import Settings
@@ -148,19 +151,37 @@ def write() -> str | None:
         return None
     path = os.path.join(folder, f"{os.getpid()}.json")
     with _lock:
-        os.makedirs(folder, exist_ok=True)
-        tmp = f"{path}.{threading.get_ident()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(snapshot(), f)
-        os.replace(tmp, path)
+        with contextlib.suppress(FileExistsError):  # a file of that name: folder_problem names it
+            os.makedirs(folder, 0o700, exist_ok=True)
+        problem = folder_problem(folder, "status folder")
+        if problem:
+            raise PermissionError(problem)
+        text = json.dumps(snapshot())
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.getpid()}.", suffix=".tmp", dir=folder)  # O_EXCL, 0600, random
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     return path
+
+
+_write_errors: set[str] = set()
 
 
 def _safe_write() -> None:
     try:
         write()
-    except OSError as e:
-        logging.getLogger("omni_accum.vllm_omni").warning("omni-accum: cannot write the status file: %s", e)
+    except Exception as e:  # noqa: BLE001 - a status file never fails a stage; said once per problem
+        text = str(e)
+        if text not in _write_errors:
+            _write_errors.add(text)
+            logging.getLogger("omni_accum.vllm_omni").warning(
+                "omni-accum: cannot write the status file (%s); fix %s or unset it", text, ENV_STATUS_DIR
+            )
 
 
 def register_exit_dump() -> None:
