@@ -324,6 +324,9 @@ def _hostile_frames(rx: ArenaReceiver, marker: Path) -> list[bytes]:
         b"R" + struct.pack("<QqH", 1, 0, 500),  # a binary descriptor with more items than bytes
         wire.dumps(("zz", 1)),  # an unknown tag
         b"",  # empty
+        wire.dumps(("c", "r", 0, [], [], {1: (False, 1)}, 1, [])),  # a value's key that is not a name
+        wire.dumps(("c", "r", 0, [], [(7, 1)], {}, 1, [])),  # a row count's key that is not a name
+        wire.dumps(("c", "r", 0, [], [], {"a": (False, [1]), "a.b": (True, [2])}, 1, [])),  # colliding keys
     ]
 
 

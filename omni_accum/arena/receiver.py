@@ -208,8 +208,8 @@ class ArenaReceiver(ChainViews):
             return self._apply(wire.checked(m, self.region.layout))
         except PeerDied:
             raise
-        except (ArenaError, KeyError, IndexError, ValueError, TypeError, RuntimeError, OverflowError,
-                struct.error) as e:
+        except (ArenaError, KeyError, IndexError, ValueError, TypeError, AttributeError, RuntimeError, OverflowError,
+                struct.error) as e:  # AttributeError: keys that collide ("a" and "a.b") in one message
             self.bad_frames += 1
             if self.bad_frames == 1:
                 logger.warning("omni-accum arena %s: dropped a malformed message from the sender: %s (counted in "

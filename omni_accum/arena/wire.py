@@ -243,10 +243,15 @@ def checked(m: Any, layout: Any) -> Any:
     for path, pg, npg, cap, dt, shape, append in opens:
         need(type(path) is str and type(append) is bool and is_int(cap), "a bad slab opening")
         _slab_ok(pg, npg, cap if append else 1, dt, shape, npages, page)
-    need(type(rows) in _SEQ and all(type(r) in _SEQ and len(r) == 2 and is_int(r[1]) for r in rows), "bad rows")
-    need(type(values) is dict and all(type(v) in _SEQ and len(v) == 2 for v in values.values()), "bad values")
+    need(type(rows) in _SEQ and all(type(r) in _SEQ and len(r) == 2 and type(r[0]) is str and is_int(r[1])
+                                    for r in rows), "bad rows")
+    need(type(values) is dict and all(type(p) is str and type(v) in _SEQ and len(v) == 2
+                                      for p, v in values.items()), "bad values")
     need(type(keys) in _SEQ and all(type(k) in _SEQ and len(k) == 2 and is_int(k[0], 0, 1 << 16)
                                     and type(k[1]) is str for k in keys), "bad key numbers")
+    paths = [o[0] for o in opens] + [r[0] for r in rows] + list(values)
+    flat = {p for p in paths if "." not in p}
+    need(not any(p.partition(".")[0] in flat for p in paths if "." in p), "a key both a value and a group")
     return m
 
 
