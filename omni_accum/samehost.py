@@ -61,8 +61,10 @@ def private_dir() -> Path:
     """This user's directory under :func:`base_dir` (created 0700 when missing, checked every time)."""
     base = base_dir()
     st = os.stat(base)  # the base may be a symlink (/dev/shm -> /run/shm); what it is must be safe
-    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX and st.st_uid != os.geteuid():
-        raise SameHostRefused(base, "a world-writable directory without the sticky bit", st)
+    if st.st_uid not in (0, os.geteuid()):  # its owner could move our directory away and plant another
+        raise SameHostRefused(base, "a base directory owned by another user (not root, not this user)", st)
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX and st.st_uid != os.geteuid():
+        raise SameHostRefused(base, "a group- or world-writable directory without the sticky bit", st)
     d = base / f"omni-accum-{os.geteuid()}"
     for attempt in range(_MKDIR_ATTEMPTS):
         try:

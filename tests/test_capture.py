@@ -262,3 +262,19 @@ def test_a_capture_whose_files_are_cleared_goes_on_and_one_whose_folder_is_remov
     assert w.closed and len(errors) == 1 and "was removed with its folder or salt; capture stopped" in errors[0]
     rec.record("r", {"embed": {"x": torch.zeros(1, 2)}}, 1_000_300)
     assert len(errors) == 1  # reported once
+
+
+def test_folders_made_for_a_capture_are_0700_and_a_file_planted_in_its_place_is_refused(tmp_path):
+    old = os.umask(0)
+    try:
+        w = CaptureWriter(tmp_path / "a" / "b" / "cap", "0")
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "cap"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    w.close()
+    planted = tmp_path / "a" / "b" / "cap" / f"capture-1-{os.getpid()}.0.jsonl"
+    planted.write_text("")
+    os.chmod(planted, 0o666)  # made before the server by someone who then reads what it appends
+    with pytest.raises(CaptureError, match="not this user's private file"):
+        CaptureWriter(tmp_path / "a" / "b" / "cap", "1")

@@ -477,3 +477,23 @@ def test_the_reaper_imports_nothing_from_the_working_directory(tmp_path, monkeyp
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     subprocess.run([sys.executable, str(scripts / "serve.py")], cwd=shared, env=env, check=True, timeout=120)
     assert not (tmp_path / "ran").exists()
+
+
+def test_a_base_directory_of_another_user_or_writable_by_others_without_the_sticky_bit_is_refused(tmp_path,
+                                                                                                  monkeypatch):
+    """OMNI_ACCUM_ARENA_DIR owned by another user (mode 0755) was accepted: its owner could move our directory
+    away and plant one of theirs; a group-writable base without the sticky bit too."""
+    uid = _nobody()
+    base = tmp_path / "base"
+    base.mkdir(mode=0o755)
+    monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", str(base))
+    os.chown(base, uid, uid)
+    with pytest.raises(SameHostRefused, match="owned by another user \\(not root, not this user\\)"):
+        private_dir()
+    os.chown(base, 0, 0)
+    os.chmod(base, 0o775)
+    if os.geteuid() != 0:
+        with pytest.raises(SameHostRefused, match="group- or world-writable directory without the sticky bit"):
+            private_dir()
+    os.chmod(base, 0o1777)
+    assert private_dir().parent == base  # as /dev/shm: root's, sticky

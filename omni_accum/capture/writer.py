@@ -19,6 +19,7 @@ outside the capture.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -90,7 +91,10 @@ def prepare_dir(directory: str | os.PathLike[str]) -> Path:
     that only this user may write to (:func:`folder_problem`)."""
     d = Path(directory)
     try:
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        missing = [p for p in (d, *d.absolute().parents) if not os.path.lexists(p)]
+        for p in reversed(missing):  # every folder made here is 0700 (mkdir's parents would follow the umask)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(p, 0o700)
     except FileExistsError:
         pass  # a file or a link of that name: folder_problem names it
     except OSError as e:
@@ -216,6 +220,12 @@ class CaptureWriter:
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise CaptureError(f"capture file {path}: not a regular file")
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:  # made before us, by someone else or for others
+            os.close(fd)
+            raise CaptureError(
+                f"capture file {path}: owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}: not this "
+                "user's private file (refused)"
+            )
         old, self._fd, self._n, self._size = self._fd, fd, n, st.st_size
         if old >= 0:
             os.close(old)
