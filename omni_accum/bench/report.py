@@ -318,7 +318,8 @@ def to_json(run: BenchRun) -> dict[str, Any]:
 
 
 def write_json(run: BenchRun, path: str | os.PathLike[str]) -> None:
-    p = Path(path)  # its folder exists and it is no device or FIFO: checked before the run (output_path_problem)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(to_json(run), indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, p)
+    """Through a random temporary file and a rename (``<out>.tmp`` was a fixed name that followed a link planted
+    there); the folder is never created (its folder and kind are checked before the run: output_path_problem)."""
+    from omni_accum.tuner.files import write_atomic
+
+    write_atomic(path, json.dumps(to_json(run), indent=2) + "\n")
