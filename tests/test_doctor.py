@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -478,3 +479,36 @@ def test_an_ab_policy_is_described_as_its_split(clean_env, capsys, tmp_path):
     assert rc == 0 and "an A/B split by request id: control 50% default, treatment 50% qwen3-omni" in out, out
     rc, out = _doctor(capsys, "--json")
     assert json.loads(out)["policy"]["ab"]["treatment"] == {"policy": "qwen3-omni", "share": 0.5}
+
+
+def test_connector_names_are_read_from_the_parsed_yaml(clean_env, capsys, tmp_path):
+    """A misspelt connector name read "ready" (doctor looked for the name anywhere in the text, the file's own
+    comment included; vllm-omni then fails with "Unknown connector"), and a MooncakeStoreConnector deploy read
+    "ready" with the compatibility plugin switched off (every chunk send and receive raises then)."""
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "config/deploy/qwen3_omni_arena_async_chunk.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("name: OmniAccumArenaConnector", "name: OmniAccumArenaConector"))
+    rc, out = _doctor(capsys, "--deploy", str(bad))
+    assert rc == 1 and "selects connector 'OmniAccumArenaConector', which no plugin registers" in out, out
+    assert "did you mean OmniAccumArenaConnector?" in out and "ok       arena connector" not in out
+    clean_env.setenv("OMNI_ACCUM_MOONCAKE_COMPAT", "0")
+    rc, out = _doctor(capsys, "--deploy", str(root / "config/deploy/qwen3_omni_mooncake.yaml"))
+    assert rc == 1 and "selects MooncakeStoreConnector but OMNI_ACCUM_MOONCAKE_COMPAT='0'" in out, out
+    clean_env.delenv("OMNI_ACCUM_MOONCAKE_COMPAT")
+    clean_env.setenv("OMNI_ACCUM_ARENA_CONNECTOR", "0")  # a deploy that only names the arena in a comment
+    shm = tmp_path / "shm.yaml"
+    shm.write_text("# not OmniAccumArenaConnector here\n" + (root / "config/deploy/qwen3_omni_async_chunk.yaml").read_text(
+        encoding="utf-8"))
+    rc, out = _doctor(capsys, "--deploy", str(shm))
+    assert rc == 0 and "arena connector" not in out, out
+
+
+def test_every_shipped_deploy_selects_only_connectors_that_exist():
+    from omni_accum.cli.doctor import check_arena_connector
+
+    root = Path(__file__).resolve().parents[1]
+    deploys = sorted(root.glob("config/deploy/*.yaml")) + sorted(root.glob("benchmarks/e2e/configs/**/*.yaml"))
+    for f in deploys:
+        bad = [c for c in check_arena_connector(str(f)) if not c.ok]
+        assert not bad, (f, bad)

@@ -20,10 +20,12 @@ from omni_accum.cli.doctor_policy import (  # noqa: F401 - _deploy_policy: the t
     Check,
     _deploy_extras,
     _deploy_policy,
+    _read_deploy,
     check_connectors,
     check_policy,
 )
 from omni_accum.integrations.vllm_omni.families import SUPPORTED_VERSIONS, family_for
+from omni_accum.errors import OmniAccumError
 from omni_accum.manager import get_manager
 from omni_accum.switches import OFF, SettingError, env_flag, switch_problems
 
@@ -241,27 +243,65 @@ def check_metrics() -> list[Check]:
 OUR_CONNECTORS = (
     ("OmniAccumArenaConnector", "omni_accum_arena", "OMNI_ACCUM_ARENA_CONNECTOR", "arena connector"),
     ("OmniAccumMooncakeConnector", "omni_accum_mooncake", "OMNI_ACCUM_MOONCAKE_COMPAT", "mooncake connector"),
+    # vllm-omni 0.30.0's own: it fails with Mooncake 0.3.13 without the compatibility plugin (docs/mooncake.md)
+    ("MooncakeStoreConnector", "omni_accum_mooncake", "OMNI_ACCUM_MOONCAKE_COMPAT", "mooncake compatibility"),
 )
 
 
+def _connector_names(node: Any, parent: str = "") -> list[str]:
+    """The ``name`` of every connector a parsed deploy YAML selects (a mapping with a ``name`` and an ``extra``, or
+    a ``name`` under a key about connectors), in order."""
+    out: list[str] = []
+    if isinstance(node, dict):
+        name = node.get("name")
+        if isinstance(name, str) and ("extra" in node or "connector" in parent.lower()):
+            out.append(name)
+        for k, v in node.items():
+            out += _connector_names(v, str(k) if isinstance(v, dict) else parent if isinstance(v, list) else str(k))
+    elif isinstance(node, list):
+        for v in node:
+            out += _connector_names(v, parent)
+    return out
+
+
+def _known_connectors() -> list[str] | None:
+    """The connectors vllm-omni registers itself (None: its factory cannot be read here)."""
+    try:
+        from vllm_omni.distributed.omni_connectors.factory import OmniConnectorFactory
+
+        return list(OmniConnectorFactory.list_registered_connectors())
+    except Exception:  # noqa: BLE001 - another release or no vllm-omni: check_versions says so
+        return None
+
+
 def check_arena_connector(deploy: str | None) -> list[Check]:
-    """For each of omni-accum's connectors the deploy YAML selects (``OmniAccumArenaConnector``,
-    ``OmniAccumMooncakeConnector``): its registering entry point is installed in both plugin groups, its switch
-    (``OMNI_ACCUM_ARENA_CONNECTOR`` / ``OMNI_ACCUM_MOONCAKE_COMPAT``) is not off and ``VLLM_PLUGINS`` (if set) lets
-    vLLM load it; else vllm-omni fails with "Unknown connector" when the stage builds it."""
+    """Every connector the deploy YAML selects (its parsed ``name`` values): one vllm-omni or omni-accum registers
+    (a misspelt one fails the stage with "Unknown connector"), and for omni-accum's (``OmniAccumArenaConnector``,
+    ``OmniAccumMooncakeConnector``) and for ``MooncakeStoreConnector`` (which needs omni-accum's compatibility
+    plugin): the registering entry point is installed in both plugin groups, its switch (``OMNI_ACCUM_ARENA_CONNECTOR``
+    / ``OMNI_ACCUM_MOONCAKE_COMPAT``) is not off and ``VLLM_PLUGINS`` (if set) lets vLLM load it."""
     if not deploy:
         return []
     try:
-        if not os.path.isfile(deploy):  # a FIFO would block; check_policy reports it
-            return []
-        with open(deploy, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError):
+        names = list(dict.fromkeys(_connector_names(_read_deploy(deploy))))
+    except OmniAccumError:
         return []  # check_policy already reported it
     out: list[Check] = []
+    known = _known_connectors()
+    ours = [c[0] for c in OUR_CONNECTORS]
+    if known is not None:
+        for name in names:
+            if name not in known and name not in ours:
+                from difflib import get_close_matches
+
+                close = get_close_matches(name, [*known, *ours[:2]], n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                detail = f"{deploy} selects connector {name!r}, which no plugin registers{hint}: vllm-omni fails with "
+                detail += "'Unknown connector' when the stage builds it"
+                out.append(Check("connector", False, detail, "one of: " + ", ".join([*known, *ours[:2]])))
     allowed = os.environ.get("VLLM_PLUGINS")
     for name, entry, switch, label in OUR_CONNECTORS:
-        if name not in text:
+        if name not in names:
             continue
         missing = [g for g in PLUGIN_GROUPS if not any(e.name == entry for e in metadata.entry_points(group=g))]
         try:
@@ -269,7 +309,8 @@ def check_arena_connector(deploy: str | None) -> list[Check]:
         except SettingError as e:
             on, bad = False, str(e)
         else:
-            bad = f"{switch}={os.environ.get(switch)!r} turns off the plugin that registers it"
+            bad = f"{switch}={os.environ.get(switch)!r} turns off the plugin that "
+            bad += "registers it" if name in ours[:2] else "makes it work with Mooncake 0.3.13"
         if missing:
             detail = f"{deploy} selects {name} but entry point {entry} is not in {missing[0]}"
             out.append(Check(label, False, detail, "reinstall omni-accum (pip install omni-accum)"))
@@ -277,10 +318,11 @@ def check_arena_connector(deploy: str | None) -> list[Check]:
             out.append(Check(label, False, f"{deploy} selects {name} but {bad}", f"unset {switch}"))
         elif allowed is not None and entry not in [p.strip() for p in allowed.split(",")]:
             detail = (f"{deploy} selects {name} but VLLM_PLUGINS={allowed!r} does not list {entry}: vllm-omni will not "
-                      "know the connector")  # fmt: skip
+                      "load it")  # fmt: skip
             out.append(Check(label, False, detail, f"add {entry} to VLLM_PLUGINS"))
         else:
-            out.append(Check(label, True, f"{deploy} selects {name}; {entry} registers it"))
+            out.append(Check(label, True, f"{deploy} selects {name}; {entry} " + (
+                "registers it" if name in ours[:2] else "is loaded (Mooncake 0.3.13 compatibility)")))
     return out
 
 
