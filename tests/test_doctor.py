@@ -512,3 +512,15 @@ def test_every_shipped_deploy_selects_only_connectors_that_exist():
     for f in deploys:
         bad = [c for c in check_arena_connector(str(f)) if not c.ok]
         assert not bad, (f, bad)
+
+
+def test_a_bad_handoff_sample_is_a_problem_and_a_missing_deploy_file_is_json_with_json(clean_env, capsys):
+    """OMNI_ACCUM_HANDOFF_SAMPLE=abc read ready, though install() refuses it (omni-accum then installs nothing);
+    doctor --json --deploy MISSING printed nothing on stdout."""
+    clean_env.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
+    clean_env.setenv("OMNI_ACCUM_HANDOFF_SAMPLE", "abc")
+    rc, out = _doctor(capsys)
+    assert rc == 1 and "PROBLEM  hand-off timing: OMNI_ACCUM_HANDOFF_SAMPLE='abc' is not a whole number" in out
+    clean_env.delenv("OMNI_ACCUM_HANDOFF_SAMPLE")
+    rc, out = _doctor(capsys, "--json", "--deploy", "/no/such/deploy.yaml")
+    assert rc == 2 and json.loads(out) == {"ok": False, "error": "--deploy /no/such/deploy.yaml: no such file"}

@@ -169,6 +169,18 @@ def check_context(deploy: str | None) -> list[Check]:
     return out
 
 
+def check_handoff() -> list[Check]:
+    """``OMNI_ACCUM_HANDOFF_SAMPLE``: a bad value makes omni-accum decline to install (nothing is patched)."""
+    from omni_accum.integrations.vllm_omni import handoff
+
+    try:
+        handoff.read_settings()
+    except SettingError as e:
+        return [Check("hand-off timing", False, f"{e}; omni-accum will not install",
+                      f"fix {handoff.ENV_SAMPLE} or unset it")]
+    return []
+
+
 def check_capture(deploy: str | None) -> list[Check]:
     """The capture settings (``OMNI_ACCUM_CAPTURE*``, and the deploy YAML's ``omni_accum_capture*`` extra keys) and
     the folder they name: a bad one leaves a stage process recording nothing (serving goes on, one log line)."""
@@ -340,7 +352,7 @@ def run_checks(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
     checks = check_versions() + check_entry_points() + check_arena_connector(deploy)
     policy_checks, info = check_policy(deploy)
     checks += check_switches("policy" in info)
-    policy_checks += check_context(deploy) + check_capture(deploy) + check_connectors(deploy)
+    policy_checks += check_context(deploy) + check_handoff() + check_capture(deploy) + check_connectors(deploy)
     return checks + policy_checks + check_plugins() + check_metrics(), info
 
 
@@ -348,7 +360,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from omni_accum.cli.policy import plugin_problems_reported_here
 
     if args.deploy is not None and not os.path.exists(args.deploy):  # a usage error (2), as the help says
-        print(f"omni-accum doctor: error: --deploy {args.deploy}: no such file", file=sys.stderr)
+        message = f"--deploy {args.deploy}: no such file"
+        if args.json:  # JSON alone on stdout, always
+            print(json.dumps({"ok": False, "error": message}, indent=2))
+        print(f"omni-accum doctor: error: {message}", file=sys.stderr)
         return 2
     with plugin_problems_reported_here():  # check_plugins reports a skipped plugin: once, not also as a log line
         checks, info = run_checks(args.deploy)
