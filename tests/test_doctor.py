@@ -524,3 +524,13 @@ def test_a_bad_handoff_sample_is_a_problem_and_a_missing_deploy_file_is_json_wit
     clean_env.delenv("OMNI_ACCUM_HANDOFF_SAMPLE")
     rc, out = _doctor(capsys, "--json", "--deploy", "/no/such/deploy.yaml")
     assert rc == 2 and json.loads(out) == {"ok": False, "error": "--deploy /no/such/deploy.yaml: no such file"}
+
+
+def test_the_activation_line_names_an_ab_split():
+    """The log line said "default cat, rules none" for a split whose arms are default and qwen3-omni."""
+    from omni_accum.integrations.vllm_omni.deployment import policy_summary
+    from omni_accum.policy import load_policy
+
+    split = load_policy({"ab": {"arms": {"control": {"policy": "default"}, "treatment": {"policy": "qwen3-omni"}}}})
+    assert policy_summary(split) == "an A/B split by request id: control 50% default, treatment 50% qwen3-omni"
+    assert policy_summary(load_policy("default")).startswith("default cat, rules none")

@@ -114,6 +114,10 @@ def policy_summary(policy: Policy | None) -> str:
     rules (``match -> strategy``) and the size of its tuned table."""
     if policy is None:
         return "no policy"
+    if policy.ab is not None:  # its own default and rules are its first arm's
+        total = sum(a.weight for a in policy.ab.arms.values())
+        arms = ", ".join(f"{n} {a.weight / total:.0%} {a.policy}" for n, a in policy.ab.arms.items())
+        return f"an A/B split by request id: {arms}"
     rules = ", ".join(f"{r.match} -> {r.strategy}" for r in policy.rules) or "none"
     text = f"default {policy.default.strategy}, rules {rules}"
     if policy.tuned is not None:
