@@ -533,4 +533,4 @@ def test_the_activation_line_names_an_ab_split():
 
     split = load_policy({"ab": {"arms": {"control": {"policy": "default"}, "treatment": {"policy": "qwen3-omni"}}}})
     assert policy_summary(split) == "an A/B split by request id: control 50% default, treatment 50% qwen3-omni"
-    assert policy_summary(load_policy("default")).startswith("default cat, rules none")
+    assert policy_summary(load_policy("default")) == "default cat, rules meta.finished -> replace"
