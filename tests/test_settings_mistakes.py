@@ -265,3 +265,20 @@ def test_status_files_go_only_where_no_other_user_can_write_and_a_problem_is_sai
         reporting._safe_write()
     said = [r.getMessage() for r in caplog.records if "cannot write the status file" in r.getMessage()]
     assert len(said) == 1 and "mode 0777 lets other users write to it" in said[0] and "OMNI_ACCUM_STATUS_DIR" in said[0]
+
+
+def test_a_refused_activation_says_why_in_the_status_file(tmp_path):
+    """The status file of a process whose activation installed nothing read installed: false with no reason."""
+    import json
+    import subprocess
+    import sys
+
+    code = "from omni_accum.integrations.vllm_omni import activate\nactivate()\n"
+    env = dict(os.environ, OMNI_ACCUM_POLICY="qwen3-omni", OMNI_ACCUM_HANDOFF_SAMPLE="abc",
+               OMNI_ACCUM_STATUS_DIR=str(tmp_path / "status"))
+    env.pop("OMNI_ACCUM_REQUIRED", None)
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert got.returncode == 0, got.stderr
+    (f,) = (tmp_path / "status").glob("*.json")
+    data = json.loads(f.read_text())
+    assert data["installed"] is False and "OMNI_ACCUM_HANDOFF_SAMPLE='abc'" in data["refused"], data

@@ -205,7 +205,7 @@ def activate() -> None:
     try:
         if env and not off:
             install(load_policy(None))
-            Settings.policy_source = ENV_POLICY
+            Settings.policy_source, Settings.refused = ENV_POLICY, None
             policy = Settings.policy
             fp = binding.policy_fingerprint(policy) if policy else "-"
             ctx = deployment.context_label(policy, deployment.deployment_context())
@@ -229,6 +229,7 @@ def activate() -> None:
                 f"{ENV_POLICY}={env}" if off else f"{ENV_POLICY} is not set",
             )
     except Exception as e:  # noqa: BLE001 - a plugin never fails vllm-omni unless asked to
+        Settings.refused = str(e)  # in status() and the status file too
         logger.error("omni-accum not installed (pid=%d, process=%s): %s", os.getpid(), where, e)
         if required:
             raise SystemExit(f"omni-accum: {ENV_REQUIRED}=1 and activation failed in pid {os.getpid()}: {e}") from e

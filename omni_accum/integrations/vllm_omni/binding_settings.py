@@ -36,6 +36,8 @@ class Settings:
     installed: bool = False
     #: Where the process-wide policy came from (``OMNI_ACCUM_POLICY``, a preset name, a path ...).
     policy_source: str = "no policy"
+    #: Why the plugin's activation installed nothing in this process (None: it did, or was not asked to).
+    refused: str | None = None
     #: Called after a binding is made or a request released (the status file, when one is asked for).
     on_change: Callable[[], None] | None = None
 

@@ -95,6 +95,8 @@ class Status:
     #: The hand-offs the receive hooks here timed (:mod:`.handoff`): ``{pair: {kind: {count, seconds_sum,
     #: seconds_max, bytes}}}``, pair ``"0->1"`` (sending and receiving stage), kind prefill / decode / full.
     handoff: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    #: Why the plugin's activation installed nothing here (the log line's reason; None: it did or was not asked).
+    refused: str | None = None
 
 
 def status() -> Status:
@@ -136,6 +138,7 @@ def status() -> Status:
         pid=os.getpid(),
         process=process_label(),
         handoff=handoff.summary(),
+        refused=Settings.refused,
     )
 
 
