@@ -537,3 +537,23 @@ def test_a_base_with_an_ab_section_is_tuned_from_its_first_arm(tmp_path, capsys)
     assert f"--base {ab}: an A/B split; tuning from its first arm, 'control'" in err and "Traceback" not in err
     tuned = omni_accum.load_policy(out)
     assert tuned.ab is None and tuned.tuned is not None
+
+
+def test_the_gain_table_keeps_the_step_gain_and_the_request_totals_apart_and_says_when_to_deploy_nothing():
+    """A row read "4.1x (-237.9% p50, CI [...])": a per-request speed-up beside a per-step loss, and a run slower in
+    every bucket ended with "wrote ... (complete)" and nothing else."""
+    from omni_accum.tuner.core import BucketOutcome
+    from omni_accum.tuner.report import gain_table
+
+    def outcome(gain, low, high, ref_total, tuned_total):
+        return BucketOutcome(1000, 1, verify={"reference_p50_us": 10.0, "tuned_p50_us": 10.0 * (1 - gain),
+                                              "gain": gain, "gain_low": low, "gain_high": high,
+                                              "reference_total_us": ref_total, "tuned_total_us": tuned_total})
+
+    slower = gain_table([outcome(-2.379, -2.572, -2.284, 4100.0, 1000.0)], "default")
+    assert "-237.9% [-257.2%, -228.4%]" in slower and "1.0 ms (0.24x)" in slower
+    assert "slower per step than default in every bucket" in slower and "not this file" in slower
+    noise = gain_table([outcome(0.01, -0.05, 0.06, 1000.0, 990.0)], "upstream")
+    assert "no bucket differs from upstream beyond the noise" in noise and "slower per step" not in noise
+    better = gain_table([outcome(0.5, 0.4, 0.6, 1000.0, 500.0)], "upstream")
+    assert "beyond the noise" not in better and "slower per step" not in better

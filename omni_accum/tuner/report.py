@@ -123,20 +123,29 @@ def gain_table(outcomes: list[BucketOutcome], reference: str) -> str:
         if not v:
             rows.append([str(o.context_len), str(o.concurrency), "-", "-", "-", "-", "reused" if o.reused else "-"])
             continue
-        speed = v["reference_total_us"] / v["tuned_total_us"] if v.get("tuned_total_us") else float("nan")
+        ratio = v["tuned_total_us"] / v["reference_total_us"] if v.get("reference_total_us") else float("nan")
         rows.append(
             [
                 str(o.context_len),
                 str(o.concurrency),
                 _us(v["reference_p50_us"]),
                 _us(v["tuned_p50_us"]),
+                f"{_pct(v['gain'])} [{_pct(v['gain_low'])}, {_pct(v['gain_high'])}]",
                 f"{v['reference_total_us'] / 1000:.1f} ms",
-                f"{v['tuned_total_us'] / 1000:.1f} ms",
-                f"{speed:.1f}x ({_pct(v['gain'])} p50, CI [{_pct(v['gain_low'])}, {_pct(v['gain_high'])}])",
+                f"{v['tuned_total_us'] / 1000:.1f} ms ({ratio:.2f}x)",
             ]
         )
-    head = ["context", "conc", f"{reference} p50", "tuned p50", f"{reference} /req", "tuned /req", "gain"]
+    head = ["context", "conc", f"{reference} step p50", "tuned step p50", "step gain [95% CI]", f"{reference} /req",
+            "tuned /req"]
     out = _table(rows, head)
+    gains = [o.verify for o in outcomes if o.verify]
+    if gains and all(g["gain_high"] < 0 for g in gains):
+        out += (f"\nthe tuned policy is slower per step than {reference} in every bucket (the whole interval below 0): "
+                f"deploy {reference}'s behaviour (no policy, or the default preset), not this file")
+    elif gains and all(g["gain_low"] <= 0 <= g["gain_high"] for g in gains):
+        out += f"\nno bucket differs from {reference} beyond the noise (every interval holds 0)"
+    out += ("\n(step gain: the tuned policy's step p50 against the reference's, positive when faster, with its 95% "
+            "interval: what the tuner decides by; /req: the request totals of the one verification round, no interval)")
     if any((o.verify or {}).get("reference") == "wire-floor" for o in outcomes):
         out += (
             f"\n(reference: {reference}'s _accumulate_payload raises on this stream (torch.cat of a 0-d flag such as "
