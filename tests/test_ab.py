@@ -288,3 +288,21 @@ def test_ab_timeout_must_be_finite_and_positive(capsys, timeout):
     assert main(["ab", "--metrics", "http://127.0.0.1:9/metrics", "--timeout", timeout]) == 2
     err = capsys.readouterr().err
     assert f"--timeout {float(timeout)}: give seconds > 0 (finite)" in err and "Traceback" not in err
+
+
+def test_ab_says_when_there_is_nothing_to_compare_or_the_baseline_is_missing_and_keeps_one_unit(tmp_path, capsys):
+    """One arm printed tables and no word; a group without the baseline arm was compared with another arm silently;
+    one interval read "[5443.6 us, 11.47 ms]"."""
+    from omni_accum.cli.ab import Hist, analyse, format_report
+
+    f = tmp_path / "metrics.txt"
+    f.write_bytes(_scrape(_spread(8e-6), []))
+    assert main(["ab", "--metrics", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "note: only arm 'control' recorded here: nothing to compare" in out, out
+    h = Hist({1e-5: 40.0, 1e-2: 80.0, float("inf"): 100.0}, total=0.6, count=100.0)
+    data = analyse({("zeta",): h, ("treatment",): h}, {}, {}, baseline="control")
+    assert data["groups"][0]["note"] == "the baseline 'control' has no series here: compared with 'treatment' instead"
+    text = format_report(analyse({("control",): Hist({1e-5: 100.0, float("inf"): 100.0}, 8e-4, 100.0),
+                                  ("treatment",): h}, {}, {}))
+    assert " us" not in text.split("merge time per chunk")[1], text  # one unit in the group: ms

@@ -243,16 +243,26 @@ def analyse(merge: dict, hand: dict, reqs: dict, baseline: str | None = None) ->
         order = sorted(arms, key=lambda a: (a != first, a))
         base = order[0] if order else None
         vs = {arm: compare(arms[base], arms[arm]) for arm in order[1:]} if base else {}
+        note = None
+        if len(order) == 1:
+            note = f"only arm {base!r} recorded here: nothing to compare"
+        elif (wanted := baseline or ("control" if any(k[0] == "control" for k in (*merge, *hand)) else None)) and (
+            wanted not in arms
+        ):
+            note = f"the baseline {wanted!r} has no series here: compared with {base!r} instead"
         out["groups"].append(
-            {"what": what, "arms": {a: asdict(arms[a]) for a in order}, "baseline": base, "versus": vs}
+            {"what": what, "arms": {a: asdict(arms[a]) for a in order}, "baseline": base, "versus": vs, "note": note}
         )
     return out
 
 
-def _us(x: float | None) -> str:
+def _us(x: float | None, ms: bool | None = None) -> str:
+    """Seconds as us or ms (``ms``: the unit of the whole table; None: by the value)."""
     if x is None:
         return "-"
-    return f"{x * 1e6:.1f} us" if abs(x) < 1e-2 else f"{x * 1e3:.2f} ms"
+    if ms is None:
+        ms = abs(x) >= 1e-2
+    return f"{x * 1e3:.2f} ms" if ms else f"{x * 1e6:.1f} us"
 
 
 def format_report(data: dict[str, Any]) -> str:
@@ -267,10 +277,13 @@ def format_report(data: dict[str, Any]) -> str:
         lines.append("")
         lines.append(title)
         lines.append(f"  {'arm':<16} {'count':>8}  {'mean':>10}  {'95% interval of the mean':>26}  {'p50':>10}  {'p90':>10}")
+        seen = [abs(v) for s in g["arms"].values() for k in ("ci_high", "p90") if (v := s[k]) is not None]
+        ms = bool(seen) and max(seen) >= 1e-2  # one unit for the whole group
         for arm, s in g["arms"].items():
-            ci = f"[{_us(s['ci_low'])}, {_us(s['ci_high'])}]" if s["mean"] is not None else "-"
+            ci = f"[{_us(s['ci_low'], ms)}, {_us(s['ci_high'], ms)}]" if s["mean"] is not None else "-"
             lines.append(
-                f"  {arm:<16} {s['count']:>8}  {_us(s['mean']):>10}  {ci:>26}  {_us(s['p50']):>10}  {_us(s['p90']):>10}"
+                f"  {arm:<16} {s['count']:>8}  {_us(s['mean'], ms):>10}  {ci:>26}  {_us(s['p50'], ms):>10}  "
+                f"{_us(s['p90'], ms):>10}"
             )
         for arm, v in g["versus"].items():
             if v["difference"] is None:
@@ -279,9 +292,11 @@ def format_report(data: dict[str, Any]) -> str:
             rel = f" ({v['relative']:+.1%})" if v.get("relative") is not None else ""
             sign = "+" if v["difference"] >= 0 else "-"
             lines.append(
-                f"  {arm} vs {g['baseline']}: {sign}{_us(abs(v['difference']))}{rel}, 95% interval "
-                f"[{_us(v['ci_low'])}, {_us(v['ci_high'])}]: {v['verdict']}"
+                f"  {arm} vs {g['baseline']}: {sign}{_us(abs(v['difference']), ms)}{rel}, 95% interval "
+                f"[{_us(v['ci_low'], ms)}, {_us(v['ci_high'], ms)}]: {v['verdict']}"
             )
+        if g.get("note"):
+            lines.append(f"  note: {g['note']}")
     lines.append("")
     lines.append("(approximate: spread and quantiles from the histogram buckets; means exact)")
     return "\n".join(lines)
