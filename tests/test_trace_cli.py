@@ -225,3 +225,17 @@ def test_a_capture_folder_of_another_user_says_whose_it_is_to_read(tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot list the folder (permission denied)" in err[0] and "read it as that user" in err[0]
     assert main(["tune", "--trace", str(tmp_path / "cap"), "--out", str(tmp_path / "t.yaml")]) == 2
+
+
+def test_a_capture_of_another_record_version_is_one_line_and_long_lists_say_how_many_more(tmp_path, capsys):
+    write_capture(tmp_path / "cap")
+    f = next((tmp_path / "cap").glob("capture-*.jsonl"))
+    lines = f.read_text().splitlines()
+    f.write_text("\n".join(ln.replace('"v":1,', '"v":2,') for ln in lines) + "\n")
+    assert main(["trace", str(tmp_path / "cap")]) == 2
+    out = capsys.readouterr().out
+    assert f"lines 1-{len(lines)}: record version 2: this omni-accum reads version 1" in out and "0 records" in out
+    f.write_text("\n".join(["{"] * 12 + lines) + "\n")
+    assert main(["trace", str(tmp_path / "cap")]) == 0
+    out = capsys.readouterr().out
+    assert "... and 2 more (trace --json lists them all)" in out and f"{len(lines)} records" in out

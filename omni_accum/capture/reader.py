@@ -33,9 +33,13 @@ class Problem:
     file: str
     line: int
     reason: str
+    #: The last line of a run of lines skipped for the same reason (a capture of another record version).
+    last: int = 0
 
     def __str__(self) -> str:
         where = f"{self.file}, line {self.line}" if self.line else self.file
+        if self.last > self.line:
+            where = f"{self.file}, lines {self.line}-{self.last}"
         return f"{where}: {self.reason}"
 
 
@@ -204,7 +208,11 @@ def _parse(raw: bytes, name: str, no: int, into: Capture) -> None:
         return
     why = check_record(rec)
     if why:
-        into.problems.append(Problem(name, no, why))
+        prev = into.problems[-1] if into.problems else None
+        if why.startswith("record version") and prev is not None and prev.file == name and prev.reason == why:
+            into.problems[-1] = Problem(name, prev.line, why, no)  # one line for a whole file of another version
+        else:
+            into.problems.append(Problem(name, no, why))
         return
     rec["_file"], rec["_line"] = name, no
     into.records.append(rec)

@@ -135,10 +135,13 @@ def _handoffs(trace: Trace, pair: str) -> dict[str, Any]:
 
 def format_summary(data: Mapping[str, Any]) -> str:
     """The summary as text (``omni-accum trace DIR``)."""
-    lines = [f"capture: {len(data['files'])} file(s), {data['records']} records"]
+    n = data["records"]
+    lines = [f"capture: {len(data['files'])} file(s), {n} record{'' if n == 1 else 's'}"]
     if data["skipped"]:
         lines.append(f"skipped {len(data['skipped'])} line(s) (a cut or corrupt record; the rest is used):")
         lines += [f"  {s}" for s in data["skipped"][:10]]
+        if len(data["skipped"]) > 10:
+            lines.append(f"  ... and {len(data['skipped']) - 10} more (trace --json lists them all)")
     for pair, p in data["pairs"].items():
         lines.append("")
         cl, cc = p["context_len"], p["concurrency"]

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="omni-accum",
         description=(
             "Per-key accumulation policies for vllm-omni payload chunks: list strategies, check and "
-            "explain policies, benchmark strategies on a workload, and tune a policy for this machine."
+            "explain policies, benchmark strategies on a workload, tune a policy for this machine, summarise a "
+            "capture of a server's own stream, compare the arms of a live A/B split, and check a deployment."
         ),
         epilog="Run 'omni-accum COMMAND --help' for the options of a command.",
     )
