@@ -446,3 +446,13 @@ def test_a_reader_that_stops_reading_is_not_an_error(monkeypatch, capsys):
     monkeypatch.setattr("sys.stdout", ClosedPipe())
     assert cli.main(["strategies"]) == 0
     assert "error" not in capsys.readouterr().err
+
+
+def test_an_unknown_strategy_is_reported_on_its_own_line(tmp_path, capsys):
+    """It was reported on the rule's first line (the match), not the strategy's."""
+    from omni_accum.cli import main
+
+    f = tmp_path / "p.yaml"
+    f.write_text("rules:\n  - match: embed.prefill\n    strategy: prealoc\n")
+    assert main(["validate", str(f)]) == 1
+    assert f"{f}, line 3: rules[0].strategy: unknown strategy 'prealoc'" in capsys.readouterr().out

@@ -253,7 +253,8 @@ def strategy_problems(
         loc: tuple[Any, ...] = _loc_of(where)
         if spec is None:
             msg = f"unknown strategy {name!r}. Available: {', '.join(available)}{manager.not_loaded_note()}"
-            errors.append({"loc": f"{where}.strategy", "line": lines(loc), "msg": msg})
+            line = lines(loc + ("strategy",)) or lines(loc)  # the strategy key's own line (a bare name: the rule's)
+            errors.append({"loc": f"{where}.strategy", "line": line, "msg": msg})
             continue
         try:
             spec.params_model.model_validate(params)
