@@ -170,7 +170,8 @@ def test_a_deploy_file_that_does_not_exist_is_a_usage_error(clean_env, capsys, t
     for extra in ([], ["--json"]):
         assert main(["doctor", "--deploy", str(missing), *extra]) == 2
         out, err = capsys.readouterr()
-        assert err.strip() == f"omni-accum doctor: error: --deploy {missing}: no such file" and not out
+        assert err.strip() == f"omni-accum doctor: error: --deploy {missing}: no such file"
+        assert (json.loads(out)["error"] if extra else out) == (f"--deploy {missing}: no such file" if extra else "")
 
 
 def test_deploy_yaml_selecting_the_arena_connector(clean_env, capsys, tmp_path):
@@ -534,3 +535,15 @@ def test_the_activation_line_names_an_ab_split():
     split = load_policy({"ab": {"arms": {"control": {"policy": "default"}, "treatment": {"policy": "qwen3-omni"}}}})
     assert policy_summary(split) == "an A/B split by request id: control 50% default, treatment 50% qwen3-omni"
     assert policy_summary(load_policy("default")) == "default cat, rules meta.finished -> replace"
+
+
+def test_a_policy_whose_accumulation_rules_match_nothing_this_release_sends_is_noted(clean_env, capsys):
+    """qwen3-omni-flat on 0.30.0 passed silently: its send_once/replace rules match keys 0.30.0 sends, but none of
+    its prealloc rules does (the flat keys of older releases)."""
+    clean_env.setenv("OMNI_ACCUM_POLICY", "qwen3-omni-flat")
+    rc, out = _doctor(capsys)
+    assert rc == 0 and "note     policy keys" in out and "thinker_embeddings -> prealloc" in out
+    assert "match no key that vllm-omni 0.30.0 sends" in out
+    clean_env.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
+    rc, out = _doctor(capsys)
+    assert rc == 0 and "policy keys" not in out
