@@ -52,7 +52,8 @@ def _context_setting(extra: Any, key: str, env: str, what: str) -> int | None:
         n = int(m.group(1)) * (1000 if m.group(2) else 1)
     if n is None or n < 1:
         raise ContextSettingError(
-            f"{where}={value!r}: expected the deployment's {what} as a whole number >= 1 (such as 8000 or 8k)"
+            f"{where}={value!r}: expected the deployment's {what} as a whole number >= 1 "
+            + ("(such as 8000 or 8k)" if "context" in what else "(such as 4)")
         )
     return n
 
