@@ -10,27 +10,13 @@ The hot path never touches ``prometheus_client``: each binding's :class:`Recorde
 integers in a slot cached per key (at most a dict lookup and two additions per key, counted in a pass
 the hook makes anyway; merge times go into a local list, bucketed at flush), and publishes them every
 :data:`FLUSH_EVERY` chunks and, on a thread of its own, soon after a request is released
-(:func:`.binding.published_later`). Wire bytes count the tensors' bytes (lists, strings and scalars count 0).
+(:func:`.binding.published_later`). Wire bytes count the tensors' bytes (lists, strings and scalars count 0);
+saved bytes what a left-off value would have taken (a string's length, 8 bytes a list item).
 Label values are bounded: key paths, strategy names, roles, buckets, reasons; never request ids.
 
-=============================================  =========  ============================================
-metric                                         type       labels
-=============================================  =========  ============================================
-``omni_accum_chunks_total``                    counter    ``role`` (send/receive/accumulate), ``key``, ``strategy``
-``omni_accum_requests_total``                  counter    ``role``, ``context_bucket``, ``concurrency_bucket``
-``omni_accum_wire_bytes_total``                counter    ``role``, ``key`` (payload bytes of the values)
-``omni_accum_wire_bytes_saved_total``          counter    ``key``, ``strategy`` (bytes kept off the wire)
-``omni_accum_fallbacks_total``                 counter    ``reason``
-``omni_accum_held_bytes``                      gauge      (bytes held by live requests, this process)
-``omni_accum_active_requests``                 gauge      ``role``
-``omni_accum_merge_seconds``                   histogram  ``strategy`` (of the chunk's first append key)
-``omni_accum_policy_info``                     gauge = 1  ``source``, ``fingerprint``, ``version``
-``omni_accum_ab_requests_total``               counter    ``arm``, ``role`` (an A/B split's arms only)
-``omni_accum_ab_merge_seconds``                histogram  ``arm`` (every chunk's receive-hook time)
-``omni_accum_ab_handoff_seconds``              histogram  ``arm``, ``pair``, ``kind`` (as ``omni_accum_handoff_seconds``)
-=============================================  =========  ============================================
+Every family, its labels and what it counts: docs/monitoring.md (the metrics table).
 
-An A/B split's arm bindings (:mod:`.ab`) count into the families above as any binding does, and also into the
+An A/B split's arm bindings (:mod:`.ab`) count into these families as any binding does, and also into the
 ``omni_accum_ab_*`` families under their arm (published at the same flush): a series that existed without a
 split keeps its labels.
 """
