@@ -239,3 +239,18 @@ def test_a_capture_of_another_record_version_is_one_line_and_long_lists_say_how_
     assert main(["trace", str(tmp_path / "cap")]) == 0
     out = capsys.readouterr().out
     assert "... and 2 more (trace --json lists them all)" in out and f"{len(lines)} records" in out
+
+
+def test_resume_names_the_capture_when_it_changed(tmp_path, capsys):
+    """It said "--workload: the content of 'trace 0->1' changed" for a run given no --workload."""
+    write_capture(tmp_path / "cap", requests=4, decode=12)
+    out = tmp_path / "t.yaml"
+    args = ["tune", "--trace", str(tmp_path / "cap"), "--out", str(out), "--quick", "--max-rounds", "1", "--no-progress"]
+    assert main(args) == 0
+    write_capture(tmp_path / "cap2", requests=6, decode=12)
+    for f in (tmp_path / "cap2").glob("capture-*"):
+        f.replace(tmp_path / "cap" / f.name.replace("capture-0-", "capture-9-"))
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 2  # a complete file this run would not reuse: left untouched
+    err = capsys.readouterr().err
+    assert "--trace: the capture (trace 0->1) changed since" in err and "--workload" not in err, err

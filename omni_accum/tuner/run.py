@@ -186,7 +186,9 @@ def settings_mismatches(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         if was == now:
             continue
         if k == "workload_sha256":
-            if old.get("workload") != new.get("workload"):
+            if str(new.get("workload", "")).startswith("trace "):  # a capture (tune --trace) that grew or changed
+                out.append(f"--trace: the capture ({new.get('workload')}) changed since (hash {was}, now {now})")
+            elif old.get("workload") != new.get("workload"):
                 out.append(f"{option}: tuned on {old.get('workload')!r}, now {new.get('workload')!r}")
             else:
                 out.append(f"{option}: the content of {new.get('workload')!r} changed (hash {was}, now {now})")
