@@ -11,7 +11,6 @@ import os
 import platform
 from dataclasses import dataclass, field
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import torch

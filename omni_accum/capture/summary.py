@@ -20,8 +20,9 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
+from omni_accum.capture.keys import _read_of, kind_of_key, known_key
 from omni_accum.capture.reader import Capture
-from omni_accum.capture.trace import Trace, _read_of, kind_of_key, known_key
+from omni_accum.capture.trace import Trace
 
 #: Bytes per chunk under which a key's saving is "nothing measurable".
 TINY = 64
