@@ -180,7 +180,7 @@ def errors_of(tmp_path, text, name="p.yaml"):
 def test_unknown_strategy_lists_the_available_ones_with_line(tmp_path):
     errs, _ = errors_of(tmp_path, "default: cat\nrules:\n  - match: a\n    strategy: catt\n")
     assert len(errs) == 1
-    assert ", line 3: rules[0].strategy: unknown strategy 'catt'. Available: " + STRATEGIES in errs[0]
+    assert ", line 4: rules[0].strategy: unknown strategy 'catt'. Available: " + STRATEGIES in errs[0]
 
 
 def test_bad_params_name_rule_field_line_and_allowed_params(tmp_path):
