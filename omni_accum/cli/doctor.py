@@ -269,7 +269,7 @@ def _connector_names(node: Any, parent: str = "") -> list[str]:
         if isinstance(name, str) and ("extra" in node or "connector" in parent.lower()):
             out.append(name)
         for k, v in node.items():
-            out += _connector_names(v, str(k) if isinstance(v, dict) else parent if isinstance(v, list) else str(k))
+            out += _connector_names(v, str(k))
     elif isinstance(node, list):
         for v in node:
             out += _connector_names(v, parent)
