@@ -402,3 +402,16 @@ def test_validation_against_a_given_manager():
     m = StrategyManager(load_entrypoints=False)
     with pytest.raises(PolicyError, match="unknown strategy 'cat'"):
         load_policy({"default": "cat"}, manager=m)
+
+
+def test_a_preset_name_is_a_preset_even_beside_a_file_of_that_name_and_a_missing_relative_file_names_the_cwd(
+    tmp_path, monkeypatch
+):
+    """OMNI_ACCUM_POLICY=default with a file named 'default' in the server's working directory failed ("unsupported
+    policy file type ''": no file without a .yaml/.json/.toml suffix is a policy), so omni-accum installed nothing."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "default").write_text("not a policy\n")
+    assert load_policy("default").default.strategy == "cat"
+    with pytest.raises(PolicyError, match=f"policies/mine.yaml: no such policy file \\(a relative path, read from the "
+                                          f"working directory {tmp_path}\\)"):
+        load_policy("policies/mine.yaml")

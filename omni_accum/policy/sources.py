@@ -41,12 +41,18 @@ def preset_text(name: str) -> tuple[str, str]:
     return f"preset {name!r}", res.read_text(encoding="utf-8")
 
 
+_FORMATS = {".json": "json", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml"}
+
+
 def read_source(source: str | os.PathLike[str]) -> tuple[str, str, str]:
     """Return ``(label, text, format)`` for a path or a preset name."""
     path = Path(source)
     suffix = path.suffix.lower()
+    if suffix not in _FORMATS and str(source) in preset_names():  # no file of that name can be a policy (suffix)
+        label, text = preset_text(str(source))
+        return label, text, "yaml"
     if path.is_file():
-        fmt = {".json": "json", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml"}.get(suffix)
+        fmt = _FORMATS.get(suffix)
         if fmt is None:
             raise PolicyError(f"{path}: unsupported policy file type {suffix!r}. Use .yaml, .yml, .json or .toml")
         try:
@@ -68,8 +74,9 @@ def read_source(source: str | os.PathLike[str]) -> tuple[str, str, str]:
     if name in preset_names():
         label, text = preset_text(name)
         return label, text, "yaml"
-    if suffix in (".yaml", ".yml", ".json", ".toml") or os.sep in name:
-        raise PolicyError(f"{name}: no such policy file")
+    if suffix in _FORMATS or os.sep in name:
+        where = "" if path.is_absolute() else f" (a relative path, read from the working directory {os.getcwd()})"
+        raise PolicyError(f"{name}: no such policy file{where}")
     raise PolicyError(f"{name!r} is neither a policy file nor a preset. Available presets: {', '.join(preset_names())}")
 
 
