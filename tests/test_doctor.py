@@ -547,3 +547,14 @@ def test_a_policy_whose_accumulation_rules_match_nothing_this_release_sends_is_n
     clean_env.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
     rc, out = _doctor(capsys)
     assert rc == 0 and "policy keys" not in out
+
+
+def test_an_omni_accum_key_outside_the_connectors_extra_is_named(clean_env, capsys, tmp_path):
+    """omni_accum_policy written beside extra: (not under it) read only "omni-accum will change nothing"."""
+    dep = tmp_path / "deploy.yaml"
+    dep.write_text(
+        "stages:\n  - stage_id: 0\n    stage_connector_config:\n      name: SharedMemoryConnector\n"
+        "      omni_accum_policy: qwen3-omni\n      extra: {}\n"
+    )
+    rc, out = _doctor(capsys, "--deploy", str(dep))
+    assert rc == 1 and "stages[0].stage_connector_config.omni_accum_policy: outside any connector's extra" in out, out

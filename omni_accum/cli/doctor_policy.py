@@ -75,6 +75,22 @@ def extra_keys() -> tuple[str, ...]:
             EXTRA_MAX_BYTES)  # fmt: skip
 
 
+def _misplaced(node: Any, where: str = "") -> list[str]:
+    """Where an ``omni_accum_*`` key sits in a mapping that is not a connector's ``extra`` (beside ``extra``, say)."""
+    found: list[str] = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            path = f"{where}.{k}" if where else str(k)
+            if str(k).startswith("omni_accum_"):
+                found.append(path)
+            elif k != "extra":
+                found += _misplaced(v, path)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found += _misplaced(v, f"{where}[{i}]")
+    return found
+
+
 def check_connectors(deploy: str | None) -> list[Check]:
     """Every connector ``extra`` of the deploy YAML read as the stage processes read it: omni-accum's own
     ``omni_accum_*`` keys (a misspelt one is ignored there, so it is named here; ``omni_accum_adapter_keys`` a list
@@ -112,6 +128,9 @@ def check_connectors(deploy: str | None) -> list[Check]:
             except ValueError as e:
                 fix = f"correct it: the stage refuses to build {node['name']}, and the server does not start"
                 out.append(Check("connector", False, f"{place}: {e}", fix))
+    for where in _misplaced(data):
+        detail = f"{deploy}: {where}: outside any connector's extra mapping, where no stage reads it"
+        out.append(Check("connector", False, detail, "move it into the connector's extra: mapping"))
     if read and not out:
         out.append(Check("connector", True, f"{deploy}: the settings of omni-accum's connector(s) read as the stages "
                                             "will read them"))  # fmt: skip
