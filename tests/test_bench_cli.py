@@ -562,3 +562,15 @@ def test_no_eta_before_one_percent_is_done():
     bar.done = 5_000
     bar._draw(bar.t0 + 10.0)
     assert out.getvalue().rstrip().endswith("ETA   10.0s"), out.getvalue()
+
+
+def test_the_json_writer_replaces_a_link_at_the_output_and_never_writes_through_it(tmp_path):
+    """A link planted at --json's name must not redirect the write to its target (nor one at <out>.tmp)."""
+    run = bench.BenchRun(load_workload("qwen3-omni-seed"), "inproc", None, 1)
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    (tmp_path / "out.json").symlink_to(victim)
+    (tmp_path / "out.json.tmp").symlink_to(victim)
+    bench.write_json(run, tmp_path / "out.json")
+    assert victim.read_text() == "keep me\n"
+    assert not (tmp_path / "out.json").is_symlink() and json.loads((tmp_path / "out.json").read_text())["wire"] == "inproc"

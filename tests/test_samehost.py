@@ -326,7 +326,6 @@ def _hostile_frames(rx: ArenaReceiver, marker: Path) -> list[bytes]:
         b"",  # empty
         wire.dumps(("c", "r", 0, [], [], {1: (False, 1)}, 1, [])),  # a value's key that is not a name
         wire.dumps(("c", "r", 0, [], [(7, 1)], {}, 1, [])),  # a row count's key that is not a name
-        wire.dumps(("c", "r", 0, [], [], {"a": (False, [1]), "a.b": (True, [2])}, 1, [])),  # colliding keys
     ]
 
 
@@ -343,6 +342,11 @@ def test_hostile_frames_are_dropped_no_code_runs_and_later_requests_are_served(t
         assert rx.poll() is None  # each dropped, none applied
         assert rx.bad_frames == len(frames) and not marker.exists()
         assert rx.pending_keys() == [] and rx.requests() == []
+        # keys that collide ("a" and "a.b"): dropped and counted too (it raised AttributeError out of poll)
+        assert tx.region.ring_f.push(wire.dumps(("c", "c1", 0, [], [], {"a": (False, [1]), "a.b": (True, [2])}, 1, [])))
+        assert rx.poll() is None and rx.bad_frames == len(frames) + 1
+        rx.release("c1")
+        frames.append(b"")  # counted in the totals below
         assert tx.region.ring_f.push(wire.dump_msg("other-request", b"\x80", [], (), ()))  # valid, another request's
         assert rx.poll() is None and rx.pending_keys() == ["other-request"] and rx.bad_frames == len(frames)
         # a valid frame for another request waits under its own key; ours is served

@@ -249,9 +249,6 @@ def checked(m: Any, layout: Any) -> Any:
                                       for p, v in values.items()), "bad values")
     need(type(keys) in _SEQ and all(type(k) in _SEQ and len(k) == 2 and is_int(k[0], 0, 1 << 16)
                                     and type(k[1]) is str for k in keys), "bad key numbers")
-    paths = [o[0] for o in opens] + [r[0] for r in rows] + list(values)
-    flat = {p for p in paths if "." not in p}
-    need(not any(p.partition(".")[0] in flat for p in paths if "." in p), "a key both a value and a group")
     return m
 
 

@@ -317,8 +317,23 @@ def to_json(run: BenchRun) -> dict[str, Any]:
 
 
 def write_json(run: BenchRun, path: str | os.PathLike[str]) -> None:
-    """Through a random temporary file and a rename (``<out>.tmp`` was a fixed name that followed a link planted
+    """Through a random temporary file (``O_EXCL``, in the output's folder) and a rename onto ``path`` itself (a
+    link there is replaced, never written through; ``<out>.tmp`` was a fixed name that followed a link planted
     there); the folder is never created (its folder and kind are checked before the run: output_path_problem)."""
-    from omni_accum.tuner.files import write_atomic
+    import tempfile
 
-    write_atomic(path, json.dumps(to_json(run), indent=2) + "\n")
+    from omni_accum.tuner.files import _umask
+
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(to_json(run), indent=2) + "\n")
+        os.chmod(tmp, 0o666 & ~_umask())  # as open() would make it
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
