@@ -50,7 +50,7 @@ class SameHostRefused(OmniAccumError):
 
 def base_dir() -> Path:
     """``$OMNI_ACCUM_ARENA_DIR``, else ``/dev/shm``."""
-    return Path(os.environ.get(ENV_DIR) or DEFAULT_BASE)
+    return Path(os.path.abspath(os.environ.get(ENV_DIR) or DEFAULT_BASE))  # the reaper runs from /
 
 
 #: How often :func:`private_dir` makes its directory again when a reaper removes it empty in between.
@@ -63,7 +63,7 @@ def private_dir() -> Path:
     st = os.stat(base)  # the base may be a symlink (/dev/shm -> /run/shm); what it is must be safe
     if st.st_uid not in (0, os.geteuid()):  # its owner could move our directory away and plant another
         raise SameHostRefused(base, "a base directory owned by another user (not root, not this user)", st)
-    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX and st.st_uid != os.geteuid():
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:  # others could move our directory away, ours or not
         raise SameHostRefused(base, "a group- or world-writable directory without the sticky bit", st)
     d = base / f"omni-accum-{os.geteuid()}"
     for attempt in range(_MKDIR_ATTEMPTS):

@@ -278,3 +278,12 @@ def test_folders_made_for_a_capture_are_0700_and_a_file_planted_in_its_place_is_
     os.chmod(planted, 0o666)  # made before the server by someone who then reads what it appends
     with pytest.raises(CaptureError, match="not this user's private file"):
         CaptureWriter(tmp_path / "a" / "b" / "cap", "1")
+
+
+def test_an_infinite_capture_bound_is_a_named_setting_error_never_an_overflow(monkeypatch):
+    """omni_accum_capture_max_bytes: .inf raised OverflowError out of the send hook (the request failed)."""
+    from omni_accum.integrations.vllm_omni import capture
+    from omni_accum.switches import SettingError
+
+    with pytest.raises(SettingError, match="omni_accum_capture_max_bytes=inf: give the bytes a process may write"):
+        capture.settings({"omni_accum_capture": "/tmp/x", "omni_accum_capture_max_bytes": float("inf")})

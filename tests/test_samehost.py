@@ -458,10 +458,28 @@ def test_a_private_directory_this_user_may_not_open_is_refused_and_every_put_and
         rx.close()
 
 
+def samehost_errors():
+    from omni_accum.arena import ArenaError
+
+    return ArenaError
+
+
 def test_pids_and_page_sizes_out_of_range_in_a_shared_header_are_not_trusted():
     from omni_accum.arena.region import pid_alive
 
     assert not pid_alive(1 << 40) and not pid_alive(-1) and pid_alive(os.getpid())  # 1 << 40 raised OverflowError
+    name = _name("page")
+    with pytest.raises(ValueError, match="page size 3000 is not a power of two"):
+        Region.create(name, 1 << 16, page=3000)
+    rx = ArenaReceiver(name, 1 << 16)
+    try:
+        q = memoryview(rx.region.mm)[:HEADER].cast("Q")
+        q[2] = 0  # the header's page size, as a hostile or broken writer leaves it
+        q.release()
+        with pytest.raises(samehost_errors(), match="page size 0 in its header is not a power of two"):
+            Region.attach(name)
+    finally:
+        rx.close()
 
 
 def test_the_reaper_imports_nothing_from_the_working_directory(tmp_path, monkeypatch):
@@ -494,10 +512,11 @@ def test_a_base_directory_of_another_user_or_writable_by_others_without_the_stic
     os.chown(base, uid, uid)
     with pytest.raises(SameHostRefused, match="owned by another user \\(not root, not this user\\)"):
         private_dir()
-    os.chown(base, 0, 0)
-    os.chmod(base, 0o775)
-    if os.geteuid() != 0:
-        with pytest.raises(SameHostRefused, match="group- or world-writable directory without the sticky bit"):
-            private_dir()
+    os.chown(base, os.geteuid(), os.getegid())
+    os.chmod(base, 0o775)  # ours, but others of the group could move our directory away
+    with pytest.raises(SameHostRefused, match="group- or world-writable directory without the sticky bit"):
+        private_dir()
     os.chmod(base, 0o1777)
-    assert private_dir().parent == base  # as /dev/shm: root's, sticky
+    assert private_dir().parent == base  # as /dev/shm: sticky
+    monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", os.path.relpath(base))
+    assert samehost.base_dir().is_absolute()  # the reaper runs from /: a relative base would miss every file

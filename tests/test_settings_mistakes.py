@@ -282,3 +282,14 @@ def test_a_refused_activation_says_why_in_the_status_file(tmp_path):
     (f,) = (tmp_path / "status").glob("*.json")
     data = json.loads(f.read_text())
     assert data["installed"] is False and "OMNI_ACCUM_HANDOFF_SAMPLE='abc'" in data["refused"], data
+
+
+def test_a_later_install_clears_the_refusal(vo, no_switches):
+    """status() read installed: true beside the reason of an earlier refused activation."""
+    from omni_accum.integrations.vllm_omni import reporting
+    from omni_accum.integrations.vllm_omni.binding_settings import Settings
+
+    Settings.refused = "an earlier activation's reason"
+    vo.install("qwen3-omni")
+    st = reporting.status()
+    assert st.installed and st.refused is None

@@ -127,20 +127,21 @@ def test_tune_trace_writes_a_policy_tuned_on_the_capture(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    ("shape", "nbytes", "why"),
+    ("dtype", "shape", "nbytes", "why"),
     [
-        ([1000000000000, D], 4096, "do not match shape [1000000000000, %d] of bfloat16" % D),
-        ([1000000000000, D], 1000000000000 * D * 2, "more than a key of a chunk holds (16 GiB)"),
+        ("bfloat16", [1000000000000, D], 4096, "do not match shape [1000000000000, %d] of bfloat16" % D),
+        ("bfloat16", [1000000000000, D], 1000000000000 * D * 2, "more than a key of a chunk holds (16 GiB)"),
+        ("ids", [1000000000000], 8, "more than a key of a chunk holds (16 GiB)"),  # replayed as a list that long
     ],
 )
-def test_a_recorded_shape_that_does_not_fit_its_bytes_or_any_chunk_is_a_skipped_line(tmp_path, capsys, shape, nbytes,
-                                                                                      why):
+def test_a_recorded_shape_that_does_not_fit_its_bytes_or_any_chunk_is_a_skipped_line(tmp_path, capsys, dtype, shape,
+                                                                                      nbytes, why):
     """A corrupt or hostile shape in a capture was replayed as it was: tune died allocating 8 PB (a traceback)."""
     write_capture(tmp_path / "cap")
     f = next((tmp_path / "cap").glob("capture-*.jsonl"))
     lines = f.read_text().splitlines()
     rec = json.loads(lines[0])
-    rec["keys"][0][3], rec["keys"][0][4] = shape, nbytes
+    rec["keys"][0][2], rec["keys"][0][3], rec["keys"][0][4] = dtype, shape, nbytes
     f.write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
     out = tmp_path / "t.yaml"
     rc = main(["tune", "--trace", str(tmp_path / "cap"), "--out", str(out), "--quick", "--max-rounds", "1",
@@ -235,6 +236,11 @@ def test_a_capture_of_another_record_version_is_one_line_and_long_lists_say_how_
     assert main(["trace", str(tmp_path / "cap")]) == 2
     out = capsys.readouterr().out
     assert f"lines 1-{len(lines)}: record version 2: this omni-accum reads version 1" in out and "0 records" in out
+    mixed = [ln.replace('"v":1,', '"v":2,') if i in (0, 1, 3) else ln for i, ln in enumerate(lines)]
+    f.write_text("\n".join(mixed) + "\n")
+    main(["trace", str(tmp_path / "cap")])
+    out = capsys.readouterr().out
+    assert "lines 1-2: record version 2" in out and "line 4: record version 2" in out  # runs, not across good lines
     f.write_text("\n".join(["{"] * 12 + lines) + "\n")
     assert main(["trace", str(tmp_path / "cap")]) == 0
     out = capsys.readouterr().out

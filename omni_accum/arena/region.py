@@ -73,6 +73,10 @@ def path_for(name: str) -> Path:
 PID_LIMIT = 1 << 22
 
 
+def _page_ok(page: int) -> bool:
+    return 4096 <= page <= 1 << 30 and not page & (page - 1)
+
+
 def pid_alive(pid: int) -> bool:
     """True when ``pid`` runs (a zombie, killed but not yet reaped, counts as dead)."""
     if not 0 < pid < PID_LIMIT:  # a pid from a shared header or hello: no process has one out of range
@@ -160,6 +164,8 @@ class Region:
     ) -> Region:
         """Create the region (reclaiming a stale one whose owner is dead)."""
         path = path_for(name)
+        if not _page_ok(page):  # a sender refuses such a header: no region no one can attach to
+            raise ValueError(f"arena {path}: page size {page} is not a power of two >= 4096")
         npages = max(1, _round(data_bytes, page) // page)
         layout = Layout(page, npages, _round(ring_bytes, page), _round(back_bytes, page))
         if os.path.lexists(path):
@@ -210,7 +216,7 @@ class Region:
             if q[W_MAGIC] != MAGIC or q[W_VERSION] != VERSION or not q[W_READY]:
                 raise ArenaError(f"arena {path} is not an omni-accum arena of version {VERSION} (or not ready)")
             layout = Layout(q[W_PAGE], q[W_NPAGES], q[W_RING_F], q[W_RING_B])
-            if not 4096 <= layout.page <= 1 << 30 or layout.page & (layout.page - 1):
+            if not _page_ok(layout.page):
                 raise ArenaError(f"arena {path}: page size {layout.page} in its header is not a power of two >= 4096")
         except BaseException:
             os.close(fd)

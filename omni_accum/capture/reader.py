@@ -153,14 +153,13 @@ def _check_key(k: Any) -> str | None:
     if not _count(nbytes):
         return f"bytes {nbytes!r} is not a count"
     size = ITEM_BYTES.get(dtype)
-    if size is not None:  # a tensor: its bytes follow from its shape, within a bound (a replay allocates it)
-        n = size
-        for x in shape:
-            n *= x
-        if n != nbytes:
-            return f"bytes {nbytes} do not match shape {shape} of {dtype} ({n} bytes)"
-        if n > MAX_KEY_BYTES:
-            return f"shape {shape} of {dtype}: {n} bytes, more than a key of a chunk holds ({MAX_KEY_BYTES >> 30} GiB)"
+    n = size or 8  # a replay allocates every key from its shape (a list, a string, another dtype: 8 bytes an item)
+    for x in shape:
+        n *= x
+    if size is not None and n != nbytes:  # a tensor: its bytes follow from its shape
+        return f"bytes {nbytes} do not match shape {shape} of {dtype} ({n} bytes)"
+    if n > MAX_KEY_BYTES:
+        return f"shape {shape} of {dtype}: {n} bytes, more than a key of a chunk holds ({MAX_KEY_BYTES >> 30} GiB)"
     if len(k) == 7 and not isinstance(k[6], dict):
         return "its seventh element is not a mapping"
     return None
@@ -209,7 +208,8 @@ def _parse(raw: bytes, name: str, no: int, into: Capture) -> None:
     why = check_record(rec)
     if why:
         prev = into.problems[-1] if into.problems else None
-        if why.startswith("record version") and prev is not None and prev.file == name and prev.reason == why:
+        if (why.startswith("record version") and prev is not None and prev.file == name and prev.reason == why
+                and no == (prev.last or prev.line) + 1):
             into.problems[-1] = Problem(name, prev.line, why, no)  # one line for a whole file of another version
         else:
             into.problems.append(Problem(name, no, why))

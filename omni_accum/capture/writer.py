@@ -86,9 +86,9 @@ def folder_problem(directory: str | os.PathLike[str], what: str = "capture folde
     return None
 
 
-def prepare_dir(directory: str | os.PathLike[str]) -> Path:
-    """``directory``, made with mode 0700 when missing; :class:`CaptureError` when it is not a folder of this user
-    that only this user may write to (:func:`folder_problem`)."""
+def prepare_dir(directory: str | os.PathLike[str], what: str = "capture folder") -> Path:
+    """``directory``, made with mode 0700 when missing (and every folder above it made here); :class:`CaptureError`
+    when it is not a folder of this user that only this user may write to (:func:`folder_problem`)."""
     d = Path(directory)
     try:
         missing = [p for p in (d, *d.absolute().parents) if not os.path.lexists(p)]
@@ -98,8 +98,8 @@ def prepare_dir(directory: str | os.PathLike[str]) -> Path:
     except FileExistsError:
         pass  # a file or a link of that name: folder_problem names it
     except OSError as e:
-        raise CaptureError(f"capture folder {d}: cannot make it ({e.strerror or e})") from None
-    problem = folder_problem(d)
+        raise CaptureError(f"{what} {d}: cannot make it ({e.strerror or e})") from None
+    problem = folder_problem(d, what)
     if problem:
         raise CaptureError(problem)
     return d

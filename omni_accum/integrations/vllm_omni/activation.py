@@ -68,7 +68,7 @@ def install(
         _patch("targets")
         send.wrap_connector_classes()
         Settings.policy = loaded
-        Settings.installed = True
+        Settings.installed, Settings.refused = True, None
         if policy is not None:
             Settings.policy_source = _describe_source(policy)
         if adapter_keys is not None:
@@ -183,9 +183,11 @@ def activate() -> None:
         on = _flag(ENV_SWITCH)
     except SettingError as e:  # neither switched on nor off: do nothing rather than guess
         reporting.ensure_visible_logging()
+        Settings.refused = str(e)
         logger.error("omni-accum not installed (pid=%d): %s", os.getpid(), e)
         if required:
             raise SystemExit(f"omni-accum: {ENV_REQUIRED}=1 and {e}") from e
+        reporting.register_exit_dump()  # the status file says why
         return
     if not on:
         if required:

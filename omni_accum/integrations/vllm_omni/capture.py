@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from omni_accum.capture.recorder import VALUES, ChunkRecorder
-from omni_accum.capture.writer import DEFAULT_KEEP, DEFAULT_MAX_BYTES, CaptureError, CaptureWriter
+from omni_accum.capture.writer import DEFAULT_KEEP, DEFAULT_MAX_BYTES, CaptureWriter
 from omni_accum.integrations.vllm_omni import handoff
 from omni_accum.integrations.vllm_omni.marker import MARKERS, stamp_of
 from omni_accum.switches import SettingError
@@ -90,7 +90,7 @@ def settings(extra: Any = None) -> tuple[str, str, int] | None:
     if got is not None:
         try:
             max_bytes = int(got[0])
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # inf: OverflowError
             max_bytes = -1
         if isinstance(got[0], bool) or max_bytes < 4096:
             raise SettingError(f"{got[1]}={got[0]!r}: give the bytes a process may write, a whole number >= 4096")
@@ -149,7 +149,7 @@ def attach(b: Any, adapter: Any) -> Capture | None:
             send = ChunkRecorder(w, "send", f"{stage}->{stage + 1}", kind_of, values, ctx_of=_prompt_len)
             recv = ChunkRecorder(w, "recv", f"{stage - 1}->{stage}", kind_of, values)
             cap = Capture(w, send, recv)
-    except (CaptureError, SettingError, TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - a capture never fails a chunk (a bad setting, a folder refused, ...)
         _report(f"not recording in pid {os.getpid()}: {e}")
         cap = None
     state["_capture"] = cap

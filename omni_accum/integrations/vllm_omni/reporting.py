@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from omni_accum.capture.writer import folder_problem
+from omni_accum.capture.writer import prepare_dir
 from omni_accum.integrations.vllm_omni import binding as hooks
 from omni_accum.integrations.vllm_omni import handoff, peer
 from omni_accum.integrations.vllm_omni.binding_settings import Settings
@@ -154,11 +154,7 @@ def write() -> str | None:
         return None
     path = os.path.join(folder, f"{os.getpid()}.json")
     with _lock:
-        with contextlib.suppress(FileExistsError):  # a file of that name: folder_problem names it
-            os.makedirs(folder, 0o700, exist_ok=True)
-        problem = folder_problem(folder, "status folder")
-        if problem:
-            raise PermissionError(problem)
+        prepare_dir(folder, "status folder")  # 0700, this user's alone (CaptureError names the problem)
         text = json.dumps(snapshot())
         fd, tmp = tempfile.mkstemp(prefix=f".{os.getpid()}.", suffix=".tmp", dir=folder)  # O_EXCL, 0600, random
         try:
@@ -179,11 +175,11 @@ def _safe_write() -> None:
     try:
         write()
     except Exception as e:  # noqa: BLE001 - a status file never fails a stage; said once per problem
-        text = str(e)
-        if text not in _write_errors:
-            _write_errors.add(text)
+        key = f"{type(e).__name__} {getattr(e, 'errno', None)}"  # not the text: it can name a random temporary file
+        if key not in _write_errors:
+            _write_errors.add(key)
             logging.getLogger("omni_accum.vllm_omni").warning(
-                "omni-accum: cannot write the status file (%s); fix %s or unset it", text, ENV_STATUS_DIR
+                "omni-accum: cannot write the status file (%s); fix %s or unset it", e, ENV_STATUS_DIR
             )
 
 
