@@ -506,8 +506,9 @@ def test_connector_names_are_read_from_the_parsed_yaml(clean_env, capsys, tmp_pa
 
 
 def test_every_shipped_deploy_selects_only_connectors_that_exist():
-    from omni_accum.cli.doctor import check_arena_connector
+    from omni_accum.cli.doctor import _known_connectors, check_arena_connector
 
+    assert _known_connectors(), "vllm-omni's connector factory cannot be read: nothing would be checked"
     root = Path(__file__).resolve().parents[1]
     deploys = sorted(root.glob("config/deploy/*.yaml")) + sorted(root.glob("benchmarks/e2e/configs/**/*.yaml"))
     for f in deploys:

@@ -206,6 +206,8 @@ def test_a_key_whose_rows_change_width_or_dtype_within_a_capture_is_warned_about
     err = capsys.readouterr().err
     assert "key embed.prefill comes as bfloat16 rows [16], bfloat16 rows [8]" in err
     assert "key embed.decode comes as bfloat16 rows [16], float16 rows [8]" in err
+    assert main(["trace", str(tmp_path / "cap"), "--json"]) == 0
+    assert any("embed.prefill comes as" in w for w in json.loads(capsys.readouterr().out)["warnings"])
 
 
 def test_a_capture_folder_of_another_user_says_whose_it_is_to_read(tmp_path, capsys, monkeypatch):

@@ -65,6 +65,7 @@ def summarize(capture: Capture, trace: Trace) -> dict[str, Any]:
         "files": [str(f) for f in capture.files],
         "records": len(capture.records),
         "skipped": [str(p) for p in capture.problems],
+        "warnings": trace.warnings(),  # also on stderr (omni-accum trace)
         "pairs": {},
     }
     for pair in trace.pairs():

@@ -32,7 +32,7 @@ import torch
 from pydantic import PrivateAttr
 
 from omni_accum.bench.workloads import MAX_ROWS, Workload
-from omni_accum.capture.keys import _read_of, kind_of_key, known_key  # noqa: F401 - known_key: re-exported
+from omni_accum.capture.keys import _read_of, kind_of_key
 from omni_accum.capture.reader import Capture
 from omni_accum.capture.writer import CaptureError
 
@@ -246,10 +246,7 @@ class CapturedWorkload(Workload):
         """The captured requests a bucket of ``context_len`` replays: those whose prompt length falls in
         its bucket (among the workload's context lengths and ``context_len``), else the nearest ones."""
         reqs = self._requests
-        edges = sorted({*self._edges, context_len})
-        i = edges.index(context_len)
-        lo, hi = edges[i] if i else 0, edges[i + 1] if i + 1 < len(edges) else math.inf
-        pool = [r for r in reqs if lo <= r.prompt_len() < hi]
+        pool = self._in_bucket(context_len)
         if not pool:
             pool = sorted(reqs, key=lambda r: abs(math.log(max(1, r.prompt_len()) / context_len)))[:8]
         return pool
@@ -274,11 +271,13 @@ class CapturedWorkload(Workload):
                 )
         return out
 
-    def _in_bucket(self, context_len: int) -> bool:
+    def _in_bucket(self, context_len: int) -> list[Request]:
+        """The captured requests whose prompt length falls in ``context_len``'s bucket (among the workload's
+        context lengths and ``context_len``)."""
         edges = sorted({*self._edges, context_len})
         i = edges.index(context_len)
         lo, hi = edges[i] if i else 0, edges[i + 1] if i + 1 < len(edges) else math.inf
-        return any(lo <= r.prompt_len() < hi for r in self._requests)
+        return [r for r in self._requests if lo <= r.prompt_len() < hi]
 
     def recorded_stream(self, context_len: int, request: int = 0) -> list[dict[str, Any]]:
         """The chunks of the ``request``-th captured request of ``context_len``'s bucket (cycling), at most

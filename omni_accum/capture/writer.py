@@ -93,10 +93,8 @@ def prepare_dir(directory: str | os.PathLike[str], what: str = "capture folder")
     try:
         missing = [p for p in (d, *d.absolute().parents) if not os.path.lexists(p)]
         for p in reversed(missing):  # every folder made here is 0700 (mkdir's parents would follow the umask)
-            with contextlib.suppress(FileExistsError):
+            with contextlib.suppress(FileExistsError):  # another process made it meanwhile (folder_problem checks)
                 os.mkdir(p, 0o700)
-    except FileExistsError:
-        pass  # a file or a link of that name: folder_problem names it
     except OSError as e:
         raise CaptureError(f"{what} {d}: cannot make it ({e.strerror or e})") from None
     problem = folder_problem(d, what)

@@ -301,16 +301,17 @@ def check_arena_connector(deploy: str | None) -> list[Check]:
     out: list[Check] = []
     known = _known_connectors()
     ours = [c[0] for c in OUR_CONNECTORS]
+    registered = [n for n in ours if n.startswith("OmniAccum")]  # omni-accum's own; the rest are vllm-omni's
     if known is not None:
         for name in names:
             if name not in known and name not in ours:
                 from difflib import get_close_matches
 
-                close = get_close_matches(name, [*known, *ours[:2]], n=1)
+                close = get_close_matches(name, [*known, *registered], n=1)
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 detail = f"{deploy} selects connector {name!r}, which no plugin registers{hint}: vllm-omni fails with "
                 detail += "'Unknown connector' when the stage builds it"
-                out.append(Check("connector", False, detail, "one of: " + ", ".join([*known, *ours[:2]])))
+                out.append(Check("connector", False, detail, "one of: " + ", ".join([*known, *registered])))
     allowed = os.environ.get("VLLM_PLUGINS")
     for name, entry, switch, label in OUR_CONNECTORS:
         if name not in names:
@@ -322,7 +323,7 @@ def check_arena_connector(deploy: str | None) -> list[Check]:
             on, bad = False, str(e)
         else:
             bad = f"{switch}={os.environ.get(switch)!r} turns off the plugin that "
-            bad += "registers it" if name in ours[:2] else "makes it work with Mooncake 0.3.13"
+            bad += "registers it" if name in registered else "makes it work with Mooncake 0.3.13"
         if missing:
             detail = f"{deploy} selects {name} but entry point {entry} is not in {missing[0]}"
             out.append(Check(label, False, detail, "reinstall omni-accum (pip install omni-accum)"))
@@ -334,7 +335,7 @@ def check_arena_connector(deploy: str | None) -> list[Check]:
             out.append(Check(label, False, detail, f"add {entry} to VLLM_PLUGINS"))
         else:
             out.append(Check(label, True, f"{deploy} selects {name}; {entry} " + (
-                "registers it" if name in ours[:2] else "is loaded (Mooncake 0.3.13 compatibility)")))
+                "registers it" if name in registered else "is loaded (Mooncake 0.3.13 compatibility)")))
     return out
 
 

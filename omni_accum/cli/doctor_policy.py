@@ -256,11 +256,11 @@ def _policy_checks(spec: Any, source: str, info: dict[str, Any], env_checked: bo
         return [Check("policy", False, f"{source}: {e}", "fix the policy (omni-accum validate POLICY)")]
     rules = [f"{r.match} -> {r.strategy}" for r in policy.rules]
     if policy.ab is not None:  # its own default and rules are the first arm's: name the split
-        total = sum(a.weight for a in policy.ab.arms.values())
-        arms = {n: {"policy": a.policy, "share": a.weight / total} for n, a in policy.ab.arms.items()}
+        from omni_accum.integrations.vllm_omni.deployment import ab_shares, policy_summary
+
+        arms = {n: {"policy": p, "share": s} for n, (p, s) in ab_shares(policy).items()}
         info.setdefault("policy", {"source": source, "ab": arms})
-        split = ", ".join(f"{n} {a['share']:.0%} {a['policy']}" for n, a in arms.items())
-        out = [Check("policy", True, f"{source}: an A/B split by request id: {split}")]
+        out = [Check("policy", True, f"{source}: {policy_summary(policy)}")]
     else:
         info.setdefault("policy", {"source": source, "default": policy.default.strategy, "rules": rules})
         said = "; ".join(rules) or "no rules"

@@ -110,15 +110,19 @@ def _warn_untuned_context(policy: Policy, context: StreamContext | None, source:
     )
 
 
+def ab_shares(policy: Policy) -> dict[str, tuple[str, float]]:
+    """``{arm: (its policy, its share of the requests)}`` of a policy with an ``ab`` section."""
+    total = sum(a.weight for a in policy.ab.arms.values())
+    return {n: (a.policy, a.weight / total) for n, a in policy.ab.arms.items()}
+
+
 def policy_summary(policy: Policy | None) -> str:
     """The per-key choices of ``policy`` in a few words, for the activation log line: its default, its
     rules (``match -> strategy``) and the size of its tuned table."""
     if policy is None:
         return "no policy"
     if policy.ab is not None:  # its own default and rules are its first arm's
-        total = sum(a.weight for a in policy.ab.arms.values())
-        arms = ", ".join(f"{n} {a.weight / total:.0%} {a.policy}" for n, a in policy.ab.arms.items())
-        return f"an A/B split by request id: {arms}"
+        return "an A/B split by request id: " + ", ".join(f"{n} {s:.0%} {p}" for n, (p, s) in ab_shares(policy).items())
     rules = ", ".join(f"{r.match} -> {r.strategy}" for r in policy.rules) or "none"
     text = f"default {policy.default.strategy}, rules {rules}"
     if policy.tuned is not None:

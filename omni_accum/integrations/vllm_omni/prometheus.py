@@ -130,9 +130,14 @@ def _registry_metrics() -> dict[str, Any] | None:
         except ImportError:
             _unavailable = True
             return None
+        from prometheus_client import REGISTRY
+
+        before = set(REGISTRY._collector_to_names)  # noqa: SLF001 - the collectors a failed _make leaves behind
         try:
             _metrics = _make(Counter, Gauge, Histogram)
         except Exception as e:  # noqa: BLE001 - e.g. PROMETHEUS_MULTIPROC_DIR missing or not writable by this user
+            for c in set(REGISTRY._collector_to_names) - before:  # noqa: SLF001
+                REGISTRY.unregister(c)
             _unavailable = True
             where = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
             hint = f" (PROMETHEUS_MULTIPROC_DIR={where}: a folder this user can write; vLLM's own metrics need it too)"
