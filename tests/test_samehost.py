@@ -520,3 +520,12 @@ def test_a_base_directory_of_another_user_or_writable_by_others_without_the_stic
     assert private_dir().parent == base  # as /dev/shm: sticky
     monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", os.path.relpath(base))
     assert samehost.base_dir().is_absolute()  # the reaper runs from /: a relative base would miss every file
+
+
+def test_chunk_descriptors_whose_keys_are_not_names_are_refused_before_anything_is_applied():
+    """Value and row keys that were ints reached the receiver's key split (AttributeError, nothing counted)."""
+    layout = type("L", (), {"npages": 4, "page": 4096})()
+    for m in (("c", "r", 0, [], [], {1: (False, 1)}, 1, []), ("c", "r", 0, [], [(7, 1)], {}, 1, [])):
+        with pytest.raises(wire.BadFrame):
+            wire.checked(m, layout)
+    assert wire.checked(("c", "r", 0, [], [("a", 1)], {"b": (False, 1)}, 1, []), layout)[1] == "r"
