@@ -98,8 +98,7 @@ def summarize(capture: Capture, trace: Trace) -> dict[str, Any]:
             e["requests"] = len(e.pop("_reqs"))
             cat, resent = e.pop("_cat"), e.pop("_resent")
             known = known_key(path)
-            e["kind"] = kind_of_key(path, e["kind"])
-            e["read"] = _read_of(path, e["kind"])
+            e["read"] = _read_of(path, e["kind"])  # kind: as kind_of_key read it per chunk above
             e["read_from"] = known[0] if known else None
             e["would_save"] = _saving(e["kind"], e["read"], e["chunks"], e["requests"], e["bytes"], cat, resent)
             if known is None and e["kind"] == "append" and e["chunks"] > e["requests"]:

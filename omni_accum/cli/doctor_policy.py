@@ -285,10 +285,6 @@ def _policy_checks(spec: Any, source: str, info: dict[str, Any], env_checked: bo
     return out
 
 
-#: Strategies that accumulate nothing (a rule with one of them leaves a growing key as vllm-omni has it).
-_PASSIVE = ("cat", "replace", "send_once", "delta")
-
-
 def _sent_keys_check(policy: Any, source: str) -> list[Check]:
     """A warning when none of the policy's rules and tuned cells matches a key the installed release sends."""
     from omni_accum.integrations.vllm_omni.families import family_for, installed_version
@@ -302,7 +298,10 @@ def _sent_keys_check(policy: Any, source: str) -> list[Check]:
     sent = SENT_KEYS[fam.name]
     patterns = [r.match for r in policy.rules] + [c.key for c in cells]
     if any(fnmatch.fnmatchcase(k, p) for p in patterns for k in sent):
-        growing = [r for r in policy.rules if r.strategy not in _PASSIVE]  # the rules that change an accumulation
+        from omni_accum.manager import get_manager
+
+        accumulating = {s.name for s in get_manager().specs() if "append" in s.kinds} - {"cat"}  # cat: as vllm-omni
+        growing = [r for r in policy.rules if r.strategy in accumulating]  # the rules that change an accumulation
         if growing and not any(fnmatch.fnmatchcase(k, r.match) for r in growing for k in sent):
             dead = ", ".join(f"{r.match} -> {r.strategy}" for r in growing)
             detail = (f"{source}: its accumulation rules ({dead}) match no key that vllm-omni {version} sends: on this "
