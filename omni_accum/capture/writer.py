@@ -103,25 +103,29 @@ def prepare_dir(directory: str | os.PathLike[str], what: str = "capture folder")
     return d
 
 
+def read_salt_if_present(directory: Path) -> str | None:
+    """The salt in ``DIR/salt``, or None when the file is not there (never made here)."""
+    path = directory / SALT_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CaptureError(f"capture salt {path}: cannot open it ({e.strerror or e}; a symlink is refused)") from None
+    try:
+        return os.read(fd, 256).decode("ascii", "replace").strip() or None
+    finally:
+        os.close(fd)
+
+
 def read_salt(directory: Path) -> str:
     """The capture's salt (``DIR/salt``), made by the first process that asks (atomically: a link of a
     complete file, so a second process never reads half of one)."""
     path = directory / SALT_FILE
     for _ in range(3):
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            why = e.strerror or e
-            raise CaptureError(f"capture salt {path}: cannot open it ({why}; a symlink is refused)") from None
-        else:
-            try:
-                text = os.read(fd, 256).decode("ascii", "replace").strip()
-            finally:
-                os.close(fd)
-            if text:
-                return text
+        text = read_salt_if_present(directory)
+        if text:
+            return text
         tmp = directory / f".{SALT_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
@@ -141,20 +145,6 @@ def read_salt(directory: Path) -> str:
             except OSError:
                 pass
     raise CaptureError(f"capture salt {path}: empty")
-
-
-def read_salt_if_present(directory: Path) -> str | None:
-    """The salt in ``DIR/salt``, or None when the file is not there (never made here)."""
-    try:
-        fd = os.open(directory / SALT_FILE, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise CaptureError(f"capture salt {directory / SALT_FILE}: cannot open it ({e.strerror or e})") from None
-    try:
-        return os.read(fd, 256).decode("ascii", "replace").strip() or None
-    finally:
-        os.close(fd)
 
 
 class CaptureWriter:
