@@ -227,3 +227,30 @@ def test_every_command_of_the_readme_is_accepted(run, model, monkeypatch, tmp_pa
         with pytest.raises(Reached):
             run.main(argv)
         assert len(reached) == n + 1, argv
+
+
+def test_a_saved_run_is_reported_again_without_starting_anything(run, capsys, monkeypatch, tmp_path):  # noqa: F811
+    """``--report FILE`` prints what the run printed (the tables per input length and concurrency, the probes),
+    for every run kept under results/runs/, which the READMEs cite; a bad file or another option is one line."""
+    monkeypatch.setattr(run, "run_arm", lambda *a: pytest.fail("an arm started"))
+    saved = sorted((E2E / "results" / "runs").glob("*.json"))
+    assert len(saved) >= 19
+    for path in saved:
+        assert run.main(["--report", str(path)]) == 0, path
+        out = capsys.readouterr().out
+        data = json.loads(path.read_text())
+        arms = [a["arm"] for a in data["arms"]]
+        assert out.startswith(f"run {data['run_dir']}: arms {data['args']['arms']}"), path
+        for n in json.loads(data["args"]["input_len"]):
+            for c in json.loads(data["args"]["concurrency"]):
+                assert f"input {n} tokens, concurrency {c} (ratio: arm / off)" in out, (path, n, c)
+        assert out.count(" probe 0: HTTP 200") == len(arms), path
+        assert out.rstrip().endswith("verdict when it ran: ok"), path
+    bad = tmp_path / "bad.json"
+    for content, needle in [("{", "not JSON (line 1, column 2"), ('{"arms": [1]}', "not a run.py --json file")]:
+        bad.write_text(content)
+        assert f"--report {bad}: {needle}" in _usage_error(run, capsys, ["--report", str(bad)])
+    assert "cannot read it (No such file or directory)" in _usage_error(run, capsys, ["--report", str(tmp_path / "x")])
+    assert "so --arms, --hosts would do nothing: drop them or --report" in _usage_error(
+        run, capsys, ["--report", str(saved[0]), "--arms", "off", "--hosts", "4"]
+    )

@@ -83,6 +83,10 @@ def build_parser(
         "arm (\"complete\": false until the last arm ends, or what had ended when the run was interrupted)",
     )  # fmt: skip
     ap.add_argument(
+        "--report", type=Path, metavar="FILE", help="print the tables and the probes' comparison of a run saved "
+        "with --json FILE (e.g. one of results/*/e2e.json) and exit: starts nothing, takes no other option",
+    )  # fmt: skip
+    ap.add_argument(
         "--keep-logs", type=Path, metavar="DIR", help="copy each arm's server / client logs into DIR/ARM"
     )  # fmt: skip
     ap.add_argument(

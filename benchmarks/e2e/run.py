@@ -65,7 +65,7 @@ from e2e_watch import (  # noqa: E402 - memory samples, a stage killed on purpos
 
 import hosts as hosts_mode  # noqa: E402 - run.py --hosts N (network namespaces, netns.py)
 from e2e_options import (  # noqa: E402 - the options, and the checks of their values
-    build_parser, check_deploy, check_outputs, check_values, positive_ints,  # noqa: F401 - positive_ints: the tests
+    build_parser, check_deploy, check_outputs, check_values, option, positive_ints,  # noqa: F401 - positive_ints: the tests
 )  # fmt: skip
 
 WORK = HERE / ".work"
@@ -636,9 +636,40 @@ def print_correctness(results: list[dict[str, Any]]) -> None:
             print(f"  {'':<24} equals off: {cmp_[r['arm']]}")
 
 
+def report(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--report FILE``: a saved run's tables and probe comparison, as the run printed them; nothing started."""
+    others = [option(k) for k, v in vars(args).items() if k != "report" and v != ap.get_default(k)]
+    if others:
+        ap.error(f"--report reads a saved run and starts nothing, so {', '.join(others)} would do nothing: drop "
+                 f"{'them' if len(others) > 1 else 'it'} or --report")  # fmt: skip
+    path = args.report
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        ap.error(f"--report {path}: cannot read it ({getattr(e, 'strerror', None) or e})")
+    except json.JSONDecodeError as e:
+        ap.error(f"--report {path}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})")
+    arms = saved.get("arms") if isinstance(saved, dict) else None
+    if not isinstance(arms, list) or not all(isinstance(a, dict) and "arm" in a for a in arms):
+        ap.error(f"--report {path}: not a run.py --json file (no list of arms with their results)")
+    given = saved.get("args") or {}
+    print(f"run {saved.get('run_dir', '?')}: arms {given.get('arms', '?')}, input {given.get('input_len', '?')}, "
+          f"concurrency {given.get('concurrency', '?')}, prompts {given.get('num_prompts', '?')}, model "
+          f"{given.get('model', '?')}, deploy {given.get('deploy_config', '?')}")  # fmt: skip
+    if not saved.get("complete", True):
+        print(f"incomplete: {saved.get('interrupted') or 'the run ended early'}; arms not run: "
+              f"{', '.join(saved.get('arms_left') or []) or '-'}")  # fmt: skip
+    print_table(arms)
+    print_correctness(arms)
+    print(f"\nverdict when it ran: {'ok' if saved.get('ok') else 'FAILED'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser(__doc__, list(MODELS), DEFAULT_MODEL, sorted(RELEASES), WORK / "runs")
     args = ap.parse_args(argv)
+    if args.report is not None:
+        return report(ap, args)
     # SIGTERM / SIGHUP end this script as Ctrl-C does, through each arm's clean-up (the server's process group
     # stopped, its /dev/shm files checked): the default action left a running server behind.
     for signum in (signal.SIGTERM, signal.SIGHUP):
