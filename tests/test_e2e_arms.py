@@ -106,8 +106,19 @@ def test_input_lengths_and_concurrencies_are_lists(run):
         assert repr(bad) in str(e.value)
 
 
+def serving_venv(path: Path, version: str = "0.30.0") -> Path:
+    """A stand-in server virtualenv as run.py looks at it: bin/vllm-omni, vllm-omni's and torchvision's dist-info."""
+    (path / "bin").mkdir(parents=True, exist_ok=True)
+    (path / "bin" / "vllm-omni").write_text("")
+    site = path / "lib" / "python3.11" / "site-packages"
+    (site / f"vllm_omni-{version}.dist-info").mkdir(parents=True, exist_ok=True)
+    (site / "torchvision-0.28.0.dist-info").mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def test_usage_errors_exit_2_with_one_line(run, capsys, tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{}")  # a model folder, so the later checks are reached
+    monkeypatch.setattr(run, "INTERPRETER_BIN", serving_venv(tmp_path / "venv") / "bin")
     model = ["--model", str(tmp_path)]
     cases = [  # each fails before any server starts
         (["--input-len", "8000,32k"], "'32k'"),
@@ -342,9 +353,7 @@ def test_release_016_picks_its_venv_models_and_config_format(run, monkeypatch, t
         run.main(["--release", "0.16"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "setup_env.sh --release 0.16" in err and str(missing) in err, err
-    venv = tmp_path / "venv-016"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "vllm-omni").write_text("")
+    venv = serving_venv(tmp_path / "venv-016", "0.16.0")
     models = {**run.RELEASES["0.16"].models, "light": tmp_path / "not-built-light"}
     monkeypatch.setitem(run.RELEASES, "0.16", dataclasses.replace(run.RELEASES["0.16"], venv=venv, models=models))
     with pytest.raises(SystemExit) as e:

@@ -21,13 +21,15 @@ E2E = RUN_PY.parent
 
 @pytest.fixture
 def model(run, tmp_path, monkeypatch):  # noqa: F811
-    """A model folder for every variant name of both releases, a 0.16 virtualenv with vllm-omni 0.16.0, and
+    """A model folder for every variant name of both releases, a 0.30 virtualenv with vllm-omni 0.30.0 (the python
+    running run.py) and a 0.16 one with 0.16.0, and
     ``run``'s release globals restored after the test."""
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     monkeypatch.setattr(run, "RELEASE", run.RELEASE)
     monkeypatch.setattr(run, "VENV_BIN", run.VENV_BIN)
+    monkeypatch.setattr(run, "INTERPRETER_BIN", _venv(tmp_path / "venv", "0.30.0") / "bin")  # the harness's venv
     monkeypatch.delenv("OMNI_ACCUM_E2E_VENV", raising=False)
     for name in list(run.MODELS):
         monkeypatch.setitem(run.MODELS, name, folder)
@@ -37,11 +39,13 @@ def model(run, tmp_path, monkeypatch):  # noqa: F811
     return folder
 
 
-def _venv(path: Path, version: str | None) -> Path:
+def _venv(path: Path, version: str | None, torchvision: bool = True) -> Path:
     (path / "bin").mkdir(parents=True)
     (path / "bin" / "vllm-omni").write_text("")
     if version:
         (path / "lib" / "python3.11" / "site-packages" / f"vllm_omni-{version}.dist-info").mkdir(parents=True)
+    if version and torchvision:
+        (path / "lib" / "python3.11" / "site-packages" / "torchvision-0.28.0.dist-info").mkdir(parents=True)
     return path
 
 
@@ -119,6 +123,10 @@ def test_the_interpreter_must_hold_the_release_it_runs(run, model, capsys, monke
     assert "the harness runs 0.30, 0.16" in _usage_error(run, capsys, ["--model", str(model)])
     monkeypatch.setattr(run, "INTERPRETER_BIN", tmp_path / "plain" / "bin")
     assert "no vllm-omni beside" in _usage_error(run, capsys, ["--model", str(model)])
+    monkeypatch.setattr(run, "INTERPRETER_BIN", _venv(tmp_path / "dotvenv", "0.30.0", torchvision=False) / "bin")
+    assert "has vllm-omni but no torchvision, so `vllm-omni serve` cannot start there" in _usage_error(
+        run, capsys, ["--model", str(model)]
+    )
     # a run after a --release 0.16 run in the same process starts 0.30's server again
     monkeypatch.setattr(run, "INTERPRETER_BIN", _venv(tmp_path / "v030b", "0.30.0") / "bin")
     argv_016 = ["--model", str(model), "--release", "0.16", "--kill-stage", "9"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_e2e_arms import RUN_PY, run  # noqa: F401 - the run.py module fixture
+from tests.test_e2e_arms import RUN_PY, run, serving_venv  # noqa: F401 - the run.py module fixture
 
 sys.path.insert(0, str(RUN_PY.parent))
 import e2e_procs  # noqa: E402
@@ -210,8 +210,9 @@ def test_duration_holds_the_load_in_rounds_until_the_time_is_up(run, monkeypatch
     assert calls == [0]  # one plain run
 
 
-def test_the_new_options_usage_errors_exit_2(run, capsys, tmp_path):  # noqa: F811
+def test_the_new_options_usage_errors_exit_2(run, capsys, tmp_path, monkeypatch):  # noqa: F811
     (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(run, "INTERPRETER_BIN", serving_venv(tmp_path / "venv") / "bin")
     model = ["--model", str(tmp_path)]
     for argv, needle in [
         ([*model, "--kill-stage", "vocoder"], "'vocoder': use thinker, talker, code2wav or a stage number"),

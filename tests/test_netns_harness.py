@@ -245,7 +245,15 @@ def test_run_py_hosts_cleans_up_after_a_stage_fails(root_netns, tmp_path):
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)
     (tmp_path / "venv" / "pyvenv.cfg").write_bytes((venv / "pyvenv.cfg").read_bytes())
-    (tmp_path / "venv" / "lib").symlink_to(venv / "lib")
+    # its site-packages: links to this one's entries, and torchvision's dist-info (run.py refuses a virtualenv
+    # without it: `vllm-omni serve` cannot start there)
+    (real_site,) = (venv / "lib").glob("python*/site-packages")
+    site = tmp_path / "venv" / "lib" / real_site.parent.name / "site-packages"
+    site.mkdir(parents=True)
+    for entry in real_site.iterdir():
+        (site / entry.name).symlink_to(entry)
+    if not list(site.glob("torchvision-*.dist-info")):
+        (site / "torchvision-0.0.dist-info").mkdir()
     (bin_dir / "python").symlink_to(sys.executable)
     fake = bin_dir / "vllm-omni"
     fake.write_text(f"#!{sys.executable}\n{FAKE_VLLM_OMNI}")

@@ -589,6 +589,14 @@ def check_release(ap: argparse.ArgumentParser, given: str | None) -> None:
     if found != RELEASE.name and found != "unknown":
         fix = f"add --release {found}" if found in RELEASES else f"the harness runs {', '.join(RELEASES)}"
         ap.error(f"{VENV_BIN.parent} has vllm-omni {found}, and this run is for {RELEASE.name}'s server: {fix}")
+    if not list(VENV_BIN.parent.glob("lib/python*/site-packages/torchvision-*.dist-info")):
+        # the project's own .venv: vllm-omni's classes import there, and `vllm-omni serve` dies at its first import
+        ap.error(
+            f"{VENV_BIN.parent} has vllm-omni but no torchvision, so `vllm-omni serve` cannot start there (the "
+            f"project's .venv is such an environment): run this script with the harness's python, "
+            f"{RELEASE.venv / 'bin' / 'python'} (bash benchmarks/e2e/setup_env.sh"
+            f"{'' if RELEASE.name == '0.30' else ' --release ' + RELEASE.name} builds it)"
+        )
 
 
 def write_json(path: Path, summary: dict[str, Any]) -> None:
