@@ -267,3 +267,18 @@ def test_a_saved_run_is_reported_again_without_starting_anything(run, capsys, mo
     assert "so --arms, --hosts would do nothing: drop them or --report" in _usage_error(
         run, capsys, ["--report", str(saved[0]), "--arms", "off", "--hosts", "4"]
     )
+
+
+def test_help_names_the_exit_status_models_and_deploys_and_a_broken_deploy_is_one_line(
+    run, model, capsys, tmp_path  # noqa: F811
+):
+    with pytest.raises(SystemExit):
+        run.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Exit status: 0 when every arm started" in text and "130 when interrupted" in text
+    assert "lean: light with a quarter of its attention work" in text
+    assert "(arena, arena_chunked," in text and "Needs root, ip (iproute2)" in text
+    broken = tmp_path / "deploy.yaml"
+    broken.write_text("stages: [1\n  b")
+    err = _usage_error(run, capsys, ["--model", str(model), "--deploy-config", str(broken)])
+    assert f"{broken}: not a YAML file (line 2, column 4: expected ',' or ']'" in err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +41,17 @@ def release_name(text: str) -> str:
 
 
 def build_parser(
-    doc: str, models: list[str], default_model: str, releases: list[str], runs: Path
+    doc: str, models: list[str], default_model: str, releases: list[str], runs: Path, deploys: list[str] | None = None
 ) -> argparse.ArgumentParser:
     """Every option of run.py; ``doc``: run.py's docstring (its first paragraph is the description, its example
-    commands the epilog)."""
-    head, examples = doc.split("\n\n")[:2]
+    commands and its last paragraph, the exit status, the epilog); ``deploys``: the deploy NAMEs."""
+    parts = doc.strip().split("\n\n")
+    head, examples, status = parts[0], parts[1], " ".join(parts[-1].split())
     ap = argparse.ArgumentParser(
-        description=head, epilog="examples:\n" + examples, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=head,
+        epilog="examples:\n" + examples + "\n\n" + textwrap.fill(status, 100) + "\n\nWhat a run writes, the models, "
+        "the saved runs: benchmarks/e2e/README.md.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "--arms",
@@ -100,9 +105,11 @@ def build_parser(
         "--hosts",
         type=int,
         default=0,
-        help="run each arm's server across N simulated hosts (network namespaces; root): the Mooncake master, "
+        metavar="N",
+        help="run each arm's server across N simulated hosts (network namespaces): the Mooncake master, "
         "the API server with stage 0, one per other stage (4 for Qwen3-Omni), over "
-        "configs/qwen3_omni_cpu_mooncake.yaml in place of the default deploy. 0: one host (default)",
+        "configs/qwen3_omni_cpu_mooncake.yaml in place of the default deploy. Needs root, ip (iproute2), network "
+        "namespaces and Mooncake in the harness's virtualenv (checked before anything starts). 0: one host (default)",
     )
     ap.add_argument(
         "--smoke",
@@ -113,13 +120,16 @@ def build_parser(
     ap.add_argument(
         "--model",
         default=default_model,
-        help=f"{' or '.join(models)} (build_model.py --variant NAME's folder) or a model folder (default %(default)s)",
+        help=f"{', '.join(models)} (build_model.py --variant NAME's folder; tiny: 2 thinker layers; light: "
+        "Qwen3-Omni's payload widths with little compute, the hand-off's share of latency near a GPU server's; "
+        "lean: light with a quarter of its attention work) or a model folder (default %(default)s)",
     )
     ap.add_argument(
         "--deploy-config",
         default=None,
-        help="a deploy YAML, or NAME of configs/qwen3_omni_cpu_NAME.yaml (default configs/qwen3_omni_cpu.yaml; "
-        "with --release 0.16 the stage configs of configs/0.16/)",
+        help="a deploy YAML, or NAME of configs/qwen3_omni_cpu_NAME.yaml"
+        + (f" ({', '.join(deploys)})" if deploys else "")
+        + " (default configs/qwen3_omni_cpu.yaml; with --release 0.16 the stage configs of configs/0.16/)",
     )
     ap.add_argument(
         "--release",
@@ -183,7 +193,8 @@ def build_parser(
         "--sample-every-s",
         type=float,
         default=5.0,
-        help="while an arm's server runs, record every N seconds the RSS of each server process (VmRSS), the bytes "
+        metavar="S",
+        help="while an arm's server runs, record every S seconds the RSS of each server process (VmRSS), the bytes "
         "in omni-accum's private folder (/dev/shm/omni-accum-<euid>/) and the bytes in use on /dev/shm, into "
         "<run>/<arm>/memory.csv and memory.json, and plot them to memory.png (needs matplotlib; without it the "
         "data only, and the report says so). 0: off (default %(default)s)",
@@ -192,6 +203,7 @@ def build_parser(
         "--warmup-s",
         type=float,
         default=60.0,
+        metavar="S",
         help="samples before this many seconds after the server was ready are left out of the flatness verdict "
         "(memory.json 'flat': each series' growth from its first to its last quarter; default %(default)s)",
     )
@@ -199,6 +211,7 @@ def build_parser(
         "--duration-s",
         type=float,
         default=None,
+        metavar="S",
         help="hold each concurrency at least this long: the benchmark client runs again and again (rounds of "
         "8 x C prompts unless --num-prompts, the seed + 1 per round) until the time is up; the JSON has every "
         "round, the requests sent / answered / failed with their errors, and omni-accum's fallbacks from "
@@ -207,6 +220,7 @@ def build_parser(
     ap.add_argument(
         "--kill-stage",
         default=None,
+        metavar="STAGE",
         help="fault injection: SIGKILL this stage's engine-core process (thinker, talker, code2wav, or a stage "
         "number of the deploy) --kill-after-s after the first benchmark starts, then record what the server did "
         "(still running, /health, the stage restarted or not, new processes, the client's errors, the server log's "
@@ -228,6 +242,7 @@ def build_parser(
         "--kill-after-s",
         type=float,
         default=None,
+        metavar="S",
         help="seconds after the first benchmark starts, for --kill-stage and --hosts-fault (default "
         f"{DEFAULTS['kill_after_s']:g})",
     )
@@ -327,8 +342,12 @@ def read_deploy(path: Path) -> tuple[str, dict[int, int | None]]:
 
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"{path}: not a readable YAML file ({e})") from e
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from e
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1}: {getattr(e, 'problem', None) or 'here'})" if mark else ""
+        raise ValueError(f"{path}: not a YAML file{where}") from e
     if not isinstance(data, dict) or not isinstance(data.get("stages", data.get("stage_args")), list):
         raise ValueError(f"{path}: neither a vllm-omni 0.30 deploy (stages:) nor 0.16 stage configs (stage_args:)")
     fmt, key = ("0.30", "stages") if "stages" in data else ("0.16", "stage_args")

@@ -26,8 +26,8 @@ accumulation times and the hand-off's share of audio TTFP), compares the correct
 
 Only one server runs at a time. Exit status: 0 when every arm started, answered with text and
 audio, ran with omni-accum as its name says (bound in the stage processes when on, installed nowhere
-when off) and was cleaned up, and ``default`` equals ``off`` when both ran; 1 otherwise; 2 for a bad
-option (checked before any server starts); 130 when interrupted (``--json`` then holds the arms that
+when off) and was cleaned up, and `default` equals `off` when both ran; 1 otherwise; 2 for a bad
+option (checked before any server starts); 130 when interrupted (`--json` then holds the arms that
 ended).
 """
 
@@ -609,7 +609,7 @@ def write_json(path: Path, summary: dict[str, Any]) -> None:
 
 def verdict(results: list[dict[str, Any]], say: Any = log) -> bool:
     """Every arm started, answered each probe with text and audio, ran with omni-accum as its name says (bound
-    in the stages when on, nowhere when off) and was cleaned up, and ``default`` equals ``off`` (logged where not)."""
+    in the stages when on, nowhere when off) and was cleaned up, and `default` equals `off` (logged where not)."""
     ok = True
     for r in results:
         probes = (r.get("correctness") or {}).get("probes") or [{}]
@@ -674,7 +674,7 @@ def report(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = build_parser(__doc__, list(MODELS), DEFAULT_MODEL, sorted(RELEASES), WORK / "runs")
+    ap = build_parser(__doc__, list(MODELS), DEFAULT_MODEL, sorted(RELEASES), WORK / "runs", deploy_names())
     args = ap.parse_args(argv)
     if args.report is not None:
         return report(ap, args)
