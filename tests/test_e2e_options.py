@@ -174,6 +174,28 @@ def test_the_json_is_written_after_each_arm_and_when_interrupted(run, model, mon
     assert done["complete"] is True and done["ok"] is True and "arms_left" not in done and len(done["arms"]) == 3
 
 
+def test_sigterm_while_a_lab_is_open_writes_the_finished_arms_and_exits_130(run, model, monkeypatch, tmp_path):  # noqa: F811
+    """Opening ``--hosts``' lab replaces run.py's SIGTERM handler with the lab's, which raises ``netns.Interrupted``:
+    the run ends as on Ctrl-C (the finished arms' JSON written, exit 130), not with a traceback."""
+    import signal
+
+    seen: list[str] = []
+    lab_signal = run.hosts_mode.netns.Interrupted(signal.SIGTERM)  # what the lab's handler raises
+
+    def arm(a, args, run_dir):
+        if a.name == "qwen3-omni":
+            raise lab_signal
+        return _fake_arm(seen)(a, args, run_dir)
+
+    monkeypatch.setattr(run, "run_arm", arm)
+    out = tmp_path / "e2e.json"
+    argv = ["--model", str(model), "--arms", "off,qwen3-omni,default", "--json", str(out), "--work-dir", str(tmp_path)]
+    assert run.main(argv) == 130
+    last = json.loads(out.read_text())
+    assert last["complete"] is False and last["interrupted"] == "interrupted by SIGTERM"
+    assert [a["arm"] for a in last["arms"]] == ["off"] and last["arms_left"] == ["qwen3-omni", "default"]
+
+
 def test_an_arm_that_did_not_run_as_named_fails_the_run(run, model, capsys, monkeypatch, tmp_path):  # noqa: F811
     import e2e_procs
 

@@ -28,7 +28,8 @@ does not leave them running. Teardown, in reverse order of creation and whatever
    (:attr:`NetnsLab.leftovers`; :class:`NetnsCleanupError` when something does and no other error is
    already on its way).
 
-SIGTERM and SIGHUP become :class:`Interrupted` (a ``BaseException``) while the lab is open (main thread
+SIGTERM and SIGHUP become :class:`Interrupted` (a ``KeyboardInterrupt``, so a caller's Ctrl-C handling, such as
+run.py writing the finished arms' results and exiting 130, applies to them too) while the lab is open (main thread
 only), so ``with`` blocks unwind and clean up; during teardown SIGINT/SIGTERM/SIGHUP are ignored, so a
 second Ctrl-C does not cut it short. A harness killed with SIGKILL cannot clean up: ``python netns.py
 --sweep`` removes the namespaces (and processes in them) of labs whose creating process is gone.
@@ -76,8 +77,9 @@ class NetnsCleanupError(RuntimeError):
     """Teardown left something of the lab behind (listed in the message and in ``lab.leftovers``)."""
 
 
-class Interrupted(BaseException):
-    """SIGTERM / SIGHUP while a lab was open (raised in the main thread so ``with`` blocks clean up)."""
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM / SIGHUP while a lab was open (raised in the main thread so ``with`` blocks clean up). A
+    ``KeyboardInterrupt``: whatever handles Ctrl-C handles these signals the same way."""
 
     def __init__(self, signum: int):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
