@@ -198,6 +198,24 @@ def test_a_subnet_overlapping_a_route_is_not_picked(monkeypatch):
         netns.pick_subnet()
 
 
+def test_a_namespace_is_recorded_before_it_is_made(monkeypatch, tmp_path):
+    """``ip netns add`` that made the namespace and then failed (or a signal right after it): the lab's teardown
+    still knows the namespace, so it removes it."""
+    made: list[str] = []
+
+    def ip(*args, check=True, timeout=30):
+        if args[:2] == ("netns", "add"):
+            made.append(args[2])
+            raise netns.Interrupted(signal.SIGTERM)  # after the kernel made it, before the call returned
+        raise AssertionError(f"unexpected `ip {' '.join(args)}`")
+
+    monkeypatch.setattr(netns, "ip", ip)
+    lab = netns.NetnsLab(2, subnet=__import__("ipaddress").ip_network("10.231.77.0/24"))
+    with pytest.raises(netns.Interrupted):
+        lab._create()
+    assert made == [lab.switch_ns] and lab._namespaces == [lab.switch_ns]
+
+
 # ---------------------------------------------------------------------------------------------- #
 # run.py --hosts: the whole mode, with a stand-in `vllm-omni` whose stage 2 fails on purpose
 # ---------------------------------------------------------------------------------------------- #

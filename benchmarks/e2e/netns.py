@@ -288,8 +288,8 @@ class NetnsLab:
         self.close(raise_on_leftovers=exc_type is None)
 
     def _add_ns(self, name: str) -> None:
+        self._namespaces.append(name)  # first: a teardown after the add (a signal, an error) removes it
         ip("netns", "add", name)
-        self._namespaces.append(name)
         ino = _net_inode(str(NETNS_DIR / name))
         if ino is not None:
             self._ns_inodes[name] = ino
