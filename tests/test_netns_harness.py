@@ -423,6 +423,41 @@ def test_a_fault_spec_names_its_bad_part_and_the_valid_choices():
         assert said in str(e.value) and repr(bad) in str(e.value)
 
 
+@pytest.mark.parametrize("change, said", [
+    (lambda d: d["connectors"]["connector_of_mooncake"].__setitem__("extra", None),
+     "connectors.connector_of_mooncake.extra is None, not a mapping"),
+    (lambda d: d["connectors"].__setitem__("x", "MooncakeStoreConnector"),
+     "connectors.x is 'MooncakeStoreConnector', not a mapping; give {name: ..., extra: {...}}"),
+    (lambda d: d.__setitem__("connectors", ["MooncakeStoreConnector"]), "connectors is a list; give a mapping"),
+])  # fmt: skip
+def test_a_deploy_the_hosts_cannot_run_is_a_usage_error_before_anything_starts(tmp_path, change, said):
+    """``plan()`` (run.py's check before any lab or master) refuses what ``host_deploy`` would trip over later."""
+    import yaml
+
+    hosts = _hosts_module()
+    doc = yaml.safe_load((E2E / "configs" / "qwen3_omni_cpu_mooncake.yaml").read_text())
+    change(doc)
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(yaml.safe_dump(doc))
+    with pytest.raises(hosts.HostsUsageError) as e:
+        hosts.plan(deploy, 4)
+    assert said in str(e.value) and str(deploy) in str(e.value)
+
+
+def test_the_stages_stop_before_the_head_and_every_master_last(tmp_path):
+    hosts = _hosts_module()
+    deploy = E2E / "configs" / "qwen3_omni_cpu_mooncake.yaml"
+    server = hosts.HostsServer(hosts=4, deploy=deploy, model=tmp_path, venv_bin=tmp_path, arm_dir=tmp_path,
+                               start_timeout=1, grace=1, log=lambda *a: None)  # fmt: skip
+    popen = type("Done", (), {"returncode": 0, "pid": 0, "poll": lambda self: 0})()
+    for name in ("mooncake-master", "api", "stage1", "stage2", "mooncake-master-2"):  # started in this order
+        server.lab.procs.append(netns.Proc(name, None, popen, []))
+    order: list[str] = []
+    server.lab.close = lambda raise_on_leftovers: (order.extend(p.name for p in reversed(server.lab.procs)), {})[1]
+    assert server.stop([])["clean"] is True
+    assert order == ["stage2", "stage1", "api", "mooncake-master-2", "mooncake-master"]
+
+
 def _link_up(ns: str, link: str) -> bool:
     out = subprocess.run(["ip", "-n", ns, "-o", "link", "show", "dev", link], capture_output=True, text=True).stdout
     return ",UP" in out or "<UP" in out
