@@ -179,6 +179,17 @@ def test_sigterm_to_the_harness_cleans_up(root_netns):
     _assert_gone(prefix, [int(pid)], ipaddress.ip_network(subnet), [int(i) for i in inodes])
 
 
+def test_processes_in_the_lab_s_namespaces_are_on_this_machine_for_the_peer_hello(root_netns):
+    """The hosts share one kernel and one PID namespace, so a receiver's process id means the same process to its
+    sender: the peer hello's machine id (boot id and PID namespace, not the host name) is the same in every one."""
+    from omni_accum.integrations.vllm_omni.peer import machine_id
+
+    code = "from omni_accum.integrations.vllm_omni.peer import machine_id; print(machine_id())"
+    with netns.NetnsLab(1, grace=2) as lab:
+        r = lab.run(lab.hosts[0], [sys.executable, "-c", code], step="machine id", timeout=120)
+    assert r.stdout.decode().strip() == machine_id()
+
+
 def test_not_root_says_so(monkeypatch):
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     assert netns.problem() == "network namespaces need root (this process runs as uid 1000)"
