@@ -66,7 +66,8 @@ class _Clock:
 
 def _connector(monkeypatch, poll: float | None, store: _Store, clock: _Clock):
     conn = object.__new__(mc.MooncakeFastConnector)
-    conn.config, conn._closed, conn._rx_lock = {}, False, threading.Lock()
+    conn.config, conn._closed, conn._rx_lock, conn._count_lock = {}, False, threading.Lock(), threading.Lock()
+    conn._init_gets()
     conn.close = lambda: None  # nothing was opened
     conn.get_poll, conn.waits = poll, mw.KeyWaits(poll)
     conn.counts = {"inner_gets": 0, "fast_gets": 0}
