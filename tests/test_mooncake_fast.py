@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 
@@ -741,3 +742,31 @@ def test_a_receiving_adapter_is_made_known_to_its_mooncake_connector():
     activation._on_made(rx)
     activation._on_made(tx)
     assert seen == [rx]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"mooncake_buffer_bytes": "64GiB"}, "'64GiB' is 68719476736 bytes; it takes from 4096 to 1073741824 bytes"),
+    ({"mooncake_buffer_bytes": 10**15}, "1000000000000000 bytes; it takes from 4096 to 1073741824 bytes"),
+    ({"mooncake_buffer_bytes": "100"}, "'100' is 100 bytes; it takes from 4096"),
+    ({"mooncake_tensor_min_bytes": 0}, "0 is 0 bytes; it takes at least 1 bytes"),
+    ({"mooncake_read_threads": "\u0663"}, "is not a whole number from 0"),  # an Arabic-Indic 3: ASCII digits only
+    ({"mooncake_get_poll": 1e-9}, "1e-09 is 1e-09 s: it must be from 0.1 ms to 1 s"),
+])  # fmt: skip
+def test_the_fast_path_s_sizes_and_numbers_are_bounded_and_named(extra, message):
+    from omni_accum.integrations.vllm_omni.mooncake_settings import parse_settings
+
+    with pytest.raises(ValueError, match=f"{NAME}: extra.{next(iter(extra))} = .*" + re.escape(message)):
+        parse_settings(extra)
+
+
+def test_a_size_reads_the_same_written_as_bytes_or_with_a_unit():
+    """``mooncake_tensor_min_bytes``: ``1B`` is 1, as 1 is (a string went through the arena's 4096-byte minimum)."""
+    from omni_accum.integrations.vllm_omni.mooncake_settings import notes, parse_settings
+
+    for a, b in (("1B", 1), ("4KiB", 4096), ("256KiB", 256 << 10)):
+        assert parse_settings({"mooncake_tensor_min_bytes": a}).tensor_min_bytes == b
+        assert parse_settings({"mooncake_tensor_min_bytes": b}).tensor_min_bytes == b
+    big = {"mooncake_buffer_bytes": "64MiB", "segment": 32 << 20}
+    (note,) = notes(big, parse_settings(big))
+    assert "mooncake_buffer_bytes (67108864 bytes) is larger than extra.segment (33554432 bytes)" in note
+    assert notes({"segment": 0}, parse_settings({})) == [] and notes({}, parse_settings({})) == []
