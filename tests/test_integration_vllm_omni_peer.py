@@ -141,6 +141,35 @@ def test_a_hello_is_judged_by_its_process_id_only_from_the_same_machine():
     assert len(here) == 12 and peer.machine_id() == here
 
 
+def test_a_sender_that_never_hears_its_receiver_says_so_once_naming_the_deployment_token(monkeypatch, caplog):
+    """Stages on separate hosts started without one OMNI_ACCUM_DEPLOYMENT never find each other's hello: the sender
+    sends 0.30.0's payloads silently. It now says so, once, with the key it looks for and its token."""
+    import logging
+    import time
+
+    from omni_accum.integrations.vllm_omni import peer
+
+    monkeypatch.setattr(peer, "QUIET_WARN_S", 0.0)
+    monkeypatch.setattr(peer, "POLL_S", (0.01, 0.01))
+    monkeypatch.setenv(peer.ENV_DEPLOYMENT, "tok-on-this-host")
+    looks = []
+    conn = type("Conn", (), {"stage_id": 0, "get": lambda self, *a: looks.append(a)})()  # never finds a hello
+    w = peer.PeerWatch(conn, 0)
+    with caplog.at_level(logging.WARNING, logger="omni_accum.vllm_omni"):
+        try:
+            assert not w.ready()
+            for _ in range(500):
+                if len(looks) >= 5:
+                    break
+                time.sleep(0.01)
+        finally:
+            w.close()
+    said = [r.getMessage() for r in caplog.records if "has not heard" in r.getMessage()]
+    assert len(looks) >= 5 and len(said) == 1, (len(looks), said)
+    assert "stage 0 has not heard stage 1's hello (key omni_accum_hello_tok-on-this-host_0_1)" in said[0]
+    assert "OMNI_ACCUM_DEPLOYMENT (this one has 'tok-on-this-host'" in said[0]
+
+
 def test_a_sender_whose_receiver_dies_goes_back_to_0_30_0_payloads(vo, adapters, base, monkeypatch, put_hello):
     from omni_accum.integrations.vllm_omni import peer
 

@@ -44,6 +44,7 @@ import re
 import secrets
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,8 @@ HELLO = "omni_accum_hello"
 FIRST_WAIT_S = 0.05
 POLL_S = (0.05, 30.0)  # the watcher's first and longest wait between looks
 ALIVE_S = 1.0  # how often a found receiver on this host is checked to be alive
+#: A sender that has not heard its receiver's hello after this long says so once (its deployment token named).
+QUIET_WARN_S = 60.0
 
 _lock = threading.Lock()
 
@@ -267,11 +270,20 @@ class PeerWatch:
 
     def _run(self) -> None:
         delay = POLL_S[0]
+        started, warned = time.monotonic(), False
         while not self._stop.is_set():
             if self.hello is None:
                 found = self._look()
                 self._first.set()
                 delay = ALIVE_S if found else min(delay * 2, POLL_S[1])
+                if not found and not warned and time.monotonic() - started >= QUIET_WARN_S:
+                    warned = True
+                    logger.warning(
+                        "omni-accum: stage %d has not heard stage %d's hello (key %s) in %.0f s, so it sends "
+                        "vllm-omni's own payloads (nothing left off). If stage %d runs omni-accum on another host, "
+                        "give every stage process of this server the same %s (this one has %r; docs/mooncake.md, "
+                        "'Across hosts, step by step')", self.src, self.dst, self.key, time.monotonic() - started,
+                        self.dst, ENV_DEPLOYMENT, deployment_token())  # fmt: skip
             elif _stale(self.hello):
                 logger.warning("omni-accum: stage %d's receiver (pid %d) is gone; stage %d sends vllm-omni's own "
                                "payloads until a receiver says hello again", self.dst, self.hello[3], self.src)
