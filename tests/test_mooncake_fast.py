@@ -770,3 +770,22 @@ def test_a_size_reads_the_same_written_as_bytes_or_with_a_unit():
     (note,) = notes(big, parse_settings(big))
     assert "mooncake_buffer_bytes (67108864 bytes) is larger than extra.segment (33554432 bytes)" in note
     assert notes({"segment": 0}, parse_settings({})) == [] and notes({}, parse_settings({})) == []
+
+
+def test_a_failed_mooncake_setup_names_the_addresses_it_was_given(monkeypatch):
+    """0.30.0's connector says only "Mooncake setup failed: -1" after ~90 s of retries against an unreachable master;
+    omni-accum's connector names the master, the metadata server, the host and the protocol it used."""
+    from omni_accum.integrations.vllm_omni import mooncake_connector as mc
+
+    class Failing:
+        def __init__(self, config):
+            raise RuntimeError("Mooncake setup failed: -1")
+
+    monkeypatch.setattr(mc, "_prepare", lambda: None)
+    monkeypatch.setattr(mc, "_inner_class", lambda: Failing)
+    extra = {"master": "10.0.0.1:50151", "metadata_server": "http://10.0.0.1:8080/metadata", "host": "10.0.0.2"}
+    with pytest.raises(RuntimeError) as e:
+        mc.MooncakeFastConnector(extra)
+    said = str(e.value)
+    assert said.startswith(f"{NAME}: Mooncake setup failed with master '10.0.0.1:50151', metadata_server "
+                           "'http://10.0.0.1:8080/metadata', host '10.0.0.2', proto 'tcp': Mooncake setup failed: -1")

@@ -131,7 +131,15 @@ class MooncakeFastConnector(FastGets, OmniConnectorBase):
         if cls is None:
             raise ImportError(f"{NAME}: vllm-omni's MooncakeStoreConnector cannot be imported")
         inner_cfg = {k: v for k, v in self.config.items() if k not in KNOWN_KEYS}
-        self.inner = cls(inner_cfg)
+        where = _addresses(inner_cfg)
+        logger.info("omni-accum %s: setting up Mooncake (%s)", NAME, where)
+        try:
+            self.inner = cls(inner_cfg)
+        except Exception as e:  # 0.30.0's message names no address ("Mooncake setup failed: -1")
+            raise RuntimeError(f"{NAME}: Mooncake setup failed with {where}: {e}. Check that the master answers at "
+                               "that address from this host, that metadata_server starts with http:// for the "
+                               "master's HTTP metadata server, and that host is this host's address as the others "
+                               "reach it (docs/mooncake.md, 'Across hosts, step by step')") from e
         self._tx_lock = threading.Lock()
         self._rx_lock = threading.Lock()
         self._count_lock = threading.Lock()
@@ -422,6 +430,13 @@ class MooncakeFastConnector(FastGets, OmniConnectorBase):
                         logger.warning("omni-accum %s: unregister_buffer: %s", NAME, e)
             self._tx_buf = self._rx_buf = None
         self.inner.close()
+
+
+def _addresses(extra: Mapping[str, Any]) -> str:
+    """The addresses 0.30.0's connector sets Mooncake up with, as it reads them (its defaults where absent)."""
+    meta = extra.get("metadata_server", "http://127.0.0.1:8080/metadata")
+    return (f"master {extra.get('master', '127.0.0.1:50051')!r}, metadata_server {meta!r}, "
+            f"host {extra.get('host', '127.0.0.1')!r}, proto {extra.get('proto', 'tcp')!r}")  # fmt: skip
 
 
 class _PutFailed(RuntimeError):
