@@ -651,3 +651,17 @@ def test_stages_on_other_hosts_without_one_deployment_token_get_a_note(clean_env
                              metadata_server="http://127.0.0.1:8080/metadata")  # fmt: skip
     clean_env.delenv("OMNI_ACCUM_DEPLOYMENT")
     assert not [c for c in check_mooncake(local) if c.warning]  # one machine: the API server's token is inherited
+
+
+@pytest.mark.parametrize("address, problem", [
+    ("10.0.0.1:50151", None), ("[::1]:50151", None), ("mc.internal:1", None),
+    ("10.0.0.1", "has no port (HOST:PORT)"), (":50151", "has no port"), ("::1:50151", "has no port"),
+    ("10.0.0.1:99999", "has port '99999', not a number from 1 to 65535"), ("h:0", "has port '0'"),
+    ("h:5015x", "has port '5015x'"), ("h:\u0665\u0660", "has port"), (50151, "is not text"),
+])  # fmt: skip
+def test_a_master_address_is_host_and_a_port_from_1_to_65535(address, problem):
+    """The check doctor makes (and that ``bench --mooncake-master`` can make before it waits ~60 s for a holder)."""
+    from omni_accum.integrations.vllm_omni.mooncake_settings import master_address_problem
+
+    got = master_address_problem(address)
+    assert got is None if problem is None else problem in got, got

@@ -58,16 +58,6 @@ def _host_of(address: str) -> str:
     return rest.rsplit(":", 1)[0] if rest.count(":") == 1 else rest
 
 
-def _port_problem(address: str) -> str | None:
-    """Why ``address`` is not ``HOST:PORT`` with a port from 1 to 65535 (None: it is)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or host.endswith(":") and not host.startswith("["):
-        return "has no port (HOST:PORT)"
-    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
-        return f"has port {port!r}, not a number from 1 to 65535"
-    return None
-
-
 def _nodes(node: Any, where: str = "") -> list[tuple[str, dict[str, Any]]]:
     """``(where, connector)`` for every mapping whose ``name`` is a Mooncake connector's."""
     out: list[tuple[str, dict[str, Any]]] = []
@@ -145,8 +135,8 @@ def _check_extra(place: str, name: str, extra: dict[str, Any]) -> tuple[list[tup
                              + ("0: this stage contributes no memory" if key == "segment" else "at least the largest "
                                 "chunk")))  # fmt: skip
     master = extra.get("master", STORE_KEYS["master"])
-    if not isinstance(master, str) or _port_problem(master):
-        why = "is not text" if not isinstance(master, str) else _port_problem(master)
+    why = mooncake_settings.master_address_problem(master)
+    if why:
         problems.append((f"{place}.master = {master!r} {why}: Mooncake's setup retries for ~90 s and fails with "
                          "'Mooncake setup failed: -1'", "give the master's HOST:PORT (its --rpc_port, e.g. "
                          "10.0.0.1:50151)"))  # fmt: skip

@@ -105,3 +105,16 @@ def notes(extra: Mapping[str, Any], settings: MooncakeFastSettings) -> list[str]
                    f"({segment} bytes): a part of that size fits in no segment of this size, so its puts are refused "
                    "and go serialized; give a buffer of at most the segment (16MiB, the default)")
     return out
+
+
+def master_address_problem(address: Any) -> str | None:
+    """Why ``address`` is not a Mooncake master's ``HOST:PORT`` (port 1 to 65535; an IPv6 host in brackets), or
+    None. Mooncake's setup takes anything and retries for ~90 s before it fails naming no address."""
+    if not isinstance(address, str):
+        return "is not text (HOST:PORT)"
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not host or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+        return "has no port (HOST:PORT)"
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        return f"has port {port!r}, not a number from 1 to 65535"
+    return None
