@@ -390,7 +390,7 @@ class MooncakeFastConnector(FastGets, OmniConnectorBase):
             if "register-direct" not in self._warned:
                 self._warned.add("register-direct")
                 logger.info("omni-accum %s: register_buffer of a tensor returned %s; it goes through the staging "
-                            "buffer", NAME, rc)
+                            "buffer (a get without one: the store's plain get)", NAME, rc)
             return False
         with self._count_lock:  # reader threads register too
             self.counts["direct_tensors"] += 1
