@@ -221,13 +221,14 @@ def test_every_shipped_deploy_reads_as_its_stages_read_it():
     """doctor's connector check names no problem in the deploys this repository ships (no false alarm)."""
     from pathlib import Path
 
+    from omni_accum.cli.doctor_mooncake import check_mooncake
     from omni_accum.cli.doctor_policy import check_connectors
 
     root = Path(__file__).resolve().parents[1]
     deploys = sorted(root.glob("config/deploy/*.yaml")) + sorted(root.glob("benchmarks/e2e/configs/**/*.yaml"))
     assert len(deploys) > 10
     for f in deploys:
-        bad = [c for c in check_connectors(str(f)) if not c.ok]
+        bad = [c for c in check_connectors(str(f)) + check_mooncake(str(f)) if not c.ok]
         assert not bad, (f, bad)
 
 
@@ -559,3 +560,108 @@ def test_an_omni_accum_key_outside_the_connectors_extra_is_named(clean_env, caps
     )
     rc, out = _doctor(capsys, "--deploy", str(dep))
     assert rc == 1 and "stages[0].stage_connector_config.omni_accum_policy: outside any connector's extra" in out, out
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Mooncake deploys: what vllm-omni hands Mooncake's setup, read as it reads it
+# ---------------------------------------------------------------------------------------------- #
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ROOT / "config" / "deploy" / "qwen3_omni_mooncake_fast.yaml"
+PLAIN = ROOT / "config" / "deploy" / "qwen3_omni_mooncake.yaml"
+
+
+def _mooncake_deploy(tmp_path: Path, base: Path, **change) -> str:
+    """``base`` with its Mooncake connector's extra changed (a value of ``...`` removes the key; ``extra=None``)."""
+    import yaml
+
+    doc = yaml.safe_load(base.read_text())
+    conn = doc["connectors"]["connector_of_mooncake"]
+    for k, v in change.items():
+        if k == "extra":
+            conn["extra"] = v
+        elif v is ...:
+            conn["extra"].pop(k)
+        else:
+            conn["extra"][k] = v
+    f = tmp_path / "deploy.yaml"
+    f.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return str(f)
+
+
+@pytest.mark.parametrize("base, change, said", [
+    (FAST, {"segment": "512MiB"}, "extra.segment = '512MiB': vllm-omni passes it to Mooncake's setup as a whole"),
+    (FAST, {"segment": -1}, "extra.segment = -1: vllm-omni passes it to Mooncake's setup as a whole number of bytes"),
+    (PLAIN, {"localbuf": "256MiB"}, "extra.localbuf = '256MiB': vllm-omni passes it"),
+    (FAST, {"master": "10.0.0.1"}, "extra.master = '10.0.0.1' has no port (HOST:PORT): Mooncake's setup retries"),
+    (FAST, {"master": "10.0.0.1:99999"}, "extra.master = '10.0.0.1:99999' has port '99999', not a number from 1 to"),
+    (FAST, {"metadata_server": "10.0.0.1:8080/metadata"}, "metadata_server = '10.0.0.1:8080/metadata' has no scheme"),
+    (FAST, {"proto": "tpc"}, "extra.proto = 'tpc' is not a protocol Mooncake knows (did you mean tcp?)"),
+    (FAST, {"master": ..., "mastr": "10.0.0.1:50151"}, "extra.mastr: vllm-omni's MooncakeStoreConnector reads no "
+                                                       "'mastr' (did you mean master?); without master it uses "
+                                                       "'127.0.0.1:50051'"),
+    (PLAIN, {"extra": None}, "connectors.connector_of_mooncake.extra is None, not a mapping"),
+])  # fmt: skip
+def test_a_mooncake_deploy_whose_stages_cannot_start_is_not_ready(clean_env, capsys, tmp_path, base, change, said):
+    """doctor said ready for each of these; the stage refuses them, or hangs ~90 s and fails, or (a misspelt key)
+    quietly uses vllm-omni's loopback default."""
+    clean_env.setenv("OMNI_ACCUM_DEPLOYMENT", "doctor-test")
+    f = _mooncake_deploy(tmp_path, base, **change)
+    rc, out = _doctor(capsys, "--deploy", f)
+    assert rc == 1 and "not ready" in out, out
+    problems = [line for line in out.splitlines() if line.startswith("PROBLEM  mooncake")]
+    assert len(problems) == 1 and said in problems[0] and f in problems[0], out
+
+
+@pytest.mark.parametrize("base, change, said", [
+    (FAST, {"metadata_server": "10.0.0.1:8080"}, "has no scheme: Mooncake takes it for an etcd address"),
+    (FAST, {"proto": "rdma"}, "proto rdma without rdma (the RDMA devices to use"),
+    (FAST, {"host": ...}, "no host, so this stage registers as 127.0.0.1: only processes on its own machine"),
+    (FAST, {"host": "127.0.0.1"}, "extra.host = '127.0.0.1' while the master is at '10.0.0.1:50151'"),
+    (PLAIN, {"mooncake_read_threads": 4}, "mooncake_read_threads are OmniAccumMooncakeConnector's settings; "
+                                          "MooncakeStoreConnector ignores them"),
+    (FAST, {"mooncake_buffer_bytes": "1GiB", "segment": 256 << 20}, "mooncake_buffer_bytes (1073741824 bytes) is "
+                                                                     "larger than extra.segment (268435456 bytes)"),
+    (PLAIN, {"localbuf": 64 << 20}, "extra.localbuf = 67108864 bytes is smaller than Qwen3-Omni's prefill chunk at "
+                                    "8192 prompt tokens"),
+    (PLAIN, {"localbuf": 256 << 20, "omni_accum_context_len": 32768}, "at 32768 prompt tokens"),
+])  # fmt: skip
+def test_a_mooncake_deploy_that_starts_but_fails_across_hosts_gets_a_note(clean_env, capsys, tmp_path, base, change,
+                                                                          said):  # fmt: skip
+    from omni_accum.cli.doctor_mooncake import check_mooncake
+
+    clean_env.setenv("OMNI_ACCUM_DEPLOYMENT", "doctor-test")
+    f = _mooncake_deploy(tmp_path, base, **change)
+    checks = check_mooncake(f)
+    assert all(c.ok for c in checks), checks
+    assert [c for c in checks if c.warning and said in c.detail], checks
+    assert not [c for c in check_mooncake(str(base)) if c.warning]  # the shipped fragment: no such note
+
+
+def test_stages_on_other_hosts_without_one_deployment_token_get_a_note(clean_env, tmp_path):
+    from omni_accum.cli.doctor_mooncake import check_mooncake
+
+    clean_env.delenv("OMNI_ACCUM_DEPLOYMENT", raising=False)
+    (note,) = [c for c in check_mooncake(str(FAST)) if c.warning]
+    assert note.ok and "OMNI_ACCUM_DEPLOYMENT is not set here" in note.detail
+    assert "same OMNI_ACCUM_DEPLOYMENT" in note.fix
+    clean_env.setenv("OMNI_ACCUM_DEPLOYMENT", "one-token")
+    assert not [c for c in check_mooncake(str(FAST)) if c.warning]
+    local = _mooncake_deploy(tmp_path, FAST, host="127.0.0.1", master="127.0.0.1:50151",
+                             metadata_server="http://127.0.0.1:8080/metadata")  # fmt: skip
+    clean_env.delenv("OMNI_ACCUM_DEPLOYMENT")
+    assert not [c for c in check_mooncake(local) if c.warning]  # one machine: the API server's token is inherited
+
+
+@pytest.mark.parametrize("address, problem", [
+    ("10.0.0.1:50151", None), ("[::1]:50151", None), ("mc.internal:1", None),
+    ("10.0.0.1", "has no port (HOST:PORT)"), (":50151", "has no port"), ("::1:50151", "has no port"),
+    ("10.0.0.1:99999", "has port '99999', not a number from 1 to 65535"), ("h:0", "has port '0'"),
+    ("h:5015x", "has port '5015x'"), ("h:\u0665\u0660", "has port"), (50151, "is not text"),
+])  # fmt: skip
+def test_a_master_address_is_host_and_a_port_from_1_to_65535(address, problem):
+    """The check doctor makes (and that ``bench --mooncake-master`` can make before it waits ~60 s for a holder)."""
+    from omni_accum.integrations.vllm_omni.mooncake_settings import master_address_problem
+
+    got = master_address_problem(address)
+    assert got is None if problem is None else problem in got, got

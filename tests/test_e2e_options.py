@@ -174,6 +174,72 @@ def test_the_json_is_written_after_each_arm_and_when_interrupted(run, model, mon
     assert done["complete"] is True and done["ok"] is True and "arms_left" not in done and len(done["arms"]) == 3
 
 
+def test_sigterm_while_a_lab_is_open_writes_the_finished_arms_and_exits_130(run, model, monkeypatch, tmp_path):  # noqa: F811
+    """Opening ``--hosts``' lab replaces run.py's SIGTERM handler with the lab's, which raises ``netns.Interrupted``:
+    the run ends as on Ctrl-C (the finished arms' JSON written, exit 130), not with a traceback."""
+    import signal
+
+    seen: list[str] = []
+    lab_signal = run.hosts_mode.netns.Interrupted(signal.SIGTERM)  # what the lab's handler raises
+
+    def arm(a, args, run_dir):
+        if a.name == "qwen3-omni":
+            raise lab_signal
+        return _fake_arm(seen)(a, args, run_dir)
+
+    monkeypatch.setattr(run, "run_arm", arm)
+    out = tmp_path / "e2e.json"
+    argv = ["--model", str(model), "--arms", "off,qwen3-omni,default", "--json", str(out), "--work-dir", str(tmp_path)]
+    assert run.main(argv) == 130
+    last = json.loads(out.read_text())
+    assert last["complete"] is False and last["interrupted"] == "interrupted by SIGTERM"
+    assert [a["arm"] for a in last["arms"]] == ["off"] and last["arms_left"] == ["qwen3-omni", "default"]
+
+
+class _FakeHostsServer:
+    """Stands in for ``hosts.HostsServer``: records that its lab was opened and stopped."""
+
+    events: list[str] = []
+    base, addresses = "http://10.231.0.11:8000", ["10.231.0.11"]
+
+    def __init__(self, **kw: Any) -> None:
+        self.events.append("made")
+
+    def open(self) -> _FakeHostsServer:
+        self.events.append("open")
+        return self
+
+    def stop(self, known: list) -> dict:
+        self.events.append("stop")
+        return {"clean": True}
+
+
+@pytest.mark.parametrize("failure", ["error", "signal"])
+def test_a_failure_right_after_the_lab_opens_still_removes_it(run, model, monkeypatch, tmp_path, failure):  # noqa: F811
+    """Between ``HostsServer.open()`` (namespaces, bridge, veth, route) and the arm's own try (whose finally stops
+    the server), an exception or a signal still stops it: nothing is left for ``netns.py --sweep``."""
+    import argparse
+    import signal
+
+    events: list[str] = []
+    monkeypatch.setattr(_FakeHostsServer, "events", events)
+    monkeypatch.setattr(run.hosts_mode, "HostsServer", _FakeHostsServer)
+    monkeypatch.setenv("NO_PROXY", "")  # run_arm sets it for the lab's addresses: restored after the test
+    monkeypatch.setenv("no_proxy", "")
+    raised = RuntimeError("injected") if failure == "error" else run.hosts_mode.netns.Interrupted(signal.SIGTERM)
+
+    def shm_entries():  # the first call after the lab is made, before the arm's try
+        raise raised
+
+    monkeypatch.setattr(run, "shm_entries", shm_entries)
+    args = argparse.Namespace(hosts=4, deploy_config=str(E2E / "configs" / "qwen3_omni_cpu_mooncake.yaml"),
+                              model=str(model), start_timeout=10, stop_grace=1, idle_spin_s=None, omp_wait=None,
+                              capture=None)  # fmt: skip
+    with pytest.raises(type(raised)):
+        run.run_arm(run.make_arm("off"), args, tmp_path)
+    assert events == ["made", "open", "stop"]
+
+
 def test_an_arm_that_did_not_run_as_named_fails_the_run(run, model, capsys, monkeypatch, tmp_path):  # noqa: F811
     import e2e_procs
 

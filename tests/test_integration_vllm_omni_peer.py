@@ -95,13 +95,14 @@ def put_hello():
     """Put a hello for stage 0 as stage 1 would, naming process ``pid``; withdrawn afterwards."""
     import socket
 
-    from omni_accum.integrations.vllm_omni.peer import HELLO, SHM_CHANNEL, hello_key
+    from omni_accum.integrations.vllm_omni.peer import HELLO, SHM_CHANNEL, hello_key, machine_id
 
     keys = []
 
     def put(pid: int) -> str:
         keys.append(key := hello_key(0, 1))
-        assert SHM_CHANNEL.put("0", "1", key, {HELLO: [1, "f" * 12, "test", pid, socket.gethostname()]})[0]
+        hello = [1, "f" * 12, "test", pid, socket.gethostname(), machine_id()]  # as announce() puts it
+        assert SHM_CHANNEL.put("0", "1", key, {HELLO: hello})[0]
         return key
 
     yield put
@@ -118,6 +119,55 @@ def test_a_hello_from_a_process_no_longer_alive_is_ignored(vo, adapters, base, p
     assert tx._omni_accum_binding.stats["omitted"] == 0
     assert tx._omni_accum_binding._peer.hello is None
     assert_same(handed, base, "handed")
+
+
+def test_a_hello_is_judged_by_its_process_id_only_from_the_same_machine():
+    """Cloned machines share a host name: a live receiver's hello from another one (its pid is no process here) is
+    taken, not ignored; one from this machine whose process is gone is stale. An older omni-accum's hello (no
+    machine id) is judged by its host name, as before."""
+    import socket
+
+    from omni_accum.integrations.vllm_omni import peer
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host, here = socket.gethostname(), peer.machine_id()
+    other = "0123456789ab" if here != "0123456789ab" else "ba9876543210"
+    assert not peer._stale([1, "f" * 12, "t", dead.pid, host, other])  # a clone's live receiver
+    assert not peer.same_machine([1, "f" * 12, "t", dead.pid, host, other])
+    assert peer._stale([1, "f" * 12, "t", dead.pid, host, here])
+    assert not peer._stale([1, "f" * 12, "t", os.getpid(), host, here])
+    assert peer._stale([1, "f" * 12, "t", dead.pid, host]) and not peer._stale([1, "f" * 12, "t", dead.pid, "elsewhere"])
+    assert len(here) == 12 and peer.machine_id() == here
+
+
+def test_a_sender_that_never_hears_its_receiver_says_so_once_naming_the_deployment_token(monkeypatch, caplog):
+    """Stages on separate hosts started without one OMNI_ACCUM_DEPLOYMENT never find each other's hello: the sender
+    sends 0.30.0's payloads silently. It now says so, once, with the key it looks for and its token."""
+    import logging
+    import time
+
+    from omni_accum.integrations.vllm_omni import peer
+
+    monkeypatch.setattr(peer, "QUIET_WARN_S", 0.0)
+    monkeypatch.setattr(peer, "POLL_S", (0.01, 0.01))
+    monkeypatch.setenv(peer.ENV_DEPLOYMENT, "tok-on-this-host")
+    looks = []
+    conn = type("Conn", (), {"stage_id": 0, "get": lambda self, *a: looks.append(a)})()  # never finds a hello
+    w = peer.PeerWatch(conn, 0)
+    with caplog.at_level(logging.WARNING, logger="omni_accum.vllm_omni"):
+        try:
+            assert not w.ready()
+            for _ in range(500):
+                if len(looks) >= 5:
+                    break
+                time.sleep(0.01)
+        finally:
+            w.close()
+    said = [r.getMessage() for r in caplog.records if "has not heard" in r.getMessage()]
+    assert len(looks) >= 5 and len(said) == 1, (len(looks), said)
+    assert "stage 0 has not heard stage 1's hello (key omni_accum_hello_tok-on-this-host_0_1)" in said[0]
+    assert "OMNI_ACCUM_DEPLOYMENT (this one has 'tok-on-this-host'" in said[0]
 
 
 def test_a_sender_whose_receiver_dies_goes_back_to_0_30_0_payloads(vo, adapters, base, monkeypatch, put_hello):

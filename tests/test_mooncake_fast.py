@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 
@@ -328,7 +329,8 @@ def test_a_get_that_finds_nothing_names_the_key_it_waited_for(monkeypatch, caplo
             return b""
 
     conn = object.__new__(mc.MooncakeFastConnector)
-    conn.config, conn._closed, conn._rx_lock = {}, False, threading.Lock()
+    conn.config, conn._closed, conn._rx_lock, conn._count_lock = {}, False, threading.Lock(), threading.Lock()
+    conn._init_gets()
     conn.get_poll, conn.waits = None, mc.KeyWaits(None)
     conn.close = lambda: None  # nothing was opened (vllm-omni's base class closes at garbage collection)
     conn.inner = type("Inner", (), {"_metrics": {"timeouts": 0, "gets": 0}, "store": _Empty(),
@@ -444,3 +446,346 @@ def test_a_finished_read_that_no_get_takes_is_dropped(monkeypatch):
     reads.start("next", lambda buf: ("payload", 2))  # each start expires what no get took in time
     assert reads.dropped == 1 and reads.take("gone") == (mr.NONE, None)
     reads.close()
+
+
+# ---------------------------------------------------------------------------------------------- #
+# Parts that cannot be read: read another way, or (gone from the store) the chunk removed and its request failed
+# ---------------------------------------------------------------------------------------------- #
+
+
+def _log_lines() -> list[tuple[str, str]]:
+    """Every record of omni-accum's integration logger from now on, as (level, message)."""
+    import logging
+
+    lines: list[tuple[str, str]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append((record.levelname, record.getMessage()))
+
+    lg = logging.getLogger("omni_accum.vllm_omni")
+    lg.addHandler(Keep())
+    lg.setLevel(logging.INFO)
+    return lines
+
+
+class _Adapter:
+    """Stands in for vllm-omni 0.30.0's receiving chunk adapter: what the connector reads of it and calls."""
+
+    def __init__(self, mapping: dict[str, str]) -> None:
+        self.request_ids_mapping = mapping  # internal request id -> external (the chunk keys' prefix)
+        self._receiver_state_lock = threading.Lock()
+        self.failed: dict[str, str] = {}
+
+    def record_receive_failure(self, request_id: str, reason: str) -> None:
+        self.failed.setdefault(request_id, reason)
+
+
+def _get_until(conn, key: str, done, tries: int = 300):
+    """Get ``key`` as vllm-omni's receive loop does, until ``done(got)`` (a reader thread's read ends in between)."""
+    got = conn.get("0", "1", key)
+    for _ in range(tries):
+        if done(got):
+            break
+        time.sleep(0.01)
+        got = conn.get("0", "1", key)
+    return got
+
+
+def lost_part_job(*, pipes, extra: dict, tag: str, rx_extra: dict) -> dict:
+    conn = _connector(1, {**extra, **rx_extra})
+    conn.append_test = lambda path, value: path in APPENDS
+    lines = _log_lines()
+    rqs = ["lost-a", "lost-b"]
+    adapter = _Adapter({f"int-{rq}": f"{tag}{rq}" for rq in rqs})
+    conn.attach_receiver(adapter)
+    out: dict = {"got": [], "missing": [], "keys": []}
+    try:
+        for n, rq in enumerate(rqs):
+            get_key = f"{tag}{rq}_0_0"
+            ok, _, meta = conn.put("0", "1", get_key, _payload(n, 640))
+            parts = meta["mooncake_parts"]
+            assert ok and len(parts) == 5
+            assert conn.store.remove(parts[1], True) == 0  # evicted, as past the master's watermark
+            out["missing"].append(parts[1])
+            out["keys"] += [conn._make_key(get_key, "0", "1"), *parts]
+            lost = conn.counts["lost_chunks"]
+            got = _get_until(conn, get_key, lambda g, n=lost: conn.counts["lost_chunks"] > n)
+            out["got"] += [got is None] + [conn.get("0", "1", get_key) is None for _ in range(3)]  # asked again
+        out["left"] = [k for k, e in zip(out["keys"], conn.store.batch_is_exist(out["keys"])) if e != 0]
+        out["health"] = conn.health()
+        out["failed"] = adapter.failed
+        out["lines"] = lines
+    finally:
+        conn.close()
+    return out
+
+
+@pytest.mark.parametrize("rx_extra", [{}, {"mooncake_get_poll": "2ms"}, {"mooncake_read_threads": 1}],
+                         ids=["blocking", "poll", "threads"])  # fmt: skip
+def test_a_chunk_whose_part_was_evicted_is_removed_counted_once_logged_once_and_its_request_failed(
+        stage_host, mooncake, rx_extra):  # fmt: skip
+    """A part gone from the store (Mooncake evicts soft-pinned objects past its watermark): the get returns None, one
+    warning names the key and the missing part, ``mooncake_get_error`` counts the chunk once however often it is asked
+    for, the key and its other parts are removed, and the receiving adapter is told to fail the request (vllm-omni
+    0.30.0's ``record_receive_failure``) instead of waiting 600 s; no "timeout waiting" line for a key that was
+    there."""
+    from omni_accum.bench.mooncake import Job
+
+    tag = f"lost{os.getpid()}-{len(rx_extra) and list(rx_extra)[0]}-"
+    kw = {"extra": mooncake.connector_extra(), "tag": tag, "rx_extra": rx_extra}
+    (out,) = stage_host.run([Job("test_mooncake_fast:lost_part_job", kw)], timeout=300)
+    assert out["got"] == [True] * 8
+    h = out["health"]
+    assert h["fallbacks"] == {"mooncake_get_error": 2} and h["lost_chunks"] == 2 and h["fast_gets"] == 0
+    assert out["left"] == []  # the key and every part of both chunks: nothing left behind
+    assert sorted(out["failed"]) == ["int-lost-a", "int-lost-b"]
+    for rq, missing in zip(["lost-a", "lost-b"], out["missing"]):
+        key = f"{tag}{rq}_0_0@0_1"
+        assert key in out["failed"][f"int-{rq}"] and missing in out["failed"][f"int-{rq}"]
+        said = [m for lvl, m in out["lines"] if lvl == "WARNING" and f"chunk {key} lost" in m]
+        assert len(said) == 1 and missing in said[0] and "removed from the store" in said[0], out["lines"]
+    assert not [m for _, m in out["lines"] if "timeout waiting" in m], out["lines"]
+
+
+class _NoRegister:
+    """The store, except that no memory can be registered (an RDMA memlock limit on the receiving host, say)."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def register_buffer(self, ptr, n):
+        return -1
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+class _GetIntoFails:
+    """The store, except that ``batch_get_into`` fails for every part (their keys still exist)."""
+
+    def __init__(self, store, plain_too: bool):
+        self._store, self.plain_too = store, plain_too
+
+    def batch_get_into(self, keys, ptrs, sizes):
+        return [-1] * len(keys)
+
+    def get(self, key):
+        return b"" if self.plain_too and PART_SEP in key else self._store.get(key)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+PART_SEP = "#oa"
+
+
+def plain_read_job(*, pipes, extra: dict, tag: str) -> dict:
+    from vllm_omni.distributed.omni_connectors.utils.serialization import OmniSerializer
+
+    conn = _connector(1, extra)
+    conn.append_test = lambda path, value: path in APPENDS
+    out: dict = {"mismatch": [], "got": [], "phases": {}}
+    cases = [("staged", 200, 20), ("direct", 640, 21), ("get-into", 640, 22), ("unreadable", 640, 23)]
+    try:
+        for name, rows, seed in cases:
+            assert conn.put("0", "1", f"{tag}{name}_0_0", _payload(seed, rows))[0]
+        real = conn.inner.store
+        conn.inner.store = _NoRegister(real)  # from here on nothing registers (the send buffer did before)
+        for name, rows, seed in cases[:2]:
+            got = conn.get("0", "1", f"{tag}{name}_0_0")
+            want = OmniSerializer.deserialize(OmniSerializer.serialize(_payload(seed, rows)))
+            out["got"].append(got is not None)
+            if got is not None:
+                _same(got[0], want, name, out["mismatch"])
+        out["phases"]["no_register"] = conn.health()
+        # registration works again, but batch_get_into fails for every part: the plain get reads them
+        conn._no_buffer_until["rx"] = 0.0
+        conn.inner.store = _GetIntoFails(real, plain_too=False)
+        got = conn.get("0", "1", f"{tag}get-into_0_0")
+        want = OmniSerializer.deserialize(OmniSerializer.serialize(_payload(22, 640)))
+        out["got"].append(got is not None)
+        if got is not None:
+            _same(got[0], want, "get-into", out["mismatch"])
+        # parts that are there but cannot be read at all: counted once, the key kept; readable again: delivered
+        conn.inner.store = _GetIntoFails(real, plain_too=True)
+        out["unreadable"] = [conn.get("0", "1", f"{tag}unreadable_0_0") is None for _ in range(3)]
+        out["phases"]["unreadable"] = conn.health()
+        conn.inner.store = real
+        got = conn.get("0", "1", f"{tag}unreadable_0_0")
+        out["got"].append(got is not None)
+        out["health"] = conn.health()
+        keys = [conn._make_key(f"{tag}{name}_0_0", "0", "1") for name, *_ in cases]
+        out["left"] = [k for k, e in zip(keys, conn.store.batch_is_exist(keys)) if e != 0]
+    finally:
+        conn.close()
+    return out
+
+
+def test_parts_that_cannot_be_read_through_registered_memory_are_read_the_plain_way_bit_for_bit(stage_host, mooncake):
+    """A receiver that cannot register memory (a receive buffer, a tensor's own) and a ``batch_get_into`` that fails:
+    the parts are read with the store's plain get, the chunk delivered bit for bit; registration is counted once (per
+    retry period), not once per get. Parts that are in the store but unreadable count ``mooncake_get_error`` once for
+    the chunk and keep its key, so a later get delivers it."""
+    from omni_accum.bench.mooncake import Job
+
+    tag = f"plain{os.getpid()}-"
+    (out,) = stage_host.run([Job("test_mooncake_fast:plain_read_job", {"extra": mooncake.connector_extra(),
+                                                                        "tag": tag})], timeout=300)  # fmt: skip
+    assert out["got"] == [True, True, True, True] and out["mismatch"] == []
+    first = out["phases"]["no_register"]
+    # 200 rows: 2 parts through the (unregistrable) staging buffer; 640: 3 + 2 parts of tensors not registrable
+    assert first["fallbacks"] == {"mooncake_register_error": 1} and first["plain_parts"] == 7
+    assert first["fast_gets"] == 2 and first["buffers_registered"] == {"tx": True, "rx": False}
+    assert out["unreadable"] == [True, True, True]
+    assert out["phases"]["unreadable"]["fallbacks"]["mooncake_get_error"] == 1
+    h = out["health"]
+    assert h["fast_gets"] == 4 and h["plain_parts"] == 7 + 5 and h["lost_chunks"] == 0  # the last read as usual
+    assert h["fallbacks"] == {"mooncake_register_error": 1, "mooncake_get_error": 1}
+    assert out["left"] == []
+
+
+def dropped_read_job(*, pipes, extra: dict, tag: str) -> dict:
+    from vllm_omni.distributed.omni_connectors.utils.serialization import OmniSerializer
+
+    from omni_accum.integrations.vllm_omni import mooncake_reads as mr
+
+    conn = _connector(1, {**extra, "mooncake_read_threads": 1, "mooncake_get_poll": "2ms"})
+    conn.append_test = lambda path, value: path in APPENDS
+    lines = _log_lines()
+    out: dict = {"mismatch": []}
+    get_key = f"{tag}slow_0_0"
+    key = conn._make_key(get_key, "0", "1")
+    try:
+        assert conn.put("0", "1", get_key, _payload(30, 640))[0]
+        assert conn.get("0", "1", get_key) is None  # its read started on the reader thread
+        conn.reads._reads[key][0].result(timeout=60)  # the read has finished; no get took it
+        with conn.reads._lock:  # the receive loop came round later than RESULT_TTL_S
+            conn.reads._expire(time.monotonic() + mr.RESULT_TTL_S + 1)
+        out["dropped"] = conn.reads.dropped
+        out["still_there"] = conn.store.is_exist(key) == 1
+        got = _get_until(conn, get_key, lambda g: g is not None)
+        out["got"] = got is not None
+        if got is not None:
+            want = OmniSerializer.deserialize(OmniSerializer.serialize(_payload(30, 640)))
+            _same(got[0], want, "slow", out["mismatch"])
+        out["gone_after"] = conn.store.is_exist(key) == 0
+        out["said"] = [m for lvl, m in lines if lvl == "WARNING" and "dropped the finished read" in m]
+        out["health"] = conn.health()
+    finally:
+        conn.close()
+    return out
+
+
+def test_a_read_no_get_took_in_time_is_dropped_with_its_key_kept_so_the_request_still_gets_its_chunk(
+        stage_host, mooncake):  # fmt: skip
+    """``mooncake_read_threads``: a finished read of a request still waiting that its get did not take within
+    RESULT_TTL_S (a slow pass of vllm-omni's receive loop) is dropped, logged, and read again by the next get: the key
+    and its parts are removed by the get that takes a read, not by the reader thread."""
+    from omni_accum.bench.mooncake import Job
+
+    tag = f"drop{os.getpid()}-"
+    (out,) = stage_host.run([Job("test_mooncake_fast:dropped_read_job", {"extra": mooncake.connector_extra(),
+                                                                          "tag": tag})], timeout=300)  # fmt: skip
+    assert out["dropped"] == 1 and out["still_there"] is True
+    assert out["got"] is True and out["mismatch"] == [] and out["gone_after"] is True
+    assert len(out["said"]) == 1 and f"{tag}slow_0_0@0_1" in out["said"][0] and "stay in the store" in out["said"][0]
+    assert out["health"]["reads_dropped"] == 1 and out["health"]["background_reads"] == 2
+
+
+class _RegisterOnce:
+    """A store whose ``register_buffer`` fails its first call only."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def register_buffer(self, ptr, n):
+        self.calls += 1
+        return -1 if self.calls == 1 else 0
+
+    def unregister_buffer(self, ptr):
+        return 0
+
+
+def test_a_receive_buffer_that_cannot_be_registered_does_not_stop_the_puts(monkeypatch):
+    """The send and receive buffers have their own registration state: the talker sends and receives on one
+    connector, and a failed receive buffer sent every later put serialized. A failed direction is tried again after
+    REGISTER_RETRY_S, not never."""
+    from omni_accum.integrations.vllm_omni import mooncake_connector as mc
+
+    conn = object.__new__(mc.MooncakeFastConnector)
+    conn.close = lambda: None  # nothing was opened
+    store = _RegisterOnce()
+    conn.inner = type("Inner", (), {"store": store})()
+    conn.buffer_bytes, conn._tx_buf, conn._rx_buf = 4096, None, None
+    conn._no_buffer_until, conn.fallbacks, conn._count_lock = {"tx": 0.0, "rx": 0.0}, {}, threading.Lock()
+    conn._init_gets()
+    now = [100.0]
+    monkeypatch.setattr(mc, "monotonic", lambda: now[0])
+    assert conn._buffer("rx") is None  # its registration failed
+    assert conn._buffer("tx") is not None  # the send side registers its own
+    assert conn.fallbacks == {"mooncake_register_error": 1}
+    assert conn._buffer("rx") is None and store.calls == 2  # not tried again at once
+    now[0] += mc.REGISTER_RETRY_S + 1
+    assert conn._buffer("rx") is not None and store.calls == 3
+
+
+def test_a_receiving_adapter_is_made_known_to_its_mooncake_connector():
+    """omni-accum's adapter hook attaches a receiving adapter to its connector (a lost chunk then fails its request)."""
+    from omni_accum.integrations.vllm_omni import activation
+
+    seen = []
+    conn = type("Conn", (), {"stage_id": 1, "attach_receiver": lambda self, a: seen.append(a)})()
+    rx = type("Adapter", (), {"connector": conn, "receives_chunks": True})()
+    tx = type("Adapter", (), {"connector": type("Conn", (), {"stage_id": 0, "attach_receiver": seen.append})(),
+                              "receives_chunks": False})()  # fmt: skip
+    activation._on_made(rx)
+    activation._on_made(tx)
+    assert seen == [rx]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"mooncake_buffer_bytes": "64GiB"}, "'64GiB' is 68719476736 bytes; it takes from 4096 to 1073741824 bytes"),
+    ({"mooncake_buffer_bytes": 10**15}, "1000000000000000 bytes; it takes from 4096 to 1073741824 bytes"),
+    ({"mooncake_buffer_bytes": "100"}, "'100' is 100 bytes; it takes from 4096"),
+    ({"mooncake_tensor_min_bytes": 0}, "0 is 0 bytes; it takes at least 1 bytes"),
+    ({"mooncake_read_threads": "\u0663"}, "is not a whole number from 0"),  # an Arabic-Indic 3: ASCII digits only
+    ({"mooncake_get_poll": 1e-9}, "1e-09 is 1e-09 s: it must be from 0.1 ms to 1 s"),
+])  # fmt: skip
+def test_the_fast_path_s_sizes_and_numbers_are_bounded_and_named(extra, message):
+    from omni_accum.integrations.vllm_omni.mooncake_settings import parse_settings
+
+    with pytest.raises(ValueError, match=f"{NAME}: extra.{next(iter(extra))} = .*" + re.escape(message)):
+        parse_settings(extra)
+
+
+def test_a_size_reads_the_same_written_as_bytes_or_with_a_unit():
+    """``mooncake_tensor_min_bytes``: ``1B`` is 1, as 1 is (a string went through the arena's 4096-byte minimum)."""
+    from omni_accum.integrations.vllm_omni.mooncake_settings import notes, parse_settings
+
+    for a, b in (("1B", 1), ("4KiB", 4096), ("256KiB", 256 << 10)):
+        assert parse_settings({"mooncake_tensor_min_bytes": a}).tensor_min_bytes == b
+        assert parse_settings({"mooncake_tensor_min_bytes": b}).tensor_min_bytes == b
+    big = {"mooncake_buffer_bytes": "64MiB", "segment": 32 << 20}
+    (note,) = notes(big, parse_settings(big))
+    assert "mooncake_buffer_bytes (67108864 bytes) is larger than extra.segment (33554432 bytes)" in note
+    assert notes({"segment": 0}, parse_settings({})) == [] and notes({}, parse_settings({})) == []
+
+
+def test_a_failed_mooncake_setup_names_the_addresses_it_was_given(monkeypatch):
+    """0.30.0's connector says only "Mooncake setup failed: -1" after ~90 s of retries against an unreachable master;
+    omni-accum's connector names the master, the metadata server, the host and the protocol it used."""
+    from omni_accum.integrations.vllm_omni import mooncake_connector as mc
+
+    class Failing:
+        def __init__(self, config):
+            raise RuntimeError("Mooncake setup failed: -1")
+
+    monkeypatch.setattr(mc, "_prepare", lambda: None)
+    monkeypatch.setattr(mc, "_inner_class", lambda: Failing)
+    extra = {"master": "10.0.0.1:50151", "metadata_server": "http://10.0.0.1:8080/metadata", "host": "10.0.0.2"}
+    with pytest.raises(RuntimeError) as e:
+        mc.MooncakeFastConnector(extra)
+    said = str(e.value)
+    assert said.startswith(f"{NAME}: Mooncake setup failed with master '10.0.0.1:50151', metadata_server "
+                           "'http://10.0.0.1:8080/metadata', host '10.0.0.2', proto 'tcp': Mooncake setup failed: -1")

@@ -30,8 +30,9 @@ def test_poll_values(value, seconds):
 @pytest.mark.parametrize(
     "value, message",
     [("fast", "'fast' is not 'blocking' or a duration"), (True, "True is not 'blocking'"),
-     ("0ms", "'0ms' is 0 s: it must be above 0 and at most 1 s"), ("2s", "'2s' is 2 s: it must be above 0"),
-     (-1, "-1 is not 'blocking' or a duration"), ("5 us", "'5 us' is not")],
+     ("0ms", "'0ms' is 0 s: it must be from 0.1 ms to 1 s"), ("2s", "'2s' is 2 s: it must be from 0.1 ms"),
+     (-1, "-1 is -1 s: it must be from 0.1 ms to 1 s"), ("5 us", "'5 us' is not"),
+     (1e-9, "1e-09 is 1e-09 s: it must be from 0.1 ms to 1 s"), ("0.00001s", "'0.00001s' is 1e-05 s: it must be")],
 )  # fmt: skip
 def test_bad_poll_values_are_named(value, message):
     with pytest.raises(ValueError, match="extra.mooncake_get_poll = " + message.replace("(", r"\(")):
@@ -66,7 +67,8 @@ class _Clock:
 
 def _connector(monkeypatch, poll: float | None, store: _Store, clock: _Clock):
     conn = object.__new__(mc.MooncakeFastConnector)
-    conn.config, conn._closed, conn._rx_lock = {}, False, threading.Lock()
+    conn.config, conn._closed, conn._rx_lock, conn._count_lock = {}, False, threading.Lock(), threading.Lock()
+    conn._init_gets()
     conn.close = lambda: None  # nothing was opened
     conn.get_poll, conn.waits = poll, mw.KeyWaits(poll)
     conn.counts = {"inner_gets": 0, "fast_gets": 0}

@@ -179,6 +179,17 @@ def test_sigterm_to_the_harness_cleans_up(root_netns):
     _assert_gone(prefix, [int(pid)], ipaddress.ip_network(subnet), [int(i) for i in inodes])
 
 
+def test_processes_in_the_lab_s_namespaces_are_on_this_machine_for_the_peer_hello(root_netns):
+    """The hosts share one kernel and one PID namespace, so a receiver's process id means the same process to its
+    sender: the peer hello's machine id (boot id and PID namespace, not the host name) is the same in every one."""
+    from omni_accum.integrations.vllm_omni.peer import machine_id
+
+    code = "from omni_accum.integrations.vllm_omni.peer import machine_id; print(machine_id())"
+    with netns.NetnsLab(1, grace=2) as lab:
+        r = lab.run(lab.hosts[0], [sys.executable, "-c", code], step="machine id", timeout=120)
+    assert r.stdout.decode().strip() == machine_id()
+
+
 def test_not_root_says_so(monkeypatch):
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     assert netns.problem() == "network namespaces need root (this process runs as uid 1000)"
@@ -196,6 +207,96 @@ def test_a_subnet_overlapping_a_route_is_not_picked(monkeypatch):
     monkeypatch.setattr(netns, "root_networks", lambda: [ipaddress.ip_network("10.231.0.0/16")])
     with pytest.raises(netns.NetnsUnavailable, match="overlaps a route"):
         netns.pick_subnet()
+
+
+def _fake_ip(tables: dict[tuple[str, ...], str]):
+    """``netns.ip`` answering from ``tables`` (the command's arguments -> its stdout); anything else fails."""
+
+    def ip(*args, check=True, timeout=30):
+        if args not in tables:
+            raise AssertionError(f"unexpected `ip {' '.join(args)}`")
+        return subprocess.CompletedProcess(["ip", *args], 0, tables[args], "")
+
+    return ip
+
+
+def test_a_subnet_the_host_talks_to_through_its_default_gateway_is_not_picked(monkeypatch):
+    """A real 10.231.X.0/24 reached through the default gateway is in no route of its own: the addresses the host
+    talks to or is told of (gateway, neighbours, socket peers, name servers, /etc/hosts) count as taken."""
+    import ipaddress
+
+    routes = ("default via 10.231.3.1 dev eth0\n"
+              "10.231.4.0/24 dev eth1 proto kernel scope link src 10.231.4.7\n"
+              "local 127.0.0.1 dev lo table local proto kernel scope host src 127.0.0.1\n")  # fmt: skip
+    monkeypatch.setattr(netns, "ip", _fake_ip({
+        ("-4", "route", "show", "table", "all"): routes,
+        ("-4", "-o", "addr", "show"): "2: eth1    inet 10.231.4.7/24 brd 10.231.4.255 scope global eth1\n",
+        ("-4", "neigh", "show"): "10.231.5.9 dev eth0 lladdr 02:00:00:00:00:01 REACHABLE\n",
+    }))  # fmt: skip
+    peer = int.from_bytes(ipaddress.IPv4Address("10.231.6.20").packed, "little")  # /proc/net/tcp's byte order
+    files = {
+        "/proc/net/tcp": f"  sl  local_address rem_address   st\n   0: 0100007F:1F90 {peer:08X}:C350 01\n",
+        "/proc/net/udp": "  sl  local_address rem_address   st\n   0: 00000000:0044 00000000:0000 07\n",
+        "/etc/resolv.conf": "# a comment\nnameserver 10.231.7.53\nnameserver fd00::53\n",
+        "/etc/hosts": "127.0.0.1 localhost\n::1 localhost\n10.231.8.4 registry.internal  # a mirror\n",
+    }
+    monkeypatch.setattr(netns, "_read", lambda path: files.get(path, ""))
+    taken = netns.root_networks()
+    for addr in ("10.231.3.1", "10.231.4.0/24", "10.231.5.9", "10.231.6.20", "10.231.7.53", "10.231.8.4"):
+        assert ipaddress.ip_network(addr) in taken, addr
+    assert str(netns.pick_subnet(start=3)) == "10.231.9.0/24"  # 3 to 8 are each known to the host
+
+
+def test_labs_choose_their_subnet_one_at_a_time_under_root_s_lock(tmp_path):
+    import threading
+
+    lock = tmp_path / "netns.lock"
+    with netns.subnet_lock(lock):
+        got: list[BaseException] = []
+        t = threading.Thread(target=lambda: _try_lock(lock, got))
+        t.start()
+        t.join(timeout=30)
+        assert len(got) == 1 and isinstance(got[0], netns.NetnsUnavailable), got
+        assert f"the subnet lock {lock}: another lab held it for 0 s" in str(got[0])
+    with netns.subnet_lock(lock, wait_s=0):  # released: taken at once
+        pass
+    os.chmod(lock, 0o666)  # writable by others: not root's own
+    with pytest.raises(netns.NetnsUnavailable, match="not a regular file of root's, writable by root only"):
+        with netns.subnet_lock(lock, wait_s=0):
+            pass
+    link = tmp_path / "link.lock"
+    link.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(netns.NetnsUnavailable, match=f"the subnet lock {link}"):
+        with netns.subnet_lock(link, wait_s=0):
+            pass
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def _try_lock(lock: Path, got: list) -> None:
+    try:
+        with netns.subnet_lock(lock, wait_s=0):
+            got.append(AssertionError("taken while another holder had it"))
+    except BaseException as e:  # noqa: BLE001 - the test looks at it
+        got.append(e)
+
+
+def test_a_namespace_is_recorded_before_it_is_made(monkeypatch, tmp_path):
+    """``ip netns add`` that made the namespace and then failed (or a signal right after it): the lab's teardown
+    still knows the namespace, so it removes it."""
+    made: list[str] = []
+
+    def ip(*args, check=True, timeout=30):
+        if args[:2] == ("netns", "add"):
+            made.append(args[2])
+            raise netns.Interrupted(signal.SIGTERM)  # after the kernel made it, before the call returned
+        raise AssertionError(f"unexpected `ip {' '.join(args)}`")
+
+    monkeypatch.setattr(netns, "ip", ip)
+    monkeypatch.setattr(netns, "LOCK_PATH", tmp_path / "netns.lock")
+    lab = netns.NetnsLab(2, subnet=__import__("ipaddress").ip_network("10.231.77.0/24"))
+    with pytest.raises(netns.Interrupted):
+        lab._create()
+    assert made == [lab.switch_ns] and lab._namespaces == [lab.switch_ns]
 
 
 # ---------------------------------------------------------------------------------------------- #
@@ -331,6 +432,41 @@ def test_a_fault_spec_names_its_bad_part_and_the_valid_choices():
         with pytest.raises(hosts.HostsUsageError) as e:
             hosts.parse_fault(bad, roles)
         assert said in str(e.value) and repr(bad) in str(e.value)
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda d: d["connectors"]["connector_of_mooncake"].__setitem__("extra", None),
+     "connectors.connector_of_mooncake.extra is None, not a mapping"),
+    (lambda d: d["connectors"].__setitem__("x", "MooncakeStoreConnector"),
+     "connectors.x is 'MooncakeStoreConnector', not a mapping; give {name: ..., extra: {...}}"),
+    (lambda d: d.__setitem__("connectors", ["MooncakeStoreConnector"]), "connectors is a list; give a mapping"),
+])  # fmt: skip
+def test_a_deploy_the_hosts_cannot_run_is_a_usage_error_before_anything_starts(tmp_path, change, said):
+    """``plan()`` (run.py's check before any lab or master) refuses what ``host_deploy`` would trip over later."""
+    import yaml
+
+    hosts = _hosts_module()
+    doc = yaml.safe_load((E2E / "configs" / "qwen3_omni_cpu_mooncake.yaml").read_text())
+    change(doc)
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(yaml.safe_dump(doc))
+    with pytest.raises(hosts.HostsUsageError) as e:
+        hosts.plan(deploy, 4)
+    assert said in str(e.value) and str(deploy) in str(e.value)
+
+
+def test_the_stages_stop_before_the_head_and_every_master_last(tmp_path):
+    hosts = _hosts_module()
+    deploy = E2E / "configs" / "qwen3_omni_cpu_mooncake.yaml"
+    server = hosts.HostsServer(hosts=4, deploy=deploy, model=tmp_path, venv_bin=tmp_path, arm_dir=tmp_path,
+                               start_timeout=1, grace=1, log=lambda *a: None)  # fmt: skip
+    popen = type("Done", (), {"returncode": 0, "pid": 0, "poll": lambda self: 0})()
+    for name in ("mooncake-master", "api", "stage1", "stage2", "mooncake-master-2"):  # started in this order
+        server.lab.procs.append(netns.Proc(name, None, popen, []))
+    order: list[str] = []
+    server.lab.close = lambda raise_on_leftovers: (order.extend(p.name for p in reversed(server.lab.procs)), {})[1]
+    assert server.stop([])["clean"] is True
+    assert order == ["stage2", "stage1", "api", "mooncake-master-2", "mooncake-master"]
 
 
 def _link_up(ns: str, link: str) -> bool:

@@ -33,7 +33,8 @@ how long the master took to answer again, ``/health`` and the processes per host
 answered and failed requests, and each host's log lines after the fault that name an error, a time-out, a
 death or a restart.
 
-Stopping: SIGTERM to each process group, newest first (the head before the stages before the master),
+Stopping: SIGTERM to each process group, the stages first (the newest first), then the head, then the master
+(each master: the fresh one of a ``master-restart`` fault too, last, so no stage loses its store while it stops),
 SIGKILL after the grace, then everything still in the namespaces, then the namespaces and links
 (``NetnsLab.close``), also when a step fails (an exit before ready, a time-out).
 """
@@ -105,11 +106,24 @@ def plan(deploy: Path, hosts: int) -> list[str]:
     import yaml
 
     doc = yaml.safe_load(deploy.read_text()) or {}
+    if not isinstance(doc, dict):
+        raise HostsUsageError(f"{deploy}: a {type(doc).__name__}, not a deploy mapping (stages:, connectors:)")
     ids = stage_ids(doc)
     if not ids or ids[0] != 0:
         raise HostsUsageError(f"{deploy}: no stage 0 (stage ids {ids})")
     connectors = doc.get("connectors") or {}
-    bad = {k: (v or {}).get("name") for k, v in connectors.items() if (v or {}).get("name") not in MOONCAKE_CONNECTORS}
+    if not isinstance(connectors, dict):
+        raise HostsUsageError(f"{deploy}: connectors is a {type(connectors).__name__}; give a mapping of "
+                              "NAME: {name: MooncakeStoreConnector, extra: {...}}")  # fmt: skip
+    for key, conn in connectors.items():
+        if not isinstance(conn, dict):
+            names = ", ".join(MOONCAKE_CONNECTORS)
+            raise HostsUsageError(f"{deploy}: connectors.{key} is {conn!r}, not a mapping; give "
+                                  f"{{name: ..., extra: {{...}}}} (name one of {names})")
+        if "extra" in conn and not isinstance(conn["extra"], dict):
+            raise HostsUsageError(f"{deploy}: connectors.{key}.extra is {conn['extra']!r}, not a mapping; give the "
+                                  "connector's settings (host, master, metadata_server, ...) or leave extra out")
+    bad = {k: v.get("name") for k, v in connectors.items() if v.get("name") not in MOONCAKE_CONNECTORS}
     if bad or not connectors:
         what = ", ".join(f"{k} is {n}" for k, n in bad.items()) or "it names no connectors"
         raise HostsUsageError(
@@ -433,6 +447,9 @@ class HostsServer:
             return {"clean": True, "note": "already stopped"}
         self._stopped = True
         self.cancel_fault()
+        # NetnsLab.close stops the newest first: the stages, then the head, then the master(s), whenever started
+        masters = [p for p in self.lab.procs if p.name.startswith("mooncake-master")]
+        self.lab.procs[:] = masters + [p for p in self.lab.procs if p not in masters]
         exits = {}
         left = self.lab.close(raise_on_leftovers=False)
         self._hold.set()
@@ -440,7 +457,8 @@ class HostsServer:
             exits[p.name] = p.popen.returncode
         still = [i for i in known if alive(i)]  # the very process (pid and start time), not a zombie
         report = {
-            "signals": [f"SIGTERM each process group, SIGKILL after {self.lab.grace:.0f} s; then the namespaces"],
+            "signals": [f"SIGTERM each process group (stages, head, master), SIGKILL after {self.lab.grace:.0f} s; "
+                        "then the namespaces"],
             "exit_status": exits.get("api"),
             "exit_statuses": exits,
             "left_running": [{"pid": i["pid"], "title": i["title"][:80]} for i in still],

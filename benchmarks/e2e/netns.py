@@ -14,7 +14,13 @@ What it makes, all named with one unique prefix ``oan<pid, 6 hex><2 random hex>`
 * with ``driver=True`` (the default) a veth ``PREFIXd`` in the calling (root) namespace, address
   ``10.231.X.1/24``, whose peer is a bridge port: the harness itself (HTTP probes, the benchmark client)
   reaches the hosts' addresses, and they reach it. This adds the route ``10.231.X.0/24`` to the root
-  namespace, so ``X`` is chosen so that the /24 overlaps no route nor address already there.
+  namespace, so ``X`` is chosen so that the /24 overlaps no route nor address already there, nor any single
+  address the host talks to or is told of (gateways, neighbours, socket peers, name servers, ``/etc/hosts``):
+  a real 10.231.X.0/24 reached through the default gateway would be cut off by the lab's more specific route.
+  Labs choose and make their route holding a lock (``/run/omni-accum-netns.lock``), so two starting at once
+  never choose the same X.
+
+Every namespace and root-namespace link is recorded before it is made, so a teardown after any step removes it.
 
 Processes started with :meth:`NetnsLab.spawn` run under ``ip netns exec NS ...`` (which execs: the pid is
 the command's) in a process group of their own, with ``PR_SET_PDEATHSIG`` (SIGTERM) so a killed harness
@@ -28,7 +34,8 @@ does not leave them running. Teardown, in reverse order of creation and whatever
    (:attr:`NetnsLab.leftovers`; :class:`NetnsCleanupError` when something does and no other error is
    already on its way).
 
-SIGTERM and SIGHUP become :class:`Interrupted` (a ``BaseException``) while the lab is open (main thread
+SIGTERM and SIGHUP become :class:`Interrupted` (a ``KeyboardInterrupt``, so a caller's Ctrl-C handling, such as
+run.py writing the finished arms' results and exiting 130, applies to them too) while the lab is open (main thread
 only), so ``with`` blocks unwind and clean up; during teardown SIGINT/SIGTERM/SIGHUP are ignored, so a
 second Ctrl-C does not cut it short. A harness killed with SIGKILL cannot clean up: ``python netns.py
 --sweep`` removes the namespaces (and processes in them) of labs whose creating process is gone.
@@ -44,6 +51,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -76,8 +84,9 @@ class NetnsCleanupError(RuntimeError):
     """Teardown left something of the lab behind (listed in the message and in ``lab.leftovers``)."""
 
 
-class Interrupted(BaseException):
-    """SIGTERM / SIGHUP while a lab was open (raised in the main thread so ``with`` blocks clean up)."""
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM / SIGHUP while a lab was open (raised in the main thread so ``with`` blocks clean up). A
+    ``KeyboardInterrupt``: whatever handles Ctrl-C handles these signals the same way."""
 
     def __init__(self, signum: int):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
@@ -152,13 +161,20 @@ def new_prefix() -> str:
 
 
 def root_networks() -> list[ipaddress.IPv4Network]:
-    """IPv4 destinations of every route (all tables, ``default`` left out) and every address of the root namespace."""
+    """What the root namespace knows of IPv4: the destinations of its routes (all tables), its addresses, and the
+    single addresses it talks to or is told of: default gateways, neighbours (``ip neigh``), the peers of its open
+    TCP and UDP sockets, its name servers (``/etc/resolv.conf``) and ``/etc/hosts``. A real ``10.231.X.0/24``
+    reached through the default gateway is not in the routing table, but a host that uses it talks to it: the lab's
+    more specific route would cut that off, so such an X is not picked."""
     nets: list[ipaddress.IPv4Network] = []
     kinds = {"local", "broadcast", "unicast", "multicast", "unreachable", "blackhole", "prohibit", "throw", "anycast"}
     for line in ip("-4", "route", "show", "table", "all", check=False).stdout.splitlines():
         toks = line.split()
         if toks and toks[0] in kinds:
             toks = toks[1:]
+        if toks and "via" in toks[:-1]:  # the gateway itself (of a default route too)
+            with contextlib.suppress(ValueError):
+                nets.append(ipaddress.ip_network(toks[toks.index("via") + 1]))
         if not toks or toks[0] == "default":
             continue
         with contextlib.suppress(ValueError):
@@ -168,16 +184,89 @@ def root_networks() -> list[ipaddress.IPv4Network]:
         if m:
             with contextlib.suppress(ValueError):
                 nets.append(ipaddress.ip_interface(m.group(1)).network)
+    singles = [line.split()[0] for line in ip("-4", "neigh", "show", check=False).stdout.splitlines() if line.strip()]
+    singles += socket_peers()
+    for line in _read("/etc/resolv.conf").splitlines():
+        toks = line.split()
+        if len(toks) >= 2 and toks[0] == "nameserver":
+            singles.append(toks[1])
+    for line in _read("/etc/hosts").splitlines():
+        toks = line.split("#")[0].split()
+        if toks:
+            singles.append(toks[0])
+    for addr in singles:
+        with contextlib.suppress(ValueError):
+            nets.append(ipaddress.ip_network(addr))  # an IPv6 one is skipped by the overlap check
     return nets
 
 
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def socket_peers() -> list[str]:
+    """The IPv4 remote addresses of the root namespace's TCP and UDP sockets (``/proc/net/{tcp,udp}``)."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/udp"):
+        for line in _read(table).splitlines()[1:]:
+            toks = line.split()
+            if len(toks) > 2 and ":" in toks[2]:
+                with contextlib.suppress(ValueError):
+                    n = int(toks[2].split(":")[0], 16)
+                    if n:
+                        out.append(str(ipaddress.IPv4Address(n.to_bytes(4, "little"))))
+    return out
+
+
+#: Held (``flock``) while a lab chooses its subnet and makes its route, so two labs starting at once never choose the
+#: same one. Root's own: refused when it is not a regular file owned by root.
+LOCK_PATH = Path("/run/omni-accum-netns.lock")
+LOCK_WAIT_S = 120.0
+
+
+@contextlib.contextmanager
+def subnet_lock(path: Path | None = None, wait_s: float | None = None):
+    """Hold :data:`LOCK_PATH` exclusively (NetnsUnavailable naming it when it is not root's plain file, or when another
+    lab held it for ``wait_s`` seconds)."""
+    import fcntl
+
+    path = LOCK_PATH if path is None else path
+    wait_s = LOCK_WAIT_S if wait_s is None else wait_s
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise NetnsUnavailable(f"the subnet lock {path}: {e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+            raise NetnsUnavailable(f"the subnet lock {path} is not a regular file of root's, writable by root only: "
+                                   "remove it (the next lab makes it again)")  # fmt: skip
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise NetnsUnavailable(f"the subnet lock {path}: another lab held it for {wait_s:.0f} s") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def pick_subnet(start: int | None = None) -> ipaddress.IPv4Network:
-    """A ``10.231.X.0/24`` that overlaps no route nor address of the root namespace (other labs' included)."""
+    """A ``10.231.X.0/24`` that overlaps nothing the root namespace knows (:func:`root_networks`; other labs'
+    routes included: call it holding :func:`subnet_lock` until the lab's route exists)."""
     taken = root_networks()
     first = secrets.randbelow(256) if start is None else start
     for k in range(256):
         net = ipaddress.ip_network(f"{SUBNET_BASE}.{(first + k) % 256}.0/24")
-        if not any(net.overlaps(t) for t in taken):
+        if not any(net.overlaps(t) for t in taken if t.version == 4):
             return net
     raise NetnsUnavailable(f"every {SUBNET_BASE}.X.0/24 overlaps a route or address here (`ip route`)")
 
@@ -286,14 +375,18 @@ class NetnsLab:
         self.close(raise_on_leftovers=exc_type is None)
 
     def _add_ns(self, name: str) -> None:
+        self._namespaces.append(name)  # first: a teardown after the add (a signal, an error) removes it
         ip("netns", "add", name)
-        self._namespaces.append(name)
         ino = _net_inode(str(NETNS_DIR / name))
         if ino is not None:
             self._ns_inodes[name] = ino
         ip("-n", name, "link", "set", "lo", "up")
 
     def _create(self) -> None:
+        with subnet_lock():  # until the route into the chosen subnet exists (the driver's address): no other lab
+            self._create_locked()  # starting at once chooses the same subnet
+
+    def _create_locked(self) -> None:
         if self.subnet is None:
             self.subnet = pick_subnet()
         p, sw = self.prefix, self.switch_ns

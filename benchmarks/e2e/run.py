@@ -329,70 +329,80 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
         server = hosts_mode.HostsServer(
             hosts=args.hosts, deploy=Path(arm.deploy or args.deploy_config), model=Path(args.model), venv_bin=VENV_BIN,
             arm_dir=arm_dir, start_timeout=args.start_timeout, grace=args.stop_grace, log=log,
-        ).open()  # fmt: skip
-    port = hosts_mode.API_PORT if server else free_port()
-    base = server.base if server else f"http://127.0.0.1:{port}"
-    no_proxy = ",".join(["127.0.0.1", "localhost", *(server.addresses if server else [])])
-    if server:
-        os.environ["NO_PROXY"] = os.environ["no_proxy"] = no_proxy  # this process' own requests to the hosts
-    env = {k: v for k, v in os.environ.items() if k not in arm.unset}
-    env.update(
-        {
-            "VLLM_TARGET_DEVICE": "cpu",
-            "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-            "OMNI_ACCUM_STATUS_DIR": str(status_dir),
-            # One folder per arm for every server process's Prometheus values, so that the API server's
-            # /metrics shows the stage processes' (vllm-omni with one API server does not set one).
-            "PROMETHEUS_MULTIPROC_DIR": str(prom_dir),
-            "PATH": f"{VENV_BIN}:{env.get('PATH', '')}",
-            "PYTHONUNBUFFERED": "1",
-            "NO_PROXY": no_proxy,
-            "no_proxy": no_proxy,
+        )  # fmt: skip
+    try:  # from the lab's first namespace on, whatever happens before the arm's own try (whose finally stops it)
+        if server is not None:
+            server.open()
+        port = hosts_mode.API_PORT if server else free_port()
+        base = server.base if server else f"http://127.0.0.1:{port}"
+        no_proxy = ",".join(["127.0.0.1", "localhost", *(server.addresses if server else [])])
+        if server:
+            os.environ["NO_PROXY"] = os.environ["no_proxy"] = no_proxy  # this process' own requests to the hosts
+        env = {k: v for k, v in os.environ.items() if k not in arm.unset}
+        env.update(
+            {
+                "VLLM_TARGET_DEVICE": "cpu",
+                "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+                "OMNI_ACCUM_STATUS_DIR": str(status_dir),
+                # One folder per arm for every server process's Prometheus values, so that the API server's
+                # /metrics shows the stage processes' (vllm-omni with one API server does not set one).
+                "PROMETHEUS_MULTIPROC_DIR": str(prom_dir),
+                "PATH": f"{VENV_BIN}:{env.get('PATH', '')}",
+                "PYTHONUNBUFFERED": "1",
+                "NO_PROXY": no_proxy,
+                "no_proxy": no_proxy,
+            }
+        )
+        env.update(arm.env)
+        env.update(cpu_knobs(args))
+        if args.capture:  # every stage process records what passes through omni-accum (omni-accum trace / tune --trace)
+            env["OMNI_ACCUM_CAPTURE"] = str(Path(args.capture).resolve() / arm_dir.name)
+        # The benchmark client loads vllm-omni's plugins too: keep omni-accum out of it (and out of the
+        # status folder, which is for the server's processes).
+        server_only = ("OMNI_ACCUM_STATUS_DIR", "OMNI_ACCUM_POLICY", "PROMETHEUS_MULTIPROC_DIR", "OMNI_ACCUM_CAPTURE")
+        client_env = {k: v for k, v in env.items() if k not in server_only}
+        client_env["OMNI_ACCUM_VLLM_OMNI"] = "0"
+        if RELEASE.client_path is not None:
+            paths = (str(RELEASE.client_path), env.get("PYTHONPATH"))
+            client_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        server_log = arm_dir / "server.log"
+        client_log = arm_dir / "client.log"
+        cmd = [
+            str(VENV_BIN / "vllm-omni"), "serve", str(args.model), "--omni",
+            "--host", "127.0.0.1", "--port", str(port),
+            RELEASE.config_flag, str(arm.deploy or args.deploy_config),
+            "--stage-init-timeout", str(int(args.start_timeout)), *RELEASE.server_flags,
+        ]  # fmt: skip
+        result: dict[str, Any] = {
+            "arm": arm.name,
+            "env": arm.env,
+            "port": port,
+            "server_cmd": cmd,
+            "server_log": str(server_log),
+            "status_dir": str(status_dir),
         }
-    )
-    env.update(arm.env)
-    env.update(cpu_knobs(args))
-    if args.capture:  # every stage process records what passes through omni-accum (omni-accum trace / tune --trace)
-        env["OMNI_ACCUM_CAPTURE"] = str(Path(args.capture).resolve() / arm_dir.name)
-    # The benchmark client loads vllm-omni's plugins too: keep omni-accum out of it (and out of the
-    # status folder, which is for the server's processes).
-    server_only = ("OMNI_ACCUM_STATUS_DIR", "OMNI_ACCUM_POLICY", "PROMETHEUS_MULTIPROC_DIR", "OMNI_ACCUM_CAPTURE")
-    client_env = {k: v for k, v in env.items() if k not in server_only}
-    client_env["OMNI_ACCUM_VLLM_OMNI"] = "0"
-    if RELEASE.client_path is not None:
-        client_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(RELEASE.client_path), env.get("PYTHONPATH")) if p)
-    server_log = arm_dir / "server.log"
-    client_log = arm_dir / "client.log"
-    cmd = [
-        str(VENV_BIN / "vllm-omni"), "serve", str(args.model), "--omni",
-        "--host", "127.0.0.1", "--port", str(port),
-        RELEASE.config_flag, str(arm.deploy or args.deploy_config),
-        "--stage-init-timeout", str(int(args.start_timeout)), *RELEASE.server_flags,
-    ]  # fmt: skip
-    result: dict[str, Any] = {
-        "arm": arm.name,
-        "env": arm.env,
-        "port": port,
-        "server_cmd": cmd,
-        "server_log": str(server_log),
-        "status_dir": str(status_dir),
-    }
-    if server:
-        server_log = arm_dir / "api.log"  # the head's; each host's process logs to <arm dir>/<host>.log
-        result["server_log"] = str(server_log)
-        result["server_cmd"] = None  # the head's, once it starts (result["hosts"]["commands"]: every host's)
-    shm_before = shm_entries()
-    if server:
-        cmd = []  # each host's command is logged as it starts (hosts.py), and in result["hosts"]
-        log(f"[{arm.name}] starting on {args.hosts} hosts (env {arm.env}; logs {arm_dir}/<host>.log)")
-    else:
-        log(f"[{arm.name}] starting: {' '.join(cmd)} (env {arm.env}; log {server_log})")
-    t0 = time.monotonic()
-    known: list[dict[str, Any]] = []
-    sampler = killer = None  # --sample-every-s, --kill-stage
-    with open(os.devnull if server else server_log, "wb") as slog, open(client_log, "ab") as clog:
+        if server:
+            server_log = arm_dir / "api.log"  # the head's; each host's process logs to <arm dir>/<host>.log
+            result["server_log"] = str(server_log)
+            result["server_cmd"] = None  # the head's, once it starts (result["hosts"]["commands"]: every host's)
+        shm_before = shm_entries()
+        if server:
+            cmd = []  # each host's command is logged as it starts (hosts.py), and in result["hosts"]
+            log(f"[{arm.name}] starting on {args.hosts} hosts (env {arm.env}; logs {arm_dir}/<host>.log)")
+        else:
+            log(f"[{arm.name}] starting: {' '.join(cmd)} (env {arm.env}; log {server_log})")
+        t0 = time.monotonic()
+        known: list[dict[str, Any]] = []
+        sampler = killer = None  # --sample-every-s, --kill-stage
         proc = None
+        slog = open(os.devnull if server else server_log, "wb")  # noqa: SIM115 - closed by the with below
+        clog = open(client_log, "ab")  # noqa: SIM115 - closed by the with below
+    except BaseException:  # also Ctrl-C and SIGTERM (netns.Interrupted): the lab's namespaces, bridge and route go
+        if server is not None:
+            server.stop([])
+        raise
+    with slog, clog:
         try:
             if server:
                 result["hosts"] = server.describe()  # its "commands" fill in as each host's process starts
@@ -765,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_arm(arm, args, run_dir))
             if args.json_out and len(results) < len(arms):
                 write_json(args.json_out, summary(complete=False, arms_left=[a.name for a in arms[len(results):]]))
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt as e:  # Ctrl-C, and SIGTERM / SIGHUP (_interrupted; netns.Interrupted while a lab is open)
         why = str(e) or "Ctrl-C"
         log(f"interrupted ({why}): {len(results)} of {len(arms)} arms ended")
         if args.json_out:

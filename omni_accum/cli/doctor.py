@@ -16,6 +16,7 @@ from dataclasses import asdict
 from importlib import metadata
 from typing import Any
 
+from omni_accum.cli.doctor_mooncake import check_mooncake
 from omni_accum.cli.doctor_policy import (  # noqa: F401 - _deploy_policy: the tests' entry
     Check,
     _deploy_extras,
@@ -354,6 +355,7 @@ def run_checks(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
     policy_checks, info = check_policy(deploy)
     checks += check_switches("policy" in info)
     policy_checks += check_context(deploy) + check_handoff() + check_capture(deploy) + check_connectors(deploy)
+    policy_checks += check_mooncake(deploy)
     return checks + policy_checks + check_plugins() + check_metrics(), info
 
 
@@ -391,7 +393,9 @@ def register(subparsers: Any) -> None:
             "OMNI_ACCUM_POLICY (or the deploy YAML given with --deploy) resolves to, whether its tuned table matches "
             "this environment and whether its rules match any key the installed release sends (a warning), with "
             "--deploy every connector extra as the stages read it (omni-accum's omni_accum_* keys, a misspelt one "
-            "named, and the settings of OmniAccumArenaConnector and OmniAccumMooncakeConnector), the "
+            "named, and the settings of OmniAccumArenaConnector and OmniAccumMooncakeConnector), every Mooncake "
+            "connector's extra as vllm-omni hands it to Mooncake (sizes in bytes, master HOST:PORT, metadata_server's "
+            "scheme, proto, misspelt keys; notes for what starts but fails across hosts), the "
             "installed strategy plugins and any that failed to load, and whether metrics are on. Every finding is "
             "reported (with --json, always as JSON). Exit 0 only when a deployment would run as configured, 1 "
             "otherwise, 2 on usage errors.",

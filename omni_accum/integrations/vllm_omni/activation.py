@@ -138,8 +138,16 @@ def _on_extra_policy(obj: Any) -> None:
 
 def _on_made(obj: Any) -> None:
     """An adapter or transport was just made: a receiving adapter with a policy says hello (:mod:`.peer`); a stage
-    input processor it resolved before the wrappers were installed becomes the wrapper (:mod:`.processor`)."""
+    input processor it resolved before the wrappers were installed becomes the wrapper (:mod:`.processor`); a
+    receiving adapter on ``OmniAccumMooncakeConnector`` is made known to it (a chunk whose parts the store lost then
+    fails its request at once, :mod:`.mooncake_get`)."""
     adopt_processor(obj)
+    attach = getattr(getattr(obj, "connector", None), "attach_receiver", None)
+    if callable(attach) and peer.receives(obj):
+        try:
+            attach(obj)
+        except Exception as e:  # noqa: BLE001 - a hook never fails vllm-omni
+            logger.warning("omni-accum: could not attach %s to its connector: %s", type(obj).__name__, e)
     if Settings.installed and peer.receives(obj):
         b = binding.binding_for(obj)
         if b is not None:

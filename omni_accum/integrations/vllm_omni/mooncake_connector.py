@@ -34,7 +34,8 @@ tensors of keys the sending policy appends (the prefill's ``[P+1, 2048]`` embedd
   under the chunk's key: a receiver that finds the key finds every part;
 * receiving, the payload is decoded with vllm-omni's own decoder, each referenced tensor allocated and its
   parts read with ``batch_get_into`` into the registered receive buffer and copied into it (one copy; a tensor
-  larger than the buffer is registered itself and read into directly), then the key and its parts are
+  larger than the buffer is registered itself and read into directly; a part that cannot be read through
+  registered memory is read with the store's plain ``get``), then the key and its parts are
   removed from the store (0.30.0 leaves every object soft-pinned; its own puts stay so here too).
 
 The values that come out are those 0.30.0's connector gives: the same dtypes, shapes and bytes.
@@ -49,11 +50,13 @@ connector's append chains); outside it (a benchmark, a test), the keys ``append_
 A payload with no such tensor is 0.30.0's put, unchanged (the peer hellos, the decode chunks).
 
 Fallbacks, as the arena connector's (counted in ``health()["fallbacks"]`` and
-``omni_accum_fallbacks_total{reason=...}``): a buffer that cannot be registered (``mooncake_register_error``:
-every put of that process is serialized, gets of parts fail), a part the store refuses (``mooncake_put_error``:
-the parts put are removed and the whole payload goes serialized), a payload that does not encode
-(``encode_error``: serialized, which says why), parts that cannot be read (``mooncake_get_error``: the get
-returns None, as a get that found nothing, and the key stays for the next try). A request the sending side has
+``omni_accum_fallbacks_total{reason=...}``): a buffer that cannot be registered (``mooncake_register_error``, per
+direction, tried again after :data:`REGISTER_RETRY_S`: meanwhile a send buffer's failure sends this process's puts
+serialized, a receive buffer's reads the parts with the store's plain ``get``, delivered all the same), a part the
+store refuses (``mooncake_put_error``: the parts put are removed and the whole payload goes serialized), a payload
+that does not encode (``encode_error``: serialized, which says why), a chunk whose parts cannot be read
+(``mooncake_get_error``, once per chunk: parts gone from the store lose the chunk, which is removed and its request
+failed; others are tried again by the next get, :mod:`.mooncake_get`). A request the sending side has
 released (``release_request``, omni-accum's sender-release hook) sends its later puts serialized; a put in
 progress when it is released completes whole (the key goes last).
 
@@ -77,7 +80,7 @@ from omni_accum.integrations.vllm_omni.arena_chains import append_test, cpu_cont
 from omni_accum.integrations.vllm_omni.arena_chains import struct_map
 from omni_accum.integrations.vllm_omni.mooncake_get import FastGets
 from omni_accum.integrations.vllm_omni.mooncake_reads import BackgroundReads
-from omni_accum.integrations.vllm_omni.mooncake_settings import KNOWN_KEYS, NAME, parse_settings
+from omni_accum.integrations.vllm_omni.mooncake_settings import KNOWN_KEYS, NAME, notes, parse_settings
 from omni_accum.integrations.vllm_omni.mooncake_wait import KeyWaits, monotonic
 from omni_accum.integrations.vllm_omni.mooncake_wire import PART_SEP, Buffer, Encoder, bytes_of
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
@@ -86,6 +89,18 @@ logger = logging.getLogger("omni_accum.vllm_omni")
 
 #: The released requests remembered (their later puts go serialized).
 MAX_RELEASED = 4096
+#: After a buffer of one direction could not be registered, registration is tried again this many seconds later.
+REGISTER_RETRY_S = 60.0
+#: What a fallback means, per reason (the warning's end).
+_FALLBACK_SAYS = {
+    "mooncake_register_error tx": "this process's puts go serialized (0.30.0's way) until a registration succeeds "
+                                  f"(tried again in {REGISTER_RETRY_S:.0f} s)",
+    "mooncake_register_error rx": "this process reads the fast path's parts with the store's plain get (one more "
+                                  "copy, the same bytes) until a registration succeeds (tried again in "
+                                  f"{REGISTER_RETRY_S:.0f} s)",
+    "mooncake_put_error": "that put goes serialized (0.30.0's way)",
+    "encode_error": "that put goes serialized (0.30.0's way), which says why",
+}
 
 
 #: Set by :func:`.mooncake_compat.register_connector` (the plugin's activation, which registers this connector):
@@ -101,6 +116,8 @@ class MooncakeFastConnector(FastGets, OmniConnectorBase):
     def __init__(self, config: dict[str, Any] | None) -> None:
         self.config = dict(config or {})
         settings = parse_settings(self.config)  # refuses a bad value of its own keys, naming it
+        for note in notes(self.config, settings):
+            logger.warning("omni-accum %s", note)
         self.buffer_bytes = settings.buffer_bytes
         self.tensor_min_bytes = settings.tensor_min_bytes
         self.get_poll = settings.get_poll
@@ -114,13 +131,22 @@ class MooncakeFastConnector(FastGets, OmniConnectorBase):
         if cls is None:
             raise ImportError(f"{NAME}: vllm-omni's MooncakeStoreConnector cannot be imported")
         inner_cfg = {k: v for k, v in self.config.items() if k not in KNOWN_KEYS}
-        self.inner = cls(inner_cfg)
+        where = _addresses(inner_cfg)
+        logger.info("omni-accum %s: setting up Mooncake (%s)", NAME, where)
+        try:
+            self.inner = cls(inner_cfg)
+        except Exception as e:  # 0.30.0's message names no address ("Mooncake setup failed: -1")
+            raise RuntimeError(f"{NAME}: Mooncake setup failed with {where}: {e}. Check that the master answers at "
+                               "that address from this host, that metadata_server starts with http:// for the "
+                               "master's HTTP metadata server, and that host is this host's address as the others "
+                               "reach it (docs/mooncake.md, 'Across hosts, step by step')") from e
         self._tx_lock = threading.Lock()
         self._rx_lock = threading.Lock()
         self._count_lock = threading.Lock()
         self._tx_buf: Buffer | None = None
         self._rx_buf: Buffer | None = None
-        self._no_buffer = False  # registration failed once: serialized from then on
+        #: per direction: no registration tried before this time (monotonic; a failed one sets it)
+        self._no_buffer_until = {"tx": 0.0, "rx": 0.0}
         self._released: OrderedDict[str, None] = OrderedDict()
         #: ``(key path, value) -> bool``: the keys whose tensors take the fast path in a put that omni-accum's
         #: send hook is not making (a benchmark, a test); within the hook, the sending policy decides.
@@ -128,9 +154,11 @@ class MooncakeFastConnector(FastGets, OmniConnectorBase):
         #: Called between two buffer-fulls of one put (tests: a release mid-transfer).
         self.between_parts: Any = None
         self.counts = {"fast_puts": 0, "inner_puts": 0, "fast_gets": 0, "inner_gets": 0, "fast_tensor_bytes": 0,
-                       "fast_parts": 0, "remove_errors": 0, "direct_tensors": 0, "background_reads": 0}
+                       "fast_parts": 0, "remove_errors": 0, "direct_tensors": 0, "background_reads": 0,
+                       "plain_parts": 0, "lost_chunks": 0}  # fmt: skip
+        self._init_gets()
         #: The reads of parts outside the get (``mooncake_read_threads``; None: in the get).
-        self.reads = BackgroundReads(self.read_threads, self._new_buffer) if self.read_threads else None
+        self.reads = BackgroundReads(self.read_threads, lambda: self._new_buffer("rx")) if self.read_threads else None
         #: Seconds spent in the fast path's phases, summed (``health()["fast_seconds"]``).
         self.seconds = {"put_parts": 0.0, "put_key": 0.0, "get_waited": 0.0, "get_key": 0.0, "get_parts": 0.0,
                         "get_remove": 0.0}
@@ -175,31 +203,39 @@ class MooncakeFastConnector(FastGets, OmniConnectorBase):
         return self._pin
 
     # ------------------------------------------------------------------ fallbacks
-    def _fell_back(self, reason: str, e: BaseException | str) -> None:
+    def _count_fallback(self, reason: str) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
         _count_fallback(reason)
-        if reason not in self._warned:
-            self._warned.add(reason)
-            logger.warning("omni-accum %s: %s (%s); that put or get goes 0.30.0's way", NAME, reason, str(e))
+
+    def _fell_back(self, reason: str, e: BaseException | str, which: str = "") -> None:
+        """Count ``reason`` and say what it means (rate-limited: :class:`.mooncake_get.RateLog`)."""
+        with self._count_lock:
+            self._count_fallback(reason)
+        says = _FALLBACK_SAYS.get(f"{reason} {which}".strip(), "")
+        self.rate_log.warning(f"{reason} {which}", "omni-accum %s: %s%s (%s); %s", NAME, reason,
+                              f" ({'send' if which == 'tx' else 'receive'} buffer)" if which else "", str(e), says)
 
     def _buffer(self, which: str) -> Buffer | None:
+        """This process's registered staging buffer of direction ``which`` (``tx``, ``rx``); None while it cannot be
+        registered (tried again :data:`REGISTER_RETRY_S` after a failure)."""
         attr = "_tx_buf" if which == "tx" else "_rx_buf"
         buf = getattr(self, attr)
-        if buf is None and not self._no_buffer and self.store is not None:
-            buf = self._new_buffer()
-            if buf is None:
-                self._no_buffer = True  # no fast path in this process
-                return None
+        if buf is None and self.store is not None:
+            buf = self._new_buffer(which)
             setattr(self, attr, buf)
         return buf
 
-    def _new_buffer(self) -> Buffer | None:
-        """A registered staging buffer: this process's per direction (:meth:`_buffer`), or a reader thread's (None:
-        registration failed, counted as ``mooncake_register_error``)."""
+    def _new_buffer(self, which: str) -> Buffer | None:
+        """A registered staging buffer for direction ``which``: this process's (:meth:`_buffer`), or a reader
+        thread's (``rx``). None when registration failed (counted as ``mooncake_register_error``), or failed less than
+        :data:`REGISTER_RETRY_S` ago for that direction (not tried)."""
+        if monotonic() < self._no_buffer_until[which]:
+            return None
         try:
             return Buffer(self.store, self.buffer_bytes)
         except Exception as e:  # noqa: BLE001
-            self._fell_back("mooncake_register_error", e)
+            self._no_buffer_until[which] = monotonic() + REGISTER_RETRY_S
+            self._fell_back("mooncake_register_error", e, which)
             return None
 
     # ------------------------------------------------------------------ put
@@ -354,7 +390,7 @@ class MooncakeFastConnector(FastGets, OmniConnectorBase):
             if "register-direct" not in self._warned:
                 self._warned.add("register-direct")
                 logger.info("omni-accum %s: register_buffer of a tensor returned %s; it goes through the staging "
-                            "buffer", NAME, rc)
+                            "buffer (a get without one: the store's plain get)", NAME, rc)
             return False
         with self._count_lock:  # reader threads register too
             self.counts["direct_tensors"] += 1
@@ -375,6 +411,7 @@ class MooncakeFastConnector(FastGets, OmniConnectorBase):
                 "local_segment": self.local_segment, "parts_segment": self.parts_segment,
                 "fast_seconds": dict(self.seconds),
                 "get_poll": "blocking" if self.get_poll is None else self.get_poll, "read_threads": self.read_threads,
+                "buffers_registered": {"tx": self._tx_buf is not None, "rx": self._rx_buf is not None},
                 "reads_dropped": 0 if self.reads is None else self.reads.dropped}
 
     def close(self) -> None:
@@ -393,6 +430,13 @@ class MooncakeFastConnector(FastGets, OmniConnectorBase):
                         logger.warning("omni-accum %s: unregister_buffer: %s", NAME, e)
             self._tx_buf = self._rx_buf = None
         self.inner.close()
+
+
+def _addresses(extra: Mapping[str, Any]) -> str:
+    """The addresses 0.30.0's connector sets Mooncake up with, as it reads them (its defaults where absent)."""
+    meta = extra.get("metadata_server", "http://127.0.0.1:8080/metadata")
+    return (f"master {extra.get('master', '127.0.0.1:50051')!r}, metadata_server {meta!r}, "
+            f"host {extra.get('host', '127.0.0.1')!r}, proto {extra.get('proto', 'tcp')!r}")  # fmt: skip
 
 
 class _PutFailed(RuntimeError):

@@ -9,13 +9,18 @@ the store, waited behind it 7.2-7.8 s.
 
 With ``mooncake_read_threads: N`` (1 to 64) a get that finds a payload with parts starts their read on one of N
 threads and returns None, as a get of a key not there yet; a later get of the key returns the payload once the read
-has finished (bit for bit what a read in the get gives). A read that fails is counted (``mooncake_get_error``) and the
-key stays in the store for the next get to read again. A finished read that no get takes within
-:data:`RESULT_TTL_S` (its request was aborted) is dropped. 0, the default, reads in the get as before.
+has finished (bit for bit what a read in the get gives). The key and its parts are removed from the store by that
+get, when it takes the read, not by the reader thread: a finished read that no get takes within :data:`RESULT_TTL_S`
+(its request was aborted, or vllm-omni's receive loop went round slower than that), or that would make the finished
+reads held exceed :data:`MAX_HELD_BYTES`, is dropped (logged, counted in ``reads_dropped``) with its key still in the
+store, so a later get of a request still waiting reads it again: nothing a live request waits for is lost. A read that
+fails is counted (``mooncake_get_error``, once per chunk) and the key stays in the store for the next get to read
+again; one whose parts are gone is the connector's (:mod:`.mooncake_get`). 0, the default, reads in the get as before.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -24,9 +29,14 @@ from typing import Any
 
 #: What :meth:`BackgroundReads.take` says of a key.
 NONE, RUNNING, DONE = "none", "running", "done"
-#: A finished read that no get took in this many seconds is dropped (vllm-omni asks every pass, within milliseconds).
+#: A finished read that no get takes in this many seconds is dropped, its key left in the store (a later get reads it
+#: again): vllm-omni asks every pass, usually within milliseconds.
 RESULT_TTL_S = 60.0
+#: The finished reads held at most (their ``nbytes``): beyond, the oldest is dropped as above.
+MAX_HELD_BYTES = 4 << 30
 MAX_THREADS = 64
+
+logger = logging.getLogger("omni_accum.vllm_omni")
 
 
 class BackgroundReads:
@@ -81,9 +91,21 @@ class BackgroundReads:
         return buf
 
     def _expire(self, now: float) -> None:
-        for key in [k for k, (f, done) in self._reads.items() if done and now - done[0] > RESULT_TTL_S]:
+        """Drop the finished reads no get took in :data:`RESULT_TTL_S`, then the oldest while those held exceed
+        :data:`MAX_HELD_BYTES`; each logged (their keys stay in the store: a later get reads them again)."""
+        done = sorted(((d[0], k, f) for k, (f, d) in self._reads.items() if d and f.done()), key=lambda x: x[0])
+        held = sum(_nbytes(f) for _, _, f in done)
+        for when, key, f in done:
+            old = now - when > RESULT_TTL_S
+            if not old and held <= MAX_HELD_BYTES:
+                continue
             del self._reads[key]
+            held -= _nbytes(f)
             self.dropped += 1
+            why = f"not taken by a get for {now - when:.0f} s" if old else (
+                f"the finished reads held passed {MAX_HELD_BYTES} bytes")
+            logger.warning("omni-accum OmniAccumMooncakeConnector: dropped the finished read of %s (%s); the key and "
+                           "its parts stay in the store, and a later get of it reads them again", key, why)
 
     def __len__(self) -> int:
         return len(self._reads)
@@ -96,3 +118,10 @@ class BackgroundReads:
             buffers, self._buffers = self._buffers, []
         for buf in buffers:
             buf.close()
+
+
+def _nbytes(f: Future) -> int:
+    try:
+        return int(getattr(f.result(timeout=0), "nbytes", 0) or 0)
+    except Exception:  # noqa: BLE001 - a failed read holds nothing
+        return 0

@@ -4,6 +4,7 @@ each bad value refused with the key, the value and what it takes; every other ke
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,12 @@ KNOWN_KEYS = ("mooncake_buffer_bytes", "mooncake_tensor_min_bytes", "mooncake_ge
               "mooncake_read_threads")
 #: ``mooncake_parts_segment``: ``local`` (the sending process's own segment) or ``any`` (the master chooses).
 PARTS_SEGMENTS = ("local", "any")
+#: ``mooncake_buffer_bytes``: at least a page; at most 1 GiB (each process holds two such buffers plus one per reader
+#: thread, and every part must fit in one segment).
+MIN_BUFFER_BYTES = 4096
+MAX_BUFFER_BYTES = 1 << 30
+#: vllm-omni 0.30.0's ``MooncakeStoreConnector`` default ``segment`` (bytes), when the extra gives none.
+DEFAULT_SEGMENT = 512 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -34,17 +41,26 @@ class MooncakeFastSettings:
     read_threads: int = 0
 
 
-def _size(extra: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
-    from omni_accum.integrations.vllm_omni.arena_settings import NAME as ARENA  # noqa: PLC0415
-    from omni_accum.integrations.vllm_omni.arena_settings import parse_size  # noqa: PLC0415
+def _size(extra: Mapping[str, Any], key: str, default: int, minimum: int, maximum: int | None = None) -> int:
+    """Bytes of ``extra[key]`` (an int, or a size such as ``16MiB``): the same sizes whichever way they are written,
+    from ``minimum`` to ``maximum``."""
+    from omni_accum.integrations.vllm_omni.arena_settings import _UNITS  # noqa: PLC0415
 
     value = extra.get(key, default)
-    try:
-        n = parse_size(value, key) if not (isinstance(value, int) and not isinstance(value, bool)) else value
-    except ValueError as e:
-        raise ValueError(str(e).replace(ARENA, NAME)) from None
-    if n < minimum:
-        raise ValueError(f"{NAME}: extra.{key} = {value!r} is {n} bytes, under the minimum of {minimum}")
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{NAME}: extra.{key} = {value!r} is not a size; use bytes or a number with B, KiB, MiB, "
+                             "GiB, KB, MB, GB")  # fmt: skip
+        whole = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if whole != int(whole):
+            raise ValueError(f"{NAME}: extra.{key} = {value!r} is not a whole number of bytes")
+        n = int(whole)
+    if n < minimum or (maximum is not None and n > maximum):
+        bound = f"from {minimum} to {maximum}" if maximum is not None else f"at least {minimum}"
+        raise ValueError(f"{NAME}: extra.{key} = {value!r} is {n} bytes; it takes {bound} bytes")
     return n
 
 
@@ -65,15 +81,40 @@ def parse_settings(extra: Mapping[str, Any]) -> MooncakeFastSettings:
                          f"{', '.join(PARTS_SEGMENTS)}")
     threads = extra.get("mooncake_read_threads", 0)
     whole = (isinstance(threads, int) and not isinstance(threads, bool)) or (
-        isinstance(threads, str) and threads.strip().isdigit())
+        isinstance(threads, str) and re.fullmatch(r"[0-9]+", threads.strip()) is not None)  # ASCII digits only
     n_threads = int(threads) if whole else -1
     if not 0 <= n_threads <= MAX_THREADS:
         raise ValueError(f"{NAME}: extra.mooncake_read_threads = {threads!r} is not a whole number from 0 (reads in "
                          f"the get, the default) to {MAX_THREADS}")
     return MooncakeFastSettings(
-        buffer_bytes=_size(extra, "mooncake_buffer_bytes", DEFAULT_BUFFER_BYTES, 4096),
+        buffer_bytes=_size(extra, "mooncake_buffer_bytes", DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, MAX_BUFFER_BYTES),
         tensor_min_bytes=_size(extra, "mooncake_tensor_min_bytes", DEFAULT_TENSOR_MIN_BYTES, 1),
         get_poll=get_poll,
         parts_segment=parts_segment,
         read_threads=n_threads,
     )
+
+
+def notes(extra: Mapping[str, Any], settings: MooncakeFastSettings) -> list[str]:
+    """What the settings allow but will not work as meant (the connector logs each as a warning; ``doctor`` shows
+    them): a staging buffer larger than this stage's segment, whose parts then fit in no such segment."""
+    out = []
+    segment = extra.get("segment", DEFAULT_SEGMENT)
+    if type(segment) is int and 0 < segment < settings.buffer_bytes:
+        out.append(f"{NAME}: extra.mooncake_buffer_bytes ({settings.buffer_bytes} bytes) is larger than extra.segment "
+                   f"({segment} bytes): a part of that size fits in no segment of this size, so its puts are refused "
+                   "and go serialized; give a buffer of at most the segment (16MiB, the default)")
+    return out
+
+
+def master_address_problem(address: Any) -> str | None:
+    """Why ``address`` is not a Mooncake master's ``HOST:PORT`` (port 1 to 65535; an IPv6 host in brackets), or
+    None. Mooncake's setup takes anything and retries for ~90 s before it fails naming no address."""
+    if not isinstance(address, str):
+        return "is not text (HOST:PORT)"
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not host or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+        return "has no port (HOST:PORT)"
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        return f"has port {port!r}, not a number from 1 to 65535"
+    return None

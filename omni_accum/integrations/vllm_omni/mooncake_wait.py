@@ -10,7 +10,7 @@ next try.
 ``mooncake_get_poll`` (the connector's ``extra``) chooses:
 
 * ``blocking`` (the default): 0.30.0's 20 tries 50 ms apart within the call;
-* a duration (``5ms``, ``0.002s``, a number of seconds; at most 1 s): one try per call, and a key is asked for at
+* a duration (``5ms``, ``0.002s``, a number of seconds; from 0.1 ms to 1 s): one try per call, and a key is asked for at
   most once per that interval, so the caller's loop goes round every waiting request and a chunk is found
   within about that interval of its put. A call in between asks nothing; when no key asked for lately
   (within :data:`RECENT_S`, or ten intervals if longer) may be asked yet, it first sleeps until the soonest may
@@ -36,8 +36,9 @@ TRIES = 20
 TRY_INTERVAL_S = 0.05
 #: A key waited for this long (again) counts one timeout.
 TIMEOUT_S = 1.0
-#: The longest poll interval taken.
+#: The longest and the shortest poll interval taken (below 0.1 ms a polling get would ask the master without pause).
 MAX_POLL_S = 1.0
+MIN_POLL_S = 1e-4
 #: Keys remembered (the oldest forgotten first: a request given up leaves its key here).
 MAX_KEYS = 4096
 #: A key asked for within this long (or ten intervals, if longer) holds a call back until it is due; one no
@@ -49,20 +50,19 @@ _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$", re.IGNORECASE)
 
 
 def parse_poll(value: Any, what: str = "extra.mooncake_get_poll") -> float | None:
-    """``None`` for ``blocking`` (0.30.0's), else the interval in seconds (0 < interval <= 1)."""
+    """``None`` for ``blocking`` (0.30.0's), else the interval in seconds (0.1 ms to 1 s)."""
     if value is None or (isinstance(value, str) and value.strip().lower() == BLOCKING):
         return None
-    if isinstance(value, bool):
-        m = None
-    elif isinstance(value, (int, float)):
-        m = _DURATION.match(repr(float(value)))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)  # a number of seconds, 1e-09 included (then refused by the range below)
     else:
-        m = _DURATION.match(str(value))
-    if m is None:
-        raise ValueError(f"{what} = {value!r} is not '{BLOCKING}' or a duration such as 5ms or 0.005s")
-    seconds = float(m.group(1)) / (1000.0 if (m.group(2) or "s").lower() == "ms" else 1.0)
-    if not 0 < seconds <= MAX_POLL_S:
-        raise ValueError(f"{what} = {value!r} is {seconds:g} s: it must be above 0 and at most {MAX_POLL_S:g} s "
+        m = None if isinstance(value, bool) else _DURATION.match(str(value))
+        if m is None:
+            raise ValueError(f"{what} = {value!r} is not '{BLOCKING}' or a duration such as 5ms or 0.005s")
+        seconds = float(m.group(1)) / (1000.0 if (m.group(2) or "s").lower() == "ms" else 1.0)
+    if not MIN_POLL_S <= seconds <= MAX_POLL_S:
+        bounds = f"from {MIN_POLL_S * 1e3:g} ms to {MAX_POLL_S:g} s"
+        raise ValueError(f"{what} = {value!r} is {seconds:g} s: it must be {bounds} "
                          f"(or '{BLOCKING}')")
     return seconds
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import torch
 from vllm_omni.distributed.omni_connectors.utils import serialization as _ser
 
@@ -102,40 +103,52 @@ class Buffer:
                 self.store = None
 
 
-def read_parts(store: Any, buf: Buffer, todo: list[tuple[torch.Tensor, list[tuple[str, int]]]],
-               register: Callable[[torch.Tensor], bool], unregister: Callable[[torch.Tensor], None]) -> int:
-    """Read the parts ``todo`` lists (a :class:`Decoder`'s) into their tensors; return the bytes read.
+class PartsLost(RuntimeError):
+    """A part listed by a payload's key is not in the store (evicted, removed): the chunk cannot be delivered."""
+
+    def __init__(self, part: str, nbytes: int) -> None:
+        super().__init__(f"part {part} ({nbytes} bytes) is not in the store (evicted or removed)")
+        self.part = part
+
+
+def read_parts(store: Any, buf: Buffer | None, todo: list[tuple[torch.Tensor, list[tuple[str, int]]]],
+               register: Callable[[torch.Tensor], bool],
+               unregister: Callable[[torch.Tensor], None]) -> tuple[int, int]:  # fmt: skip
+    """Read the parts ``todo`` lists (a :class:`Decoder`'s) into their tensors; return the bytes read and how many
+    parts were read the plain way (below).
 
     Parts go through ``buf`` (``batch_get_into`` a buffer-full at a time, then one copy each); a tensor larger than
-    the buffer that ``register`` accepts is read straight into its own memory (``unregister`` after). A part the
-    store does not return whole raises ``RuntimeError`` naming it."""
-    plan = []  # (part key, destination bytes, offset, length)
+    the buffer (or any tensor, when there is no buffer: ``buf`` None, its registration failed) that ``register``
+    accepts is read straight into its own memory (``unregister`` after). A part that cannot be read through registered
+    memory (no buffer and the tensor not registrable, or ``batch_get_into`` failing for it) is read with the store's
+    plain ``get`` (through the client's own registered buffer, ``localbuf``) and copied into its tensor: the same
+    bytes. A part the store does not have raises :class:`PartsLost` naming it; one it has but does not return whole
+    raises ``RuntimeError`` naming it."""
+    plan = []  # (part key, destination bytes, offset, length): through the staging buffer
+    plain = []  # the same, read with the store's plain get
     total = 0
     for t, parts in todo:
         flat = bytes_of(t)
-        if flat.numel() > buf.nbytes and register(flat):
-            # larger than the receive buffer: read straight into the tensor's own (registered) memory
+        offs = [0]
+        for _, ln in parts[:-1]:
+            offs.append(offs[-1] + ln)
+        if (buf is None or flat.numel() > buf.nbytes) and register(flat):
+            # read straight into the tensor's own (registered) memory
             try:
-                offs = [0]
-                for _, ln in parts[:-1]:
-                    offs.append(offs[-1] + ln)
                 got = store.batch_get_into([pk for pk, _ in parts], [flat.data_ptr() + o for o in offs],
                                            [ln for _, ln in parts])  # fmt: skip
             finally:
                 unregister(flat)
-            for (pk, ln), rc in zip(parts, got):
-                if rc != ln:
-                    raise RuntimeError(f"batch_get_into of part {pk} ({ln} bytes) returned {rc}")
+            plain += [(pk, flat, o, ln) for (pk, ln), o, rc in zip(parts, offs, got) if rc != ln]
             total += flat.numel()
             continue
-        off = 0
-        for pk, ln in parts:
-            if ln > buf.nbytes:
-                raise RuntimeError(f"part {pk} has {ln} bytes, more than the {buf.nbytes}-byte buffer")
-            plan.append((pk, flat, off, ln))
-            off += ln
+        for (pk, ln), o in zip(parts, offs):
+            (plan if buf is not None and ln <= buf.nbytes else plain).append((pk, flat, o, ln))
+            if buf is None or ln > buf.nbytes:
+                total += ln
     k = 0
     while k < len(plan):
+        assert buf is not None  # only parts that fit it are planned
         batch, used = [], 0
         while k < len(plan) and used + plan[k][3] <= buf.nbytes:
             batch.append((plan[k], used))
@@ -145,7 +158,22 @@ def read_parts(store: Any, buf: Buffer, todo: list[tuple[torch.Tensor, list[tupl
                                    [p[3] for p, _ in batch])  # fmt: skip
         for ((pk, flat, off, ln), u), rc in zip(batch, got):
             if rc != ln:
-                raise RuntimeError(f"batch_get_into of part {pk} ({ln} bytes) returned {rc}")
+                plain.append((pk, flat, off, ln))
+                continue
             flat[off : off + ln].copy_(buf.mem[u : u + ln])
         total += used
-    return total
+    missing = []
+    for pk, flat, off, ln in plain:
+        data = store.get(pk)
+        if data is not None and len(data) == ln:
+            flat[off : off + ln].numpy()[:] = numpy.frombuffer(data, dtype=numpy.uint8)
+        else:
+            missing.append((pk, ln, 0 if data is None else len(data)))
+    if missing:
+        there = store.batch_is_exist([pk for pk, _, _ in missing])
+        for (pk, ln, n), e in zip(missing, there):
+            if e == 0:
+                raise PartsLost(pk, ln)
+        pk, ln, n = missing[0]
+        raise RuntimeError(f"part {pk} ({ln} bytes) is in the store but could not be read ({n} bytes came)")
+    return total, len(plain)

@@ -18,7 +18,10 @@ The key carries the deployment's token (:func:`deployment_token`, ``OMNI_ACCUM_D
 first omni-accum process of a server, inherited by the stage processes it starts), so two servers on one
 host never read each other's hello, and a hello left by a stopped server is never found. A hello from
 a process on this host that is no longer alive is ignored, and a sender whose receiver (on this host)
-dies goes back to 0.30.0's payloads until a receiver says hello again.
+dies goes back to 0.30.0's payloads until a receiver says hello again. "This host" is :func:`machine_id`: the
+kernel's boot id and this process's PID namespace (where a process id means the same process), not the host
+name, which cloned machines share (their live receivers' hellos were ignored) and which network namespaces on
+one kernel share as rightly as they share process ids.
 
 Over shared memory (``SharedMemoryConnector``, and the arena connector, whose ``peer_channel`` says so)
 the hello is a small file of its own in this user's private directory (:mod:`omni_accum.samehost`,
@@ -33,6 +36,7 @@ other connector (Mooncake's store) the hello is that connector's ``put`` / ``get
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -40,6 +44,7 @@ import re
 import secrets
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +54,15 @@ logger = logging.getLogger("omni_accum.vllm_omni")
 
 #: The deployment token: one value for every stage process of one server.
 ENV_DEPLOYMENT = "OMNI_ACCUM_DEPLOYMENT"
-#: The payload key of a hello: ``[1, fingerprint, source, pid, host]``.
+#: The payload key of a hello: ``[1, fingerprint, source, pid, host name, machine id]`` (an older omni-accum's has no
+#: machine id: its host name is compared then).
 HELLO = "omni_accum_hello"
 #: How long a request's first chunk waits for the watcher's first look (seconds).
 FIRST_WAIT_S = 0.05
 POLL_S = (0.05, 30.0)  # the watcher's first and longest wait between looks
 ALIVE_S = 1.0  # how often a found receiver on this host is checked to be alive
+#: A sender that has not heard its receiver's hello after this long says so once (its deployment token named).
+QUIET_WARN_S = 60.0
 
 _lock = threading.Lock()
 
@@ -146,11 +154,42 @@ def _hello_of(got: Any) -> list[Any] | None:
     return None
 
 
+_machine: str | None = None
+
+
+def machine_id() -> str:
+    """Where a process id names the same process as here: 12 hex digits of a hash of the kernel's boot id
+    (``/proc/sys/kernel/random/boot_id``: cloned machines differ, processes of one boot share it, network namespaces
+    included) and this process's PID namespace (``/proc/self/ns/pid``: containers on one kernel differ). Without
+    either, one of this process only (no hello is then judged by its pid)."""
+    global _machine
+    if _machine is None:
+        seed = []
+        for path, read in (("/proc/sys/kernel/random/boot_id", lambda p: Path(p).read_text().strip()),
+                           ("/proc/self/ns/pid", os.readlink)):  # fmt: skip
+            try:
+                seed.append(read(path))
+            except OSError:
+                seed.append("")
+        if not all(seed):
+            seed = [f"pid:{os.getpid()}:{secrets.token_hex(8)}"]
+        _machine = hashlib.sha256("\n".join(seed).encode()).hexdigest()[:12]
+    return _machine
+
+
+def same_machine(h: list[Any]) -> bool:
+    """Whether hello ``h`` comes from a process whose id means the same process here (:func:`machine_id`; a hello
+    without one, from an older omni-accum: the same host name)."""
+    if len(h) >= 6 and isinstance(h[5], str):
+        return h[5] == machine_id()
+    return h[4] == socket.gethostname()
+
+
 def _stale(h: list[Any]) -> bool:
-    """True for a hello from a process on this host that is no longer alive."""
+    """True for a hello from a process on this machine (:func:`same_machine`) that is no longer alive."""
     from omni_accum.arena.region import pid_alive  # noqa: PLC0415
 
-    return h[4] == socket.gethostname() and not pid_alive(h[3])
+    return same_machine(h) and not pid_alive(h[3])
 
 
 # ------------------------------------------------------------------------------ the receiving side
@@ -170,7 +209,7 @@ def announce(adapter: Any, b: Any) -> None:
     stage = _stage(conn)
     chan, key = _channel(conn), hello_key(stage - 1, stage)
     b._hello = (chan, key)
-    data = {HELLO: [1, b.fingerprint, b.short_source, os.getpid(), socket.gethostname()]}
+    data = {HELLO: [1, b.fingerprint, b.short_source, os.getpid(), socket.gethostname(), machine_id()]}
     try:
         ok = bool(chan.put(str(stage - 1), str(stage), key, data)[0])
     except Exception as e:  # noqa: BLE001 - the sender then sends 0.30.0's payloads
@@ -231,11 +270,20 @@ class PeerWatch:
 
     def _run(self) -> None:
         delay = POLL_S[0]
+        started, warned = time.monotonic(), False
         while not self._stop.is_set():
             if self.hello is None:
                 found = self._look()
                 self._first.set()
                 delay = ALIVE_S if found else min(delay * 2, POLL_S[1])
+                if not found and not warned and time.monotonic() - started >= QUIET_WARN_S:
+                    warned = True
+                    logger.warning(
+                        "omni-accum: stage %d has not heard stage %d's hello (key %s) in %.0f s, so it sends "
+                        "vllm-omni's own payloads (nothing left off). If stage %d runs omni-accum on another host, "
+                        "give every stage process of this server the same %s (this one has %r; docs/mooncake.md, "
+                        "'Across hosts, step by step')", self.src, self.dst, self.key, time.monotonic() - started,
+                        self.dst, ENV_DEPLOYMENT, deployment_token())  # fmt: skip
             elif _stale(self.hello):
                 logger.warning("omni-accum: stage %d's receiver (pid %d) is gone; stage %d sends vllm-omni's own "
                                "payloads until a receiver says hello again", self.dst, self.hello[3], self.src)
@@ -253,9 +301,10 @@ class PeerWatch:
         if h is None or _stale(h):
             return False
         self.hello = h
-        logger.info("omni-accum: stage %d's receiver runs omni-accum (pid=%s, fingerprint %s, policy from %s): "
+        where = "this machine" if same_machine(h) else f"host {h[4]}"
+        logger.info("omni-accum: stage %d's receiver runs omni-accum (pid=%s on %s, fingerprint %s, policy from %s): "
                     "stage %d marks its requests from now on (values left off, hand-offs timed, as configured)",
-                    self.dst, h[3], h[1], h[2], self.src)
+                    self.dst, h[3], where, h[1], h[2], self.src)
         return True
 
     def close(self) -> None:

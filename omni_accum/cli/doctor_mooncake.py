@@ -1,0 +1,208 @@
+"""``omni-accum doctor --deploy``'s Mooncake checks: every ``MooncakeStoreConnector`` / ``OmniAccumMooncakeConnector``
+``extra`` read as vllm-omni 0.30.0's ``MooncakeStoreConnector`` reads it (``host``, ``metadata_server``, ``master``,
+``segment``, ``localbuf``, ``proto``, ``rdma``, with its defaults where absent) and hands it to Mooncake's
+``MooncakeDistributedStore.setup``.
+
+Problems (the stage does not start, or hangs ~90 s and then fails): a ``segment`` or ``localbuf`` that is not a whole
+number of bytes (``512MiB``, ``-1``: Mooncake's setup refuses the arguments), a ``master`` without ``HOST:PORT`` (port
+1 to 65535), a ``metadata_server`` that is an HTTP address without ``http://`` (Mooncake then takes it for an etcd
+address and waits for it), a ``proto`` Mooncake does not know, a misspelt key (``mastr``: vllm-omni reads ``master``,
+finds none, and uses its loopback default). Notes (it starts, but not as meant across hosts): no ``host`` (127.0.0.1:
+no other host reaches this stage), ``host`` on loopback while the master is elsewhere, ``proto: rdma`` without
+``rdma`` devices, a ``metadata_server`` without a scheme (an etcd address), ``mooncake_*`` keys on a plain
+``MooncakeStoreConnector`` (ignored there), a ``localbuf`` smaller than the largest chunk or than
+``mooncake_buffer_bytes``, a staging buffer larger than ``segment``, and addresses of other hosts without one
+``OMNI_ACCUM_DEPLOYMENT`` in the environment.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Any
+
+from omni_accum.cli.doctor_policy import Check, _read_deploy
+from omni_accum.errors import OmniAccumError
+
+MOONCAKE_NAMES = ("MooncakeStoreConnector", "OmniAccumMooncakeConnector")
+#: What vllm-omni 0.30.0's ``MooncakeStoreConnector.__init__`` reads from its ``extra``, and its defaults.
+STORE_KEYS: dict[str, Any] = {
+    "host": "127.0.0.1",
+    "metadata_server": "http://127.0.0.1:8080/metadata",
+    "master": "127.0.0.1:50051",
+    "segment": 512 * 1024 * 1024,
+    "localbuf": 64 * 1024 * 1024,
+    "proto": "tcp",
+    "rdma": "",
+}
+#: The protocols of the CPU build omni-accum pins (``mooncake-transfer-engine-non-cuda``), and others Mooncake knows.
+PROTOCOLS = ("tcp", "rdma")
+OTHER_PROTOCOLS = ("nvlink", "nvlink_intra", "hip", "cxl", "ascend", "barex", "efa", "nvmeof")
+METADATA_SCHEMES = ("http://", "https://", "etcd://", "redis://")
+#: Bytes per prompt token of Qwen3-Omni's largest chunk (the thinker's prefill to the talker: embeddings and hidden
+#: states, ``[P+1, 2048]`` bf16 each) and the prompt length assumed without ``omni_accum_context_len``.
+CHUNK_BYTES_PER_TOKEN = 2 * 2048 * 2
+REFERENCE_TOKENS = 8192
+LOOPBACK = ("localhost", "::1", "[::1]")
+
+
+def _loopback(host: str) -> bool:
+    return host in LOOPBACK or host.startswith("127.")
+
+
+def _host_of(address: str) -> str:
+    """The host part of ``HOST:PORT`` or of a URL."""
+    rest = address.split("://", 1)[-1].split("/", 1)[0]
+    if rest.startswith("["):
+        return rest[: rest.find("]") + 1]
+    return rest.rsplit(":", 1)[0] if rest.count(":") == 1 else rest
+
+
+def _nodes(node: Any, where: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """``(where, connector)`` for every mapping whose ``name`` is a Mooncake connector's."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    if isinstance(node, dict):
+        if node.get("name") in MOONCAKE_NAMES:
+            out.append((where, node))
+        for k, v in node.items():
+            out += _nodes(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _nodes(v, f"{where}[{i}]")
+    return out
+
+
+def check_mooncake(deploy: str | None) -> list[Check]:
+    """The checks of every Mooncake connector of the deploy YAML (see the module docstring)."""
+    if not deploy:
+        return []
+    try:
+        data = _read_deploy(deploy)
+    except OmniAccumError:  # check_policy reports it
+        return []
+    out: list[Check] = []
+    remote = False
+    found = _nodes(data)
+    for where, node in found:
+        place = f"{deploy}: {where}.extra" if where else f"{deploy}: extra"
+        extra = node.get("extra", {})
+        if not isinstance(extra, dict):
+            detail = (f"{place} is {extra!r}, not a mapping: vllm-omni's MooncakeStoreConnector reads its settings "
+                      "from it and fails")
+            out.append(Check("mooncake", False, detail, "give the connector's settings (host, master, "
+                             "metadata_server, ...) as a mapping"))  # fmt: skip
+            continue
+        problems, notes, is_remote = _check_extra(place, node["name"], extra)
+        remote = remote or is_remote
+        out += [Check("mooncake", False, d, f) for d, f in problems]
+        out += [Check("mooncake", True, d, f, warning=True) for d, f in notes]
+    if remote and not os.environ.get("OMNI_ACCUM_DEPLOYMENT", "").strip():
+        detail = (f"{deploy}: its Mooncake connectors name other hosts' addresses, and OMNI_ACCUM_DEPLOYMENT is not "
+                  "set here: stages started on separate hosts each draw their own, never find each other's peer hello, "
+                  "and the senders send vllm-omni's own payloads (nothing left off; the log says 'has not heard')")
+        fix = ("export the same OMNI_ACCUM_DEPLOYMENT (any token, e.g. `openssl rand -hex 6`) to every stage process "
+               "of the server, on every host (docs/mooncake.md, 'Across hosts, step by step')")
+        out.append(Check("mooncake", True, detail, fix, warning=True))
+    if found and not any(not c.ok for c in out):
+        out.append(Check("mooncake", True, f"{deploy}: {len(found)} Mooncake connector(s) read as vllm-omni 0.30.0's "
+                         "MooncakeStoreConnector reads them"))  # fmt: skip
+    return out
+
+
+def _check_extra(place: str, name: str, extra: dict[str, Any]) -> tuple[list[tuple[str, str]], list[tuple[str, str]],
+                                                                         bool]:  # fmt: skip
+    """(problems, notes, whether it names another host's address) of one connector's ``extra``."""
+    from omni_accum.integrations.vllm_omni import mooncake_settings
+
+    problems: list[tuple[str, str]] = []
+    notes: list[tuple[str, str]] = []
+    # a misspelt key: vllm-omni reads the right one, finds none, and takes its default
+    for key in map(str, extra):
+        if key in STORE_KEYS or key.startswith(("omni_accum_", "mooncake_")):
+            continue
+        close = difflib.get_close_matches(key, [k for k in STORE_KEYS if k not in extra], n=1, cutoff=0.75)
+        if close:
+            problems.append((f"{place}.{key}: vllm-omni's MooncakeStoreConnector reads no {key!r} (did you mean "
+                             f"{close[0]}?); without {close[0]} it uses {STORE_KEYS[close[0]]!r}",
+                             f"rename it to {close[0]}"))  # fmt: skip
+    for key in ("segment", "localbuf"):
+        v = extra.get(key, STORE_KEYS[key])
+        if type(v) is not int or v < (0 if key == "segment" else 1):
+            problems.append((f"{place}.{key} = {v!r}: vllm-omni passes it to Mooncake's setup as a whole number of "
+                             "bytes, which refuses this value (incompatible function arguments) and the stage does not "
+                             "start", f"give {key} in bytes, e.g. {STORE_KEYS[key]} "
+                             f"({'512 MiB' if key == 'segment' else '64 MiB'}); "
+                             + ("0: this stage contributes no memory" if key == "segment" else "at least the largest "
+                                "chunk")))  # fmt: skip
+    master = extra.get("master", STORE_KEYS["master"])
+    why = mooncake_settings.master_address_problem(master)
+    if why:
+        problems.append((f"{place}.master = {master!r} {why}: Mooncake's setup retries for ~90 s and fails with "
+                         "'Mooncake setup failed: -1'", "give the master's HOST:PORT (its --rpc_port, e.g. "
+                         "10.0.0.1:50151)"))  # fmt: skip
+    meta = extra.get("metadata_server", STORE_KEYS["metadata_server"])
+    if not isinstance(meta, str) or not meta.strip():
+        problems.append((f"{place}.metadata_server = {meta!r} is not an address", "give the master's HTTP metadata "
+                         "server, e.g. http://10.0.0.1:8080/metadata"))  # fmt: skip
+    elif not meta.startswith(METADATA_SCHEMES) and meta != "P2PHANDSHAKE":
+        text = (f"{place}.metadata_server = {meta!r} has no scheme: Mooncake takes it for an etcd address and waits "
+                "for etcd there")
+        fix = f"for the master's HTTP metadata server write http://{meta.split('://')[-1]}"
+        if "/" in meta:  # a URL's path: meant for HTTP, not an etcd endpoint
+            problems.append((text + " (the stage hangs, then fails)", fix))
+        else:
+            notes.append((text + "; right only if etcd runs there", fix))
+    proto = extra.get("proto", STORE_KEYS["proto"])
+    if proto not in PROTOCOLS:
+        if proto in OTHER_PROTOCOLS:
+            notes.append((f"{place}.proto = {proto!r}: not in the CPU build of Mooncake omni-accum pins (tcp, rdma)",
+                          "use a Mooncake build with that transport"))  # fmt: skip
+        else:
+            close = difflib.get_close_matches(str(proto), PROTOCOLS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            problems.append((f"{place}.proto = {proto!r} is not a protocol Mooncake knows{hint}: the stage does not "
+                             "start", f"one of: {', '.join(PROTOCOLS)}"))  # fmt: skip
+    if proto == "rdma" and not extra.get("rdma"):
+        notes.append((f"{place}: proto rdma without rdma (the RDMA devices to use, e.g. mlx5_0)",
+                      "name the devices in rdma:, or use proto: tcp where there is no RDMA"))
+    host = extra.get("host")
+    remote_master = isinstance(master, str) and not _loopback(_host_of(master))
+    if host is None:
+        notes.append((f"{place}: no host, so this stage registers as 127.0.0.1: only processes on its own machine "
+                      "reach it", "give each host its own copy of the deploy whose host is that host's address, as "
+                      "the others reach it"))  # fmt: skip
+    elif not isinstance(host, str) or not host.strip():
+        problems.append((f"{place}.host = {host!r} is not an address", "give this host's address, as the others "
+                         "reach it"))  # fmt: skip
+    elif _loopback(host) and remote_master:
+        notes.append((f"{place}.host = {host!r} while the master is at {master!r}: other hosts cannot reach this "
+                      "stage's memory", "give this host's own address (each host its own copy of the deploy)"))
+    remote = remote_master or (isinstance(host, str) and bool(host.strip()) and not _loopback(host))
+    ours = [k for k in map(str, extra) if k.startswith("mooncake_")]
+    if name == "MooncakeStoreConnector" and ours:
+        notes.append((f"{place}: {', '.join(ours)} are OmniAccumMooncakeConnector's settings; MooncakeStoreConnector "
+                      "ignores them", "select OmniAccumMooncakeConnector (config/deploy/qwen3_omni_mooncake_fast.yaml) "
+                      "in every stage of the connector, or remove them"))  # fmt: skip
+    localbuf = extra.get("localbuf", STORE_KEYS["localbuf"])
+    if type(localbuf) is int and localbuf > 0:
+        ctx = extra.get("omni_accum_context_len")
+        tokens = ctx if type(ctx) is int and ctx > 0 else REFERENCE_TOKENS
+        chunk = (tokens + 1) * CHUNK_BYTES_PER_TOKEN
+        if localbuf < chunk:
+            what = ("every chunk goes through it" if name == "MooncakeStoreConnector" else
+                    "a chunk that goes serialized (a fallback, or a tensor the policy does not append) goes through it")
+            notes.append((f"{place}.localbuf = {localbuf} bytes is smaller than Qwen3-Omni's prefill chunk at "
+                          f"{tokens} prompt tokens (~{chunk} bytes): {what}, and a larger one fails its put or get",
+                          f"give localbuf more than the largest chunk (at least {chunk})"))  # fmt: skip
+    if name == "OmniAccumMooncakeConnector":
+        try:
+            settings = mooncake_settings.parse_settings(extra)
+        except ValueError:  # check_connectors names it
+            return problems, notes, remote
+        for note in mooncake_settings.notes(extra, settings):
+            notes.append((f"{place}: {note}", "lower mooncake_buffer_bytes or raise segment"))
+        if type(localbuf) is int and 0 < localbuf < settings.buffer_bytes:
+            notes.append((f"{place}.localbuf = {localbuf} bytes is smaller than mooncake_buffer_bytes "
+                          f"({settings.buffer_bytes}): a part read with the store's plain get (when a receive buffer "
+                          "cannot be registered) does not fit it", "give localbuf at least mooncake_buffer_bytes"))
+    return problems, notes, remote
