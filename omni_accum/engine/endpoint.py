@@ -12,7 +12,13 @@ from typing import Any
 import torch
 
 from omni_accum.context import DEFAULT_CONTEXT, KeyMeta, StreamContext
-from omni_accum.errors import AccumulationError, OmniAccumError, PolicyError, UnknownRequestError
+from omni_accum.errors import (
+    AccumulationError,
+    InvalidArgumentError,
+    OmniAccumError,
+    PolicyError,
+    UnknownRequestError,
+)
 from omni_accum.policy.loader import load_policy
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.model import Policy
@@ -100,9 +106,11 @@ class _Endpoint:
         context: StreamContext | None = None,
         manager: StrategyManager | None = None,
     ) -> None:
+        if manager is not None and not isinstance(manager, StrategyManager):
+            raise InvalidArgumentError(f"manager must be a StrategyManager or None, got {type(manager).__name__}")
         self.manager = manager or get_manager()
         self.policy: Policy = load_policy(policy, manager=self.manager)
-        self.context = context or DEFAULT_CONTEXT
+        self.context = _checked_context(context) or DEFAULT_CONTEXT
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
         self._selected: dict[tuple[Any, ...], tuple[Strategy, StrategySpec]] = {}
@@ -120,6 +128,8 @@ class _Endpoint:
 
     # -- requests ---------------------------------------------------------------------------- #
     def _state(self, req_id: str, context: StreamContext | None) -> _Request:
+        if context is not None:
+            _checked_context(context)
         try:
             st = self._requests.get(req_id)
         except TypeError:
@@ -130,6 +140,13 @@ class _Endpoint:
                 if st is None:
                     st = self._requests[req_id] = _Request(context or self.context)
         return st
+
+    def _table_get(self, req_id: str) -> _Request | None:
+        """The state of ``req_id``, or None; an unhashable id is an :class:`AccumulationError`, as in ``merge``."""
+        try:
+            return self._requests.get(req_id)
+        except TypeError:
+            raise _bad_id(req_id) from None
 
     def _lookup(self, req_id: str) -> _Request:
         """The state of ``req_id``; :class:`UnknownRequestError` (a KeyError) when none is held."""
@@ -199,7 +216,7 @@ class _Endpoint:
 
     def strategy_for(self, path: str, value: Any = None, context: StreamContext | None = None) -> str:
         """Name of the strategy ``path`` gets (with a first value like ``value``)."""
-        return self.select(path, value, context or self.context)[1].name
+        return self.select(path, value, _checked_context(context) or self.context)[1].name
 
 
 def read_mismatch(value: Any, got: Any) -> str | None:
@@ -240,6 +257,14 @@ def check_first_read(req_id: str, st: _Request, slot: _Slot, value: Any) -> None
     if msg is not None:
         st.failed = f"strategy {slot.spec.name!r} read {describe(got)} for key {slot.path!r}"
         raise slot_error(f"read() returned {describe(got)}: {msg}", req_id, slot)
+
+
+def _checked_context(context: Any) -> StreamContext | None:
+    if context is not None and not isinstance(context, StreamContext):
+        raise InvalidArgumentError(
+            f"context must be a StreamContext or None, got {type(context).__name__} {context!r:.80}"
+        )
+    return context
 
 
 def _bad_id(req_id: Any) -> AccumulationError:

@@ -23,7 +23,7 @@ from omni_accum.engine.endpoint import (
     rewrites_wire,
     slot_error,
 )
-from omni_accum.errors import AccumulationError, MergeError, OmniAccumError
+from omni_accum.errors import AccumulationError, InvalidArgumentError, MergeError, OmniAccumError
 from omni_accum.manager import StrategyManager
 from omni_accum.policy.model import Policy
 from omni_accum.engine.sequencing import REORDER_WINDOW, SequencedMerge
@@ -50,7 +50,7 @@ class Receiver(SequencedMerge, _Endpoint):
         reorder_window: int = REORDER_WINDOW,
     ) -> None:
         if type(reorder_window) is not int or reorder_window < 0:
-            raise ValueError(f"reorder_window must be an int >= 0, got {reorder_window!r}")
+            raise InvalidArgumentError(f"reorder_window must be an int >= 0, got {reorder_window!r}")
         super().__init__(policy, context=context, manager=manager)
         self.reorder_window = reorder_window
         self._dups = 0

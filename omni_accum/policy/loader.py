@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from omni_accum.errors import PolicyError
+from omni_accum.errors import PolicyArgumentError, PolicyError
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import installed_plugins
 from omni_accum.policy.fingerprint import plugin_versions
@@ -399,7 +399,8 @@ def load_policy(
             process-wide one).
 
     Raises:
-        PolicyError: with every problem found, each naming the place.
+        PolicyError: with every problem found, each naming the place (a :class:`PolicyArgumentError`, also a
+            ``TypeError``, for a ``source`` of a type no policy can be: a number, a list, bytes).
     """
     if isinstance(source, Policy):
         source.bind_plugins(installed_plugins)
@@ -408,6 +409,12 @@ def load_policy(
         source = source.model_dump()
     if isinstance(source, Mapping):
         return build_policy(source, "<mapping>", None, manager)
+    if source is not None and not isinstance(source, (str, os.PathLike)):
+        hint = ": decode bytes to str first" if isinstance(source, bytes) else ""
+        raise PolicyArgumentError(
+            "a policy must be a Policy, a mapping, a preset name, a file path or policy text (str), got "
+            f"{type(source).__name__} {source!r:.60}{hint}"
+        )
     label = "<inline policy>"  # inline text given as source: a connector extra's block string, say
     if source is None:
         env = os.environ.get(ENV_POLICY, "").strip()
