@@ -48,8 +48,9 @@ class StreamContext:
         object.__setattr__(self, "length_hints", dict(hints))  # a copy: the caller's dict may change later
 
     @property
-    def cache_key(self) -> tuple[int | None, int]:
-        return (self.context_len, self.concurrency)
+    def cache_key(self) -> tuple[Any, ...]:
+        """Everything a strategy selection may read from the context: length, concurrency and length hints."""
+        return (self.context_len, self.concurrency, frozenset(self.length_hints.items()))
 
 
 def _is_int(value: Any, least: int) -> bool:

@@ -91,6 +91,10 @@ class _Leaf:
 
 LEAF: Any = _Leaf()
 
+#: At most this many strategy selections an endpoint keeps (the oldest dropped first): with a stream
+#: context per request (its own ``context_len`` or length hints) every request may select anew.
+SELECTION_CACHE_SIZE = 4096
+
 
 def _path(top: Any, qual: Any = LEAF) -> str:
     return str(top) if qual is LEAF else f"{top}.{qual}"
@@ -177,13 +181,19 @@ class _Endpoint:
     def select(self, path: str, value: Any, context: StreamContext) -> tuple[Strategy, StrategySpec]:
         """Strategy (and its spec) for key ``path`` whose first value is ``value``, in ``context``."""
         meta = KeyMeta.of(path, value)
+        # Keyed by all a selection hook is given (the policy is the endpoint's own); bounded (SELECTION_CACHE_SIZE).
         ck = (meta.cache_key, context.cache_key)
         hit = self._selected.get(ck)
         if hit is None:
             choice = self.manager.select(path, meta, context, self.policy)
             spec = self.manager.spec(choice.strategy, where=f"key {path!r} ({choice.source})")
             chosen = f"chosen by {choice.source or 'a selection hook'}"  # the request's error names the key
-            hit = self._selected[ck] = (self.manager.build(choice.strategy, dict(choice.params), chosen), spec)
+            hit = (self.manager.build(choice.strategy, dict(choice.params), chosen), spec)
+            with self._lock:
+                cache = self._selected
+                while len(cache) >= SELECTION_CACHE_SIZE:
+                    del cache[next(iter(cache))]  # the oldest (dicts keep insertion order)
+                cache[ck] = hit
         return hit
 
     def _key_state(
