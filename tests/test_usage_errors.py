@@ -1,5 +1,5 @@
 """A user's mistake at a call raises one of omni-accum's documented errors, at that call, naming the bad value
-(docs/reliability.md "Only documented errors")."""
+(docs/reliability.md "Only documented errors"); a refused first chunk leaves no request behind."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from omni_accum import (
     Receiver,
     Sender,
     StreamContext,
+    UnknownRequestError,
 )
 
 CHUNK = {"x": torch.zeros(2, 2)}
@@ -94,3 +95,75 @@ def test_length_hints_are_copied_when_the_context_is_made():
     ctx = StreamContext(length_hints=hints)
     hints["x"] = 1000
     assert ctx.length_hints == {"x": 4}
+
+
+class _PoisonSelector:
+    """A selection hook that raises for the key ``poison``."""
+
+    @omni_accum.hookimpl
+    def omni_accum_select_strategy(self, key, meta, context, policy):
+        if key == "poison":
+            raise RuntimeError("selector tripped")
+        return None
+
+
+@pytest.fixture
+def poisoned():
+    m = omni_accum.StrategyManager(load_entrypoints=False)
+    m.load_entrypoints([])  # the built-ins only
+    m.register(_PoisonSelector(), name="poison_selector")
+    return m
+
+
+@pytest.mark.parametrize(
+    "chunk,seq",
+    [
+        (CHUNK, -1),
+        (CHUNK, "0"),
+        ({"x": torch.zeros(1, 2), "__omni_accum__": "bad"}, None),
+        ({"x": torch.zeros(1, 2), "meta": {"override_keys": 5}}, None),
+        ({"x": torch.zeros(1, 2), "meta": {"override_keys": 5}}, 0),
+    ],
+    ids=["seq-negative", "seq-str", "malformed-marker", "override-keys-not-a-list", "sequenced-override-keys"],
+)
+def test_a_refused_first_chunk_leaves_no_request_behind(chunk, seq):
+    rx = Receiver("default")
+    for i in range(50):
+        with pytest.raises(AccumulationError):
+            rx.merge(f"r{i}", chunk, seq=seq)
+    assert rx.active_requests == 0
+    with pytest.raises(UnknownRequestError):
+        rx.view("r5")
+    rx.merge("r5", CHUNK)  # the request can start afresh
+    assert rx.view("r5")["x"].shape == (2, 2)
+
+
+def test_a_first_chunk_whose_selection_hook_raised_leaves_no_request_on_either_side(poisoned):
+    tx, rx = Sender("default", manager=poisoned), Receiver("default", manager=poisoned)
+    for i in range(20):
+        with pytest.raises(AccumulationError, match="selector tripped"):
+            tx.encode(f"r{i}", {"x": torch.zeros(1, 2), "poison": 1})
+        with pytest.raises(AccumulationError, match="selector tripped"):
+            rx.merge(f"r{i}", {"x": torch.zeros(1, 2), "poison": 1})
+    assert tx.active_requests == 0 and rx.active_requests == 0
+
+
+def test_a_refused_later_chunk_keeps_the_request_and_its_state():
+    rx = Receiver("default")
+    rx.merge("r", {"x": torch.zeros(2, 2)})
+    with pytest.raises(AccumulationError, match="dtype changed"):
+        rx.merge("r", {"x": torch.zeros(1, 2, dtype=torch.float64)})
+    assert rx.active_requests == 1 and rx.view("r")["x"].shape == (2, 2)
+
+
+def test_a_refused_first_chunk_that_carried_a_send_once_value_keeps_the_request_failed():
+    """The documented contract (reliability.md): the sender now leaves that value off, so the request fails until
+    it is released; dropping its state would let a later chunk start the request without that value."""
+    pol = {"default": "cat", "rules": [{"match": "spk", "strategy": "send_once"}]}
+    tx, rx = Sender(pol), Receiver(pol)
+    bad = tx.encode("r", {"spk": torch.ones(1), "x": torch.zeros(1, 2), "meta": {"override_keys": 5}})
+    with pytest.raises(AccumulationError, match="override_keys"):
+        rx.merge("r", bad)
+    assert rx.active_requests == 1
+    with pytest.raises(AccumulationError, match="request failed earlier"):
+        rx.merge("r", tx.encode("r", {"spk": torch.ones(1), "x": torch.zeros(1, 2)}))

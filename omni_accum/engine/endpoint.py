@@ -131,19 +131,28 @@ class _Endpoint:
             raise PolicyError(_override_keys_message(ref.strategy, where))
 
     # -- requests ---------------------------------------------------------------------------- #
-    def _state(self, req_id: str, context: StreamContext | None) -> _Request:
+    def _state(self, req_id: str, context: StreamContext | None) -> tuple[_Request, bool]:
+        """The state of ``req_id`` and whether this call made it (a new request)."""
         if context is not None:
             _checked_context(context)
         try:
             st = self._requests.get(req_id)
         except TypeError:
             raise _bad_id(req_id) from None
+        made = False
         if st is None:
             with self._lock:
                 st = self._requests.get(req_id)
                 if st is None:
                     st = self._requests[req_id] = _Request(context or self.context)
-        return st
+                    made = True
+        return st, made
+
+    def _forget_new(self, req_id: str, st: _Request) -> None:
+        """Drop the state a refused first chunk made (the caller checks it holds nothing the request needs)."""
+        with self._lock:
+            if self._requests.get(req_id) is st:
+                del self._requests[req_id]
 
     def _table_get(self, req_id: str) -> _Request | None:
         """The state of ``req_id``, or None; an unhashable id is an :class:`AccumulationError`, as in ``merge``."""

@@ -84,27 +84,32 @@ class Receiver(SequencedMerge, _Endpoint):
         """
         if not isinstance(wire, (dict, Mapping)):
             raise AccumulationError(f"a payload chunk must be a mapping, got {type(wire).__name__}", request_id=req_id)
-        st = self._state(req_id, context)
+        st, made = self._state(req_id, context)
         with st.lock:
-            if st.failed is not None:
-                raise AccumulationError(f"request failed earlier ({st.failed}); release it", request_id=req_id)
-            if seq is None:
-                if st.next_seq is not None:
-                    raise AccumulationError(
-                        f"chunk without a seq, but this request's chunks carry sequence numbers (next {st.next_seq}); "
-                        "number every chunk of a request, or none",
-                        request_id=req_id,
-                    )
-                try:
-                    if not self._merge_known(req_id, st, wire):
-                        self._apply(req_id, st, self._plan(req_id, st, wire))
-                except AccumulationError:
-                    self._fail_if_sender_diverged(st, wire)
-                    raise
-            else:
-                # A rejected sequenced chunk leaves its seq open: later chunks wait behind it (a gap), so
-                # the view never runs ahead of a chunk the sender believes delivered.
-                self._merge_sequenced(req_id, st, wire, seq)
+            try:
+                if st.failed is not None:
+                    raise AccumulationError(f"request failed earlier ({st.failed}); release it", request_id=req_id)
+                if seq is None:
+                    if st.next_seq is not None:
+                        raise AccumulationError(
+                            "chunk without a seq, but this request's chunks carry sequence numbers (next "
+                            f"{st.next_seq}); number every chunk of a request, or none",
+                            request_id=req_id,
+                        )
+                    try:
+                        if not self._merge_known(req_id, st, wire):
+                            self._apply(req_id, st, self._plan(req_id, st, wire))
+                    except AccumulationError:
+                        self._fail_if_sender_diverged(st, wire)
+                        raise
+                else:
+                    # A rejected sequenced chunk leaves its seq open: later chunks wait behind it (a gap), so
+                    # the view never runs ahead of a chunk the sender believes delivered.
+                    self._merge_sequenced(req_id, st, wire, seq)
+            except AccumulationError:
+                if made and st.failed is None and not st.entries and not st.pending:
+                    self._forget_new(req_id, st)  # a refused first chunk leaves no request behind
+                raise
         return request_view(st)
 
     def _fail_if_sender_diverged(self, st: _Request, wire: Mapping[str, Any]) -> None:
