@@ -415,3 +415,29 @@ def test_a_preset_name_is_a_preset_even_beside_a_file_of_that_name_and_a_missing
     with pytest.raises(PolicyError, match=f"policies/mine.yaml: no such policy file \\(a relative path, read from the "
                                           f"working directory {tmp_path}\\)"):
         load_policy("policies/mine.yaml")
+
+
+LONG_TEXT = "description: " + "x" * 300 + "\ndefault: replace\n"  # longer than any file name may be (255)
+
+
+def test_policy_text_longer_than_a_file_name_loads_as_text(monkeypatch):
+    """``Path(text).exists()`` raised ``OSError: File name too long``: a probe that fails is 'not a file'."""
+    assert load_policy(LONG_TEXT).default.strategy == "replace"
+    qwen = load_policy("qwen3-omni")
+    for fmt in ("yaml", "json"):
+        text = omni_accum.dump_policy(qwen, fmt)
+        assert len(text) > 255 and load_policy(text) == qwen  # dump -> load round trips as text, too
+    as_json = json.dumps({"description": "y" * 300, "default": "prealloc"})
+    assert load_policy(as_json).default.strategy == "prealloc"
+    monkeypatch.setenv(ENV_POLICY, LONG_TEXT)
+    assert load_policy().default.strategy == "replace"
+    assert omni_accum.Receiver().policy.default.strategy == "replace"
+    with pytest.raises(PolicyError, match="neither a policy file nor a preset"):
+        load_policy("y" * 300)  # a long name that is no policy text: the usual error, not an OSError
+    with pytest.raises(PolicyError, match="no such policy file"):
+        load_policy("a/" * 200 + "p.yaml")
+
+
+def test_an_ab_arm_given_as_long_text_is_reported_not_crashed():
+    with pytest.raises(PolicyError, match="does not load as an arm's policy"):
+        load_policy({"ab": {"arms": {"a": {"policy": LONG_TEXT}, "b": {"policy": "default"}}}})

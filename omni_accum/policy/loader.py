@@ -34,6 +34,7 @@ from omni_accum.policy.sources import (  # noqa: F401 - re-exported: the loader'
     is_inline_policy,
     preset_names,
     preset_text,
+    probe,
     read_policy_argument,
     read_source,
 )
@@ -352,18 +353,18 @@ def resolve_arms(
         msg = "an A/B arm's policy has an ab section of its own: an arm runs one policy (name a preset or a policy file)"
         detail = {"loc": "ab", "line": lines(("ab",)), "msg": msg}
         raise PolicyError(f"{source}: invalid policy:\n  {format_problem(source, detail)}", None, source, [detail])
-    folder = Path(source).parent if Path(source).is_file() else None
+    folder = Path(source).parent if probe(source, "is_file") else None
     arms: dict[str, Policy] = {}
     details: list[dict[str, Any]] = []
     for name, arm in policy.ab.arms.items():
         loc = ("ab", "arms", name, "policy")
         ref = arm.policy
         target = ref
-        if folder is not None and not Path(ref).is_absolute() and (folder / ref).is_file():
+        if folder is not None and not Path(ref).is_absolute() and probe(folder / ref, "is_file"):
             target = str(folder / ref)
         token = _IN_ARM.set(True)
         try:
-            if is_inline_policy(ref) and not Path(target).exists():
+            if is_inline_policy(ref) and not probe(target):
                 raise PolicyError(f"{ref!r} is neither a policy file nor a preset. Available presets: {', '.join(preset_names())}")
             arms[name] = load_policy(target, manager=manager)
         except PolicyError as e:
@@ -419,7 +420,7 @@ def load_policy(
     if source is None:
         env = os.environ.get(ENV_POLICY, "").strip()
         source, label = (env, ENV_POLICY) if env else ("default", label)
-    if isinstance(source, str) and is_inline_policy(source) and not Path(source).exists():
+    if isinstance(source, str) and is_inline_policy(source) and not probe(source):
         return build_policy(parse_text(source, "yaml", label), label, source, manager)
     label, text, fmt = read_source(source)
     data = parse_text(text, fmt, label)
