@@ -441,3 +441,46 @@ def test_policy_text_longer_than_a_file_name_loads_as_text(monkeypatch):
 def test_an_ab_arm_given_as_long_text_is_reported_not_crashed():
     with pytest.raises(PolicyError, match="does not load as an arm's policy"):
         load_policy({"ab": {"arms": {"a": {"policy": LONG_TEXT}, "b": {"policy": "default"}}}})
+
+
+def test_a_policy_object_is_checked_as_a_file_would_be():
+    """``load_policy(Policy)`` returned it unchecked: an unknown strategy or bad params failed only at the first
+    chunk, and an unknown default was blamed on 'default for meta.override_keys' by Sender/Receiver."""
+    unknown_default = omni_accum.Policy.model_validate({"default": "nosuch"})
+    for call in (load_policy, omni_accum.Sender, omni_accum.Receiver):
+        with pytest.raises(PolicyError) as e:
+            call(unknown_default)
+        assert "<Policy>: default.strategy: unknown strategy 'nosuch'. Available: " in str(e.value)
+        assert "override_keys" not in str(e.value)
+        assert e.value.details[0]["loc"] == "default.strategy"
+    rule = {"match": "x", "strategy": "prealloc", "params": {"g": 3}}
+    bad_params = omni_accum.Policy.model_validate({"rules": [rule]})
+    with pytest.raises(PolicyError, match=r"<Policy>: rules\[0\]\.params\.g: unknown param \(strategy 'prealloc'"):
+        omni_accum.Sender(bad_params)
+    good = load_policy("qwen3-omni")
+    assert load_policy(good) is good  # a valid one is returned as it is
+
+
+def test_dump_policy_refuses_a_format_it_cannot_write():
+    """``dump_policy(p, "toml")`` returned YAML silently."""
+    policy = load_policy("default")
+    for fmt in ("toml", "xml", "YAML"):
+        with pytest.raises(PolicyError, match=f"unknown format {fmt!r}; valid formats: yaml, json"):
+            dump_policy(policy, fmt)
+
+
+def test_an_empty_policy_argument_says_so():
+    """``load_policy("")`` said "'.': is a directory"."""
+    for empty in ("", "   "):
+        with pytest.raises(PolicyError, match="an empty policy argument"):
+            load_policy(empty)
+        with pytest.raises(PolicyError, match="an empty policy argument"):
+            read_source(empty)
+
+
+def test_a_policy_error_names_its_source_once_per_problem():
+    """``<mapping>: invalid policy:\\n  <mapping>: rules[0]...`` named the source twice."""
+    with pytest.raises(PolicyError) as e:
+        load_policy({"default": "catt", "rules": [{"match": "x", "strategy": "nope"}]})
+    assert str(e.value).count("<mapping>") == 2 == len(e.value.errors)
+    assert str(e.value).startswith("invalid policy:\n  <mapping>: default.strategy: unknown strategy 'catt'")

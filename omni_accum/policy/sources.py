@@ -77,6 +77,8 @@ def read_source(source: str | os.PathLike[str]) -> tuple[str, str, str]:
             raise _no_text(str(path), "the file")
         return str(path), text, fmt
     name = str(source)
+    if not name.strip():
+        raise PolicyError("an empty policy argument: give a preset name, a policy file, policy text or a mapping")
     if probe(path, "is_dir"):
         raise PolicyError(f"{path}: is a directory, not a policy file (give a .yaml, .yml, .json or .toml file)")
     if probe(path):  # a FIFO, a device (/dev/zero) or a socket: never opened (it could block or never end)
