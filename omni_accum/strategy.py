@@ -266,12 +266,23 @@ def check_appendable(current: torch.Tensor, value: torch.Tensor) -> None:
     if value.dtype != current.dtype:
         raise MergeError(f"dtype changed mid-stream: expected {current.dtype}, received {value.dtype}")
     if value.shape[1:] != current.shape[1:]:
+        legacy = _legacy_empty_note(current, value)
         raise MergeError(
             f"trailing shape changed mid-stream: expected [{', '.join(['*', *map(str, current.shape[1:])])}], "
-            f"received {list(value.shape)}"
+            f"received {list(value.shape)}{legacy}"
         )
     if value.device != current.device:
         raise MergeError(f"device changed mid-stream: expected {current.device}, received {value.device}")
+
+
+def _legacy_empty_note(current: torch.Tensor, value: torch.Tensor) -> str:
+    """Why a legacy empty 1-D tensor (``torch.empty(0)``) beside rows is refused, or ''."""
+    rows = f"[0, {', '.join(map(str, (value if current.shape == (0,) else current).shape[1:]))}]"
+    if value.shape == (0,):
+        return f": a legacy empty 1-D tensor after rows (torch.cat skips it; send shape {rows}, or leave the key off)"
+    if current.shape == (0,):
+        return f": rows after a legacy empty 1-D tensor (torch.cat skips it; start the key with shape {rows} or rows)"
+    return ""
 
 
 class AppendAccumulator(Accumulator):
