@@ -46,6 +46,7 @@ MISTAKES = [
     ),
     (lambda: Sender("default", context=8000), InvalidArgumentError, ["context must be a StreamContext", "8000"]),
     (lambda: Receiver(manager="x"), InvalidArgumentError, ["manager must be a StrategyManager", "str"]),
+    (lambda: omni_accum.load_policy("default", manager="x"), InvalidArgumentError, ["manager must be a", "str"]),
     (lambda: Receiver(reorder_window=-1), InvalidArgumentError, ["reorder_window must be an int >= 0", "-1"]),
     (lambda: Receiver(reorder_window=True), InvalidArgumentError, ["reorder_window", "True"]),
     (lambda: _sequenced_receiver().finish("s", chunks="1"), AccumulationError, ["chunks must be an int >= 0", "'1'"]),

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from omni_accum.errors import PolicyArgumentError, PolicyError
+from omni_accum.errors import InvalidArgumentError, PolicyArgumentError, PolicyError
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import installed_plugins
 from omni_accum.policy.fingerprint import plugin_versions
@@ -405,6 +405,8 @@ def load_policy(
         PolicyError: with every problem found, each naming the place (a :class:`PolicyArgumentError`, also a
             ``TypeError``, for a ``source`` of a type no policy can be: a number, a list, bytes).
     """
+    if manager is not None and not isinstance(manager, StrategyManager):
+        raise InvalidArgumentError(f"manager must be a StrategyManager or None, got {type(manager).__name__}")
     if isinstance(source, Policy):
         details = strategy_problems(source, manager or get_manager())
         if details:  # a Policy made in code is checked as a file is (its fields are, by pydantic; not its names)
