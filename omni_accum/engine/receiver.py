@@ -67,7 +67,7 @@ class Receiver(SequencedMerge, _Endpoint):
         context: StreamContext | None = None,
         seq: int | None = None,
     ) -> RequestView:
-        """Merge one wire chunk of ``req_id`` and return the consumer's view after it.
+        """Merge one wire chunk of ``req_id`` and return its view: the request's one live :class:`RequestView`.
 
         A chunk is merged whole or not at all: if any key fails (dtype or trailing shape change,
         a 0-d tensor appended, the memory guard, an unknown strategy) an
@@ -137,9 +137,9 @@ class Receiver(SequencedMerge, _Endpoint):
                 return
 
     def view(self, req_id: str, *, copy: bool = False) -> RequestView | dict[Any, Any]:
-        """The current view of ``req_id``: borrowed tensors, not to be written into (see :class:`RequestView`).
+        """The live view of ``req_id``: borrowed tensors, not to be written into (see :class:`RequestView`).
 
-        ``copy=True`` returns plain nested dicts with every tensor cloned, which the consumer may write into.
+        ``copy=True`` returns a snapshot: plain nested dicts with every tensor cloned, for the consumer to write.
 
         Raises:
             UnknownRequestError: (a KeyError) when it holds no state for ``req_id``.
