@@ -813,3 +813,14 @@ def test_prealloc_own_copies_the_first_chunk_once_and_changes_no_view(sizes, hin
                 assert copied == 0 and acc.current_tensor_meta().untyped_storage().data_ptr() == before
         assert torch.equal(acc.read(), torch.cat(chunks[: i + 1]))
         assert n <= acc.capacity <= 2.0 * n + 4 or n == 0
+
+
+def test_the_memory_guard_names_the_key_its_strategy_and_plugin_in_the_error_fields():
+    """The message named the key, but ``.key``, ``.strategy`` and ``.plugin`` were None."""
+    rx = omni_accum.Receiver({"default": "prealloc", "max_bytes_per_request": 4096})
+    rx.merge("r", {"x": torch.ones(4, 16), "y": [1]})
+    with pytest.raises(AccumulationError, match="max_bytes_per_request") as ei:
+        rx.merge("r", {"x": torch.ones(64, 16), "y": [2]})
+    err = ei.value
+    assert (err.request_id, err.key, err.strategy, err.plugin) == ("r", "x", "prealloc", "prealloc")
+    assert "'x' grows by" in str(err)

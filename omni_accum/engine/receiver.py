@@ -357,6 +357,7 @@ class Receiver(SequencedMerge, _Endpoint):
             return freed
 
         worst: tuple[int, str] = (0, "")
+        big: _Slot | None = None  # the key that grows most: the error names it, its strategy and plugin
         for top, qual, value, slot in ops:
             old_top = entries.get(top)
             if slot is None:  # an empty group: it replaces a leaf, keeps a group
@@ -376,13 +377,14 @@ class Receiver(SequencedMerge, _Endpoint):
             except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
                 raise slot_error(f"projected_nbytes raised {type(e).__name__}: {e}", req_id, slot) from e
             after += proj - now
-            worst = max(worst, (proj - now, slot.path))
+            if (proj - now, slot.path) > worst:
+                worst, big = (proj - now, slot.path), slot
         if after > limit:
-            raise AccumulationError(
+            msg = (
                 f"would hold {after} bytes after this chunk (key {worst[1]!r} grows by {worst[0]}), over "
-                f"max_bytes_per_request={limit}; chunk rejected before allocating (state unchanged)",
-                request_id=req_id,
+                f"max_bytes_per_request={limit}; chunk rejected before allocating (state unchanged)"
             )
+            raise slot_error(msg, req_id, big) if big is not None else AccumulationError(msg, request_id=req_id)
 
     def _apply(self, req_id: str, st: _Request, ops: list[tuple[Any, Any, Any, _Slot]]) -> None:
         """Phase 2: merge every planned value; a new key's first read is checked (:func:`check_first_read`)."""
