@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 import torch
 
+from omni_accum.errors import InvalidArgumentError
+
 ValueType = Literal["tensor", "list", "other"]
 
 
@@ -19,7 +21,11 @@ class StreamContext:
         context_len: prompt (context) length of the request in tokens, when known.
         concurrency: number of requests streaming at once on this stage.
         length_hints: expected final rows per key path, for strategies that preallocate
-            (``{"embed.decode": 100}``); keys without a hint grow geometrically.
+            (``{"embed.decode": 100}``); keys without a hint grow geometrically. Copied when the
+            context is made.
+
+    A field of the wrong type or value raises :class:`~omni_accum.errors.InvalidArgumentError` (also a
+    ``ValueError`` and a ``TypeError``) naming it.
     """
 
     context_len: int | None = None
@@ -27,14 +33,32 @@ class StreamContext:
     length_hints: Mapping[str, int] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        if self.context_len is not None and (not isinstance(self.context_len, int) or self.context_len < 0):
-            raise ValueError(f"StreamContext.context_len must be an int >= 0 or None, got {self.context_len!r}")
-        if not isinstance(self.concurrency, int) or self.concurrency < 1:
-            raise ValueError(f"StreamContext.concurrency must be an int >= 1, got {self.concurrency!r}")
+        if self.context_len is not None and not _is_int(self.context_len, 0):
+            raise _bad("context_len", self.context_len, "an int >= 0 or None")
+        if not _is_int(self.concurrency, 1):
+            raise _bad("concurrency", self.concurrency, "an int >= 1")
+        hints = self.length_hints
+        if not isinstance(hints, Mapping):
+            raise _bad("length_hints", hints, "a mapping of key paths to rows ({'embed.decode': 100})")
+        for path, rows in hints.items():
+            if not isinstance(path, str) or not _is_int(rows, 0):
+                raise InvalidArgumentError(
+                    f"StreamContext.length_hints must map key paths (str) to rows (an int >= 0), got {path!r}: {rows!r}"
+                )
+        object.__setattr__(self, "length_hints", dict(hints))  # a copy: the caller's dict may change later
 
     @property
-    def cache_key(self) -> tuple[int | None, int]:
-        return (self.context_len, self.concurrency)
+    def cache_key(self) -> tuple[Any, ...]:
+        """Everything a strategy selection may read from the context: length, concurrency and length hints."""
+        return (self.context_len, self.concurrency, frozenset(self.length_hints.items()))
+
+
+def _is_int(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _bad(name: str, value: Any, valid: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"StreamContext.{name} must be {valid}, got {value!r}")
 
 
 DEFAULT_CONTEXT = StreamContext()

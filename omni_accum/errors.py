@@ -76,6 +76,19 @@ class UnknownRequestError(OmniAccumError, KeyError):
         return self.reason
 
 
+class InvalidArgumentError(OmniAccumError, TypeError, ValueError):
+    """A call got an argument of the wrong type or value (``StreamContext(concurrency=0)``,
+    ``Receiver(reorder_window=-1)``, ``merge(..., context="8k")``), raised by the call that received it.
+
+    The message names the argument, the value and what is valid. Also a ``TypeError`` and a ``ValueError``
+    (what such mistakes raised before), so ``except TypeError`` and ``except ValueError`` keep working.
+    """
+
+
+class SettingError(OmniAccumError, ValueError):
+    """An environment setting (an ``OMNI_ACCUM_*`` switch) has a value it does not accept."""
+
+
 class MergeError(ValueError):
     """Raised by an accumulator when a value cannot be merged; the engine wraps it in AccumulationError."""
 
@@ -99,6 +112,11 @@ class PolicyError(OmniAccumError):
         self.source = source
         self.details = list(details) if details is not None else None
         super().__init__(message)
+
+
+class PolicyArgumentError(PolicyError, InvalidArgumentError):
+    """``load_policy`` (or a ``Sender``/``Receiver``) got a policy argument of a type no policy can be
+    (a number, a list, bytes). A :class:`PolicyError`, and an :class:`InvalidArgumentError`."""
 
 
 class UnknownStrategyError(PolicyError):

@@ -97,8 +97,10 @@ def omni_accum_select_strategy(
 ) -> StrategyChoice | None:
     """Choose the strategy (and params) for one key of one request.
 
-    Called once per key per request, when the key is first seen by a ``Sender`` or ``Receiver``
-    (results are cached per key path, value type and stream context). Stops at the first
+    Called when a ``Sender`` or ``Receiver`` meets a key's first value in a request, unless it already
+    chose for the same arguments (each endpoint keeps its latest 4,096 choices, keyed by the key path, the
+    first value's kind, dtype, trailing shape and rank, and the context's length, concurrency and length
+    hints): once per endpoint and distinct arguments, not once per request. Stops at the first
     non-``None`` result. The built-in implementation is ``trylast`` and applies the policy: exact
     rule, then globs in order, then the tuned table for ``context``, then the default. A plugin
     returns a choice to override it, or ``None`` to let the policy decide. Sender and receiver
@@ -106,8 +108,8 @@ def omni_accum_select_strategy(
 
     Args:
         key: the key path, ``"embed.decode"`` (nested payloads) or ``"thinker_embeddings"`` (flat).
-        meta: what the first value of the key looks like (type, dtype, trailing shape).
-        context: the stream's context length and concurrency.
+        meta: what the first value of the key looks like (type, dtype, trailing shape, rank).
+        context: the stream's context length, concurrency and length hints.
         policy: the validated policy in force.
 
     Returns:

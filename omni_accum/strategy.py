@@ -266,12 +266,23 @@ def check_appendable(current: torch.Tensor, value: torch.Tensor) -> None:
     if value.dtype != current.dtype:
         raise MergeError(f"dtype changed mid-stream: expected {current.dtype}, received {value.dtype}")
     if value.shape[1:] != current.shape[1:]:
+        legacy = _legacy_empty_note(current, value)
         raise MergeError(
             f"trailing shape changed mid-stream: expected [{', '.join(['*', *map(str, current.shape[1:])])}], "
-            f"received {list(value.shape)}"
+            f"received {list(value.shape)}{legacy}"
         )
     if value.device != current.device:
         raise MergeError(f"device changed mid-stream: expected {current.device}, received {value.device}")
+
+
+def _legacy_empty_note(current: torch.Tensor, value: torch.Tensor) -> str:
+    """Why a legacy empty 1-D tensor (``torch.empty(0)``) beside rows is refused, or ''."""
+    rows = f"[0, {', '.join(map(str, (value if current.shape == (0,) else current).shape[1:]))}]"
+    if value.shape == (0,):
+        return f": a legacy empty 1-D tensor after rows (torch.cat skips it; send shape {rows}, or leave the key off)"
+    if current.shape == (0,):
+        return f": rows after a legacy empty 1-D tensor (torch.cat skips it; start the key with shape {rows} or rows)"
+    return ""
 
 
 class AppendAccumulator(Accumulator):
@@ -328,12 +339,15 @@ class AppendAccumulator(Accumulator):
 
     # -- list part: a growing list, snapshot on read, cached until the next append ------------ #
     def start_list(self, value: list[Any]) -> None:
-        self._items = list(value)
-        self._list_view = value
+        # Held as it is until the next list arrives (its view is the sender's list), as upstream's ``+`` does.
+        self._items = self._list_view = value
 
     def append_list(self, value: list[Any]) -> None:
-        assert self._items is not None
-        self._items.extend(value)
+        items = self._items
+        assert items is not None
+        if items is self._list_view:  # the first list, still the sender's: its items as they are now
+            items = self._items = list(items)
+        items.extend(value)
         self._list_view = None
 
     def read_list(self) -> list[Any]:
@@ -343,12 +357,14 @@ class AppendAccumulator(Accumulator):
 
     def list_nbytes(self) -> int:
         """Bytes the list state holds: its items, and the view copy a read made (8 bytes per item)."""
-        view = self._list_view
-        return value_nbytes(self._items or []) + (8 * len(view) if view is not None else 0)
+        view, items = self._list_view, self._items or []
+        return value_nbytes(items) + (8 * len(view) if view is not None and view is not items else 0)
 
     def projected_list_nbytes(self, value: list[Any]) -> int:
         """Bytes the list state would hold after merging the list ``value`` (start or extend) and a read."""
-        items = (self._items or []) if self._mode == 2 else []
+        if self._mode != 2:
+            return value_nbytes(value)  # a first list is held as it is: it is its own view
+        items = self._items or []
         return value_nbytes(items) + value_nbytes(value) + 8 * (len(items) + len(value))
 
     # -- dispatch --------------------------------------------------------------------------- #

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
-from omni_accum.errors import OmniAccumError
+from omni_accum.errors import SettingError  # noqa: F401 - defined in errors.py; importable from here as before
 
 ENV_LOG_LEVEL = "OMNI_ACCUM_LOG_LEVEL"
 LOG_FORMAT = "%(levelname)s %(asctime)s [omni-accum pid=%(process)d] %(message)s"
@@ -56,10 +56,6 @@ SWITCHES: dict[str, bool] = {
     "OMNI_ACCUM_STRICT_PLUGINS": False,
     "OMNI_ACCUM_TRACE_PLUGINS": False,
 }
-
-
-class SettingError(OmniAccumError, ValueError):
-    """An environment switch has a value that is neither on nor off."""
 
 
 def env_flag(name: str, default: bool | None = None) -> bool:

@@ -1,32 +1,30 @@
 """Conformance kit for strategy authors (its fixture is registered with pytest by :mod:`omni_accum.pytest_plugin`).
-
 Needs hypothesis: ``pip install 'omni-accum[testing]'``.
 
-The contract every strategy meets (docs/plugins.md, "The contract"): for an append-kind strategy the view
-after chunk k equals ``torch.cat`` of the chunk values 0..k (list concatenation for lists), bit
-for bit; for a replace-kind strategy the view holds the latest value; a strategy that leaves
-unchanged values off the wire never serves a stale one; dtype, shape and device never change.
+The contract every strategy meets (docs/plugins.md, "The contract"): for an append-kind strategy the view after
+chunk k equals ``torch.cat`` of the chunk values 0..k (list concatenation for lists), bit for bit; for a
+replace-kind strategy the view holds the latest value; a strategy that leaves unchanged values off the wire never
+serves a stale one; dtype, shape and device never change.
 
-Every wire chunk is checked to hold only plain values (dicts, lists, tuples, tensors, ints,
-floats, strings, bytes, bools, None: what vllm-omni's ``OmniSerializer`` carries) and is copied
-(tensors cloned, lists rebuilt) before the receiver sees it, as a real connector would, so a
-receiver cannot lean on objects it shares with the sender. Replace-kind strategies are also run
-on :func:`cumulative_streams` (values that mostly extend the previous one, with resets, truncations,
-bit-level rewrites and type changes): a strategy that transforms the wire, such as a delta
-encoder, must still serve exactly the latest value.
+Every wire chunk is checked to hold only plain values (dicts, lists, tuples, tensors, ints, floats, strings,
+bytes, bools, None: what vllm-omni's ``OmniSerializer`` carries) and is copied (tensors cloned, lists rebuilt)
+before the receiver sees it, as a real connector would, so a receiver cannot lean on objects it shares with the
+sender; then the same in process, the sender changing in place what it last sent for a key before it sends the
+key again (:func:`scribble`): the view must keep what ``torch.cat``'s would. Replace-kind strategies are also run on :func:`cumulative_streams` (values that
+mostly extend the previous one, with resets, truncations, bit-level rewrites and type changes): a strategy that
+transforms the wire, such as a delta encoder, must still serve exactly the latest value.
 
-Use it from a test::
+Use it from a test (or through the ``omni_accum_conformance`` fixture, which is the same callable)::
 
     from omni_accum.testing import check_conformance
 
     def test_my_strategy_conforms():
         check_conformance("my_strategy", {"some_param": 3})
-
-or through the ``omni_accum_conformance`` fixture, which is the same callable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import struct
 from collections.abc import Callable, Mapping
@@ -49,11 +47,6 @@ from omni_accum.errors import AccumulationError
 from omni_accum.manager import StrategyManager, get_manager
 
 DTYPES = (torch.bfloat16, torch.float32, torch.int64, torch.bool)
-
-
-# ---------------------------------------------------------------------------------------------- #
-# Bit-exact comparison
-# ---------------------------------------------------------------------------------------------- #
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -106,11 +99,6 @@ def _short(v: Any) -> str:
 def as_dict(view: Mapping[str, Any]) -> dict[str, Any]:
     """Materialise a view (RequestView or dict) as plain nested dicts."""
     return {k: (as_dict(v) if isinstance(v, Mapping) else v) for k, v in view.items()}
-
-
-# ---------------------------------------------------------------------------------------------- #
-# Random streams
-# ---------------------------------------------------------------------------------------------- #
 
 
 @dataclass(frozen=True)
@@ -276,10 +264,6 @@ def cumulative_streams(draw: st.DrawFn, *, max_chunks: int = 120, nested: bool |
     return stream
 
 
-# ---------------------------------------------------------------------------------------------- #
-# The wire
-# ---------------------------------------------------------------------------------------------- #
-
 PLAIN_TYPES = (int, float, str, bytes, bool, type(None))
 
 
@@ -287,13 +271,9 @@ def check_plain_wire(value: Any, where: str = "<wire>") -> None:
     """Assert ``value`` holds only what vllm-omni's serializer carries: dicts, lists, tuples, tensors, scalars."""
     if isinstance(value, torch.Tensor) or type(value) in PLAIN_TYPES:
         return
-    if isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            check_plain_wire(v, f"{where}[{i}]")
-        return
-    if isinstance(value, dict):
-        for k, v in value.items():
-            check_plain_wire(v, f"{where}.{k}")
+    if isinstance(value, (list, tuple, dict)):
+        for k, v in value.items() if isinstance(value, dict) else enumerate(value):
+            check_plain_wire(v, f"{where}.{k}" if isinstance(value, dict) else f"{where}[{k}]")
         return
     raise AssertionError(
         f"{where}: {type(value).__module__}.{type(value).__qualname__} on the wire; use plain lists, tensors, ints and "
@@ -305,18 +285,32 @@ def copy_wire(value: Any) -> Any:
     """What a connector delivers: the same data in new objects (tensors cloned, lists and dicts rebuilt)."""
     if isinstance(value, torch.Tensor):
         return value.clone()
-    if isinstance(value, list):
-        return [copy_wire(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(copy_wire(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        items = [copy_wire(v) for v in value]
+        return items if isinstance(value, list) else tuple(items)
     if isinstance(value, dict):
         return {k: copy_wire(v) for k, v in value.items()}
     return value
 
 
-# ---------------------------------------------------------------------------------------------- #
-# The reference and the check
-# ---------------------------------------------------------------------------------------------- #
+def scribble(value: Any) -> None:
+    """Change ``value`` in place (tensors, list items; lists grow by one), as a sender reusing its buffer does."""
+    if isinstance(value, torch.Tensor):
+        with torch.no_grad(), contextlib.suppress(RuntimeError):  # RuntimeError: an expanded tensor
+            value.logical_not_() if value.dtype == torch.bool else value.add_(1)
+    elif isinstance(value, (list, tuple, dict)):
+        for v in value.values() if isinstance(value, dict) else value:
+            scribble(v)
+        if isinstance(value, list):
+            value.append(-1)
+
+
+def _reuse_buffers(sent: dict[Any, Any], chunk: Mapping[str, Any]) -> None:
+    """Before ``chunk`` is sent: the sender changes the values it last sent for the chunk's keys (:func:`scribble`)."""
+    for top, value in chunk.items():
+        for key, v in [((top, q), x) for q, x in value.items()] if isinstance(value, dict) else [((top,), value)]:
+            scribble(sent.get(key))
+            sent[key] = v
 
 
 class ReferenceError_(Exception):
@@ -346,19 +340,25 @@ def check_stream(
     manager: StrategyManager | None = None,
     req_id: str = "req-0",
     transport: Callable[[Any], Any] | None = copy_wire,
+    reuse: bool = False,
 ) -> None:
     """Stream ``stream`` through Sender -> Receiver with every key on ``strategy``; assert the contract.
 
-    ``transport`` stands for the connector between them (default :func:`copy_wire`; ``None`` hands
-    the wire object over as is).
-    """
+    ``transport`` stands for the connector between them (default :func:`copy_wire`; ``None`` hands the wire
+    object over as is). ``reuse=True`` (with ``transport=None``: in process): before each chunk the sender changes
+    in place the values it last sent for that chunk's keys (:func:`scribble`), as one reusing its buffers does;
+    fed the same objects, the reference keeps them as ``torch.cat`` does (the first chunk as it is until the
+    second arrives, the rows of every other as they were when merged), and so must the view."""
     mgr = manager or get_manager()
     spec = mgr.spec(strategy)
     append = "append" in spec.kinds
     policy = {"default": {"strategy": strategy, "params": dict(params or {})}, "honor_override_keys": False}
     tx, rx = Sender(policy, manager=mgr), Receiver(policy, manager=mgr)
     ref: dict[str, Any] = {}
+    sent: dict[Any, Any] = {}  # reuse: the value each key had when last sent
     for k, chunk in enumerate(stream):
+        if reuse:
+            _reuse_buffers(sent, chunk)
         try:
             expected = _ref_step(ref, chunk, append)
         except ReferenceError_:
@@ -403,10 +403,8 @@ def _ref_step(ref: dict[str, Any], chunk: dict[str, Any], append: bool) -> dict[
 
 def _check_wire(wire: Mapping[str, Any], chunk: Mapping[str, Any], name: str) -> None:
     for top, value in wire.items():
-        if top == WIRE_MARKER:
-            assert isinstance(value, int), f"{name}: wire marker must be an int, got {value!r}"
-            continue
-        assert top in chunk, f"{name}: wire carries key {top!r} the chunk does not have"
+        assert top != WIRE_MARKER or isinstance(value, int), f"{name}: wire marker must be an int, got {value!r}"
+        assert top == WIRE_MARKER or top in chunk, f"{name}: wire carries key {top!r} the chunk does not have"
 
 
 def check_conformance(
@@ -419,8 +417,9 @@ def check_conformance(
 ) -> None:
     """Run the property-based conformance contract against ``strategy`` (with ``params``).
 
-    Every strategy runs on :func:`payload_streams`; a replace-kind strategy (no ``append`` in its
-    declared kinds) also runs on :func:`cumulative_streams`.
+    Every strategy runs on :func:`payload_streams` through a copying wire, then in process with the sender's values
+    changed once sent (``check_stream(..., transport=None, reuse=True)``, half as many examples); a replace-kind
+    strategy (no ``append`` in its declared kinds) also runs on :func:`cumulative_streams`.
     """
     mgr = manager or get_manager()
     spec = mgr.spec(strategy)  # UnknownStrategyError, listing the available names, before any example runs
@@ -431,7 +430,13 @@ def check_conformance(
     def run(stream: list[dict[str, Any]]) -> None:
         check_stream(strategy, stream, params, manager=mgr)
 
+    @settings(max_examples=max(1, max_examples // 2), deadline=None, database=None)
+    @given(stream=payload_streams(max_chunks=max_chunks))
+    def run_in_process(stream: list[dict[str, Any]]) -> None:
+        check_stream(strategy, stream, params, manager=mgr, transport=None, reuse=True)
+
     run()
+    run_in_process()
     if "append" not in spec.kinds:
 
         @settings(max_examples=max_examples, deadline=None, database=None)

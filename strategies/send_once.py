@@ -3,14 +3,18 @@
 The sender leaves the key off the wire while its value equals the value last sent for that
 request (compared by content, against a private copy, so in-place changes are seen); the
 receiver keeps serving its cached value. A changed value is sent again, so the view is never
-stale; so is every value that cannot be copied (``copy.deepcopy`` refuses it). For static keys:
-``embed.tts_bos``, ``speaker``, ``language``, ``meta.override_keys``.
+stale; so is every value that cannot be copied (``copy.deepcopy`` refuses it), and, in one
+process (where the receiver holds the very object sent), a value whose last sent object was
+changed in place since. For static keys: ``embed.tts_bos``, ``speaker``, ``language``,
+``meta.override_keys``.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,21 +101,47 @@ def snapshot(value: Any) -> Any:
         return UNCOPYABLE
 
 
-class SendOnceEncoder(Encoder):
-    """Remembers the last value sent for one key of one request."""
+def _nothing() -> None:
+    return None
 
-    __slots__ = ("_last", "_sent")
+
+def _handle(value: Any) -> Callable[[], Any]:
+    """What :meth:`SendOnceEncoder.encode` keeps of the value it sends: a way back to the object itself
+    (a weak reference where it can), or nothing for an immutable value, which no one can change."""
+    if isinstance(value, (int, float, str, bytes, bool, type(None))) or (
+        type(value) is tuple and _EXACT.issuperset(map(type, value))
+    ):
+        return _nothing
+    try:
+        return weakref.ref(value)
+    except TypeError:  # a list, a dict: kept (a receiver in the same process keeps it too)
+        return lambda: value
+
+
+class SendOnceEncoder(Encoder):
+    """Remembers the last value sent for one key of one request: a private copy, and the object sent."""
+
+    __slots__ = ("_last", "_sent", "_obj")
 
     def __init__(self) -> None:
         self._last: Any = None
         self._sent = False
+        self._obj: Callable[[], Any] = _nothing
 
     def encode(self, value: Any) -> Any:
-        if self._sent and self._last is not UNCOPYABLE and same_value(self._last, value):
+        if self._sent and self._last is not UNCOPYABLE and same_value(self._last, value) and self._held(value):
             return OMIT
         self._last = snapshot(value)
+        self._obj = _handle(value)
         self._sent = True
         return value
+
+    def _held(self, value: Any) -> bool:
+        """Whether the value a receiver holds is still the one sent. In process it is the very object sent
+        (no wire copies it), which the sender, or a consumer writing into its view, may have changed since:
+        then the key goes on the wire again. Over a real wire the receiver holds a copy; re-sending is harmless."""
+        obj = self._obj()
+        return obj is None or obj is value or same_value(self._last, obj)
 
 
 class SendOnce(Strategy):

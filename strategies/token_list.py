@@ -1,6 +1,7 @@
 """``token_list``: keep every chunk in a list, concatenate on read, cache until the next append.
 
-Appends are O(1). A read after new chunks concatenates all of them (O(context)), so this suits
+Appends are O(chunk) (a copy of the chunk, as ``torch.cat`` takes its rows when it runs: the sender may
+reuse its tensor). A read after new chunks concatenates all of them (O(context)), so this suits
 keys read once (at flush, when prefill completes) and not keys read every step. It is the
 strategy of vllm-omni #1656's review revision (a list of ``[1, 2048]`` rows).
 """
@@ -35,7 +36,13 @@ class TokenListAccumulator(AppendAccumulator):
         self._cached = value
 
     def append_tensor(self, value: torch.Tensor) -> None:
-        self._chunks.append(value)
+        # Each chunk is kept as it is now, as torch.cat would have copied it (a sender may reuse its tensor
+        # for the next chunk): O(chunk) per step. The first stays the sender's own until the second arrives,
+        # as upstream's accumulator keeps it, and is copied then.
+        chunks = self._chunks
+        if len(chunks) == 1:
+            chunks[0] = chunks[0].clone()
+        chunks.append(value.clone())
         self._cached = None
 
     def read_tensor(self) -> torch.Tensor:

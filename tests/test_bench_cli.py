@@ -12,7 +12,7 @@ from conftest import require_vllm_omni
 from omni_accum import bench
 from omni_accum.cli import main
 from omni_accum.bench.replay import ArmResult
-from omni_accum.bench.workloads import load_workload
+from omni_accum.bench.workloads import WorkloadError, load_workload
 from conftest import require_module
 
 SMALL = ["--context-lens", "16,32", "--concurrency", "2", "--steps", "3", "--repeats", "1", "--no-progress"]
@@ -574,3 +574,31 @@ def test_the_json_writer_replaces_a_link_at_the_output_and_never_writes_through_
     bench.write_json(run, tmp_path / "out.json")
     assert victim.read_text() == "keep me\n"
     assert not (tmp_path / "out.json").is_symlink() and json.loads((tmp_path / "out.json").read_text())["wire"] == "inproc"
+
+
+def test_names_longer_than_a_file_name_are_named_not_crashed():
+    """Arms, a workload and a workload's policy field are probed as files first: a name too long for one
+    (``OSError: File name too long``) is an ordinary unknown name."""
+    long = "x" * 300
+    wl = load_workload("qwen3-omni-seed")
+    with pytest.raises(bench.arms.UnknownArmError, match="unknown arm"):
+        bench.build_arms(wl, [long])
+    with pytest.raises(bench.arms.OmniAccumError, match="field 'policy'"):
+        bench.build_arms(wl.model_copy(update={"policy": long}))
+    with pytest.raises(WorkloadError, match="neither a workload file nor a preset"):
+        load_workload(long)
+    from omni_accum.cli.args import workload_problem
+    from omni_accum.tuner.paths import input_file
+
+    assert input_file(long) is None and input_file("default: cat\n# " + long) is None
+    assert "neither a workload file nor a preset" in workload_problem(long)
+
+
+def test_a_workload_policy_field_longer_than_a_file_name_is_named(tmp_path, monkeypatch, capsys):
+    """``bench`` probes the workload's policy field as a file: one too long to be a file name raised ``OSError:
+    File name too long`` ("error: File name too long"); it is an unknown policy, named as such."""
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("measured a workload with no policy"))
+    wl = _workload_file(tmp_path, policy="p" * 300)
+    rc = main(["bench", "--workload", str(wl), "--json", str(tmp_path / "o.json"), *SMALL])
+    err = capsys.readouterr().err
+    assert rc == 1 and "field 'policy'" in err and "is neither a policy preset" in err and "too long" not in err, err

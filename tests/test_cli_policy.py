@@ -456,3 +456,26 @@ def test_an_unknown_strategy_is_reported_on_its_own_line(tmp_path, capsys):
     f.write_text("rules:\n  - match: embed.prefill\n    strategy: prealoc\n")
     assert main(["validate", str(f)]) == 1
     assert f"{f}, line 3: rules[0].strategy: unknown strategy 'prealoc'" in capsys.readouterr().out
+
+
+def test_validate_takes_policy_text_longer_than_a_file_name(capsys):
+    long_text = "description: " + "x" * 300 + "\ndefault: replace\n"
+    code, out, err = run(capsys, "validate", long_text)
+    assert code == 0 and "<inline>" in out and "OSError" not in out + err and "too long" not in out + err
+    code, out, err = run(capsys, "show", long_text)
+    assert code == 0 and "replace" in out
+    code, out, err = run(capsys, "validate", "default: catt\n# " + "x" * 300)
+    assert code == 1 and "unknown strategy 'catt'" in out + err and "OSError" not in out + err
+
+
+def test_the_installed_command_takes_long_policy_text():
+    """The console script (``omni-accum = omni_accum.cli:main``), as a user runs it."""
+    long_text = "description: " + "x" * 300 + "\ndefault: replace\n"
+    script = "import sys, omni_accum.cli; sys.exit(omni_accum.cli.main())"
+    r = subprocess.run(
+        [sys.executable, "-c", script, "validate", long_text],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]

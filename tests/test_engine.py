@@ -410,3 +410,22 @@ def test_send_once_always_sends_a_value_it_cannot_copy():
     assert "k" in wire
     assert rx.merge("r", wire)["k"][1] == "new item"
     assert "k" in tx.encode("r", {"k": value})  # unchanged, but still sent
+
+
+@pytest.mark.parametrize("strategy", ["cat", "token_list", "prealloc"])
+def test_a_legacy_empty_1d_tensor_beside_rows_is_refused_saying_so(strategy):
+    """Before rows or after them (docs/library.md): torch.cat skips a ``torch.empty(0)``; omni-accum refuses it, and
+    the message says that it is the 1-D empty tensor, and what to send instead."""
+    for first, then, says in (
+        (torch.zeros(2, 3), torch.empty(0), "legacy empty 1-D tensor after rows (torch.cat skips it; send shape [0, 3]"),
+        (torch.empty(0), torch.zeros(2, 3), "rows after a legacy empty 1-D tensor (torch.cat skips it; start the key"),
+    ):
+        rx = omni_accum.Receiver({"default": strategy})
+        rx.merge("r", {"x": first})
+        with pytest.raises(omni_accum.AccumulationError, match="trailing shape changed") as e:
+            rx.merge("r", {"x": then})
+        assert says in str(e.value), str(e.value)
+        assert rx.view("r")["x"].shape == first.shape  # the chunk refused, the state as it was
+    rx = omni_accum.Receiver({"default": strategy})
+    rx.merge("r", {"x": torch.zeros(2)})
+    assert rx.merge("r", {"x": torch.empty(0)})["x"].shape == (2,)  # 1-D rows: an empty 1-D chunk is no rows

@@ -415,3 +415,72 @@ def test_a_preset_name_is_a_preset_even_beside_a_file_of_that_name_and_a_missing
     with pytest.raises(PolicyError, match=f"policies/mine.yaml: no such policy file \\(a relative path, read from the "
                                           f"working directory {tmp_path}\\)"):
         load_policy("policies/mine.yaml")
+
+
+LONG_TEXT = "description: " + "x" * 300 + "\ndefault: replace\n"  # longer than any file name may be (255)
+
+
+def test_policy_text_longer_than_a_file_name_loads_as_text(monkeypatch):
+    """``Path(text).exists()`` raised ``OSError: File name too long``: a probe that fails is 'not a file'."""
+    assert load_policy(LONG_TEXT).default.strategy == "replace"
+    qwen = load_policy("qwen3-omni")
+    for fmt in ("yaml", "json"):
+        text = omni_accum.dump_policy(qwen, fmt)
+        assert len(text) > 255 and load_policy(text) == qwen  # dump -> load round trips as text, too
+    as_json = json.dumps({"description": "y" * 300, "default": "prealloc"})
+    assert load_policy(as_json).default.strategy == "prealloc"
+    monkeypatch.setenv(ENV_POLICY, LONG_TEXT)
+    assert load_policy().default.strategy == "replace"
+    assert omni_accum.Receiver().policy.default.strategy == "replace"
+    with pytest.raises(PolicyError, match="neither a policy file nor a preset"):
+        load_policy("y" * 300)  # a long name that is no policy text: the usual error, not an OSError
+    with pytest.raises(PolicyError, match="no such policy file"):
+        load_policy("a/" * 200 + "p.yaml")
+
+
+def test_an_ab_arm_given_as_long_text_is_reported_not_crashed():
+    with pytest.raises(PolicyError, match="does not load as an arm's policy"):
+        load_policy({"ab": {"arms": {"a": {"policy": LONG_TEXT}, "b": {"policy": "default"}}}})
+
+
+def test_a_policy_object_is_checked_as_a_file_would_be():
+    """``load_policy(Policy)`` returned it unchecked: an unknown strategy or bad params failed only at the first
+    chunk, and an unknown default was blamed on 'default for meta.override_keys' by Sender/Receiver."""
+    unknown_default = omni_accum.Policy.model_validate({"default": "nosuch"})
+    for call in (load_policy, omni_accum.Sender, omni_accum.Receiver):
+        with pytest.raises(PolicyError) as e:
+            call(unknown_default)
+        assert "<Policy>: default.strategy: unknown strategy 'nosuch'. Available: " in str(e.value)
+        assert "override_keys" not in str(e.value)
+        assert e.value.details[0]["loc"] == "default.strategy"
+    rule = {"match": "x", "strategy": "prealloc", "params": {"g": 3}}
+    bad_params = omni_accum.Policy.model_validate({"rules": [rule]})
+    with pytest.raises(PolicyError, match=r"<Policy>: rules\[0\]\.params\.g: unknown param \(strategy 'prealloc'"):
+        omni_accum.Sender(bad_params)
+    good = load_policy("qwen3-omni")
+    assert load_policy(good) is good  # a valid one is returned as it is
+
+
+def test_dump_policy_refuses_a_format_it_cannot_write():
+    """``dump_policy(p, "toml")`` returned YAML silently."""
+    policy = load_policy("default")
+    for fmt in ("toml", "xml", "YAML"):
+        with pytest.raises(PolicyError, match=f"unknown format {fmt!r}; valid formats: yaml, json"):
+            dump_policy(policy, fmt)
+
+
+def test_an_empty_policy_argument_says_so():
+    """``load_policy("")`` said "'.': is a directory"."""
+    for empty in ("", "   "):
+        with pytest.raises(PolicyError, match="an empty policy argument"):
+            load_policy(empty)
+        with pytest.raises(PolicyError, match="an empty policy argument"):
+            read_source(empty)
+
+
+def test_a_policy_error_names_its_source_once_per_problem():
+    """``<mapping>: invalid policy:\\n  <mapping>: rules[0]...`` named the source twice."""
+    with pytest.raises(PolicyError) as e:
+        load_policy({"default": "catt", "rules": [{"match": "x", "strategy": "nope"}]})
+    assert str(e.value).count("<mapping>") == 2 == len(e.value.errors)
+    assert str(e.value).startswith("invalid policy:\n  <mapping>: default.strategy: unknown strategy 'catt'")

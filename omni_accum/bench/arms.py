@@ -21,7 +21,7 @@ from omni_accum.bench.replay import UPSTREAM, WIRE_FLOOR, Arm, VllmOmniUnavailab
 from omni_accum.bench.workloads import Workload
 from omni_accum.errors import OmniAccumError
 from omni_accum.manager import get_manager
-from omni_accum.policy.loader import load_policy, preset_names
+from omni_accum.policy.loader import load_policy, preset_names, probe
 from omni_accum.policy.model import Policy
 
 
@@ -73,7 +73,7 @@ def workload_policy_problem(workload: Workload, source: str | None = None) -> st
 
     ``source`` (the ``--workload`` value) is named in the message; default: the workload's name.
     """
-    if not workload.policy or workload.policy in preset_names() or Path(workload.policy).is_file():
+    if not workload.policy or workload.policy in preset_names() or probe(workload.policy, "is_file"):
         return None
     where = source if source is not None else f"workload {workload.name!r}"
     return (
@@ -107,7 +107,7 @@ def arm_policy_files(workload: Workload, names: Sequence[str] | None = None) -> 
     return [
         n
         for n in names
-        if n not in (UPSTREAM, WIRE_FLOOR) and manager.get_spec(n) is None and n not in presets and Path(n).is_file()
+        if n not in (UPSTREAM, WIRE_FLOOR) and manager.get_spec(n) is None and n not in presets and probe(n, "is_file")
     ]
 
 
@@ -154,13 +154,13 @@ def build_arms(
                     print(f"note: arm {name!r} skipped: no key of workload {workload.name!r} fits it", file=warn)
                 continue
             arms[name] = policy
-        elif name in presets or Path(name).is_file():
+        elif name in presets or probe(name, "is_file"):
             arms[name] = load_policy(name)
             unmatched = policy_misses_workload(arms[name], workload)
             if unmatched and warn is not None:
                 print(f"note: arm {name!r}: {unmatched}", file=warn)
         elif Path(name).suffix.lower() in (".yaml", ".yml", ".json", ".toml") or "/" in name:
-            what = "is a directory" if Path(name).is_dir() else "no such file"
+            what = "is a directory" if probe(name, "is_dir") else "no such file"
             raise UnknownArmError(f"arm {name!r}: a policy file? {what} (from {Path.cwd()})")
         else:
             raise UnknownArmError(

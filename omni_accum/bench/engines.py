@@ -16,7 +16,8 @@ from typing import Any, Union
 
 from omni_accum.bench.wires import _get, iter_leaves
 from omni_accum.context import StreamContext
-from omni_accum.engine import Receiver, Sender, _iter_slots
+from omni_accum.engine import Receiver, Sender
+from omni_accum.engine.endpoint import _iter_slots
 from omni_accum.errors import OmniAccumError
 from omni_accum.integrations.vllm_omni.classes import transport_mixin
 from omni_accum.manager import RESERVED_NAMES

@@ -39,6 +39,7 @@ from omni_accum.bench.workload_presets import PRESETS
 from omni_accum.errors import OmniAccumError
 from omni_accum.policy.loader import _yaml_line
 from omni_accum.policy.parsing import DuplicateKeyError, load_json, load_yaml
+from omni_accum.policy.sources import probe
 
 ReadPattern = Literal["every", "newest_row", "delta", "end", "never"]
 Carried = Literal["first", "prefill", "decode", "every"]
@@ -243,9 +244,9 @@ def load_workload(source: str | os.PathLike[str] | Mapping[str, Any] | Workload)
         return build_workload({"name": name, **PRESETS[name]}, f"preset {name!r}")
     path = Path(name)
     presets = f"Available presets: {', '.join(workload_names())}"
-    if path.is_dir():
+    if probe(path, "is_dir"):
         raise WorkloadError(f"{name}: is a folder, not a workload file. {presets}")
-    if not path.is_file():
+    if not probe(path, "is_file"):
         if _looks_like_path(name):
             raise WorkloadError(f"no such workload file: {name}. {presets}")
         raise WorkloadError(f"{name!r} is neither a workload file nor a preset. {presets}")

@@ -129,14 +129,12 @@ def workload_problem(name: str) -> str | None:
 
     A FIFO or a device is refused without being opened (it could block or never end).
     """
-    from pathlib import Path
-
     from omni_accum.bench.workloads import PRESETS, WorkloadError, load_workload
+    from omni_accum.policy.sources import probe
 
-    path = Path(name)
-    if name in PRESETS or path.is_file():
+    if name in PRESETS or probe(name, "is_file"):
         return None
-    if path.exists() and not path.is_dir():
+    if probe(name) and not probe(name, "is_dir"):
         return f"--workload {name}: not a regular file; give a YAML or JSON workload file or a preset name"
     try:
         load_workload(name)

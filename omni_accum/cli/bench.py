@@ -175,11 +175,12 @@ def _same_file(a: str, b: str) -> bool:
 def _overwrite_problem(args: argparse.Namespace, wl: Any) -> str | None:
     """Why ``--json``/``--plot`` would overwrite an input of the run, or None."""
     from omni_accum import bench
+    from omni_accum.policy.sources import probe  # a name no file can have (long policy text) is no file
 
     outputs = [(option, path) for option, path in (("--json", args.json), ("--plot", args.plot)) if path]
-    inputs = [("the --workload file", args.workload)] if Path(args.workload).is_file() else []
+    inputs = [("the --workload file", args.workload)] if probe(args.workload, "is_file") else []
     inputs += [(f"the policy file of arm {f!r}", f) for f in bench.arm_policy_files(wl, args.arms)]
-    if wl.policy and Path(wl.policy).is_file():
+    if wl.policy and probe(wl.policy, "is_file"):
         inputs.append(("the workload's policy file", wl.policy))
     for option, out in outputs:
         for what, path in inputs:

@@ -29,32 +29,11 @@ Modules: :mod:`~omni_accum.engine.endpoint` (what both ends share), :mod:`~omni_
 
 from __future__ import annotations
 
-from omni_accum.engine.endpoint import (
-    LEAF,
-    OVERRIDE_KEYS_PATH,
-    WIRE_MARKER,
-    _iter_slots,
-    _Request,
-    _Slot,
-    rewrites_wire,
-)
+from omni_accum.engine.endpoint import WIRE_MARKER
 from omni_accum.engine.receiver import Receiver
 from omni_accum.engine.sender import Sender
 from omni_accum.engine.sequencing import REORDER_WINDOW, SequenceState
 from omni_accum.engine.views import GroupView, RequestView
 
-__all__ = [
-    "LEAF",
-    "OVERRIDE_KEYS_PATH",
-    "REORDER_WINDOW",
-    "WIRE_MARKER",
-    "GroupView",
-    "Receiver",
-    "RequestView",
-    "Sender",
-    "SequenceState",
-    "_Request",
-    "_Slot",
-    "_iter_slots",
-    "rewrites_wire",
-]
+# The package's public names; the modules' own (``endpoint._Slot``, ``endpoint.rewrites_wire``) are imported from them.
+__all__ = ["REORDER_WINDOW", "WIRE_MARKER", "GroupView", "Receiver", "RequestView", "Sender", "SequenceState"]

@@ -12,7 +12,13 @@ from typing import Any
 import torch
 
 from omni_accum.context import DEFAULT_CONTEXT, KeyMeta, StreamContext
-from omni_accum.errors import AccumulationError, OmniAccumError, PolicyError, UnknownRequestError
+from omni_accum.errors import (
+    AccumulationError,
+    InvalidArgumentError,
+    OmniAccumError,
+    PolicyError,
+    UnknownRequestError,
+)
 from omni_accum.policy.loader import load_policy
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.model import Policy
@@ -85,6 +91,10 @@ class _Leaf:
 
 LEAF: Any = _Leaf()
 
+#: At most this many strategy selections an endpoint keeps (the oldest dropped first): with a stream
+#: context per request (its own ``context_len`` or length hints) every request may select anew.
+SELECTION_CACHE_SIZE = 4096
+
 
 def _path(top: Any, qual: Any = LEAF) -> str:
     return str(top) if qual is LEAF else f"{top}.{qual}"
@@ -100,9 +110,11 @@ class _Endpoint:
         context: StreamContext | None = None,
         manager: StrategyManager | None = None,
     ) -> None:
+        if manager is not None and not isinstance(manager, StrategyManager):
+            raise InvalidArgumentError(f"manager must be a StrategyManager or None, got {type(manager).__name__}")
         self.manager = manager or get_manager()
         self.policy: Policy = load_policy(policy, manager=self.manager)
-        self.context = context or DEFAULT_CONTEXT
+        self.context = _checked_context(context) or DEFAULT_CONTEXT
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
         self._selected: dict[tuple[Any, ...], tuple[Strategy, StrategySpec]] = {}
@@ -119,17 +131,35 @@ class _Endpoint:
             raise PolicyError(_override_keys_message(ref.strategy, where))
 
     # -- requests ---------------------------------------------------------------------------- #
-    def _state(self, req_id: str, context: StreamContext | None) -> _Request:
+    def _state(self, req_id: str, context: StreamContext | None) -> tuple[_Request, bool]:
+        """The state of ``req_id`` and whether this call made it (a new request)."""
+        if context is not None:
+            _checked_context(context)
         try:
             st = self._requests.get(req_id)
         except TypeError:
             raise _bad_id(req_id) from None
+        made = False
         if st is None:
             with self._lock:
                 st = self._requests.get(req_id)
                 if st is None:
                     st = self._requests[req_id] = _Request(context or self.context)
-        return st
+                    made = True
+        return st, made
+
+    def _forget_new(self, req_id: str, st: _Request) -> None:
+        """Drop the state a refused first chunk made (the caller checks it holds nothing the request needs)."""
+        with self._lock:
+            if self._requests.get(req_id) is st:
+                del self._requests[req_id]
+
+    def _table_get(self, req_id: str) -> _Request | None:
+        """The state of ``req_id``, or None; an unhashable id is an :class:`AccumulationError`, as in ``merge``."""
+        try:
+            return self._requests.get(req_id)
+        except TypeError:
+            raise _bad_id(req_id) from None
 
     def _lookup(self, req_id: str) -> _Request:
         """The state of ``req_id``; :class:`UnknownRequestError` (a KeyError) when none is held."""
@@ -160,13 +190,19 @@ class _Endpoint:
     def select(self, path: str, value: Any, context: StreamContext) -> tuple[Strategy, StrategySpec]:
         """Strategy (and its spec) for key ``path`` whose first value is ``value``, in ``context``."""
         meta = KeyMeta.of(path, value)
+        # Keyed by all a selection hook is given (the policy is the endpoint's own); bounded (SELECTION_CACHE_SIZE).
         ck = (meta.cache_key, context.cache_key)
         hit = self._selected.get(ck)
         if hit is None:
             choice = self.manager.select(path, meta, context, self.policy)
             spec = self.manager.spec(choice.strategy, where=f"key {path!r} ({choice.source})")
             chosen = f"chosen by {choice.source or 'a selection hook'}"  # the request's error names the key
-            hit = self._selected[ck] = (self.manager.build(choice.strategy, dict(choice.params), chosen), spec)
+            hit = (self.manager.build(choice.strategy, dict(choice.params), chosen), spec)
+            with self._lock:
+                cache = self._selected
+                while len(cache) >= SELECTION_CACHE_SIZE:
+                    del cache[next(iter(cache))]  # the oldest (dicts keep insertion order)
+                cache[ck] = hit
         return hit
 
     def _key_state(
@@ -199,7 +235,7 @@ class _Endpoint:
 
     def strategy_for(self, path: str, value: Any = None, context: StreamContext | None = None) -> str:
         """Name of the strategy ``path`` gets (with a first value like ``value``)."""
-        return self.select(path, value, context or self.context)[1].name
+        return self.select(path, value, _checked_context(context) or self.context)[1].name
 
 
 def read_mismatch(value: Any, got: Any) -> str | None:
@@ -240,6 +276,14 @@ def check_first_read(req_id: str, st: _Request, slot: _Slot, value: Any) -> None
     if msg is not None:
         st.failed = f"strategy {slot.spec.name!r} read {describe(got)} for key {slot.path!r}"
         raise slot_error(f"read() returned {describe(got)}: {msg}", req_id, slot)
+
+
+def _checked_context(context: Any) -> StreamContext | None:
+    if context is not None and not isinstance(context, StreamContext):
+        raise InvalidArgumentError(
+            f"context must be a StreamContext or None, got {type(context).__name__} {context!r:.80}"
+        )
+    return context
 
 
 def _bad_id(req_id: Any) -> AccumulationError:

@@ -23,7 +23,7 @@ from omni_accum.engine.endpoint import (
     rewrites_wire,
     slot_error,
 )
-from omni_accum.errors import AccumulationError, MergeError, OmniAccumError
+from omni_accum.errors import AccumulationError, InvalidArgumentError, MergeError, OmniAccumError
 from omni_accum.manager import StrategyManager
 from omni_accum.policy.model import Policy
 from omni_accum.engine.sequencing import REORDER_WINDOW, SequencedMerge
@@ -50,7 +50,7 @@ class Receiver(SequencedMerge, _Endpoint):
         reorder_window: int = REORDER_WINDOW,
     ) -> None:
         if type(reorder_window) is not int or reorder_window < 0:
-            raise ValueError(f"reorder_window must be an int >= 0, got {reorder_window!r}")
+            raise InvalidArgumentError(f"reorder_window must be an int >= 0, got {reorder_window!r}")
         super().__init__(policy, context=context, manager=manager)
         self.reorder_window = reorder_window
         self._dups = 0
@@ -67,7 +67,7 @@ class Receiver(SequencedMerge, _Endpoint):
         context: StreamContext | None = None,
         seq: int | None = None,
     ) -> RequestView:
-        """Merge one wire chunk of ``req_id`` and return the consumer's view after it.
+        """Merge one wire chunk of ``req_id`` and return its view: the request's one live :class:`RequestView`.
 
         A chunk is merged whole or not at all: if any key fails (dtype or trailing shape change,
         a 0-d tensor appended, the memory guard, an unknown strategy) an
@@ -84,27 +84,32 @@ class Receiver(SequencedMerge, _Endpoint):
         """
         if not isinstance(wire, (dict, Mapping)):
             raise AccumulationError(f"a payload chunk must be a mapping, got {type(wire).__name__}", request_id=req_id)
-        st = self._state(req_id, context)
+        st, made = self._state(req_id, context)
         with st.lock:
-            if st.failed is not None:
-                raise AccumulationError(f"request failed earlier ({st.failed}); release it", request_id=req_id)
-            if seq is None:
-                if st.next_seq is not None:
-                    raise AccumulationError(
-                        f"chunk without a seq, but this request's chunks carry sequence numbers (next {st.next_seq}); "
-                        "number every chunk of a request, or none",
-                        request_id=req_id,
-                    )
-                try:
-                    if not self._merge_known(req_id, st, wire):
-                        self._apply(req_id, st, self._plan(req_id, st, wire))
-                except AccumulationError:
-                    self._fail_if_sender_diverged(st, wire)
-                    raise
-            else:
-                # A rejected sequenced chunk leaves its seq open: later chunks wait behind it (a gap), so
-                # the view never runs ahead of a chunk the sender believes delivered.
-                self._merge_sequenced(req_id, st, wire, seq)
+            try:
+                if st.failed is not None:
+                    raise AccumulationError(f"request failed earlier ({st.failed}); release it", request_id=req_id)
+                if seq is None:
+                    if st.next_seq is not None:
+                        raise AccumulationError(
+                            "chunk without a seq, but this request's chunks carry sequence numbers (next "
+                            f"{st.next_seq}); number every chunk of a request, or none",
+                            request_id=req_id,
+                        )
+                    try:
+                        if not self._merge_known(req_id, st, wire):
+                            self._apply(req_id, st, self._plan(req_id, st, wire))
+                    except AccumulationError:
+                        self._fail_if_sender_diverged(st, wire)
+                        raise
+                else:
+                    # A rejected sequenced chunk leaves its seq open: later chunks wait behind it (a gap), so
+                    # the view never runs ahead of a chunk the sender believes delivered.
+                    self._merge_sequenced(req_id, st, wire, seq)
+            except AccumulationError:
+                if made and st.failed is None and not st.entries and not st.pending:
+                    self._forget_new(req_id, st)  # a refused first chunk leaves no request behind
+                raise
         return request_view(st)
 
     def _fail_if_sender_diverged(self, st: _Request, wire: Mapping[str, Any]) -> None:
@@ -132,9 +137,9 @@ class Receiver(SequencedMerge, _Endpoint):
                 return
 
     def view(self, req_id: str, *, copy: bool = False) -> RequestView | dict[Any, Any]:
-        """The current view of ``req_id``: borrowed tensors, not to be written into (see :class:`RequestView`).
+        """The live view of ``req_id``: borrowed tensors, not to be written into (see :class:`RequestView`).
 
-        ``copy=True`` returns plain nested dicts with every tensor cloned, which the consumer may write into.
+        ``copy=True`` returns a snapshot: plain nested dicts with every tensor cloned, for the consumer to write.
 
         Raises:
             UnknownRequestError: (a KeyError) when it holds no state for ``req_id``.
@@ -352,6 +357,7 @@ class Receiver(SequencedMerge, _Endpoint):
             return freed
 
         worst: tuple[int, str] = (0, "")
+        big: _Slot | None = None  # the key that grows most: the error names it, its strategy and plugin
         for top, qual, value, slot in ops:
             old_top = entries.get(top)
             if slot is None:  # an empty group: it replaces a leaf, keeps a group
@@ -371,13 +377,14 @@ class Receiver(SequencedMerge, _Endpoint):
             except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
                 raise slot_error(f"projected_nbytes raised {type(e).__name__}: {e}", req_id, slot) from e
             after += proj - now
-            worst = max(worst, (proj - now, slot.path))
+            if (proj - now, slot.path) > worst:
+                worst, big = (proj - now, slot.path), slot
         if after > limit:
-            raise AccumulationError(
+            msg = (
                 f"would hold {after} bytes after this chunk (key {worst[1]!r} grows by {worst[0]}), over "
-                f"max_bytes_per_request={limit}; chunk rejected before allocating (state unchanged)",
-                request_id=req_id,
+                f"max_bytes_per_request={limit}; chunk rejected before allocating (state unchanged)"
             )
+            raise slot_error(msg, req_id, big) if big is not None else AccumulationError(msg, request_id=req_id)
 
     def _apply(self, req_id: str, st: _Request, ops: list[tuple[Any, Any, Any, _Slot]]) -> None:
         """Phase 2: merge every planned value; a new key's first read is checked (:func:`check_first_read`)."""

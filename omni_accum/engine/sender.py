@@ -40,7 +40,7 @@ class Sender(_Endpoint):
                 request_id=req_id,
                 key=WIRE_MARKER,
             )
-        st = self._state(req_id, context)
+        st, made = self._state(req_id, context)
         plain = st.plain
         # Steady state of a chunk whose keys are all known leaves without an encoder: the chunk itself.
         if plain and st.failed is None and plain.issuperset(chunk) and not any(map(isinstance, chunk.values(), _DICT)):
@@ -50,28 +50,33 @@ class Sender(_Endpoint):
                 raise AccumulationError(f"request failed earlier ({st.failed}); release it", request_id=req_id)
             encs = st.entries
             any_enc = False
-            for top, value in chunk.items():
-                if isinstance(value, dict):
-                    if plain and top in plain:
-                        st.plain = plain = plain - {top}
-                    group = encs.get(top)
-                    if not isinstance(group, dict):
-                        if top in encs:  # a leaf becomes a group: the receiver drops the leaf too
-                            _forget(st, top, LEAF)
-                        group = encs[top] = {}
-                    for qual, qv in value.items():
-                        enc = group.get(qual, OMIT)
-                        if enc is OMIT:
-                            enc = group[qual] = self._new_encoder(st, req_id, top, qual, qv)
+            try:
+                for top, value in chunk.items():
+                    if isinstance(value, dict):
+                        if plain and top in plain:
+                            st.plain = plain = plain - {top}
+                        group = encs.get(top)
+                        if not isinstance(group, dict):
+                            if top in encs:  # a leaf becomes a group: the receiver drops the leaf too
+                                _forget(st, top, LEAF)
+                            group = encs[top] = {}
+                        for qual, qv in value.items():
+                            enc = group.get(qual, OMIT)
+                            if enc is OMIT:
+                                enc = group[qual] = self._new_encoder(st, req_id, top, qual, qv)
+                            any_enc = any_enc or enc is not None
+                    else:
+                        enc = encs.get(top, OMIT)
+                        if enc is OMIT or isinstance(enc, dict):
+                            if enc is not OMIT:  # a group becomes a leaf: the receiver drops the group too
+                                for qual in enc:
+                                    _forget(st, top, qual)
+                            enc = encs[top] = self._new_encoder(st, req_id, top, LEAF, value)
                         any_enc = any_enc or enc is not None
-                else:
-                    enc = encs.get(top, OMIT)
-                    if enc is OMIT or isinstance(enc, dict):
-                        if enc is not OMIT:  # a group becomes a leaf: the receiver drops the group too
-                            for qual in enc:
-                                _forget(st, top, qual)
-                        enc = encs[top] = self._new_encoder(st, req_id, top, LEAF, value)
-                    any_enc = any_enc or enc is not None
+            except AccumulationError:
+                if made and st.failed is None:  # a first chunk refused before anything went on the wire
+                    self._forget_new(req_id, st)  # leaves no request behind
+                raise
             if not any_enc:
                 leaves = [top for top, value in chunk.items() if not isinstance(value, dict)]
                 if leaves:

@@ -103,7 +103,9 @@ class SequencedMerge:
         number merged; also when the request holds no state (never merged, or released) or failed.
         Does not release the request.
         """
-        st = self._requests.get(req_id)
+        if chunks is not None and (type(chunks) is not int or chunks < 0):
+            raise AccumulationError(f"finish: chunks must be an int >= 0 or None, got {chunks!r}", request_id=req_id)
+        st = self._table_get(req_id)
         if st is None:
             missing = tuple(range(min(chunks or 0, 100)))
             raise AccumulationError(
@@ -142,7 +144,7 @@ class SequencedMerge:
 
     def sequence(self, req_id: str) -> SequenceState | None:
         """Where sequenced request ``req_id`` stands, or None (unknown, or merged without ``seq``)."""
-        st = self._requests.get(req_id)
+        st = self._table_get(req_id)
         if st is None or st.next_seq is None:
             return None
         with st.lock:

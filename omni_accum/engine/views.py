@@ -38,11 +38,15 @@ class GroupView(Mapping):
 class RequestView(Mapping):
     """The consumer's view of one request: a read-only mapping with the payload's nesting.
 
-    Values are read from the strategies when accessed. Tensors are borrowed: do not write into them.
-    A write into one lands in the strategy's state (and, in process, in the sender's tensor): under
-    append strategies (``cat``, ``prealloc``, ``token_list``, the ``default`` preset) every later view
-    holds the written rows, under ``replace``/``send_once`` until the next value. :meth:`copy`
-    (``Receiver.view(req_id, copy=True)``) gives tensors of the consumer's own.
+    Live: one object per request (``merge`` returns it for every chunk), whose values are read from the
+    strategies when accessed, so it shows later chunks too; a tensor read from it keeps the rows it had.
+    Tensors are borrowed: do not write into them. A write lands in the strategy's state (and, in process,
+    in the sender's tensor): under ``cat``, ``prealloc`` and the ``default`` preset every later view holds
+    the written rows; under ``token_list`` too after the first chunk, but after a later one only until the
+    next chunk (it lands in a cached concatenation); under ``replace`` until the key comes again; under
+    ``send_once`` over a copying wire until the sender's value changes (unchanged values stay off the wire),
+    in process until the next chunk (the sender sees its object changed). :meth:`copy`
+    (``Receiver.view(req_id, copy=True)``) gives a snapshot, with tensors of the consumer's own.
     """
 
     __slots__ = ("_entries",)

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from omni_accum.errors import PolicyError
+from omni_accum.errors import InvalidArgumentError, PolicyArgumentError, PolicyError
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import installed_plugins
 from omni_accum.policy.fingerprint import plugin_versions
@@ -34,6 +34,7 @@ from omni_accum.policy.sources import (  # noqa: F401 - re-exported: the loader'
     is_inline_policy,
     preset_names,
     preset_text,
+    probe,
     read_policy_argument,
     read_source,
 )
@@ -185,6 +186,12 @@ def format_problem(source: str, d: Mapping[str, Any]) -> str:
     return f"{_place(source, d.get('line'))}: {loc}{d['msg']}"
 
 
+def _invalid(source: str, details: list[dict[str, Any]]) -> PolicyError:
+    """The PolicyError listing ``details``: ``invalid policy:`` then one line per problem, each naming its source."""
+    errors = [format_problem(source, d) for d in details]
+    return PolicyError("invalid policy:\n  " + "\n  ".join(errors), errors, source, details)
+
+
 def _is_repeat(detail: Mapping[str, Any]) -> bool:
     """Whether a problem of :func:`_validation_details` is a repeated rule match."""
     return bool(_RULE_MATCH_RE.match(f"{detail.get('loc')} {detail.get('msg')}")) and "repeats rules[" in str(
@@ -321,14 +328,12 @@ def build_policy(
                 details = sorted(
                     details + strategy_problems(again, manager, lines), key=lambda d: (d.get("line") or 0)
                 )
-        msgs = [format_problem(source, d) for d in details]
-        raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(msgs), msgs, source, details) from e
+        raise _invalid(source, details) from e
     if manager is None:
         manager = get_manager()
     details = strategy_problems(policy, manager, lines)
     if details:
-        errors = [format_problem(source, d) for d in details]
-        raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(errors), errors, source, details)
+        raise _invalid(source, details)
     policy.bind_plugins(installed_plugins)
     if policy.ab is not None:
         policy._arms = resolve_arms(policy, source, lines, manager)
@@ -350,20 +355,19 @@ def resolve_arms(
         return {}
     if _IN_ARM.get():
         msg = "an A/B arm's policy has an ab section of its own: an arm runs one policy (name a preset or a policy file)"
-        detail = {"loc": "ab", "line": lines(("ab",)), "msg": msg}
-        raise PolicyError(f"{source}: invalid policy:\n  {format_problem(source, detail)}", None, source, [detail])
-    folder = Path(source).parent if Path(source).is_file() else None
+        raise _invalid(source, [{"loc": "ab", "line": lines(("ab",)), "msg": msg}])
+    folder = Path(source).parent if probe(source, "is_file") else None
     arms: dict[str, Policy] = {}
     details: list[dict[str, Any]] = []
     for name, arm in policy.ab.arms.items():
         loc = ("ab", "arms", name, "policy")
         ref = arm.policy
         target = ref
-        if folder is not None and not Path(ref).is_absolute() and (folder / ref).is_file():
+        if folder is not None and not Path(ref).is_absolute() and probe(folder / ref, "is_file"):
             target = str(folder / ref)
         token = _IN_ARM.set(True)
         try:
-            if is_inline_policy(ref) and not Path(target).exists():
+            if is_inline_policy(ref) and not probe(target):
                 raise PolicyError(f"{ref!r} is neither a policy file nor a preset. Available presets: {', '.join(preset_names())}")
             arms[name] = load_policy(target, manager=manager)
         except PolicyError as e:
@@ -375,8 +379,7 @@ def resolve_arms(
         finally:
             _IN_ARM.reset(token)
     if details:
-        errors = [format_problem(source, d) for d in details]
-        raise PolicyError(f"{source}: invalid policy:\n  " + "\n  ".join(errors), errors, source, details)
+        raise _invalid(source, details)
     return arms
 
 
@@ -391,36 +394,55 @@ def load_policy(
     """Load a policy from a preset name, a file path, a mapping, or ``OMNI_ACCUM_POLICY``.
 
     Args:
-        source: a :class:`Policy` (returned as is), a mapping of the policy shape, a path to a
-            ``.yaml``/``.yml``/``.json``/``.toml`` file, or a preset name (``"qwen3-omni"``). ``None``
-            reads ``OMNI_ACCUM_POLICY`` (a path, a preset name, or inline YAML/JSON) and falls back
-            to the ``default`` preset.
+        source: a :class:`Policy` (checked, then returned as is), a mapping of the policy shape, a path to a
+            ``.yaml``/``.yml``/``.json``/``.toml`` file, a preset name (``"qwen3-omni"``) or policy text
+            (YAML or JSON: ``"default: cat"``). ``None`` reads ``OMNI_ACCUM_POLICY`` (a path, a preset name,
+            or inline YAML/JSON) and falls back to the ``default`` preset.
         manager: strategy manager to validate strategy names and params against (default: the
             process-wide one).
 
     Raises:
-        PolicyError: with every problem found, each naming the place.
+        PolicyError: with every problem found, each naming the place (a :class:`PolicyArgumentError`, also a
+            ``TypeError``, for a ``source`` of a type no policy can be: a number, a list, bytes).
     """
+    if manager is not None and not isinstance(manager, StrategyManager):
+        raise InvalidArgumentError(f"manager must be a StrategyManager or None, got {type(manager).__name__}")
     if isinstance(source, Policy):
+        details = strategy_problems(source, manager or get_manager())
+        if details:  # a Policy made in code is checked as a file is (its fields are, by pydantic; not its names)
+            raise _invalid("<Policy>", details)
         source.bind_plugins(installed_plugins)
         return source
     if isinstance(source, BaseModel):
         source = source.model_dump()
     if isinstance(source, Mapping):
         return build_policy(source, "<mapping>", None, manager)
+    if source is not None and not isinstance(source, (str, os.PathLike)):
+        hint = ": decode bytes to str first" if isinstance(source, bytes) else ""
+        raise PolicyArgumentError(
+            "a policy must be a Policy, a mapping, a preset name, a file path or policy text (str), got "
+            f"{type(source).__name__} {source!r:.60}{hint}"
+        )
     label = "<inline policy>"  # inline text given as source: a connector extra's block string, say
     if source is None:
         env = os.environ.get(ENV_POLICY, "").strip()
         source, label = (env, ENV_POLICY) if env else ("default", label)
-    if isinstance(source, str) and is_inline_policy(source) and not Path(source).exists():
+    if isinstance(source, str) and not source.strip():
+        raise PolicyError("an empty policy argument: give a preset name, a policy file, policy text or a mapping")
+    if isinstance(source, str) and is_inline_policy(source) and not probe(source):
         return build_policy(parse_text(source, "yaml", label), label, source, manager)
     label, text, fmt = read_source(source)
     data = parse_text(text, fmt, label)
     return build_policy(data, label, TomlText(text) if fmt == "toml" else text, manager)
 
 
+DUMP_FORMATS = ("yaml", "json")
+
+
 def dump_policy(policy: Policy, fmt: str = "yaml") -> str:
-    """Serialise a policy (normalised: defaults filled in) as YAML or JSON."""
+    """Serialise a policy (normalised: defaults filled in) as YAML or JSON (``fmt``: ``"yaml"`` or ``"json"``)."""
+    if fmt not in DUMP_FORMATS:
+        raise PolicyArgumentError(f"dump_policy: unknown format {fmt!r}; valid formats: {', '.join(DUMP_FORMATS)}")
     data = policy.model_dump(mode="json", exclude_none=True)
     if fmt == "json":
         return json.dumps(data, indent=2) + "\n"

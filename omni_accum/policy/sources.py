@@ -41,6 +41,16 @@ def preset_text(name: str) -> tuple[str, str]:
     return f"preset {name!r}", res.read_text(encoding="utf-8")
 
 
+def probe(path: str | os.PathLike[str], test: str = "exists") -> bool:
+    """``Path(path).exists()`` (``test``: or ``"is_file"``, ``"is_dir"``), False for a name no file can have
+    (longer than the system allows, or with a NUL byte) or one that cannot be looked at: policy text is often
+    probed as a path first, and must not fail as one (``OSError: File name too long``)."""
+    try:
+        return bool(getattr(Path(path), test)())
+    except (OSError, ValueError):
+        return False
+
+
 _FORMATS = {".json": "json", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml"}
 
 
@@ -51,7 +61,7 @@ def read_source(source: str | os.PathLike[str]) -> tuple[str, str, str]:
     if suffix not in _FORMATS and str(source) in preset_names():  # no file of that name can be a policy (suffix)
         label, text = preset_text(str(source))
         return label, text, "yaml"
-    if path.is_file():
+    if probe(path, "is_file"):
         fmt = _FORMATS.get(suffix)
         if fmt is None:
             raise PolicyError(f"{path}: unsupported policy file type {suffix!r}. Use .yaml, .yml, .json or .toml")
@@ -67,9 +77,11 @@ def read_source(source: str | os.PathLike[str]) -> tuple[str, str, str]:
             raise _no_text(str(path), "the file")
         return str(path), text, fmt
     name = str(source)
-    if path.is_dir():
+    if not name.strip():
+        raise PolicyError("an empty policy argument: give a preset name, a policy file, policy text or a mapping")
+    if probe(path, "is_dir"):
         raise PolicyError(f"{path}: is a directory, not a policy file (give a .yaml, .yml, .json or .toml file)")
-    if path.exists():  # a FIFO, a device (/dev/zero) or a socket: never opened (it could block or never end)
+    if probe(path):  # a FIFO, a device (/dev/zero) or a socket: never opened (it could block or never end)
         raise PolicyError(f"{path}: not a regular file ({_file_kind(path)}); give a .yaml, .yml, .json or .toml file")
     if name in preset_names():
         label, text = preset_text(name)
@@ -122,6 +134,6 @@ def read_policy_argument(arg: str) -> tuple[str, str, str]:
         raise PolicyError(
             "an empty POLICY argument: give a preset name, a policy file, inline YAML, or - for stdin", source="''"
         )
-    if not Path(arg).exists() and arg not in preset_names() and is_inline_policy(arg):
+    if not probe(arg) and arg not in preset_names() and is_inline_policy(arg):
         return "<inline>", arg, "yaml"
     return read_source(arg)

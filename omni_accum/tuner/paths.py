@@ -24,8 +24,12 @@ def same_file(a: PathLike, b: PathLike) -> bool:
 
 def input_file(source: object) -> Path | None:
     """``source`` as a path when it names an existing file (a preset name or a mapping gives None)."""
-    if isinstance(source, (str, os.PathLike)) and str(source) and Path(source).is_file():
-        return Path(source)
+    if isinstance(source, (str, os.PathLike)) and str(source):
+        try:
+            if Path(source).is_file():
+                return Path(source)
+        except (OSError, ValueError):  # no file can have that name (too long: policy text, say)
+            pass
     return None
 
 

@@ -13,6 +13,8 @@ A value that does not extend the previous one (shorter, a rewritten prefix, anot
 trailing shape, another type) is sent whole: a reset, never a wrong view. "Extends" is checked
 exactly: tensors bit for bit (``-0.0`` is not ``0.0``), lists element for element with one exact
 element type (all ``int``, all ``str`` or all ``bytes``; anything else is always sent whole).
+In one process (no wire copies anything) the receiver holds a tensor sent whole as it is until rows
+follow it: when the sender changed that tensor in place meanwhile, the next value is sent whole too.
 
 Wire form (plain lists, ints, strings and tensors, so vllm-omni's ``OmniSerializer`` carries it):
 
@@ -37,6 +39,7 @@ a list copy when a list view is read after an append.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -140,13 +143,14 @@ class _RowBuffer:
 class DeltaEncoder(Encoder):
     """Sender side of one key of one request: a private copy of what was last sent."""
 
-    __slots__ = ("_mode", "_items", "_etype", "_rows")
+    __slots__ = ("_mode", "_items", "_etype", "_rows", "_whole")
 
     def __init__(self) -> None:
         self._mode = 0  # 0 nothing deltable held, 1 tensor rows, 2 list items
         self._items: list[Any] = []
         self._etype: Any = None
         self._rows: _RowBuffer | None = None
+        self._whole: weakref.ref[torch.Tensor] | None = None  # the tensor last sent whole, until rows follow it
 
     def encode(self, value: Any) -> list[Any]:
         if _is_sequence_tensor(value):
@@ -188,13 +192,26 @@ class DeltaEncoder(Encoder):
                 and value.device == like.device
                 and value.shape[0] >= n
                 and _same_bits(value[:n], held.view())
+                and self._whole_intact(held)
             ):
                 suffix = value[n:]
                 held.append(suffix)
+                if n == 0:  # rows from row 0: the receiver holds them as a whole value, as they are
+                    self._whole = weakref.ref(suffix)
+                elif suffix.shape[0]:
+                    self._whole = None  # the receiver copies the rows it held when it appends these
                 return [WIRE_TAG, n, suffix]
         self._mode, self._items = 1, []
         self._rows = _RowBuffer(value.clone())  # private copy: the upstream may write into its tensor
+        self._whole = weakref.ref(value)
         return value
+
+    def _whole_intact(self, held: _RowBuffer) -> bool:
+        """Whether the tensor last sent whole still holds what was sent. A receiver in the same process holds
+        that very tensor until the next rows arrive (no wire copies it), so a sender that changed it since
+        must send the value whole again, or the receiver would append to the changed rows."""
+        sent = self._whole() if self._whole is not None else None
+        return sent is None or (sent.shape == held.view().shape and _same_bits(sent, held.view()))
 
 
 # ---------------------------------------------------------------------------------------------- #

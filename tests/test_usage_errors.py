@@ -1,0 +1,170 @@
+"""A user's mistake at a call raises one of omni-accum's documented errors, at that call, naming the bad value
+(docs/reliability.md "Only documented errors"); a refused first chunk leaves no request behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import omni_accum
+from omni_accum import (
+    AccumulationError,
+    InvalidArgumentError,
+    OmniAccumError,
+    PolicyArgumentError,
+    PolicyError,
+    Receiver,
+    Sender,
+    StreamContext,
+    UnknownRequestError,
+)
+
+CHUNK = {"x": torch.zeros(2, 2)}
+
+
+def _sequenced_receiver() -> Receiver:
+    rx = Receiver("default")
+    rx.merge("s", CHUNK, seq=0)
+    return rx
+
+
+#: (call, the error class, text the message must hold: the bad value and what is valid)
+MISTAKES = [
+    (lambda: omni_accum.load_policy([1, 2]), PolicyArgumentError, ["got list [1, 2]", "a mapping"]),
+    (lambda: omni_accum.load_policy(5), PolicyArgumentError, ["got int 5", "a preset name"]),
+    (lambda: omni_accum.load_policy(b"default: cat"), PolicyArgumentError, ["got bytes", "decode bytes"]),
+    (lambda: Sender(5), PolicyArgumentError, ["got int 5"]),
+    (
+        lambda: Receiver().merge("r", CHUNK, context="8k"),
+        InvalidArgumentError,
+        ["context must be a StreamContext", "'8k'"],
+    ),
+    (
+        lambda: Sender().encode("r", CHUNK, context={"context_len": 5}),
+        InvalidArgumentError,
+        ["context must be a StreamContext", "dict"],
+    ),
+    (lambda: Sender("default", context=8000), InvalidArgumentError, ["context must be a StreamContext", "8000"]),
+    (lambda: Receiver(manager="x"), InvalidArgumentError, ["manager must be a StrategyManager", "str"]),
+    (lambda: omni_accum.load_policy("default", manager="x"), InvalidArgumentError, ["manager must be a", "str"]),
+    (lambda: Receiver(reorder_window=-1), InvalidArgumentError, ["reorder_window must be an int >= 0", "-1"]),
+    (lambda: Receiver(reorder_window=True), InvalidArgumentError, ["reorder_window", "True"]),
+    (lambda: _sequenced_receiver().finish("s", chunks="1"), AccumulationError, ["chunks must be an int >= 0", "'1'"]),
+    (lambda: Receiver().finish(["x"]), AccumulationError, ["request id must be hashable", "list"]),
+    (lambda: Receiver().sequence(["x"]), AccumulationError, ["request id must be hashable", "list"]),
+    (lambda: StreamContext(context_len=-5), InvalidArgumentError, ["context_len must be an int >= 0 or None", "-5"]),
+    (lambda: StreamContext(context_len="8k"), InvalidArgumentError, ["context_len", "'8k'"]),
+    (lambda: StreamContext(context_len=True), InvalidArgumentError, ["context_len", "True"]),
+    (lambda: StreamContext(concurrency=0), InvalidArgumentError, ["concurrency must be an int >= 1", "0"]),
+    (lambda: StreamContext(concurrency=2.0), InvalidArgumentError, ["concurrency", "2.0"]),
+    (lambda: StreamContext(length_hints=[1, 2]), InvalidArgumentError, ["length_hints must be a mapping", "[1, 2]"]),
+    (lambda: StreamContext(length_hints={"x": "100"}), InvalidArgumentError, ["an int >= 0", "'x': '100'"]),
+    (lambda: StreamContext(length_hints={"x": -5}), InvalidArgumentError, ["an int >= 0", "'x': -5"]),
+    (lambda: StreamContext(length_hints={"x": 2.5}), InvalidArgumentError, ["'x': 2.5"]),
+    (lambda: StreamContext(length_hints={1: 5}), InvalidArgumentError, ["key paths (str)", "1: 5"]),
+]
+
+
+@pytest.mark.parametrize("call,cls,texts", MISTAKES, ids=[f"mistake{i}" for i in range(len(MISTAKES))])
+def test_a_mistake_raises_a_documented_error_naming_the_value(call, cls, texts):
+    with pytest.raises(OmniAccumError) as e:
+        call()
+    assert type(e.value) is cls, type(e.value).__mro__
+    for text in texts:
+        assert text in str(e.value), (text, str(e.value))
+
+
+@pytest.mark.parametrize("call,cls,texts", [m for m in MISTAKES if issubclass(m[1], InvalidArgumentError)])
+def test_argument_errors_are_still_value_and_type_errors(call, cls, texts):
+    """What such mistakes raised before (ValueError from StreamContext and reorder_window, TypeError from
+    load_policy(5)) is still caught by the same ``except``."""
+    for old in (ValueError, TypeError):
+        with pytest.raises(old):
+            call()
+
+
+def test_the_new_error_classes_sit_in_the_hierarchy():
+    assert issubclass(PolicyArgumentError, PolicyError) and issubclass(PolicyArgumentError, InvalidArgumentError)
+    assert issubclass(omni_accum.SettingError, OmniAccumError) and issubclass(omni_accum.SettingError, ValueError)
+    from omni_accum import switches
+
+    assert switches.SettingError is omni_accum.errors.SettingError  # still importable where it was
+
+
+def test_length_hints_are_copied_when_the_context_is_made():
+    hints = {"x": 4}
+    ctx = StreamContext(length_hints=hints)
+    hints["x"] = 1000
+    assert ctx.length_hints == {"x": 4}
+
+
+class _PoisonSelector:
+    """A selection hook that raises for the key ``poison``."""
+
+    @omni_accum.hookimpl
+    def omni_accum_select_strategy(self, key, meta, context, policy):
+        if key == "poison":
+            raise RuntimeError("selector tripped")
+        return None
+
+
+@pytest.fixture
+def poisoned():
+    m = omni_accum.StrategyManager(load_entrypoints=False)
+    m.load_entrypoints([])  # the built-ins only
+    m.register(_PoisonSelector(), name="poison_selector")
+    return m
+
+
+@pytest.mark.parametrize(
+    "chunk,seq",
+    [
+        (CHUNK, -1),
+        (CHUNK, "0"),
+        ({"x": torch.zeros(1, 2), "__omni_accum__": "bad"}, None),
+        ({"x": torch.zeros(1, 2), "meta": {"override_keys": 5}}, None),
+        ({"x": torch.zeros(1, 2), "meta": {"override_keys": 5}}, 0),
+    ],
+    ids=["seq-negative", "seq-str", "malformed-marker", "override-keys-not-a-list", "sequenced-override-keys"],
+)
+def test_a_refused_first_chunk_leaves_no_request_behind(chunk, seq):
+    rx = Receiver("default")
+    for i in range(50):
+        with pytest.raises(AccumulationError):
+            rx.merge(f"r{i}", chunk, seq=seq)
+    assert rx.active_requests == 0
+    with pytest.raises(UnknownRequestError):
+        rx.view("r5")
+    rx.merge("r5", CHUNK)  # the request can start afresh
+    assert rx.view("r5")["x"].shape == (2, 2)
+
+
+def test_a_first_chunk_whose_selection_hook_raised_leaves_no_request_on_either_side(poisoned):
+    tx, rx = Sender("default", manager=poisoned), Receiver("default", manager=poisoned)
+    for i in range(20):
+        with pytest.raises(AccumulationError, match="selector tripped"):
+            tx.encode(f"r{i}", {"x": torch.zeros(1, 2), "poison": 1})
+        with pytest.raises(AccumulationError, match="selector tripped"):
+            rx.merge(f"r{i}", {"x": torch.zeros(1, 2), "poison": 1})
+    assert tx.active_requests == 0 and rx.active_requests == 0
+
+
+def test_a_refused_later_chunk_keeps_the_request_and_its_state():
+    rx = Receiver("default")
+    rx.merge("r", {"x": torch.zeros(2, 2)})
+    with pytest.raises(AccumulationError, match="dtype changed"):
+        rx.merge("r", {"x": torch.zeros(1, 2, dtype=torch.float64)})
+    assert rx.active_requests == 1 and rx.view("r")["x"].shape == (2, 2)
+
+
+def test_a_refused_first_chunk_that_carried_a_send_once_value_keeps_the_request_failed():
+    """The documented contract (reliability.md): the sender now leaves that value off, so the request fails until
+    it is released; dropping its state would let a later chunk start the request without that value."""
+    pol = {"default": "cat", "rules": [{"match": "spk", "strategy": "send_once"}]}
+    tx, rx = Sender(pol), Receiver(pol)
+    bad = tx.encode("r", {"spk": torch.ones(1), "x": torch.zeros(1, 2), "meta": {"override_keys": 5}})
+    with pytest.raises(AccumulationError, match="override_keys"):
+        rx.merge("r", bad)
+    assert rx.active_requests == 1
+    with pytest.raises(AccumulationError, match="request failed earlier"):
+        rx.merge("r", tx.encode("r", {"spk": torch.ones(1), "x": torch.zeros(1, 2)}))
