@@ -250,7 +250,7 @@ def test_a_bucket_larger_than_the_memory_available_is_refused_before_measuring(t
                                                                                monkeypatch):
     monkeypatch.setattr("omni_accum.bench.runner.available_memory", lambda: 1)
     out = tmp_path / "t.yaml"
-    assert cli.main(_tune_args(tmp_path, out)) == 2
+    assert cli.main(_tune_args(tmp_path, out)) == 1  # as bench: the same command fits a larger machine
     err = capsys.readouterr().err
     assert "concurrency=" in err and "needs at least" in err and "and 1 B is available" in err
     assert "Traceback" not in err and not out.exists()

@@ -92,6 +92,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prefix}: interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, RuntimeError) as e:  # an allocation no check foresaw: one line, not a traceback
+        from omni_accum.bench.runner import allocation_detail, is_allocation_failure
+
+        if not is_allocation_failure(e):
+            raise
+        print(f"{prefix}: error: out of memory{allocation_detail(e)}; give smaller sizes", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

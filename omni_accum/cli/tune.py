@@ -40,7 +40,8 @@ whose fingerprint does not match is ignored with a warning. --out only ever rece
 table: a run stopped early (Ctrl-C, --budget-s) keeps its buckets in a partial file beside it
 (t.yaml -> t.partial.yaml) and leaves --out as it was; --resume goes on from there. One run at a
 time per --out (a second is refused). The file is YAML for .yaml/.yml and JSON for .json. Exit
-status: 0 complete, 3 partial (--budget-s spent), 130 interrupted, 1 or 2 on errors.
+status: 0 complete, 3 partial (--budget-s spent), 130 interrupted, 2 on a usage error (an option,
+--out, --workload, --base), 1 on other errors (a bucket that does not fit in memory).
 """
 
 

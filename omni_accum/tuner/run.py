@@ -327,11 +327,12 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
     fp["settings"] = tune_settings(opts, wl, base, decode_steps=steps, step_samples=target, rounds=rounds)
     reuse = _resumable(opts, wl, fp, log)
     buckets = [(cl, c) for cl in cls for c in concs]
-    from omni_accum.bench.runner import bucket_memory_problem
+    from omni_accum.bench.runner import BenchError, bucket_memory_problem
 
-    problem = next((p for cl, c in buckets if (p := bucket_memory_problem(bucket_workload(c), cl, c))), None)
-    if problem:  # before any bucket: the kernel's out-of-memory killer would end the run without a word
-        raise TuneError(problem)
+    sizes = {"steps": "--decode-steps"}
+    problem = next((p for cl, c in buckets if (p := bucket_memory_problem(bucket_workload(c), cl, c, sizes))), None)
+    if problem:  # before any bucket: the kernel's out-of-memory killer would end the run without a word (exit 1)
+        raise BenchError(problem)
     verify = (not opts.quick) if opts.verify is None else opts.verify
     ref = reference_arm() if verify else None
     bar = None
@@ -358,17 +359,10 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
                 outcome = BucketOutcome(cl, c, reused=True)
                 for x in old:
                     if x.key in keys:
-                        outcome.decisions[x.key] = KeyDecision(
-                            x.key,
-                            Candidate(x.strategy, dict(x.params)),
-                            x.baseline,
-                            x.margin,
-                            x.ci,
-                            dict(x.timings_us),
-                            dict(x.excluded),
-                            dict(x.peak_bytes),
-                            x.reason,  # a kept baseline's why (a reused table lost it, "no reason recorded")
-                        )
+                        outcome.decisions[x.key] = KeyDecision(  # with a kept baseline's why (it was lost)
+                            x.key, Candidate(x.strategy, dict(x.params)), x.baseline, x.margin, x.ci,
+                            dict(x.timings_us), dict(x.excluded), dict(x.peak_bytes), x.reason,
+                        )  # fmt: skip
                 _say(log, f"bucket context_len={cl} concurrency={c}: reused from {opts.out}")
             else:
                 if deadline is not None and measured and time.monotonic() > deadline:
@@ -411,6 +405,16 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
         result.stopped = "interrupted"
         result.complete = False
         raise
+    except (MemoryError, RuntimeError) as e:  # a bucket's allocation failed anyway: one line, as bench says it
+        from omni_accum.bench.runner import allocation_detail, is_allocation_failure
+
+        if not is_allocation_failure(e):
+            raise
+        kept = f"; the buckets finished so far are in {partial_path(opts.out)}" if cells else ""
+        raise BenchError(
+            f"context_len={cl} concurrency={c}: out of memory{allocation_detail(e)}; give shorter --context-lens, "
+            f"a lower --concurrency or fewer --decode-steps{kept}"
+        ) from e
     finally:
         if bar is not None:
             bar.close()
