@@ -542,13 +542,16 @@ def test_a_base_with_an_ab_section_is_tuned_from_its_first_arm(tmp_path, capsys)
 def test_the_gain_table_keeps_the_step_gain_and_the_request_totals_apart_and_says_when_to_deploy_nothing():
     """A row read "4.1x (-237.9% p50, CI [...])": a per-request speed-up beside a per-step loss, and a run slower in
     every bucket ended with "wrote ... (complete)" and nothing else."""
-    from omni_accum.tuner.core import BucketOutcome
+    from omni_accum.tuner.candidates import Candidate
+    from omni_accum.tuner.core import BucketOutcome, KeyDecision
     from omni_accum.tuner.report import gain_table
 
-    def outcome(gain, low, high, ref_total, tuned_total):
-        return BucketOutcome(1000, 1, verify={"reference_p50_us": 10.0, "tuned_p50_us": 10.0 * (1 - gain),
-                                              "gain": gain, "gain_low": low, "gain_high": high,
-                                              "reference_total_us": ref_total, "tuned_total_us": tuned_total})
+    def outcome(gain, low, high, ref_total, tuned_total, strategy="token_list", reference="upstream"):
+        d = KeyDecision("embed.decode", Candidate(strategy, {}), "cat", gain, (low, high), {}, {}, {})
+        return BucketOutcome(1000, 1, decisions={d.key: d},
+                             verify={"reference_p50_us": 10.0, "tuned_p50_us": 10.0 * (1 - gain), "gain": gain,
+                                     "gain_low": low, "gain_high": high, "reference_total_us": ref_total,
+                                     "tuned_total_us": tuned_total, "reference": reference})
 
     slower = gain_table([outcome(-2.379, -2.572, -2.284, 4100.0, 1000.0)], "default")
     assert "-237.9% [-257.2%, -228.4%]" in slower and "1.0 ms (0.24x)" in slower
@@ -557,3 +560,26 @@ def test_the_gain_table_keeps_the_step_gain_and_the_request_totals_apart_and_say
     assert "no bucket differs from upstream beyond the noise" in noise and "slower per step" not in noise
     better = gain_table([outcome(0.5, 0.4, 0.6, 1000.0, 500.0)], "upstream")
     assert "beyond the noise" not in better and "slower per step" not in better
+
+
+def test_a_table_that_keeps_the_baseline_everywhere_is_said_to_run_as_the_baseline_not_to_be_slower():
+    """`tune --out tuned.yaml` kept `cat` in every cell (the file runs as `default`) and said "slower per step than
+    upstream in every bucket ... not this file"; its "upstream step p50" column was wire-floor's."""
+    from omni_accum.tuner.candidates import Candidate
+    from omni_accum.tuner.core import BucketOutcome, KeyDecision
+    from omni_accum.tuner.report import gain_table
+
+    def outcome(strategy):
+        d = KeyDecision("embed.decode", Candidate(strategy, {}), "cat", 0.0, (-0.1, 0.1), {}, {}, {})
+        return BucketOutcome(1000, 1, decisions={d.key: d},
+                             verify={"reference_p50_us": 4.1, "tuned_p50_us": 17.5, "gain": -3.27, "gain_low": -3.55,
+                                     "gain_high": -3.17, "reference_total_us": 700.0, "tuned_total_us": 1400.0,
+                                     "reference": "wire-floor"})  # fmt: skip
+
+    kept = gain_table([outcome("cat"), outcome("cat")], "upstream", "default")
+    assert "slower per step" not in kept and "not this file" not in kept
+    assert "every cell keeps the baseline (default): this file runs as default does" in kept
+    head = kept.splitlines()[0]
+    assert "wire-floor step p50" in head and "upstream step p50" not in head and "wire-floor /req" in head
+    changed = gain_table([outcome("token_list"), outcome("cat")], "upstream", "default")
+    assert "slower per step than wire-floor in every bucket where it leaves the baseline" in changed

@@ -270,12 +270,14 @@ def run(args: argparse.Namespace) -> int:
         ref = reference_arm()
         name = "upstream" if ref == "upstream" else "default"
         print()
+        floor = all(o.verify.get("reference") == "wire-floor" for o in verified)
         print(
             "gain of the tuned policy over "
             + ("upstream vllm-omni 0.30.0" if name == "upstream" else "the default preset")
+            + (" (here: wire-floor, what its adapter does with this stream)" if floor else "")
             + " (one interleaved round per bucket after a warm-up replay, step p50 and total per request):"
         )
-        print(gain_table(res.outcomes, name))
+        print(gain_table(res.outcomes, name, str(args.base)))
     if res.complete:
         print(f"\nwrote {res.out} (complete) in {res.elapsed_s:.1f} s; check it with: omni-accum validate {res.out}")
     else:
