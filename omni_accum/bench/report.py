@@ -1,70 +1,15 @@
-"""What a bench run measured (:class:`BenchRun`) and its outputs: text tables, JSON and its schema.
-
-``--json`` output follows :data:`RESULT_SCHEMA`.
-"""
+"""What a bench run measured (:class:`BenchRun`) and its text tables (its JSON: :mod:`omni_accum.bench.results`)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import platform
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
-
-import torch
 
 from omni_accum.bench.replay import UPSTREAM, WIRE_FLOOR, ArmResult
 from omni_accum.bench.workloads import Workload
 from omni_accum.bench.intervals import median_interval, ratio_interval
 from omni_accum.tuner.stats import MIN_GAIN
-
-#: JSON schema of ``omni-accum bench --json`` output.
-RESULT_SCHEMA: dict[str, Any] = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "title": "omni-accum bench results",
-    "type": "object",
-    "required": ["workload", "wire", "machine", "results"],
-    "additionalProperties": False,
-    "properties": {
-        "workload": {"type": "string"},
-        "wire": {"enum": ["inproc", "serializer", "shm"]},
-        "machine": {"type": "object"},
-        "results": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "additionalProperties": False,
-                "required": [
-                    "arm",
-                    "key",
-                    "context_len",
-                    "concurrency",
-                    "step_us_p50",
-                    "step_us_p99",
-                    "wire_bytes_per_step",
-                    "peak_bytes",
-                    "requests",
-                    "steps",
-                ],
-                "properties": {
-                    "arm": {"type": "string"},
-                    "key": {"type": "string"},
-                    "context_len": {"type": "integer", "minimum": 1},
-                    "concurrency": {"type": "integer", "minimum": 1},
-                    "step_us_p50": {"type": ["number", "null"], "minimum": 0},
-                    "step_us_p99": {"type": ["number", "null"], "minimum": 0},
-                    "wire_bytes_per_step": {"type": "number", "minimum": 0},
-                    "peak_bytes": {"type": "integer", "minimum": 0},
-                    "requests": {"type": "integer", "minimum": 1},
-                    "steps": {"type": "integer", "minimum": 1},
-                },
-            },
-        },
-    },
-}
-
 
 @dataclass
 class BenchRun:
@@ -76,6 +21,10 @@ class BenchRun:
     repeats: int
     results: list[ArmResult] = field(default_factory=list)
     delta_roundtrip_us: float | None = None
+    store: dict[tuple[str, int, int], dict[str, Any]] = field(default_factory=dict)
+    """``--wire mooncake``: per (arm, context length, concurrency), the bytes through the store."""
+    stopped: str | None = None
+    """Why the run ended before its last bucket (``interrupted``), or None when every bucket was measured."""
 
 
 def roundtrip_lines(run: BenchRun) -> list[str]:
@@ -222,8 +171,8 @@ def format_table(results: list[ArmResult], baseline: str = UPSTREAM, *, decode_s
                 _fmt_us_range(*ci) if ci else "-",
                 _fmt_us(r.step_us_p99),
                 _fmt_us(tot),
-                _fmt_bytes(r.wire_bytes_per_step),
-                _fmt_bytes(r.peak_bytes),
+                _fmt_bytes(r.wire_bytes_per_step) if r.samples_us else "-",  # not measured: not 0 B
+                _fmt_bytes(r.peak_bytes) if r.samples_us else "-",
                 ratio,
                 ok,
             ]
@@ -249,95 +198,3 @@ def format_table(results: list[ArmResult], baseline: str = UPSTREAM, *, decode_s
     if notes:
         out += ["views differing from the cat reference (or errors):", *notes]
     return "\n".join(out)
-
-
-def machine_info(run: BenchRun | None = None) -> dict[str, Any]:
-    """Where the run happened (and how it was run, under ``run``)."""
-
-    def ver(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "omni_accum": ver("omni-accum"),
-        "vllm_omni": ver("vllm-omni"),
-    }
-    if run is not None:
-        info["run"] = {
-            "view_hop": run.view_hop,
-            "repeats": run.repeats,
-            "delta_roundtrip_us": run.delta_roundtrip_us,
-        }
-    return info
-
-
-def _num(x: float) -> float | None:
-    return None if math.isnan(x) else round(x, 3)
-
-
-def to_json(run: BenchRun) -> dict[str, Any]:
-    """The JSON document of a run (validates against :data:`RESULT_SCHEMA`)."""
-    rows = []
-    for r in run.results:
-        rows.append(
-            {
-                "arm": r.arm,
-                "key": r.key,
-                "context_len": r.context_len,
-                "concurrency": r.concurrency,
-                "step_us_p50": _num(r.step_us_p50),
-                "step_us_p99": _num(r.step_us_p99),
-                "wire_bytes_per_step": round(r.wire_bytes_per_step, 3),
-                "peak_bytes": int(r.peak_bytes),
-                "requests": r.requests,
-                "steps": r.steps,
-            }
-        )
-        for k, ks in sorted(r.per_key.items()):
-            rows.append(
-                {
-                    "arm": r.arm,
-                    "key": k,
-                    "context_len": r.context_len,
-                    "concurrency": r.concurrency,
-                    "step_us_p50": None,
-                    "step_us_p99": None,
-                    "wire_bytes_per_step": round(ks.wire_bytes_per_step, 3),
-                    "peak_bytes": int(ks.peak_bytes),
-                    "requests": r.requests,
-                    "steps": r.steps,
-                }
-            )
-    return {"workload": run.workload.name, "wire": run.wire, "machine": machine_info(run), "results": rows}
-
-
-def write_json(run: BenchRun, path: str | os.PathLike[str]) -> None:
-    """Through a random temporary file (``O_EXCL``, in the output's folder) and a rename onto ``path`` itself (a
-    link there is replaced, never written through; ``<out>.tmp`` was a fixed name that followed a link planted
-    there); the folder is never created (its folder and kind are checked before the run: output_path_problem)."""
-    import tempfile
-
-    from omni_accum.tuner.files import _umask
-
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(to_json(run), indent=2) + "\n")
-        os.chmod(tmp, 0o666 & ~_umask())  # as open() would make it
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

@@ -153,7 +153,14 @@ def register(subparsers: Any) -> None:
         "through a real vllm-omni 0.30.0 runner transport with omni-accum installed (needs vllm-omni)",
     )
     p.add_argument("--per-key", action="store_true", help="also report wire and held bytes per key")
-    p.add_argument("--json", action=OnceAction, metavar="OUT", help="write results as JSON")
+    p.add_argument(
+        "--json",
+        action=OnceAction,
+        metavar="OUT",
+        help="write results as JSON (omni_accum.bench.RESULT_SCHEMA; each arm's status: ok, failed or wrong views), "
+        "atomically: a symlink at OUT is replaced, not written through. Ctrl-C writes the buckets finished "
+        '("complete": false)',
+    )
     p.add_argument(
         "--plot",
         action=OnceAction,
@@ -289,23 +296,32 @@ def run(args: argparse.Namespace) -> int:
     via = " through vllm-omni's runner transport" if args.through == "vllm-omni" else ""
     print(f"workload {wl.name}: arms {', '.join(arms)}; wire {args.wire}{hop}{via}; {args.repeats} repeats", flush=True)
 
+    from omni_accum.bench.results import interrupted_json
+
+    finished = bench.BenchRun(wl, args.wire, args.view_hop, args.repeats)  # what a Ctrl-C leaves to --json
+
     def show(results: list[Any]) -> None:
+        finished.results += results
         print()
         print(bench.format_table(results, decode_steps=wl.decode_steps), flush=True)
 
-    result = bench.run_bench(
-        wl,
-        arms,
-        context_lens=args.context_lens,
-        concurrency=args.concurrency,
-        wire=args.wire,
-        view_hop=args.view_hop,
-        repeats=args.repeats,
-        per_key=args.per_key,
-        through=args.through,
-        progress=None if args.no_progress else sys.stderr,
-        on_bucket=show,
-    )
+    try:
+        result = bench.run_bench(
+            wl,
+            arms,
+            context_lens=args.context_lens,
+            concurrency=args.concurrency,
+            wire=args.wire,
+            view_hop=args.view_hop,
+            repeats=args.repeats,
+            per_key=args.per_key,
+            through=args.through,
+            progress=None if args.no_progress else sys.stderr,
+            on_bucket=show,
+        )
+    except KeyboardInterrupt:
+        interrupted_json(finished, args.json)  # the buckets finished, marked incomplete, as tune keeps its own
+        raise
     if result.delta_roundtrip_us is not None:
         print(f"\none decode delta's serializer round trip: {result.delta_roundtrip_us:.1f} us (alone, warm)")
         for line in bench.roundtrip_lines(result):
