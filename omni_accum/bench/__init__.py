@@ -38,7 +38,7 @@ from omni_accum.bench.plotting import (
     plot_path_problem,
     require_matplotlib,
 )
-from omni_accum.bench.report import BenchRun, format_table, p50_interval, ratio_vs, roundtrip_lines
+from omni_accum.bench.report import BenchRun, format_table, p50_interval, ratio_vs, roundtrip_lines, upstream_notes
 from omni_accum.bench.results import RESULT_SCHEMA, machine_info, to_json, write_json
 from omni_accum.bench.runner import (
     BenchError,
@@ -76,6 +76,7 @@ __all__ = [
     "strategy_arm",
     "to_json",
     "upstream_available",
+    "upstream_notes",
     "workload_policy_problem",
     "write_json",
 ]

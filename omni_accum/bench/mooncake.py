@@ -137,7 +137,8 @@ def _sender(
             try:
                 for i in range(n):
                     for r, rid in enumerate(rids):
-                        _send_step(conn, engine, rd, wr, res[lab], streams[r][i], rid, r, i, rep, steps, totals, keys[r])
+                        chunk = streams[r][i]
+                        _send_step(conn, engine, rd, wr, res[lab], chunk, rid, r, i, rep, steps, totals, keys[r])
                         if i == n - 1:  # the request has finished: its objects may go (untimed)
                             engine.release(rid)
                             if not keep:
@@ -349,7 +350,7 @@ DEFAULT_SEGMENT = "1GiB"
 
 def run_cli(args: Any, wl: Any, arms: Mapping[str, Any]) -> int:
     """``omni-accum bench --wire mooncake`` (called by :mod:`omni_accum.cli.bench` once the arms are built)."""
-    from omni_accum.bench.report import BenchRun, format_table  # noqa: PLC0415
+    from omni_accum.bench.report import BenchRun, format_table, upstream_notes  # noqa: PLC0415
     from omni_accum.bench.results import interrupted_json  # noqa: PLC0415
 
     problem = _cli_problem(args)
@@ -400,6 +401,8 @@ def run_cli(args: Any, wl: Any, arms: Mapping[str, Any]) -> int:
 
         write_json(run, args.json)
         print(f"wrote {args.json}")
+    for line in upstream_notes(results):
+        print(line)
     wrong = sorted({r.arm for r in results if not r.correct and r.arm != "upstream"})
     if wrong:
         print(

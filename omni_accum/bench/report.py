@@ -192,9 +192,29 @@ def format_table(results: list[ArmResult], baseline: str = UPSTREAM, *, decode_s
     if base is not None and len(results) > 1:
         out.append(
             f"(95% CI over every step of {len(base.samples_us)} repeat(s): of the p50, two order statistics around "
-            f"the middle; of a ratio, a bootstrap of both arms' medians. 'within noise': the ratio's interval holds 1x; "
+            "the middle; of a ratio, a bootstrap of both arms' medians. 'within noise': the ratio's interval holds 1x; "
             f"'under {MIN_GAIN:.0%}': a difference smaller than tune acts on)"
         )
     if notes:
         out += ["views differing from the cat reference (or errors):", *notes]
     return "\n".join(out)
+
+
+def upstream_notes(results: list[ArmResult], through: str = "direct") -> list[str]:
+    """What a run's tables leave unsaid about ``upstream``: it raised (and what the ratios compare with then), or its
+    views differ from the workload's declared semantics."""
+    upstream = [r for r in results if r.arm == UPSTREAM and not r.correct]
+    if not any(r.error is not None for r in upstream):
+        differ = "note: upstream's own views differ from the workload's declared key semantics (see above)"
+        return [differ] if upstream else []
+    note = (
+        "note: vllm-omni's own accumulation (upstream) raised on this stream (see above). On vllm-omni 0.30.0 the "
+        "receiving adapter does not accumulate it: it hands each chunk over as it came, which the wire-floor arm "
+        "measures"
+    )
+    if through != "direct":
+        return [note + f"; --through {through} cannot run wire-floor, so the tables have no ratio: give a workload "
+                "upstream's code accumulates (--workload qwen3-omni-seed), or leave --through out"]
+    if not any(r.arm == WIRE_FLOOR for r in results):
+        return [note + "; the tables have no ratio: add wire-floor to --arms (or give --workload qwen3-omni-seed)"]
+    return [note + " (the ratio column compares with it)"]

@@ -25,10 +25,13 @@ from omni_accum.bench.workloads import MAX_ROWS, workload_names
 
 EXAMPLES = """examples:
   omni-accum bench --workload qwen3-omni-seed --context-lens 1k,8k --concurrency 1
-  omni-accum bench --arms upstream prealloc qwen3-omni-flat wire-floor --json seed.json --plot seed.png
-  omni-accum bench --concurrency 10 --wire serializer --view-hop serializer --arms upstream qwen3-omni-flat
+  omni-accum bench --workload qwen3-omni-seed --arms upstream prealloc qwen3-omni-flat wire-floor \
+      --json seed.json --plot seed.png
+  omni-accum bench --workload qwen3-omni-seed --concurrency 10 --wire serializer --view-hop serializer \
+      --arms upstream qwen3-omni-flat
   omni-accum bench --workload my-traffic.yaml --arms upstream my-policy.yaml --per-key
-  omni-accum bench --wire mooncake --context-lens 1k,8k --concurrency 1 4 --arms upstream qwen3-omni-flat
+  omni-accum bench --workload qwen3-omni-seed --wire mooncake --context-lens 1k,8k --concurrency 1 4 \
+      --arms upstream qwen3-omni-flat
   omni-accum bench --wire mooncake --mooncake-occupancy 40 --context-lens 8k --mooncake-segment 1GiB"""
 
 
@@ -333,18 +336,12 @@ def run(args: argparse.Namespace) -> int:
         bench.plot(result, args.plot)
         print(f"wrote {args.plot}")
     wrong = sorted({r.arm for r in result.results if not r.correct and r.arm != "upstream"})
-    upstream = [r for r in result.results if r.arm == "upstream" and not r.correct]
-    if any(r.error is not None for r in upstream):
-        print(
-            "note: vllm-omni's own accumulation (upstream) raised on this stream (see above). On vllm-omni 0.30.0 the "
-            "receiving adapter does not accumulate it: it hands each chunk over as it came, which the wire-floor arm "
-            "measures (the ratio column compares with it when it ran)"
-        )
-    elif upstream:
-        print("note: upstream's own views differ from the workload's declared key semantics (see above)")
+    for line in bench.upstream_notes(result.results, args.through):
+        print(line)
     if wrong:
         print(
-            f"omni-accum bench: error: arm(s) {', '.join(wrong)} gave views differing from the cat reference", file=sys.stderr
+            f"omni-accum bench: error: arm(s) {', '.join(wrong)} gave views differing from the cat reference",
+            file=sys.stderr,
         )
         return 1
     return 0

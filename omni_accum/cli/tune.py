@@ -68,7 +68,7 @@ EXAMPLES = """examples:
   omni-accum tune --quick --out tuned.yaml
   omni-accum tune --out tuned.yaml --context-lens 1k,8k,32k --concurrency 1,10 --budget-s 600
   omni-accum tune --resume --out tuned.yaml
-  omni-accum tune --workload qwen3-omni-seed --base qwen3-omni-flat --out old-release.yaml --no-progress
+  omni-accum tune --workload qwen3-omni-seed --out old-release.yaml --no-progress
 """
 
 

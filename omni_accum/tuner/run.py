@@ -317,6 +317,8 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
     if not keys:
         few = opts.decode_steps is not None and any("one chunk only" in v for v in skipped.values())
         hint = f" (--decode-steps {opts.decode_steps} leaves too few decode chunks: give 2 or more)" if few else ""
+        if any("baseline's rules" in v for v in skipped.values()):
+            hint += f"; --base {opts.base}'s rules decide keys the table could: give a --base without them (default)"
         raise TuneError(
             f"nothing to tune on workload {wl.name!r}: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()) + hint
         )
