@@ -583,3 +583,15 @@ def test_a_table_that_keeps_the_baseline_everywhere_is_said_to_run_as_the_baseli
     assert "wire-floor step p50" in head and "upstream step p50" not in head and "wire-floor /req" in head
     changed = gain_table([outcome("token_list"), outcome("cat")], "upstream", "default")
     assert "slower per step than wire-floor in every bucket where it leaves the baseline" in changed
+
+
+def test_a_table_too_large_for_a_policy_file_is_refused_before_measuring(tmp_path, capsys, no_measuring):
+    """Bucket edges were unbounded: a table of thousands of cells took minutes and gigabytes to read back (a 15 MiB
+    policy took 83 s and 1.9 GB to validate), in every process that serves it."""
+    from omni_accum.tuner.buckets import MAX_TUNED_CELLS
+
+    edges = ",".join(str(1000 + i) for i in range(MAX_TUNED_CELLS))  # and _tune_args' 64: one too many
+    rc = cli.main(_tune_args(tmp_path, tmp_path / "t.yaml", "--context-lens", edges))
+    err = capsys.readouterr().err
+    assert rc == 2 and f"= {MAX_TUNED_CELLS + 1} cells; a tuned table holds at most {MAX_TUNED_CELLS}" in err, err
+    assert not (tmp_path / "t.yaml").exists()

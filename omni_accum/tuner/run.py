@@ -22,6 +22,7 @@ from omni_accum.tuner.buckets import (
     QUICK_CONCURRENCY,
     QUICK_CONTEXT_LENS,
     check_edges,
+    table_size_problem,
 )
 from omni_accum.tuner.candidates import candidate_set_hash
 from omni_accum.tuner.files import (
@@ -322,6 +323,8 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
         raise TuneError(
             f"nothing to tune on workload {wl.name!r}: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()) + hint
         )
+    if (problem := table_size_problem(len(cls), len(concs), len(keys))) is not None:
+        raise TuneError(problem)
     cands = all_candidates(wl_t, keys, grid=not opts.quick)
     fp = current_fingerprint(
         opts.device, candidate_set_hash(cands, __import__("omni_accum.manager").manager.get_manager())
