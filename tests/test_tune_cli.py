@@ -595,3 +595,16 @@ def test_a_table_too_large_for_a_policy_file_is_refused_before_measuring(tmp_pat
     err = capsys.readouterr().err
     assert rc == 2 and f"= {MAX_TUNED_CELLS + 1} cells; a tuned table holds at most {MAX_TUNED_CELLS}" in err, err
     assert not (tmp_path / "t.yaml").exists()
+
+
+def test_a_link_planted_at_the_partial_file_is_replaced_not_written_through(tmp_path, monkeypatch):
+    """--out is written through a link (a deployed table); the partial file beside it is tune's own, and followed a
+    link planted at its name as well."""
+    victim = tmp_path / "victim.yaml"
+    victim.write_text("mine\n")
+    (tmp_path / "tuned.partial.yaml").symlink_to(victim)
+    monkeypatch.setattr("omni_accum.tuner.run.time", _Clock())
+    res = tune(_opts(tmp_path, context_lens=[64, 256], budget_s=1))
+    assert not res.complete and victim.read_text() == "mine\n"
+    part = tmp_path / "tuned.partial.yaml"
+    assert not part.is_symlink() and omni_accum.load_policy(part).tuned is not None

@@ -441,7 +441,7 @@ def _write(opts: TuneOptions, result: TuneResult, text: str, complete: bool) -> 
         part.unlink(missing_ok=True)
         result.out = Path(opts.out)
     else:
-        write_atomic(part, text)
+        write_atomic(part, text, follow_link=False)  # tune's own file: a link planted there is replaced
         result.out = part
 
 
