@@ -144,7 +144,7 @@ def test_output_format_follows_the_extension_and_reads_back(tmp_path, monkeypatc
 
     monkeypatch.setattr("omni_accum.tuner.run.tune_bucket", refuse)
     assert cli.main(_tune_args(tmp_path, out, "--resume")) == 0
-    assert "reused from" in capsys.readouterr().err
+    assert "reused (--resume)" in capsys.readouterr().err
     assert cli.main(["validate", str(out)]) == 0
 
 
@@ -309,7 +309,7 @@ def _remeasured_on_resume(tmp_path: Path, monkeypatch, first: dict, second: dict
 
 def test_resume_reuses_buckets_when_every_setting_matches(tmp_path, monkeypatch):
     calls, log = _remeasured_on_resume(tmp_path, monkeypatch, {}, {})
-    assert calls == [] and "reused from" in log and "not reusing" not in log
+    assert calls == [] and "reused (--resume)" in log and "not reusing" not in log
     settings = omni_accum.load_policy(tmp_path / "tuned.yaml").tuned.fingerprint["settings"]
     from omni_accum.tuner.run import SETTING_OPTIONS
 

@@ -125,7 +125,7 @@ class OnceAction(argparse.Action):
 
 
 def workload_problem(name: str) -> str | None:
-    """Why ``--workload NAME`` names neither a preset nor a workload file: a usage error (exit 2), or None.
+    """Why ``--workload NAME`` names neither a preset nor a valid workload file: a usage error (exit 2), or None.
 
     A FIFO or a device is refused without being opened (it could block or never end).
     """
@@ -134,7 +134,13 @@ def workload_problem(name: str) -> str | None:
     from omni_accum.bench.workloads import PRESETS, WorkloadError, load_workload
 
     path = Path(name)
-    if name in PRESETS or path.is_file():
+    if name in PRESETS:
+        return None
+    if path.is_file():  # an invalid file is a usage error too, as an unknown name is
+        try:
+            load_workload(name)
+        except WorkloadError as e:
+            return f"--workload {name}: {e}"
         return None
     if path.exists() and not path.is_dir():
         return f"--workload {name}: not a regular file; give a YAML or JSON workload file or a preset name"

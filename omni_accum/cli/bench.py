@@ -229,7 +229,8 @@ def _wire_options_problem(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from omni_accum import bench
-    from omni_accum.bench.workloads import WorkloadError, load_workload
+    from omni_accum.bench.workloads import load_workload
+    from omni_accum.errors import PolicyError
 
     problem = _wire_options_problem(args)
     if problem:
@@ -267,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
         wl = load_workload(args.workload)
     problem = bench.workload_policy_problem(wl, args.workload)
     if problem:
-        raise WorkloadError(problem)
+        return _usage_error(problem)
     problem = _overwrite_problem(args, wl)
     if problem:
         return _usage_error(problem)
@@ -277,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
         arms = bench.build_arms(wl, args.arms, warn=sys.stderr, through=args.through)
     except bench.UnknownArmError as e:
         return _usage_error(str(e))
+    except PolicyError as e:  # an arm's policy file that does not load: an input named on the command line
+        return _usage_error(f"--arms: {e}")
     apply_threads(args.threads)
     if args.wire == "arena":
         from omni_accum.arena.pairbench import run_cli as run_arena

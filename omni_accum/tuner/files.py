@@ -149,6 +149,9 @@ OUTPUT_FORMATS = {".yaml": "yaml", ".yml": "yaml", ".json": "json"}
 def output_format(path: str | os.PathLike[str]) -> str:
     """``"yaml"`` or ``"json"`` from the extension of ``path``; :class:`TuneError` for any other."""
     p = Path(path)
+    if str(path) == "-":
+        raise TuneError("--out -: stdout is not supported (the table is written after every bucket, and --resume reads "
+                        "it back): give a .yaml, .yml or .json file")  # fmt: skip
     fmt = OUTPUT_FORMATS.get(p.suffix.lower())
     if fmt is None:
         what = f"{p.suffix!r} files" if p.suffix else "files without an extension"

@@ -38,24 +38,28 @@ def decision_table(table: TunedTable) -> str:
         if c.params:
             inner = ",".join(f"{k}={v}" for k, v in sorted(c.params.items()))
             win_t = c.timings_us.get(f"{c.strategy}{{{inner}}}", win_t)
-        changed = "" if same_choice(c.strategy, c.params, c.baseline) else " *"
-        ci = "-" if c.ci is None else f"[{_pct(c.ci[0])}, {_pct(c.ci[1])}]"
+        kept = same_choice(c.strategy, c.params, c.baseline)
+        changed = "" if kept else " *"
+        ci = "-" if c.ci is None or kept else f"[{_pct(c.ci[0])}, {_pct(c.ci[1])}]"
         rows.append(
             [
                 f">={c.context_len}",
                 f">={c.concurrency}",
                 c.key,
                 label + changed,
-                _pct(c.margin),
+                "-" if kept else _pct(c.margin),  # a kept baseline has no margin: its best challenger's is under why
                 ci,
                 _us(base_t),
-                _us(win_t),
+                _us(base_t if kept else win_t),
                 str(len(c.timings_us)),
                 str(len(c.excluded)),
             ]
         )
     head = ["context", "conc", "key", "strategy", "margin", "95% CI", "baseline", "winner", "timed", "excluded"]
-    out = _table(rows, head) + "\n(* = leaves the baseline; margin = step-time gain over the baseline)"
+    out = _table(rows, head) + (
+        "\n(* = leaves the baseline; margin = step-time gain of the strategy over the baseline, '-' where the baseline "
+        "is kept: its best challenger is under why)"
+    )
     why = reasons(table)
     return out + ("\n\nwhy:\n" + "\n".join(why) if why else "")
 

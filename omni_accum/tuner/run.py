@@ -368,7 +368,6 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
                             x.key, Candidate(x.strategy, dict(x.params)), x.baseline, x.margin, x.ci,
                             dict(x.timings_us), dict(x.excluded), dict(x.peak_bytes), x.reason,
                         )  # fmt: skip
-                _say(log, f"bucket context_len={cl} concurrency={c}: reused from {opts.out}")
             else:
                 if deadline is not None and measured and time.monotonic() > deadline:
                     result.stopped = f"budget of {opts.budget_s:g} s spent after {i} of {len(buckets)} buckets"
@@ -405,7 +404,8 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
             result.outcomes.append(outcome)
             _write(opts, result, _serialise(policy, wl, opts, done), done)
             result.policy = policy
-            _say(log, f"bucket context_len={cl} concurrency={c}: {outcome.rounds} round(s), {outcome.seconds:.1f} s")
+            took = f"{outcome.rounds} round(s), {outcome.seconds:.2f} s" if not outcome.reused else "reused (--resume)"
+            _say(log, f"bucket context_len={cl} concurrency={c}: {took}")
     except KeyboardInterrupt:
         result.stopped = "interrupted"
         result.complete = False
