@@ -127,3 +127,19 @@ def test_the_schema_refuses_a_made_up_wire_and_a_missing_status():
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**doc, "results": [row]}, bench.RESULT_SCHEMA)
     assert not math.isnan(doc["results"][0]["step_us_p50"])
+
+
+def test_the_arena_wire_replaces_a_link_at_its_json_as_the_other_wires_do(tmp_path, monkeypatch):
+    """`--wire arena --json` went through tune's writer, which writes through a link at the output."""
+    from types import SimpleNamespace
+
+    from omni_accum.arena import pairbench
+
+    monkeypatch.setattr(pairbench, "run_pair", lambda *a, **k: [])
+    victim = tmp_path / "victim.json"
+    victim.write_text("mine\n")
+    out = tmp_path / "out.json"
+    out.symlink_to(victim)
+    args = SimpleNamespace(context_lens=[16], concurrency=[1], arena_wait=None, repeats=1, json=str(out))
+    assert pairbench.run_cli(args, load_workload("qwen3-omni-0.30")) == 0
+    assert victim.read_text() == "mine\n" and not out.is_symlink() and json.loads(out.read_text())["wire"] == "arena"
