@@ -28,7 +28,8 @@ def test_explain_and_show_json_on_an_invalid_policy_print_its_errors_on_stdout(t
         out, err = capsys.readouterr()
         doc = json.loads(out)
         assert doc["valid"] is False and doc["policy"] == str(p)
-        assert [(e["loc"], e["line"]) for e in doc["errors"]] == [("default.strategy", 1), ("rules[0].params.growth", 5)]
+        found = [(e["loc"], e["line"]) for e in doc["errors"]]
+        assert found == [("default.strategy", 1), ("rules[0].params.growth", 5)]
         assert "invalid policy" in err
 
 

@@ -210,7 +210,8 @@ def interrupted_json(run: BenchRun, path: str | os.PathLike[str] | None) -> None
     if not path:
         return
     if not run.results:
-        print(f"omni-accum bench: no bucket finished before the interrupt: --json {path} was not written", file=sys.stderr)
+        print(f"omni-accum bench: no bucket finished before the interrupt: --json {path} was not written",
+              file=sys.stderr)  # fmt: skip
         return
     run.stopped = "interrupted"
     write_json(run, path)

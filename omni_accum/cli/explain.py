@@ -224,7 +224,9 @@ def _context_len(text: str) -> int:
     """argparse type: one context length, 1 to bench's :data:`~omni_accum.bench.workloads.MAX_ROWS`."""
     n = int_value(text)
     if n > MAX_ROWS:
-        raise argparse.ArgumentTypeError(f"{n} is over {MAX_ROWS} ({MAX_ROWS // 1000}k), the longest context bench takes")
+        raise argparse.ArgumentTypeError(
+            f"{n} is over {MAX_ROWS} ({MAX_ROWS // 1000}k), the longest context bench takes"
+        )
     return n
 
 

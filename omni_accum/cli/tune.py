@@ -140,8 +140,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=Path,
         metavar="FILE",
         help="where to write the tuned policy (required unless --show): .yaml or .yml (YAML) or .json (JSON); "
-        "written atomically, through a symlink to its target (a deployed table), keeping an existing file's permissions "
-        "(the partial file beside it replaces a link there, as bench --json does)",
+        "written atomically, through a symlink to its target (a deployed table), keeping an existing file's "
+        "permissions (the partial file beside it replaces a link there, as bench --json does)",
     )
     target.add_argument("--show", metavar="POLICY", help="print the decision table of a tuned policy file and exit")
     p.add_argument(
