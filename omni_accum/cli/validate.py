@@ -20,7 +20,7 @@ from omni_accum.engine.endpoint import _Endpoint
 from omni_accum.errors import OmniAccumError, PolicyError
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import table_mismatches
-from omni_accum.policy.loader import build_policy, format_problem, parse_text, read_policy_argument
+from omni_accum.policy.loader import build_policy, format_problem, parse_text, read_policy_argument, strategy_problems
 from omni_accum.policy.model import Policy
 from omni_accum.policy.parsing import LineIndex, TomlText
 from omni_accum.policy.stages import later_stage_problems
@@ -108,7 +108,7 @@ def _later_stages(rec: dict[str, Any], data: Any, text: str, manager: StrategyMa
     lines = LineIndex(text)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        later, partial, index = later_stage_problems(data, lines, manager)
+        later, partial, index = later_stage_problems(data, lines, manager, strategy_problems)
     seen = {(p["loc"], p["msg"]) for p in rec["errors"]}
     rec["errors"] += [p for p in later if (p["loc"], p["msg"]) not in seen]
     rec["errors"].sort(key=lambda p: p.get("line") or 0)

@@ -11,13 +11,12 @@ earlier glob covers).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pydantic import ValidationError
 
 from omni_accum.manager import StrategyManager
-from omni_accum.policy.loader import strategy_problems
 from omni_accum.policy.model import Policy, Rule
 from omni_accum.policy.parsing import LineIndex
 
@@ -38,13 +37,17 @@ class _RuleLines(LineIndex):
         return self._lines(loc)
 
 
+#: The second stage: ``loader.strategy_problems`` (passed in, so that the loader can call this module too).
+Check = Callable[[Policy, StrategyManager, LineIndex], list[dict[str, Any]]]
+
+
 def later_stage_problems(
-    data: Any, lines: LineIndex, manager: StrategyManager
+    data: Any, lines: LineIndex, manager: StrategyManager, check: Check
 ) -> tuple[list[dict[str, Any]], Policy | None, dict[int, int]]:
-    """``(problems, partial policy, index)`` after a failed schema: the strategy-name and param problems of the
-    ``default`` and of every rule valid on its own (``{"loc", "line", "msg"}`` at the file's own index and line),
-    the policy those make (None when nothing parsed), and ``index``: its rule ``j`` is the file's rule
-    ``index[j]``."""
+    """``(problems, partial policy, index)`` after a failed schema: ``check``'s problems (the strategy names and
+    params) of the ``default`` and of every rule valid on its own (``{"loc", "line", "msg"}`` at the file's own
+    index and line), the policy those make (None when nothing parsed), and ``index``: its rule ``j`` is the file's
+    rule ``index[j]``."""
     if not isinstance(data, Mapping):
         return [], None, {}
     kept: list[dict[str, Any]] = []
@@ -67,7 +70,7 @@ def later_stage_problems(
         policy = Policy.model_validate(partial, context={"allow_repeats": True})
     except (ValidationError, TypeError, ValueError):
         return [], None, {}
-    problems = strategy_problems(policy, manager, _RuleLines(lines, index))
+    problems = check(policy, manager, _RuleLines(lines, index))
     for p in problems:
         loc = str(p.get("loc") or "")
         if loc.startswith("rules["):
