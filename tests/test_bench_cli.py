@@ -66,7 +66,7 @@ def test_bad_workload_file_is_one_line_naming_the_field(tmp_path, capsys):
     bad.write_text("name: w\nkeys:\n  - {path: x, kind: sideways}\n")
     rc = main(["bench", "--workload", str(bad), *SMALL])
     err = capsys.readouterr().err
-    assert rc == 1 and "keys[0].kind" in err and "Traceback" not in err
+    assert rc == 2 and "keys[0].kind" in err and "Traceback" not in err
 
 
 def test_unknown_arm_lists_the_choices(capsys):
@@ -185,7 +185,7 @@ def test_negative_row_shape_is_one_line_naming_the_field(tmp_path, capsys):
     bad.write_text("name: w\nkeys: [{path: a.b, kind: append, carried: decode, read: newest_row, row_shape: [-5]}]\n")
     rc = main(["bench", "--workload", str(bad), "--arms", "cat", *SMALL])
     err = capsys.readouterr().err
-    assert rc == 1 and "keys[0].row_shape[0]" in err and "Traceback" not in err
+    assert rc == 2 and "keys[0].row_shape[0]" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(("plot", "needle"), [("p.out", "extension .out"), ("noext", "has no extension")])
@@ -305,7 +305,7 @@ def test_workload_policy_that_names_nothing_is_reported_with_its_origin(tmp_path
     wl = _workload_file(tmp_path, policy="nopreset")
     rc = main(["bench", "--workload", str(wl), *arms, *SMALL])
     err = capsys.readouterr().err
-    assert rc == 1 and f"{wl}: field 'policy': 'nopreset'" in err and "qwen3-omni-flat" in err
+    assert rc == 2 and f"{wl}: field 'policy': 'nopreset'" in err and "qwen3-omni-flat" in err
 
 
 def test_build_arms_names_the_workload_policy_field():
@@ -515,7 +515,7 @@ def test_a_bad_workload_field_names_its_line(tmp_path, capsys):
     bad.write_text("name: w\nkeys:\n  - path: x\n    kind: sideways\n")
     rc = main(["bench", "--workload", str(bad), *SMALL])
     err = capsys.readouterr().err
-    assert rc == 1 and "line 4: keys[0].kind" in err
+    assert rc == 2 and "line 4: keys[0].kind" in err
 
 
 @pytest.mark.parametrize(

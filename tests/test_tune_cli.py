@@ -144,7 +144,7 @@ def test_output_format_follows_the_extension_and_reads_back(tmp_path, monkeypatc
 
     monkeypatch.setattr("omni_accum.tuner.run.tune_bucket", refuse)
     assert cli.main(_tune_args(tmp_path, out, "--resume")) == 0
-    assert "reused from" in capsys.readouterr().err
+    assert "reused (--resume)" in capsys.readouterr().err
     assert cli.main(["validate", str(out)]) == 0
 
 
@@ -250,7 +250,7 @@ def test_a_bucket_larger_than_the_memory_available_is_refused_before_measuring(t
                                                                                monkeypatch):
     monkeypatch.setattr("omni_accum.bench.runner.available_memory", lambda: 1)
     out = tmp_path / "t.yaml"
-    assert cli.main(_tune_args(tmp_path, out)) == 2
+    assert cli.main(_tune_args(tmp_path, out)) == 1  # as bench: the same command fits a larger machine
     err = capsys.readouterr().err
     assert "concurrency=" in err and "needs at least" in err and "and 1 B is available" in err
     assert "Traceback" not in err and not out.exists()
@@ -309,7 +309,7 @@ def _remeasured_on_resume(tmp_path: Path, monkeypatch, first: dict, second: dict
 
 def test_resume_reuses_buckets_when_every_setting_matches(tmp_path, monkeypatch):
     calls, log = _remeasured_on_resume(tmp_path, monkeypatch, {}, {})
-    assert calls == [] and "reused from" in log and "not reusing" not in log
+    assert calls == [] and "reused (--resume)" in log and "not reusing" not in log
     settings = omni_accum.load_policy(tmp_path / "tuned.yaml").tuned.fingerprint["settings"]
     from omni_accum.tuner.run import SETTING_OPTIONS
 
@@ -542,13 +542,16 @@ def test_a_base_with_an_ab_section_is_tuned_from_its_first_arm(tmp_path, capsys)
 def test_the_gain_table_keeps_the_step_gain_and_the_request_totals_apart_and_says_when_to_deploy_nothing():
     """A row read "4.1x (-237.9% p50, CI [...])": a per-request speed-up beside a per-step loss, and a run slower in
     every bucket ended with "wrote ... (complete)" and nothing else."""
-    from omni_accum.tuner.core import BucketOutcome
+    from omni_accum.tuner.candidates import Candidate
+    from omni_accum.tuner.core import BucketOutcome, KeyDecision
     from omni_accum.tuner.report import gain_table
 
-    def outcome(gain, low, high, ref_total, tuned_total):
-        return BucketOutcome(1000, 1, verify={"reference_p50_us": 10.0, "tuned_p50_us": 10.0 * (1 - gain),
-                                              "gain": gain, "gain_low": low, "gain_high": high,
-                                              "reference_total_us": ref_total, "tuned_total_us": tuned_total})
+    def outcome(gain, low, high, ref_total, tuned_total, strategy="token_list", reference="upstream"):
+        d = KeyDecision("embed.decode", Candidate(strategy, {}), "cat", gain, (low, high), {}, {}, {})
+        return BucketOutcome(1000, 1, decisions={d.key: d},
+                             verify={"reference_p50_us": 10.0, "tuned_p50_us": 10.0 * (1 - gain), "gain": gain,
+                                     "gain_low": low, "gain_high": high, "reference_total_us": ref_total,
+                                     "tuned_total_us": tuned_total, "reference": reference})
 
     slower = gain_table([outcome(-2.379, -2.572, -2.284, 4100.0, 1000.0)], "default")
     assert "-237.9% [-257.2%, -228.4%]" in slower and "1.0 ms (0.24x)" in slower
@@ -557,3 +560,51 @@ def test_the_gain_table_keeps_the_step_gain_and_the_request_totals_apart_and_say
     assert "no bucket differs from upstream beyond the noise" in noise and "slower per step" not in noise
     better = gain_table([outcome(0.5, 0.4, 0.6, 1000.0, 500.0)], "upstream")
     assert "beyond the noise" not in better and "slower per step" not in better
+
+
+def test_a_table_that_keeps_the_baseline_everywhere_is_said_to_run_as_the_baseline_not_to_be_slower():
+    """`tune --out tuned.yaml` kept `cat` in every cell (the file runs as `default`) and said "slower per step than
+    upstream in every bucket ... not this file"; its "upstream step p50" column was wire-floor's."""
+    from omni_accum.tuner.candidates import Candidate
+    from omni_accum.tuner.core import BucketOutcome, KeyDecision
+    from omni_accum.tuner.report import gain_table
+
+    def outcome(strategy):
+        d = KeyDecision("embed.decode", Candidate(strategy, {}), "cat", 0.0, (-0.1, 0.1), {}, {}, {})
+        return BucketOutcome(1000, 1, decisions={d.key: d},
+                             verify={"reference_p50_us": 4.1, "tuned_p50_us": 17.5, "gain": -3.27, "gain_low": -3.55,
+                                     "gain_high": -3.17, "reference_total_us": 700.0, "tuned_total_us": 1400.0,
+                                     "reference": "wire-floor"})  # fmt: skip
+
+    kept = gain_table([outcome("cat"), outcome("cat")], "upstream", "default")
+    assert "slower per step" not in kept and "not this file" not in kept
+    assert "every cell keeps the baseline (default): this file runs as default does" in kept
+    head = kept.splitlines()[0]
+    assert "wire-floor step p50" in head and "upstream step p50" not in head and "wire-floor /req" in head
+    changed = gain_table([outcome("token_list"), outcome("cat")], "upstream", "default")
+    assert "slower per step than wire-floor in every bucket where it leaves the baseline" in changed
+
+
+def test_a_table_too_large_for_a_policy_file_is_refused_before_measuring(tmp_path, capsys, no_measuring):
+    """Bucket edges were unbounded: a table of thousands of cells took minutes and gigabytes to read back (a 15 MiB
+    policy took 83 s and 1.9 GB to validate), in every process that serves it."""
+    from omni_accum.tuner.buckets import MAX_TUNED_CELLS
+
+    edges = ",".join(str(1000 + i) for i in range(MAX_TUNED_CELLS))  # and _tune_args' 64: one too many
+    rc = cli.main(_tune_args(tmp_path, tmp_path / "t.yaml", "--context-lens", edges))
+    err = capsys.readouterr().err
+    assert rc == 2 and f"= {MAX_TUNED_CELLS + 1} cells; a tuned table holds at most {MAX_TUNED_CELLS}" in err, err
+    assert not (tmp_path / "t.yaml").exists()
+
+
+def test_a_link_planted_at_the_partial_file_is_replaced_not_written_through(tmp_path, monkeypatch):
+    """--out is written through a link (a deployed table); the partial file beside it is tune's own, and followed a
+    link planted at its name as well."""
+    victim = tmp_path / "victim.yaml"
+    victim.write_text("mine\n")
+    (tmp_path / "tuned.partial.yaml").symlink_to(victim)
+    monkeypatch.setattr("omni_accum.tuner.run.time", _Clock())
+    res = tune(_opts(tmp_path, context_lens=[64, 256], budget_s=1))
+    assert not res.complete and victim.read_text() == "mine\n"
+    part = tmp_path / "tuned.partial.yaml"
+    assert not part.is_symlink() and omni_accum.load_policy(part).tuned is not None

@@ -336,7 +336,7 @@ def run_cli(args: Any, wl: Workload) -> int:
 
         doc = {"wire": "arena", "workload": wl.name, "policy": wl.policy or "default", "wait": wait,
                "repeats": args.repeats, "buckets": buckets}  # fmt: skip
-        write_atomic(args.json, json.dumps(doc, indent=2) + "\n")
+        write_atomic(args.json, json.dumps(doc, indent=2) + "\n", follow_link=False)  # as bench's other --json
         print(f"\nwrote {args.json}")
     return 1 if bad else 0
 

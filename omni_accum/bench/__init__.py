@@ -12,10 +12,10 @@ The parts, bottom up:
 * :mod:`~omni_accum.bench.replay` (:func:`~omni_accum.bench.replay.measure`: one bucket, arms
   interleaved round by round, with the heap guard of :mod:`~omni_accum.bench._malloc`);
 * :mod:`~omni_accum.bench.arms`, :mod:`~omni_accum.bench.runner`, :mod:`~omni_accum.bench.report`
-  and :mod:`~omni_accum.bench.plotting`: ``omni-accum bench`` (arms from names, every bucket, tables,
-  JSON with :data:`RESULT_SCHEMA`, a plot).
+  :mod:`~omni_accum.bench.results` and :mod:`~omni_accum.bench.plotting`: ``omni-accum bench`` (arms from names,
+  every bucket, tables, JSON with :data:`RESULT_SCHEMA`, a plot).
 
-This package re-exports the names of the last four, which were ``omni_accum.bench`` before the
+This package re-exports the names of the last five, which were ``omni_accum.bench`` before the
 package existed (``from omni_accum.bench import build_arms``).
 """
 
@@ -38,17 +38,8 @@ from omni_accum.bench.plotting import (
     plot_path_problem,
     require_matplotlib,
 )
-from omni_accum.bench.report import (
-    RESULT_SCHEMA,
-    BenchRun,
-    format_table,
-    machine_info,
-    p50_interval,
-    ratio_vs,
-    roundtrip_lines,
-    to_json,
-    write_json,
-)
+from omni_accum.bench.report import BenchRun, format_table, p50_interval, ratio_vs, roundtrip_lines, upstream_notes
+from omni_accum.bench.results import RESULT_SCHEMA, machine_info, to_json, write_json
 from omni_accum.bench.runner import (
     BenchError,
     Progress,
@@ -85,6 +76,7 @@ __all__ = [
     "strategy_arm",
     "to_json",
     "upstream_available",
+    "upstream_notes",
     "workload_policy_problem",
     "write_json",
 ]

@@ -27,7 +27,7 @@ from typing import Any
 
 from omni_accum.errors import OmniAccumError
 
-from omni_accum.bench.mooncake_occupancy import Occupancy, format_occupancy, occupancy
+from omni_accum.bench.mooncake_occupancy import Occupancy, format_occupancy, format_store_table, occupancy
 from omni_accum.bench.mooncake_services import (
     HOST,
     MOONCAKE_ENV,
@@ -114,13 +114,19 @@ def _sender(
     rd, wr = pipe_ends(pipes, "tx")
     ctx, streams = _plan(wl, cl, concurrency)
     conn = make_connector(0, extra)
-    clock = time.perf_counter_ns
     res: dict[str, Any] = {
-        lab: {"samples": [], "totals": [], "bytes": 0, "puts": 0, "failed": 0, "steps": 0, "sizes": []} for lab in arms
+        lab: {"samples": [], "totals": [], "bytes": 0, "puts": 0, "failed": 0, "steps": 0, "sizes": [], "error": None}
+        for lab in arms
     }
     try:
         for lab, rep in _schedule(list(arms), repeats, warmup):
-            engine = make_engine(arms[lab], ctx)
+            if res[lab]["error"]:  # an arm that failed is reported as failed; the others go on
+                continue
+            try:
+                engine = make_engine(arms[lab], ctx)
+            except Exception as e:  # noqa: BLE001 - reported as the arm's failure
+                res[lab]["error"] = f"{type(e).__name__}: {e}"
+                continue
             rids = [f"{tag}-{lab}-{rep}-{r}" for r in range(concurrency)]
             wr.write(json.dumps(["begin", lab, rep]) + "\n")
             wr.flush()
@@ -128,37 +134,28 @@ def _sender(
             totals = [0.0] * concurrency
             keys: list[list[str]] = [[] for _ in rids]
             n = len(streams[0])
-            for i in range(n):
-                for r, rid in enumerate(rids):
-                    t0 = clock()
-                    sent = engine.encode(rid, streams[r][i])
-                    ok, size, _ = conn.put("0", "1", f"{rid}_{i}", sent)
-                    wr.write(json.dumps(["chunk", r, i, ok]) + "\n")
-                    wr.flush()
-                    ack = rd.readline()
-                    dt = (clock() - t0) / 1000.0
-                    if not ack.startswith("ok"):
-                        raise StageFailed(f"receiver: {ack.strip() or 'gone'}")
-                    keys[r].append(conn._make_key(f"{rid}_{i}", "0", "1"))
-                    if rep >= 0:
-                        steps.append(dt)
-                        totals[r] += dt
-                        st = res[lab]
-                        st["puts"] += 1
-                        st["bytes"] += int(size) if ok else 0
-                        if rep == 0:
-                            st["sizes"].append(int(size) if ok else 0)
-                        st["failed"] += 0 if ok else 1
-                    if i == n - 1:  # the request has finished: its objects may go (untimed)
-                        engine.release(rid)
-                        if not keep:
-                            conn.store.batch_remove(keys[r], True)
+            try:
+                for i in range(n):
+                    for r, rid in enumerate(rids):
+                        chunk = streams[r][i]
+                        _send_step(conn, engine, rd, wr, res[lab], chunk, rid, r, i, rep, steps, totals, keys[r])
+                        if i == n - 1:  # the request has finished: its objects may go (untimed)
+                            engine.release(rid)
+                            if not keep:
+                                conn.store.batch_remove(keys[r], True)
+                                keys[r] = []
+            except StageFailed:
+                raise
+            except Exception as e:  # noqa: BLE001 - this arm stops here, reported as failed
+                res[lab]["error"] = str(e) if isinstance(e, _ArmFailed) else f"{type(e).__name__}: {e}"
+                if not keep:  # what the unfinished requests put (untimed)
+                    conn.store.batch_remove([k for ks in keys for k in ks], True)
             wr.write(json.dumps(["end", lab, rep]) + "\n")
             wr.flush()
             if not rd.readline().startswith("ok"):
                 raise StageFailed("receiver gave no end-of-replay acknowledgement")
             engine.close()
-            if rep >= 0:
+            if rep >= 0 and not res[lab]["error"]:
                 res[lab]["samples"].append(steps)
                 res[lab]["totals"].append(statistics.fmean(totals))
                 res[lab]["steps"] += len(steps)
@@ -167,6 +164,34 @@ def _sender(
     finally:
         conn.close()
     return res
+
+
+class _ArmFailed(Exception):
+    """The receiver failed on an arm's chunk (its message): the arm stops, the bench goes on."""
+
+
+def _send_step(conn, engine, rd, wr, st, chunk, rid, r, i, rep, steps, totals, keys) -> None:  # noqa: ANN001, PLR0913
+    """One timed step: encode, put, tell the receiver, wait for its acknowledgement."""
+    t0 = time.perf_counter_ns()
+    sent = engine.encode(rid, chunk)
+    ok, size, _ = conn.put("0", "1", f"{rid}_{i}", sent)
+    wr.write(json.dumps(["chunk", r, i, ok]) + "\n")
+    wr.flush()
+    ack = rd.readline()
+    dt = (time.perf_counter_ns() - t0) / 1000.0
+    keys.append(conn._make_key(f"{rid}_{i}", "0", "1"))
+    if not ack:
+        raise StageFailed("receiver: gone")
+    if not ack.startswith("ok"):
+        raise _ArmFailed(ack.strip().removeprefix("error ") or "the receiver failed")
+    if rep >= 0:
+        steps.append(dt)
+        totals[r] += dt
+        st["puts"] += 1
+        st["bytes"] += int(size) if ok else 0
+        if rep == 0:
+            st["sizes"].append(int(size) if ok else 0)
+        st["failed"] += 0 if ok else 1
 
 
 def _receiver(
@@ -192,11 +217,14 @@ def _receiver(
                 break
             if msg[0] == "begin":
                 lab, rep = msg[1], msg[2]
-                engine = make_engine(arms[lab], ctx)
-                wr_views: dict[int, Any] = {}
+                try:
+                    engine = make_engine(arms[lab], ctx)
+                except Exception as e:  # noqa: BLE001 - every chunk of the arm then says so, and the sender stops it
+                    engine, out[lab]["error"] = None, f"{type(e).__name__}: {e}"
                 continue
             if msg[0] == "end":
-                engine.close()
+                if engine is not None:
+                    engine.close()
                 wr.write("ok\n")
                 wr.flush()
                 continue
@@ -204,6 +232,8 @@ def _receiver(
             try:
                 rid = f"{tag}-{lab}-{rep}-{r}"
                 got = conn.get("0", "1", f"{rid}_{i}") if ok else None
+                if engine is None:
+                    raise StageFailed(out[lab]["error"])
                 if got is None:
                     raise StageFailed(f"nothing in the store for {rid}_{i}")
                 view = engine.merge(rid, got[0])
@@ -220,7 +250,6 @@ def _receiver(
                         m = check_view(wl, streams[r], view)
                         if m:
                             st["mismatch"] = f"request {r}: {m}"
-                    wr_views[r] = True
                     engine.release(rid)
                 wr.write("ok\n")
             except Exception as e:  # noqa: BLE001 - the sender stops on it
@@ -277,10 +306,11 @@ def measure_mooncake(
         res.total_us_per_request = s["totals"]
         res.wire_bytes_per_step = s["bytes"] / s["puts"] if s["puts"] else 0.0
         res.peak_bytes = r["peak"]
-        if r["error"] or r["mismatch"]:
+        error = s["error"] or r["error"]  # the sender's: what it raised, or what the receiver said it raised
+        if error or r["mismatch"]:
             res.correct = False
-            res.mismatch = r["mismatch"] or r["error"]
-            res.error = r["error"]
+            res.mismatch = r["mismatch"] or error
+            res.error = error
         results.append(res)
         reqs = max(1, concurrency * repeats)
         store.append(
@@ -296,36 +326,6 @@ def measure_mooncake(
             )
         )
     return results, store
-
-
-def format_store_table(store: list[MooncakeArmResult], baseline: str = "upstream") -> str:
-    """Bytes through the store per step (mean, and the median put: a decode chunk), per request (= what vllm-omni
-    0.30.0 leaves pinned per request), each as a ratio to ``baseline``."""
-    from omni_accum.bench.report import _fmt_bytes  # noqa: PLC0415
-
-    base = next((s for s in store if s.arm == baseline), None)
-    rows = [["arm", "store/step", "p50 put", "store/request", f"vs {baseline}", "p50 put vs", "puts", "failed puts"]]
-    for s in store:
-        ratio = (
-            f"{s.store_bytes_per_request / base.store_bytes_per_request:.3g}x"
-            if base and base.store_bytes_per_request
-            else "-"
-        )
-        p50 = f"{s.put_bytes_p50 / base.put_bytes_p50:.3g}x" if base and base.put_bytes_p50 else "-"
-        rows.append(
-            [
-                s.arm,
-                _fmt_bytes(s.store_bytes_per_step),
-                _fmt_bytes(s.put_bytes_p50),
-                _fmt_bytes(s.store_bytes_per_request),
-                ratio,
-                p50,
-                str(s.puts),
-                str(s.failed_puts),
-            ]
-        )
-    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows)
 
 
 def _cli_problem(args: Any) -> str | None:
@@ -350,7 +350,8 @@ DEFAULT_SEGMENT = "1GiB"
 
 def run_cli(args: Any, wl: Any, arms: Mapping[str, Any]) -> int:
     """``omni-accum bench --wire mooncake`` (called by :mod:`omni_accum.cli.bench` once the arms are built)."""
-    from omni_accum.bench.report import format_table, machine_info  # noqa: PLC0415
+    from omni_accum.bench.report import BenchRun, format_table, upstream_notes  # noqa: PLC0415
+    from omni_accum.bench.results import interrupted_json  # noqa: PLC0415
 
     problem = _cli_problem(args)
     if problem:
@@ -370,7 +371,7 @@ def run_cli(args: Any, wl: Any, arms: Mapping[str, Any]) -> int:
     )
     host = StageHost().start()
     results: list[Any] = []
-    store: list[MooncakeArmResult] = []
+    run = BenchRun(wl, "mooncake", None, args.repeats, results)
     try:
         if args.mooncake_occupancy:
             for cl in cls:
@@ -386,46 +387,27 @@ def run_cli(args: Any, wl: Any, arms: Mapping[str, Any]) -> int:
                 for c in concs:
                     res, st = measure_mooncake(host, svc, wl, arms, context_len=cl, concurrency=c, repeats=args.repeats)
                     results += res
-                    store += st
+                    run.store.update({(s.arm, s.context_len, s.concurrency): vars(s) for s in st})
                     print()
                     print(format_table(res, decode_steps=wl.decode_steps))
                     print(format_store_table(st), flush=True)
+    except KeyboardInterrupt:
+        interrupted_json(run, args.json)  # what finished, marked incomplete (or a line saying nothing was written)
+        raise
     finally:
         host.stop()
     if args.json:
-        doc = {
-            "workload": wl.name,
-            "wire": "mooncake",
-            "machine": machine_info(),
-            "results": [
-                {
-                    "arm": r.arm,
-                    "key": r.key,
-                    "context_len": r.context_len,
-                    "concurrency": r.concurrency,
-                    "step_us_p50": r.step_us_p50,
-                    "step_us_p99": r.step_us_p99,
-                    "total_us_per_request": statistics.fmean(r.total_us_per_request)
-                    if r.total_us_per_request
-                    else None,
-                    "wire_bytes_per_step": r.wire_bytes_per_step,
-                    "store_bytes_per_request": s.store_bytes_per_request,
-                    "put_bytes_p50": s.put_bytes_p50,
-                    "failed_puts": s.failed_puts,
-                    "peak_bytes": r.peak_bytes,
-                    "requests": r.requests,
-                    "steps": r.steps,
-                    "correct": r.correct,
-                }
-                for r, s in zip(results, store)
-            ],
-        }
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        from omni_accum.bench.results import write_json  # noqa: PLC0415
+
+        write_json(run, args.json)
         print(f"wrote {args.json}")
+    for line in upstream_notes(results):
+        print(line)
     wrong = sorted({r.arm for r in results if not r.correct and r.arm != "upstream"})
     if wrong:
         print(
-            f"omni-accum: error: arm(s) {', '.join(wrong)} gave views differing from the cat reference", file=sys.stderr
+            f"omni-accum bench: error: arm(s) {', '.join(wrong)} gave views differing from the cat reference",
+            file=sys.stderr,
         )
         return 1
     return 0

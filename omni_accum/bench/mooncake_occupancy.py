@@ -186,3 +186,33 @@ def format_occupancy(occ: list[Occupancy]) -> str:
         )
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows)
+
+
+def format_store_table(store: list[Any], baseline: str = "upstream") -> str:
+    """Bytes through the store per step (mean, and the median put: a decode chunk), per request (= what vllm-omni
+    0.30.0 leaves pinned per request), each as a ratio to ``baseline``."""
+    from omni_accum.bench.report import _fmt_bytes  # noqa: PLC0415
+
+    base = next((s for s in store if s.arm == baseline), None)
+    rows = [["arm", "store/step", "p50 put", "store/request", f"vs {baseline}", "p50 put vs", "puts", "failed puts"]]
+    for s in store:
+        ratio = (
+            f"{s.store_bytes_per_request / base.store_bytes_per_request:.3g}x"
+            if base and base.store_bytes_per_request
+            else "-"
+        )
+        p50 = f"{s.put_bytes_p50 / base.put_bytes_p50:.3g}x" if base and base.put_bytes_p50 else "-"
+        rows.append(
+            [
+                s.arm,
+                _fmt_bytes(s.store_bytes_per_step),
+                _fmt_bytes(s.put_bytes_p50),
+                _fmt_bytes(s.store_bytes_per_request),
+                ratio,
+                p50,
+                str(s.puts),
+                str(s.failed_puts),
+            ]
+        )
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows)

@@ -62,7 +62,7 @@ def context_label(n: float) -> str:
 
 def plot_series(run: BenchRun) -> dict[tuple[str, int], list[tuple[int, float, float, float]]]:
     """``{(arm, concurrency): [(context_len, p50, low, high), ...]}`` sorted by context length; the
-    interval is the p50's bootstrap 95 % interval (:func:`~omni_accum.bench.report.p50_interval`)."""
+    interval is the p50's 95 % interval (:func:`~omni_accum.bench.report.p50_interval`)."""
     series: dict[tuple[str, int], list[tuple[int, float, float, float]]] = {}
     for r in run.results:
         ci = p50_interval(r)

@@ -1,74 +1,15 @@
-"""What a bench run measured (:class:`BenchRun`) and its outputs: text tables, JSON and its schema.
-
-``--json`` output follows :data:`RESULT_SCHEMA`.
-"""
+"""What a bench run measured (:class:`BenchRun`) and its text tables (its JSON: :mod:`omni_accum.bench.results`)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import platform
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
-
-import torch
 
 from omni_accum.bench.replay import UPSTREAM, WIRE_FLOOR, ArmResult
 from omni_accum.bench.workloads import Workload
-from omni_accum.tuner.stats import MIN_GAIN, bootstrap_gain
-
-#: Samples per arm the bootstrap resamples (a longer run is thinned evenly: the interval widens a little,
-#: the table stays fast).
-MAX_BOOTSTRAP_SAMPLES = 1000
-BOOTSTRAP_RESAMPLES = 200
-
-#: JSON schema of ``omni-accum bench --json`` output.
-RESULT_SCHEMA: dict[str, Any] = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "title": "omni-accum bench results",
-    "type": "object",
-    "required": ["workload", "wire", "machine", "results"],
-    "additionalProperties": False,
-    "properties": {
-        "workload": {"type": "string"},
-        "wire": {"enum": ["inproc", "serializer", "shm"]},
-        "machine": {"type": "object"},
-        "results": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "additionalProperties": False,
-                "required": [
-                    "arm",
-                    "key",
-                    "context_len",
-                    "concurrency",
-                    "step_us_p50",
-                    "step_us_p99",
-                    "wire_bytes_per_step",
-                    "peak_bytes",
-                    "requests",
-                    "steps",
-                ],
-                "properties": {
-                    "arm": {"type": "string"},
-                    "key": {"type": "string"},
-                    "context_len": {"type": "integer", "minimum": 1},
-                    "concurrency": {"type": "integer", "minimum": 1},
-                    "step_us_p50": {"type": ["number", "null"], "minimum": 0},
-                    "step_us_p99": {"type": ["number", "null"], "minimum": 0},
-                    "wire_bytes_per_step": {"type": "number", "minimum": 0},
-                    "peak_bytes": {"type": "integer", "minimum": 0},
-                    "requests": {"type": "integer", "minimum": 1},
-                    "steps": {"type": "integer", "minimum": 1},
-                },
-            },
-        },
-    },
-}
-
+from omni_accum.bench.intervals import median_interval, ratio_interval
+from omni_accum.tuner.stats import MIN_GAIN
 
 @dataclass
 class BenchRun:
@@ -80,6 +21,10 @@ class BenchRun:
     repeats: int
     results: list[ArmResult] = field(default_factory=list)
     delta_roundtrip_us: float | None = None
+    store: dict[tuple[str, int, int], dict[str, Any]] = field(default_factory=dict)
+    """``--wire mooncake``: per (arm, context length, concurrency), the bytes through the store."""
+    stopped: str | None = None
+    """Why the run ended before its last bucket (``interrupted``), or None when every bucket was measured."""
 
 
 def roundtrip_lines(run: BenchRun) -> list[str]:
@@ -112,46 +57,47 @@ def roundtrip_lines(run: BenchRun) -> list[str]:
     return lines
 
 
-def _thin(xs: list[float]) -> list[float]:
-    step = max(1, -(-len(xs) // MAX_BOOTSTRAP_SAMPLES))
-    return xs[::step]
-
-
 def p50_interval(r: ArmResult) -> tuple[float, float] | None:
-    """Bootstrap 95 % interval of an arm's p50 step (us), or None without samples.
-
-    :func:`~omni_accum.tuner.stats.bootstrap_gain` against a constant baseline of 1: its gain is
-    ``1 - median``, so the interval of the median is ``(1 - high, 1 - low)``.
-    """
-    xs = r.pooled()
-    if not xs:
-        return None
-    g = bootstrap_gain([1.0], _thin(xs), resamples=BOOTSTRAP_RESAMPLES)
-    return (1.0 - g.high, 1.0 - g.low)
+    """95 % interval of an arm's p50 step (us) from every one of its step samples, or None without samples: two
+    order statistics around the middle (:func:`~omni_accum.bench.intervals.median_interval`), so it always holds the
+    p50 the table prints."""
+    return median_interval(r.pooled())
 
 
 def ratio_vs(base: ArmResult, r: ArmResult) -> tuple[float, float, float, bool] | None:
-    """``(ratio, low, high, within_noise)``: ``r``'s p50 over ``base``'s with a bootstrap 95 % interval.
+    """``(ratio, low, high, within_noise)``: ``r``'s p50 over ``base``'s with a bootstrap 95 % interval over every
+    step sample of both (:func:`~omni_accum.bench.intervals.ratio_interval`; it holds the ratio).
 
-    Within noise: the interval contains 1x, or the difference is under :data:`~omni_accum.tuner.stats.MIN_GAIN`
-    (the rule ``omni-accum tune`` applies before it leaves the baseline). None without samples.
-    """
-    a, b = base.pooled(), r.pooled()
-    if not a or not b or base.step_us_p50 <= 0:
+    Within noise: the interval contains 1x. A difference under :data:`~omni_accum.tuner.stats.MIN_GAIN` (the rule
+    ``omni-accum tune`` applies before it leaves the baseline) is not noise when the interval excludes 1x: the table
+    says it is small (:func:`_fmt_ratio`). None without samples."""
+    q = ratio_interval(base.pooled(), r.pooled())
+    if q is None:
         return None
-    g = bootstrap_gain(_thin(a), _thin(b), resamples=BOOTSTRAP_RESAMPLES)
-    ratio, low, high = 1.0 - g.gain, 1.0 - g.high, 1.0 - g.low
-    return ratio, low, high, (low <= 1.0 <= high) or abs(g.gain) < MIN_GAIN
+    ratio, low, high = q
+    return ratio, low, high, low <= 1.0 <= high
+
+
+def _fmt_x(x: float) -> str:
+    """A ratio at a precision that suits its size, never in exponent form: 0.071, 0.96, 4.07, 13.0, 520."""
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
 
 
 def _fmt_ratio(q: tuple[float, float, float, bool] | None) -> str:
     if q is None:
         return "-"
     ratio, low, high, noise = q
+    span = f"{_fmt_x(low)}-{_fmt_x(high)}"
     if noise:
-        return f"~1x (within noise: {low:.2g}-{high:.2g}x)"
+        return f"~1x (within noise: {span}x)"
+    if abs(1.0 - ratio) < MIN_GAIN:  # beyond the noise, but under the difference tune would act on
+        return f"{_fmt_x(ratio)}x [{span}] (under {MIN_GAIN:.0%})"
     faster = f" ({1 / ratio:.0f}x faster)" if 0 < ratio < 0.5 else ""
-    return f"{ratio:.3g}x [{low:.2g}-{high:.2g}]{faster}"
+    return f"{_fmt_x(ratio)}x [{span}]{faster}"
 
 
 def _fmt_bytes(n: float) -> str:
@@ -167,11 +113,17 @@ def _fmt_us(us: float) -> str:
     return f"{us / 1000:.2f} ms" if us >= 10_000 else f"{us:.1f} us"
 
 
+def _fmt_us_range(low: float, high: float) -> str:
+    """An interval in one unit, the one its high end is printed in: ``2.68-11.65 ms``, not ``2680.0 us-11.65 ms``."""
+    return f"{low / 1000:.2f}-{high / 1000:.2f} ms" if high >= 10_000 else f"{low:.1f}-{high:.1f} us"
+
+
 def format_table(results: list[ArmResult], baseline: str = UPSTREAM, *, decode_steps: int | None = None) -> str:
     """One bucket's results as a text table, with each arm's p50 as a ratio to ``baseline``.
 
-    Every p50 comes with a bootstrap 95 % interval (:func:`p50_interval`), every ratio with its own
-    (:func:`ratio_vs`); a ratio whose interval holds 1x, or under 5 % from it, reads ``~1x (within noise)``.
+    Every p50 comes with a 95 % interval from all its step samples (:func:`p50_interval`), every ratio with a
+    bootstrap interval of its own (:func:`ratio_vs`); a ratio whose interval holds 1x reads ``~1x (within noise)``,
+    one under 5 % from 1x whose interval does not ``0.97x [0.96-0.98] (under 5%)``.
 
     A step is one chunk of one request, prefill chunks included; with ``decode_steps`` the head splits
     ``steps/request`` into prefill chunks and decode steps.
@@ -216,11 +168,11 @@ def format_table(results: list[ArmResult], baseline: str = UPSTREAM, *, decode_s
             [
                 r.arm,
                 _fmt_us(r.step_us_p50),
-                f"{_fmt_us(ci[0])}-{_fmt_us(ci[1])}" if ci else "-",
+                _fmt_us_range(*ci) if ci else "-",
                 _fmt_us(r.step_us_p99),
                 _fmt_us(tot),
-                _fmt_bytes(r.wire_bytes_per_step),
-                _fmt_bytes(r.peak_bytes),
+                _fmt_bytes(r.wire_bytes_per_step) if r.samples_us else "-",  # not measured: not 0 B
+                _fmt_bytes(r.peak_bytes) if r.samples_us else "-",
                 ratio,
                 ok,
             ]
@@ -239,101 +191,30 @@ def format_table(results: list[ArmResult], baseline: str = UPSTREAM, *, decode_s
     out = [head, line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
     if base is not None and len(results) > 1:
         out.append(
-            f"(95% CI: bootstrap of the median over the steps of {len(base.samples_us)} repeat(s); "
-            f"'within noise': the ratio's interval holds 1x or the difference is under {MIN_GAIN:.0%})"
+            f"(95% CI over every step of {len(base.samples_us)} repeat(s): of the p50, two order statistics around "
+            "the middle; of a ratio, a bootstrap of both arms' medians. 'within noise': the ratio's interval holds 1x; "
+            f"'under {MIN_GAIN:.0%}': a difference smaller than tune acts on)"
         )
     if notes:
         out += ["views differing from the cat reference (or errors):", *notes]
     return "\n".join(out)
 
 
-def machine_info(run: BenchRun | None = None) -> dict[str, Any]:
-    """Where the run happened (and how it was run, under ``run``)."""
-
-    def ver(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "omni_accum": ver("omni-accum"),
-        "vllm_omni": ver("vllm-omni"),
-    }
-    if run is not None:
-        info["run"] = {
-            "view_hop": run.view_hop,
-            "repeats": run.repeats,
-            "delta_roundtrip_us": run.delta_roundtrip_us,
-        }
-    return info
-
-
-def _num(x: float) -> float | None:
-    return None if math.isnan(x) else round(x, 3)
-
-
-def to_json(run: BenchRun) -> dict[str, Any]:
-    """The JSON document of a run (validates against :data:`RESULT_SCHEMA`)."""
-    rows = []
-    for r in run.results:
-        rows.append(
-            {
-                "arm": r.arm,
-                "key": r.key,
-                "context_len": r.context_len,
-                "concurrency": r.concurrency,
-                "step_us_p50": _num(r.step_us_p50),
-                "step_us_p99": _num(r.step_us_p99),
-                "wire_bytes_per_step": round(r.wire_bytes_per_step, 3),
-                "peak_bytes": int(r.peak_bytes),
-                "requests": r.requests,
-                "steps": r.steps,
-            }
-        )
-        for k, ks in sorted(r.per_key.items()):
-            rows.append(
-                {
-                    "arm": r.arm,
-                    "key": k,
-                    "context_len": r.context_len,
-                    "concurrency": r.concurrency,
-                    "step_us_p50": None,
-                    "step_us_p99": None,
-                    "wire_bytes_per_step": round(ks.wire_bytes_per_step, 3),
-                    "peak_bytes": int(ks.peak_bytes),
-                    "requests": r.requests,
-                    "steps": r.steps,
-                }
-            )
-    return {"workload": run.workload.name, "wire": run.wire, "machine": machine_info(run), "results": rows}
-
-
-def write_json(run: BenchRun, path: str | os.PathLike[str]) -> None:
-    """Through a random temporary file (``O_EXCL``, in the output's folder) and a rename onto ``path`` itself (a
-    link there is replaced, never written through; ``<out>.tmp`` was a fixed name that followed a link planted
-    there); the folder is never created (its folder and kind are checked before the run: output_path_problem)."""
-    import tempfile
-
-    from omni_accum.tuner.files import _umask
-
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(to_json(run), indent=2) + "\n")
-        os.chmod(tmp, 0o666 & ~_umask())  # as open() would make it
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+def upstream_notes(results: list[ArmResult], through: str = "direct") -> list[str]:
+    """What a run's tables leave unsaid about ``upstream``: it raised (and what the ratios compare with then), or its
+    views differ from the workload's declared semantics."""
+    upstream = [r for r in results if r.arm == UPSTREAM and not r.correct]
+    if not any(r.error is not None for r in upstream):
+        differ = "note: upstream's own views differ from the workload's declared key semantics (see above)"
+        return [differ] if upstream else []
+    note = (
+        "note: vllm-omni's own accumulation (upstream) raised on this stream (see above). On vllm-omni 0.30.0 the "
+        "receiving adapter does not accumulate it: it hands each chunk over as it came, which the wire-floor arm "
+        "measures"
+    )
+    if through != "direct":
+        return [note + f"; --through {through} cannot run wire-floor, so the tables have no ratio: give a workload "
+                "upstream's code accumulates (--workload qwen3-omni-seed), or leave --through out"]
+    if not any(r.arm == WIRE_FLOOR for r in results):
+        return [note + "; the tables have no ratio: add wire-floor to --arms (or give --workload qwen3-omni-seed)"]
+    return [note + " (the ratio column compares with it)"]

@@ -17,8 +17,7 @@ import torch
 
 from omni_accum.bench.replay import Arm, ArmResult, delta_roundtrip_us, measure
 from omni_accum.bench.report import BenchRun, _fmt_bytes
-from omni_accum.bench.streams import build_stream
-from omni_accum.bench.wires import iter_leaves
+from omni_accum.bench.streams import stream_nbytes
 from omni_accum.bench.workloads import MAX_ROWS, Workload, load_workload
 from omni_accum.errors import OmniAccumError
 
@@ -49,48 +48,72 @@ def is_allocation_failure(e: BaseException) -> bool:
 
 
 def available_memory() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is none)."""
+    """Bytes this process may still allocate: ``MemAvailable`` of ``/proc/meminfo``, or less under an address-space
+    limit (``ulimit -v``: the limit less what the process maps already); None where neither is known."""
+    found: list[int] = []
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    left = address_space_left()
+    if left is not None:
+        found.append(left)
+    return min(found) if found else None
 
 
-def _held_nbytes(value: Any) -> int:
-    """Bytes a value takes in memory: tensor data; 36 per list element (a CPython int and its pointer)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_held_nbytes(v) if isinstance(v, (torch.Tensor, list, tuple)) else 36 for v in value)
-    return 64
+def address_space_left() -> int | None:
+    """What ``RLIMIT_AS`` (``ulimit -v``) leaves this process beyond what it maps now, or None without a limit."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/status", encoding="ascii") as f:
+            mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (ImportError, OSError, ValueError, IndexError, StopIteration):
+        return None
+    return max(0, limit - mapped)
 
 
-def bucket_memory_problem(wl: Workload, context_len: int, concurrency: int) -> str | None:
-    """Why a bucket cannot fit in this machine's memory (checked before measuring it), or None.
+#: The options that set a bucket's size, as bench spells them (``tune`` passes its own ``--decode-steps``).
+BENCH_SIZE_OPTIONS = {"context": "--context-lens", "steps": "--steps", "concurrency": "--concurrency"}
 
-    The lower bound it checks: every request in flight holds its own stream and the receiver's copy of every key
-    it keeps (keys read as deltas are dropped once taken and do not count), one request's bytes times the
-    concurrency; against ``MemAvailable``. Without this a bucket of 100000 requests ran into the kernel's
-    out-of-memory killer, or into an allocation failure deep in building the streams."""
+
+def bucket_memory_problem(
+    wl: Workload, context_len: int, concurrency: int, options: dict[str, str] | None = None
+) -> str | None:
+    """Why a bucket cannot fit in this machine's memory (checked before anything is built), or None.
+
+    The lower bound it checks, worked out from the workload's shapes, dtypes and steps without allocating
+    (:func:`~omni_accum.bench.streams.stream_nbytes`): every request's stream is built before the replay (the
+    prefill tensors once, shared; each request's own decode rows, ids and codes, keys read as deltas included),
+    and every request in flight has the receiver's copy of each key it keeps (keys read as deltas are dropped once
+    taken); against :func:`available_memory`. The message names the option to lower first: the steps when the
+    decode chunks take most of it, else the context lengths (and the concurrency when above 1). Without this a
+    bucket of 100000 requests ran into the kernel's out-of-memory killer, and a 1000k context into an allocation
+    failure deep in building the streams."""
     avail = available_memory()
     if avail is None:
         return None
-    dropped = {k.path for k in wl.keys if k.read == "delta"}
-    per_request = sum(
-        _held_nbytes(v) for chunk in build_stream(wl, context_len, 0) for path, v in iter_leaves(chunk)
-        if path not in dropped
-    )  # fmt: skip
-    need = per_request * concurrency
+    sizes = stream_nbytes(wl, context_len)
+    need = sizes.total(concurrency)
     if need <= avail:
         return None
+    opt = {**BENCH_SIZE_OPTIONS, **(options or {})}
+    decode = sizes.decode_total(concurrency)
+    first = (
+        f"fewer {opt['steps']} (decode steps: {wl.decode_steps})"
+        if decode * 2 >= need
+        else f"shorter {opt['context']}"
+    )
+    lower = f"give {first}" + (f" or a lower {opt['concurrency']}" if concurrency > 1 else "")
     return (
         f"context_len={context_len} concurrency={concurrency}: needs at least {_fmt_bytes(need)} of memory "
-        f"({_fmt_bytes(per_request)} per request in flight), and {_fmt_bytes(avail)} is available; give a lower "
-        "--concurrency or shorter --context-lens"
+        f"({_fmt_bytes(sizes.shared)} of prefill shared by the requests, then {_fmt_bytes(sizes.per_request())} per "
+        f"request in flight; the decode steps take {_fmt_bytes(decode)} of it), and {_fmt_bytes(avail)} is "
+        f"available; {lower}"
     )
 
 

@@ -8,6 +8,7 @@ context is 128 MB), the decode rows differ per request. :func:`chunk_plans` is t
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -202,3 +203,132 @@ def append_length_hints(workload: Workload, stream: list[dict[str, Any]]) -> dic
             if rows:
                 hints[spec.path] = sum(rows)
     return hints
+
+
+# ---------------------------------------------------------------------------------------------- #
+# What a bucket's streams and the receiver's state take, worked out from the shapes (nothing is built)
+# ---------------------------------------------------------------------------------------------- #
+
+_ITEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int64": 8, "int32": 4}
+#: Bytes counted per element of an ids list (a CPython int and its pointer in the list).
+_LIST_ITEM = 36
+
+
+@dataclass(frozen=True)
+class StreamBytes:
+    """The bytes one bucket holds before and while it is replayed, per part (see :func:`stream_nbytes`).
+
+    ``shared``: the prefill-sized and static tensors, built once per bucket and shared by every request;
+    ``prefill``/``decode``: each request's own values in its prefill / decode chunks (decode rows, ids, codes);
+    ``held_prefill``/``held_decode``: the receiver's copy, per request in flight, of those chunks' keys not read
+    as deltas (an append key's every value, a replace key's largest)."""
+
+    shared: int = 0
+    prefill: int = 0
+    decode: int = 0
+    held_prefill: int = 0
+    held_decode: int = 0
+
+    def per_request(self) -> int:
+        return self.prefill + self.decode + self.held_prefill + self.held_decode
+
+    def total(self, concurrency: int) -> int:
+        """Every request's stream is built before the replay, and ``concurrency`` requests are in flight."""
+        return self.shared + concurrency * self.per_request()
+
+    def decode_total(self, concurrency: int) -> int:
+        """The part of :meth:`total` that grows with the decode steps."""
+        return concurrency * (self.decode + self.held_decode)
+
+
+def _groups(workload: Workload, context_len: int) -> list[tuple[int, int, int, bool]]:
+    """The schedule as runs of like chunks: ``(first index, count, prefill rows, is prefill)`` (no per-chunk list)."""
+    pre = workload.prefill_chunks(context_len)
+    out = [(0, 1, pre[0], True)] if pre else []
+    if len(pre) > 2:
+        out.append((1, len(pre) - 2, pre[1], True))
+    if len(pre) > 1:
+        out.append((len(pre) - 1, 1, pre[-1], True))
+    if workload.decode_steps:
+        out.append((len(pre), workload.decode_steps, 0, False))
+    return out
+
+
+def _key_nbytes(spec: KeySpec, start: int, count: int, prefill_rows: int, is_prefill: bool) -> tuple[int, int, int]:
+    """``(shared, own, largest value)`` bytes of ``spec``'s values in a run of ``count`` like chunks."""
+    plan = ChunkPlan(start, prefill_rows, is_prefill, False)
+    if spec.value in ("bool", "names"):
+        return 0, 0, 0
+    if spec.value == "flag":
+        return 0, count, 1
+    rows = _rows(spec, plan)
+    if spec.value == "ids":
+        if spec.cumulative and spec.kind != "static" and not is_prefill:  # 1, 2, ... n times the rows, as built
+            return 0, _LIST_ITEM * rows * count * (count + 1) // 2, _LIST_ITEM * rows * count
+        return 0, _LIST_ITEM * rows * count, _LIST_ITEM * rows
+    if spec.value == "codes":
+        w = spec.windows
+        head = w[start : start + count] if start < len(w) else []
+        frames = sum(head) + (count - len(head)) * w[-1]
+        return 0, 8 * spec.codebooks * frames, 8 * spec.codebooks * max([*head, w[-1]])
+    one = rows * math.prod(spec.row_shape) * _ITEM_BYTES[spec.dtype]
+    if is_prefill or spec.kind == "static":
+        return one * count, 0, one
+    return 0, one * count, one
+
+
+def stream_nbytes(workload: Workload, context_len: int) -> StreamBytes:
+    """What a bucket of ``context_len`` holds (:class:`StreamBytes`), from the workload's shapes, dtypes and steps:
+    nothing is allocated, so a bucket too large for the machine is found before it is built."""
+    recorded = getattr(workload, "requests_for", None)
+    if recorded is not None:
+        return _recorded_nbytes(workload, context_len)
+    parts = dict.fromkeys(("shared", "prefill", "decode", "held_prefill", "held_decode"), 0)
+    for spec in workload.keys:
+        kept = (0, "held_prefill")  # a replace key's receiver keeps its largest value only
+        for start, count, rows, is_prefill in _groups(workload, context_len):
+            if spec.carried == "first":
+                if start != 0:
+                    continue
+                count = 1
+            elif (spec.carried == "prefill" and not is_prefill) or (spec.carried == "decode" and is_prefill):
+                continue
+            shared, own, largest = _key_nbytes(spec, start, count, rows, is_prefill)
+            side = "prefill" if is_prefill else "decode"
+            parts["shared"] += shared
+            parts[side] += own
+            if spec.read == "delta":
+                continue
+            if spec.kind == "append":
+                parts[f"held_{side}"] += shared + own
+            else:
+                kept = max(kept, (largest, f"held_{side}"))
+        parts[kept[1]] += kept[0]
+    return StreamBytes(**parts)
+
+
+def _recorded_nbytes(workload: Any, context_len: int) -> StreamBytes:
+    """:func:`stream_nbytes` of a captured workload: the recorded bytes of each key (its first chunk as the
+    prefill), the largest of the requests the bucket replays."""
+    delta = {k.path for k in workload.keys if k.read == "delta"}
+    append = {k.path for k in workload.keys if k.kind == "append"}
+    best = (0, 0, 0, 0)
+    for r in workload.requests_for(context_len):
+        pre = dec = held_pre = held_dec = 0
+        last: dict[str, int] = {}
+        for i, c in enumerate(r.chunks[: 1 + workload.decode_steps]):
+            for k in c.keys:
+                n = int(k.nbytes)
+                if i == 0:
+                    pre += n
+                else:
+                    dec += n
+                if k.path in delta:
+                    continue
+                if k.path in append:
+                    held_pre, held_dec = (held_pre + n, held_dec) if i == 0 else (held_pre, held_dec + n)
+                else:
+                    last[k.path] = max(last.get(k.path, 0), n)
+        held_pre += sum(last.values())
+        best = max(best, (pre, dec, held_pre, held_dec), key=sum)
+    return StreamBytes(0, *best)

@@ -125,14 +125,20 @@ class OnceAction(argparse.Action):
 
 
 def workload_problem(name: str) -> str | None:
-    """Why ``--workload NAME`` names neither a preset nor a workload file: a usage error (exit 2), or None.
+    """Why ``--workload NAME`` names neither a preset nor a valid workload file: a usage error (exit 2), or None.
 
     A FIFO or a device is refused without being opened (it could block or never end).
     """
     from omni_accum.bench.workloads import PRESETS, WorkloadError, load_workload
     from omni_accum.policy.sources import probe
 
-    if name in PRESETS or probe(name, "is_file"):
+    if name in PRESETS:
+        return None
+    if probe(name, "is_file"):  # an invalid file is a usage error too, as an unknown name is
+        try:
+            load_workload(name)
+        except WorkloadError as e:
+            return f"--workload {name}: {e}"
         return None
     if probe(name) and not probe(name, "is_dir"):
         return f"--workload {name}: not a regular file; give a YAML or JSON workload file or a preset name"

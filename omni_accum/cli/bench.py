@@ -25,10 +25,13 @@ from omni_accum.bench.workloads import MAX_ROWS, workload_names
 
 EXAMPLES = """examples:
   omni-accum bench --workload qwen3-omni-seed --context-lens 1k,8k --concurrency 1
-  omni-accum bench --arms upstream prealloc qwen3-omni-flat wire-floor --json seed.json --plot seed.png
-  omni-accum bench --concurrency 10 --wire serializer --view-hop serializer --arms upstream qwen3-omni-flat
+  omni-accum bench --workload qwen3-omni-seed --arms upstream prealloc qwen3-omni-flat wire-floor \
+      --json seed.json --plot seed.png
+  omni-accum bench --workload qwen3-omni-seed --concurrency 10 --wire serializer --view-hop serializer \
+      --arms upstream qwen3-omni-flat
   omni-accum bench --workload my-traffic.yaml --arms upstream my-policy.yaml --per-key
-  omni-accum bench --wire mooncake --context-lens 1k,8k --concurrency 1 4 --arms upstream qwen3-omni-flat
+  omni-accum bench --workload qwen3-omni-seed --wire mooncake --context-lens 1k,8k --concurrency 1 4 \
+      --arms upstream qwen3-omni-flat
   omni-accum bench --wire mooncake --mooncake-occupancy 40 --context-lens 8k --mooncake-segment 1GiB"""
 
 
@@ -153,7 +156,14 @@ def register(subparsers: Any) -> None:
         "through a real vllm-omni 0.30.0 runner transport with omni-accum installed (needs vllm-omni)",
     )
     p.add_argument("--per-key", action="store_true", help="also report wire and held bytes per key")
-    p.add_argument("--json", action=OnceAction, metavar="OUT", help="write results as JSON")
+    p.add_argument(
+        "--json",
+        action=OnceAction,
+        metavar="OUT",
+        help="write results as JSON (omni_accum.bench.RESULT_SCHEMA; each arm's status: ok, failed or wrong views), "
+        "atomically: a symlink at OUT is replaced, not written through. Ctrl-C writes the buckets finished "
+        '("complete": false)',
+    )
     p.add_argument(
         "--plot",
         action=OnceAction,
@@ -220,7 +230,8 @@ def _wire_options_problem(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from omni_accum import bench
-    from omni_accum.bench.workloads import WorkloadError, load_workload
+    from omni_accum.bench.workloads import load_workload
+    from omni_accum.errors import PolicyError
 
     problem = _wire_options_problem(args)
     if problem:
@@ -258,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
         wl = load_workload(args.workload)
     problem = bench.workload_policy_problem(wl, args.workload)
     if problem:
-        raise WorkloadError(problem)
+        return _usage_error(problem)
     problem = _overwrite_problem(args, wl)
     if problem:
         return _usage_error(problem)
@@ -268,6 +279,8 @@ def run(args: argparse.Namespace) -> int:
         arms = bench.build_arms(wl, args.arms, warn=sys.stderr, through=args.through)
     except bench.UnknownArmError as e:
         return _usage_error(str(e))
+    except PolicyError as e:  # an arm's policy file that does not load: an input named on the command line
+        return _usage_error(f"--arms: {e}")
     apply_threads(args.threads)
     if args.wire == "arena":
         from omni_accum.arena.pairbench import run_cli as run_arena
@@ -290,23 +303,32 @@ def run(args: argparse.Namespace) -> int:
     via = " through vllm-omni's runner transport" if args.through == "vllm-omni" else ""
     print(f"workload {wl.name}: arms {', '.join(arms)}; wire {args.wire}{hop}{via}; {args.repeats} repeats", flush=True)
 
+    from omni_accum.bench.results import interrupted_json
+
+    finished = bench.BenchRun(wl, args.wire, args.view_hop, args.repeats)  # what a Ctrl-C leaves to --json
+
     def show(results: list[Any]) -> None:
+        finished.results += results
         print()
         print(bench.format_table(results, decode_steps=wl.decode_steps), flush=True)
 
-    result = bench.run_bench(
-        wl,
-        arms,
-        context_lens=args.context_lens,
-        concurrency=args.concurrency,
-        wire=args.wire,
-        view_hop=args.view_hop,
-        repeats=args.repeats,
-        per_key=args.per_key,
-        through=args.through,
-        progress=None if args.no_progress else sys.stderr,
-        on_bucket=show,
-    )
+    try:
+        result = bench.run_bench(
+            wl,
+            arms,
+            context_lens=args.context_lens,
+            concurrency=args.concurrency,
+            wire=args.wire,
+            view_hop=args.view_hop,
+            repeats=args.repeats,
+            per_key=args.per_key,
+            through=args.through,
+            progress=None if args.no_progress else sys.stderr,
+            on_bucket=show,
+        )
+    except KeyboardInterrupt:
+        interrupted_json(finished, args.json)  # the buckets finished, marked incomplete, as tune keeps its own
+        raise
     if result.delta_roundtrip_us is not None:
         print(f"\none decode delta's serializer round trip: {result.delta_roundtrip_us:.1f} us (alone, warm)")
         for line in bench.roundtrip_lines(result):
@@ -318,18 +340,12 @@ def run(args: argparse.Namespace) -> int:
         bench.plot(result, args.plot)
         print(f"wrote {args.plot}")
     wrong = sorted({r.arm for r in result.results if not r.correct and r.arm != "upstream"})
-    upstream = [r for r in result.results if r.arm == "upstream" and not r.correct]
-    if any(r.error is not None for r in upstream):
-        print(
-            "note: vllm-omni's own accumulation (upstream) raised on this stream (see above). On vllm-omni 0.30.0 the "
-            "receiving adapter does not accumulate it: it hands each chunk over as it came, which the wire-floor arm "
-            "measures (the ratio column compares with it when it ran)"
-        )
-    elif upstream:
-        print("note: upstream's own views differ from the workload's declared key semantics (see above)")
+    for line in bench.upstream_notes(result.results, args.through):
+        print(line)
     if wrong:
         print(
-            f"omni-accum bench: error: arm(s) {', '.join(wrong)} gave views differing from the cat reference", file=sys.stderr
+            f"omni-accum bench: error: arm(s) {', '.join(wrong)} gave views differing from the cat reference",
+            file=sys.stderr,
         )
         return 1
     return 0

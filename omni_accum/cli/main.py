@@ -4,7 +4,7 @@ Each command family lives in its own module of :mod:`omni_accum.cli` exposing
 ``register(subparsers)`` (:mod:`~omni_accum.cli.policy`: ``strategies``, ``validate``,
 ``explain``, ``show``; :mod:`~omni_accum.cli.bench`; :mod:`~omni_accum.cli.tune`;
 :mod:`~omni_accum.cli.trace`; :mod:`~omni_accum.cli.ab`); this module only builds the parser and turns omni-accum's own errors into one-line messages (exit 1) instead
-of tracebacks. argparse usage errors exit 2.
+of tracebacks. argparse usage errors exit 2, as do the commands' own (the rule is in the parser's epilog).
 """
 
 from __future__ import annotations
@@ -53,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
             "explain policies, benchmark strategies on a workload, tune a policy for this machine, summarise a "
             "capture of a server's own stream, compare the arms of a live A/B split, and check a deployment."
         ),
-        epilog="Run 'omni-accum COMMAND --help' for the options of a command.",
+        epilog="Run 'omni-accum COMMAND --help' for the options of a command. Exit status of every command: 0 done; "
+        "1 it ran and found a problem (validate: an invalid policy; bench: a wrong view; a bucket that does not fit "
+        "in memory) or failed while running; 2 a usage error: an option's value, or an input named on the command "
+        "line that is unknown or invalid (a workload, a policy, an arm, an output path); 3 tune stopped at "
+        "--budget-s; 130 interrupted.",
     )
     parser.add_argument("--version", action="version", version=f"omni-accum {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages (plugin loading, hooks)")
@@ -92,6 +96,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prefix}: interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, RuntimeError) as e:  # an allocation no check foresaw: one line, not a traceback
+        from omni_accum.bench.runner import allocation_detail, is_allocation_failure
+
+        if not is_allocation_failure(e):
+            raise
+        print(f"{prefix}: error: out of memory{allocation_detail(e)}; give smaller sizes", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -40,7 +40,8 @@ whose fingerprint does not match is ignored with a warning. --out only ever rece
 table: a run stopped early (Ctrl-C, --budget-s) keeps its buckets in a partial file beside it
 (t.yaml -> t.partial.yaml) and leaves --out as it was; --resume goes on from there. One run at a
 time per --out (a second is refused). The file is YAML for .yaml/.yml and JSON for .json. Exit
-status: 0 complete, 3 partial (--budget-s spent), 130 interrupted, 1 or 2 on errors.
+status: 0 complete, 3 partial (--budget-s spent), 130 interrupted, 2 on a usage error (an option,
+--out, --workload, --base), 1 on other errors (a bucket that does not fit in memory).
 """
 
 
@@ -67,7 +68,7 @@ EXAMPLES = """examples:
   omni-accum tune --quick --out tuned.yaml
   omni-accum tune --out tuned.yaml --context-lens 1k,8k,32k --concurrency 1,10 --budget-s 600
   omni-accum tune --resume --out tuned.yaml
-  omni-accum tune --workload qwen3-omni-seed --base qwen3-omni-flat --out old-release.yaml --no-progress
+  omni-accum tune --workload qwen3-omni-seed --out old-release.yaml --no-progress
 """
 
 
@@ -139,7 +140,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=Path,
         metavar="FILE",
         help="where to write the tuned policy (required unless --show): .yaml or .yml (YAML) or .json (JSON); "
-        "written atomically, through a symlink to its target, keeping an existing file's permissions",
+        "written atomically, through a symlink to its target (a deployed table), keeping an existing file's "
+        "permissions (the partial file beside it replaces a link there, as bench --json does)",
     )
     target.add_argument("--show", metavar="POLICY", help="print the decision table of a tuned policy file and exit")
     p.add_argument(
@@ -269,12 +271,14 @@ def run(args: argparse.Namespace) -> int:
         ref = reference_arm()
         name = "upstream" if ref == "upstream" else "default"
         print()
+        floor = all(o.verify.get("reference") == "wire-floor" for o in verified)
         print(
             "gain of the tuned policy over "
             + ("upstream vllm-omni 0.30.0" if name == "upstream" else "the default preset")
+            + (" (here: wire-floor, what its adapter does with this stream)" if floor else "")
             + " (one interleaved round per bucket after a warm-up replay, step p50 and total per request):"
         )
-        print(gain_table(res.outcomes, name))
+        print(gain_table(res.outcomes, name, str(args.base)))
     if res.complete:
         print(f"\nwrote {res.out} (complete) in {res.elapsed_s:.1f} s; check it with: omni-accum validate {res.out}")
     else:

@@ -20,9 +20,10 @@ from omni_accum.engine.endpoint import _Endpoint
 from omni_accum.errors import OmniAccumError, PolicyError
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import table_mismatches
-from omni_accum.policy.loader import format_problem, load_policy_argument
+from omni_accum.policy.loader import build_policy, format_problem, parse_text, read_policy_argument, strategy_problems
 from omni_accum.policy.model import Policy
-from omni_accum.policy.parsing import LineIndex
+from omni_accum.policy.parsing import LineIndex, TomlText
+from omni_accum.policy.stages import later_stage_problems
 
 DESCRIPTION = (
     "Load each POLICY, check its schema, strategy names and every strategy's params, every repeated rule "
@@ -53,15 +54,22 @@ def check_one(arg: str, manager: StrategyManager, allow_stale: bool = False) -> 
     """The validation record of one POLICY argument."""
     label = arg if arg.strip() else repr(arg)  # '' shows as ''
     rec: dict[str, Any] = {"policy": label, "valid": False, "rules": None, "note": None, "errors": [], "warnings": []}
+    parsed: list[Any] = []  # (data, text) once the text parsed: the later checks run on what parsed
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            label, text, policy = load_policy_argument(arg, manager)
+            label, text, fmt = read_policy_argument(arg)
+            data = parse_text(text, fmt, label)
+            text = TomlText(text) if fmt == "toml" else text  # a TOML file's lines are found by TOML rules
+            parsed[:] = [data, text]
+            policy = build_policy(data, label, text, manager)
     except OmniAccumError as e:
         src = getattr(e, "source", None)  # "<inline>" for inline text: the same header as when it is valid
         rec["policy"] = "<stdin>" if arg == "-" else src if isinstance(src, str) and src.startswith("<") else label
         rec["errors"] = _load_errors(e)
         rec["text"] = [str(m) for m in (getattr(e, "errors", None) or [str(e)])]
+        if parsed and getattr(e, "details", None):
+            _later_stages(rec, *parsed, manager)
         return rec
     rec["policy"] = label if label.startswith("<") else arg
     rec["rules"] = len(policy.rules)
@@ -83,12 +91,7 @@ def check_one(arg: str, manager: StrategyManager, allow_stale: bool = False) -> 
         partial = policy.tuned.partial_note()
         if partial:
             rec["warnings"].append(_problem("tuned.complete", lines(("tuned", "complete")), partial))
-    for later, earlier in policy.shadowed_rules():
-        msg = (
-            f"{policy.rules[later].match!r} is covered by the earlier glob rules[{earlier}].match "
-            f"{policy.rules[earlier].match!r} (among globs the first listed wins): this rule never decides a key"
-        )
-        rec["warnings"].append(_problem(f"rules[{later}].match", lines(("rules", later, "match")), msg))
+    _glob_warnings(rec, policy, lines)
     rec["valid"] = not rec["errors"]
     if policy == Policy() and arg != "default":
         rec["note"] = "the default policy: vllm-omni 0.30.0's behaviour"
@@ -97,6 +100,32 @@ def check_one(arg: str, manager: StrategyManager, allow_stale: bool = False) -> 
         rec["ab"] = {n: {"policy": a.policy, "share": a.weight / total} for n, a in policy.ab.arms.items()}
     rec["text"] = [format_problem(rec["policy"], p) for p in rec["errors"]]
     return rec
+
+
+def _later_stages(rec: dict[str, Any], data: Any, text: str, manager: StrategyManager) -> None:
+    """A policy whose schema failed: add the strategy-name and param problems of what parsed (the default, every
+    rule valid on its own), and the warnings of those rules, so that every problem is listed in one pass."""
+    lines = LineIndex(text)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        later, partial, index = later_stage_problems(data, lines, manager, strategy_problems)
+    seen = {(p["loc"], p["msg"]) for p in rec["errors"]}
+    rec["errors"] += [p for p in later if (p["loc"], p["msg"]) not in seen]
+    rec["errors"].sort(key=lambda p: p.get("line") or 0)
+    if partial is not None:
+        _glob_warnings(rec, partial, lines, index)
+    rec["text"] = [format_problem(rec["policy"], p) for p in rec["errors"]]
+
+
+def _glob_warnings(rec: dict[str, Any], policy: Policy, lines: LineIndex, index: dict[int, int] | None = None) -> None:
+    """A glob rule that an earlier glob covers (it never decides a key), at the file's own rule indexes."""
+    at = (lambda j: j) if index is None else (lambda j: index.get(j, j))  # noqa: E731
+    for later, earlier in policy.shadowed_rules():
+        msg = (
+            f"{policy.rules[later].match!r} is covered by the earlier glob rules[{at(earlier)}].match "
+            f"{policy.rules[earlier].match!r} (among globs the first listed wins): this rule never decides a key"
+        )
+        rec["warnings"].append(_problem(f"rules[{at(later)}].match", lines(("rules", at(later), "match")), msg))
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

@@ -136,13 +136,19 @@ def _toml_lookup(where: dict[tuple[Any, ...], int], loc: tuple[Any, ...]) -> int
 def _toml_index(text: str) -> dict[tuple[Any, ...], int]:
     """The line of every path a TOML text defines (see :func:`toml_line`)."""
     where: dict[tuple[Any, ...], int] = {}
-    arrays: dict[tuple[str, ...], int] = {}
+    arrays: dict[tuple[Any, ...], int] = {}
     table: tuple[Any, ...] = ()
     for n, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         head = _TOML_HEADER.match(line)
         if head is not None:
-            parts: tuple[Any, ...] = _toml_parts(head[2])
+            raw = _toml_parts(head[2])
+            parts: tuple[Any, ...] = ()
+            for j, name in enumerate(raw):
+                parts = (*parts, name)
+                # a part naming an array of tables means its latest element: [rules.params] after [[rules]]
+                if parts in arrays and not (j == len(raw) - 1 and head[1] == "[["):
+                    parts = (*parts, arrays[parts])
             if head[1] == "[[":
                 arrays[parts] = arrays.get(parts, -1) + 1
                 parts = (*parts, arrays[parts])

@@ -39,3 +39,20 @@ def check_edges(name: str, edges: list[int]) -> list[int]:
     if bad:
         raise ValueError(f"{name}: values must be integers >= 1, got {bad}")
     return sorted(set(edges))
+
+
+#: The most cells (buckets x tuned keys) one tuned table holds. A cell takes about 0.5-0.7 KB of YAML (the winner,
+#: every candidate's timing and peak bytes, exclusions, the reason), so 512 of them stay well under the size of
+#: policy file the loader reads (``MAX_POLICY_BYTES``); a table is read back by every process that serves it.
+MAX_TUNED_CELLS = 512
+
+
+def table_size_problem(n_context: int, n_concurrency: int, n_keys: int) -> str | None:
+    """Why a table of these buckets and keys would be too large to write (before anything is measured), or None."""
+    cells = n_context * n_concurrency * n_keys
+    if cells <= MAX_TUNED_CELLS:
+        return None
+    return (
+        f"{n_context} --context-lens x {n_concurrency} --concurrency buckets x {n_keys} tuned key(s) = {cells} cells; "
+        f"a tuned table holds at most {MAX_TUNED_CELLS}: give fewer bucket edges"
+    )

@@ -41,16 +41,18 @@ def _umask() -> int:
     return mask
 
 
-def write_atomic(path: PathLike, text: str) -> None:
+def write_atomic(path: PathLike, text: str, *, follow_link: bool = True) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: never a half-written file.
 
-    A symlink is written through (its target is replaced, the link stays); a device, FIFO or socket there is
+    A symlink is written through (its target is replaced, the link stays: ``--out`` may be the link to a deployed
+    table), or, with ``follow_link=False``, replaced itself (the partial file beside ``--out``, tune's own, which
+    nothing deploys: a link planted there is never followed); a device, FIFO or socket there is
     refused (``OSError``), never replaced; an existing file keeps its
     permission bits, a new one gets ``0666 & ~umask`` as with ``open()``. The folder must exist (a
     missing one is an error, never created). An ``OSError`` names ``path``, not the temporary file.
     """
     path = Path(path)
-    target = Path(os.path.realpath(path))
+    target = Path(os.path.realpath(path)) if follow_link else Path(os.path.abspath(path))
     tmp = None
     try:
         if not target.parent.is_dir():
@@ -59,7 +61,8 @@ def write_atomic(path: PathLike, text: str) -> None:
         if kind is not None:  # the rename would put a regular file in place of a device, FIFO or socket
             raise OSError(errno.EINVAL, f"is {kind}, not a regular file")
         try:
-            mode = stat.S_IMODE(os.stat(target).st_mode)
+            mode = stat.S_IMODE(os.stat(target, follow_symlinks=follow_link).st_mode)
+            mode = mode if follow_link or not os.path.islink(target) else 0o666 & ~_umask()
         except FileNotFoundError:
             mode = 0o666 & ~_umask()
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -146,6 +149,9 @@ OUTPUT_FORMATS = {".yaml": "yaml", ".yml": "yaml", ".json": "json"}
 def output_format(path: str | os.PathLike[str]) -> str:
     """``"yaml"`` or ``"json"`` from the extension of ``path``; :class:`TuneError` for any other."""
     p = Path(path)
+    if str(path) == "-":
+        raise TuneError("--out -: stdout is not supported (the table is written after every bucket, and --resume reads "
+                        "it back): give a .yaml, .yml or .json file")  # fmt: skip
     fmt = OUTPUT_FORMATS.get(p.suffix.lower())
     if fmt is None:
         what = f"{p.suffix!r} files" if p.suffix else "files without an extension"

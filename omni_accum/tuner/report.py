@@ -6,7 +6,7 @@ from omni_accum.policy.environment import table_mismatches
 from omni_accum.policy.model import PROTOCOL_REPLACE_KEYS, Policy
 from omni_accum.policy.tuned import TunedTable
 from omni_accum.tuner.candidates import same_choice
-from omni_accum.tuner.core import BucketOutcome
+from omni_accum.tuner.core import WIRE_FLOOR, BucketOutcome
 
 
 def _us(x: float | None) -> str:
@@ -38,24 +38,28 @@ def decision_table(table: TunedTable) -> str:
         if c.params:
             inner = ",".join(f"{k}={v}" for k, v in sorted(c.params.items()))
             win_t = c.timings_us.get(f"{c.strategy}{{{inner}}}", win_t)
-        changed = "" if same_choice(c.strategy, c.params, c.baseline) else " *"
-        ci = "-" if c.ci is None else f"[{_pct(c.ci[0])}, {_pct(c.ci[1])}]"
+        kept = same_choice(c.strategy, c.params, c.baseline)
+        changed = "" if kept else " *"
+        ci = "-" if c.ci is None or kept else f"[{_pct(c.ci[0])}, {_pct(c.ci[1])}]"
         rows.append(
             [
                 f">={c.context_len}",
                 f">={c.concurrency}",
                 c.key,
                 label + changed,
-                _pct(c.margin),
+                "-" if kept else _pct(c.margin),  # a kept baseline has no margin: its best challenger's is under why
                 ci,
                 _us(base_t),
-                _us(win_t),
+                _us(base_t if kept else win_t),
                 str(len(c.timings_us)),
                 str(len(c.excluded)),
             ]
         )
     head = ["context", "conc", "key", "strategy", "margin", "95% CI", "baseline", "winner", "timed", "excluded"]
-    out = _table(rows, head) + "\n(* = leaves the baseline; margin = step-time gain over the baseline)"
+    out = _table(rows, head) + (
+        "\n(* = leaves the baseline; margin = step-time gain of the strategy over the baseline, '-' where the baseline "
+        "is kept: its best challenger is under why)"
+    )
     why = reasons(table)
     return out + ("\n\nwhy:\n" + "\n".join(why) if why else "")
 
@@ -115,8 +119,21 @@ def _decided_before(policy: Policy, key: str) -> str | None:
     return "the protocol (vllm-omni always replaces it)" if key in PROTOCOL_REPLACE_KEYS else None
 
 
-def gain_table(outcomes: list[BucketOutcome], reference: str) -> str:
-    """Per bucket: the reference's and the tuned policy's step p50 and per-request total, and the gain."""
+def _keeps_baseline(o: BucketOutcome) -> bool:
+    """Every key of the bucket kept the baseline's strategy: the tuned policy runs there as the baseline does."""
+    return all(same_choice(d.winner.strategy, d.winner.params, d.baseline) for d in o.decisions.values())
+
+
+def gain_table(outcomes: list[BucketOutcome], reference: str, base: str = "default") -> str:
+    """Per bucket: the reference's and the tuned policy's step p50 and per-request total, and the gain.
+
+    ``reference`` names the arm the tuned policy was timed against (``upstream`` or ``default``); where upstream's
+    code raised on the stream the round used ``wire-floor`` instead, and the columns say so. ``base`` is the
+    baseline policy (``--base``): when every cell kept it, the file runs as it does, whatever the round measured.
+    """
+    refs = {(o.verify or {}).get("reference") for o in outcomes if o.verify}
+    floor = refs == {WIRE_FLOOR}
+    ref = WIRE_FLOOR if floor else reference if len(refs) <= 1 else "reference"
     rows = []
     for o in outcomes:
         v = o.verify or {}
@@ -135,21 +152,35 @@ def gain_table(outcomes: list[BucketOutcome], reference: str) -> str:
                 f"{v['tuned_total_us'] / 1000:.1f} ms ({ratio:.2f}x)",
             ]
         )
-    head = ["context", "conc", f"{reference} step p50", "tuned step p50", "step gain [95% CI]", f"{reference} /req",
-            "tuned /req"]
+    head = ["context", "conc", f"{ref} step p50", "tuned step p50", "step gain [95% CI]", f"{ref} /req", "tuned /req"]
     out = _table(rows, head)
-    gains = [o.verify for o in outcomes if o.verify]
-    if gains and all(g["gain_high"] < 0 for g in gains):
-        out += (f"\nthe tuned policy is slower per step than {reference} in every bucket (the whole interval below 0): "
-                f"deploy {reference}'s behaviour (no policy, or the default preset), not this file")
-    elif gains and all(g["gain_low"] <= 0 <= g["gain_high"] for g in gains):
-        out += f"\nno bucket differs from {reference} beyond the noise (every interval holds 0)"
+    verified = [o for o in outcomes if o.verify]
+    changed = [o.verify for o in verified if not _keeps_baseline(o)]
+    if verified and not changed:
+        out += (
+            f"\nevery cell keeps the baseline ({base}): this file runs as {base} does, so deploying it or {base} is "
+            "the same; the step gain above is "
+            + (
+                "what accumulating at all costs against handing each chunk over as it came (wire-floor), which any "
+                "policy pays in this replay"
+                if floor
+                else f"{base} against {ref}"
+            )
+        )
+    elif changed and all(g["gain_high"] < 0 for g in changed):
+        what = "what vllm-omni 0.30.0 does with this stream" if floor else f"{ref}'s behaviour"
+        out += (
+            f"\nthe tuned policy is slower per step than {ref} in every bucket where it leaves the baseline (the whole "
+            f"interval below 0): deploy {what} (no policy, or the default preset), not this file"
+        )
+    elif verified and all(g["gain_low"] <= 0 <= g["gain_high"] for g in (o.verify for o in verified)):
+        out += f"\nno bucket differs from {ref} beyond the noise (every interval holds 0)"
     out += ("\n(step gain: the tuned policy's step p50 against the reference's, positive when faster, with its 95% "
             "interval: what the tuner decides by; /req: the request totals of the one verification round, no interval)")
-    if any((o.verify or {}).get("reference") == "wire-floor" for o in outcomes):
+    if any((o.verify or {}).get("reference") == WIRE_FLOOR for o in outcomes):
         out += (
             f"\n(reference: {reference}'s _accumulate_payload raises on this stream (torch.cat of a 0-d flag such as "
-            "meta.is_segment_finished), so the reference is what vllm-omni 0.30.0's receiving adapter does with it: "
-            "each chunk handed over as it came, nothing accumulated)"
+            "meta.is_segment_finished), so the reference is wire-floor, what vllm-omni 0.30.0's receiving adapter "
+            "does with it: each chunk handed over as it came, nothing accumulated)"
         )
     return out

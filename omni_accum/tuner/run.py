@@ -22,6 +22,7 @@ from omni_accum.tuner.buckets import (
     QUICK_CONCURRENCY,
     QUICK_CONTEXT_LENS,
     check_edges,
+    table_size_problem,
 )
 from omni_accum.tuner.candidates import candidate_set_hash
 from omni_accum.tuner.files import (
@@ -317,9 +318,13 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
     if not keys:
         few = opts.decode_steps is not None and any("one chunk only" in v for v in skipped.values())
         hint = f" (--decode-steps {opts.decode_steps} leaves too few decode chunks: give 2 or more)" if few else ""
+        if any("baseline's rules" in v for v in skipped.values()):
+            hint += f"; --base {opts.base}'s rules decide keys the table could: give a --base without them (default)"
         raise TuneError(
             f"nothing to tune on workload {wl.name!r}: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()) + hint
         )
+    if (problem := table_size_problem(len(cls), len(concs), len(keys))) is not None:
+        raise TuneError(problem)
     cands = all_candidates(wl_t, keys, grid=not opts.quick)
     fp = current_fingerprint(
         opts.device, candidate_set_hash(cands, __import__("omni_accum.manager").manager.get_manager())
@@ -327,11 +332,12 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
     fp["settings"] = tune_settings(opts, wl, base, decode_steps=steps, step_samples=target, rounds=rounds)
     reuse = _resumable(opts, wl, fp, log)
     buckets = [(cl, c) for cl in cls for c in concs]
-    from omni_accum.bench.runner import bucket_memory_problem
+    from omni_accum.bench.runner import BenchError, bucket_memory_problem
 
-    problem = next((p for cl, c in buckets if (p := bucket_memory_problem(bucket_workload(c), cl, c))), None)
-    if problem:  # before any bucket: the kernel's out-of-memory killer would end the run without a word
-        raise TuneError(problem)
+    sizes = {"steps": "--decode-steps"}
+    problem = next((p for cl, c in buckets if (p := bucket_memory_problem(bucket_workload(c), cl, c, sizes))), None)
+    if problem:  # before any bucket: the kernel's out-of-memory killer would end the run without a word (exit 1)
+        raise BenchError(problem)
     verify = (not opts.quick) if opts.verify is None else opts.verify
     ref = reference_arm() if verify else None
     bar = None
@@ -358,18 +364,10 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
                 outcome = BucketOutcome(cl, c, reused=True)
                 for x in old:
                     if x.key in keys:
-                        outcome.decisions[x.key] = KeyDecision(
-                            x.key,
-                            Candidate(x.strategy, dict(x.params)),
-                            x.baseline,
-                            x.margin,
-                            x.ci,
-                            dict(x.timings_us),
-                            dict(x.excluded),
-                            dict(x.peak_bytes),
-                            x.reason,  # a kept baseline's why (a reused table lost it, "no reason recorded")
-                        )
-                _say(log, f"bucket context_len={cl} concurrency={c}: reused from {opts.out}")
+                        outcome.decisions[x.key] = KeyDecision(  # with a kept baseline's why (it was lost)
+                            x.key, Candidate(x.strategy, dict(x.params)), x.baseline, x.margin, x.ci,
+                            dict(x.timings_us), dict(x.excluded), dict(x.peak_bytes), x.reason,
+                        )  # fmt: skip
             else:
                 if deadline is not None and measured and time.monotonic() > deadline:
                     result.stopped = f"budget of {opts.budget_s:g} s spent after {i} of {len(buckets)} buckets"
@@ -406,11 +404,22 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
             result.outcomes.append(outcome)
             _write(opts, result, _serialise(policy, wl, opts, done), done)
             result.policy = policy
-            _say(log, f"bucket context_len={cl} concurrency={c}: {outcome.rounds} round(s), {outcome.seconds:.1f} s")
+            took = f"{outcome.rounds} round(s), {outcome.seconds:.2f} s" if not outcome.reused else "reused (--resume)"
+            _say(log, f"bucket context_len={cl} concurrency={c}: {took}")
     except KeyboardInterrupt:
         result.stopped = "interrupted"
         result.complete = False
         raise
+    except (MemoryError, RuntimeError) as e:  # a bucket's allocation failed anyway: one line, as bench says it
+        from omni_accum.bench.runner import allocation_detail, is_allocation_failure
+
+        if not is_allocation_failure(e):
+            raise
+        kept = f"; the buckets finished so far are in {partial_path(opts.out)}" if cells else ""
+        raise BenchError(
+            f"context_len={cl} concurrency={c}: out of memory{allocation_detail(e)}; give shorter --context-lens, "
+            f"a lower --concurrency or fewer --decode-steps{kept}"
+        ) from e
     finally:
         if bar is not None:
             bar.close()
@@ -432,7 +441,7 @@ def _write(opts: TuneOptions, result: TuneResult, text: str, complete: bool) -> 
         part.unlink(missing_ok=True)
         result.out = Path(opts.out)
     else:
-        write_atomic(part, text)
+        write_atomic(part, text, follow_link=False)  # tune's own file: a link planted there is replaced
         result.out = part
 
 

@@ -1,0 +1,75 @@
+"""bench's intervals come from every step sample, and each holds the figure it qualifies; ratios read at one
+precision, an interval in one unit."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from omni_accum import bench
+from omni_accum.bench.intervals import median_interval, ratio_interval
+from omni_accum.bench.replay import ArmResult
+
+
+def _arm(name, samples, concurrency=4):
+    return ArmResult(name, 8000, concurrency, "inproc", requests=concurrency, steps=len(samples[0]) // concurrency,
+                     samples_us=samples)  # fmt: skip
+
+
+def _interleaved(fast: float, slow: float, steps: int = 300) -> list[float]:
+    """One repeat at concurrency 4 in replay order: requests 0 and 2 take ``slow``, 1 and 3 ``fast`` per step."""
+    out = []
+    for i in range(steps):
+        jitter = (i % 5) * 0.01
+        out += [slow + jitter, fast + jitter, slow + jitter, fast + jitter]
+    return out
+
+
+def test_the_p50_lies_in_its_interval_when_requests_differ_by_parity():
+    """`bench --workload qwen3-omni-seed --context-lens 8000 --concurrency 4 --steps 100 --repeats 3` printed
+    `9.4 us  9.5 us-9.6 us`: the interval came from every 2nd pooled sample, requests 0 and 2 only."""
+    arm = _arm("qwen3-omni-flat", [_interleaved(9.25, 9.55)])
+    lo, hi = bench.p50_interval(arm)
+    assert lo <= arm.step_us_p50 <= hi, (lo, arm.step_us_p50, hi)
+    row = next(line for line in bench.format_table([arm]).splitlines() if line.startswith("qwen3-omni-flat"))
+    assert "9.4 us" in row and "9.3-9.6 us" in row, row
+
+
+def test_the_ratio_is_the_ratio_of_the_printed_p50s():
+    base = _arm("upstream", [_interleaved(9.25, 9.55)])
+    half = _arm("prealloc", [[4.7] * 1200])
+    ratio, low, high, noise = bench.ratio_vs(base, half)
+    assert ratio == pytest.approx(half.step_us_p50 / base.step_us_p50) and low <= ratio <= high and not noise
+
+
+def test_every_interval_holds_its_point_on_many_sample_sets():
+    rng = random.Random(7)
+    for _ in range(60):
+        n = rng.choice([1, 2, 3, 5, 40, 999, 2001])
+        xs = [rng.lognormvariate(2, rng.choice([0.01, 0.5, 2])) for _ in range(n)]
+        ys = [rng.lognormvariate(2, 0.3) * rng.choice([1, 1, 5]) for _ in range(rng.choice([1, 4, 1001]))]
+        lo, hi = median_interval(xs)
+        assert lo <= statistics.median(xs) <= hi
+        r, rlo, rhi = ratio_interval(xs, ys)
+        assert r == pytest.approx(statistics.median(ys) / statistics.median(xs)) and rlo <= r <= rhi
+    assert ratio_interval([1.0, 2.0], [3.0]) == ratio_interval([1.0, 2.0], [3.0])  # seeded: the same every time
+
+
+@pytest.mark.parametrize(
+    "q, shown",
+    [
+        ((0.071, 0.05, 520.0, True), "~1x (within noise: 0.05-520x)"),
+        ((4.07, 1.0, 13.0, False), "4.07x [1.00-13.0]"),
+        ((0.965, 0.96, 0.97, False), "0.96x [0.96-0.97] (under 5%)"),
+    ],
+)
+def test_ratios_read_at_one_precision_and_a_small_consistent_difference_is_not_called_noise(q, shown):
+    """`0.071-5.2e+02x`, `4.07x [1-13]`, and `~1x (within noise: 0.96-0.97x)` for an interval that excludes 1x."""
+    assert bench.report._fmt_ratio(q) == shown
+
+
+def test_an_interval_is_printed_in_one_unit():
+    assert bench.report._fmt_us_range(2680.0, 11650.0) == "2.68-11.65 ms"
+    assert bench.report._fmt_us_range(9.25, 9.55) == "9.2-9.6 us"

@@ -1,0 +1,63 @@
+"""explain and show: a context length past bench's bound is refused, an invalid policy under --json still prints JSON,
+and explain says which tuned bucket it used when no --context-len was given."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from omni_accum.cli import main
+
+BROKEN = "default: catt\nrules:\n  - match: x\n    strategy: prealloc\n    params: {growth: 2}\n"
+
+
+def test_a_context_len_past_benchs_bound_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["explain", "qwen3-omni", "--key", "embed.decode", "--context-len", "99999999999999999999999"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--context-len: 99999999999999999999999 is over 1000000 (1000k)" in err
+
+
+def test_explain_and_show_json_on_an_invalid_policy_print_its_errors_on_stdout(tmp_path, capsys):
+    p = tmp_path / "broken.yaml"
+    p.write_text(BROKEN)
+    for argv in (["explain", str(p), "--key", "x", "--json"], ["show", str(p), "--json"]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        doc = json.loads(out)
+        assert doc["valid"] is False and doc["policy"] == str(p)
+        found = [(e["loc"], e["line"]) for e in doc["errors"]]
+        assert found == [("default.strategy", 1), ("rules[0].params.growth", 5)]
+        assert "invalid policy" in err
+
+
+def test_explain_says_which_tuned_bucket_it_used_without_a_context_len(tmp_path, capsys):
+    from omni_accum.policy import load_policy
+    from omni_accum.policy.environment import current_fingerprint
+    from omni_accum.policy.loader import dump_policy
+
+    policy = load_policy({"tuned": {"context_len_edges": [1000, 8000], "concurrency_edges": [1],
+                                    "fingerprint": current_fingerprint("cpu"),
+                                    "cells": [{"key": "embed.decode", "context_len": 1000, "concurrency": 1,
+                                               "strategy": "token_list", "baseline": "cat"}]}})  # fmt: skip
+    path = tmp_path / "t.yaml"
+    path.write_text(dump_policy(policy))
+    assert main(["explain", str(path), "--key", "embed.decode"]) == 0
+    out = capsys.readouterr().out
+    assert "-> token_list" in out
+    assert "no --context-len given: the table's first context bucket (context_len>=1000) is used" in out
+
+
+def test_an_invalid_input_named_on_the_command_line_is_a_usage_error_in_bench_and_tune(tmp_path, capsys):
+    """An invalid workload file exited 1 while an unknown workload name exited 2; an arm's invalid policy file 1."""
+    bad = tmp_path / "w.yaml"
+    bad.write_text("name: w\nkeys:\n  - {path: x, kind: sideways}\n")
+    pol = tmp_path / "p.yaml"
+    pol.write_text(BROKEN)
+    for argv in (["bench", "--workload", str(bad)], ["tune", "--workload", str(bad), "--out", str(tmp_path / "t.yaml")],
+                 ["bench", "--arms", str(pol)]):  # fmt: skip
+        assert main([*argv, "--no-progress"]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"omni-accum {argv[0]}: error: ") and "Traceback" not in err
