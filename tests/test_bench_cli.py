@@ -596,9 +596,9 @@ def test_names_longer_than_a_file_name_are_named_not_crashed():
 
 def test_a_workload_policy_field_longer_than_a_file_name_is_named(tmp_path, monkeypatch, capsys):
     """``bench`` probes the workload's policy field as a file: one too long to be a file name raised ``OSError:
-    File name too long`` ("error: File name too long"); it is an unknown policy, named as such."""
+    File name too long`` ("error: File name too long"); it is an unknown policy, named as such (a usage error: exit 2)."""
     monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("measured a workload with no policy"))
     wl = _workload_file(tmp_path, policy="p" * 300)
     rc = main(["bench", "--workload", str(wl), "--json", str(tmp_path / "o.json"), *SMALL])
     err = capsys.readouterr().err
-    assert rc == 1 and "field 'policy'" in err and "is neither a policy preset" in err and "too long" not in err, err
+    assert rc == 2 and "field 'policy'" in err and "is neither a policy preset" in err and "too long" not in err, err
