@@ -602,3 +602,15 @@ def test_a_workload_policy_field_longer_than_a_file_name_is_named(tmp_path, monk
     rc = main(["bench", "--workload", str(wl), "--json", str(tmp_path / "o.json"), *SMALL])
     err = capsys.readouterr().err
     assert rc == 2 and "field 'policy'" in err and "is neither a policy preset" in err and "too long" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("master", "needle"),
+    [("127.0.0.1", "has no port (HOST:PORT)"), ("127.0.0.1:99999", "has port '99999', not a number from 1 to 65535")],
+)
+def test_a_mooncake_master_without_a_usable_port_is_refused_before_anything_waits(capsys, master, needle):
+    """It was taken ("127.0.0.1:99999"), and the holder waited ~60 s before "did not start", naming no master."""
+    rc = main(["bench", "--wire", "mooncake", "--mooncake-master", master, "--context-lens", "1k", "--concurrency",
+               "1", "--steps", "2", "--repeats", "1"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--mooncake-master {master!r} {needle}" in err and "Traceback" not in err

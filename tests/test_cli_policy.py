@@ -479,3 +479,14 @@ def test_the_installed_command_takes_long_policy_text():
         timeout=120,
     )
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_list_and_a_binary_file_are_named_for_what_they_are(capsys, tmp_path):
+    """``validate '[1,2]'`` is policy text that is not a mapping (it read "neither a policy file nor a preset"); a
+    file that is not UTF-8 names the byte (it read "'utf-8' codec can't decode byte 0xc1 ...")."""
+    code, out, err = run(capsys, "validate", "[1,2]")
+    assert code == 1 and "a policy must be a mapping with keys like 'default' and 'rules', got list" in out + err
+    binary = tmp_path / "p.yaml"
+    binary.write_bytes(b"default: cat\n\xc1\xc2")
+    code, out, err = run(capsys, "validate", str(binary))
+    assert code == 1 and "not UTF-8 text (byte 0xc1 at offset 13)" in out + err and "codec" not in out + err

@@ -335,8 +335,13 @@ def _cli_problem(args: Any) -> str | None:
         return "--mooncake-metadata goes with --mooncake-master"
     if args.mooncake_occupancy and args.mooncake_master:
         return "--mooncake-occupancy starts a fresh master per arm; it does not take --mooncake-master"
-    if args.mooncake_master and ":" not in args.mooncake_master:
-        return f"--mooncake-master {args.mooncake_master}: give HOST:PORT"
+    if args.mooncake_master:
+        from omni_accum.integrations.vllm_omni.mooncake_settings import master_address_problem
+
+        problem = master_address_problem(args.mooncake_master)
+        if problem:
+            return (f"--mooncake-master {args.mooncake_master!r} {problem}; give HOST:PORT (port 1 to 65535) of a "
+                    "running mooncake_master")
     try:
         parse_size(args.mooncake_segment or DEFAULT_SEGMENT)
     except OmniAccumError as e:

@@ -296,7 +296,11 @@ class MooncakeServices:
         line = _readline(self.holder_proc.stdout, timeout)
         if line.strip() != "ready":
             code = self.holder_proc.poll()
-            raise MooncakeUnavailable(f"the Mooncake holder process did not start (exit {code}, said {line!r})")
+            where = f" against master {self.master_addr} (metadata {self.metadata_url})" if self.master else ""
+            hint = "; is that master running and reachable from here?" if self.master else ""
+            raise MooncakeUnavailable(
+                f"the Mooncake holder process did not start{where}: exit {code}, said {line!r}{hint}"
+            )
 
     def metrics(self) -> dict[str, float]:
         """The master's Prometheus metrics (``name{labels}`` -> value); empty for an external master."""

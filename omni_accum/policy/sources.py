@@ -18,7 +18,7 @@ from omni_accum.errors import PolicyError
 
 PRESET_SUFFIX = ".yaml"
 #: The largest policy file (or stdin) read: a policy is a few KiB, a tuned table a few hundred.
-MAX_POLICY_BYTES = 16 * 1024 * 1024
+MAX_POLICY_BYTES = 1024 * 1024  # ~4 s to validate; the largest table tune writes (512 cells) is ~0.36 MB
 
 
 # ---------------------------------------------------------------------------------------------- #
@@ -69,7 +69,10 @@ def read_source(source: str | os.PathLike[str]) -> tuple[str, str, str]:
             with path.open(encoding="utf-8") as fh:
                 size = os.fstat(fh.fileno()).st_size
                 text = fh.read(MAX_POLICY_BYTES + 1) if size <= MAX_POLICY_BYTES else ""
-        except (OSError, UnicodeDecodeError) as e:
+        except UnicodeDecodeError as e:
+            raise PolicyError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}): a policy is "
+                              "YAML, JSON or TOML text") from e
+        except OSError as e:
             raise PolicyError(f"{path}: cannot read policy file: {e}") from e
         if size > MAX_POLICY_BYTES or len(text) > MAX_POLICY_BYTES:
             raise _too_large(str(path), f"{size} bytes" if size > MAX_POLICY_BYTES else "more")
@@ -110,11 +113,12 @@ def _no_text(label: str, what: str) -> PolicyError:
     return PolicyError(msg, source=label)
 
 
-_INLINE_RE = re.compile(r"^\s*(\{|[A-Za-z_][\w-]*\s*:(\s|$))")
+_INLINE_RE = re.compile(r"^\s*(\{|\[|[A-Za-z_][\w-]*\s*:(\s|$))")
 
 
 def is_inline_policy(text: str) -> bool:
-    """True when ``text`` is policy text, not a path or preset name: ``{...}``, ``key: ...`` or several lines."""
+    """True when ``text`` is policy text, not a path or preset name: ``{...}``, ``[...]`` (refused as not a mapping),
+    ``key: ...`` or several lines."""
     return "\n" in text.strip() or bool(_INLINE_RE.match(text))
 
 
