@@ -78,10 +78,23 @@ def _receive_and_hand_over(rx, rreq):
     return handed
 
 
-def run_thinker_to_talker(make, rid: str, *, extra: dict | None = None) -> tuple[list[dict], int, list]:
-    """Thinker adapter -> SHM -> AR talker adapter; returns (handed-over payloads, wire bytes, adapters)."""
+def run_thinker_to_talker(
+    make, rid: str, *, extra: dict | None = None, heard: bool = False
+) -> tuple[list[dict], int, list]:
+    """Thinker adapter -> SHM -> AR talker adapter; returns (handed-over payloads, wire bytes, adapters).
+
+    ``heard``: first wait until the sender has heard the receiver's hello, as in a server after its first requests
+    (a request that starts sooner is sent as 0.30.0's payload; the first look waits only 50 ms, which a loaded
+    machine can miss). For a test whose assertions need the request announced."""
     tx = make(0, next_func=T2T, extra=extra)
     rx = make(1, extra=extra)
+    if heard:
+        from omni_accum.integrations.vllm_omni import peer
+        from omni_accum.integrations.vllm_omni.binding import binding_for
+
+        binding = binding_for(tx)  # made on first use
+        peer.watch(binding, tx.connector)  # what the first send does
+        _wait(binding._peer.ready, "the receiver's hello heard", timeout=30)
     rreq = _request(rid, [], internal="rx-" + rid)
     steps = _thinker_steps()
     handed: list[dict] = []

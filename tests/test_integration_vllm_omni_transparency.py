@@ -48,7 +48,7 @@ def test_a_mocked_connector_put_stays_the_mock(vo, adapters):
 def test_connector_instance_untouched_and_bytes_still_saved(vo, adapters):
     vo.install("qwen3-omni")
     rid = f"oa-inst-{os.getpid()}"
-    _, wire, (tx, rx) = run_thinker_to_talker(adapters, rid)
+    _, wire, (tx, rx) = run_thinker_to_talker(adapters, rid, heard=True)
     for a in (tx, rx):
         assert "put" not in a.connector.__dict__
     assert tx._omni_accum_binding.stats["omitted"] > 0  # send_once still leaves values off the wire
@@ -76,7 +76,7 @@ def test_a_put_wrapped_after_binding_still_encodes(vo, adapters, monkeypatch):
         return a
 
     rid = f"oa-wrap-{os.getpid()}"
-    handed, wire, (tx, _) = run_thinker_to_talker(make, rid)
+    handed, wire, (tx, _) = run_thinker_to_talker(make, rid, heard=True)
     assert len(seen) == 6
     assert wire < plain_wire
     assert tx._omni_accum_binding.stats["omitted"] > 0
