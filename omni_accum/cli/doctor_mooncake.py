@@ -21,7 +21,7 @@ import difflib
 import os
 from typing import Any
 
-from omni_accum.cli.doctor_policy import Check, _read_deploy
+from omni_accum.cli.doctor_policy import Check, _connector_nodes, _read_deploy
 from omni_accum.errors import OmniAccumError
 
 MOONCAKE_NAMES = ("MooncakeStoreConnector", "OmniAccumMooncakeConnector")
@@ -58,18 +58,9 @@ def _host_of(address: str) -> str:
     return rest.rsplit(":", 1)[0] if rest.count(":") == 1 else rest
 
 
-def _nodes(node: Any, where: str = "") -> list[tuple[str, dict[str, Any]]]:
+def _nodes(node: Any) -> list[tuple[str, dict[str, Any]]]:
     """``(where, connector)`` for every mapping whose ``name`` is a Mooncake connector's."""
-    out: list[tuple[str, dict[str, Any]]] = []
-    if isinstance(node, dict):
-        if node.get("name") in MOONCAKE_NAMES:
-            out.append((where, node))
-        for k, v in node.items():
-            out += _nodes(v, f"{where}.{k}" if where else str(k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            out += _nodes(v, f"{where}[{i}]")
-    return out
+    return _connector_nodes(node, keep=lambda n: n.get("name") in MOONCAKE_NAMES)
 
 
 def check_mooncake(deploy: str | None) -> list[Check]:

@@ -45,19 +45,25 @@ def _read_deploy(path: str) -> Any:
         raise OmniAccumError(f"--deploy {path}: cannot read it: {e}") from e
 
 
-def _connector_nodes(node: Any, where: str = "") -> list[tuple[str, dict[str, Any]]]:
-    """``(where, node)`` for every mapping with an ``extra`` mapping in a parsed deploy YAML (a connector: its
-    ``name`` and ``extra``), where: the node's path."""
+def _connector_nodes(node: Any, where: str = "", keep: Any = None) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, node)`` for every mapping of a parsed deploy YAML that ``keep(node)`` accepts (default: one with an
+    ``extra`` mapping, a connector: its ``name`` and ``extra``), where: the node's path."""
+    if keep is None:
+        keep = _has_extra
     found: list[tuple[str, dict[str, Any]]] = []
     if isinstance(node, dict):
-        if isinstance(node.get("extra"), dict):
+        if keep(node):
             found.append((where, node))
         for k, v in node.items():
-            found += _connector_nodes(v, f"{where}.{k}" if where else str(k))
+            found += _connector_nodes(v, f"{where}.{k}" if where else str(k), keep)
     elif isinstance(node, list):
         for i, v in enumerate(node):
-            found += _connector_nodes(v, f"{where}[{i}]")
+            found += _connector_nodes(v, f"{where}[{i}]", keep)
     return found
+
+
+def _has_extra(node: dict[str, Any]) -> bool:
+    return isinstance(node.get("extra"), dict)
 
 
 def _connector_extras(node: Any) -> list[tuple[str, dict[str, Any]]]:
