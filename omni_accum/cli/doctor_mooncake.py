@@ -21,8 +21,7 @@ import difflib
 import os
 from typing import Any
 
-from omni_accum.cli.doctor_policy import Check, _connector_nodes, _read_deploy
-from omni_accum.errors import OmniAccumError
+from omni_accum.cli.doctor_policy import Check, _connector_nodes, _deploy_or_none
 
 MOONCAKE_NAMES = ("MooncakeStoreConnector", "OmniAccumMooncakeConnector")
 #: What vllm-omni 0.30.0's ``MooncakeStoreConnector.__init__`` reads from its ``extra``, and its defaults.
@@ -65,11 +64,8 @@ def _nodes(node: Any) -> list[tuple[str, dict[str, Any]]]:
 
 def check_mooncake(deploy: str | None) -> list[Check]:
     """The checks of every Mooncake connector of the deploy YAML (see the module docstring)."""
-    if not deploy:
-        return []
-    try:
-        data = _read_deploy(deploy)
-    except OmniAccumError:  # check_policy reports it
+    data = _deploy_or_none(deploy)
+    if data is None:
         return []
     out: list[Check] = []
     remote = False

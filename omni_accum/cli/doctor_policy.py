@@ -45,6 +45,16 @@ def _read_deploy(path: str) -> Any:
         raise OmniAccumError(f"--deploy {path}: cannot read it: {e}") from e
 
 
+def _deploy_or_none(deploy: str | None) -> Any:
+    """The parsed deploy YAML, or None when none is given or it cannot be read (``check_policy`` reports that)."""
+    if not deploy:
+        return None
+    try:
+        return _read_deploy(deploy)
+    except OmniAccumError:
+        return None
+
+
 def _connector_nodes(node: Any, where: str = "", keep: Any = None) -> list[tuple[str, dict[str, Any]]]:
     """``(where, node)`` for every mapping of a parsed deploy YAML that ``keep(node)`` accepts (default: one with an
     ``extra`` mapping, a connector: its ``name`` and ``extra``), where: the node's path."""
@@ -102,11 +112,8 @@ def check_connectors(deploy: str | None) -> list[Check]:
     ``omni_accum_*`` keys (a misspelt one is ignored there, so it is named here; ``omni_accum_adapter_keys`` a list
     of key paths), and the settings of omni-accum's connectors (``OmniAccumArenaConnector``,
     ``OmniAccumMooncakeConnector``), which a stage refuses when it builds the connector: the server does not start."""
-    if not deploy:
-        return []
-    try:
-        data = _read_deploy(deploy)
-    except OmniAccumError:  # check_policy reports it
+    data = _deploy_or_none(deploy)
+    if data is None:
         return []
     from omni_accum.integrations.vllm_omni import arena_settings, mooncake_settings
     from omni_accum.integrations.vllm_omni.binding_settings import EXTRA_ADAPTER_KEYS, _adapter_keys
