@@ -12,13 +12,8 @@ from omni_accum import cli
 from omni_accum.tuner import TuneOptions, tune
 from omni_accum.tuner.core import TuneError
 
-SMALL = {
-    "name": "small",
-    "context_len": 64,
-    "decode_steps": 4,
-    "concurrency": [1],
-    "keys": [{"path": "embed.decode", "kind": "append", "carried": "every", "row_shape": [8], "read": "newest_row"}],
-}
+from tests.test_tune_cli import SMALL  # the one-key workload of tune's own tests
+
 BASE = "# hand-written\ndefault: cat\nrules:\n  - {match: speaker, strategy: send_once}\n"
 
 

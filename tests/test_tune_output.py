@@ -10,24 +10,7 @@ from omni_accum.policy import TunedCell, TunedTable
 from omni_accum.tuner.report import decision_table
 from omni_accum.tuner.run import TuneOptions, tune
 
-SMALL = {
-    "name": "small",
-    "context_len": 64,
-    "decode_steps": 4,
-    "concurrency": [1],
-    "keys": [{"path": "embed.decode", "kind": "append", "carried": "every", "row_shape": [8], "read": "newest_row"}],
-}
-
-
-class _Clock:
-    """Every reading 100 s after the previous one: a budget of 1 s is spent after the first bucket."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def monotonic(self) -> float:
-        self.t += 100.0
-        return self.t
+from tests.test_tune_cli import SMALL, _Clock  # the one-key workload and the clock of tune's own tests
 
 
 def test_a_kept_baseline_row_shows_no_margin_of_a_challenger():
