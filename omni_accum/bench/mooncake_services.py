@@ -180,10 +180,6 @@ class MooncakeServices:
     _tmp: Any = field(default=None, repr=False)  # the holder's private working directory
 
     @property
-    def own_master(self) -> bool:
-        return self.master_proc is not None
-
-    @property
     def master_addr(self) -> str:
         return self.master or f"{HOST}:{self.rpc_port}"
 

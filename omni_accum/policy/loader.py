@@ -47,14 +47,6 @@ ENV_POLICY = "OMNI_ACCUM_POLICY"
 # ---------------------------------------------------------------------------------------------- #
 
 
-def line_of(text: str | None, loc: tuple[Any, ...]) -> int | None:
-    """1-based line of the field at ``loc`` (``("rules", 0, "match")``) in YAML (or JSON) text, or None.
-
-    Parses ``text`` each call: for several lookups in one text, use one :class:`LineIndex`.
-    """
-    return LineIndex(text)(loc)
-
-
 def _yaml_line(text: str, loc: tuple[Any, ...]) -> int | None:
     """Best-effort 1-based line of the node at ``loc`` in a YAML document (or a :class:`TomlText`)."""
     return LineIndex(text)(loc)
@@ -287,14 +279,6 @@ def _loc_of(where: str) -> tuple[Any, ...]:
 # ---------------------------------------------------------------------------------------------- #
 # Public entry points
 # ---------------------------------------------------------------------------------------------- #
-
-
-def load_policy_argument(arg: str, manager: StrategyManager | None = None) -> tuple[str, str, Policy]:
-    """``(label, text, policy)`` of a command-line POLICY (see :func:`read_policy_argument`)."""
-    label, text, fmt = read_policy_argument(arg)
-    data = parse_text(text, fmt, label)
-    text = TomlText(text) if fmt == "toml" else text  # a TOML file's lines are found by TOML rules
-    return label, text, build_policy(data, label, text, manager)
 
 
 def build_policy(
