@@ -84,6 +84,19 @@ def test_validate_reads_stdin_and_inline_text(capsys, monkeypatch):
     assert code == 0 and ": ok" in out
 
 
+def test_a_missing_file_named_like_a_bracket_is_a_missing_file(tmp_path, capsys, monkeypatch):
+    """``[draft].yaml`` that does not exist was read as inline YAML (a parse error, not 'no such policy file')."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("[draft].yaml", "{a}.json"):
+        code, out, _ = _run(capsys, "validate", name)
+        assert code == 1 and f"{name}: no such policy file" in out and "invalid YAML" not in out, out
+    (tmp_path / "[draft].yaml").write_text("default: replace\n")
+    code, out, _ = _run(capsys, "validate", "[draft].yaml")
+    assert code == 0 and "[draft].yaml: ok" in out
+    code, out, _ = _run(capsys, "validate", "[1, 2]")  # still inline text: not a mapping
+    assert code == 1 and "must be a mapping" in out
+
+
 def test_pydantic_messages_name_the_bad_value(tmp_path, capsys):
     path = _file(tmp_path, "max_bytes_per_request: 1e9\nhonor_override_keys: maybe\n")
     code, out, _ = _run(capsys, "validate", path)

@@ -118,8 +118,13 @@ _INLINE_RE = re.compile(r"^\s*(\{|\[|[A-Za-z_][\w-]*\s*:(\s|$))")
 
 def is_inline_policy(text: str) -> bool:
     """True when ``text`` is policy text, not a path or preset name: ``{...}``, ``[...]`` (refused as not a mapping),
-    ``key: ...`` or several lines."""
-    return "\n" in text.strip() or bool(_INLINE_RE.match(text))
+    ``key: ...`` or several lines. One line ending in a policy file suffix (``[draft].yaml``) is a path."""
+    if "\n" in text.strip():
+        return True
+    match = _INLINE_RE.match(text)
+    if match is None:
+        return False
+    return match.group(1)[0] not in "{[" or Path(text.strip()).suffix.lower() not in _FORMATS
 
 
 def read_policy_argument(arg: str) -> tuple[str, str, str]:
