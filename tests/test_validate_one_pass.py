@@ -40,3 +40,26 @@ def test_a_later_rule_keeps_its_own_index_when_an_earlier_one_does_not_parse(tmp
     out = capsys.readouterr().out
     assert "line 2: rules[0].strategy: Field required" in out or "rules[0].strategy: Field required" in out
     assert "line 6: rules[1].strategy: unknown strategy 'catt'" in out, out
+
+
+def test_a_repeated_match_is_listed_beside_an_unknown_field(tmp_path, capsys):
+    """The schema checks repeated matches only when every field passed: with an unknown field beside them they were
+    reported once that was fixed. Rule 1 does not parse, so the repeat is at the file's rules[3], of rules[0]."""
+    p = tmp_path / "p.yaml"
+    p.write_text(
+        "bogus: 1\nrules:\n"
+        '  - {match: "embed.*", strategy: cat}\n'
+        "  - {match: y}\n"
+        "  - {match: x, strategy: cat}\n"
+        '  - {match: "embed.*", strategy: prealloc}\n'
+    )
+    assert main(["validate", "--json", str(p)]) == 1
+    (rec,) = json.loads(capsys.readouterr().out)["policies"]
+    found = {(e["loc"], e["line"]) for e in rec["errors"]}
+    assert found == {("bogus", 1), ("rules[1].strategy", 4), ("rules[3].match", 6)}, rec["errors"]
+    repeat = next(e for e in rec["errors"] if e["loc"] == "rules[3].match")
+    assert repeat["msg"].startswith("'embed.*' repeats rules[0].match"), repeat
+    p.write_text('rules:\n  - {match: a, strategy: cat}\n  - {match: a, strategy: cat}\n')  # the repeat alone: once
+    assert main(["validate", "--json", str(p)]) == 1
+    (rec,) = json.loads(capsys.readouterr().out)["policies"]
+    assert [(e["loc"], e["line"]) for e in rec["errors"]] == [("rules[1].match", 3)], rec["errors"]

@@ -214,6 +214,12 @@ class ABSplit(BaseModel):
         return name  # rounding at the very end: the last arm
 
 
+def repeat_message(i: int, j: int, match: str) -> str:
+    """The problem of ``rules[i]`` repeating ``rules[j]``'s match, as one line that starts ``rules[i].match ``."""
+    why = " (its second copy can never match)" if is_glob(match) else ""
+    return f"rules[{i}].match {match!r} repeats rules[{j}].match{why}; remove one"
+
+
 class Policy(BaseModel):
     """An accumulation policy.
 
@@ -271,8 +277,7 @@ class Policy(BaseModel):
         for i, rule in enumerate(self.rules):
             j = first.setdefault(rule.match, i)
             if j != i:
-                why = " (its second copy can never match)" if is_glob(rule.match) else ""
-                repeats.append(f"rules[{i}].match {rule.match!r} repeats rules[{j}].match{why}; remove one")
+                repeats.append(repeat_message(i, j, rule.match))
             elif is_glob(rule.match):
                 self._globs.append((i, rule))
             else:

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from omni_accum.manager import StrategyManager
-from omni_accum.policy.model import Policy, Rule
+from omni_accum.policy.model import Policy, Rule, repeat_message
 from omni_accum.policy.parsing import LineIndex
 
 __all__ = ["later_stage_problems"]
@@ -70,10 +70,23 @@ def later_stage_problems(
         policy = Policy.model_validate(partial, context={"allow_repeats": True})
     except (ValidationError, TypeError, ValueError):
         return [], None, {}
-    problems = check(policy, manager, _RuleLines(lines, index))
+    problems = check(policy, manager, _RuleLines(lines, index)) + _repeats(policy, lines, index)
     for p in problems:
         loc = str(p.get("loc") or "")
         if loc.startswith("rules["):
             j, rest = loc[len("rules[") :].split("]", 1)
             p["loc"] = f"rules[{index.get(int(j), int(j))}]{rest}"
     return problems, policy, index
+
+
+def _repeats(policy: Policy, lines: LineIndex, index: dict[int, int]) -> list[dict[str, Any]]:
+    """The repeated matches among the rules kept (the schema's own check of them runs only when the rest passed)."""
+    first: dict[str, int] = {}
+    out = []
+    for j, rule in enumerate(policy.rules):
+        k = first.setdefault(rule.match, j)
+        if k != j:
+            i = index.get(j, j)
+            msg = repeat_message(i, index.get(k, k), rule.match).split(" ", 1)[1]
+            out.append({"loc": f"rules[{i}].match", "line": lines(("rules", i, "match")), "msg": msg})
+    return out
