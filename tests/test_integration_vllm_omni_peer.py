@@ -170,6 +170,51 @@ def test_a_sender_that_never_hears_its_receiver_says_so_once_naming_the_deployme
     assert "OMNI_ACCUM_DEPLOYMENT (this one has 'tok-on-this-host'" in said[0]
 
 
+def test_a_receiver_that_goes_away_is_named_gone_not_never_heard(monkeypatch, caplog):
+    """A sender that heard its receiver and then saw it go said 'is gone' and at once also 'has not heard ... give
+    every stage process the same OMNI_ACCUM_DEPLOYMENT' (advice for stages that never found each other)."""
+    import logging
+    import socket
+    import time
+
+    from omni_accum.integrations.vllm_omni import peer
+
+    monkeypatch.setattr(peer, "QUIET_WARN_S", 0.0)
+    monkeypatch.setattr(peer, "POLL_S", (0.01, 0.01))
+    monkeypatch.setattr(peer, "ALIVE_S", 0.01)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    hello = [1, "f" * 12, "test", live.pid, socket.gethostname(), peer.machine_id()]
+    looks = []
+
+    def get(self, *a):
+        looks.append(a)
+        return ({peer.HELLO: hello}, 0)
+
+    w = peer.PeerWatch(type("Conn", (), {"stage_id": 0, "get": get})(), 0)
+    with caplog.at_level(logging.WARNING, logger="omni_accum.vllm_omni"):
+        try:
+            w.ready()  # starts the watch (its first look may take longer than ready waits: first imports)
+            for _ in range(1000):
+                if w.hello is not None:
+                    break
+                time.sleep(0.01)
+            assert w.hello is not None, looks
+            live.kill()
+            live.wait()
+            n = len(looks)
+            for _ in range(500):  # the watch sees it gone, then looks again (and finds the same stale hello)
+                if w.hello is None and len(looks) >= n + 5:
+                    break
+                time.sleep(0.01)
+        finally:
+            w.close()
+            live.kill()
+    said = [r.getMessage() for r in caplog.records]
+    assert w.hello is None and len(looks) >= n + 5, (w.hello, len(looks), n)
+    assert sum("is gone" in m for m in said) == 1, said
+    assert not any("has not heard" in m for m in said), said
+
+
 def test_a_sender_whose_receiver_dies_goes_back_to_0_30_0_payloads(vo, adapters, base, monkeypatch, put_hello):
     from omni_accum.integrations.vllm_omni import peer
 

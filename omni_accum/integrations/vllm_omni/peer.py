@@ -288,6 +288,7 @@ class PeerWatch:
                 logger.warning("omni-accum: stage %d's receiver (pid %d) is gone; stage %d sends vllm-omni's own "
                                "payloads until a receiver says hello again", self.dst, self.hello[3], self.src)
                 self.hello, delay = None, POLL_S[0]
+                warned = True  # that warning said it: the 'never heard' advice (another host) would mislead
                 continue
             self._stop.wait(delay)
 
