@@ -57,12 +57,32 @@ def test_every_interval_holds_its_point_on_many_sample_sets():
     assert ratio_interval([1.0, 2.0], [3.0]) == ratio_interval([1.0, 2.0], [3.0])  # seeded: the same every time
 
 
+def test_a_ratio_of_many_samples_is_bootstrapped_from_a_random_draw_of_them(monkeypatch):
+    """Every sample was resampled 200 times: 4.8 s per arm and bucket at 100k samples. Beyond BOOTSTRAP_MAX a random
+    (seeded) draw is resampled, not every n-th sample (that saw only some requests of a concurrent replay)."""
+    from omni_accum.bench import intervals
+
+    seen = []
+    real = intervals._resampled_medians
+    monkeypatch.setattr(intervals, "_resampled_medians", lambda x, *a: seen.append(x) or real(x, *a))
+    monkeypatch.setattr(intervals, "BOOTSTRAP_MAX", 100)
+    base = [10.0, 20.0] * 500  # alternating requests: every 10th sample would hold only 10.0
+    other = [5.0] * 999
+    r, lo, hi = ratio_interval(base, other)
+    assert r == pytest.approx(5.0 / 15.0) and lo <= r <= hi
+    assert [x.numel() for x in seen] == [100, 100]
+    assert set(seen[0].tolist()) == {10.0, 20.0}
+    assert ratio_interval(base, other) == (r, lo, hi)  # still seeded
+
+
 @pytest.mark.parametrize(
     "q, shown",
     [
         ((0.071, 0.05, 520.0, True), "~1x (within noise: 0.05-520x)"),
         ((4.07, 1.0, 13.0, False), "4.07x [1.00-13.0]"),
         ((0.965, 0.96, 0.97, False), "0.96x [0.96-0.97] (under 5%)"),
+        ((5e-05, 4e-05, 6e-05, False), "0.00005x [0.00004-0.00006] (20000x faster)"),
+        ((0.071, 0.0, 0.08, False), "0.071x [0-0.08] (14x faster)"),
     ],
 )
 def test_ratios_read_at_one_precision_and_a_small_consistent_difference_is_not_called_noise(q, shown):

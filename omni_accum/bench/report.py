@@ -84,7 +84,12 @@ def _fmt_x(x: float) -> str:
         return f"{x:.0f}"
     if x >= 10:
         return f"{x:.1f}"
-    return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
+    if x >= 0.1:
+        return f"{x:.2f}"
+    if not x > 0:
+        return "0"
+    # two significant digits in fixed point, as .2g shows them above 1e-4 (it read 5e-05 below)
+    return f"{x:.{1 - math.floor(math.log10(x))}f}".rstrip("0")
 
 
 def _fmt_ratio(q: tuple[float, float, float, bool] | None) -> str:
