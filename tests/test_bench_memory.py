@@ -112,3 +112,32 @@ def test_an_allocation_failure_no_check_foresaw_is_one_line(monkeypatch, capsys)
                "--no-progress"])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 1 and "out of memory" in err and "Traceback" not in err
+
+
+def test_tunes_out_of_memory_line_names_the_partial_file_only_when_one_was_written(tmp_path, monkeypatch, capsys):
+    """The first bucket's verification failing said 'the buckets finished so far are in t.partial.yaml', a file
+    that was never written; a later bucket failing names it, and it is there."""
+    import omni_accum.tuner.run as tune_run
+
+    oom = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096004096 bytes.")
+    monkeypatch.setattr(tune_run, "verify_bucket", lambda *a, **k: (_ for _ in ()).throw(oom))
+    out = tmp_path / "t.yaml"
+    args = ["tune", "--out", str(out), "--quick", "--concurrency", "1", "--decode-steps", "4", "--no-progress"]
+    assert main([*args, "--context-lens", "16", "--verify"]) == 1
+    err = capsys.readouterr().err
+    assert "out of memory" in err and "finished so far" not in err, err
+    assert not any(tmp_path.iterdir())
+    monkeypatch.undo()
+    real, calls = tune_run.tune_bucket, []
+
+    def second_fails(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise oom
+        return real(*a, **k)
+
+    monkeypatch.setattr(tune_run, "tune_bucket", second_fails)
+    assert main([*args, "--context-lens", "16,32"]) == 1
+    err = capsys.readouterr().err
+    part = tune_run.partial_path(out)
+    assert f"the buckets finished so far are in {part}" in err and part.is_file() and not out.exists(), err

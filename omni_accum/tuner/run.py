@@ -415,7 +415,7 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
 
         if not is_allocation_failure(e):
             raise
-        kept = f"; the buckets finished so far are in {partial_path(opts.out)}" if cells else ""
+        kept = f"; the buckets finished so far are in {result.out}" if result.out == partial_path(opts.out) else ""
         raise BenchError(
             f"context_len={cl} concurrency={c}: out of memory{allocation_detail(e)}; give shorter --context-lens, "
             f"a lower --concurrency or fewer --decode-steps{kept}"
