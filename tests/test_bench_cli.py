@@ -308,6 +308,20 @@ def test_workload_policy_that_names_nothing_is_reported_with_its_origin(tmp_path
     assert rc == 2 and f"{wl}: field 'policy': 'nopreset'" in err and "qwen3-omni-flat" in err
 
 
+def test_a_workload_policy_file_that_does_not_load_is_named_as_the_workloads_not_arms(tmp_path, capsys):
+    """The default arms include the workload's own policy: an invalid file there was reported as '--arms: ...'."""
+    bad = tmp_path / "badpol.yaml"
+    bad.write_text("default: catt\n")
+    wl = _workload_file(tmp_path, policy=str(bad))
+    rc = main(["bench", "--workload", str(wl), *SMALL])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{wl}: field 'policy': invalid policy" in err and "unknown strategy 'catt'" in err, err
+    assert "--arms" not in err
+    rc = main(["bench", "--workload", str(wl), "--arms", f"cat,{bad}", *SMALL])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--arms: invalid policy" in err, err
+
+
 def test_build_arms_names_the_workload_policy_field():
     wl = load_workload("qwen3-omni-seed").model_copy(update={"policy": "nopreset"})
     with pytest.raises(bench.arms.OmniAccumError, match="field 'policy': 'nopreset'"):

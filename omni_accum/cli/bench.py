@@ -280,6 +280,8 @@ def run(args: argparse.Namespace) -> int:
     except bench.UnknownArmError as e:
         return _usage_error(str(e))
     except PolicyError as e:  # an arm's policy file that does not load: an input named on the command line
+        if args.arms is None:  # the default arms: the one policy among them is the workload's own
+            return _usage_error(f"{args.workload or f'workload {wl.name!r}'}: field 'policy': {e}")
         return _usage_error(f"--arms: {e}")
     apply_threads(args.threads)
     if args.wire == "arena":
