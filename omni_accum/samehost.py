@@ -48,6 +48,27 @@ class SameHostRefused(OmniAccumError):
         self.path = str(path)
 
 
+#: Above Linux's largest pid (2**22): a pid read from shared memory that is not a process.
+PID_LIMIT = 1 << 22
+
+
+def pid_alive(pid: int) -> bool:
+    """True when ``pid`` runs (a zombie, killed but not yet reaped, counts as dead)."""
+    if not 0 < pid < PID_LIMIT:  # a pid from a shared header or hello: no process has one out of range
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: trust kill(0)
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+
+
 def base_dir() -> Path:
     """``$OMNI_ACCUM_ARENA_DIR``, else ``/dev/shm``."""
     return Path(os.path.abspath(os.environ.get(ENV_DIR) or DEFAULT_BASE))  # the reaper runs from /

@@ -198,6 +198,15 @@ def _wait_for_talker(tx: Any) -> None:
     from omni_accum.integrations.vllm_omni.peer import hello_key
 
     _wait(lambda: tx.connector.get("0", "1", hello_key(0, 1)) is not None, "the talker's hello", timeout=120.0)
+    if _installed():  # and the thinker's binding has heard it (its first look waits 50 ms: a loaded host misses that)
+        from omni_accum.integrations.vllm_omni import peer
+        from omni_accum.integrations.vllm_omni.binding import binding_for
+
+        b = binding_for(tx)
+        if b is not None:
+            peer.watch(b, tx.connector)
+            if b.__dict__.get("_peer") is not None:
+                _wait(b._peer.ready, "the thinker's binding to hear the talker's hello", timeout=120.0)
 
 
 def talker_stage(*, pipes: Any, connector: dict[str, Any], rids: list[str], chunks: int) -> dict[str, Any]:

@@ -78,6 +78,16 @@ def _receive_and_hand_over(rx, rreq):
     return handed
 
 
+def _hear(tx) -> None:
+    """Wait until sending adapter ``tx`` has heard its receiver's hello (see ``run_thinker_to_talker``)."""
+    from omni_accum.integrations.vllm_omni import peer
+    from omni_accum.integrations.vllm_omni.binding import binding_for
+
+    binding = binding_for(tx)  # made on first use
+    peer.watch(binding, tx.connector)  # what the first send does
+    _wait(binding._peer.ready, "the receiver's hello heard", timeout=30)
+
+
 def run_thinker_to_talker(
     make, rid: str, *, extra: dict | None = None, heard: bool = False
 ) -> tuple[list[dict], int, list]:
@@ -89,12 +99,7 @@ def run_thinker_to_talker(
     tx = make(0, next_func=T2T, extra=extra)
     rx = make(1, extra=extra)
     if heard:
-        from omni_accum.integrations.vllm_omni import peer
-        from omni_accum.integrations.vllm_omni.binding import binding_for
-
-        binding = binding_for(tx)  # made on first use
-        peer.watch(binding, tx.connector)  # what the first send does
-        _wait(binding._peer.ready, "the receiver's hello heard", timeout=30)
+        _hear(tx)
     rreq = _request(rid, [], internal="rx-" + rid)
     steps = _thinker_steps()
     handed: list[dict] = []
@@ -212,7 +217,7 @@ def test_default_policy_consumer_payloads_identical(vo, adapters, baseline, monk
 def test_qwen3_preset_equal_views_fewer_wire_bytes(vo, adapters, baseline):
     vo.install("qwen3-omni")
     rid = f"oa-q3-{os.getpid()}"
-    handed, wire, (tx, rx) = run_thinker_to_talker(adapters, rid)
+    handed, wire, (tx, rx) = run_thinker_to_talker(adapters, rid, heard=True)
     assert_same(handed, baseline[0], "handed")  # send_once values restored, prefill view equal
     assert wire < baseline[1], (wire, baseline[1])
     assert tx._omni_accum_binding.stats["omitted"] > 0
@@ -225,7 +230,7 @@ def test_policy_from_connector_extra_via_activation(vo, adapters, baseline, monk
     vo.activate()
     assert not vo.is_installed()  # only the constructor probes
     rid = f"oa-ex-{os.getpid()}"
-    handed, wire, (tx, _) = run_thinker_to_talker(adapters, rid, extra={"omni_accum_policy": "qwen3-omni"})
+    handed, wire, (tx, _) = run_thinker_to_talker(adapters, rid, extra={"omni_accum_policy": "qwen3-omni"}, heard=True)
     assert vo.is_installed()
     assert tx._omni_accum_binding.source == "connector extra omni_accum_policy"
     assert_same(handed, baseline[0], "handed")
@@ -349,13 +354,15 @@ def chunked_prefill_thinker2talker(transfer_manager, multimodal_output, request,
     )
 
 
-def run_chunked_prefill(make, rid: str) -> tuple[list[dict], list[dict], list]:
-    """Thinker adapter (chunked prefill) -> SHM -> AR talker adapter.
+def run_chunked_prefill(make, rid: str, *, heard: bool = False) -> tuple[list[dict], list[dict], list]:
+    """Thinker adapter (chunked prefill) -> SHM -> AR talker adapter (``heard``: as ``run_thinker_to_talker``'s).
 
     Returns (handed-over payloads, thinker steps, adapters); one payload is handed over per step.
     """
     tx = make(0, next_func=f"{__name__}.chunked_prefill_thinker2talker")
     rx = make(1)
+    if heard:
+        _hear(tx)
     rreq = _request(rid, [], internal="rx-" + rid)
     steps = _thinker_steps(seed=3, decode_steps=3)
     handed: list[dict] = []
@@ -396,7 +403,7 @@ def test_chunked_prefill_receiver_concatenates(vo, adapters):
 
     vo.install("qwen3-omni")
     rid = f"oa-cp-q3-{pid}"
-    handed, _, (tx, rx) = run_chunked_prefill(adapters, rid)
+    handed, _, (tx, rx) = run_chunked_prefill(adapters, rid, heard=True)
     assert tx._omni_accum_binding.stats["omitted"] > 0  # the statics went once
     for k in range(3):
         for got, rows in (

@@ -30,10 +30,10 @@ def _t2t() -> str:
     return T2T
 
 
-def _run(pair, rid: str):
-    """One request through the given pair of adapters."""
+def _run(pair, rid: str, *, heard: bool = False):
+    """One request through the given pair of adapters (``heard``: after the sender heard the receiver's hello)."""
     it = iter(pair)
-    return run_thinker_to_talker(lambda stage_id, **kw: next(it), rid)[0]
+    return run_thinker_to_talker(lambda stage_id, **kw: next(it), rid, heard=heard)[0]
 
 
 @pytest.fixture
@@ -223,7 +223,7 @@ def test_a_sender_whose_receiver_dies_goes_back_to_0_30_0_payloads(vo, adapters,
     try:
         tx, rx = _pair(adapters, QWEN, OFF)
         put_hello(live.pid)  # a receiver that said hello (then is replaced by one without omni-accum)
-        first = _run((tx, rx), f"oa-peer-gone-1-{os.getpid()}")
+        first = _run((tx, rx), f"oa-peer-gone-1-{os.getpid()}", heard=True)
         txb = tx._omni_accum_binding
         assert txb._peer.hello is not None and txb.stats["omitted"] > 0  # it believed the hello
         del first  # (that request went to a receiver that could not put the values back: the case to end)
@@ -241,7 +241,7 @@ def test_hellos_are_withdrawn_when_omni_accum_is_uninstalled(vo, adapters, base)
     from omni_accum.integrations.vllm_omni.peer import hello_key
 
     tx, rx = _pair(adapters, QWEN, QWEN)
-    _run((tx, rx), f"oa-peer-withdraw-{os.getpid()}")
+    _run((tx, rx), f"oa-peer-withdraw-{os.getpid()}", heard=True)
     assert tx._omni_accum_binding._peer.hello is not None
     d = private_dir()  # /dev/shm/omni-accum-<euid>/: the hellos live there, nowhere else
     assert glob.glob(f"{d}/{hello_key(0, 1)}")  # read, not consumed: the stage's other senders read it too
@@ -263,7 +263,7 @@ def test_the_deployment_token_is_inherited_by_processes_started_after_activation
 
 def test_status_says_who_said_hello(vo, adapters, base):
     tx, rx = _pair(adapters, QWEN, QWEN)
-    _run((tx, rx), f"oa-peer-status-{os.getpid()}")
+    _run((tx, rx), f"oa-peer-status-{os.getpid()}", heard=True)
     rows = {r.peer for r in vo.status().bindings}
     fp = rx._omni_accum_binding.fingerprint
     assert "told stage 0" in rows and f"heard stage 1 (pid {os.getpid()}, fingerprint {fp})" in rows, rows

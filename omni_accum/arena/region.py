@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omni_accum import samehost
+from omni_accum.samehost import PID_LIMIT, pid_alive  # noqa: F401 - re-exported (a same-host helper)
 from omni_accum.arena.ring import Ring
 from omni_accum.errors import OmniAccumError
 
@@ -69,29 +70,8 @@ def path_for(name: str) -> Path:
     return samehost.private_dir() / f"{PREFIX}{name}"
 
 
-#: Above Linux's largest pid (2**22): a pid read from shared memory that is not a process.
-PID_LIMIT = 1 << 22
-
-
 def _page_ok(page: int) -> bool:
     return 4096 <= page <= 1 << 30 and not page & (page - 1)
-
-
-def pid_alive(pid: int) -> bool:
-    """True when ``pid`` runs (a zombie, killed but not yet reaped, counts as dead)."""
-    if not 0 < pid < PID_LIMIT:  # a pid from a shared header or hello: no process has one out of range
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no /proc: trust kill(0)
-    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
 @dataclass(frozen=True)

@@ -187,9 +187,7 @@ def same_machine(h: list[Any]) -> bool:
 
 def _stale(h: list[Any]) -> bool:
     """True for a hello from a process on this machine (:func:`same_machine`) that is no longer alive."""
-    from omni_accum.arena.region import pid_alive  # noqa: PLC0415
-
-    return same_machine(h) and not pid_alive(h[3])
+    return same_machine(h) and not samehost.pid_alive(h[3])
 
 
 # ------------------------------------------------------------------------------ the receiving side
