@@ -42,7 +42,7 @@ builds=()
 # The end-to-end test runs with CI=true or OMNI_ACCUM_E2E=1 and no extra arguments (see below); it needs the
 # harness's virtualenv (~5.3 GB from .venv's packages) and its tiny model (~1.2 GB).
 want_e2e=0
-{ [ "${OMNI_ACCUM_E2E:-}" = "1" ] || [ "$(echo "${CI:-}" | tr '[:upper:]' '[:lower:]')" = "true" ]; } && [ $# -eq 0 ] && want_e2e=1
+{ [ "${OMNI_ACCUM_E2E:-}" = "1" ] || case "$(echo "${CI:-}" | tr '[:upper:]' '[:lower:]' | tr -d '[:space:]')" in 1|true|yes) true ;; *) false ;; esac; } && [ $# -eq 0 ] && want_e2e=1
 [ "$want_e2e" = "1" ] && [ ! -x "$e2e_venv/bin/python" ] && builds+=("$e2e_venv" 6.5 "the end-to-end harness")
 if [ ${#builds[@]} -gt 0 ] && ! omni_accum_need_disk "${builds[@]}"; then
   echo "[setup] nothing was built or run" >&2

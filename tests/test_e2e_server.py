@@ -42,13 +42,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import CI
 
 ROOT = Path(__file__).resolve().parents[1]
 E2E = ROOT / "benchmarks" / "e2e"
 VENV = Path(os.environ.get("OMNI_ACCUM_E2E_VENV", E2E / ".work" / "venv"))
 LOGS = E2E / ".work" / "test-logs"
 
-ENABLED = os.environ.get("OMNI_ACCUM_E2E", "").strip() == "1" or os.environ.get("CI", "").strip().lower() == "true"
+ENABLED = os.environ.get("OMNI_ACCUM_E2E", "").strip() == "1" or CI
 pytestmark = pytest.mark.skipif(
     not ENABLED,
     reason="end-to-end server test (~7 GB env, minutes): enable with OMNI_ACCUM_E2E=1 (or CI=true)",

@@ -15,13 +15,13 @@ below catch any circle they cause at run time.
 from __future__ import annotations
 
 import ast
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import CI
 
 import omni_accum
 
@@ -265,7 +265,7 @@ def test_every_module_imports_in_a_fresh_interpreter():
     """Each module alone, with no omni_accum module loaded before it: a circle through a package
     ``__init__`` (which the graph check does not count) fails here as a partially initialised module."""
     names = sorted(_installed_modules())
-    skip_vllm = not _vllm_omni_importable() and os.environ.get("CI", "").lower() != "true"
+    skip_vllm = not _vllm_omni_importable() and not CI
     todo = [n for n in names if not (skip_vllm and _needs_vllm_omni(n)) and not n.endswith(".__main__")]
     r = subprocess.run(
         [sys.executable, "-c", _FRESH_IMPORTS, _PRELOAD, *todo], capture_output=True, text=True, timeout=900

@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import CI
 
 import omni_accum
 from omni_accum import cli
+from omni_accum.policy import TunedTable
 from omni_accum.policy.environment import current_fingerprint
 from omni_accum.policy.fingerprint import StaleTableWarning
-from omni_accum.policy import TunedTable
 from omni_accum.tuner import TuneOptions, tune
 from omni_accum.tuner import core as tuner_core
 from omni_accum.tuner.buckets import log_edges
 from omni_accum.tuner.candidates import candidate_set_hash, candidates_for
 from omni_accum.tuner.stats import bootstrap_gain, median
-
-CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 TINY = {
     "name": "tiny",
