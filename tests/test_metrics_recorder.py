@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CI
 
-prometheus_client = pytest.importorskip("prometheus_client", reason="the [vllm] extra brings prometheus_client")
+try:
+    import prometheus_client
+except ImportError:  # the [vllm] extra brings it; a failure under CI=true, as every declared test dependency
+    if CI:
+        raise
+    pytest.skip("prometheus_client not installed here (the [vllm] extra brings it)", allow_module_level=True)
 
 from omni_accum.integrations.vllm_omni import metrics  # noqa: E402
 

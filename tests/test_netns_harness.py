@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-
+from mooncake_fixtures import require_mooncake
 from waiting import poll  # tests/ is on sys.path (the rootdir conftest's folder), in stage processes too
 
 E2E = Path(__file__).resolve().parent.parent / "benchmarks" / "e2e"
@@ -337,10 +337,7 @@ time.sleep(600)
 def test_run_py_hosts_cleans_up_after_a_stage_fails(root_netns, tmp_path):
     import json
 
-    from omni_accum.bench.mooncake_services import mooncake_problem
-
-    if mooncake_problem():
-        pytest.skip(mooncake_problem())
+    require_mooncake()  # a failure under CI=true, as everywhere else
     # a virtualenv whose bin/ holds the stand-in: run.py's VENV_BIN is its interpreter's folder
     venv = Path(sys.prefix)
     bin_dir = tmp_path / "venv" / "bin"
@@ -479,10 +476,7 @@ def test_a_master_restart_and_a_link_down_are_made_recorded_and_leave_nothing(ro
     a stage host's link down (its address unreachable from the harness) and up again; the lab then closes clean."""
     import threading
 
-    from omni_accum.bench.mooncake_services import mooncake_problem
-
-    if mooncake_problem():
-        pytest.skip(mooncake_problem())
+    require_mooncake()  # a failure under CI=true, as everywhere else
     hosts = _hosts_module()
     model = tmp_path / "model"
     model.mkdir()
