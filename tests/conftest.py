@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from types import SimpleNamespace
@@ -127,17 +128,16 @@ def runner(vllm_omni):
     """Factory of real runner transports (``OmniConnectorModelRunnerMixin`` + SharedMemoryConnector)."""
     from vllm_omni.worker.omni_connector_model_runner_mixin import OmniConnectorModelRunnerMixin
 
-    made = []
+    stack = contextlib.ExitStack()  # every one is shut down, also when another's shutdown raises
 
     def make(extra: dict | None = None) -> Any:
         r = type("Runner", (OmniConnectorModelRunnerMixin,), {})()
         r.init_omni_connectors(runner_config(extra))
-        made.append(r)
+        stack.callback(r.shutdown_omni_connectors)
         return r
 
-    yield make
-    for r in made:
-        r.shutdown_omni_connectors()
+    with stack:
+        yield make
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ def data_plane(vllm_omni):
     test skips when it makes one: the release has no such path to test."""
     from omni_accum.integrations.vllm_omni.families import current
 
-    made = []
+    stack = contextlib.ExitStack()
 
     def make() -> Any:
         fam = current()
@@ -155,12 +155,11 @@ def data_plane(vllm_omni):
         from vllm_omni.worker_v2.omni_data_plane import OmniRunnerDataPlane
 
         dp = OmniRunnerDataPlane(SimpleNamespace(), runner_config())
-        made.append(dp)
+        stack.callback(dp.close)
         return dp
 
-    yield make
-    for dp in made:
-        dp.close()
+    with stack:
+        yield make
 
 
 @pytest.fixture
@@ -170,7 +169,7 @@ def adapters(vllm_omni):
         OmniChunkTransferAdapter,
     )
 
-    made: list[Any] = []
+    stack = contextlib.ExitStack()  # each adapter shut down and its connector closed, whatever another one raises
 
     def make(
         stage_id: int,
@@ -191,10 +190,9 @@ def adapters(vllm_omni):
             hf_config=SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=24)),
         )
         a = OmniChunkTransferAdapter(SimpleNamespace(model_config=mc, scheduler_config=SimpleNamespace(max_num_seqs=8)))
-        made.append(a)
+        stack.callback(a.connector.close)
+        stack.callback(a.shutdown)  # last in, first out: shut down, then its connector closed
         return a
 
-    yield make
-    for a in made:
-        a.shutdown()
-        a.connector.close()
+    with stack:
+        yield make

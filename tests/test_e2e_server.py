@@ -222,7 +222,7 @@ def test_the_server_times_the_hand_off_and_the_processor_accumulation(smoke_repo
     for pair in ("0->1", "1->2"):
         e = handoff.get(f"{pair} prefill") or {}
         assert e.get("count", 0) >= 1 and e.get("bytes", 0) > 0, f"no {pair} prefill hand-off: {handoff}"
-        assert 0 <= e["seconds"] / e["count"] < 600, e
+        assert e["seconds"] >= 0, e  # both ends read one clock: never negative (no bound on how long)
     # the thinker's chunk 0 carries embed.prefill and hidden_states.output, [P, 2048] bf16 each
     assert handoff["0->1 prefill"]["bytes"] >= 2 * 16 * 2048 * 2, handoff
     assert not m.get("handoff_skipped"), f"hand-offs skipped on one host: {m.get('handoff_skipped')}"

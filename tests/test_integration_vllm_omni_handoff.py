@@ -136,7 +136,7 @@ def test_a_known_stream_gives_exact_counts_and_bytes_per_pair_and_kind(monkeypat
         row, was = stat[kind], stat0.get(kind, {"count": 0, "bytes": 0, "seconds_sum": 0.0})
         assert row["count"] - was["count"] == want[f"{kind}.count"]
         assert row["bytes"] - was["bytes"] == want[f"{kind}.bytes"]
-        assert 0 <= row["seconds_max"] <= 600 and row["seconds_sum"] >= was["seconds_sum"]
+        assert row["seconds_max"] >= 0 and row["seconds_sum"] > was["seconds_sum"]  # timed on one clock (no bound)
     assert "full" not in stat
 
 
