@@ -23,9 +23,12 @@ class _Interleaving(dict):
     def __init__(self, base: dict, key: int, meanwhile) -> None:
         super().__init__(base)
         self.key, self.meanwhile = key, meanwhile
+        self.locked: list[bool] = []  # whether ``binding._lock`` was held at each lookup of ``key``
 
     def get(self, key, default=None):
         found = super().get(key, default)
+        if key == self.key:
+            self.locked.append(binding._lock.locked())
         if key == self.key and self.meanwhile is not None:
             run, self.meanwhile = self.meanwhile, None
             run()
@@ -59,9 +62,9 @@ def test_a_new_object_reusing_a_gone_ones_id_keeps_its_entry(instances):
     and its removal. The clean-up runs under ``_lock``, as tracking does, so the newcomer's entry is made
     after it and stays (the old weakref callback ran without the lock and popped the newcomer's entry)."""
     a = _Adapter()
-    with binding._lock:
-        binding._track(a)
+    assert binding.binding_for(a) is None  # no policy: tracked all the same (uninstall detaches what it bound)
     key = id(a)
+    assert key in binding._instances
     newcomer = _Adapter()
 
     def track_newcomer() -> None:  # what binding_for does for a new object whose id is the gone one's
@@ -69,13 +72,13 @@ def test_a_new_object_reusing_a_gone_ones_id_keeps_its_entry(instances):
             binding._instances[key] = weakref.ref(newcomer)
 
     other = threading.Thread(target=track_newcomer)
-    binding._instances = _Interleaving(binding._instances, key, lambda: (other.start(), other.join(0.2)))
+    table = binding._instances = _Interleaving(binding._instances, key, lambda: (other.start(), other.join(0.2)))
     del a
     gc.collect()
-    with binding._lock:
-        binding._track(keep := _Adapter())
+    binding.binding_for(keep := _Adapter())  # a first send of a new adapter: the clean-up runs in there
     other.join(10)
     assert not other.is_alive()
+    assert table.locked == [True]  # the clean-up's lookup ran under the lock
     assert binding._instances[key]() is newcomer
     assert binding._instances[id(keep)]() is keep
 
