@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from omni_accum.arena import ArenaError, ArenaFull, ArenaReceiver, ArenaSender, PeerDied, path_for, sweep_stale
+from omni_accum.testing import same_bits
 
 KINDS = {"emb": "append", "hid.x": "append", "ids": "append", "bos": "static"}
 WAIT = 120.0
@@ -115,7 +116,7 @@ def test_views_are_bit_exact_across_processes_and_released_space_is_reused():
                 v = ev.view["emb"]
                 if v.shape[0] == 101:
                     i = int(ev.req_id[1:])
-                    assert torch.equal(v[:100], torch.full((100, 64), float(i % 50), dtype=torch.bfloat16))
+                    assert same_bits(v[:100], torch.full((100, 64), float(i % 50), dtype=torch.bfloat16))
                     rx.release(ev.req_id)
                     small_seen += 1
                 max_held = max(max_held, rx.held_bytes())
@@ -126,9 +127,10 @@ def test_views_are_bit_exact_across_processes_and_released_space_is_reused():
             assert view["emb"].shape == ref["emb"].shape, (r, got[r], view["emb"].shape, ref["emb"].shape)
             bad = (view["emb"] != ref["emb"]).any(1).nonzero().flatten().tolist()
             assert not bad, (r, got[r], bad, view["emb"].shape)
+            assert same_bits(view["emb"], ref["emb"]), (r, got[r])  # bit for bit (-0.0 and NaN too), not ==
             assert view["emb"].dtype == torch.bfloat16
-            assert torch.equal(view["hid"]["x"], ref["hid.x"])
-            assert view["ids"] == ref["ids"] and torch.equal(view["bos"], ref["bos"])
+            assert same_bits(view["hid"]["x"], ref["hid.x"])
+            assert view["ids"] == ref["ids"] and same_bits(view["bos"], ref["bos"])
             got[r] += 1
             if got[r] == len(streams[r]):
                 finished.append(r)
@@ -198,7 +200,7 @@ def test_decode_steps_as_binary_descriptors_are_bit_exact_across_processes():
             r = int(ev.req_id[1:])
             seen = streams[r][: got[r] + 1]
             view, last = ev.view, seen[-1]
-            assert torch.equal(view["emb"], torch.cat([c["emb"] for c in seen]))
+            assert same_bits(view["emb"], torch.cat([c["emb"] for c in seen]))
             assert (view["pos"], view["fin"], view["note"]) == (last["pos"], last["fin"], None)
             assert type(view["fin"]) is bool and type(view["pos"]) is int
             if "temp" in last:
@@ -225,7 +227,7 @@ def test_a_full_arena_refuses_before_writing_and_back_pressure_does_not_overwrit
     try:
         a = torch.randn(8, 1024)  # rows of 4 KiB; the hint sizes the slab once: 4 MB
         tx.send("a", {"emb": a})
-        assert torch.equal(rx.poll(5).view["emb"], a)
+        assert same_bits(rx.poll(5).view["emb"], a)
         with pytest.raises(ArenaFull, match="ordinary way"):
             tx.send("b", {"emb": torch.randn(1500, 1024)})  # 6 MB: no room while "a" holds 4
         assert tx.inflight() == ["a"]
@@ -239,14 +241,14 @@ def test_a_full_arena_refuses_before_writing_and_back_pressure_does_not_overwrit
                 sent += 1
         views = [rx.poll(5) for _ in range(sent)]
         v = views[-1].view["emb"]
-        assert v.shape[0] == 8 + sent and torch.equal(v[:8], a)
-        assert all(torch.equal(v[8 + i], row[0] * i) for i in range(sent))
+        assert v.shape[0] == 8 + sent and same_bits(v[:8], a)
+        assert all(same_bits(v[8 + i], row[0] * i) for i in range(sent))
         tx.done("a")
         rx.poll(0)
         rx.release("a")
         b = torch.randn(1500, 1024)
         tx.send("b", {"emb": b})  # the released space takes it now
-        assert torch.equal(rx.poll(5).view["emb"], b)
+        assert same_bits(rx.poll(5).view["emb"], b)
     finally:
         tx.close()
         rx.close()
@@ -277,13 +279,13 @@ def test_kill_9_of_the_sender_fails_only_its_inflight_requests():
             for _ in range(10_000):  # the chunks the sender published first, then the empty poll that checks
                 rx.poll(0)
         assert err.value.requests == ["inflight"]
-        assert torch.equal(rx.view("done")["emb"], torch.arange(12.0).view(3, 4))
+        assert same_bits(rx.view("done")["emb"], torch.arange(12.0).view(3, 4))
         with pytest.raises(PeerDied):
             rx.view("inflight")
         tx = ArenaSender(name, {"emb": "append"}, attach_timeout_s=WAIT)  # a new sender takes over
         tx.send("next", {"emb": torch.full((2, 4), 5.0)})
-        assert torch.equal(rx.poll(WAIT).view["emb"], torch.full((2, 4), 5.0))
-        assert torch.equal(rx.view("done")["emb"], torch.arange(12.0).view(3, 4))  # its pages were kept
+        assert same_bits(rx.poll(WAIT).view["emb"], torch.full((2, 4), 5.0))
+        assert same_bits(rx.view("done")["emb"], torch.arange(12.0).view(3, 4))  # its pages were kept
         tx.close()
     finally:
         proc.kill()

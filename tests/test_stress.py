@@ -15,6 +15,7 @@ import threading
 import torch
 
 import omni_accum
+from omni_accum.testing import same_bits
 
 THREADS = 8
 REQUESTS_PER_THREAD = 1000
@@ -52,13 +53,13 @@ def _stream(tid: int, r: int) -> list[dict]:
 def _check(view, chunks: list[dict], upto: int, tid: int) -> None:
     """The view after chunks 0..upto equals the reference."""
     first = chunks[0]
-    assert torch.equal(view["embed"]["prefill"], first["embed"]["prefill"])
-    assert torch.equal(view["hidden_states"]["output"], first["hidden_states"]["output"])
-    assert torch.equal(view["embed"]["tts_bos"], first["embed"]["tts_bos"])
+    assert same_bits(view["embed"]["prefill"], first["embed"]["prefill"])
+    assert same_bits(view["hidden_states"]["output"], first["hidden_states"]["output"])
+    assert same_bits(view["embed"]["tts_bos"], first["embed"]["tts_bos"])
     assert view["speaker"] == f"spk{tid}" and view["ids"]["prompt"] == first["ids"]["prompt"]
     if upto >= 1:
         rows = torch.cat([c["embed"]["decode"] for c in chunks[1 : upto + 1]])
-        assert torch.equal(view["embed"]["decode"], rows)
+        assert same_bits(view["embed"]["decode"], rows)
     assert bool(view["meta"]["finished"]) is (upto == DECODE_STEPS)
 
 
