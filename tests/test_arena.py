@@ -332,7 +332,8 @@ def wait_exited(pid: int) -> None:
     except ProcessLookupError:
         return
     try:
-        select.select([fd], [], [])
+        ready, _, _ = select.select([fd], [], [], 300)  # a bound against a hang, not a clock: it exits at once
+        assert ready, f"process {pid} did not exit"
     finally:
         os.close(fd)
 

@@ -4,10 +4,10 @@ hook against vLLM's real ``SpinCondition`` (shared-memory message queue readers)
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
-
 from conftest import require_module
 
 SRC = Path(__file__).resolve().parent.parent / "benchmarks" / "e2e" / "cpu_platform" / "src"
@@ -72,7 +72,8 @@ def test_without_the_variable_vllms_busy_loop_stays(e2e_cpu, spin, monkeypatch):
     assert sb.SpinCondition.wait is before
     ctx, writer, reader = _reader(sb)
     try:
-        reader.wait(timeout_ms=0)  # just made: within vLLM's 1 s busy loop, it yields and returns
+        reader.last_read = time.monotonic()  # as a read just now (a loaded host may take 1 s to get here)
+        reader.wait(timeout_ms=0)  # within vLLM's 1 s busy loop after a read: it yields and returns
         assert yields == [1] and reader.busy_loop_s == 1
     finally:
         ctx.destroy(linger=0)

@@ -80,8 +80,12 @@ _SENDER = textwrap.dedent(
     from tests.test_integration_vllm_omni_arena_zero_copy import chunk0, decoded
     from tests.test_integration_vllm_omni import assert_same
     tx = _connector(0, sys.argv[1])
-    while tx._sender(("0", "1")) is None:  # attach first (a put before that goes through the inner connector)
+    for _ in range(5000):  # attach first (a put before that goes through the inner connector); ~5 min at most
+        if tx._sender(("0", "1")) is not None:
+            break
         time.sleep(0.06)
+    else:
+        sys.exit("the sender never attached to the receiver's region")
     sent = {}
     for line in sys.stdin:
         cmd, *args = line.split()
