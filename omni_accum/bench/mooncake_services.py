@@ -50,6 +50,14 @@ class MooncakeUnavailable(OmniAccumError):
     not start."""
 
 
+class _MasterExited(MooncakeUnavailable):
+    """The master exited while starting (a port taken since it was picked, say): started again on new ports."""
+
+
+#: Starts of a master that exits at once (each on newly picked ports) before giving up.
+MASTER_STARTS = 3
+
+
 def mooncake_problem() -> str | None:
     """What is missing for Mooncake here (exactly), or None when ``mooncake.store`` loads."""
     try:
@@ -91,9 +99,19 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on :data:`HOST` now (all held while they are picked, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind((HOST, 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def listening_ports(pids: Sequence[int] | None = None) -> set[int]:
@@ -218,7 +236,13 @@ class MooncakeServices:
     def start(self, timeout: float = 60.0) -> MooncakeServices:
         try:
             if self.master is None:
-                self._start_master(timeout)
+                for attempt in range(MASTER_STARTS):  # another process may take a port between pick and bind
+                    try:
+                        self._start_master(timeout)
+                        break
+                    except _MasterExited:
+                        if attempt == MASTER_STARTS - 1:
+                            raise
             self._start_holder(timeout)
         except BaseException:
             self.stop()
@@ -227,7 +251,7 @@ class MooncakeServices:
 
     def _start_master(self, timeout: float) -> None:
         binary = master_binary()
-        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.rpc_port, self.http_port, self.metrics_port = free_ports(3)
         args = [
             binary,
             f"--rpc_address={HOST}",
@@ -253,9 +277,7 @@ class MooncakeServices:
         deadline = time.monotonic() + timeout
         while True:
             if self.master_proc.poll() is not None:
-                raise MooncakeUnavailable(
-                    f"mooncake_master exited with {self.master_proc.returncode} ({' '.join(args)})"
-                )
+                raise _MasterExited(f"mooncake_master exited with {self.master_proc.returncode} ({' '.join(args)})")
             if self._answers() and self.rpc_port in listening_ports([self.master_proc.pid]):
                 return
             if time.monotonic() > deadline:
