@@ -326,7 +326,12 @@ def test_a_saved_run_is_reported_again_without_starting_anything(run, capsys, mo
         assert out.count(" probe 0: HTTP 200") == len(arms), path
         assert out.rstrip().endswith("verdict when it ran: ok"), path
     bad = tmp_path / "bad.json"
-    for content, needle in [("{", "not JSON (line 1, column 2"), ('{"arms": [1]}', "not a run.py --json file")]:
+    cases = [
+        ("{", "not JSON (line 1, column 2"),
+        ('{"arms": [1]}', "not a run.py --json file"),
+        ('{"arms": [{"arm": "x", "correctness": 3}], "args": [1]}', "not a run.py --json file (an arm's results do not"),
+    ]
+    for content, needle in cases:
         bad.write_text(content)
         assert f"--report {bad}: {needle}" in _usage_error(run, capsys, ["--report", str(bad)])
     assert "cannot read it (No such file or directory)" in _usage_error(run, capsys, ["--report", str(tmp_path / "x")])

@@ -670,15 +670,18 @@ def report(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     arms = saved.get("arms") if isinstance(saved, dict) else None
     if not isinstance(arms, list) or not all(isinstance(a, dict) and "arm" in a for a in arms):
         ap.error(f"--report {path}: not a run.py --json file (no list of arms with their results)")
-    given = saved.get("args") or {}
+    given = saved.get("args") if isinstance(saved.get("args"), dict) else {}
     print(f"run {saved.get('run_dir', '?')}: arms {given.get('arms', '?')}, input {given.get('input_len', '?')}, "
           f"concurrency {given.get('concurrency', '?')}, prompts {given.get('num_prompts', '?')}, model "
           f"{given.get('model', '?')}, deploy {given.get('deploy_config', '?')}")  # fmt: skip
     if not saved.get("complete", True):
         print(f"incomplete: {saved.get('interrupted') or 'the run ended early'}; arms not run: "
               f"{', '.join(saved.get('arms_left') or []) or '-'}")  # fmt: skip
-    print_table(arms)
-    print_correctness(arms)
+    try:
+        print_table(arms)
+        print_correctness(arms)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # an arm's results of another shape
+        ap.error(f"--report {path}: not a run.py --json file (an arm's results do not read: {type(e).__name__}: {e})")
     print(f"\nverdict when it ran: {'ok' if saved.get('ok') else 'FAILED'}")
     return 0
 
