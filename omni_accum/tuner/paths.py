@@ -11,6 +11,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from omni_accum.policy.sources import probe
+
 PathLike = str | os.PathLike[str]
 
 
@@ -24,12 +26,8 @@ def same_file(a: PathLike, b: PathLike) -> bool:
 
 def input_file(source: object) -> Path | None:
     """``source`` as a path when it names an existing file (a preset name or a mapping gives None)."""
-    if isinstance(source, (str, os.PathLike)) and str(source):
-        try:
-            if Path(source).is_file():
-                return Path(source)
-        except (OSError, ValueError):  # no file can have that name (too long: policy text, say)
-            pass
+    if isinstance(source, (str, os.PathLike)) and str(source) and probe(source, "is_file"):  # policy text: no file
+        return Path(source)
     return None
 
 
