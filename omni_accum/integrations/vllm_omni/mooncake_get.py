@@ -238,7 +238,7 @@ class FastGets:
         key = r.key
         # taken: the key and its parts go now (force: the lease this get holds would refuse it; they are
         # this payload's alone, under keys of their own, and this get was their one reader)
-        keys = list(dict.fromkeys([pk for _, parts in r.dec.todo for pk, _ in parts] + [key]))
+        keys = _with_parts(key, r.dec)
         try:
             rcs = self.store.batch_remove(keys, True)
             bad = [k for k, rc in zip(keys, rcs) if rc != 0]
@@ -270,7 +270,7 @@ class FastGets:
     # ------------------------------------------------------------------ lost chunks
     def _lose(self, key: str, dec: Decoder, e: PartsLost) -> None:
         """``key``'s part ``e.part`` is gone: remove the key and its other parts, remember it, count and log once."""
-        keys = list(dict.fromkeys([pk for _, parts in dec.todo for pk, _ in parts] + [key]))
+        keys = _with_parts(key, dec)
         try:
             self.store.batch_remove(keys, True)  # the missing part's rc says not found: nothing to count
         except Exception as err:  # noqa: BLE001 - left to the store's eviction
@@ -336,3 +336,8 @@ class FastGets:
         if told:
             logger.info("omni-accum %s: told vllm-omni's receiving adapter to fail request %s (%s)", NAME, ext, reason)
         return told
+
+
+def _with_parts(key: str, dec: Any) -> list[str]:
+    """``key``'s part keys (each once, in order) and then ``key``: what is removed once its chunk is done."""
+    return list(dict.fromkeys([pk for _, parts in dec.todo for pk, _ in parts] + [key]))
