@@ -103,7 +103,8 @@ def _file_kind(path: Path) -> str:
 
 def _too_large(label: str, size: str) -> PolicyError:
     limit = f"{MAX_POLICY_BYTES} bytes ({MAX_POLICY_BYTES >> 20} MiB)"
-    msg = f"{label}: too large for a policy ({size}; the limit is {limit}): a policy is a few KiB"
+    msg = (f"{label}: too large for a policy ({size}; the limit is {limit}): a policy is a few KiB, a tuned table "
+           "at most ~0.4 MB (512 cells; an older, larger one: tune it again with fewer --context-lens or --concurrency)")
     return PolicyError(msg, source=label)
 
 
