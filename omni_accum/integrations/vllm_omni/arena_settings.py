@@ -107,6 +107,8 @@ class ArenaSettings:
     view_bytes: int | None
     warm_bytes: int
     stage_rows: bool
+    #: Where ``arena_name`` came from: ``extra.arena_name``, ``OMNI_ACCUM_ARENA_NAME`` or ``the default``.
+    arena_name_from: str = "extra.arena_name"
 
 
 def parse_settings(extra: Any) -> ArenaSettings:
@@ -120,9 +122,15 @@ def parse_settings(extra: Any) -> ArenaSettings:
         names = ", ".join(map(repr, unknown))
         raise ValueError(f"{NAME}: unknown extra key(s) {names}; it reads {', '.join(KNOWN_KEYS)}")
     given = config.get("arena_name")
-    name = str(given) if given is not None else (os.environ.get(ENV_NAME) or "omni")
-    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,120}", name):
-        raise ValueError(f"{NAME}: extra.arena_name = {name!r}: use letters, digits, '_', '.', '-'")
+    if given is not None:
+        name, source = str(given), "extra.arena_name"
+    elif os.environ.get(ENV_NAME):
+        name, source = os.environ[ENV_NAME], ENV_NAME
+    else:
+        name, source = "omni", "the default"
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,120}", name, re.ASCII):
+        said = f"extra.arena_name = {name!r}" if source != ENV_NAME else f"{ENV_NAME}={name!r} (no extra.arena_name)"
+        raise ValueError(f"{NAME}: {said}: use letters, digits, '_', '.', '-' (at most 120)")
     arena_bytes = parse_size(config.get("arena_bytes", DEFAULT_ARENA_BYTES), "arena_bytes")
     return ArenaSettings(
         arena_name=name,
@@ -131,4 +139,5 @@ def parse_settings(extra: Any) -> ArenaSettings:
         view_bytes=parse_view_bytes(config.get("arena_view_bytes", DEFAULT_VIEW_BYTES)),
         warm_bytes=parse_warm(config.get("arena_warm", 0), arena_bytes),
         stage_rows=parse_switch(config.get("arena_stage_rows", True), "arena_stage_rows"),
+        arena_name_from=source,
     )

@@ -10,6 +10,7 @@ import atexit
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,9 @@ logger = logging.getLogger("omni_accum.vllm_omni")
 after_publish: Callable[[], None] | None = None
 #: Called with each batch before ``after_publish`` (the hand-off meters, :mod:`.handoff`).
 also_publish: list[Callable[[], None]] = []
+#: omni-accum's connectors in this process (the arena's): each one's ``status_row()`` goes into
+#: :func:`.reporting.status` and the status file (weakly held: a connector dropped is left out).
+connectors: weakref.WeakSet[Any] = weakref.WeakSet()
 Binding = Any  # a binding (omni_accum.integrations.vllm_omni.binding.Binding); that module imports this one
 
 
