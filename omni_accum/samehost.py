@@ -78,14 +78,47 @@ def base_dir() -> Path:
 _MKDIR_ATTEMPTS = 8
 
 
-def private_dir() -> Path:
-    """This user's directory under :func:`base_dir` (created 0700 when missing, checked every time)."""
+def describe_base() -> str:
+    """Where the private directory's base comes from, for messages: ``OMNI_ACCUM_ARENA_DIR='/x'``, or
+    ``/dev/shm (OMNI_ACCUM_ARENA_DIR is not set)``."""
+    raw = os.environ.get(ENV_DIR)
+    return f"{ENV_DIR}={raw!r}" if raw else f"{DEFAULT_BASE} ({ENV_DIR} is not set)"
+
+
+def _checked_base() -> Path:
+    """:func:`base_dir`, checked: a directory of root or this user, not writable by others without the sticky bit."""
     base = base_dir()
     st = os.stat(base)  # the base may be a symlink (/dev/shm -> /run/shm); what it is must be safe
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(base))
     if st.st_uid not in (0, os.geteuid()):  # its owner could move our directory away and plant another
         raise SameHostRefused(base, "a base directory owned by another user (not root, not this user)", st)
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:  # others could move our directory away, ours or not
         raise SameHostRefused(base, "a group- or world-writable directory without the sticky bit", st)
+    return base
+
+
+def private_dir_problem() -> str | None:
+    """Why :func:`private_dir` fails here (the message names :func:`describe_base`), or None; creates nothing
+    (``omni-accum doctor``). Without it the arena connector has no region and no peer hello is written or read
+    over shared memory: every payload then goes vllm-omni's own way."""
+    try:
+        base = _checked_base()
+        d = base / f"omni-accum-{os.geteuid()}"
+        if os.path.lexists(d):
+            check_dir(d)
+        elif not os.access(base, os.W_OK | os.X_OK):
+            return f"{describe_base()}: {base} is not writable by this user (uid {os.geteuid()})"
+    except SameHostRefused as e:
+        return f"{describe_base()}: {e}"
+    except OSError as e:
+        return f"{describe_base()}: {e.filename or base_dir()}: {e.strerror or e}"
+    return None
+
+
+def private_dir() -> Path:
+    """This user's directory under :func:`base_dir` (created 0700 when missing, checked every time)."""
+    base = _checked_base()
     d = base / f"omni-accum-{os.geteuid()}"
     for attempt in range(_MKDIR_ATTEMPTS):
         try:

@@ -655,7 +655,10 @@ def test_stages_on_other_hosts_without_one_deployment_token_get_a_note(clean_env
 
 @pytest.mark.parametrize("address, problem", [
     ("10.0.0.1:50151", None), ("[::1]:50151", None), ("mc.internal:1", None),
-    ("10.0.0.1", "has no port (HOST:PORT)"), (":50151", "has no port"), ("::1:50151", "has no port"),
+    ("10.0.0.1", "has no port (HOST:PORT)"), (":50151", "has no port"), ("[::1]", "has no port ([HOST]:PORT)"),
+    # each said "has no port" although it has one
+    ("::1:50151", "has an IPv6 host without brackets: write [HOST]:PORT ([::1]:50151 if 50151 is the port)"),
+    ("http://10.0.0.1:50151", "has a scheme (http://): give HOST:PORT alone (10.0.0.1:50151)"),
     ("10.0.0.1:99999", "has port '99999', not a number from 1 to 65535"), ("h:0", "has port '0'"),
     ("h:5015x", "has port '5015x'"), ("h:\u0665\u0660", "has port"), (50151, "is not text"),
 ])  # fmt: skip

@@ -414,3 +414,46 @@ def test_status_sums_are_the_same_to_the_last_bit_whatever_the_order_and_the_col
     del meters
     gc.collect()
     assert handoff.summary()[pair]["prefill"] == first
+
+
+def test_a_full_payload_reaches_prometheus_and_the_counts_without_a_flush(vo, transports):
+    """``async_chunk: false``: the hand-off was recorded but nothing published it (the meter flushed only at its 256th
+    record, the binding was never marked, and ``publish_pending`` returned early), so Prometheus and the status file
+    never saw it while the server ran; no binding counted a whole payload sent or received."""
+    from omni_accum.integrations.vllm_omni import handoff, peer
+    from omni_accum.integrations.vllm_omni.binding import binding_for
+
+    vo.install(None)
+    rx = transports(1, {"omni_accum_policy": "default"})
+    tx = transports(0, {"omni_accum_policy": "default"})
+    b = binding_for(tx)
+    peer.watch(b, tx.connector)
+    b._peer.ready()
+    _wait(lambda: b._peer.hello is not None, "the sending transport to hear the receiving one's hello")
+    handoff.publish()  # what earlier tests left unpublished goes now, not during this one
+    count = lambda: _sample("omni_accum_handoff_seconds_count", pair="0->1", kind="full")  # noqa: E731
+    before = count()
+    sent = _full_payload(5)
+    _send_full(tx, rx, f"oa-ho-full-pub-{os.getpid()}", sent)
+    _wait(lambda: count() - before >= 1, "the full hand-off in Prometheus (the publisher thread; no flush called)")
+    assert count() - before == 1
+    assert b.stats["chunks_sent"] == 1 and binding_for(rx).stats["chunks_received"] == 1
+    rows = {r.chunks_sent: r.chunks_received for r in vo.status().bindings}
+    assert rows == {1: 0, 0: 1}, rows
+
+
+def test_publish_pending_publishes_the_hand_off_meters_when_nothing_was_marked():
+    """At exit (``publish_pending``, atexit) the meters' last hand-offs were left unpublished when no binding was
+    marked: a full-payload server's last ones never reached a multiprocess Prometheus directory."""
+    from omni_accum.integrations.vllm_omni import handoff, publishing
+
+    pair = "27->28"
+    before = _sample("omni_accum_handoff_seconds_count", pair=pair, kind="full")
+    m = handoff.Meter()
+    now = time.monotonic_ns()
+    m.record(27, 28, [0, now - 1_000_000, handoff.clock_id(), "f"], {"embed": {"prefill": torch.ones(2, 4)}}, now)
+    assert _sample("omni_accum_handoff_seconds_count", pair=pair, kind="full") == before  # recorded, not published
+    publishing.publish_pending()
+    assert _sample("omni_accum_handoff_seconds_count", pair=pair, kind="full") - before == 1
+    assert _sample("omni_accum_handoff_bytes_total", pair=pair, kind="full") >= 32
+    del m

@@ -292,3 +292,38 @@ def test_a_hello_of_a_process_ended_by_sigterm_is_removed(vo):
         p.send_signal(signal.SIGTERM)
         p.wait()
     _wait(lambda: not os.path.exists(f"{private_dir()}/{key}"), "omni-accum's reaper to remove the hello")
+
+
+def test_a_hello_that_could_not_be_written_is_said_so_and_tried_again(vo, monkeypatch, tmp_path, adapters, caplog):
+    """The status said ``told stage 0`` although the hello was never written (a private directory it could not use),
+    and it was never tried again: the sender sent vllm-omni's own payloads for the server's life, unseen."""
+    import logging
+
+    from omni_accum.integrations.vllm_omni import peer
+
+    base = tmp_path / "shm"
+    monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", str(base))  # not there yet
+    monkeypatch.setattr(peer, "HELLO_RETRY_S", (0.3, 0.6), raising=False)
+    tries: list[str] = []
+    real_put = peer.SHM_CHANNEL.put
+
+    def put(*args, **kwargs):
+        tries.append(args[2])
+        return real_put(*args, **kwargs)
+
+    monkeypatch.setattr(peer.SHM_CHANNEL, "put", put)
+    caplog.set_level(logging.WARNING, "omni_accum")
+    vo.install(None)
+    rx = adapters(1, extra=QWEN)  # says hello when it is made: the put fails
+    b = rx._omni_accum_binding
+    (row,) = [r.peer for r in vo.status().bindings]
+    assert row.startswith("could not tell stage 0 (") and "No such file or directory" in row, row
+    assert len(tries) == 1 and "could not tell stage 0 it runs omni-accum" in caplog.text
+    peer.announce(rx, b)  # a later call within HELLO_RETRY_S tries nothing
+    assert len(tries) == 1
+    base.mkdir(mode=0o700)
+    _wait(lambda: vo.status().bindings[0].peer == "told stage 0", "the hello to be tried again and written")
+    assert len(tries) == 2 and os.path.exists(f"{private_dir()}/{peer.hello_key(0, 1)}")
+    assert caplog.text.count("could not tell stage 0") == 1  # said once
+    peer.withdraw(b)  # (while OMNI_ACCUM_ARENA_DIR still names its directory)
+    assert not os.path.exists(f"{private_dir()}/{peer.hello_key(0, 1)}")

@@ -293,3 +293,24 @@ def test_a_later_install_clears_the_refusal(vo, no_switches):
     vo.install("qwen3-omni")
     st = reporting.status()
     assert st.installed and st.refused is None
+
+
+def test_one_size_parser_reads_the_arena_s_and_mooncake_s_sizes_ascii_digits_only():
+    """The Mooncake connector's copy of the arena's size parser had drifted: the arena took '٤٠٩٦' (Arabic-Indic
+    digits: ``\\d`` matches any Unicode digit) as 4096 bytes, the copy refused it. One parser now, ASCII digits only,
+    exact (a float rounded a large byte count); each connector's messages as before."""
+    from omni_accum.integrations.vllm_omni import arena_settings, mooncake_settings
+
+    for value in ("\u0664\u0660\u0669\u0666", "4\u0660\u0669\u0666KiB", "\uff14\uff10\uff19\uff16"):
+        with pytest.raises(ValueError, match="is not a size"):
+            arena_settings.parse_settings({"arena_bytes": value})
+        with pytest.raises(ValueError, match="is not a size"):
+            mooncake_settings.parse_settings({"mooncake_buffer_bytes": value})
+    assert mooncake_settings.parse_size is arena_settings.parse_size
+    assert arena_settings.parse_size("9007199254740993", "arena_bytes") == 9007199254740993  # 2**53 + 1, exact
+    assert arena_settings.parse_size(" 1.5 KiB ", "x", minimum=1) == 1536
+    with pytest.raises(ValueError, match=r"extra.x = '2KiB' is 2048 bytes, over the maximum of 1024"):
+        arena_settings.parse_size("2KiB", "x", minimum=1, maximum=1024)
+    with pytest.raises(ValueError, match=r"^N: extra.x = '2KiB' is 2048 bytes; it takes from 1 to 1024 bytes$"):
+        arena_settings.parse_size("2KiB", "x", name="N", minimum=1, maximum=1024, say_range=True)
+    assert mooncake_settings.parse_settings({"mooncake_buffer_bytes": "4KiB"}).buffer_bytes == 4096

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from importlib import metadata
 from typing import Any
 
+from omni_accum.cli.doctor_deploy import check_samehost, check_stages, check_status_dir
 from omni_accum.cli.doctor_mooncake import check_mooncake
 from omni_accum.cli.doctor_policy import (  # noqa: F401 - _deploy_policy: the tests' entry
     Check,
@@ -350,12 +351,20 @@ def check_switches(policy_set: bool) -> list[Check]:
     return out
 
 
+def _selected(deploy: str | None) -> list[str]:
+    """The connectors the deploy YAML selects ([] without one, or when it cannot be read: check_policy says so)."""
+    try:
+        return _connector_names(_read_deploy(deploy)) if deploy else []
+    except OmniAccumError:
+        return []
+
+
 def run_checks(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
     checks = check_versions() + check_entry_points() + check_arena_connector(deploy)
     policy_checks, info = check_policy(deploy)
-    checks += check_switches("policy" in info)
+    checks += check_switches("policy" in info) + check_stages(deploy)
     policy_checks += check_context(deploy) + check_handoff() + check_capture(deploy) + check_connectors(deploy)
-    policy_checks += check_mooncake(deploy)
+    policy_checks += check_mooncake(deploy) + check_samehost(deploy, _selected(deploy)) + check_status_dir()
     return checks + policy_checks + check_plugins() + check_metrics(), info
 
 
@@ -396,6 +405,8 @@ def register(subparsers: Any) -> None:
             "named, and the settings of OmniAccumArenaConnector and OmniAccumMooncakeConnector), every Mooncake "
             "connector's extra as vllm-omni hands it to Mooncake (sizes in bytes, master HOST:PORT, metadata_server's "
             "scheme, proto, misspelt keys; notes for what starts but fails across hosts), the "
+            "private directory of the same-host channels (OMNI_ACCUM_ARENA_DIR) and the status folder "
+            "(OMNI_ACCUM_STATUS_DIR), a deploy with no stage 0 (a fragment: merge it with base_config:), the "
             "installed strategy plugins and any that failed to load, and whether metrics are on. Every finding is "
             "reported (with --json, always as JSON). Exit 0 only when a deployment would run as configured, 1 "
             "otherwise, 2 on usage errors.",

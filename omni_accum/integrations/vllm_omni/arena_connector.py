@@ -33,10 +33,17 @@ chains" and "Zero-copy receive").
 Everything the arena cannot take goes through an inner ``SharedMemoryConnector`` built from the same
 config, so nothing is lost: a put before the receiver has created the region, an arena that is full,
 a message larger than the ring, a payload that does not encode, a peer that died. ``get`` looks
-in the arena first, then in the inner connector. ``health()`` counts both paths.
+in the arena first, then in the inner connector. ``health()`` counts both paths, and :meth:`status_row` puts a
+few of its numbers into omni-accum's status (and the status file).
 
-One receiving process per stage pair: a second process that asks for the same pair finds the region
-in use (logged as an error) and receives through the inner connector only. The region is removed when
+A pair whose region cannot be made is counted in ``omni_accum_fallbacks_total`` and said once per cause, naming
+what to fix, and tried again every :data:`CREATE_RETRY_S` by the receiving side: a private directory that cannot
+be used (``arena_unavailable``; ``samehost_refused`` when it is not this user's), a full ``/dev/shm``
+(``arena_no_space``), and another live receiver of the pair (``arena_in_use``: one receiving process per stage
+pair, so give each server on a host its own ``arena_name``). A sending side that cannot attach for a cause that does
+not pass by itself counts each put it sends the inner way (``arena_unavailable``, ``arena_sender_in_use``: another
+live process sends on the pair's region). ``health()["inner_only"]`` names the pairs without a region and why.
+The region is removed when
 the connector closes, and otherwise by omni-accum's reaper process once the server's processes
 have ended (vllm-omni's stage processes end on SIGTERM without closing their connectors); a region
 whose owner died is removed by the next process that looks for the pair.
@@ -50,6 +57,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import threading
 import time
 import weakref
@@ -61,8 +69,10 @@ import torch
 from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorBase
 from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
 
+from omni_accum import samehost
 from omni_accum.arena.live import create_receiver, live_region
-from omni_accum.arena.region import ArenaError, ArenaFull, PeerDied
+from omni_accum.arena.region import ArenaError, ArenaFull, PeerDied, owner_of, path_for, pid_alive
+from omni_accum.integrations.vllm_omni import publishing
 from omni_accum.integrations.vllm_omni.arena_chains import append_test, chain_payload, request_of, struct_map
 from omni_accum.integrations.vllm_omni.arena_codec import Decoder, Encoder
 from omni_accum.integrations.vllm_omni.arena_settings import NAME, parse_settings
@@ -73,7 +83,9 @@ logger = logging.getLogger("omni_accum.vllm_omni")
 
 #: A sender that found no region tries again after this long (puts meanwhile use the inner connector).
 ATTACH_RETRY_S = 0.05
-#: A receiver whose region found no room (a full /dev/shm: ``no_space``) tries to create it again after this long.
+#: A receiver that could not make its region (a full /dev/shm: ``no_space``; a private directory it cannot use:
+#: ``unavailable``, ``samehost_refused``; another live receiver holds the pair's region: ``in_use``) tries again
+#: after this long.
 CREATE_RETRY_S = 5.0
 NO_SPACE = (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT)
 
@@ -83,6 +95,19 @@ def _refused(e: SameHostRefused) -> None:
     """A same-host file that is not this user's: logged once per path, counted (``samehost_refused``)."""
     log_refusal(e, NAME)
     _count_fallback("samehost_refused")
+
+
+def _metric(reason: str) -> str:
+    """The ``omni_accum_fallbacks_total`` reason of a fallback counted as ``reason`` in ``health()["fallbacks"]``."""
+    return reason if reason.startswith(("arena_", "samehost_")) else f"arena_{reason}"
+
+
+def _owner(region: str) -> str:
+    """``pid N`` of the live region named ``region`` (what the receiver that holds it is), for a message."""
+    try:
+        return f"pid {owner_of(path_for(region))}"
+    except Exception:  # noqa: BLE001 - only words for a message
+        return "pid unknown"
 
 
 def _reap_soon(ref: Any) -> None:
@@ -106,6 +131,7 @@ class ArenaConnector(OmniConnectorBase):
         self.stage_id = self.config.get("stage_id", -1)
         settings = parse_settings(self.config)
         self.arena_name = settings.arena_name
+        self.arena_name_from = settings.arena_name_from  # extra.arena_name, OMNI_ACCUM_ARENA_NAME or the default
         self.arena_bytes = settings.arena_bytes
         self.ring_bytes = settings.ring_bytes
         self.view_bytes = settings.view_bytes
@@ -118,7 +144,10 @@ class ArenaConnector(OmniConnectorBase):
         self._tx: dict[tuple[str, str], Any] = {}  # pair -> ArenaSender
         self._tx_retry: dict[tuple[str, str], float] = {}  # pair -> monotonic time of the next attach
         self._rx: dict[tuple[str, str], Any] = {}  # pair -> ArenaReceiver, or None: inner connector only
-        self._rx_retry: dict[tuple[str, str], float] = {}  # pair -> monotonic time of the next create (no_space)
+        self._rx_retry: dict[tuple[str, str], float] = {}  # pair -> monotonic time of the next create
+        #: Pairs that have no region now for a cause that does not pass by itself (health()["inner_only"]): the
+        #: pair's side, "send" or "receive" -> (reason, what was said). A put of such a pair is counted.
+        self._inner_only: dict[tuple[str, str, str], tuple[str, str]] = {}
         self._warned: set[str] = set()
         self._chain_logged = False
         self._to_release: deque[str] = deque()  # requests whose chains end at the next chance (release_request)
@@ -131,6 +160,7 @@ class ArenaConnector(OmniConnectorBase):
         self.counts = {"arena_puts": 0, "inner_puts": 0, "arena_gets": 0, "inner_gets": 0, "arena_bytes": 0,
                        "chain_appends": 0}
         self.fallbacks: dict[str, int] = {}
+        publishing.connectors.add(self)  # its status_row() goes into status() and the status file
 
     # ------------------------------------------------------------------ the regions of the pairs
     def region_name(self, from_stage: str, to_stage: str) -> str:
@@ -150,24 +180,54 @@ class ArenaConnector(OmniConnectorBase):
         try:
             tx = ArenaSender(live_region(self.region_name(*pair)), attach_timeout_s=0.0, timeout_s=30.0)
         except (ArenaError, SameHostRefused, OSError) as e:  # a put never fails for the arena: the inner connector
-            if isinstance(e, SameHostRefused):
-                self._refused(e)
             self._tx_retry[pair] = time.monotonic() + ATTACH_RETRY_S
-            self._warn(f"attach-{pair}", logging.INFO, "omni-accum arena %s: %s; sending through %s meanwhile",
-                       self.region_name(*pair), str(e), type(self.inner).__name__)
+            reason, said = self._attach_failure(e)
+            if reason is None:  # not there yet (the receiver makes it at its first get), or its owner died
+                self._inner_only.pop((*pair, "send"), None)
+            else:
+                self._inner_only[(*pair, "send")] = (reason, said)
+            counted = "" if reason is None else f" (each put counted: {_metric(reason)} in omni_accum_fallbacks_total)"
+            self._warn(f"attach-{reason}-{pair}", logging.INFO if reason is None else logging.WARNING,
+                       "omni-accum arena %s: %s; sending through %s meanwhile%s", self.region_name(*pair), said,
+                       type(self.inner).__name__, counted)
             return None
         self._tx[pair] = tx
+        self._inner_only.pop((*pair, "send"), None)
         logger.info("omni-accum arena %s: attached as sender (pid=%d)", self.region_name(*pair), os.getpid())
         if self.warm_bytes:
             tx.region.warm(self.warm_bytes)  # this process's page tables for the first slabs (arena_warm)
         return tx
 
+    def _attach_failure(self, e: BaseException) -> tuple[str | None, str]:
+        """``(reason, what to say)`` of a failed attach: reason None when it passes by itself (no region yet, or
+        one whose owner died); else the fallback each put of the pair is counted as until an attach succeeds."""
+        if isinstance(e, SameHostRefused):
+            self._refused(e)  # counted at the attach (samehost_refused), as ever
+            return None, f"{e} ({samehost.describe_base()})"
+        if isinstance(e, OSError):  # the private directory cannot be used (a bad OMNI_ACCUM_ARENA_DIR)
+            return "unavailable", f"cannot attach: {e} ({samehost.describe_base()})"
+        held = re.search(r"still has sender pid (\d+)", str(e))
+        if held is not None and pid_alive(int(held.group(1))):  # another live process sends on this pair's region
+            return "sender_in_use", (f"{e}: another process sends on {self._name_said()} for this stage pair (one "
+                                     "sending process per stage pair; give each server on a host its own arena_name)")
+        return None, str(e)  # (a sender that died: the receiver resets the region for the next)
+
+    def _name_said(self) -> str:
+        return f"arena_name {self.arena_name!r} (from {self.arena_name_from})"
+
     def _receiver(self, pair: tuple[str, str]) -> Any:
-        if pair in self._rx:
-            return self._rx[pair]
-        if time.monotonic() < self._rx_retry.get(pair, 0.0):
-            return None  # no room for a region a moment ago (a full /dev/shm): the inner connector meanwhile
+        rx = self._rx.get(pair)
+        if rx is not None or time.monotonic() < self._rx_retry.get(pair, 0.0):
+            return rx  # None: no region a moment ago; the inner connector until the next try (CREATE_RETRY_S)
         base = self.region_name(*pair)
+        try:
+            samehost.private_dir()
+        except SameHostRefused as e:
+            self._refused(e)
+            return self._no_region(pair, "samehost_refused", f"{e} ({samehost.describe_base()})", counted=True)
+        except OSError as e:
+            return self._no_region(pair, "unavailable", f"no private directory for its region: "
+                                                        f"{samehost.describe_base()}: {e}")
         try:
             live = live_region(base)
         except SameHostRefused as e:  # never read: a region of this process replaces it
@@ -175,36 +235,46 @@ class ArenaConnector(OmniConnectorBase):
             live = None
         except (ArenaError, OSError):
             live = None
+        if live is not None:
+            return self._no_region(pair, "in_use", f"region {live} is in use by a live receiver ({_owner(live)}): "
+                                                   f"{self._name_said()} is taken on this host for this stage pair "
+                                                   "(one receiving process per stage pair; give each server on a host "
+                                                   "its own arena_name)")
         try:
-            if live is not None:
-                raise ArenaError(f"arena {live} is in use by a live receiver")
             rx = create_receiver(base, self.arena_bytes, ring_bytes=self.ring_bytes)
         except OSError as e:
-            if e.errno in NO_SPACE:  # a full file system: receive through the inner connector, try again later
-                self._rx_retry[pair] = time.monotonic() + CREATE_RETRY_S
-                self._fell_back("no_space", pair, e)
-                return None
-            self._no_region(pair, e)
-            rx = None
-        except (ArenaError, SameHostRefused) as e:
-            if isinstance(e, SameHostRefused):
-                self._refused(e)
-            self._no_region(pair, e)
-            rx = None
-        else:
-            logger.info("omni-accum arena %s: created (%d data bytes, pid=%d)", rx.region.path.name,
-                        self.arena_bytes, os.getpid())
-            rx.on_dead.append(functools.partial(_reap_soon, weakref.ref(self)))
-            rx.on_bad = functools.partial(self._fell_back, "bad_frame", pair)  # a malformed ring message
-            if self.warm_bytes:
-                rx.region.warm(self.warm_bytes)  # tmpfs gives the first slabs' pages now (arena_warm)
+            if e.errno in NO_SPACE:  # a full file system
+                return self._no_region(pair, "no_space", f"{e} ({samehost.describe_base()})")
+            return self._no_region(pair, "unavailable", f"{e} ({samehost.describe_base()})")
+        except SameHostRefused as e:
+            self._refused(e)
+            return self._no_region(pair, "samehost_refused", f"{e} ({samehost.describe_base()})", counted=True)
+        except ArenaError as e:
+            return self._no_region(pair, "unavailable", str(e))
+        logger.info("omni-accum arena %s: created (%d data bytes, pid=%d)", rx.region.path.name,
+                    self.arena_bytes, os.getpid())
+        rx.on_dead.append(functools.partial(_reap_soon, weakref.ref(self)))
+        rx.on_bad = functools.partial(self._fell_back, "bad_frame", pair)  # a malformed ring message
+        if self.warm_bytes:
+            rx.region.warm(self.warm_bytes)  # tmpfs gives the first slabs' pages now (arena_warm)
         self._rx[pair] = rx
+        self._inner_only.pop((*pair, "receive"), None)
         return rx
 
-    def _no_region(self, pair: tuple[str, str], e: BaseException) -> None:
-        logger.error(
-            "omni-accum arena %s: %s; this process receives through %s only (one receiving process per "
-            "stage pair)", self.region_name(*pair), str(e), type(self.inner).__name__)
+    def _no_region(self, pair: tuple[str, str], reason: str, said: str, counted: bool = False) -> None:
+        """The receiving side of ``pair`` could not make its region: counted (``health()["fallbacks"]`` and
+        ``omni_accum_fallbacks_total``), said once per reason, and tried again in :data:`CREATE_RETRY_S`
+        (the inner connector meanwhile)."""
+        self._rx_retry[pair] = time.monotonic() + CREATE_RETRY_S
+        self._inner_only[(*pair, "receive")] = (reason, said)
+        if not counted:
+            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+            _count_fallback(_metric(reason))
+        level = logging.WARNING if reason == "no_space" else logging.ERROR
+        self._warn(f"region-{reason}-{pair}", level, "omni-accum arena %s: %s; this process receives through %s "
+                   "meanwhile and tries again every %g s (each try counted: %s in omni_accum_fallbacks_total)",
+                   self.region_name(*pair), said, type(self.inner).__name__, CREATE_RETRY_S, _metric(reason))
+        return None
 
     def _refused(self, e: SameHostRefused) -> None:
         self.fallbacks["samehost_refused"] = self.fallbacks.get("samehost_refused", 0) + 1
@@ -212,7 +282,7 @@ class ArenaConnector(OmniConnectorBase):
 
     def _fell_back(self, reason: str, pair: tuple[str, str], e: BaseException) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-        _count_fallback(reason if reason.startswith("arena_") else f"arena_{reason}")  # omni_accum_fallbacks_total
+        _count_fallback(_metric(reason))  # omni_accum_fallbacks_total
         self._warn(f"{reason}-{pair}", logging.WARNING, "omni-accum arena %s: %s (%s); that put goes through %s",
                    self.region_name(*pair), reason, str(e), type(self.inner).__name__)
 
@@ -252,6 +322,10 @@ class ArenaConnector(OmniConnectorBase):
                     self.counts["arena_puts"] += 1
                     self.counts["arena_bytes"] += n
                     return True, n, {"arena": self.region_name(*pair), "size": n}
+            stuck = self._inner_only.get((*pair, "send"))
+            if stuck is not None and not self._closed:  # no region for a cause that does not pass by itself
+                self.fallbacks[stuck[0]] = self.fallbacks.get(stuck[0], 0) + 1
+                _count_fallback(_metric(stuck[0]))
         result = self.inner.put(from_stage, to_stage, put_key, data)
         if result[0]:
             self.counts["inner_puts"] += 1
@@ -411,12 +485,29 @@ class ArenaConnector(OmniConnectorBase):
             # pages of chains and tensor views some tensor still shows (given back once none does)
             "view_bytes_held": sum(rx.view_bytes() for rx in self._rx.values() if rx is not None),
             "fallbacks": dict(self.fallbacks),
-            "regions": sorted(
-                [self.region_name(*p) + " (send)" for p in self._tx]
-                + [self.region_name(*p) + " (receive)" for p, rx in self._rx.items() if rx is not None]
-            ),
+            "regions": self._regions(),
+            # the pairs with no region now, for a cause that does not pass by itself: what was said
+            "inner_only": self._inner_only_now(),
             "inner": inner,
         }
+
+    def _regions(self) -> list[str]:
+        return sorted([self.region_name(*p) + " (send)" for p in list(self._tx)]
+                      + [self.region_name(*p) + " (receive)" for p, rx in list(self._rx.items()) if rx is not None])
+
+    def _inner_only_now(self) -> dict[str, str]:
+        return {f"{self.region_name(f, t)} ({side})": f"{_metric(reason)}: {said}"
+                for (f, t, side), (reason, said) in sorted(self._inner_only.items())}
+
+    def status_row(self) -> dict[str, Any]:
+        """A few of :meth:`health`'s numbers for :func:`.reporting.status` and the status file: the name, the stage,
+        puts and gets by path, the fallbacks, the regions, the pairs without one and why."""
+        c = self.counts
+        return {"connector": NAME, "status": "closed" if self._closed else "healthy", "arena_name": self.arena_name,
+                "stage": self.stage_id,
+                "arena_puts": c["arena_puts"], "inner_puts": c["inner_puts"], "arena_gets": c["arena_gets"],
+                "inner_gets": c["inner_gets"], "fallbacks": dict(self.fallbacks), "regions": self._regions(),
+                "inner_only": self._inner_only_now()}
 
     def _drop_sender(self, pair: tuple[str, str]) -> None:
         tx = self._tx.pop(pair, None)

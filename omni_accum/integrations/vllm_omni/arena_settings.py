@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 #: The name :mod:`.arena_plugin` registers the connector under (``name:`` of a deploy YAML's connector).
@@ -25,24 +26,39 @@ _UNITS.update({"g": 1 << 30, "gb": 10**9, "gib": 1 << 30})
 MIN_BYTES = 4096
 
 
-def parse_size(value: Any, what: str) -> int:
-    """Bytes of ``value`` (an int, or a string like ``512MiB``, ``2GiB``, ``1GB``), at least :data:`MIN_BYTES`."""
+#: A size: ASCII digits (``re.ASCII``: a Unicode digit such as Arabic-Indic is no digit here), maybe a fraction, and
+#: a unit of :data:`_UNITS`.
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", re.ASCII)
+
+
+def parse_size(
+    value: Any, what: str, *, name: str = NAME, minimum: int = MIN_BYTES, maximum: int | None = None,
+    say_range: bool = False,
+) -> int:
+    """Bytes of ``value`` (an int, or a string like ``512MiB``, ``2GiB``, ``1GB``), from ``minimum`` to ``maximum``
+    (None: no upper bound). ``ValueError`` names ``name``, ``extra.<what>`` and the value; a value out of range is
+    said as ``under the minimum of M`` / ``over the maximum of M``, or with ``say_range`` as ``it takes from M to
+    N bytes`` / ``it takes at least M bytes``. Every connector of omni-accum reads its sizes here."""
     if isinstance(value, int) and not isinstance(value, bool):
         n = value
     else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-        if m is None or m.group(2).lower() not in _UNITS or isinstance(value, (bool, float)):
+        m = _SIZE.fullmatch(str(value)) if not isinstance(value, (bool, float)) else None
+        if m is None or m.group(2).lower() not in _UNITS:
             raise ValueError(
-                f"{NAME}: extra.{what} = {value!r} is not a size; use bytes or a number with B, KiB, MiB, GiB, KB, "
+                f"{name}: extra.{what} = {value!r} is not a size; use bytes or a number with B, KiB, MiB, GiB, KB, "
                 "MB, GB"
             )
-        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-        if n != int(n):
-            raise ValueError(f"{NAME}: extra.{what} = {value!r} is not a whole number of bytes")
-        n = int(n)
-    if n < MIN_BYTES:
-        raise ValueError(f"{NAME}: extra.{what} = {value!r} is {n} bytes, under the minimum of {MIN_BYTES}")
-    return n
+        exact = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
+        if exact.denominator != 1:
+            raise ValueError(f"{name}: extra.{what} = {value!r} is not a whole number of bytes")
+        n = int(exact)
+    if minimum <= n and (maximum is None or n <= maximum):
+        return n
+    if say_range:
+        bound = f"from {minimum} to {maximum}" if maximum is not None else f"at least {minimum}"
+        raise ValueError(f"{name}: extra.{what} = {value!r} is {n} bytes; it takes {bound} bytes")
+    side = f"under the minimum of {minimum}" if n < minimum else f"over the maximum of {maximum}"
+    raise ValueError(f"{name}: extra.{what} = {value!r} is {n} bytes, {side}")
 
 
 #: The ``arena_*`` / ``ring_*`` keys the connector reads from its ``extra``.
@@ -91,6 +107,8 @@ class ArenaSettings:
     view_bytes: int | None
     warm_bytes: int
     stage_rows: bool
+    #: Where ``arena_name`` came from: ``extra.arena_name``, ``OMNI_ACCUM_ARENA_NAME`` or ``the default``.
+    arena_name_from: str = "extra.arena_name"
 
 
 def parse_settings(extra: Any) -> ArenaSettings:
@@ -104,9 +122,15 @@ def parse_settings(extra: Any) -> ArenaSettings:
         names = ", ".join(map(repr, unknown))
         raise ValueError(f"{NAME}: unknown extra key(s) {names}; it reads {', '.join(KNOWN_KEYS)}")
     given = config.get("arena_name")
-    name = str(given) if given is not None else (os.environ.get(ENV_NAME) or "omni")
-    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,120}", name):
-        raise ValueError(f"{NAME}: extra.arena_name = {name!r}: use letters, digits, '_', '.', '-'")
+    if given is not None:
+        name, source = str(given), "extra.arena_name"
+    elif os.environ.get(ENV_NAME):
+        name, source = os.environ[ENV_NAME], ENV_NAME
+    else:
+        name, source = "omni", "the default"
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,120}", name, re.ASCII):
+        said = f"extra.arena_name = {name!r}" if source != ENV_NAME else f"{ENV_NAME}={name!r} (no extra.arena_name)"
+        raise ValueError(f"{NAME}: {said}: use letters, digits, '_', '.', '-' (at most 120)")
     arena_bytes = parse_size(config.get("arena_bytes", DEFAULT_ARENA_BYTES), "arena_bytes")
     return ArenaSettings(
         arena_name=name,
@@ -115,4 +139,5 @@ def parse_settings(extra: Any) -> ArenaSettings:
         view_bytes=parse_view_bytes(config.get("arena_view_bytes", DEFAULT_VIEW_BYTES)),
         warm_bytes=parse_warm(config.get("arena_warm", 0), arena_bytes),
         stage_rows=parse_switch(config.get("arena_stage_rows", True), "arena_stage_rows"),
+        arena_name_from=source,
     )

@@ -7,7 +7,9 @@ appended key is stored follows the policy.
 
 The hand-off of the whole payload (kind ``full``, :mod:`.handoff`) is timed around the runner transport's
 ``_send_single_request`` (the sender's clock added to the task's payload, once the receiving transport said
-hello) and its ``_recv_full_payload_result`` (the marker taken off before vllm-omni stores the payload).
+hello) and its ``_recv_full_payload_result`` (the marker taken off before vllm-omni stores the payload). Each
+whole payload put counts as a chunk sent of the sending binding, each one got as a chunk received of the receiving
+one, and both publish their binding's metrics and the status file soon after (as a release does).
 
 A step whose value a strategy refuses (a dtype change, which upstream's final ``torch.cat``
 promotes) is not an error inside vllm-omni: the entry is turned into upstream's representation
@@ -29,6 +31,7 @@ from omni_accum.errors import AccumulationError
 from omni_accum.integrations.vllm_omni import handoff, peer
 from omni_accum.integrations.vllm_omni.binding import DETACH_HOOKS, binding_for
 from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY, with_stamp
+from omni_accum.integrations.vllm_omni.publishing import published_later
 from omni_accum.strategy import Accumulator, KeyInfo
 
 
@@ -198,13 +201,18 @@ def wrap_full_send(orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(self, task)
         b = binding_for(self)
         conn = getattr(self, "_omni_connector", None)
-        if b is None or conn is None or not b.metrics.on:
+        if b is None or conn is None:
             return orig(self, task)
-        peer.watch(b, conn)
-        if handoff.heard(b):  # a copy: a retried task is stamped afresh
-            stamp = (time.monotonic_ns(), handoff.clock_id(), "f")
-            task = {**task, "data": {**data, OMITTED_KEY: with_stamp(0, stamp)}}
-        return orig(self, task)
+        if b.metrics.on:
+            peer.watch(b, conn)
+            if handoff.heard(b):  # a copy: a retried task is stamped afresh
+                stamp = (time.monotonic_ns(), handoff.clock_id(), "f")
+                task = {**task, "data": {**data, OMITTED_KEY: with_stamp(0, stamp)}}
+        sent = orig(self, task)
+        if sent is True:  # put (False: vllm-omni retries the task)
+            b.stats["chunks_sent"] += 1  # a whole payload, counted as a chunk is (status, the status file)
+            published_later(b)
+        return sent
 
     return _send_single_request
 
@@ -242,6 +250,9 @@ def wrap_full_recv(orig: Callable[..., Any]) -> Callable[..., Any]:
             if b is not None and raw.__class__ is list:
                 handoff.arrived(b, getattr(self, "_stage_id", None), raw, payload)
             result = (payload, *result[1:])
+        if b is not None and isinstance(payload, dict):
+            b.stats["chunks_received"] += 1  # a whole payload, counted as a chunk is
+            published_later(b)  # its hand-off reaches Prometheus and the status file now, not at the 256th
         return result
 
     return _recv_full_payload_result

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from omni_accum.integrations.vllm_omni.arena_settings import parse_size
 from omni_accum.integrations.vllm_omni.mooncake_reads import MAX_THREADS
 from omni_accum.integrations.vllm_omni.mooncake_wait import parse_poll
 
@@ -43,25 +44,8 @@ class MooncakeFastSettings:
 
 def _size(extra: Mapping[str, Any], key: str, default: int, minimum: int, maximum: int | None = None) -> int:
     """Bytes of ``extra[key]`` (an int, or a size such as ``16MiB``): the same sizes whichever way they are written,
-    from ``minimum`` to ``maximum``."""
-    from omni_accum.integrations.vllm_omni.arena_settings import _UNITS  # noqa: PLC0415
-
-    value = extra.get(key, default)
-    if isinstance(value, int) and not isinstance(value, bool):
-        n = value
-    else:
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
-        if m is None or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"{NAME}: extra.{key} = {value!r} is not a size; use bytes or a number with B, KiB, MiB, "
-                             "GiB, KB, MB, GB")  # fmt: skip
-        whole = float(m.group(1)) * _UNITS[m.group(2).lower()]
-        if whole != int(whole):
-            raise ValueError(f"{NAME}: extra.{key} = {value!r} is not a whole number of bytes")
-        n = int(whole)
-    if n < minimum or (maximum is not None and n > maximum):
-        bound = f"from {minimum} to {maximum}" if maximum is not None else f"at least {minimum}"
-        raise ValueError(f"{NAME}: extra.{key} = {value!r} is {n} bytes; it takes {bound} bytes")
-    return n
+    from ``minimum`` to ``maximum`` (the arena connector's parser: one regex, unit table and whole-number check)."""
+    return parse_size(extra.get(key, default), key, name=NAME, minimum=minimum, maximum=maximum, say_range=True)
 
 
 def parse_settings(extra: Mapping[str, Any]) -> MooncakeFastSettings:
@@ -112,8 +96,16 @@ def master_address_problem(address: Any) -> str | None:
     None. Mooncake's setup takes anything and retries for ~90 s before it fails naming no address."""
     if not isinstance(address, str):
         return "is not text (HOST:PORT)"
-    host, sep, port = address.strip().rpartition(":")
-    if not sep or not host or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+    text = address.strip()
+    if "://" in text:
+        scheme, _, rest = text.partition("://")
+        return f"has a scheme ({scheme}://): give HOST:PORT alone ({rest.split('/', 1)[0] or 'HOST:PORT'})"
+    if text.startswith("[") and text.endswith("]"):
+        return "has no port ([HOST]:PORT)"
+    host, sep, port = text.rpartition(":")
+    if sep and ":" in host and not (host.startswith("[") and host.endswith("]")):
+        return f"has an IPv6 host without brackets: write [HOST]:PORT ([{host}]:{port} if {port} is the port)"
+    if not sep or not host:
         return "has no port (HOST:PORT)"
     if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         return f"has port {port!r}, not a number from 1 to 65535"

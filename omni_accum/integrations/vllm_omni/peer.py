@@ -6,7 +6,10 @@ those values and carry a marker key: vllm-omni 0.30.0 cannot read them. So, thro
 
 * a **receiving** adapter bound to a policy (stage id > 0, ``receives_chunks``) ``put``\\ s one small
   hello when it is made (else at its first chunk) under :func:`hello_key`: its policy fingerprint, its
-  policy source, its process id and host. It withdraws it (``cleanup``) when its binding is closed;
+  policy source, its process id and host. It withdraws it (``cleanup``) when its binding is closed. A hello
+  that could not be written (a private directory it cannot use, a store that refused the put) is said once as a
+  warning, shown in the status as ``could not tell stage N (why)``, and tried again (after :data:`HELLO_RETRY_S`,
+  doubling) until it is written or the binding is closed;
 * a **sending** adapter's binding starts a watcher thread at its first send that ``get``\\ s that key
   (first at once, then backing off from 50 ms to 30 s). Until the hello came, its requests go out as
   vllm-omni 0.30.0 builds them: nothing left off, no marker (the request's first chunk waits at most
@@ -45,6 +48,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -199,32 +203,88 @@ def receives(adapter: Any) -> bool:
     return bool(takes) and stage is not None and stage > 0
 
 
-def announce(adapter: Any, b: Any) -> None:
-    """Receiving adapter ``adapter`` bound to ``b``: put the hello (once per binding)."""
-    if getattr(b, "_hello", None) is not None or not receives(adapter):
+#: A hello that could not be written is tried again after this long, doubling up to the second value (seconds).
+HELLO_RETRY_S = (5.0, 60.0)
+
+
+def _hello_lock_of(b: Any) -> threading.Lock:
+    """Binding ``b``'s lock around its hello's put and withdrawal (``setdefault``: one lock whoever asks first)."""
+    lock = b.__dict__.get("_hello_lock")
+    return lock if lock is not None else b.__dict__.setdefault("_hello_lock", threading.Lock())
+
+
+def announce(adapter: Any, b: Any, again: bool = False) -> None:
+    """Receiving adapter ``adapter`` bound to ``b``: put the hello (once per binding). One that could not be
+    written (``could not tell stage N (why)`` in the status) is tried again by a later call and by a timer, no
+    sooner than :data:`HELLO_RETRY_S` after the last try, until it is written or the binding is closed (``again``: the
+    timer's call, which a closed binding ignores)."""
+    if b.__dict__.get("_hello") is not None or not receives(adapter):
         return
+    failed = b.__dict__.get("_hello_failed")
+    if failed is not None and time.monotonic() < failed[2]:
+        return  # tried a moment ago: the timer (or a later call) tries again
     conn = adapter.connector
     stage = _stage(conn)
     chan, key = _channel(conn), hello_key(stage - 1, stage)
-    b._hello = (chan, key)
     data = {HELLO: [1, b.fingerprint, b.short_source, os.getpid(), socket.gethostname(), machine_id()]}
-    try:
-        ok = bool(chan.put(str(stage - 1), str(stage), key, data)[0])
-    except Exception as e:  # noqa: BLE001 - the sender then sends 0.30.0's payloads
-        ok, why = False, str(e)
-    else:
-        why = "the connector's put failed"
+    with _hello_lock_of(b):
+        if b.__dict__.get("_hello") is not None or (again and b.__dict__.get("_hello_closed")):
+            return  # said meanwhile, or a retry of a binding closed since (its hello withdrawn)
+        b.__dict__.pop("_hello_closed", None)
+        try:
+            ok = bool(chan.put(str(stage - 1), str(stage), key, data)[0])
+        except Exception as e:  # noqa: BLE001 - the sender then sends 0.30.0's payloads
+            ok, why = False, str(e) or type(e).__name__
+        else:
+            why = "the connector's put failed"
+        if ok:
+            b._hello = (chan, key)
+            b.__dict__.pop("_hello_failed", None)
+        else:
+            delay = HELLO_RETRY_S[0] if failed is None else min(failed[3] * 2, HELLO_RETRY_S[1])
+            b._hello_failed = (stage - 1, why, time.monotonic() + delay, delay)
     if ok:
-        logger.info("omni-accum: stage %d told stage %d it runs omni-accum (pid=%d, fingerprint %s, key %s)",
-                    stage, stage - 1, os.getpid(), b.fingerprint, key)
-    else:
+        logger.info("omni-accum: stage %d told stage %d it runs omni-accum (pid=%d, fingerprint %s, key %s%s)",
+                    stage, stage - 1, os.getpid(), b.fingerprint, key, "" if failed is None else ", tried again")
+        return
+    if failed is None:
         logger.warning("omni-accum: stage %d could not tell stage %d it runs omni-accum (%s); that sender sends "
-                       "vllm-omni's own payloads (nothing left off)", stage, stage - 1, why)
+                       "vllm-omni's own payloads (nothing left off) until it can: tried again from %.0f s to every "
+                       "%.0f s", stage, stage - 1, why, *HELLO_RETRY_S)
+    _retry_later(adapter, b, delay)
+
+
+def _retry_later(adapter: Any, b: Any, delay: float) -> None:
+    """A timer that calls :func:`announce` again after ``delay`` (weakly: a dropped adapter or binding ends it)."""
+    refs = weakref.ref(adapter), weakref.ref(b)
+
+    def retry() -> None:
+        a, bb = refs[0](), refs[1]()
+        if a is not None and bb is not None and bb.__dict__.get("_hello") is None:
+            try:
+                announce(a, bb, again=True)
+            except Exception:  # noqa: BLE001 - a hello never fails vllm-omni
+                logger.debug("omni-accum: saying hello again failed", exc_info=True)
+
+    t = threading.Timer(delay + 0.01, retry)
+    t.daemon = True
+    t.name = "omni-accum-hello"
+    old = b.__dict__.get("_hello_timer")
+    b._hello_timer = t
+    if old is not None:
+        old.cancel()
+    t.start()
 
 
 def withdraw(b: Any) -> None:
-    """Binding ``b`` is closed: withdraw its hello (receiving) and stop its watcher (sending)."""
-    hello = b.__dict__.pop("_hello", None)
+    """Binding ``b`` is closed: withdraw its hello (receiving), stop its retries and its watcher (sending)."""
+    with _hello_lock_of(b):
+        b._hello_closed = True
+        hello = b.__dict__.pop("_hello", None)
+        b.__dict__.pop("_hello_failed", None)
+        timer = b.__dict__.pop("_hello_timer", None)
+    if timer is not None:
+        timer.cancel()
     if hello is not None:
         _cleanup(*hello)
     w = b.__dict__.pop("_peer", None)
@@ -331,9 +391,11 @@ def may_announce(b: Any) -> bool:
 def describe(b: Any) -> str:
     """The peer hello of binding ``b`` in a few words (:class:`.reporting.BindingStatus` ``peer``)."""
     parts = []
-    hello = b.__dict__.get("_hello")
+    hello, failed = b.__dict__.get("_hello"), b.__dict__.get("_hello_failed")
     if hello is not None:
         parts.append(f"told stage {hello[1].rsplit('_', 2)[-2]}")
+    elif failed is not None:
+        parts.append(f"could not tell stage {failed[0]} ({failed[1]})")
     w = b.__dict__.get("_peer")
     if w is not None:
         h = w.hello

@@ -10,6 +10,7 @@ import atexit
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,8 +18,12 @@ logger = logging.getLogger("omni_accum.vllm_omni")
 
 #: Called after each batch is published (the binding module sets it: the status file, when asked for).
 after_publish: Callable[[], None] | None = None
-#: Called with each batch before ``after_publish`` (the hand-off meters, :mod:`.handoff`).
+#: Called with each batch before ``after_publish`` (the hand-off meters, :mod:`.handoff`), and by
+#: :func:`publish_pending` even when no binding was marked (at exit: what the meters timed since their last flush).
 also_publish: list[Callable[[], None]] = []
+#: omni-accum's connectors in this process (the arena's): each one's ``status_row()`` goes into
+#: :func:`.reporting.status` and the status file (weakly held: a connector dropped is left out).
+connectors: weakref.WeakSet[Any] = weakref.WeakSet()
 Binding = Any  # a binding (omni_accum.integrations.vllm_omni.binding.Binding); that module imports this one
 
 
@@ -58,16 +63,17 @@ class _Publisher:
                     self._cv.wait()
             self.drain()
 
-    def drain(self) -> None:
+    def drain(self, meters: bool = False) -> None:
+        """Publish what was marked; ``meters``: the hand-off meters (``also_publish``) even when nothing was."""
         with self._busy:
             with self._cv:
                 taken = list(self._pending.values())
                 self._pending.clear()
-            self._publish(taken)
+            self._publish(taken, meters)
 
     @staticmethod
-    def _publish(taken: list[Binding]) -> None:
-        if not taken:
+    def _publish(taken: list[Binding], meters: bool = False) -> None:
+        if not taken and not meters:
             return
         for b in taken:
             try:
@@ -79,7 +85,7 @@ class _Publisher:
                 f()
             except Exception:  # noqa: BLE001 - metrics never fail vllm-omni
                 logger.debug("omni-accum: publishing metrics failed", exc_info=True)
-        if after_publish is not None:
+        if after_publish is not None and taken:
             after_publish()
 
 
@@ -92,8 +98,9 @@ def published_later(b: Binding) -> None:
 
 
 def publish_pending() -> None:
-    """Publish now what releases marked (:func:`published_later`), on the calling thread."""
-    _publisher.drain()
+    """Publish now what releases marked (:func:`published_later`) and, marked or not, what the hand-off meters
+    timed since their last flush (at exit: the last hand-offs), on the calling thread."""
+    _publisher.drain(meters=True)
 
 
 atexit.register(publish_pending)

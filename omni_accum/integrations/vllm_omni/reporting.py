@@ -13,7 +13,8 @@ when a binding is made, when a request is released and at exit::
      "bindings": [{"owner": "OmniChunkTransferAdapter", "source": "install()",
                    "chunks_sent": 101, "chunks_received": 0, "active_requests": 0, ...}], ...}
 
-(:func:`status` as JSON). :func:`status` gives the same record, typed, to code in the process.
+(:func:`status` as JSON; ``connectors``: each arena connector's puts, gets, fallbacks and the stage pairs it has no
+region for, and why). :func:`status` gives the same record, typed, to code in the process.
 
 so an operator (or a test) can check which processes of a server bound omni-accum and how many
 chunks each handled. Written atomically (a temporary file, then a rename).
@@ -35,7 +36,7 @@ from typing import Any
 
 from omni_accum.capture.writer import prepare_dir
 from omni_accum.integrations.vllm_omni import binding as hooks
-from omni_accum.integrations.vllm_omni import handoff, peer
+from omni_accum.integrations.vllm_omni import handoff, peer, publishing
 from omni_accum.integrations.vllm_omni.binding_settings import Settings
 from omni_accum.integrations.vllm_omni.runner_rows import STATS as RUNNER_ROWS_STATS
 from omni_accum.switches import ENV_LOG_LEVEL, LOG_FORMAT, ensure_visible_logging  # noqa: F401 - re-exported
@@ -97,6 +98,10 @@ class Status:
     handoff: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     #: Why the plugin's activation installed nothing here (the log line's reason; None: it did or was not asked).
     refused: str | None = None
+    #: omni-accum's arena connectors in this process, a few numbers each (``ArenaConnector.status_row``): arena_name,
+    #: stage, puts and gets through the arena and the inner connector, fallbacks by reason, regions, and
+    #: ``inner_only``: the stage pairs with no region now for a cause that does not pass by itself, and why.
+    connectors: tuple[dict[str, Any], ...] = ()
 
 
 def status() -> Status:
@@ -139,7 +144,21 @@ def status() -> Status:
         process=process_label(),
         handoff=handoff.summary(),
         refused=Settings.refused,
+        connectors=_connector_rows(),
     )
+
+
+def _connector_rows() -> tuple[dict[str, Any], ...]:
+    """``status_row()`` of every live connector of omni-accum in this process (:data:`.publishing.connectors`)."""
+    rows = []
+    for conn in list(publishing.connectors):
+        try:
+            row = conn.status_row()
+        except Exception:  # noqa: BLE001 - a status never fails a stage
+            continue
+        if row is not None:
+            rows.append(row)
+    return tuple(sorted(rows, key=lambda r: (str(r.get("arena_name")), str(r.get("stage")))))
 
 
 def snapshot() -> dict[str, Any]:

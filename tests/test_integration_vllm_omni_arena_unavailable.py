@@ -1,0 +1,196 @@
+"""The arena connector without a region for a pair: a private directory it cannot use (a bad
+``OMNI_ACCUM_ARENA_DIR``), a second receiver or a second sender of a pair. Each is counted in
+``omni_accum_fallbacks_total``, said once naming what to fix (the variable and its value; the ``arena_name`` and
+where it came from), shown in ``status().connectors``, and the receiving side tries again every ``CREATE_RETRY_S``:
+it turned the arena off for the server's life, unseen, and said "one receiving process per stage pair" whatever the
+cause. Real connectors from vllm-omni's factory, CPU."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from tests.test_integration_vllm_omni import _wait
+from tests.test_integration_vllm_omni_arena_connector import _connector
+from tests.test_samehost import _put_until_arena
+
+pytestmark = pytest.mark.vllm
+NAME = "OmniAccumArenaConnector"
+
+
+def _fallbacks(reason: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("omni_accum_fallbacks_total", {"reason": reason}) or 0.0
+
+
+def _row(name: str, stage: int) -> dict[str, Any]:
+    from omni_accum.integrations.vllm_omni import reporting
+
+    rows = [r for r in reporting.status().connectors if r["arena_name"] == name and r["stage"] == stage]
+    assert len(rows) == 1, reporting.status().connectors
+    return rows[0]
+
+
+def _from_env(stage_id: int, **extra: Any) -> Any:
+    """A connector whose ``extra`` names no ``arena_name`` (``OMNI_ACCUM_ARENA_NAME`` gives it)."""
+    from vllm_omni.distributed.omni_connectors.factory import OmniConnectorFactory
+    from vllm_omni.distributed.omni_connectors.utils.config import ConnectorSpec
+
+    from omni_accum.integrations.vllm_omni import arena_plugin
+
+    arena_plugin.register()
+    return OmniConnectorFactory.create_connector(ConnectorSpec(name=NAME, extra={"stage_id": stage_id, **extra}))
+
+
+@pytest.fixture
+def quick_retry(monkeypatch):
+    from omni_accum.integrations.vllm_omni import arena_connector
+
+    monkeypatch.delenv("OMNI_ACCUM_METRICS", raising=False)
+    monkeypatch.setattr(arena_connector, "CREATE_RETRY_S", 0.2)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("bad", ["missing", "a plain file", "world-writable without the sticky bit"])
+def test_a_bad_arena_dir_is_counted_named_and_tried_again(vo, quick_retry, tmp_path, caplog, bad):
+    base = tmp_path / "shm"
+    if bad == "a plain file":
+        base.write_text("")
+    elif bad != "missing":
+        base.mkdir()
+        os.chmod(base, 0o777)
+    quick_retry.setenv("OMNI_ACCUM_ARENA_DIR", str(base))
+    reason = "samehost_refused" if bad.startswith("world") else "arena_unavailable"
+    name = f"baddir{os.getpid()}_{len(bad)}"
+    before = _fallbacks(reason)
+    caplog.set_level(logging.WARNING, "omni_accum")
+    rx, tx = _connector(1, name), _connector(0, name)
+    try:
+        assert rx.get("0", "1", "k0") is None
+        said = [r.getMessage() for r in caplog.records if f"arena {name}_0_1" in r.getMessage()]
+        assert said and f"OMNI_ACCUM_ARENA_DIR={str(base)!r}" in said[0], caplog.text
+        assert "tries again every 0.2 s" in said[0] and "one receiving process" not in said[0], said
+        assert _fallbacks(reason) - before >= 1
+        row = _row(name, 1)
+        assert str(base) in row["inner_only"][f"{name}_0_1 (receive)"] and row["regions"] == [], row
+        payload = {"x": torch.arange(6)}
+        assert tx.put("0", "1", "k1", payload)[0]  # nothing is lost meanwhile: the inner connector
+        assert torch.equal(rx.get("0", "1", "k1")[0]["x"], payload["x"])
+        if bad == "a plain file":  # fixed: the next try makes the region, the sender attaches
+            base.unlink()
+            base.mkdir(mode=0o700)
+        elif bad == "missing":
+            base.mkdir(mode=0o700)
+        else:
+            os.chmod(base, 0o1777)  # as /dev/shm
+        time.sleep(0.25)
+        assert rx.get("0", "1", "k2") is None and rx.health()["regions"] == [f"{name}_0_1 (receive)"]
+        keys = _put_until_arena(tx, lambda: payload)
+        for k in keys:
+            assert torch.equal(rx.get("0", "1", k)[0]["x"], payload["x"])
+        assert rx.health()["inner_only"] == {} and tx.health()["inner_only"] == {}
+        assert _row(name, 1)["inner_only"] == {} and _row(name, 0)["arena_puts"] == 1
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_second_receiver_is_counted_names_the_arena_name_and_its_source_and_takes_over_later(vo, quick_retry,
+                                                                                                  caplog):
+    """Two servers (or two stage processes) on one host with the same arena_name: the second receiver's pair goes
+    through SharedMemoryConnector, counted (``arena_in_use``), the message names the arena_name and where it came
+    from (here ``OMNI_ACCUM_ARENA_NAME``); once the first is gone, the second makes the pair's region."""
+    name = f"twice{os.getpid()}"
+    quick_retry.setenv("OMNI_ACCUM_ARENA_NAME", name)
+    caplog.set_level(logging.WARNING, "omni_accum")
+    first, second = _from_env(1), _from_env(1)
+    try:
+        assert first.get("0", "1", "k0") is None  # the pair's region
+        before = _fallbacks("arena_in_use")
+        assert second.get("0", "1", "k0") is None
+        assert second.fallbacks == {"in_use": 1} and _fallbacks("arena_in_use") - before == 1
+        text = caplog.text
+        assert f"arena_name {name!r} (from OMNI_ACCUM_ARENA_NAME) is taken on this host" in text, text
+        assert f"in use by a live receiver (pid {os.getpid()})" in text and "give each server on a host its own" in text
+        rows = [r for r in _from_status(name) if r["inner_only"]]
+        assert len(rows) == 1 and rows[0]["fallbacks"] == {"in_use": 1}, rows
+        assert "arena_in_use" in next(iter(rows[0]["inner_only"].values()))
+        first.close()
+        time.sleep(0.25)
+        assert second.get("0", "1", "k1") is None
+        assert second.health()["regions"] == [f"{name}_0_1 (receive)"] and second.health()["inner_only"] == {}
+    finally:
+        second.close()
+        first.close()
+
+
+def _from_status(name: str) -> list[dict[str, Any]]:
+    from omni_accum.integrations.vllm_omni import reporting
+
+    return [r for r in reporting.status().connectors if r["arena_name"] == name and r["status"] == "healthy"]
+
+
+def test_a_second_sender_counts_each_put_it_sends_the_inner_way(vo, quick_retry, caplog):
+    name = f"twotx{os.getpid()}"
+    caplog.set_level(logging.WARNING, "omni_accum")
+    rx, tx, other = _connector(1, name), _connector(0, name), _connector(0, name)
+    try:
+        assert rx.get("0", "1", "prime") is None
+        keys = _put_until_arena(tx, lambda: {"x": torch.arange(3)})
+        before = _fallbacks("arena_sender_in_use")
+        for i in range(3):
+            assert other.put("0", "1", f"o{i}", {"x": torch.arange(3) + i})[0]
+        assert other.fallbacks == {"sender_in_use": 3} and other.counts["inner_puts"] == 3
+        assert _fallbacks("arena_sender_in_use") - before == 3
+        assert f"another process sends on arena_name {name!r} (from extra.arena_name)" in caplog.text, caplog.text
+        for i in range(3):  # nothing lost
+            assert torch.equal(rx.get("0", "1", f"o{i}")[0]["x"], torch.arange(3) + i)
+        for k in keys:
+            assert rx.get("0", "1", k) is not None
+        assert "sender_in_use" in next(iter(other.health()["inner_only"].values()))
+    finally:
+        for c in (other, tx, rx):
+            c.close()
+
+
+def test_a_bad_arena_name_from_the_environment_is_named_as_the_variable(vo, monkeypatch):
+    """It was reported as a bad ``extra.arena_name``, a key the deploy does not have."""
+    monkeypatch.setenv("OMNI_ACCUM_ARENA_NAME", "my/server")
+    with pytest.raises(ValueError, match=r"OMNI_ACCUM_ARENA_NAME='my/server' \(no extra.arena_name\): use letters"):
+        _from_env(1)
+    with pytest.raises(ValueError, match=r"extra.arena_name = 'a b': use letters"):  # the extra's own: as before
+        _from_env(1, arena_name="a b")
+    monkeypatch.setenv("OMNI_ACCUM_ARENA_NAME", "fine")
+    c = _from_env(1)
+    try:
+        assert c.arena_name == "fine" and c.arena_name_from == "OMNI_ACCUM_ARENA_NAME"
+    finally:
+        c.close()
+
+
+def test_the_status_file_carries_each_arena_connector_s_row(vo, quick_retry, tmp_path):
+    """health() is in-process only (vllm-omni never calls it): the status file now says what it says."""
+    import json
+
+    from omni_accum.integrations.vllm_omni import reporting
+
+    quick_retry.setenv("OMNI_ACCUM_STATUS_DIR", str(tmp_path / "status"))
+    quick_retry.setenv("OMNI_ACCUM_ARENA_DIR", str(tmp_path / "missing"))
+    name = f"sf{os.getpid()}"
+    rx = _connector(1, name)
+    try:
+        assert rx.get("0", "1", "k") is None
+        path = reporting.write()
+        _wait(lambda: os.path.exists(path), "the status file")
+        with open(path, encoding="utf-8") as f:
+            rows = [r for r in json.load(f)["connectors"] if r["arena_name"] == name]
+        assert len(rows) == 1 and rows[0]["fallbacks"] == {"unavailable": 1}, rows
+        assert "OMNI_ACCUM_ARENA_DIR=" in rows[0]["inner_only"][f"{name}_0_1 (receive)"]
+    finally:
+        rx.close()
