@@ -123,6 +123,16 @@ def runner_config(extra: dict | None = None) -> Any:
     )
 
 
+def close_binding(obj: Any) -> None:
+    """Close ``obj``'s omni-accum binding, withdrawing its hello. A receiving adapter's hello lives under one key
+    per stage pair and process; ``uninstall`` reaches only live objects, so an adapter dropped before it left its
+    hello behind, and a later test's sender in this process (a live pid) marked requests for a receiver that runs
+    0.30.0's code."""
+    b = obj.__dict__.get("_omni_accum_binding")
+    if b is not None:
+        b.close()
+
+
 @pytest.fixture
 def runner(vllm_omni):
     """Factory of real runner transports (``OmniConnectorModelRunnerMixin`` + SharedMemoryConnector)."""
@@ -134,6 +144,7 @@ def runner(vllm_omni):
         r = type("Runner", (OmniConnectorModelRunnerMixin,), {})()
         r.init_omni_connectors(runner_config(extra))
         stack.callback(r.shutdown_omni_connectors)
+        stack.callback(close_binding, r)  # first: its hello withdrawn while it is alive
         return r
 
     with stack:
@@ -192,6 +203,7 @@ def adapters(vllm_omni):
         a = OmniChunkTransferAdapter(SimpleNamespace(model_config=mc, scheduler_config=SimpleNamespace(max_num_seqs=8)))
         stack.callback(a.connector.close)
         stack.callback(a.shutdown)  # last in, first out: shut down, then its connector closed
+        stack.callback(close_binding, a)  # first of all: its hello withdrawn while it is alive
         return a
 
     with stack:
