@@ -102,8 +102,12 @@ class Binding:
         self.send_ctx: dict[str, StreamContext] = {}
         #: Requests a sender with another policy sent: (its fingerprint, its source); 0.30.0's code runs them.
         self.foreign: dict[str, tuple[str, str]] = {}
-        #: Foreign requests on an adapter: the latest value of every key, to put back what the sender left off.
+        #: Requests an adapter hands over as 0.30.0 does: foreign ones, and those whose Receiver state could not be
+        #: re-seeded after a refused chunk (:func:`.receive.adapter_fallback`). The latest value of every key, to put
+        #: back what the sender left off.
         self.mirror: dict[str, dict[tuple[Any, Any], Any]] = {}
+        #: Requests whose chunks lacked values the sender left off (said once per request, until released).
+        self.said_lost: set[str] = set()
         self.short_source = _short_source(source, Settings.policy_source)
         self.announces = (
             split is not None  # an A/B split announces each request's arm
@@ -242,6 +246,7 @@ class Binding:
         self.req_ctx.pop(req_id, None)
         self.foreign.pop(req_id, None)
         self.mirror.pop(req_id, None)
+        self.said_lost.discard(req_id)
         if self.arms is not None:
             self.recv_arm.pop(req_id, None)
             for a in self.arms.values():
@@ -286,6 +291,7 @@ class Binding:
         self.send_ctx.clear()
         self.foreign.clear()
         self.mirror.clear()
+        self.said_lost.clear()
         self.fell_back.clear()
         self.recv_arm.clear()
         for a in self.each()[1:]:

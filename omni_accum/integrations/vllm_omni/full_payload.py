@@ -57,17 +57,26 @@ class PolicyChunks:
         self.rows: dict[str, int] = {}
         self.trailing: dict[str, tuple[int, ...]] = {}
 
-    def start(self, key: str, value: torch.Tensor) -> None:
-        """Start ``key`` with an accumulator of its append-kind strategy. Upstream appends every 2-D+
-        tensor here, whatever the key means in async-chunk mode; so a key whose policy strategy is not
-        append-kind (``codes.audio: replace`` in the ``qwen3-omni`` preset, ``send_once``) keeps upstream's
-        append semantics, with ``token_list`` (upstream's list-then-concatenate-once) storing it."""
-        strategy, spec = self.endpoint.select(key, value, self.endpoint.context)
-        if "append" not in spec.kinds:
-            strategy = self.endpoint.manager.build("token_list")
-        acc = strategy.new_accumulator(KeyInfo(key, self.req_id))
-        acc.merge(value)
+    def start(self, key: str, value: torch.Tensor, acc: Accumulator | None = None) -> None:
+        """Start ``key`` with an accumulator of its append-kind strategy (``acc``: one :meth:`fresh` made)."""
+        acc = acc if acc is not None else self.fresh(key, value)
         self.accs[key], self.rows[key], self.trailing[key] = acc, int(value.shape[0]), tuple(value.shape[1:])
+
+    def fresh(self, key: str, value: torch.Tensor) -> Accumulator:
+        """A new accumulator of ``key``'s append-kind strategy holding ``value``; nothing of the entry changes.
+        Upstream appends every 2-D+ tensor here, whatever the key means in async-chunk mode; so a key whose policy
+        strategy is not append-kind (``codes.audio: replace`` in the ``qwen3-omni`` preset, ``send_once``) keeps
+        upstream's append semantics, with ``token_list`` (upstream's list-then-concatenate-once) storing it.
+        :class:`AccumulationError` for anything raising (a selection hook, a strategy's factory or merge)."""
+        try:
+            strategy, spec = self.endpoint.select(key, value, self.endpoint.context)
+            if "append" not in spec.kinds:
+                strategy = self.endpoint.manager.build("token_list")
+            acc = strategy.new_accumulator(KeyInfo(key, self.req_id))
+            acc.merge(value)
+        except Exception as e:  # noqa: BLE001 - a plugin raising fails this request's entry, not vllm-omni
+            raise _refusal(e, self.req_id, key) from e
+        return acc
 
     def appends(self, key: str, value: torch.Tensor) -> bool:
         """True when :meth:`add` appends ``value`` (trailing shape unchanged: upstream's rule), False: restarts."""
@@ -78,20 +87,21 @@ class PolicyChunks:
         if self.appends(key, value):
             try:
                 self.accs[key].check(value)
-            except ValueError as e:
-                raise AccumulationError(str(e), request_id=self.req_id, key=key) from e
+            except Exception as e:  # noqa: BLE001 - ValueError, or a plugin's check raising
+                raise _refusal(e, self.req_id, key) from e
 
-    def add(self, key: str, value: torch.Tensor) -> None:
-        """Append when the trailing shape matches (upstream's rule), else restart the key."""
+    def add(self, key: str, value: torch.Tensor, acc: Accumulator | None = None) -> None:
+        """Append when the trailing shape matches (upstream's rule), else restart the key (with ``acc``, when
+        :meth:`fresh` made it)."""
         if not self.appends(key, value):
-            self.start(key, value)
+            self.start(key, value, acc)
             return
         acc = self.accs[key]
         try:
             acc.check(value)
             acc.merge(value)
-        except ValueError as e:
-            raise AccumulationError(str(e), request_id=self.req_id, key=key) from e
+        except Exception as e:  # noqa: BLE001 - ValueError, or a plugin's merge raising
+            raise _refusal(e, self.req_id, key) from e
         self.rows[key] += int(value.shape[0])
 
     def drop(self, key: str) -> None:
@@ -105,6 +115,14 @@ class PolicyChunks:
     def to_upstream(self) -> dict[str, list[torch.Tensor]]:
         """The ``chunks`` of upstream's entry: each key's rows so far as a one-tensor list."""
         return {k: [v] for k, v in self.materialize().items()}
+
+
+def _refusal(e: Exception, req_id: str, key: str) -> AccumulationError:
+    """``e`` as the refusal :meth:`.Binding.fall_back` reports (a strategy's ValueError, or a plugin's bug)."""
+    if isinstance(e, AccumulationError):
+        return e
+    reason = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    return AccumulationError(reason, request_id=req_id, key=key)
 
 
 def to_upstream_entry(entry: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -136,38 +154,54 @@ def wrap_accumulate_full(orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(self, req_id, pooler_output, request)
         b.stats["chunks_received"] += 1
         t0 = time.perf_counter()
+        where = f"{type(self).__name__}.accumulate_full_payload_output"
         if existing is None:
             chunks, latest = PolicyChunks(b.full_payload_endpoint, req_id, b.publish), {}
-            for k, v in pooler_output.items():
-                if _appendable(v):
-                    chunks.start(k, v)
-                else:
-                    latest[k] = v
+            try:
+                for k, v in pooler_output.items():
+                    if _appendable(v):
+                        chunks.start(k, v)
+                    else:
+                        latest[k] = v
+            except AccumulationError as e:  # nothing pending yet: upstream's method starts the entry
+                b.fall_back(req_id, e, where, release=False)
+                return orig(self, req_id, pooler_output, request)
             pending[req_id] = (chunks, latest, chunks.rows, request)
             b.received(pooler_output, time.perf_counter() - t0, True, req_id, "accumulate")
             return None
         chunks, latest, _, _ = existing
         replace_keys = self._resolve_full_payload_replace_keys()
+        fresh: dict[str, Accumulator] = {}  # the keys this step (re)starts, their accumulators made before any change
         try:  # all or nothing: every appended value is checked before anything changes
             for k, v in pooler_output.items():
-                if _appendable(v) and k not in replace_keys:
-                    chunks.check(k, v)
+                if _appendable(v):
+                    if k in replace_keys or not chunks.appends(k, v):
+                        fresh[k] = chunks.fresh(k, v)
+                    else:
+                        chunks.check(k, v)
         except AccumulationError as e:
-            b.fall_back(req_id, e, f"{type(self).__name__}.accumulate_full_payload_output", release=False)
+            b.fall_back(req_id, e, where, release=False)
             pending[req_id] = to_upstream_entry(existing)
             return orig(self, req_id, pooler_output, request)
-        for k, v in pooler_output.items():
-            if v is None:
-                continue
-            if _appendable(v):
-                latest.pop(k, None)
-                if k in replace_keys:
-                    chunks.start(k, v)
-                else:
-                    chunks.add(k, v)
-            else:
-                chunks.drop(k)
-                latest[k] = v
+        done = 0
+        try:
+            for k, v in pooler_output.items():
+                if v is not None:
+                    if _appendable(v):
+                        latest.pop(k, None)
+                        if k in fresh:
+                            chunks.start(k, v, fresh[k])
+                        else:
+                            chunks.add(k, v)
+                    else:
+                        chunks.drop(k)
+                        latest[k] = v
+                done += 1
+        except AccumulationError as e:  # a strategy's merge raising after its check passed (a plugin's bug):
+            # the keys taken so far stay (the failing one's rows as its strategy left them); upstream takes the rest
+            b.fall_back(req_id, e, where, release=False)
+            pending[req_id] = to_upstream_entry((chunks, latest, chunks.rows, request))
+            return orig(self, req_id, dict(list(pooler_output.items())[done:]), request)  # the keys not taken
         pending[req_id] = (chunks, latest, chunks.rows, request)
         b.received(pooler_output, time.perf_counter() - t0, False, req_id, "accumulate")
         return None
@@ -219,7 +253,8 @@ def wrap_full_send(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 def wrap_transport_init(orig: Callable[..., Any]) -> Callable[..., Any]:
     """``init_omni_connectors`` while installed: a transport that receives full payloads says hello at once (its
-    binding made now; a bad connector extra is reported by that, once). Before install, the probe does it."""
+    binding made now). The family wraps the probe inside this (:func:`.families.v030.wrap_transport_init`): a bad
+    connector extra is checked there, fatal under ``OMNI_ACCUM_REQUIRED=1``, as before install."""
 
     @functools.wraps(orig)
     def init_omni_connectors(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from omni_accum.engine import WIRE_MARKER
-from omni_accum.errors import AccumulationError, OmniAccumError
+from omni_accum.errors import AccumulationError
 from omni_accum.integrations.vllm_omni import ab, capture, handoff
 from omni_accum.integrations.vllm_omni.binding import Binding, _leaves, _path, binding_for
 from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, count_bits, number_once, split_mask
@@ -31,8 +31,8 @@ def adapter_receive(b: Binding, req_id: str, payload: dict[str, Any], ar: bool) 
     """The delta an adapter hands over: raw wire values, with send_once values the sender left off
     restored, and (AR) the adapter keys replaced by their accumulated view. A request sent under
     another policy (the handshake) gets :func:`foreign_receive`."""
-    if not b.accept(req_id, payload, req_id not in b.held_once):
-        return foreign_receive(b, req_id, payload)
+    if not b.accept(req_id, payload, req_id not in b.held_once) or req_id in b.mirror:
+        return foreign_receive(b, req_id, payload)  # another policy's, or one omni-accum gave up (adapter_fallback)
     ctx = b.context_of(req_id)
     raw = payload.get(OMITTED_KEY) or 0
     mask, override = split_mask(raw)
@@ -109,12 +109,39 @@ def foreign_receive(b: Binding, req_id: str, payload: dict[str, Any]) -> dict[st
     omitted = [p for p, bit in table.items() if mask >> bit & 1]
     number_once(table, payload)
     out = _stripped(payload)
+    ours = req_id not in b.foreign  # given up (adapter_fallback): only what this policy may leave off is kept
     for top, qual, value in _leaves(payload):
-        mirror[(top, qual)] = value
+        if not ours or _may_leave_off(b, req_id, top, qual, value):
+            mirror[(top, qual)] = value
+    lost = []
     for top, qual in omitted:
         if (top, qual) in mirror:
             _set(out, top, qual, mirror[(top, qual)])
+        else:
+            lost.append(_path(top, qual))
+    _say_lost(b, req_id, lost)
     return out
+
+
+def _may_leave_off(b: Binding, req_id: str, top: Any, qual: Any, value: Any) -> bool:
+    """Whether the sender may leave key ``top.qual`` off a later chunk under this binding's policy (``send_once``);
+    True when its selection raises (a value that may be left off is never dropped)."""
+    try:
+        return b.receiver.select(_path(top, qual), value, b.context_of(req_id))[0].omits_unchanged
+    except Exception:  # noqa: BLE001 - a plugin's selection raising
+        return True
+
+
+def _say_lost(b: Binding, req_id: str, lost: list[str]) -> None:
+    """Warn (once per request, until it is released) that a chunk is handed over without values the sender left off."""
+    if lost and req_id not in b.said_lost:
+        b.said_lost.add(req_id)
+        logger.warning(
+            "omni-accum: request %r: the sender left %s off the wire and this receiver no longer holds them; the "
+            "chunk is handed over without them (not logged again for this request)",
+            req_id,
+            ", ".join(lost),
+        )
 
 
 def _get(d: Mapping[Any, Any], top: Any, qual: Any) -> tuple[bool, Any]:
@@ -161,11 +188,14 @@ def adapter_fallback(b: Binding, req_id: str, payload: dict[str, Any], ar: bool,
     last merged with the chunk by 0.30.0's own rule (:func:`upstream_merge`: ``torch.cat``; the raw
     value when even that fails, or when the chunk overrides the key). The request's Receiver state is
     then released and re-seeded from what was handed over, so later chunks (and the values they
-    leave off) go on through omni-accum.
+    leave off) go on through omni-accum. When that re-seed fails too (the byte guard refuses the whole
+    view, a plugin's selection raises), omni-accum gives the request up: nothing of it stays in the
+    Receiver, and it is handed over as 0.30.0 does until it is released (:func:`foreign_receive`), the
+    values the sender may leave off kept beside (``Binding.mirror``). Never raises.
     """
     try:
         prev = b.receiver.view(req_id).to_dict()
-    except (KeyError, OmniAccumError):
+    except Exception:  # noqa: BLE001 - none held (a refused first chunk), or a request failed earlier
         prev = {}
     b.fall_back(req_id, error, "the adapter receive hook (_commit_received_chunk)")  # releases the Receiver state
     try:
@@ -182,19 +212,15 @@ def adapter_fallback(b: Binding, req_id: str, payload: dict[str, Any], ar: bool,
                 _set(out, top, qual, value)
             else:
                 lost.append(_path(top, qual))
-    if lost:
-        logger.warning(
-            "omni-accum: request %r: the sender left %s off the wire and this receiver no longer holds them; the "
-            "chunk is handed over without them",
-            req_id,
-            ", ".join(lost),
-        )
+    _say_lost(b, req_id, lost)
     overridden = _override_set(out)
     seed = {k: (dict(v) if isinstance(v, dict) else v) for k, v in prev.items()}
+    complete = True  # every key of the chunk classified: the seed holds all a later chunk may leave off
     for top, qual, value in list(_leaves(out)):
         try:
             merge, view = b.tracks(_path(top, qual), value, ar)
-        except OmniAccumError:
+        except Exception:  # noqa: BLE001 - a plugin's selection raising: that key cannot be re-seeded
+            complete = False
             continue
         if not merge:
             continue
@@ -211,13 +237,47 @@ def adapter_fallback(b: Binding, req_id: str, payload: dict[str, Any], ar: bool,
     meta = out.get("meta")
     if isinstance(meta, dict) and "override_keys" in meta:
         _set(seed, "meta", "override_keys", meta["override_keys"])
-    try:
-        number_once(table, payload)
-        if seed:
+    number_once(table, payload)
+    why = None if complete else "a key's strategy selection raised"
+    if why is None and seed:
+        try:
             b.receiver.merge(req_id, seed)
-    except OmniAccumError:
-        b.receiver.release(req_id)
+        except Exception as e:  # noqa: BLE001 - the byte guard, a plugin raising: give the request up
+            why = str(e)
+    if why is not None:
+        _give_up(b, req_id, prev, out, why)
     return out
+
+
+def _give_up(b: Binding, req_id: str, prev: Mapping[str, Any], out: Mapping[str, Any], why: str) -> None:
+    """Request ``req_id`` could not be re-seeded: release it, and keep what the sender may leave off later (the
+    ``send_once`` values held before the chunk, then those of the chunk just handed over) for :func:`foreign_receive`.
+    Only those: the accumulated views (what the byte guard refused to hold) are not kept."""
+    try:
+        b.receiver.release(req_id)
+    except Exception:  # noqa: BLE001 - nothing held
+        pass
+    mirror = b.mirror.setdefault(req_id, {})
+    for source in (prev, out):
+        for top, qual, value in _leaves(source):
+            if _may_leave_off(b, req_id, top, qual, value):
+                mirror[(top, qual)] = value
+    logger.warning(
+        "omni-accum: request %r: its state could not be re-seeded after the refused chunk (%s); vllm-omni 0.30.0's "
+        "own code hands its chunks over until it is released, the values the sender leaves off put back from the "
+        "last ones seen",
+        req_id,
+        why,
+    )
+
+
+def _as_refusal(e: Exception, req_id: str) -> AccumulationError:
+    """``e`` as the refusal :meth:`.Binding.fall_back` reports (an error of omni-accum's or a plugin's bug)."""
+    if isinstance(e, AccumulationError):
+        return e
+    err = AccumulationError(f"{type(e).__name__}: {e}", request_id=req_id)
+    err.__cause__ = e
+    return err
 
 
 def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -243,10 +303,10 @@ def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 handed = adapter_receive(b, req_id, payload, ar)
                 counted = rec.on and not rec.armed
-            except AccumulationError as e:
+            except Exception as e:  # noqa: BLE001 - a refusal, or a plugin raising: never into vllm-omni
                 counted = rec.on and not rec.armed  # refused after its pass counted the keys, or before
                 rec.armed = False  # the fallback's re-seeding merge is not this chunk
-                handed = adapter_fallback(b, req_id, payload, ar, e)
+                handed = adapter_fallback(b, req_id, payload, ar, _as_refusal(e, req_id))
             rec.armed = False
             raw = payload.get(OMITTED_KEY)
             if raw.__class__ is list:  # maybe timed: merged and readable now (.handoff)
