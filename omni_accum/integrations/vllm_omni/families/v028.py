@@ -23,6 +23,7 @@ from omni_accum.integrations.vllm_omni.families.v030 import (
     adapter_targets,
     full_payload_targets,
     processor_targets,
+    wrap_transport_init,
 )
 
 MIXIN = "vllm_omni.worker.omni_connector_model_runner_mixin:OmniConnectorModelRunnerMixin"
@@ -52,7 +53,7 @@ FAMILY = Family(
         ),
         Target(
             MIXIN, "init_omni_connectors", "(self, model_config, kv_transfer_manager=None)",
-            full_payload.wrap_transport_init,
+            wrap_transport_init,
         ),  # fmt: skip
     ),
     probes=(

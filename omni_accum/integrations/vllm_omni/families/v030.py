@@ -38,6 +38,13 @@ def wrap_data_plane_accumulate(f):
     return runner.wrap_accumulate(f, decode_spans=True)
 
 
+def wrap_transport_init(f):
+    """``init_omni_connectors`` while installed: the constructor probe first (a connector extra naming a policy, or
+    any extra once a process-wide policy is installed, is checked: ``OMNI_ACCUM_REQUIRED=1`` ends the process on a
+    bad one, as for an adapter), then a receiving transport's hello (:func:`.full_payload.wrap_transport_init`)."""
+    return full_payload.wrap_transport_init(wrap_probe(f))
+
+
 def adapter_targets() -> tuple[Target, ...]:
     """The ``OmniChunkTransferAdapter`` methods (the same in 0.28 and 0.30)."""
     return (
@@ -101,7 +108,7 @@ FAMILY = Family(
             RUNTIME,
             "init_omni_connectors",
             "(self, model_config, kv_transfer_manager=None, *, synchronous=False)",
-            full_payload.wrap_transport_init,
+            wrap_transport_init,
         ),
     ),
     probes=(
