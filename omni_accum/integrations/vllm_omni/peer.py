@@ -21,7 +21,8 @@ The key carries the deployment's token (:func:`deployment_token`, ``OMNI_ACCUM_D
 first omni-accum process of a server, inherited by the stage processes it starts), so two servers on one
 host never read each other's hello, and a hello left by a stopped server is never found. A hello from
 a process on this host that is no longer alive is ignored, and a sender whose receiver (on this host)
-dies goes back to 0.30.0's payloads until a receiver says hello again. "This host" is :func:`machine_id`: the
+dies, or withdraws its hello while it lives (:meth:`PeerWatch._changed`), goes back to 0.30.0's payloads until a
+receiver says hello again. "This host" is :func:`machine_id`: the
 kernel's boot id and this process's PID namespace (where a process id means the same process), not the host
 name, which cloned machines share (their live receivers' hellos were ignored) and which network namespaces on
 one kernel share as rightly as they share process ids.
@@ -64,7 +65,9 @@ HELLO = "omni_accum_hello"
 #: How long a request's first chunk waits for the watcher's first look (seconds).
 FIRST_WAIT_S = 0.05
 POLL_S = (0.05, 30.0)  # the watcher's first and longest wait between looks
-ALIVE_S = 1.0  # how often a found receiver on this host is checked to be alive
+ALIVE_S = 1.0  # how often a found receiver is checked: alive (this host), its hello still there (shared memory)
+#: How often a hello heard through another connector (Mooncake's store) is read again to see it is still there.
+RECHECK_S = 30.0
 #: A sender that has not heard its receiver's hello after this long says so once (its deployment token named).
 QUIET_WARN_S = 60.0
 
@@ -120,6 +123,14 @@ class ShmChannel:
             return None
         except (OSError, ValueError, RecursionError):
             return None
+
+    def stamp(self, key: str) -> tuple[int, int, int] | None:
+        """What changes when the hello file is rewritten or removed (a stat, no read); None: not there."""
+        try:
+            st = os.stat(self.path(key), follow_symlinks=False)
+        except (OSError, ValueError):
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
 
     def cleanup(self, key: str) -> None:
         path = self.path(key)
@@ -303,11 +314,15 @@ def _cleanup(chan: Any, key: str) -> None:
 class PeerWatch:
     """The sending side's watch for its receiving stage's hello (see the module docstring)."""
 
-    def __init__(self, conn: Any, src: int) -> None:
+    def __init__(self, conn: Any, src: int, owner: Any = None) -> None:
+        #: The binding watched for (weakly): a binding dropped without being closed ends its watcher too.
+        self._owner = weakref.ref(owner) if owner is not None else None
         self.chan = _channel(conn)
         self.src, self.dst = src, src + 1
         self.key = hello_key(src, self.dst)
         self.hello: list[Any] | None = None
+        self._stamp: Any = None  # the hello file's stamp when it was read (shared memory)
+        self._checked = 0.0  # when the hello was last read (time.monotonic)
         self.looks = 0
         self._first = threading.Event()
         self._stop = threading.Event()
@@ -330,6 +345,8 @@ class PeerWatch:
         delay = POLL_S[0]
         started, warned = time.monotonic(), False
         while not self._stop.is_set():
+            if self._owner is not None and self._owner() is None:
+                return
             if self.hello is None:
                 found = self._look()
                 self._first.set()
@@ -348,9 +365,43 @@ class PeerWatch:
                 self.hello, delay = None, POLL_S[0]
                 warned = True  # that warning said it: the 'never heard' advice (another host) would mislead
                 continue
+            elif (change := self._changed()) is not None:
+                if change == "gone":
+                    logger.warning("omni-accum: stage %d's receiver (pid %d) withdrew its hello (its omni-accum was "
+                                   "uninstalled or its adapter closed); stage %d sends vllm-omni's own payloads until "
+                                   "a receiver says hello again", self.dst, self.hello[3], self.src)  # fmt: skip
+                    warned = True
+                self.hello, delay = None, POLL_S[0]
+                continue  # replaced by another receiver's: the next look hears it (and says so)
             self._stop.wait(delay)
 
+    def _changed(self) -> str | None:
+        """Whether the hello heard is still there: None (unchanged), ``"gone"`` (withdrawn) or ``"replaced"`` (another
+        receiver's). Cheap: over shared memory a stat of its file, read again only when the stat changed; over
+        another connector a get of the key every :data:`RECHECK_S` (a get that raises is no answer)."""
+        if isinstance(self.chan, ShmChannel):
+            now = self.chan.stamp(self.key)
+            if now is not None and now == self._stamp:
+                return None
+            if now is None:
+                return "gone"
+            self._stamp = now
+        elif time.monotonic() - self._checked < RECHECK_S:
+            return None
+        self._checked = time.monotonic()
+        try:
+            got = self.chan.get(str(self.src), str(self.dst), self.key)
+        except Exception:  # noqa: BLE001 - not known now: asked again later
+            return None
+        h = _hello_of(got)
+        if h is None:
+            return "gone"
+        return None if h == self.hello else "replaced"
+
     def _look(self) -> bool:
+        if isinstance(self.chan, ShmChannel):
+            self._stamp = self.chan.stamp(self.key)  # before the read: a rewrite since is seen
+        self._checked = time.monotonic()
         try:
             got = self.chan.get(str(self.src), str(self.dst), self.key)
         except Exception:  # noqa: BLE001 - not there (yet)
@@ -378,7 +429,7 @@ def watch(b: Any, conn: Any) -> None:
         if src is not None:
             with _lock:
                 if b.__dict__.get("_peer") is None:
-                    b._peer = PeerWatch(conn, src)
+                    b._peer = PeerWatch(conn, src, b)
 
 
 def may_announce(b: Any) -> bool:
