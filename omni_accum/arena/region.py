@@ -409,17 +409,25 @@ def owner_of(path: Path) -> int | None:
 
 
 def sweep_stale(directory: Path | None = None) -> list[Path]:
-    """Remove every arena file of ``directory`` (default: this user's private directory) whose owner is dead;
-    the removed paths. A file that is not this user's is left alone (and logged once)."""
+    """Remove every arena file of ``directory`` (default: this user's private directory) whose owner is dead, and
+    every pointer file (:mod:`.live`) whose region is gone or has a dead owner; the removed paths. A file that is not
+    this user's is left alone (and logged once)."""
     removed = []
-    for p in sorted((directory or samehost.private_dir()).glob(PREFIX + "*")):
-        if p.name.endswith(".live"):
-            continue  # a pointer file (omni_accum.arena.live): removed with its region
+    directory = directory or samehost.private_dir()
+    files = sorted(directory.glob(PREFIX + "*"))
+    for p in [f for f in files if not f.name.endswith(".live")] + [f for f in files if f.name.endswith(".live")]:
         try:
-            owner = owner_of(p)
+            if p.name.endswith(".live"):  # a pointer, after the regions: one whose region was just removed goes too
+                name = samehost.read_private(p, 512).decode("ascii", "replace")
+                region = directory / f"{PREFIX}{name}"
+                owner = owner_of(region) if re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", name) else None
+            else:
+                owner = owner_of(p)
         except samehost.SameHostRefused as e:
             samehost.log_refusal(e, "sweep_stale")
             continue
+        except OSError:
+            continue  # gone meanwhile
         if owner is None or not pid_alive(owner):
             p.unlink(missing_ok=True)
             removed.append(p)

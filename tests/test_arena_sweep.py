@@ -1,0 +1,55 @@
+"""``omni_accum.arena.sweep_stale()`` removes every stale arena file: regions whose owner is dead, and the pointer
+files (``<pair>.live``) that name such a region or one that is gone; a live receiver's files stay."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from omni_accum.arena import sweep_stale
+from omni_accum.arena.live import create_receiver, pointer_path
+from omni_accum.samehost import private_dir, write_private
+
+#: A receiver in a process of its own that copies its region and pointer to argv[1], then ends without closing them
+#: (its reaper removes the originals: the copies are what a process leaves when it had no reaper).
+_CHILD = textwrap.dedent(
+    """
+    import os, shutil, sys
+    from omni_accum.arena.live import create_receiver
+    rx = create_receiver(sys.argv[2], 1 << 20, ring_bytes=1 << 16)
+    for p in rx.region.path.parent.iterdir():
+        if sys.argv[2] in p.name:
+            shutil.copy2(p, os.path.join(sys.argv[1], p.name))
+    os._exit(0)
+    """
+)
+
+
+def test_sweep_stale_removes_a_dead_owners_region_and_the_pointers_naming_dead_or_missing_regions(
+    tmp_path, monkeypatch
+):
+    base, left = tmp_path / "shm", tmp_path / "left"
+    base.mkdir(mode=0o700)
+    left.mkdir(mode=0o700)
+    monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", str(base))
+    dead_pair = f"sweepdead_{os.getpid()}_0_1"
+    subprocess.run([sys.executable, "-c", _CHILD, str(left), dead_pair], check=True, timeout=120)
+    dead = sorted(p.name for p in left.iterdir())
+    assert len(dead) == 2 and any(n.endswith(".live") for n in dead), dead  # the region and its pointer
+    gone = left / pointer_path(f"sweepgone_{os.getpid()}_0_1").name  # a pointer whose region is not there
+    write_private(gone, f"sweepgone_{os.getpid()}_0_1.0123456789abcdef".encode(), "test")
+
+    removed = sweep_stale(left)
+    assert sorted(p.name for p in removed) == sorted([*dead, gone.name])
+    assert not list(left.iterdir())
+
+    rx = create_receiver(f"sweeplive_{os.getpid()}_0_1", 1 << 20, ring_bytes=1 << 16)  # alive: both files stay
+    try:
+        mine = {rx.region.path.name, pointer_path(f"sweeplive_{os.getpid()}_0_1").name}
+        assert mine <= {p.name for p in private_dir().iterdir()}
+        assert not mine & {p.name for p in sweep_stale()}
+        assert mine <= {p.name for p in private_dir().iterdir()}
+    finally:
+        rx.close()
