@@ -15,6 +15,7 @@ below catch any circle they cause at run time.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
@@ -188,6 +189,52 @@ def test_no_import_circle_among_the_package_modules():
     assert len(graph) > 30, sorted(graph)  # the walk found the package
     cycles = find_cycles(graph)
     assert not cycles, "import circles among omni_accum's modules:\n" + _format(cycles)
+
+
+def documented_layers(text: str) -> dict[str, set[str]]:
+    """``{source: names it may import}`` from the fenced block of docs/architecture.md's "Dependencies between the
+    parts": ``a, b -> c, d (a comment), e`` lines, names relative to the package (``omni_accum``: the package)."""
+    block = text.split("## Dependencies between the parts", 1)[1].split("```", 2)[1]
+    full = lambda n: PACKAGE if n == PACKAGE else f"{PACKAGE}.{n}"  # noqa: E731
+    layers: dict[str, set[str]] = {}
+    for line in block.splitlines():
+        if "->" not in line:
+            continue
+        left, right = (re.sub(r"\([^)]*\)", "", side) for side in line.split("->", 1))
+        for src in (n.strip() for n in left.split(",")):
+            layers.setdefault(full(src), set()).update(full(n.strip()) for n in right.split(",") if n.strip())
+    return layers
+
+
+def undocumented_imports(graph: dict[str, set[str]], layers: dict[str, set[str]]) -> list[str]:
+    """``"a -> b"`` for every import of a module of another part (its second name: ``bench``, ``errors``) that no
+    line of ``layers`` whose source is ``a`` or a package above it allows."""
+    under = lambda m, n: m == n or (n != PACKAGE and m.startswith(n + "."))  # noqa: E731
+    part = lambda m: m.split(".")[:2]  # noqa: E731
+    bad = []
+    for m, targets in sorted(graph.items()):
+        allowed = set().union(*(v for k, v in layers.items() if under(m, k)))
+        for t in sorted(targets):
+            if part(t) != part(m) and not any(under(t, n) for n in allowed):
+                bad.append(f"{m} -> {t}")
+    return bad
+
+
+def test_every_import_between_parts_is_in_the_documented_table():
+    """docs/architecture.md's dependency table is what the code imports (a new edge goes into the table first)."""
+    layers = documented_layers((ROOT.parent / "docs" / "architecture.md").read_text(encoding="utf-8"))
+    modules = _installed_modules()
+    unknown = sorted({*layers, *(n for names in layers.values() for n in names)} - set(modules))
+    assert not unknown, f"the table names modules that do not exist: {unknown}"
+    bad = undocumented_imports(import_edges(modules), layers)
+    assert not bad, "imports docs/architecture.md's dependency table does not list:\n  " + "\n  ".join(bad)
+
+
+def test_the_table_check_names_an_import_it_does_not_allow():
+    doc = "## Dependencies between the parts\n```\nbench -> tuner.stats (a comment), errors\n```\n"
+    layers = documented_layers(doc)
+    graph = {"omni_accum.bench.a": {"omni_accum.tuner.stats", "omni_accum.tuner.core", "omni_accum.bench.b"}}
+    assert undocumented_imports(graph, layers) == ["omni_accum.bench.a -> omni_accum.tuner.core"]
 
 
 def test_the_checker_finds_a_circle_and_names_its_path(tmp_path):
