@@ -608,3 +608,16 @@ def test_a_link_planted_at_the_partial_file_is_replaced_not_written_through(tmp_
     assert not res.complete and victim.read_text() == "mine\n"
     part = tmp_path / "tuned.partial.yaml"
     assert not part.is_symlink() and omni_accum.load_policy(part).tuned is not None
+
+
+def test_a_candidate_slower_beyond_the_noise_is_not_said_to_cross_0():
+    """'-7.6% [-10.9%, -4.0%]: the interval crosses 0' was printed for a candidate slower than the baseline."""
+    from omni_accum.tuner.core import keep_reason
+    from omni_accum.tuner.stats import Gain
+
+    assert keep_reason(Gain(-0.076, -0.109, -0.040), 100.0, 1.0) == (
+        "-7.6% [-10.9%, -4.0%]: slower than the baseline beyond the noise"
+    )
+    assert keep_reason(Gain(0.008, -0.047, 0.079), 100.0, 1.0).endswith("the interval crosses 0 (no win beyond the noise)")
+    assert keep_reason(Gain(-0.02, -0.05, 0.0), 100.0, 1.0).endswith("the interval crosses 0 (no win beyond the noise)")
+    assert keep_reason(Gain(0.30, 0.20, 0.40), 100.0, 1.0) is None

@@ -319,6 +319,8 @@ def keep_reason(g: Gain, base_us: float, min_gain_us: float) -> str | None:
     does). It must win beyond the noise: the whole interval above :data:`MIN_GAIN`, and the interval's low end
     saving at least ``min_gain_us`` per step."""
     pct = f"{100 * g.gain:+.1f}% [{100 * g.low:+.1f}%, {100 * g.high:+.1f}%]"
+    if g.high < 0.0:  # the whole interval below 0: it did not cross it
+        return f"{pct}: slower than the baseline beyond the noise"
     if g.low <= 0.0:
         return f"{pct}: the interval crosses 0 (no win beyond the noise)"
     if g.low <= MIN_GAIN:
