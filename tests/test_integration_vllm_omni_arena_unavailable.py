@@ -50,10 +50,10 @@ def _from_env(stage_id: int, **extra: Any) -> Any:
 
 @pytest.fixture
 def quick_retry(monkeypatch):
-    from omni_accum.integrations.vllm_omni import arena_connector
+    from omni_accum.integrations.vllm_omni import arena_pairs
 
     monkeypatch.delenv("OMNI_ACCUM_METRICS", raising=False)
-    monkeypatch.setattr(arena_connector, "CREATE_RETRY_S", 0.2)
+    monkeypatch.setattr(arena_pairs, "CREATE_RETRY_S", 0.2)
     return monkeypatch
 
 

@@ -167,13 +167,13 @@ class UpstreamEngine(Engine):
     def consume(self, req_id: str, path: str) -> None:
         # As 0.30.0's data plane (``pop_local_stage_payload``) drops consumed rows; the group is copied, not
         # changed in place: upstream's first merge stores the wire's own dicts, which a replay shares.
-        _drop_key(self._state._send_side_request_payload.get(req_id), path)
+        drop_key(self._state._send_side_request_payload.get(req_id), path)
 
     def release(self, req_id: str) -> None:
         self._state._send_side_request_payload.pop(req_id, None)
 
 
-def _drop_key(payload: Any, path: str) -> None:
+def drop_key(payload: Any, path: str) -> None:
     """Remove key ``path`` from an accumulated upstream payload dict, copying its group (never in place)."""
     if not isinstance(payload, dict):
         return

@@ -22,18 +22,9 @@ import os
 from typing import Any
 
 from omni_accum.cli.doctor_policy import Check, _connector_nodes, _deploy_or_none
+from omni_accum.integrations.vllm_omni.mooncake_settings import STORE_KEYS
 
 MOONCAKE_NAMES = ("MooncakeStoreConnector", "OmniAccumMooncakeConnector")
-#: What vllm-omni 0.30.0's ``MooncakeStoreConnector.__init__`` reads from its ``extra``, and its defaults.
-STORE_KEYS: dict[str, Any] = {
-    "host": "127.0.0.1",
-    "metadata_server": "http://127.0.0.1:8080/metadata",
-    "master": "127.0.0.1:50051",
-    "segment": 512 * 1024 * 1024,
-    "localbuf": 64 * 1024 * 1024,
-    "proto": "tcp",
-    "rdma": "",
-}
 #: The protocols of the CPU build omni-accum pins (``mooncake-transfer-engine-non-cuda``), and others Mooncake knows.
 PROTOCOLS = ("tcp", "rdma")
 OTHER_PROTOCOLS = ("nvlink", "nvlink_intra", "hip", "cxl", "ascend", "barex", "efa", "nvmeof")

@@ -36,31 +36,25 @@ a message larger than the ring, a payload that does not encode, a peer that died
 in the arena first, then in the inner connector. ``health()`` counts both paths, and :meth:`status_row` puts a
 few of its numbers into omni-accum's status (and the status file).
 
-A pair whose region cannot be made is counted in ``omni_accum_fallbacks_total`` and said once per cause, naming
-what to fix, and tried again every :data:`CREATE_RETRY_S` by the receiving side: a private directory that cannot
-be used (``arena_unavailable``; ``samehost_refused`` when it is not this user's), a full ``/dev/shm``
-(``arena_no_space``), and another live receiver of the pair (``arena_in_use``: one receiving process per stage
-pair, so give each server on a host its own ``arena_name``). A sending side that cannot attach for a cause that does
-not pass by itself counts each put it sends the inner way (``arena_unavailable``, ``arena_sender_in_use``: another
-live process sends on the pair's region). ``health()["inner_only"]`` names the pairs without a region and why.
-The region is removed when
-the connector closes, and otherwise by omni-accum's reaper process once the server's processes
-have ended (vllm-omni's stage processes end on SIGTERM without closing their connectors); a region
-whose owner died is removed by the next process that looks for the pair.
+A pair whose region cannot be made is counted in ``omni_accum_fallbacks_total`` and said once per cause, naming what
+to fix, and tried again every :data:`.arena_pairs.CREATE_RETRY_S` by the receiving side: a private directory that
+cannot be used (``arena_unavailable``; ``samehost_refused`` when it is not this user's), a full ``/dev/shm``
+(``arena_no_space``), and another live receiver of the pair (``arena_in_use``: one receiving process per stage pair,
+so give each server on a host its own ``arena_name``). A sending side that cannot attach for a cause that does not
+pass by itself counts each put it sends the inner way (``arena_unavailable``, ``arena_sender_in_use``: another live
+process sends on the pair's region). ``health()["inner_only"]`` names the pairs without a region and why
+(:mod:`.arena_pairs` finds and makes the regions). The region is removed when the connector closes, and otherwise by
+omni-accum's reaper process once the server's processes have ended (vllm-omni's stage processes end on SIGTERM without
+closing their connectors); a region whose owner died is removed by the next process that looks for the pair.
 
 Registered with ``OmniConnectorFactory`` by :mod:`.arena_plugin` (entry point ``omni_accum_arena``).
 """
 
 from __future__ import annotations
 
-import errno
-import functools
 import logging
-import os
-import re
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -69,61 +63,18 @@ import torch
 from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorBase
 from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
 
-from omni_accum import samehost
-from omni_accum.arena.live import create_receiver, live_region
-from omni_accum.arena.region import ArenaError, ArenaFull, PeerDied, owner_of, path_for, pid_alive
+from omni_accum.arena.region import ArenaError, ArenaFull, PeerDied
 from omni_accum.integrations.vllm_omni import publishing
 from omni_accum.integrations.vllm_omni.arena_chains import append_test, chain_payload, request_of, struct_map
 from omni_accum.integrations.vllm_omni.arena_codec import Decoder, Encoder
+from omni_accum.integrations.vllm_omni.arena_pairs import PairRegions, _metric
 from omni_accum.integrations.vllm_omni.arena_settings import NAME, parse_settings
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
-from omni_accum.samehost import SameHostRefused, log_refusal
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
-#: A sender that found no region tries again after this long (puts meanwhile use the inner connector).
-ATTACH_RETRY_S = 0.05
-#: A receiver that could not make its region (a full /dev/shm: ``no_space``; a private directory it cannot use:
-#: ``unavailable``, ``samehost_refused``; another live receiver holds the pair's region: ``in_use``) tries again
-#: after this long.
-CREATE_RETRY_S = 5.0
-NO_SPACE = (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT)
 
-
-
-def _refused(e: SameHostRefused) -> None:
-    """A same-host file that is not this user's: logged once per path, counted (``samehost_refused``)."""
-    log_refusal(e, NAME)
-    _count_fallback("samehost_refused")
-
-
-def _metric(reason: str) -> str:
-    """The ``omni_accum_fallbacks_total`` reason of a fallback counted as ``reason`` in ``health()["fallbacks"]``."""
-    return reason if reason.startswith(("arena_", "samehost_")) else f"arena_{reason}"
-
-
-def _owner(region: str) -> str:
-    """``pid N`` of the live region named ``region`` (what the receiver that holds it is), for a message."""
-    try:
-        return f"pid {owner_of(path_for(region))}"
-    except Exception:  # noqa: BLE001 - only words for a message
-        return "pid unknown"
-
-
-def _reap_soon(ref: Any) -> None:
-    """The last tensor over some arena pages was freed (any thread, any point of its code): give the pages
-    back to the sender now if no get is in progress, without waiting (else the next get does)."""
-    self = ref()
-    if self is not None and self._rx_lock.acquire(blocking=False):
-        try:
-            for rx in list(self._rx.values()):
-                if rx is not None:
-                    rx.reap(wait=False)
-        finally:
-            self._rx_lock.release()
-
-
-class ArenaConnector(OmniConnectorBase):
+class ArenaConnector(PairRegions, OmniConnectorBase):
     """See the module docstring. ``config`` is the connector's ``extra`` (vllm-omni adds ``stage_id``)."""
 
     def __init__(self, config: dict[str, Any] | None) -> None:
@@ -162,130 +113,6 @@ class ArenaConnector(OmniConnectorBase):
         self.fallbacks: dict[str, int] = {}
         publishing.connectors.add(self)  # its status_row() goes into status() and the status file
 
-    # ------------------------------------------------------------------ the regions of the pairs
-    def region_name(self, from_stage: str, to_stage: str) -> str:
-        return f"{self.arena_name}_{from_stage}_{to_stage}"
-
-    def _warn(self, key: str, level: int, msg: str, *args: Any) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.log(level, msg, *args)
-
-    def _sender(self, pair: tuple[str, str]) -> Any:
-        tx = self._tx.get(pair)
-        if tx is not None or time.monotonic() < self._tx_retry.get(pair, 0.0):
-            return tx
-        from omni_accum.arena.sender import ArenaSender  # noqa: PLC0415 - torch-heavy, first put only
-
-        try:
-            tx = ArenaSender(live_region(self.region_name(*pair)), attach_timeout_s=0.0, timeout_s=30.0)
-        except (ArenaError, SameHostRefused, OSError) as e:  # a put never fails for the arena: the inner connector
-            self._tx_retry[pair] = time.monotonic() + ATTACH_RETRY_S
-            reason, said = self._attach_failure(e)
-            if reason is None:  # not there yet (the receiver makes it at its first get), or its owner died
-                self._inner_only.pop((*pair, "send"), None)
-            else:
-                self._inner_only[(*pair, "send")] = (reason, said)
-            counted = "" if reason is None else f" (each put counted: {_metric(reason)} in omni_accum_fallbacks_total)"
-            self._warn(f"attach-{reason}-{pair}", logging.INFO if reason is None else logging.WARNING,
-                       "omni-accum arena %s: %s; sending through %s meanwhile%s", self.region_name(*pair), said,
-                       type(self.inner).__name__, counted)
-            return None
-        self._tx[pair] = tx
-        self._inner_only.pop((*pair, "send"), None)
-        logger.info("omni-accum arena %s: attached as sender (pid=%d)", self.region_name(*pair), os.getpid())
-        if self.warm_bytes:
-            tx.region.warm(self.warm_bytes)  # this process's page tables for the first slabs (arena_warm)
-        return tx
-
-    def _attach_failure(self, e: BaseException) -> tuple[str | None, str]:
-        """``(reason, what to say)`` of a failed attach: reason None when it passes by itself (no region yet, or
-        one whose owner died); else the fallback each put of the pair is counted as until an attach succeeds."""
-        if isinstance(e, SameHostRefused):
-            self._refused(e)  # counted at the attach (samehost_refused), as ever
-            return None, f"{e} ({samehost.describe_base()})"
-        if isinstance(e, OSError):  # the private directory cannot be used (a bad OMNI_ACCUM_ARENA_DIR)
-            return "unavailable", f"cannot attach: {e} ({samehost.describe_base()})"
-        held = re.search(r"still has sender pid (\d+)", str(e))
-        if held is not None and pid_alive(int(held.group(1))):  # another live process sends on this pair's region
-            return "sender_in_use", (f"{e}: another process sends on {self._name_said()} for this stage pair (one "
-                                     "sending process per stage pair; give each server on a host its own arena_name)")
-        return None, str(e)  # (a sender that died: the receiver resets the region for the next)
-
-    def _name_said(self) -> str:
-        return f"arena_name {self.arena_name!r} (from {self.arena_name_from})"
-
-    def _receiver(self, pair: tuple[str, str]) -> Any:
-        rx = self._rx.get(pair)
-        if rx is not None or time.monotonic() < self._rx_retry.get(pair, 0.0):
-            return rx  # None: no region a moment ago; the inner connector until the next try (CREATE_RETRY_S)
-        base = self.region_name(*pair)
-        try:
-            samehost.private_dir()
-        except SameHostRefused as e:
-            self._refused(e)
-            return self._no_region(pair, "samehost_refused", f"{e} ({samehost.describe_base()})", counted=True)
-        except OSError as e:
-            return self._no_region(pair, "unavailable", f"no private directory for its region: "
-                                                        f"{samehost.describe_base()}: {e}")
-        try:
-            live = live_region(base)
-        except SameHostRefused as e:  # never read: a region of this process replaces it
-            self._refused(e)
-            live = None
-        except (ArenaError, OSError):
-            live = None
-        if live is not None:
-            return self._no_region(pair, "in_use", f"region {live} is in use by a live receiver ({_owner(live)}): "
-                                                   f"{self._name_said()} is taken on this host for this stage pair "
-                                                   "(one receiving process per stage pair; give each server on a host "
-                                                   "its own arena_name)")
-        try:
-            rx = create_receiver(base, self.arena_bytes, ring_bytes=self.ring_bytes)
-        except OSError as e:
-            if e.errno in NO_SPACE:  # a full file system
-                return self._no_region(pair, "no_space", f"{e} ({samehost.describe_base()})")
-            return self._no_region(pair, "unavailable", f"{e} ({samehost.describe_base()})")
-        except SameHostRefused as e:
-            self._refused(e)
-            return self._no_region(pair, "samehost_refused", f"{e} ({samehost.describe_base()})", counted=True)
-        except ArenaError as e:
-            return self._no_region(pair, "unavailable", str(e))
-        logger.info("omni-accum arena %s: created (%d data bytes, pid=%d)", rx.region.path.name,
-                    self.arena_bytes, os.getpid())
-        rx.on_dead.append(functools.partial(_reap_soon, weakref.ref(self)))
-        rx.on_bad = functools.partial(self._fell_back, "bad_frame", pair)  # a malformed ring message
-        if self.warm_bytes:
-            rx.region.warm(self.warm_bytes)  # tmpfs gives the first slabs' pages now (arena_warm)
-        self._rx[pair] = rx
-        self._inner_only.pop((*pair, "receive"), None)
-        return rx
-
-    def _no_region(self, pair: tuple[str, str], reason: str, said: str, counted: bool = False) -> None:
-        """The receiving side of ``pair`` could not make its region: counted (``health()["fallbacks"]`` and
-        ``omni_accum_fallbacks_total``), said once per reason, and tried again in :data:`CREATE_RETRY_S`
-        (the inner connector meanwhile)."""
-        self._rx_retry[pair] = time.monotonic() + CREATE_RETRY_S
-        self._inner_only[(*pair, "receive")] = (reason, said)
-        if not counted:
-            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-            _count_fallback(_metric(reason))
-        level = logging.WARNING if reason == "no_space" else logging.ERROR
-        self._warn(f"region-{reason}-{pair}", level, "omni-accum arena %s: %s; this process receives through %s "
-                   "meanwhile and tries again every %g s (each try counted: %s in omni_accum_fallbacks_total)",
-                   self.region_name(*pair), said, type(self.inner).__name__, CREATE_RETRY_S, _metric(reason))
-        return None
-
-    def _refused(self, e: SameHostRefused) -> None:
-        self.fallbacks["samehost_refused"] = self.fallbacks.get("samehost_refused", 0) + 1
-        _refused(e)
-
-    def _fell_back(self, reason: str, pair: tuple[str, str], e: BaseException) -> None:
-        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-        _count_fallback(_metric(reason))  # omni_accum_fallbacks_total
-        self._warn(f"{reason}-{pair}", logging.WARNING, "omni-accum arena %s: %s (%s); that put goes through %s",
-                   self.region_name(*pair), reason, str(e), type(self.inner).__name__)
-
     # ------------------------------------------------------------------ the connector interface
     def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
         pair = (str(from_stage), str(to_stage))
@@ -314,11 +141,12 @@ class ArenaConnector(OmniConnectorBase):
                     self._drop_sender(pair)
                 except ArenaError as e:
                     self._fell_back("arena_error", pair, e)
-                except Exception as e:  # noqa: BLE001 - a payload that does not encode: the ordinary path (which says why)
+                except Exception as e:  # noqa: BLE001 - a payload that does not encode: the ordinary path says why
                     self._fell_back("encode_error", pair, e)
                 else:
                     if not self.counts["arena_puts"]:
-                        logger.info("omni-accum arena %s: first put through the arena (%d bytes)", tx.region.path.name, n)
+                        logger.info("omni-accum arena %s: first put through the arena (%d bytes)",
+                                    tx.region.path.name, n)
                     self.counts["arena_puts"] += 1
                     self.counts["arena_bytes"] += n
                     return True, n, {"arena": self.region_name(*pair), "size": n}
@@ -454,7 +282,8 @@ class ArenaConnector(OmniConnectorBase):
                         todo.append(req)  # the ring is full: the next put tries again
                         break
                 except (ArenaError, OSError, ValueError) as e:
-                    self._warn(f"release-{pair}", logging.WARNING, "omni-accum arena %s: %s", self.region_name(*pair), str(e))
+                    self._warn(f"release-{pair}", logging.WARNING, "omni-accum arena %s: %s", self.region_name(*pair),
+                               str(e))
 
     def get_with_deadline(self, from_stage, to_stage, get_key, metadata=None, *, deadline):  # noqa: ANN001
         if time.monotonic() >= deadline:
@@ -491,14 +320,6 @@ class ArenaConnector(OmniConnectorBase):
             "inner": inner,
         }
 
-    def _regions(self) -> list[str]:
-        return sorted([self.region_name(*p) + " (send)" for p in list(self._tx)]
-                      + [self.region_name(*p) + " (receive)" for p, rx in list(self._rx.items()) if rx is not None])
-
-    def _inner_only_now(self) -> dict[str, str]:
-        return {f"{self.region_name(f, t)} ({side})": f"{_metric(reason)}: {said}"
-                for (f, t, side), (reason, said) in sorted(self._inner_only.items())}
-
     def status_row(self) -> dict[str, Any]:
         """A few of :meth:`health`'s numbers for :func:`.reporting.status` and the status file: the name, the stage,
         puts and gets by path, the fallbacks, the regions, the pairs without one and why."""
@@ -508,14 +329,6 @@ class ArenaConnector(OmniConnectorBase):
                 "arena_puts": c["arena_puts"], "inner_puts": c["inner_puts"], "arena_gets": c["arena_gets"],
                 "inner_gets": c["inner_gets"], "fallbacks": dict(self.fallbacks), "regions": self._regions(),
                 "inner_only": self._inner_only_now()}
-
-    def _drop_sender(self, pair: tuple[str, str]) -> None:
-        tx = self._tx.pop(pair, None)
-        if tx is not None:
-            try:
-                tx.close()
-            except Exception:  # noqa: BLE001, S110 - already dead
-                pass
 
     def close(self) -> None:
         """Detach as sender, unlink the regions this process created, close the inner connector (idempotent)."""

@@ -80,7 +80,7 @@ from omni_accum.integrations.vllm_omni.arena_chains import append_test, cpu_cont
 from omni_accum.integrations.vllm_omni.arena_chains import struct_map
 from omni_accum.integrations.vllm_omni.mooncake_get import FastGets
 from omni_accum.integrations.vllm_omni.mooncake_reads import BackgroundReads
-from omni_accum.integrations.vllm_omni.mooncake_settings import KNOWN_KEYS, NAME, notes, parse_settings
+from omni_accum.integrations.vllm_omni.mooncake_settings import KNOWN_KEYS, NAME, STORE_KEYS, notes, parse_settings
 from omni_accum.integrations.vllm_omni.mooncake_wait import KeyWaits, monotonic
 from omni_accum.integrations.vllm_omni.mooncake_wire import PART_SEP, Buffer, Encoder, bytes_of
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
@@ -434,9 +434,8 @@ class MooncakeFastConnector(FastGets, OmniConnectorBase):
 
 def _addresses(extra: Mapping[str, Any]) -> str:
     """The addresses 0.30.0's connector sets Mooncake up with, as it reads them (its defaults where absent)."""
-    meta = extra.get("metadata_server", "http://127.0.0.1:8080/metadata")
-    return (f"master {extra.get('master', '127.0.0.1:50051')!r}, metadata_server {meta!r}, "
-            f"host {extra.get('host', '127.0.0.1')!r}, proto {extra.get('proto', 'tcp')!r}")  # fmt: skip
+    said = {k: extra.get(k, STORE_KEYS[k]) for k in ("master", "metadata_server", "host", "proto")}
+    return ", ".join(f"{k} {v!r}" for k, v in said.items())
 
 
 class _PutFailed(RuntimeError):

@@ -25,8 +25,18 @@ PARTS_SEGMENTS = ("local", "any")
 #: thread, and every part must fit in one segment).
 MIN_BUFFER_BYTES = 4096
 MAX_BUFFER_BYTES = 1 << 30
-#: vllm-omni 0.30.0's ``MooncakeStoreConnector`` default ``segment`` (bytes), when the extra gives none.
-DEFAULT_SEGMENT = 512 * 1024 * 1024
+#: What vllm-omni 0.30.0's ``MooncakeStoreConnector.__init__`` reads from its ``extra``, and its defaults.
+STORE_KEYS: dict[str, Any] = {
+    "host": "127.0.0.1",
+    "metadata_server": "http://127.0.0.1:8080/metadata",
+    "master": "127.0.0.1:50051",
+    "segment": 512 * 1024 * 1024,
+    "localbuf": 64 * 1024 * 1024,
+    "proto": "tcp",
+    "rdma": "",
+}
+#: Its default ``segment`` (bytes), when the extra gives none.
+DEFAULT_SEGMENT = STORE_KEYS["segment"]
 
 
 @dataclass(frozen=True)

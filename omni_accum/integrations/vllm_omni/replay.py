@@ -60,9 +60,9 @@ class VllmOmniEngine(Engine):
     def consume(self, req_id: str, path: str) -> None:
         # As 0.30.0's data plane drops consumed rows from the accumulator; with a binding, the hook re-seeds its
         # Receiver from that dict at the next merge.
-        from omni_accum.bench.engines import _drop_key
+        from omni_accum.bench.engines import drop_key
 
-        _drop_key(self.runner._send_side_request_payload.get(req_id), path)
+        drop_key(self.runner._send_side_request_payload.get(req_id), path)
 
     def nbytes(self) -> int:
         if self.binding is not None:

@@ -1,0 +1,218 @@
+"""The stage pairs' regions of ``OmniAccumArenaConnector`` (:mod:`.arena_connector`): finding and making them,
+and what happens when that fails.
+
+The sending side of a pair attaches to the region the receiving side made (found through the pair's pointer
+file, :mod:`omni_accum.arena.live`); a region not there yet is looked for again after :data:`ATTACH_RETRY_S`.
+The receiving side makes the region on its first ``get``; when it cannot (a private directory it cannot use, a
+file there that is not this user's, a full ``/dev/shm``, another live receiver of the pair) the cause is counted
+in ``omni_accum_fallbacks_total``, said once with what to fix, and tried again every :data:`CREATE_RETRY_S`.
+Meanwhile the pair's messages go through the connector's inner ``SharedMemoryConnector``. A pair with no region
+for a cause that does not pass by itself is listed in ``health()["inner_only"]`` with what was said.
+
+:class:`PairRegions` is a mixin of :class:`.arena_connector.ArenaConnector`: it reads and fills the connector's
+tables of senders and receivers (``_tx``, ``_rx``), their retry times, ``_inner_only``, ``fallbacks`` and
+``_warned``, which the connector's ``__init__`` makes.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import re
+import time
+import weakref
+from typing import Any
+
+from omni_accum import samehost
+from omni_accum.arena.live import create_receiver, live_region
+from omni_accum.arena.region import ArenaError, owner_of, path_for, pid_alive
+from omni_accum.integrations.vllm_omni.arena_settings import NAME
+from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
+from omni_accum.samehost import SameHostRefused, log_refusal
+
+logger = logging.getLogger("omni_accum.vllm_omni")
+
+#: A sender that found no region tries again after this long (puts meanwhile use the inner connector).
+ATTACH_RETRY_S = 0.05
+#: A receiver that could not make its region (a full /dev/shm: ``no_space``; a private directory it cannot use:
+#: ``unavailable``, ``samehost_refused``; another live receiver holds the pair's region: ``in_use``) tries again
+#: after this long.
+CREATE_RETRY_S = 5.0
+NO_SPACE = (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT)
+
+
+def _say_refused(e: SameHostRefused) -> None:
+    """A same-host file that is not this user's: logged once per path, counted (``samehost_refused``)."""
+    log_refusal(e, NAME)
+    _count_fallback("samehost_refused")
+
+
+def _metric(reason: str) -> str:
+    """The ``omni_accum_fallbacks_total`` reason of a fallback counted as ``reason`` in ``health()["fallbacks"]``."""
+    return reason if reason.startswith(("arena_", "samehost_")) else f"arena_{reason}"
+
+
+def _owner(region: str) -> str:
+    """``pid N`` of the live region named ``region`` (what the receiver that holds it is), for a message."""
+    try:
+        return f"pid {owner_of(path_for(region))}"
+    except Exception:  # noqa: BLE001 - only words for a message
+        return "pid unknown"
+
+
+def _reap_soon(ref: Any) -> None:
+    """The last tensor over some arena pages was freed (any thread, any point of its code): give the pages
+    back to the sender now if no get is in progress, without waiting (else the next get does)."""
+    self = ref()
+    if self is not None and self._rx_lock.acquire(blocking=False):
+        try:
+            for rx in list(self._rx.values()):
+                if rx is not None:
+                    rx.reap(wait=False)
+        finally:
+            self._rx_lock.release()
+
+
+class PairRegions:
+    """Finding and making the regions of the stage pairs (see the module docstring); a mixin of the connector."""
+
+    def region_name(self, from_stage: str, to_stage: str) -> str:
+        return f"{self.arena_name}_{from_stage}_{to_stage}"
+
+    def _warn(self, key: str, level: int, msg: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.log(level, msg, *args)
+
+    def _sender(self, pair: tuple[str, str]) -> Any:
+        tx = self._tx.get(pair)
+        if tx is not None or time.monotonic() < self._tx_retry.get(pair, 0.0):
+            return tx
+        from omni_accum.arena.sender import ArenaSender  # noqa: PLC0415 - torch-heavy, first put only
+
+        try:
+            tx = ArenaSender(live_region(self.region_name(*pair)), attach_timeout_s=0.0, timeout_s=30.0)
+        except (ArenaError, SameHostRefused, OSError) as e:  # a put never fails for the arena: the inner connector
+            self._tx_retry[pair] = time.monotonic() + ATTACH_RETRY_S
+            reason, said = self._attach_failure(e)
+            if reason is None:  # not there yet (the receiver makes it at its first get), or its owner died
+                self._inner_only.pop((*pair, "send"), None)
+            else:
+                self._inner_only[(*pair, "send")] = (reason, said)
+            counted = "" if reason is None else f" (each put counted: {_metric(reason)} in omni_accum_fallbacks_total)"
+            self._warn(f"attach-{reason}-{pair}", logging.INFO if reason is None else logging.WARNING,
+                       "omni-accum arena %s: %s; sending through %s meanwhile%s", self.region_name(*pair), said,
+                       type(self.inner).__name__, counted)
+            return None
+        self._tx[pair] = tx
+        self._inner_only.pop((*pair, "send"), None)
+        logger.info("omni-accum arena %s: attached as sender (pid=%d)", self.region_name(*pair), os.getpid())
+        if self.warm_bytes:
+            tx.region.warm(self.warm_bytes)  # this process's page tables for the first slabs (arena_warm)
+        return tx
+
+    def _attach_failure(self, e: BaseException) -> tuple[str | None, str]:
+        """``(reason, what to say)`` of a failed attach: reason None when it passes by itself (no region yet, or
+        one whose owner died); else the fallback each put of the pair is counted as until an attach succeeds."""
+        if isinstance(e, SameHostRefused):
+            self._refused(e)  # counted at the attach (samehost_refused), as ever
+            return None, f"{e} ({samehost.describe_base()})"
+        if isinstance(e, OSError):  # the private directory cannot be used (a bad OMNI_ACCUM_ARENA_DIR)
+            return "unavailable", f"cannot attach: {e} ({samehost.describe_base()})"
+        held = re.search(r"still has sender pid (\d+)", str(e))
+        if held is not None and pid_alive(int(held.group(1))):  # another live process sends on this pair's region
+            return "sender_in_use", (f"{e}: another process sends on {self._name_said()} for this stage pair (one "
+                                     "sending process per stage pair; give each server on a host its own arena_name)")
+        return None, str(e)  # (a sender that died: the receiver resets the region for the next)
+
+    def _name_said(self) -> str:
+        return f"arena_name {self.arena_name!r} (from {self.arena_name_from})"
+
+    def _receiver(self, pair: tuple[str, str]) -> Any:
+        rx = self._rx.get(pair)
+        if rx is not None or time.monotonic() < self._rx_retry.get(pair, 0.0):
+            return rx  # None: no region a moment ago; the inner connector until the next try (CREATE_RETRY_S)
+        base = self.region_name(*pair)
+        try:
+            samehost.private_dir()
+        except SameHostRefused as e:
+            self._refused(e)
+            return self._no_region(pair, "samehost_refused", f"{e} ({samehost.describe_base()})", counted=True)
+        except OSError as e:
+            return self._no_region(pair, "unavailable", f"no private directory for its region: "
+                                                        f"{samehost.describe_base()}: {e}")
+        try:
+            live = live_region(base)
+        except SameHostRefused as e:  # never read: a region of this process replaces it
+            self._refused(e)
+            live = None
+        except (ArenaError, OSError):
+            live = None
+        if live is not None:
+            return self._no_region(pair, "in_use", f"region {live} is in use by a live receiver ({_owner(live)}): "
+                                                   f"{self._name_said()} is taken on this host for this stage pair "
+                                                   "(one receiving process per stage pair; give each server on a host "
+                                                   "its own arena_name)")
+        try:
+            rx = create_receiver(base, self.arena_bytes, ring_bytes=self.ring_bytes)
+        except OSError as e:
+            if e.errno in NO_SPACE:  # a full file system
+                return self._no_region(pair, "no_space", f"{e} ({samehost.describe_base()})")
+            return self._no_region(pair, "unavailable", f"{e} ({samehost.describe_base()})")
+        except SameHostRefused as e:
+            self._refused(e)
+            return self._no_region(pair, "samehost_refused", f"{e} ({samehost.describe_base()})", counted=True)
+        except ArenaError as e:
+            return self._no_region(pair, "unavailable", str(e))
+        logger.info("omni-accum arena %s: created (%d data bytes, pid=%d)", rx.region.path.name,
+                    self.arena_bytes, os.getpid())
+        rx.on_dead.append(functools.partial(_reap_soon, weakref.ref(self)))
+        rx.on_bad = functools.partial(self._fell_back, "bad_frame", pair)  # a malformed ring message
+        if self.warm_bytes:
+            rx.region.warm(self.warm_bytes)  # tmpfs gives the first slabs' pages now (arena_warm)
+        self._rx[pair] = rx
+        self._inner_only.pop((*pair, "receive"), None)
+        return rx
+
+    def _no_region(self, pair: tuple[str, str], reason: str, said: str, counted: bool = False) -> None:
+        """The receiving side of ``pair`` could not make its region: counted (``health()["fallbacks"]`` and
+        ``omni_accum_fallbacks_total``), said once per reason, and tried again in :data:`CREATE_RETRY_S`
+        (the inner connector meanwhile)."""
+        self._rx_retry[pair] = time.monotonic() + CREATE_RETRY_S
+        self._inner_only[(*pair, "receive")] = (reason, said)
+        if not counted:
+            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+            _count_fallback(_metric(reason))
+        level = logging.WARNING if reason == "no_space" else logging.ERROR
+        self._warn(f"region-{reason}-{pair}", level, "omni-accum arena %s: %s; this process receives through %s "
+                   "meanwhile and tries again every %g s (each try counted: %s in omni_accum_fallbacks_total)",
+                   self.region_name(*pair), said, type(self.inner).__name__, CREATE_RETRY_S, _metric(reason))
+        return None
+
+    def _refused(self, e: SameHostRefused) -> None:
+        self.fallbacks["samehost_refused"] = self.fallbacks.get("samehost_refused", 0) + 1
+        _say_refused(e)
+
+    def _fell_back(self, reason: str, pair: tuple[str, str], e: BaseException) -> None:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        _count_fallback(_metric(reason))  # omni_accum_fallbacks_total
+        self._warn(f"{reason}-{pair}", logging.WARNING, "omni-accum arena %s: %s (%s); that put goes through %s",
+                   self.region_name(*pair), reason, str(e), type(self.inner).__name__)
+
+    def _regions(self) -> list[str]:
+        return sorted([self.region_name(*p) + " (send)" for p in list(self._tx)]
+                      + [self.region_name(*p) + " (receive)" for p, rx in list(self._rx.items()) if rx is not None])
+
+    def _inner_only_now(self) -> dict[str, str]:
+        return {f"{self.region_name(f, t)} ({side})": f"{_metric(reason)}: {said}"
+                for (f, t, side), (reason, said) in sorted(self._inner_only.items())}
+
+    def _drop_sender(self, pair: tuple[str, str]) -> None:
+        tx = self._tx.pop(pair, None)
+        if tx is not None:
+            try:
+                tx.close()
+            except Exception:  # noqa: BLE001, S110 - already dead
+                pass
