@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -24,7 +24,6 @@ from omni_accum.errors import MergeError, describe_plugin
 
 #: Kinds of keys. ``append``: every chunk adds rows / items (the view is the concatenation);
 #: ``replace``: the latest value wins; ``static``: replace-kind whose value rarely or never changes.
-Kind = Literal["append", "replace", "static"]
 KINDS: tuple[str, ...] = ("append", "replace", "static")
 
 

@@ -390,6 +390,8 @@ def test_help_has_examples_defaults_and_the_wire_floor_arm(capsys):
     assert "wire-floor (accumulates nothing" in text
     assert "examples:\n  omni-accum bench --workload qwen3-omni-seed" in text
     assert "counts the" in text and "prefill chunk(s)" in text
+    # a continued example is printed on two lines, as a shell takes it (not joined into one)
+    assert "qwen3-omni-flat wire-floor \\\n      --json seed.json" in text
 
 
 def test_arms_take_commas_like_the_other_list_options(capsys):

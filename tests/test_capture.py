@@ -208,6 +208,13 @@ def test_bad_capture_settings_are_named(monkeypatch):
     assert capture.settings({"omni_accum_capture": "/tmp/x", "omni_accum_capture_values": "sample"})[1] == "sample"
     with pytest.raises(SettingError, match="omni_accum_capture_values='all'.*none or sample"):
         capture.settings({"omni_accum_capture": "/tmp/x", "omni_accum_capture_values": "all"})
+    # a size as the connectors' size keys take it; under a page, or not a size, is named with what it takes
+    assert capture.settings({"omni_accum_capture": "/tmp/x", "omni_accum_capture_max_bytes": "64MiB"})[2] == 64 << 20
+    assert capture.settings({"omni_accum_capture": "/tmp/x", "omni_accum_capture_max_bytes": 8192})[2] == 8192
+    with pytest.raises(SettingError, match="omni_accum_capture_max_bytes='64MiX'.*a size such as 64MiB"):
+        capture.settings({"omni_accum_capture": "/tmp/x", "omni_accum_capture_max_bytes": "64MiX"})
+    with pytest.raises(SettingError, match="omni_accum_capture_max_bytes=True"):
+        capture.settings({"omni_accum_capture": "/tmp/x", "omni_accum_capture_max_bytes": True})
     with pytest.raises(SettingError, match="OMNI_ACCUM_CAPTURE_MAX_BYTES='1k'"):
         monkeypatch.setenv("OMNI_ACCUM_CAPTURE_MAX_BYTES", "1k")
         capture.settings({"omni_accum_capture": "/tmp/x"})
@@ -243,6 +250,27 @@ def test_a_key_whose_shape_or_dtype_changes_is_described_again(tmp_path):
     got = [r["keys"][0][2:4] for r in read_capture(tmp_path).records]
     assert got == [["bool", []], ["bool", []], ["bool", [2]], ["float32", []], ["float32", [0]], ["bool", []],
                    ["bfloat16", [1, 3]], ["bfloat16", [2, 3]], ["str", [4]], ["bool", []]]
+
+
+def test_a_stream_of_ever_new_keys_keeps_at_most_max_key_parts_and_records_the_same(tmp_path, monkeypatch):
+    from omni_accum.capture import recorder
+
+    def run(folder, cap):
+        monkeypatch.setattr(recorder, "MAX_KEY_PARTS", cap)
+        w = CaptureWriter(folder, "0", buffer_bytes=0)
+        rec = ChunkRecorder(w, "send", "0->1", _kind)
+        for i in range(40):  # new top-level keys and new keys under one, each seen twice (the cached path too)
+            chunk = {f"top{i // 2}": torch.zeros(i % 3 + 1, 2), "meta": {f"k{i // 2}": torch.tensor(i % 2 == 0)}}
+            rec.record("r", chunk, 1_000_000 + i)
+        w.close()
+        parts = sum(len(sub) for sub in rec._keys.values())
+        return [r["keys"] for r in read_capture(folder).records], parts, len(rec._keys)
+
+    kept, n_kept, tops_kept = run(tmp_path / "a", 10_000)
+    capped, n_capped, tops_capped = run(tmp_path / "b", 5)
+    assert capped == kept and len(kept) == 40
+    assert n_kept == 40 and tops_kept == 21
+    assert n_capped == 5 and tops_capped == 5
 
 
 def test_a_capture_whose_files_are_cleared_goes_on_and_one_whose_folder_is_removed_says_so(tmp_path):

@@ -29,6 +29,10 @@ def test_good_setup_exits_zero(clean_env, capsys):
     assert rc == 0, out
     assert "ok       vllm-omni: 0.30.0" in out and "ready:" in out
     assert "entry point vllm.general_plugins" in out and "embed.decode -> prealloc" in out
+    from omni_accum.integrations.vllm_omni.families import family_for
+
+    fam = family_for("0.30.0")  # what this release's code does that the others' does not, said
+    assert fam.differences and f"(release family {fam.name}: {fam.differences}; " in out
 
 
 def test_json_for_scripts(clean_env, capsys):
@@ -449,10 +453,13 @@ def test_capture_settings_and_folder_are_checked(clean_env, capsys, tmp_path):
     dep = tmp_path / "deploy.yaml"
     dep.write_text(
         "stages:\n  - stage_id: 0\n    stage_connector_config:\n      name: SharedMemoryConnector\n"
-        "      extra: {omni_accum_policy: qwen3-omni, omni_accum_capture: /tmp/x, omni_accum_capture_max_bytes: 64MiB}\n"
+        "      extra: {omni_accum_policy: qwen3-omni, omni_accum_capture: /tmp/x, omni_accum_capture_max_bytes: 64MiX}\n"
     )
     rc, out = _doctor(capsys, "--deploy", str(dep))
-    assert rc == 1 and "connector extra omni_accum_capture_max_bytes='64MiB'" in out, out
+    assert rc == 1 and "connector extra omni_accum_capture_max_bytes='64MiX'" in out, out
+    dep.write_text(dep.read_text().replace("64MiX", "64MiB"))  # a size, as the connectors' sizes are written
+    rc, out = _doctor(capsys, "--deploy", str(dep))
+    assert "omni_accum_capture_max_bytes" not in out, out
 
 
 def test_a_capture_folder_other_users_may_write_to_is_refused(tmp_path):

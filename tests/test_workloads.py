@@ -45,6 +45,21 @@ def test_preset_streams_are_deterministic_and_sized(name):
                 assert la[k] == lb[k], k
 
 
+def test_a_stream_of_another_bucket_drops_the_shared_prefill_tensors_and_a_rebuilt_one_is_the_same():
+    from omni_accum.bench import streams
+    from omni_accum.testing import same_bits
+
+    wl = load_workload("qwen3-omni-seed")
+    first = dict(iter_leaves(build_stream(wl, 96, 0)[0]))
+    held = {k: v for k, v in first.items() if any(v is s for s in streams._SHARED.values())}
+    assert held["thinker_embeddings"].shape[0] > 96  # the prefill rows (P+1), shared by the bucket's requests
+    build_stream(wl, 80, 0)  # another prompt length: one bucket's tensors are held at a time
+    assert {k[3] for k in streams._SHARED} == {80}
+    again = dict(iter_leaves(build_stream(wl, 96, 1)[0]))  # another request of the first bucket: the same values
+    for k, v in held.items():
+        assert again[k] is not v and same_bits(again[k], v), k
+
+
 def test_seed_layout():
     wl = load_workload("qwen3-omni-seed")
     s0, s1 = build_stream(wl, 100, 0), build_stream(wl, 100, 1)

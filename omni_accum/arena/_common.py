@@ -12,9 +12,9 @@ import torch
 from omni_accum.bench.wires import iter_leaves as leaves  # noqa: F401 - one leaf walk for bench and arena
 from omni_accum.strategy import ARENA_TAG  # noqa: F401 - the tag the receiver puts on append chains' rows
 
-#: forward (sender -> receiver) and backward (receiver -> sender) message tags; MSG: one keyed message
+#: sender -> receiver message tags (pages go back with :data:`.wire.FREE_TAG`); MSG: one keyed message
 #: (the connector's put), its tensors in arena pages the receiver frees once it has copied them out
-CHUNK, DONE, FREE, MSG = "c", "d", "f", "m"
+CHUNK, DONE, MSG = "c", "d", "m"
 #: the end of a request's append chains (keyed messages): the receiver drops its slabs once no view of them
 #: is left (see :meth:`.sender.ArenaSender.append_rows`)
 CHAINS_DONE = "x"

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from omni_accum.arena import wire
-from omni_accum.arena._common import CHAINS_DONE, MSG, dtype_name, row_bytes, wait_until
+from omni_accum.arena._common import CHAINS_DONE, dtype_name, row_bytes, wait_until
 from omni_accum.arena.region import ArenaError, ArenaFull
 
 _memmove = ctypes.memmove

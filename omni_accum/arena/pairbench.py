@@ -50,7 +50,7 @@ def _policy(wl: Workload) -> Any:
     return load_policy(wl.policy or "default")
 
 
-def _arena_bytes(wl: Workload, streams: list[list[dict[str, Any]]]) -> int:
+def _arena_bytes(streams: list[list[dict[str, Any]]]) -> int:
     """Slab space for every request of ``streams`` at once, in pages: the connector's append chains hold up to
     about twice their rows (headroom, a move as they grow) and a request's chains until the receiver lets go."""
     n = sum(
@@ -210,7 +210,7 @@ def run_pair(
     parent, child = ctx.Pipe()
     proc = ctx.Process(
         target=_receiver_main,
-        args=(child, wl, context_len, concurrency, name, _arena_bytes(wl, streams), spin),
+        args=(child, wl, context_len, concurrency, name, _arena_bytes(streams), spin),
         daemon=True,
     )
     proc.start()

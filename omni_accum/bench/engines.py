@@ -138,7 +138,9 @@ class WireFloorEngine(Engine):
 
 
 class UpstreamEngine(Engine):
-    """vllm-omni 0.30.0's own ``_OmniConnectorPayloadTransportMixin._accumulate_payload``, called unbound.
+    """The installed vllm-omni release's own runner merge, called unbound (``_accumulate_payload`` of
+    :func:`~omni_accum.integrations.vllm_omni.classes.transport_mixin`: 0.30.0's
+    ``_OmniConnectorPayloadTransportMixin``, 0.28's ``OmniConnectorModelRunnerMixin``, 0.16's chunk adapter).
 
     The sender is the identity (upstream sends every key of every chunk).
     """

@@ -1,6 +1,6 @@
 """Correctness of a replay: a request's final view against the ``torch.cat`` reference, bit for bit.
 
-Used by :func:`omni_accum.replay.measure` on the first repeat of every arm (re-exported there).
+Used by :func:`omni_accum.bench.replay.measure` on the first repeat of every arm (re-exported there).
 """
 
 from __future__ import annotations

@@ -11,13 +11,13 @@ keeps a fragmenting heap from growing without bound.
 Seams (for ``--through vllm-omni`` and other transports), each in its own module and re-exported
 here:
 
-* an arm runs as an :class:`~omni_accum.engines.Engine` (:mod:`omni_accum.engines`: ``PolicyEngine``,
+* an arm runs as an :class:`~omni_accum.bench.engines.Engine` (:mod:`omni_accum.bench.engines`: ``PolicyEngine``,
   ``UpstreamEngine``, ``WireFloorEngine``, :data:`THROUGH`, :func:`make_engine`). An arm given to
   :func:`measure` may also be any callable ``(StreamContext) -> Engine``;
-* a :class:`~omni_accum.wires.Wire` carries wire payloads (:mod:`omni_accum.wires`: ``inproc``,
+* a :class:`~omni_accum.bench.wires.Wire` carries wire payloads (:mod:`omni_accum.bench.wires`: ``inproc``,
   ``serializer``, ``shm``; :data:`WIRES` maps names to factories; payload helpers);
-* :func:`~omni_accum.reference.check_view` compares a final view with the ``torch.cat`` reference
-  (:mod:`omni_accum.reference`).
+* :func:`~omni_accum.bench.reference.check_view` compares a final view with the ``torch.cat`` reference
+  (:mod:`omni_accum.bench.reference`).
 
 The tuner calls :func:`measure` and bootstraps medians from :attr:`ArmResult.samples_us`.
 """
@@ -68,7 +68,6 @@ from omni_accum.integrations.vllm_omni.classes import (  # noqa: F401 - re-expor
     shm_connector,
     transport_mixin,
 )
-from omni_accum.policy.model import Policy
 
 ViewHop = Literal["serializer"]
 
@@ -291,14 +290,6 @@ def _to_device(value: Any, device: str) -> Any:
     if isinstance(value, dict):
         return {k: _to_device(v, device) for k, v in value.items()}
     return value
-
-
-def arm_label(arm: Arm) -> str:
-    if isinstance(arm, str):
-        return arm
-    if isinstance(arm, Policy):
-        return arm.description or "policy"
-    return getattr(arm, "__name__", repr(arm))
 
 
 def measure(

@@ -14,13 +14,13 @@ import math
 import os
 import platform
 import statistics
-from importlib import metadata
 from typing import Any
 
 import torch
 
 from omni_accum.bench.report import BenchRun
 from omni_accum.bench.replay import ArmResult
+from omni_accum.policy.fingerprint import dist_version
 
 #: What a row's ``status`` says.
 STATUSES = ("ok", "failed", "wrong views")
@@ -97,12 +97,7 @@ RESULT_SCHEMA: dict[str, Any] = {
 
 def machine_info(run: BenchRun | None = None) -> dict[str, Any]:
     """Where the run happened (and how it was run, under ``run``)."""
-
-    def ver(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
+    ver = dist_version
 
     info: dict[str, Any] = {
         "platform": platform.platform(),

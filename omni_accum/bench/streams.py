@@ -83,17 +83,16 @@ def build_stream(workload: Workload, context_len: int, request: int = 0) -> list
         for spec in workload.keys:
             if not _carries(spec, plan):
                 continue
-            _set(chunk, spec.path, _value(workload, spec, plan, context_len, request, gen, ids_so_far))
+            _set(chunk, spec.path, _value(workload, spec, plan, context_len, gen, ids_so_far))
         out.append(chunk)
     return out
 
 
+#: The prefill-sized tensors of one bucket (workload, seed, prompt length), shared by its requests; a stream of
+#: another bucket drops them (a bench or tune run measures one bucket at a time: holding every bucket's would add
+#: up to GiBs over a run's prompt lengths, beyond what its memory check counts per bucket).
 _SHARED: dict[tuple[Any, ...], Any] = {}
-
-
-def clear_cache() -> None:
-    """Drop cached prefill tensors (they are shared by every request of a bucket)."""
-    _SHARED.clear()
+_SHARED_BUCKET: list[Any] = [None]
 
 
 def _rows(spec: KeySpec, plan: ChunkPlan) -> int:
@@ -142,7 +141,6 @@ def _value(
     spec: KeySpec,
     plan: ChunkPlan,
     context_len: int,
-    request: int,
     gen: torch.Generator,
     ids_so_far: dict[str, list[int]],
 ) -> Any:
@@ -178,6 +176,10 @@ def _value(
             tuple(spec.row_shape),
             spec.dtype,
         )
+        bucket = (workload.name, workload.seed, context_len)
+        if _SHARED_BUCKET[0] != bucket:
+            _SHARED.clear()
+            _SHARED_BUCKET[0] = bucket
         t = _SHARED.get(key)
         if t is None:
             g = torch.Generator().manual_seed(zlib.crc32(repr(key[1:]).encode()))

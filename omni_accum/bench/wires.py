@@ -2,7 +2,7 @@
 
 A :class:`Wire` carries wire payloads (``inproc``, ``serializer``, ``shm``); :data:`WIRES` maps
 names to factories. ``serializer`` and ``shm`` are vllm-omni 0.30.0's real ``OmniSerializer`` and
-``SharedMemoryConnector`` (imported lazily, through :mod:`omni_accum.integrations.vllm_omni_classes`).
+``SharedMemoryConnector`` (imported lazily, through :mod:`omni_accum.integrations.vllm_omni.classes`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-_H = [2048]
 _STATIC_TTS = [1, 2048]  # a [1, 1, 2048] constant is one row of [1, 2048]
 
 #: The default workload of ``omni-accum tune`` and ``omni-accum bench`` (and the main job).

@@ -43,7 +43,8 @@ VERSION = 1
 MAX_REQUESTS = 65536
 #: Rows of a tensor kept with ``values: sample``.
 SAMPLE_ROWS = 2
-#: Cached key parts (key x value type x dtype x shape) a recorder keeps; past it, parts are made per chunk.
+#: Keys whose last part (value type x dtype x shape, as written) a recorder keeps, and top-level keys it keeps them
+#: under; past it, the part of a key not kept is made again at each chunk (the records are the same).
 MAX_KEY_PARTS = 4096
 VALUES = ("none", "sample")
 
@@ -129,7 +130,9 @@ class ChunkRecorder:
     ``sample``. ``arm``: the A/B arm whose requests it records (in every record's ``arm``; None: no split).
     """
 
-    __slots__ = ("writer", "role", "pair", "kind_of", "ctx_of", "sample", "arm", "_keys", "_reqs", "_head", "_salt")
+    __slots__ = (
+        "writer", "role", "pair", "kind_of", "ctx_of", "sample", "arm", "_keys", "_n_parts", "_reqs", "_head", "_salt",
+    )
 
     def __init__(
         self,
@@ -149,7 +152,8 @@ class ChunkRecorder:
         self.kind_of = kind_of
         self.sample = values == "sample"
         self._salt = writer.salt
-        self._keys: dict[tuple[Any, ...], str] = {}
+        self._keys: dict[Any, dict[Any, list[Any] | None]] = {}  # top -> qual -> [type, signature, part]
+        self._n_parts = 0  # keys in self._keys (at most MAX_KEY_PARTS)
         # req id -> [hash, next seq, last t (us), line head, sampled keys, ctx, line end without handoff_s]
         self._reqs: dict[Any, list[Any]] = {}
         self._head = f',"pair":{_dumps(pair)},"role":{_dumps(role)},"seq":'
@@ -220,7 +224,9 @@ class ChunkRecorder:
                         add(self._text(sub, top, qual, v, None))
             elif top not in skip:
                 if sub is None:
-                    sub = cache[top] = {}
+                    sub = {}
+                    if len(cache) < MAX_KEY_PARTS:
+                        cache[top] = sub
                 for qual, v in value.items() if value.__class__ is dict else ((None, value),):
                     add(self._text(sub, top, qual, v, sampled))
         seq = state[1]
@@ -266,6 +272,10 @@ class ChunkRecorder:
     def _part(self, sub: dict[Any, list[Any]], top: Any, qual: Any, v: Any) -> str:
         path = str(top) if qual is None else f"{top}.{qual}"
         text = describe(path, v, self.kind_of)
+        if qual not in sub:
+            if self._n_parts >= MAX_KEY_PARTS:
+                return text  # a stream of ever new key names: this key's part is made again at its next chunk
+            self._n_parts += 1
         if isinstance(v, _Tensor):
             sub[qual] = [v.dtype, v.shape if v.ndim else None, text]
         else:

@@ -24,7 +24,6 @@ import hashlib
 import math
 import re
 import zlib
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -421,7 +420,3 @@ def captured_workload(trace: Trace, pair: str | None = None, name: str | None = 
     wl._edges = edges
     return wl
 
-
-def pairs_summary(trace: Trace) -> Iterable[tuple[str, int]]:
-    """``(pair, requests)`` of every pair (the side replayed)."""
-    return [(p, len(trace.side(p))) for p in trace.pairs()]

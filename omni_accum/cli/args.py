@@ -11,6 +11,15 @@ import os
 from typing import Any
 
 
+class ExamplesHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Wraps the description like argparse's default, keeps the examples epilog as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+
 def int_list(text: str, examples: str = "1000,8000 or 1k,8k") -> list[int]:
     """argparse type: ``1000,8000``, ``1k`` (or ``1K``) or ``32000`` -> positive integers."""
     try:

@@ -11,6 +11,7 @@ from typing import Any
 from omni_accum.bench._paths import output_path_problem
 from omni_accum.cli import trace as trace_cli
 from omni_accum.cli.args import (
+    ExamplesHelpFormatter,
     NameListAction,
     OnceAction,
     add_int_list_argument,
@@ -23,7 +24,7 @@ from omni_accum.cli.args import (
 from omni_accum.bench.workload_presets import DEFAULT_WORKLOAD
 from omni_accum.bench.workloads import MAX_ROWS, workload_names
 
-EXAMPLES = """examples:
+EXAMPLES = r"""examples:
   omni-accum bench --workload qwen3-omni-seed --context-lens 1k,8k --concurrency 1
   omni-accum bench --workload qwen3-omni-seed --arms upstream prealloc qwen3-omni-flat wire-floor \
       --json seed.json --plot seed.png
@@ -33,15 +34,6 @@ EXAMPLES = """examples:
   omni-accum bench --workload qwen3-omni-seed --wire mooncake --context-lens 1k,8k --concurrency 1 4 \
       --arms upstream qwen3-omni-flat
   omni-accum bench --wire mooncake --mooncake-occupancy 40 --context-lens 8k --mooncake-segment 1GiB"""
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Wraps the description like argparse's default, keeps the examples epilog as written."""
-
-    def _fill_text(self, text: str, width: int, indent: str) -> str:
-        if text.startswith("examples:"):
-            return super()._fill_text(text, width, indent)
-        return argparse.HelpFormatter._fill_text(self, text, width, indent)
 
 
 def register(subparsers: Any) -> None:
@@ -58,7 +50,7 @@ def register(subparsers: Any) -> None:
             "and 'wire-floor'."
         ),
         epilog=EXAMPLES,
-        formatter_class=_HelpFormatter,
+        formatter_class=ExamplesHelpFormatter,
     )
     p.add_argument(
         "--workload",

@@ -29,6 +29,7 @@ from omni_accum.cli.doctor_policy import (  # noqa: F401 - _deploy_policy: the t
 from omni_accum.integrations.vllm_omni.families import SUPPORTED_VERSIONS, family_for
 from omni_accum.errors import OmniAccumError
 from omni_accum.manager import get_manager
+from omni_accum.policy.fingerprint import dist_version
 from omni_accum.switches import OFF, SettingError, env_flag, switch_problems
 
 #: Every supported vllm-omni release (the release families of :mod:`omni_accum.integrations.vllm_omni.families`).
@@ -36,11 +37,7 @@ SUPPORTED_VLLM_OMNI = SUPPORTED_VERSIONS
 PLUGIN_GROUPS = ("vllm_omni.general_plugins", "vllm.general_plugins")
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+_version = dist_version  # (a name tests replace)
 
 
 def check_versions() -> list[Check]:
@@ -102,7 +99,8 @@ def check_versions() -> list[Check]:
         )
     else:
         out.append(
-            Check("vllm-omni", True, f"{vo_v} (release family {fam.name}; every wrapped method has its signature)")
+            Check("vllm-omni", True, f"{vo_v} (release family {fam.name}: {fam.differences}; every wrapped method "
+                                     "has its signature)")
         )
     return out
 

@@ -20,7 +20,8 @@ import yaml
 from pydantic import BaseModel
 
 from omni_accum.cli import explain, validate
-from omni_accum.cli.explain import VALUE_TYPES, _json, _out, _policy_argument, explain_key  # noqa: F401 - re-exported
+from omni_accum.cli.args import ExamplesHelpFormatter
+from omni_accum.cli.explain import _json, _out, _policy_argument
 from omni_accum.errors import OmniAccumError
 from omni_accum.policy.loader import load_policy, preset_names
 from omni_accum.manager import StrategyManager, get_manager
@@ -183,18 +184,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- #
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Wraps the description like argparse's default, keeps the examples epilog as written."""
-
-    def _fill_text(self, text: str, width: int, indent: str) -> str:
-        if text.startswith("examples:"):
-            return super()._fill_text(text, width, indent)
-        return argparse.HelpFormatter._fill_text(self, text, width, indent)
-
-
 def register(subparsers: Any) -> None:
     """Add ``strategies``, ``validate``, ``explain`` and ``show`` to the ``omni-accum`` parser."""
-    fmt = _HelpFormatter
+    fmt = ExamplesHelpFormatter
     policy_help = POLICY_HELP.format(presets=_presets())
 
     p = subparsers.add_parser(

@@ -1,7 +1,7 @@
 """Opt-in sequence numbers on the receiver: duplicates dropped, a bounded reorder window, gaps named.
 
 Without ``seq`` chunks merge in the order given, as upstream vllm-omni does. With it (0, 1, 2, ...
-per request) :class:`omni_accum.receiver.Receiver` drops duplicates, buffers early chunks and
+per request) :class:`omni_accum.engine.receiver.Receiver` drops duplicates, buffers early chunks and
 reports gaps. See ``docs/reliability.md``.
 """
 
@@ -37,7 +37,7 @@ class SequenceState:
 
 
 class SequencedMerge:
-    """The receiver's sequencing methods (mixed into :class:`~omni_accum.receiver.Receiver`)."""
+    """The receiver's sequencing methods (mixed into :class:`~omni_accum.engine.receiver.Receiver`)."""
 
     reorder_window: int
     _dups: int

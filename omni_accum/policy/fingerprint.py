@@ -31,7 +31,8 @@ class StaleTableWarning(UserWarning):
     """A tuned table was measured in another environment and is not used."""
 
 
-def _version(dist: str) -> str | None:
+def dist_version(dist: str) -> str | None:
+    """The installed version of the distribution ``dist`` (None: not installed)."""
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -77,9 +78,9 @@ def current_fingerprint(
     ``candidates``: hash of the candidate set that was timed.
     """
     fp: dict[str, Any] = {
-        "omni_accum": _version("omni-accum"),
-        "torch": _version("torch"),
-        "vllm_omni": _version("vllm-omni"),
+        "omni_accum": dist_version("omni-accum"),
+        "torch": dist_version("torch"),
+        "vllm_omni": dist_version("vllm-omni"),
         "device": device_name(device),
         "plugins": dict(sorted(plugins.items())),
     }

@@ -227,15 +227,11 @@ def _validation_details(err: ValidationError, lines: LineIndex) -> list[dict[str
     return out
 
 
-def check_strategies(policy: Policy, manager: StrategyManager, source: str, text: str | None = None) -> list[str]:
-    """Check every strategy the policy names exists and its params validate; return messages."""
-    return [format_problem(source, d) for d in strategy_problems(policy, manager, text)]
-
-
 def strategy_problems(
     policy: Policy, manager: StrategyManager, text: str | LineIndex | None = None
 ) -> list[dict[str, Any]]:
-    """:func:`check_strategies` as ``{"loc", "line", "msg"}`` records (lines are looked up for problems only)."""
+    """Every strategy the policy names exists and its params validate: the problems as ``{"loc", "line", "msg"}``
+    records (lines are looked up for problems only)."""
     lines = text if isinstance(text, LineIndex) else LineIndex(text)
     errors: list[dict[str, Any]] = []
     available = manager.names()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from omni_accum.errors import OmniAccumError
 from omni_accum.policy.loader import load_policy
@@ -30,7 +29,7 @@ from omni_accum.policy.tuned import TunedCell
 from omni_accum.bench.replay import UPSTREAM, WIRE_FLOOR, ArmResult, measure
 from omni_accum.tuner.candidates import Candidate, candidates_for, same_choice
 from omni_accum.tuner.stats import MIN_GAIN, MIN_GAIN_US, Gain, bootstrap_gain, median
-from omni_accum.bench.streams import chunk_plans
+from omni_accum.bench.streams import _carries, chunk_plans
 from omni_accum.bench.workloads import Workload
 
 BASE = "baseline"
@@ -70,12 +69,6 @@ def tunable_keys(wl: Workload, base: Policy, context_lens: list[int]) -> tuple[l
             continue
         keys.append(spec.path)
     return keys, skipped
-
-
-def _carries(spec: Any, plan: Any) -> bool:
-    from omni_accum.bench.streams import _carries as carries
-
-    return carries(spec, plan)
 
 
 @dataclass

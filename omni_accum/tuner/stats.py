@@ -22,14 +22,6 @@ def median(xs: Sequence[float]) -> float:
     return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
 
 
-def percentile(xs: Sequence[float], q: float) -> float:
-    s = sorted(xs)
-    if not s:
-        raise ValueError("percentile of no samples")
-    k = min(len(s) - 1, max(0, round(q / 100.0 * (len(s) - 1))))
-    return s[k]
-
-
 @dataclass(frozen=True)
 class Gain:
     """Relative gain of a candidate over the baseline: ``1 - median(candidate) / median(baseline)``.

@@ -9,9 +9,11 @@ in ``omni_accum_fallbacks_total``, said once with what to fix, and tried again e
 Meanwhile the pair's messages go through the connector's inner ``SharedMemoryConnector``. A pair with no region
 for a cause that does not pass by itself is listed in ``health()["inner_only"]`` with what was said.
 
-:class:`PairRegions` is a mixin of :class:`.arena_connector.ArenaConnector`: it reads and fills the connector's
-tables of senders and receivers (``_tx``, ``_rx``), their retry times, ``_inner_only``, ``fallbacks`` and
-``_warned``, which the connector's ``__init__`` makes.
+:class:`PairRegions` is a mixin of :class:`.arena_connector.ArenaConnector`: it reads the connector's settings
+(``arena_name``, ``arena_name_from``, ``arena_bytes``, ``ring_bytes``, ``warm_bytes``), its ``inner`` connector
+(named in messages) and ``_rx_lock``, and reads and fills its tables of senders and receivers (``_tx``, ``_rx``),
+their retry times (``_tx_retry``, ``_rx_retry``), ``_inner_only``, ``fallbacks`` and ``_warned``, all made by the
+connector's ``__init__``.
 """
 
 from __future__ import annotations

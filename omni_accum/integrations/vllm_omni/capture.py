@@ -27,6 +27,7 @@ from typing import Any
 from omni_accum.capture.recorder import VALUES, ChunkRecorder
 from omni_accum.capture.writer import DEFAULT_KEEP, DEFAULT_MAX_BYTES, CaptureWriter
 from omni_accum.integrations.vllm_omni import handoff
+from omni_accum.integrations.vllm_omni.arena_settings import parse_size
 from omni_accum.integrations.vllm_omni.marker import MARKERS, stamp_of
 from omni_accum.switches import SettingError
 
@@ -88,12 +89,11 @@ def settings(extra: Any = None) -> tuple[str, str, int] | None:
     max_bytes = DEFAULT_MAX_BYTES
     got = _setting(extra, EXTRA_MAX_BYTES, ENV_MAX_BYTES)
     if got is not None:
-        try:
-            max_bytes = int(got[0])
-        except (TypeError, ValueError, OverflowError):  # inf: OverflowError
-            max_bytes = -1
-        if isinstance(got[0], bool) or max_bytes < 4096:
-            raise SettingError(f"{got[1]}={got[0]!r}: give the bytes a process may write, a whole number >= 4096")
+        try:  # bytes, or a size as every size key of omni-accum's connectors takes it (64MiB)
+            max_bytes = parse_size(got[0], EXTRA_MAX_BYTES, minimum=4096)
+        except ValueError:  # inf, a bool, 1k (under 4096), 64MiX
+            raise SettingError(f"{got[1]}={got[0]!r}: give the bytes a process may write, at least 4096: a whole "
+                               "number or a size such as 64MiB") from None
     return os.fspath(folder), values, max_bytes
 
 

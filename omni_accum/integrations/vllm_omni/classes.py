@@ -12,11 +12,6 @@ from omni_accum.errors import OmniAccumError
 
 SERIALIZER = ("vllm_omni.distributed.omni_connectors.utils.serialization", "OmniSerializer")
 SHM_CONNECTOR = ("vllm_omni.distributed.omni_connectors.connectors.shm_connector", "SharedMemoryConnector")
-#: The 0.30 runner transport mixin (:func:`transport_mixin` follows the installed release family).
-TRANSPORT_MIXIN = (
-    "vllm_omni.distributed.omni_connectors.model_runner.omni_connector_payload_transport",
-    "_OmniConnectorPayloadTransportMixin",
-)
 
 
 def _import_module(name: str) -> Any:
@@ -50,8 +45,8 @@ def shm_connector() -> Any:
 
 def transport_mixin() -> Any:
     """The class whose ``_accumulate_payload`` is the installed release's own runner merge (the upstream
-    arm): ``_OmniConnectorPayloadTransportMixin`` in 0.30, ``OmniConnectorModelRunnerMixin`` in 0.28
-    (see :mod:`.families`)."""
+    arm): ``_OmniConnectorPayloadTransportMixin`` in 0.30, ``OmniConnectorModelRunnerMixin`` in 0.28, the chunk
+    transfer adapter in 0.16 (see :mod:`.families`)."""
     from omni_accum.integrations.vllm_omni.families import current
 
     module, _, name = current().runner_accumulate.partition(":")

@@ -90,11 +90,12 @@ class PolicyChunks:
             except Exception as e:  # noqa: BLE001 - ValueError, or a plugin's check raising
                 raise _refusal(e, self.req_id, key) from e
 
-    def add(self, key: str, value: torch.Tensor, acc: Accumulator | None = None) -> None:
-        """Append when the trailing shape matches (upstream's rule), else restart the key (with ``acc``, when
-        :meth:`fresh` made it)."""
+    def add(self, key: str, value: torch.Tensor) -> None:
+        """Append when the trailing shape matches (upstream's rule), else restart the key (the accumulator hook
+        restarts through :meth:`fresh` and :meth:`start` instead, having made the new accumulator before any
+        change)."""
         if not self.appends(key, value):
-            self.start(key, value, acc)
+            self.start(key, value)
             return
         acc = self.accs[key]
         try:

@@ -39,7 +39,7 @@ from omni_accum.integrations.vllm_omni import binding as hooks
 from omni_accum.integrations.vllm_omni import handoff, peer, publishing
 from omni_accum.integrations.vllm_omni.binding_settings import Settings
 from omni_accum.integrations.vllm_omni.runner_rows import STATS as RUNNER_ROWS_STATS
-from omni_accum.switches import ENV_LOG_LEVEL, LOG_FORMAT, ensure_visible_logging  # noqa: F401 - re-exported
+from omni_accum.switches import ensure_visible_logging  # noqa: F401 - activation calls reporting.ensure_visible_logging
 
 ENV_STATUS_DIR = "OMNI_ACCUM_STATUS_DIR"
 
@@ -108,14 +108,10 @@ def status() -> Status:
     """This process's omni-accum status: installed, the vllm-omni version, the process-wide policy's
     source and fingerprint, every binding with its chunk counts, live requests, whether metrics are on, the
     hand-offs timed here."""
-    from importlib.metadata import PackageNotFoundError, version
-
     from omni_accum.integrations.vllm_omni import metrics
+    from omni_accum.policy.fingerprint import dist_version
 
-    try:
-        vo_version: str | None = version("vllm-omni")
-    except PackageNotFoundError:
-        vo_version = None
+    vo_version = dist_version("vllm-omni")
     rows = []
     for obj, b in hooks.bindings():
         rows.append(

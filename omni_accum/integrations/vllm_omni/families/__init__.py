@@ -14,7 +14,6 @@ methods differ, is refused (:class:`~.base.InstallRefused`) before anything is p
 from __future__ import annotations
 
 import inspect
-from importlib import metadata
 
 from omni_accum.integrations.vllm_omni.families import v016, v028, v030
 from omni_accum.integrations.vllm_omni.families.base import (
@@ -25,6 +24,7 @@ from omni_accum.integrations.vllm_omni.families.base import (
     _resolve,
     signature_shape,
 )
+from omni_accum.policy.fingerprint import dist_version
 
 #: Every supported family, oldest first.
 FAMILIES: tuple[Family, ...] = (v016.FAMILY, v028.FAMILY, v030.FAMILY)
@@ -36,10 +36,7 @@ NEWEST: Family = FAMILIES[-1]
 
 def installed_version(dist: str = "vllm-omni") -> str | None:
     """The installed version of ``dist`` (None: not installed)."""
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+    return dist_version(dist)
 
 
 def installed_versions() -> str:

@@ -10,7 +10,7 @@ import functools
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from omni_accum.errors import OmniAccumError
@@ -53,13 +53,13 @@ class Family:
             process-wide policy is set.
         runner_accumulate: ``module:Class`` whose ``_accumulate_payload`` is the runner transport's own
             chunk merge (the ``upstream`` arm of the bench, the reference of the equivalence tests).
-        runner_class: ``module:Class`` a runner transport is made of (tests, ``--through vllm-omni``).
+        runner_class: ``module:Class`` a runner transport is made of (the integration tests build theirs).
         span_merge: ``module:Class`` of every ``_accumulate_payload`` that merges ``embed.decode`` by
             token span (``decode_token_start`` / ``decode_token_end``).
         data_plane: ``module:Class`` of the MRv2 data plane, or None where the release has none.
         empty_span_takes_incoming: the release's ``merge_tensor_spans`` hands an incoming span over
             as it is when the held span is empty (0.30); False: ``torch.cat`` of both (0.28).
-        differences: what differs from the other families, one line (README, ``omni-accum doctor``).
+        differences: what differs from the other families, one line (``omni-accum doctor`` says it).
     """
 
     name: str
@@ -72,7 +72,6 @@ class Family:
     data_plane: str | None
     empty_span_takes_incoming: bool
     differences: str = ""
-    notes: tuple[str, ...] = field(default=())
 
     @property
     def version(self) -> str:
