@@ -53,3 +53,33 @@ def test_sweep_stale_removes_a_dead_owners_region_and_the_pointers_naming_dead_o
         assert mine <= {p.name for p in private_dir().iterdir()}
     finally:
         rx.close()
+
+
+def test_a_sender_finding_a_dead_owners_region_leaves_the_pointer_to_the_reaper_and_the_next_receiver(
+    tmp_path, monkeypatch
+):
+    """A sender that found the pair's region without a live owner removed the pointer file after reading it again: a
+    new receiver's pointer written between that read and the unlink was removed, and the pair's sender found no
+    region until a restart (its puts went the inner connector's way). A sender removes the dead region only; the
+    pointer is the dead owner's reaper's (it removes it if it still names that region), a new receiver's (it
+    replaces it) or ``sweep_stale()``'s."""
+    import pytest
+
+    from omni_accum.arena import live
+    from omni_accum.arena.region import ArenaError
+
+    base, left = tmp_path / "shm", tmp_path / "left"
+    base.mkdir(mode=0o700)
+    left.mkdir(mode=0o700)
+    monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", str(base))
+    pair = f"sweepdrop_{os.getpid()}_0_1"
+    subprocess.run([sys.executable, "-c", _CHILD, str(left), pair], check=True, timeout=120)
+    for p in left.iterdir():  # the dead receiver's region and pointer, where the sender looks
+        os.link(p, private_dir() / p.name)
+    ptr = live.pointer_path(pair)
+    named = ptr.read_bytes()
+    with pytest.raises(ArenaError, match="no live owner"):
+        live.live_region(pair)
+    assert ptr.read_bytes() == named  # left
+    assert not (private_dir() / ("omni_accum_arena_" + named.decode())).exists()  # the dead owner's region: removed
+    assert [p.name for p in sweep_stale()] == [ptr.name]

@@ -93,6 +93,28 @@ def test_registered_in_the_real_factory(vo, arena_name):
         c.close()  # idempotent
 
 
+def test_health_while_another_thread_adds_a_stage_pair(vo, arena_name):
+    """``health()`` (a monitoring thread's call) summed over the connector's tables while the receiving or sending
+    thread may add a pair to them: "dictionary changed size during iteration" out of the call."""
+    c = _connector(1, arena_name)
+
+    class Receiver:  # a receiver whose numbers are read while a pair is added (as another thread would add one)
+        view_bytes = staticmethod(lambda: 0)
+
+        @property
+        def chain_views(self):
+            c._rx[("8", str(len(c._rx) + 9))] = None
+            return 2
+
+    try:
+        c._rx[("7", "8")] = Receiver()
+        h = c.health()
+        assert h["chain_views"] == 2 and h["status"] == "healthy"
+    finally:
+        c._rx.clear()
+        c.close()
+
+
 @pytest.mark.parametrize(
     ("extra", "word"),
     [

@@ -4,6 +4,7 @@ per stage pair and kind, with its bytes (real adapters, SharedMemoryConnector an
 from __future__ import annotations
 
 import os
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -385,8 +386,52 @@ def test_a_dropped_binding_keeps_its_hand_offs_in_status_and_prometheus():
     del m
     gc.collect()
     assert handoff.summary()[pair]["prefill"] == during
+    handoff.publish()  # the publisher thread's next round (or exit) publishes a retired meter's last hand-offs
     got = {k: v - prom0.get(k, 0) for k, v in _prom(pair).items() if v - prom0.get(k, 0)}
     assert got == {"prefill.count": 1, "prefill.bytes": 32, "clock_domain": 1}
+
+
+def test_a_meter_collected_while_its_thread_holds_a_prometheus_lock_does_not_wait_for_it(monkeypatch):
+    """A meter's finalizer runs on whichever thread the garbage collector interrupts, maybe one inside
+    ``prometheus_client`` holding a lock that is not reentrant (a metric making a child under ``labels()``): the
+    finalizer published there, taking that lock again, and the thread (vllm-omni's receiving loop, with the
+    adapter's state lock held) waited for itself forever."""
+    import gc
+
+    from omni_accum.integrations.vllm_omni import handoff
+
+    held = threading.Lock()  # stands for prometheus_client's lock, held by the interrupted thread
+    waited: list[str] = []
+    published: list[str] = []
+
+    class Child:
+        def observe(self, x):
+            pass
+
+        def inc(self, n):
+            pass
+
+    class Metric:
+        def labels(self, *labels):
+            if not held.acquire(timeout=1.0):  # the real lock has no timeout: this thread would hang here
+                waited.append("/".join(labels))
+            else:
+                held.release()
+            published.append("/".join(labels))
+            return Child()
+
+    monkeypatch.setattr(handoff, "_registry_metrics", lambda: {k: Metric() for k in ("handoff", "handoff_bytes",
+                                                                                    "handoff_skipped")})
+    m = handoff.Meter()
+    now = time.monotonic_ns()
+    m.record(37, 38, [0, now - 1_000_000, handoff.clock_id(), "p"], {"embed": {"prefill": torch.ones(2, 4)}}, now)
+    with held:  # the collection comes while the lock is held, as from an allocation inside labels()
+        del m
+        gc.collect()
+    assert waited == [] and [p for p in published if p.startswith("37->38")] == []
+    handoff.publish()  # later, on the publisher thread, without the lock held: published
+    assert waited == [] and not handoff._unpublished
+    assert [p for p in published if p.startswith("37->38")] == ["37->38/prefill"] * 2  # the histogram, the bytes
 
 
 def test_status_sums_are_the_same_to_the_last_bit_whatever_the_order_and_the_collections():

@@ -327,3 +327,49 @@ def test_a_hello_that_could_not_be_written_is_said_so_and_tried_again(vo, monkey
     assert caplog.text.count("could not tell stage 0") == 1  # said once
     peer.withdraw(b)  # (while OMNI_ACCUM_ARENA_DIR still names its directory)
     assert not os.path.exists(f"{private_dir()}/{peer.hello_key(0, 1)}")
+
+
+def test_a_replica_withdrawing_leaves_the_hello_another_replica_wrote_since(vo, adapters, base):
+    """Replicas of a receiving stage on one host (vllm-omni's ``num_replicas``) share the hello key: the first to
+    close removed the hello the others wrote, and every sender went back to 0.30.0's payloads for good."""
+    import json
+
+    from omni_accum.integrations.vllm_omni import peer
+
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        rx = adapters(1, extra=QWEN)  # says hello when it is made
+        key, path = peer.hello_key(0, 1), f"{private_dir()}/{peer.hello_key(0, 1)}"
+        assert json.loads(open(path).read())[peer.HELLO][3] == os.getpid()
+        hello = [1, "f" * 12, "sibling", sibling.pid, peer.socket.gethostname(), peer.machine_id()]
+        assert peer.SHM_CHANNEL.put("0", "1", key, {peer.HELLO: hello})[0]  # the sibling's, written over this one
+        peer.withdraw(rx._omni_accum_binding)
+        assert json.loads(open(path).read())[peer.HELLO][3] == sibling.pid  # the sibling's hello stays
+        peer.SHM_CHANNEL.cleanup(key)
+        rx2 = adapters(1, extra=QWEN)
+        assert json.loads(open(path).read())[peer.HELLO][3] == os.getpid()
+        peer.withdraw(rx2._omni_accum_binding)  # its own: removed
+        assert not os.path.exists(path)
+    finally:
+        sibling.kill()
+        sibling.wait()
+        peer.SHM_CHANNEL.cleanup(peer.hello_key(0, 1))
+
+
+def test_a_receiver_whose_hello_another_replica_removed_says_it_again(vo, adapters, base):
+    """The other half: a live receiver whose hello was removed by a replica's withdrawal writes it again at its next
+    chunk after a second at most, and its senders hear it again."""
+    from omni_accum.integrations.vllm_omni import peer
+
+    tx, rx = _pair(adapters, QWEN, QWEN)
+    _run((tx, rx), f"oa-peer-replica-1-{os.getpid()}", heard=True)
+    path = f"{private_dir()}/{peer.hello_key(0, 1)}"
+    peer.SHM_CHANNEL.cleanup(peer.hello_key(0, 1))  # as a replica's withdrawal of the hello it wrote over this one
+    _wait(lambda: tx._omni_accum_binding._peer.hello is None, "the sender to notice the hello gone")
+    rx._omni_accum_binding._hello_check = 0.0  # (its next look is due: else within ALIVE_S)
+    _run((tx, rx), f"oa-peer-replica-2-{os.getpid()}")  # its chunks: the receiver sees its hello gone
+    assert os.path.exists(path)
+    _wait(lambda: tx._omni_accum_binding._peer.hello is not None, "the sender to hear the hello again")
+    handed = _run((tx, rx), f"oa-peer-replica-3-{os.getpid()}")
+    assert tx._omni_accum_binding.stats["omitted"] > 0  # values left off again: the receiver runs omni-accum
+    assert_same(handed, base, "handed")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_accum import samehost
-from omni_accum.arena.region import ArenaError, drop_pointer, owner_of, path_for, pid_alive
+from omni_accum.arena.region import ArenaError, owner_of, path_for, pid_alive
 
 POINTER_SUFFIX = ".live"
 #: Attempts at a fresh random name before a receiver gives up (each taken name is someone's live region).
@@ -44,7 +44,9 @@ def live_region(pair: str) -> str:
     if owner is None or not pid_alive(owner):
         if owner is not None:
             path_for(name).unlink(missing_ok=True)  # its owner died without closing it
-        drop_pointer(ptr, name)
+        # the pointer stays: a new receiver may rewrite it between a read here and an unlink (the pair would then
+        # have no pointer, and its sender no region, until a restart); the dead owner's reaper removes it if it
+        # still names that region, a new receiver replaces it, sweep_stale() removes it
         raise ArenaError(f"no live arena for {pair}: {name} has no live owner")
     return name
 

@@ -306,13 +306,14 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         return {
             "status": "healthy" if not self._closed else "closed",
             **self.counts,
-            "chain_views": sum(rx.chain_views for rx in self._rx.values() if rx is not None),
+            # (copies of the tables: the receiving and sending threads may add a pair meanwhile)
+            "chain_views": sum(rx.chain_views for rx in list(self._rx.values()) if rx is not None),
             # chain rows a put found written in place (stage_rows): not copied at the put
-            "chain_rows_in_place": sum(tx.rows_in_place for tx in self._tx.values()),
+            "chain_rows_in_place": sum(tx.rows_in_place for tx in list(self._tx.values())),
             "tensor_views": self._decoder.views,  # received tensors handed out over arena pages (no copy)
             "tensor_copies": self._decoder.copies,  # received tensors copied out (under arena_view_bytes)
             # pages of chains and tensor views some tensor still shows (given back once none does)
-            "view_bytes_held": sum(rx.view_bytes() for rx in self._rx.values() if rx is not None),
+            "view_bytes_held": sum(rx.view_bytes() for rx in list(self._rx.values()) if rx is not None),
             "fallbacks": dict(self.fallbacks),
             "regions": self._regions(),
             # the pairs with no region now, for a cause that does not pass by itself: what was said

@@ -333,8 +333,10 @@ def binding_for(obj: Any) -> Binding | None:
             logger.error("omni-accum cannot bind %s (pid=%d): %s. This instance runs vllm-omni's own code", *what)
         state[_ATTR] = b
         _track(obj)
-    if b is not None:
-        _changed()
+    if b is not None and Settings.on_change is not None:
+        # the status file names the new binding soon, written by the publisher thread: binding_for runs on
+        # vllm-omni's receiving / saving threads, under the adapter's state locks, where no file is written
+        publishing.published_later(b)
     return b
 
 

@@ -276,8 +276,11 @@ def wrap_full_recv(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def _recv_full_payload_result(self: Any, *args: Any, **kwargs: Any) -> Any:
         b = binding_for(self)
-        if b is not None and b.__dict__.get("_hello") is None:
-            peer.announce(self, b)
+        if b is not None:
+            if b.__dict__.get("_hello") is None:
+                peer.announce(self, b)
+            else:
+                peer.keep_hello(self, b)  # said again if another replica of the stage withdrew it
         result = orig(self, *args, **kwargs)
         payload = result[0] if isinstance(result, tuple) and result else None
         if isinstance(payload, dict) and OMITTED_KEY in payload:

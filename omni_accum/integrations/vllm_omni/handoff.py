@@ -39,6 +39,7 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -231,12 +232,16 @@ def _flush(slots: dict[tuple[int, int, str], list[Any]], skipped: dict[str, list
 _retired: dict[tuple[str, str], list[Any]] = {}
 
 
+#: Retired meters whose last hand-offs are not published yet: :func:`publish` (the publisher thread, exit) does it.
+_unpublished: deque[tuple[Any, ...]] = deque()
+
+
 def _retire(slots: dict[tuple[int, int, str], list[Any]], skipped: dict[str, list[int]], lock: threading.Lock) -> None:
-    """A meter's binding is gone: publish what it had not, keep its counts for :func:`summary`."""
-    try:
-        _flush(slots, skipped, lock)
-    except Exception:  # noqa: BLE001 - at interpreter exit Prometheus may be half torn down
-        pass
+    """A meter's binding is gone: keep its counts for :func:`summary`, leave what it had not published to
+    :func:`publish`. A finalizer: the garbage collector runs it on whichever thread allocates, at any point of
+    its code, maybe while that thread holds a lock of ``prometheus_client`` (not reentrant; a metric's lock while
+    it makes a child, the multiprocess value lock): it takes no lock, or that thread would wait for itself."""
+    _unpublished.append((slots, skipped, lock))
     for slot in list(slots.values()):
         row = _retired.setdefault(slot[_LABELS], [0, [], 0.0, 0])
         row[0] += slot[_COUNT]
@@ -280,7 +285,17 @@ def arrived(b: Any, dst: Any, raw: Any, payload: Mapping[str, Any]) -> None:
 
 
 def publish() -> None:
-    """Publish every meter's hand-offs (the publisher thread, after releases; tests)."""
+    """Publish every meter's hand-offs, those of retired meters too (the publisher thread, after releases; exit;
+    tests)."""
+    while _unpublished:
+        try:
+            slots, skipped, lock = _unpublished.popleft()
+        except IndexError:  # another thread took the last one
+            break
+        try:
+            _flush(slots, skipped, lock)
+        except Exception:  # noqa: BLE001 - at interpreter exit Prometheus may be half torn down
+            pass
     for m in list(_meters):
         m.flush()
 

@@ -108,7 +108,9 @@ class ShmChannel:
         body = json.dumps(data).encode()
         path = self.path(key)
         samehost.write_private(path, body, str(os.getpid()))  # whole or not at all
-        samehost.track(path)  # removed if this process ends without withdrawing it (as the arena's regions)
+        # removed if this process ends without withdrawing it (as the arena's regions), unless another replica of
+        # the stage wrote its own hello there since
+        samehost.track(path, body.decode())
         return True, len(body), None
 
     def get(self, src: str, dst: str, key: str) -> tuple[Any, int] | None:
@@ -139,6 +141,16 @@ class ShmChannel:
         except FileNotFoundError:
             return
         samehost.untrack(path)
+
+    def withdraw(self, key: str) -> None:
+        """Remove this process's hello under ``key``. Replicas of a receiving stage (vllm-omni's ``num_replicas``)
+        on one host share the key, the last one written is there: a hello another live or dead process wrote
+        since stays (its writer withdraws it, or the reaper of a dead one removes it)."""
+        path = self.path(key)
+        samehost.untrack(path)
+        h = _hello_of(self.get("", "", key))
+        if h is None or (h[3] == os.getpid() and same_machine(h)):
+            self.cleanup(key)
 
 
 SHM_CHANNEL = ShmChannel()
@@ -265,6 +277,29 @@ def announce(adapter: Any, b: Any, again: bool = False) -> None:
     _retry_later(adapter, b, delay)
 
 
+def keep_hello(adapter: Any, b: Any) -> None:
+    """A receiving binding that said hello over shared memory (receive hooks, at each chunk): every :data:`ALIVE_S`, a
+    stat of its hello file; one that is gone (another replica of the stage withdrew the hello it wrote over this
+    one, or its reaper removed it) is written again, so the senders of the stage hear a receiver running
+    omni-accum again within a second or so."""
+    hello = b.__dict__.get("_hello")
+    if hello is None or hello[0] is not SHM_CHANNEL:
+        return
+    now = time.monotonic()
+    if now < b.__dict__.get("_hello_check", 0.0):
+        return
+    b._hello_check = now + ALIVE_S
+    if SHM_CHANNEL.stamp(hello[1]) is not None:
+        return
+    with _hello_lock_of(b):
+        if b.__dict__.get("_hello") is not hello:
+            return  # withdrawn (closed) or said again meanwhile
+        del b.__dict__["_hello"]
+    logger.info("omni-accum: the hello %s of this process was removed (another replica of the stage withdrew its "
+                "own); saying it again", hello[1])
+    announce(adapter, b)
+
+
 def _retry_later(adapter: Any, b: Any, delay: float) -> None:
     """A timer that calls :func:`announce` again after ``delay`` (weakly: a dropped adapter or binding ends it)."""
     refs = weakref.ref(adapter), weakref.ref(b)
@@ -305,7 +340,10 @@ def withdraw(b: Any) -> None:
 
 def _cleanup(chan: Any, key: str) -> None:
     try:
-        chan.cleanup(key)
+        if chan is SHM_CHANNEL:
+            chan.withdraw(key)  # only this process's: a replica of the stage may have written its own since
+        else:
+            chan.cleanup(key)
     except Exception:  # noqa: BLE001 - a connector's cleanup never fails omni-accum's
         logger.debug("omni-accum: withdrawing hello %s failed", key, exc_info=True)
 

@@ -22,7 +22,7 @@ from omni_accum.errors import AccumulationError
 from omni_accum.integrations.vllm_omni import ab, capture, handoff
 from omni_accum.integrations.vllm_omni.binding import Binding, _leaves, _path, binding_for
 from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, count_bits, number_once, split_mask
-from omni_accum.integrations.vllm_omni.peer import announce
+from omni_accum.integrations.vllm_omni.peer import announce, keep_hello
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -290,6 +290,8 @@ def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
         if b is not None and isinstance(payload, dict) and payload:
             if not b.stats["chunks_received"]:
                 announce(self, b)  # an adapter made before omni-accum was installed says hello now (.peer)
+            else:
+                keep_hello(self, b)  # said again if another replica of the stage withdrew it (.peer)
             if b.arms is not None:  # an A/B split: the arm the sender announced, else the id's (.ab)
                 if "_capture" not in b.__dict__:
                     capture.attach(b, self)
