@@ -4,12 +4,11 @@ Built-in strategies and third-party plugins go through the same path: entry poin
 ``omni_accum`` are loaded, registered with a pluggy ``PluginManager``, checked with
 ``check_pending()``, and their ``omni_accum_register_strategies`` results validated.
 
-A broken third-party plugin (fails to import, implements no hook or an unknown one, raises in a hook,
-returns invalid records, takes a reserved or repeated strategy name) is reported and skipped, in one line;
-``OMNI_ACCUM_STRICT_PLUGINS=1`` makes that an error. A
-broken built-in is always an error. ``OMNI_ACCUM_PLUGINS`` (comma-separated allowlist) and
-``OMNI_ACCUM_DISABLED_PLUGINS`` (blocklist) filter third-party plugins by entry-point or
-distribution name; ``OMNI_ACCUM_TRACE_PLUGINS=1`` logs every hook call.
+A broken third-party plugin (fails to import, implements no hook or an unknown one, raises in a hook, returns invalid
+records, takes a reserved or repeated strategy name) is reported and skipped, in one line; ``OMNI_ACCUM_STRICT_PLUGINS``
+makes that an error. A broken built-in is always an error. ``OMNI_ACCUM_PLUGINS`` (comma-separated allowlist) and
+``OMNI_ACCUM_DISABLED_PLUGINS`` (blocklist) filter third-party plugins by entry-point or distribution name;
+``OMNI_ACCUM_TRACE_PLUGINS=1`` logs every hook call.
 """
 
 from __future__ import annotations
@@ -75,10 +74,11 @@ class _PolicySelector:
     """Built-in selection: apply the policy. ``trylast`` so any plugin can override it."""
 
     @hookimpl(trylast=True)
-    def omni_accum_select_strategy(
-        self, key: str, meta: KeyMeta, context: StreamContext, policy: Policy
-    ) -> StrategyChoice | None:
+    def omni_accum_select_strategy(self, key: str, meta: KeyMeta, context: StreamContext, policy: Policy) -> Any:
         return policy.resolve(key, context)
+
+
+MAX_BUILT = 1024  # strategies kept built (the stage input processor builds prealloc with each prompt's length)
 
 
 class StrategyManager:
@@ -380,6 +380,8 @@ class StrategyManager:
                 ) from e
             with self._lock:
                 self._built[key] = built
+                if len(self._built) > MAX_BUILT:  # params that differ per request: the oldest go
+                    del self._built[next(iter(self._built))]
         return built
 
     def select(self, key: str, meta: KeyMeta, context: StreamContext, policy: Policy) -> StrategyChoice:

@@ -315,3 +315,29 @@ def test_an_infinite_capture_bound_is_a_named_setting_error_never_an_overflow(mo
 
     with pytest.raises(SettingError, match="omni_accum_capture_max_bytes=inf: give the bytes a process may write"):
         capture.settings({"omni_accum_capture": "/tmp/x", "omni_accum_capture_max_bytes": float("inf")})
+
+
+def test_a_failing_record_is_said_once_per_kind_not_once_per_message(caplog):
+    """The said-once set was keyed by the message: a failure whose text names the request was said (and kept) once
+    per request."""
+    import logging
+    from types import SimpleNamespace
+
+    from omni_accum.integrations.vllm_omni import capture
+
+    class Failing:
+        n = 0
+
+        def record(self, req_id, *args, **kwargs):
+            Failing.n += 1
+            raise ValueError(f"request {req_id} has no prompt ({Failing.n})")
+
+    cap = SimpleNamespace(send=Failing(), recv=None)
+    capture._reported.clear()
+    caplog.set_level(logging.ERROR, "omni_accum")
+    for i in range(50):
+        capture.sent(cap, f"r{i}", {"k": torch.ones(1)}, None)
+    said = [r.getMessage() for r in caplog.records if "a send record failed" in r.getMessage()]
+    assert Failing.n == 50 and len(said) == 1 and "request r0 has no prompt (1)" in said[0]
+    assert len(capture._reported) == 1
+    capture._reported.clear()

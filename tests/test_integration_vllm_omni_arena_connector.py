@@ -185,6 +185,50 @@ def test_one_process_round_trip_is_bit_exact_and_uses_the_arena(vo, arena_name):
         rx.close()
 
 
+def test_a_message_no_get_takes_is_dropped_after_the_orphan_time_and_its_pages_go_back(vo, arena_name, monkeypatch):
+    """vllm-omni 0.30.0 removes an aborted request's unread chunks only for a SharedMemoryConnector: in the arena
+    they held their pages for good (113 aborted requests filled a 4 MiB arena, every later put went the inner way).
+    A message older than the orphan time is dropped at a later get; one taken in time never is."""
+    from omni_accum.integrations.vllm_omni import arena_connector
+
+    monkeypatch.setattr(arena_connector, "ORPHAN_CHECK_S", 0.0)
+    monkeypatch.setenv("VLLM_OMNI_INPUT_WAIT_TIMEOUT_S", "45")
+    rx, tx = _connector(1, arena_name, arena_bytes="256KiB"), _connector(0, arena_name)
+    try:
+        assert rx.orphan_s == 90.0  # twice vllm-omni's input wait (at least a minute)
+        assert rx.get("0", "1", "nothing yet") is None
+        big = {"x": torch.arange(40 * 1024, dtype=torch.int32)}  # 160 KiB of the 256 KiB: one at a time
+        assert tx.put("0", "1", "aborted_0_0", big)[2]["arena"]  # never taken: its request was aborted downstream
+        clock = [time.monotonic()]
+        monkeypatch.setattr(arena_connector, "_now", lambda: clock[0])
+        assert rx.get("0", "1", "other") is None  # a look: seen waiting
+        clock[0] += 60  # within the orphan time: kept
+        assert rx.get("0", "1", "other") is None and rx.health()["orphans_dropped"] == 0
+        assert rx._rx[("0", "1")].pending_keys() == ["aborted_0_0"]
+        clock[0] += 31  # past it: dropped, its pages back
+        assert rx.get("0", "1", "other") is None
+        assert rx.health()["orphans_dropped"] == 1 and not rx._rx[("0", "1")].pending_keys()
+        assert rx.status_row()["orphans_dropped"] == 1
+        tx._tx[("0", "1")].reclaim()
+        ok, _, meta = tx.put("0", "1", "next_0_0", big)  # room again: through the arena, not the inner connector
+        assert ok and meta is not None and meta.get("arena") and tx.health()["inner_puts"] == 0
+        got, _ = rx.get("0", "1", "next_0_0")
+        assert torch.equal(got["x"], big["x"])
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.parametrize("value", ["abc", "inf", "-5", "0"])
+def test_an_input_wait_vllm_omni_does_not_take_gives_the_default_orphan_time(monkeypatch, value):
+    from omni_accum.integrations.vllm_omni import arena_connector
+
+    monkeypatch.setenv("VLLM_OMNI_INPUT_WAIT_TIMEOUT_S", value)
+    assert arena_connector.orphan_after_s() == 1200.0
+    monkeypatch.setenv("VLLM_OMNI_INPUT_WAIT_TIMEOUT_S", "10")
+    assert arena_connector.orphan_after_s() == 60.0  # at least a minute
+
+
 def test_puts_before_the_region_exists_and_into_a_full_arena_go_through_shm(vo, arena_name):
     tx = _connector(0, arena_name)
     rx = None

@@ -170,3 +170,20 @@ def test_process_wide_manager_is_created_once_and_can_be_replaced():
     mine = omni_accum.StrategyManager(load_entrypoints=False)
     omni_accum.reset_manager(mine)
     assert omni_accum.get_manager() is mine
+
+
+def test_strategies_built_with_params_that_differ_per_request_are_kept_at_most_max_built(m, monkeypatch):
+    """The stage input processor builds ``prealloc`` with each prompt's length as its capacity: the manager kept every
+    one for good (870 B per distinct length, up to ~110 MB at 128k-token contexts)."""
+    from omni_accum import manager
+
+    monkeypatch.setattr(manager, "MAX_BUILT", 50)
+    first = m.build("prealloc", {"initial_capacity": 1})
+    assert m.build("prealloc", {"initial_capacity": 1}) is first  # reused while kept
+    for n in range(2, 200):
+        s = m.build("prealloc", {"initial_capacity": n})
+        assert s.params.initial_capacity == n
+    assert len(m._built) == 50
+    again = m.build("prealloc", {"initial_capacity": 1})  # the oldest went: built again, the same strategy
+    assert again is not first and again.params == first.params
+    assert m.build("prealloc", {"initial_capacity": 199}) is s  # the newest are kept

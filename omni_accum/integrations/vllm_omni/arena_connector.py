@@ -47,12 +47,20 @@ process sends on the pair's region). ``health()["inner_only"]`` names the pairs 
 omni-accum's reaper process once the server's processes have ended (vllm-omni's stage processes end on SIGTERM without
 closing their connectors); a region whose owner died is removed by the next process that looks for the pair.
 
+A message no get takes (its request was aborted or failed on the receiving stage, or its chunks came after that) is
+dropped after :func:`orphan_after_s` (twice vllm-omni's ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S``: 20 min by default), its
+pages given back, counted (``health()["orphans_dropped"]``) and said once per pair: vllm-omni 0.30.0 removes an
+aborted request's unread chunks only for a ``SharedMemoryConnector``, so without this they held arena pages for
+good, and the arena filled up.
+
 Registered with ``OmniConnectorFactory`` by :mod:`.arena_plugin` (entry point ``omni_accum_arena``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 import time
 from collections import deque
@@ -72,6 +80,26 @@ from omni_accum.integrations.vllm_omni.arena_settings import NAME, parse_setting
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
 
 logger = logging.getLogger("omni_accum.vllm_omni")
+
+#: How often a receiving connector looks for messages no get took (seconds, at a get).
+ORPHAN_CHECK_S = 1.0
+_now = time.monotonic  # the clock of those looks (tests move it)
+#: vllm-omni's limit on how long a request waits for its next chunk, and its default (seconds).
+ENV_INPUT_WAIT = "VLLM_OMNI_INPUT_WAIT_TIMEOUT_S"
+INPUT_WAIT_DEFAULT_S = 600.0
+
+
+def orphan_after_s() -> float:
+    """How long a message may wait for its get before it is dropped: twice ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S`` (a
+    request that waited that long for a chunk was failed by vllm-omni), at least a minute; 20 min for a value vllm-omni
+    does not take either."""
+    try:
+        wait = float(os.environ.get(ENV_INPUT_WAIT, INPUT_WAIT_DEFAULT_S))
+    except ValueError:
+        wait = INPUT_WAIT_DEFAULT_S
+    if not math.isfinite(wait) or wait <= 0:
+        wait = INPUT_WAIT_DEFAULT_S
+    return max(60.0, 2 * wait)
 
 
 class ArenaConnector(PairRegions, OmniConnectorBase):
@@ -109,7 +137,10 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         self._encoder = Encoder()
         self._decoder = Decoder(self.view_bytes)
         self.counts = {"arena_puts": 0, "inner_puts": 0, "arena_gets": 0, "inner_gets": 0, "arena_bytes": 0,
-                       "chain_appends": 0}
+                       "chain_appends": 0, "orphans_dropped": 0}
+        self.orphan_s = orphan_after_s()
+        self._orphan_check = 0.0  # monotonic time of the next look for messages no get took
+        self._seen: dict[tuple[str, str], dict[str, float]] = {}  # pair -> key -> when a look first saw it waiting
         self.fallbacks: dict[str, int] = {}
         publishing.connectors.add(self)  # its status_row() goes into status() and the status file
 
@@ -172,6 +203,11 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
                     # the text, not the exception: a kept log record must not keep this frame's payload alive
                     logger.warning("omni-accum arena %s: %s", self.region_name(*pair), str(e))
                     msg = rx.take(get_key)  # what it published before it died is kept
+                if self._seen and msg is not None:
+                    self._seen.get(pair, {}).pop(get_key, None)
+                now = _now()
+                if now >= self._orphan_check:
+                    self._drop_orphans(now)
                 if msg is not None:
                     body, spans, chains = msg
                     dec = self._decoder
@@ -198,6 +234,29 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         if got is not None:
             self.counts["inner_gets"] += 1
         return got
+
+    def _drop_orphans(self, now: float) -> None:
+        """Drop the messages that have waited for a get longer than :attr:`orphan_s` (with ``_rx_lock`` held)."""
+        self._orphan_check = now + ORPHAN_CHECK_S
+        for pair, rx in list(self._rx.items()):
+            if rx is None:
+                continue
+            waiting = rx.pending_keys()
+            seen = self._seen.setdefault(pair, {})
+            if len(seen) > len(waiting):  # taken (or discarded) since the last look
+                live = set(waiting)
+                for k in [k for k in seen if k not in live]:
+                    del seen[k]
+            dropped = [k for k in waiting if now - seen.setdefault(k, now) > self.orphan_s]
+            for k in dropped:
+                rx.discard(k)  # its pages go back to the sender
+                del seen[k]
+            if dropped:
+                self.counts["orphans_dropped"] += len(dropped)
+                self._warn(f"orphans-{pair}", logging.WARNING, "omni-accum arena %s: dropped %d message(s) no get took "
+                           "within %g s (e.g. %r: requests aborted or failed on this stage), their pages given back; "
+                           "counted in health()['orphans_dropped'] (said once)", self.region_name(*pair), len(dropped),
+                           self.orphan_s, dropped[0])
 
     def _put(self, tx: Any, key: str, data: Any) -> int:
         """Encode ``data`` as vllm-omni does, its tensors into the arena, and publish it; the bytes moved.
@@ -328,7 +387,7 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         return {"connector": NAME, "status": "closed" if self._closed else "healthy", "arena_name": self.arena_name,
                 "stage": self.stage_id,
                 "arena_puts": c["arena_puts"], "inner_puts": c["inner_puts"], "arena_gets": c["arena_gets"],
-                "inner_gets": c["inner_gets"], "fallbacks": dict(self.fallbacks), "regions": self._regions(),
+                "inner_gets": c["inner_gets"], "orphans_dropped": c["orphans_dropped"], "fallbacks": dict(self.fallbacks), "regions": self._regions(),
                 "inner_only": self._inner_only_now()}
 
     def close(self) -> None:

@@ -97,9 +97,12 @@ def settings(extra: Any = None) -> tuple[str, str, int] | None:
     return os.fspath(folder), values, max_bytes
 
 
-def _report(message: str) -> None:
-    if message not in _reported:
-        _reported.add(message)
+def _report(message: str, kind: str | None = None) -> None:
+    """Log ``message`` once per ``kind`` (default: the message; a message naming a request or a value would be new
+    every time: its kind is what is said once, and the set stays small)."""
+    said = message if kind is None else kind
+    if said not in _reported:
+        _reported.add(said)
         logger.error("omni-accum capture: %s", message)
 
 
@@ -177,7 +180,7 @@ def sent(cap: Capture, req_id: Any, chunk: Mapping[str, Any], task: Any) -> None
     try:
         cap.send.record(req_id, chunk, _monotonic_ns() // 1000, source=task, skip=MARKERS)
     except Exception as e:  # noqa: BLE001 - a capture never fails a chunk
-        _report(f"a send record failed ({type(e).__name__}: {e})")
+        _report(f"a send record failed ({type(e).__name__}: {e}); said once", f"send {type(e).__name__}")
 
 
 def received(cap: Capture, adapter: Any, req_id: Any, payload: Mapping[str, Any], raw: Any) -> None:
@@ -199,7 +202,7 @@ def received(cap: Capture, adapter: Any, req_id: Any, payload: Mapping[str, Any]
             ext = mapping.get(req_id, req_id) if isinstance(mapping, dict) else req_id  # the sender's id: joins both
         rec.record(req_id, payload, now // 1000, handoff_s=seconds, skip=MARKERS, name=ext)
     except Exception as e:  # noqa: BLE001 - a capture never fails a chunk
-        _report(f"a receive record failed ({type(e).__name__}: {e})")
+        _report(f"a receive record failed ({type(e).__name__}: {e}); said once", f"receive {type(e).__name__}")
 
 
 def released(b: Any, req_id: Any, role: str) -> None:
