@@ -273,6 +273,30 @@ for d in dirs:  # the private directory, if no other process has a file there no
 """
 _reaper: list = [None, 0]  # [Popen, pid of the process that started it]
 _reaper_lock = threading.Lock()
+_inherited: list = []  # reapers of the parent a forked child holds (not waited for, not written to)
+
+
+def _forget_reaper_in_child() -> None:
+    """A forked child (vLLM forks its workers) must not hold its parent's reaper pipe open: the reaper removes the
+    parent's files when it reads the end of its input, which would wait for every child too. The child's copy of
+    the pipe is pointed at /dev/null; the child starts a reaper of its own at its first tracked file."""
+    global _reaper_lock
+    p = _reaper[0]
+    if p is not None and p.stdin is not None:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, p.stdin.fileno())
+            finally:
+                os.close(null)
+        except (OSError, ValueError):
+            pass
+        _inherited.append(p)  # its Popen object is the parent's: never waited for here
+    _reaper[:] = [None, 0]
+    _reaper_lock = threading.Lock()  # maybe held by another thread of the parent at the fork
+
+
+os.register_at_fork(after_in_child=_forget_reaper_in_child)
 
 
 def _send(line: str) -> None:

@@ -529,3 +529,43 @@ def test_chunk_descriptors_whose_keys_are_not_names_are_refused_before_anything_
         with pytest.raises(wire.BadFrame):
             wire.checked(m, layout)
     assert wire.checked(("c", "r", 0, [], [("a", 1)], {"b": (False, 1)}, 1, []), layout)[1] == "r"
+
+
+def test_a_forked_child_does_not_keep_its_parents_files_alive(tmp_path, monkeypatch):
+    """vLLM forks its workers: a child kept its parent's reaper pipe open, so the files of a parent that ended without
+    removing them (a SIGTERM) stayed until every child had ended too."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    base = tmp_path / "shm"
+    base.mkdir(mode=0o700)
+    code = textwrap.dedent(
+        """
+        import os, sys, time
+        from omni_accum import samehost
+        path = samehost.private_dir() / f"forked_{os.getpid()}"
+        samehost.write_private(path, b"x", "test")
+        samehost.track(path)
+        child = os.fork()
+        if child == 0:
+            time.sleep(120)
+            os._exit(0)
+        print(path, child, flush=True)
+        os._exit(0)  # ends without removing it: its reaper does
+        """
+    )
+    env = {**os.environ, "OMNI_ACCUM_ARENA_DIR": str(base)}
+    parent = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    path, child = parent.stdout.readline().split()  # (the child holds the pipe: read a line, not to its end)
+    parent.stdout.close()
+    assert parent.wait(timeout=120) == 0
+    try:
+        assert poll(lambda: not os.path.exists(path), timeout=60), "the parent's file outlived it while its child lives"
+        os.kill(int(child), 0)  # (the child still lives)
+    finally:
+        try:
+            os.kill(int(child), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
