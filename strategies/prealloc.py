@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 import threading
 
 import torch
@@ -200,13 +201,20 @@ class PreallocAccumulator(AppendAccumulator):
 
 # ------------------------------------------------------------------------------------------ buffer reuse
 _use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; without it nothing is kept
-#: The buffers kept (``reuse_bytes``): [base tensor, its storage's use count when only the pool held it].
+#: The buffers kept (``reuse_bytes``): [base tensor, :func:`_storage_uses` when only the pool held it].
 _pool: list[list[object]] = []
 _pool_lock = threading.Lock()
 
 
-def _storage_uses(t: torch.Tensor) -> int:
-    return int(_use_count(t.untyped_storage()._cdata))  # type: ignore[misc]
+def _storage_uses(t: torch.Tensor) -> tuple[int, int] | None:
+    """Who uses ``t``'s storage: the tensors over it (its use count) and the holders of its Python object (a consumer
+    may keep only ``view.untyped_storage()``: torch hands that same object out again, so the use count alone does not
+    show it). None for a storage moved to shared memory (``share_memory_``, torch's multiprocessing pickler): another
+    process may read it, which no count here shows, so it is never given to another request."""
+    st = t.untyped_storage()
+    if st.is_shared():
+        return None
+    return int(_use_count(st._cdata)), sys.getrefcount(st)  # type: ignore[misc]
 
 
 def _new_buffer(cap: int, bound: int, like: torch.Tensor, budget: int) -> torch.Tensor | None:
@@ -218,6 +226,7 @@ def _new_buffer(cap: int, bound: int, like: torch.Tensor, budget: int) -> torch.
         return None
     shape = tuple(like.shape[1:])
     with _pool_lock:
+        _pool[:] = [e for e in _pool if not e[0].untyped_storage().is_shared()]  # type: ignore[attr-defined]
         free = [e for e in _pool if _storage_uses(e[0]) == e[1]]  # type: ignore[arg-type]
         for e in free:
             base: torch.Tensor = e[0]  # type: ignore[assignment]

@@ -719,6 +719,32 @@ def test_a_kept_buffer_is_reused_only_when_nothing_refers_to_it(no_kept_buffers)
     assert prealloc.kept_bytes() == 3 * 336 + 672  # three float32 buffers (the fourth reused one) and a float64 one
 
 
+def test_a_kept_buffer_held_only_through_its_storage_or_shared_with_another_process_is_never_reused(no_kept_buffers):
+    """The pool's guard was the storage's use count: a consumer holding only ``view.untyped_storage()`` (torch hands
+    that same object out again) or a view moved to shared memory (``share_memory_``, torch's multiprocessing pickler:
+    another process reads it) did not count, and the next request's rows were written under it."""
+    prealloc = no_kept_buffers
+    params = omni_accum.get_manager().spec("prealloc").params_model(reuse_bytes="4KiB")
+    g = torch.Generator().manual_seed(1)
+    chunks = [[torch.randn(n, 4, generator=g) for n in (5, 7, 9)] for _ in range(4)]
+    first = _filled(params, chunks[0], 21)
+    addr, expect = first.read().data_ptr(), torch.cat(chunks[0]).clone()
+    storage = first.read().untyped_storage()  # all a consumer keeps
+    del first
+    second = _filled(params, chunks[1], 21)
+    assert second.read().data_ptr() != addr
+    assert torch.equal(torch.empty(0).set_(storage, 0, (21, 4)), expect)  # what the consumer kept is unchanged
+    del storage, second
+    third = _filled(params, chunks[2], 21)  # nothing refers to it now: reused
+    assert third.read().data_ptr() == addr and torch.equal(third.read(), torch.cat(chunks[2]))
+    third.read().share_memory_()  # moved to shared memory (as torch's multiprocessing pickler does)
+    moved = third.read().data_ptr()
+    del third
+    fourth = _filled(params, chunks[3], 21)
+    assert fourth.read().data_ptr() not in (addr, moved)  # never handed to another request again
+    assert torch.equal(fourth.read(), torch.cat(chunks[3]))
+
+
 def test_the_budget_drops_unused_kept_buffers_first_and_never_grows_past_it(no_kept_buffers):
     prealloc = no_kept_buffers
     params = omni_accum.get_manager().spec("prealloc").params_model(reuse_bytes=700)
