@@ -27,15 +27,21 @@ _CHILD = textwrap.dedent(
 )
 
 
-def test_sweep_stale_removes_a_dead_owners_region_and_the_pointers_naming_dead_or_missing_regions(
-    tmp_path, monkeypatch
-):
+def _dead_receivers_files(tmp_path, monkeypatch, pair: str):
+    """A private directory of this test's own (``OMNI_ACCUM_ARENA_DIR``) and the folder holding the files a receiver
+    of ``pair`` left when it ended without closing them (see :data:`_CHILD`)."""
     base, left = tmp_path / "shm", tmp_path / "left"
     base.mkdir(mode=0o700)
     left.mkdir(mode=0o700)
     monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", str(base))
-    dead_pair = f"sweepdead_{os.getpid()}_0_1"
-    subprocess.run([sys.executable, "-c", _CHILD, str(left), dead_pair], check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", _CHILD, str(left), pair], check=True, timeout=120)
+    return left
+
+
+def test_sweep_stale_removes_a_dead_owners_region_and_the_pointers_naming_dead_or_missing_regions(
+    tmp_path, monkeypatch
+):
+    left = _dead_receivers_files(tmp_path, monkeypatch, f"sweepdead_{os.getpid()}_0_1")
     dead = sorted(p.name for p in left.iterdir())
     assert len(dead) == 2 and any(n.endswith(".live") for n in dead), dead  # the region and its pointer
     gone = left / pointer_path(f"sweepgone_{os.getpid()}_0_1").name  # a pointer whose region is not there
@@ -68,12 +74,8 @@ def test_a_sender_finding_a_dead_owners_region_leaves_the_pointer_to_the_reaper_
     from omni_accum.arena import live
     from omni_accum.arena.region import ArenaError
 
-    base, left = tmp_path / "shm", tmp_path / "left"
-    base.mkdir(mode=0o700)
-    left.mkdir(mode=0o700)
-    monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", str(base))
     pair = f"sweepdrop_{os.getpid()}_0_1"
-    subprocess.run([sys.executable, "-c", _CHILD, str(left), pair], check=True, timeout=120)
+    left = _dead_receivers_files(tmp_path, monkeypatch, pair)
     for p in left.iterdir():  # the dead receiver's region and pointer, where the sender looks
         os.link(p, private_dir() / p.name)
     ptr = live.pointer_path(pair)
