@@ -442,7 +442,7 @@ def test_a_finished_read_that_no_get_takes_is_dropped(monkeypatch):
     reads.start("gone", lambda buf: ("payload", 1))
     reads._reads["gone"][0].result(timeout=60)  # the read has ended
     now = [time.monotonic() + mr.RESULT_TTL_S + 1]
-    monkeypatch.setattr(mr.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(mr, "_now", lambda: now[0])
     reads.start("next", lambda buf: ("payload", 2))  # each start expires what no get took in time
     assert reads.dropped == 1 and reads.take("gone") == (mr.NONE, None)
     reads.close()
@@ -789,3 +789,29 @@ def test_a_failed_mooncake_setup_names_the_addresses_it_was_given(monkeypatch):
     said = str(e.value)
     assert said.startswith(f"{NAME}: Mooncake setup failed with master '10.0.0.1:50151', metadata_server "
                            "'http://10.0.0.1:8080/metadata', host '10.0.0.2', proto 'tcp': Mooncake setup failed: -1")
+
+
+def test_an_idle_servers_gets_let_go_of_finished_reads_no_get_took(monkeypatch, caplog):
+    """A finished read was dropped only when the next read started: an idle server (gets of other keys, no new read)
+    held aborted requests' reads, up to MAX_HELD_BYTES, for good."""
+    import logging
+
+    from omni_accum.integrations.vllm_omni import mooncake_reads
+
+    reads = mooncake_reads.BackgroundReads(1, lambda: None)
+    try:
+        reads.start("aborted_0_0", lambda buf: torch.zeros(1024))
+        clock = [time.monotonic()]
+        monkeypatch.setattr(mooncake_reads, "_now", lambda: clock[0])
+        waited = 0
+        while reads.take("other")[0] == mooncake_reads.NONE and not reads._reads["aborted_0_0"][1] and waited < 600:
+            time.sleep(0.1)  # (the read finishing on its thread)
+            waited += 1
+        assert reads._reads["aborted_0_0"][1] and reads.dropped == 0
+        caplog.set_level(logging.WARNING, "omni_accum")
+        clock[0] += mooncake_reads.RESULT_TTL_S + 2  # no read starts; gets of other keys go on
+        assert reads.take("other") == (mooncake_reads.NONE, None)
+        assert reads.dropped == 1 and len(reads) == 0 and "dropped the finished read of aborted_0_0" in caplog.text
+    finally:
+        monkeypatch.undo()
+        reads.close()

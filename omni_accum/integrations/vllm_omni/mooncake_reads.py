@@ -32,6 +32,7 @@ NONE, RUNNING, DONE = "none", "running", "done"
 #: A finished read that no get takes in this many seconds is dropped, its key left in the store (a later get reads it
 #: again): vllm-omni asks every pass, usually within milliseconds.
 RESULT_TTL_S = 60.0
+_now = time.monotonic  # the readers' clock (tests move it)
 #: The finished reads held at most (their ``nbytes``): beyond, the oldest is dropped as above.
 MAX_HELD_BYTES = 4 << 30
 MAX_THREADS = 64
@@ -51,6 +52,7 @@ class BackgroundReads:
         self._local = threading.local()
         self._buffers: list[Any] = []
         self.dropped = 0
+        self._next_expire = 0.0  # a take looks for finished reads no get took at most once a second
 
     def start(self, key: str, read: Callable[[Any], Any]) -> None:
         """Run ``read(buffer)`` on a reader thread; its result (None: failed) is :meth:`take`'s for ``key``."""
@@ -60,15 +62,19 @@ class BackgroundReads:
             try:
                 return read(self.buffer())
             finally:
-                finished.append(time.monotonic())
+                finished.append(_now())
 
         with self._lock:
-            self._expire(time.monotonic())
+            self._expire(_now())
             self._reads[key] = (self._pool.submit(run), finished)
 
     def take(self, key: str) -> tuple[str, Any]:
         """``(NONE, None)``: no read of ``key``; ``(RUNNING, None)``; ``(DONE, result)``, forgotten from then on."""
         with self._lock:
+            now = _now()
+            if now >= self._next_expire:  # an idle server starts no read: its takes let go of the old ones
+                self._next_expire = now + 1.0
+                self._expire(now)
             got = self._reads.get(key)
             if got is None:
                 return NONE, None
