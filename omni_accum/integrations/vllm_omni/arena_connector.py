@@ -241,13 +241,9 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         for pair, rx in list(self._rx.items()):
             if rx is None:
                 continue
-            waiting = rx.pending_keys()
-            seen = self._seen.setdefault(pair, {})
-            if len(seen) > len(waiting):  # taken (or discarded) since the last look
-                live = set(waiting)
-                for k in [k for k in seen if k not in live]:
-                    del seen[k]
-            dropped = [k for k in waiting if now - seen.setdefault(k, now) > self.orphan_s]
+            old = self._seen.get(pair, {})
+            seen = self._seen[pair] = {k: old.get(k, now) for k in rx.pending_keys()}  # the keys waiting now only
+            dropped = [k for k, first in seen.items() if now - first > self.orphan_s]
             for k in dropped:
                 rx.discard(k)  # its pages go back to the sender
                 del seen[k]
@@ -387,7 +383,8 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         return {"connector": NAME, "status": "closed" if self._closed else "healthy", "arena_name": self.arena_name,
                 "stage": self.stage_id,
                 "arena_puts": c["arena_puts"], "inner_puts": c["inner_puts"], "arena_gets": c["arena_gets"],
-                "inner_gets": c["inner_gets"], "orphans_dropped": c["orphans_dropped"], "fallbacks": dict(self.fallbacks), "regions": self._regions(),
+                "inner_gets": c["inner_gets"], "orphans_dropped": c["orphans_dropped"], "fallbacks": dict(self.fallbacks),
+                "regions": self._regions(),
                 "inner_only": self._inner_only_now()}
 
     def close(self) -> None:
