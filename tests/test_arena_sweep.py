@@ -11,6 +11,7 @@ import textwrap
 from omni_accum.arena import sweep_stale
 from omni_accum.arena.live import create_receiver, pointer_path
 from omni_accum.samehost import private_dir, write_private
+from waiting import poll  # tests/ is on sys.path (the rootdir conftest's folder)
 
 #: A receiver in a process of its own that copies its region and pointer to argv[1], then ends without closing them
 #: (its reaper removes the originals: the copies are what a process leaves when it had no reaper).
@@ -76,7 +77,10 @@ def test_a_sender_finding_a_dead_owners_region_leaves_the_pointer_to_the_reaper_
 
     pair = f"sweepdrop_{os.getpid()}_0_1"
     left = _dead_receivers_files(tmp_path, monkeypatch, pair)
-    for p in left.iterdir():  # the dead receiver's region and pointer, where the sender looks
+    # the dead receiver's reaper removes its originals in a moment: wait for that, then put the copies where the
+    # sender looks (linking sooner raced the reaper: "File exists", or a copy it removed)
+    assert poll(lambda: not any(pair in n for n in os.listdir(private_dir())), timeout=60)
+    for p in left.iterdir():  # the dead receiver's region and pointer
         os.link(p, private_dir() / p.name)
     ptr = live.pointer_path(pair)
     named = ptr.read_bytes()
