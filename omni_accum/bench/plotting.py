@@ -62,12 +62,14 @@ def context_label(n: float) -> str:
 
 def plot_series(run: BenchRun) -> dict[tuple[str, int], list[tuple[int, float, float, float]]]:
     """``{(arm, concurrency): [(context_len, p50, low, high), ...]}`` sorted by context length; the
-    interval is the p50's 95 % interval (:func:`~omni_accum.bench.report.p50_interval`)."""
+    interval is the p50's 95 % interval (:func:`~omni_accum.bench.report.p50_interval`; none under 6 samples: the
+    point alone)."""
     series: dict[tuple[str, int], list[tuple[int, float, float, float]]] = {}
     for r in run.results:
-        ci = p50_interval(r)
-        if ci is not None:
-            series.setdefault((r.arm, r.concurrency), []).append((r.context_len, r.step_us_p50, *ci))
+        if not r.pooled():
+            continue
+        ci = p50_interval(r) or (r.step_us_p50, r.step_us_p50)
+        series.setdefault((r.arm, r.concurrency), []).append((r.context_len, r.step_us_p50, *ci))
     for pts in series.values():
         pts.sort()
     return series

@@ -28,7 +28,7 @@ from omni_accum.policy.model import PROTOCOL_REPLACE_KEYS, Policy
 from omni_accum.policy.tuned import TunedCell
 from omni_accum.bench.replay import UPSTREAM, WIRE_FLOOR, ArmResult, measure
 from omni_accum.tuner.candidates import Candidate, candidates_for, same_choice
-from omni_accum.tuner.stats import MIN_GAIN, MIN_GAIN_US, Gain, bootstrap_gain, median
+from omni_accum.tuner.stats import MIN_GAIN, MIN_GAIN_US, Gain, bootstrap_gain, median, round_gain
 from omni_accum.bench.streams import _carries, chunk_plans
 from omni_accum.bench.workloads import Workload
 
@@ -184,6 +184,7 @@ def _tune_key(
             arms[cand.label] = with_rule(base, key, cand)
             owner[cand.label] = cand
     samples: dict[str, list[float]] = {lab: [] for lab in arms}
+    rounds_of: dict[str, list[list[float]]] = {lab: [] for lab in arms}  # the gains' intervals pair the rounds
     excluded: dict[str, str] = {}
     peak: dict[str, int] = {}
     active = list(arms)
@@ -203,6 +204,9 @@ def _tune_key(
             length_hints=False,
             device=device,
             progress=progress,
+            # round 0 is timed warm: cold, the first arm of a bucket (the baseline) faults fresh pages (a null
+            # test read +94 % for an arm identical to it, and the clear-win stop below ended the key there)
+            warmup=rnd == 0,
         )
         rounds = rnd + 1
         for r in results:
@@ -220,6 +224,7 @@ def _tune_key(
                 )
                 continue
             samples[r.arm] += r.pooled()
+            rounds_of[r.arm].append(r.pooled())
             if rnd == 0:
                 peak[base_label if r.arm == BASE else r.arm] = r.per_key[key].peak_bytes if key in r.per_key else 0
         if rnd == 0:
@@ -236,22 +241,30 @@ def _tune_key(
         if not samples[BASE]:
             break  # the baseline raised: the fastest correct candidate wins after one round
         best = min(mine, key=lambda lab: median(samples[lab]))
-        g = bootstrap_gain(samples[BASE], samples[best])
+        g = round_gain(rounds_of[BASE], rounds_of[best])
         if g.low > CLEAR_WIN or (g.high < MIN_GAIN and base_wrong is None):
             break
         cut = 2.0 * median(samples[best])  # successive halving: arms that cannot win leave
         active = [lab for lab in active if lab == BASE or (lab in mine and median(samples[lab]) <= cut)]
-    return _decide(key, base_label, choice, owner, samples, excluded, peak, base_wrong, min_gain_us), rounds
+    decision = _decide(key, base_label, choice, owner, samples, excluded, peak, base_wrong, min_gain_us, rounds_of)
+    return decision, rounds
 
 
 def _decide(
-    key, base_label, base_choice, owner, samples, excluded, peak, base_wrong=None, min_gain_us=MIN_GAIN_US
+    key, base_label, base_choice, owner, samples, excluded, peak, base_wrong=None, min_gain_us=MIN_GAIN_US,
+    rounds_of=None,
 ) -> KeyDecision:
     """The winner: leave the baseline only for a win beyond the noise (the whole interval above 5 %, and its low
     end saving at least ``min_gain_us`` per step) or when the baseline's views are wrong or it raised. Among
     candidates the fastest is not significantly faster than (or within 5 % of it), the one holding the fewest
     bytes, then default params; the candidate picked must itself pass every gate against the baseline. A kept
-    baseline says why (``reason``)."""
+    baseline says why (``reason``). ``rounds_of``: each arm's samples per round, which the intervals pair
+    (:func:`~omni_accum.tuner.stats.round_gain`); None: each arm's ``samples`` as one round."""
+    rounds_of = rounds_of or {lab: [xs] for lab, xs in samples.items()}
+
+    def gain(base: str, other: str) -> Gain:
+        return round_gain(rounds_of[base], rounds_of[other])
+
     mine = [lab for lab in owner if lab not in excluded and samples[lab]]
     timings = {base_label: median(samples[BASE])} if samples[BASE] else {}
     timings.update({lab: median(samples[lab]) for lab in mine})
@@ -279,7 +292,7 @@ def _decide(
     def gate(lab: str) -> str | None:
         """None when ``lab`` beats the baseline beyond the noise; else why not."""
         if lab not in gains:
-            gains[lab] = bootstrap_gain(samples[BASE], samples[lab])
+            gains[lab] = gain(BASE, lab)
         return keep_reason(gains[lab], timings[base_label], min_gain_us)
 
     best = min(mine, key=lambda lab: timings[lab])
@@ -291,12 +304,12 @@ def _decide(
     equivalent = [
         lab
         for lab in mine
-        if (timings[lab] <= limit or bootstrap_gain(samples[lab], samples[best], resamples=200).low <= 0.0)
+        if (timings[lab] <= limit or gain(lab, best).low <= 0.0)
         and (base_wrong is not None or gate(lab) is None)
     ]
     order = {lab: i for i, lab in enumerate(mine)}
     pick = min(equivalent, key=lambda lab: (peak.get(lab, 0), bool(owner[lab].params), order[lab]))
-    gp = gains[pick] if pick in gains else bootstrap_gain(samples[BASE], samples[pick])
+    gp = gains[pick] if pick in gains else gain(BASE, pick)
     why = None if base_wrong is None else f"baseline left: its {base_wrong}"
     return KeyDecision(key, owner[pick], base_label, gp.gain, (gp.low, gp.high), timings, excl, peak, why)
 

@@ -6,7 +6,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-#: Leave the baseline only for a win larger than this (relative), with an interval excluding zero.
+#: Leave the baseline only for a win whose whole interval lies above this (relative; ``core.keep_reason``).
 MIN_GAIN = 0.05
 #: ... and larger than this many microseconds per step: a 0.4 us win on a 5 us step is real but not
 #: worth a switch, and such cells flip between runs.
@@ -36,11 +36,6 @@ class Gain:
     low: float
     high: float
 
-    @property
-    def significant_win(self) -> bool:
-        """True when the win is above :data:`MIN_GAIN` and the interval excludes zero."""
-        return self.gain > MIN_GAIN and self.low > 0.0
-
 
 def bootstrap_gain(
     baseline: Sequence[float],
@@ -66,3 +61,19 @@ def bootstrap_gain(
     lo = gains[int(alpha * (resamples - 1))]
     hi = gains[int((1.0 - alpha) * (resamples - 1))]
     return Gain(point, lo, hi)
+
+
+def round_gain(baseline: Sequence[Sequence[float]], candidate: Sequence[Sequence[float]], *, seed: int = 0) -> Gain:
+    """The relative gain of medians with its interval over the rounds both arms ran, then their steps (a paired
+    two-level bootstrap, :func:`omni_accum.bench.intervals.ratio_interval_rounds`): a round's drift (the machine's
+    load between rounds) counts as noise, which an interval over the pooled steps left out. Under two rounds both
+    ran: :func:`bootstrap_gain` over the pooled steps."""
+    from omni_accum.bench.intervals import ratio_interval_rounds
+
+    if sum(1 for b, c in zip(baseline, candidate) if len(b) and len(c)) < 2:
+        return bootstrap_gain([x for r in baseline for x in r], [x for r in candidate for x in r], seed=seed)
+    q = ratio_interval_rounds(baseline, candidate, seed=seed)
+    if q is None:
+        raise ValueError("bootstrap needs samples on both arms, and a baseline median above 0")
+    ratio, low, high = q
+    return Gain(1.0 - ratio, 1.0 - high, 1.0 - low)
