@@ -70,15 +70,16 @@ E2E_CPU_SRC = os.path.join(
 
 
 def e2e_cpu_module(name: str, *requires: tuple[str, str]):
-    """Yield ``omni_accum_e2e_cpu.<name>`` imported from the harness's source, after ``require_module`` of each
-    ``(module, why)`` it builds on; the source folder leaves ``sys.path`` afterwards (a generator for a fixture)."""
+    """Yield ``omni_accum_e2e_cpu.<name>`` (the package itself for ``""``) imported from the harness's source, after
+    ``require_module`` of each ``(module, why)`` it builds on; the source folder leaves ``sys.path`` afterwards (a
+    generator for a fixture)."""
     import sys
 
     for module, why in requires:
         require_module(module, why)
     sys.path.insert(0, E2E_CPU_SRC)
     try:
-        yield importlib.import_module(f"omni_accum_e2e_cpu.{name}")
+        yield importlib.import_module(f"omni_accum_e2e_cpu.{name}" if name else "omni_accum_e2e_cpu")
     finally:
         sys.path.remove(E2E_CPU_SRC)
 

@@ -54,10 +54,12 @@ def test_an_arm_run_again_is_named_apart(run):
 def test_the_cpu_knobs_reach_every_arms_server_environment(run):
     import argparse
 
-    none = argparse.Namespace(idle_spin_s=None, omp_wait=None)
+    none = argparse.Namespace(idle_spin_s=None, omp_wait=None, executor=None)
     assert run.cpu_knobs(none) == {}  # vLLM's and libgomp's own behaviour (or the caller's environment)
-    both = argparse.Namespace(idle_spin_s=0, omp_wait="passive")
-    assert run.cpu_knobs(both) == {"OMNI_ACCUM_E2E_IDLE_SPIN_S": "0.0", "OMP_WAIT_POLICY": "PASSIVE"}
+    every = argparse.Namespace(idle_spin_s=0, omp_wait="passive", executor="uni")
+    assert run.cpu_knobs(every) == {
+        "OMNI_ACCUM_E2E_IDLE_SPIN_S": "0.0", "OMP_WAIT_POLICY": "PASSIVE", "OMNI_ACCUM_E2E_EXECUTOR": "uni",
+    }
 
 
 def test_an_unknown_deploy_config_is_named(run):
@@ -128,6 +130,7 @@ def test_usage_errors_exit_2_with_one_line(run, capsys, tmp_path, monkeypatch):
         ([*model, "--arms", "off@nosuch"], "nosuch"),
         ([*model, "--arms", "off,default,off"], "off given twice"),  # and how to run it again: ARM#2
         ([*model, "--omp-wait", "lazy"], "'passive', 'active'"),
+        ([*model, "--executor", "ray"], "'mp', 'uni'"),
     ]
     for argv, needle in cases:
         with pytest.raises(SystemExit) as e:

@@ -234,7 +234,7 @@ def test_a_failure_right_after_the_lab_opens_still_removes_it(run, model, monkey
     monkeypatch.setattr(run, "shm_entries", shm_entries)
     args = argparse.Namespace(hosts=4, deploy_config=str(E2E / "configs" / "qwen3_omni_cpu_mooncake.yaml"),
                               model=str(model), start_timeout=10, stop_grace=1, idle_spin_s=None, omp_wait=None,
-                              capture=None)  # fmt: skip
+                              executor=None, capture=None)  # fmt: skip
     with pytest.raises(type(raised)):
         run.run_arm(run.make_arm("off"), args, tmp_path)
     assert events == ["made", "open", "stop"]

@@ -164,6 +164,17 @@ def build_parser(
         "omni-accum plays no part. Default: the environment's OMP_WAIT_POLICY, else libgomp's own",
     )
     ap.add_argument(
+        "--executor",
+        choices=("mp", "uni"),
+        default=None,
+        help="every arm's server: vLLM's executor for each stage's one worker. uni: the model runner in the stage's "
+        "engine core process, as vLLM picks on a GPU server with tensor parallel size 1, so that what the scheduler "
+        "hands the runner (chunk 0: 66 MB at 8k, 262 MB at 32k) is not pickled through vLLM's message queue to a "
+        "worker process (43 ms at 8k, 0.18-0.56 s at 32k on the 2-core VM, in every arm). mp: a worker process, "
+        "which vLLM's CPU platform picks. Done by the harness's CPU platform package (OMNI_ACCUM_E2E_EXECUTOR), "
+        "the same for every arm, off included; omni-accum plays no part. Default: vLLM's CPU platform's (mp)",
+    )
+    ap.add_argument(
         "--start-timeout", type=float, default=900.0, metavar="S",
         help="seconds each server may take to answer /health, also its stages' --stage-init-timeout "
         "(default %(default)s)",

