@@ -65,9 +65,9 @@ def p50_interval(r: ArmResult) -> tuple[float, float] | None:
 
 
 def ratio_vs(base: ArmResult, r: ArmResult) -> tuple[float, float, float, bool] | None:
-    """``(ratio, low, high, within_noise)``: ``r``'s p50 over ``base``'s with a bootstrap 95 % interval over the
-    repeats both ran, then their steps (:func:`~omni_accum.bench.intervals.ratio_interval_rounds`: the drift
-    between repeats counts; one repeat: over the steps alone; it holds the ratio).
+    """``(ratio, low, high, within_noise)``: ``r``'s p50 over ``base``'s with a 95 % interval over the repeats both
+    ran (:func:`~omni_accum.bench.intervals.ratio_interval_rounds`: Student's t over the repeats' ratios, so the
+    drift between repeats counts; one repeat: a bootstrap over its steps alone; it holds the ratio).
 
     Within noise: the interval contains 1x. A difference under :data:`~omni_accum.tuner.stats.MIN_GAIN` (the rule
     ``omni-accum tune`` applies before it leaves the baseline) is not noise when the interval excludes 1x: the table
@@ -204,8 +204,8 @@ def format_table(results: list[ArmResult], baseline: str = UPSTREAM, *, decode_s
     if base is not None and len(results) > 1:
         out.append(
             f"(95% CI over every step of {len(base.samples_us)} repeat(s): of the p50, two order statistics around "
-            "the middle; of a ratio, a bootstrap of both arms' medians over the repeats, then their steps (the drift "
-            "between repeats counts; one repeat: its steps alone). 'within noise': the ratio's interval holds 1x; "
+            "the middle; of a ratio, Student's t over the repeats' ratios of the arms' medians (the drift between "
+            "repeats counts; one repeat: a bootstrap over its steps alone). 'within noise': the interval holds 1x; "
             f"'under {MIN_GAIN:.0%}' / 'may be under {MIN_GAIN:.0%}': the ratio / its interval within "
             f"{MIN_GAIN:.0%} of 1x, a difference tune would not act on)"
         )

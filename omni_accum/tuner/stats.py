@@ -64,16 +64,16 @@ def bootstrap_gain(
 
 
 def round_gain(baseline: Sequence[Sequence[float]], candidate: Sequence[Sequence[float]], *, seed: int = 0) -> Gain:
-    """The relative gain of medians with its interval over the rounds both arms ran, then their steps (a paired
-    two-level bootstrap, :func:`omni_accum.bench.intervals.ratio_interval_rounds`): a round's drift (the machine's
-    load between rounds) counts as noise, which an interval over the pooled steps left out. Under two rounds both
-    ran: :func:`bootstrap_gain` over the pooled steps."""
+    """The relative gain of medians with its interval over the rounds both arms ran (Student's t over the rounds'
+    ratios, :func:`omni_accum.bench.intervals.ratio_interval_rounds`): a round's drift (the machine's load between
+    rounds, the arms' order in it) counts as noise, which an interval over the pooled steps left out. Under two
+    rounds both ran: :func:`bootstrap_gain` over the pooled steps."""
     from omni_accum.bench.intervals import ratio_interval_rounds
 
     if sum(1 for b, c in zip(baseline, candidate) if len(b) and len(c)) < 2:
         return bootstrap_gain([x for r in baseline for x in r], [x for r in candidate for x in r], seed=seed)
     q = ratio_interval_rounds(baseline, candidate, seed=seed)
     if q is None:
-        raise ValueError("bootstrap needs samples on both arms, and a baseline median above 0")
+        raise ValueError("a gain needs samples on both arms, and a baseline median above 0")
     ratio, low, high = q
     return Gain(1.0 - ratio, 1.0 - high, 1.0 - low)
