@@ -320,3 +320,94 @@ def test_a_uni_executor_s_runner_gets_the_scheduler_s_own_objects(vo16):
         wrapped.postprocess_scheduler_output(so, {"r": request})
         shipped = so.scheduled_new_reqs[0].additional_information if k == 0 else so.scheduled_cached_reqs.additional_information["r"]
         assert shipped is got
+
+
+class _Request:
+    """What the scheduler's ``requests`` hold (vLLM's ``Request``: weakly referable)."""
+
+    def __init__(self, rid: str) -> None:
+        self.request_id = self.external_req_id = rid
+        self.additional_information = None
+
+
+def _idle() -> Any:
+    """One step's output that schedules nothing."""
+    from vllm_omni.core.sched.output import OmniCachedRequestData
+
+    empty = dict(new_token_ids=[], all_token_ids={}, new_block_ids=[], num_computed_tokens=[], num_output_tokens=[])
+    cached = OmniCachedRequestData(req_ids=[], resumed_req_ids=set(), prompt_token_ids={}, **empty)
+    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached)
+
+
+@pytest.mark.parametrize("policy", ["default", "qwen3-omni"])
+def test_a_request_the_scheduler_let_go_holds_no_more_than_0160_holds(vo16, policy):
+    """0.16.0's AR scheduler never calls cleanup for a talker's request: 0.16.0 keeps its rows for good (its own
+    leak), and the binding kept its Receiver state beside them; under qwen3-omni that pinned a buffer of twice the
+    prompt's rows per finished request (the talker's memory grew twice as fast as 0.16.0's), and status counted
+    every finished request as live. Once the scheduler drops the request, the next step gives upstream's entry
+    tight tensors equal to 0.16.0's and releases the Receiver's state."""
+    import gc
+
+    vo16.install(policy)
+    up, wrapped = make_adapter(), make_adapter(policy, backend="mp")
+    own = original("_update_request_payload")
+    req = _Request("r")
+    for k, chunk in enumerate(qwen3_omni_stream(prompt=256, steps=10)):
+        _step(own, up, "r", chunk)
+        got, raised = _step(type(wrapped)._update_request_payload, wrapped, "r", chunk)
+        assert raised is None
+        req.additional_information = got
+        wrapped.postprocess_scheduler_output(_scheduled("r", k == 0, req), {"r": req})
+    b = binding_for(wrapped)
+    emb = wrapped.request_payload["r"]["thinker_embeddings"]
+    assert "r" in b.receiver.request_ids()
+    assert (emb.untyped_storage().nbytes() > emb.nbytes) == (policy == "qwen3-omni")  # prealloc: spare rows pinned
+    wrapped.postprocess_scheduler_output(_idle(), {"r": req})  # still the scheduler's: nothing changes
+    assert "r" in b.receiver.request_ids()
+    del req, got, emb
+    gc.collect()
+    wrapped.postprocess_scheduler_output(_idle(), {})  # the scheduler let it go: the next step compacts
+    assert "r" not in b.receiver.request_ids()
+    held = wrapped.request_payload["r"]  # 0.16.0's own entry stays, as 0.16.0 keeps it
+    assert first_difference(up.request_payload["r"], held) is None
+    t = held["thinker_embeddings"]
+    assert t.untyped_storage().nbytes() == t.nbytes  # tight: the rows 0.16.0 holds, no more
+
+
+def test_doctor_on_0160_names_what_the_family_cannot_do_and_reads_its_stage_config(vo16, tmp_path, monkeypatch, capsys):
+    """On 0.16 an A/B split ran every request on its first arm while doctor printed the 50/50 split as ready; a capture
+    folder recorded nothing; and 0.16.0's own stage config (no connector named: the default) was 'not a vllm-omni
+    deploy YAML'."""
+    from pathlib import Path
+
+    import vllm_omni
+
+    from omni_accum import cli
+
+    split = tmp_path / "ab.yaml"
+    split.write_text("ab:\n  arms:\n    control: {policy: default}\n    treatment: {policy: qwen3-omni}\n")
+    monkeypatch.setenv("OMNI_ACCUM_POLICY", str(split))
+    cli.main(["doctor"])
+    out = capsys.readouterr().out
+    assert "PROBLEM" in out and "no send hook to split by: every request would run the first arm ('control')" in out
+    monkeypatch.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
+    monkeypatch.setenv("OMNI_ACCUM_CAPTURE", str(tmp_path / "cap"))
+    cli.main(["doctor"])
+    out = capsys.readouterr().out
+    assert "no capture hook: nothing is recorded there" in out and "no send hook to split by" not in out
+    monkeypatch.delenv("OMNI_ACCUM_CAPTURE")
+    stage_config = Path(vllm_omni.__file__).parent / "model_executor" / "stage_configs" / "qwen3_omni_moe_async_chunk.yaml"
+    cli.main(["doctor", "--deploy", str(stage_config)])
+    out = capsys.readouterr().out
+    assert "not a vllm-omni deploy YAML" not in out and "ready: this deployment runs as configured" in out, out
+
+
+def test_0160_s_connectors_are_left_as_they_are(vo16):
+    """The 0.16 family has no send hook: installing it wrapped every connector class's put anyway (a pass-through
+    per put, outside the family's all-or-nothing check)."""
+    from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
+
+    from omni_accum.integrations.vllm_omni import send
+
+    vo16.install("qwen3-omni")
+    assert not send._wrapped and not hasattr(SharedMemoryConnector.put, "__omni_accum_original__")

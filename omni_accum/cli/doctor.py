@@ -22,6 +22,7 @@ from omni_accum.cli.doctor_policy import (  # noqa: F401 - _deploy_policy: the t
     Check,
     _deploy_extras,
     _deploy_policy,
+    _family_name,
     _read_deploy,
     check_connectors,
     check_policy,
@@ -203,6 +204,11 @@ def check_capture(deploy: str | None) -> list[Check]:
                              "fix it, or unset the capture settings: a stage process records nothing then"))
         elif got:
             folder, values, max_bytes = got
+            if _family_name() == "0.16":
+                out.append(Check("capture", True, f"{where}: names {folder}, but vllm-omni 0.16's family has no "
+                                 "capture hook: nothing is recorded there", "capture on vllm-omni 0.28 / 0.30",
+                                 warning=True))  # fmt: skip
+                continue
             out.append(Check("capture", True, f"{where}: records to {folder} (values: {values}, at most "
                              f"{max_bytes} bytes a process)"))
     return out

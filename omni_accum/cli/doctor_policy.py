@@ -159,6 +159,8 @@ def _deploy_policies(path: str) -> list[tuple[str, Any]]:
     data = _read_deploy(path)
     found = [(w, e["omni_accum_policy"]) for w, e in _connector_extras(data) if "omni_accum_policy" in e]
     if not found and not _has_connectors(data):
+        if isinstance(data, dict) and isinstance(data.get("stage_args"), list):
+            return []  # a vllm-omni 0.16 stage config: its stages take the default connector, named nowhere
         raise OmniAccumError(
             f"--deploy {path}: not a vllm-omni deploy YAML (no connector in it: a key naming connectors, or an "
             "'extra' mapping); give the deploy YAML the server starts with (a policy file goes in "
@@ -274,6 +276,14 @@ def _policy_checks(spec: Any, source: str, info: dict[str, Any], env_checked: bo
         arms = {n: {"policy": p, "share": s} for n, (p, s) in ab_shares(policy).items()}
         info.setdefault("policy", {"source": source, "ab": arms})
         out = [Check("policy", True, f"{source}: {policy_summary(policy)}")]
+        if _family_name() == "0.16":
+            first = next(iter(arms))
+            out.append(Check(
+                "policy", False,
+                f"{source}: an A/B split, and vllm-omni 0.16's family has no send hook to split by: every request "
+                f"would run the first arm ({first!r}) and omni-accum ab would find no series",
+                "one policy (the arm you want), or the split on vllm-omni 0.28 / 0.30",
+            ))  # fmt: skip
     else:
         info.setdefault("policy", {"source": source, "default": policy.default.strategy, "rules": rules})
         said = "; ".join(rules) or "no rules"
@@ -332,3 +342,11 @@ def _sent_keys_check(policy: Any, source: str) -> list[Check]:
         "release sends (omni-accum tune's default workload)"
     )
     return [Check("policy keys", True, detail, fix, warning=True)]
+
+
+def _family_name() -> str | None:
+    """The release family of the installed vllm-omni (``"0.16"``), or None."""
+    from omni_accum.integrations.vllm_omni.families import family_for, installed_version
+
+    fam = family_for(installed_version())
+    return fam.name if fam is not None else None

@@ -66,7 +66,8 @@ def install(
     handoff.read_settings()  # a bad OMNI_ACCUM_HANDOFF_SAMPLE refuses here (nothing patched)
     with _lock:
         _patch("targets")
-        send.wrap_connector_classes()
+        if _wraps_sends():
+            send.wrap_connector_classes()
         Settings.policy = loaded
         Settings.installed, Settings.refused = True, None
         if policy is not None:
@@ -82,7 +83,15 @@ def ensure_patched() -> None:
     upstream code. For code that binds its own instances (:func:`.binding.bind`)."""
     with _lock:
         _patch("targets")
-        send.wrap_connector_classes()
+        if _wraps_sends():
+            send.wrap_connector_classes()
+
+
+def _wraps_sends() -> bool:
+    """The active family has a send hook (0.28, 0.30: the connectors' ``put`` then encodes omni-accum's wire); 0.16
+    has none, and its connectors are left as they are."""
+    fam = active_family()
+    return fam is not None and any(t.wrap is send.wrap_send for t in fam.targets)
 
 
 def uninstall() -> None:

@@ -266,13 +266,16 @@ class Binding:
                 then = "this chunk, and omni-accum goes on from upstream's state with the next one"
             else:
                 then = "this step and the rest of the request until it is flushed"
+            from omni_accum.policy.fingerprint import dist_version
+
             logger.warning(
-                "omni-accum refused a chunk in %s: request %r, key %r: %s. vllm-omni 0.30.0's own code handles %s "
+                "omni-accum refused a chunk in %s: request %r, key %r: %s. vllm-omni %s's own code handles %s "
                 "(not logged again for this request)",
                 where,
                 req_id,
                 error.key,
                 error.reason,
+                dist_version("vllm-omni") or "(its release)",
                 then,
             )
         if release:

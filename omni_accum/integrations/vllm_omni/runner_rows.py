@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from omni_accum.errors import AccumulationError
+from omni_accum.integrations.vllm_omni import whole_payload
 from omni_accum.integrations.vllm_omni.binding import binding_for
 
 logger = logging.getLogger("omni_accum.vllm_omni")
@@ -254,8 +255,12 @@ def wrap_postprocess(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def postprocess_scheduler_output(self: Any, scheduler_output: Any, requests: Any = None) -> Any:
         result = orig(self, scheduler_output, requests)
-        b = binding_for(self) if requests is not None and self.__dict__.get(SERIALIZING_ATTR) else None
-        if b is not None:
+        b = binding_for(self) if isinstance(requests, dict) else None
+        if b is None:
+            return result
+        whole_payload.compact_ended(b, self)  # the requests the scheduler let go (0.16.0 never releases them)
+        whole_payload.track_ends(b, self, requests)
+        if self.__dict__.get(SERIALIZING_ATTR):
             for name in STATS:
                 b.stats.setdefault(name, 0)
             ship_rows(b.stats, scheduler_output, requests)

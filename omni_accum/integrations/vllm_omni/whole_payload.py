@@ -14,12 +14,22 @@ The wrapper keeps that contract and moves the tensor and list keys through the b
 tensor, as the talker reads it). Upstream's dict stays the store of record: a request whose held
 keys differ from the chunk's (0.16 drops the keys a chunk does not carry) is re-seeded from it, and
 a chunk omni-accum refuses is handed to 0.16.0's own code.
+
+0.16.0's AR scheduler calls the adapter's ``cleanup`` only after a failed KV load, so a talker never releases a
+request: 0.16.0 keeps each finished request's accumulated rows for the process's life (its own leak), and the
+binding kept its Receiver state beside them; under ``prealloc`` that pinned a buffer of twice the prompt's rows
+per request instead of 0.16.0's tight ``[P+t, H]``. :func:`track_ends` notes when the scheduler has let a request
+go (its ``Request`` object collected) and :func:`compact_ended`, at the next scheduler step, gives upstream's entry
+tight copies of the tensors omni-accum handed over (the same values: what 0.16.0 would hold) and releases the
+Receiver's state: memory and ``live_requests`` then follow 0.16.0's own.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +48,10 @@ FINISHED = "finished"
 #: chunks of a flush per request. Published from here instead: a request's first and last chunk and
 #: at most this often in between (a time read the hook makes anyway).
 PUBLISH_EVERY_S = 1.0
+#: Binding attribute: the external ids of the requests 0.16.0's scheduler has let go, for :func:`compact_ended`.
+ENDED_ATTR = "_omni_accum_ended"
+#: Request attribute (scheduler side): :func:`track_ends` watches it.
+TRACKED_ATTR = "_omni_accum_end_tracked"
 
 
 def _kind(value: Any) -> type | None:
@@ -137,3 +151,44 @@ def wrap_cleanup(orig: Callable[..., Any]) -> Callable[..., Any]:
             b.forget(ext)  # the receive side is keyed by the external id, like request_payload
 
     return cleanup
+
+
+def track_ends(b: Binding, adapter: Any, requests: Any) -> None:
+    """Each of the scheduler's ``requests`` (request id -> ``Request``), once: when its ``Request`` is collected
+    (0.16.0's scheduler is done with it), its external id goes on the binding's list for :func:`compact_ended`. The
+    finalizer only appends to a deque: it runs wherever the collector does, so it takes no lock."""
+    ended = b.__dict__.get(ENDED_ATTR)
+    if ended is None:
+        ended = b.__dict__.setdefault(ENDED_ATTR, deque())
+    mapping = getattr(adapter, "request_ids_mapping", None) or {}
+    for rid, req in list(requests.items()):
+        state = getattr(req, "__dict__", None)
+        if state is None or state.get(TRACKED_ATTR):
+            continue
+        state[TRACKED_ATTR] = True
+        ext = mapping.get(rid) or getattr(req, "external_req_id", None) or rid
+        try:
+            weakref.finalize(req, ended.append, ext)
+        except TypeError:  # not weakly referable: its entry stays as it is
+            pass
+
+
+def compact_ended(b: Binding, adapter: Any) -> None:
+    """The requests the scheduler has let go since the last step (:func:`track_ends`): upstream's entry gets tight
+    copies of the tensors that are views of a larger buffer (omni-accum's, handed over), and the Receiver's state
+    of the request is released (its buffer back to the pool or freed)."""
+    ended = b.__dict__.get(ENDED_ATTR)
+    if not ended:
+        return
+    store = getattr(adapter, "request_payload", None)
+    while ended:
+        try:
+            ext = ended.popleft()
+        except IndexError:
+            break
+        entry = store.get(ext) if isinstance(store, dict) else None
+        if isinstance(entry, dict):
+            for k, v in list(entry.items()):
+                if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes() > v.nbytes:
+                    entry[k] = v.clone()
+        b.forget(ext)

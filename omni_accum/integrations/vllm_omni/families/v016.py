@@ -51,6 +51,8 @@ FAMILY = Family(
     empty_span_takes_incoming=False,
     differences=(
         "the receiving chunk adapter accumulates the whole flat payload (_update_request_payload: torch.cat of "
-        "thinker_embeddings per decode step); no runner transport, MRv2 data plane or full-payload accumulator"
+        "thinker_embeddings per decode step); no runner transport, MRv2 data plane or full-payload accumulator; "
+        "no send hook: no hand-off metric, A/B split or capture, and send_once / delta rules only replace the key "
+        "on receipt"
     ),
 )
