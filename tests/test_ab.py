@@ -165,7 +165,8 @@ def _scrape(control: list[float], treatment: list[float], requests: tuple[int, i
         for x in xs:
             merge.labels(arm).observe(x)
             hand.labels(arm, "0->1", "prefill").observe(x * 100)
-        reqs.labels(arm, "send").inc(len(xs) // 5 if requests is None else requests[i])
+        reqs.labels(arm, "receive").inc(len(xs) // 5 if requests is None else requests[i])
+        reqs.labels(arm, "send").inc(1000)  # the sending side's count is not the unit (a receiver's merges are)
     return generate_latest(reg)
 
 

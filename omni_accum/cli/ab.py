@@ -9,8 +9,8 @@ out 0, else ``within the noise``.
 
 The split assigns requests, not chunks, to the arms, and a request's chunks are alike (a ``torch.cat`` merge grows
 with the rows the request holds): the interval counts **requests** as the independent units, the spread of the
-chunks divided by the arm's requests (``omni_accum_ab_requests_total{role="send"}``: one per stage pair a request
-crosses, so a request counts once per receiving stage, where its merges are timed; a hand-off group of one pair
+chunks divided by the arm's requests as the receiving stages counted them (``omni_accum_ab_requests_total{role=
+"receive"}``: a request counts once per receiving stage, where its merges are timed; a hand-off group of one pair
 counts that arm's requests over its pairs), never by more units than observations. That bound is conservative for
 requests of like sizes (the spread of per-request means is at most the spread of the chunks); counting chunks
 instead called an A/A split "above the noise" in 86 % of trials of a cat-like stream. An arm with fewer than
@@ -253,10 +253,10 @@ def analyse(merge: dict, hand: dict, reqs: dict, baseline: str | None = None) ->
     groups: list[tuple[str, dict[str, Hist]]] = [("merge", {k[0]: h for k, h in merge.items()})]
     for pk in sorted({k[1:] for k in hand}):
         groups.append((f"handoff {pk[0]} {pk[1]}", {k[0]: h for k, h in hand.items() if k[1:] == pk}))
-    sent = {arm: roles.get("send", 0.0) for arm, roles in reqs.items()}
-    pairs = {arm: len({k[1] for k in hand if k[0] == arm}) or 1 for arm in sent}
+    got = {arm: roles.get("receive", 0.0) for arm, roles in reqs.items()}
+    pairs = {arm: len({k[1] for k in hand if k[0] == arm}) or 1 for arm in got}
     for what, by_arm in groups:
-        per = (lambda arm: sent.get(arm, 0.0)) if what == "merge" else (lambda arm: sent.get(arm, 0.0) / pairs[arm])
+        per = (lambda arm: got.get(arm, 0.0)) if what == "merge" else (lambda arm: got.get(arm, 0.0) / pairs[arm])
         arms = {arm: stats(h, per(arm)) for arm, h in by_arm.items()}
         first = baseline if baseline in arms else "control" if "control" in arms else None
         order = sorted(arms, key=lambda a: (a != first, a))
