@@ -220,7 +220,7 @@ def test_ab_counts_requests_not_chunks_as_the_units_of_its_interval(tmp_path, ca
     assert "treatment vs control: +" in out and out.count("difference above the noise") == 2, out
     f.write_bytes(_scrape(arm(1.0), arm(2.0), requests=(40, 29)))  # 1450 chunks, but 29 requests
     assert main(["ab", "--metrics", str(f)]) == 0
-    assert "too few (< 30 requests per arm)" in capsys.readouterr().out
+    assert "too few (< 30 requests received per arm)" in capsys.readouterr().out
 
 
 def test_ab_gives_no_verdict_on_too_few_observations(tmp_path, capsys):
@@ -333,3 +333,15 @@ def test_ab_says_when_there_is_nothing_to_compare_or_the_baseline_is_missing_and
     text = format_report(analyse({("control",): Hist({1e-5: 100.0, float("inf"): 100.0}, 8e-4, 100.0),
                                   ("treatment",): h}, {}, {}))
     assert " us" not in text.split("merge time per chunk")[1], text  # one unit in the group: ms
+
+
+def test_an_arm_without_a_requests_series_gets_no_verdict_not_a_traceback(capsys):
+    """The request-count lookup of a hand-off group raised KeyError for an arm with hand-offs but no
+    omni_accum_ab_requests_total series (a scrape cut short, or an arm no stage received yet)."""
+    from omni_accum.cli.ab import Hist, analyse, format_report
+
+    h = Hist({1e-3: 50.0, float("inf"): 50.0}, total=0.04, count=50.0)
+    data = analyse({}, {("control", "0->1", "prefill"): h, ("treatment", "0->1", "prefill"): h}, {"control": {"receive": 50}})
+    g = next(g for g in data["groups"] if g["what"].startswith("handoff"))
+    assert g["arms"]["treatment"]["units"] == 0 and g["versus"]["treatment"]["verdict"].startswith("too few")
+    assert "treatment" in format_report(data)

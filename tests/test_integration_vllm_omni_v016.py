@@ -411,3 +411,27 @@ def test_0160_s_connectors_are_left_as_they_are(vo16):
 
     vo16.install("qwen3-omni")
     assert not send._wrapped and not hasattr(SharedMemoryConnector.put, "__omni_accum_original__")
+
+
+def test_a_binding_made_afresh_watches_the_requests_again(vo16):
+    """The watch mark on a request was a flag: after a reinstall (a new binding) the requests the old binding had
+    marked were never compacted, and the old binding's list filled up with nobody draining it."""
+    import gc
+
+    vo16.install("qwen3-omni")
+    wrapped = make_adapter("qwen3-omni", backend="mp")
+    req = _Request("r")
+    for k, chunk in enumerate(qwen3_omni_stream(prompt=64, steps=3)):
+        got, _ = _step(type(wrapped)._update_request_payload, wrapped, "r", chunk)
+        req.additional_information = got
+        wrapped.postprocess_scheduler_output(_scheduled("r", k == 0, req), {"r": req})
+    vo16.uninstall()
+    vo16.install("qwen3-omni")
+    got, _ = _step(type(wrapped)._update_request_payload, wrapped, "r", {"thinker_embeddings": torch.zeros(1, H).bfloat16()})
+    b = binding_for(wrapped)
+    wrapped.postprocess_scheduler_output(_idle(), {"r": req})
+    assert "r" in b.receiver.request_ids()
+    del req, got
+    gc.collect()
+    wrapped.postprocess_scheduler_output(_idle(), {})
+    assert "r" not in b.receiver.request_ids()

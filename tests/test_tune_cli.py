@@ -474,7 +474,7 @@ def test_help_says_what_the_options_do(capsys, monkeypatch):
         cli.main(["tune", "--help"])
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "%%" not in text and "its whole bootstrap 95 % interval above 5 %" in text
+    assert "%%" not in text and "its whole 95 % interval above 5 %: Student's t over the rounds' ratios" in text
     assert "(--out FILE | --show POLICY)" in text and "required unless --show" in text
     assert all(name in text for name in workload_names())
     assert "default: inproc" in text and "default: cpu" in text

@@ -573,3 +573,24 @@ def test_every_keys_first_round_is_timed_warm(tmp_path, monkeypatch):
     firsts = [c for c in decisions if c[2]]  # check=True: a key's round 0
     assert firsts and all(warm for _, warm, _ in firsts), calls
     assert all(not warm for _, warm, check in decisions if not check), calls
+
+
+def test_a_leaner_candidate_twice_as_slow_is_not_picked_at_two_rounds():
+    """Among candidates that beat the baseline the leanest of the equivalent ones wins; 'equivalent' must not come
+    from the rounds' t, which at 2 rounds (--quick, or an arm successive halving dropped) is 12.7 wide: a candidate
+    1.85x and 2.15x the fastest's time in its two rounds was picked for holding fewer bytes."""
+    from omni_accum.policy import StrategyChoice
+    from omni_accum.tuner.candidates import Candidate
+    from omni_accum.tuner.core import BASE, _decide
+
+    noise = [(i % 7) * 0.01 for i in range(60)]
+    rounds_of = {
+        BASE: [[100.0 + x for x in noise], [101.0 + x for x in noise]],
+        "fast": [[10.0 + x for x in noise], [10.0 + x for x in noise]],
+        "lean": [[18.5 + x for x in noise], [21.5 + x for x in noise]],
+    }
+    samples = {lab: [x for r in rounds for x in r] for lab, rounds in rounds_of.items()}
+    owner = {"fast": Candidate("fast"), "lean": Candidate("lean")}
+    peak = {"cat": 100, "fast": 200, "lean": 50}
+    d = _decide("k", "cat", StrategyChoice("cat"), owner, samples, {}, peak, None, 1.0, rounds_of)
+    assert d.winner == Candidate("fast"), d

@@ -132,7 +132,8 @@ def format_table(results: list[ArmResult], baseline: str = UPSTREAM, *, decode_s
     """One bucket's results as a text table, with each arm's p50 as a ratio to ``baseline``.
 
     Every p50 comes with a 95 % interval from all its step samples (:func:`p50_interval`), every ratio with a
-    bootstrap interval of its own (:func:`ratio_vs`); a ratio whose interval holds 1x reads ``~1x (within noise)``,
+    95 % interval of its own over the repeats (:func:`ratio_vs`); a ratio whose interval holds 1x reads
+    ``~1x (within noise)``,
     one whose interval leaves out 1x but that is under 5 % from it ``0.97x [0.96-0.98] (under 5%)``, one beyond 5 %
     whose interval reaches within 5 % of 1x ``0.93x [0.90-0.96] (may be under 5%)`` (neither is what tune acts on:
     it leaves the baseline only for a gain whose whole interval lies beyond 5 %).

@@ -10,8 +10,9 @@ out 0, else ``within the noise``.
 The split assigns requests, not chunks, to the arms, and a request's chunks are alike (a ``torch.cat`` merge grows
 with the rows the request holds): the interval counts **requests** as the independent units, the spread of the
 chunks divided by the arm's requests as the receiving stages counted them (``omni_accum_ab_requests_total{role=
-"receive"}``: a request counts once per receiving stage, where its merges are timed; a hand-off group of one pair
-counts that arm's requests over its pairs), never by more units than observations. That bound is conservative for
+"receive"}``: a request counts once per receiving stage, where its merges are timed, so on Qwen3-Omni's talker and
+code2wav a request is two units, and the interval up to sqrt(2) narrower than one per request; a hand-off group of
+one pair counts that arm's requests over its pairs), never by more units than observations. That bound is conservative for
 requests of like sizes (the spread of per-request means is at most the spread of the chunks); counting chunks
 instead called an A/A split "above the noise" in 86 % of trials of a cat-like stream. An arm with fewer than
 :data:`MIN_COUNT` such units gets no verdict (``too few``).
@@ -56,7 +57,7 @@ def register(subparsers: Any) -> None:
             "(omni_accum_ab_handoff_seconds): count, requests, mean with a 95% interval, p50 and p90 (approximate: "
             "from the histogram buckets; the interval counts requests, the split's unit, not chunks); then each "
             "arm against the baseline arm: the difference and whether it is above the noise (its 95% interval "
-            "leaves out 0; no verdict under 30 requests an arm). Exit 0: printed; 1: no A/B series in the input; "
+            "leaves out 0; no verdict under 30 requests received an arm, each receiving stage counting its own). Exit 0: printed; 1: no A/B series in the input; "
             "2: the input cannot be read."
         ),
     )
@@ -233,7 +234,7 @@ def compare(a: ArmStats, b: ArmStats) -> dict[str, Any]:
     """Arm ``b`` against arm ``a``: the difference of the means, its 95% interval and the verdict."""
     if a.units < MIN_COUNT or b.units < MIN_COUNT or a.mean is None or b.mean is None:
         return {"difference": None, "ci_low": None, "ci_high": None,
-                "verdict": f"too few (< {MIN_COUNT} requests per arm)"}  # fmt: skip
+                "verdict": f"too few (< {MIN_COUNT} requests received per arm)"}  # fmt: skip
     d = b.mean - a.mean
     half = Z95 * math.hypot(a.se or 0.0, b.se or 0.0)
     above = abs(d) > half
@@ -256,8 +257,8 @@ def analyse(merge: dict, hand: dict, reqs: dict, baseline: str | None = None) ->
     got = {arm: roles.get("receive", 0.0) for arm, roles in reqs.items()}
     pairs = {arm: len({k[1] for k in hand if k[0] == arm}) or 1 for arm in got}
     for what, by_arm in groups:
-        per = (lambda arm: got.get(arm, 0.0)) if what == "merge" else (lambda arm: got.get(arm, 0.0) / pairs[arm])
-        arms = {arm: stats(h, per(arm)) for arm, h in by_arm.items()}
+        share = 1 if what == "merge" else None  # a hand-off group: the arm's requests over its pairs
+        arms = {arm: stats(h, got.get(arm, 0.0) / (share or pairs.get(arm, 1))) for arm, h in by_arm.items()}
         first = baseline if baseline in arms else "control" if "control" in arms else None
         order = sorted(arms, key=lambda a: (a != first, a))
         base = order[0] if order else None

@@ -29,8 +29,9 @@ HELP = """\
 Replay the workload's trace through every applicable strategy per key (built-ins and plugins,
 filtered by the kinds they declare, with a small params grid), in every bucket of context length
 x concurrency, arms interleaved round by round. A key leaves the baseline policy only for a win
-beyond the noise (its whole bootstrap 95 % interval above 5 %, the interval's low end saving at least
---min-gain-us per step); every kept baseline is listed with its reason under the decision table.
+beyond the noise (its whole 95 % interval above 5 %: Student's t over the rounds' ratios, the first round
+timed warm; the interval's low end saving at least --min-gain-us per step; --quick's 2 rounds act on large
+gains only, t's 12.7); every kept baseline is listed with its reason under the decision table.
 Candidates whose views differ from the cat reference, that raise, or that hold more than the memory
 budget are excluded and reported (a baseline that raises on a key is left for the fastest correct
 candidate). The default workload is qwen3-omni-0.30, the stream vllm-omni 0.30.0 sends. The

@@ -6,13 +6,15 @@ policy with one key switched to that candidate. Arms are interleaved round by ro
 order). After the first round a candidate is excluded when its views differ from the cat
 reference or it raised (correctness gate) or its state for the key exceeds the memory budget
 (default 2x the accumulated bytes, i.e. what ``cat`` holds). A key leaves the baseline only for
-a win beyond the noise: the whole bootstrap interval above 5 % and its low end saving at least
-``min_gain_us`` per step; among candidates within 5 % of the fastest that pass those gates too, the one
+a win beyond the noise: the whole interval of its gain above 5 % (Student's t over the rounds' ratios, so the drift
+between rounds counts: :func:`~omni_accum.tuner.stats.round_gain`; one round: a bootstrap over its steps) and its
+low end saving at least ``min_gain_us`` per step; among candidates within 5 % of the fastest that pass those gates too, the one
 holding the fewest bytes wins (then default params, then name), so noise does not flip winners. Every
 kept baseline records why (:attr:`KeyDecision.reason`). A baseline that raises on a key (``cat`` of the
 0-d ``meta.is_segment_finished`` flag vllm-omni 0.30.0 sends) is left like one whose views are wrong:
 the fastest correct candidate wins. Clear decisions stop early; arms more than 2x slower than the best
-are dropped.
+are dropped. Round 0 of every key replays each arm once untimed first (cold, the first arm of a bucket faulted
+fresh pages and read as a false win for the others).
 """
 
 from __future__ import annotations
@@ -304,7 +306,9 @@ def _decide(
     equivalent = [
         lab
         for lab in mine
-        if (timings[lab] <= limit or gain(lab, best).low <= 0.0)
+        # among candidates a tighter test is the safe side (it keeps the faster one): the pooled steps' bootstrap,
+        # not the rounds' t, which at 2 rounds (--quick, or an arm halving dropped) holds a 2x slower arm level
+        if (timings[lab] <= limit or bootstrap_gain(samples[lab], samples[best], resamples=200).low <= 0.0)
         and (base_wrong is not None or gate(lab) is None)
     ]
     order = {lab: i for i, lab in enumerate(mine)}

@@ -73,7 +73,7 @@ def round_gain(baseline: Sequence[Sequence[float]], candidate: Sequence[Sequence
     if sum(1 for b, c in zip(baseline, candidate) if len(b) and len(c)) < 2:
         return bootstrap_gain([x for r in baseline for x in r], [x for r in candidate for x in r], seed=seed)
     q = ratio_interval_rounds(baseline, candidate, seed=seed)
-    if q is None:
-        raise ValueError("a gain needs samples on both arms, and a baseline median above 0")
+    if q is None:  # no baseline median above 0: as the pooled bootstrap treats it
+        return bootstrap_gain([x for r in baseline for x in r], [x for r in candidate for x in r], seed=seed)
     ratio, low, high = q
     return Gain(1.0 - ratio, 1.0 - high, 1.0 - low)
