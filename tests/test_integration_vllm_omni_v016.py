@@ -435,3 +435,20 @@ def test_a_binding_made_afresh_watches_the_requests_again(vo16):
     gc.collect()
     wrapped.postprocess_scheduler_output(_idle(), {})
     assert "r" not in b.receiver.request_ids()
+
+
+def test_probe_refuses_a_build_whose_runner_side_changed(vo16, monkeypatch):
+    """runner_rows' deltas hold only while 0.16.0's worker keeps the tensors it unpickles
+    (OmniGPUModelRunner._update_request_information's dict.update) and the adapter attaches the cached dicts as it
+    does; those methods were not checked, so a build that changed them was accepted and failed a worker's unpickling
+    later. They are checked now, never wrapped."""
+    from omni_accum.integrations.vllm_omni.families.base import _resolve
+
+    runner = _resolve(v016.RUNNER)
+    assert families.probe(v016.FAMILY) == []
+    monkeypatch.setattr(runner, "_update_request_information", lambda self, request_id, payload_info, copy=True: None)
+    problems = families.probe(v016.FAMILY)
+    assert any("OmniGPUModelRunner._update_request_information: signature is" in p for p in problems), problems
+    with pytest.raises(vo16.InstallRefused):
+        vo16.install("qwen3-omni")
+    assert not vo16.is_installed() and "__omni_accum_original__" not in vars(runner)

@@ -73,7 +73,7 @@ def probe(family: Family, targets: tuple[Target, ...] | None = None, patched: ob
     when they were patched).
     """
     problems = []
-    for t in family.targets + family.probes if targets is None else targets:
+    for t in family.targets + family.probes + family.relies_on if targets is None else targets:
         try:
             cls = _resolve(t.owner)
             raw = inspect.getattr_static(cls, t.name)

@@ -60,6 +60,8 @@ class Family:
         empty_span_takes_incoming: the release's ``merge_tensor_spans`` hands an incoming span over
             as it is when the held span is empty (0.30); False: ``torch.cat`` of both (0.28).
         differences: what differs from the other families, one line (``omni-accum doctor`` says it).
+        relies_on: methods omni-accum does not wrap but whose behaviour a wrapper relies on (``wrap`` None):
+            signature-checked with the targets, all or nothing, never patched.
     """
 
     name: str
@@ -72,6 +74,7 @@ class Family:
     data_plane: str | None
     empty_span_takes_incoming: bool
     differences: str = ""
+    relies_on: tuple[Target, ...] = ()
 
     @property
     def version(self) -> str:

@@ -28,6 +28,7 @@ from omni_accum.integrations.vllm_omni.families.base import Family, Target, wrap
 #: The constructor: the probe, and whether the stage's executor pickles the scheduler output (:mod:`..runner_rows`).
 INIT = runner_rows.wrap_init(wrap_probe)
 ADAPTER = "vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter:OmniChunkTransferAdapter"
+RUNNER = "vllm_omni.worker.gpu_model_runner:OmniGPUModelRunner"
 
 FAMILY = Family(
     name="0.16",
@@ -44,6 +45,13 @@ FAMILY = Family(
         ),
     ),
     probes=(Target(ADAPTER, "__init__", "(self, vllm_config)", INIT),),
+    # runner_rows' stand-ins hold only while the adapter attaches the cached dicts as it does and the worker's runner
+    # keeps the tensors it unpickles (dict.update): checked, not wrapped
+    relies_on=(
+        Target(ADAPTER, "attach_cached_additional_information", "(scheduler_output, requests)", None, static=True),
+        Target(RUNNER, "_update_additional_information", "(self, scheduler_output)", None),
+        Target(RUNNER, "_update_request_information", "(self, request_id, payload_info)", None),
+    ),
     runner_accumulate=ADAPTER,
     runner_class=ADAPTER,
     span_merge=(),
