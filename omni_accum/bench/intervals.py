@@ -12,7 +12,7 @@
 * :func:`ratio_interval_rounds`: the same ratio with its interval over the rounds (repeats) both arms ran: a bench
   or a tune interleaves its arms round by round, and what moves a whole round (the machine's load, its caches, the
   arms' order in it) is noise the steps inside a round do not show. An interval over the pooled steps called two
-  arms of one policy different in 37-63 % of runs (95 % intervals: 5 % expected); Student's t over the rounds'
+  arms of one policy different in 37-54 % of runs (95 % intervals: 5 % expected); Student's t over the rounds'
   ratios did in 5 %. Fewer than two such rounds: the pooled interval (:func:`ratio_interval`).
 
 Earlier, both were bootstrapped from every n-th pooled sample (at most 1000): samples are pooled in replay order,
@@ -114,7 +114,7 @@ def ratio_interval_rounds(
     gives one ratio of the two arms' medians, and the interval is Student's t over the logs of those ratios (paired
     rounds as the units: the drift between rounds and the steps' own noise both move a round's ratio; widened to
     hold the point ratio). Measured on the real bench with two arms of one policy, 100 runs each: it left out 1x in
-    5 % of runs at 3 and at 5 rounds, where the pooled steps' bootstrap did in 37-43 % (a two-level bootstrap over
+    5 % of runs at 3 and at 5 rounds, where the pooled steps' bootstrap did in 37-54 % (a two-level bootstrap over
     rounds then steps: 7-15 %). ``base`` / ``other``: the samples of each round
     (:attr:`~omni_accum.bench.replay.ArmResult.samples_us`); rounds pair by index, up to the shorter list,
     skipping a round empty in either arm or with a median of 0 or less. Under two such rounds:

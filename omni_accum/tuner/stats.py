@@ -70,10 +70,9 @@ def round_gain(baseline: Sequence[Sequence[float]], candidate: Sequence[Sequence
     rounds both ran: :func:`bootstrap_gain` over the pooled steps."""
     from omni_accum.bench.intervals import ratio_interval_rounds
 
-    if sum(1 for b, c in zip(baseline, candidate) if len(b) and len(c)) < 2:
-        return bootstrap_gain([x for r in baseline for x in r], [x for r in candidate for x in r], seed=seed)
-    q = ratio_interval_rounds(baseline, candidate, seed=seed)
-    if q is None:  # no baseline median above 0: as the pooled bootstrap treats it
+    paired = sum(1 for b, c in zip(baseline, candidate) if len(b) and len(c))
+    q = ratio_interval_rounds(baseline, candidate, seed=seed) if paired >= 2 else None
+    if q is None:  # under two rounds, or no baseline median above 0: the pooled steps' bootstrap
         return bootstrap_gain([x for r in baseline for x in r], [x for r in candidate for x in r], seed=seed)
     ratio, low, high = q
     return Gain(1.0 - ratio, 1.0 - high, 1.0 - low)
