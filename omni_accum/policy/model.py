@@ -201,8 +201,9 @@ class ABSplit(BaseModel):
         return v
 
     def arm_for(self, request_id: Any) -> str:
-        """The arm of ``request_id``: the first 8 bytes of its BLAKE2b hash (``str(request_id)`` as UTF-8,
-        personalization :data:`ARM_HASH_PERSON`) as a fraction of 2**64, laid over the arms' weights in order.
+        """The arm of ``request_id``: its BLAKE2b hash with an 8-byte digest (``digest_size=8``, of
+        ``str(request_id)`` as UTF-8, personalization :data:`ARM_HASH_PERSON`), read big-endian as a fraction of
+        2**64, laid over the arms' weights in order.
         The same id gives the same arm in every process and on every host."""
         h = hashlib.blake2b(str(request_id).encode("utf-8", "surrogatepass"), digest_size=8, person=ARM_HASH_PERSON)
         x = int.from_bytes(h.digest(), "big") / 2.0**64 * sum(a.weight for a in self.arms.values())
