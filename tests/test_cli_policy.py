@@ -306,6 +306,29 @@ def test_explain_plugin_override(capsys):
     assert explain(capsys, "default", "--key", "ids.all")["strategy"] == "cat"
 
 
+def test_explain_does_not_say_the_context_is_unused_when_a_selection_plugin_may_read_it(capsys):
+    import omni_accum
+    from omni_accum.manager import StrategyManager, reset_manager
+    from omni_accum.policy import StrategyChoice
+
+    class ByContext:  # docs/plugins.md's example: prealloc from 16k on
+        @omni_accum.hookimpl
+        def omni_accum_select_strategy(self, key, meta, context, policy):
+            long = (context.context_len or 0) >= 16000
+            return StrategyChoice("prealloc", {}, "plugin") if long and key == "embed.prefill" else None
+
+    plain = explain(capsys, "default", "--key", "embed.prefill", "--context-len", "32k")
+    assert any("do not change the choice" in n for n in plain["notes"]), plain["notes"]  # no plugin: it is so
+    m = StrategyManager()
+    m.pm.register(ByContext(), name="by-context")
+    reset_manager(m)
+    long, short = (explain(capsys, "default", "--key", "embed.prefill", "--context-len", n) for n in ("32k", "8k"))
+    assert (long["strategy"], short["strategy"]) == ("prealloc", "cat")  # the context did change the choice
+    for d in (long, short):
+        assert not any("do not change the choice" in n for n in d["notes"]), d["notes"]
+        assert any("only through the selection plugin(s)" in n and "by-context" in n for n in d["notes"]), d["notes"]
+
+
 def test_explain_and_show_invalid_policy_is_a_usage_error_without_traceback(capsys, tmp_path):
     p = tmp_path / "p.yaml"
     p.write_text("default: nope\n")

@@ -115,7 +115,13 @@ def explain_key(
         elif reason["kind"] == "default":
             notes.append("tuned table has no cell for this key in this bucket")
     elif policy.tuned is None and (context.context_len is not None or context.concurrency != 1):
-        notes.append("the policy has no tuned table, so --context-len / --concurrency do not change the choice")
+        if selectors := manager.selectors():  # a selection plugin may read the context itself
+            notes.append(
+                "the policy has no tuned table, so --context-len / --concurrency change the choice only through "
+                f"the selection plugin(s) {', '.join(selectors)}"
+            )
+        else:
+            notes.append("the policy has no tuned table, so --context-len / --concurrency do not change the choice")
     where = f"key {key!r} ({choice.source})"
     spec = manager.spec(choice.strategy, where=where)
     resolved = manager.params(choice.strategy, choice.params, where).model_dump(mode="json")
