@@ -136,3 +136,33 @@ def test_a_bad_arena_name_from_the_environment_is_named_as_the_variable(env, cap
     line = next(x for x in out.splitlines() if x.startswith("PROBLEM  connector"))
     assert rc == 1 and "OMNI_ACCUM_ARENA_NAME='my/server' (no extra.arena_name): use letters" in line, out
     assert "extra.arena_name =" not in line
+
+
+@pytest.mark.parametrize(
+    ("release", "said"),
+    [
+        ("0.30.0", "vllm-omni 0.30.0 merges the two (connectors by name, stages by stage_id; this file wins)"),
+        # 0.28.0's resolve_deploy_yaml takes the fragment's connectors: block whole, it does not merge it by name
+        ("0.28.0", "vllm-omni 0.28.0 merges the two (stages by stage_id, this file wins; its connectors: replace the"),
+    ],
+)
+def test_the_fragment_s_fix_says_how_the_installed_release_merges(env, release, said):
+    from omni_accum.cli import doctor_deploy
+
+    env.setattr(doctor_deploy, "_release", lambda: release)
+    (note,) = doctor_deploy.check_stages(str(SHM))
+    assert note.ok and note.warning and said in note.fix, note
+
+
+def test_under_0160_a_deploy_in_the_new_format_is_a_problem_and_its_own_stage_args_are_not(env, tmp_path):
+    """0.16.0's loader reads ``stage_args:`` and refuses ``stages:`` / ``connectors:``; doctor called a fragment
+    ready there, with a base_config fix that 0.16.0 does not read."""
+    from omni_accum.cli import doctor_deploy
+
+    env.setattr(doctor_deploy, "_release", lambda: "0.16.0")
+    (problem,) = doctor_deploy.check_stages(str(ARENA))
+    assert not problem.ok and "vllm-omni 0.16.0 is installed: its loader reads stage_args:" in problem.detail, problem
+    assert "(stages:, connectors:)" in problem.detail and "base_config" not in problem.fix
+    own = tmp_path / "stage_config.yaml"
+    own.write_text("stage_args:\n  - stage_id: 0\n    engine_args: {model_stage: thinker}\n", encoding="utf-8")
+    assert doctor_deploy.check_stages(str(own)) == []

@@ -400,6 +400,16 @@ def test_doctor_on_0160_names_what_the_family_cannot_do_and_reads_its_stage_conf
     cli.main(["doctor", "--deploy", str(stage_config)])
     out = capsys.readouterr().out
     assert "not a vllm-omni deploy YAML" not in out and "ready: this deployment runs as configured" in out, out
+    # a fragment of config/deploy (the 0.28 / 0.30 format) was called ready, with a base_config fix 0.16.0 cannot take
+    fragment = Path(__file__).resolve().parents[1] / "config" / "deploy" / "qwen3_omni_async_chunk.yaml"
+    with pytest.raises(Exception, match="stage_args"):  # 0.16.0's own loader refuses it
+        from vllm_omni.entrypoints.utils import load_stage_configs_from_yaml
+
+        load_stage_configs_from_yaml(str(fragment))
+    cli.main(["doctor", "--deploy", str(fragment)])
+    out = capsys.readouterr().out
+    assert "PROBLEM  deploy stages:" in out and "vllm-omni 0.16.0 is installed: its loader reads stage_args:" in out, out
+    assert "not ready" in out and "add 'base_config:" not in out, out
 
 
 def test_0160_s_connectors_are_left_as_they_are(vo16):

@@ -81,13 +81,33 @@ def _stage_ids(data: Any) -> list[Any] | None:
     return [s.get("stage_id") for s in stages if isinstance(s, dict)]
 
 
+def _release() -> str | None:
+    """The installed vllm-omni's version (None: not installed)."""
+    from omni_accum.policy.fingerprint import dist_version
+
+    return dist_version("vllm-omni")
+
+
+#: The keys of a 0.28 / 0.30 deploy YAML that vllm-omni 0.16.0's stage-config loader does not read.
+NEW_FORMAT_KEYS = ("stages", "connectors", "base_config")
+
+
 def check_stages(deploy: str | None) -> list[Check]:
     """A deploy whose ``stages:`` has no stage 0 (a fragment, such as those of ``config/deploy``): a note saying how
-    to merge it (``base_config:``, which vllm-omni 0.30.0's loader follows); with ``base_config:``, the merged
-    deploy as vllm-omni's own loader reads it (a base that cannot be read is a problem: the server does not start)."""
+    to merge it (``base_config:``, which the loader of vllm-omni 0.28.0 and 0.30.0 follows); with ``base_config:``,
+    the merged deploy as vllm-omni's own loader reads it (a base that cannot be read is a problem: the server does not
+    start). Under vllm-omni 0.16, a deploy in that format is a problem: 0.16.0 reads ``stage_args:`` only."""
     data = _deploy_or_none(deploy)
     if not isinstance(data, dict):
         return []
+    release = _release() or ""
+    if release.startswith("0.16.") and "stage_args" not in data and (keys := [k for k in NEW_FORMAT_KEYS if k in data]):
+        return [Check("deploy stages", False, f"{deploy}: a deploy in the format of vllm-omni 0.28 / 0.30 "
+                      f"({', '.join(k + ':' for k in keys)}), and vllm-omni {release} is installed: its loader reads "
+                      "stage_args: and refuses this file (Missing key stage_args)",
+                      "write it as 0.16.0's own stage configs are written (stage_args:, e.g. <vllm_omni>/"
+                      "model_executor/stage_configs/qwen3_omni_moe_async_chunk.yaml), or install vllm-omni 0.28.0 "
+                      "or 0.30.0 to use this file")]  # fmt: skip
     base = data.get("base_config")
     if base is not None:
         try:
@@ -108,6 +128,8 @@ def check_stages(deploy: str | None) -> list[Check]:
     line = f"base_config: {full or '<vllm_omni>/' + BASE_DEPLOY}"
     detail = (f"{deploy}: no stage 0 (its stages: {', '.join(map(str, ids)) or 'none'}): a fragment to merge into "
               "a full deploy, not one to start a server with")
-    fix = (f"add '{line}' at its top: vllm-omni 0.30.0 merges the two (connectors by name, stages by stage_id; this "
-           "file wins), docs/vllm-omni.md, 'Merging a fragment'")
+    how = ("stages by stage_id, this file wins; its connectors: replace the base's whole" if release.startswith("0.28.")
+           else "connectors by name, stages by stage_id; this file wins")
+    fix = (f"add '{line}' at its top: vllm-omni {release or '0.30.0'} merges the two ({how}), docs/vllm-omni.md, "
+           "'Merging a fragment'")
     return [Check("deploy stages", True, detail, fix, warning=True)]
