@@ -408,7 +408,8 @@ def test_doctor_on_0160_names_what_the_family_cannot_do_and_reads_its_stage_conf
         load_stage_configs_from_yaml(str(fragment))
     cli.main(["doctor", "--deploy", str(fragment)])
     out = capsys.readouterr().out
-    assert "PROBLEM  deploy stages:" in out and "vllm-omni 0.16.0 is installed: its loader reads stage_args:" in out, out
+    assert "PROBLEM  deploy stages:" in out, out
+    assert "vllm-omni 0.16.0 is installed: its loader reads stage_args:" in out, out
     assert "not ready" in out and "add 'base_config:" not in out, out
 
 
