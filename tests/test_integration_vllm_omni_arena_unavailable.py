@@ -117,7 +117,8 @@ def test_a_second_receiver_is_counted_names_the_arena_name_and_its_source_and_ta
         assert second.fallbacks == {"in_use": 1} and _fallbacks("arena_in_use") - before == 1
         text = caplog.text
         assert f"arena_name {name!r} (from OMNI_ACCUM_ARENA_NAME) is taken on this host" in text, text
-        assert f"in use by a live receiver (pid {os.getpid()})" in text and "give each server on a host its own" in text
+        assert f"in use by a live receiver (pid {os.getpid()})" in text, text
+        assert "another server on this host needs its own" in text, text
         rows = [r for r in _from_status(name) if r["inner_only"]]
         assert len(rows) == 1 and rows[0]["fallbacks"] == {"in_use": 1}, rows
         assert "arena_in_use" in next(iter(rows[0]["inner_only"].values()))
@@ -193,4 +194,88 @@ def test_the_status_file_carries_each_arena_connector_s_row(vo, quick_retry, tmp
         assert len(rows) == 1 and rows[0]["fallbacks"] == {"unavailable": 1}, rows
         assert "OMNI_ACCUM_ARENA_DIR=" in rows[0]["inner_only"][f"{name}_0_1 (receive)"]
     finally:
+        rx.close()
+
+
+@pytest.fixture
+def quick_replicas(quick_retry):
+    from omni_accum.integrations.vllm_omni import arena_pairs
+
+    quick_retry.setattr(arena_pairs, "REPLICA_CHECK_S", 0.02)
+    return quick_retry
+
+
+def _payload(i: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(i)
+    return {"embed": {"prefill": torch.randn(300, 64, generator=g).bfloat16()}, "ids": {"prompt": list(range(i + 2))}}
+
+
+def _get_within(c: Any, key: str, seconds: float = 10.0) -> Any:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        got = c.get("0", "1", key)
+        if got is not None:
+            return got[0]
+        time.sleep(0.01)
+    raise AssertionError(f"{key}: no get found it within {seconds} s")
+
+
+def test_a_replica_of_the_receiving_stage_gets_its_requests_chunks_sent_before_and_after_it_said_so(vo,
+                                                                                                     quick_replicas):
+    """Two receiving processes of one stage pair (vllm-omni's ``num_replicas: 2`` on the talker): the ring has one
+    reader, the region's owner, and the sender cannot tell which replica a message is for. The replica's chunks went
+    into the owner's region and no get of the replica ever found them (vllm-omni fails such a request after its input
+    wait, 10 min). Now a message put before the replica said so is forwarded by the owner, with no get of the
+    owner's own (an idle owner), and later ones go through SharedMemoryConnector; the same values in both."""
+    from tests.test_integration_vllm_omni import assert_same
+
+    from omni_accum.arena.live import replicas_path
+
+    name = f"replicas{os.getpid()}"
+    owner, replica, tx = _connector(1, name), _connector(1, name), _connector(0, name)
+    try:
+        assert owner.get("0", "1", "prime") is None  # the owner makes the pair's region
+        _put_until_arena(tx, lambda: {"x": torch.arange(3)})
+        early = tx.counts["arena_puts"]
+        assert tx.put("0", "1", "r1_0_0", _payload(1))[0] and tx.counts["arena_puts"] == early + 1  # into the region
+        before = _fallbacks("arena_replicas")
+        got = _get_within(replica, "r1_0_0")  # its first get: in use, so it marks the pair; the owner forwards
+        assert_same(got, _payload(1), "forwarded")
+        assert owner.counts["forwarded"] >= 1 and replicas_path(f"{name}_0_1").exists()
+        _wait(lambda: tx._shared(("0", "1")), "the sender sees the replica mark")
+        assert tx.put("0", "1", "r2_0_0", _payload(2))[2].get("shm") is not None  # the inner way
+        assert tx.fallbacks.get("replicas", 0) >= 1 and _fallbacks("arena_replicas") - before >= 1
+        assert "arena_replicas" in next(iter(tx.health()["inner_only"].values()))
+        assert_same(_get_within(replica, "r2_0_0"), _payload(2), "sent the inner way")
+        assert tx.put("0", "1", "r3_0_0", _payload(3))[2].get("shm") is not None
+        assert_same(_get_within(owner, "r3_0_0"), _payload(3), "the owner's own request")  # found the inner way too
+        replica.close()  # it no longer receives: its mark goes, and the sender sends through the arena again
+        assert not replicas_path(f"{name}_0_1").exists()
+        _wait(lambda: not tx._shared(("0", "1")), "the sender sees the mark gone")
+        assert tx.put("0", "1", "r4_0_0", _payload(4))[2].get("arena") is not None  # the arena again
+        assert tx.health()["inner_only"] == {}
+        assert_same(_get_within(owner, "r4_0_0"), _payload(4), "through the arena")
+    finally:
+        for c in (tx, replica, owner):
+            c.close()
+
+
+def test_a_replica_mark_whose_writer_died_is_removed_and_not_followed(vo, quick_replicas, tmp_path):
+    import subprocess
+    import sys
+
+    from omni_accum import samehost
+    from omni_accum.arena.live import replicas_marked, replicas_path
+
+    name = f"deadmark{os.getpid()}"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    samehost.write_private(replicas_path(f"{name}_0_1"), dead.stdout.strip().encode(), "test")
+    assert not replicas_marked(f"{name}_0_1") and not replicas_path(f"{name}_0_1").exists()
+    rx, tx = _connector(1, name), _connector(0, name)
+    try:
+        assert rx.get("0", "1", "prime") is None
+        _put_until_arena(tx, lambda: {"x": torch.arange(3)})
+        assert tx.put("0", "1", "k", _payload(0))[2].get("arena") is not None and tx.fallbacks == {}
+    finally:
+        tx.close()
         rx.close()

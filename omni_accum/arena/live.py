@@ -10,6 +10,7 @@ this pair) and attaches to the region it names if its owner lives. Both files ar
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 from pathlib import Path
@@ -19,6 +20,8 @@ from omni_accum import samehost
 from omni_accum.arena.region import ArenaError, owner_of, path_for, pid_alive
 
 POINTER_SUFFIX = ".live"
+#: The pair's replica mark: a second live receiving process of the pair (a replica of the stage) writes its pid there.
+REPLICAS_SUFFIX = ".replicas"
 #: Attempts at a fresh random name before a receiver gives up (each taken name is someone's live region).
 NAME_TRIES = 8
 
@@ -75,3 +78,43 @@ def create_receiver(pair: str, data_bytes: int, **kw: Any) -> Any:
     samehost.track(ptr, name)
     return rx
 
+
+
+def replicas_path(pair: str) -> Path:
+    p = path_for(pair)
+    return p.with_name(p.name + REPLICAS_SUFFIX)
+
+
+def mark_replica(pair: str) -> None:
+    """Say that this process receives on ``pair`` beside the live owner of its region (a replica of the receiving
+    stage): the pair's replica mark, holding this pid (whole, through a temporary file; removed by this process's
+    reaper when it ends, if it still holds this pid)."""
+    path, pid = replicas_path(pair), str(os.getpid())
+    samehost.write_private(path, pid.encode(), "mark")
+    samehost.track(path, pid)
+
+
+def replicas_marked(pair: str) -> bool:
+    """Whether a live process other than the region's owner receives on ``pair`` (its replica mark names a live
+    pid). A mark whose writer died is removed; one that is not this user's is refused (SameHostRefused)."""
+    path = replicas_path(pair)
+    try:
+        body = samehost.read_private(path, 32)
+    except FileNotFoundError:
+        return False
+    text = body.decode("ascii", "replace").strip()
+    if text.isdigit() and pid_alive(int(text)):
+        return True
+    path.unlink(missing_ok=True)  # its writer died (or it is not a pid): no replica says so now
+    return False
+
+
+def unmark_replica(pair: str) -> None:
+    """Remove ``pair``'s replica mark if it holds this process's pid (it stops receiving on the pair)."""
+    path = replicas_path(pair)
+    try:
+        if samehost.read_private(path, 32).decode("ascii", "replace").strip() == str(os.getpid()):
+            path.unlink(missing_ok=True)
+            samehost.untrack(path)
+    except (OSError, samehost.SameHostRefused):
+        pass

@@ -188,6 +188,11 @@ class ArenaReceiver(ChainViews):
     def pending_keys(self) -> list[str]:
         return sorted(self._mailbox)
 
+    def waiting_keys(self) -> list[str]:
+        """The keys of every message published so far that no take has taken (taking the ring's messages first)."""
+        self._pump()
+        return sorted(self._mailbox)
+
     def _pump(self) -> None:
         if self._dead_slabs:
             self.reap()

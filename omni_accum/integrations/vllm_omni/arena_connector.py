@@ -42,7 +42,9 @@ cannot be used (``arena_unavailable``; ``samehost_refused`` when it is not this 
 (``arena_no_space``), and another live receiver of the pair (``arena_in_use``: one receiving process per stage pair,
 so give each server on a host its own ``arena_name``). A sending side that cannot attach for a cause that does not
 pass by itself counts each put it sends the inner way (``arena_unavailable``, ``arena_sender_in_use``: another live
-process sends on the pair's region). ``health()["inner_only"]`` names the pairs without a region and why
+process sends on the pair's region; ``arena_replicas``: another process receives on the pair beside the region's
+owner, a replica of the stage, and the owner forwards to the inner connector what its region holds).
+``health()["inner_only"]`` names the pairs without a region and why
 (:mod:`.arena_pairs` finds and makes the regions). The region is removed when the connector closes, and otherwise by
 omni-accum's reaper process once the server's processes have ended (vllm-omni's stage processes end on SIGTERM without
 closing their connectors); a region whose owner died is removed by the next process that looks for the pair.
@@ -71,6 +73,7 @@ import torch
 from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorBase
 from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
 
+from omni_accum.arena.live import unmark_replica
 from omni_accum.arena.region import ArenaError, ArenaFull, PeerDied
 from omni_accum.integrations.vllm_omni import publishing
 from omni_accum.integrations.vllm_omni.arena_chains import append_test, chain_payload, request_of, struct_map
@@ -137,11 +140,14 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         self._encoder = Encoder()
         self._decoder = Decoder(self.view_bytes)
         self.counts = {"arena_puts": 0, "inner_puts": 0, "arena_gets": 0, "inner_gets": 0, "arena_bytes": 0,
-                       "chain_appends": 0, "orphans_dropped": 0}
+                       "chain_appends": 0, "orphans_dropped": 0, "forwarded": 0}
         self.orphan_s = orphan_after_s()
         self._orphan_check = 0.0  # monotonic time of the next look for messages no get took
         self._seen: dict[tuple[str, str], dict[str, float]] = {}  # pair -> key -> when a look first saw it waiting
         self.fallbacks: dict[str, int] = {}
+        self._replica_seen: dict[tuple[str, str], tuple[float, bool]] = {}  # pair -> (next look, a replica shares it)
+        self._marked: set[str] = set()  # the pairs whose replica mark this process wrote (it is not their owner)
+        self._forwarder: threading.Thread | None = None  # forwards what a replica waits for (arena_pairs)
         publishing.connectors.add(self)  # its status_row() goes into status() and the status file
 
     # ------------------------------------------------------------------ the connector interface
@@ -162,6 +168,8 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
             if self._to_release:
                 self._release_pending()
             tx = None if self._closed else self._sender(pair)
+            if tx is not None and self._shared(pair):  # another process receives on the pair: the inner way
+                tx = None
             if tx is not None:
                 try:
                     n = self._put(tx, put_key, data)
@@ -196,6 +204,8 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         pair = (str(from_stage), str(to_stage))
         with self._rx_lock:
             rx = None if self._closed else self._receiver(pair)
+            if rx is not None and self._shared(pair):  # a replica shares the pair: what it waits for, the inner way
+                self._forward(pair, rx)
             if rx is not None:
                 try:
                     msg = rx.take(get_key)
@@ -209,31 +219,59 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
                 if now >= self._orphan_check:
                     self._drop_orphans(now)
                 if msg is not None:
-                    body, spans, chains = msg
-                    dec = self._decoder
-                    dec.rx, dec.chains, dec.spans = rx, chains, dict(spans)
-                    try:
-                        obj = dec.decode(body)
-                    except Exception as e:  # noqa: BLE001 - malformed: this get looks in the inner connector
-                        obj = msg = None
-                        self._fell_back("bad_frame", pair, e)
-                    finally:
-                        # the pages of tensors copied out go back now; those of tensors handed out over
-                        # them, once no tensor over them is left (ChainViews.reap, on a later get)
-                        rx.free(list(dec.spans.items()))
-                        dec.chains, dec.spans = {}, {}
-                    if msg is not None and (chains or dec.views) and not self._chain_logged:
-                        self._chain_logged = True
-                        logger.info("omni-accum arena %s: first tensors handed out over the shared pages (no copy; "
-                                    "%d chain view(s), %d tensor view(s))", rx.region.path.name, rx.chain_views,
-                                    rx.tensor_views)
-                    if msg is not None:
+                    ok, obj = self._decode(pair, rx, msg)
+                    if ok:
                         self.counts["arena_gets"] += 1
-                        return obj, len(body) + sum(n for _, n in spans) * rx.region.layout.page
+                        return obj, len(msg[0]) + sum(n for _, n in msg[1]) * rx.region.layout.page
         got = self.inner.get(from_stage, to_stage, get_key, metadata)
         if got is not None:
             self.counts["inner_gets"] += 1
         return got
+
+    def _decode(self, pair: tuple[str, str], rx: Any, msg: Any) -> tuple[bool, Any]:
+        """``(True, payload)`` of a taken message, as ``SharedMemoryConnector`` would give it; ``(False, None)`` for a
+        malformed one (counted ``bad_frame``). With ``_rx_lock`` held."""
+        body, spans, chains = msg
+        dec = self._decoder
+        dec.rx, dec.chains, dec.spans = rx, chains, dict(spans)
+        try:
+            obj = dec.decode(body)
+        except Exception as e:  # noqa: BLE001 - malformed: the get looks in the inner connector
+            self._fell_back("bad_frame", pair, e)
+            return False, None
+        finally:
+            # the pages of tensors copied out go back now; those of tensors handed out over
+            # them, once no tensor over them is left (ChainViews.reap, on a later get)
+            rx.free(list(dec.spans.items()))
+            dec.chains, dec.spans = {}, {}
+        if (chains or dec.views) and not self._chain_logged:
+            self._chain_logged = True
+            logger.info("omni-accum arena %s: first tensors handed out over the shared pages (no copy; "
+                        "%d chain view(s), %d tensor view(s))", rx.region.path.name, rx.chain_views, rx.tensor_views)
+        return True, obj
+
+    def _forward(self, pair: tuple[str, str], rx: Any) -> None:
+        """Give every message waiting in ``pair``'s region to the inner connector under its key, where any process
+        of the stage finds it (a replica shares the pair: the ring has one reader, and the message may be for another
+        replica), with ``_rx_lock`` held. Its tensors are copied there as ``SharedMemoryConnector`` copies them; the
+        pages go back once the views are dropped. Counted in ``health()["forwarded"]``."""
+        try:
+            keys = rx.waiting_keys()
+        except PeerDied:
+            keys = rx.waiting_keys()  # what it published before it died is kept
+        for key in keys:
+            msg = rx.take(key)
+            if msg is None:
+                continue
+            self._seen.get(pair, {}).pop(key, None)
+            ok, obj = self._decode(pair, rx, msg)
+            if ok and self.inner.put(pair[0], pair[1], key, obj)[0]:
+                self.counts["forwarded"] += 1
+            elif ok:
+                self._warn(f"forward-{pair}", logging.ERROR, "omni-accum arena %s: the inner connector refused a "
+                           "forwarded message (%r); a replica waiting for it will not get it", self.region_name(*pair),
+                           key)
+            del obj
 
     def _drop_orphans(self, now: float) -> None:
         """Drop the messages that have waited for a get longer than :attr:`orphan_s` (with ``_rx_lock`` held)."""
@@ -307,7 +345,7 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         pair = (str(from_stage), str(to_stage))
         with self._tx_lock:
             tx = None if self._closed else self._sender(pair)
-            if tx is None or tx.ended(req):
+            if tx is None or tx.ended(req) or self._shared(pair):
                 return None
             try:
                 return tx.stage(req, path, dtype, tuple(row_shape), rows)
@@ -402,4 +440,7 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
                     except Exception:  # noqa: BLE001, S110
                         pass
             self._rx.clear()
+            for base in self._marked:  # it no longer receives beside those regions' owners
+                unmark_replica(base)
+            self._marked.clear()
         self.inner.close()

@@ -23,12 +23,13 @@ import functools
 import logging
 import os
 import re
+import threading
 import time
 import weakref
 from typing import Any
 
 from omni_accum import samehost
-from omni_accum.arena.live import create_receiver, live_region
+from omni_accum.arena.live import create_receiver, live_region, mark_replica, replicas_marked, unmark_replica
 from omni_accum.arena.region import ArenaError, owner_of, path_for, pid_alive
 from omni_accum.integrations.vllm_omni.arena_settings import NAME
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
@@ -43,6 +44,8 @@ ATTACH_RETRY_S = 0.05
 #: after this long.
 CREATE_RETRY_S = 5.0
 NO_SPACE = (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT)
+#: How often the sender and the owning receiver of a pair look at the pair's replica mark (seconds).
+REPLICA_CHECK_S = 0.5
 
 
 def _say_refused(e: SameHostRefused) -> None:
@@ -75,6 +78,22 @@ def _reap_soon(ref: Any) -> None:
                     rx.reap(wait=False)
         finally:
             self._rx_lock.release()
+
+
+def _forward_loop(ref: Any) -> None:
+    """Every :data:`REPLICA_CHECK_S`: each region this process owns whose pair a replica shares gives its waiting
+    messages to the inner connector (the connector's ``_forward``); ends with the connector."""
+    while True:
+        time.sleep(REPLICA_CHECK_S)
+        self = ref()
+        if self is None or self._closed:
+            return
+        for pair, rx in list(self._rx.items()):
+            if rx is not None and self._shared(pair):
+                with self._rx_lock:
+                    if not self._closed and self._rx.get(pair) is rx:
+                        self._forward(pair, rx)
+        del self
 
 
 class PairRegions:
@@ -153,10 +172,18 @@ class PairRegions:
         except (ArenaError, OSError):
             live = None
         if live is not None:
+            try:  # the sender then sends this pair's messages the inner way, and the owner forwards any it holds
+                mark_replica(base)
+                self._marked.add(base)
+            except (OSError, SameHostRefused) as e:
+                self._warn(f"mark-{pair}", logging.WARNING, "omni-accum arena %s: cannot write the replica mark: %s",
+                           base, e)
             return self._no_region(pair, "in_use", f"region {live} is in use by a live receiver ({_owner(live)}): "
                                                    f"{self._name_said()} is taken on this host for this stage pair "
-                                                   "(one receiving process per stage pair; give each server on a host "
-                                                   "its own arena_name)")
+                                                   "(one receiving process per stage pair: a replica of this stage "
+                                                   "(num_replicas) receives through the inner connector, and the "
+                                                   "pair's sender sends every message that way; another server on "
+                                                   "this host needs its own arena_name)")
         try:
             rx = create_receiver(base, self.arena_bytes, ring_bytes=self.ring_bytes)
         except OSError as e:
@@ -176,6 +203,10 @@ class PairRegions:
             rx.region.warm(self.warm_bytes)  # tmpfs gives the first slabs' pages now (arena_warm)
         self._rx[pair] = rx
         self._inner_only.pop((*pair, "receive"), None)
+        if base in self._marked:  # it took the pair over: no longer a replica beside the owner
+            self._marked.discard(base)
+            unmark_replica(base)
+        self._start_forwarder()
         return rx
 
     def _no_region(self, pair: tuple[str, str], reason: str, said: str, counted: bool = False) -> None:
@@ -192,6 +223,45 @@ class PairRegions:
                    "meanwhile and tries again every %g s (each try counted: %s in omni_accum_fallbacks_total)",
                    self.region_name(*pair), said, type(self.inner).__name__, CREATE_RETRY_S, _metric(reason))
         return None
+
+    def _shared(self, pair: tuple[str, str]) -> bool:
+        """Whether another live process receives on ``pair`` beside its region's owner (a replica of the receiving
+        stage, vllm-omni's ``num_replicas``, or a second server with this arena_name): its replica mark, looked at
+        every :data:`REPLICA_CHECK_S`. The arena's ring has one reader, the owner, and the sender cannot tell which
+        replica a message is for: the sender then sends the pair's messages through the inner connector, which
+        every process reads by key (counted ``arena_replicas``), and the owner forwards there any it holds."""
+        now = time.monotonic()
+        seen = self._replica_seen.get(pair)
+        if seen is not None and now < seen[0]:
+            return seen[1]
+        try:
+            shared = replicas_marked(self.region_name(*pair))
+        except SameHostRefused as e:
+            self._refused(e)
+            shared = False
+        except (OSError, ArenaError):
+            shared = False
+        self._replica_seen[pair] = (now + REPLICA_CHECK_S, shared)
+        side = (*pair, "send")
+        if shared:
+            said = ("another process receives on this stage pair beside the region's owner (a replica of the stage: "
+                    "num_replicas > 1); one process reads a region, so every message goes the inner way")
+            if pair in self._tx and self._inner_only.get(side, ("",))[0] != "replicas":
+                self._inner_only[side] = ("replicas", said)
+                self._warn(f"replicas-{pair}", logging.WARNING, "omni-accum arena %s: %s: sending through %s (each "
+                           "put counted: arena_replicas in omni_accum_fallbacks_total)", self.region_name(*pair), said,
+                           type(self.inner).__name__)
+        elif self._inner_only.get(side, ("",))[0] == "replicas":
+            del self._inner_only[side]
+        return shared
+
+    def _start_forwarder(self) -> None:
+        """The owner's thread that forwards the messages a replica is waiting for (:meth:`_forward`) while this
+        process has no get of its own to do it (vllm-omni polls only for requests it holds)."""
+        if self._forwarder is None:
+            self._forwarder = threading.Thread(target=_forward_loop, args=(weakref.ref(self),), daemon=True,
+                                               name="omni-accum-arena-forward")
+            self._forwarder.start()
 
     def _refused(self, e: SameHostRefused) -> None:
         self.fallbacks["samehost_refused"] = self.fallbacks.get("samehost_refused", 0) + 1
