@@ -279,3 +279,61 @@ def test_a_replica_mark_whose_writer_died_is_removed_and_not_followed(vo, quick_
     finally:
         tx.close()
         rx.close()
+
+
+def _owner_process(name: str, ready: Any, stop: Any) -> None:
+    """A talker replica that made the pair's region and then has no request of its own (no get)."""
+    c = _connector(1, name)
+    c.get("0", "1", "prime")
+    ready.set()
+    stop.wait(60)
+    c.close()
+
+
+def _replica_process(name: str, key: str, seed: int, go: Any, out: Any) -> None:
+    """A talker replica whose first get comes after the chunk for its request was put into the owner's region."""
+    from tests.test_integration_vllm_omni import assert_same
+
+    c = _connector(1, name)
+    go.wait(60)
+    try:
+        assert_same(_get_within(c, key, 30.0), _payload(seed), "in the replica")
+        out.put("same")
+    except AssertionError as e:
+        out.put(str(e))
+    finally:
+        c.close()
+
+
+def test_replicas_in_processes_of_their_own_get_every_chunk(vo, quick_retry):
+    """As above across three processes (pids differ; the owner never gets, so only its forwarding thread can
+    help): without it the replica never found its chunk."""
+    import multiprocessing
+
+    from omni_accum.arena.live import replicas_path
+
+    ctx = multiprocessing.get_context("spawn")
+    name = f"mpreplicas{os.getpid()}"
+    ready, stop, go, out = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
+    owner = ctx.Process(target=_owner_process, args=(name, ready, stop))
+    replica = ctx.Process(target=_replica_process, args=(name, "r7_0_0", 7, go, out))
+    owner.start()
+    replica.start()
+    tx = _connector(0, name)
+    try:
+        assert ready.wait(120), "the owner made no region"
+        _put_until_arena(tx, lambda: {"x": torch.arange(3)})
+        assert tx.put("0", "1", "r7_0_0", _payload(7))[2].get("arena") is not None  # into the owner's region
+        go.set()
+        assert out.get(timeout=120) == "same"
+        replica.join(30)
+        assert replica.exitcode == 0 and not replicas_path(f"{name}_0_1").exists()  # its mark went with it
+    finally:
+        stop.set()
+        go.set()
+        tx.close()
+        for p in (replica, owner):
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert owner.exitcode == 0
