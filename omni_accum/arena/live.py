@@ -79,7 +79,6 @@ def create_receiver(pair: str, data_bytes: int, **kw: Any) -> Any:
     return rx
 
 
-
 def replicas_path(pair: str) -> Path:
     p = path_for(pair)
     return p.with_name(p.name + REPLICAS_SUFFIX)

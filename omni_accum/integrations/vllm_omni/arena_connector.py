@@ -250,29 +250,6 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
                         "%d chain view(s), %d tensor view(s))", rx.region.path.name, rx.chain_views, rx.tensor_views)
         return True, obj
 
-    def _forward(self, pair: tuple[str, str], rx: Any) -> None:
-        """Give every message waiting in ``pair``'s region to the inner connector under its key, where any process
-        of the stage finds it (a replica shares the pair: the ring has one reader, and the message may be for another
-        replica), with ``_rx_lock`` held. Its tensors are copied there as ``SharedMemoryConnector`` copies them; the
-        pages go back once the views are dropped. Counted in ``health()["forwarded"]``."""
-        try:
-            keys = rx.waiting_keys()
-        except PeerDied:
-            keys = rx.waiting_keys()  # what it published before it died is kept
-        for key in keys:
-            msg = rx.take(key)
-            if msg is None:
-                continue
-            self._seen.get(pair, {}).pop(key, None)
-            ok, obj = self._decode(pair, rx, msg)
-            if ok and self.inner.put(pair[0], pair[1], key, obj)[0]:
-                self.counts["forwarded"] += 1
-            elif ok:
-                self._warn(f"forward-{pair}", logging.ERROR, "omni-accum arena %s: the inner connector refused a "
-                           "forwarded message (%r); a replica waiting for it will not get it", self.region_name(*pair),
-                           key)
-            del obj
-
     def _drop_orphans(self, now: float) -> None:
         """Drop the messages that have waited for a get longer than :attr:`orphan_s` (with ``_rx_lock`` held)."""
         self._orphan_check = now + ORPHAN_CHECK_S

@@ -13,7 +13,10 @@ for a cause that does not pass by itself is listed in ``health()["inner_only"]``
 (``arena_name``, ``arena_name_from``, ``arena_bytes``, ``ring_bytes``, ``warm_bytes``), its ``inner`` connector
 (named in messages) and ``_rx_lock``, and reads and fills its tables of senders and receivers (``_tx``, ``_rx``),
 their retry times (``_tx_retry``, ``_rx_retry``), ``_inner_only``, ``fallbacks`` and ``_warned``, all made by the
-connector's ``__init__``.
+connector's ``__init__``. A second receiving process of a pair (a replica of the stage) marks the pair
+(:func:`omni_accum.arena.live.mark_replica`); the sender then sends through the inner connector and the owner forwards
+what its region holds there (:meth:`PairRegions._shared`, :meth:`PairRegions._forward`, with the connector's
+``_decode``, ``counts``, ``_seen``, ``_replica_seen``, ``_marked`` and ``_forwarder``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 
 from omni_accum import samehost
 from omni_accum.arena.live import create_receiver, live_region, mark_replica, replicas_marked, unmark_replica
-from omni_accum.arena.region import ArenaError, owner_of, path_for, pid_alive
+from omni_accum.arena.region import ArenaError, PeerDied, owner_of, path_for, pid_alive
 from omni_accum.integrations.vllm_omni.arena_settings import NAME
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
 from omni_accum.samehost import SameHostRefused, log_refusal
@@ -88,11 +91,14 @@ def _forward_loop(ref: Any) -> None:
         self = ref()
         if self is None or self._closed:
             return
-        for pair, rx in list(self._rx.items()):
-            if rx is not None and self._shared(pair):
-                with self._rx_lock:
-                    if not self._closed and self._rx.get(pair) is rx:
-                        self._forward(pair, rx)
+        try:
+            for pair, rx in list(self._rx.items()):
+                if rx is not None and self._shared(pair):
+                    with self._rx_lock:
+                        if not self._closed and self._rx.get(pair) is rx:
+                            self._forward(pair, rx)
+        except Exception as e:  # noqa: BLE001 - the thread goes on; the next look tries again
+            self._warn("forward-loop", logging.WARNING, "omni-accum arena: forwarding to a replica failed: %s", str(e))
         del self
 
 
@@ -254,6 +260,36 @@ class PairRegions:
         elif self._inner_only.get(side, ("",))[0] == "replicas":
             del self._inner_only[side]
         return shared
+
+    def _forward(self, pair: tuple[str, str], rx: Any) -> None:
+        """Give every message waiting in ``pair``'s region to the inner connector under its key, where any process
+        of the stage finds it (a replica shares the pair: the ring has one reader, and the message may be for another
+        replica), with ``_rx_lock`` held. Its tensors are copied there as ``SharedMemoryConnector`` copies them; the
+        pages go back once the views are dropped. Counted in ``health()["forwarded"]``."""
+        try:
+            keys = rx.waiting_keys()
+        except PeerDied:
+            keys = rx.waiting_keys()  # what it published before it died is kept
+        for key in keys:
+            try:
+                msg = rx.take(key)
+            except PeerDied:
+                msg = rx.take(key)
+            if msg is None:
+                continue
+            self._seen.get(pair, {}).pop(key, None)
+            ok, obj = self._decode(pair, rx, msg)
+            try:
+                put = ok and self.inner.put(pair[0], pair[1], key, obj)[0]
+            except Exception:  # noqa: BLE001 - said below, like a put the inner connector refused
+                put = False
+            if put:
+                self.counts["forwarded"] += 1
+            elif ok:
+                self._warn(f"forward-{pair}", logging.ERROR, "omni-accum arena %s: the inner connector refused a "
+                           "forwarded message (%r); a replica waiting for it will not get it", self.region_name(*pair),
+                           key)
+            del obj
 
     def _start_forwarder(self) -> None:
         """The owner's thread that forwards the messages a replica is waiting for (:meth:`_forward`) while this
