@@ -211,13 +211,10 @@ def _payload(i: int) -> dict[str, Any]:
 
 
 def _get_within(c: Any, key: str, seconds: float = 10.0) -> Any:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        got = c.get("0", "1", key)
-        if got is not None:
-            return got[0]
-        time.sleep(0.01)
-    raise AssertionError(f"{key}: no get found it within {seconds} s")
+    """The payload a get of ``key`` finds (polled: the owner forwards it from another thread; a hang guard)."""
+    got: list[Any] = []
+    _wait(lambda: got.append(c.get("0", "1", key)) or got[-1] is not None, f"{key}: a get that finds it", seconds)
+    return got[-1][0]
 
 
 def test_a_replica_of_the_receiving_stage_gets_its_requests_chunks_sent_before_and_after_it_said_so(vo,
@@ -325,7 +322,7 @@ def test_replicas_in_processes_of_their_own_get_every_chunk(vo, quick_retry):
         _put_until_arena(tx, lambda: {"x": torch.arange(3)})
         assert tx.put("0", "1", "r7_0_0", _payload(7))[2].get("arena") is not None  # into the owner's region
         go.set()
-        assert out.get(timeout=120) == "same"
+        assert out.get(timeout=120) == "same"  # (a hang guard)
         replica.join(30)
         assert replica.exitcode == 0 and not replicas_path(f"{name}_0_1").exists()  # its mark went with it
     finally:
