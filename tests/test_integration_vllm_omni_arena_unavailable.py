@@ -334,3 +334,38 @@ def test_replicas_in_processes_of_their_own_get_every_chunk(vo, quick_retry):
             if p.is_alive():
                 p.kill()
     assert owner.exitcode == 0
+
+
+def test_two_replicas_that_made_their_regions_at_the_same_moment_both_get_their_chunks(vo, quick_replicas):
+    """Both receivers found no region (their first gets at one moment) and each made one; the pointer named only the
+    later, so the sender put everything there and the other never saw its chunks, with no mark written. The one whose
+    region the pointer does not name now marks the pair, and both get their requests' chunks."""
+    from tests.test_integration_vllm_omni import assert_same
+
+    from omni_accum.arena.region import ArenaError
+    from omni_accum.integrations.vllm_omni import arena_pairs
+
+    name = f"racing{os.getpid()}"
+    first, second, tx = _connector(1, name), _connector(1, name), _connector(0, name)
+    real = arena_pairs.live_region
+    try:
+        assert first.get("0", "1", "prime") is None  # makes a region
+        calls = []
+
+        def not_yet(base):  # the second receiver looked before the first one's pointer was there
+            if not calls:
+                calls.append(base)
+                raise ArenaError("no live arena yet")
+            return real(base)
+
+        quick_replicas.setattr(arena_pairs, "live_region", not_yet)
+        assert second.get("0", "1", "prime") is None  # makes another; the pointer now names it
+        quick_replicas.setattr(arena_pairs, "live_region", real)
+        assert len(first.health()["regions"]) == len(second.health()["regions"]) == 1
+        _put_until_arena(tx, lambda: {"x": torch.arange(3)})
+        assert tx.put("0", "1", "rA_0_0", _payload(5))[0] and tx.put("0", "1", "rB_0_0", _payload(6))[0]
+        assert_same(_get_within(first, "rA_0_0"), _payload(5), "the receiver the pointer does not name")
+        assert_same(_get_within(second, "rB_0_0"), _payload(6), "the one it names")
+    finally:
+        for c in (tx, second, first):
+            c.close()

@@ -204,8 +204,6 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         pair = (str(from_stage), str(to_stage))
         with self._rx_lock:
             rx = None if self._closed else self._receiver(pair)
-            if rx is not None and self._shared(pair):  # a replica shares the pair: what it waits for, the inner way
-                self._forward(pair, rx)
             if rx is not None:
                 try:
                     msg = rx.take(get_key)
@@ -215,6 +213,8 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
                     msg = rx.take(get_key)  # what it published before it died is kept
                 if self._seen and msg is not None:
                     self._seen.get(pair, {}).pop(get_key, None)
+                if self._shared(pair):  # a replica shares the pair: the rest (maybe its messages), the inner way
+                    self._forward(pair, rx)
                 now = _now()
                 if now >= self._orphan_check:
                     self._drop_orphans(now)

@@ -93,6 +93,8 @@ def _forward_loop(ref: Any) -> None:
             return
         try:
             for pair, rx in list(self._rx.items()):
+                if rx is not None:
+                    self._still_pointed(pair, rx)
                 if rx is not None and self._shared(pair):
                     with self._rx_lock:
                         if not self._closed and self._rx.get(pair) is rx:
@@ -258,7 +260,7 @@ class PairRegions:
                            "put counted: arena_replicas in omni_accum_fallbacks_total)", self.region_name(*pair), said,
                            type(self.inner).__name__)
         elif self._inner_only.get(side, ("",))[0] == "replicas":
-            del self._inner_only[side]
+            self._inner_only.pop(side, None)
         return shared
 
     def _forward(self, pair: tuple[str, str], rx: Any) -> None:
@@ -290,6 +292,26 @@ class PairRegions:
                            "forwarded message (%r); a replica waiting for it will not get it", self.region_name(*pair),
                            key)
             del obj
+
+    def _still_pointed(self, pair: tuple[str, str], rx: Any) -> None:
+        """Two receivers that made their regions at the same moment both own one, and the pair's pointer names only
+        the later: the other is a replica beside it. It marks the pair then (the sender goes the inner way, the
+        pointed owner forwards what it holds), and forwards what its own region holds (:meth:`_shared` is then
+        true here too)."""
+        base = self.region_name(*pair)
+        if base in self._marked:
+            return
+        try:
+            named = live_region(base)
+        except (ArenaError, OSError, SameHostRefused):
+            return  # no live pointer (or not this user's): nobody else claims the pair
+        if path_for(named) != rx.region.path:
+            try:
+                mark_replica(base)
+                self._marked.add(base)
+                self._replica_seen.pop(pair, None)
+            except (OSError, SameHostRefused):
+                pass
 
     def _start_forwarder(self) -> None:
         """The owner's thread that forwards the messages a replica is waiting for (:meth:`_forward`) while this
