@@ -53,7 +53,8 @@ A message no get takes (its request was aborted or failed on the receiving stage
 dropped after :func:`orphan_after_s` (twice vllm-omni's ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S``: 20 min by default), its
 pages given back, counted (``health()["orphans_dropped"]``) and said once per pair: vllm-omni 0.30.0 removes an
 aborted request's unread chunks only for a ``SharedMemoryConnector``, so without this they held arena pages for
-good, and the arena filled up.
+good, and the arena filled up. A message put through the inner connector (or forwarded there) and not taken within that
+time is unlinked from ``/dev/shm`` by the process that put it (:mod:`.arena_inner`), counted the same way.
 
 Registered with ``OmniConnectorFactory`` by :mod:`.arena_plugin` (entry point ``omni_accum_arena``).
 """
@@ -78,6 +79,7 @@ from omni_accum.arena.region import ArenaError, ArenaFull, PeerDied
 from omni_accum.integrations.vllm_omni import publishing
 from omni_accum.integrations.vllm_omni.arena_chains import append_test, chain_payload, request_of, struct_map
 from omni_accum.integrations.vllm_omni.arena_codec import Decoder, Encoder
+from omni_accum.integrations.vllm_omni.arena_inner import InnerOrphans
 from omni_accum.integrations.vllm_omni.arena_pairs import PairRegions, _metric
 from omni_accum.integrations.vllm_omni.arena_settings import NAME, parse_settings
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
@@ -142,6 +144,7 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         self.counts = {"arena_puts": 0, "inner_puts": 0, "arena_gets": 0, "inner_gets": 0, "arena_bytes": 0,
                        "chain_appends": 0, "orphans_dropped": 0, "forwarded": 0}
         self.orphan_s = orphan_after_s()
+        self._inner_orphans = InnerOrphans(self.inner, self.orphan_s)  # inner puts no get takes (.arena_inner)
         self._orphan_check = 0.0  # monotonic time of the next look for messages no get took
         self._seen: dict[tuple[str, str], dict[str, float]] = {}  # pair -> key -> when a look first saw it waiting
         self.fallbacks: dict[str, int] = {}
@@ -196,6 +199,8 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         result = self.inner.put(from_stage, to_stage, put_key, data)
         if result[0]:
             self.counts["inner_puts"] += 1
+            self._inner_orphans.put(put_key)
+            self._start_forwarder()  # its thread unlinks the segments no get takes
         return result
 
     def get(
@@ -376,6 +381,7 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         return {
             "status": "healthy" if not self._closed else "closed",
             **self.counts,
+            "orphans_dropped": self.counts["orphans_dropped"] + self._inner_orphans.dropped,
             # (copies of the tables: the receiving and sending threads may add a pair meanwhile)
             "chain_views": sum(rx.chain_views for rx in list(self._rx.values()) if rx is not None),
             # chain rows a put found written in place (stage_rows): not copied at the put
@@ -398,7 +404,8 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         return {"connector": NAME, "status": "closed" if self._closed else "healthy", "arena_name": self.arena_name,
                 "stage": self.stage_id,
                 "arena_puts": c["arena_puts"], "inner_puts": c["inner_puts"], "arena_gets": c["arena_gets"],
-                "inner_gets": c["inner_gets"], "orphans_dropped": c["orphans_dropped"], "fallbacks": dict(self.fallbacks),
+                "inner_gets": c["inner_gets"], "orphans_dropped": c["orphans_dropped"] + self._inner_orphans.dropped,
+                "fallbacks": dict(self.fallbacks),
                 "regions": self._regions(),
                 "inner_only": self._inner_only_now()}
 

@@ -85,7 +85,8 @@ def _reap_soon(ref: Any) -> None:
 
 def _forward_loop(ref: Any) -> None:
     """Every :data:`REPLICA_CHECK_S`: each region this process owns whose pair a replica shares gives its waiting
-    messages to the inner connector (the connector's ``_forward``); ends with the connector."""
+    messages to the inner connector (the connector's ``_forward``), and the segments this process put the inner way
+    that no get took in time are unlinked (:mod:`.arena_inner`); ends with the connector."""
     while True:
         time.sleep(REPLICA_CHECK_S)
         self = ref()
@@ -99,6 +100,7 @@ def _forward_loop(ref: Any) -> None:
                     with self._rx_lock:
                         if not self._closed and self._rx.get(pair) is rx:
                             self._forward(pair, rx)
+            self._inner_orphans.look()
         except Exception as e:  # noqa: BLE001 - the thread goes on; the next look tries again
             self._warn("forward-loop", logging.WARNING, "omni-accum arena: forwarding to a replica failed: %s", str(e))
         del self
@@ -180,12 +182,7 @@ class PairRegions:
         except (ArenaError, OSError):
             live = None
         if live is not None:
-            try:  # the sender then sends this pair's messages the inner way, and the owner forwards any it holds
-                mark_replica(base)
-                self._marked.add(base)
-            except (OSError, SameHostRefused) as e:
-                self._warn(f"mark-{pair}", logging.WARNING, "omni-accum arena %s: cannot write the replica mark: %s",
-                           base, e)
+            self._mark(pair)  # the sender sends the pair's messages the inner way; the owner forwards what it holds
             return self._no_region(pair, "in_use", f"region {live} is in use by a live receiver ({_owner(live)}): "
                                                    f"{self._name_said()} is taken on this host for this stage pair "
                                                    "(one receiving process per stage pair: a replica of this stage "
@@ -280,13 +277,18 @@ class PairRegions:
             if msg is None:
                 continue
             self._seen.get(pair, {}).pop(key, None)
+            dec = self._decoder
+            counted = (dec.views, dec.copies, rx.chain_views, rx.tensor_views)
             ok, obj = self._decode(pair, rx, msg)
+            # not handed out by this process: its views and copies are not counted as received here
+            dec.views, dec.copies, rx.chain_views, rx.tensor_views = counted
             try:
                 put = ok and self.inner.put(pair[0], pair[1], key, obj)[0]
             except Exception:  # noqa: BLE001 - said below, like a put the inner connector refused
                 put = False
             if put:
                 self.counts["forwarded"] += 1
+                self._inner_orphans.put(key)
             elif ok:
                 self._warn(f"forward-{pair}", logging.ERROR, "omni-accum arena %s: the inner connector refused a "
                            "forwarded message (%r); a replica waiting for it will not get it", self.region_name(*pair),
@@ -306,12 +308,22 @@ class PairRegions:
         except (ArenaError, OSError, SameHostRefused):
             return  # no live pointer (or not this user's): nobody else claims the pair
         if path_for(named) != rx.region.path:
-            try:
-                mark_replica(base)
-                self._marked.add(base)
-                self._replica_seen.pop(pair, None)
-            except (OSError, SameHostRefused):
-                pass
+            self._mark(pair)
+
+    def _mark(self, pair: tuple[str, str]) -> None:
+        """Write ``pair``'s replica mark: this process receives on the pair beside the region's owner (a replica
+        without a region writes it again at each try to make one, every :data:`CREATE_RETRY_S`: with three or more
+        replicas the mark holds the last writer's pid). One that cannot be written is said once (the replica's chunks
+        then wait in the owner's region)."""
+        base = self.region_name(*pair)
+        try:
+            mark_replica(base)
+        except (OSError, SameHostRefused) as e:
+            self._warn(f"mark-{pair}", logging.WARNING, "omni-accum arena %s: cannot write the replica mark: %s",
+                       base, e)
+            return
+        self._marked.add(base)
+        self._replica_seen.pop(pair, None)
 
     def _start_forwarder(self) -> None:
         """The owner's thread that forwards the messages a replica is waiting for (:meth:`_forward`) while this

@@ -1,0 +1,147 @@
+"""The arena connector's messages that went through its inner ``SharedMemoryConnector`` and that no get takes (an
+aborted request's chunks: a put before the receiver made its region, or one the region's owner forwarded to a
+replica). vllm-omni 0.30.0 unlinks such segments only for a connector that is a ``SharedMemoryConnector``, so they
+stayed in ``/dev/shm`` for good; now the process that put them unlinks them after the arena's orphan time, from its
+connector's thread (an idle process too). Real connectors from vllm-omni's factory, CPU; the orphan clock is moved."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from tests.test_integration_vllm_omni import _wait
+from tests.test_integration_vllm_omni_arena_connector import _connector
+from tests.test_samehost import _put_until_arena
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def quick(monkeypatch):
+    from omni_accum.integrations.vllm_omni import arena_pairs
+
+    monkeypatch.delenv("OMNI_ACCUM_METRICS", raising=False)
+    monkeypatch.setattr(arena_pairs, "CREATE_RETRY_S", 0.2)
+    monkeypatch.setattr(arena_pairs, "REPLICA_CHECK_S", 0.02)
+    return monkeypatch
+
+
+class _Clock:
+    """The orphan clock of one connector, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _seg(key: str) -> str:
+    return f"/dev/shm/{key}"
+
+
+def _payload(i: int, rows: int = 600) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(i)  # 600 x 64 bf16: 76,800 bytes, above arena_view_bytes (a view when taken)
+    return {"embed": {"prefill": torch.randn(rows, 64, generator=g).bfloat16()}, "ids": {"prompt": list(range(i + 2))}}
+
+
+def test_a_put_the_inner_way_that_no_get_takes_is_unlinked_after_the_orphan_time(vo, quick, caplog):
+    """No receiver has made the pair's region yet, so both puts go through the inner connector; one is taken, the
+    other's request was aborted on the receiving stage. The sender, idle after its puts, unlinks the untaken one once
+    the orphan time has passed, not before, and counts it; the taken one is only forgotten."""
+    from tests.test_integration_vllm_omni import assert_same
+
+    name = f"innerorph{os.getpid()}"
+    lost, taken = f"lost{os.getpid()}_0_0", f"taken{os.getpid()}_0_0"
+    tx, rx = _connector(0, name), None
+    clock = tx._inner_orphans.clock = _Clock()
+    caplog.set_level(logging.WARNING, "omni_accum")
+    try:
+        for key, i in ((lost, 1), (taken, 2)):
+            assert tx.put("0", "1", key, _payload(i))[2].get("shm") is not None  # the inner way
+        assert os.path.exists(_seg(lost)) and os.path.exists(_seg(taken))
+        rx = _connector(1, name)
+        assert_same(rx.get("0", "1", taken)[0], _payload(2), "taken the inner way")
+        assert not os.path.exists(_seg(taken))  # the reader unlinked it
+        clock.now += tx.orphan_s - 5  # not yet: a request may still wait for it
+        _wait(lambda: tx._inner_orphans.waiting() == 1, "the taken key forgotten by the sender's thread")
+        assert os.path.exists(_seg(lost)) and tx.health()["orphans_dropped"] == 0
+        clock.now += 10
+        _wait(lambda: not os.path.exists(_seg(lost)), "the untaken segment unlinked by the sender's thread")
+        assert not os.path.exists(f"/dev/shm/shm_{lost}_lockfile.lock")
+        assert tx.health()["orphans_dropped"] == 1 and tx.status_row()["orphans_dropped"] == 1
+        assert tx._inner_orphans.waiting() == 0
+        said = [r.getMessage() for r in caplog.records if "no get took" in r.getMessage()]
+        assert len(said) == 1 and repr(lost) in said[0] and "SharedMemoryConnector" in said[0], said
+        assert rx.get("0", "1", lost) is None
+    finally:
+        for c in (tx, rx):
+            if c is not None:
+                c.close()
+        for key in (lost, taken):
+            if os.path.exists(_seg(key)):
+                os.unlink(_seg(key))
+
+
+def test_a_message_the_owner_forwarded_and_no_replica_took_is_unlinked_and_not_counted_as_received(vo, quick):
+    """A message in the owner's region when a replica marked the pair is forwarded to the inner connector; its
+    request was aborted, so no replica takes it. The owner unlinks it after the orphan time. The forward hands no
+    tensor out in the owner's process: ``tensor_views`` / ``tensor_copies`` stay what its own gets made (they counted
+    each forwarded tensor as received over the arena)."""
+    name = f"fwdorph{os.getpid()}"
+    key = f"fwd{os.getpid()}_0_0"
+    owner, replica, tx = _connector(1, name), _connector(1, name), _connector(0, name)
+    clock = owner._inner_orphans.clock = _Clock()
+    try:
+        assert owner.get("0", "1", "prime") is None  # the owner makes the pair's region
+        for k in _put_until_arena(tx, lambda: {"x": torch.arange(3)}):
+            assert owner.get("0", "1", k) is not None  # taken: only the message below waits
+        assert tx.put("0", "1", key, _payload(3))[2].get("arena") is not None  # into the owner's region
+        views, copies = owner.health()["tensor_views"], owner.health()["tensor_copies"]
+        assert replica.get("0", "1", "prime") is None  # in use: the replica marks the pair
+        _wait(lambda: owner.counts["forwarded"] >= 1, "the owner's thread forwards what its region holds")
+        assert os.path.exists(_seg(key))
+        assert (owner.health()["tensor_views"], owner.health()["tensor_copies"]) == (views, copies)
+        clock.now += owner.orphan_s + 1
+        _wait(lambda: not os.path.exists(_seg(key)), "the forwarded, untaken segment unlinked by the owner's thread")
+        assert owner.health()["orphans_dropped"] == 1
+    finally:
+        for c in (tx, replica, owner):
+            c.close()
+        if os.path.exists(_seg(key)):
+            os.unlink(_seg(key))
+
+
+def test_a_segment_that_cannot_be_unlinked_is_tried_again_at_the_next_look(vo, quick):
+    """The inner connector's clean-up raised once (a transient error): the key is kept and unlinked at a later look,
+    counted once."""
+    from omni_accum.integrations.vllm_omni.arena_inner import CHECK_S
+
+    name = f"retryorph{os.getpid()}"
+    key = f"retry{os.getpid()}_0_0"
+    tx = _connector(0, name)
+    clock = tx._inner_orphans.clock = _Clock()
+    real, calls = tx.inner.cleanup, []
+
+    def flaky(k: str) -> None:
+        calls.append(k)
+        if len(calls) == 1:
+            raise OSError("busy")
+        real(k)
+
+    tx.inner.cleanup = flaky
+    try:
+        assert tx.put("0", "1", key, _payload(4))[2].get("shm") is not None
+        clock.now += tx.orphan_s + 1
+        assert tx._inner_orphans.look() == [] and os.path.exists(_seg(key)) and calls == [key]
+        clock.now += CHECK_S
+        _wait(lambda: not os.path.exists(_seg(key)), "unlinked at a later look")
+        assert tx.health()["orphans_dropped"] == 1 and calls == [key, key]
+    finally:
+        tx.close()
+        if os.path.exists(_seg(key)):
+            os.unlink(_seg(key))
