@@ -49,6 +49,7 @@ CREATE_RETRY_S = 5.0
 NO_SPACE = (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT)
 #: How often the sender and the owning receiver of a pair look at the pair's replica mark (seconds).
 REPLICA_CHECK_S = 0.5
+_STARTING = threading.Lock()  # _start_forwarder
 
 
 def _say_refused(e: SameHostRefused) -> None:
@@ -326,12 +327,16 @@ class PairRegions:
         self._replica_seen.pop(pair, None)
 
     def _start_forwarder(self) -> None:
-        """The owner's thread that forwards the messages a replica is waiting for (:meth:`_forward`) while this
-        process has no get of its own to do it (vllm-omni polls only for requests it holds)."""
+        """The connector's thread: an owner's forwards of the messages a replica is waiting for (:meth:`_forward`)
+        while this process has no get of its own to do it (vllm-omni polls only for requests it holds), and the
+        unlinking of this process's inner puts no get took (:mod:`.arena_inner`). Started with the first region this
+        process makes or its first put through the inner connector."""
         if self._forwarder is None:
-            self._forwarder = threading.Thread(target=_forward_loop, args=(weakref.ref(self),), daemon=True,
-                                               name="omni-accum-arena-forward")
-            self._forwarder.start()
+            with _STARTING:  # a put's thread and a get's may both be first
+                if self._forwarder is None:
+                    self._forwarder = threading.Thread(target=_forward_loop, args=(weakref.ref(self),), daemon=True,
+                                                       name="omni-accum-arena-forward")
+                    self._forwarder.start()
 
     def _refused(self, e: SameHostRefused) -> None:
         self.fallbacks["samehost_refused"] = self.fallbacks.get("samehost_refused", 0) + 1
