@@ -5,7 +5,8 @@ of the receiving stage beside the region's owner: :mod:`.arena_pairs`), and the 
 messages a replica may be waiting for. vllm-omni 0.30.0 unlinks an aborted request's unread segments only when the
 stage's connector *is* a ``SharedMemoryConnector`` (the sender's abort clean-up checks the class), and its stage
 processes end without closing their connectors: without this, such a segment (up to the whole prefill, hundreds of
-MB) stayed in ``/dev/shm`` until the host rebooted. :class:`InnerOrphans` keeps the key and time of each such put;
+MB) stayed in ``/dev/shm`` for as long as the server ran (Python's resource tracker unlinks what is left when the
+process that made it ends). :class:`InnerOrphans` keeps the key and time of each such put;
 a key whose segment is gone was taken (the reader unlinks it) and is forgotten; one still there after the arena's
 orphan time (:func:`.arena_connector.orphan_after_s`, twice vllm-omni's input wait: its request has been failed) is
 unlinked through the inner connector's ``cleanup``, counted in ``health()["orphans_dropped"]`` and said once.
