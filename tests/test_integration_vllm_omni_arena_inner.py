@@ -1,8 +1,9 @@
 """The arena connector's messages that went through its inner ``SharedMemoryConnector`` and that no get takes (an
 aborted request's chunks: a put before the receiver made its region, or one the region's owner forwarded to a
 replica). vllm-omni 0.30.0 unlinks such segments only for a connector that is a ``SharedMemoryConnector``, so they
-stayed in ``/dev/shm`` for good; now the process that put them unlinks them after the arena's orphan time, from its
-connector's thread (an idle process too). Real connectors from vllm-omni's factory, CPU; the orphan clock is moved."""
+stayed in ``/dev/shm`` for the server's life; now the process that put them unlinks them after the arena's orphan
+time, from its connector's thread (an idle process too). The region's own untaken messages are dropped from that
+thread as well. Real connectors from vllm-omni's factory, CPU; the orphan clocks are moved."""
 
 from __future__ import annotations
 
@@ -145,3 +146,28 @@ def test_a_segment_that_cannot_be_unlinked_is_tried_again_at_the_next_look(vo, q
         tx.close()
         if os.path.exists(_seg(key)):
             os.unlink(_seg(key))
+
+
+def test_a_receiver_with_no_get_to_make_drops_its_region_s_orphans_from_its_thread(vo, quick):
+    """The region's own orphan look ran only at a get, and vllm-omni gets only for requests it holds: a receiving
+    stage whose requests were all aborted kept their messages' pages until its next request. The connector's thread
+    looks too."""
+    from omni_accum.integrations.vllm_omni import arena_connector
+
+    name = f"idleorph{os.getpid()}"
+    rx, tx = _connector(1, name), _connector(0, name)
+    clock = [1000.0]
+    quick.setattr(arena_connector, "_now", lambda: clock[0])
+    try:
+        assert rx.get("0", "1", "prime") is None  # makes the region
+        for k in _put_until_arena(tx, lambda: {"x": torch.arange(3)}):
+            assert rx.get("0", "1", k) is not None
+        assert tx.put("0", "1", "aborted_0_0", _payload(7))[2].get("arena") is not None  # no get will ever come
+        clock[0] += 2 * arena_connector.ORPHAN_CHECK_S  # the next look is due (the gets above made theirs)
+        _wait(lambda: rx._seen.get(("0", "1")), "the thread's look sees it waiting")
+        clock[0] += rx.orphan_s + 1
+        _wait(lambda: rx.health()["orphans_dropped"] == 1, "dropped by the receiver's thread, with no get")
+        assert not rx._rx[("0", "1")].pending_keys()
+    finally:
+        tx.close()
+        rx.close()

@@ -53,8 +53,9 @@ A message no get takes (its request was aborted or failed on the receiving stage
 dropped after :func:`orphan_after_s` (twice vllm-omni's ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S``: 20 min by default), its
 pages given back, counted (``health()["orphans_dropped"]``) and said once per pair: vllm-omni 0.30.0 removes an
 aborted request's unread chunks only for a ``SharedMemoryConnector``, so without this they held arena pages for
-good, and the arena filled up. A message put through the inner connector (or forwarded there) and not taken within that
-time is unlinked from ``/dev/shm`` by the process that put it (:mod:`.arena_inner`), counted the same way.
+good, and the arena filled up. The look runs at gets and from the connector's thread (an idle receiver too). A
+message put through the inner connector (or forwarded there) and not taken within that time is unlinked from
+``/dev/shm`` by the process that put it (:mod:`.arena_inner`), counted the same way.
 
 Registered with ``OmniConnectorFactory`` by :mod:`.arena_plugin` (entry point ``omni_accum_arena``).
 """
@@ -255,14 +256,26 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
                         "%d chain view(s), %d tensor view(s))", rx.region.path.name, rx.chain_views, rx.tensor_views)
         return True, obj
 
+    def _look_for_orphans(self) -> None:
+        """:meth:`get`'s look for messages no get took, from the connector's thread (:mod:`.arena_pairs`): a receiving
+        process that has no get to make (no request of its own waiting) drops them too."""
+        with self._rx_lock:
+            now = _now()
+            if not self._closed and now >= self._orphan_check:
+                self._drop_orphans(now)
+
     def _drop_orphans(self, now: float) -> None:
         """Drop the messages that have waited for a get longer than :attr:`orphan_s` (with ``_rx_lock`` held)."""
         self._orphan_check = now + ORPHAN_CHECK_S
         for pair, rx in list(self._rx.items()):
             if rx is None:
                 continue
+            try:  # (the ring's messages first: from the thread, no take has read them)
+                waiting = rx.waiting_keys()
+            except PeerDied:
+                waiting = rx.waiting_keys()  # what it published before it died is kept
             old = self._seen.get(pair, {})
-            seen = self._seen[pair] = {k: old.get(k, now) for k in rx.pending_keys()}  # the keys waiting now only
+            seen = self._seen[pair] = {k: old.get(k, now) for k in waiting}  # the keys waiting now only
             dropped = [k for k, first in seen.items() if now - first > self.orphan_s]
             for k in dropped:
                 rx.discard(k)  # its pages go back to the sender

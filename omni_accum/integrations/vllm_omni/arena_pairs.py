@@ -86,8 +86,9 @@ def _reap_soon(ref: Any) -> None:
 
 def _forward_loop(ref: Any) -> None:
     """Every :data:`REPLICA_CHECK_S`: each region this process owns whose pair a replica shares gives its waiting
-    messages to the inner connector (the connector's ``_forward``), and the segments this process put the inner way
-    that no get took in time are unlinked (:mod:`.arena_inner`); ends with the connector."""
+    messages to the inner connector (the connector's ``_forward``), the messages of its regions no get took in time
+    are dropped (``_look_for_orphans``), and the segments this process put the inner way that no get took in time are
+    unlinked (:mod:`.arena_inner`); ends with the connector."""
     while True:
         time.sleep(REPLICA_CHECK_S)
         self = ref()
@@ -101,6 +102,7 @@ def _forward_loop(ref: Any) -> None:
                     with self._rx_lock:
                         if not self._closed and self._rx.get(pair) is rx:
                             self._forward(pair, rx)
+            self._look_for_orphans()  # the region's messages no get took (also at gets)
             self._inner_orphans.look()
         except Exception as e:  # noqa: BLE001 - the thread goes on; the next look tries again
             self._warn("forward-loop", logging.WARNING, "omni-accum arena: forwarding to a replica failed: %s", str(e))
