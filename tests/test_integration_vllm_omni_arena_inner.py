@@ -72,9 +72,9 @@ def test_a_put_the_inner_way_that_no_get_takes_is_unlinked_after_the_orphan_time
         _wait(lambda: tx._inner_orphans.waiting() == 1, "the taken key forgotten by the sender's thread")
         assert os.path.exists(_seg(lost)) and tx.health()["orphans_dropped"] == 0
         clock.now += 10
-        _wait(lambda: not os.path.exists(_seg(lost)), "the untaken segment unlinked by the sender's thread")
-        assert not os.path.exists(f"/dev/shm/shm_{lost}_lockfile.lock")
-        assert tx.health()["orphans_dropped"] == 1 and tx.status_row()["orphans_dropped"] == 1
+        _wait(lambda: tx.health()["orphans_dropped"] == 1, "the untaken segment unlinked by the sender's thread")
+        assert not os.path.exists(_seg(lost)) and not os.path.exists(f"/dev/shm/shm_{lost}_lockfile.lock")
+        assert tx.status_row()["orphans_dropped"] == 1
         assert tx._inner_orphans.waiting() == 0
         said = [r.getMessage() for r in caplog.records if "no get took" in r.getMessage()]
         assert len(said) == 1 and repr(lost) in said[0] and "SharedMemoryConnector" in said[0], said
@@ -108,8 +108,8 @@ def test_a_message_the_owner_forwarded_and_no_replica_took_is_unlinked_and_not_c
         assert os.path.exists(_seg(key))
         assert (owner.health()["tensor_views"], owner.health()["tensor_copies"]) == (views, copies)
         clock.now += owner.orphan_s + 1
-        _wait(lambda: not os.path.exists(_seg(key)), "the forwarded, untaken segment unlinked by the owner's thread")
-        assert owner.health()["orphans_dropped"] == 1
+        _wait(lambda: owner.health()["orphans_dropped"] == 1, "the forwarded, untaken segment unlinked by the owner")
+        assert not os.path.exists(_seg(key))
     finally:
         for c in (tx, replica, owner):
             c.close()
@@ -117,9 +117,10 @@ def test_a_message_the_owner_forwarded_and_no_replica_took_is_unlinked_and_not_c
             os.unlink(_seg(key))
 
 
-def test_a_segment_that_cannot_be_unlinked_is_tried_again_at_the_next_look(vo, quick):
-    """The inner connector's clean-up raised once (a transient error): the key is kept and unlinked at a later look,
-    counted once."""
+@pytest.mark.parametrize("how", ["raises", "says nothing"])
+def test_a_segment_that_cannot_be_unlinked_is_tried_again_at_the_next_look(vo, quick, how):
+    """The inner connector's clean-up failed once (``SharedMemoryConnector.cleanup`` says nothing when it fails): the
+    key is kept, not counted, and unlinked at a later look, counted once."""
     from omni_accum.integrations.vllm_omni.arena_inner import CHECK_S
 
     name = f"retryorph{os.getpid()}"
@@ -131,21 +132,79 @@ def test_a_segment_that_cannot_be_unlinked_is_tried_again_at_the_next_look(vo, q
     def flaky(k: str) -> None:
         calls.append(k)
         if len(calls) == 1:
-            raise OSError("busy")
+            if how == "raises":
+                raise OSError("busy")
+            return
         real(k)
 
     tx.inner.cleanup = flaky
     try:
         assert tx.put("0", "1", key, _payload(4))[2].get("shm") is not None
         clock.now += tx.orphan_s + 1
-        assert tx._inner_orphans.look() == [] and os.path.exists(_seg(key)) and calls == [key]
+        _wait(lambda: calls == [key], "the first try")
+        assert os.path.exists(_seg(key)) and tx.health()["orphans_dropped"] == 0 and tx._inner_orphans.waiting() == 1
         clock.now += CHECK_S
-        _wait(lambda: not os.path.exists(_seg(key)), "unlinked at a later look")
-        assert tx.health()["orphans_dropped"] == 1 and calls == [key, key]
+        _wait(lambda: tx.health()["orphans_dropped"] == 1, "unlinked at a later look")
+        assert not os.path.exists(_seg(key)) and calls == [key, key]
     finally:
         tx.close()
         if os.path.exists(_seg(key)):
             os.unlink(_seg(key))
+
+
+def test_a_key_put_again_by_another_process_is_not_unlinked_with_the_old_one(vo, quick):
+    """vllm-omni's keys are ``<request>_<stage>_<chunk>`` and a request id may come again: a later put of the same key
+    (here by another process's ``SharedMemoryConnector``) makes a new segment, which this process's old record must not
+    unlink when its orphan time comes."""
+    from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
+
+    from tests.test_integration_vllm_omni import assert_same
+
+    name = f"reuseorph{os.getpid()}"
+    key = f"reuse{os.getpid()}_0_0"
+    tx, other = _connector(0, name), SharedMemoryConnector({"stage_id": 0})
+    clock = tx._inner_orphans.clock = _Clock()
+    try:
+        assert tx.put("0", "1", key, _payload(5))[2].get("shm") is not None
+        assert other.put("0", "1", key, _payload(6))[0]  # the same key again: a new segment
+        clock.now += tx.orphan_s + 1
+        _wait(lambda: tx._inner_orphans.waiting() == 0, "the old record forgotten")
+        assert os.path.exists(_seg(key)) and tx.health()["orphans_dropped"] == 0
+        assert_same(SharedMemoryConnector({"stage_id": 1}).get("0", "1", key)[0], _payload(6), "the later put's")
+    finally:
+        tx.close()
+        other.close()
+        if os.path.exists(_seg(key)):
+            os.unlink(_seg(key))
+
+
+def test_a_request_still_taking_its_chunks_keeps_them_past_the_orphan_time(vo, quick):
+    """vllm-omni's input wait starts again at each chunk a request receives: a request far behind its sender but still
+    taking chunks is alive. Its next chunk is kept for the orphan time counted from the last chunk of it seen taken,
+    and unlinked once that has passed with none taken."""
+    from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
+
+    name = f"aliveorph{os.getpid()}"
+    first, second = f"alive{os.getpid()}_0_1", f"alive{os.getpid()}_0_2"
+    tx, rx = _connector(0, name), SharedMemoryConnector({"stage_id": 1})
+    clock = tx._inner_orphans.clock = _Clock()
+    try:
+        for i, key in enumerate((first, second)):
+            assert tx.put("0", "1", key, _payload(i))[2].get("shm") is not None
+        clock.now += tx.orphan_s - 5
+        assert rx.get("0", "1", first) is not None  # taken late, but taken
+        _wait(lambda: tx._inner_orphans.waiting() == 1, "the taken chunk seen taken")
+        clock.now += 10  # past the orphan time counted from the puts, not from the last take
+        _wait(lambda: tx._inner_orphans._next > clock.now, "a look at this time")
+        assert os.path.exists(_seg(second)) and tx.health()["orphans_dropped"] == 0
+        clock.now += tx.orphan_s
+        _wait(lambda: tx.health()["orphans_dropped"] == 1, "unlinked once none of its chunks was taken for that long")
+        assert not os.path.exists(_seg(second))
+    finally:
+        tx.close()
+        for key in (first, second):
+            if os.path.exists(_seg(key)):
+                os.unlink(_seg(key))
 
 
 def test_a_receiver_with_no_get_to_make_drops_its_region_s_orphans_from_its_thread(vo, quick):
@@ -167,6 +226,38 @@ def test_a_receiver_with_no_get_to_make_drops_its_region_s_orphans_from_its_thre
         _wait(lambda: rx._seen.get(("0", "1")), "the thread's look sees it waiting")
         clock[0] += rx.orphan_s + 1
         _wait(lambda: rx.health()["orphans_dropped"] == 1, "dropped by the receiver's thread, with no get")
+        assert not rx._rx[("0", "1")].pending_keys()
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_request_still_taking_its_chunks_keeps_them_in_the_region_too(vo, quick):
+    """The region's own orphan drop counted a message's age from when a look first saw it waiting: a request far behind
+    its sender but still taking chunks lost its next one. Now from the last chunk of it a get took, as vllm-omni's
+    wait starts again at each chunk."""
+    from omni_accum.integrations.vllm_omni import arena_connector
+
+    name = f"alivereg{os.getpid()}"
+    req = f"alivereg{os.getpid()}"
+    rx, tx = _connector(1, name), _connector(0, name)
+    clock = [1000.0]
+    quick.setattr(arena_connector, "_now", lambda: clock[0])
+    try:
+        assert rx.get("0", "1", "prime") is None  # makes the region
+        for k in _put_until_arena(tx, lambda: {"x": torch.arange(3)}):
+            assert rx.get("0", "1", k) is not None
+        for chunk in (1, 2):
+            assert tx.put("0", "1", f"{req}_0_{chunk}", _payload(chunk))[2].get("arena") is not None
+        clock[0] += 2 * arena_connector.ORPHAN_CHECK_S
+        _wait(lambda: len(rx._seen.get(("0", "1"), {})) == 2, "a look sees both waiting")
+        clock[0] += rx.orphan_s - 5
+        assert rx.get("0", "1", f"{req}_0_1") is not None  # taken late, but taken
+        clock[0] += 10  # past the orphan time counted from the first look, not from the take
+        _wait(lambda: rx._orphan_check > clock[0], "a look at this time")
+        assert rx.health()["orphans_dropped"] == 0 and rx._rx[("0", "1")].pending_keys() == [f"{req}_0_2"]
+        clock[0] += rx.orphan_s
+        _wait(lambda: rx.health()["orphans_dropped"] == 1, "dropped once none of its chunks was taken for that long")
         assert not rx._rx[("0", "1")].pending_keys()
     finally:
         tx.close()

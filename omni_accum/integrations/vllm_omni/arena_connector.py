@@ -49,13 +49,11 @@ owner, a replica of the stage, and the owner forwards to the inner connector wha
 omni-accum's reaper process once the server's processes have ended (vllm-omni's stage processes end on SIGTERM without
 closing their connectors); a region whose owner died is removed by the next process that looks for the pair.
 
-A message no get takes (its request was aborted or failed on the receiving stage, or its chunks came after that) is
-dropped after :func:`orphan_after_s` (twice vllm-omni's ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S``: 20 min by default), its
-pages given back, counted (``health()["orphans_dropped"]``) and said once per pair: vllm-omni 0.30.0 removes an
-aborted request's unread chunks only for a ``SharedMemoryConnector``, so without this they held arena pages for
-good, and the arena filled up. The look runs at gets and from the connector's thread (an idle receiver too). A
-message put through the inner connector (or forwarded there) and not taken within that time is unlinked from
-``/dev/shm`` by the process that put it (:mod:`.arena_inner`), counted the same way.
+A message no get takes (its request aborted or failed on the receiving stage) is dropped after :func:`orphan_after_s`
+(twice vllm-omni's ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S``), its pages given back, counted (``health()["orphans_dropped"]``)
+and said once per pair (looked for at gets and from the connector's thread): vllm-omni 0.30.0 removes an aborted
+request's unread chunks only for a ``SharedMemoryConnector``. One that went through the inner connector is unlinked
+from ``/dev/shm`` by the process that put it (:mod:`.arena_inner`), counted the same way.
 
 Registered with ``OmniConnectorFactory`` by :mod:`.arena_plugin` (entry point ``omni_accum_arena``).
 """
@@ -148,6 +146,7 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         self._inner_orphans = InnerOrphans(self.inner, self.orphan_s)  # inner puts no get takes (.arena_inner)
         self._orphan_check = 0.0  # monotonic time of the next look for messages no get took
         self._seen: dict[tuple[str, str], dict[str, float]] = {}  # pair -> key -> when a look first saw it waiting
+        self._alive: dict[str, float] = {}  # request -> when a get last took one of its messages
         self.fallbacks: dict[str, int] = {}
         self._replica_seen: dict[tuple[str, str], tuple[float, bool]] = {}  # pair -> (next look, a replica shares it)
         self._marked: set[str] = set()  # the pairs whose replica mark this process wrote (it is not their owner)
@@ -200,8 +199,9 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         result = self.inner.put(from_stage, to_stage, put_key, data)
         if result[0]:
             self.counts["inner_puts"] += 1
-            self._inner_orphans.put(put_key)
-            self._start_forwarder()  # its thread unlinks the segments no get takes
+            if not self._closed:
+                self._inner_orphans.put(put_key)
+                self._start_forwarder()  # its thread unlinks the segments no get takes
         return result
 
     def get(
@@ -217,11 +217,12 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
                     # the text, not the exception: a kept log record must not keep this frame's payload alive
                     logger.warning("omni-accum arena %s: %s", self.region_name(*pair), str(e))
                     msg = rx.take(get_key)  # what it published before it died is kept
-                if self._seen and msg is not None:
+                now = _now()
+                if msg is not None:
                     self._seen.get(pair, {}).pop(get_key, None)
+                    self._alive[request_of(get_key) or get_key] = now
                 if self._shared(pair):  # a replica shares the pair: the rest (maybe its messages), the inner way
                     self._forward(pair, rx)
-                now = _now()
                 if now >= self._orphan_check:
                     self._drop_orphans(now)
                 if msg is not None:
@@ -232,13 +233,16 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         got = self.inner.get(from_stage, to_stage, get_key, metadata)
         if got is not None:
             self.counts["inner_gets"] += 1
+            self._alive[request_of(get_key) or get_key] = _now()
         return got
 
-    def _decode(self, pair: tuple[str, str], rx: Any, msg: Any) -> tuple[bool, Any]:
+    def _decode(self, pair: tuple[str, str], rx: Any, msg: Any, handed: bool = True) -> tuple[bool, Any]:
         """``(True, payload)`` of a taken message, as ``SharedMemoryConnector`` would give it; ``(False, None)`` for a
-        malformed one (counted ``bad_frame``). With ``_rx_lock`` held."""
+        malformed one (counted ``bad_frame``). With ``_rx_lock`` held. ``handed=False``: not handed out by this
+        process (a forward to a replica): its tensors are not counted as views or copies received here."""
         body, spans, chains = msg
         dec = self._decoder
+        counts = (dec.views, dec.copies, rx.chain_views, rx.tensor_views)
         dec.rx, dec.chains, dec.spans = rx, chains, dict(spans)
         try:
             obj = dec.decode(body)
@@ -250,33 +254,31 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
             # them, once no tensor over them is left (ChainViews.reap, on a later get)
             rx.free(list(dec.spans.items()))
             dec.chains, dec.spans = {}, {}
-        if (chains or dec.views) and not self._chain_logged:
+            if not handed:
+                dec.views, dec.copies, rx.chain_views, rx.tensor_views = counts
+        if (chains or dec.views) and handed and not self._chain_logged:
             self._chain_logged = True
             logger.info("omni-accum arena %s: first tensors handed out over the shared pages (no copy; "
                         "%d chain view(s), %d tensor view(s))", rx.region.path.name, rx.chain_views, rx.tensor_views)
         return True, obj
 
-    def _look_for_orphans(self) -> None:
-        """:meth:`get`'s look for messages no get took, from the connector's thread (:mod:`.arena_pairs`): a receiving
-        process that has no get to make (no request of its own waiting) drops them too."""
-        with self._rx_lock:
-            now = _now()
-            if not self._closed and now >= self._orphan_check:
-                self._drop_orphans(now)
+    def _clock(self) -> float:
+        return _now()  # the orphan looks' clock (tests move it)
 
     def _drop_orphans(self, now: float) -> None:
         """Drop the messages that have waited for a get longer than :attr:`orphan_s` (with ``_rx_lock`` held)."""
         self._orphan_check = now + ORPHAN_CHECK_S
+        alive = dict(self._alive)  # (an inner get may add to it meanwhile)
+        for req in [r for r, t in alive.items() if now - t > self.orphan_s]:
+            self._alive.pop(req, None)
         for pair, rx in list(self._rx.items()):
             if rx is None:
                 continue
-            try:  # (the ring's messages first: from the thread, no take has read them)
-                waiting = rx.waiting_keys()
-            except PeerDied:
-                waiting = rx.waiting_keys()  # what it published before it died is kept
             old = self._seen.get(pair, {})
-            seen = self._seen[pair] = {k: old.get(k, now) for k in waiting}  # the keys waiting now only
-            dropped = [k for k, first in seen.items() if now - first > self.orphan_s]
+            seen = self._seen[pair] = {k: old.get(k, now) for k in rx.pending_keys()}  # the keys waiting now only
+            # (vllm-omni's wait starts again at each chunk: a request still taking its chunks is alive)
+            dropped = [k for k, first in seen.items()
+                       if now - max(first, alive.get(request_of(k) or k, first)) > self.orphan_s]
             for k in dropped:
                 rx.discard(k)  # its pages go back to the sender
                 del seen[k]

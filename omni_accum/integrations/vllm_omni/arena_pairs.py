@@ -102,10 +102,14 @@ def _forward_loop(ref: Any) -> None:
                     with self._rx_lock:
                         if not self._closed and self._rx.get(pair) is rx:
                             self._forward(pair, rx)
-            self._look_for_orphans()  # the region's messages no get took (also at gets)
-            self._inner_orphans.look()
         except Exception as e:  # noqa: BLE001 - the thread goes on; the next look tries again
             self._warn("forward-loop", logging.WARNING, "omni-accum arena: forwarding to a replica failed: %s", str(e))
+        try:
+            self._look_for_orphans()  # the regions' messages no get took (also at gets)
+        except Exception as e:  # noqa: BLE001 - as above
+            self._warn("orphan-loop", logging.WARNING, "omni-accum arena: the look for messages no get took failed: "
+                       "%s", str(e))
+        self._inner_orphans.look()  # (never raises)
         del self
 
 
@@ -280,11 +284,7 @@ class PairRegions:
             if msg is None:
                 continue
             self._seen.get(pair, {}).pop(key, None)
-            dec = self._decoder
-            counted = (dec.views, dec.copies, rx.chain_views, rx.tensor_views)
-            ok, obj = self._decode(pair, rx, msg)
-            # not handed out by this process: its views and copies are not counted as received here
-            dec.views, dec.copies, rx.chain_views, rx.tensor_views = counted
+            ok, obj = self._decode(pair, rx, msg, handed=False)
             try:
                 put = ok and self.inner.put(pair[0], pair[1], key, obj)[0]
             except Exception:  # noqa: BLE001 - said below, like a put the inner connector refused
@@ -313,6 +313,22 @@ class PairRegions:
         if path_for(named) != rx.region.path:
             self._mark(pair)
 
+    def _look_for_orphans(self) -> None:
+        """The connector's look for its regions' messages no get took (``_drop_orphans``, also at gets), from its
+        thread: a receiving process that has no get to make (no request of its own waiting) drops them too."""
+        with self._rx_lock:
+            now = self._clock()
+            if self._closed or now < self._orphan_check:
+                return
+            for pair, rx in list(self._rx.items()):
+                for _ in range(2) if rx is not None else ():
+                    try:
+                        rx.waiting_keys()  # the ring's messages first: no take has read them
+                        break
+                    except PeerDied as e:  # said as a get says it; what it published before it died is kept
+                        logger.warning("omni-accum arena %s: %s", self.region_name(*pair), str(e))
+            self._drop_orphans(now)
+
     def _mark(self, pair: tuple[str, str]) -> None:
         """Write ``pair``'s replica mark: this process receives on the pair beside the region's owner (a replica
         without a region writes it again at each try to make one, every :data:`CREATE_RETRY_S`: with three or more
@@ -336,9 +352,14 @@ class PairRegions:
         if self._forwarder is None:
             with _STARTING:  # a put's thread and a get's may both be first
                 if self._forwarder is None:
-                    self._forwarder = threading.Thread(target=_forward_loop, args=(weakref.ref(self),), daemon=True,
-                                                       name="omni-accum-arena-forward")
-                    self._forwarder.start()
+                    t = threading.Thread(target=_forward_loop, args=(weakref.ref(self),), daemon=True,
+                                         name="omni-accum-arena-forward")
+                    try:
+                        t.start()
+                    except RuntimeError as e:  # (no thread to be had: the next put or region tries again)
+                        self._warn("forwarder", logging.WARNING, "omni-accum arena: cannot start its thread: %s", e)
+                        return
+                    self._forwarder = t
 
     def _refused(self, e: SameHostRefused) -> None:
         self.fallbacks["samehost_refused"] = self.fallbacks.get("samehost_refused", 0) + 1
