@@ -207,20 +207,28 @@ def test_a_request_still_taking_its_chunks_keeps_them_past_the_orphan_time(vo, q
                 os.unlink(_seg(key))
 
 
+def _region(quick: Any, name: str) -> tuple[Any, Any, list[float]]:
+    """A receiver that made the pair's region, a sender attached to it (every message put so far taken) and the
+    region's orphan clock (``arena_connector._now``, moved by the test)."""
+    from omni_accum.integrations.vllm_omni import arena_connector
+
+    rx, tx = _connector(1, name), _connector(0, name)
+    clock = [1000.0]
+    quick.setattr(arena_connector, "_now", lambda: clock[0])
+    assert rx.get("0", "1", "prime") is None  # makes the region
+    for k in _put_until_arena(tx, lambda: {"x": torch.arange(3)}):
+        assert rx.get("0", "1", k) is not None
+    return rx, tx, clock
+
+
 def test_a_receiver_with_no_get_to_make_drops_its_region_s_orphans_from_its_thread(vo, quick):
     """The region's own orphan look ran only at a get, and vllm-omni gets only for requests it holds: a receiving
     stage whose requests were all aborted kept their messages' pages until its next request. The connector's thread
     looks too."""
     from omni_accum.integrations.vllm_omni import arena_connector
 
-    name = f"idleorph{os.getpid()}"
-    rx, tx = _connector(1, name), _connector(0, name)
-    clock = [1000.0]
-    quick.setattr(arena_connector, "_now", lambda: clock[0])
+    rx, tx, clock = _region(quick, f"idleorph{os.getpid()}")
     try:
-        assert rx.get("0", "1", "prime") is None  # makes the region
-        for k in _put_until_arena(tx, lambda: {"x": torch.arange(3)}):
-            assert rx.get("0", "1", k) is not None
         assert tx.put("0", "1", "aborted_0_0", _payload(7))[2].get("arena") is not None  # no get will ever come
         clock[0] += 2 * arena_connector.ORPHAN_CHECK_S  # the next look is due (the gets above made theirs)
         _wait(lambda: rx._seen.get(("0", "1")), "the thread's look sees it waiting")
@@ -238,15 +246,9 @@ def test_a_request_still_taking_its_chunks_keeps_them_in_the_region_too(vo, quic
     wait starts again at each chunk."""
     from omni_accum.integrations.vllm_omni import arena_connector
 
-    name = f"alivereg{os.getpid()}"
     req = f"alivereg{os.getpid()}"
-    rx, tx = _connector(1, name), _connector(0, name)
-    clock = [1000.0]
-    quick.setattr(arena_connector, "_now", lambda: clock[0])
+    rx, tx, clock = _region(quick, req)
     try:
-        assert rx.get("0", "1", "prime") is None  # makes the region
-        for k in _put_until_arena(tx, lambda: {"x": torch.arange(3)}):
-            assert rx.get("0", "1", k) is not None
         for chunk in (1, 2):
             assert tx.put("0", "1", f"{req}_0_{chunk}", _payload(chunk))[2].get("arena") is not None
         clock[0] += 2 * arena_connector.ORPHAN_CHECK_S
