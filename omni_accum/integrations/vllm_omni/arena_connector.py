@@ -211,12 +211,7 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         with self._rx_lock:
             rx = None if self._closed else self._receiver(pair)
             if rx is not None:
-                try:
-                    msg = rx.take(get_key)
-                except PeerDied as e:
-                    # the text, not the exception: a kept log record must not keep this frame's payload alive
-                    logger.warning("omni-accum arena %s: %s", self.region_name(*pair), str(e))
-                    msg = rx.take(get_key)  # what it published before it died is kept
+                msg = self._past_death(pair, rx.take, get_key)
                 now = _now()
                 if msg is not None:
                     self._seen.get(pair, {}).pop(get_key, None)

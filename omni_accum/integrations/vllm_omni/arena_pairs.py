@@ -272,15 +272,8 @@ class PairRegions:
         of the stage finds it (a replica shares the pair: the ring has one reader, and the message may be for another
         replica), with ``_rx_lock`` held. Its tensors are copied there as ``SharedMemoryConnector`` copies them; the
         pages go back once the views are dropped. Counted in ``health()["forwarded"]``."""
-        try:
-            keys = rx.waiting_keys()
-        except PeerDied:
-            keys = rx.waiting_keys()  # what it published before it died is kept
-        for key in keys:
-            try:
-                msg = rx.take(key)
-            except PeerDied:
-                msg = rx.take(key)
+        for key in self._past_death(pair, rx.waiting_keys):
+            msg = self._past_death(pair, rx.take, key)
             if msg is None:
                 continue
             self._seen.get(pair, {}).pop(key, None)
@@ -321,13 +314,19 @@ class PairRegions:
             if self._closed or now < self._orphan_check:
                 return
             for pair, rx in list(self._rx.items()):
-                for _ in range(2) if rx is not None else ():
-                    try:
-                        rx.waiting_keys()  # the ring's messages first: no take has read them
-                        break
-                    except PeerDied as e:  # said as a get says it; what it published before it died is kept
-                        logger.warning("omni-accum arena %s: %s", self.region_name(*pair), str(e))
+                if rx is not None:
+                    self._past_death(pair, rx.waiting_keys)  # the ring's messages first: no take has read them
             self._drop_orphans(now)
+
+    def _past_death(self, pair: tuple[str, str], call: Any, *args: Any) -> Any:
+        """``call(*args)`` of ``pair``'s receiver, once more when it found the sender dead (``PeerDied`` comes once per
+        death; it is said here; what the sender published before it died is kept)."""
+        try:
+            return call(*args)
+        except PeerDied as e:
+            # the text, not the exception: a kept log record must not keep the caller's payload alive
+            logger.warning("omni-accum arena %s: %s", self.region_name(*pair), str(e))
+            return call(*args)
 
     def _mark(self, pair: tuple[str, str]) -> None:
         """Write ``pair``'s replica mark: this process receives on the pair beside the region's owner (a replica
