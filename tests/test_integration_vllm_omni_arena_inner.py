@@ -264,3 +264,51 @@ def test_a_request_still_taking_its_chunks_keeps_them_in_the_region_too(vo, quic
     finally:
         tx.close()
         rx.close()
+
+
+@pytest.mark.parametrize("connector", ["SharedMemoryConnector", "OmniAccumArenaConnector"])
+def test_an_aborted_request_s_inner_chunks_are_unlinked_at_the_abort(vo, adapters, connector):
+    """vllm-omni 0.30.0's adapter unlinks at the abort the chunks an aborted request's sender put, on its save thread,
+    for a ``SharedMemoryConnector`` only; over the arena the chunks put the inner way (here no receiver has made the
+    region) now go the same way, counted, not after the orphan time. A request whose last chunk was sent keeps its
+    chunks for the receiver, on both. Where the adapter has no such clean-up (0.28, 0.16) nothing is wrapped."""
+    from vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter import (
+        OmniChunkTransferAdapter,
+    )
+
+    from omni_accum.integrations.vllm_omni import arena_abort, arena_plugin
+
+    from tests.test_integration_vllm_omni import T2T, _request, _thinker_steps
+
+    arena_plugin.register()
+    if "_queue_shm_cleanup_locked" not in vars(OmniChunkTransferAdapter):  # no abort clean-up for any connector
+        assert not arena_abort.installed()
+        assert "_queue_shm_cleanup_locked" in "; ".join(arena_abort._problems(OmniChunkTransferAdapter))
+        return
+    assert arena_abort.installed()
+    pid = os.getpid()
+    arena = connector == "OmniAccumArenaConnector"
+    tx = adapters(0, next_func=T2T, connector=connector, extra={"arena_name": f"abort{pid}"} if arena else None)
+
+    def send(rid: str, steps: int, finished: bool = False) -> list[str]:
+        out: list[int] = []
+        for i, mm in enumerate(_thinker_steps(seed=5, decode_steps=3)[:steps]):
+            out += [1000 + i] if i >= 3 else []
+            tx.save_async(multimodal_output=mm, request=_request(rid, out, finished=finished and i == steps - 1))
+        keys = [f"{rid}_0_{c}" for c in range(steps - 3)]  # the processor puts from the fourth step on
+        _wait(lambda: all(os.path.exists(_seg(k)) for k in keys), f"{rid}'s chunks put the inner way")
+        return keys
+
+    done, lost = send(f"done{pid}", 5, finished=True), send(f"lost{pid}", 5)
+    try:
+        tx.cleanup_sender(f"lost{pid}")  # the scheduler's abort, before a last chunk
+        _wait(lambda: not any(os.path.exists(_seg(k)) for k in lost), "the aborted request's chunks unlinked")
+        assert not any(os.path.exists(f"/dev/shm/shm_{k}_lockfile.lock") for k in lost)
+        assert all(os.path.exists(_seg(k)) for k in done)  # (the save thread ran the abort after them)
+        if arena:
+            h = tx.connector.health()
+            assert h["aborted_unlinked"] == 2 and h["orphans_dropped"] == 0 and h["inner_puts"] == 4, h
+            assert tx.connector._inner_orphans.waiting() == 2  # the finished request's, for the orphan look
+    finally:
+        for k in done + lost:
+            tx.connector.cleanup(k)

@@ -51,7 +51,8 @@ import glob, json, sys
 for f in sorted(glob.glob(sys.argv[1] + "/*.json")):
     d = json.load(open(f))
     for r in d.get("connectors") or []:
-        keys = ("stage", "arena_puts", "inner_puts", "arena_gets", "inner_gets", "orphans_dropped", "fallbacks")
+        keys = ("stage", "arena_puts", "inner_puts", "arena_gets", "inner_gets", "orphans_dropped", "aborted_unlinked",
+                "fallbacks")
         print("pid", f.rsplit("/", 1)[1][:-5], {k: r.get(k) for k in keys})
 PY
 grep -a "no get took" "$W/server.log" | sed 's/^.*omni-accum arena: /omni-accum said: /'

@@ -53,7 +53,8 @@ A message no get takes (its request aborted or failed on the receiving stage) is
 (twice vllm-omni's ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S``), its pages given back, counted (``health()["orphans_dropped"]``)
 and said once per pair (looked for at gets and from the connector's thread): vllm-omni 0.30.0 removes an aborted
 request's unread chunks only for a ``SharedMemoryConnector``. One that went through the inner connector is unlinked
-from ``/dev/shm`` by the process that put it (:mod:`.arena_inner`), counted the same way.
+from ``/dev/shm`` by the process that put it (:mod:`.arena_inner`), counted the same way; at the abort itself where
+vllm-omni's adapter has that clean-up (:mod:`.arena_abort`, 0.30.0: ``health()["aborted_unlinked"]``).
 
 Registered with ``OmniConnectorFactory`` by :mod:`.arena_plugin` (entry point ``omni_accum_arena``).
 """
@@ -141,7 +142,7 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         self._encoder = Encoder()
         self._decoder = Decoder(self.view_bytes)
         self.counts = {"arena_puts": 0, "inner_puts": 0, "arena_gets": 0, "inner_gets": 0, "arena_bytes": 0,
-                       "chain_appends": 0, "orphans_dropped": 0, "forwarded": 0}
+                       "chain_appends": 0, "orphans_dropped": 0, "forwarded": 0, "aborted_unlinked": 0}
         self.orphan_s = orphan_after_s()
         self._inner_orphans = InnerOrphans(self.inner, self.orphan_s)  # inner puts no get takes (.arena_inner)
         self._orphan_check = 0.0  # monotonic time of the next look for messages no get took
@@ -383,6 +384,11 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
                     rx.discard(request_id)
         self.inner.cleanup(request_id)
 
+    def abort_keys(self, keys: list[str]) -> None:
+        """The abort clean-up of this sender's chunks ``keys`` (:mod:`.arena_abort`, on the adapter's save thread): what
+        went the inner way is unlinked now, as for a ``SharedMemoryConnector``; counted in ``aborted_unlinked``."""
+        self.counts["aborted_unlinked"] += self._inner_orphans.abort(keys)
+
     def reap_consumed(self) -> None:
         self.inner.reap_consumed()
 
@@ -415,7 +421,7 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
                 "stage": self.stage_id,
                 "arena_puts": c["arena_puts"], "inner_puts": c["inner_puts"], "arena_gets": c["arena_gets"],
                 "inner_gets": c["inner_gets"], "orphans_dropped": c["orphans_dropped"] + self._inner_orphans.dropped,
-                "fallbacks": dict(self.fallbacks),
+                "aborted_unlinked": c["aborted_unlinked"], "fallbacks": dict(self.fallbacks),
                 "regions": self._regions(),
                 "inner_only": self._inner_only_now()}
 

@@ -73,6 +73,25 @@ class InnerOrphans:
             with self._lock:
                 self._put[key] = (self.clock(), seg)
 
+    def abort(self, keys: list[str]) -> int:
+        """vllm-omni's abort clean-up of ``keys`` (:mod:`.arena_abort`): each segment there now is unlinked by name, as
+        vllm-omni does it for a ``SharedMemoryConnector`` (a forward of the key by a region's owner too), and
+        forgotten; how many were unlinked. Never raises (what is left, the next looks try)."""
+        n = 0
+        for key in keys:
+            seg = _identity(key)
+            if seg is None:  # taken, or carried in the region
+                continue
+            try:
+                self.inner.cleanup(key)
+            except Exception as e:  # noqa: BLE001 - the orphan time still covers it
+                logger.debug("omni-accum arena: cannot unlink %s at its abort: %s", key, e)
+            if _identity(key) != seg:
+                n += 1
+                with self._lock:
+                    self._put.pop(key, None)
+        return n
+
     def waiting(self) -> int:
         """How many of this process's inner puts were not seen taken at the last look (or since)."""
         return len(self._put)

@@ -24,10 +24,12 @@ def register() -> bool:
     """Register ``OmniAccumArenaConnector`` with ``OmniConnectorFactory`` (once); True when it is registered."""
     from vllm_omni.distributed.omni_connectors.factory import OmniConnectorFactory  # noqa: PLC0415
 
+    from omni_accum.integrations.vllm_omni import arena_abort  # noqa: PLC0415
     from omni_accum.integrations.vllm_omni.arena_connector import NAME, ArenaConnector  # noqa: PLC0415
 
     if NAME not in OmniConnectorFactory.list_registered_connectors():
         OmniConnectorFactory.register_connector(NAME, ArenaConnector)
+    arena_abort.install()  # an aborted request's inner chunks unlinked at the abort, where the adapter has that
     return True
 
 
