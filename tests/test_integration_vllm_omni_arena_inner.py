@@ -312,3 +312,35 @@ def test_an_aborted_request_s_inner_chunks_are_unlinked_at_the_abort(vo, adapter
     finally:
         for k in done + lost:
             tx.connector.cleanup(k)
+
+
+def test_the_abort_clean_up_removes_a_lone_lock_file_and_is_wrapped_once(vo, monkeypatch):
+    """A put that failed after opening its lock file leaves the lock file alone, which vllm-omni's clean-up of a
+    ``SharedMemoryConnector`` removes: the arena's removes it too (and counts no segment). An install after one of
+    the two methods was put back wraps that one only, never one twice (two clean-up tasks per abort)."""
+    from vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter import (
+        OmniChunkTransferAdapter,
+    )
+
+    from omni_accum.integrations.vllm_omni import arena_abort
+
+    tx = _connector(0, f"lonelock{os.getpid()}")
+    key = f"lonelock{os.getpid()}_0_0"
+    lock = f"/dev/shm/shm_{key}_lockfile.lock"
+    try:
+        open(lock, "wb").close()
+        tx.abort_keys([key, f"none{os.getpid()}_0_0"])
+        assert not os.path.exists(lock) and tx.health()["aborted_unlinked"] == 0
+    finally:
+        if os.path.exists(lock):
+            os.unlink(lock)
+        tx.close()
+    if "_queue_shm_cleanup_locked" not in vars(OmniChunkTransferAdapter):  # 0.28, 0.16: nothing to wrap
+        return
+    wrapped = vars(OmniChunkTransferAdapter)["_queue_shm_cleanup_locked"]
+    monkeypatch.setattr(OmniChunkTransferAdapter, "_send_single_request",
+                        vars(OmniChunkTransferAdapter)["_send_single_request"].__wrapped__)
+    assert not arena_abort.installed() and arena_abort.install() and arena_abort.installed()
+    assert vars(OmniChunkTransferAdapter)["_queue_shm_cleanup_locked"] is wrapped
+    for name in ("_queue_shm_cleanup_locked", "_send_single_request"):
+        assert not getattr(vars(OmniChunkTransferAdapter)[name].__wrapped__, "__omni_accum_arena_abort__", False)

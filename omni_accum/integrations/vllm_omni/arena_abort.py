@@ -115,7 +115,8 @@ def install() -> bool:
                              "vllm-omni has no abort clean-up to extend: %s)", "; ".join(problems))
                 return False
             for t in TARGETS:
-                setattr(cls, t.name, t.wrap(vars(cls)[t.name]))
+                if not getattr(vars(cls)[t.name], _WRAPPED, False):  # (one of them wrapped already: not twice)
+                    setattr(cls, t.name, t.wrap(vars(cls)[t.name]))
             return True
         except Exception as e:  # noqa: BLE001 - never fails the plugin's registration
             logger.debug("omni-accum arena: the abort clean-up is not installed: %s", e)

@@ -54,7 +54,8 @@ A message no get takes (its request aborted or failed on the receiving stage) is
 and said once per pair (looked for at gets and from the connector's thread): vllm-omni 0.30.0 removes an aborted
 request's unread chunks only for a ``SharedMemoryConnector``. One that went through the inner connector is unlinked
 from ``/dev/shm`` by the process that put it (:mod:`.arena_inner`), counted the same way; at the abort itself where
-vllm-omni's adapter has that clean-up (:mod:`.arena_abort`, 0.30.0: ``health()["aborted_unlinked"]``).
+vllm-omni's adapter has that clean-up, by the sender, a forward of the key too (:mod:`.arena_abort`, 0.30.0:
+``health()["aborted_unlinked"]``).
 
 Registered with ``OmniConnectorFactory`` by :mod:`.arena_plugin` (entry point ``omni_accum_arena``).
 """

@@ -74,19 +74,21 @@ class InnerOrphans:
                 self._put[key] = (self.clock(), seg)
 
     def abort(self, keys: list[str]) -> int:
-        """vllm-omni's abort clean-up of ``keys`` (:mod:`.arena_abort`): each segment there now is unlinked by name, as
-        vllm-omni does it for a ``SharedMemoryConnector`` (a forward of the key by a region's owner too), and
-        forgotten; how many were unlinked. Never raises (what is left, the next looks try)."""
+        """vllm-omni's abort clean-up of ``keys`` (:mod:`.arena_abort`): each segment there now is unlinked by name with
+        its lock file, as vllm-omni does it for a ``SharedMemoryConnector`` (a forward of the key by a region's owner
+        too), and forgotten; how many were unlinked. Never raises (what is left, the next looks try)."""
         n = 0
         for key in keys:
-            seg = _identity(key)
-            if seg is None:  # taken, or carried in the region
-                continue
+            seg, lock = _identity(key), os.path.join(SHM_DIR, f"shm_{key}_lockfile.lock")
+            if seg is None and not os.path.exists(lock):
+                continue  # taken, or carried in the region (a lock file alone: a put that failed, removed below)
             try:
                 self.inner.cleanup(key)
+                if _identity(key) is None and os.path.exists(lock):  # (0.28.0's cleanup leaves it)
+                    os.remove(lock)
             except Exception as e:  # noqa: BLE001 - the orphan time still covers it
                 logger.debug("omni-accum arena: cannot unlink %s at its abort: %s", key, e)
-            if _identity(key) != seg:
+            if seg is not None and _identity(key) != seg:
                 n += 1
                 with self._lock:
                     self._put.pop(key, None)
