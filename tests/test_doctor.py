@@ -18,6 +18,12 @@ def clean_env(monkeypatch, vllm_omni):
     return monkeypatch
 
 
+def _vllm_omni_030() -> bool:
+    from omni_accum.integrations.vllm_omni.families import installed_version
+
+    return (installed_version() or "").startswith("0.30.")
+
+
 def _doctor(capsys, *args: str) -> tuple[int, str]:
     rc = main(["doctor", *args])
     return rc, capsys.readouterr().out
@@ -187,6 +193,8 @@ def test_deploy_yaml_selecting_the_arena_connector(clean_env, capsys, tmp_path):
     rc, out = _doctor(capsys, "--deploy", str(f))
     assert rc == 0, out
     assert "ok       arena connector:" in out
+    if _vllm_omni_030():  # when an aborted request's inner chunks go: at the abort where vllm-omni's clean-up is
+        assert "an aborted request's chunks sent the inner way are unlinked at the abort" in out, out
     clean_env.setenv("VLLM_PLUGINS", "omni_accum")  # vLLM would not load the plugin that registers it
     rc, out = _doctor(capsys, "--deploy", str(f))
     assert rc == 1 and "PROBLEM  arena connector" in out and "add omni_accum_arena to VLLM_PLUGINS" in out

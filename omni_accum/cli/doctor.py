@@ -340,8 +340,13 @@ def check_arena_connector(deploy: str | None) -> list[Check]:
                       "load it")  # fmt: skip
             out.append(Check(label, False, detail, f"add {entry} to VLLM_PLUGINS"))
         else:
-            out.append(Check(label, True, f"{deploy} selects {name}; {entry} " + (
-                "registers it" if name in registered else "is loaded (Mooncake 0.3.13 compatibility)")))
+            detail = f"{deploy} selects {name}; {entry} " + (
+                "registers it" if name in registered else "is loaded (Mooncake 0.3.13 compatibility)")
+            if name == "OmniAccumArenaConnector" and known is not None:
+                from omni_accum.integrations.vllm_omni.arena_abort import when_unlinked
+
+                detail += "; " + when_unlinked()
+            out.append(Check(label, True, detail))
     return out
 
 

@@ -101,6 +101,19 @@ def _problems(cls: Any) -> list[str]:
     return out
 
 
+def when_unlinked() -> str:
+    """When an aborted request's chunks sent the arena connector's inner way leave ``/dev/shm`` with the installed
+    vllm-omni (``omni-accum doctor``)."""
+    try:
+        problems = _problems(_resolve(ADAPTER))
+    except Exception as e:  # noqa: BLE001 - no vllm-omni (doctor's versions check says so)
+        problems = [f"{type(e).__name__}: {e}"]
+    if not problems:
+        return "an aborted request's chunks sent the inner way are unlinked at the abort (vllm-omni's own clean-up)"
+    return ("an aborted request's chunks sent the inner way are unlinked after the orphan time, twice "
+            "VLLM_OMNI_INPUT_WAIT_TIMEOUT_S (this vllm-omni has no abort clean-up to extend)")
+
+
 def install() -> bool:
     """Wrap the adapter's two abort clean-up methods (once per process); True when they are wrapped. Never raises:
     a release without them (or with other signatures) keeps the orphan time as the only rule, said at debug level."""

@@ -4,7 +4,9 @@
 Entry point ``omni_accum_arena`` in vllm-omni's ``vllm_omni.general_plugins`` group and vLLM's
 ``vllm.general_plugins`` group (vllm-omni 0.30.0's stage engine-core processes, which build the
 connectors of the chunk transfer adapter, load only the latter), independently of whether an
-omni-accum policy is installed. ``OMNI_ACCUM_ARENA_CONNECTOR=0`` turns it off. With ``VLLM_PLUGINS``
+omni-accum policy is installed; registering also extends vllm-omni 0.30.0's abort clean-up of a
+``SharedMemoryConnector``'s chunks to the arena connector (:mod:`.arena_abort`). ``OMNI_ACCUM_ARENA_CONNECTOR=0``
+turns both off. With ``VLLM_PLUGINS``
 set, list ``omni_accum_arena`` in it too.
 """
 
