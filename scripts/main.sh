@@ -8,13 +8,16 @@
 #      processes (8000 x concurrency 1);
 #   3. what to deploy.
 # Extra arguments go to `omni-accum tune` (e.g. --quick, --workload FILE, --out PATH).
+#   OMNI_ACCUM_OUT   the folder of the tuned policy (default: out, made when missing)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/env.sh"
 cd "$ROOT"
+OUT="${OMNI_ACCUM_OUT:-out}"
+mkdir -p "$OUT"  # (tune refuses an --out whose folder is missing; this one is the job's own)
 echo "== 1. omni-accum tune --workload qwen3-omni-0.30 (accumulation per key)"
 rc=0
-omni-accum tune --workload qwen3-omni-0.30 --out out/tuned-policy.yaml "$@" || rc=$?
+omni-accum tune --workload qwen3-omni-0.30 --out "$OUT/tuned-policy.yaml" "$@" || rc=$?
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 3 ]; then exit "$rc"; fi
 echo
 echo "== 2. where the time is: the prefill hand-off and a decode step, per wire (8000 x c1, two processes)"
@@ -28,7 +31,7 @@ cat <<'EOF'
   and dropped by the talker).
 * Connector: OmniAccumArenaConnector where the stages share a host (docs/arena.md; table 2 gives its ratio to
   SharedMemoryConnector here). Policy: the `qwen3-omni` preset (OMNI_ACCUM_POLICY=qwen3-omni), or none.
-* out/tuned-policy.yaml is for THIS machine: its fingerprint names this machine's torch, vllm-omni and device,
+* The tuned policy (out/tuned-policy.yaml) is for THIS machine: its fingerprint names this machine's torch, vllm-omni and device,
   and a serving machine whose fingerprint differs ignores its table as stale (with a warning). To deploy a
   tuned table, run `omni-accum tune` on the serving machine; otherwise deploy the preset above.
 * The accumulation policies matter on other streams: older releases (qwen3-omni-seed, the 0.16-era flat

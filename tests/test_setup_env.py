@@ -96,3 +96,23 @@ def test_the_environments_are_checked_for_room_before_anything_is_built():
         assert check < ENV_SH.index(build, check), f"env.sh builds before checking the disk ({build!r})"
     test_sh = (ROOT / "scripts" / "test.sh").read_text()
     assert test_sh.index('omni_accum_need_disk "${builds[@]}"') < test_sh.index('( source "$ROOT/scripts/env.sh" )')
+
+
+def test_the_readme_main_command_runs_where_its_output_folder_is_missing(tmp_path):
+    """``bash scripts/main.sh``, the README's first command, failed on a fresh clone from the day ``tune`` began
+    refusing an ``--out`` whose folder is missing (a user's typo must not make folders): the job's own ``out/`` is
+    git-ignored, so a fresh clone has none. The job makes its output folder (``OMNI_ACCUM_OUT`` here, a fresh one);
+    its three parts run: a complete tuned policy that ``validate`` accepts, the wires' table, what to deploy."""
+    out = tmp_path / "fresh" / "out"
+    env = {**os.environ, "OMNI_ACCUM_OUT": str(out)}
+    env.pop("OMNI_ACCUM_POLICY", None)
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "main.sh"), "--quick"], env=env, capture_output=True,
+                         text=True, timeout=900, check=False)
+    said = run.stdout + run.stderr
+    assert run.returncode == 0, said[-3000:]
+    policy = out / "tuned-policy.yaml"
+    assert f"wrote {policy} (complete)" in said, said[-3000:]
+    from omni_accum.cli.main import main
+
+    assert main(["validate", str(policy)]) == 0
+    assert re.search(r"8000 x c1\s+arena\s.*\byes\s*$", said, re.M) and "== 3. what to deploy" in said, said[-3000:]
