@@ -31,7 +31,7 @@ cat <<'EOF'
   and dropped by the talker).
 * Connector: OmniAccumArenaConnector where the stages share a host (docs/arena.md; table 2 gives its ratio to
   SharedMemoryConnector here). Policy: the `qwen3-omni` preset (OMNI_ACCUM_POLICY=qwen3-omni), or none.
-* The tuned policy (out/tuned-policy.yaml) is for THIS machine: its fingerprint names this machine's torch, vllm-omni and device,
+* The tuned policy of step 1 is for THIS machine: its fingerprint names this machine's torch, vllm-omni and device,
   and a serving machine whose fingerprint differs ignores its table as stale (with a warning). To deploy a
   tuned table, run `omni-accum tune` on the serving machine; otherwise deploy the preset above.
 * The accumulation policies matter on other streams: older releases (qwen3-omni-seed, the 0.16-era flat
