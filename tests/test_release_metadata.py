@@ -93,3 +93,16 @@ def test_release_script_checks_what_it_builds():
     assert script.stat().st_mode & 0o111
     for needle in ("twine check --strict", "-m build", "pip install -q \"$WHEEL\"", "validate", "explain", "doctor"):
         assert needle in text, needle
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["strategies"]])
+def test_the_command_line_runs_without_numpy(argv):
+    """numpy is not a core dependency (torch, pluggy, pydantic, PyYAML): a module the command line imports with a
+    top-level ``import numpy`` made ``omni-accum --version`` a traceback in the release script's clean environment
+    (``pip install omni-accum``, no vllm). numpy is hidden from a fresh interpreter here, as it is absent there."""
+    import subprocess
+    import sys
+
+    code = f"import sys; sys.modules['numpy'] = None\nfrom omni_accum.cli.main import main\nsys.exit(main({argv!r}))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-3000:]

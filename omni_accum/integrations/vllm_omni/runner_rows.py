@@ -38,14 +38,16 @@ import pickle
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from omni_accum.errors import AccumulationError
 from omni_accum.integrations.vllm_omni import whole_payload
 from omni_accum.integrations.vllm_omni.binding import binding_for
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -73,7 +75,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
-    """A contiguous tensor's bytes as a flat uint8 array (no copy)."""
+    """A contiguous tensor's bytes as a flat uint8 array (no copy). (Through numpy, which a vLLM process, where this runs,
+    has it: omni-accum's core does not depend on it, and ``omni-accum`` imports this module.)"""
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
@@ -124,6 +127,8 @@ def _remember(req_id: str, key: str, tensor: torch.Tensor, buf: torch.Tensor | N
 
 def _rebuild_full(req_id: str, key: str, dtype: str, shape: tuple[int, ...], data: Any) -> torch.Tensor:
     # The bytes may be a view of the message queue's ring (reused after this step): copied once, here.
+    import numpy as np  # noqa: PLC0415 - see _raw
+
     flat = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
     return _remember(req_id, key, flat.view(getattr(torch, dtype)).reshape(shape), None)
 
