@@ -283,7 +283,7 @@ def test_an_aborted_request_s_inner_chunks_are_unlinked_at_the_abort(vo, adapter
     arena_plugin.register()
     if "_queue_shm_cleanup_locked" not in vars(OmniChunkTransferAdapter):  # no abort clean-up for any connector
         assert not arena_abort.installed()
-        assert "_queue_shm_cleanup_locked" in "; ".join(arena_abort._problems(OmniChunkTransferAdapter))
+        assert "_queue_shm_cleanup_locked" in "; ".join(arena_abort._problems())
         return
     assert arena_abort.installed()
     pid = os.getpid()

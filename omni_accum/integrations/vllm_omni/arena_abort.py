@@ -25,7 +25,7 @@ import logging
 import threading
 from typing import Any
 
-from omni_accum.integrations.vllm_omni.families.base import Target, _resolve, signature_shape
+from omni_accum.integrations.vllm_omni.families.base import Target, _resolve
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -89,26 +89,18 @@ def installed() -> bool:
     return all(getattr(vars(cls).get(t.name), _WRAPPED, False) for t in TARGETS)
 
 
-def _problems(cls: Any) -> list[str]:
-    """What keeps the wrap from this adapter class: a method that is not its own or has another signature."""
-    out = []
-    for t in TARGETS:
-        raw = vars(cls).get(t.name)
-        if raw is None:
-            out.append(f"{t.label}: not defined by {cls.__name__} itself")
-        elif signature_shape(raw) != t.signature:
-            out.append(f"{t.label}: signature is {signature_shape(raw)}, vllm-omni 0.30.0 has {t.signature}")
-    return out
+def _problems() -> list[str]:
+    """What keeps the wrap from the installed adapter: a method that is missing, not its own or has another
+    signature than vllm-omni 0.30.0's (the release families' own probe, on these two methods)."""
+    from omni_accum.integrations.vllm_omni.families import by_name, probe  # noqa: PLC0415 - the families import them
+
+    return probe(by_name("0.30"), targets=TARGETS)
 
 
 def when_unlinked() -> str:
     """When an aborted request's chunks sent the arena connector's inner way leave ``/dev/shm`` with the installed
     vllm-omni (``omni-accum doctor``)."""
-    try:
-        problems = _problems(_resolve(ADAPTER))
-    except Exception as e:  # noqa: BLE001 - no vllm-omni (doctor's versions check says so)
-        problems = [f"{type(e).__name__}: {e}"]
-    if not problems:
+    if not _problems():
         return "an aborted request's chunks sent the inner way are unlinked at the abort (vllm-omni's own clean-up)"
     return ("an aborted request's chunks sent the inner way are unlinked after the orphan time, twice "
             "VLLM_OMNI_INPUT_WAIT_TIMEOUT_S (this vllm-omni has no abort clean-up to extend)")
@@ -121,12 +113,12 @@ def install() -> bool:
         try:
             if installed():
                 return True
-            cls = _resolve(ADAPTER)
-            problems = _problems(cls)
+            problems = _problems()
             if problems:
                 logger.debug("omni-accum arena: an aborted request's inner chunks wait for the orphan time (this "
                              "vllm-omni has no abort clean-up to extend: %s)", "; ".join(problems))
                 return False
+            cls = _resolve(ADAPTER)
             for t in TARGETS:
                 if not getattr(vars(cls)[t.name], _WRAPPED, False):  # (one of them wrapped already: not twice)
                     setattr(cls, t.name, t.wrap(vars(cls)[t.name]))
