@@ -7,7 +7,7 @@
 #   OMNI_ACCUM_VENV           the environment's path (default: .venv)
 #   OMNI_ACCUM_VLLM_VERSION   the vllm and vllm-omni release (default: 0.30.0, pyproject's [vllm] extra).
 #                             Each vllm-omni release goes with the vllm of the same version; the
-#                             supported ones are in the README ("Supported vllm-omni releases").
+#                             supported ones are in docs/vllm-omni.md ("Supported vllm-omni releases").
 #                             test.sh also builds .venv-028 with 0.28.0 and .venv-016 with 0.16.0 for the
 #                             integration tests.
 #   OMNI_ACCUM_SEED_VENV      an environment already set up (another release) whose packages a new

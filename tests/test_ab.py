@@ -106,6 +106,19 @@ def test_the_cli_validates_a_split(tmp_path, capsys):
     assert f"{f}, line 4: ab.arms.treatment.policy: 'nope'" in got.out + got.err
 
 
+def test_validate_lists_an_arms_unknown_policy_beside_another_mistake_of_the_split(tmp_path, capsys):
+    """An arm's policy was looked at only once the split's names and weights were valid: a file with a bad weight
+    and two unknown arm policies reported the weight alone."""
+    f = tmp_path / "split.yaml"
+    f.write_text("ab:\n  arms:\n    control: {policy: nosuch2}\n    t: {policy: nosuch, weight: 0}\n")
+    assert main(["validate", str(f)]) == 1
+    got = capsys.readouterr()
+    text = got.out + got.err
+    assert "3 error(s)" in text, text
+    assert f"{f}, line 3: ab.arms.control.policy: 'nosuch2'" in text and f"{f}, line 4: ab.arms.t.weight:" in text
+    assert f"{f}, line 4: ab.arms.t.policy: 'nosuch'" in text
+
+
 # ---------------------------------------------------------------------------------------- the hash
 def test_the_same_request_id_takes_the_same_arm_in_every_process():
     split = load_policy(SPLIT).ab

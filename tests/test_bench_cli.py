@@ -381,6 +381,18 @@ def test_through_vllm_omni_leaves_wire_floor_out_of_the_default_arms(capsys):
     assert "arms upstream, cat, token_list, prealloc, send_once, qwen3-omni;" in out and "wire-floor" not in err
 
 
+def test_wire_floor_named_with_through_vllm_omni_is_a_usage_error_before_the_run(capsys, monkeypatch):
+    """It was run through every bucket and reported as a wrong view (exit 1); an arm that path cannot take is a
+    usage error (exit 2), named with the valid arms, as any unknown arm."""
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("the run started"))
+    args = ["--context-lens", "32", "--concurrency", "1", "--steps", "2", "--repeats", "1", "--no-progress"]
+    rc = main(["bench", "--wire", "shm", "--through", "vllm-omni", "--arms", "upstream", "wire-floor", *args])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "arm 'wire-floor' is not measured through vllm-omni" in err and "--through direct" in err
+    assert "Traceback" not in err
+
+
 def test_help_has_examples_defaults_and_the_wire_floor_arm(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])

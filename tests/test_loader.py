@@ -166,6 +166,9 @@ def test_env_var_path_preset_and_inline(monkeypatch, tmp_path):
         load_policy()
     monkeypatch.setenv(ENV_POLICY, "   ")
     assert load_policy() == load_policy("default")
+    for off in ("off", "None", "FALSE", "0"):  # the plugin's "off" (these raised "neither a policy file nor a preset")
+        monkeypatch.setenv(ENV_POLICY, off)
+        assert load_policy() == load_policy("default")
 
 
 # -- errors: every problem, each with its place ------------------------------------------------ #

@@ -60,6 +60,14 @@ def test_register_records_plugin_and_distribution(m):
     assert m.spec("a").plugin == "acme" and m.spec("b").distribution == ("acme-dist", "1.0")
 
 
+def test_a_distribution_that_is_not_a_name_version_pair_is_refused_and_registers_nothing(m):
+    """A plain string was taken, and every message then named "distribution m y" (its first two letters)."""
+    for bad in ("my-strategies", ("my-strategies",), ("my-strategies", 1)):
+        with pytest.raises(TypeError, match=r"distribution must be a \(name, version\) pair of strings, got"):
+            m.register(registering("a"), name="acme", distribution=bad)
+        assert "a" not in m.names() and m.pm.get_plugin("acme") is None
+
+
 def test_unknown_strategy_lists_available_names(m):
     with pytest.raises(UnknownStrategyError, match=r"key 'k': unknown strategy 'nope'. Available: cat, prealloc"):
         m.spec("nope", where="key 'k'")

@@ -140,6 +140,12 @@ def build_arms(
     arms: dict[str, Arm] = {}
     for name in names:
         if name == WIRE_FLOOR:
+            if through != "direct":
+                raise UnknownArmError(
+                    f"arm {name!r} is not measured through {through}: it is no accumulation code to replay there "
+                    "(valid arms there: 'upstream', a strategy, a policy preset or a policy file; wire-floor only "
+                    "with --through direct)"
+                )
             arms[name] = WIRE_FLOOR
         elif name == UPSTREAM:
             if not explicit and not upstream_available():

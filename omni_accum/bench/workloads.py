@@ -37,8 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from omni_accum.bench.workload_presets import PRESETS
 from omni_accum.errors import OmniAccumError
-from omni_accum.policy.loader import _yaml_line
-from omni_accum.policy.parsing import DuplicateKeyError, load_json, load_yaml
+from omni_accum.policy.parsing import DuplicateKeyError, LineIndex, load_json, load_yaml
 from omni_accum.policy.sources import probe
 
 ReadPattern = Literal["every", "newest_row", "delta", "end", "never"]
@@ -210,7 +209,7 @@ def _format_errors(err: ValidationError, source: str, text: str | None = None) -
         msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
         item = None if e["loc"] else re.match(r"keys\[(\d+)\]\.path ", msg)  # a whole-workload check naming a key
         at = ("keys", int(item[1]), "path") if item else tuple(e["loc"])
-        line = _yaml_line(text, at) if text is not None else None
+        line = LineIndex(text)(at) if text is not None else None
         where = f"line {line}: " if line else ""
         lines.append(f"{source}: {where}{msg}" if item else f"{source}: {where}{loc or '(top level)'}: {msg}")
     return "invalid workload:\n  " + "\n  ".join(lines)

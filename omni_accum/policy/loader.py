@@ -40,16 +40,13 @@ from omni_accum.policy.sources import (  # noqa: F401 - re-exported: the loader'
 )
 
 ENV_POLICY = "OMNI_ACCUM_POLICY"
+#: ``OMNI_ACCUM_POLICY`` values that turn the vllm-omni plugin off; to the library they mean ``default``.
+POLICY_OFF = ("off", "none", "false", "0")
 
 
 # ---------------------------------------------------------------------------------------------- #
 # Parsing
 # ---------------------------------------------------------------------------------------------- #
-
-
-def _yaml_line(text: str, loc: tuple[Any, ...]) -> int | None:
-    """Best-effort 1-based line of the node at ``loc`` in a YAML document (or a :class:`TomlText`)."""
-    return LineIndex(text)(loc)
 
 
 def parse_text(text: str, fmt: str, source: str) -> Any:
@@ -308,6 +305,8 @@ def build_policy(
                 details = sorted(
                     details + strategy_problems(again, manager, lines), key=lambda d: (d.get("line") or 0)
                 )
+        if arm_details := _raw_arm_problems(data, details, source, lines, manager):
+            details = sorted(details + arm_details, key=lambda d: (d.get("line") or 0))
         raise _invalid(source, details) from e
     if manager is None:
         manager = get_manager()
@@ -336,12 +335,34 @@ def resolve_arms(
     if _IN_ARM.get():
         msg = "an A/B arm's policy has an ab section of its own: an arm runs one policy (name a preset or a policy file)"
         raise _invalid(source, [{"loc": "ab", "line": lines(("ab",)), "msg": msg}])
+    arms, details = _load_arms([(name, arm.policy) for name, arm in policy.ab.arms.items()], source, lines, manager)
+    if details:
+        raise _invalid(source, details)
+    return arms
+
+
+def _raw_arm_problems(data: Mapping[str, Any], details: list[dict[str, Any]], source: str, lines: LineIndex,
+                      manager: StrategyManager | None) -> list[dict[str, Any]]:
+    """The arms' policy problems of a split that failed validation elsewhere (a weight, a name), so that ``validate``
+    lists them in the same pass: each arm whose ``policy`` is a string not already reported."""
+    raw = data["ab"].get("arms") if isinstance(data.get("ab"), Mapping) else None
+    if not isinstance(raw, Mapping) or _IN_ARM.get():
+        return []
+    said = {d.get("loc") for d in details}
+    pairs = [(str(n), a.get("policy")) for n, a in raw.items() if isinstance(a, Mapping)]
+    pairs = [(n, r) for n, r in pairs if isinstance(r, str) and _format_loc(("ab", "arms", n, "policy")) not in said]
+    return _load_arms(pairs, source, lines, manager)[1]
+
+
+def _load_arms(
+    pairs: list[tuple[str, str]], source: str, lines: LineIndex, manager: StrategyManager | None
+) -> tuple[dict[str, Policy], list[dict[str, Any]]]:
+    """Each arm's policy by name, and a problem per arm that does not load (at its ``ab.arms.NAME.policy``)."""
     folder = Path(source).parent if probe(source, "is_file") else None
     arms: dict[str, Policy] = {}
     details: list[dict[str, Any]] = []
-    for name, arm in policy.ab.arms.items():
+    for name, ref in pairs:
         loc = ("ab", "arms", name, "policy")
-        ref = arm.policy
         target = ref
         if folder is not None and not Path(ref).is_absolute() and probe(folder / ref, "is_file"):
             target = str(folder / ref)
@@ -358,9 +379,7 @@ def resolve_arms(
             details.append({"loc": _format_loc(loc), "line": lines(loc), "msg": msg})
         finally:
             _IN_ARM.reset(token)
-    if details:
-        raise _invalid(source, details)
-    return arms
+    return arms, details
 
 
 model.ARM_RESOLVER = resolve_arms  # Policy.arm_policies of a policy not built here (model cannot import this module)
@@ -406,7 +425,7 @@ def load_policy(
     label = "<inline policy>"  # inline text given as source: a connector extra's block string, say
     if source is None:
         env = os.environ.get(ENV_POLICY, "").strip()
-        source, label = (env, ENV_POLICY) if env else ("default", label)
+        source, label = (env, ENV_POLICY) if env and env.lower() not in POLICY_OFF else ("default", label)
     if isinstance(source, str) and not source.strip():
         raise PolicyError("an empty policy argument: give a preset name, a policy file, policy text or a mapping")
     if isinstance(source, str) and is_inline_policy(source) and not probe(source):

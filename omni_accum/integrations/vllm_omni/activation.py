@@ -24,6 +24,7 @@ from omni_accum.integrations.vllm_omni.binding_settings import (
 from omni_accum.integrations.vllm_omni.processor import adopt as adopt_processor
 from omni_accum.integrations.vllm_omni.targets import ProbeHook, _patch, _patched, active_family
 from omni_accum.policy import ENV_POLICY, Policy, load_policy
+from omni_accum.policy.loader import POLICY_OFF as _OFF
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -32,7 +33,6 @@ ENV_SWITCH = "OMNI_ACCUM_VLLM_OMNI"
 #: ``OMNI_ACCUM_REQUIRED=1``: a failed activation ends the process (with the reason) instead of serving
 #: without omni-accum.
 ENV_REQUIRED = "OMNI_ACCUM_REQUIRED"
-_OFF = ("off", "none", "false", "0")
 _lock = threading.RLock()
 
 
