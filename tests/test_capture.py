@@ -220,6 +220,10 @@ def test_bad_capture_settings_are_named(monkeypatch):
         capture.settings({"omni_accum_capture": "/tmp/x"})
     with pytest.raises(SettingError, match="omni_accum_capture=5"):
         capture.settings({"omni_accum_capture": 5})
+    # both bad values in one message (doctor named only the first)
+    both = "omni_accum_capture_values='all'.*; environment variable OMNI_ACCUM_CAPTURE_MAX_BYTES='1k'"
+    with pytest.raises(SettingError, match=both):
+        capture.settings({"omni_accum_capture": "/tmp/x", "omni_accum_capture_values": "all"})
 
 
 def test_times_are_written_as_microseconds_and_read_as_seconds_and_older_files_read_the_same(tmp_path):

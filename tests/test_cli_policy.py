@@ -481,6 +481,15 @@ def test_an_unknown_strategy_is_reported_on_its_own_line(tmp_path, capsys):
     assert f"{f}, line 3: rules[0].strategy: unknown strategy 'prealoc'" in capsys.readouterr().out
 
 
+def test_show_of_policy_text_on_several_lines_is_itself_a_valid_policy(capsys, tmp_path):
+    """Its header comment copied the text, so its second line fell outside the comment: not valid YAML."""
+    code, out, _ = run(capsys, "show", "default: cat\nrules: []")
+    assert code == 0 and out.startswith("# <inline>, resolved")
+    f = tmp_path / "shown.yaml"
+    f.write_text(out)
+    assert run(capsys, "validate", str(f))[0] == 0 and load_policy(str(f)).default.strategy == "cat"
+
+
 def test_validate_takes_policy_text_longer_than_a_file_name(capsys):
     long_text = "description: " + "x" * 300 + "\ndefault: replace\n"
     code, out, err = run(capsys, "validate", long_text)

@@ -115,10 +115,18 @@ def test_json_deploy_always_prints_json_with_every_finding(clean_env, capsys, tm
     assert any("b.extra.omni_accum_policy" in d and "unknown strategy 'catt'" in d for d in bad), bad
     assert any(c["name"] == "strategy plugins" for c in data["checks"])
     assert data["policy"]["source"].endswith("a.extra.omni_accum_policy")
-    for broken in ("[unclosed", "default: {strategy: prealloc}\n"):  # unreadable, or not a deploy YAML
-        f.write_text(broken)
-        rc, out = _doctor(capsys, "--json", "--deploy", str(f))
-        assert rc == 1 and not json.loads(out)["ok"]
+    f.write_text("default: {strategy: prealloc}\n")  # a mapping, but no deploy's: a finding
+    rc, out = _doctor(capsys, "--json", "--deploy", str(f))
+    assert rc == 1 and not json.loads(out)["ok"]
+    # not YAML, not a mapping, a directory: the input named on the command line is invalid, a usage error (2), and
+    # said at once (they ran every check, ~12 s, then exit 1)
+    cases = (("[unclosed", "invalid YAML"), ("", "got an empty file"), ("- a\n", "got list"), (None, "a directory"))
+    for broken, said in cases:
+        g = f if broken is not None else tmp_path / "folder"
+        g.write_text(broken) if broken is not None else g.mkdir()
+        rc, out = _doctor(capsys, "--json", "--deploy", str(g))
+        data = json.loads(out)
+        assert rc == 2 and data["ok"] is False and said in data["error"] and "checks" not in data, data
 
 
 def test_a_policy_that_matches_no_key_of_the_installed_release_is_a_warning(clean_env, capsys, tmp_path):

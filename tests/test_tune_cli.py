@@ -246,6 +246,19 @@ def test_a_device_or_fifo_as_out_is_refused_before_measuring_and_left_as_it_is(t
     assert stat.S_ISFIFO(fifo.stat().st_mode) and not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_a_directory_or_fifo_where_the_partial_file_goes_is_refused_before_measuring(tmp_path, capsys, no_measuring):
+    """It was found only when the first bucket was written: "error: Is a directory: x8.partial.yaml", exit 1."""
+    out = tmp_path / "x8.yaml"
+    (tmp_path / "x8.partial.yaml").mkdir()
+    assert cli.main(_tune_args(tmp_path, out)) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: {tmp_path / 'x8.partial.yaml'} is a directory; tune keeps a stopped run's buckets" in err
+    os.mkfifo(tmp_path / "x9.partial.yaml")
+    assert cli.main(_tune_args(tmp_path, tmp_path / "x9.yaml")) == 2
+    assert "x9.partial.yaml is not a regular file" in capsys.readouterr().err
+    assert not out.exists() and (tmp_path / "x8.partial.yaml").is_dir()
+
+
 def test_a_bucket_larger_than_the_memory_available_is_refused_before_measuring(tmp_path, capsys, no_measuring,
                                                                                monkeypatch):
     monkeypatch.setattr("omni_accum.bench.runner.available_memory", lambda: 1)

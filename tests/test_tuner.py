@@ -290,6 +290,22 @@ def test_stale_table_warns_once_and_falls_back(monkeypatch):
     assert "torch" in str(stale[0].message) and "0.0.1" in str(stale[0].message)
 
 
+@pytest.mark.parametrize("plugins", [5, "omni-accum==0.1.0", ["prealloc"], {"prealloc": 1}])
+def test_a_hand_edited_fingerprint_whose_plugins_is_not_a_map_of_versions_is_a_policy_error(plugins, tmp_path, capsys):
+    """``plugins: 5`` in a tuned table's fingerprint was a ``TypeError`` traceback from every command that loads the
+    policy (validate, explain, show, bench, doctor, load_policy); it is a schema error at its place."""
+    fp = dict(current_fingerprint(), plugins=plugins)
+    with pytest.raises(omni_accum.PolicyError, match=r"tuned.fingerprint: .*'plugins' must map each strategy to its"):
+        omni_accum.load_policy(_tuned_policy(fp))
+    import yaml
+
+    f = tmp_path / "t.yaml"
+    f.write_text(yaml.safe_dump(_tuned_policy(fp)))
+    assert cli.main(["validate", str(f)]) == 1
+    got = capsys.readouterr()
+    assert "'plugins' must map each strategy" in got.out + got.err and "Traceback" not in got.out + got.err
+
+
 # -- command line ------------------------------------------------------------------------------- #
 
 

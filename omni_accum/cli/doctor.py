@@ -380,8 +380,19 @@ def run_checks(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from omni_accum.cli.policy import plugin_problems_reported_here
 
-    if args.deploy is not None and not os.path.exists(args.deploy):  # a usage error (2), as the help says
+    message = None  # a deploy that is missing, unreadable or not a mapping: a usage error (2), as the help says
+    if args.deploy is not None and not os.path.exists(args.deploy):
         message = f"--deploy {args.deploy}: no such file"
+    elif args.deploy is not None:
+        try:
+            parsed = _read_deploy(args.deploy)
+        except OmniAccumError as e:
+            message = str(e)
+        else:
+            if not isinstance(parsed, dict):
+                message = (f"--deploy {args.deploy}: not a deploy YAML (a mapping with stages: and connectors:), "
+                           f"got {'an empty file' if parsed is None else type(parsed).__name__}")
+    if message:
         if args.json:  # JSON alone on stdout, always
             print(json.dumps({"ok": False, "error": message}, indent=2))
         print(f"omni-accum doctor: error: {message}", file=sys.stderr)

@@ -174,7 +174,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         _json(data)
     else:
-        _out(f"# {args.policy}, resolved: every field and strategy param filled with its default")
+        name = args.policy if "\n" not in args.policy and "\r" not in args.policy else "<inline>"
+        _out(f"# {name}, resolved: every field and strategy param filled with its default")
         _out(yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=120))
     return 0
 

@@ -76,6 +76,19 @@ class TunedTable(BaseModel):
     _index: dict[tuple[str, int, int], TunedCell] = PrivateAttr(default_factory=dict)
     _clamped: int = PrivateAttr(default=0)
 
+    @field_validator("fingerprint")
+    @classmethod
+    def _plugins_map(cls, v: dict[str, Any]) -> dict[str, Any]:
+        plugins = v.get("plugins")
+        if plugins is not None and not (
+            isinstance(plugins, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in plugins.items())
+        ):
+            raise ValueError(
+                f"'plugins' must map each strategy to its plugin's version, as omni-accum tune writes it "
+                f"({{prealloc: omni-accum==0.3.0}}), got {plugins!r}: tune again to rewrite the table"
+            )
+        return v
+
     @field_validator("context_len_edges", "concurrency_edges")
     @classmethod
     def _ascending(cls, v: list[int]) -> list[int]:

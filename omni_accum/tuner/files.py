@@ -173,6 +173,11 @@ def output_problem(path: str | os.PathLike[str]) -> str | None:
         output_format(p)
     except TuneError as e:
         return str(e)
+    part = partial_path(p)  # a link there is replaced, never followed; a directory, FIFO or device is in the way
+    if part.exists() and not part.is_symlink() and not part.is_file():
+        kind = "a directory" if part.is_dir() else "not a regular file"
+        return (f"--out {path}: {part} is {kind}; tune keeps a stopped run's buckets there (the partial file beside "
+                "--out): move it away, or choose another --out")
     return None
 
 

@@ -70,7 +70,7 @@ def settings(extra: Any = None) -> tuple[str, str, int] | None:
     """``(folder, values, max_bytes)`` of the capture asked for by ``extra`` or the environment, else None.
 
     Raises:
-        SettingError: a value that is not a folder, ``none``/``sample`` or a byte count >= 4096 (named).
+        SettingError: a value that is not a folder, ``none``/``sample`` or a byte count >= 4096 (each named).
     """
     got = _setting(extra, EXTRA_CAPTURE, ENV_CAPTURE)
     if got is None:
@@ -80,20 +80,23 @@ def settings(extra: Any = None) -> tuple[str, str, int] | None:
         return None
     if not isinstance(folder, (str, os.PathLike)):
         raise SettingError(f"{where}={folder!r}: give the capture folder as a path (or false / off)")
+    problems = []  # every bad setting, in one message
     values = "none"
     got = _setting(extra, EXTRA_VALUES, ENV_VALUES)
     if got is not None:
         values = str(got[0]).strip().lower()
         if values not in VALUES:
-            raise SettingError(f"{got[1]}={got[0]!r}: choose {' or '.join(VALUES)}")
+            problems.append(f"{got[1]}={got[0]!r}: choose {' or '.join(VALUES)}")
     max_bytes = DEFAULT_MAX_BYTES
     got = _setting(extra, EXTRA_MAX_BYTES, ENV_MAX_BYTES)
     if got is not None:
         try:  # bytes, or a size as every size key of omni-accum's connectors takes it (64MiB)
             max_bytes = parse_size(got[0], EXTRA_MAX_BYTES, minimum=4096)
         except ValueError:  # inf, a bool, 1k (under 4096), 64MiX
-            raise SettingError(f"{got[1]}={got[0]!r}: give the bytes a process may write, at least 4096: a whole "
-                               "number or a size such as 64MiB") from None
+            problems.append(f"{got[1]}={got[0]!r}: give the bytes a process may write, at least 4096: a whole "
+                            "number or a size such as 64MiB")
+    if problems:
+        raise SettingError("; ".join(problems))
     return os.fspath(folder), values, max_bytes
 
 
