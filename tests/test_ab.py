@@ -358,3 +358,77 @@ def test_an_arm_without_a_requests_series_gets_no_verdict_not_a_traceback(capsys
     g = next(g for g in data["groups"] if g["what"].startswith("handoff"))
     assert g["arms"]["treatment"]["units"] == 0 and g["versus"]["treatment"]["verdict"].startswith("too few")
     assert "treatment" in format_report(data)
+
+
+def test_ab_a_url_that_does_not_parse_exits_2_naming_it(capsys):
+    """An unclosed IPv6 host raised ValueError ("Invalid IPv6 URL") out of urlsplit: exit 1 with a traceback."""
+    assert main(["ab", "--metrics", "http://[::1", "--timeout", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "http://[::1: cannot read the URL" in err and "Invalid IPv6 URL" in err and "Traceback" not in err, err
+
+
+def _set(scrape: bytes, series: str, value: str) -> tuple[str, int]:
+    """``scrape`` with the sample ``series`` (its name and labels as written) set to ``value``; and its line."""
+    lines = scrape.decode().splitlines()
+    n = next(i for i, line in enumerate(lines) if line.startswith(series + " "))
+    lines[n] = f"{series} {value}"
+    return "\n".join(lines) + "\n", n + 1
+
+
+def test_ab_refuses_a_nan_count_naming_the_file_the_line_and_the_series(tmp_path, capsys):
+    """A NaN _count raised "cannot convert float NaN to integer" (int(min(n, ...))), with --json too."""
+    f = tmp_path / "metrics.txt"
+    series = 'omni_accum_ab_merge_seconds_count{arm="control"}'
+    text, line = _set(_scrape(_spread(8e-6), _spread(40e-6)), series, "NaN")
+    f.write_text(text)
+    for extra in ([], ["--json"]):
+        assert main(["ab", "--metrics", str(f), *extra]) == 2
+        got = capsys.readouterr()
+        assert got.out == "" and "Traceback" not in got.err, got
+        assert f"{f}, line {line}: {series} is NaN: not a valid histogram" in got.err, got.err
+
+
+@pytest.mark.parametrize(
+    ("series", "value", "wanted"),
+    [
+        ('omni_accum_ab_merge_seconds_sum{arm="treatment"}', "+Inf", "is +Inf: not a valid histogram"),
+        ('omni_accum_ab_merge_seconds_bucket{arm="control",le="1e-06"}', "-3", "is -3: not a valid histogram"),
+        (  # fewer at 0.01 than at 0.0025: the buckets are cumulative
+            'omni_accum_ab_merge_seconds_bucket{arm="control",le="0.01"}',
+            "5",
+            'is 5, less than 200 at le="0.0025": not a valid histogram',
+        ),
+        (
+            'omni_accum_ab_handoff_seconds_count{arm="treatment",kind="prefill",pair="0->1"}',
+            "150",
+            'is 150 but its le="+Inf" bucket is 200: not a valid histogram',
+        ),
+        ('omni_accum_ab_requests_total{arm="control",role="receive"}', "-Inf", "is -Inf: not a valid counter"),
+    ],
+)
+def test_ab_refuses_a_corrupt_histogram_naming_the_line_and_the_fault(tmp_path, capsys, series, value, wanted):
+    """A +Inf _sum printed "inf ms [nan ms, inf ms]" and "within the noise" (exit 0; --json wrote Infinity and NaN);
+    a negative or decreasing bucket, or a _count unlike the +Inf bucket, gave percentiles from nonsense."""
+    f = tmp_path / "metrics.txt"
+    text, line = _set(_scrape(_spread(8e-6), _spread(40e-6)), series, value)
+    f.write_text(text)
+    for extra in ([], ["--json"]):
+        assert main(["ab", "--metrics", str(f), *extra]) == 2
+        got = capsys.readouterr()
+        assert got.out == "" and "Traceback" not in got.err, got
+        assert f"{f}, line {line}: {series} {wanted}" in got.err, got.err
+
+
+def test_ab_ignores_nan_in_series_it_does_not_read_and_writes_standard_json(tmp_path, capsys):
+    """Only the series ab reads are checked: a NaN gauge elsewhere on the page (or in the _created series) is
+    not a reason to refuse the scrape; the JSON has no NaN or Infinity (json.loads refuses them here)."""
+    f = tmp_path / "metrics.txt"
+    text, _ = _set(_scrape(_spread(8e-6), _spread(40e-6)), 'omni_accum_ab_merge_seconds_created{arm="control"}', "NaN")
+    f.write_text(text + "# HELP other_gauge x\n# TYPE other_gauge gauge\nother_gauge NaN\nother_inf +Inf\n")
+    assert main(["ab", "--metrics", str(f), "--json"]) == 0
+
+    def refuse(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    data = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert next(g for g in data["groups"] if g["what"] == "merge")["arms"]["control"]["count"] == 200

@@ -21,7 +21,9 @@ Everything comes from histogram buckets, so it is approximate: the mean is exact
 spread is estimated with each observation at its bucket's midpoint plus the bucket's own width (as if uniform
 inside it: ``width**2 / 12``; the +Inf bucket counts at its lower bound). That is an estimate, not a bound:
 values bunched at a bucket's edges (12 ms and 90 ms share ``(0.01, 0.1]``) spread more than it says. Quantiles are
-interpolated inside their bucket as Prometheus' ``histogram_quantile`` does.
+interpolated inside their bucket as Prometheus' ``histogram_quantile`` does. The series read are checked first (finite
+counts >= 0 and sums, buckets that never decrease, ``_count`` equal to the +Inf bucket): a corrupt one is refused,
+named with its line, rather than read as nonsense; the other series of the page are not looked at.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def register(subparsers: Any) -> None:
             "from the histogram buckets; the interval counts requests, the split's unit, not chunks); then each "
             "arm against the baseline arm: the difference and whether it is above the noise (its 95% interval "
             "leaves out 0; no verdict under 30 requests received an arm, each receiving stage counting its own). Exit 0: printed; 1: no A/B series in the input; "
-            "2: the input cannot be read."
+            "2: the input cannot be read, or an A/B series in it is not a valid histogram or counter."
         ),
     )
     p.add_argument(
@@ -85,7 +87,12 @@ def read_text(where: str, timeout: float = 10.0) -> str:
     """The text of a ``/metrics`` URL or of a saved scrape file."""
     if re.match(r"[\w.-]+:\d+(/|$)", where) and not Path(where).exists():  # host:port/metrics, no scheme
         raise InputError(f"{where}: a host and port without a scheme: give http://{where}")
-    scheme = urllib.parse.urlsplit(where).scheme.lower()
+    try:
+        scheme = urllib.parse.urlsplit(where).scheme.lower()
+    except ValueError as e:  # "http://[::1": an unclosed IPv6 host
+        if not Path(where).exists():
+            raise InputError(f"{where}: cannot read the URL: {e}") from e
+        scheme = ""
     if scheme in ("http", "https"):
         try:
             with urllib.request.urlopen(where, timeout=timeout) as resp:  # noqa: S310 - http(s) only, checked above
@@ -136,25 +143,97 @@ def parse(text: str, where: str) -> tuple[dict[tuple[str, ...], Hist], dict[tupl
         for fam in text_string_to_metric_families(text):
             if fam.name in (MERGE, HANDOFF):
                 into, names = (merge, ("arm",)) if fam.name == MERGE else (hand, ("arm", "pair", "kind"))
+                series: dict[tuple, list] = {}  # one histogram per label set (le aside): each checked on its own
                 for s in fam.samples:
-                    key = tuple(s.labels.get(n, "") for n in names)
-                    h = into.setdefault(key, Hist({}))
-                    if s.name.endswith("_bucket"):
-                        le = float(s.labels.get("le", "+Inf"))
-                        h.buckets[le] = h.buckets.get(le, 0.0) + s.value
-                    elif s.name.endswith("_sum"):
-                        h.total += s.value
-                    elif s.name.endswith("_count"):
-                        h.count += s.value
+                    if s.name in (f"{fam.name}_bucket", f"{fam.name}_sum", f"{fam.name}_count"):
+                        series.setdefault(tuple(sorted((k, v) for k, v in s.labels.items() if k != "le")), []).append(s)
+                for samples in series.values():
+                    one = _histogram(samples, text, where)
+                    h = into.setdefault(tuple(samples[0].labels.get(n, "") for n in names), Hist({}))
+                    for le, c in one.buckets.items():
+                        h.buckets[le] = h.buckets.get(le, 0.0) + c
+                    h.total += one.total
+                    h.count += one.count
             elif fam.name in (REQUESTS, REQUESTS.removesuffix("_total")):
                 for s in fam.samples:
                     if s.name.endswith("_total"):
+                        if not (math.isfinite(s.value) and s.value >= 0):
+                            _invalid(text, where, s, "counter (a count of requests: a finite number >= 0)")
                         row = reqs.setdefault(s.labels.get("arm", ""), {})
                         role = s.labels.get("role", "")
                         row[role] = row.get(role, 0.0) + s.value
     except (ValueError, TypeError, KeyError, IndexError) as e:
         raise InputError(f"{where}{_bad_line(text)}: not the Prometheus text format: {e}") from e
     return merge, hand, reqs
+
+
+def _num(v: float) -> str:
+    return "NaN" if math.isnan(v) else ("+Inf" if v > 0 else "-Inf") if math.isinf(v) else f"{v:.15g}"
+
+
+def _invalid(text: str, where: str, s: Any, what: str, fault: str | None = None) -> None:
+    """Raise the InputError of sample ``s``: its file (or URL), line, series, ``fault`` (default: its value) and
+    ``what`` it should be."""
+    esc = {"\\": "\\\\", '"': '\\"', "\n": "\\n"}  # as the text format writes a label's value
+    labels = ",".join(f'{k}="{"".join(esc.get(c, c) for c in v)}"' for k, v in s.labels.items())
+    series = f"{s.name}{{{labels}}}" if labels else s.name
+    raise InputError(f"{where}{_line_of(text, s)}: {series} {fault or 'is ' + _num(s.value)}: not a valid {what}")
+
+
+def _histogram(samples: list, text: str, where: str) -> Hist:
+    """The Hist of one series' ``_bucket``, ``_sum`` and ``_count`` samples, refused (InputError naming the line)
+    unless they make a histogram: counts finite and >= 0, a finite sum, buckets that never decrease as ``le``
+    grows, and a ``_count`` equal to the +Inf bucket."""
+    h, les, count = Hist({}), {}, None
+    for s in samples:
+        v, kind = s.value, s.name.rsplit("_", 1)[1]
+        if kind == "sum":
+            if not math.isfinite(v):
+                _invalid(text, where, s, "histogram (_sum is the sum of the observations: a finite number)")
+            h.total += v
+            continue
+        if not (math.isfinite(v) and v >= 0):
+            _invalid(text, where, s, f"histogram (a {'bucket' if kind == 'bucket' else '_count'} counts "
+                     "observations: a finite number >= 0)")  # fmt: skip
+        if kind == "count":
+            h.count, count = h.count + v, s
+            continue
+        try:
+            le = float(s.labels["le"])
+        except (KeyError, ValueError):
+            le = math.nan
+        if math.isnan(le):
+            fault = f"has le={s.labels['le']!r}, not a number" if "le" in s.labels else "has no le label"
+            _invalid(text, where, s, 'histogram (a bucket has a label le="<upper bound>": a number or +Inf)', fault)
+        h.buckets[le] = h.buckets.get(le, 0.0) + v
+        les[le] = s
+    prev = None
+    for le in sorted(h.buckets):
+        if prev is not None and h.buckets[le] < h.buckets[prev]:
+            _invalid(text, where, les[le], "histogram (the buckets are cumulative: each counts the observations "
+                     "up to its le, so they never decrease as le grows)",
+                     f'is {_num(h.buckets[le])}, less than {_num(h.buckets[prev])} at le="{les[prev].labels["le"]}"')
+        prev = le
+    top = h.buckets.get(math.inf)
+    if count is not None and top is not None and abs(h.count - top) > 1e-9 * max(1.0, top):
+        _invalid(text, where, count, "histogram (_count and the +Inf bucket both count every observation)",
+                 f'is {_num(h.count)} but its le="+Inf" bucket is {_num(top)}')
+    return h
+
+
+def _line_of(text: str, s: Any) -> str:
+    """``", line N"`` of the first line holding sample ``s`` (its name and labels), else ``""``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith(s.name):
+            try:
+                got = [x for fam in text_string_to_metric_families(line + "\n") for x in fam.samples]
+            except (ValueError, TypeError, KeyError, IndexError):
+                continue
+            if got and got[0].name == s.name and got[0].labels == s.labels:
+                return f", line {n}"
+    return ""
 
 
 def _bad_line(text: str) -> str:
@@ -222,7 +301,7 @@ def stats(h: Hist, requests: float) -> ArmStats:
     ss = 0.0
     for lo, hi, c in _bins(h):
         mid, width = ((lo + hi) / 2, hi - lo) if math.isfinite(hi) else (lo, 0.0)
-        ss += c * ((mid - mean) ** 2 + width**2 / 12)
+        ss += c * ((mid - mean) * (mid - mean) + width * width / 12)  # inf on overflow, not OverflowError
     units = int(min(n, max(requests, 0.0)))
     if units <= 0:
         return ArmStats(int(n), 0, mean, None, None, None, quantile(h, 0.5), quantile(h, 0.9))
@@ -349,8 +428,14 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     data = analyse(merge, hand, reqs, args.baseline)
+    for g in data["groups"]:  # finite inputs whose figures overflow (bounds or sums near 1e308): no inf, no NaN
+        for arm, v in (*g["arms"].items(), *g["versus"].items()):
+            if any(isinstance(x, float) and not math.isfinite(x) for x in v.values()):
+                print(f"{prog}: error: {where}: the {g['what']} figures of arm {arm!r} overflow: its histogram's "
+                      "values are out of range for seconds", file=sys.stderr)
+                return 2
     if args.json:
-        print(json.dumps(data, indent=2))
+        print(json.dumps(data, indent=2, allow_nan=False))
     else:
         print(format_report(data))
     return 0
