@@ -82,6 +82,10 @@ def test_validate_reads_stdin_and_inline_text(capsys, monkeypatch):
     assert out.startswith("<inline>: 1 error(s)\n"), out  # the header as when it is valid, not the text itself
     code, out, _ = _run(capsys, "validate", '{"default": "replace"}')
     assert code == 0 and ": ok" in out
+    # stdin named twice: its second read found it empty ("no policy text", exit 1); a usage error naming it
+    monkeypatch.setattr("sys.stdin", io.StringIO("default: prealloc\n"))
+    code, out, err = _run(capsys, "validate", "-", "-")
+    assert code == 2 and "'-' (stdin) given more than once" in err and out == ""
 
 
 def test_a_missing_file_named_like_a_bracket_is_a_missing_file(tmp_path, capsys, monkeypatch):

@@ -85,6 +85,8 @@ class InputError(Exception):
 
 def read_text(where: str, timeout: float = 10.0) -> str:
     """The text of a ``/metrics`` URL or of a saved scrape file."""
+    if not where.strip():
+        raise InputError(f"{where!r}: an empty --metrics; give a saved /metrics scrape or an http(s) URL")
     if re.match(r"[\w.-]+:\d+(/|$)", where) and not Path(where).exists():  # host:port/metrics, no scheme
         raise InputError(f"{where}: a host and port without a scheme: give http://{where}")
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 
@@ -29,6 +30,13 @@ def int_list(text: str, examples: str = "1000,8000 or 1k,8k") -> list[int]:
     if not out or any(x < 1 for x in out):
         raise argparse.ArgumentTypeError(f"expected positive integers such as {examples}, got {text!r}")
     return out
+
+
+def file_path(text: str) -> Path:
+    """An output file's path (``Path("")`` would be the current folder: an empty one is refused as such)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a file path")
+    return Path(text)
 
 
 def int_value(text: str) -> int:

@@ -129,6 +129,9 @@ def _glob_warnings(rec: dict[str, Any], policy: Policy, lines: LineIndex, index:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    if args.policies.count("-") > 1:  # the second read finds stdin empty: say what was given
+        print("omni-accum validate: error: '-' (stdin) given more than once: stdin is read once", file=sys.stderr)
+        return 2
     manager = get_manager()
     results = [check_one(arg, manager, args.allow_stale) for arg in args.policies]
     texts = [r.pop("text") for r in results]
