@@ -642,3 +642,20 @@ def test_a_mooncake_master_without_a_usable_port_is_refused_before_anything_wait
                "1", "--steps", "2", "--repeats", "1"])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 2 and f"--mooncake-master {master!r} {needle}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["bench", "tune"])
+@pytest.mark.parametrize(("option", "valid"), [("--workload", "a YAML or JSON workload file"),
+                                               ("--trace", "a capture folder or a capture file")])
+def test_an_empty_workload_or_trace_is_a_usage_error_not_the_default_workload(tmp_path, capsys, monkeypatch, command,
+                                                                             option, valid):
+    """`--workload ''` and `--trace ''` ran the default workload without a word (`--arms ''` is an error)."""
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("the run started"))
+    monkeypatch.setattr("omni_accum.cli.tune.tune", lambda *a, **k: pytest.fail("the run started"))
+    extra = ["--out", str(tmp_path / "t.yaml")] if command == "tune" else SMALL
+    for empty in ("", " "):
+        assert main([command, option, empty, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"omni-accum {command}: error: empty {option} {empty!r}: give ") and valid in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "t.yaml").exists()

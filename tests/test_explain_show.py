@@ -61,3 +61,21 @@ def test_an_invalid_input_named_on_the_command_line_is_a_usage_error_in_bench_an
         assert main([*argv, "--no-progress"]) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith(f"omni-accum {argv[0]}: error: ") and "Traceback" not in err
+
+
+def test_an_empty_path_is_named_as_empty_not_as_the_current_folder(capsys):
+    """``--json ''`` and ``--out ''`` said "--json .: is a directory", ``ab --metrics ''`` ": is a directory", and
+    ``tune --show ''`` "--out FILE is required (or --show POLICY)"."""
+    cases = (
+        (["bench", "--json", ""], "--json '': an empty path"),
+        (["tune", "--out", "", "--quick"], "argument --out: an empty path"),
+        (["tune", "--show", ""], "an empty policy argument"),
+        (["ab", "--metrics", ""], "an empty --metrics"),
+    )
+    for argv, said in cases:
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse's own usage error
+            rc = e.code
+        err = capsys.readouterr().err
+        assert rc == 2 and said in err and "Traceback" not in err and "is a directory" not in err, (argv, err)

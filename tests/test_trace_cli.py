@@ -4,6 +4,9 @@ use), including one with a cut and a corrupt line."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,6 +101,7 @@ def test_trace_of_a_capture_with_no_complete_record_fails_and_lists_each_skipped
         (["tune", "--trace", "CAP", "--pair", "5-6", "--out", "OUT"], "--pair '5->6': the capture has no requests"),
         (["tune", "--trace", "CAP", "--pair", "0-", "--out", "OUT"], "(quote it: --pair '0->1'; the shell took >"),
         (["trace", "NOPE"], "NOPE: no such capture folder or file"),
+        (["trace", ""], "an empty capture path: give a capture folder or a capture file (capture-*.jsonl)"),
     ],
 )
 def test_a_bad_trace_argument_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
@@ -262,3 +266,48 @@ def test_resume_names_the_capture_when_it_changed(tmp_path, capsys):
     assert main([*args, "--resume"]) == 2  # a complete file this run would not reuse: left untouched
     err = capsys.readouterr().err
     assert "--trace: the capture (trace 0->1) changed since" in err and "--workload" not in err, err
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    """The command in a process of its own, bounded: a reader that opens a FIFO blocks for ever."""
+    return subprocess.run([sys.executable, "-m", "omni_accum.cli", *argv], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent)
+
+
+def test_a_fifo_named_like_a_capture_file_is_never_opened(tmp_path):
+    """`trace FIFO`, `trace DIR` and `bench --trace DIR` with a FIFO named capture-*.jsonl there blocked for ever."""
+    only = tmp_path / "only"
+    only.mkdir()
+    fifo = only / "capture-0-1.0.jsonl"
+    os.mkfifo(fifo)
+    r = _cli("trace", str(fifo))  # named on the command line: refused
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == f"omni-accum trace: error: {fifo}: is a FIFO, not a regular file; give a capture " \
+        "folder or a capture file (capture-*.jsonl)"
+    r = _cli("bench", "--trace", str(fifo))
+    assert r.returncode == 2 and f"{fifo}: is a FIFO, not a regular file" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("bench", "--trace", str(only), "--arms", "cat", "--repeats", "1", "--no-progress")  # in a folder: skipped
+    assert r.returncode == 2 and f"skipped {fifo}: is a FIFO, not a regular file: not read" in r.stderr, r.stderr
+    assert "the capture holds no complete record to replay" in r.stderr and "Traceback" not in r.stderr
+    write_capture(tmp_path / "cap")
+    os.mkfifo(tmp_path / "cap" / fifo.name)
+    r = _cli("trace", str(tmp_path / "cap"))  # the other files are read, the FIFO listed with the skipped lines
+    assert r.returncode == 0, r.stderr
+    assert f"{tmp_path / 'cap' / fifo.name}: is a FIFO, not a regular file: not read" in r.stdout
+    assert "capture: 1 file(s)" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_a_capture_file_named_twice_is_read_once(tmp_path, capsys):
+    """`trace cap cap` (or the folder and a file in it) counted every record twice: "2 file(s)", chunks doubled."""
+    counts = write_capture(tmp_path / "cap")
+    cap = tmp_path / "cap"
+    (f,) = cap.glob("capture-*.jsonl")
+    assert main(["trace", str(cap), "--json"]) == 0
+    once = json.loads(capsys.readouterr().out)
+    for argv in ([str(cap), str(cap)], [str(cap), str(f)], [str(f), f"{tmp_path}/./cap/{f.name}"]):
+        assert main(["trace", *argv, "--json"]) == 0
+        out, err = capsys.readouterr()
+        data = json.loads(out)
+        assert len(data["files"]) == 1 and data["pairs"]["0->1"]["chunks"] == counts["chunks"]
+        assert data["pairs"] == once["pairs"]
+        assert err.strip() == f"omni-accum trace: note: {f} named more than once: read once", err

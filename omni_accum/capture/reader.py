@@ -3,8 +3,11 @@
 :func:`read_capture` takes a capture folder (its ``capture-*.jsonl`` files) or files. A line cut by a
 stopped writer (no end of line), a line that is not JSON, or a record with a field of the wrong type is
 skipped and reported as a :class:`Problem` naming the file and the line number; the rest is used. Lines
-are parsed with :func:`json.loads` only: nothing read is unpickled or evaluated. Symlinks and other
-non-regular files are not read (reported).
+are parsed with :func:`json.loads` only: nothing read is unpickled or evaluated. Within a folder, a
+symlink or another non-regular ``capture-*.jsonl`` entry (a folder, a FIFO, a device) is reported and not
+read; a FIFO or a device named itself is refused (:class:`CaptureError`). Neither is ever opened (opening a
+FIFO blocks until a writer comes). A file named twice (``trace cap cap``, a folder and a file in it, two
+spellings of one path) is read once, and said so (:meth:`Capture.notes`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from omni_accum.capture.recorder import VERSION
 from omni_accum.capture.writer import FILE_PREFIX, FILE_SUFFIX, CaptureError
+from omni_accum.policy.sources import probe  # False for a name no file can have (too long, a NUL byte)
 
 ROLES = ("send", "recv")
 KINDS = ("append", "replace")
@@ -51,6 +55,8 @@ class Capture:
     files: list[Path] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    #: Files named more than once (as the first naming spelled them), read once.
+    repeated: list[Path] = field(default_factory=list)
 
     def warnings(self) -> list[str]:
         """One line per problem (the first :data:`MAX_LISTED`, then a count of the rest)."""
@@ -59,17 +65,44 @@ class Capture:
             out.append(f"... and {len(self.problems) - MAX_LISTED} more lines skipped")
         return out
 
+    def notes(self) -> list[str]:
+        """One line naming the files given more than once (read once), or none."""
+        if not self.repeated:
+            return []
+        names = [str(p) for p in self.repeated[:MAX_LISTED]]
+        more = f" and {len(self.repeated) - MAX_LISTED} more" if len(self.repeated) > MAX_LISTED else ""
+        return [f"{', '.join(names)}{more} named more than once: {'each ' if len(self.repeated) > 1 else ''}read once"]
+
+
+def _special_kind(path: Path) -> str | None:
+    """What ``path`` is when it exists and is neither a regular file, a folder nor a symlink (``a FIFO``,
+    ``a character device`` ...), from its status alone: never opened."""
+    from omni_accum.bench._paths import special_file_kind
+
+    return special_file_kind(path) if probe(path) and not probe(path, "is_symlink") else None
+
 
 def capture_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
     """The capture files ``paths`` name: a folder's ``capture-*.jsonl`` files (sorted), or the files given.
 
     Raises:
-        CaptureError: a path that does not exist, or a folder without capture files (named).
+        CaptureError: a path that does not exist, an empty one, a FIFO, a device or a socket (never opened), or a
+            folder without capture files (named).
     """
     out: list[Path] = []
     for raw in paths:
+        if not str(raw).strip():  # Path("") is ".": the working directory, read without a word
+            raise CaptureError(
+                f"an empty capture path: give a capture folder or a capture file ({FILE_PREFIX}*{FILE_SUFFIX})"
+            )
         p = Path(raw)
-        if p.is_dir():
+        kind = _special_kind(p)
+        if kind is not None:
+            raise CaptureError(
+                f"{p}: is {kind}, not a regular file; give a capture folder or a capture file "
+                f"({FILE_PREFIX}*{FILE_SUFFIX})"
+            )
+        if probe(p, "is_dir"):
             try:
                 names = list(p.iterdir())
             except PermissionError:
@@ -86,7 +119,7 @@ def capture_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
                     "written by a stage process run with OMNI_ACCUM_CAPTURE or the connector extra omni_accum_capture)"
                 )
             out += found
-        elif p.exists() or p.is_symlink():
+        elif probe(p) or probe(p, "is_symlink"):
             out.append(p)
         else:
             raise CaptureError(f"{p}: no such capture folder or file")
@@ -168,7 +201,15 @@ def _check_key(k: Any) -> str | None:
 def _read_file(path: Path, into: Capture) -> None:
     name = str(path)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        mode = os.lstat(path).st_mode
+    except OSError:
+        mode = None  # gone, or not to be looked at: open() says why
+    if mode is not None and not stat.S_ISREG(mode) and not stat.S_ISLNK(mode):  # never opened: a FIFO blocks
+        kind = "a directory" if stat.S_ISDIR(mode) else _special_kind(path) or "a special file"
+        into.problems.append(Problem(name, 0, f"is {kind}, not a regular file: not read"))
+        return
+    try:  # O_NONBLOCK: a FIFO put in its place since is not waited on (and is refused below)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError as e:
         why = "a symlink: not read" if path.is_symlink() else f"cannot read it ({e.strerror or e})"
         if isinstance(e, PermissionError):
@@ -227,6 +268,17 @@ def read_capture(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     out = Capture()
+    seen: dict[Any, Path] = {}
     for p in capture_files(paths):
+        try:
+            st = os.lstat(p)
+            key: Any = (st.st_dev, st.st_ino)  # one file, however spelled (a symlink is a file of its own)
+        except OSError:
+            key = os.path.abspath(p)
+        if key in seen:
+            if seen[key] not in out.repeated:
+                out.repeated.append(seen[key])
+            continue
+        seen[key] = p
         _read_file(p, out)
     return out

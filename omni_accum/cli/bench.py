@@ -228,6 +228,9 @@ def run(args: argparse.Namespace) -> int:
     problem = _wire_options_problem(args)
     if problem:
         return _usage_error(problem)
+    problem = trace_cli.empty_input_problem(args)  # as --arms '': never the default workload by accident
+    if problem:
+        return _usage_error(problem)
     if args.trace and args.workload:
         return _usage_error(f"--trace {args.trace} and --workload {args.workload}: give one, not both")
     if args.pair and not args.trace:

@@ -48,12 +48,27 @@ def read(paths: list[str], prog: str, warn: bool = True) -> tuple[Any, Any] | No
     except CaptureError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return None
+    for line in cap.notes():  # a file named twice (trace cap cap): read once
+        print(f"{prog}: note: {line}", file=sys.stderr)
     for line in cap.warnings() if warn else ():
         print(f"{prog}: warning: {line}", file=sys.stderr)
     trace = build_trace(cap)
     for line in trace.warnings():
         print(f"{prog}: warning: {line}", file=sys.stderr)
     return cap, trace
+
+
+def empty_input_problem(args: argparse.Namespace) -> str | None:
+    """``--workload ''`` or ``--trace ''`` (bench, tune): a usage error, never the default workload; or None."""
+    from omni_accum.bench.workloads import workload_names
+
+    if args.workload is not None and not args.workload.strip():
+        return (f"empty --workload {args.workload!r}: give a workload preset ({', '.join(workload_names())}) or a "
+                "YAML or JSON workload file (leave --workload out for the default)")
+    if args.trace is not None and not args.trace.strip():
+        return (f"empty --trace {args.trace!r}: give a capture folder or a capture file (capture-*.jsonl), written "
+                "with OMNI_ACCUM_CAPTURE=DIR")
+    return None
 
 
 def trace_workload(args: argparse.Namespace, prog: str) -> Any:

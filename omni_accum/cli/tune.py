@@ -13,6 +13,7 @@ from omni_accum.cli.args import (
     add_int_list_argument,
     add_threads_argument,
     apply_threads,
+    file_path,
     positive_int,
     workload_problem,
 )
@@ -138,7 +139,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument(
         "--out",
-        type=Path,
+        type=file_path,
         metavar="FILE",
         help="where to write the tuned policy (required unless --show): .yaml or .yml (YAML) or .json (JSON); "
         "written atomically, through a symlink to its target (a deployed table), keeping an existing file's "
@@ -190,7 +191,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.show:
+    if args.show is not None:
         try:
             shown = load_policy(args.show)
         except OmniAccumError as e:  # a usage error (2), as for `omni-accum show`
@@ -206,6 +207,10 @@ def run(args: argparse.Namespace) -> int:
         from omni_accum.bench import context_lens_problem
 
         problem = context_lens_problem(args.context_lens or [])  # bench's bound (a 2000k request is ~8 GB)
+    if problem:
+        print(f"omni-accum tune: error: {problem}", file=sys.stderr)
+        return 2
+    problem = trace_cli.empty_input_problem(args)  # as --base '': never the default workload by accident
     if problem:
         print(f"omni-accum tune: error: {problem}", file=sys.stderr)
         return 2
