@@ -149,8 +149,7 @@ class DuplicateStrategyError(PluginError):
 def describe_plugin(plugin: str, distribution: tuple[str, str] | None) -> str:
     """``plugin 'delta' (distribution omni-accum-delta 0.1.0)``: how errors name a plugin. Raises ``TypeError`` for a
     ``distribution`` that is not a ``(name, version)`` pair of strings (``StrategyManager.register`` names it first)."""
-    if distribution is not None and not (
-        isinstance(distribution, tuple) and len(distribution) == 2 and all(isinstance(p, str) for p in distribution)
-    ):
+    pair = isinstance(distribution, tuple | list) and len(distribution) == 2
+    if distribution is not None and not (pair and all(isinstance(p, str) for p in distribution)):
         raise TypeError(f"distribution must be a (name, version) pair of strings, got {distribution!r}")
     return f"plugin {plugin!r}" + (f" (distribution {distribution[0]} {distribution[1]})" if distribution else "")

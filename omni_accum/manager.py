@@ -121,7 +121,7 @@ class StrategyManager:
 
         def dist_of(ep: metadata.EntryPoint) -> tuple[str, str] | None:
             d = getattr(ep, "dist", None)
-            return (d.metadata["Name"] or "?", d.version or "?") if d is not None else None
+            return (str(d.metadata["Name"] or "?"), str(d.version or "?")) if d is not None else None
 
         first = [ep for ep in eps if (dist_of(ep) or ("",))[0] == FIRST_PARTY_DIST]
         third = [ep for ep in eps if ep not in first]

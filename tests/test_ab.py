@@ -432,3 +432,53 @@ def test_ab_ignores_nan_in_series_it_does_not_read_and_writes_standard_json(tmp_
 
     data = json.loads(capsys.readouterr().out, parse_constant=refuse)
     assert next(g for g in data["groups"] if g["what"] == "merge")["arms"]["control"]["count"] == 200
+
+
+def test_an_openmetrics_scrape_gives_every_arm(tmp_path, capsys):
+    """The text parser ends a family at its first ``_created`` sample: an OpenMetrics page gave the first arm only,
+    and no word. Read with the OpenMetrics parser, both arms come back with the same figures as the text format."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics
+
+    reg = CollectorRegistry()
+    h = Histogram("omni_accum_ab_merge_seconds", "x", ["arm"], registry=reg, buckets=(1e-4, 1e-3, 1e-2))
+    c = Counter("omni_accum_ab_requests_total", "x", ["arm", "role"], registry=reg)
+    for i, arm in enumerate(("control", "b")):
+        for k in range(60):
+            h.labels(arm).observe((k % 7 + i) * 1e-4)
+        c.labels(arm, "receive").inc(40)
+    got = {}
+    for name, text in (("text", generate_latest(reg)), ("om", openmetrics(reg))):
+        f = tmp_path / f"{name}.txt"
+        f.write_bytes(text)
+        assert main(["ab", "--metrics", str(f), "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        got[name] = data["groups"][0]["arms"]
+    assert set(got["om"]) == {"control", "b"} and got["om"] == got["text"]
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        (  # two finite series of one arm whose sum is past a float's range
+            "".join(f'omni_accum_ab_merge_seconds_{s}{{arm="a",instance="{i}"{le}}} {v}\n' for i in (1, 2)
+                    for s, le, v in (("bucket", ',le="+Inf"', "1e308"), ("count", "", "1e308"), ("sum", "", "1")))
+            + 'omni_accum_ab_requests_total{arm="a",role="receive"} 40\n',
+            "the merge series of arm 'a' add up past a float's range",
+        ),
+        (  # finite values whose figures overflow (a bucket bound near 1e308)
+            'omni_accum_ab_merge_seconds_bucket{arm="a",le="1e300"} 50\n'
+            'omni_accum_ab_merge_seconds_bucket{arm="a",le="+Inf"} 50\n'
+            'omni_accum_ab_merge_seconds_count{arm="a"} 50\nomni_accum_ab_merge_seconds_sum{arm="a"} 1\n'
+            'omni_accum_ab_requests_total{arm="a",role="receive"} 40\n',
+            "the merge figures of arm 'a' overflow",
+        ),
+    ],
+)
+def test_figures_past_a_floats_range_are_refused_not_a_traceback(tmp_path, capsys, text, said):
+    f = tmp_path / "m.txt"
+    f.write_text("# TYPE omni_accum_ab_merge_seconds histogram\n" + text)
+    for extra in ([], ["--json"]):
+        assert main(["ab", "--metrics", str(f), *extra]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, err

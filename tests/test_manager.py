@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import omni_accum
 from omni_accum.context import KeyMeta, StreamContext
-from omni_accum.errors import DuplicateStrategyError, PluginError, UnknownStrategyError
+from omni_accum.errors import DuplicateStrategyError, PluginError, UnknownStrategyError, describe_plugin
 from omni_accum.hookspecs import ALL_HOOKS
 from omni_accum.policy import StrategyChoice
 from omni_accum.strategies.replace import ReplaceAccumulator
@@ -66,6 +66,8 @@ def test_a_distribution_that_is_not_a_name_version_pair_is_refused_and_registers
         with pytest.raises(TypeError, match=r"distribution must be a \(name, version\) pair of strings, got"):
             m.register(registering("a"), name="acme", distribution=bad)
         assert "a" not in m.names() and m.pm.get_plugin("acme") is None
+    m.register(registering("a"), name="acme", distribution=["acme-dist", "1.0"])  # a list of the two: as a pair
+    assert "acme-dist 1.0" in describe_plugin("acme", m.spec("a").distribution)
 
 
 def test_unknown_strategy_lists_available_names(m):

@@ -290,7 +290,7 @@ def test_stale_table_warns_once_and_falls_back(monkeypatch):
     assert "torch" in str(stale[0].message) and "0.0.1" in str(stale[0].message)
 
 
-@pytest.mark.parametrize("plugins", [5, "omni-accum==0.1.0", ["prealloc"], {"prealloc": 1}])
+@pytest.mark.parametrize("plugins", [5, "omni-accum==0.1.0", ["prealloc"]])
 def test_a_hand_edited_fingerprint_whose_plugins_is_not_a_map_of_versions_is_a_policy_error(plugins, tmp_path, capsys):
     """``plugins: 5`` in a tuned table's fingerprint was a ``TypeError`` traceback from every command that loads the
     policy (validate, explain, show, bench, doctor, load_policy); it is a schema error at its place."""
@@ -304,6 +304,17 @@ def test_a_hand_edited_fingerprint_whose_plugins_is_not_a_map_of_versions_is_a_p
     assert cli.main(["validate", str(f)]) == 1
     got = capsys.readouterr()
     assert "'plugins' must map each strategy" in got.out + got.err and "Traceback" not in got.out + got.err
+
+
+def test_a_fingerprint_map_with_a_version_of_another_type_is_a_stale_table_not_an_error(monkeypatch):
+    """Loaded as before (the table ignored with one warning, the rules and default apply): only a ``plugins`` that is
+    not a map is refused."""
+    from omni_accum.policy import fingerprint
+
+    monkeypatch.setattr(fingerprint, "_warned", set())
+    with pytest.warns(StaleTableWarning, match="plugins: prealloc: table 1"):
+        pol = omni_accum.load_policy(_tuned_policy(dict(current_fingerprint(), plugins={"prealloc": 1})))
+        assert pol.resolve("embed.decode", omni_accum.StreamContext(context_len=9000)).source == "default"
 
 
 # -- command line ------------------------------------------------------------------------------- #

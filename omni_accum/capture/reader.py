@@ -263,7 +263,8 @@ def read_capture(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]
     """Every valid record of the capture folder(s) or file(s) ``paths``; see the module docstring.
 
     Raises:
-        CaptureError: a path that does not exist, or a folder without capture files.
+        CaptureError: as :func:`capture_files` (a path that does not exist, an empty one, a FIFO, a device or a
+            socket, a folder without capture files).
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]

@@ -389,9 +389,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         except OmniAccumError as e:
             message = str(e)
         else:
+            got = "no YAML content (empty, comments only, or null)" if parsed is None else type(parsed).__name__
             if not isinstance(parsed, dict):
-                message = (f"--deploy {args.deploy}: not a deploy YAML (a mapping with stages: and connectors:), "
-                           f"got {'an empty file' if parsed is None else type(parsed).__name__}")
+                message = f"--deploy {args.deploy}: not a deploy YAML (a mapping: stages:, connectors:), got {got}"
     if message:
         if args.json:  # JSON alone on stdout, always
             print(json.dumps({"ok": False, "error": message}, indent=2))

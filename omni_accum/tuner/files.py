@@ -24,6 +24,7 @@ from pathlib import Path
 from omni_accum.bench._paths import output_path_problem, special_file_kind
 from omni_accum.errors import OmniAccumError
 from omni_accum.policy.loader import load_policy
+from omni_accum.policy.sources import probe
 from omni_accum.tuner.core import TuneError
 
 PathLike = str | os.PathLike[str]
@@ -174,8 +175,8 @@ def output_problem(path: str | os.PathLike[str]) -> str | None:
     except TuneError as e:
         return str(e)
     part = partial_path(p)  # a link there is replaced, never followed; a directory, FIFO or device is in the way
-    if part.exists() and not part.is_symlink() and not part.is_file():
-        kind = "a directory" if part.is_dir() else "not a regular file"
+    if probe(part) and not probe(part, "is_symlink") and not probe(part, "is_file"):  # probe: never an OSError
+        kind = "a directory" if probe(part, "is_dir") else "not a regular file"
         return (f"--out {path}: {part} is {kind}; tune keeps a stopped run's buckets there (the partial file beside "
                 "--out): move it away, or choose another --out")
     return None
