@@ -29,6 +29,19 @@ def _doctor(capsys, *args: str) -> tuple[int, str]:
     return rc, capsys.readouterr().out
 
 
+def test_a_usage_error_with_json_is_json_too(capsys):
+    """``doctor --json --bogus`` printed argparse's text only, where the help says "with --json, always as JSON"."""
+    for argv, said in ((["--json", "--bogus"], "unrecognized arguments: --bogus"), (["--deploy"], "expected one")):
+        with pytest.raises(SystemExit) as e:
+            main(["doctor", *argv])
+        out, err = capsys.readouterr()
+        assert e.value.code == 2 and said in err
+        if "--json" in argv:
+            assert json.loads(out) == {"ok": False, "error": "unrecognized arguments: --bogus"}
+        else:
+            assert out == ""  # no --json: argparse's text alone
+
+
 def test_good_setup_exits_zero(clean_env, capsys):
     clean_env.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
     rc, out = _doctor(capsys)

@@ -227,7 +227,9 @@ def test_wrong_shapes_say_what_is_expected(tmp_path):
     assert "rules[0]: expected a mapping with fields match, strategy, params, description, got int" in joined
     assert "tuned: expected a mapping with fields context_len_edges" in joined
     _, msg = errors_of(tmp_path, "- default: cat\n")
-    assert "a policy must be a mapping" in msg and "got list" in msg
+    assert "a policy must be a mapping" in msg and "got list" in msg and "TOML" not in msg
+    _, msg = errors_of(tmp_path, 'default = "cat"\n')  # TOML in a .yaml file: YAML reads one string
+    assert "a policy must be a mapping" in msg and "got str (TOML? name the file .toml)" in msg
 
 
 @pytest.mark.parametrize(

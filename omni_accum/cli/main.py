@@ -10,13 +10,14 @@ of tracebacks. argparse usage errors exit 2, as do the commands' own (the rule i
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
 import sys
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 from omni_accum import __version__
 from omni_accum.cli import ab, bench, doctor, policy, trace, tune
@@ -39,10 +40,17 @@ class _CommandParser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"^-\d[\w.,]*$")
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]  # noqa: ANN001
+        # doctor --json prints JSON, always: a usage error too ({"ok": false, "error": ...} on stdout, as its own)
+        self._json_errors = self.prog.endswith(" doctor") and "--json" in (args if args is not None else sys.argv[1:])
         ns, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return ns, extras
+
+    def error(self, message: str) -> NoReturn:
+        if getattr(self, "_json_errors", False):
+            print(json.dumps({"ok": False, "error": message}, indent=2))
+        super().error(message)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -281,10 +281,9 @@ def build_policy(
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise PolicyError(
-            f"{source}: a policy must be a mapping with keys like 'default' and 'rules', got {type(data).__name__}",
-            source=source,
-        )
+        toml = isinstance(data, str) and re.search(r"^\s*[\w\"-]+\s*=", data, re.M)  # read as YAML: one string
+        raise PolicyError(f"{source}: a policy must be a mapping with keys like 'default' and 'rules', got "
+                          f"{type(data).__name__}" + (" (TOML? name the file .toml)" if toml else ""), source=source)
     lines = LineIndex(text)  # parsed for the first problem's line, if any
     try:
         policy = Policy.model_validate(dict(data))
