@@ -138,6 +138,13 @@ def test_output_format_follows_the_extension_and_reads_back(tmp_path, monkeypatc
     assert "embed.decode" in capsys.readouterr().out
     assert cli.main(["tune", "--show", str(tmp_path / "nope.yaml")]) == 2  # a usage error, as `omni-accum show`'s
     assert "no such policy file" in capsys.readouterr().err
+    # options of a run beside --show were ignored without a word; --no-progress and --threads mean nothing either way
+    assert cli.main(["tune", "--show", str(out), "--workload", "nosuch", "--budget-s", "5", "--no-verify"]) == 2
+    err = capsys.readouterr().err
+    assert "--show prints a tuned policy's table and measures nothing: it takes none of --workload, --budget-s, " \
+        "--no-verify" in err
+    assert cli.main(["tune", "--show", str(out), "--no-progress", "--threads", "2"]) == 0
+    capsys.readouterr()
 
     def refuse(*a, **kw):
         raise AssertionError("--resume should have reused the bucket")

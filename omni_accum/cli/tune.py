@@ -187,11 +187,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_threads_argument(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (as bench)")
-    p.set_defaults(func=run)
+    # what --show leaves unused: every option of a run (their defaults, to tell one given)
+    measuring = {a.dest: (a.default, a.option_strings[-1]) for a in p._actions if a.dest not in _WITH_SHOW}
+    p.set_defaults(func=run, _measuring=measuring)
+
+
+#: Options that mean something beside --show (it prints a table and measures nothing).
+_WITH_SHOW = ("help", "show", "verbose", "no_progress", "threads")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.show is not None:
+        unused = [opt for dest, (default, opt) in getattr(args, "_measuring", {}).items()
+                  if getattr(args, dest, default) != default]  # fmt: skip
+        if unused:  # they were ignored without a word
+            print(f"omni-accum tune: error: --show prints a tuned policy's table and measures nothing: it takes none "
+                  f"of {', '.join(unused)}", file=sys.stderr)  # fmt: skip
+            return 2
         try:
             shown = load_policy(args.show)
         except OmniAccumError as e:  # a usage error (2), as for `omni-accum show`
