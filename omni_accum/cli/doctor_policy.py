@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_accum.errors import OmniAccumError
+from omni_accum.policy.loader import POLICY_OFF
 
-OFF_WORDS = ("off", "none", "false", "0")
 
 
 @dataclass
@@ -218,7 +218,7 @@ def check_policy(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:
     info: dict[str, Any] = {}
     out: list[Check] = []
     env = os.environ.get(ENV_POLICY, "").strip()
-    if deploy and env and env.lower() not in OFF_WORDS:
+    if deploy and env and env.lower() not in POLICY_OFF:
         # Each process loads OMNI_ACCUM_POLICY when omni-accum activates, before any connector's own policy.
         try:
             load_policy(env)
@@ -261,7 +261,7 @@ def _policy_checks(spec: Any, source: str, info: dict[str, Any], env_checked: bo
             "(false or 'off': vllm-omni's own accumulation)"
         )
         return [Check("policy", False, detail, "fix omni_accum_policy in the deploy YAML")]
-    if spec is None or spec is False or (isinstance(spec, str) and spec.strip().lower() in OFF_WORDS):
+    if spec is None or spec is False or (isinstance(spec, str) and spec.strip().lower() in POLICY_OFF):
         fix = f"set {ENV_POLICY} (a preset, a file or inline YAML) or omni_accum_policy in the connector extra"
         detail = f"{source}: omni-accum will change nothing (vllm-omni's own accumulation)"
         return [Check("policy", True, detail, fix, warning=True)]

@@ -15,6 +15,7 @@ from omni_accum.context import StreamContext
 from omni_accum.errors import PolicyError
 from omni_accum.integrations.vllm_omni.deployment import deployment_context
 from omni_accum.policy import Policy, load_policy
+from omni_accum.policy.loader import POLICY_OFF
 
 #: Connector ``extra`` keys read by the integration.
 EXTRA_POLICY = "omni_accum_policy"
@@ -24,7 +25,7 @@ EXTRA_ADAPTER_KEYS = "omni_accum_adapter_keys"
 #: over several chunks.
 #: Other keys are handed over as raw deltas, as in 0.30.0 (the talker keeps its own decode cache).
 DEFAULT_ADAPTER_KEYS = ("embed.prefill", "hidden_states.output")
-_DISABLED = ("off", "none", "false", "0", "")
+_DISABLED = (*POLICY_OFF, "")
 
 
 class Settings:
