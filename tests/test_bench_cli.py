@@ -656,6 +656,7 @@ def test_an_empty_workload_or_trace_is_a_usage_error_not_the_default_workload(tm
     for empty in ("", " "):
         assert main([command, option, empty, *extra]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"omni-accum {command}: error: empty {option} {empty!r}: give ") and valid in err, err
+        what = "blank" if empty else "empty"
+        assert err.startswith(f"omni-accum {command}: error: {what} {option} {empty!r}: give ") and valid in err, err
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "t.yaml").exists()

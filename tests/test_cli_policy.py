@@ -180,7 +180,10 @@ def test_an_unknown_option_after_a_command_is_that_commands_usage_error(capsys, 
     [(["bench", "--context-lens", "-1k"], "argument --context-lens: expected positive integers such as 1000,8000 or "
       "1k,8k, got '-1k'"),
      (["bench", "--concurrency", "-5,8"], "argument --concurrency: expected positive integers such as 1,10, got "
-      "'-5,8'")],
+      "'-5,8'"),
+     (["bench", "--context-lens", "1k,,8k"], "argument --context-lens: expected positive integers such as 1000,8000 "
+      "or 1k,8k, got '1k,,8k' (an empty item between commas)"),
+     (["tune", "--out", "t.yaml", "--concurrency", "1,"], "got '1,' (an empty item between commas)")],
 )  # fmt: skip
 def test_a_negative_looking_value_is_named_as_a_bad_value_not_a_missing_one(capsys, argv, said):
     """argparse took '-1k' for an option ("expected at least one argument"), naming no value."""
@@ -522,3 +525,13 @@ def test_a_list_and_a_binary_file_are_named_for_what_they_are(capsys, tmp_path):
     binary.write_bytes(b"default: cat\n\xc1\xc2")
     code, out, err = run(capsys, "validate", str(binary))
     assert code == 1 and "not UTF-8 text (byte 0xc1 at offset 13)" in out + err and "codec" not in out + err
+
+
+@pytest.mark.parametrize("key", ["", " ", "\t"])
+def test_explain_of_a_blank_key_names_what_was_given(capsys, key):
+    """A key of blanks was reported as got '' (the value given was not the one named)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["explain", "qwen3-omni", "--key", key])
+    err = capsys.readouterr().err
+    said = f"argument --key: expected a key path such as embed.decode or thinker_embeddings, got {key!r} (a blank key)"
+    assert e.value.code == 2 and said in err, err

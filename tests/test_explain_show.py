@@ -68,7 +68,8 @@ def test_an_empty_path_is_named_as_empty_not_as_the_current_folder(capsys):
     ``tune --show ''`` "--out FILE is required (or --show POLICY)"."""
     cases = (
         (["bench", "--json", ""], "--json '': an empty path"),
-        (["tune", "--out", "", "--quick"], "argument --out: an empty path"),
+        (["tune", "--out", "", "--quick"], "argument --out: '': an empty path"),
+        (["tune", "--out", "  ", "--quick"], "argument --out: '  ': a blank path"),
         (["tune", "--show", ""], "an empty policy argument"),
         (["ab", "--metrics", ""], "an empty --metrics"),
     )

@@ -38,7 +38,7 @@ def output_path_problem(path: str | os.PathLike[str] | None, option: str) -> str
     if path is None:
         return None
     if not str(path).strip():  # Path("") is "." (the current folder): say what was given
-        return f"{option} {str(path)!r}: an empty path; give a file path"
+        return f"{option} {str(path)!r}: {'an empty' if not str(path) else 'a blank'} path; give a file path"
     p = Path(path)
     target = Path(os.path.realpath(p))
     if target.is_dir():

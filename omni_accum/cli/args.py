@@ -23,6 +23,11 @@ class ExamplesHelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def int_list(text: str, examples: str = "1000,8000 or 1k,8k") -> list[int]:
     """argparse type: ``1000,8000``, ``1k`` (or ``1K``) or ``32000`` -> positive integers."""
+    parts = text.split(",")
+    if len(parts) > 1 and any(not part.strip() for part in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected positive integers such as {examples}, got {text!r} (an empty item between commas)"
+        )
     try:
         out = [int(x[:-1]) * 1000 if x[-1:] in ("k", "K") else int(x) for x in text.replace(",", " ").split()]
     except ValueError as e:
@@ -35,7 +40,7 @@ def int_list(text: str, examples: str = "1000,8000 or 1k,8k") -> list[int]:
 def file_path(text: str) -> Path:
     """An output file's path (``Path("")`` would be the current folder: an empty one is refused as such)."""
     if not text.strip():
-        raise argparse.ArgumentTypeError("an empty path; give a file path")
+        raise argparse.ArgumentTypeError(f"{text!r}: {'an empty' if not text else 'a blank'} path; give a file path")
     return Path(text)
 
 

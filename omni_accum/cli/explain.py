@@ -222,7 +222,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def _key_path(text: str) -> str:
     if not text.strip():
-        raise argparse.ArgumentTypeError("expected a key path such as embed.decode or thinker_embeddings, got ''")
+        raise argparse.ArgumentTypeError(
+            f"expected a key path such as embed.decode or thinker_embeddings, got {text!r} (a blank key)"
+        )
     return text
 
 

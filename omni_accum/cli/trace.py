@@ -63,10 +63,12 @@ def empty_input_problem(args: argparse.Namespace) -> str | None:
     from omni_accum.bench.workloads import workload_names
 
     if args.workload is not None and not args.workload.strip():
-        return (f"empty --workload {args.workload!r}: give a workload preset ({', '.join(workload_names())}) or a "
+        what = "empty" if not args.workload else "blank"
+        return (f"{what} --workload {args.workload!r}: give a workload preset ({', '.join(workload_names())}) or a "
                 "YAML or JSON workload file (leave --workload out for the default)")
     if args.trace is not None and not args.trace.strip():
-        return (f"empty --trace {args.trace!r}: give a capture folder or a capture file (capture-*.jsonl), written "
+        what = "empty" if not args.trace else "blank"
+        return (f"{what} --trace {args.trace!r}: give a capture folder or a capture file (capture-*.jsonl), written "
                 "with OMNI_ACCUM_CAPTURE=DIR")
     return None
 
