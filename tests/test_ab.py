@@ -482,3 +482,33 @@ def test_figures_past_a_floats_range_are_refused_not_a_traceback(tmp_path, capsy
         assert main(["ab", "--metrics", str(f), *extra]) == 2
         err = capsys.readouterr().err
         assert said in err and "Traceback" not in err, err
+
+
+def test_series_of_one_arm_with_different_bucket_bounds_are_refused_not_added(tmp_path, capsys):
+    """Two processes of one arm whose histograms have different bounds (another omni-accum version) were added per
+    ``le``: the union of bounds is not one histogram (its buckets could decrease), and no word was said."""
+
+    def series(instance: str, bounds: tuple[str, ...], counts: tuple[int, ...]) -> str:
+        lines = [f'omni_accum_ab_merge_seconds_bucket{{arm="a",instance="{instance}",le="{le}"}} {c}\n'
+                 for le, c in zip(bounds, counts)]  # fmt: skip
+        return "".join(lines) + (f'omni_accum_ab_merge_seconds_count{{arm="a",instance="{instance}"}} {counts[-1]}\n'
+                                 f'omni_accum_ab_merge_seconds_sum{{arm="a",instance="{instance}"}} 0.01\n')  # fmt: skip
+
+    head = "# TYPE omni_accum_ab_merge_seconds histogram\n"
+    tail = 'omni_accum_ab_requests_total{arm="a",role="receive"} 40\n'
+    f = tmp_path / "m.txt"
+    f.write_text(head + series("1", ("0.001", "0.01", "+Inf"), (10, 50, 50))
+                 + series("2", ("0.002", "0.01", "+Inf"), (40, 50, 50)) + tail)  # fmt: skip
+    for extra in ([], ["--json"]):
+        assert main(["ab", "--metrics", str(f), *extra]) == 2
+        got = capsys.readouterr()
+        assert got.out == "" and "Traceback" not in got.err, got
+        said = ('omni_accum_ab_merge_seconds{arm="a",instance="2"} has buckets up to le 0.002, 0.01, +Inf, but '
+                'omni_accum_ab_merge_seconds{arm="a",instance="1"} of the same arm has 0.001, 0.01, +Inf')
+        assert said in got.err, got.err
+        assert "different bucket bounds cannot be added" in got.err
+    f.write_text(head + series("1", ("0.001", "0.01", "+Inf"), (10, 50, 50))
+                 + series("2", ("0.001", "0.01", "+Inf"), (40, 50, 50)) + tail)  # fmt: skip
+    assert main(["ab", "--metrics", str(f), "--json"]) == 0  # the same bounds: added
+    data = json.loads(capsys.readouterr().out)
+    assert data["groups"][0]["arms"]["a"]["count"] == 100

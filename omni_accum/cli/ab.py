@@ -22,9 +22,9 @@ spread is estimated with each observation at its bucket's midpoint plus the buck
 inside it: ``width**2 / 12``; the +Inf bucket counts at its lower bound). That is an estimate, not a bound:
 values bunched at a bucket's edges (12 ms and 90 ms share ``(0.01, 0.1]``) spread more than it says. Quantiles are
 interpolated inside their bucket as Prometheus' ``histogram_quantile`` does. The series read are checked first (finite
-counts >= 0 and sums, buckets that never decrease, ``_count`` equal to the +Inf bucket): a corrupt one is refused,
-named with its line, rather than read as nonsense; the other series of the page are not looked at
-(:mod:`.ab_scrape`).
+counts >= 0 and sums, buckets that never decrease, ``_count`` equal to the +Inf bucket, one arm's series with the same
+bounds): a corrupt one is refused, named with its line, rather than read as nonsense; the other series of the page are
+not looked at (:mod:`.ab_scrape`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``omni-accum ab``'s input: a saved ``/metrics`` scrape or a URL, read and checked into per-arm histograms.
 
 The series read (:data:`MERGE`, :data:`HANDOFF`, :data:`REQUESTS`) are checked before they are added up: finite
-counts >= 0 and sums, buckets that never decrease as ``le`` grows, ``_count`` equal to the +Inf bucket, and totals
-that stay finite once the series of an arm are summed. A corrupt one is refused (:class:`InputError`, exit 2), named
+counts >= 0 and sums, buckets that never decrease as ``le`` grows, ``_count`` equal to the +Inf bucket, the same
+bucket bounds in every series of an arm (else they cannot be added), and totals that stay finite once summed. A corrupt one is refused (:class:`InputError`, exit 2), named
 with its line, rather than read as nonsense; the other series of the page are not looked at. The Prometheus text
 format is read, and OpenMetrics (a page that ends with ``# EOF``) with its own parser.
 """
@@ -98,9 +98,14 @@ def parse(text: str, where: str) -> tuple[dict[tuple[str, ...], Hist], dict[tupl
                 for s in fam.samples:
                     if s.name in (f"{fam.name}_bucket", f"{fam.name}_sum", f"{fam.name}_count"):
                         series.setdefault(tuple(sorted((k, v) for k, v in s.labels.items() if k != "le")), []).append(s)
-                for samples in series.values():
+                first: dict[tuple[str, ...], tuple] = {}  # the first series summed into each key, to name it
+                for labels, samples in series.items():
                     one = _histogram(samples, text, where)
-                    h = into.setdefault(tuple(samples[0].labels.get(n, "") for n in names), Hist({}))
+                    key = tuple(samples[0].labels.get(n, "") for n in names)
+                    h = into.setdefault(key, Hist({}))
+                    if h.buckets and set(h.buckets) != set(one.buckets):
+                        _different_bounds(where, fam.name, first[key], h, labels, one)
+                    first.setdefault(key, labels)
                     for le, c in one.buckets.items():
                         h.buckets[le] = h.buckets.get(le, 0.0) + c
                     h.total += one.total
@@ -123,6 +128,24 @@ def parse(text: str, where: str) -> tuple[dict[tuple[str, ...], Hist], dict[tupl
     if not all(math.isfinite(v) for row in reqs.values() for v in row.values()):
         raise InputError(f"{where}: the {REQUESTS} series add up past a float's range")
     return merge, hand, reqs
+
+
+def _different_bounds(where: str, family: str, a: tuple, ha: Hist, b: tuple, hb: Hist) -> None:
+    """Raise the InputError of two series of one arm whose buckets have different bounds: their counts per
+    ``le`` cannot be added (the sum would not be one histogram)."""
+
+    def name(labels: tuple) -> str:
+        return family + "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}"
+
+    def bounds(h: Hist) -> str:
+        les = sorted(h.buckets)
+        shown = ", ".join("+Inf" if le == math.inf else _num(le) for le in les[:6])
+        return shown + (f", ... ({len(les)} in all)" if len(les) > 6 else "")
+
+    raise InputError(
+        f"{where}: {name(b)} has buckets up to le {bounds(hb)}, but {name(a)} of the same arm has {bounds(ha)}: "
+        "series with different bucket bounds cannot be added (scrape processes that run one omni-accum version)"
+    )
 
 
 def _num(v: float) -> str:
