@@ -7,15 +7,35 @@
 #      SharedMemoryConnector (shm) against omni-accum's arena (and its connector), sender and receiver in two
 #      processes (8000 x concurrency 1);
 #   3. what to deploy.
-# Extra arguments go to `omni-accum tune` (e.g. --quick, --workload FILE, --out PATH).
+# Extra arguments go to `omni-accum tune` (e.g. --quick, --workload FILE, --out PATH); -h / --help prints this
+# and exits (`omni-accum tune --help` lists tune's options).
 #   OMNI_ACCUM_OUT   the folder of the tuned policy (default: out, made when missing)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# what step 1 tunes, for its banner: the last --workload given (tune takes the last), else qwen3-omni-0.30; a --trace
+workload=qwen3-omni-0.30
+trace=""
+prev=""
+usage() {  # the comment above, before anything is set up or run
+  echo "usage: bash scripts/main.sh [TUNE_OPTION ...]"
+  echo
+  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+}
+for a in "$@"; do
+  case "$a" in
+    --trace=*) trace="${a#--trace=}" ;;
+    -h|--help) usage; exit 0 ;;
+    --workload=*) workload="${a#--workload=}" ;;
+  esac
+  [ "$prev" = "--workload" ] && workload="$a"
+  [ "$prev" = "--trace" ] && trace="$a"
+  prev="$a"
+done
 source "$ROOT/scripts/env.sh"
 cd "$ROOT"
 OUT="${OMNI_ACCUM_OUT:-out}"
 mkdir -p "$OUT"  # (tune refuses an --out whose folder is missing; this one is the job's own)
-echo "== 1. omni-accum tune --workload qwen3-omni-0.30 (accumulation per key)"
+echo "== 1. omni-accum tune --workload $workload${trace:+ --trace $trace} (accumulation per key)"
 rc=0
 omni-accum tune --workload qwen3-omni-0.30 --out "$OUT/tuned-policy.yaml" "$@" || rc=$?
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 3 ]; then exit "$rc"; fi

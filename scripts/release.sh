@@ -19,6 +19,18 @@
 # wheel declares. Nothing is left behind but OUT_DIR. Exits non-zero at the first step that fails.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+case "${1:-}" in
+  -h|--help)  # the comment above, before anything is built
+    echo "usage: bash scripts/release.sh [OUT_DIR]"
+    echo
+    sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+    exit 0 ;;
+  -*) echo "release.sh: unknown option '$1' (usage: scripts/release.sh [OUT_DIR]; --help)" >&2; exit 2 ;;
+esac
+if [ "$#" -gt 1 ]; then
+  echo "release.sh: one OUT_DIR at most, got $# arguments: $* (usage: scripts/release.sh [OUT_DIR])" >&2
+  exit 2
+fi
 PY="${PYTHON:-python3}"
 OUT="${1:-$ROOT/dist}"
 TORCH_INDEX="${OMNI_ACCUM_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
@@ -26,6 +38,14 @@ REF="${OMNI_ACCUM_RELEASE_REF:-HEAD}"
 if [ "$#" -gt 0 ] && [ ! -d "$OUT" ]; then
   echo "release.sh: OUT_DIR $OUT is not a folder (create it, or leave it out for dist/)" >&2
   exit 2
+fi
+# the commit to build, before anything is built
+sha=""
+if [ "$REF" != "worktree" ]; then
+  sha="$(git -C "$ROOT" rev-parse --verify --quiet "$REF^{commit}")" || {
+    echo "release.sh: OMNI_ACCUM_RELEASE_REF=$REF is not a commit of $ROOT (a commit, branch or tag; worktree:" \
+         "the working tree as it is)" >&2
+    exit 2; }
 fi
 TMP="$(mktemp -d "${TMPDIR:-/tmp}/omni-accum-release.XXXXXX")"
 trap 'rm -rf "$TMP"' EXIT
@@ -38,7 +58,6 @@ step "build tools (build, twine) in a throwaway environment"
 
 SRC="$ROOT"
 if [ "$REF" != "worktree" ]; then
-  sha="$(git -C "$ROOT" rev-parse --verify "$REF^{commit}")" || fail "OMNI_ACCUM_RELEASE_REF=$REF is not a commit"
   SRC="$TMP/src"
   mkdir -p "$SRC"
   git -C "$ROOT" archive --format=tar "$sha" | tar -x -C "$SRC"

@@ -3,7 +3,8 @@
 #
 # Then, with no extra arguments (or OMNI_ACCUM_TEST_028=1), the vllm-omni integration tests run again
 # against vllm-omni 0.28.0 in .venv-028 (built by env.sh, started from .venv's packages; the path is
-# OMNI_ACCUM_VENV_028). OMNI_ACCUM_TEST_028=0 skips that run. Likewise OMNI_ACCUM_TEST_016 for vllm-omni
+# OMNI_ACCUM_VENV_028). OMNI_ACCUM_TEST_028=0 skips that run (these switches, OMNI_ACCUM_E2E too, take
+# 1 / true / yes and 0 / false / no in any case, as CI does; another value is refused). Likewise OMNI_ACCUM_TEST_016 for vllm-omni
 # 0.16.0 in .venv-016 (OMNI_ACCUM_VENV_016), with the integration files that apply to that release (its
 # adapter accumulates the whole payload; it has no runner transport, data plane, processor hook, arena
 # connector or hand-off). Those two environments are built in the background while the 0.30.0 suite runs.
@@ -22,10 +23,22 @@ integration_016=(tests/test_integration_vllm_omni_families.py tests/test_integra
 logs="$(mktemp -d)"
 trap 'rm -rf "$logs"' EXIT
 
-want_028="${OMNI_ACCUM_TEST_028:-}"
-[ -z "$want_028" ] && { [ $# -eq 0 ] && want_028=1 || want_028=0; }
-want_016="${OMNI_ACCUM_TEST_016:-}"
-[ -z "$want_016" ] && { [ $# -eq 0 ] && want_016=1 || want_016=0; }
+# A switch's value as CI's is read (any case, blanks ignored): 1 / true / yes -> 1, 0 / false / no -> 0, unset or
+# empty -> $2; anything else is refused (exit 2), naming the variable.
+switch() {  # NAME DEFAULT
+  local v
+  v="$(printf '%s' "${!1:-}" | tr '[:upper:]' '[:lower:]' | tr -d '[:space:]')"
+  case "$v" in
+    "") echo "$2" ;;
+    1|true|yes) echo 1 ;;
+    0|false|no) echo 0 ;;
+    *) echo "test.sh: $1='${!1}' is not a switch (1, true, yes or 0, false, no)" >&2; return 2 ;;
+  esac
+}
+default=0; [ $# -eq 0 ] && default=1
+want_028="$(switch OMNI_ACCUM_TEST_028 "$default")" || exit 2
+want_016="$(switch OMNI_ACCUM_TEST_016 "$default")" || exit 2
+want_e2e_switch="$(switch OMNI_ACCUM_E2E 0)" || exit 2
 
 venv_028="${OMNI_ACCUM_VENV_028:-$ROOT/.venv-028}"
 venv_016="${OMNI_ACCUM_VENV_016:-$ROOT/.venv-016}"
@@ -42,7 +55,7 @@ builds=()
 # The end-to-end test runs with CI=true or OMNI_ACCUM_E2E=1 and no extra arguments (see below); it needs the
 # harness's virtualenv (~5.3 GB from .venv's packages) and its tiny model (~1.2 GB).
 want_e2e=0
-{ [ "${OMNI_ACCUM_E2E:-}" = "1" ] || case "$(echo "${CI:-}" | tr '[:upper:]' '[:lower:]' | tr -d '[:space:]')" in 1|true|yes) true ;; *) false ;; esac; } && [ $# -eq 0 ] && want_e2e=1
+{ [ "$want_e2e_switch" = "1" ] || case "$(echo "${CI:-}" | tr '[:upper:]' '[:lower:]' | tr -d '[:space:]')" in 1|true|yes) true ;; *) false ;; esac; } && [ $# -eq 0 ] && want_e2e=1
 [ "$want_e2e" = "1" ] && [ ! -x "$e2e_venv/bin/python" ] && builds+=("$e2e_venv" 6.5 "the end-to-end harness")
 if [ ${#builds[@]} -gt 0 ] && ! omni_accum_need_disk "${builds[@]}"; then
   echo "[setup] nothing was built or run" >&2

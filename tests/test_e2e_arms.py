@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -597,3 +598,62 @@ def test_hosts_take_the_fast_path_deploy_and_point_each_host_s_connectors_at_its
         assert c["extra"]["mooncake_buffer_bytes"] == "16MiB"
     with pytest.raises(hosts.HostsUsageError, match="SharedMemoryConnector"):
         hosts.plan(run.make_arm("qwen3-omni@arena").deploy.with_name("qwen3_omni_cpu.yaml"), 4)
+
+
+def test_build_model_replaces_only_a_folder_it_made(tmp_path, monkeypatch, capsys):
+    """``--out DIR`` deleted whatever DIR held (``--out ~/models`` wiped it): a folder this script did not make
+    (and its ``DIR.tmp``) is refused before anything is built, unless ``--force``; a file there always is; its
+    own model folders (the stamp names it the builder), as run.py's variants are, are rebuilt as before."""
+    bm = _build_model()
+    built: list[Path] = []
+    monkeypatch.setattr(bm, "build", lambda out, variant="tiny", release="0.30": built.append(out))
+
+    def refused(argv: list[str]) -> str:
+        with pytest.raises(SystemExit) as e:
+            bm.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "Traceback" not in err, err
+        return err.strip().splitlines()[-1]
+
+    mine = tmp_path / "models"
+    mine.mkdir()
+    (mine / "weights.bin").write_text("a user's own files")
+    assert "is not a model folder this script made" in refused(["--out", str(mine)])
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    assert f"--out {a_file}: --out {a_file} exists and is not a folder" in refused(["--out", str(a_file), "--force"])
+    ours = tmp_path / "model"
+    ours.mkdir()
+    (ours / bm.STAMP).write_text(json.dumps({"builder": bm.BUILDER, "hash": "old"}))
+    foreign_tmp = tmp_path / "model.tmp"
+    foreign_tmp.mkdir()
+    (foreign_tmp / "notes.txt").write_text("not a build")
+    assert "its build folder" in refused(["--out", str(ours)])
+    assert built == [] and (mine / "weights.bin").exists() and (foreign_tmp / "notes.txt").exists()
+    (foreign_tmp / "notes.txt").unlink()  # an empty one is replaced; so is a build of this script's cut short
+    assert bm.main(["--out", str(ours)]) == 0
+    (foreign_tmp / bm.BUILDING).write_text("")
+    (foreign_tmp / "model.safetensors").write_text("")
+    assert bm.main(["--out", str(ours)]) == 0
+    assert bm.main(["--out", str(mine), "--force"]) == 0  # --force: the user said so
+    assert bm.main(["--out", str(tmp_path / "new")]) == 0
+    assert built == [ours, ours, mine, tmp_path / "new"]
+
+
+def test_the_tables_name_every_arm_whole_and_take_the_first_off_arm_as_reference(report):
+    def arm(name, e2el):
+        return {"arm": name, "bench": [{"input_len": 8000, "concurrency": 1, "raw": {"median_e2el_ms": e2el}}],
+                "correctness": {"probes": [{"text": "a", "audio_sha256": "s"}]}}  # fmt: skip
+
+    results = [arm("qwen3-omni@mooncake_fast", 100.0), arm("off@replicas", 200.0),
+               arm("qwen3-omni@mooncake_fast_any", 50.0), arm("off#2", 400.0)]  # fmt: skip
+    text = "\n".join(report.table_lines(results))
+    assert "(ratio: arm / off@replicas)" in text, text
+    header = next(line for line in text.splitlines() if "metric" in line)
+    assert header.split()[1:] == [r["arm"] for r in results], header
+    e2el = _rows(text)["E2EL p50"].split()
+    assert e2el == ["100.0", "ms", "(0.50x)", "200.0", "ms", "50.0", "ms", "(0.25x)", "400.0", "ms", "(2.00x)"], e2el
+    assert set(report.compare(results)) == {"qwen3-omni@mooncake_fast", "qwen3-omni@mooncake_fast_any", "off#2"}
+    assert report.off_arm(["default", "off"]) == "off" and report.off_arm(["default"]) is None
+    plain = "\n".join(report.table_lines([arm("off", 200.0), arm("default", 100.0)]))
+    assert "(ratio: arm / off)" in plain and "(0.50x)" in plain

@@ -320,9 +320,16 @@ def test_a_saved_run_is_reported_again_without_starting_anything(run, capsys, mo
         data = json.loads(path.read_text())
         arms = [a["arm"] for a in data["arms"]]
         assert out.startswith(f"run {data['run_dir']}: arms {data['args']['arms']}"), path
+        # the ratios' reference: the first arm with omni-accum off (off, off@NAME), named
+        ref = next((a for a in arms if a.split("@")[0].split("#")[0] == "off"), None)
+        said = f"ratio: arm / {ref}" if ref else "no off arm, so no ratios"
         for n in json.loads(data["args"]["input_len"]):
             for c in json.loads(data["args"]["concurrency"]):
-                assert f"input {n} tokens, concurrency {c} (ratio: arm / off)" in out, (path, n, c)
+                assert f"input {n} tokens, concurrency {c} ({said})" in out, (path, n, c)
+        header = next(line for line in out.splitlines() if line.lstrip().startswith("metric "))
+        assert header.split()[1:] == arms, (path, header)  # each arm's whole name: no two columns read alike
+        if ref:
+            assert "x)" in out and out.count(f"equals {ref}: {{'equals_off': True") == len(arms) - 1, path
         assert out.count(" probe 0: HTTP 200") == len(arms), path
         assert out.rstrip().endswith("verdict when it ran: ok"), path
     bad = tmp_path / "bad.json"
@@ -353,3 +360,114 @@ def test_help_names_the_exit_status_models_and_deploys_and_a_broken_deploy_is_on
     broken.write_text("stages: [1\n  b")
     err = _usage_error(run, capsys, ["--model", str(model), "--deploy-config", str(broken)])
     assert f"{broken}: not a YAML file (line 2, column 4: expected ',' or ']'" in err
+
+
+def _deploy_file(tmp_path: Path, name: str, text: str | bytes) -> Path:
+    path = tmp_path / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("stages:\n- {stage_id: null}\n", "stages[0]: stage_id None is not a stage number"),
+        ("stages:\n- {stage_id: 0}\n- {stage_id: abc}\n", "stages[1]: stage_id 'abc' is not a stage number"),
+        ("stages:\n- {stage_id: 0, max_model_len: 40k}\n", "stage 0: max_model_len '40k' is not a number of tokens"),
+        ("stages:\n- {stage_id: 0}\n- {stage_id: 0}\n", "stages[1]: stage_id 0 is given twice"),
+        ("stages: []\n", "stages is empty"),
+        ("stages:\n- 3\n", "stages[0] is 3, not a mapping"),
+        (b"stages:\n- {stage_id: 0}\n# \xff\xfe\n", "not UTF-8 text (byte 26"),
+        ("stage_args:\n- {stage_id: 0, engine_args: {max_model_len: true}}\n",
+         "stage 0: engine_args.max_model_len True is not a number of tokens"),  # fmt: skip
+    ],
+)
+def test_a_garbled_deploy_is_a_usage_error_naming_the_file_stage_and_key(run, model, capsys, monkeypatch, tmp_path,  # noqa: F811
+                                                                         content, needle):  # fmt: skip
+    monkeypatch.setattr(run, "run_arm", lambda *a: pytest.fail("an arm started"))
+    deploy = _deploy_file(tmp_path, "deploy.yaml", content)
+    err = _usage_error(run, capsys, ["--model", str(model), "--deploy-config", str(deploy)])
+    assert f"--deploy-config: {deploy}: {needle}" in err, err
+
+
+def test_a_folder_as_deploy_config_is_named_a_folder(run, model, capsys, monkeypatch, tmp_path):  # noqa: F811
+    monkeypatch.setattr(run, "run_arm", lambda *a: pytest.fail("an arm started"))
+    err = _usage_error(run, capsys, ["--model", str(model), "--deploy-config", str(tmp_path)])
+    assert f"--deploy-config {tmp_path}: is a folder, not a deploy file" in err, err
+    err = _usage_error(run, capsys, ["--model", str(model), "--arms", f"off@{tmp_path}"])
+    assert "is a folder, not a deploy config" in err, err
+
+
+def test_hosts_read_a_stage_without_stage_id_as_run_py_does(run, tmp_path):  # noqa: F811
+    import hosts
+
+    assert hosts.stage_ids({"stages": [{"stage_id": 0}, {}, {"stage_id": 2}]}) == [0, 1, 2]
+    _, stages = run.check_deploy.__globals__["read_deploy"](
+        _deploy_file(tmp_path, "d.yaml", "stages:\n- {stage_id: 0}\n- {}\n- {stage_id: 2}\n"))
+    assert sorted(stages) == [0, 1, 2]
+    with pytest.raises(hosts.HostsUsageError, match=r"d.yaml: stages\[1\]: stage_id 'x' is not a stage number"):
+        hosts.stage_ids({"stages": [{"stage_id": 0}, {"stage_id": "x"}]}, tmp_path / "d.yaml")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--smoke", "--smoke-max-tokens", "100000"], "--smoke-max-tokens 100000 + a correctness probe's prompt"),
+        (["--input-len", "8000,8000"], "--input-len: 8000 is given twice in '8000,8000'"),
+        (["--concurrency", "1,4,1"], "--concurrency: 1 is given twice in '1,4,1'"),
+        (["--start-timeout", "nan"], "--start-timeout: nan is not a number of seconds (a finite number, more than 0)"),
+        (["--stop-grace", "inf"], "(a finite number, 0 or more)"),
+        (["--warmup-s", "30", "--sample-every-s", "0"], "--warmup-s 30: times the memory samples' flatness verdict"),
+        (["--keep-logs", ""], "argument --keep-logs: '' is an empty path"),
+        (["--arms", "#2"], "arm '#2': ARM#N needs an ARM before the '#' (e.g. off#2"),
+        (["--arms", "@"], "arm '@': no arm before '@' (e.g. off@arena or qwen3-omni@arena: the arm's policy"),
+        (["--arms", "off@"], "arm 'off@': no deploy config after '@'"),
+    ],
+)
+def test_values_that_would_fail_only_after_a_server_started_are_refused(run, model, capsys, monkeypatch, argv,  # noqa: F811
+                                                                       needle):  # fmt: skip
+    monkeypatch.setattr(run, "run_arm", lambda *a: pytest.fail(f"an arm started for {argv}"))
+    assert needle in _usage_error(run, capsys, ["--model", str(model), *argv])
+
+
+def test_a_model_path_that_is_not_a_model_folder_says_what_it_needs(run, model, capsys, monkeypatch, tmp_path):  # noqa: F811
+    monkeypatch.setattr(run, "run_arm", lambda *a: pytest.fail("an arm started"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    err = _usage_error(run, capsys, ["--model", str(empty)])
+    assert f"--model {empty}: {empty} has no config.json, so it holds no model (give a model folder" in err, err
+    assert "does not exist" in _usage_error(run, capsys, ["--model", str(tmp_path / "nowhere")])
+
+
+def test_a_fraction_of_a_second_start_timeout_gives_the_stages_a_whole_second(run, model, monkeypatch, tmp_path):  # noqa: F811
+    def no_server(cmd, *a, **k):
+        raise RuntimeError("no server in this test")
+
+    monkeypatch.setattr(run.subprocess, "Popen", no_server)
+    monkeypatch.setattr(run, "shm_cleanup", lambda before: {})
+    monkeypatch.setattr(run, "omni_accum_left", lambda before, entries: [])
+    out = tmp_path / "e.json"
+    argv = ["--model", str(model), "--arms", "off", "--smoke", "--start-timeout", "0.5", "--sample-every-s", "0",
+            "--work-dir", str(tmp_path / "runs"), "--json", str(out)]  # fmt: skip
+    assert run.main(argv) == 1
+    cmd = json.loads(out.read_text())["arms"][0]["server_cmd"]
+    assert cmd[cmd.index("--stage-init-timeout") + 1] == "1", cmd
+
+
+def test_a_saved_run_whose_arms_left_is_not_a_list_is_one_line(run, capsys, tmp_path):  # noqa: F811
+    saved = json.loads(sorted((E2E / "results" / "runs").glob("*.json"))[0].read_text())
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**saved, "complete": False, "arms_left": 5}))
+    assert f"--report {bad}: not a run.py --json file (\"arms_left\" is 5, not a list" in _usage_error(
+        run, capsys, ["--report", str(bad)]
+    )
+
+
+def test_report_help_names_where_the_saved_runs_are(run, capsys):  # noqa: F811
+    with pytest.raises(SystemExit):
+        run.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "benchmarks/e2e/results/runs/*.json" in text and "e2e.json)" not in text

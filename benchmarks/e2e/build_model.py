@@ -41,7 +41,10 @@ and 25 thinker layers with the talker's ``accept_hidden_layer`` 24, in both vari
 input processors read the captured hidden states under the literal key ``"24"``.
 
 The output folder is rebuilt only when missing, when ``--force`` is given, or when this script
-changed (a hash of it is stored in ``omni_accum_e2e_build.json``).
+changed (a hash of it is stored in ``omni_accum_e2e_build.json``). An existing ``--out`` folder (or its
+``DIR.tmp`` build folder) that this script did not make (no ``omni_accum_e2e_build.json`` of its own in it,
+and not empty) is refused before anything is built, unless ``--force``: the build replaces the folder; a file
+there is always refused.
 """
 
 from __future__ import annotations
@@ -89,6 +92,9 @@ def rope(params: dict) -> dict:
     return {"rope_theta": params["rope_theta"], "rope_scaling": scaling}
 SEED = 1234
 STAMP = "omni_accum_e2e_build.json"
+BUILDER = "benchmarks/e2e/build_model.py"  # the stamp's "builder": a folder this script made
+# written first into DIR.tmp (the stamp is written last): a half-built folder of this script's, safe to replace
+BUILDING = ".omni_accum_e2e_building"
 
 THINKER_HIDDEN = 2048
 VOCAB_SIZE = 152064
@@ -381,10 +387,11 @@ def build(out: Path, variant: str = "tiny", release: str = "0.30") -> None:
     import torch
     from transformers import Qwen3OmniMoeForConditionalGeneration, set_seed
 
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
+    tmp = tmp_dir(out)
+    if tmp.exists():  # main() checked it: a build folder of this script's, an empty one, or --force
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    (tmp / BUILDING).write_text(f"{BUILDER}: a build in progress; its stamp {STAMP} is written last\n")
     log("tokenizer (byte-level BPE, Qwen special tokens and role words at their real ids)")
     tok = build_tokenizer(tmp)
     check_tokenizer(tok)
@@ -409,7 +416,7 @@ def build(out: Path, variant: str = "tiny", release: str = "0.30") -> None:
     (tmp / STAMP).write_text(
         json.dumps(
             {
-                "builder": "benchmarks/e2e/build_model.py",
+                "builder": BUILDER,
                 "variant": variant,
                 "release": release,
                 "hash": script_hash(variant, release),
@@ -419,10 +426,42 @@ def build(out: Path, variant: str = "tiny", release: str = "0.30") -> None:
             indent=1,
         )
     )
-    if out.exists():
+    (tmp / BUILDING).unlink()
+    if out.exists():  # main() checked it: a model folder of this script's, an empty folder, or --force
         shutil.rmtree(out)
     tmp.rename(out)
     log(f"done: {out} ({n / 1e6:.1f} M parameters)")
+
+
+def tmp_dir(out: Path) -> Path:
+    """The folder a build is written into before it is renamed to ``out``."""
+    return out.with_name(out.name + ".tmp")
+
+
+def made_here(folder: Path) -> bool:
+    """Whether ``folder`` is a model folder this script made (its stamp names this script as the builder) or
+    one it was building (the marker it writes first)."""
+    if (folder / BUILDING).is_file():
+        return True
+    try:
+        return json.loads((folder / STAMP).read_text()).get("builder") == BUILDER
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def out_problem(out: Path, force: bool) -> str | None:
+    """Why the build may not replace ``out`` (or its ``DIR.tmp``), or None: a file is refused; so is a folder
+    that is neither empty nor one this script made, unless ``force``."""
+    for folder, what in ((out, "--out"), (tmp_dir(out), "its build folder")):
+        if not folder.exists() and not folder.is_symlink():
+            continue
+        if folder.is_symlink() or not folder.is_dir():
+            return f"--out {out}: {what} {folder} exists and is not a folder (remove it, or give another --out)"
+        if not force and any(folder.iterdir()) and not made_here(folder):
+            return (f"--out {out}: {what} {folder} exists and is not a model folder this script made (no {STAMP} "
+                    "of its own in it): the build would delete it; give a new or empty folder, or --force to "
+                    "replace it")  # fmt: skip
+    return None
 
 
 def is_current(out: Path, variant: str = "tiny", release: str = "0.30") -> bool:
@@ -447,10 +486,18 @@ def main(argv: list[str] | None = None) -> int:
         help="output folder (default .work/model, .work/model-light, .work/model-lean; in vllm-omni 0.16.0's "
         "environment .work/model-016, .work/model-light-016, .work/model-lean-016)",
     )
-    ap.add_argument("--force", action="store_true", help="rebuild even when the folder is current")
+    ap.add_argument(
+        "--force",
+        action="store_true",
+        help="rebuild even when the folder is current; also replace an existing --out folder that this script "
+        "did not make (without it, such a folder is refused: the build deletes what is there)",
+    )
     args = ap.parse_args(argv)
     release = installed_release()
-    out = (args.out or (OUT_DIRS_016 if release == "0.16" else OUT_DIRS)[args.variant]).resolve()
+    out = (args.out or (OUT_DIRS_016 if release == "0.16" else OUT_DIRS)[args.variant]).expanduser().resolve()
+    problem = out_problem(out, args.force)
+    if problem:
+        ap.error(problem)
     if not args.force and is_current(out, args.variant, release):
         log(f"reusing {out} (up to date)")
         return 0

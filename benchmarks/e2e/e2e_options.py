@@ -18,7 +18,7 @@ from typing import Any
 # the user gave from the default. BENCH_ONLY: what only the benchmark client uses (nothing with --smoke).
 DEFAULTS: dict[str, Any] = {
     "input_len": "8000", "output_len": 100, "concurrency": "1", "num_prompts": 0, "seed": 0, "duration_s": 0.0,
-    "bench_timeout": 3600.0, "kill_after_s": 30.0,
+    "bench_timeout": 3600.0, "kill_after_s": 30.0, "warmup_s": 60.0,
 }  # fmt: skip
 BENCH_ONLY = ("input_len", "output_len", "concurrency", "num_prompts", "seed", "duration_s", "bench_timeout")
 # seconds: (dest, smallest allowed, whether the smallest is allowed)
@@ -38,6 +38,13 @@ def release_name(text: str) -> str:
     """``0.16.0`` -> ``0.16`` (setup_env.sh takes both); argparse's choices then check the result."""
     parts = str(text).strip().split(".")
     return ".".join(parts[:2]) if len(parts) == 3 and parts[2] == "0" else str(text).strip()
+
+
+def a_path(text: str) -> Path:
+    """An option's path; an empty one is refused (``Path('')`` is the current folder)."""
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is an empty path (give a file or folder name)")
+    return Path(text)
 
 
 def build_parser(
@@ -84,19 +91,20 @@ def build_parser(
         "--seed", type=int, default=None, help=f"benchmark dataset seed (default {DEFAULTS['seed']})"
     )  # fmt: skip
     ap.add_argument(
-        "--json", dest="json_out", type=Path, metavar="FILE", help="write every result here, rewritten after each "
+        "--json", dest="json_out", type=a_path, metavar="FILE", help="write every result here, rewritten after each "
         "arm (\"complete\": false until the last arm ends, or what had ended when the run was interrupted)",
     )  # fmt: skip
     ap.add_argument(
-        "--report", type=Path, metavar="FILE", help="print the tables and the probes' comparison of a run saved "
-        "with --json FILE (e.g. one of results/*/e2e.json) and exit: starts nothing, takes no other option",
+        "--report", type=a_path, metavar="FILE", help="print the tables and the probes' comparison of a run saved "
+        "with --json FILE (e.g. one of benchmarks/e2e/results/runs/*.json) and exit: starts nothing, takes no other "
+        "option",
     )  # fmt: skip
     ap.add_argument(
-        "--keep-logs", type=Path, metavar="DIR", help="copy each arm's server / client logs into DIR/ARM"
+        "--keep-logs", type=a_path, metavar="DIR", help="copy each arm's server / client logs into DIR/ARM"
     )  # fmt: skip
     ap.add_argument(
         "--capture",
-        type=Path,
+        type=a_path,
         metavar="DIR",
         help="record each arm's stream through omni-accum (OMNI_ACCUM_CAPTURE) into DIR/ARM, for `omni-accum trace "
         "DIR/ARM` and `omni-accum tune --trace DIR/ARM` (arms with omni-accum on only: an off arm records nothing)",
@@ -196,7 +204,7 @@ def build_parser(
         help="the thinker's max_tokens in each correctness probe (default %(default)s)",
     )  # fmt: skip
     ap.add_argument(
-        "--work-dir", type=Path, default=runs, metavar="DIR",
+        "--work-dir", type=a_path, default=runs, metavar="DIR",
         help="a folder per run under it: each arm's logs, status files, metrics, benchmark results "
         "(default benchmarks/e2e/.work/runs)",
     )  # fmt: skip
@@ -213,10 +221,11 @@ def build_parser(
     ap.add_argument(
         "--warmup-s",
         type=float,
-        default=60.0,
+        default=None,
         metavar="S",
         help="samples before this many seconds after the server was ready are left out of the flatness verdict "
-        "(memory.json 'flat': each series' growth from its first to its last quarter; default %(default)s)",
+        "(memory.json 'flat': each series' growth from its first to its last quarter; needs the samples, "
+        f"--sample-every-s more than 0; default {DEFAULTS['warmup_s']:g})",
     )
     ap.add_argument(
         "--duration-s",
@@ -268,7 +277,8 @@ def check_values(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if v is None:
             continue
         if not math.isfinite(v):
-            ap.error(f"{option(dest)}: {v} is not a number of seconds (a finite number, {low} or more)")
+            ap.error(f"{option(dest)}: {v} is not a number of seconds (a finite number, "
+                     f"{f'{low} or more' if inclusive else f'more than {low}'})")  # fmt: skip
         if v < low or (v == low and not inclusive):
             ap.error(f"{option(dest)}: {v:g} is {'negative' if v < 0 else 'not more than 0'} (seconds, "
                      f"{'0 or more' if inclusive else 'more than 0'})")  # fmt: skip
@@ -280,6 +290,9 @@ def check_values(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         named = ", ".join(option(d) for d in BENCH_ONLY if d in given)
         ap.error(f"--smoke runs no benchmark, so {named} would do nothing: drop {'them' if ',' in named else 'it'} "
                  "or --smoke")  # fmt: skip
+    if "warmup_s" in given and args.sample_every_s == 0:
+        ap.error(f"--warmup-s {args.warmup_s:g}: times the memory samples' flatness verdict, and --sample-every-s 0 "
+                 "takes no samples: drop --warmup-s, or give --sample-every-s more than 0")  # fmt: skip
     if "kill_after_s" in given and args.kill_stage is None and args.hosts_fault is None:
         ap.error(f"--kill-after-s {args.kill_after_s:g}: times --kill-stage or --hosts-fault, and neither is given")
     if args.kill_stage is not None and args.smoke:
@@ -309,6 +322,9 @@ def positive_ints(text: str, flag: str) -> list[int]:
             example = "8000,32000" if flag == "--input-len" else "1,4"
             raise ValueError(f"{flag}: {t!r} in {text!r} is not a positive integer (a comma-separated list, e.g. "
                              f"{example})")  # fmt: skip
+        if int(t) in out:
+            raise ValueError(f"{flag}: {int(t)} is given twice in {text!r} (each value runs once; the second run "
+                             "would overwrite the first's results)")  # fmt: skip
         out.append(int(t))
     return out
 
@@ -346,15 +362,29 @@ def check_outputs(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None
             ap.error(f"--json {path}: {why}")
 
 
+def stage_id_of(stage: dict, index: int, where: str) -> int:
+    """A deploy stage's ``stage_id`` (its place in the list when it names none, as vllm-omni numbers them);
+    ValueError naming ``where`` (the file and the stage), the key and the value when it is not a whole number."""
+    v = stage.get("stage_id", index)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{where}: stage_id {v!r} is not a stage number (a whole number, 0 or more)")
+    return v
+
+
 def read_deploy(path: Path) -> tuple[str, dict[int, int | None]]:
     """A deploy file's release format (``0.30``: ``stages:``; ``0.16``: ``stage_args:``) and its stages: stage id
-    -> ``max_model_len`` (None where it sets none); ValueError when it is neither."""
+    -> ``max_model_len`` (None where it sets none); ValueError naming the file (and the stage and the key) when it
+    is neither, or a stage's ``stage_id`` or ``max_model_len`` is not a number."""
     import yaml
 
+    if path.is_dir():
+        raise ValueError(f"{path}: is a folder, not a deploy file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
     except OSError as e:
         raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1}: {getattr(e, 'problem', None) or 'here'})" if mark else ""
@@ -362,16 +392,28 @@ def read_deploy(path: Path) -> tuple[str, dict[int, int | None]]:
     if not isinstance(data, dict) or not isinstance(data.get("stages", data.get("stage_args")), list):
         raise ValueError(f"{path}: neither a vllm-omni 0.30 deploy (stages:) nor 0.16 stage configs (stage_args:)")
     fmt, key = ("0.30", "stages") if "stages" in data else ("0.16", "stage_args")
+    if not data[key]:
+        raise ValueError(f"{path}: {key} is empty (give the deploy's stages, stage 0 first)")
     stages: dict[int, int | None] = {}
     for i, s in enumerate(data[key]):
-        s = s if isinstance(s, dict) else {}
+        if not isinstance(s, dict):
+            raise ValueError(f"{path}: {key}[{i}] is {s!r}, not a mapping (stage_id:, max_model_len:, ...)")
+        sid = stage_id_of(s, i, f"{path}: {key}[{i}]")
+        if sid in stages:
+            raise ValueError(f"{path}: {key}[{i}]: stage_id {sid} is given twice")
         engine = s.get("engine_args") if fmt == "0.16" and isinstance(s.get("engine_args"), dict) else s
-        stages[int(s.get("stage_id", i))] = engine.get("max_model_len")
+        limit = engine.get("max_model_len")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
+            where = "engine_args.max_model_len" if engine is not s else "max_model_len"
+            raise ValueError(f"{path}: stage {sid}: {where} {limit!r} is not a number of tokens (a whole number, "
+                             "more than 0)")  # fmt: skip
+        stages[sid] = limit
     return fmt, stages
 
 
-def check_deploy(path: Path, release: str, args: argparse.Namespace, what: str) -> str | None:
-    """What in ``args`` the deploy at ``path`` cannot run (``what``: where it was named, for the message)."""
+def check_deploy(path: Path, release: str, args: argparse.Namespace, what: str, prompt_tokens: int = 0) -> str | None:
+    """What in ``args`` the deploy at ``path`` cannot run (``what``: where it was named, for the message;
+    ``prompt_tokens``: at most how many tokens a correctness probe's prompt takes, beside --smoke-max-tokens)."""
     try:
         fmt, stages = read_deploy(path)
     except ValueError as e:
@@ -382,6 +424,10 @@ def check_deploy(path: Path, release: str, args: argparse.Namespace, what: str) 
     if args.kill_stage is not None and args.kill_stage not in stages:
         return f"--kill-stage {args.kill_stage}: {what} has no stage {args.kill_stage} (stages {sorted(stages)})"
     limit = stages.get(0)
+    probe = prompt_tokens + args.smoke_max_tokens
+    if limit and probe > limit:
+        return (f"--smoke-max-tokens {args.smoke_max_tokens} + a correctness probe's prompt (up to {prompt_tokens} "
+                f"tokens) = {probe} tokens exceed {what}'s max_model_len {limit} (stage 0 of {path.name})")  # fmt: skip
     if limit and not args.smoke:
         longest = max(args.input_len) + args.output_len
         if longest > limit:

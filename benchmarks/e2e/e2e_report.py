@@ -306,37 +306,49 @@ def server_rows(bench: dict[str, Any]) -> list[tuple[str, float | None, str]]:
     return rows
 
 
-def _cell(v: float | None, unit: str, base: float | None, ratio: bool) -> str:
+def _cell(v: float | None, unit: str, base: float | None, ratio: bool, width: int = CELL) -> str:
     if v is None:
-        return f"{'-':>{CELL}}"
+        return f"{'-':>{width}}"
     s = f"{v:.1f} {unit}".strip() if unit else f"{v:.3f}"
     if ratio and base:
         s += f" ({v / base:.2f}x)"
-    return f"{s:>{CELL}}"
+    return f"{s:>{width}}"
+
+
+def off_arm(names: list[str]) -> str | None:
+    """The reference of the ratios and of the probes' comparison: the first arm whose policy is ``off`` (``off``,
+    ``off@NAME``, ``off#2``, in the run's order); None when no arm ran with omni-accum off."""
+    return next((a for a in names if a.split("@")[0].split("#")[0] == "off"), None)
 
 
 def table_lines(results: list[dict[str, Any]]) -> list[str]:
     """One table per (input length, concurrency): the client's metrics per arm with their ratio to
-    ``off``, then the server-side rows (``-`` where an arm has no such count, e.g. ``off``, which
-    measures nothing), the hand-off and processor rows with their ratio to ``default``."""
+    the first off arm (``off``, ``off@NAME``: :func:`off_arm`), then the server-side rows (``-`` where an arm has
+    no such count, e.g. ``off``, which measures nothing), the hand-off and processor rows with their ratio to
+    ``default``. Each arm's column is as wide as its whole name."""
     by: dict[tuple[int, int], dict[str, dict]] = {}
     for arm in results:
         for b in arm.get("bench") or []:
             by.setdefault((int(b.get("input_len") or 0), b["concurrency"]), {})[arm["arm"]] = b
     arms = [a["arm"] for a in results]
+    ref = off_arm(arms)
+    # each column as wide as its arm's whole name (two arms cut to the same prefix read alike)
+    width = {a: max(CELL, len(a) + 2) for a in arms}
     out: list[str] = []
     for (n, c), per_arm in sorted(by.items()):
-        out.append(f"\ninput {n} tokens, concurrency {c} (ratio: arm / off)")
-        out.append(f"  {'metric':<26}" + "".join(f"{a[: CELL - 2]:>{CELL}}" for a in arms))
+        said = "no off arm, so no ratios" if ref is None else f"ratio: arm / {ref}"
+        out.append(f"\ninput {n} tokens, concurrency {c} ({said})")
+        out.append(f"  {'metric':<26}" + "".join(f"{a:>{width[a]}}" for a in arms))
         for label, key, unit in METRICS:
-            base = metric((per_arm.get("off") or {}).get("raw") or {}, key)
-            cells = [_cell(metric((per_arm.get(a) or {}).get("raw") or {}, key), unit, base, a != "off") for a in arms]
+            base = metric((per_arm.get(ref) or {}).get("raw") or {}, key)
+            cells = [_cell(metric((per_arm.get(a) or {}).get("raw") or {}, key), unit, base, a != ref, width[a])
+                     for a in arms]  # fmt: skip
             out.append(f"  {label:<26}" + "".join(cells))
         for label, stage, field in STAGE_METRICS:  # the orchestrator's tables (--log-stats), where the run has them
             vals = {a: (((per_arm.get(a) or {}).get("stages") or {}).get("stages") or {}).get(stage, {}).get(field)
                     for a in arms}  # fmt: skip
             if any(v is not None for v in vals.values()):
-                cells = [_cell(vals[a], "ms", vals.get("off"), a != "off") for a in arms]
+                cells = [_cell(vals[a], "ms", vals.get(ref), a != ref, width[a]) for a in arms]
                 out.append(f"  {label:<26}" + "".join(cells))
         srv = {a: {label: (v, unit) for label, v, unit in server_rows(per_arm.get(a) or {})} for a in arms}
         labels: list[str] = []
@@ -345,8 +357,8 @@ def table_lines(results: list[dict[str, Any]]) -> list[str]:
         if labels:  # off measures nothing; default (vllm-omni's own payload path, timed) is their reference
             out.append("  server side (hand-off and processor rows: ratio arm / default)")
         for label in labels:
-            ref = srv.get("default", {}).get(label, (None, ""))[0] if label != "payload memcpy" else None
-            cells = [_cell(*srv[a].get(label, (None, "")), ref, a != "default") for a in arms]
+            dref = srv.get("default", {}).get(label, (None, ""))[0] if label != "payload memcpy" else None
+            cells = [_cell(*srv[a].get(label, (None, "")), dref, a != "default", width[a]) for a in arms]
             out.append(f"  {label[:26]:<26}" + "".join(cells))
     return out
 
@@ -357,14 +369,16 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
 
 def compare(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each arm's probes against the off arm's: text, text token ids and audio bytes (SHA-256)."""
+    """Each arm's probes against the off arm's (:func:`off_arm`, the first arm with omni-accum off): text, text
+    token ids and audio bytes (SHA-256)."""
     by = {r["arm"]: (r.get("correctness") or {}).get("probes") or [] for r in results}
     out: dict[str, Any] = {}
-    if "off" not in by or not by["off"]:
+    off = off_arm(list(by))
+    if off is None or not by[off]:
         return out
-    ref = by["off"]
+    ref = by[off]
     for arm, probes in by.items():
-        if arm == "off":
+        if arm == off:
             continue
         text_eq = len(probes) == len(ref) and all(
             (a.get("text"), a.get("text_token_ids")) == (b.get("text"), b.get("text_token_ids"))

@@ -42,6 +42,7 @@ SIGKILL after the grace, then everything still in the namespaces, then the names
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import secrets
 import signal
@@ -56,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import netns
+from e2e_options import stage_id_of
 from e2e_procs import alive, http_json, proc_info
 from e2e_watch import client_errors, event_lines
 
@@ -96,8 +98,21 @@ def prerequisites(venv_python: str | Path) -> str | None:
     return None
 
 
-def stage_ids(doc: dict[str, Any]) -> list[int]:
-    return sorted(int(s["stage_id"]) for s in doc.get("stages") or [])
+def stage_ids(doc: dict[str, Any], where: str | Path = "the deploy") -> list[int]:
+    """The deploy's stage ids, as run.py's check reads them (e2e_options.read_deploy): a stage without a stage_id
+    is its place in the list; HostsUsageError naming the stage and the key where one is not a stage number."""
+    stages = doc.get("stages") or []
+    if not isinstance(stages, list):
+        raise HostsUsageError(f"{where}: stages is {stages!r}, not a list of stages")
+    ids = []
+    for i, s in enumerate(stages):
+        if not isinstance(s, dict):
+            raise HostsUsageError(f"{where}: stages[{i}] is {s!r}, not a mapping (stage_id:, ...)")
+        try:
+            ids.append(stage_id_of(s, i, f"{where}: stages[{i}]"))
+        except ValueError as e:
+            raise HostsUsageError(str(e)) from None
+    return sorted(ids)
 
 
 def plan(deploy: Path, hosts: int) -> list[str]:
@@ -108,7 +123,7 @@ def plan(deploy: Path, hosts: int) -> list[str]:
     doc = yaml.safe_load(deploy.read_text()) or {}
     if not isinstance(doc, dict):
         raise HostsUsageError(f"{deploy}: a {type(doc).__name__}, not a deploy mapping (stages:, connectors:)")
-    ids = stage_ids(doc)
+    ids = stage_ids(doc, deploy)
     if not ids or ids[0] != 0:
         raise HostsUsageError(f"{deploy}: no stage 0 (stage ids {ids})")
     connectors = doc.get("connectors") or {}
@@ -264,7 +279,7 @@ class HostsServer:
         head = [
             *serve, "--host", api.addr, "--port", str(API_PORT),
             "--deploy-config", str(self._deploy_for(api, mc)),
-            "--stage-init-timeout", str(int(self.start_timeout)),
+            "--stage-init-timeout", str(math.ceil(self.start_timeout)),  # 0.5 s: 1 (int() made it 0)
             "--stage-id", "0", "--omni-master-address", api.addr, "--omni-master-port", str(OMNI_MASTER_PORT),
         ]  # fmt: skip
         self.head = self._spawn(api, head, "api", env)

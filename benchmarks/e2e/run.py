@@ -20,9 +20,9 @@ the stage processes' counters are there) for what omni-accum counted (chunks, wi
 kept off the wire, fallbacks, and per benchmark the hand-off between stages and the stage
 processor's accumulation), stops the server by process group and checks nothing is left (no
 process, port free). Then it prints one table per input length and concurrency (E2EL, TTFT, TPOT,
-ITL p50/p99, audio TTFP, audio RTF per arm, ratio to ``off``; the server's hand-off and processor
-accumulation times and the hand-off's share of audio TTFP), compares the correctness outputs
-(``default`` must equal ``off`` byte for byte) and writes ``--json``.
+ITL p50/p99, audio TTFP, audio RTF per arm, ratio to the first ``off`` arm, e.g. ``off@NAME``; the
+server's hand-off and processor accumulation times and the hand-off's share of audio TTFP), compares the
+correctness outputs with that arm's (``default`` must equal it byte for byte) and writes ``--json``.
 
 Only one server runs at a time. Exit status: 0 when every arm started, answered with text and
 audio, ran with omni-accum as its name says (bound in the stage processes when on, installed nowhere
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import re
 import signal
@@ -56,7 +57,8 @@ from e2e_procs import (  # noqa: E402
     role_of, scan_log, server_processes, shm_cleanup, shm_entries, stop_server, wait_ready,
 )  # fmt: skip
 from e2e_report import (  # noqa: E402
-    compare, metrics_delta, payload_memcpy_ms, print_metrics, print_table, scrape_metrics, stage_requests, stage_rows,
+    compare, metrics_delta, off_arm, payload_memcpy_ms, print_metrics, print_table, scrape_metrics, stage_requests,
+    stage_rows,
 )  # fmt: skip
 from e2e_watch import (  # noqa: E402 - memory samples, a stage killed on purpose, omni-accum's leftovers
     Sampler, StageKiller, bench_errors, client_errors, fallbacks_delta, fault_report, health_status, omni_accum_left,
@@ -138,6 +140,12 @@ PROBE_PROMPTS = (
 
 def log(msg: str) -> None:
     print(f"[e2e] {msg}", file=sys.stderr, flush=True)
+
+
+def probe_tokens(smoke: bool = False) -> int:
+    """At most how many tokens the longest correctness probe's prompt takes (--smoke: the first probe only): one
+    per UTF-8 byte (the tiny models' byte-level tokenizer; a real one takes fewer) and the chat template's 32."""
+    return max(len(p.encode()) for p in (PROBE_PROMPTS[:1] if smoke else PROBE_PROMPTS)) + 32
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,22 +239,28 @@ def make_arm(spec: str) -> Arm:
     ``off`` or a policy omni-accum loads (a preset or a policy file), checked here as the server's stages would
     load it: an arm whose policy they refused would run vllm-omni's own code under the arm's name.
     SystemExit naming the arm and what it takes."""
-    again = re.fullmatch(r"(.+)#(\d+)", spec)
+    again = re.fullmatch(r"(.*)#(\d+)", spec)
     if again:
+        if not again.group(1):
+            raise SystemExit(f"arm {spec!r}: ARM#N needs an ARM before the '#' (e.g. off{spec} or qwen3-omni{spec})")
         arm = make_arm(again.group(1))
         arm.name = spec
         return arm
     if "@" in spec:
         base, _, cfg = spec.partition("@")
-        path = resolve_deploy(cfg)
+        if not base:  # the arm (its policy) first: '@' alone names neither
+            eg = cfg or "arena"
+            raise SystemExit(f"arm {spec!r}: no arm before '@' (e.g. off@{eg} or qwen3-omni@{eg}: the arm's policy, "
+                             "off, a preset or a policy file)")  # fmt: skip
+        path = resolve_deploy(cfg) if cfg else None
         if path is None:
             names = ", ".join(deploy_names()) or f"none in {RELEASE.configs} for --release {RELEASE.name}"
+            said = ("no deploy config after '@'" if not cfg else f"{cfg!r} is a folder, not a deploy config"
+                    if Path(cfg).is_dir() else f"no deploy config {cfg!r}")  # fmt: skip
             raise SystemExit(
-                f"arm {spec!r}: no deploy config {cfg!r} (a path, or NAME of "
+                f"arm {spec!r}: {said} (a path, or NAME of "
                 f"{RELEASE.configs.relative_to(HERE)}/qwen3_omni_cpu_NAME.yaml: {names})"
             )
-        if not base:
-            raise SystemExit(f"arm {spec!r}: no arm before '@' (e.g. off@{cfg} or qwen3-omni@{cfg})")
         arm = make_arm(base)
         arm.name, arm.deploy = spec, path
         return arm
@@ -375,7 +389,7 @@ def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
             str(VENV_BIN / "vllm-omni"), "serve", str(args.model), "--omni",
             "--host", "127.0.0.1", "--port", str(port),
             RELEASE.config_flag, str(arm.deploy or args.deploy_config),
-            "--stage-init-timeout", str(int(args.start_timeout)), *RELEASE.server_flags,
+            "--stage-init-timeout", str(math.ceil(args.start_timeout)), *RELEASE.server_flags,  # whole seconds, > 0
         ]  # fmt: skip
         result: dict[str, Any] = {
             "arm": arm.name,
@@ -638,13 +652,14 @@ def verdict(results: list[dict[str, Any]], say: Any = log) -> bool:
             ok = False
     cmp_ = compare(results)
     if "default" in cmp_ and not cmp_["default"]["equals_off"]:
-        say("FAIL: the default arm differs from off")
+        say(f"FAIL: the default arm differs from {off_arm([r['arm'] for r in results])}")
         ok = False
     return ok
 
 
 def print_correctness(results: list[dict[str, Any]]) -> None:
     cmp_ = compare(results)
+    ref = off_arm([r["arm"] for r in results])  # the arm the others are compared with
     print("\ncorrectness (temperature-0 chat with audio)")
     for r in results:
         for i, c in enumerate((r.get("correctness") or {}).get("probes") or [{}]):
@@ -654,7 +669,7 @@ def print_correctness(results: list[dict[str, Any]]) -> None:
                 f"sha {str(c.get('audio_sha256'))[:12]}"
             )
         if r["arm"] in cmp_:
-            print(f"  {'':<24} equals off: {cmp_[r['arm']]}")
+            print(f"  {'':<24} equals {ref}: {cmp_[r['arm']]}")
 
 
 def report(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -678,8 +693,12 @@ def report(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
           f"concurrency {given.get('concurrency', '?')}, prompts {given.get('num_prompts', '?')}, model "
           f"{given.get('model', '?')}, deploy {given.get('deploy_config', '?')}")  # fmt: skip
     if not saved.get("complete", True):
+        left = saved.get("arms_left") or []
+        if not isinstance(left, list):
+            ap.error(f"--report {path}: not a run.py --json file (\"arms_left\" is {left!r}, not a list of arm "
+                     "names)")  # fmt: skip
         print(f"incomplete: {saved.get('interrupted') or 'the run ended early'}; arms not run: "
-              f"{', '.join(saved.get('arms_left') or []) or '-'}")  # fmt: skip
+              f"{', '.join(map(str, left)) or '-'}")  # fmt: skip
     try:
         print_table(arms)
         print_correctness(arms)
@@ -710,18 +729,26 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(e))
     model_name = str(args.model)
     args.model = resolve_model(args.model)
-    if not (args.model / "config.json").exists():
-        how = f"build_model.py --variant {model_name}" if model_name in RELEASE.models else "build_model.py --out DIR"
-        if RELEASE.name != "0.30" and model_name in RELEASE.models:
+    if not (args.model / "config.json").exists() and model_name in RELEASE.models:
+        how = f"build_model.py --variant {model_name}"
+        if RELEASE.name != "0.30":
             how = f"{VENV_BIN / 'python'} benchmarks/e2e/{how}"
         ap.error(
             f"--model {model_name}: no model at {args.model} (run {how} first; names: {', '.join(RELEASE.models)})"
         )
+    if not (args.model / "config.json").is_file():
+        what = ("is not a folder" if args.model.exists() and not args.model.is_dir() else
+                "has no config.json, so it holds no model" if args.model.is_dir() else "does not exist")  # fmt: skip
+        ap.error(
+            f"--model {model_name}: {args.model} {what} (give a model folder, with its config.json, or a variant "
+            f"name: {', '.join(RELEASE.models)}; build_model.py --out DIR builds a random-weight model there)"
+        )
     deploy = resolve_deploy(args.deploy_config)
     if deploy is None:
         names = ", ".join(deploy_names()) or f"none in {RELEASE.configs} for --release {RELEASE.name}"
+        said = "is a folder, not a deploy file" if Path(args.deploy_config).is_dir() else "no such file"
         ap.error(
-            f"--deploy-config {args.deploy_config}: no such file, nor a NAME of "
+            f"--deploy-config {args.deploy_config}: {said}, nor a NAME of "
             f"{RELEASE.configs.relative_to(HERE)}/qwen3_omni_cpu_NAME.yaml ({names})"
         )
     args.deploy_config = deploy
@@ -741,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
         args.deploy_config = HOSTS_DEPLOY.resolve()  # shared memory does not cross hosts
     for arm in arms:
         what = f"arm {arm.name}'s deploy" if arm.deploy else "--deploy-config"
-        problem = check_deploy(Path(arm.deploy or args.deploy_config), RELEASE.name, args, what)
+        deploy_path = Path(arm.deploy or args.deploy_config)
+        problem = check_deploy(deploy_path, RELEASE.name, args, what, probe_tokens(args.smoke))
         if problem:
             ap.error(problem)
     if args.capture:

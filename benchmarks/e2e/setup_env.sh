@@ -32,11 +32,13 @@ PY="${PYTHON:-python3}"
 
 # The release: `--release 0.30|0.16` or OMNI_ACCUM_E2E_RELEASE (default 0.30).
 RELEASE="${OMNI_ACCUM_E2E_RELEASE:-0.30}"
+RELEASE_FROM=""  # where a bad value came from, for the message
+[ -n "${OMNI_ACCUM_E2E_RELEASE:-}" ] && RELEASE_FROM="OMNI_ACCUM_E2E_RELEASE='$RELEASE': "
 while [ $# -gt 0 ]; do
   case "$1" in
     --release) [ $# -ge 2 ] || { echo "setup_env.sh: --release needs a value (0.30 or 0.16)" >&2; exit 2; }
-               RELEASE="$2"; shift 2 ;;
-    --release=*) RELEASE="${1#--release=}"; shift ;;
+               RELEASE="$2"; RELEASE_FROM=""; shift 2 ;;
+    --release=*) RELEASE="${1#--release=}"; RELEASE_FROM=""; shift ;;
     -h|--help)
       echo "usage: bash benchmarks/e2e/setup_env.sh [--release 0.30|0.16]"
       echo
@@ -49,7 +51,8 @@ while [ $# -gt 0 ]; do
       echo
       echo "environment: OMNI_ACCUM_E2E_VENV (the virtualenv's folder), OMNI_ACCUM_E2E_RELEASE,"
       echo "OMNI_ACCUM_E2E_SEED_VENV (the environment it starts from; 'none': from scratch),"
-      echo "OMNI_ACCUM_E2E_NEED_GB (the free space it asks for first: 6 GB from a seed, else 8)."
+      echo "OMNI_ACCUM_E2E_NEED_GB (whole GB of free space it asks for before pip installs anything: 6 GB"
+      echo "from a seed, else 8)."
       echo "Details: the comments at the top of this script."
       exit 0 ;;
     *) echo "setup_env.sh: unknown argument '$1' (valid: --release 0.30|0.16, --help)" >&2; exit 2 ;;
@@ -99,7 +102,12 @@ case "$RELEASE" in
     VLLM_VERSION=0.16.0
     VLLM_OMNI_VERSION=0.16.0
     ;;
-  *) echo "setup_env.sh: unknown release '$RELEASE' (valid: 0.30, 0.16)" >&2; exit 2 ;;
+  *) echo "setup_env.sh: ${RELEASE_FROM}unknown release '$RELEASE' (valid: 0.30, 0.16)" >&2; exit 2 ;;
+esac
+case "${OMNI_ACCUM_E2E_NEED_GB:-}" in  # (empty: as unset)
+  *[!0-9]*) echo "setup_env.sh: OMNI_ACCUM_E2E_NEED_GB='${OMNI_ACCUM_E2E_NEED_GB}' is not a whole number of GB (the" \
+                 "free space the build asks for, e.g. 6; unset: 6 from a seed, else 8)" >&2
+            exit 2 ;;
 esac
 VENV="${OMNI_ACCUM_E2E_VENV:-$DEFAULT_VENV}"
 STAMP="$VENV/.omni-accum-e2e-setup"
