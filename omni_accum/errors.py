@@ -5,6 +5,9 @@ Every error names the thing, the place and, where there is a choice, the valid c
 
 from __future__ import annotations
 
+import difflib
+import re
+
 
 class OmniAccumError(Exception):
     """Base class of every error omni-accum raises on purpose."""
@@ -148,8 +151,45 @@ class DuplicateStrategyError(PluginError):
 
 def describe_plugin(plugin: str, distribution: tuple[str, str] | None) -> str:
     """``plugin 'delta' (distribution omni-accum-delta 0.1.0)``: how errors name a plugin. Raises ``TypeError`` for a
-    ``distribution`` that is not a ``(name, version)`` pair of strings (``StrategyManager.register`` names it first)."""
+    ``distribution`` that is not a ``(name, version)`` pair of strings (``StrategyManager.register`` checks it first,
+    with :func:`plugin_name`)."""
     pair = isinstance(distribution, tuple | list) and len(distribution) == 2
     if distribution is not None and not (pair and all(isinstance(p, str) for p in distribution)):
         raise TypeError(f"distribution must be a (name, version) pair of strings, got {distribution!r}")
     return f"plugin {plugin!r}" + (f" (distribution {distribution[0]} {distribution[1]})" if distribution else "")
+
+
+def plugin_name(plugin: object, name: object, distribution: object) -> str:
+    """The name ``StrategyManager.register`` gives ``plugin``: ``name``, else its ``__name__``, else its repr.
+
+    Raises :class:`PluginError`, naming the value and what is valid, before anything is registered: ``plugin`` is
+    None, ``name`` is not None or a non-empty str, or ``distribution`` is not None or a ``(name, version)`` pair of
+    strings (a tuple or a list of two).
+    """
+    if plugin is None:
+        raise PluginError("cannot register plugin None: give a module or an object with @omni_accum.hookimpl functions")
+    if name is not None and not (isinstance(name, str) and name.strip()):
+        raise PluginError(
+            f"cannot register a plugin under the name {name!r} ({type(name).__name__}): give a non-empty str, "
+            "or None for the plugin's __name__"
+        )
+    name = name or getattr(plugin, "__name__", None) or repr(plugin)
+    try:
+        describe_plugin(str(name), distribution)  # type: ignore[arg-type]  # a TypeError for a bad distribution
+    except TypeError as e:
+        raise PluginError(
+            f"plugin {name!r}: cannot register: {e}; give None or a pair such as ('my-strategies', '0.1.0')"
+        ) from None
+    return str(name)
+
+
+def hook_problem(err: Exception, hooks: tuple[str, ...]) -> str:
+    """pluggy's text for a bad hook implementation (a ``PluginValidationError``), on one line; an unknown hook name
+    with the valid ones (``hooks``) and the closest."""
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    m = re.match(r"unknown hook '([^']+)'", text)
+    if m:
+        close = difflib.get_close_matches(m.group(1), hooks, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"unknown hook {m.group(1)!r} (omni_accum's hooks: {', '.join(hooks)}){hint}"
+    return text

@@ -13,7 +13,6 @@ makes that an error. A broken built-in is always an error. ``OMNI_ACCUM_PLUGINS`
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import logging
@@ -21,7 +20,7 @@ import os
 import re
 import threading
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from importlib import metadata
 from typing import Any
@@ -31,7 +30,14 @@ from pydantic import BaseModel
 
 from omni_accum import hookspecs
 from omni_accum.context import KeyMeta, StreamContext
-from omni_accum.errors import DuplicateStrategyError, PluginError, UnknownStrategyError, describe_plugin
+from omni_accum.errors import (
+    DuplicateStrategyError,
+    PluginError,
+    UnknownStrategyError,
+    describe_plugin,
+    hook_problem,
+    plugin_name,
+)
 from omni_accum.hookspecs import ALL_HOOKS, PROJECT, hookimpl
 from omni_accum.policy.model import Policy, StrategyChoice
 from omni_accum.strategy import KINDS, Strategy, StrategySpec, describe_strategy, validation_summary
@@ -131,8 +137,7 @@ class StrategyManager:
             if name not in self.pm.list_name_plugin():
                 self.register(importlib.import_module(BUILTIN_MODULES[name]), name=name, first_party=True)
         for ep in sorted(first, key=lambda e: e.name) + third:
-            dist = dist_of(ep)
-            is_first = ep in first
+            dist, is_first = dist_of(ep), ep in first
             if not is_first:
                 names = {_canonical(ep.name)} | ({_canonical(dist[0])} if dist else set())
                 if names & deny or (allow is not None and not names & allow):
@@ -196,16 +201,17 @@ class StrategyManager:
 
         Raises:
             DuplicateStrategyError: a strategy name is already registered (names both plugins).
-            PluginError: the plugin implements unknown hooks, raises, or returns invalid records.
+            PluginError: the plugin implements unknown hooks, raises, or returns invalid records; or (registering
+                nothing) ``plugin`` is None, ``name`` not a non-empty str, ``distribution`` not a (str, str) pair.
         """
-        name = name or getattr(plugin, "__name__", None) or repr(plugin)
+        name = plugin_name(plugin, name, distribution)
         who = describe_plugin(name, distribution)
         try:
             self.pm.register(plugin, name=name)
         except ValueError as e:
             raise PluginError(f"{who}: cannot register: {self._clash(plugin, name)}") from e
         except pluggy.PluginValidationError as e:
-            raise PluginError(f"{who}: invalid hook implementation: {_hook_problem(e)}") from e
+            raise PluginError(f"{who}: invalid hook implementation: {hook_problem(e, ALL_HOOKS)}") from e
         try:
             if not self.pm.get_hookcallers(plugin):
                 unmarked = [n for n in ALL_HOOKS if callable(getattr(plugin, n, None))]
@@ -242,7 +248,7 @@ class StrategyManager:
         try:
             self.pm.check_pending()
         except pluggy.PluginValidationError as e:
-            raise PluginError(f"{who}: {_hook_problem(e)}") from e
+            raise PluginError(f"{who}: {hook_problem(e, ALL_HOOKS)}") from e
         out: dict[str, StrategySpec] = {}
         for impl in self.pm.hook.omni_accum_register_strategies.get_hookimpls():
             if impl.plugin is not plugin:
@@ -355,18 +361,21 @@ class StrategyManager:
         spec = self.spec(name, where)
         if isinstance(params, BaseModel):
             return params
+        given = dict(params) if isinstance(params, Mapping) else {} if params is None else params
         try:
-            return spec.params_model.model_validate(dict(params or {}))
+            if not isinstance(given, dict):  # a list or a str: dict() would raise a bare TypeError or ValueError
+                raise TypeError(f"params must be a mapping of param names to values, not {type(given).__name__}")
+            return spec.params_model.model_validate(given)
         except Exception as e:  # noqa: BLE001 - a ValidationError, or a validator of the plugin's raising
             raise PluginError(
-                f"{describe_strategy(spec, where)} refuses params {dict(params or {})!r}: {validation_summary(e)} "
+                f"{describe_strategy(spec, where)} refuses params {given!r}: {validation_summary(e)} "
                 f"(allowed params: {spec.allowed_params()})"
             ) from e
 
     def build(self, name: str, params: Any = None, where: str | None = None) -> Strategy:
         """Create (or reuse) the strategy ``name`` with ``params`` validated by its Params model. PluginError in
         one line when the params are refused or the plugin's factory raises."""
-        key = (name, repr(sorted((params or {}).items())) if isinstance(params, dict) else repr(params))
+        key = (name, repr(sorted(params.items(), key=repr)) if isinstance(params, dict) else repr(params))
         built = self._built.get(key)
         if built is None:
             spec = self.spec(name, where)
@@ -415,18 +424,6 @@ def _reserved_names() -> tuple[str, ...]:
     from omni_accum.policy.sources import preset_names
 
     return (*RESERVED_NAMES, *preset_names())
-
-
-def _hook_problem(err: pluggy.PluginValidationError) -> str:
-    """pluggy's text for a bad hook implementation, on one line; an unknown hook name with the valid ones and the
-    closest."""
-    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-    m = re.match(r"unknown hook '([^']+)'", text)
-    if m:
-        close = difflib.get_close_matches(m.group(1), ALL_HOOKS, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        return f"unknown hook {m.group(1)!r} (omni_accum's hooks: {', '.join(ALL_HOOKS)}){hint}"
-    return text
 
 
 _manager: StrategyManager | None = None

@@ -33,9 +33,11 @@ import ctypes
 import math
 import sys
 import threading
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from omni_accum.hookspecs import hookimpl
 from omni_accum.strategy import ARENA_TAG, AppendAccumulator, KeyInfo, Strategy, StrategySpec, value_nbytes
@@ -53,12 +55,20 @@ class Params(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    initial_capacity: int = Field(default=64, ge=1, le=1 << 24)
+    # strict: a number, never a bool (``yes`` was 1) or a string ("2"), as the policy's own numbers
+    initial_capacity: int = Field(default=64, ge=1, le=1 << 24, strict=True)
     """Rows allocated at the first append, at least (more when the key already holds more)."""
-    growth_factor: float = Field(default=2.0, gt=1.0, le=16.0)
+    growth_factor: float = Field(default=2.0, gt=1.0, le=16.0, strict=True)
     """Capacity multiplier when the buffer is full (> 1)."""
     reuse_bytes: ByteSize = Field(default=ByteSize(0), ge=0, le=1 << 40)
     """CPU buffers this process keeps for later requests, in bytes (``512MiB`` or a number; 0: none)."""
+
+    @field_validator("reuse_bytes", mode="before")
+    @classmethod
+    def _bytes_not_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # ByteSize would take true as 1 byte
+            raise PydanticCustomError("byte_size", "Input should be a number of bytes or a size such as '512MiB'")
+        return v
 
 
 class PreallocAccumulator(AppendAccumulator):

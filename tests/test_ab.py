@@ -88,6 +88,17 @@ def test_a_bad_split_names_the_value_the_place_and_the_choices(tmp_path, text, l
         assert w in msg, (w, msg)
 
 
+def test_an_arm_weight_given_as_a_string_is_refused_at_its_line(tmp_path):
+    """``weight: "1"`` was taken as 1.0 (a bool was already refused; a string was not)."""
+    f = tmp_path / "split.yaml"
+    f.write_text("ab:\n  arms:\n    control: {policy: default, weight: '1'}\n    t: {policy: default, weight: 2}\n")
+    with pytest.raises(PolicyError) as e:
+        load_policy(str(f))
+    assert "line 3: ab.arms.control.weight: Input should be a valid number (got '1')" in str(e.value)
+    f.write_text("ab:\n  arms:\n    control: {policy: default, weight: 1}\n    t: {policy: default, weight: 0.5}\n")
+    assert [a.weight for a in load_policy(str(f)).ab.arms.values()] == [1.0, 0.5]
+
+
 def test_an_arm_that_splits_again_is_refused_not_followed(tmp_path):
     f = tmp_path / "loop.yaml"  # an arm naming the file itself: refused, no recursion
     f.write_text(f"ab:\n  arms:\n    a: {{policy: {f}}}\n    b: {{policy: default}}\n")

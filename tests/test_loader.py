@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import omni_accum
-from omni_accum.errors import PolicyError
+from omni_accum.errors import PolicyArgumentError, PolicyError
 from omni_accum.manager import get_manager
 from omni_accum.policy.loader import ENV_POLICY, dump_policy, load_policy, parse_text, preset_names, read_source
 
@@ -201,6 +201,24 @@ def test_bad_params_name_rule_field_line_and_allowed_params(tmp_path):
             "reuse_bytes (default 0)"
         ) in e
     assert msg.count("\n") == 2
+
+
+def test_prealloc_params_are_numbers_not_bools_or_strings(tmp_path):
+    """``initial_capacity: yes`` loaded as 1, ``growth_factor: "2"`` as 2.0 and ``reuse_bytes: true`` as 1 byte."""
+    text = (
+        "rules:\n  - match: a\n    strategy: prealloc\n    params:\n      initial_capacity: yes\n"
+        "      growth_factor: '2'\n      reuse_bytes: true\n"
+    )
+    errs, _ = errors_of(tmp_path, text)
+    assert len(errs) == 3, errs
+    assert "line 5: rules[0].params.initial_capacity: Input should be a valid integer (got True) (strategy" in errs[0]
+    assert "line 6: rules[0].params.growth_factor: Input should be a valid number (got '2')" in errs[1]
+    assert "line 7: rules[0].params.reuse_bytes: Input should be a number of bytes or a size such as" in errs[2]
+    good = "rules: [{match: a, strategy: prealloc, params: {initial_capacity: 9, growth_factor: 2, reuse_bytes: 1MiB}}]"
+    params = load_policy(write(tmp_path, "good.yaml", good)).rules[0].params
+    assert params == {"initial_capacity": 9, "growth_factor": 2, "reuse_bytes": "1MiB"}
+    with pytest.raises(omni_accum.PluginError, match="initial_capacity: Input should be a valid integer"):
+        get_manager().build("prealloc", {"initial_capacity": True})
 
 
 def test_every_error_is_listed_at_once(tmp_path):
@@ -473,6 +491,47 @@ def test_dump_policy_refuses_a_format_it_cannot_write():
     for fmt in ("toml", "xml", "YAML"):
         with pytest.raises(PolicyError, match=f"unknown format {fmt!r}; valid formats: yaml, json"):
             dump_policy(policy, fmt)
+
+
+def test_dump_policy_of_something_not_a_policy_names_it_and_says_to_load_it():
+    """``dump_policy("qwen3-omni")`` (or a dict, or None) was a bare AttributeError: no attribute 'model_dump'."""
+    for bad, got in (("qwen3-omni", "str 'qwen3-omni'"), (POLICY_DATA, "dict {"), (None, "NoneType None")):
+        with pytest.raises(PolicyArgumentError, match="dump_policy: expected a Policy, got ") as e:
+            dump_policy(bad)  # type: ignore[arg-type]
+        assert got in str(e.value) and "load_policy(...)" in str(e.value) and isinstance(e.value, TypeError)
+
+
+def test_a_path_like_whose_fspath_gives_no_str_is_a_policy_argument_error():
+    """``__fspath__`` returning bytes or an int was a bare TypeError from ``Path()``."""
+
+    class Fs:
+        def __init__(self, value):
+            self.value = value
+
+        def __fspath__(self):
+            return self.value
+
+    with pytest.raises(PolicyArgumentError, match=r"a path-like Fs whose __fspath__ returns bytes \(b'p.yaml'\): give"):
+        load_policy(Fs(b"p.yaml"))
+    with pytest.raises(PolicyArgumentError, match="a path-like Fs whose __fspath__ gives no str path: .*not int"):
+        load_policy(Fs(5))
+    with pytest.raises(PolicyArgumentError, match="whose __fspath__ returns bytes"):
+        read_source(Fs(b"default"))
+    assert load_policy(Fs("qwen3-omni")) == load_policy("qwen3-omni")
+
+
+def test_a_bad_env_policy_names_the_variable(monkeypatch):
+    """``OMNI_ACCUM_POLICY=nope`` said "'nope' is neither a policy file nor a preset", not where 'nope' came from."""
+    monkeypatch.setenv(ENV_POLICY, "nope")
+    for call in (load_policy, omni_accum.Sender, omni_accum.Receiver):
+        with pytest.raises(PolicyError, match=f"^{ENV_POLICY}=nope: 'nope' is neither a policy file nor a preset. "
+                           "Available presets: "):  # fmt: skip
+            call()
+    monkeypatch.setenv(ENV_POLICY, "missing/p.yaml")
+    with pytest.raises(PolicyError, match=f"^{ENV_POLICY}=missing/p.yaml: missing/p.yaml: no such policy file"):
+        load_policy(None)
+    with pytest.raises(PolicyError, match="^'nope' is neither"):  # given as an argument: no variable to name
+        load_policy("nope")
 
 
 def test_an_empty_policy_argument_says_so():

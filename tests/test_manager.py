@@ -63,11 +63,28 @@ def test_register_records_plugin_and_distribution(m):
 def test_a_distribution_that_is_not_a_name_version_pair_is_refused_and_registers_nothing(m):
     """A plain string was taken, and every message then named "distribution m y" (its first two letters)."""
     for bad in ("my-strategies", ("my-strategies",), ("my-strategies", 1)):
-        with pytest.raises(TypeError, match=r"distribution must be a \(name, version\) pair of strings, got"):
+        with pytest.raises(PluginError, match=r"distribution must be a \(name, version\) pair of strings, got"):
             m.register(registering("a"), name="acme", distribution=bad)
         assert "a" not in m.names() and m.pm.get_plugin("acme") is None
     m.register(registering("a"), name="acme", distribution=["acme-dist", "1.0"])  # a list of the two: as a pair
     assert "acme-dist 1.0" in describe_plugin("acme", m.spec("a").distribution)
+
+
+def test_bad_register_arguments_are_plugin_errors_naming_the_value_and_register_nothing(m):
+    """A bad distribution was describe_plugin's bare TypeError, None pluggy's AssertionError, name=5 was taken."""
+    before = m.pm.list_name_plugin()
+    cases = [
+        (dict(plugin=None), r"cannot register plugin None: give a module or an object with @omni_accum.hookimpl"),
+        (dict(name=5), r"under the name 5 \(int\): give a non-empty str, or None"),
+        (dict(name=""), r"under the name '' \(str\): give a non-empty str"),
+        (dict(name="acme", distribution="my-dist"), r"plugin 'acme': cannot register: .*got 'my-dist'; give None or"),
+        (dict(name="acme", distribution=("a", 1)), r"plugin 'acme': cannot register: .*got \('a', 1\)"),
+    ]
+    for kwargs, needle in cases:
+        kwargs = {"plugin": registering("a"), **kwargs}
+        with pytest.raises(PluginError, match=needle):
+            m.register(kwargs.pop("plugin"), **kwargs)
+        assert m.pm.list_name_plugin() == before and "a" not in m.names()
 
 
 def test_unknown_strategy_lists_available_names(m):
@@ -124,6 +141,17 @@ def test_build_validates_params_and_caches(m):
     )
     with pytest.raises(UnknownStrategyError):
         m.build("nope")
+
+
+@pytest.mark.parametrize("params", [[1, 2], "ab", ["depth"], 5, [], {1: 2, "depth": 2}])
+def test_params_that_are_not_a_mapping_of_names_are_plugin_errors_naming_them(m, params):
+    """A list or a str was a bare TypeError/ValueError from dict(), mixed keys one from sorting the cache key."""
+    m.register(registering("latest"), name="acme")
+    for call in (m.build, m.params):
+        with pytest.raises(PluginError, match=r"strategy 'latest' \(plugin 'acme'\) refuses params ") as e:
+            call("latest", params, "key 'x'")
+        assert repr(params) in str(e.value) and "(allowed params: depth (default 1))" in str(e.value)
+    assert m.build("latest", {"depth": 2}).params.depth == 2 and m.build("latest", None).params.depth == 1
 
 
 class TestSelection:

@@ -429,7 +429,7 @@ def load_policy(
         raise PolicyError("an empty policy argument: give a preset name, a policy file, policy text or a mapping")
     if isinstance(source, str) and is_inline_policy(source) and not probe(source):
         return build_policy(parse_text(source, "yaml", label), label, source, manager)
-    label, text, fmt = read_source(source)
+    label, text, fmt = read_source(source, origin=ENV_POLICY if label == ENV_POLICY else None)
     data = parse_text(text, fmt, label)
     return build_policy(data, label, TomlText(text) if fmt == "toml" else text, manager)
 
@@ -439,6 +439,9 @@ DUMP_FORMATS = ("yaml", "json")
 
 def dump_policy(policy: Policy, fmt: str = "yaml") -> str:
     """Serialise a policy (normalised: defaults filled in) as YAML or JSON (``fmt``: ``"yaml"`` or ``"json"``)."""
+    if not isinstance(policy, Policy):  # a preset name or a mapping is not loaded here: load_policy(...) does that
+        got = f"{type(policy).__name__} {policy!r:.60}"
+        raise PolicyArgumentError(f"dump_policy: expected a Policy, got {got}; pass one from load_policy(...)")
     if fmt not in DUMP_FORMATS:
         raise PolicyArgumentError(f"dump_policy: unknown format {fmt!r}; valid formats: {', '.join(DUMP_FORMATS)}")
     data = policy.model_dump(mode="json", exclude_none=True)

@@ -165,7 +165,7 @@ class ABArm(BaseModel):
     policy: str = Field(min_length=1)
     """The arm's policy: a preset name or a policy file (a relative path is read from the folder of the file
     holding the split first). It may not split again."""
-    weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    weight: float = Field(default=1.0, gt=0, allow_inf_nan=False, strict=True)  # a number, never a string ("1")
     """Its share of the requests: this weight over the sum of every arm's weight (default 1)."""
 
     @field_validator("weight", mode="before")

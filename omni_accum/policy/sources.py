@@ -14,7 +14,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from omni_accum.errors import PolicyError
+from omni_accum.errors import PolicyArgumentError, PolicyError
 
 PRESET_SUFFIX = ".yaml"
 #: The largest policy file (or stdin) read: a policy is a few KiB, a tuned table a few hundred.
@@ -54,12 +54,38 @@ def probe(path: str | os.PathLike[str], test: str = "exists") -> bool:
 _FORMATS = {".json": "json", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml"}
 
 
-def read_source(source: str | os.PathLike[str]) -> tuple[str, str, str]:
-    """Return ``(label, text, format)`` for a path or a preset name."""
-    path = Path(source)
+def read_source(source: str | os.PathLike[str], origin: str | None = None) -> tuple[str, str, str]:
+    """Return ``(label, text, format)`` for a path or a preset name. ``origin``: the environment variable
+    ``source`` was read from (``OMNI_ACCUM_POLICY``), named first in each error (``OMNI_ACCUM_POLICY=nope: ...``)."""
+    if origin is None:
+        return _read_source(source)
+    try:
+        return _read_source(source)
+    except PolicyError as e:
+        raise PolicyError(f"{origin}={source}: {e}", source=f"{origin}={source}") from e
+
+
+def _str_path(source: str | os.PathLike[str]) -> str:
+    """``os.fspath(source)``; :class:`PolicyArgumentError` for a path-like whose ``__fspath__`` gives no str."""
+    kind = type(source).__name__
+    try:
+        name = os.fspath(source)
+    except TypeError as e:  # __fspath__ returned neither str nor bytes
+        raise PolicyArgumentError(f"a path-like {kind} whose __fspath__ gives no str path: {e}") from None
+    if not isinstance(name, str):
+        raise PolicyArgumentError(
+            f"a path-like {kind} whose __fspath__ returns {type(name).__name__} ({name!r:.60}): give a str path "
+            "(decode bytes first)"
+        )
+    return name
+
+
+def _read_source(source: str | os.PathLike[str]) -> tuple[str, str, str]:
+    name = _str_path(source)  # a path-like's own str (str() of one may be its repr)
+    path = Path(name)
     suffix = path.suffix.lower()
-    if suffix not in _FORMATS and str(source) in preset_names():  # no file of that name can be a policy (suffix)
-        label, text = preset_text(str(source))
+    if suffix not in _FORMATS and name in preset_names():  # no file of that name can be a policy (suffix)
+        label, text = preset_text(name)
         return label, text, "yaml"
     if probe(path, "is_file"):
         fmt = _FORMATS.get(suffix)
@@ -79,7 +105,6 @@ def read_source(source: str | os.PathLike[str]) -> tuple[str, str, str]:
         if not text.strip():
             raise _no_text(str(path), "the file")
         return str(path), text, fmt
-    name = str(source)
     if not name.strip():
         raise PolicyError("an empty policy argument: give a preset name, a policy file, policy text or a mapping")
     if probe(path, "is_dir"):
