@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -22,7 +23,7 @@ class StreamContext:
         concurrency: number of requests streaming at once on this stage.
         length_hints: expected final rows per key path, for strategies that preallocate
             (``{"embed.decode": 100}``); keys without a hint grow geometrically. Copied when the
-            context is made.
+            context is made, read-only.
 
     A field of the wrong type or value raises :class:`~omni_accum.errors.InvalidArgumentError` (also a
     ``ValueError`` and a ``TypeError``) naming it.
@@ -45,7 +46,11 @@ class StreamContext:
                 raise InvalidArgumentError(
                     f"StreamContext.length_hints must map key paths (str) to rows (an int >= 0), got {path!r}: {rows!r}"
                 )
-        object.__setattr__(self, "length_hints", dict(hints))  # a copy: the caller's dict may change later
+        # A read-only copy: the caller's dict may change later, and the context is frozen (its hints too).
+        object.__setattr__(self, "length_hints", MappingProxyType(dict(hints)))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a mappingproxy does not pickle or deep-copy
+        return (type(self), (self.context_len, self.concurrency, dict(self.length_hints)))
 
     @property
     def cache_key(self) -> tuple[Any, ...]:
@@ -89,7 +94,7 @@ class KeyMeta:
                 path,
                 "tensor",
                 str(value.dtype).removeprefix("torch."),
-                tuple(value.shape[1:]),
+                None if value.is_nested else tuple(value.shape[1:]),  # a nested tensor's .shape raises
                 value.dim(),
             )
         if isinstance(value, list):

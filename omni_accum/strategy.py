@@ -245,18 +245,32 @@ def value_nbytes(value: Any) -> int:
 def describe(value: Any) -> str:
     """Short description of a value for error messages."""
     if isinstance(value, torch.Tensor):
-        return f"tensor(shape={list(value.shape)}, dtype={value.dtype}, device={value.device})"
+        if value.is_nested:  # its .shape raises
+            return f"nested tensor(dim={value.dim()}, dtype={value.dtype}, device={value.device})"
+        layout = "" if value.layout is torch.strided else f", layout={value.layout}"
+        return f"tensor(shape={list(value.shape)}, dtype={value.dtype}, device={value.device}{layout})"
     if isinstance(value, list):
         return f"list(len={len(value)})"
     return type(value).__name__
+
+
+def not_dense(value: torch.Tensor) -> str | None:
+    """Why the append strategies cannot hold tensor ``value`` (sparse, mkldnn, nested), or None for a dense one."""
+    if not value.is_nested and value.layout is torch.strided:
+        return None
+    return (f"cannot append {describe(value)}: the append strategies hold dense (torch.strided) tensors; send a dense "
+            "tensor (value.to_dense()), or give this key a replace-kind strategy (replace, send_once)")  # fmt: skip
 
 
 def check_appendable(current: torch.Tensor, value: torch.Tensor) -> None:
     """Raise :class:`MergeError` unless ``value`` can be appended to ``current`` along dim 0.
 
     Unlike ``torch.cat`` this never promotes dtypes silently: the view's dtype, trailing shape
-    and device must stay what the first chunk had.
+    and device must stay what the first chunk had; both must be dense (:func:`not_dense`).
     """
+    problem = not_dense(value) or not_dense(current)
+    if problem:
+        raise MergeError(problem)
     if current.dim() == 0 or value.dim() == 0:
         raise MergeError(
             f"cannot append a 0-d tensor (expected a tensor with a row dimension, have {describe(current)}, "
@@ -368,7 +382,11 @@ class AppendAccumulator(Accumulator):
 
     # -- dispatch --------------------------------------------------------------------------- #
     def check(self, value: Any) -> None:
-        if self._mode == 1 and isinstance(value, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            return
+        if value.layout is not torch.strided or value.is_nested:  # sparse, mkldnn, nested: first values too
+            raise MergeError(not_dense(value) or f"cannot append {describe(value)}")
+        if self._mode == 1:
             like = self._like
             if (
                 like is None

@@ -46,6 +46,8 @@ def same_value(a: Any, b: Any) -> bool:
     if ta is list or ta is tuple:  # the common case first (ids, names, override lists)
         return _same_items(a, b)
     if isinstance(a, torch.Tensor):
+        if a.is_nested or b.is_nested or a.layout is not torch.strided or b.layout is not torch.strided:
+            return False  # sparse, mkldnn, nested: torch.equal cannot compare them (re-sent)
         if not (a.dtype == b.dtype and a.shape == b.shape and a.device == b.device):
             return False
         if not torch.equal(a, b):  # NaN is never equal: re-sent rather than guessed unchanged

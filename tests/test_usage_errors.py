@@ -62,6 +62,12 @@ MISTAKES = [
     (lambda: StreamContext(length_hints={"x": -5}), InvalidArgumentError, ["an int >= 0", "'x': -5"]),
     (lambda: StreamContext(length_hints={"x": 2.5}), InvalidArgumentError, ["'x': 2.5"]),
     (lambda: StreamContext(length_hints={1: 5}), InvalidArgumentError, ["key paths (str)", "1: 5"]),
+    # a user's mistake, named as such: it was a PluginError blaming the built-in selector ("raised TypeError")
+    (lambda: Receiver("qwen3-omni").strategy_for(5), InvalidArgumentError, ["path must be a key path", "got int 5"]),
+    (lambda: Sender().strategy_for(None), InvalidArgumentError, ["path must be a key path", "NoneType None"]),
+    # None was taken as an id, which rx.nbytes(None) (every request) then could not name
+    (lambda: Receiver().merge(None, CHUNK), AccumulationError, ["request id must not be None", "give a str"]),
+    (lambda: Sender().encode(None, CHUNK), AccumulationError, ["request id must not be None"]),
 ]
 
 
@@ -96,6 +102,68 @@ def test_length_hints_are_copied_when_the_context_is_made():
     ctx = StreamContext(length_hints=hints)
     hints["x"] = 1000
     assert ctx.length_hints == {"x": 4}
+
+
+def test_length_hints_cannot_change_after_the_context_checked_them():
+    """The context is frozen but its hints were a plain dict: ``ctx.length_hints["x"] = [1]`` after the check gave a
+    bare TypeError at the next merge and left the request behind; a str hint failed the request under prealloc."""
+    import copy
+    import pickle
+
+    ctx = StreamContext(context_len=8, length_hints={"embed.decode": 10})
+    with pytest.raises(TypeError):
+        ctx.length_hints["embed.decode"] = "100"  # type: ignore[index]
+    with pytest.raises(TypeError):
+        ctx.length_hints["x"] = [1]  # type: ignore[index]
+    assert dict(ctx.length_hints) == {"embed.decode": 10}
+    for again in (pickle.loads(pickle.dumps(ctx)), copy.deepcopy(ctx)):  # still pickles and copies
+        assert again == ctx and dict(again.length_hints) == {"embed.decode": 10}
+    rx = Receiver("qwen3-omni", context=ctx)
+    rx.merge("r", {"embed": {"decode": torch.ones(1, 2)}})
+    assert rx.merge("r", {"embed": {"decode": torch.ones(1, 2)}})["embed"]["decode"].shape == (2, 2)
+
+
+_NOT_DENSE = {
+    "sparse_coo": lambda: torch.ones(2, 3).to_sparse(),
+    "sparse_csr": lambda: torch.ones(2, 3).to_sparse_csr(),
+    "mkldnn": lambda: torch.ones(2, 3).to_mkldnn(),
+    "nested": lambda: torch.nested.nested_tensor([torch.ones(3), torch.ones(2)]),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch: sparse CSR is beta, nested tensors a prototype
+@pytest.mark.parametrize("policy", ["default", "qwen3-omni", {"default": "token_list"}, {"default": "prealloc"}])
+@pytest.mark.parametrize("kind", sorted(_NOT_DENSE))
+def test_a_tensor_that_is_not_dense_is_refused_and_the_request_goes_on(policy, kind):
+    """Under token_list a sparse chunk after dense rows was taken and the view could never be read again (a bare
+    NotImplementedError); under cat and prealloc the strategy raised mid-merge and the request was failed; a nested
+    first value was a bare RuntimeError that left the request behind. Refused (the chunk), as a dtype change is."""
+    rx = Receiver(policy)
+    rx.merge("r", {"embed": {"decode": torch.ones(2, 3)}})
+    with pytest.raises(AccumulationError, match="the append strategies hold dense") as e:
+        rx.merge("r", {"embed": {"decode": _NOT_DENSE[kind]()}})
+    assert e.value.key == "embed.decode"
+    view = rx.merge("r", {"embed": {"decode": torch.zeros(1, 3)}})  # the request goes on, its state as it was
+    assert torch.equal(view["embed"]["decode"], torch.cat([torch.ones(2, 3), torch.zeros(1, 3)]))
+    assert torch.equal(rx.finish("r")["embed"]["decode"], view["embed"]["decode"])
+    fresh = Receiver(policy)
+    with pytest.raises(AccumulationError, match="the append strategies hold dense"):
+        fresh.merge("s", {"embed": {"decode": _NOT_DENSE[kind]()}})  # a first value: no request left
+    assert fresh.request_ids() == []
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("strategy", ["replace", "send_once"])
+@pytest.mark.parametrize("kind", sorted(_NOT_DENSE))
+def test_replace_kinds_hold_a_tensor_that_is_not_dense(strategy, kind):
+    """send_once compared values with torch.equal (NotImplementedError for sparse: the request failed); a nested
+    value failed its first read's check (a bare RuntimeError). Held and sent again each chunk (no compare)."""
+    tx, rx = Sender({"default": strategy}), Receiver({"default": strategy})
+    value = _NOT_DENSE[kind]()
+    for _ in range(3):
+        view = rx.merge("r", tx.encode("r", {"x": value}))
+        assert view["x"] is value  # one process: the value itself, as sent
+    assert isinstance(rx.view("r", copy=True)["x"], torch.Tensor)
 
 
 class _PoisonSelector:

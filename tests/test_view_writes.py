@@ -56,6 +56,27 @@ def test_view_copy_gives_tensors_a_consumer_may_write_into(strategy):
     assert rx.view("r")["x"].sum().item() == 0 and rx.view("r")["g"]["y"].sum().item() == 0
 
 
+def test_view_copy_copies_tensors_inside_tuples_and_other_values():
+    """A tensor inside a tuple (and a numpy array) was handed back as it is: a write into the "copy" changed the
+    receiver's state; ``torch.Tensor`` itself (it has a ``clone`` attribute) was a bare TypeError."""
+    import collections
+
+    import numpy as np
+
+    pair = collections.namedtuple("pair", "a b")
+    rx = omni_accum.Receiver("default")
+    rx.merge("r", {"meta": {"t": (torch.zeros(2), [torch.zeros(1)]), "np": np.zeros(3), "nt": pair(torch.zeros(1), 2),
+                            "cls": torch.Tensor}})  # fmt: skip
+    mine = rx.view("r", copy=True)["meta"]
+    mine["t"][0].fill_(5)
+    mine["t"][1][0].fill_(5)
+    mine["np"][:] = 5
+    mine["nt"].a.fill_(5)
+    live = rx.view("r")["meta"]
+    assert live["t"][0].sum() == 0 and live["t"][1][0].sum() == 0 and live["np"].sum() == 0 and live["nt"].a.sum() == 0
+    assert type(mine["t"]) is tuple and type(mine["nt"]) is pair and mine["cls"] is torch.Tensor
+
+
 def _written_after(strategy: str, chunk: int, wire=lambda w: w) -> tuple[list[float], list[float]]:
     """Chunks [[0, 0]], [[1, 1]], ...; the consumer writes 99 into its view after chunk ``chunk`` (1-based).
     Returns (the re-read right after the write, the final view), column 0."""

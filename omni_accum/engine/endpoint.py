@@ -141,6 +141,10 @@ class _Endpoint:
             raise _bad_id(req_id) from None
         made = False
         if st is None:
+            if req_id is None:  # never held: nbytes(None) and parts' callers could not name it
+                raise AccumulationError(
+                    "a request id must not be None (rx.nbytes(None) means every request): give a str", request_id=None
+                )
             with self._lock:
                 st = self._requests.get(req_id)
                 if st is None:
@@ -220,6 +224,9 @@ class _Endpoint:
                 strategy, spec = self.select(path, value, st.context)
             except OmniAccumError as e:
                 raise AccumulationError(str(e), request_id=req_id, key=path) from e
+            except Exception as e:  # noqa: BLE001 - a value the key's metadata cannot be read from
+                why = f"cannot select a strategy for {describe(value)}: {type(e).__name__}: {e}"
+                raise AccumulationError(why, request_id=req_id, key=path) from e
         try:
             state = getattr(strategy, make)(KeyInfo(path, req_id, st.context.length_hints.get(path)))
         except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only
@@ -235,7 +242,17 @@ class _Endpoint:
 
     def strategy_for(self, path: str, value: Any = None, context: StreamContext | None = None) -> str:
         """Name of the strategy ``path`` gets (with a first value like ``value``)."""
+        if not isinstance(path, str):
+            raise InvalidArgumentError(
+                f"strategy_for: path must be a key path (a str such as 'embed.decode'), got {type(path).__name__} "
+                f"{path!r:.80}"
+            )
         return self.select(path, value, _checked_context(context) or self.context)[1].name
+
+
+def _trailing(t: torch.Tensor) -> Any:
+    """A tensor's shape without dim 0 (a nested tensor has none: its ``.shape`` raises)."""
+    return "nested" if t.is_nested else t.shape[1:]
 
 
 def read_mismatch(value: Any, got: Any) -> str | None:
@@ -247,7 +264,7 @@ def read_mismatch(value: Any, got: Any) -> str | None:
     if isinstance(value, torch.Tensor):
         if not isinstance(got, torch.Tensor):
             return f"expected a tensor like the chunk's {describe(value)}"
-        if got.dtype != value.dtype or got.shape[1:] != value.shape[1:] or got.device != value.device:
+        if got.dtype != value.dtype or _trailing(got) != _trailing(value) or got.device != value.device:
             return f"expected the chunk's dtype, trailing shape and device ({describe(value)})"
         return None
     if isinstance(value, list):

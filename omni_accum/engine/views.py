@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+import torch
 
 from omni_accum.engine.endpoint import _Slot
 
@@ -82,13 +85,26 @@ class RequestView(Mapping):
         return f"RequestView({list(self._entries)})"
 
 
+_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), range)
+
+
 def _cloned(value: Any) -> Any:
+    """A copy of ``value`` the consumer may write into: tensors cloned, containers rebuilt, other values deep-copied
+    (kept as they are only where they cannot be copied)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
     if isinstance(value, dict):
         return {k: _cloned(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_cloned(v) for v in value]
-    clone = getattr(value, "clone", None)  # a tensor (read() may return other values as they are)
-    return clone() if callable(clone) else value
+    if type(value) is tuple:
+        return tuple(_cloned(v) for v in value)
+    if isinstance(value, _IMMUTABLE) or isinstance(value, type):
+        return value
+    try:  # a numpy array, a named tuple, a set, an object: read() may return other values as they are
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - an object that cannot be copied is handed back as it is
+        return value
 
 
 def request_view(st: Any) -> RequestView:
