@@ -306,6 +306,27 @@ def test_a_hand_edited_fingerprint_whose_plugins_is_not_a_map_of_versions_is_a_p
     assert "'plugins' must map each strategy" in got.out + got.err and "Traceback" not in got.out + got.err
 
 
+@pytest.mark.parametrize(
+    ("edit", "place", "got"),
+    [
+        (lambda t: t.update(context_len_edges=[1000, "8000"]), "tuned.context_len_edges[1]", "'8000'"),
+        (lambda t: t.update(concurrency_edges=[True]), "tuned.concurrency_edges[0]", "True"),
+        (lambda t: t.update(complete="yes"), "tuned.complete", "'yes'"),
+        (lambda t: t["cells"][0].update(context_len="8000"), "tuned.cells[0].context_len", "'8000'"),
+        (lambda t: t["cells"][1].update(concurrency=True), "tuned.cells[1].concurrency", "True"),
+    ],
+)
+def test_a_tuned_tables_numbers_are_numbers_not_strings_or_booleans(edit, place, got):
+    """A hand edit (``concurrency: true``, ``context_len: "8000"``) was taken: a cell keyed 1 or 8000 (or a table
+    marked complete) from a string or a boolean; like the policy's own numbers, it is an error naming the place."""
+    pol = _tuned_policy(current_fingerprint())
+    edit(pol["tuned"])
+    with pytest.raises(omni_accum.PolicyError) as e:
+        omni_accum.load_policy(pol)
+    assert f"{place}: Input should be a valid" in str(e.value) and f"(got {got})" in str(e.value), str(e.value)
+    assert omni_accum.load_policy(_tuned_policy(current_fingerprint())).tuned is not None  # as tune writes it
+
+
 def test_a_fingerprint_map_with_a_version_of_another_type_is_a_stale_table_not_an_error(monkeypatch):
     """Loaded as before (the table ignored with one warning, the rules and default apply): only a ``plugins`` that is
     not a map is refused."""

@@ -8,9 +8,9 @@ is decided by :mod:`omni_accum.policy.fingerprint`, with the installed plugins g
 from __future__ import annotations
 
 import bisect
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, field_validator, model_validator
 
 from omni_accum.context import StreamContext
 
@@ -22,9 +22,9 @@ class TunedCell(BaseModel):
 
     key: str = Field(min_length=1)
     """Key path the decision applies to (exact path)."""
-    context_len: int = Field(ge=0)
+    context_len: int = Field(ge=0, strict=True)  # an int, never "8000" or true (a hand edit)
     """Lower edge of the context-length bucket."""
-    concurrency: int = Field(ge=1)
+    concurrency: int = Field(ge=1, strict=True)
     """Lower edge of the concurrency bucket."""
     strategy: str = Field(min_length=1)
     """Winning strategy."""
@@ -56,9 +56,9 @@ class TunedTable(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    context_len_edges: list[int] = Field(min_length=1)
+    context_len_edges: list[Annotated[int, Strict()]] = Field(min_length=1)
     """Ascending lower edges of context-length buckets."""
-    concurrency_edges: list[int] = Field(min_length=1)
+    concurrency_edges: list[Annotated[int, Strict()]] = Field(min_length=1)
     """Ascending lower edges of concurrency buckets."""
     cells: list[TunedCell] = Field(default_factory=list)
     """Decisions, one per key per bucket."""
@@ -68,7 +68,7 @@ class TunedTable(BaseModel):
     """Workload the table was tuned on."""
     wire: str = "inproc"
     """Wire mode the table was tuned with."""
-    complete: bool = True
+    complete: bool = Field(default=True, strict=True)
     """False while (or when) the tuner stopped before measuring every bucket; ``--resume`` goes on."""
     skipped: dict[str, str] = Field(default_factory=dict)
     """Workload keys not tuned, with the reason (carried once, decided by an explicit rule)."""
