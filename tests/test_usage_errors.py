@@ -236,3 +236,21 @@ def test_a_refused_first_chunk_that_carried_a_send_once_value_keeps_the_request_
     assert rx.active_requests == 1
     with pytest.raises(AccumulationError, match="request failed earlier"):
         rx.merge("r", tx.encode("r", {"spk": torch.ones(1), "x": torch.zeros(1, 2)}))
+
+
+def test_a_selection_hooks_choice_with_params_that_are_not_a_mapping_is_named_and_leaves_no_request():
+    """``StrategyChoice("prealloc", params=[1, 2])`` from a hook was a bare TypeError out of ``dict(params)``."""
+    from omni_accum.policy.model import StrategyChoice
+
+    class Listy:
+        @omni_accum.hookimpl
+        def omni_accum_select_strategy(self, key, meta, context, policy):
+            return StrategyChoice("prealloc", params=[1, 2], source="listy") if key == "x" else None
+
+    m = omni_accum.StrategyManager(load_entrypoints=False)
+    m.load_entrypoints([])
+    m.register(Listy(), name="listy")
+    rx = Receiver("default", manager=m)
+    with pytest.raises(AccumulationError, match=r"chosen by listy: .*refuses params \[1, 2\]: params must be a mapping"):
+        rx.merge("r", {"x": torch.ones(1, 2)})
+    assert rx.request_ids() == []

@@ -201,7 +201,8 @@ class _Endpoint:
             choice = self.manager.select(path, meta, context, self.policy)
             spec = self.manager.spec(choice.strategy, where=f"key {path!r} ({choice.source})")
             chosen = f"chosen by {choice.source or 'a selection hook'}"  # the request's error names the key
-            hit = (self.manager.build(choice.strategy, dict(choice.params), chosen), spec)
+            params = dict(choice.params) if isinstance(choice.params, Mapping) else choice.params  # build names others
+            hit = (self.manager.build(choice.strategy, params, chosen), spec)
             with self._lock:
                 cache = self._selected
                 while len(cache) >= SELECTION_CACHE_SIZE:
