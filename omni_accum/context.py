@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
+import yaml
 
 from omni_accum.errors import InvalidArgumentError
 
@@ -47,15 +47,33 @@ class StreamContext:
                     f"StreamContext.length_hints must map key paths (str) to rows (an int >= 0), got {path!r}: {rows!r}"
                 )
         # A read-only copy: the caller's dict may change later, and the context is frozen (its hints too).
-        object.__setattr__(self, "length_hints", MappingProxyType(dict(hints)))
+        object.__setattr__(self, "length_hints", _Hints(hints))
 
-    def __reduce__(self) -> tuple[Any, ...]:  # a mappingproxy does not pickle or deep-copy
+    def __reduce__(self) -> tuple[Any, ...]:  # copies and pickles are made by the constructor: checked, read-only
         return (type(self), (self.context_len, self.concurrency, dict(self.length_hints)))
 
     @property
     def cache_key(self) -> tuple[Any, ...]:
         """Everything a strategy selection may read from the context: length, concurrency and length hints."""
         return (self.context_len, self.concurrency, frozenset(self.length_hints.items()))
+
+
+class _Hints(dict):
+    """``StreamContext.length_hints``: a dict (it serialises as one: JSON, ``asdict``, pickle, copies give plain dicts)
+    that refuses changes, since the context checked it when it was made."""
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("StreamContext.length_hints is read-only (it was checked when the context was made): make a "
+                        "new StreamContext with the hints you want")  # fmt: skip
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only  # type: ignore
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (dict, (dict(self),))
+
+
+for _dumper in (yaml.SafeDumper, yaml.Dumper):  # yaml.safe_dump(dataclasses.asdict(ctx)) writes a plain mapping
+    _dumper.add_representer(_Hints, _dumper.represent_dict)
 
 
 def _is_int(value: Any, least: int) -> bool:

@@ -245,10 +245,9 @@ def value_nbytes(value: Any) -> int:
 def describe(value: Any) -> str:
     """Short description of a value for error messages."""
     if isinstance(value, torch.Tensor):
-        if value.is_nested:  # its .shape raises
-            return f"nested tensor(dim={value.dim()}, dtype={value.dtype}, device={value.device})"
+        shape = "nested" if value.is_nested else list(value.shape)  # a nested tensor's .shape raises
         layout = "" if value.layout is torch.strided else f", layout={value.layout}"
-        return f"tensor(shape={list(value.shape)}, dtype={value.dtype}, device={value.device}{layout})"
+        return f"tensor(shape={shape}, dtype={value.dtype}, device={value.device}{layout})"
     if isinstance(value, list):
         return f"list(len={len(value)})"
     return type(value).__name__
@@ -268,8 +267,7 @@ def check_appendable(current: torch.Tensor, value: torch.Tensor) -> None:
     Unlike ``torch.cat`` this never promotes dtypes silently: the view's dtype, trailing shape
     and device must stay what the first chunk had; both must be dense (:func:`not_dense`).
     """
-    problem = not_dense(value) or not_dense(current)
-    if problem:
+    if problem := not_dense(value) or not_dense(current):
         raise MergeError(problem)
     if current.dim() == 0 or value.dim() == 0:
         raise MergeError(
@@ -303,12 +301,11 @@ class AppendAccumulator(Accumulator):
 
     * tensor after tensor: appended along dim 0 (:meth:`append_tensor`), after :func:`check_appendable`;
     * list after list: extended (:meth:`append_list`);
-    * anything else (first value, a value of another type, scalars, ``None``): replaces the state,
-      exactly as upstream ``_accumulate_payload`` does.
+    * anything else (first value, a value of another type, scalars, ``None``): replaces the state, as upstream's;
+    * a tensor that is not dense (sparse, mkldnn, nested): refused (:func:`not_dense`).
 
-    Subclasses implement the four abstract methods :meth:`start_tensor`, :meth:`append_tensor`,
-    :meth:`read_tensor` and :meth:`current_tensor_meta`; they override :meth:`tensor_nbytes` (and
-    :meth:`projected_tensor_nbytes`) when they hold more than the view, and may override the list methods.
+    Subclasses implement :meth:`start_tensor`, :meth:`append_tensor`, :meth:`read_tensor`, :meth:`current_tensor_meta`;
+    they override :meth:`tensor_nbytes` (and :meth:`projected_tensor_nbytes`) when they hold more than the view.
     """
 
     __slots__ = ("key", "_mode", "_value", "_items", "_list_view", "_like")
@@ -319,8 +316,8 @@ class AppendAccumulator(Accumulator):
         self._value: Any = None
         self._items: list[Any] | None = None
         self._list_view: list[Any] | None = None
-        # (dtype, trailing shape, device) of the tensor state: a value matching it passes the append
-        # check without a call to check_appendable (None: always call it, e.g. after a 0-d first tensor).
+        # (dtype, trailing shape, device) of the tensor state: a value matching it passes the append check
+        # without check_appendable (None: always call it, e.g. after a 0-d first tensor).
         self._like: tuple[torch.dtype, torch.Size, torch.device] | None = None
 
     # -- tensor part, for subclasses -------------------------------------------------------- #
@@ -384,18 +381,22 @@ class AppendAccumulator(Accumulator):
     def check(self, value: Any) -> None:
         if not isinstance(value, torch.Tensor):
             return
-        if value.layout is not torch.strided or value.is_nested:  # sparse, mkldnn, nested: first values too
+        if value.layout is not torch.strided or (self._mode != 1 and value.is_nested):  # sparse, mkldnn, nested
             raise MergeError(not_dense(value) or f"cannot append {describe(value)}")
         if self._mode == 1:
             like = self._like
-            if (
-                like is None
-                or value.dtype != like[0]
-                or value.dim() == 0
-                or value.shape[1:] != like[1]
-                or value.device != like[2]
-            ):
+            try:
+                if (
+                    like is None
+                    or value.dtype != like[0]
+                    or value.dim() == 0
+                    or value.shape[1:] != like[1]
+                    or value.device != like[2]
+                ):
+                    check_appendable(self.current_tensor_meta(), value)
+            except RuntimeError:  # a nested tensor's .shape (is_nested is not read on this path): named here
                 check_appendable(self.current_tensor_meta(), value)
+                raise
 
     def merge_checked(self, value: Any) -> None:
         if self._mode == 1 and isinstance(value, torch.Tensor):

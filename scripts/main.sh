@@ -12,8 +12,9 @@
 #   OMNI_ACCUM_OUT   the folder of the tuned policy (default: out, made when missing)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# what step 1 tunes, for its banner: the last --workload given (tune takes the last), else qwen3-omni-0.30; a --trace
-workload=qwen3-omni-0.30
+# What step 1 tunes: the last --workload given (tune takes the last) or a --trace (tune refuses both together),
+# else qwen3-omni-0.30, which is then passed to tune.
+workload=""
 trace=""
 prev=""
 usage() {  # the comment above, before anything is set up or run
@@ -35,9 +36,14 @@ source "$ROOT/scripts/env.sh"
 cd "$ROOT"
 OUT="${OMNI_ACCUM_OUT:-out}"
 mkdir -p "$OUT"  # (tune refuses an --out whose folder is missing; this one is the job's own)
-echo "== 1. omni-accum tune --workload $workload${trace:+ --trace $trace} (accumulation per key)"
+default=()
+[ -z "$workload" ] && [ -z "$trace" ] && default=(--workload qwen3-omni-0.30)
+what="${default[*]:-}"
+[ -n "$workload" ] && what="--workload $workload"
+[ -n "$trace" ] && what="${what:+$what }--trace $trace"
+echo "== 1. omni-accum tune $what (accumulation per key)"
 rc=0
-omni-accum tune --workload qwen3-omni-0.30 --out "$OUT/tuned-policy.yaml" "$@" || rc=$?
+omni-accum tune "${default[@]}" --out "$OUT/tuned-policy.yaml" "$@" || rc=$?
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 3 ]; then exit "$rc"; fi
 echo
 echo "== 2. where the time is: the prefill hand-off and a decode step, per wire (8000 x c1, two processes)"

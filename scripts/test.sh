@@ -4,7 +4,8 @@
 # Then, with no extra arguments (or OMNI_ACCUM_TEST_028=1), the vllm-omni integration tests run again
 # against vllm-omni 0.28.0 in .venv-028 (built by env.sh, started from .venv's packages; the path is
 # OMNI_ACCUM_VENV_028). OMNI_ACCUM_TEST_028=0 skips that run (these switches, OMNI_ACCUM_E2E too, take
-# 1 / true / yes and 0 / false / no in any case, as CI does; another value is refused). Likewise OMNI_ACCUM_TEST_016 for vllm-omni
+# 1 / true / yes and 0 / false / no in any case, as CI does; another value is refused; CI=true runs the
+# end-to-end test whatever OMNI_ACCUM_E2E says). Likewise OMNI_ACCUM_TEST_016 for vllm-omni
 # 0.16.0 in .venv-016 (OMNI_ACCUM_VENV_016), with the integration files that apply to that release (its
 # adapter accumulates the whole payload; it has no runner transport, data plane, processor hook, arena
 # connector or hand-off). Those two environments are built in the background while the 0.30.0 suite runs.

@@ -502,8 +502,9 @@ def test_series_of_one_arm_with_different_bucket_bounds_are_refused_not_added(tm
     def series(instance: str, bounds: tuple[str, ...], counts: tuple[int, ...]) -> str:
         lines = [f'omni_accum_ab_merge_seconds_bucket{{arm="a",instance="{instance}",le="{le}"}} {c}\n'
                  for le, c in zip(bounds, counts)]  # fmt: skip
-        return "".join(lines) + (f'omni_accum_ab_merge_seconds_count{{arm="a",instance="{instance}"}} {counts[-1]}\n'
-                                 f'omni_accum_ab_merge_seconds_sum{{arm="a",instance="{instance}"}} 0.01\n')  # fmt: skip
+        tail = (f'omni_accum_ab_merge_seconds_count{{arm="a",instance="{instance}"}} {counts[-1]}\n'
+                f'omni_accum_ab_merge_seconds_sum{{arm="a",instance="{instance}"}} 0.01\n')  # fmt: skip
+        return "".join(lines) + tail
 
     head = "# TYPE omni_accum_ab_merge_seconds histogram\n"
     tail = 'omni_accum_ab_requests_total{arm="a",role="receive"} 40\n'
@@ -518,6 +519,12 @@ def test_series_of_one_arm_with_different_bucket_bounds_are_refused_not_added(tm
                 'omni_accum_ab_merge_seconds{arm="a",instance="1"} of the same arm has 0.001, 0.01, +Inf')
         assert said in got.err, got.err
         assert "different bucket bounds cannot be added" in got.err
+    # two scrapes one after the other (a family twice on the page): the same check, not "not the text format"
+    f.write_text(head + series("1", ("0.001", "0.01", "+Inf"), (10, 50, 50)) + tail
+                 + head + series("2", ("0.002", "0.01", "+Inf"), (40, 50, 50)))  # fmt: skip
+    assert main(["ab", "--metrics", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "different bucket bounds cannot be added" in err and 'instance="1"' in err and "Traceback" not in err, err
     f.write_text(head + series("1", ("0.001", "0.01", "+Inf"), (10, 50, 50))
                  + series("2", ("0.001", "0.01", "+Inf"), (40, 50, 50)) + tail)  # fmt: skip
     assert main(["ab", "--metrics", str(f), "--json"]) == 0  # the same bounds: added

@@ -621,23 +621,27 @@ def test_build_model_replaces_only_a_folder_it_made(tmp_path, monkeypatch, capsy
     assert "is not a model folder this script made" in refused(["--out", str(mine)])
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
-    assert f"--out {a_file}: --out {a_file} exists and is not a folder" in refused(["--out", str(a_file), "--force"])
-    ours = tmp_path / "model"
-    ours.mkdir()
-    (ours / bm.STAMP).write_text(json.dumps({"builder": bm.BUILDER, "hash": "old"}))
-    foreign_tmp = tmp_path / "model.tmp"
+    assert f"--out {a_file}: exists and is not a folder" in refused(["--out", str(a_file), "--force"])
+    new = tmp_path / "new"  # not there yet: its DIR.tmp is someone else's folder
+    foreign_tmp = tmp_path / "new.tmp"
     foreign_tmp.mkdir()
     (foreign_tmp / "notes.txt").write_text("not a build")
-    assert "its build folder" in refused(["--out", str(ours)])
+    said = refused(["--out", str(new)])
+    assert f"--out {new}: its build folder {foreign_tmp} exists and is not a model folder" in said, said
     assert built == [] and (mine / "weights.bin").exists() and (foreign_tmp / "notes.txt").exists()
     (foreign_tmp / "notes.txt").unlink()  # an empty one is replaced; so is a build of this script's cut short
-    assert bm.main(["--out", str(ours)]) == 0
+    assert bm.main(["--out", str(new)]) == 0
     (foreign_tmp / bm.BUILDING).write_text("")
     (foreign_tmp / "model.safetensors").write_text("")
+    assert bm.main(["--out", str(new)]) == 0
+    ours = tmp_path / "model"  # a model folder of this script's: a DIR.tmp beside it is a build of an older version
+    ours.mkdir()
+    (ours / bm.STAMP).write_text(json.dumps({"builder": bm.BUILDER, "hash": "old"}))
+    (tmp_path / "model.tmp").mkdir()
+    (tmp_path / "model.tmp" / "config.json").write_text("{}")  # (no BUILDING marker: that version wrote none)
     assert bm.main(["--out", str(ours)]) == 0
     assert bm.main(["--out", str(mine), "--force"]) == 0  # --force: the user said so
-    assert bm.main(["--out", str(tmp_path / "new")]) == 0
-    assert built == [ours, ours, mine, tmp_path / "new"]
+    assert built == [new, new, ours, mine]
 
 
 def test_the_tables_name_every_arm_whole_and_take_the_first_off_arm_as_reference(report):

@@ -393,6 +393,15 @@ def test_a_garbled_deploy_is_a_usage_error_naming_the_file_stage_and_key(run, mo
     assert f"--deploy-config: {deploy}: {needle}" in err, err
 
 
+def test_max_model_len_minus_one_is_vllms_own_fit_not_a_garbled_value(run, tmp_path):  # noqa: F811
+    """vLLM takes ``max_model_len: -1`` (fit to the memory): read as no limit the harness can check, not refused."""
+    read_deploy = run.check_deploy.__globals__["read_deploy"]
+    _, stages = read_deploy(_deploy_file(tmp_path, "d.yaml", "stages:\n- {stage_id: 0, max_model_len: -1}\n"))
+    assert stages == {0: None}
+    with pytest.raises(ValueError, match="max_model_len -2 is not a number of tokens"):
+        read_deploy(_deploy_file(tmp_path, "e.yaml", "stages:\n- {stage_id: 0, max_model_len: -2}\n"))
+
+
 def test_a_folder_as_deploy_config_is_named_a_folder(run, model, capsys, monkeypatch, tmp_path):  # noqa: F811
     monkeypatch.setattr(run, "run_arm", lambda *a: pytest.fail("an arm started"))
     err = _usage_error(run, capsys, ["--model", str(model), "--deploy-config", str(tmp_path)])

@@ -63,17 +63,30 @@ def test_main_sh_help_prints_its_usage_and_runs_nothing(tmp_path, flag):
     assert not (tmp_path / "o").exists()
 
 
+def _tune_call(calls: Path) -> str:
+    """The arguments main.sh gave ``omni-accum tune`` (its line in calls.log)."""
+    line = next(ln for ln in calls.read_text().splitlines() if ln.startswith("omni-accum ") and " tune " in ln)
+    return line.split(" ", 1)[1].strip()
+
+
 def test_main_sh_names_the_workload_it_tunes(tmp_path):
     root, calls = _fake_root(tmp_path, "main.sh")
     env = _env(OMNI_ACCUM_OUT=str(tmp_path / "o"))
     r = _run(["bash", str(root / "scripts" / "main.sh"), "--quick", "--workload", "my.yaml"], env)
     assert r.returncode == 0, r.stderr
     assert "== 1. omni-accum tune --workload my.yaml (accumulation per key)" in r.stdout, r.stdout
-    assert "tune --workload qwen3-omni-0.30 --out" in calls.read_text() and "--workload my.yaml" in calls.read_text()
+    assert "tune --out" in calls.read_text() and "--workload my.yaml" in calls.read_text()
+    assert "qwen3-omni-0.30" not in _tune_call(calls)  # the workload given, not the default too
     r = _run(["bash", str(root / "scripts" / "main.sh"), "--workload=other.yaml"], env)
     assert "== 1. omni-accum tune --workload other.yaml (" in r.stdout, r.stdout
+    calls.write_text("")
+    r = _run(["bash", str(root / "scripts" / "main.sh"), "--trace", "caps"], env)  # tune refuses both together
+    assert "== 1. omni-accum tune --trace caps (" in r.stdout, r.stdout
+    assert "--workload" not in _tune_call(calls) and "--trace caps" in _tune_call(calls)
+    calls.write_text("")
     r = _run(["bash", str(root / "scripts" / "main.sh")], env)
     assert "== 1. omni-accum tune --workload qwen3-omni-0.30 (" in r.stdout, r.stdout
+    assert _tune_call(calls).startswith("tune --workload qwen3-omni-0.30 --out "), calls.read_text()
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])

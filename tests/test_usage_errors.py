@@ -116,8 +116,18 @@ def test_length_hints_cannot_change_after_the_context_checked_them():
     with pytest.raises(TypeError):
         ctx.length_hints["x"] = [1]  # type: ignore[index]
     assert dict(ctx.length_hints) == {"embed.decode": 10}
-    for again in (pickle.loads(pickle.dumps(ctx)), copy.deepcopy(ctx)):  # still pickles and copies
+    for again in (pickle.loads(pickle.dumps(ctx)), copy.deepcopy(ctx), copy.copy(ctx)):  # pickles and copies
         assert again == ctx and dict(again.length_hints) == {"embed.decode": 10}
+        with pytest.raises(TypeError):
+            again.length_hints.update(x=1)  # read-only in the copy too
+    import dataclasses
+    import json
+
+    import yaml
+
+    as_dict = {"context_len": 8, "concurrency": 1, "length_hints": {"embed.decode": 10}}
+    assert dataclasses.asdict(ctx) == as_dict and json.loads(json.dumps(dataclasses.asdict(ctx))) == as_dict
+    assert yaml.safe_load(yaml.safe_dump(dataclasses.asdict(ctx))) == as_dict  # serialises as a dict does
     rx = Receiver("qwen3-omni", context=ctx)
     rx.merge("r", {"embed": {"decode": torch.ones(1, 2)}})
     assert rx.merge("r", {"embed": {"decode": torch.ones(1, 2)}})["embed"]["decode"].shape == (2, 2)

@@ -452,13 +452,17 @@ def made_here(folder: Path) -> bool:
 def out_problem(out: Path, force: bool) -> str | None:
     """Why the build may not replace ``out`` (or its ``DIR.tmp``), or None: a file is refused; so is a folder
     that is neither empty nor one this script made, unless ``force``."""
-    for folder, what in ((out, "--out"), (tmp_dir(out), "its build folder")):
+    # the harness's own folders (and a build folder an older version of this script left there, with no marker)
+    ours = out in (*OUT_DIRS.values(), *OUT_DIRS_016.values()) or made_here(out)
+    for folder, what in ((out, ""), (tmp_dir(out), f"its build folder {tmp_dir(out)} ")):
         if not folder.exists() and not folder.is_symlink():
             continue
         if folder.is_symlink() or not folder.is_dir():
-            return f"--out {out}: {what} {folder} exists and is not a folder (remove it, or give another --out)"
+            return f"--out {out}: {what}exists and is not a folder (remove it, or give another --out)"
+        if folder != out and ours:
+            continue
         if not force and any(folder.iterdir()) and not made_here(folder):
-            return (f"--out {out}: {what} {folder} exists and is not a model folder this script made (no {STAMP} "
+            return (f"--out {out}: {what}exists and is not a model folder this script made (no {STAMP} "
                     "of its own in it): the build would delete it; give a new or empty folder, or --force to "
                     "replace it")  # fmt: skip
     return None

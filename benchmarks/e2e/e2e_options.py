@@ -403,11 +403,11 @@ def read_deploy(path: Path) -> tuple[str, dict[int, int | None]]:
             raise ValueError(f"{path}: {key}[{i}]: stage_id {sid} is given twice")
         engine = s.get("engine_args") if fmt == "0.16" and isinstance(s.get("engine_args"), dict) else s
         limit = engine.get("max_model_len")
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0) and limit != -1:
             where = "engine_args.max_model_len" if engine is not s else "max_model_len"
             raise ValueError(f"{path}: stage {sid}: {where} {limit!r} is not a number of tokens (a whole number, "
-                             "more than 0)")  # fmt: skip
-        stages[sid] = limit
+                             "more than 0, or -1: vLLM fits it to the memory)")  # fmt: skip
+        stages[sid] = None if limit == -1 else limit  # -1: vLLM's own fit, no limit the harness can check
     return fmt, stages
 
 

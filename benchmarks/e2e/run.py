@@ -26,9 +26,9 @@ correctness outputs with that arm's (``default`` must equal it byte for byte) an
 
 Only one server runs at a time. Exit status: 0 when every arm started, answered with text and
 audio, ran with omni-accum as its name says (bound in the stage processes when on, installed nowhere
-when off) and was cleaned up, and `default` equals `off` when both ran; 1 otherwise; 2 for a bad
-option (checked before any server starts); 130 when interrupted (`--json` then holds the arms that
-ended).
+when off) and was cleaned up, and `default` equals the first `off` arm (`off`, `off@NAME`) when both ran; 1
+otherwise; 2 for a bad option (checked before any server starts); 130 when interrupted (`--json` then holds the
+arms that ended).
 """
 
 from __future__ import annotations
@@ -636,7 +636,8 @@ def write_json(path: Path, summary: dict[str, Any]) -> None:
 
 def verdict(results: list[dict[str, Any]], say: Any = log) -> bool:
     """Every arm started, answered each probe with text and audio, ran with omni-accum as its name says (bound
-    in the stages when on, nowhere when off) and was cleaned up, and `default` equals `off` (logged where not)."""
+    in the stages when on, nowhere when off) and was cleaned up, and `default` equals the first off arm (logged where
+    not)."""
     ok = True
     for r in results:
         probes = (r.get("correctness") or {}).get("probes") or [{}]

@@ -2,9 +2,10 @@
 
 The series read (:data:`MERGE`, :data:`HANDOFF`, :data:`REQUESTS`) are checked before they are added up: finite
 counts >= 0 and sums, buckets that never decrease as ``le`` grows, ``_count`` equal to the +Inf bucket, the same
-bucket bounds in every series of an arm (else they cannot be added), and totals that stay finite once summed. A corrupt one is refused (:class:`InputError`, exit 2), named
-with its line, rather than read as nonsense; the other series of the page are not looked at. The Prometheus text
-format is read, and OpenMetrics (a page that ends with ``# EOF``) with its own parser.
+bucket bounds in every series of an arm (else they cannot be added), and totals that stay finite once summed. A
+corrupt one is refused (:class:`InputError`, exit 2), named with its line, rather than read as nonsense; the other
+series of the page are not looked at. The Prometheus text format is read, and OpenMetrics (a page that ends with
+``# EOF``) with its own parser.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def parse(text: str, where: str) -> tuple[dict[tuple[str, ...], Hist], dict[tupl
     merge: dict[tuple[str, ...], Hist] = {}
     hand: dict[tuple[str, ...], Hist] = {}
     reqs: dict[str, dict[str, float]] = {}
+    first: dict[tuple[str, tuple[str, ...]], tuple] = {}  # the first series summed into each arm's key, to name it
     try:
         for fam in text_string_to_metric_families(text):
             if fam.name in (MERGE, HANDOFF):
@@ -98,14 +100,13 @@ def parse(text: str, where: str) -> tuple[dict[tuple[str, ...], Hist], dict[tupl
                 for s in fam.samples:
                     if s.name in (f"{fam.name}_bucket", f"{fam.name}_sum", f"{fam.name}_count"):
                         series.setdefault(tuple(sorted((k, v) for k, v in s.labels.items() if k != "le")), []).append(s)
-                first: dict[tuple[str, ...], tuple] = {}  # the first series summed into each key, to name it
                 for labels, samples in series.items():
                     one = _histogram(samples, text, where)
                     key = tuple(samples[0].labels.get(n, "") for n in names)
                     h = into.setdefault(key, Hist({}))
                     if h.buckets and set(h.buckets) != set(one.buckets):
-                        _different_bounds(where, fam.name, first[key], h, labels, one)
-                    first.setdefault(key, labels)
+                        _different_bounds(where, fam.name, first[fam.name, key], h, labels, one)
+                    first.setdefault((fam.name, key), labels)
                     for le, c in one.buckets.items():
                         h.buckets[le] = h.buckets.get(le, 0.0) + c
                     h.total += one.total

@@ -58,8 +58,8 @@ def parse_label(label: str) -> tuple[str, list[dict[str, Any]]]:
 
 
 def normalised(strategy: str, params: Mapping[str, Any], manager: StrategyManager | None = None) -> dict[str, Any]:
-    """``params`` as the strategy's params model reads them (defaults filled in, ``4`` and ``"4"`` -> ``4.0`` for a
-    float); as given when the strategy is not registered here or the params do not validate."""
+    """``params`` as the strategy's params model reads them (defaults filled in, ``4`` -> ``4.0`` for a float); as
+    given when the strategy is not registered here or the params do not validate (``"4"`` for a strict number)."""
     spec = (manager or get_manager()).get_spec(strategy)
     if spec is not None:
         try:
