@@ -198,6 +198,31 @@ def test_a_writer_killed_mid_stream_leaves_a_readable_file(tmp_path, buffer_byte
     assert all(s == list(range(len(s))) for s in seqs.values())  # nothing lost in the middle, in order
 
 
+@pytest.mark.parametrize("word", ["1", "yes", "TRUE", "on"])
+def test_an_on_word_is_not_a_capture_folder_and_a_bad_setting_refuses_at_install(vo, monkeypatch, tmp_path, word):
+    """``OMNI_ACCUM_CAPTURE=1`` wrote the capture into ``./1`` of each stage's working folder (and ``no`` into
+    ``./no``); a bad capture setting was found at a binding's first chunk only (logged; capture off), even with
+    OMNI_ACCUM_REQUIRED=1. Refused where the other settings are: at install, and for a connector extra when the
+    adapter is built."""
+    from omni_accum.integrations.vllm_omni import binding_settings, capture
+    from omni_accum.switches import SettingError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMNI_ACCUM_CAPTURE", word)
+    with pytest.raises(SettingError, match=f"OMNI_ACCUM_CAPTURE='{word}': give the capture folder as a path"):
+        capture.settings()
+    with pytest.raises(SettingError, match=f"OMNI_ACCUM_CAPTURE='{word}'"):
+        vo.install("qwen3-omni")
+    assert not vo.is_installed()
+    monkeypatch.setenv("OMNI_ACCUM_CAPTURE", "no")
+    assert capture.settings() is None
+    monkeypatch.delenv("OMNI_ACCUM_CAPTURE")
+    with pytest.raises(SettingError, match="omni_accum_capture_values='all'"):
+        binding_settings.check_extra({"omni_accum_policy": "qwen3-omni", "omni_accum_capture": str(tmp_path),
+                                      "omni_accum_capture_values": "all"})  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_capture_settings_are_named(monkeypatch):
     from omni_accum.integrations.vllm_omni import capture
     from omni_accum.switches import SettingError

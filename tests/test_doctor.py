@@ -228,12 +228,13 @@ def test_deploy_yaml_selecting_the_arena_connector(clean_env, capsys, tmp_path):
         ("{arena_veiw_bytes: 64KiB}", "unknown extra key(s) 'arena_veiw_bytes'; it reads arena_name"),
         ("{arena_stage_rows: maybe}", "extra.arena_stage_rows = 'maybe': use true or false"),
         ("{omni_accum_adapter_keys: embed.prefill}", "omni_accum_adapter_keys='embed.prefill' is not a list"),
-        ("{omni_accum_polcy: qwen3-omni}", "unknown key(s) 'omni_accum_polcy'; omni-accum reads omni_accum_policy"),
+        ("{omni_accum_polcy: qwen3-omni}", "unknown key(s) 'omni_accum_polcy' (did you mean 'omni_accum_policy'?); "
+         "omni-accum reads omni_accum_policy"),
     ],
 )
 def test_connector_settings_a_stage_would_refuse_or_ignore_are_problems(clean_env, capsys, tmp_path, extra, said):
     """doctor called these deploys ready: the arena connector refuses the first three when a stage builds it (the
-    server does not start), a string of adapter keys is refused at the first request, a misspelt key is ignored."""
+    server does not start), a string of adapter keys is refused at the first request, a misspelt key binds none."""
     f = tmp_path / "deploy.yaml"
     f.write_text(
         "connectors:\n"

@@ -4,6 +4,7 @@ per stage pair and kind, with its bytes (real adapters, SharedMemoryConnector an
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -323,11 +324,13 @@ def test_metrics_off_times_nothing(monkeypatch, puts, vo, adapters, base):
     assert puts and not any(isinstance(p, dict) and OMITTED_KEY in p for p in puts)
 
 
-def test_a_bad_sample_setting_refuses_install(monkeypatch, vo):
+@pytest.mark.parametrize("value", ["every", "1_000", "+5", "\u0663"])  # int() took the last three
+def test_a_bad_sample_setting_refuses_install(monkeypatch, vo, value):
     from omni_accum.switches import SettingError
 
-    monkeypatch.setenv("OMNI_ACCUM_HANDOFF_SAMPLE", "every")
-    with pytest.raises(SettingError, match=r"OMNI_ACCUM_HANDOFF_SAMPLE='every' is not a whole number >= 0"):
+    monkeypatch.setenv("OMNI_ACCUM_HANDOFF_SAMPLE", value)
+    said = re.escape(f"OMNI_ACCUM_HANDOFF_SAMPLE={value!r} is not a whole number >= 0")
+    with pytest.raises(SettingError, match=said):
         vo.install(None)
     assert not vo.status().installed
 

@@ -382,8 +382,9 @@ def test_tuned_table_without_context_says_once_how_buckets_are_chosen(vo, runner
 
 @pytest.mark.parametrize(
     ("var", "value"),
-    [("OMNI_ACCUM_CONTEXT_LEN", "abc"), ("OMNI_ACCUM_CONCURRENCY", "0"), ("OMNI_ACCUM_CONCURRENCY", "2.5")],
-)
+    [("OMNI_ACCUM_CONTEXT_LEN", "abc"), ("OMNI_ACCUM_CONCURRENCY", "0"), ("OMNI_ACCUM_CONCURRENCY", "2.5"),
+     ("OMNI_ACCUM_CONTEXT_LEN", "\u0663k")],  # Arabic-Indic 3 was taken as 3000: ASCII digits only, as sizes
+)  # fmt: skip
 def test_bad_context_environment_refuses_install(vo, no_context_env, var, value):
     from omni_accum.integrations.vllm_omni import ContextSettingError
 

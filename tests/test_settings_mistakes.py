@@ -82,6 +82,42 @@ def test_connector_extra_values_that_are_not_a_policy_or_key_list_are_named(vllm
     binding_settings.check_extra({"omni_accum_policy": "qwen3-omni", "omni_accum_adapter_keys": ["embed.prefill"]})
 
 
+def test_an_omni_accum_key_it_does_not_read_is_named_not_ignored(vo, no_switches, caplog):
+    """``omni_accum_polcy: qwen3-omni`` left omni-accum off without a word (no policy named), and a misspelt capture
+    or context key ran without its setting; ``omni_accum_adapter_keys: []`` was read as "not given" (the defaults).
+    Each is an error naming the key (and the closest one read); at construction, so REQUIRED ends the process."""
+    from omni_accum.integrations.vllm_omni import binding_settings
+    from omni_accum.integrations.vllm_omni.activation import _on_extra_policy
+    from omni_accum.integrations.vllm_omni.families.base import wrap_probe
+
+    for key, close in (("omni_accum_polcy", "omni_accum_policy"), ("Omni-Accum-Context-Len", "omni_accum_context_len"),
+                       ("omni_accum_capture_dir", "omni_accum_capture"), ("omni_accum_zzz", None)):  # fmt: skip
+        with pytest.raises(PolicyError, match=re.escape(f"unknown key(s) {key!r}")) as e:
+            binding_settings.check_extra({"omni_accum_policy": "qwen3-omni", key: "x"})
+        assert (f"did you mean {close!r}?" in str(e.value)) if close else "did you mean" not in str(e.value)
+        assert "omni-accum reads omni_accum_policy, omni_accum_adapter_keys" in str(e.value)
+    with pytest.raises(PolicyError, match=r"omni_accum_adapter_keys=\[\] names no key: .*embed.prefill"):
+        binding_settings.check_extra({"omni_accum_policy": "qwen3-omni", "omni_accum_adapter_keys": []})
+    # vllm-omni's own keys beside them are not omni-accum's business
+    assert binding_settings.check_extra({"omni_accum_policy": "qwen3-omni", "shm_threshold_bytes": 65536}) is not None
+    # the constructor probe reports an extra whose only omni-accum key is misspelt (no policy is named)
+    seen = []
+    no_switches.setattr("omni_accum.integrations.vllm_omni.families.base.ProbeHook.on_extra_policy", seen.append)
+    no_switches.setattr("omni_accum.integrations.vllm_omni.families.base.ProbeHook.on_made", lambda obj: None)
+
+    class Adapter:
+        def __init__(self, config):
+            self.connector = SimpleNamespace(config=config)
+
+    Adapter.__init__ = wrap_probe(Adapter.__init__)
+    made = Adapter({"omni_accum_polcy": "qwen3-omni"})
+    Adapter({"shm_threshold_bytes": 1})
+    assert seen == [made]
+    no_switches.setenv("OMNI_ACCUM_REQUIRED", "1")
+    with pytest.raises(SystemExit, match="connector extra.*unknown key.*'omni_accum_polcy'"):
+        _on_extra_policy(made)
+
+
 def test_required_ends_the_process_at_construction_for_a_bad_connector_extra(vo, no_switches, caplog):
     """A bad policy in a deploy YAML's connector extra used to be logged only, even with OMNI_ACCUM_REQUIRED=1
     (the binding is made on first use, on vllm-omni's threads: the check runs when the adapter is built)."""

@@ -83,12 +83,9 @@ def _connector_extras(node: Any) -> list[tuple[str, dict[str, Any]]]:
 
 def extra_keys() -> tuple[str, ...]:
     """Every ``omni_accum_*`` key omni-accum reads from a connector ``extra``."""
-    from omni_accum.integrations.vllm_omni.binding_settings import EXTRA_ADAPTER_KEYS, EXTRA_POLICY
-    from omni_accum.integrations.vllm_omni.capture import EXTRA_CAPTURE, EXTRA_MAX_BYTES, EXTRA_VALUES
-    from omni_accum.integrations.vllm_omni.deployment import EXTRA_CONCURRENCY, EXTRA_CONTEXT_LEN
+    from omni_accum.integrations.vllm_omni.binding_settings import extra_keys as keys
 
-    return (EXTRA_POLICY, EXTRA_ADAPTER_KEYS, EXTRA_CONTEXT_LEN, EXTRA_CONCURRENCY, EXTRA_CAPTURE, EXTRA_VALUES,
-            EXTRA_MAX_BYTES)  # fmt: skip
+    return keys()
 
 
 def _misplaced(node: Any, where: str = "") -> list[str]:
@@ -116,19 +113,18 @@ def check_connectors(deploy: str | None) -> list[Check]:
     if data is None:
         return []
     from omni_accum.integrations.vllm_omni import arena_settings, mooncake_settings
-    from omni_accum.integrations.vllm_omni.binding_settings import EXTRA_ADAPTER_KEYS, _adapter_keys
+    from omni_accum.integrations.vllm_omni.binding_settings import EXTRA_ADAPTER_KEYS, _adapter_keys, unknown_extra_keys
 
-    known = extra_keys()
     parsers = {name: mod.parse_settings for mod in (arena_settings, mooncake_settings) for name in [mod.NAME]}
     out: list[Check] = []
     read = 0
     for where, node in _connector_nodes(data):
         extra, place = node["extra"], f"{deploy}: {where}.extra" if where else f"{deploy}: extra"
-        unknown = sorted(str(k) for k in extra if str(k).startswith("omni_accum_") and k not in known)
+        unknown = unknown_extra_keys(extra)
         if unknown:
-            detail = f"{place}: unknown key(s) {', '.join(map(repr, unknown))}; omni-accum reads {', '.join(known)}"
-            out.append(Check("connector", False, detail, "correct the key (a misspelt key is ignored: its setting "
-                                                         "does not apply)"))  # fmt: skip
+            detail = f"{place}: {unknown.removeprefix('connector extra: ')}"
+            out.append(Check("connector", False, detail, "correct the key (a stage with it binds no omni-accum: it "
+                                                         "runs vllm-omni's own code)"))  # fmt: skip
         try:
             _adapter_keys(extra.get(EXTRA_ADAPTER_KEYS))
         except OmniAccumError as e:

@@ -14,7 +14,7 @@ from typing import Any
 
 from omni_accum.switches import SettingError, check_switches, env_flag
 from omni_accum.errors import OmniAccumError
-from omni_accum.integrations.vllm_omni import binding, deployment, handoff, peer, reporting, send
+from omni_accum.integrations.vllm_omni import binding, capture, deployment, handoff, peer, reporting, send
 from omni_accum.integrations.vllm_omni.binding_settings import (
     DEFAULT_ADAPTER_KEYS,
     Settings,
@@ -56,14 +56,15 @@ def install(
         PolicyError: the policy is invalid (nothing patched).
         ContextSettingError: ``OMNI_ACCUM_CONTEXT_LEN`` / ``OMNI_ACCUM_CONCURRENCY`` is not a whole number
             >= 1 (nothing patched).
-        SettingError: an ``OMNI_ACCUM_*`` on/off switch is set to something else, or
-            ``OMNI_ACCUM_HANDOFF_SAMPLE`` is not a whole number >= 0 (nothing patched).
+        SettingError: an ``OMNI_ACCUM_*`` on/off switch is set to something else, ``OMNI_ACCUM_HANDOFF_SAMPLE``
+            is not a whole number >= 0, or an ``OMNI_ACCUM_CAPTURE*`` setting is bad (nothing patched).
     """
     check_switches()  # a switch neither on nor off refuses here (nothing patched)
     loaded = load_policy(policy) if policy is not None else None
     deployment.deployment_context()  # a bad OMNI_ACCUM_CONTEXT_LEN / OMNI_ACCUM_CONCURRENCY refuses here, not in a hook
     peer.deployment_token()  # OMNI_ACCUM_DEPLOYMENT, inherited by the stage processes started from here
     handoff.read_settings()  # a bad OMNI_ACCUM_HANDOFF_SAMPLE refuses here (nothing patched)
+    capture.settings()  # and a bad OMNI_ACCUM_CAPTURE* (it was found at the first chunk, and capture went off)
     with _lock:
         _patch("targets")
         if _wraps_sends():

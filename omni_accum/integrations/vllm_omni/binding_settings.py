@@ -8,6 +8,7 @@ runs.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,7 +44,34 @@ class Settings:
     on_change: Callable[[], None] | None = None
 
 
+def extra_keys() -> tuple[str, ...]:
+    """Every ``omni_accum_*`` key omni-accum reads from a connector ``extra``."""
+    from omni_accum.integrations.vllm_omni.capture import EXTRA_CAPTURE, EXTRA_MAX_BYTES, EXTRA_VALUES
+    from omni_accum.integrations.vllm_omni.deployment import EXTRA_CONCURRENCY, EXTRA_CONTEXT_LEN
+
+    return (EXTRA_POLICY, EXTRA_ADAPTER_KEYS, EXTRA_CONTEXT_LEN, EXTRA_CONCURRENCY, EXTRA_CAPTURE, EXTRA_VALUES,
+            EXTRA_MAX_BYTES)  # fmt: skip
+
+
+def unknown_extra_keys(extra: Any) -> str | None:
+    """What is wrong with the ``omni_accum_*`` keys of a connector ``extra`` that omni-accum does not read (a typo:
+    its setting would not apply, and ``omni_accum_polcy`` would leave omni-accum off without a word), or None."""
+    if not isinstance(extra, Mapping):
+        return None
+    known = extra_keys()
+    unknown = sorted(str(k) for k in extra if str(k).lower().replace("-", "_").startswith("omni_accum_")
+                     and k not in known)  # fmt: skip
+    if not unknown:
+        return None
+    close = {k: difflib.get_close_matches(k.lower().replace("-", "_"), known, n=1, cutoff=0.75) for k in unknown}
+    named = ", ".join(f"{k!r}" + (f" (did you mean {close[k][0]!r}?)" if close[k] else "") for k in unknown)
+    return f"connector extra: unknown key(s) {named}; omni-accum reads {', '.join(known)}"
+
+
 def _policy_source(extra: Any) -> tuple[Any, str]:
+    problem = unknown_extra_keys(extra)
+    if problem:
+        raise PolicyError(problem)
     if isinstance(extra, Mapping) and EXTRA_POLICY in extra:
         value = extra[EXTRA_POLICY]
         if value is None or value is False or (isinstance(value, str) and value.strip().lower() in _DISABLED):
@@ -67,6 +95,11 @@ def _adapter_keys(keys: Any) -> tuple[str, ...] | None:
         raise PolicyError(
             f"connector extra {EXTRA_ADAPTER_KEYS}={keys!r} is not a list of key paths (e.g. [embed.prefill])"
         )
+    if not keys:  # it was read as "not given": the defaults applied without a word
+        raise PolicyError(
+            f"connector extra {EXTRA_ADAPTER_KEYS}=[] names no key: give key paths, or leave it out for the defaults "
+            f"({', '.join(DEFAULT_ADAPTER_KEYS)})"
+        )
     return tuple(keys)
 
 
@@ -77,6 +110,9 @@ def check_extra(extra: Any) -> tuple[Policy, str, tuple[str, ...], StreamContext
     if spec is None:
         return None
     keys = _adapter_keys(extra.get(EXTRA_ADAPTER_KEYS) if isinstance(extra, Mapping) else None)
+    from omni_accum.integrations.vllm_omni.capture import settings as capture_settings
+
+    capture_settings(extra)  # a bad omni_accum_capture* is named here, not at the first chunk (capture then off)
     return load_policy(spec), source, keys or Settings.adapter_keys, deployment_context(extra)
 
 

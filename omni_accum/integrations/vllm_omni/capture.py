@@ -39,7 +39,8 @@ ENV_MAX_BYTES = "OMNI_ACCUM_CAPTURE_MAX_BYTES"
 EXTRA_CAPTURE = "omni_accum_capture"
 EXTRA_VALUES = "omni_accum_capture_values"
 EXTRA_MAX_BYTES = "omni_accum_capture_max_bytes"
-_OFF = ("", "off", "false", "none", "0")
+_OFF = ("", "off", "false", "none", "0", "no")
+_ON = ("1", "true", "yes", "on")  # a switch's word, not a folder: OMNI_ACCUM_CAPTURE=1 wrote into ./1
 
 _monotonic_ns = time.monotonic_ns
 _lock = threading.Lock()
@@ -78,8 +79,9 @@ def settings(extra: Any = None) -> tuple[str, str, int] | None:
     folder, where = got
     if folder is None or folder is False or (isinstance(folder, str) and folder.strip().lower() in _OFF):
         return None
-    if not isinstance(folder, (str, os.PathLike)):
-        raise SettingError(f"{where}={folder!r}: give the capture folder as a path (or false / off)")
+    if not isinstance(folder, (str, os.PathLike)) or (isinstance(folder, str) and folder.strip().lower() in _ON):
+        raise SettingError(f"{where}={folder!r}: give the capture folder as a path (an on/off word is not one; "
+                           "false / off turns capture off)")  # fmt: skip
     problems = []  # every bad setting, in one message
     values = "none"
     got = _setting(extra, EXTRA_VALUES, ENV_VALUES)

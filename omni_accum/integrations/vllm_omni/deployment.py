@@ -35,7 +35,7 @@ class ContextSettingError(OmniAccumError, ValueError):
     """``OMNI_ACCUM_CONTEXT_LEN`` / ``OMNI_ACCUM_CONCURRENCY`` (or their connector extra keys) hold an invalid value."""
 
 
-_INT = re.compile(r"\s*(\d+)\s*([kK]?)\s*")
+_INT = re.compile(r"\s*(\d+)\s*([kK]?)\s*", re.ASCII)  # ASCII digits only, as every size setting takes them
 
 
 def _context_setting(extra: Any, key: str, env: str, what: str) -> int | None:

@@ -89,10 +89,7 @@ def read_settings() -> int:
     if not raw:
         sample = DEFAULT_SAMPLE
         return sample
-    try:
-        n = int(raw)
-    except ValueError:
-        n = -1
+    n = int(raw) if raw.isascii() and raw.isdigit() else -1  # int() takes 1_000, +5 and other scripts' digits
     if n < 0:
         raise SettingError(
             f"{ENV_SAMPLE}={raw!r} is not a whole number >= 0: give n to time every n-th decode chunk of a "
