@@ -142,7 +142,7 @@ def test_arena_warm_reads_a_size_all_or_off(vo):
     assert _connector(1, "w1", arena_bytes="64MiB").warm_bytes == 0  # the default: off
     assert _connector(1, "w2", arena_bytes="64MiB", arena_warm="16MiB").warm_bytes == 16 << 20
     assert _connector(1, "w3", arena_bytes="64MiB", arena_warm="all").warm_bytes == 64 << 20
-    assert _connector(1, "w4", arena_bytes="64MiB", arena_warm="1GiB").warm_bytes == 64 << 20  # at most the region
+    assert _connector(1, "w4", arena_bytes="64MiB", arena_warm="64MiB").warm_bytes == 64 << 20  # at most the region
     assert _connector(1, "w5", arena_bytes="64MiB", arena_warm="off").warm_bytes == 0
 
 
@@ -219,7 +219,7 @@ def test_a_message_no_get_takes_is_dropped_after_the_orphan_time_and_its_pages_g
         rx.close()
 
 
-@pytest.mark.parametrize("value", ["abc", "inf", "-5", "0"])
+@pytest.mark.parametrize("value", ["abc", "inf", "-5"])  # (0: no deadline, never: test_arena_settings_refusals.py)
 def test_an_input_wait_vllm_omni_does_not_take_gives_the_default_orphan_time(monkeypatch, value):
     from omni_accum.integrations.vllm_omni import arena_connector
 
@@ -462,11 +462,14 @@ def _held(c: Any) -> dict[str, int]:
         except OSError:
             pass
     rxs = [rx for rx in c._rx.values() if rx is not None]
+    with c._rx_lock:  # waiting: published and not taken, the ring read first (pending_keys alone depended on
+        # whether the connector's liveness check had read the ring since the puts: the test failed at random)
+        waiting = sum(len(rx.waiting_keys()) for rx in rxs)
     return {
         "maps": len(maps),
         "fds": fds,
         "held_pages": sum(len(rx.region.pages) - bytes(rx.region.pages).count(0) for rx in rxs),
-        "waiting": sum(len(rx.pending_keys()) for rx in rxs),
+        "waiting": waiting,
         "senders": len(c._tx),
     }
 

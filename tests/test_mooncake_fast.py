@@ -791,6 +791,140 @@ def test_a_failed_mooncake_setup_names_the_addresses_it_was_given(monkeypatch):
                            "'http://10.0.0.1:8080/metadata', host '10.0.0.2', proto 'tcp': Mooncake setup failed: -1")
 
 
+def _no_setup(monkeypatch, mc) -> None:
+    """vllm-omni's connector (whose Mooncake setup retries ~90 s against a bad address) fails the test if built."""
+
+    class NeverBuilt:
+        def __init__(self, config):
+            pytest.fail(f"Mooncake's setup reached with {config!r}")
+
+    monkeypatch.setattr(mc, "_prepare", lambda: None)
+    monkeypatch.setattr(mc, "_inner_class", lambda: NeverBuilt)
+
+
+GOOD_STORE = {"master": "10.0.0.1:50151", "metadata_server": "http://10.0.0.1:8080/metadata", "host": "10.0.0.2"}
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"master": "10.0.0.1"}, "extra.master = '10.0.0.1' has no port (HOST:PORT)"),
+    ({"master": "http://10.0.0.1:50151"}, "extra.master = 'http://10.0.0.1:50151' has a scheme (http://)"),
+    ({"metadata_server": "10.0.0.1:8080/metadata"}, "extra.metadata_server = '10.0.0.1:8080/metadata' has no scheme: "
+                                                    "Mooncake takes it for an etcd address"),
+    ({"proto": "tpc"}, "extra.proto = 'tpc' is not a protocol Mooncake knows (did you mean tcp?): the stage does not "
+                       "start; one of: tcp, rdma"),
+    ({"mastr": "10.0.0.1:50151"}, "extra.mastr: vllm-omni's MooncakeStoreConnector reads no 'mastr' (did you mean "
+                                  "master?)"),
+    ({"host": ""}, "extra.host = '' is not an address"),
+])  # fmt: skip
+def test_a_bad_store_setting_is_refused_when_built_naming_the_key_before_mooncake_s_setup(monkeypatch, change, said):
+    """0.30.0's connector took these as given: Mooncake's setup then retried ~90 s and failed naming no address, or
+    waited on etcd. The connector refuses them when it is built, as ``doctor --deploy`` names them."""
+    from omni_accum.integrations.vllm_omni import mooncake_connector as mc
+
+    _no_setup(monkeypatch, mc)
+    extra = {k: v for k, v in {**GOOD_STORE, **change}.items() if not (k == "master" and "mastr" in change)}
+    with pytest.raises(ValueError) as e:
+        mc.MooncakeFastConnector({**extra, "stage_id": 0})
+    assert str(e.value).startswith(f"{NAME}: {said}"), str(e.value)
+
+
+@pytest.mark.parametrize("key, value", [("segment", "512MiB"), ("localbuf", 67108864.0), ("segment", -1),
+                                        ("localbuf", "64MiB"), ("localbuf", 0), ("segment", True)])
+def test_a_size_of_the_store_written_otherwise_than_in_bytes_is_named_not_blamed_on_the_master(monkeypatch, key,
+                                                                                                value):  # fmt: skip
+    """``segment: "512MiB"`` failed at once inside Mooncake's setup ("incompatible function arguments"), and the
+    connector's message blamed the master and named no key."""
+    from omni_accum.integrations.vllm_omni import mooncake_connector as mc
+
+    _no_setup(monkeypatch, mc)
+    with pytest.raises(ValueError) as e:
+        mc.MooncakeFastConnector({**GOOD_STORE, key: value})
+    said = str(e.value)
+    assert said.startswith(f"{NAME}: extra.{key} = {value!r}: vllm-omni passes it to Mooncake's setup as a whole "
+                           "number of bytes"), said
+    assert f"give {key} in bytes" in said and "master" not in said, said
+
+
+@pytest.mark.parametrize("extra", [
+    GOOD_STORE, {}, {**GOOD_STORE, "metadata_server": "P2PHANDSHAKE"}, {**GOOD_STORE, "master": "[fd00::1]:50151"},
+    {**GOOD_STORE, "metadata_server": "etcd://10.0.0.1:2379", "segment": 0, "localbuf": 1 << 30, "proto": "rdma"},
+    {**GOOD_STORE, "metadata_server": "10.0.0.1:2379"},  # an etcd endpoint: doctor notes it, it may be right
+    {**GOOD_STORE, "proto": "nvlink"},  # not in the CPU build: doctor notes it
+])  # fmt: skip
+def test_store_settings_that_may_be_right_reach_mooncake_s_setup_unchanged(monkeypatch, extra):
+    from omni_accum.integrations.vllm_omni import mooncake_connector as mc
+
+    seen = []
+
+    class Inner:
+        def __init__(self, config):
+            seen.append(config)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(mc, "_prepare", lambda: None)
+    monkeypatch.setattr(mc, "_inner_class", lambda: Inner)
+    mc.MooncakeFastConnector({**extra, "stage_id": 1, "mooncake_get_poll": "2ms"}).close()
+    assert seen == [{**extra, "stage_id": 1}]
+
+
+def test_every_shipped_fast_path_deploy_builds(monkeypatch):
+    """The checks refuse no connector of the deploys this repository ships (``doctor`` reads them the same way)."""
+    from pathlib import Path
+
+    import yaml
+
+    from omni_accum.integrations.vllm_omni import mooncake_connector as mc
+
+    built = []
+
+    class Inner:
+        def __init__(self, config):
+            built.append(config)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(mc, "_prepare", lambda: None)
+    monkeypatch.setattr(mc, "_inner_class", lambda: Inner)
+    root = Path(__file__).resolve().parents[1]
+    deploys = sorted(root.glob("config/deploy/*.yaml")) + sorted(root.glob("benchmarks/e2e/configs/**/*.yaml"))
+    files = [f for f in deploys if NAME in f.read_text()]
+    assert len(files) >= 4, files
+    for f in files:
+        for conn in yaml.safe_load(f.read_text())["connectors"].values():
+            if conn["name"] == NAME:
+                mc.MooncakeFastConnector({**conn["extra"], "stage_id": 0}).close()
+    assert len(built) >= len(files)
+
+
+def test_a_staging_buffer_larger_than_the_segment_is_warned_about_as_the_docs_say(monkeypatch, caplog):
+    """Not refused (parts of smaller tensors fit; with ``any`` or another holder a larger segment may take them): the
+    connector warns when it is built, and docs/mooncake.md says so rather than stating a limit."""
+    import logging
+    from pathlib import Path
+
+    from omni_accum.integrations.vllm_omni import mooncake_connector as mc
+
+    class Inner:
+        def __init__(self, config):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(mc, "_prepare", lambda: None)
+    monkeypatch.setattr(mc, "_inner_class", lambda: Inner)
+    with caplog.at_level(logging.WARNING, logger="omni_accum.vllm_omni"):
+        mc.MooncakeFastConnector({**GOOD_STORE, "segment": 32 << 20, "mooncake_buffer_bytes": "64MiB"}).close()
+    (said,) = [r.getMessage() for r in caplog.records if "mooncake_buffer_bytes" in r.getMessage()]
+    assert "larger than extra.segment (33554432 bytes)" in said and "refused and go serialized" in said, said
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "mooncake.md").read_text()
+    block = docs[docs.index("      mooncake_buffer_bytes: 16MiB"):docs.index("      mooncake_tensor_min_bytes: 256KiB")]
+    assert "at most the segment" not in block and "warn" in block, block
+
+
 def test_an_idle_servers_gets_let_go_of_finished_reads_no_get_took(monkeypatch, caplog):
     """A finished read was dropped only when the next read started: an idle server (gets of other keys, no new read)
     held aborted requests' reads, up to MAX_HELD_BYTES, for good."""

@@ -159,7 +159,8 @@ class Region:
             # header, page map and rings are written in place by both sides: reserved now, so that a full
             # file system fails here (ENOSPC: the connector receives through its inner connector) and never
             # as a SIGBUS on a first write into a page tmpfs cannot give
-            _reserve(fd, 0, layout.data_off, path)
+            _reserve(fd, 0, layout.data_off, path, f"its header, page map and rings: {layout.ring_f} ring bytes "
+                     f"(ring_bytes) and a byte per page of {npages * page} data bytes (arena_bytes)")
             mm = mmap.mmap(fd, layout.size)
         except BaseException:
             os.close(fd)
@@ -269,7 +270,7 @@ class Region:
                     try:
                         self.prefault(first, n)
                     except ArenaFull as e:
-                        stopped = f"no room: {e}"
+                        stopped = f"no room: {e} (arena_warm)"
                         break
                     except (OSError, ValueError) as e:  # the mapping went away under us
                         stopped = f"{type(e).__name__}: {e}"
@@ -347,17 +348,18 @@ class Region:
             self.fd = -1
 
 
-def _reserve(fd: int, offset: int, length: int, path: Path) -> None:
+def _reserve(fd: int, offset: int, length: int, path: Path, what: str = "") -> None:
     """Give bytes ``offset .. offset + length`` of the file their pages now. Raises OSError (ENOSPC, its message
-    naming the file and the directory) when the file system has no room for them; a file system that cannot
-    reserve (no ``fallocate``) is left to give pages as they are written."""
+    naming the file, the directory and ``what`` they are, with the setting that sized them) when the file system has
+    no room for them; a file system that cannot reserve (no ``fallocate``) is left to give pages as they are written."""
     try:
         os.posix_fallocate(fd, offset, length)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
+            said = f" ({what})" if what else ""
             raise OSError(
                 e.errno,
-                f"arena {path.name}: no room for {length} bytes in {path.parent} ({os.strerror(e.errno)}: the "
+                f"arena {path.name}: no room for {length} bytes{said} in {path.parent} ({os.strerror(e.errno)}: the "
                 f"file system is full; free space there or make it larger)",
             ) from None
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):

@@ -17,7 +17,6 @@ no other host reaches this stage), ``host`` on loopback while the master is else
 
 from __future__ import annotations
 
-import difflib
 import os
 from typing import Any
 
@@ -25,10 +24,6 @@ from omni_accum.cli.doctor_policy import Check, _connector_nodes, _deploy_or_non
 from omni_accum.integrations.vllm_omni.mooncake_settings import STORE_KEYS
 
 MOONCAKE_NAMES = ("MooncakeStoreConnector", "OmniAccumMooncakeConnector")
-#: The protocols of the CPU build omni-accum pins (``mooncake-transfer-engine-non-cuda``), and others Mooncake knows.
-PROTOCOLS = ("tcp", "rdma")
-OTHER_PROTOCOLS = ("nvlink", "nvlink_intra", "hip", "cxl", "ascend", "barex", "efa", "nvmeof")
-METADATA_SCHEMES = ("http://", "https://", "etcd://", "redis://")
 #: Bytes per prompt token of Qwen3-Omni's largest chunk (the thinker's prefill to the talker: embeddings and hidden
 #: states, ``[P+1, 2048]`` bf16 each) and the prompt length assumed without ``omni_accum_context_len``.
 CHUNK_BYTES_PER_TOKEN = 2 * 2048 * 2
@@ -92,67 +87,15 @@ def _check_extra(place: str, name: str, extra: dict[str, Any]) -> tuple[list[tup
     """(problems, notes, whether it names another host's address) of one connector's ``extra``."""
     from omni_accum.integrations.vllm_omni import mooncake_settings
 
-    problems: list[tuple[str, str]] = []
-    notes: list[tuple[str, str]] = []
-    # a misspelt key: vllm-omni reads the right one, finds none, and takes its default
-    for key in map(str, extra):
-        if key in STORE_KEYS or key.startswith(("omni_accum_", "mooncake_")):
-            continue
-        close = difflib.get_close_matches(key, [k for k in STORE_KEYS if k not in extra], n=1, cutoff=0.75)
-        if close:
-            problems.append((f"{place}.{key}: vllm-omni's MooncakeStoreConnector reads no {key!r} (did you mean "
-                             f"{close[0]}?); without {close[0]} it uses {STORE_KEYS[close[0]]!r}",
-                             f"rename it to {close[0]}"))  # fmt: skip
-    for key in ("segment", "localbuf"):
-        v = extra.get(key, STORE_KEYS[key])
-        if type(v) is not int or v < (0 if key == "segment" else 1):
-            problems.append((f"{place}.{key} = {v!r}: vllm-omni passes it to Mooncake's setup as a whole number of "
-                             "bytes, which refuses this value (incompatible function arguments) and the stage does not "
-                             "start", f"give {key} in bytes, e.g. {STORE_KEYS[key]} "
-                             f"({'512 MiB' if key == 'segment' else '64 MiB'}); "
-                             + ("0: this stage contributes no memory" if key == "segment" else "at least the largest "
-                                "chunk")))  # fmt: skip
+    problems, notes = mooncake_settings.store_checks(extra, place)
     master = extra.get("master", STORE_KEYS["master"])
-    why = mooncake_settings.master_address_problem(master)
-    if why:
-        problems.append((f"{place}.master = {master!r} {why}: Mooncake's setup retries for ~90 s and fails with "
-                         "'Mooncake setup failed: -1'", "give the master's HOST:PORT (its --rpc_port, e.g. "
-                         "10.0.0.1:50151)"))  # fmt: skip
-    meta = extra.get("metadata_server", STORE_KEYS["metadata_server"])
-    if not isinstance(meta, str) or not meta.strip():
-        problems.append((f"{place}.metadata_server = {meta!r} is not an address", "give the master's HTTP metadata "
-                         "server, e.g. http://10.0.0.1:8080/metadata"))  # fmt: skip
-    elif not meta.startswith(METADATA_SCHEMES) and meta != "P2PHANDSHAKE":
-        text = (f"{place}.metadata_server = {meta!r} has no scheme: Mooncake takes it for an etcd address and waits "
-                "for etcd there")
-        fix = f"for the master's HTTP metadata server write http://{meta.split('://')[-1]}"
-        if "/" in meta:  # a URL's path: meant for HTTP, not an etcd endpoint
-            problems.append((text + " (the stage hangs, then fails)", fix))
-        else:
-            notes.append((text + "; right only if etcd runs there", fix))
-    proto = extra.get("proto", STORE_KEYS["proto"])
-    if proto not in PROTOCOLS:
-        if proto in OTHER_PROTOCOLS:
-            notes.append((f"{place}.proto = {proto!r}: not in the CPU build of Mooncake omni-accum pins (tcp, rdma)",
-                          "use a Mooncake build with that transport"))  # fmt: skip
-        else:
-            close = difflib.get_close_matches(str(proto), PROTOCOLS, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            problems.append((f"{place}.proto = {proto!r} is not a protocol Mooncake knows{hint}: the stage does not "
-                             "start", f"one of: {', '.join(PROTOCOLS)}"))  # fmt: skip
-    if proto == "rdma" and not extra.get("rdma"):
-        notes.append((f"{place}: proto rdma without rdma (the RDMA devices to use, e.g. mlx5_0)",
-                      "name the devices in rdma:, or use proto: tcp where there is no RDMA"))
     host = extra.get("host")
     remote_master = isinstance(master, str) and not _loopback(_host_of(master))
     if host is None:
         notes.append((f"{place}: no host, so this stage registers as 127.0.0.1: only processes on its own machine "
                       "reach it", "give each host its own copy of the deploy whose host is that host's address, as "
                       "the others reach it"))  # fmt: skip
-    elif not isinstance(host, str) or not host.strip():
-        problems.append((f"{place}.host = {host!r} is not an address", "give this host's address, as the others "
-                         "reach it"))  # fmt: skip
-    elif _loopback(host) and remote_master:
+    elif isinstance(host, str) and host.strip() and _loopback(host) and remote_master:
         notes.append((f"{place}.host = {host!r} while the master is at {master!r}: other hosts cannot reach this "
                       "stage's memory", "give this host's own address (each host its own copy of the deploy)"))
     remote = remote_master or (isinstance(host, str) and bool(host.strip()) and not _loopback(host))

@@ -50,12 +50,12 @@ omni-accum's reaper process once the server's processes have ended (vllm-omni's 
 closing their connectors); a region whose owner died is removed by the next process that looks for the pair.
 
 A message no get takes (its request aborted or failed on the receiving stage) is dropped after :func:`orphan_after_s`
-(twice vllm-omni's ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S``), its pages given back, counted (``health()["orphans_dropped"]``)
-and said once per pair (looked for at gets and from the connector's thread): vllm-omni 0.30.0 removes an aborted
-request's unread chunks only for a ``SharedMemoryConnector``. One that went through the inner connector is unlinked
-from ``/dev/shm`` by the process that put it (:mod:`.arena_inner`), counted the same way; at the abort itself where
-vllm-omni's adapter has that clean-up, by the sender, a forward of the key too (:mod:`.arena_abort`, 0.30.0:
-``health()["aborted_unlinked"]``).
+(twice vllm-omni's ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S``; never where its 0 turns vllm-omni's deadline off), its pages
+given back, counted (``health()["orphans_dropped"]``) and said once per pair (looked for at gets and from the
+connector's thread): vllm-omni 0.30.0 removes an aborted request's unread chunks only for a ``SharedMemoryConnector``.
+One that went through the inner connector is unlinked from ``/dev/shm`` by the process that put it
+(:mod:`.arena_inner`), counted the same way; at the abort itself where vllm-omni's adapter has that clean-up, by the
+sender, a forward of the key too (:mod:`.arena_abort`, 0.30.0: ``health()["aborted_unlinked"]``).
 
 Registered with ``OmniConnectorFactory`` by :mod:`.arena_plugin` (entry point ``omni_accum_arena``).
 """
@@ -97,13 +97,17 @@ INPUT_WAIT_DEFAULT_S = 600.0
 
 def orphan_after_s() -> float:
     """How long a message may wait for its get before it is dropped: twice ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S`` (a
-    request that waited that long for a chunk was failed by vllm-omni), at least a minute; 20 min for a value vllm-omni
-    does not take either."""
+    request that waited that long for a chunk was failed by vllm-omni), at least a minute. ``math.inf`` (never
+    dropped) for 0, which turns vllm-omni 0.30.0's deadline off (a request waits for its input indefinitely, so its
+    messages must stay); 20 min (vllm-omni's default, doubled) for a value it does not take: one that is no number
+    (it uses its default then), negative or not finite (it refuses to start)."""
     try:
         wait = float(os.environ.get(ENV_INPUT_WAIT, INPUT_WAIT_DEFAULT_S))
     except ValueError:
         wait = INPUT_WAIT_DEFAULT_S
-    if not math.isfinite(wait) or wait <= 0:
+    if wait == 0:  # (0.30.0: "set exactly 0 to disable"; -0.0 too)
+        return math.inf
+    if not math.isfinite(wait) or wait < 0:
         wait = INPUT_WAIT_DEFAULT_S
     return max(60.0, 2 * wait)
 
@@ -202,7 +206,8 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         if result[0]:
             self.counts["inner_puts"] += 1
             if not self._closed:
-                self._inner_orphans.put(put_key)
+                if self.orphan_s != math.inf:  # (no orphan time: nothing to look at, never one to unlink)
+                    self._inner_orphans.put(put_key)
                 self._start_forwarder()  # its thread unlinks the segments no get takes
         return result
 
@@ -265,6 +270,9 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
     def _drop_orphans(self, now: float) -> None:
         """Drop the messages that have waited for a get longer than :attr:`orphan_s` (with ``_rx_lock`` held)."""
         self._orphan_check = now + ORPHAN_CHECK_S
+        if self.orphan_s == math.inf:  # VLLM_OMNI_INPUT_WAIT_TIMEOUT_S=0: never dropped (nor a request remembered)
+            self._alive.clear()
+            return
         alive = dict(self._alive)  # (an inner get may add to it meanwhile)
         for req in [r for r, t in alive.items() if now - t > self.orphan_s]:
             self._alive.pop(req, None)

@@ -4,11 +4,15 @@ the key, the value and what it takes."""
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
+
+from omni_accum import samehost
 
 #: The name :mod:`.arena_plugin` registers the connector under (``name:`` of a deploy YAML's connector).
 NAME = "OmniAccumArenaConnector"
@@ -63,6 +67,47 @@ def parse_size(
 
 #: The ``arena_*`` / ``ring_*`` keys the connector reads from its ``extra``.
 KNOWN_KEYS = ("arena_name", "arena_bytes", "ring_bytes", "arena_view_bytes", "arena_warm", "arena_stage_rows")
+#: The key prefixes of each of omni-accum's connectors (:func:`check_keys`): a key of one given to another is refused.
+KEY_PREFIXES = {NAME: ("arena_", "ring_"), "OmniAccumMooncakeConnector": ("mooncake_",)}
+#: Un-prefixed forms of a known key too plain to be taken as meant for it (``bytes``: vllm-omni's keys may end so).
+_PLAIN = frozenset({"name", "bytes"})
+#: How close (``difflib`` ratio) a key must be to a known key (or its un-prefixed form) to be refused as its typo.
+CLOSE = 0.85
+
+
+def _norm(key: Any) -> str:
+    return str(key).strip().lower().replace("-", "_")
+
+
+def check_keys(extra: Mapping[Any, Any], name: str, known: Iterable[str]) -> None:
+    """Refuse the keys of ``extra`` that connector ``name`` (one of :data:`KEY_PREFIXES`) does not read but that look
+    meant for it or for another omni-accum connector: written otherwise (lowercased, ``-`` as ``_``), one has a
+    connector's prefix or is one of ``known``, or it is close to one of ``known`` (:data:`CLOSE`), or to one without
+    its prefix (``view_bytes``, ``warm``). Every other key is left alone (vllm-omni's own keys share the ``extra``).
+    One ``ValueError`` names each such key, what it looks like, and the keys ``name`` reads. The settings of both
+    connectors (arena and Mooncake) call it, so a typo is never silently ignored."""
+    known = tuple(known)
+    own = KEY_PREFIXES[name]
+    targets = {k: k for k in known}  # what a key may be meant as -> the key it is meant as
+    for k in known:
+        bare = next((k[len(p):] for p in own if k.startswith(p)), "")
+        if bare and bare not in _PLAIN:
+            targets.setdefault(bare, k)
+    bad: list[tuple[str, str]] = []
+    for key in sorted((k for k in extra if k not in known), key=str):
+        norm = _norm(key)
+        other = next((n for n, ps in KEY_PREFIXES.items() if n != name and norm.startswith(ps)), None)
+        near = difflib.get_close_matches(norm, list(targets), n=1, cutoff=CLOSE)
+        if other is not None:
+            bad.append((str(key), f"a key of {other}, not of this connector"))
+        elif norm in targets or near:
+            bad.append((str(key), f"did you mean {targets[norm if norm in targets else near[0]]!r}?"))
+        elif norm.startswith(own):
+            bad.append((str(key), "none of them"))
+    if bad:
+        keys = ", ".join(repr(k) for k, _ in bad)
+        notes = "; ".join(f"{k!r}: {why}" for k, why in bad)
+        raise ValueError(f"{name}: unknown extra key(s) {keys}; it reads {', '.join(known)} ({notes})")
 
 
 def parse_switch(value: Any, what: str) -> bool:
@@ -77,16 +122,22 @@ def parse_switch(value: Any, what: str) -> bool:
     raise ValueError(f"{NAME}: extra.{what} = {value!r}: use true or false (on / off)")
 
 
-def parse_warm(value: Any, arena_bytes: int) -> int:
-    """``arena_warm``: a size (:func:`parse_size`), ``all`` (``arena_bytes``), or ``0`` / ``off`` (nothing)."""
+def parse_warm(value: Any, arena_bytes: int, arena_given: Any = None) -> int:
+    """``arena_warm``: a size (:func:`parse_size`) of at most ``arena_bytes``, ``all`` (``arena_bytes``), or ``0`` /
+    ``off`` (nothing). ``arena_given``: the ``extra.arena_bytes`` given (None: the default), for the message."""
     if value is None or value == 0 or str(value).strip().lower() in ("0", "off", "false", "none"):
         return 0
     if str(value).strip().lower() == "all":
         return arena_bytes
     try:
-        return min(parse_size(value, "arena_warm"), arena_bytes)
+        n = parse_size(value, "arena_warm")
     except ValueError as e:
         raise ValueError(f"{e} (or all, off)") from None
+    if n > arena_bytes:
+        region = f"extra.arena_bytes = {arena_given!r}" if arena_given is not None else "the default arena_bytes"
+        raise ValueError(f"{NAME}: extra.arena_warm = {value!r} is {n} bytes, more than the region's data pages "
+                         f"({region}: {arena_bytes} bytes); give at most arena_bytes, or all, or off")
+    return n
 
 
 def parse_view_bytes(value: Any) -> int | None:
@@ -113,31 +164,58 @@ class ArenaSettings:
 
 def parse_settings(extra: Any) -> ArenaSettings:
     """The connector's settings from a deploy's ``extra`` (``arena_name`` defaults to ``$OMNI_ACCUM_ARENA_NAME``,
-    else ``omni``). ``ValueError`` names the key, the value and what it takes; an unknown ``arena_*`` / ``ring_*``
-    key is refused with the keys it reads (a typo would otherwise be ignored). ``omni-accum doctor --deploy``
+    else ``omni``; a given one must be such a name). ``ValueError`` names the key, the value and what it takes; a
+    key that looks meant for this connector or is another omni-accum connector's is refused (:func:`check_keys`), as
+    is a size larger than the file system its regions go in (:func:`check_fits`). ``omni-accum doctor --deploy``
     calls it too, so that a deploy the connector would refuse is not called ready."""
     config = extra if isinstance(extra, dict) else {}
-    unknown = sorted(str(k) for k in config if str(k).startswith(("arena_", "ring_")) and k not in KNOWN_KEYS)
-    if unknown:
-        names = ", ".join(map(repr, unknown))
-        raise ValueError(f"{NAME}: unknown extra key(s) {names}; it reads {', '.join(KNOWN_KEYS)}")
+    check_keys(config, NAME, KNOWN_KEYS)
     given = config.get("arena_name")
-    if given is not None:
-        name, source = str(given), "extra.arena_name"
+    if "arena_name" in config:
+        name, source = given, "extra.arena_name"
     elif os.environ.get(ENV_NAME):
         name, source = os.environ[ENV_NAME], ENV_NAME
     else:
         name, source = "omni", "the default"
-    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,120}", name, re.ASCII):
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,120}", name, re.ASCII):
         said = f"extra.arena_name = {name!r}" if source != ENV_NAME else f"{ENV_NAME}={name!r} (no extra.arena_name)"
-        raise ValueError(f"{NAME}: {said}: use letters, digits, '_', '.', '-' (at most 120)")
+        text = "" if isinstance(name, str) else " (a text: quote it in the YAML)"
+        out = f"; leave the key out for ${ENV_NAME}, else 'omni'" if source != ENV_NAME else ""
+        raise ValueError(f"{NAME}: {said}: use letters, digits, '_', '.', '-' (1 to 120){text}{out}")
     arena_bytes = parse_size(config.get("arena_bytes", DEFAULT_ARENA_BYTES), "arena_bytes")
+    ring_bytes = parse_size(config.get("ring_bytes", DEFAULT_RING_BYTES), "ring_bytes")
+    check_fits(config, arena_bytes, ring_bytes)
     return ArenaSettings(
         arena_name=name,
         arena_bytes=arena_bytes,
-        ring_bytes=parse_size(config.get("ring_bytes", DEFAULT_RING_BYTES), "ring_bytes"),
+        ring_bytes=ring_bytes,
         view_bytes=parse_view_bytes(config.get("arena_view_bytes", DEFAULT_VIEW_BYTES)),
-        warm_bytes=parse_warm(config.get("arena_warm", 0), arena_bytes),
+        warm_bytes=parse_warm(config.get("arena_warm", 0), arena_bytes, config.get("arena_bytes")),
         stage_rows=parse_switch(config.get("arena_stage_rows", True), "arena_stage_rows"),
         arena_name_from=source,
     )
+
+
+def check_fits(config: Mapping[str, Any], arena_bytes: int, ring_bytes: int) -> None:
+    """Refuse an ``arena_bytes`` / ``ring_bytes`` given in ``config`` that is larger than the whole file system the
+    regions go in (``statvfs`` of :func:`omni_accum.samehost.base_dir`: ``/dev/shm`` or ``$OMNI_ACCUM_ARENA_DIR``):
+    such an arena's pages could never all be used, such a ring never reserved: every get would fall back and try
+    again, never naming the key. Nothing is checked where that directory cannot be read (the first get says why)
+    nor for a default size (``docker``'s 64 MiB ``/dev/shm`` takes the default 1 GiB arena until it is full)."""
+    given = [k for k in ("arena_bytes", "ring_bytes") if k in config]
+    if not given:
+        return
+    base = samehost.base_dir()
+    try:
+        st = os.statvfs(base)
+    except OSError:
+        return
+    total = st.f_blocks * st.f_frsize
+    if total <= 0:  # a file system that says no size
+        return
+    size = f"{total / (1 << 30):.3g} GiB" if total >= 1 << 30 else f"{total / (1 << 20):.3g} MiB"
+    fs = f"the whole file system of {base} ({samehost.describe_base()}): {total} bytes ({size})"
+    for key, n in (("arena_bytes", arena_bytes), ("ring_bytes", ring_bytes)):
+        if key in given and n > total:
+            raise ValueError(f"{NAME}: extra.{key} = {config[key]!r} is {n} bytes, larger than {fs}; give a size that "
+                             "fits there (each stage pair's region holds arena_bytes + ring_bytes and more)")

@@ -81,6 +81,7 @@ from omni_accum.integrations.vllm_omni.arena_chains import struct_map
 from omni_accum.integrations.vllm_omni.mooncake_get import FastGets
 from omni_accum.integrations.vllm_omni.mooncake_reads import BackgroundReads
 from omni_accum.integrations.vllm_omni.mooncake_settings import KNOWN_KEYS, NAME, STORE_KEYS, notes, parse_settings
+from omni_accum.integrations.vllm_omni.mooncake_settings import store_problem
 from omni_accum.integrations.vllm_omni.mooncake_wait import KeyWaits, monotonic
 from omni_accum.integrations.vllm_omni.mooncake_wire import PART_SEP, Buffer, Encoder, bytes_of
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
@@ -116,6 +117,9 @@ class MooncakeFastConnector(FastGets, OmniConnectorBase):
     def __init__(self, config: dict[str, Any] | None) -> None:
         self.config = dict(config or {})
         settings = parse_settings(self.config)  # refuses a bad value of its own keys, naming it
+        problem = store_problem(self.config)  # and of 0.30.0's keys, as doctor --deploy does: before Mooncake's setup
+        if problem:
+            raise ValueError(problem)
         for note in notes(self.config, settings):
             logger.warning("omni-accum %s", note)
         self.buffer_bytes = settings.buffer_bytes

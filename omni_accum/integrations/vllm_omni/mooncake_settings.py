@@ -1,15 +1,17 @@
 """The ``extra`` settings of ``OmniAccumMooncakeConnector`` (:mod:`.mooncake_connector`): the five keys of its own,
 each bad value refused with the key, the value and what it takes; every other key goes to vllm-omni 0.30.0's
-``MooncakeStoreConnector`` unchanged."""
+``MooncakeStoreConnector`` unchanged, once :func:`store_checks` (``doctor --deploy``'s checks of those keys) finds
+no problem in them."""
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from omni_accum.integrations.vllm_omni.arena_settings import parse_size
+from omni_accum.integrations.vllm_omni.arena_settings import check_keys, parse_size
 from omni_accum.integrations.vllm_omni.mooncake_reads import MAX_THREADS
 from omni_accum.integrations.vllm_omni.mooncake_wait import parse_poll
 
@@ -37,6 +39,10 @@ STORE_KEYS: dict[str, Any] = {
 }
 #: Its default ``segment`` (bytes), when the extra gives none.
 DEFAULT_SEGMENT = STORE_KEYS["segment"]
+#: The protocols of the CPU build omni-accum pins (``mooncake-transfer-engine-non-cuda``), and others Mooncake knows.
+PROTOCOLS = ("tcp", "rdma")
+OTHER_PROTOCOLS = ("nvlink", "nvlink_intra", "hip", "cxl", "ascend", "barex", "efa", "nvmeof")
+METADATA_SCHEMES = ("http://", "https://", "etcd://", "redis://")
 
 
 @dataclass(frozen=True)
@@ -60,11 +66,9 @@ def _size(extra: Mapping[str, Any], key: str, default: int, minimum: int, maximu
 
 def parse_settings(extra: Mapping[str, Any]) -> MooncakeFastSettings:
     """The connector's own settings from a deploy's ``extra``. ``ValueError`` names the key, the value and the
-    choices: an unknown ``mooncake_*`` key (a typo would otherwise reach 0.30.0's connector, which ignores it)."""
-    unknown = sorted(k for k in extra if str(k).startswith("mooncake_") and k not in KNOWN_KEYS)
-    if unknown:
-        raise ValueError(f"{NAME}: unknown extra key(s) {', '.join(map(repr, unknown))}; it reads "
-                         f"{', '.join(KNOWN_KEYS)}")
+    choices: a key that looks meant for it (``Mooncake_buffer_bytes``, ``mooncake-buffer-bytes``, a ``mooncake_*``
+    typo) or is the arena connector's (:func:`.arena_settings.check_keys`; 0.30.0's connector would ignore it)."""
+    check_keys(extra, NAME, KNOWN_KEYS)  # a mooncake_* typo, an arena connector's key
     try:
         get_poll = parse_poll(extra.get("mooncake_get_poll"))
     except ValueError as e:
@@ -120,3 +124,79 @@ def master_address_problem(address: Any) -> str | None:
     if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         return f"has port {port!r}, not a number from 1 to 65535"
     return None
+
+
+def store_checks(extra: Mapping[str, Any], place: str = "extra") -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(problems, notes), each ``(what, fix)``, of the keys vllm-omni 0.30.0's ``MooncakeStoreConnector`` reads from
+    ``extra`` (its defaults where absent), ``place`` naming the mapping (``extra``, or a deploy's path to it).
+
+    Problems are certain: the stage does not start, or Mooncake's setup hangs ~90 s and then fails naming no address
+    (a ``segment``/``localbuf`` that is not a whole number of bytes, a ``master`` without ``HOST:PORT``, an HTTP
+    ``metadata_server`` without ``http://``, a ``proto`` Mooncake does not know, a ``host`` that is no address, a
+    misspelt key). ``doctor --deploy`` shows both; the connector refuses the problems when it is built."""
+    problems: list[tuple[str, str]] = []
+    notes: list[tuple[str, str]] = []
+    # a misspelt key: vllm-omni reads the right one, finds none, and takes its default
+    for key in map(str, extra):
+        if key in STORE_KEYS or key.startswith(("omni_accum_", "mooncake_")):
+            continue
+        close = difflib.get_close_matches(key, [k for k in STORE_KEYS if k not in extra], n=1, cutoff=0.75)
+        if close:
+            problems.append((f"{place}.{key}: vllm-omni's MooncakeStoreConnector reads no {key!r} (did you mean "
+                             f"{close[0]}?); without {close[0]} it uses {STORE_KEYS[close[0]]!r}",
+                             f"rename it to {close[0]}"))  # fmt: skip
+    for key in ("segment", "localbuf"):
+        v = extra.get(key, STORE_KEYS[key])
+        if type(v) is not int or v < (0 if key == "segment" else 1):
+            problems.append((f"{place}.{key} = {v!r}: vllm-omni passes it to Mooncake's setup as a whole number of "
+                             "bytes, which refuses this value (incompatible function arguments) and the stage does not "
+                             "start", f"give {key} in bytes, e.g. {STORE_KEYS[key]} "
+                             f"({'512 MiB' if key == 'segment' else '64 MiB'}); "
+                             + ("0: this stage contributes no memory" if key == "segment" else "at least the largest "
+                                "chunk")))  # fmt: skip
+    master = extra.get("master", STORE_KEYS["master"])
+    why = master_address_problem(master)
+    if why:
+        problems.append((f"{place}.master = {master!r} {why}: Mooncake's setup retries for ~90 s and fails with "
+                         "'Mooncake setup failed: -1'", "give the master's HOST:PORT (its --rpc_port, e.g. "
+                         "10.0.0.1:50151)"))  # fmt: skip
+    meta = extra.get("metadata_server", STORE_KEYS["metadata_server"])
+    if not isinstance(meta, str) or not meta.strip():
+        problems.append((f"{place}.metadata_server = {meta!r} is not an address", "give the master's HTTP metadata "
+                         "server, e.g. http://10.0.0.1:8080/metadata"))  # fmt: skip
+    elif not meta.startswith(METADATA_SCHEMES) and meta != "P2PHANDSHAKE":
+        text = (f"{place}.metadata_server = {meta!r} has no scheme: Mooncake takes it for an etcd address and waits "
+                "for etcd there")
+        fix = f"for the master's HTTP metadata server write http://{meta.split('://')[-1]}"
+        if "/" in meta:  # a URL's path: meant for HTTP, not an etcd endpoint
+            problems.append((text + " (the stage hangs, then fails)", fix))
+        else:
+            notes.append((text + "; right only if etcd runs there", fix))
+    proto = extra.get("proto", STORE_KEYS["proto"])
+    if proto not in PROTOCOLS:
+        if proto in OTHER_PROTOCOLS:
+            notes.append((f"{place}.proto = {proto!r}: not in the CPU build of Mooncake omni-accum pins (tcp, rdma)",
+                          "use a Mooncake build with that transport"))  # fmt: skip
+        else:
+            close = difflib.get_close_matches(str(proto), PROTOCOLS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            problems.append((f"{place}.proto = {proto!r} is not a protocol Mooncake knows{hint}: the stage does not "
+                             "start", f"one of: {', '.join(PROTOCOLS)}"))  # fmt: skip
+    if proto == "rdma" and not extra.get("rdma"):
+        notes.append((f"{place}: proto rdma without rdma (the RDMA devices to use, e.g. mlx5_0)",
+                      "name the devices in rdma:, or use proto: tcp where there is no RDMA"))
+    host = extra.get("host")
+    if host is not None and (not isinstance(host, str) or not host.strip()):
+        problems.append((f"{place}.host = {host!r} is not an address", "give this host's address, as the others "
+                         "reach it"))  # fmt: skip
+    return problems, notes
+
+
+def store_problem(extra: Mapping[str, Any]) -> str | None:
+    """The problems of :func:`store_checks` as one message (each names the key, its value and what it takes), or
+    None: what the connector refuses when it is built, before Mooncake's setup (which would hang or blame the
+    master)."""
+    problems, _ = store_checks(extra)
+    if not problems:
+        return None
+    return f"{NAME}: " + "; also ".join(f"{what}; {fix}" for what, fix in problems)
