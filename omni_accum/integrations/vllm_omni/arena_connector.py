@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections import deque
@@ -82,7 +81,7 @@ from omni_accum.integrations.vllm_omni.arena_chains import append_test, chain_pa
 from omni_accum.integrations.vllm_omni.arena_codec import Decoder, Encoder
 from omni_accum.integrations.vllm_omni.arena_inner import InnerOrphans
 from omni_accum.integrations.vllm_omni.arena_pairs import PairRegions, _metric
-from omni_accum.integrations.vllm_omni.arena_settings import NAME, parse_settings
+from omni_accum.integrations.vllm_omni.arena_settings import NAME, orphan_after_s, parse_settings
 from omni_accum.integrations.vllm_omni.prometheus import fallback as _count_fallback
 
 logger = logging.getLogger("omni_accum.vllm_omni")
@@ -90,28 +89,6 @@ logger = logging.getLogger("omni_accum.vllm_omni")
 #: How often a receiving connector looks for messages no get took (seconds, at a get).
 ORPHAN_CHECK_S = 1.0
 _now = time.monotonic  # the clock of those looks (tests move it)
-#: vllm-omni's limit on how long a request waits for its next chunk, and its default (seconds).
-ENV_INPUT_WAIT = "VLLM_OMNI_INPUT_WAIT_TIMEOUT_S"
-INPUT_WAIT_DEFAULT_S = 600.0
-
-
-def orphan_after_s() -> float:
-    """How long a message may wait for its get before it is dropped: twice ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S`` (a
-    request that waited that long for a chunk was failed by vllm-omni), at least a minute. ``math.inf`` (never
-    dropped) for 0, which turns vllm-omni 0.30.0's deadline off (a request waits for its input indefinitely, so its
-    messages must stay); 20 min (vllm-omni's default, doubled) for a value it does not take: one that is no number
-    (it uses its default then), negative or not finite (it refuses to start)."""
-    try:
-        wait = float(os.environ.get(ENV_INPUT_WAIT, INPUT_WAIT_DEFAULT_S))
-    except ValueError:
-        wait = INPUT_WAIT_DEFAULT_S
-    if wait == 0:  # (0.30.0: "set exactly 0 to disable"; -0.0 too)
-        return math.inf
-    if not math.isfinite(wait) or wait < 0:
-        wait = INPUT_WAIT_DEFAULT_S
-    return max(60.0, 2 * wait)
-
-
 class ArenaConnector(PairRegions, OmniConnectorBase):
     """See the module docstring. ``config`` is the connector's ``extra`` (vllm-omni adds ``stage_id``)."""
 

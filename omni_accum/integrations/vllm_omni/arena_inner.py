@@ -12,7 +12,7 @@ process that made it ends).
 time: vllm-omni's keys are ``<request>_<stage>_<chunk>``, and a request id may come again, from this process or
 another, whose put of the same key makes a new segment that is not this one). A segment that is gone, or is another
 one now, was taken (the reader unlinks it) or is not this process's to remove: forgotten. One still there after the
-arena's orphan time (:func:`.arena_connector.orphan_after_s`, twice vllm-omni's input wait) counted from its put or
+arena's orphan time (:func:`.arena_settings.orphan_after_s`, twice vllm-omni's input wait) counted from its put or
 from the last time a later chunk of its request was seen taken, whichever is later (vllm-omni's wait starts again at
 each chunk a request receives, so a request still taking chunks is alive however far behind it runs), is unlinked
 through the inner connector's ``cleanup``, counted in ``health()["orphans_dropped"]`` and said once. One whose unlink

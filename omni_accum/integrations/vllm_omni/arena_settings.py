@@ -5,6 +5,7 @@ the key, the value and what it takes."""
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -219,3 +220,25 @@ def check_fits(config: Mapping[str, Any], arena_bytes: int, ring_bytes: int) -> 
         if key in given and n > total:
             raise ValueError(f"{NAME}: extra.{key} = {config[key]!r} is {n} bytes, larger than {fs}; give a size that "
                              "fits there (each stage pair's region holds arena_bytes + ring_bytes and more)")
+
+
+#: vllm-omni's limit on how long a request waits for its next chunk, and its default (seconds).
+ENV_INPUT_WAIT = "VLLM_OMNI_INPUT_WAIT_TIMEOUT_S"
+INPUT_WAIT_DEFAULT_S = 600.0
+
+
+def orphan_after_s() -> float:
+    """How long a message may wait for its get before it is dropped: twice ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S`` (a
+    request that waited that long for a chunk was failed by vllm-omni), at least a minute. ``math.inf`` (never
+    dropped) for 0, which turns vllm-omni 0.30.0's deadline off (a request waits for its input indefinitely, so its
+    messages must stay); 20 min (vllm-omni's default, doubled) for a value it does not take: one that is no number
+    (it uses its default then), negative or not finite (it refuses to start)."""
+    try:
+        wait = float(os.environ.get(ENV_INPUT_WAIT, INPUT_WAIT_DEFAULT_S))
+    except ValueError:
+        wait = INPUT_WAIT_DEFAULT_S
+    if wait == 0:  # (0.30.0: "set exactly 0 to disable"; -0.0 too)
+        return math.inf
+    if not math.isfinite(wait) or wait < 0:
+        wait = INPUT_WAIT_DEFAULT_S
+    return max(60.0, 2 * wait)
