@@ -50,7 +50,7 @@ omni-accum's reaper process once the server's processes have ended (vllm-omni's 
 closing their connectors); a region whose owner died is removed by the next process that looks for the pair.
 
 A message no get takes (its request aborted or failed on the receiving stage) is dropped after :func:`orphan_after_s`
-(twice vllm-omni's ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S``; never where its 0 turns vllm-omni's deadline off), its pages
+(twice vllm-omni's ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S``; an hour where its 0 turns vllm-omni's deadline off), its pages
 given back, counted (``health()["orphans_dropped"]``) and said once per pair (looked for at gets and from the
 connector's thread): vllm-omni 0.30.0 removes an aborted request's unread chunks only for a ``SharedMemoryConnector``.
 One that went through the inner connector is unlinked from ``/dev/shm`` by the process that put it
@@ -63,7 +63,6 @@ Registered with ``OmniConnectorFactory`` by :mod:`.arena_plugin` (entry point ``
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -183,8 +182,7 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         if result[0]:
             self.counts["inner_puts"] += 1
             if not self._closed:
-                if self.orphan_s != math.inf:  # (no orphan time: nothing to look at, never one to unlink)
-                    self._inner_orphans.put(put_key)
+                self._inner_orphans.put(put_key)
                 self._start_forwarder()  # its thread unlinks the segments no get takes
         return result
 
@@ -247,9 +245,6 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
     def _drop_orphans(self, now: float) -> None:
         """Drop the messages that have waited for a get longer than :attr:`orphan_s` (with ``_rx_lock`` held)."""
         self._orphan_check = now + ORPHAN_CHECK_S
-        if self.orphan_s == math.inf:  # VLLM_OMNI_INPUT_WAIT_TIMEOUT_S=0: never dropped (nor a request remembered)
-            self._alive.clear()
-            return
         alive = dict(self._alive)  # (an inner get may add to it meanwhile)
         for req in [r for r, t in alive.items() if now - t > self.orphan_s]:
             self._alive.pop(req, None)

@@ -66,6 +66,8 @@ def parse_size(
     raise ValueError(f"{name}: extra.{what} = {value!r} is {n} bytes, {side}")
 
 
+#: The back ring a region reserves beside ``ring_bytes`` (:meth:`omni_accum.arena.region.Region.create`'s default).
+RESERVED_BACK_BYTES = 256 << 10
 #: The ``arena_*`` / ``ring_*`` keys the connector reads from its ``extra``.
 KNOWN_KEYS = ("arena_name", "arena_bytes", "ring_bytes", "arena_view_bytes", "arena_warm", "arena_stage_rows")
 #: The key prefixes of each of omni-accum's connectors (:func:`check_keys`): a key of one given to another is refused.
@@ -172,8 +174,8 @@ def parse_settings(extra: Any) -> ArenaSettings:
     config = extra if isinstance(extra, dict) else {}
     check_keys(config, NAME, KNOWN_KEYS)
     given = config.get("arena_name")
-    if "arena_name" in config:
-        name, source = given, "extra.arena_name"
+    if given is not None:  # (an empty YAML value, None, is the key left out)
+        name, source = (str(given) if type(given) is int else given), "extra.arena_name"
     elif os.environ.get(ENV_NAME):
         name, source = os.environ[ENV_NAME], ENV_NAME
     else:
@@ -198,47 +200,54 @@ def parse_settings(extra: Any) -> ArenaSettings:
 
 
 def check_fits(config: Mapping[str, Any], arena_bytes: int, ring_bytes: int) -> None:
-    """Refuse an ``arena_bytes`` / ``ring_bytes`` given in ``config`` that is larger than the whole file system the
+    """Refuse sizes given in ``config`` whose part a region reserves when it is made (the rings, ``ring_bytes`` and
+    a quarter MiB back, and a byte of page map per 4 KiB of ``arena_bytes``) is larger than the whole file system the
     regions go in (``statvfs`` of :func:`omni_accum.samehost.base_dir`: ``/dev/shm`` or ``$OMNI_ACCUM_ARENA_DIR``):
-    such an arena's pages could never all be used, such a ring never reserved: every get would fall back and try
-    again, never naming the key. Nothing is checked where that directory cannot be read (the first get says why)
-    nor for a default size (``docker``'s 64 MiB ``/dev/shm`` takes the default 1 GiB arena until it is full)."""
+    no region could ever be made, and every get would fall back and try again, never naming the key. The data pages
+    are not reserved (the file is sparse: an ``arena_bytes`` larger than the file system works until the pages in
+    use fill it, then puts go the inner way), so ``arena_bytes`` itself is not compared. Nothing is checked where
+    that directory cannot be read (the first get says why) nor for default sizes."""
     given = [k for k in ("arena_bytes", "ring_bytes") if k in config]
     if not given:
         return
-    base = samehost.base_dir()
     try:
-        st = os.statvfs(base)
+        st = os.statvfs(samehost.base_dir())
     except OSError:
         return
     total = st.f_blocks * st.f_frsize
-    if total <= 0:  # a file system that says no size
-        return
-    size = f"{total / (1 << 30):.3g} GiB" if total >= 1 << 30 else f"{total / (1 << 20):.3g} MiB"
-    fs = f"the whole file system of {base} ({samehost.describe_base()}): {total} bytes ({size})"
-    for key, n in (("arena_bytes", arena_bytes), ("ring_bytes", ring_bytes)):
-        if key in given and n > total:
-            raise ValueError(f"{NAME}: extra.{key} = {config[key]!r} is {n} bytes, larger than {fs}; give a size that "
-                             "fits there (each stage pair's region holds arena_bytes + ring_bytes and more)")
+    reserved = ring_bytes + RESERVED_BACK_BYTES + arena_bytes // 4096
+    if 0 < total < reserved:  # (a file system that says no size: 0)
+        size = f"{total / (1 << 30):.3g} GiB" if total >= 1 << 30 else f"{total / (1 << 20):.3g} MiB"
+        said = " and ".join(f"extra.{k} = {config[k]!r}" for k in given)
+        raise ValueError(
+            f"{NAME}: {said}: a region reserves {reserved} bytes when it is made (ring_bytes, the back ring and a byte "
+            f"per 4 KiB page of arena_bytes), more than the whole file system of {samehost.base_dir()} "
+            f"({samehost.describe_base()}: {total} bytes, {size}); give sizes that fit there"
+        )
 
 
 #: vllm-omni's limit on how long a request waits for its next chunk, and its default (seconds).
 ENV_INPUT_WAIT = "VLLM_OMNI_INPUT_WAIT_TIMEOUT_S"
 INPUT_WAIT_DEFAULT_S = 600.0
+#: The orphan time where ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S=0`` turns vllm-omni's deadline off (seconds).
+NO_DEADLINE_ORPHAN_S = 3600.0
 
 
 def orphan_after_s() -> float:
     """How long a message may wait for its get before it is dropped: twice ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S`` (a
-    request that waited that long for a chunk was failed by vllm-omni), at least a minute. ``math.inf`` (never
-    dropped) for 0, which turns vllm-omni 0.30.0's deadline off (a request waits for its input indefinitely, so its
-    messages must stay); 20 min (vllm-omni's default, doubled) for a value it does not take: one that is no number
-    (it uses its default then), negative or not finite (it refuses to start)."""
+    request that waited that long for a chunk was failed by vllm-omni), at least a minute. An hour
+    (:data:`NO_DEADLINE_ORPHAN_S`) for 0, which turns vllm-omni 0.30.0's deadline off: no request is failed for
+    waiting then, but a receiving stage looks for its requests' chunks all the time, so a message no get took in an
+    hour belongs to a request that is gone (aborted, failed), and the messages of such requests must be given back
+    or they fill the arena (every later put would go the inner way). 20 min (vllm-omni's default, doubled) for a
+    value it does not take: one that is no number (it uses its default then), negative or not finite (it refuses to
+    start)."""
     try:
         wait = float(os.environ.get(ENV_INPUT_WAIT, INPUT_WAIT_DEFAULT_S))
     except ValueError:
         wait = INPUT_WAIT_DEFAULT_S
     if wait == 0:  # (0.30.0: "set exactly 0 to disable"; -0.0 too)
-        return math.inf
+        return NO_DEADLINE_ORPHAN_S
     if not math.isfinite(wait) or wait < 0:
         wait = INPUT_WAIT_DEFAULT_S
     return max(60.0, 2 * wait)

@@ -41,7 +41,8 @@ STORE_KEYS: dict[str, Any] = {
 DEFAULT_SEGMENT = STORE_KEYS["segment"]
 #: The protocols of the CPU build omni-accum pins (``mooncake-transfer-engine-non-cuda``), and others Mooncake knows.
 PROTOCOLS = ("tcp", "rdma")
-OTHER_PROTOCOLS = ("nvlink", "nvlink_intra", "hip", "cxl", "ascend", "barex", "efa", "nvmeof")
+OTHER_PROTOCOLS = ("nvlink", "nvlink_intra", "hip", "cxl", "ascend", "barex", "efa", "nvmeof", "ubshmem",
+                   "sunrise_link")  # fmt: skip
 METADATA_SCHEMES = ("http://", "https://", "etcd://", "redis://")
 
 
@@ -105,12 +106,21 @@ def notes(extra: Mapping[str, Any], settings: MooncakeFastSettings) -> list[str]
     return out
 
 
-def master_address_problem(address: Any) -> str | None:
+def master_address_problem(address: Any, ha: bool = False) -> str | None:
     """Why ``address`` is not a Mooncake master's ``HOST:PORT`` (port 1 to 65535; an IPv6 host in brackets), or
-    None. Mooncake's setup takes anything and retries for ~90 s before it fails naming no address."""
+    None. Mooncake's setup takes anything and retries for ~90 s before it fails naming no address. ``ha``: also take
+    Mooncake's high-availability form, ``etcd://HOST:PORT`` (several separated by ``;`` or ``,``), where the client
+    finds the master in etcd (a store's ``master``; not an address a master can be started on)."""
     if not isinstance(address, str):
         return "is not text (HOST:PORT)"
     text = address.strip()
+    if ha and text.lower().startswith("etcd://"):
+        ends = [e.strip() for e in re.split(r"[;,]", text[len("etcd://"):])]
+        for end in ends:
+            why = master_address_problem(end) if end else "has an empty etcd endpoint"
+            if why:
+                return f"(Mooncake's HA form, etcd://HOST:PORT[;HOST:PORT]): etcd endpoint {end!r} {why}"
+        return None
     if "://" in text:
         scheme, _, rest = text.partition("://")
         return f"has a scheme ({scheme}://): give HOST:PORT alone ({rest.split('/', 1)[0] or 'HOST:PORT'})"
@@ -155,7 +165,7 @@ def store_checks(extra: Mapping[str, Any], place: str = "extra") -> tuple[list[t
                              + ("0: this stage contributes no memory" if key == "segment" else "at least the largest "
                                 "chunk")))  # fmt: skip
     master = extra.get("master", STORE_KEYS["master"])
-    why = master_address_problem(master)
+    why = master_address_problem(master, ha=True)
     if why:
         problems.append((f"{place}.master = {master!r} {why}: Mooncake's setup retries for ~90 s and fails with "
                          "'Mooncake setup failed: -1'", "give the master's HOST:PORT (its --rpc_port, e.g. "
@@ -177,11 +187,13 @@ def store_checks(extra: Mapping[str, Any], place: str = "extra") -> tuple[list[t
         if proto in OTHER_PROTOCOLS:
             notes.append((f"{place}.proto = {proto!r}: not in the CPU build of Mooncake omni-accum pins (tcp, rdma)",
                           "use a Mooncake build with that transport"))  # fmt: skip
-        else:
-            close = difflib.get_close_matches(str(proto), PROTOCOLS, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            problems.append((f"{place}.proto = {proto!r} is not a protocol Mooncake knows{hint}: the stage does not "
-                             "start", f"one of: {', '.join(PROTOCOLS)}"))  # fmt: skip
+        elif close := difflib.get_close_matches(str(proto), (*PROTOCOLS, *OTHER_PROTOCOLS), n=1):
+            problems.append((f"{place}.proto = {proto!r} is not a protocol Mooncake knows (did you mean {close[0]}?): "
+                             "the stage does not start", f"one of: {', '.join(PROTOCOLS)}"))  # fmt: skip
+        else:  # a transport of a Mooncake build newer than the one omni-accum knows, maybe
+            notes.append((f"{place}.proto = {proto!r} is not a protocol omni-accum knows of Mooncake's (tcp, rdma, "
+                          f"{', '.join(OTHER_PROTOCOLS)}): the stage does not start unless its Mooncake build has it",
+                          f"one of: {', '.join(PROTOCOLS)}"))  # fmt: skip
     if proto == "rdma" and not extra.get("rdma"):
         notes.append((f"{place}: proto rdma without rdma (the RDMA devices to use, e.g. mlx5_0)",
                       "name the devices in rdma:, or use proto: tcp where there is no RDMA"))
