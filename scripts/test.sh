@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the test suite (creates or reuses .venv first). Extra arguments go to pytest.
+# Run the test suite (creates or reuses .venv first). Extra arguments go to pytest (test files or folders among
+# them are run instead of the whole suite).
 #
 # Then, with no extra arguments (or OMNI_ACCUM_TEST_028=1), the vllm-omni integration tests run again
 # against vllm-omni 0.28.0 in .venv-028 (built by env.sh, started from .venv's packages; the path is
@@ -16,6 +17,14 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 paths=(tests)
 for d in examples/plugins/*/tests; do [ -d "$d" ] && paths+=("$d"); done
+# Test files or folders among the extra arguments replace those paths (`bash scripts/test.sh tests/test_x.py` runs
+# that file, not the whole suite and that file again); the value of an option that takes one is not a test path.
+prev=""
+for a in "$@"; do
+  case "$prev" in -k|-m|-p|-o|-c|-W|--basetemp|--ignore|--ignore-glob|--deselect|--rootdir|--junitxml) prev=""; continue ;; esac
+  case "$a" in -*) ;; *) [ -e "${a%%::*}" ] && { paths=(); break; } ;; esac
+  prev="$a"
+done
 # The files that exercise the live integration; they run in every supported release's environment.
 integration=(tests/test_integration_vllm_omni*.py tests/test_upstream_equivalence.py tests/test_vllm_omni_smoke.py)
 # The ones that apply to vllm-omni 0.16.0 (the release's family, its lockstep; the families file skips,

@@ -125,6 +125,24 @@ def test_test_sh_switches_take_the_words_ci_takes(tmp_path, word):
     assert "0.16.0" not in said
 
 
+@pytest.mark.parametrize(("args", "pytest_args"), [
+    (["tests/test_x.py", "-q"], "tests/test_x.py -q"),
+    (["tests/test_x.py::test_a", "-x"], "tests/test_x.py::test_a -x"),
+    (["-k", "foo"], "tests -k foo"),
+    (["--basetemp", "tests", "-q"], "tests --basetemp tests -q"),  # an option's value is not a test path
+])  # fmt: skip
+def test_test_sh_runs_the_test_files_given_instead_of_the_whole_suite(tmp_path, args, pytest_args):
+    """``bash scripts/test.sh tests/test_x.py`` ran the whole suite and that file again (its arguments were added
+    to the default paths)."""
+    root, calls = _fake_root(tmp_path, "test.sh")
+    (root / "tests").mkdir()
+    (root / "tests" / "test_x.py").write_text("")
+    r = _run(["bash", str(root / "scripts" / "test.sh"), *args], _env(OMNI_ACCUM_VENV=str(tmp_path / "venv")),
+             cwd=root)  # fmt: skip
+    runs = [ln.split("-m pytest ", 1)[1] for ln in calls.read_text().splitlines() if "-m pytest" in ln]
+    assert runs == [pytest_args], (runs, r.stdout[-2000:], r.stderr[-2000:])
+
+
 def test_test_sh_refuses_a_switch_it_cannot_read(tmp_path):
     root, calls = _fake_root(tmp_path, "test.sh")
     r = _run(["bash", str(root / "scripts" / "test.sh")], _env(OMNI_ACCUM_TEST_028="maybe"), cwd=root)
