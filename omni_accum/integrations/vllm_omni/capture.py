@@ -29,7 +29,7 @@ from omni_accum.capture.writer import DEFAULT_KEEP, DEFAULT_MAX_BYTES, CaptureWr
 from omni_accum.integrations.vllm_omni import handoff
 from omni_accum.integrations.vllm_omni.arena_settings import parse_size
 from omni_accum.integrations.vllm_omni.marker import MARKERS, stamp_of
-from omni_accum.switches import SettingError
+from omni_accum.switches import ON, SettingError
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
@@ -40,7 +40,7 @@ EXTRA_CAPTURE = "omni_accum_capture"
 EXTRA_VALUES = "omni_accum_capture_values"
 EXTRA_MAX_BYTES = "omni_accum_capture_max_bytes"
 _OFF = ("", "off", "false", "none", "0", "no")
-_ON = ("1", "true", "yes", "on")  # a switch's word, not a folder: OMNI_ACCUM_CAPTURE=1 wrote into ./1
+_ON = ON  # a switch's on-word is not a folder: OMNI_ACCUM_CAPTURE=1 wrote into ./1
 
 _monotonic_ns = time.monotonic_ns
 _lock = threading.Lock()
