@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Iterable
 
 
 class OmniAccumError(Exception):
@@ -183,13 +184,29 @@ def plugin_name(plugin: object, name: object, distribution: object) -> str:
     return str(name)
 
 
+def key_form(word: object) -> str:
+    """``word`` written as a setting's key is compared: stripped, lowercased, ``-`` as ``_``."""
+    return str(word).strip().lower().replace("-", "_")
+
+
+def close_matches(word: object, choices: Iterable[str], *, n: int = 1, cutoff: float = 0.6) -> list[str]:
+    """The (at most ``n``) ``choices`` closest to ``word``, best first, for a "did you mean" hint: difflib's ratio of
+    at least ``cutoff``, both compared in :func:`key_form` (``Master-Server`` is close to ``master_server``). Every
+    "did you mean" of omni-accum comes from here, so one typo gets the same hint from the connector, the plugin and
+    ``doctor``."""
+    forms: dict[str, str] = {}
+    for choice in choices:
+        forms.setdefault(key_form(choice), choice)
+    return [forms[f] for f in difflib.get_close_matches(key_form(word), list(forms), n=n, cutoff=cutoff)]
+
+
 def hook_problem(err: Exception, hooks: tuple[str, ...]) -> str:
     """pluggy's text for a bad hook implementation (a ``PluginValidationError``), on one line; an unknown hook name
     with the valid ones (``hooks``) and the closest."""
     text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
     m = re.match(r"unknown hook '([^']+)'", text)
     if m:
-        close = difflib.get_close_matches(m.group(1), hooks, n=1)
+        close = close_matches(m.group(1), hooks)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         return f"unknown hook {m.group(1)!r} (omni_accum's hooks: {', '.join(hooks)}){hint}"
     return text

@@ -814,6 +814,8 @@ GOOD_STORE = {"master": "10.0.0.1:50151", "metadata_server": "http://10.0.0.1:80
                        "start; one of: tcp, rdma"),
     ({"mastr": "10.0.0.1:50151"}, "extra.mastr: vllm-omni's MooncakeStoreConnector reads no 'mastr' (did you mean "
                                   "master?)"),
+    ({"PROTO": "rdma"}, "extra.PROTO: vllm-omni's MooncakeStoreConnector reads no 'PROTO' (did you mean proto?); "
+                        "without proto it uses 'tcp'"),  # written otherwise: compared as keys are (it was ignored)
     ({"host": ""}, "extra.host = '' is not an address"),
     ({"master": "etcd://10.0.0.1"}, "extra.master = 'etcd://10.0.0.1' (Mooncake's HA form, "
                                     "etcd://HOST:PORT[;HOST:PORT]): etcd endpoint '10.0.0.1' has no port"),

@@ -28,7 +28,7 @@ from omni_accum.cli.doctor_policy import (  # noqa: F401 - _deploy_policy: the t
     check_policy,
 )
 from omni_accum.integrations.vllm_omni.families import SUPPORTED_VERSIONS, family_for
-from omni_accum.errors import OmniAccumError
+from omni_accum.errors import OmniAccumError, close_matches
 from omni_accum.manager import get_manager
 from omni_accum.policy.fingerprint import dist_version
 from omni_accum.switches import OFF, SettingError, env_flag, switch_problems
@@ -311,9 +311,7 @@ def check_arena_connector(deploy: str | None) -> list[Check]:
     if known is not None:
         for name in names:
             if name not in known and name not in ours:
-                from difflib import get_close_matches
-
-                close = get_close_matches(name, [*known, *registered], n=1)
+                close = close_matches(name, [*known, *registered])
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 detail = f"{deploy} selects connector {name!r}, which no plugin registers{hint}: vllm-omni fails with "
                 detail += "'Unknown connector' when the stage builds it"

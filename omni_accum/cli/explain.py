@@ -15,7 +15,7 @@ from typing import Any
 from omni_accum.bench.workloads import MAX_ROWS
 from omni_accum.cli.args import int_value, positive_int
 from omni_accum.context import KeyMeta, StreamContext
-from omni_accum.errors import OmniAccumError, PolicyError
+from omni_accum.errors import OmniAccumError, PolicyError, close_matches
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import table_mismatches
 from omni_accum.policy.loader import load_policy
@@ -149,14 +149,12 @@ def explain_key(
 def _unknown_key_notes(key: str) -> list[str]:
     """A note when ``key`` is not one that a supported vllm-omni release sends (a typo takes the default silently),
     with the closest such keys."""
-    import difflib
-
     from omni_accum.integrations.vllm_omni.families.keys import SENT_KEYS
 
     sent = sorted(set().union(*SENT_KEYS.values()))
     if key in sent:
         return []
-    close = difflib.get_close_matches(key, sent, n=3, cutoff=0.6)
+    close = close_matches(key, sent, n=3)
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
     return [f"{key!r} is not a key a supported vllm-omni release sends (Qwen3-Omni's stages){hint}"]
 

@@ -4,7 +4,6 @@ the key, the value and what it takes."""
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 import re
@@ -14,6 +13,7 @@ from fractions import Fraction
 from typing import Any
 
 from omni_accum import samehost
+from omni_accum.errors import close_matches, key_form
 
 #: The name :mod:`.arena_plugin` registers the connector under (``name:`` of a deploy YAML's connector).
 NAME = "OmniAccumArenaConnector"
@@ -78,10 +78,6 @@ _PLAIN = frozenset({"name", "bytes"})
 CLOSE = 0.85
 
 
-def _norm(key: Any) -> str:
-    return str(key).strip().lower().replace("-", "_")
-
-
 def check_keys(extra: Mapping[Any, Any], name: str, known: Iterable[str]) -> None:
     """Refuse the keys of ``extra`` that connector ``name`` (one of :data:`KEY_PREFIXES`) does not read but that look
     meant for it or for another omni-accum connector: written otherwise (lowercased, ``-`` as ``_``), one has a
@@ -98,9 +94,9 @@ def check_keys(extra: Mapping[Any, Any], name: str, known: Iterable[str]) -> Non
             targets.setdefault(bare, k)
     bad: list[tuple[str, str]] = []
     for key in sorted((k for k in extra if k not in known), key=str):
-        norm = _norm(key)
+        norm = key_form(key)
         other = next((n for n, ps in KEY_PREFIXES.items() if n != name and norm.startswith(ps)), None)
-        near = difflib.get_close_matches(norm, list(targets), n=1, cutoff=CLOSE)
+        near = close_matches(norm, targets, cutoff=CLOSE)
         if other is not None:
             bad.append((str(key), f"a key of {other}, not of this connector"))
         elif norm in targets or near:

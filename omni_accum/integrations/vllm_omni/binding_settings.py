@@ -8,12 +8,11 @@ runs.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from omni_accum.context import StreamContext
-from omni_accum.errors import PolicyError
+from omni_accum.errors import PolicyError, close_matches, key_form
 from omni_accum.integrations.vllm_omni.deployment import deployment_context
 from omni_accum.policy import Policy, load_policy
 from omni_accum.policy.loader import POLICY_OFF
@@ -59,11 +58,10 @@ def unknown_extra_keys(extra: Any) -> str | None:
     if not isinstance(extra, Mapping):
         return None
     known = extra_keys()
-    unknown = sorted(str(k) for k in extra if str(k).lower().replace("-", "_").startswith("omni_accum_")
-                     and k not in known)  # fmt: skip
+    unknown = sorted(str(k) for k in extra if key_form(k).startswith("omni_accum_") and k not in known)
     if not unknown:
         return None
-    close = {k: difflib.get_close_matches(k.lower().replace("-", "_"), known, n=1, cutoff=0.75) for k in unknown}
+    close = {k: close_matches(k, known, cutoff=0.75) for k in unknown}
     named = ", ".join(f"{k!r}" + (f" (did you mean {close[k][0]!r}?)" if close[k] else "") for k in unknown)
     return f"connector extra: unknown key(s) {named}; omni-accum reads {', '.join(known)}"
 

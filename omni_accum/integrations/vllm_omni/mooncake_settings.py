@@ -5,12 +5,12 @@ no problem in them."""
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from omni_accum.errors import close_matches
 from omni_accum.integrations.vllm_omni.arena_settings import check_keys, parse_size
 from omni_accum.integrations.vllm_omni.mooncake_reads import MAX_THREADS
 from omni_accum.integrations.vllm_omni.mooncake_wait import parse_poll
@@ -150,7 +150,7 @@ def store_checks(extra: Mapping[str, Any], place: str = "extra") -> tuple[list[t
     for key in map(str, extra):
         if key in STORE_KEYS or key.startswith(("omni_accum_", "mooncake_")):
             continue
-        close = difflib.get_close_matches(key, [k for k in STORE_KEYS if k not in extra], n=1, cutoff=0.75)
+        close = close_matches(key, [k for k in STORE_KEYS if k not in extra], cutoff=0.75)
         if close:
             problems.append((f"{place}.{key}: vllm-omni's MooncakeStoreConnector reads no {key!r} (did you mean "
                              f"{close[0]}?); without {close[0]} it uses {STORE_KEYS[close[0]]!r}",
@@ -187,7 +187,7 @@ def store_checks(extra: Mapping[str, Any], place: str = "extra") -> tuple[list[t
         if proto in OTHER_PROTOCOLS:
             notes.append((f"{place}.proto = {proto!r}: not in the CPU build of Mooncake omni-accum pins (tcp, rdma)",
                           "use a Mooncake build with that transport"))  # fmt: skip
-        elif close := difflib.get_close_matches(str(proto), (*PROTOCOLS, *OTHER_PROTOCOLS), n=1):
+        elif close := close_matches(proto, (*PROTOCOLS, *OTHER_PROTOCOLS)):
             problems.append((f"{place}.proto = {proto!r} is not a protocol Mooncake knows (did you mean {close[0]}?): "
                              "the stage does not start", f"one of: {', '.join(PROTOCOLS)}"))  # fmt: skip
         else:  # a transport of a Mooncake build newer than the one omni-accum knows, maybe
