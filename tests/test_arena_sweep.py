@@ -89,3 +89,25 @@ def test_a_sender_finding_a_dead_owners_region_leaves_the_pointer_to_the_reaper_
     assert ptr.read_bytes() == named  # left
     assert not (private_dir() / ("omni_accum_arena_" + named.decode())).exists()  # the dead owner's region: removed
     assert [p.name for p in sweep_stale()] == [ptr.name]
+
+
+def test_sweep_stale_keeps_a_live_replica_s_mark_and_removes_a_dead_one_s(tmp_path, monkeypatch):
+    """A pair's replica mark (``<pair>.replicas``, a pid) matched the regions' pattern and was read as a region: no
+    region header, so no owner, and ``sweep_stale()`` removed a live replica's mark (its sender then went back to
+    the region until the mark was written again)."""
+    from omni_accum.arena import live
+
+    base = tmp_path / "shm"
+    base.mkdir(mode=0o700)
+    monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", str(base))
+    pair, dead_pair = f"sweeprep_{os.getpid()}_0_1", f"sweepdeadrep_{os.getpid()}_0_1"
+    live.mark_replica(pair)  # this process: alive
+    try:
+        ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                               text=True, check=True, timeout=60).stdout.strip()  # fmt: skip
+        write_private(live.replicas_path(dead_pair), ended.encode(), "test")  # a replica that ended
+        assert [p.name for p in sweep_stale()] == [live.replicas_path(dead_pair).name]
+        assert live.replicas_marked(pair)
+        assert live.replicas_path(pair).exists()
+    finally:
+        live.unmark_replica(pair)

@@ -17,11 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from omni_accum import samehost
-from omni_accum.arena.region import ArenaError, owner_of, path_for, pid_alive
+from omni_accum.arena.region import REPLICAS_SUFFIX, ArenaError, owner_of, path_for, pid_alive
 
 POINTER_SUFFIX = ".live"
-#: The pair's replica mark: a second live receiving process of the pair (a replica of the stage) writes its pid there.
-REPLICAS_SUFFIX = ".replicas"
 #: Attempts at a fresh random name before a receiver gives up (each taken name is someone's live region).
 NAME_TRIES = 8
 

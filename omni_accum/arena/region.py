@@ -37,6 +37,8 @@ from omni_accum.errors import OmniAccumError
 logger = logging.getLogger("omni_accum.arena")
 
 PREFIX = "omni_accum_arena_"
+#: A stage pair's replica mark (:mod:`.live`): the pid of a second live receiving process of the pair, not a region.
+REPLICAS_SUFFIX = ".replicas"
 MAGIC = int.from_bytes(b"OAARENA1", "little")
 VERSION = 1
 HEADER = 4096
@@ -411,9 +413,9 @@ def owner_of(path: Path) -> int | None:
 
 
 def sweep_stale(directory: Path | None = None) -> list[Path]:
-    """Remove every arena file of ``directory`` (default: this user's private directory) whose owner is dead, and
-    every pointer file (:mod:`.live`) whose region is gone or has a dead owner; the removed paths. A file that is not
-    this user's is left alone (and logged once)."""
+    """Remove every arena file of ``directory`` (default: this user's private directory) whose owner is dead, every
+    pointer file (:mod:`.live`) whose region is gone or has a dead owner, and every replica mark whose pid is dead;
+    the removed paths. A file that is not this user's is left alone (and logged once)."""
     removed = []
     directory = directory or samehost.private_dir()
     files = sorted(directory.glob(PREFIX + "*"))
@@ -423,6 +425,9 @@ def sweep_stale(directory: Path | None = None) -> list[Path]:
                 name = samehost.read_private(p, 512).decode("ascii", "replace")
                 region = directory / f"{PREFIX}{name}"
                 owner = owner_of(region) if re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", name) else None
+            elif p.name.endswith(REPLICAS_SUFFIX):  # a mark holds a pid, not a region's header (was swept as one)
+                text = samehost.read_private(p, 32).decode("ascii", "replace").strip()
+                owner = int(text) if text.isdigit() else None
             else:
                 owner = owner_of(p)
         except samehost.SameHostRefused as e:
