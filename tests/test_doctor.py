@@ -133,7 +133,10 @@ def test_json_deploy_always_prints_json_with_every_finding(clean_env, capsys, tm
     assert rc == 1 and not json.loads(out)["ok"]
     # not YAML, not a mapping, a directory: the input named on the command line is invalid, a usage error (2), and
     # said at once (they ran every check, ~12 s, then exit 1)
-    cases = (("[unclosed", "invalid YAML"), ("# a comment\n", "got no YAML content"), ("- a\n", "got list"), (None, "a directory"))
+    cases = (("[unclosed", "invalid YAML"), ("# a comment\n", "got no YAML content"), ("- a\n", "got list"), (None, "a directory"),
+             # a bad tagged value and deep nesting were tracebacks (validate and bench --workload named them)
+             ("x: 1\na: !!int xyz\n", "line 2: invalid YAML value: ValueError"),
+             ("a: " + "[" * 20000 + "]" * 20000, "invalid YAML: nested too deeply"))
     for broken, said in cases:
         g = f if broken is not None else tmp_path / "folder"
         g.write_text(broken) if broken is not None else g.mkdir()

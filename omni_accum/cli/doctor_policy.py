@@ -36,13 +36,23 @@ def _read_deploy(path: str) -> Any:
         kind = "a directory" if os.path.isdir(path) else "not a regular file"
         raise OmniAccumError(f"--deploy {path}: {kind}; give the deploy YAML the server starts with")
     try:
+        text = ""
         with open(path, encoding="utf-8") as f:
-            return load_yaml(f.read())
+            text = f.read()
+        return load_yaml(text)
     except yaml.YAMLError as e:
         line, problem = yaml_error_parts(e)
         raise OmniAccumError(f"--deploy {path}: {line}invalid YAML: {problem}") from e
     except (OSError, UnicodeDecodeError) as e:
         raise OmniAccumError(f"--deploy {path}: cannot read it: {e}") from e
+    except RecursionError as e:
+        raise OmniAccumError(f"--deploy {path}: invalid YAML: nested too deeply") from e
+    except (ValueError, TypeError, IndexError, OverflowError) as e:  # PyYAML's bad tagged scalars (``!!int x``)
+        from omni_accum.policy.loader import _bad_scalar_line
+
+        where = _bad_scalar_line(text)
+        line = f"line {where}: " if where else ""
+        raise OmniAccumError(f"--deploy {path}: {line}invalid YAML value: {type(e).__name__}: {e}") from e
 
 
 def _deploy_or_none(deploy: str | None) -> Any:
