@@ -117,7 +117,9 @@ def private_dir_problem() -> str | None:
 
 
 def private_dir() -> Path:
-    """This user's directory under :func:`base_dir` (created 0700 when missing, checked every time)."""
+    """This user's directory under :func:`base_dir` (created 0700 when missing, checked every time; one of this
+    user's that others may list or enter, e.g. made 0755 beforehand, is narrowed to 0700: region and hello names
+    carry the deployment's token)."""
     base = _checked_base()
     d = base / f"omni-accum-{os.geteuid()}"
     for attempt in range(_MKDIR_ATTEMPTS):
@@ -126,7 +128,7 @@ def private_dir() -> Path:
         except FileExistsError:
             pass
         try:
-            check_dir(d)
+            check_dir(d, private=True)
             return d
         except FileNotFoundError:
             # another process's reaper removed the directory empty between the mkdir and the check: make it again
@@ -164,15 +166,19 @@ def _refuse_link(path: str | os.PathLike[str], e: OSError) -> None:
                               st) from None
 
 
-def check_dir(path: str | os.PathLike[str]) -> None:
-    """Raise SameHostRefused unless ``path`` is a directory (not a symlink) of this uid, not group/world writable."""
+def check_dir(path: str | os.PathLike[str], private: bool = False) -> None:
+    """Raise SameHostRefused unless ``path`` is a directory (not a symlink) of this uid, not group/world writable;
+    ``private``: then also narrowed to 0700 where group or others may read or enter it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         _refuse_link(path, e)
         raise
     try:
-        _check(path, os.fstat(fd), "dir")
+        st = os.fstat(fd)
+        _check(path, st, "dir")
+        if private and st.st_mode & 0o077:
+            os.fchmod(fd, 0o700)
     finally:
         os.close(fd)
 

@@ -107,17 +107,28 @@ def test_the_private_directory_is_this_users_and_0700():
     assert d.name == f"omni-accum-{os.geteuid()}"
 
 
+def test_a_private_directory_of_this_user_that_others_may_list_is_narrowed_to_0700(tmp_path, monkeypatch):
+    """One made 0755 beforehand (by hand, or an older tool) was taken as it was: other users could list the region
+    and hello names in it, which carry the deployment's token. It is narrowed to 0700 when first used."""
+    monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", str(tmp_path))
+    d = tmp_path / f"omni-accum-{os.geteuid()}"
+    for mode in (0o755, 0o711, 0o700):
+        d.mkdir(mode=mode, exist_ok=True)
+        os.chmod(d, mode)
+        assert private_dir() == d and stat.S_IMODE(os.lstat(d).st_mode) == 0o700, oct(mode)
+
+
 def test_the_private_directory_removed_empty_by_a_reaper_between_mkdir_and_check_is_made_again(tmp_path, monkeypatch):
     """A reaper of another process removes the directory when it is empty; private_dir() must not fail for that."""
     monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", str(tmp_path))
     real_check = samehost.check_dir
     removed = []
 
-    def check_after_a_reaper(path):
+    def check_after_a_reaper(path, **kw):
         if len(removed) < 3:  # the reaper wins the race three times in a row
             os.rmdir(path)
             removed.append(path)
-        return real_check(path)
+        return real_check(path, **kw)
 
     monkeypatch.setattr(samehost, "check_dir", check_after_a_reaper)
     d = private_dir()
