@@ -343,6 +343,31 @@ def test_metrics_without_prometheus_client_are_reported_off(clean_env, capsys, m
     assert "note     metrics: off: prometheus_client is not installed" in out and "pip install prometheus_client" in out
 
 
+def test_a_shared_multiprocess_metrics_folder_is_a_warning(clean_env, capsys, tmp_path):
+    """The docs suggested ``PROMETHEUS_MULTIPROC_DIR=/tmp/prom``: /metrics sums every file in that folder, whoever
+    wrote it, so another user's files fed the A/B verdict; doctor said "ok". A folder that is not the serving user's
+    own (another owner, writable by others) or that is missing is a note naming why."""
+    clean_env.setenv("OMNI_ACCUM_POLICY", "default")
+    own, shared, theirs = tmp_path / "own", tmp_path / "shared", tmp_path / "theirs"
+    own.mkdir(mode=0o700)
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    theirs.mkdir(mode=0o700)
+    cases = [(own, None), (shared, "group- or world-writable (mode 1777)"), (tmp_path / "none", "No such file")]
+    if os.geteuid() == 0:
+        os.chown(theirs, 65534, 65534)
+        cases.append((theirs, "owned by another user (uid 65534)"))
+    for folder, said in cases:
+        clean_env.setenv("PROMETHEUS_MULTIPROC_DIR", str(folder))
+        rc, out = _doctor(capsys)
+        (line,) = [x for x in out.splitlines() if "metrics:" in x]
+        assert rc == 0, out
+        if said is None:
+            assert line.startswith("ok") and f"on (multiprocess: {folder})" in line, line
+        else:
+            assert line.startswith("note") and said in line and "mktemp -d" in out, line
+
+
 @pytest.mark.parametrize(
     "versions, word",
     [

@@ -233,7 +233,7 @@ def check_plugins() -> list[Check]:
 
 
 def check_metrics() -> list[Check]:
-    from omni_accum.integrations.vllm_omni.metrics import ENV_METRICS
+    from omni_accum.integrations.vllm_omni.metrics import ENV_METRICS, multiproc_dir_problem
 
     try:
         off = not env_flag(ENV_METRICS)
@@ -254,6 +254,10 @@ def check_metrics() -> list[Check]:
     if off:
         return [Check("metrics", True, f"off ({ENV_METRICS}=0)", warning=True)]
     where = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    problem = multiproc_dir_problem(where) if where else None
+    if problem:  # /metrics (and `omni-accum ab` on a scrape of it) would show what others write there
+        return [Check("metrics", True, f"on (multiprocess: {where}): {problem}",
+                      "PROMETHEUS_MULTIPROC_DIR=$(mktemp -d): an empty folder of the serving user's", warning=True)]
     return [Check("metrics", True, "on" + (f" (multiprocess: {where})" if where else ""))]
 
 

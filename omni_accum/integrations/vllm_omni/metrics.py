@@ -24,6 +24,7 @@ split keeps its labels.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 import weakref
@@ -381,3 +382,20 @@ class Recorder(Publishing):
 
 #: Strategies that replace a key's value (not append): the merge histogram's label skips them.
 _REPLACE_LIKE = frozenset({"replace", "send_once"})
+
+
+def multiproc_dir_problem(where: str) -> str | None:
+    """Why the multiprocess metrics folder is not the serving user's own (prometheus_client's /metrics sums every
+    ``.db`` file in it, whoever wrote it), or None."""
+    try:
+        st = os.stat(where)
+    except OSError as e:
+        return f"{e.strerror or e}: prometheus_client fails to write there"
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a folder: prometheus_client fails to write there"
+    if st.st_uid not in (0, os.geteuid()):
+        return f"owned by another user (uid {st.st_uid}), whose files it may add to these metrics"
+    if st.st_mode & 0o022:
+        return (f"group- or world-writable (mode {stat.S_IMODE(st.st_mode):o}): other users' files in it are added to "
+                "these metrics")  # fmt: skip
+    return None
