@@ -214,6 +214,19 @@ def test_ab_reads_a_saved_scrape_and_says_a_real_difference_is_above_the_noise(t
     assert merge["versus"]["treatment"]["difference"] == pytest.approx(32e-6, rel=1e-6)
 
 
+def test_an_arm_s_interval_of_a_time_does_not_go_below_zero(tmp_path, capsys):
+    """One 12 ms merge among 200 us ones (its (0.01, 0.1] bucket spreads it) gave the arm ``[-963.6 us, 1461.5 us]``:
+    a time's interval is cut at 0."""
+    f = tmp_path / "metrics.txt"
+    f.write_bytes(_scrape(_spread(200e-6), [*_spread(200e-6, 240), 12e-3], requests=[40, 40]))
+    assert main(["ab", "--metrics", str(f), "--json"]) == 0
+    merge = next(g for g in json.loads(capsys.readouterr().out)["groups"] if g["what"] == "merge")
+    t = merge["arms"]["treatment"]
+    assert t["ci_low"] == 0.0 < t["mean"] < t["ci_high"], t
+    assert merge["arms"]["control"]["ci_low"] > 0.0
+    assert merge["versus"]["treatment"]["ci_low"] < 0.0  # a difference may be below 0
+
+
 def test_ab_says_within_the_noise_for_the_same_distribution(tmp_path, capsys):
     f = tmp_path / "metrics.txt"
     f.write_bytes(_scrape(_spread(20e-6), list(reversed(_spread(20e-6)))))

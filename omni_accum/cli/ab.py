@@ -128,7 +128,8 @@ def stats(h: Hist, requests: float) -> ArmStats:
     if units <= 0:
         return ArmStats(int(n), 0, mean, None, None, None, quantile(h, 0.5), quantile(h, 0.9))
     se = math.sqrt(ss / max(n - 1, 1) / units)
-    return ArmStats(int(n), units, mean, mean - Z95 * se, mean + Z95 * se, se, quantile(h, 0.5), quantile(h, 0.9))
+    low = max(mean - Z95 * se, 0.0)  # a time is never negative: one slow chunk's wide bucket put the bound below 0
+    return ArmStats(int(n), units, mean, low, mean + Z95 * se, se, quantile(h, 0.5), quantile(h, 0.9))
 
 
 def compare(a: ArmStats, b: ArmStats) -> dict[str, Any]:
