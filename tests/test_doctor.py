@@ -353,7 +353,7 @@ def test_a_shared_multiprocess_metrics_folder_is_a_warning(clean_env, capsys, tm
     shared.mkdir()
     os.chmod(shared, 0o1777)
     theirs.mkdir(mode=0o700)
-    cases = [(own, None), (shared, "group- or world-writable (mode 1777)"), (tmp_path / "none", "No such file")]
+    cases = [(own, None), (shared, "group- or world-writable (mode 1777)")]
     if os.geteuid() == 0:
         os.chown(theirs, 65534, 65534)
         cases.append((theirs, "owned by another user (uid 65534)"))
@@ -366,6 +366,13 @@ def test_a_shared_multiprocess_metrics_folder_is_a_warning(clean_env, capsys, tm
             assert line.startswith("ok") and f"on (multiprocess: {folder})" in line, line
         else:
             assert line.startswith("note") and said in line and "mktemp -d" in out, line
+    # missing, or a file: every stage process turns its metrics off (it cannot write there): a problem, not "ready"
+    (tmp_path / "file").write_text("")
+    for folder, said in ((tmp_path / "none", "No such file"), (tmp_path / "file", "not a folder")):
+        clean_env.setenv("PROMETHEUS_MULTIPROC_DIR", str(folder))
+        rc, out = _doctor(capsys)
+        (line,) = [x for x in out.splitlines() if "metrics:" in x]
+        assert rc == 1 and line.startswith("PROBLEM") and "off in every stage" in line and said in line, out
 
 
 @pytest.mark.parametrize(

@@ -255,9 +255,11 @@ def check_metrics() -> list[Check]:
         return [Check("metrics", True, f"off ({ENV_METRICS}=0)", warning=True)]
     where = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     problem = multiproc_dir_problem(where) if where else None
-    if problem:  # /metrics (and `omni-accum ab` on a scrape of it) would show what others write there
-        return [Check("metrics", True, f"on (multiprocess: {where}): {problem}",
-                      "PROMETHEUS_MULTIPROC_DIR=$(mktemp -d): an empty folder of the serving user's", warning=True)]
+    if problem:  # missing: every stage turns its metrics off; shared: /metrics (and `ab`) shows what others write
+        usable = os.path.isdir(where)
+        return [Check("metrics", usable, f"{'on' if usable else 'off in every stage'} (multiprocess: {where}): "
+                      f"{problem}", "PROMETHEUS_MULTIPROC_DIR=$(mktemp -d): an empty folder of the serving user's",
+                      warning=usable)]  # fmt: skip
     return [Check("metrics", True, "on" + (f" (multiprocess: {where})" if where else ""))]
 
 
