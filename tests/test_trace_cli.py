@@ -311,3 +311,38 @@ def test_a_capture_file_named_twice_is_read_once(tmp_path, capsys):
         assert len(data["files"]) == 1 and data["pairs"]["0->1"]["chunks"] == counts["chunks"]
         assert data["pairs"] == once["pairs"]
         assert err.strip() == f"omni-accum trace: note: {f} named more than once: read once", err
+
+
+def test_a_record_with_an_infinite_or_nan_number_is_skipped_and_trace_json_prints_only_json(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """A record with "handoff_s": Infinity (json.loads reads it) was used: trace --json printed "max_s": Infinity,
+    which is not JSON. Such a record is skipped with its reason; --json never prints a non-finite number."""
+    w = CaptureWriter(tmp_path / "cap", "1", buffer_bytes=0)
+    rec = ChunkRecorder(w, "recv", "0->1", _kind)
+    for i in range(4):
+        rec.record("r", {"embed": {"decode": torch.zeros(1, D)}}, 1_000_000 + i * 1000, handoff_s=0.25)
+    w.close()
+    lines = w.path.read_text().splitlines()
+    lines[1] = lines[1].replace('"handoff_s":0.250000', '"handoff_s":Infinity')
+    lines[2] = lines[2].replace('"dt":1000e-6', '"dt":NaN')
+    lines[3] = lines[3].replace('"t":1003000e-6', '"t":-1e400')
+    w.path.write_text("\n".join(lines) + "\n")
+    assert main(["trace", str(tmp_path / "cap"), "--json"]) == 0
+    out = capsys.readouterr().out
+
+    def refuse(name):
+        raise AssertionError(f"{name} in trace --json")
+
+    data = json.loads(out, parse_constant=refuse)
+    assert data["records"] == 1 and data["pairs"]["0->1"]["handoff"]["first_chunk"]["max_s"] == 0.25
+    assert data["skipped"] == [f"{w.path}, line 2: field 'handoff_s': invalid value inf",
+                               f"{w.path}, line 3: field 'dt': invalid value nan",
+                               f"{w.path}, line 4: field 't': invalid value -inf"]
+    from omni_accum.capture import summary
+
+    real = summary.summarize
+    monkeypatch.setattr(summary, "summarize", lambda *a: {**real(*a), "records": float("inf")})
+    assert main(["trace", str(tmp_path / "cap"), "--json"]) == 2  # the guard: an error, never invalid JSON
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"omni-accum trace: error: {tmp_path / 'cap'}: the summary cannot be printed "
+                                        "as JSON (Out of range float values are not JSON compliant"), err

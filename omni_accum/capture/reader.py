@@ -1,6 +1,7 @@
 """A capture back into records: every complete, valid line; every other one reported, never fatal.
 
-:func:`read_capture` takes a capture folder (its ``capture-*.jsonl`` files) or files. A line cut by a
+:func:`read_capture` takes a capture folder (its ``capture-*.jsonl`` files, in the order they were written:
+numbers in a name compare as numbers, so ``.10`` comes after ``.9``) or files. A line cut by a
 stopped writer (no end of line), a line that is not JSON, or a record with a field of the wrong type is
 skipped and reported as a :class:`Problem` naming the file and the line number; the rest is used. Lines
 are parsed with :func:`json.loads` only: nothing read is unpickled or evaluated. Within a folder, a
@@ -13,7 +14,9 @@ spellings of one path) is read once, and said so (:meth:`Capture.notes`).
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -82,6 +85,12 @@ def _special_kind(path: Path) -> str | None:
     return special_file_kind(path) if probe(path) and not probe(path, "is_symlink") else None
 
 
+def _name_order(path: Path) -> list[Any]:
+    """``path``'s name with its digit runs as numbers: ``capture-0-7.10.jsonl`` after ``capture-0-7.9.jsonl`` (a
+    process's files are numbered on, past 9 and across a restart with the same pid)."""
+    return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"([0-9]+)", path.name))]
+
+
 def capture_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
     """The capture files ``paths`` name: a folder's ``capture-*.jsonl`` files (sorted), or the files given.
 
@@ -112,7 +121,8 @@ def capture_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
                 ) from None
             except OSError as e:
                 raise CaptureError(f"{p}: cannot list the folder ({e.strerror or e})") from None
-            found = sorted(x for x in names if x.name.startswith(FILE_PREFIX) and x.name.endswith(FILE_SUFFIX))
+            found = sorted((x for x in names if x.name.startswith(FILE_PREFIX) and x.name.endswith(FILE_SUFFIX)),
+                           key=_name_order)
             if not found:
                 raise CaptureError(
                     f"{p}: no capture files in this folder (expected {FILE_PREFIX}<stage>-<pid>.<n>{FILE_SUFFIX}, "
@@ -136,7 +146,14 @@ MAX_KEY_BYTES = 16 << 30
 
 
 def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite number: json.loads reads Infinity and NaN (and integers past a float's range), which no writer
+    makes and ``trace --json`` could not print as JSON."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an integer too large for a float
+        return False
 
 
 def _count(x: Any) -> bool:

@@ -8,9 +8,13 @@ when a request is released and at exit. A process killed at any point (``kill -9
 readable up to its last complete line (what was still buffered is lost; a write cut by the kill leaves
 a cut last line, which the reader reports and skips).
 A process writes at most ``max_bytes`` in all: its files rotate at ``max_bytes / keep`` bytes and only
-the newest ``keep`` stay (the oldest is removed when a new one opens). ``DIR`` is made with mode 0700
-when missing; files are made 0600 and opened with ``O_NOFOLLOW`` (a symlink planted in their place is
-refused, never followed). A capture holds no pickles and nothing that is evaluated: JSON text only.
+the newest ``keep`` stay (the oldest is removed when a new one opens). A writer only ever writes to and
+removes files it made itself (``O_EXCL``): its first file is numbered after the files of its stage and pid
+already in ``DIR``, so a restarted process that got the same pid (pid 1 in a container, every time) goes on
+after the previous run's files and never appends to them or rotates them away. ``DIR`` is made with mode 0700
+when missing; files are made 0600 and never through a symlink (a symlink, or a file that is not this user's
+private file, planted under a name of this stage and pid is refused). A capture holds no pickles and nothing
+that is evaluated: JSON text only.
 
 ``DIR/salt`` (0600, made once by the first writer) salts the request hashes: every process of one
 capture hashes a request id the same way, and a hash cannot be looked up against a list of ids from
@@ -43,7 +47,9 @@ FILE_PREFIX = "capture-"
 FILE_SUFFIX = ".jsonl"
 _FLUSH_AFTER_US = int(FLUSH_AFTER_S * 1_000_000)
 _monotonic_ns = time.monotonic_ns
-_OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+# O_EXCL: a new file every time, never one already there (another run's, or planted: a symlink is not followed)
+_OPEN_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
+               | getattr(os, "O_CLOEXEC", 0))
 
 
 class CaptureError(OmniAccumError):
@@ -53,6 +59,15 @@ class CaptureError(OmniAccumError):
 def file_name(stage: str, pid: int, n: int) -> str:
     """``capture-<stage>-<pid>.<n>.jsonl``."""
     return f"{FILE_PREFIX}{stage}-{pid}.{n}{FILE_SUFFIX}"
+
+
+def file_number(name: str, stage: str, pid: int) -> int | None:
+    """``n`` of a file named ``capture-<stage>-<pid>.<n>.jsonl`` (:func:`file_name`), or None for another name."""
+    head = f"{FILE_PREFIX}{stage}-{pid}."
+    if not (name.startswith(head) and name.endswith(FILE_SUFFIX)):
+        return None
+    n = name[len(head) : len(name) - len(FILE_SUFFIX)]
+    return int(n) if n.isascii() and n.isdigit() else None
 
 
 def folder_problem(directory: str | os.PathLike[str], what: str = "capture folder") -> str | None:
@@ -186,41 +201,75 @@ class CaptureWriter:
         self._since = 0  # us: when the oldest buffered line came
         self._lock = threading.Lock()
         self._n = 0
+        self._mine: list[int] = []  # numbers of the files this writer made, oldest first: the only ones it removes
         self._fd = -1
         self._size = 0
         self.closed = False
-        self._open(0)
+        self._open(self._first_number())
 
     @property
     def path(self) -> Path:
         """The file being written."""
         return self.directory / file_name(self.stage, self.pid, self._n)
 
-    def _open(self, n: int) -> None:
-        path = self.directory / file_name(self.stage, self.pid, n)
+    def _first_number(self) -> int:
+        """The number after those of this stage and pid's files already in the folder (0: none): a restarted
+        process with the same pid goes on after the previous run's files, which sort before its own. Each one is
+        checked by :meth:`_check_taken` (one planted under such a name is refused)."""
         try:
-            fd = os.open(path, _OPEN_FLAGS, 0o600)
+            names = os.listdir(self.directory)
         except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise CaptureError(f"capture file {path} is a symlink: refused (never followed)") from None
-            raise CaptureError(f"capture file {path}: cannot open it ({e.strerror or e})") from None
-        st = os.fstat(fd)
+            raise CaptureError(f"capture folder {self.directory}: cannot list it ({e.strerror or e})") from None
+        top = -1
+        for name in names:
+            n = file_number(name, self.stage, self.pid)
+            if n is not None:
+                self._check_taken(self.directory / name)
+                top = max(top, n)
+        return top + 1
+
+    def _check_taken(self, path: Path) -> None:
+        """A file already at ``path`` (never written here): :class:`CaptureError` unless it is this user's private
+        regular file (another run's, or another writer's of this process), which is left as it is."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return  # removed meanwhile: its number is skipped all the same
+        except OSError as e:
+            raise CaptureError(f"capture file {path}: cannot look at it ({e.strerror or e})") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise CaptureError(f"capture file {path} is a symlink: refused (never followed)")
         if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
             raise CaptureError(f"capture file {path}: not a regular file")
-        if st.st_uid != os.geteuid() or st.st_mode & 0o077:  # made before us, by someone else or for others
-            os.close(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:  # made by someone else, or for others to read
             raise CaptureError(
                 f"capture file {path}: owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}: not this "
                 "user's private file (refused)"
             )
-        old, self._fd, self._n, self._size = self._fd, fd, n, st.st_size
+
+    def _open(self, n: int) -> None:
+        """Make file ``n`` (or the first free number after it) and write to it from now on; past ``keep`` files
+        made here, remove the oldest of them (never a file this writer did not make)."""
+        while True:
+            path = self.directory / file_name(self.stage, self.pid, n)
+            try:
+                fd = os.open(path, _OPEN_FLAGS, 0o600)
+                break
+            except FileExistsError:
+                self._check_taken(path)
+                n += 1  # another run's file with this pid, or another writer's: left to it
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise CaptureError(f"capture file {path} is a symlink: refused (never followed)") from None
+                raise CaptureError(f"capture file {path}: cannot open it ({e.strerror or e})") from None
+        old, self._fd, self._n, self._size = self._fd, fd, n, 0
         if old >= 0:
             os.close(old)
-        stale = n - self.keep
-        if stale >= 0:
+        mine = self._mine
+        mine.append(n)
+        while len(mine) > self.keep:
             try:
-                os.unlink(self.directory / file_name(self.stage, self.pid, stale))
+                os.unlink(self.directory / file_name(self.stage, self.pid, mine.pop(0)))
             except OSError:
                 pass
 
@@ -288,10 +337,29 @@ class CaptureWriter:
             except CaptureError as e:
                 self._fail(str(e))
                 return
+        done = 0
         try:
-            os.write(self._fd, data)
+            done = os.write(self._fd, data)
+            while done < n:  # a short write (a nearly full disk): the rest, or the error that stops it
+                wrote = os.write(self._fd, data[done:])
+                if wrote <= 0:
+                    raise OSError(errno.EIO, "the disk took none of the rest of the line")
+                done += wrote
         except OSError as e:
-            self._fail(f"capture file {self.path}: write failed ({e.strerror or e}); capture stopped")
+            # no cut line stays behind (lines go out whole): the file is cut back to the end of its last whole
+            # line (the file is this writer's alone, so that is _size plus the whole lines of this write)
+            whole = data.rfind(b"\n", 0, done) + 1
+            if whole < done:
+                try:
+                    os.ftruncate(self._fd, self._size + whole)
+                except OSError:
+                    pass  # left cut: the reader reports the cut last line and uses the rest
+            self._size += whole
+            self.lines += data.count(b"\n", 0, whole)
+            self._fail(
+                f"capture file {self.path}: write failed after {done} of {n} bytes ({e.strerror or e}); "
+                "capture stopped"
+            )
             return
         self._size += n
         self.lines += records  # one per write(), as its caller promised (counting the newlines cost more)
@@ -340,9 +408,5 @@ class CaptureWriter:
                 self._fd = -1
 
     def files(self) -> list[Path]:
-        """This process's capture files that exist now, oldest first."""
-        return [
-            p
-            for i in range(max(0, self._n - self.keep + 1), self._n + 1)
-            if (p := self.directory / file_name(self.stage, self.pid, i)).is_file()
-        ]
+        """This writer's capture files that exist now, oldest first (never another run's of the same pid)."""
+        return [p for i in self._mine if (p := self.directory / file_name(self.stage, self.pid, i)).is_file()]

@@ -98,7 +98,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     data = summarize(*got)
     if args.json:
-        print(json.dumps(data, indent=2, default=str))
+        try:  # allow_nan=False: never Infinity or NaN, which are not JSON (the reader refuses such records)
+            text = json.dumps(data, indent=2, default=str, allow_nan=False)
+        except ValueError as e:
+            print(f"omni-accum trace: error: {' '.join(args.dir)}: the summary cannot be printed as JSON ({e})",
+                  file=sys.stderr)
+            return 2
+        print(text)
     else:
         print(format_summary(data))
     if not data["records"]:  # as bench / tune --trace: nothing in it to replay or summarise
