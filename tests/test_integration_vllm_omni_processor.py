@@ -375,3 +375,43 @@ def test_abort_releases_the_rows_held(vo, adapters):
         tx._clear_sender_state_locked("x")
     gc.collect()
     assert "x" not in tx.request_payload and ref() is None
+
+
+def test_a_plugin_s_prealloc_subclass_keeps_its_strategy_for_a_long_prompt(vo, adapters, upstream):
+    """A plugin's ``class MyPrealloc(Prealloc)`` registered as ``my_prealloc`` keeps the class attribute ``name =
+    "prealloc"``: when a prompt's rows exceeded its ``initial_capacity`` the processor rebuilt the strategy by that
+    name, and the built-in replaced the plugin's for long prompts. It is rebuilt by its registered name."""
+    import omni_accum
+    from omni_accum.manager import reset_manager
+    from omni_accum.strategies.prealloc import Params, Prealloc, PreallocAccumulator
+
+    made: list[str] = []
+
+    class MyAccumulator(PreallocAccumulator):
+        pass
+
+    class MyPrealloc(Prealloc):  # inherits name = "prealloc"
+        def new_accumulator(self, key):
+            made.append(key.path)
+            return MyAccumulator(key, self.params)
+
+    class Plugin:
+        @omni_accum.hookimpl
+        def omni_accum_register_strategies(self):
+            return [omni_accum.StrategySpec(name="my_prealloc", factory=MyPrealloc, params_model=Params,
+                                            kinds=frozenset({"append"}))]  # fmt: skip
+
+    m = omni_accum.StrategyManager()
+    m.register(Plugin(), name="acme_prealloc")
+    reset_manager(m)  # conftest puts the original back after the test
+    vo.install()
+    policy = {"default": {"strategy": "cat"}, "rules": [
+        {"match": "embed.prefill", "strategy": "my_prealloc"},
+        {"match": "hidden_states.output", "strategy": "my_prealloc"}]}  # fmt: skip
+    tx = adapters(0, next_func=T2T, extra={"omni_accum_policy": policy})
+    sizes = [100, 100]  # 201 rows handed over: above the default initial_capacity (64)
+    steps = _steps(sizes, seed=12)
+    want = _drive(upstream, "p", sizes, steps)
+    got = _drive(tx, "p", sizes, steps)
+    assert_same(got, want)
+    assert sorted(made) == ["embed.prefill", "hidden_states.output"], made  # the built-in never took over

@@ -114,17 +114,19 @@ def _select(b: Binding, value: torch.Tensor, prompt_len: int) -> list[tuple[str,
     return None
 
 
-def _accumulator(b: Binding, strategy: Any, path: str, rid: str, rows: int) -> Any:
+def _accumulator(b: Binding, strategy: Any, name: str, path: str, rid: str, rows: int) -> Any:
     """A fresh accumulator for ``path``, told its final rows; a strategy with an ``initial_capacity``
     (``prealloc``) gets at least those rows, so its buffer is allocated once (the rows are known here, not
-    guessed: the processor hands over when they exceed the prompt)."""
+    guessed: the processor hands over when they exceed the prompt). ``name``: the strategy's registered name (a
+    plugin's subclass of ``Prealloc`` keeps the class attribute ``name = "prealloc"``: built by it, the built-in
+    replaced the plugin's strategy for long prompts)."""
     params = getattr(strategy, "params", None)
     fields = getattr(type(params), "model_fields", {})
     if "initial_capacity" in fields:
         limit = fields["initial_capacity"].metadata
         cap = min(rows, min((m.le for m in limit if getattr(m, "le", None) is not None), default=rows))
         if cap > params.initial_capacity:
-            strategy = b.receiver.manager.build(strategy.name, {**params.model_dump(), "initial_capacity": cap})
+            strategy = b.receiver.manager.build(name, {**params.model_dump(), "initial_capacity": cap})
     return strategy.new_accumulator(KeyInfo(path, rid, rows))
 
 
@@ -150,9 +152,9 @@ def _in_arena(tm: Any, rid: str, path: str, value: Any, rows: int) -> torch.Tens
 def _start(b: Binding, chosen: list[tuple[str, Any, Any]], rid: str, out: Any, tm: Any = None) -> _Held:
     final = len(out.ids.prompt) + 1  # the rows handed over: the prompt's, then the first decode step's
     accs, rows, copied = [], [], 0
-    for (group, key), (path, strategy, _spec) in zip(KEYS, chosen):
+    for (group, key), (path, strategy, spec) in zip(KEYS, chosen):
         value = getattr(getattr(out, group), key)
-        acc = _accumulator(b, strategy, path, rid, final)
+        acc = _accumulator(b, strategy, spec.name, path, rid, final)
         acc.merge(value)
         own = getattr(acc, "own", None)
         if own is not None:  # prealloc: the rows go into the buffer now, not at the first decode step ...
