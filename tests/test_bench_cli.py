@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import importlib.util
 import json
 import os
 import stat
@@ -660,3 +662,103 @@ def test_an_empty_workload_or_trace_is_a_usage_error_not_the_default_workload(tm
         assert err.startswith(f"omni-accum {command}: error: {what} {option} {empty!r}: give ") and valid in err, err
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "t.yaml").exists()
+
+
+# -- what --json and --plot write: atomically, keeping an existing file's mode, never over an input ------------------ #
+
+
+def _plotted_run():
+    run = bench.BenchRun(load_workload("qwen3-omni-seed"), "inproc", None, 1)
+    for cl in (1000, 8000):
+        run.results.append(_arm("cat", [[cl * (1 + 0.01 * i) for i in range(8)]]))
+        run.results[-1].context_len = cl
+    return run
+
+
+def test_plot_replaces_a_link_at_its_path_and_never_writes_through_it(tmp_path):
+    """`--plot PATH` wrote through a symlink planted at PATH, into the link's target."""
+    require_module("matplotlib", "the plot extra, installed by scripts/env.sh")
+    victim = tmp_path / "victim.png"
+    victim.write_bytes(b"keep me")
+    out = tmp_path / "p.png"
+    out.symlink_to(victim)
+    bench.plot(_plotted_run(), out)
+    assert victim.read_bytes() == b"keep me"
+    assert not out.is_symlink() and out.read_bytes().startswith(b"\x89PNG")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.png", "victim.png"]
+
+
+def test_a_plot_that_cannot_be_written_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    """On a full disk the previous PNG was left truncated (matplotlib wrote the path itself); the error names it."""
+    require_module("matplotlib", "the plot extra, installed by scripts/env.sh")
+    from matplotlib.figure import Figure
+
+    out = tmp_path / "p.png"
+    out.write_bytes(b"the previous plot")
+
+    def full_disk(self, fname, **kw):
+        if isinstance(fname, (str, os.PathLike)):  # as matplotlib opens a path it is given
+            with open(fname, "wb") as fh:
+                fh.write(b"\x89PNG, half of it")
+        else:
+            fname.write(b"\x89PNG, half of it")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    with pytest.raises(OSError) as e:
+        bench.plot(_plotted_run(), out)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(out)
+    assert out.read_bytes() == b"the previous plot" and [p.name for p in tmp_path.iterdir()] == ["p.png"]
+
+
+def test_json_and_plot_over_an_existing_file_keep_its_mode(tmp_path):
+    """`bench --json` over an existing 0600 file made it 0644 (0666 & ~umask), unlike tune --out."""
+    out = tmp_path / "r.json"
+    out.write_text("{}\n")
+    out.chmod(0o600)
+    bench.write_json(_plotted_run(), out)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600 and json.loads(out.read_text())["wire"] == "inproc"
+    if os.geteuid() == 0:  # root over the service user's file: it stays the service's
+        os.chown(out, 65534, 65534)
+        bench.write_json(_plotted_run(), out)
+        assert (out.stat().st_uid, out.stat().st_gid, stat.S_IMODE(out.stat().st_mode)) == (65534, 65534, 0o600)
+    if importlib.util.find_spec("matplotlib"):
+        png = tmp_path / "p.png"
+        png.write_bytes(b"old")
+        png.chmod(0o640)
+        bench.plot(_plotted_run(), png)
+        assert stat.S_IMODE(png.stat().st_mode) == 0o640 and png.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("which", ["a capture of the folder", "its salt", "the capture file given"])
+def test_json_onto_a_file_of_the_trace_capture_is_refused(tmp_path, capsys, monkeypatch, which):
+    """`bench --trace DIR --json DIR/capture-....jsonl` overwrote the capture it replayed."""
+    from tests.test_trace_cli import write_capture
+
+    write_capture(tmp_path / "cap")
+    (capture,) = (tmp_path / "cap").glob("capture-*.jsonl")
+    target = tmp_path / "cap" / "salt" if which == "its salt" else capture
+    trace = capture if which == "the capture file given" else tmp_path / "cap"
+    assert target.is_file()
+    before = target.read_bytes()
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("measured before checking --json"))
+    rc = main(["bench", "--trace", str(trace), "--arms", "cat", "--json", str(target), "--no-progress"])
+    err = capsys.readouterr().err
+    what = "the --trace capture file" if which == "the capture file given" else f"a file of the --trace folder {trace}"
+    assert rc == 2 and f"--json {target} is {what} ({target}); writing it would overwrite an input" in err, err
+    assert target.read_bytes() == before
+
+
+def test_a_long_legal_output_name_is_taken_and_one_too_long_is_named(tmp_path, monkeypatch, capsys):
+    """A legal 250-byte --json name was refused: the probe and temporary names beside it exceeded 255 bytes."""
+    from omni_accum.bench._paths import output_path_problem
+
+    out = tmp_path / ("r" * 245 + ".json")
+    assert output_path_problem(out, "--json") is None
+    bench.write_json(_plotted_run(), out)
+    assert json.loads(out.read_text())["wire"] == "inproc" and [p.name for p in tmp_path.iterdir()] == [out.name]
+    too_long = tmp_path / ("r" * 251 + ".json")
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("measured before checking --json"))
+    assert main(["bench", "--arms", "cat", "--json", str(too_long), *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert f"--json {too_long}: its file name is 256 bytes long, over the 255" in err and "Traceback" not in err

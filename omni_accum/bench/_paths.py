@@ -1,11 +1,19 @@
-"""Output paths checked before long runs (``bench --json/--plot``, ``tune --out``)."""
+"""Output paths checked before long runs (``bench --json/--plot``, ``tune --out``), and the one atomic writer behind
+every output (:func:`replace_file`)."""
 
 from __future__ import annotations
 
+import errno
+import grp
+import hashlib
 import os
+import pwd
 import stat
+import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def special_file_kind(path: str | os.PathLike[str]) -> str | None:
@@ -31,15 +39,18 @@ def output_path_problem(path: str | os.PathLike[str] | None, option: str) -> str
     """Why ``path`` cannot be written as the output of ``option`` (checked before long runs), or None.
 
     A symlink is checked at its target. An existing target must be a regular file (not a device, a FIFO or a
-    socket: :func:`special_file_kind`). The folder must exist (a missing one is an error that names it,
-    never created) and be one files can be created in: it is probed with a temporary file, so a
-    read-only or virtual file system (``/proc``) is caught up front.
+    socket: :func:`special_file_kind`); a file name over :data:`NAME_MAX` bytes is named as such. The folder must
+    exist (a missing one is an error that names it, never created) and be one files can be created in: it is
+    probed with a temporary file, so a read-only or virtual file system (``/proc``) is caught up front.
     """
     if path is None:
         return None
     if not str(path).strip():  # Path("") is "." (the current folder): say what was given
         return f"{option} {str(path)!r}: {'an empty' if not str(path) else 'a blank'} path; give a file path"
     p = Path(path)
+    too_long = name_too_long(p, option)
+    if too_long:
+        return too_long
     target = Path(os.path.realpath(p))
     if target.is_dir():
         return f"{option} {p}: is a directory; give a file path"
@@ -52,9 +63,218 @@ def output_path_problem(path: str | os.PathLike[str] | None, option: str) -> str
     if not folder.is_dir():
         return f"{option} {p}: {folder} is not a folder"
     try:
-        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=folder)
+        fd, probe = temp_file(folder, target.name, ".probe")
     except OSError as e:
         return f"{option} {p}: cannot create files in {folder}: {e.strerror or e}"
     os.close(fd)
     os.unlink(probe)
     return None
+
+
+#: The longest file name, in bytes, on Linux's file systems (ext4, xfs, btrfs, tmpfs): an output's name may be this
+#: long, so the names of the helper files beside it (temporary files, probes, locks, tune's partial file) are kept
+#: within it (:func:`bounded_name`).
+NAME_MAX = 255
+
+#: The random part ``tempfile.mkstemp`` puts between its prefix and suffix.
+_RANDOM_CHARS = 8
+
+
+def bounded_name(head: str, tail: str, room: int = 0) -> str:
+    """``head + tail`` when it fits in :data:`NAME_MAX` bytes with ``room`` bytes to spare; else ``head`` cut short,
+    then ``~`` and a hash of the whole ``head``, then ``tail``: still one name per output (its lock must be), and a
+    name that the output itself can have never makes a helper name the file system refuses."""
+    if len(os.fsencode(head + tail)) + room <= NAME_MAX:
+        return head + tail
+    mark = "~" + hashlib.sha256(os.fsencode(head)).hexdigest()[:16]
+    short = head[: NAME_MAX - room - len(os.fsencode(mark + tail))]
+    while short and len(os.fsencode(short + mark + tail)) + room > NAME_MAX:  # multi-byte characters
+        short = short[:-1]
+    return short + mark + tail
+
+
+def temp_file(folder: str | os.PathLike[str], name: str, suffix: str) -> tuple[int, str]:
+    """``tempfile.mkstemp`` of a ``.<name>.XXXXXXXX<suffix>`` in ``folder`` (``O_EXCL``, mode 0600), its name
+    within :data:`NAME_MAX` bytes however long ``name`` is."""
+    prefix = bounded_name(f".{name}.", "", room=_RANDOM_CHARS + len(suffix))
+    return tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=folder)
+
+
+def name_too_long(path: str | os.PathLike[str], option: str) -> str | None:
+    """Why the file name of ``path`` is one no file can have (over :data:`NAME_MAX` bytes), or None."""
+    n = len(os.fsencode(Path(path).name))
+    if n <= NAME_MAX:
+        return None
+    return (f"{option} {path}: its file name is {n} bytes long, over the {NAME_MAX} a file name may have: "
+            "give a shorter one")
+
+
+def who(uid: int) -> str:
+    """``uid 65534 (nobody)``: a user for messages (the name when the system knows it)."""
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (KeyError, OverflowError):
+        return f"uid {uid}"
+
+
+def _group(gid: int) -> str:
+    try:
+        return f"gid {gid} ({grp.getgrgid(gid).gr_name})"
+    except (KeyError, OverflowError):
+        return f"gid {gid}"
+
+
+def foreign_link_problem(link: str | os.PathLike[str], uid: int) -> str:
+    """The refusal of a symlink at an output's path that another user than this process's (nor root) owns."""
+    return (
+        f"{link} is a symlink owned by {who(uid)}, not by this user ({who(os.geteuid())}) nor root: refused, never "
+        "followed (another user's link could point the write at any file this user may write): remove it, or give "
+        "another path"
+    )
+
+
+def link_target(path: str | os.PathLike[str]) -> Path:
+    """Where ``path`` leads, its symlinks followed one by one (``os.path.realpath`` follows any): ``PermissionError``
+    (naming the link and its owner) at a link that neither this process's user nor root owns, which another user
+    could have planted in a shared folder (``/tmp``) to make this user replace a file of theirs elsewhere; the
+    user's own link (``--out`` to a deployed table) is followed."""
+    p = os.path.abspath(path)
+    for _ in range(40):  # as the kernel's limit on links in a row (ELOOP)
+        try:
+            st = os.lstat(p)
+        except OSError:  # nothing there (yet): where it would be
+            break
+        if not stat.S_ISLNK(st.st_mode):
+            break
+        if st.st_uid not in (0, os.geteuid()):
+            raise PermissionError(errno.EPERM, foreign_link_problem(p, st.st_uid), p)
+        p = os.path.join(os.path.realpath(os.path.dirname(p)), os.readlink(p))  # relative to the link's folder
+    else:
+        raise OSError(errno.ELOOP, f"too many levels of symbolic links from {path}", str(path))
+    return Path(os.path.realpath(p))
+
+
+def _distrust(st: os.stat_result) -> str | None:
+    """Why a file with ``st`` is not this user's own, or None."""
+    if stat.S_ISLNK(st.st_mode):
+        return "a symlink"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.geteuid():
+        return "owned by another user"
+    if st.st_mode & 0o022:
+        return "group- or world-writable"
+    return None
+
+
+def open_own(path: str | os.PathLike[str]) -> int:
+    """A read-only descriptor of ``path`` when it is this user's own: a regular file of this process's user that no
+    other user may write, not a symlink (``O_NOFOLLOW``; checked on what was opened: ``fstat``) — the checks
+    :mod:`omni_accum.samehost` makes of same-host files, for a file read from a folder others may share (tune's
+    partial file). ``PermissionError`` naming why, the owner and the mode; else the open's ``OSError``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO is never waited on
+    except OSError as e:  # ELOOP: a symlink; EACCES: maybe another user's file
+        try:
+            st = os.lstat(path)
+        except OSError:
+            raise e from None
+        if _distrust(st) is None:
+            raise
+        fd = -1
+    else:
+        st = os.fstat(fd)
+    why = _distrust(st)
+    if why is None:
+        return fd
+    if fd >= 0:
+        os.close(fd)
+    raise PermissionError(
+        errno.EPERM,
+        f"refused ({why}; owner {who(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o}; only a file of this user, "
+        f"{who(os.geteuid())}, that no other user may write is trusted, never a symlink)",
+        str(path),
+    )
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _keep_owner(fd: int, path: Path, was: os.stat_result) -> None:
+    """Give the temporary file ``fd`` the owner and group of the file it replaces (as root over a service user's
+    table: the service must still read it); a warning naming what is lost where this user may not give them."""
+    if (os.fstat(fd).st_uid, os.fstat(fd).st_gid) == (was.st_uid, was.st_gid):
+        return
+    for uid in (was.st_uid, -1):  # only root gives files away; a user may still give a group it is in
+        try:
+            os.fchown(fd, uid, was.st_gid)
+            break
+        except OSError:
+            pass
+    now = os.fstat(fd)
+    lost = [who(was.st_uid)] * (now.st_uid != was.st_uid) + [_group(was.st_gid)] * (now.st_gid != was.st_gid)
+    if not lost:
+        return
+    print(f"omni-accum: warning: {path}: was owned by {' and '.join(lost)}, which this user ({who(os.geteuid())}) "
+          "cannot give back: the new file is this user's (chown it if another user must read or write it)",
+          file=sys.stderr)  # fmt: skip
+
+
+def replace_file(
+    path: str | os.PathLike[str],
+    write: Callable[[BinaryIO], object],
+    *,
+    follow_link: bool = False,
+    own: bool = False,
+) -> None:
+    """Write ``path`` atomically: ``write`` fills a random temporary file in the same folder (``O_EXCL``), which is
+    renamed onto ``path``: never a half-written file (a full disk leaves the old one whole), never a file written
+    through a link planted there.
+
+    A symlink at ``path`` is replaced itself (``follow_link=False``: bench's outputs, tune's partial file), or
+    followed to its target when this user or root owns it (``follow_link=True``: ``tune --out`` may be the link to a
+    deployed table; :func:`link_target` refuses another user's link). A device, FIFO or socket there is refused, never
+    replaced. An existing file keeps its permission bits, owner and group; a new one gets ``0666 & ~umask`` as with
+    ``open()``. ``own=True`` (tune's partial file, which ``--resume`` trusts only as this user's alone): another
+    user's file there is replaced by this user's, with a new file's mode, and the file is never group- or
+    world-writable. The folder must exist (never created). An ``OSError`` names ``path``, not the temporary file.
+    """
+    path = Path(path)
+    tmp = None
+    try:
+        target = link_target(path) if follow_link else Path(os.path.abspath(path))
+        if not target.parent.is_dir():
+            raise FileNotFoundError(errno.ENOENT, f"no such folder: {target.parent}")
+        kind = special_file_kind(target)
+        if kind is not None:  # the rename would put a regular file in place of a device, FIFO or socket
+            raise OSError(errno.EINVAL, f"is {kind}, not a regular file")
+        try:
+            was: os.stat_result | None = os.stat(target, follow_symlinks=False)
+        except FileNotFoundError:
+            was = None
+        if was is not None and (not stat.S_ISREG(was.st_mode) or own and was.st_uid != os.geteuid()):
+            was = None  # a link replaced, or another user's file taken over: a new file of this user
+        mode = stat.S_IMODE(was.st_mode) if was is not None else 0o666 & ~_umask()
+        if own:  # --resume refuses a partial file others may write: never make one
+            mode &= ~0o022
+        fd, tmp = temp_file(target.parent, target.name, ".tmp")
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            if was is not None:
+                _keep_owner(fh.fileno(), path, was)
+            os.fchmod(fh.fileno(), mode)  # after the chown, which may clear bits
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException as e:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if isinstance(e, OSError):
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        raise

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from omni_accum.bench._paths import replace_file
 from omni_accum.bench.replay import UPSTREAM
 from omni_accum.bench.report import BenchRun, p50_interval
 from omni_accum.errors import OmniAccumError
@@ -76,11 +77,16 @@ def plot_series(run: BenchRun) -> dict[tuple[str, int], list[tuple[int, float, f
 
 
 def plot(run: BenchRun, path: str | os.PathLike[str]) -> None:
-    """Write :func:`figure` to ``path`` (the extension gives the format)."""
+    """Write :func:`figure` to ``path`` (the extension gives the format) as ``--json`` is written: through a
+    temporary file and a rename (:func:`~omni_accum.bench._paths.replace_file`), so a full disk leaves the previous
+    plot whole and a symlink planted at ``path`` is replaced, never written through; an ``OSError`` names ``path``."""
     plt = require_matplotlib()
     fig = figure(run)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fmt = Path(path).suffix.lower().removeprefix(".")
+    try:
+        replace_file(path, lambda fh: fig.savefig(fh, format=fmt, dpi=120))
+    finally:
+        plt.close(fig)
 
 
 def figure(run: BenchRun) -> Any:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from omni_accum.bench._paths import replace_file
 from omni_accum.bench.report import BenchRun
 from omni_accum.bench.replay import ArmResult
 from omni_accum.policy.fingerprint import dist_version
@@ -177,24 +178,11 @@ def to_json(run: BenchRun) -> dict[str, Any]:
 def write_json(run: BenchRun, path: str | os.PathLike[str]) -> None:
     """Through a random temporary file (``O_EXCL``, in the output's folder) and a rename onto ``path`` itself (a
     link there is replaced, never written through; ``<out>.tmp`` was a fixed name that followed a link planted
-    there); the folder is never created (its folder and kind are checked before the run: output_path_problem)."""
-    import tempfile
-
-    from omni_accum.tuner.files import _umask
-
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(to_json(run), indent=2, allow_nan=False) + "\n")
-        os.chmod(tmp, 0o666 & ~_umask())  # as open() would make it
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    there), keeping an existing file's mode, owner and group (:func:`~omni_accum.bench._paths.replace_file`, the
+    writer of ``--plot`` and ``tune --out`` too); the folder is never created (its folder and kind are checked
+    before the run: output_path_problem)."""
+    data = (json.dumps(to_json(run), indent=2, allow_nan=False) + "\n").encode("utf-8")
+    replace_file(path, lambda fh: fh.write(data))
 
 
 def interrupted_json(run: BenchRun, path: str | os.PathLike[str] | None) -> None:

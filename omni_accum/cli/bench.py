@@ -153,7 +153,8 @@ def register(subparsers: Any) -> None:
         action=OnceAction,
         metavar="OUT",
         help="write results as JSON (omni_accum.bench.RESULT_SCHEMA; each arm's status: ok, failed or wrong views), "
-        "atomically: a symlink at OUT is replaced, not written through. Ctrl-C writes the buckets finished "
+        "atomically (an existing file's mode kept): a symlink at OUT is replaced, not written through. Ctrl-C "
+        "writes the buckets finished "
         '("complete": false)',
     )
     p.add_argument(
@@ -161,7 +162,7 @@ def register(subparsers: Any) -> None:
         action=OnceAction,
         metavar="OUT.png",
         help="log-log plot of step latency vs context length (needs matplotlib); the extension gives the format "
-        "(.png, .svg, .pdf, ...)",
+        "(.png, .svg, .pdf, ...); written atomically as --json is",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
@@ -174,6 +175,20 @@ def _same_file(a: str, b: str) -> bool:
         return Path(a).resolve() == Path(b).resolve()
 
 
+def _trace_inputs(trace: str | None) -> list[tuple[str, str]]:
+    """What ``--trace`` reads: a capture file, or every file of a capture folder (its captures, and its ``salt``,
+    which the capture's hashed ids depend on): ``--json DIR/capture-....jsonl`` overwrote the capture replayed."""
+    if not trace:
+        return []
+    if not os.path.isdir(trace):
+        return [("the --trace capture file", trace)]
+    try:
+        names = sorted(e.name for e in os.scandir(trace) if e.is_file())
+    except OSError:  # the capture was read already: nothing left unreadable here to overwrite
+        return []
+    return [(f"a file of the --trace folder {trace}", os.path.join(trace, n)) for n in names]
+
+
 def _overwrite_problem(args: argparse.Namespace, wl: Any) -> str | None:
     """Why ``--json``/``--plot`` would overwrite an input of the run, or None."""
     from omni_accum import bench
@@ -184,6 +199,7 @@ def _overwrite_problem(args: argparse.Namespace, wl: Any) -> str | None:
     inputs += [(f"the policy file of arm {f!r}", f) for f in bench.arm_policy_files(wl, args.arms)]
     if wl.policy and probe(wl.policy, "is_file"):
         inputs.append(("the workload's policy file", wl.policy))
+    inputs += _trace_inputs(args.trace)
     for option, out in outputs:
         for what, path in inputs:
             if Path(out).exists() and _same_file(out, path):

@@ -131,8 +131,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="reuse the buckets already measured (in the partial file beside --out, else in --out) when every setting recorded there (workload and "
-        "--base contents, wire, device, threads, decode steps, rounds, grid, memory budget, min gain), the "
+        help="reuse the buckets already measured (in the partial file beside --out, else in --out; refused from a "
+        "file of another user, a group- or world-writable one, or a link at the partial file) when every setting "
+        "recorded there (workload and --base contents, wire, device, threads, decode steps, rounds, grid, memory "
+        "budget, min gain), the "
         "candidates and the environment match; otherwise say which differ and measure again (refused, leaving "
         "the file untouched, if it is not a tuned policy)",
     )
@@ -142,8 +144,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=file_path,
         metavar="FILE",
         help="where to write the tuned policy (required unless --show): .yaml or .yml (YAML) or .json (JSON); "
-        "written atomically, through a symlink to its target (a deployed table), keeping an existing file's "
-        "permissions (the partial file beside it replaces a link there, as bench --json does)",
+        "written atomically, through a symlink to its target (a deployed table; another user's link is refused), "
+        "keeping an existing file's permissions, owner and group (the partial file beside it replaces a link "
+        "there, as bench --json does)",
     )
     target.add_argument("--show", metavar="POLICY", help="print the decision table of a tuned policy file and exit")
     p.add_argument(

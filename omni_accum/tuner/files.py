@@ -2,139 +2,196 @@
 one run per ``--out``.
 
 * :func:`output_problem`, :func:`hand_written_problem`: an ``--out`` refused before measuring (its extension, its
-  folder, a device or FIFO, a file that is not a tuned policy).
+  folder, a device or FIFO, a file that is not a tuned policy, another user's symlink).
 
-* :func:`write_atomic`: a temporary file in the same folder, then a rename: never a half-written file.
+* :func:`write_atomic`: a temporary file in the same folder, then a rename: never a half-written file
+  (:func:`omni_accum.bench._paths.replace_file`, bench's writer too).
 * :func:`partial_path`: an unfinished run (stopped by Ctrl-C or ``--budget-s``) keeps its buckets in
   ``t.partial.yaml`` beside ``t.yaml``; ``--out`` itself only ever receives a complete table, so a
-  finished file is never replaced by a partial one. ``--resume`` reads the partial file first.
+  finished file is never replaced by a partial one. ``--resume`` reads the partial file first, and only
+  when it is this user's own (:func:`read_resumable`): in a shared folder another user could plant one.
 * :class:`OutputLock`: two runs writing one ``--out`` at once would each report "wrote ... (complete)"
   while the file holds one of them; the second is refused instead, naming the first one's pid.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import stat
-import tempfile
 from pathlib import Path
 
-from omni_accum.bench._paths import output_path_problem, special_file_kind
+from omni_accum.bench._paths import bounded_name, link_target, open_own, output_path_problem, replace_file, who
 from omni_accum.errors import OmniAccumError
-from omni_accum.policy.loader import load_policy
-from omni_accum.policy.sources import probe
+from omni_accum.policy.loader import build_policy, load_policy, parse_text
+from omni_accum.policy.model import Policy
+from omni_accum.policy.sources import MAX_POLICY_BYTES, probe
 from omni_accum.tuner.core import TuneError
 
 PathLike = str | os.PathLike[str]
 
 
 def partial_path(out: PathLike) -> Path:
-    """Where an unfinished run keeps its buckets: beside ``out``, ``t.yaml`` -> ``t.partial.yaml``."""
+    """Where an unfinished run keeps its buckets: beside ``out``, ``t.yaml`` -> ``t.partial.yaml`` (for a name
+    within 8 bytes of the longest a file may have, its stem is cut short and ends in a hash of it: ``bounded_name``)."""
     p = Path(out)
-    return p.with_name(f"{p.stem}.partial{p.suffix}")
+    return p.with_name(bounded_name(p.stem, f".partial{p.suffix}"))
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write_atomic(path: PathLike, text: str, *, follow_link: bool = True) -> None:
+def write_atomic(path: PathLike, text: str, *, follow_link: bool = True, own: bool = False) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: never a half-written file.
 
     A symlink is written through (its target is replaced, the link stays: ``--out`` may be the link to a deployed
-    table), or, with ``follow_link=False``, replaced itself (the partial file beside ``--out``, tune's own, which
-    nothing deploys: a link planted there is never followed); a device, FIFO or socket there is
-    refused (``OSError``), never replaced; an existing file keeps its
-    permission bits, a new one gets ``0666 & ~umask`` as with ``open()``. The folder must exist (a
-    missing one is an error, never created). An ``OSError`` names ``path``, not the temporary file.
+    table) when this user or root owns it (another user's link is refused, ``PermissionError`` naming it and its
+    owner: planted in a shared folder, it would make this user replace a file of theirs elsewhere), or, with
+    ``follow_link=False``, replaced itself (the partial file beside ``--out``, tune's own, which nothing deploys: a
+    link planted there is never followed); a device, FIFO or socket there is refused (``OSError``), never replaced;
+    an existing file keeps its permission bits, owner and group (root updating a service user's table: the service
+    must still read it; ``own=True``, the partial file: another user's file is replaced by this user's, never
+    group- or world-writable, as ``--resume`` trusts it), a new one gets ``0666 & ~umask`` as with ``open()``. The
+    folder must exist (a missing one is an error, never created). An ``OSError`` names ``path``, not the temporary
+    file.
     """
-    path = Path(path)
-    target = Path(os.path.realpath(path)) if follow_link else Path(os.path.abspath(path))
-    tmp = None
+    data = text.encode("utf-8")
+    replace_file(path, lambda fh: fh.write(data), follow_link=follow_link, own=own)
+
+
+def resume_source(out: PathLike) -> Path | None:
+    """The file ``--resume`` reads: the partial file beside ``out`` when anything is there (a link too, refused by
+    :func:`read_resumable`, never passed over for ``out``), else ``out`` when it is a file; or None."""
+    part = partial_path(out)
+    if os.path.lexists(part):
+        return part
+    return Path(out) if probe(out, "is_file") else None
+
+
+def read_resumable(src: Path, out: PathLike) -> Policy:
+    """``src`` (:func:`resume_source`) read as a policy, once it is found to be this user's own file.
+
+    Its buckets go into the complete table as they are: one that another user wrote (another owner than this
+    process's user, a group- or world-writable file, a symlink: :func:`~omni_accum.bench._paths.open_own`, the
+    checks of the same-host files) could plant any cell (a ``prealloc`` of 16 MiB rows). ``out`` itself may be this
+    user's (or root's) link to a deployed table, whose target is checked. :class:`TuneError` names the file and
+    why; ``PolicyError`` for a file that is no policy. The text parsed is the one read from the checked descriptor.
+    """
+    where = f"--resume: {src}"
     try:
-        if not target.parent.is_dir():
-            raise FileNotFoundError(errno.ENOENT, f"no such folder: {target.parent}")
-        kind = special_file_kind(target)
-        if kind is not None:  # the rename would put a regular file in place of a device, FIFO or socket
-            raise OSError(errno.EINVAL, f"is {kind}, not a regular file")
-        try:
-            mode = stat.S_IMODE(os.stat(target, follow_symlinks=follow_link).st_mode)
-            mode = mode if follow_link or not os.path.islink(target) else 0o666 & ~_umask()
-        except FileNotFoundError:
-            mode = 0o666 & ~_umask()
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.chmod(tmp, mode)
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException as e:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-        if isinstance(e, OSError):
-            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
-        raise
+        path = link_target(src) if src == Path(out) else src  # the partial file is tune's own: never followed
+        fd = open_own(path)
+    except PermissionError as e:
+        raise TuneError(f"--resume: {e.filename}: {e.strerror}; reused nothing and left it as it is: remove it (or "
+                        "give another --out) to measure every bucket, or, for a table you wrote, make it yours alone "
+                        "(chown, chmod go-w)") from None  # fmt: skip
+    except OSError as e:
+        raise TuneError(f"{where}: cannot read it ({e.strerror or e}); left it as it is") from None
+    with os.fdopen(fd, "rb") as fh:
+        raw = fh.read(MAX_POLICY_BYTES + 1)
+    if len(raw) > MAX_POLICY_BYTES:
+        raise TuneError(f"{where}: over {MAX_POLICY_BYTES} bytes, larger than any table tune writes; left it as it is")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TuneError(f"{where}: not UTF-8 text, not a policy tune wrote; left it as it is") from None
+    return build_policy(parse_text(text, output_format(src), str(src)), str(src), text)
 
 
 class OutputBusy(OmniAccumError):
     """Another run holds the lock of this output file."""
 
 
-class OutputLock:
-    """An exclusive, non-blocking ``flock`` on ``.<name>.lock`` beside an output file, held for one run.
+def lock_path(path: PathLike) -> Path:
+    """``.<name>.lock`` beside ``path`` (its name within the limit of a file name however long ``path``'s is)."""
+    p = Path(path)
+    return p.with_name(bounded_name(f".{p.name}", ".lock"))
 
-    The lock file holds the owner's pid (for the message) and is removed when the run ends; a lock file
+
+class OutputLock:
+    """Exclusive, non-blocking ``flock`` locks on ``.<name>.lock`` beside an output file and beside its partial file,
+    held for one run: a run on ``t.yaml`` writes ``t.partial.yaml`` too, which a second run given
+    ``--out t.partial.yaml`` would write meanwhile and the first would then remove.
+
+    A lock file holds the owner's pid (for the message) and is removed when the run ends; a lock file
     left by a killed run is taken over (``flock`` dies with its process). After locking, the path is
-    checked to still name the locked file (another run may have removed and recreated it meanwhile).
+    checked to still name the locked file (another run may have removed and recreated it meanwhile). A symlink at
+    a lock's path is refused, never followed; so is another user's symlink at ``out`` (:func:`link_target`).
     """
 
     def __init__(self, out: PathLike) -> None:
-        target = Path(os.path.realpath(out))
-        self.path = target.with_name(f".{target.name}.lock")
         self.out = Path(out)
-        self._fd: int | None = None
+        self.paths: list[Path] = []
+        self._fds: list[int] = []
 
     def acquire(self) -> OutputLock:
-        for _ in range(20):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                owner = os.read(fd, 32).decode("ascii", "replace").strip() or "?"
-                os.close(fd)
-                raise OutputBusy(
-                    f"{self.out} is being written by another omni-accum tune run (pid {owner}; lock {self.path}): "
-                    "wait for it to finish, or give another --out"
-                ) from None
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-                self._fd = fd
-                return self
-            os.close(fd)  # removed (and maybe recreated) by the run that held it: lock the current file
-        raise OutputBusy(f"{self.out}: could not lock {self.path} (it keeps being replaced)")
-
-    def release(self) -> None:
-        if self._fd is None:
-            return
+        part = partial_path(self.out)
         try:
-            os.unlink(self.path)  # while still locked: a waiting run sees the inode change and retries
+            for path, what in (
+                (lock_path(link_target(self.out)), f"{self.out} is being written"),
+                (lock_path(Path(os.path.realpath(part.parent)) / part.name), f"{self.out}: its partial file {part} "
+                 "is being written"),
+            ):  # fmt: skip
+                if path not in self.paths:  # --out a link to its own partial file: one lock
+                    self._fds.append(self._lock(path, what))
+                    self.paths.append(path)
+        except BaseException:
+            self.release()
+            raise
+        return self
+
+    def _lock(self, path: Path, what: str) -> int:
+        for _ in range(20):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError as e:  # ELOOP (O_NOFOLLOW), or EACCES (protected_symlinks) at a link planted there
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    raise e from None
+                if not stat.S_ISLNK(st.st_mode):
+                    raise
+                raise OSError(e.errno, f"{path} is a symlink owned by {who(st.st_uid)}, where tune keeps its lock "
+                              "file: refused, never followed (the pid would be written elsewhere); remove it",
+                              str(path)) from None  # fmt: skip
+            held = False
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    owner = os.read(fd, 32).decode("ascii", "replace").strip() or "?"
+                    raise OutputBusy(
+                        f"{what} by another omni-accum tune run (pid {owner}; lock {path}): "
+                        "wait for it to finish, or give another --out"
+                    ) from None
+                held = True
+                try:
+                    same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # a full disk: nothing is left behind
+                    return fd
+            except BaseException:
+                if held:  # ours while locked: removed (no 0-byte lock file left by a failed pid write)
+                    self._unlink(path, fd)
+                os.close(fd)
+                raise
+            os.close(fd)  # removed (and maybe recreated) by the run that held it: lock the current file
+        raise OutputBusy(f"{self.out}: could not lock {path} (it keeps being replaced)")
+
+    @staticmethod
+    def _unlink(path: Path, fd: int) -> None:
+        try:
+            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                os.unlink(path)
         except OSError:
             pass
-        os.close(self._fd)
-        self._fd = None
+
+    def release(self) -> None:
+        while self._fds:
+            fd, path = self._fds.pop(), self.paths.pop()
+            self._unlink(path, fd)  # while still locked: a waiting run sees the inode change and retries
+            os.close(fd)
+        self.paths.clear()
 
     def __enter__(self) -> OutputLock:
         return self.acquire()
@@ -163,13 +220,20 @@ def output_format(path: str | os.PathLike[str]) -> str:
 def output_problem(path: str | os.PathLike[str]) -> str | None:
     """Why ``tune`` cannot write its policy to ``path`` (extension, folder), checked before measuring; or None.
 
-    A symlink is checked at its target. The folder (or the nearest existing one, when folders are to be
-    created) is probed with a temporary file, so a read-only or virtual file system is caught up front.
+    A symlink is checked at its target, and refused when another user than this one (or root) owns it. The folder
+    (or the nearest existing one, when folders are to be created) is probed with a temporary file, so a read-only
+    or virtual file system is caught up front.
     """
     p = Path(path)
     problem = output_path_problem(p, "--out")
     if problem:
         return problem
+    try:
+        link_target(p)
+    except PermissionError as e:  # another user's link: followed, it could point the table at any file of ours
+        return f"--out {path}: {e.strerror}"
+    except OSError:
+        pass  # a loop of links: the write names it
     try:
         output_format(p)
     except TuneError as e:

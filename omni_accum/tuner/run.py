@@ -32,6 +32,8 @@ from omni_accum.tuner.files import (
     output_format,
     output_problem,
     partial_path,
+    read_resumable,
+    resume_source,
     write_atomic,
 )
 from omni_accum.tuner.core import (
@@ -206,14 +208,12 @@ def settings_mismatches(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def _resumable(opts: TuneOptions, wl: Workload, fp: dict, log: TextIO | None) -> dict[tuple[int, int], list[TunedCell]]:
     if not opts.resume:
         return {}
-    src = partial_path(opts.out)
-    if not src.is_file():
-        src = Path(opts.out)
-        if not src.is_file():
-            return {}
+    src = resume_source(opts.out)  # the partial file, else --out; another user's is refused
+    if src is None:
+        return {}
     how = "give another --out, or remove it first (tune replaces only a tuned policy)"
     try:
-        old = load_policy(src)
+        old = read_resumable(src, opts.out)
     except PolicyError as e:
         first = e.errors[0] if e.errors else str(e)
         raise TuneError(f"--resume: cannot read {src} as a policy ({first}); left it untouched: {how}") from e
@@ -441,7 +441,7 @@ def _write(opts: TuneOptions, result: TuneResult, text: str, complete: bool) -> 
         part.unlink(missing_ok=True)
         result.out = Path(opts.out)
     else:
-        write_atomic(part, text, follow_link=False)  # tune's own file: a link planted there is replaced
+        write_atomic(part, text, follow_link=False, own=True)  # tune's own file: a link there is replaced
         result.out = part
 
 
