@@ -19,7 +19,6 @@ import logging
 import os
 import re
 import threading
-import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from importlib import metadata
@@ -31,7 +30,6 @@ from pydantic import BaseModel
 from omni_accum import hookspecs
 from omni_accum.context import KeyMeta, StreamContext
 from omni_accum.errors import (
-    DuplicateStrategyError,
     PluginError,
     UnknownStrategyError,
     describe_plugin,
@@ -39,8 +37,16 @@ from omni_accum.errors import (
     plugin_name,
 )
 from omni_accum.hookspecs import ALL_HOOKS, PROJECT, hookimpl
+from omni_accum.plugin_checks import (
+    choosing_plugin,
+    class_plugin,
+    duplicate,
+    is_fatal,
+    raising_plugin,
+    validate_spec,
+)
 from omni_accum.policy.model import Policy, StrategyChoice
-from omni_accum.strategy import KINDS, Strategy, StrategySpec, describe_strategy, validation_summary
+from omni_accum.strategy import Strategy, StrategySpec, checked_strategy, describe_strategy, validation_summary
 from omni_accum.switches import _env_flag, ensure_visible_logging
 
 logger = logging.getLogger("omni_accum")
@@ -58,7 +64,6 @@ ENV_STRICT = "OMNI_ACCUM_STRICT_PLUGINS"
 ENV_ALLOW = "OMNI_ACCUM_PLUGINS"
 ENV_DENY = "OMNI_ACCUM_DISABLED_PLUGINS"
 ENV_TRACE = "OMNI_ACCUM_TRACE_PLUGINS"
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 #: What ``omni-accum bench --arms`` names besides strategies: a strategy may not take one (it could never be
 #: reached there, or would hide the other). The policy presets (``preset_names()``) are reserved too.
 RESERVED_NAMES = ("upstream", "wire-floor")
@@ -149,13 +154,22 @@ class StrategyManager:
                 continue  # loaded by an earlier call
             try:
                 plugin = ep.load()
-            except Exception as e:  # noqa: BLE001 - any import failure of a plugin is reported
-                self._problem(ep.name, dist, f"failed to import {ep.value!r}: {type(e).__name__}: {e}", e, is_first)
+            except BaseException as e:  # noqa: BLE001 - SystemExit too (argparse at import): the plugin's failure
+                if is_fatal(e):
+                    raise
+                hint = " (it exits when imported: parse arguments under if __name__ == '__main__')" * isinstance(
+                    e, SystemExit)  # fmt: skip
+                self._problem(ep.name, dist, f"failed to import {ep.value!r}: {type(e).__name__}: {e}{hint}", e,
+                              is_first)  # fmt: skip
                 continue
             try:
                 self.register(plugin, name=ep.name, distribution=dist, first_party=is_first)
-            except PluginError as e:
-                self._problem(ep.name, dist, str(e), e, is_first, already=True)
+            except BaseException as e:  # noqa: BLE001 - whatever a plugin's registration raises is its own failure
+                if is_fatal(e):
+                    raise
+                own = isinstance(e, PluginError)
+                text = str(e) if own else f"registration raised {type(e).__name__}: {e}"
+                self._problem(ep.name, dist, text, e, is_first, already=own)
             else:
                 self._loaded_eps[ep.name] = ep.value
         known = {_canonical(n) for ep in third for n in (ep.name, (dist_of(ep) or ("",))[0]) if n}
@@ -206,6 +220,7 @@ class StrategyManager:
         """
         name = plugin_name(plugin, name, distribution)
         who = describe_plugin(name, distribution)
+        class_plugin(plugin, who, ALL_HOOKS)
         try:
             self.pm.register(plugin, name=name)
         except ValueError as e:
@@ -255,7 +270,9 @@ class StrategyManager:
                 continue
             try:
                 records = impl.function()
-            except Exception as e:  # noqa: BLE001 - a raising hook is a broken plugin
+            except BaseException as e:  # noqa: BLE001 - a raising hook (SystemExit too) is a broken plugin
+                if is_fatal(e):
+                    raise
                 raise PluginError(f"{who}: omni_accum_register_strategies raised {type(e).__name__}: {e}") from e
             if self._trace:
                 logger.info("omni_accum hook: omni_accum_register_strategies [%s] -> %r", name, records)
@@ -267,61 +284,13 @@ class StrategyManager:
                     f"got {type(records).__name__}"
                 )
             for rec in records:
-                spec = self._validate_spec(rec, who)
-                spec = replace(spec, plugin=name, distribution=distribution)
+                spec = replace(validate_spec(rec, who, _reserved_names()), plugin=name, distribution=distribution)
                 prior = self._specs.get(spec.name) or out.get(spec.name)
                 if prior is not None:
-                    err = DuplicateStrategyError(spec.name, prior.plugin or "?", name)
-                    err.args = (
-                        f"{who}: {err}; the first is {describe_plugin(prior.plugin or '?', prior.distribution)}",
-                    )
-                    raise err
+                    builtin = (prior.distribution or ("",))[0] == FIRST_PARTY_DIST or prior.plugin in BUILTIN_MODULES
+                    raise duplicate(spec, prior, name, who, builtin)
                 out[spec.name] = spec
         return out
-
-    @staticmethod
-    def _validate_spec(rec: Any, who: str) -> StrategySpec:
-        if not isinstance(rec, StrategySpec):
-            raise PluginError(f"{who}: returned {type(rec).__name__}, expected omni_accum.StrategySpec")
-        if not isinstance(rec.name, str) or not _NAME_RE.match(rec.name):
-            raise PluginError(f"{who}: invalid strategy name {rec.name!r} (letters, digits, _ . -)")
-        reserved = _reserved_names()
-        if rec.name in reserved:
-            raise PluginError(
-                f"{who}: strategy name {rec.name!r} is reserved (bench arms and policy presets: {', '.join(reserved)})"
-            )
-        if not callable(rec.factory):
-            raise PluginError(f"{who}: strategy {rec.name!r}: factory is not callable")
-        pm = rec.params_model
-        if not (isinstance(pm, type) and issubclass(pm, BaseModel)):
-            raise PluginError(f"{who}: strategy {rec.name!r}: params_model must be a pydantic BaseModel subclass")
-        if pm.model_config.get("extra") != "forbid":
-            raise PluginError(
-                f"{who}: strategy {rec.name!r}: params_model {pm.__name__} must set "
-                "model_config = ConfigDict(extra='forbid') so misspelled params are errors"
-            )
-        try:
-            pm.model_validate(pm().model_dump(by_alias=True))  # pydantic does not check defaults: each must be valid
-        except Exception as e:  # noqa: BLE001
-            raise PluginError(
-                f"{who}: strategy {rec.name!r}: params_model {pm.__name__} must validate with no arguments "
-                f"(every param needs a default of its own type): {validation_summary(e)}"
-            ) from e
-        if isinstance(rec.kinds, str):
-            raise PluginError(f"{who}: strategy {rec.name!r}: kinds {rec.kinds!r} must be a set of {list(KINDS)}")
-        kinds = frozenset(rec.kinds)
-        if not kinds or not kinds <= set(KINDS):
-            raise PluginError(
-                f"{who}: strategy {rec.name!r}: kinds {sorted(kinds)} must be a non-empty subset of {list(KINDS)}"
-            )
-        for i, grid in enumerate(rec.params_grid):
-            try:
-                pm.model_validate(grid)
-            except Exception as e:  # noqa: BLE001
-                raise PluginError(
-                    f"{who}: strategy {rec.name!r}: params_grid[{i}] invalid: {validation_summary(e)}"
-                ) from e
-        return replace(rec, kinds=kinds)
 
     def selectors(self) -> list[str]:
         """The plugins with an ``omni_accum_select_strategy`` of their own (the policy's is left out), named."""
@@ -381,12 +350,13 @@ class StrategyManager:
             spec = self.spec(name, where)
             valid = self.params(name, params, where)
             try:
-                built = spec.build(valid)
+                built = spec.factory(valid)
             except Exception as e:  # noqa: BLE001 - a plugin's factory raising is that plugin's problem
                 raise PluginError(
                     f"{describe_strategy(spec, where)}: its factory raised {type(e).__name__} with params "
                     f"{valid.model_dump()!r}: {e}"
                 ) from e
+            built = checked_strategy(spec, built, where)  # not a Strategy: named here, not as an AttributeError later
             with self._lock:
                 self._built[key] = built
                 if len(self._built) > MAX_BUILT:  # params that differ per request: the oldest go
@@ -395,8 +365,9 @@ class StrategyManager:
 
     def select(self, key: str, meta: KeyMeta, context: StreamContext, policy: Policy) -> StrategyChoice:
         """Run ``omni_accum_select_strategy`` (first non-None result wins)."""
+        kwargs = {"key": key, "meta": meta, "context": context, "policy": policy}
         try:
-            choice = self.pm.hook.omni_accum_select_strategy(key=key, meta=meta, context=context, policy=policy)
+            choice = self.pm.hook.omni_accum_select_strategy(**kwargs)
         except Exception as e:  # noqa: BLE001 - a raising selection hook fails the request, not the process
             raise PluginError(
                 f"{self._culprit('omni_accum_select_strategy', e)}: omni_accum_select_strategy raised "
@@ -404,18 +375,22 @@ class StrategyManager:
             ) from e
         if choice is None:  # only if a plugin unregistered the built-in selector
             choice = policy.resolve(key, context)
-        if not isinstance(choice, StrategyChoice):
-            raise PluginError(f"omni_accum_select_strategy returned {type(choice).__name__}, expected StrategyChoice")
+        bad = not isinstance(choice, StrategyChoice)
+        if bad or (not choice.source and choice.strategy not in self._specs):  # name the plugin that chose it
+            impls = self.pm.hook.omni_accum_select_strategy.get_hookimpls()
+            who = self._who(choosing_plugin(impls, kwargs, choice))
+            if bad:
+                raise PluginError(f"{who}: omni_accum_select_strategy returned {type(choice).__name__} {choice!r:.80} "
+                                  f"for key {key!r}; return an omni_accum StrategyChoice, or None")  # fmt: skip
+            choice = replace(choice, source=who)
         return choice
 
     def _culprit(self, hook: str, exc: BaseException) -> str:
         """Name the plugin whose implementation of ``hook`` raised ``exc`` (from the traceback)."""
-        codes = {f.f_code for f, _ in traceback.walk_tb(exc.__traceback__)}
-        for impl in getattr(self.pm.hook, hook).get_hookimpls():
-            func = getattr(impl.function, "__func__", impl.function)
-            if getattr(func, "__code__", None) in codes:
-                return describe_plugin(impl.plugin_name, self._dists.get(impl.plugin_name))
-        return "a plugin"
+        return self._who(raising_plugin(getattr(self.pm.hook, hook).get_hookimpls(), exc))
+
+    def _who(self, plugin: str | None) -> str:
+        return describe_plugin(plugin, self._dists.get(plugin)) if plugin else "a plugin"
 
 
 @functools.cache

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from omni_accum.errors import MergeError, describe_plugin
+from omni_accum.errors import MergeError, PluginError, describe_plugin
 
 #: Kinds of keys. ``append``: every chunk adds rows / items (the view is the concatenation);
 #: ``replace``: the latest value wins; ``static``: replace-kind whose value rarely or never changes.
@@ -68,9 +68,8 @@ class KeyInfo:
 class Accumulator(ABC):
     """Receiver-side state of one key of one request.
 
-    ``merge`` is called once per chunk that carries the key; ``read`` returns the consumer's view.
-    ``merge`` must either succeed completely or raise without changing the state.
-    """
+    ``merge`` is called once per chunk that carries the key; ``read`` returns the consumer's view. ``merge`` must
+    either succeed completely or raise without changing the state."""
 
     __slots__ = ()
 
@@ -97,10 +96,9 @@ class Accumulator(ABC):
     def projected_nbytes(self, value: Any) -> int:
         """Bytes this state would hold after merging ``value`` (and a read), without changing anything.
 
-        Called before :meth:`merge` only when the policy sets ``max_bytes_per_request``, so the guard
-        can refuse a chunk *before* the strategy allocates. Override it when a merge allocates more
-        than the value itself (a growable buffer, a cached concatenation); the default assumes the
-        state keeps what it holds plus the value, which over-estimates a replace.
+        Called before :meth:`merge` when the policy sets ``max_bytes_per_request``, so the guard refuses a chunk
+        *before* the strategy allocates. Override it when a merge allocates more than the value (a growable
+        buffer, a cached concatenation); the default (held + value) over-estimates a replace.
         """
         return self.nbytes() + value_nbytes(value)
 
@@ -174,20 +172,25 @@ class StrategySpec:
     distribution: tuple[str, str] | None = field(default=None, compare=False)
 
     def build(self, params: dict[str, Any] | BaseModel | None = None) -> Strategy:
-        """Validate ``params`` with :attr:`params_model` and create the strategy."""
+        """Validate ``params`` with :attr:`params_model` and create the strategy (PluginError: not a Strategy)."""
         if not isinstance(params, BaseModel):
             params = self.params_model.model_validate(params or {})
-        return self.factory(params)
+        return checked_strategy(self, self.factory(params))
 
     def allowed_params(self) -> str:
         """``initial_capacity (default 64), growth_factor (default 2.0)``: the params this strategy takes."""
-        return (
-            ", ".join(
-                f"{f} (default {fi.default!r})" if not fi.is_required() else f"{f} (required)"
-                for f, fi in self.params_model.model_fields.items()
-            )
-            or "none"
-        )
+        fields = self.params_model.model_fields.items()
+        shown = [f"{f} (required)" if fi.is_required() else f"{f} (default {fi.default!r})" for f, fi in fields]
+        return ", ".join(shown) or "none"
+
+
+def checked_strategy(spec: StrategySpec, built: Any, where: str | None = None) -> Strategy:
+    """``built`` if a :class:`Strategy`, else PluginError (the engine would fail later naming no plugin)."""
+    if isinstance(built, Strategy):
+        return built
+    raise PluginError(f"{describe_strategy(spec, where)}: its factory returned {type(built).__module__}."
+                      f"{type(built).__qualname__} {built!r:.60}, not an omni_accum.Strategy; return an instance of a "
+                      "Strategy subclass (class MyStrategy(omni_accum.Strategy))")  # fmt: skip
 
 
 def describe_strategy(spec: StrategySpec, where: str | None = None) -> str:
@@ -264,9 +267,8 @@ def not_dense(value: torch.Tensor) -> str | None:
 def check_appendable(current: torch.Tensor, value: torch.Tensor) -> None:
     """Raise :class:`MergeError` unless ``value`` can be appended to ``current`` along dim 0.
 
-    Unlike ``torch.cat`` this never promotes dtypes silently: the view's dtype, trailing shape
-    and device must stay what the first chunk had; both must be dense (:func:`not_dense`).
-    """
+    Unlike ``torch.cat`` this never promotes dtypes silently: the view's dtype, trailing shape and device must stay
+    what the first chunk had; both must be dense (:func:`not_dense`)."""
     if problem := not_dense(value) or not_dense(current):
         raise MergeError(problem)
     if current.dim() == 0 or value.dim() == 0:
@@ -305,8 +307,7 @@ class AppendAccumulator(Accumulator):
     * a tensor that is not dense (sparse, mkldnn, nested): refused (:func:`not_dense`).
 
     Subclasses implement :meth:`start_tensor`, :meth:`append_tensor`, :meth:`read_tensor`, :meth:`current_tensor_meta`;
-    they override :meth:`tensor_nbytes` (and :meth:`projected_tensor_nbytes`) when they hold more than the view.
-    """
+    they override :meth:`tensor_nbytes` (and :meth:`projected_tensor_nbytes`) when they hold more than the view."""
 
     __slots__ = ("key", "_mode", "_value", "_items", "_list_view", "_like")
 
@@ -338,9 +339,8 @@ class AppendAccumulator(Accumulator):
         """Return any tensor with the accumulated dtype, trailing shape and device (for checks)."""
 
     def tensor_nbytes(self) -> int:
-        """Bytes the tensor state holds. The default measures the view (:meth:`read_tensor`, which may
-        build it): override it when the state keeps more than the view (chunks and a cached view, spare
-        capacity) or when building the view costs a concatenation."""
+        """Bytes the tensor state holds. The default measures the view (:meth:`read_tensor`, which may build it):
+        override it when the state keeps more (chunks and a cached view, spare capacity) or a view costs a cat."""
         return value_nbytes(self.read_tensor())
 
     def projected_tensor_nbytes(self, value: torch.Tensor) -> int:

@@ -1,5 +1,5 @@
 """Conformance kit for strategy authors (its fixture is registered with pytest by :mod:`omni_accum.pytest_plugin`).
-Needs hypothesis: ``pip install 'omni-accum[testing]'``.
+Needs hypothesis: ``pip install 'omni-accum[testing]'``. Its value helpers live in :mod:`omni_accum.kit_values`.
 
 The contract every strategy meets (docs/plugins.md, "The contract"): for an append-kind strategy the view after
 chunk k equals ``torch.cat`` of the chunk values 0..k (list concatenation for lists), bit for bit; for a
@@ -8,11 +8,15 @@ serves a stale one; dtype, shape and device never change.
 
 Every wire chunk is checked to hold only plain values (dicts, lists, tuples, tensors, ints, floats, strings,
 bytes, bools, None: what vllm-omni's ``OmniSerializer`` carries) and is copied (tensors cloned, lists rebuilt)
-before the receiver sees it, as a real connector would, so a receiver cannot lean on objects it shares with the
-sender; then the same in process, the sender changing in place what it last sent for a key before it sends the
-key again (:func:`scribble`): the view must keep what ``torch.cat``'s would. Replace-kind strategies are also run on :func:`cumulative_streams` (values that
-mostly extend the previous one, with resets, truncations, bit-level rewrites and type changes): a strategy that
-transforms the wire, such as a delta encoder, must still serve exactly the latest value.
+before the receiver sees it, as a real connector would (tuples arrive as lists), so a receiver cannot lean on
+objects it shares with the sender; then in process, the values handed in checked unchanged after every merge;
+then in process with the sender changing in place what it last sent for a key before it sends the key again
+(:func:`scribble`): the view must keep what ``torch.cat``'s would; then two requests' chunks interleaved through
+one sender and one receiver (with the memory guard on, so ``nbytes``/``projected_nbytes`` run): state kept on the
+shared Strategy object fails. Tensor chunks come in several memory layouts (:func:`non_contiguous`). Replace-kind
+strategies are also run on :func:`cumulative_streams` (values that mostly extend the previous one, with resets,
+truncations, bit-level rewrites and type changes): a strategy that transforms the wire, such as a delta encoder,
+must still serve exactly the latest value.
 
 Use it from a test (or through the ``omni_accum_conformance`` fixture, which is the same callable)::
 
@@ -24,9 +28,7 @@ Use it from a test (or through the ``omni_accum_conformance`` fixture, which is 
 
 from __future__ import annotations
 
-import contextlib
 import math
-import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,62 +45,26 @@ except ImportError as e:  # hypothesis comes with the ``testing`` (and ``test``)
     ) from e
 
 from omni_accum.engine import WIRE_MARKER, Receiver, Sender
-from omni_accum.errors import AccumulationError
+from omni_accum.errors import AccumulationError, UnknownStrategyError
+from omni_accum.kit_values import (  # noqa: F401 - the kit's public helpers, imported from here by plugins' tests
+    PLAIN_TYPES,
+    ReferenceError_,
+    _ref_step,
+    _reuse_buffers,
+    as_delivered,
+    as_dict,
+    check_plain_wire,
+    copy_wire,
+    first_difference,
+    non_contiguous,
+    reference_merge,
+    same_bits,
+    scribble,
+    snapshot,
+)
 from omni_accum.manager import StrategyManager, get_manager
 
 DTYPES = (torch.bfloat16, torch.float32, torch.int64, torch.bool)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    if t.is_floating_point() or t.is_complex():
-        as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size(), torch.uint8)
-        return t.resolve_conj().resolve_neg().contiguous().view(as_int)
-    return t
-
-
-def same_bits(a: Any, b: Any) -> bool:
-    """True when ``a`` and ``b`` are equal bit for bit (tensors: dtype, shape, device and every bit)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return False
-        if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
-            return False
-        return bool(torch.equal(_bits(a), _bits(b)))
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        # keys in the same order and of the same types (1, 1.0 and True are one key of a dict)
-        return same_bits(list(a), list(b)) and all(map(same_bits, a.values(), b.values()))
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
-    if type(a) is float and type(b) is float:  # bits: -0.0 is not 0.0, a NaN is itself
-        return struct.pack("<d", a) == struct.pack("<d", b)
-    return type(a) is type(b) and a == b
-
-
-def first_difference(a: Any, b: Any, path: str = "") -> str | None:
-    """Describe the first place where ``a`` and ``b`` differ, or None when they are the same."""
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        if not same_bits(list(a), list(b)):
-            return f"{path or '<root>'}: keys {list(a.keys())} != {list(b.keys())}"
-        for k, x, y in zip(a, a.values(), b.values()):
-            d = first_difference(x, y, f"{path}.{k}" if path else str(k))
-            if d:
-                return d
-        return None
-    if same_bits(a, b):
-        return None
-    return f"{path or '<root>'}: {_short(a)} != {_short(b)}"
-
-
-def _short(v: Any) -> str:
-    if isinstance(v, torch.Tensor):
-        return f"tensor(shape={list(v.shape)}, dtype={v.dtype})"
-    r = repr(v)
-    return r if len(r) < 80 else r[:77] + "..."
-
-
-def as_dict(view: Mapping[str, Any]) -> dict[str, Any]:
-    """Materialise a view (RequestView or dict) as plain nested dicts."""
-    return {k: (as_dict(v) if isinstance(v, Mapping) else v) for k, v in view.items()}
 
 
 @dataclass(frozen=True)
@@ -110,16 +76,19 @@ class KeySpec:
     kind: str
     dtype: torch.dtype = torch.float32
     trailing: tuple[int, ...] = ()
+    layout: int = 0  # tensors: memory layout (:func:`non_contiguous`), 0 contiguous
 
 
 def _make_value(spec: KeySpec, rows: int, gen: torch.Generator, pick: int) -> Any:
     if spec.kind == "tensor":
         shape = (rows, *spec.trailing)
         if spec.dtype == torch.bool:
-            return torch.randint(0, 2, shape, generator=gen).bool()
-        if spec.dtype == torch.int64:
-            return torch.randint(-1000, 1000, shape, generator=gen)
-        return torch.randn(shape, generator=gen).to(spec.dtype)
+            t = torch.randint(0, 2, shape, generator=gen).bool()
+        elif spec.dtype == torch.int64:
+            t = torch.randint(-1000, 1000, shape, generator=gen)
+        else:
+            t = torch.randn(shape, generator=gen).to(spec.dtype)
+        return non_contiguous(t, (spec.layout + pick) % 4 if spec.layout else 0)
     if spec.kind == "list":
         return torch.randint(0, 50000, (rows,), generator=gen).tolist()
     if spec.kind == "scalar0d":
@@ -144,7 +113,8 @@ def payload_streams(draw: st.DrawFn, *, max_chunks: int = 200, nested: bool | No
     for i, kind in enumerate(kinds):
         top, qual = (("embed", f"k{i}") if i % 2 == 0 else ("meta", f"k{i}")) if nest else (f"key_{i}", None)
         trailing = tuple(draw(st.lists(st.integers(1, 3), min_size=0, max_size=2))) if kind == "tensor" else ()
-        specs.append(KeySpec(top, qual, kind, draw(st.sampled_from(DTYPES)), trailing))
+        layout = draw(st.integers(0, 3))  # mixed per chunk when not 0: a view, an offset, a strided slice
+        specs.append(KeySpec(top, qual, kind, draw(st.sampled_from(DTYPES)), trailing, layout))
     n_chunks = draw(st.integers(1, max_chunks))
     seed = draw(st.integers(0, 2**31 - 1))
     gen = torch.Generator().manual_seed(seed)
@@ -264,74 +234,6 @@ def cumulative_streams(draw: st.DrawFn, *, max_chunks: int = 120, nested: bool |
     return stream
 
 
-PLAIN_TYPES = (int, float, str, bytes, bool, type(None))
-
-
-def check_plain_wire(value: Any, where: str = "<wire>") -> None:
-    """Assert ``value`` holds only what vllm-omni's serializer carries: dicts, lists, tuples, tensors, scalars."""
-    if isinstance(value, torch.Tensor) or type(value) in PLAIN_TYPES:
-        return
-    if isinstance(value, (list, tuple, dict)):
-        for k, v in value.items() if isinstance(value, dict) else enumerate(value):
-            check_plain_wire(v, f"{where}.{k}" if isinstance(value, dict) else f"{where}[{k}]")
-        return
-    raise AssertionError(
-        f"{where}: {type(value).__module__}.{type(value).__qualname__} on the wire; use plain lists, tensors, ints and "
-        "strings (vllm-omni's OmniSerializer does not carry custom classes)"
-    )
-
-
-def copy_wire(value: Any) -> Any:
-    """What a connector delivers: the same data in new objects (tensors cloned, lists and dicts rebuilt)."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, (list, tuple)):
-        items = [copy_wire(v) for v in value]
-        return items if isinstance(value, list) else tuple(items)
-    if isinstance(value, dict):
-        return {k: copy_wire(v) for k, v in value.items()}
-    return value
-
-
-def scribble(value: Any) -> None:
-    """Change ``value`` in place (tensors, list items; lists grow by one), as a sender reusing its buffer does."""
-    if isinstance(value, torch.Tensor):
-        with torch.no_grad(), contextlib.suppress(RuntimeError):  # RuntimeError: an expanded tensor
-            value.logical_not_() if value.dtype == torch.bool else value.add_(1)
-    elif isinstance(value, (list, tuple, dict)):
-        for v in value.values() if isinstance(value, dict) else value:
-            scribble(v)
-        if isinstance(value, list):
-            value.append(-1)
-
-
-def _reuse_buffers(sent: dict[Any, Any], chunk: Mapping[str, Any]) -> None:
-    """Before ``chunk`` is sent: the sender changes the values it last sent for the chunk's keys (:func:`scribble`)."""
-    for top, value in chunk.items():
-        for key, v in [((top, q), x) for q, x in value.items()] if isinstance(value, dict) else [((top,), value)]:
-            scribble(sent.get(key))
-            sent[key] = v
-
-
-class ReferenceError_(Exception):
-    """The cat reference itself cannot merge this value (e.g. a 0-d tensor appended)."""
-
-
-def reference_merge(current: Any, value: Any, append: bool) -> Any:
-    """The reference semantics of one key: cat / list + for append-kind, latest value otherwise."""
-    if not append:
-        return value
-    if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
-        if current.dim() == 0 or value.dim() == 0:
-            raise ReferenceError_("0-d tensor appended")
-        if current.dtype != value.dtype or current.shape[1:] != value.shape[1:]:
-            raise ReferenceError_("dtype or trailing shape changed")
-        return torch.cat([current, value], dim=0)
-    if isinstance(current, list) and isinstance(value, list):
-        return current + value
-    return value
-
-
 def check_stream(
     strategy: str,
     stream: list[dict[str, Any]],
@@ -345,60 +247,133 @@ def check_stream(
     """Stream ``stream`` through Sender -> Receiver with every key on ``strategy``; assert the contract.
 
     ``transport`` stands for the connector between them (default :func:`copy_wire`; ``None`` hands the wire
-    object over as is). ``reuse=True`` (with ``transport=None``: in process): before each chunk the sender changes
-    in place the values it last sent for that chunk's keys (:func:`scribble`), as one reusing its buffers does;
-    fed the same objects, the reference keeps them as ``torch.cat`` does (the first chunk as it is until the
-    second arrives, the rows of every other as they were when merged), and so must the view."""
-    mgr = manager or get_manager()
-    spec = mgr.spec(strategy)
-    append = "append" in spec.kinds
-    policy = {"default": {"strategy": strategy, "params": dict(params or {})}, "honor_override_keys": False}
-    tx, rx = Sender(policy, manager=mgr), Receiver(policy, manager=mgr)
-    ref: dict[str, Any] = {}
+    object over as is, and then every chunk handed in must be unchanged after each merge). ``reuse=True`` (with
+    ``transport=None``: in process): before each chunk the sender changes in place the values it last sent for that
+    chunk's keys (:func:`scribble`), as one reusing its buffers does; fed the same objects, the reference keeps them
+    as ``torch.cat`` does (the first chunk as it is until the second arrives, the rows of every other as they were
+    when merged), and so must the view."""
+    spec, tx, rx = _endpoints(strategy, params, manager)
+    keep = transport is None and not reuse  # the caller's values must come back as they were handed in
+    ref: dict[str, Any] | None = {}
     sent: dict[Any, Any] = {}  # reuse: the value each key had when last sent
+    copies: list[tuple[int, Any, Any]] = []
     for k, chunk in enumerate(stream):
         if reuse:
             _reuse_buffers(sent, chunk)
-        try:
-            expected = _ref_step(ref, chunk, append)
-        except ReferenceError_:
-            before = as_dict(rx.view(req_id)) if req_id in rx.request_ids() else None
-            try:
-                w = tx.encode(req_id, chunk)
-                rx.merge(req_id, transport(w) if transport is not None else w)
-            except AccumulationError:
-                after = as_dict(rx.view(req_id)) if req_id in rx.request_ids() else None
-                diff = first_difference(before, after) if before is not None else None
-                assert diff is None, f"chunk {k}: state changed by a rejected chunk: {diff}"
-                break
-            raise AssertionError(f"chunk {k}: {strategy!r} merged a value the cat reference cannot merge") from None
-        wire = tx.encode(req_id, chunk)
-        _check_wire(wire, chunk, spec.name)
-        check_plain_wire(wire, f"strategy {strategy!r}, chunk {k}: wire")
-        view = rx.merge(req_id, transport(wire) if transport is not None else wire)
-        got = as_dict(view)
-        diff = first_difference(expected, got)
-        assert diff is None, f"strategy {strategy!r}, chunk {k}: view differs from the reference: {diff}"
-        ref = expected
+        if keep:
+            copies.append((k, chunk, snapshot(chunk)))
+        ref = _step(tx, rx, spec, req_id, k, chunk, ref or {}, transport)
+        if keep:
+            _unchanged(strategy, copies[-1:])
+        if ref is None:
+            break
+    _unchanged(strategy, copies)  # a later merge may change an earlier chunk (extending the first list it held)
     tx.release(req_id)
     rx.release(req_id)
     assert rx.active_requests == 0 and tx.active_requests == 0
 
 
-def _ref_step(ref: dict[str, Any], chunk: dict[str, Any], append: bool) -> dict[str, Any]:
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in ref.items()}
-    for top, value in chunk.items():
-        if isinstance(value, dict):
-            group = out.get(top)
-            group = dict(group) if isinstance(group, dict) else {}
-            for q, qv in value.items():
-                group[q] = reference_merge(group[q], qv, append) if q in group else qv
-            out[top] = group
-        else:
-            out[top] = (
-                reference_merge(out[top], value, append) if top in out and not isinstance(out[top], dict) else value
-            )
-    return out
+def check_interleaved(
+    strategy: str,
+    streams: list[list[dict[str, Any]]],
+    params: Mapping[str, Any] | None = None,
+    *,
+    manager: StrategyManager | None = None,
+    transport: Callable[[Any], Any] | None = copy_wire,
+) -> None:
+    """Requests ``req-0``, ``req-1``, ... (one per stream) through one Sender and one Receiver, their chunks
+    interleaved (round robin), with the memory guard on (so ``nbytes`` and ``projected_nbytes`` run on every chunk):
+    each request's view must be its own stream's reference. State kept on the Strategy object (one per params,
+    shared by every request and key) instead of on the Encoder/Accumulator fails here."""
+    spec, tx, rx = _endpoints(strategy, params, manager, guard=True)
+    refs: list[dict[str, Any] | None] = [{} for _ in streams]
+    for k in range(max(map(len, streams), default=0)):
+        for i, stream in enumerate(streams):
+            if k < len(stream) and refs[i] is not None:
+                refs[i] = _step(tx, rx, spec, f"req-{i}", k, stream[k], refs[i] or {}, transport)
+    for i in range(len(streams)):
+        tx.release(f"req-{i}")
+        rx.release(f"req-{i}")
+
+
+def _endpoints(
+    strategy: str, params: Mapping[str, Any] | None, manager: StrategyManager | None, guard: bool = False
+) -> tuple[Any, Sender, Receiver]:
+    mgr = manager or get_manager()
+    spec = _spec(mgr, strategy)
+    policy: dict[str, Any] = {"default": {"strategy": strategy, "params": _params(strategy, params)}}
+    policy.update(honor_override_keys=False, max_bytes_per_request=(1 << 62) if guard else 0)
+    return spec, Sender(policy, manager=mgr), Receiver(policy, manager=mgr)
+
+
+def _spec(mgr: StrategyManager, strategy: str) -> Any:
+    """``strategy``'s spec; unknown, the error also names the plugins that did not load here (as a policy's does):
+    a plugin that fails to import is only a warning elsewhere, and its strategies are then simply missing."""
+    try:
+        return mgr.spec(strategy)
+    except UnknownStrategyError as e:
+        note = mgr.not_loaded_note()
+        if not note:
+            raise
+        raise UnknownStrategyError(strategy, mgr.names(), f"conformance kit{note}") from e
+
+
+def _params(strategy: str, params: Any) -> dict[str, Any]:
+    if params is None or isinstance(params, Mapping):
+        return dict(params or {})
+    raise TypeError(  # a str such as "block=3" was dict()'s bare ValueError
+        f"conformance kit, strategy {strategy!r}: params must be a mapping of param names to values, such as "
+        f"{{'block': 3}}, not {type(params).__name__} {params!r:.60}"
+    )
+
+
+def _rule(spec: Any) -> str:
+    kinds = sorted(spec.kinds)
+    if "append" in spec.kinds:
+        return (f"append-kind, the view is torch.cat of the chunks (list + for lists), because the declared kinds "
+                f"{kinds} include 'append' (StrategySpec.kinds defaults to all three: declare "
+                "kinds=frozenset({'replace'}) for a latest-value strategy)")  # fmt: skip
+    return f"replace-kind, the view is the latest value, because the declared kinds {kinds} do not include 'append'"
+
+
+def _step(
+    tx: Sender, rx: Receiver, spec: Any, req_id: str, k: int, chunk: dict[str, Any], ref: dict[str, Any],
+    transport: Callable[[Any], Any] | None,
+) -> dict[str, Any] | None:  # fmt: skip
+    """Send chunk ``k`` of ``req_id`` and check its view; the new reference, or None when the stream ends there (a
+    value the cat reference cannot merge, which the strategy must reject leaving the state unchanged)."""
+    name = spec.name
+    try:  # a copying wire delivers tuples as lists: so does the reference
+        expected = _ref_step(ref, as_delivered(chunk) if transport is not None else chunk, "append" in spec.kinds)
+    except ReferenceError_:
+        before = as_dict(rx.view(req_id)) if req_id in rx.request_ids() else None
+        try:
+            w = tx.encode(req_id, chunk)
+            rx.merge(req_id, transport(w) if transport is not None else w)
+        except AccumulationError:
+            after = as_dict(rx.view(req_id)) if req_id in rx.request_ids() else None
+            diff = first_difference(before, after) if before is not None else None
+            assert diff is None, f"{req_id} chunk {k}: state changed by a rejected chunk: {diff}"
+            return None
+        raise AssertionError(f"{req_id} chunk {k}: {name!r} merged a value the cat reference cannot merge") from None
+    wire = tx.encode(req_id, chunk)
+    _check_wire(wire, chunk, name)
+    check_plain_wire(wire, f"strategy {name!r}, chunk {k}: wire")
+    got = as_dict(rx.merge(req_id, transport(wire) if transport is not None else wire))
+    diff = first_difference(expected, got)
+    assert diff is None, (
+        f"strategy {name!r}, {req_id} chunk {k}: view differs from the reference ({_rule(spec)}): {diff}"
+    )
+    return expected
+
+
+def _unchanged(name: str, copies: list[tuple[int, Any, Any]]) -> None:
+    for k, chunk, copy in copies:
+        diff = first_difference(copy, chunk)
+        assert diff is None, (
+            f"strategy {name!r}: chunk {k} as the caller handed it in was changed: {diff}; a strategy must not "
+            "extend, sort or write into the values it is given (copy the first list before extending it)"
+        )
 
 
 def _check_wire(wire: Mapping[str, Any], chunk: Mapping[str, Any], name: str) -> None:
@@ -417,13 +392,16 @@ def check_conformance(
 ) -> None:
     """Run the property-based conformance contract against ``strategy`` (with ``params``).
 
-    Every strategy runs on :func:`payload_streams` through a copying wire, then in process with the sender's values
-    changed once sent (``check_stream(..., transport=None, reuse=True)``, half as many examples); a replace-kind
-    strategy (no ``append`` in its declared kinds) also runs on :func:`cumulative_streams`.
+    Every strategy runs on :func:`payload_streams` through a copying wire; then (half as many examples each) in
+    process with the values handed in checked unchanged (``transport=None``), in process with the sender's values
+    changed once sent (``transport=None, reuse=True``), and two requests interleaved through one sender and one
+    receiver (:func:`check_interleaved`). The semantics checked are those of the declared kinds: a strategy whose
+    kinds include ``append`` (the default: all three) must serve ``torch.cat``'s view; a replace-kind strategy (no
+    ``append`` in its declared kinds) the latest value, and also runs on :func:`cumulative_streams`.
     """
     mgr = manager or get_manager()
-    spec = mgr.spec(strategy)  # UnknownStrategyError, listing the available names, before any example runs
-    spec.build(dict(params or {}))  # invalid params fail here, with the Params model's own message
+    spec = _spec(mgr, strategy)  # UnknownStrategyError, listing the available names, before any example runs
+    spec.build(_params(strategy, params))  # invalid params fail here, with the Params model's own message
 
     @settings(max_examples=max_examples, deadline=None, database=None)
     @given(stream=payload_streams(max_chunks=max_chunks))
@@ -432,11 +410,23 @@ def check_conformance(
 
     @settings(max_examples=max(1, max_examples // 2), deadline=None, database=None)
     @given(stream=payload_streams(max_chunks=max_chunks))
+    def run_kept(stream: list[dict[str, Any]]) -> None:
+        check_stream(strategy, stream, params, manager=mgr, transport=None)
+
+    @settings(max_examples=max(1, max_examples // 2), deadline=None, database=None)
+    @given(stream=payload_streams(max_chunks=max_chunks))
     def run_in_process(stream: list[dict[str, Any]]) -> None:
         check_stream(strategy, stream, params, manager=mgr, transport=None, reuse=True)
 
+    @settings(max_examples=max(1, max_examples // 2), deadline=None, database=None)
+    @given(streams=st.lists(payload_streams(max_chunks=max(1, max_chunks // 2)), min_size=2, max_size=2))
+    def run_interleaved(streams: list[list[dict[str, Any]]]) -> None:
+        check_interleaved(strategy, streams, params, manager=mgr)
+
     run()
+    run_kept()
     run_in_process()
+    run_interleaved()
     if "append" not in spec.kinds:
 
         @settings(max_examples=max_examples, deadline=None, database=None)

@@ -106,3 +106,196 @@ def test_the_bit_for_bit_checker_tells_apart_what_a_consumer_would_see_different
     assert not same_bits(a, b) and not same_bits(b, a)
     assert first_difference(a, b) is not None
     assert same_bits(a, a) and first_difference(a, a) is None
+
+
+# ---------------------------------------------------------------------------------------------- #
+# what the kit catches: strategies that passed it and were wrong in ordinary use
+# ---------------------------------------------------------------------------------------------- #
+
+from omni_accum.strategies.replace import ReplaceAccumulator  # noqa: E402
+from omni_accum.strategy import Accumulator, AppendAccumulator, Encoder, Strategy, StrategySpec  # noqa: E402
+from omni_accum.testing import check_interleaved, copy_wire, first_difference, non_contiguous  # noqa: E402
+
+
+class _Chunks(AppendAccumulator):
+    """Chunks kept, copied when merged (the first held as it is until the second), cat on read."""
+
+    __slots__ = ("_c",)
+
+    def start_tensor(self, v):
+        self._c = [v]
+
+    def append_tensor(self, v):
+        if len(self._c) == 1:
+            self._c[0] = self._c[0].clone()
+        self._c.append(v.clone())
+
+    def read_tensor(self):
+        return self._c[0] if len(self._c) == 1 else torch.cat(self._c)
+
+    def current_tensor_meta(self):
+        return self._c[0]
+
+
+class _ListMut(_Chunks):
+    def append_list(self, value):
+        self._items.extend(value)  # the bug: the first list is the caller's
+        self._list_view = None
+
+    def read_list(self):
+        return self._items
+
+
+class _TupEncoder(Encoder):
+    def __init__(self):
+        self.prev = None
+
+    def encode(self, v):
+        prev, self.prev = self.prev, list(v) if isinstance(v, list) else None
+        if isinstance(v, list) and prev is not None and v[: len(prev)] == prev:
+            return ("sfx", len(prev), v[len(prev):])  # a tuple marks a suffix: a list once serialized
+        return v
+
+
+class _TupAcc(Accumulator):
+    def __init__(self):
+        self.v = None
+
+    def merge(self, w):
+        self.v = self.v[: w[1]] + list(w[2]) if isinstance(w, tuple) else w
+
+    def read(self):
+        return self.v
+
+
+class _SharedAcc(_Chunks):
+    __slots__ = ("_s",)
+
+    def __init__(self, key, store):
+        super().__init__(key)
+        self._s = store
+
+    @property
+    def _c(self):  # the bug: the chunks live on the Strategy, keyed by path only: shared by every request
+        return self._s[self.key.path]
+
+    def start_tensor(self, v):
+        self._s[self.key.path] = [v]
+
+
+class _MemcpyAcc(_Chunks):
+    def append_tensor(self, v):  # reads v's storage as contiguous rows, as a memmove of data_ptr() does
+        flat = torch.empty(0, dtype=v.dtype).set_(v.untyped_storage(), 0, (v.numel(),))
+        super().append_tensor(flat.view(v.shape).clone())
+
+
+def _strategy(acc=None, enc=None, shared=False):
+    class S(Strategy):
+        def __init__(self, params=None):
+            super().__init__(params)
+            self.store = {}
+
+        def new_encoder(self, key):
+            return enc() if enc else None
+
+        def new_accumulator(self, key):
+            return acc(key, self.store) if shared else acc(key) if acc is not _TupAcc else acc()
+
+    return S
+
+
+@pytest.fixture
+def kit_mgr():
+    mgr = omni_accum.StrategyManager(load_entrypoints=False)
+    mgr.load_entrypoints([])
+    specs = [
+        StrategySpec("listmut", _strategy(_ListMut), kinds=frozenset({"append"})),
+        StrategySpec("tupsuffix", _strategy(_TupAcc, _TupEncoder), kinds=frozenset({"replace"})),
+        StrategySpec("shared", _strategy(_SharedAcc, shared=True), kinds=frozenset({"append"})),
+        StrategySpec("memcpy", _strategy(_MemcpyAcc), kinds=frozenset({"append"})),
+        StrategySpec("latest_default_kinds", _strategy(lambda key: ReplaceAccumulator())),
+    ]
+
+    class P:
+        @omni_accum.hookimpl
+        def omni_accum_register_strategies(self):
+            return specs
+
+    mgr.register(P(), name="kitcases")
+    return mgr
+
+
+def test_the_kit_fails_a_strategy_that_changes_the_caller_s_values(kit_mgr):
+    stream = [{"ids": [1, 2, 3]}, {"ids": [4]}, {"ids": [5]}]
+    check_stream("listmut", stream, manager=kit_mgr)  # over a copying wire the receiver only changes its copy
+    with pytest.raises(AssertionError, match=r"chunk 0 as the caller handed it in was changed: ids: \[1, 2, 3\] != "
+                                             r"\[1, 2, 3, 4, 5\]"):  # fmt: skip
+        check_stream("listmut", stream, manager=kit_mgr, transport=None)
+
+
+def test_the_kit_s_wire_delivers_tuples_as_lists_as_omniserializer_does(kit_mgr):
+    assert copy_wire({"a": ("sfx", 1, (2,))}) == {"a": ["sfx", 1, [2]]}
+    stream = [{"ids": [7, 8]}, {"ids": [7, 8, 9]}]
+    with pytest.raises(AssertionError, match=r"req-0 chunk 1: view differs.*ids: \[7, 8, 9\] != \['sfx', 2, \[9\]\]"):
+        check_stream("tupsuffix", stream, manager=kit_mgr)
+
+
+def test_the_kit_interleaves_two_requests(kit_mgr):
+    a = [{"e": torch.full((1, 2), 1.0)}, {"e": torch.full((1, 2), 1.5)}]
+    b = [{"e": torch.full((1, 2), 2.0)}, {"e": torch.full((1, 2), 2.5)}]
+    check_stream("shared", a, manager=kit_mgr)  # one request at a time: passes
+    with pytest.raises(AssertionError, match=r"req-0 chunk 1: view differs"):
+        check_interleaved("shared", [a, b], manager=kit_mgr)
+    check_interleaved("cat", [a, b])
+
+
+def test_the_kit_s_chunks_include_non_contiguous_tensors_and_name_the_first_wrong_row(kit_mgr):
+    t = torch.arange(12.0).reshape(4, 3)
+    for layout in range(4):
+        v = non_contiguous(t, layout)
+        assert torch.equal(v, t) and (layout == 0 or not v.is_contiguous() or v.storage_offset())
+    stream = [{"e": torch.zeros(1, 3)}, {"e": non_contiguous(t, 3)}]
+    check_stream("memcpy", [{"e": torch.zeros(1, 3)}, {"e": t}], manager=kit_mgr)  # contiguous: passes
+    with pytest.raises(AssertionError, match=r"e: tensor\(shape=\[5, 3\].*, first at row 1, element \[1, 1\]: 1\.0 "
+                                             r"!= 3\.0"):  # fmt: skip
+        check_stream("memcpy", stream, manager=kit_mgr, transport=None)
+    assert first_difference(torch.ones(2, 2), torch.ones(2, 2)) is None
+
+
+def test_the_kit_names_the_declared_kinds_rule(kit_mgr):
+    """kinds defaults to all three: a latest-value strategy that leaves kinds out is checked as append-kind."""
+    with pytest.raises(AssertionError, match=r"the declared kinds \['append', 'replace', 'static'\] include 'append' "
+                                             r"\(StrategySpec.kinds defaults to all three"):  # fmt: skip
+        check_stream("latest_default_kinds", [{"e": torch.ones(1, 2)}, {"e": torch.ones(1, 2)}], manager=kit_mgr)
+
+
+def test_the_kit_s_argument_mistakes_are_clear(kit_mgr):
+    with pytest.raises(TypeError, match=r"strategy 'cat': params must be a mapping of param names to values, such as "
+                                        r"\{'block': 3\}, not str 'block=3'"):  # fmt: skip
+        check_conformance("cat", "block=3", manager=kit_mgr)
+    kit_mgr.problems.append(("blocked_cat_plugin", "plugin 'blocked_cat_plugin': failed to import"))
+    with pytest.raises(omni_accum.errors.UnknownStrategyError, match=r"plugins not loaded here: 'blocked_cat_plugin' "
+                                                                     r"failed to load"):  # fmt: skip
+        check_conformance("blocked_cat", manager=kit_mgr)
+
+
+def test_the_kit_fails_an_omit_without_omits_unchanged(kit_mgr):
+    class Once(Encoder):
+        def __init__(self):
+            self.last = None
+
+        def encode(self, v):
+            same, self.last = isinstance(v, str) and v == self.last, v
+            return omni_accum.strategy.OMIT if same else v
+
+    factory = _strategy(lambda key: ReplaceAccumulator(), Once)
+    spec = StrategySpec("undeclared_once", factory, kinds=frozenset({"replace"}))
+
+    class P:
+        @omni_accum.hookimpl
+        def omni_accum_register_strategies(self):
+            return [spec]
+
+    kit_mgr.register(P(), name="onceplug")
+    with pytest.raises(omni_accum.AccumulationError, match="set omits_unchanged = True on the Strategy class"):
+        check_stream("undeclared_once", [{"s": "Ethan"}, {"s": "Ethan"}], manager=kit_mgr)

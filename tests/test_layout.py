@@ -365,7 +365,9 @@ TOP_LEVEL = [
     "context.py",
     "errors.py",
     "hookspecs.py",
+    "kit_values.py",  # the conformance kit's value helpers (plugins' tests import them through testing.py)
     "manager.py",
+    "plugin_checks.py",  # the manager's checks on what a plugin hands it (split from manager.py: 450 lines)
     "pytest_plugin.py",
     "samehost.py",  # the private directory of the same-host files (the arena and the peer hellos share it)
     "strategy.py",

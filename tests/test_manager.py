@@ -104,7 +104,8 @@ def test_failed_registration_leaves_nothing_behind(m):
         m.register(registering("fresh", "cat"), name="greedy", distribution=("greedy-dist", "0.1"))
     assert ei.value.plugins == ("cat", "greedy")
     assert "plugin 'greedy' (distribution greedy-dist 0.1)" in str(ei.value)
-    assert "the first is plugin 'cat'" in str(ei.value)
+    assert "plugin 'cat' serves it, so this plugin is skipped" in str(ei.value)
+    assert "rename the strategy in it (a built-in cannot be disabled)" in str(ei.value)
     assert "fresh" not in m.names() and m.pm.get_plugin("greedy") is None
     m.register(registering("fresh"), name="greedy")  # the name is free again
     assert "fresh" in m.names()
@@ -185,7 +186,8 @@ class TestSelection:
                 return "cat"
 
         m.register(Wrong(), name="wrong")
-        with pytest.raises(PluginError, match="returned str, expected StrategyChoice"):
+        with pytest.raises(PluginError, match=r"^plugin 'wrong': omni_accum_select_strategy returned str 'cat' for key "
+                                              r"'k'; return an omni_accum StrategyChoice, or None$"):  # fmt: skip
             m.select("k", self.meta, self.ctx, omni_accum.load_policy({}, manager=m))
 
     def test_a_raising_selection_hook_names_its_plugin(self, m):

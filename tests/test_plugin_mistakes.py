@@ -224,3 +224,148 @@ def test_shape_messages_read_as_shapes():
         check_appendable(torch.ones(4, 3), torch.ones(2, 4))
     said = _check_concat(torch.ones(5, 2048), [torch.ones(200, 2048), torch.ones(9, 2048)])
     assert said == "shape/dtype [5, 2048] torch.float32, expected [209, 2048] torch.float32"
+
+
+# ---------------------------------------------------------------------------------------------- #
+# run-time mistakes of a plugin: each named (plugin, strategy, value, fix), each the request's failure
+# ---------------------------------------------------------------------------------------------- #
+
+
+def test_a_factory_returning_no_strategy_names_the_plugin_and_the_type(m):  # noqa: F811
+    """It was an AttributeError ('dict' object has no attribute 'omits_unchanged') when a Sender was built."""
+    spec = StrategySpec(name="notastrategy", factory=lambda params: {"oops": 1}, kinds=frozenset({"replace"}))
+    m.register(_plugin(spec), name="factoryplugin", distribution=("fp-dist", "0.1"))
+    with pytest.raises(PluginError) as e:
+        omni_accum.Sender({"default": "notastrategy"}, manager=m)
+    assert str(e.value).startswith(
+        "default for meta.override_keys: strategy 'notastrategy' (plugin 'factoryplugin' (distribution fp-dist 0.1)): "
+        "its factory returned builtins.dict {'oops': 1}, not an omni_accum.Strategy; return an instance of a Strategy "
+        "subclass"
+    ), str(e.value)
+    with pytest.raises(PluginError, match=r"^strategy 'notastrategy' \(plugin 'factoryplugin'.*returned builtins.dict"):
+        m.spec("notastrategy").build()
+
+
+def test_a_duplicate_within_one_plugin_is_told_to_rename_not_to_disable_itself(m):  # noqa: F811
+    with pytest.raises(PluginError) as e:
+        m.register(_plugin(*[StrategySpec(name="x", factory=Latest, params_model=Params)] * 2), name="twice")
+    assert str(e.value) == (
+        "plugin 'twice': strategy 'x' is registered twice by this plugin's omni_accum_register_strategies; give each "
+        "StrategySpec its own name (plugin skipped)"
+    )
+
+
+class _RaisingNbytes(ReplaceAccumulator):
+    def nbytes(self):
+        raise RuntimeError("size unknown")
+
+
+class _NbytesStrategy(Strategy):
+    def new_accumulator(self, key):
+        return _RaisingNbytes()
+
+
+def test_a_raising_nbytes_under_the_memory_guard_fails_the_request_naming_the_plugin(m):  # noqa: F811
+    """Receiver.merge raised the bare RuntimeError (projected_nbytes was guarded, nbytes was not)."""
+    spec = StrategySpec(name="nb", factory=_NbytesStrategy, kinds=frozenset({"replace"}))
+    m.register(_plugin(spec), name="nbplugin")
+    rx = omni_accum.Receiver({"default": "nb", "max_bytes_per_request": 1 << 30}, manager=m)
+    rx.merge("r", {"x": torch.ones(2)})  # nbytes is asked of the keys held before a chunk: none yet
+    with pytest.raises(AccumulationError) as e:
+        rx.merge("r", {"x": torch.ones(2)})
+    assert (e.value.request_id, e.value.key, e.value.strategy, e.value.plugin) == ("r", "x", "nb", "nbplugin")
+    assert "nbytes raised RuntimeError: size unknown" in str(e.value)
+    with pytest.raises(AccumulationError, match="request failed earlier"):
+        rx.merge("r", {"x": torch.ones(2)})
+    rx.release("r")
+    rx.merge("other", {"x": torch.ones(2)})  # other requests go on
+
+
+class _OmitEncoder(omni_accum.strategy.Encoder):
+    def __init__(self):
+        self.last = None
+
+    def encode(self, value):
+        same, self.last = value == self.last, value
+        return omni_accum.strategy.OMIT if same else value
+
+
+class _Undeclared(Strategy):  # omits_unchanged = True forgotten (or set on the Encoder)
+    def new_encoder(self, key):
+        return _OmitEncoder()
+
+    def new_accumulator(self, key):
+        return ReplaceAccumulator()
+
+
+def test_omit_from_a_strategy_without_omits_unchanged_is_refused(m):  # noqa: F811
+    """It was accepted: a receiver that lost its state then served a view without the key, and no error."""
+    m.register(_plugin(StrategySpec(name="myonce", factory=_Undeclared, kinds=frozenset({"replace"}))), name="onceplug")
+    tx = omni_accum.Sender({"default": "myonce", "honor_override_keys": False}, manager=m)
+    tx.encode("r", {"spk": 3})
+    with pytest.raises(AccumulationError) as e:
+        tx.encode("r", {"spk": 3})
+    assert (e.value.key, e.value.strategy, e.value.plugin) == ("spk", "myonce", "onceplug")
+    assert "set omits_unchanged = True on the Strategy class (not on the Encoder)" in str(e.value)
+
+
+def test_a_selection_hook_s_mistakes_name_its_plugin(m):  # noqa: F811
+    """A str, an unknown strategy and an unbound hook (a class registered) each named no plugin."""
+
+    class Str:
+        @omni_accum.hookimpl
+        def omni_accum_select_strategy(self, key, meta, context, policy):
+            return "prealloc" if key == "embed.s" else None
+
+    class Unknown:
+        @omni_accum.hookimpl
+        def omni_accum_select_strategy(self, key, meta, context, policy):
+            return StrategyChoice("nope") if key == "embed.u" else None
+
+    class Unbound:
+        @omni_accum.hookimpl
+        def omni_accum_select_strategy(self, key, meta, context, policy):
+            return None
+
+    m.register(Str(), name="strsel")
+    m.register(Unknown(), name="unksel")
+    tx = omni_accum.Sender("default", manager=m)
+    with pytest.raises(AccumulationError, match=r"plugin 'strsel': omni_accum_select_strategy returned str 'prealloc'"):
+        tx.encode("r1", {"embed": {"s": torch.ones(1, 2)}})
+    with pytest.raises(AccumulationError, match=r"key 'embed.u' \(plugin 'unksel'\): unknown strategy 'nope'"):
+        tx.encode("r2", {"embed": {"u": torch.ones(1, 2)}})
+    with pytest.raises(PluginError, match=r"^plugin 'unbound': is the class .*Unbound, whose hook "
+                                          r"omni_accum_select_strategy is a method that needs"):  # fmt: skip
+        m.register(Unbound, name="unbound")
+    m.pm.register(Unbound, name="unbound")  # past the check (pluggy itself takes it): the failure still names it
+    with pytest.raises(PluginError, match=r"^plugin 'unbound': omni_accum_select_strategy raised TypeError"):
+        m.select("embed.x", None, None, omni_accum.load_policy("default", manager=m))
+
+
+def test_strategies_json_prints_defaults_in_their_json_form(m, monkeypatch, capsys):  # noqa: F811
+    """An Enum (or Path, timedelta, frozenset, bytes) default crashed --json and printed <Mode.FAST: 'fast'>."""
+    import datetime
+    import enum
+    import json
+    import pathlib
+
+    class Mode(enum.Enum):
+        FAST = "fast"
+
+    class Odd(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        mode: Mode = Mode.FAST
+        where: pathlib.Path = pathlib.Path("/tmp/x")
+        every: datetime.timedelta = datetime.timedelta(seconds=2)
+        tags: frozenset[str] = frozenset({"a"})
+        raw: bytes = b"ab"
+
+    m.register(_plugin(StrategySpec(name="odd", factory=Latest, params_model=Odd)), name="oddplug")
+    monkeypatch.setattr(omni_accum.manager, "_manager", m)
+    assert main(["strategies", "--json"]) == 0
+    (odd,) = [r for r in json.loads(capsys.readouterr().out)["strategies"] if r["name"] == "odd"]
+    assert {p["name"]: p["default"] for p in odd["params"]} == {
+        "mode": "fast", "where": "/tmp/x", "every": "PT2S", "tags": ["a"], "raw": "ab"}  # fmt: skip
+    assert main(["strategies"]) == 0
+    out = capsys.readouterr().out
+    assert "param mode: Mode (default 'fast')" in out and "<Mode" not in out

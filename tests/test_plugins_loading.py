@@ -101,6 +101,18 @@ class UnknownHook:
         return []
 
 
+class ClassPlugin:  # an entry point naming the class, not an instance: its hooks would be unbound methods
+    @omni_accum.hookimpl
+    def omni_accum_select_strategy(self, key, meta, context, policy):
+        return None
+
+
+class ExitingHook:
+    @omni_accum.hookimpl
+    def omni_accum_register_strategies(self):
+        raise SystemExit(2)  # argparse, run by a plugin's registration
+
+
 class WrongHookArgs:
     @omni_accum.hookimpl
     def omni_accum_select_strategy(self, key, meta, context, policy, extra):
@@ -124,6 +136,12 @@ PLUGINS = {
     "not_callable": plugin_returning(spec("nc", factory=42)),
     "unknown_hook": UnknownHook(),
     "wrong_args": WrongHookArgs(),
+    "none_grid": plugin_returning(spec("ng", params_grid=None)),
+    "none_kinds": plugin_returning(spec("nk", kinds=None)),
+    "int_kinds": plugin_returning(spec("ik", kinds=3)),
+    "list_in_grid": plugin_returning(spec("lg", params_grid=[[("depth", 2)]])),
+    "class_plugin": ClassPlugin,
+    "exiting_hook": ExitingHook(),
 }
 
 
@@ -225,6 +243,13 @@ FAILURES = [
     (ep_of("not_callable"), ["factory is not callable"], None),
     (ep_of("unknown_hook"), ["omni_accum_regsiter_strategy", "unknown hook"], None),
     (ep_of("wrong_args"), ["invalid hook implementation", "extra"], None),
+    # None fields were a bare TypeError out of StrategyManager(): every omni-accum process died
+    (ep_of("none_grid"), ["strategy 'ng': params_grid None must be a tuple of params mappings"], None),
+    (ep_of("none_kinds"), ["strategy 'nk': kinds None must be a set of ['append', 'replace', 'static']"], None),
+    (ep_of("int_kinds"), ["strategy 'ik': kinds 3 must be a set of"], None),
+    (ep_of("list_in_grid"), ["params_grid[0] [('depth', 2)] must be a mapping of param names to values"], None),
+    (ep_of("class_plugin"), ["is the class ClassPlugin", "point the entry point at an instance"], None),
+    (ep_of("exiting_hook"), ["omni_accum_register_strategies raised SystemExit: 2"], SystemExit),
     (
         ep_of("dup_builtin"),
         ["'cat' is registered twice", "plugin 'cat'", "plugin 'dup_builtin'", "omni-accum 0.1.0"],
@@ -479,3 +504,71 @@ def test_strategies_prints_a_plugin_problem_once(fake_plugins, monkeypatch, capl
         assert main(["strategies"]) == 0
     said = capsys.readouterr().err + "\n".join(r.getMessage() for r in caplog.records)
     assert said.count("database unreachable") == 1, said
+
+
+# ---------------------------------------------------------------------------------------------- #
+# what a plugin raises is the plugin's failure, never the process's
+# ---------------------------------------------------------------------------------------------- #
+
+
+class _ExitOnImport(types.ModuleType):
+    def __getattr__(self, name):
+        raise SystemExit(2)  # what argparse does at import time when sys.argv is the CLI's
+
+
+def test_a_plugin_exiting_at_import_is_skipped_not_the_cli_s_exit(fake_plugins, monkeypatch, capsys):
+    """SystemExit from ep.load() ended `omni-accum strategies` with exit status 2 and nothing printed."""
+    monkeypatch.setitem(sys.modules, "acme_accum_exits", _ExitOnImport("acme_accum_exits"))
+    fake_plugins(fake_ep("exits", "acme_accum_exits:plugin"), ep_of("good", "acme"))
+    m = omni_accum.StrategyManager()
+    ((plugin, text),) = m.problems
+    assert plugin == "exits" and "failed to import 'acme_accum_exits:plugin': SystemExit: 2" in text, text
+    assert "if __name__ == '__main__'" in text and "latest" in m.names()
+    from omni_accum.cli.main import main
+
+    monkeypatch.setattr(manager_mod, "_manager", None)
+    assert main(["strategies", "--json"]) == 0
+    assert "latest" in capsys.readouterr().out
+
+
+def test_ctrl_c_during_plugin_loading_still_stops_the_process(fake_plugins, monkeypatch):
+    class Interrupted(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "acme_accum_ctrlc", Interrupted("acme_accum_ctrlc"))
+    fake_plugins(fake_ep("ctrlc", "acme_accum_ctrlc:plugin"))
+    with pytest.raises(KeyboardInterrupt):
+        omni_accum.StrategyManager()
+
+
+def test_any_exception_from_a_registration_is_that_plugin_s_failure(fake_plugins, monkeypatch):
+    """Not only PluginError: an unforeseen exception while registering a plugin skips the plugin."""
+    real = manager_mod.validate_spec
+
+    def flaky(rec, who, reserved):
+        if rec.name == "latest2":
+            raise LookupError("unforeseen")
+        return real(rec, who, reserved)
+
+    monkeypatch.setattr(manager_mod, "validate_spec", flaky)
+    fake_plugins(ep_of("good2", "flaky"), ep_of("good", "acme"))
+    m = omni_accum.StrategyManager()
+    ((plugin, text),) = m.problems
+    assert plugin == "flaky" and text == (
+        f"plugin 'flaky' (distribution {FAKE_DIST} {FAKE_VERSION}): registration raised LookupError: unforeseen"
+    )
+    assert isinstance(m.errors[0].__cause__, LookupError) and "latest" in m.names() and "latest2" not in m.names()
+
+
+def test_a_duplicate_says_which_plugin_serves_and_which_to_disable(fake_plugins):
+    """The advice was to disable the plugin that had already been skipped, whatever one wanted."""
+    fake_plugins(ep_of("good", "acme", dist="acme-one"), ep_of("dup", "acme_dup", dist="acme-two", version="9.9"))
+    ((_, text),) = omni_accum.StrategyManager().problems
+    assert text == (
+        "plugin 'acme_dup' (distribution acme-two 9.9): strategy 'latest' is registered twice: plugin 'acme' "
+        "(distribution acme-one 1.2.3) serves it, so this plugin is skipped; to use this plugin's 'latest' instead, "
+        "disable plugin 'acme' (distribution acme-one 1.2.3) (OMNI_ACCUM_DISABLED_PLUGINS=acme); to keep the one "
+        "plugin 'acme' (distribution acme-one 1.2.3) serves, disable this one (OMNI_ACCUM_DISABLED_PLUGINS=acme_dup) "
+        "or uninstall it"
+    )

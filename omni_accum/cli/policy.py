@@ -18,6 +18,7 @@ from typing import Any
 import annotated_types as at
 import yaml
 from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 from omni_accum.cli import explain, validate
 from omni_accum.cli.args import ExamplesHelpFormatter
@@ -45,9 +46,28 @@ def _presets() -> str:
 _CONSTRAINTS = ((at.Gt, "gt", ">"), (at.Ge, "ge", ">="), (at.Lt, "lt", "<"), (at.Le, "le", "<="))
 
 
+def _json_defaults(model: type[BaseModel]) -> dict[str, Any]:
+    """Every default of ``model`` in its JSON form (an Enum's value, a Path or a timedelta as a string, a frozenset
+    as a list), as the params are written in a policy: ``strategies --json`` could not print them as they are, and the
+    text showed ``<Mode.FAST: 'fast'>``. The model's own serializers apply; a default pydantic cannot put in JSON is
+    shown as its repr."""
+    try:
+        return model().model_dump(mode="json")
+    except Exception:  # noqa: BLE001 - a required param (no default to show), or a serializer that raises
+        out = {}
+        for name, field in model.model_fields.items():
+            if not field.is_required():
+                try:
+                    out[name] = to_jsonable_python(field.get_default(call_default_factory=True))
+                except Exception:  # noqa: BLE001 - a plugin's default of a type JSON has no form for
+                    out[name] = repr(field.get_default(call_default_factory=True))
+        return out
+
+
 def param_rows(model: type[BaseModel]) -> list[dict[str, Any]]:
-    """Describe the fields of a strategy's ``Params`` model: name, type, default, constraints."""
+    """Describe the fields of a strategy's ``Params`` model: name, type, default (in its JSON form), constraints."""
     rows = []
+    defaults = _json_defaults(model)
     for name, field in model.model_fields.items():
         constraints = [
             f"{sym} {getattr(m, attr)}" for m in field.metadata for cls, attr, sym in _CONSTRAINTS if isinstance(m, cls)
@@ -58,7 +78,7 @@ def param_rows(model: type[BaseModel]) -> list[dict[str, Any]]:
                 "name": name,
                 "type": getattr(ann, "__name__", str(ann)),
                 "required": field.is_required(),
-                "default": None if field.is_required() else field.get_default(call_default_factory=True),
+                "default": None if field.is_required() else defaults.get(name),
                 "constraints": constraints,
                 "description": field.description or "",
             }

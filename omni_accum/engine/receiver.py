@@ -337,14 +337,17 @@ class Receiver(SequencedMerge, _Endpoint):
     def _guard(self, req_id: str, st: _Request, ops: list[tuple[Any, Any, Any, _Slot]], limit: int) -> None:
         """Refuse the chunk when the state would hold more than ``limit`` bytes once merged.
 
-        Starts from what every key holds now (live: a read may have cached a concatenation since the
-        last chunk); each touched key then counts what it would hold after the merge
-        (:meth:`Accumulator.projected_nbytes`: a ``prealloc`` buffer's grown capacity, a
-        ``token_list``'s cached concatenation) instead of what it holds, and a leaf a group replaces
-        (or the reverse) counts nothing. The check runs before anything is allocated.
-        """
+        Starts from what every key holds now (live: a read may have cached a concatenation since the last chunk);
+        each touched key then counts what it would hold after the merge (:meth:`Accumulator.projected_nbytes`: a
+        ``prealloc`` buffer's grown capacity, a ``token_list``'s cached concatenation) instead of what it holds, and
+        a leaf a group replaces (or the reverse) counts nothing. The check runs before anything is allocated."""
         entries = st.entries
-        held = {id(s): s.acc.nbytes() for s in _iter_slots(entries)}
+        held: dict[int, int] = {}
+        for s in _iter_slots(entries):
+            try:
+                held[id(s)] = s.acc.nbytes()
+            except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only, as a raising check does
+                raise _check_error(req_id, st, s, e, "nbytes") from e
         after = sum(held.values())
         gone: set[int] = set()
 
@@ -430,12 +433,12 @@ def _override_left_off(wire: Mapping[str, Any]) -> bool:
     return type(need) is int and need < 0
 
 
-def _check_error(req_id: str, st: _Request, slot: _Slot, e: Exception) -> AccumulationError:
-    """The error for a value ``slot``'s check refused; a check that raised anything else fails the request."""
-    if isinstance(e, MergeError):
+def _check_error(req_id: str, st: _Request, slot: _Slot, e: Exception, what: str = "check") -> AccumulationError:
+    """The error for a value ``slot``'s check refused; a check (or nbytes) raising anything else fails the request."""
+    if isinstance(e, MergeError) and what == "check":
         return slot_error(str(e), req_id, slot)
-    st.failed = f"strategy {slot.spec.name!r} raised {type(e).__name__} in check on key {slot.path!r}"
-    return slot_error(f"check raised {type(e).__name__}: {e}", req_id, slot)
+    st.failed = f"strategy {slot.spec.name!r} raised {type(e).__name__} in {what} on key {slot.path!r}"
+    return slot_error(f"{what} raised {type(e).__name__}: {e}", req_id, slot)
 
 
 def _merge_error(req_id: str, st: _Request, slot: _Slot, e: Exception) -> AccumulationError:

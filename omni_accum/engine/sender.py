@@ -128,6 +128,8 @@ class Sender(_Endpoint):
                     enc = group[qual]
                     w = qv if enc is None else self._encode_one(enc, qv, req_id, top, qual, st)
                     if w is OMIT:
+                        if (top, qual) not in st.once:
+                            raise _omit_refused(st, req_id, top, qual)
                         omitted += 1
                         override_omitted = override_omitted or (top == "meta" and qual == "override_keys")
                     else:
@@ -141,6 +143,8 @@ class Sender(_Endpoint):
                 enc = st.entries[top]
                 w = value if enc is None else self._encode_one(enc, value, req_id, top, LEAF, st)
                 if w is OMIT:
+                    if (top, LEAF) not in st.once:
+                        raise _omit_refused(st, req_id, top, LEAF)
                     omitted += 1
                 else:
                     out[top] = w
@@ -150,6 +154,24 @@ class Sender(_Endpoint):
         if omitted:  # negative: the override list left off still applies (see WIRE_MARKER)
             out[WIRE_MARKER] = -st.held_once if override_omitted else st.held_once
         return out
+
+
+def _omit_refused(st: _Request, req_id: str, top: Any, qual: Any) -> AccumulationError:
+    """OMIT from the encoder of a strategy that does not declare ``omits_unchanged``: refused, because only for such a
+    strategy does the wire marker count the values held, so a receiver that lost its state (restarted, released)
+    can tell and fail the request, instead of serving a view without the key."""
+    path = _path(top, qual)
+    spec = st.enc_specs.get(path)
+    name, plugin = (spec.name, spec.plugin) if spec else (None, None)
+    return AccumulationError(
+        "the encoder returned OMIT but the strategy does not declare omits_unchanged, so a receiver that lost this "
+        "key's value could not tell and would serve a view without it; set omits_unchanged = True on the Strategy "
+        "class (not on the Encoder), or make the encoder return the value",
+        request_id=req_id,
+        key=path,
+        strategy=name,
+        plugin=plugin,
+    )
 
 
 def _forget(st: _Request, top: Any, qual: Any) -> None:
