@@ -131,13 +131,23 @@ def class_plugin(plugin: Any, who: str, hooks: tuple[str, ...]) -> None:
     are then unbound methods, and every call would fail with a TypeError about ``self``."""
     if not isinstance(plugin, type):
         return
-    unbound = [h for h in hooks if inspect.isfunction(inspect.getattr_static(plugin, h, None))]
+    unbound = [h for h in hooks if _takes_self(inspect.getattr_static(plugin, h, None))]
     if unbound:
         raise PluginError(
             f"{who}: is the class {plugin.__qualname__}, whose hook {unbound[0]} is a method that needs an instance: "
             f"point the entry point at an instance (plugin = {plugin.__qualname__}() in the module, "
             f"then 'module:plugin'), or make the hooks @staticmethod"
         )
+
+
+def _takes_self(fn: Any) -> bool:
+    """Whether class attribute ``fn`` is a method whose first parameter is the instance (``self``, which pluggy
+    leaves out of the hook's arguments); a function without it works from the class (called with the hook's
+    arguments only) and is taken."""
+    if not inspect.isfunction(fn):
+        return False
+    first = next(iter(inspect.signature(fn).parameters.values()), None)
+    return first is not None and first.name == "self"
 
 
 def raising_plugin(hookimpls: list[Any], exc: BaseException) -> str | None:
