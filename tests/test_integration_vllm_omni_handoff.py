@@ -490,6 +490,41 @@ def test_a_full_payload_reaches_prometheus_and_the_counts_without_a_flush(vo, tr
     assert rows == {1: 0, 0: 1}, rows
 
 
+def test_a_whole_payload_is_counted_in_prometheus_as_a_chunk_sent_and_received(vo, transports):
+    """``async_chunk: false``: the whole payload's put and get counted in ``stats`` only; no
+    ``omni_accum_chunks_total``, ``omni_accum_wire_bytes_total`` or ``omni_accum_requests_total`` series moved, though
+    the docs count them as a chunk sent and a chunk received."""
+    from omni_accum.integrations.vllm_omni import publishing
+    from omni_accum.integrations.vllm_omni.binding import binding_for
+
+    vo.install(None)
+    rx = transports(1, {"omni_accum_policy": "default"})
+    tx = transports(0, {"omni_accum_policy": "default"})
+    sent = _full_payload(5)
+    name = binding_for(tx).strategy_name("embed.prefill", sent["embed"]["prefill"])
+    assert binding_for(rx).strategy_name("embed.prefill", sent["embed"]["prefill"]) == name
+    publishing.publish_pending()
+    buckets = {"context_bucket": "none", "concurrency_bucket": "none"}
+    series = {
+        f"{role}.{what}": (metric, labels)
+        for role in ("send", "receive")
+        for what, metric, labels in (
+            ("chunks", "omni_accum_chunks_total", dict(role=role, key="embed.prefill", strategy=name)),
+            ("wire", "omni_accum_wire_bytes_total", dict(role=role, key="embed.prefill")),
+            ("requests", "omni_accum_requests_total", dict(role=role, **buckets)),
+        )
+    }
+    before = {k: _sample(metric, **labels) for k, (metric, labels) in series.items()}
+    _send_full(tx, rx, f"oa-full-prom-{os.getpid()}", sent)
+    publishing.publish_pending()  # what the put and the get marked, at once (else soon, on the publisher thread)
+    got = {k: _sample(metric, **labels) - before[k] for k, (metric, labels) in series.items()}
+    rows = 5 * 64 * 2  # bf16
+    assert got == {
+        "send.chunks": 1, "send.wire": rows, "send.requests": 1,
+        "receive.chunks": 1, "receive.wire": rows, "receive.requests": 1,
+    }  # fmt: skip
+
+
 def test_publish_pending_publishes_the_hand_off_meters_when_nothing_was_marked():
     """At exit (``publish_pending``, atexit) the meters' last hand-offs were left unpublished when no binding was
     marked: a full-payload server's last ones never reached a multiprocess Prometheus directory."""

@@ -416,3 +416,231 @@ def test_held_bytes_and_active_requests_gauges_follow_the_live_requests(vo, runn
     publish_pending()
     assert _sample("omni_accum_active_requests", role="receive") == 0
     assert _sample("omni_accum_held_bytes") == 0
+
+
+_EXIT_CHILD = """
+import torch
+from omni_accum.integrations.vllm_omni.binding import Binding
+from omni_accum.integrations.vllm_omni.binding_settings import DEFAULT_ADAPTER_KEYS
+from omni_accum.integrations.vllm_omni.send import encode_payload
+from omni_accum.policy import load_policy
+b = Binding(load_policy("qwen3-omni"), DEFAULT_ADAPTER_KEYS, "test")
+for i in range(5):  # a request never released (the server stops): no release publishes it, nor a 256th chunk
+    encode_payload(b, "live-at-exit", {"embed": {"decode": torch.full((1, 32), float(i), dtype=torch.bfloat16)}})
+"""  # then a normal exit: atexit
+
+
+def test_counts_of_a_request_still_live_reach_prometheus_at_exit(tmp_path):
+    """At exit only the bindings a release had marked were published: a request live at exit (SIGTERM at shutdown)
+    left no omni_accum_chunks_total / wire / requests sample at all in the multiprocess folder."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", _EXIT_CHILD], env=env, check=True, timeout=600)
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg, path=str(tmp_path))
+    chunks = {
+        s.labels["key"]: s.value
+        for fam in reg.collect()
+        if fam.name == "omni_accum_chunks"
+        for s in fam.samples
+        if s.name == "omni_accum_chunks_total" and s.labels["role"] == "send"
+    }
+    assert chunks.get("embed.decode") == 5, chunks
+    assert reg.get_sample_value("omni_accum_wire_bytes_total", {"role": "send", "key": "embed.decode"}) == 5 * 64
+    labels = {"role": "send", "context_bucket": "none", "concurrency_bucket": "none"}
+    assert reg.get_sample_value("omni_accum_requests_total", labels) == 1
+
+
+def _stream_live(tx, rx, rid: str, decode_steps: int = 3) -> int:
+    """Thinker adapter ``tx`` -> talker adapter ``rx``: the prefill and ``decode_steps`` decode chunks of request
+    ``rid``, never its last (the request stays live: not finished, not released); the chunks received."""
+    from tests.test_integration_vllm_omni import _receive_and_hand_over, _request, _thinker_steps, _wait
+
+    rreq = _request(rid, [], internal="rx-" + rid)
+    out_ids: list[int] = []
+    sent = 0
+    for i, mm in enumerate(_thinker_steps(decode_steps=decode_steps + 1)[:-1]):  # never the finished step
+        if i >= 3:
+            out_ids.append(1000 + i)
+        tx.save_async(multimodal_output=mm, request=_request(rid, out_ids))
+        if i < 3:
+            continue  # prefill rows stashed by the processor, nothing put
+        sent += 1
+        _wait(lambda: tx.put_req_chunk.get(rid, 0) >= sent, "put")
+        _receive_and_hand_over(rx, rreq)
+    return sent
+
+
+def test_uninstall_publishes_the_counts_of_requests_still_live(vo, adapters):
+    """uninstall() released every binding's state without publishing it: the chunks of a request still live (no
+    release came, fewer than 256 chunks) never reached Prometheus. Real adapters."""
+    from omni_accum.integrations.vllm_omni import publishing
+    from tests.test_integration_vllm_omni import T2T, _hear
+
+    vo.install("qwen3-omni")
+    tx, rx = adapters(0, next_func=T2T), adapters(1)
+    _hear(tx)
+    publishing.publish_pending()
+    tx0, rx0 = _by_key("send"), _by_key("receive")
+    n = _stream_live(tx, rx, f"oa-live-uninstall-{os.getpid()}")
+    assert rx._omni_accum_binding.receiver.active_requests == 1  # live: nothing released it
+    vo.uninstall()  # no publish_pending: uninstall itself publishes
+    sent, got = _delta(_by_key("send"), tx0), _delta(_by_key("receive"), rx0)
+    assert sent and got == sent
+    assert got[("omni_accum_chunks", "meta.finished")] == n
+
+
+def test_the_periodic_flush_sets_the_gauges_of_requests_still_live(vo, runner):
+    """The flush every 256 chunks set no gauge (only a release's publish did): ``omni_accum_held_bytes`` and
+    ``omni_accum_active_requests`` stayed where they were while a long request streamed. It now goes to the
+    publisher thread, which sets them with the counts."""
+    from omni_accum.integrations.vllm_omni import metrics
+    from omni_accum.integrations.vllm_omni.binding import Binding, publish_pending
+    from omni_accum.integrations.vllm_omni.binding_settings import DEFAULT_ADAPTER_KEYS
+    from omni_accum.integrations.vllm_omni.send import encode_payload
+    from omni_accum.policy import load_policy
+
+    policy = load_policy("qwen3-omni")
+    vo.install(policy)
+    tx = Binding(policy, DEFAULT_ADAPTER_KEYS, "test")
+    r = runner()
+    rid = f"oa-gauge-long-{os.getpid()}"
+    m = metrics._registry_metrics()
+    m["held"].set(-1)  # values no publish sets
+    m["active"].labels("receive").set(-1)
+    for i in range(metrics.FLUSH_EVERY):  # the last one is the 256th chunk: its flush is due
+        step = torch.full((1, 32), float(i), dtype=torch.bfloat16)
+        r._accumulate_payload(rid, encode_payload(tx, rid, {"embed": {"decode": step}}))
+    publish_pending()  # at once what the 256th chunk marked (else soon, on the publisher thread)
+    b = r._omni_accum_binding
+    assert b.receiver.active_requests == 1  # still live: no release published anything
+    assert _sample("omni_accum_held_bytes") == b.receiver.nbytes() >= metrics.FLUSH_EVERY * 32 * 2
+    assert _sample("omni_accum_active_requests", role="receive") == 1
+
+
+def test_a_middle_stage_counts_a_request_it_receives_and_sends_on_once(vo, adapters):
+    """Stage 1's adapter receives request R (vllm-omni's internal id) and sends it on (its external id): status
+    counted it twice (receiving + sending). The Prometheus gauge stays per role."""
+    from tests.test_integration_vllm_omni import T2T, _hear, _request, _thinker_steps, _wait
+
+    vo.install("qwen3-omni")
+    tx, mid, _last = adapters(0, next_func=T2T), adapters(1, next_func=T2T), adapters(2)
+    _hear(tx)
+    _hear(mid)
+    rid = f"oa-mid-{os.getpid()}"
+    _stream_live(tx, mid, rid)  # stage 0 -> 1: live on stage 1's receiving side
+    out_ids: list[int] = []
+    for i, mm in enumerate(_thinker_steps()[:5]):  # stage 1 -> 2: the same request goes on
+        if i >= 3:
+            out_ids.append(2000 + i)
+        mid.save_async(multimodal_output=mm, request=_request(rid, out_ids))
+    _wait(lambda: mid.put_req_chunk.get(rid, 0) >= 2, "stage 1's puts")
+    b = mid._omni_accum_binding
+    assert b.receiver.active_requests == 1 and b.sender.active_requests == 1  # both roles hold it
+    st = vo.status()
+    (row,) = [x for x in st.bindings if x.chunks_sent and x.chunks_received]
+    assert row.active_requests == 1
+    assert st.live_requests == 2  # stage 0 sending it, stage 1 receiving and sending it on; stage 2 none yet
+    b.publish()
+    assert _sample("omni_accum_active_requests", role="receive") == 1
+    assert _sample("omni_accum_active_requests", role="send") == 2
+
+
+def test_the_adapters_merge_time_ends_with_its_merge_not_the_capture(vo, adapters, monkeypatch, tmp_path):
+    """The adapter's receive hook stopped the merge timer after the hand-off bookkeeping and the capture's writing
+    (a capture taking 20 ms made the merge mean 23 ms); the runner path timed the merge alone. On a clock that only
+    the capture moves, the merges now take no time at all."""
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+
+    from omni_accum.integrations.vllm_omni import capture, publishing, receive
+    from tests.test_integration_vllm_omni import run_thinker_to_talker
+
+    now = [0.0]
+    monkeypatch.setattr(receive, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    real = capture.received
+
+    def slow(*a, **kw):
+        now[0] += 10.0  # the capture's writing: 10 s on this clock
+        return real(*a, **kw)
+
+    monkeypatch.setattr(capture, "received", slow)
+    monkeypatch.setenv("OMNI_ACCUM_CAPTURE", str(tmp_path / "cap"))
+    vo.install("qwen3-omni")
+
+    def merges() -> tuple[float, float]:
+        publishing.publish_pending()
+        samples = [s for fam in REGISTRY.collect() if fam.name == "omni_accum_merge_seconds" for s in fam.samples]
+        return (
+            sum(s.value for s in samples if s.name == "omni_accum_merge_seconds_count"),
+            sum(s.value for s in samples if s.name == "omni_accum_merge_seconds_sum"),
+        )
+
+    n0, s0 = merges()
+    handed, _, (tx, rx) = run_thinker_to_talker(adapters, f"oa-merge-cap-{os.getpid()}", heard=True)
+    rx._omni_accum_binding.publish()
+    n, s = merges()
+    assert now[0] >= 10.0 * len(handed)  # the capture ran for every chunk received
+    assert n - n0 == len(handed)
+    assert s - s0 < 10.0  # no capture in any merge time (the merges themselves: 0 s on this clock)
+
+
+def test_policy_info_of_inline_yaml_in_the_environment_is_one_bounded_label(vo, adapters, monkeypatch):
+    """``OMNI_ACCUM_POLICY`` holding inline YAML made the whole policy, newlines and all, the ``source`` label; it
+    is shortened as ``install(text)`` says it (``inline policy text``)."""
+    from prometheus_client import REGISTRY
+
+    from omni_accum.integrations.vllm_omni.binding import binding_for
+
+    text = "default: cat\nrules:\n  - match: embed.decode\n    strategy: prealloc\n"
+    vo.install(text)
+    told = vo.status().policy_source  # how install(text) tells it
+    assert told == "inline policy text"
+    vo.uninstall()
+    monkeypatch.setenv("OMNI_ACCUM_POLICY", text)
+    vo.activate()
+    assert vo.is_installed()
+    b = binding_for(adapters(1))
+    labels = dict(fingerprint=b.fingerprint, version=_version())
+    assert _sample("omni_accum_policy_info", source=f"OMNI_ACCUM_POLICY ({told})", **labels) == 1
+    fams = [fam for fam in REGISTRY.collect() if fam.name == "omni_accum_policy_info"]
+    sources = [s.labels["source"] for fam in fams for s in fam.samples]
+    assert sources and all("\n" not in x and len(x) <= 160 for x in sources), sources
+
+
+def test_policy_info_of_a_policy_no_binding_runs_any_more_goes(vo, adapters):
+    """uninstall() then install() of another policy left the old policy's series at 1: two policies appeared to run
+    in the process. The series goes with the last binding running it."""
+    from omni_accum.integrations.vllm_omni.binding import binding_for
+
+    def policy(name: str) -> dict:  # a policy of this test's own (its fingerprint no other test's binding has)
+        return {"default": "cat", "rules": [{"match": f"oa.reload.{name}{os.getpid()}", "strategy": "prealloc"}]}
+
+    def info(fp: str) -> float:
+        return _sample("omni_accum_policy_info", source="a mapping", fingerprint=fp, version=_version())
+
+    vo.install(policy("a"))
+    first = [binding_for(adapters(stage)) for stage in (0, 1)]
+    fa = first[0].fingerprint
+    assert info(fa) == 1
+    vo.uninstall()
+    vo.install(policy("b"))
+    fb = binding_for(adapters(1)).fingerprint
+    assert fb != fa and info(fb) == 1
+    assert info(fa) == 0  # no binding runs it any more
+
+
+def test_the_producing_stages_accumulator_steps_are_not_chunks_received(vo, runner):
+    """``async_chunk: false``: each step of the producing stage's full-payload accumulator was counted as a chunk
+    received (status, the status file), though nothing was received there; it is ``accumulated`` now."""
+    vo.install("qwen3-omni")
+    r = runner()
+    for _ in range(3):
+        r.accumulate_full_payload_output(f"oa-acc-{os.getpid()}", {"embed.prefill": torch.zeros(1, 8)}, "REQ")
+    b = r._omni_accum_binding
+    assert b.stats["chunks_received"] == 0 and b.stats["accumulated"] == 3
+    (row,) = [x for x in vo.status().bindings if x.accumulated]
+    assert row.chunks_received == 0 and row.accumulated == 3

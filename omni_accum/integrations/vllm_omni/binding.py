@@ -8,6 +8,7 @@ never on each other.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -50,7 +51,8 @@ class Binding:
         context: the deployment context (:func:`deployment_context`) its Sender and Receiver use, or None.
         stats: ``puts``, ``wire_bytes`` (as the connector reports them) and ``omitted`` (send_once
             values left off the wire), counted by the send-side hook; ``chunks_sent`` (payloads that
-            went through the Sender) and ``chunks_received`` (payloads a receive hook handled).
+            went through the Sender) and ``chunks_received`` (payloads a receive hook handled); ``accumulated``: steps
+            the full-payload accumulator took (``async_chunk: false``, the producing stage: nothing received).
         fell_back: requests one of whose chunks omni-accum refused and left to upstream's code
             (:meth:`fall_back`), until released.
         split: the policy's A/B split (:class:`~omni_accum.policy.model.ABSplit`), or None.
@@ -79,10 +81,13 @@ class Binding:
         self.receiver = _RequestContextReceiver(self, policy, context=context)
         self.adapter_keys = frozenset(adapter_keys)
         self.stats = {"puts": 0, "wire_bytes": 0, "omitted": 0, "chunks_sent": 0, "chunks_received": 0}
+        self.stats["accumulated"] = 0  # the full-payload accumulator's steps (the producing stage)
         self.arm = arm[1] if arm is not None else None
         if arm is not None:
             self.stats = arm[0].stats  # one adapter's counts, whichever arm a chunk ran
         self.metrics = metrics.Recorder(arm=self.arm)
+        # every 256 chunks: published by the publisher thread with the gauges (an arm's with its split's binding)
+        self.metrics.publish_later = functools.partial(published_later, arm[0] if arm is not None else self, False)
         if self.metrics.on:  # the hooks' merges count each key in the merge's own pass (Recorder.merged)
             self.receiver.on_merge = self.metrics.merged
         self._names: dict[tuple[str, type], str] = {}
@@ -91,9 +96,14 @@ class Binding:
             from omni_accum import __version__
 
             self.fingerprint = policy_fingerprint(whole, self.receiver.manager)
-            metrics.policy_info(_readable_source(source, Settings.policy_source), self.fingerprint, __version__)
+            #: its omni_accum_policy_info labels, until :meth:`close` lets them go (None: let go)
+            self.info: tuple[str, str, str] | None = (
+                _readable_source(source, Settings.policy_source), self.fingerprint, __version__
+            )
+            metrics.policy_info(*self.info)
         else:  # the split's fingerprint and the arm: a receiver follows a request's arm only on the same split
             self.fingerprint = f"{arm[0].fingerprint}/{arm[1]}"
+            self.info = None
         self.sent_once: dict[str, dict[tuple[Any, Any], int]] = {}  # ext id -> key -> bit (wire order)
         self.held_once: dict[str, dict[tuple[Any, Any], int]] = {}  # req id -> key -> bit (wire order)
         #: Per request: the stream context of the tuned bucket the sender decided (the handshake), as the
@@ -282,7 +292,9 @@ class Binding:
             self.receiver.release(req_id)
 
     def close(self) -> None:
-        """Release every request's state (uninstall)."""
+        """Release every request's state (uninstall), publish what this binding counted (a request still live
+        counted chunks that no release will publish now) and let its ``omni_accum_policy_info`` series go once
+        no other binding runs that policy (an uninstall, then an install of another, showed two policies running)."""
         for rid in self.receiver.request_ids():
             self.receiver.release(rid)
         for rid in self.sender.request_ids():
@@ -300,6 +312,17 @@ class Binding:
         for a in self.each()[1:]:
             a.close()
         peer.withdraw(self)  # its hello (receiving), its watcher (sending)
+        if self.arm is None:
+            for x in self.each():
+                try:
+                    x.metrics.flush()  # at once: uninstall() returns with them published
+                except Exception:  # noqa: BLE001 - metrics never fail vllm-omni
+                    logger.debug("omni-accum: publishing metrics failed", exc_info=True)
+            if self.info is not None:
+                metrics.policy_info_done(*self.info)
+                self.info = None
+            # the gauges (every binding's: bindings() takes _lock, which bind() holds here) and the status file soon
+            published_later(self)
 
 
 def binding_for(obj: Any) -> Binding | None:
@@ -353,6 +376,7 @@ def _changed() -> None:
 
 
 publishing.after_publish = _changed  # the status file follows each publish
+publishing.flush_all = metrics.flush_all  # at exit: every Recorder's counts, released or not
 
 
 def bindings() -> list[tuple[Any, Binding]]:

@@ -9,7 +9,10 @@ The hand-off of the whole payload (kind ``full``, :mod:`.handoff`) is timed arou
 ``_send_single_request`` (the sender's clock added to the task's payload, once the receiving transport said
 hello) and its ``_recv_full_payload_result`` (the marker taken off before vllm-omni stores the payload). Each
 whole payload put counts as a chunk sent of the sending binding, each one got as a chunk received of the receiving
-one, and both publish their binding's metrics and the status file soon after (as a release does).
+one (``stats`` and the Prometheus counters: its keys and bytes under role ``send`` / ``receive``, a request of that
+role; no merge time, nothing is merged), and both publish their binding's metrics and the status file soon after
+(as a release does). The accumulator's steps on the producing stage are counted as ``accumulated`` (and under role
+``accumulate``), not as chunks received: nothing was received there.
 
 A step whose value a strategy refuses (a dtype change, which upstream's final ``torch.cat``
 promotes) is not an error inside vllm-omni: the entry is turned into upstream's representation
@@ -30,7 +33,7 @@ from omni_accum.engine import Receiver
 from omni_accum.errors import AccumulationError
 from omni_accum.integrations.vllm_omni import handoff, peer
 from omni_accum.integrations.vllm_omni.binding import DETACH_HOOKS, binding_for
-from omni_accum.integrations.vllm_omni.marker import OMITTED_KEY, with_stamp
+from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, with_stamp
 from omni_accum.integrations.vllm_omni.publishing import published_later
 from omni_accum.strategy import Accumulator, KeyInfo
 
@@ -153,7 +156,7 @@ def wrap_accumulate_full(orig: Callable[..., Any]) -> Callable[..., Any]:
         existing = pending.get(req_id)
         if b is None or (existing is not None and not isinstance(existing[0], PolicyChunks)):
             return orig(self, req_id, pooler_output, request)
-        b.stats["chunks_received"] += 1
+        b.stats["accumulated"] += 1  # a step of the producing stage's accumulator: nothing was received
         t0 = time.perf_counter()
         where = f"{type(self).__name__}.accumulate_full_payload_output"
         if existing is None:
@@ -246,10 +249,20 @@ def wrap_full_send(orig: Callable[..., Any]) -> Callable[..., Any]:
         sent = orig(self, task)
         if sent is True:  # put (False: vllm-omni retries the task)
             b.stats["chunks_sent"] += 1  # a whole payload, counted as a chunk is (status, the status file)
+            _count_whole(b, data, "send")
             published_later(b)
         return sent
 
     return _send_single_request
+
+
+def _count_whole(b: Any, payload: dict, role: str) -> None:
+    """A whole payload put (``send``) or got (``receive``): one chunk of a request of its own in the Prometheus
+    counters, as a chunk of that role is counted (its keys, their bytes, the request), the markers left out."""
+    rec = b.metrics
+    if rec.on:
+        rec.request(role, *b.bucket_labels(None))
+        rec.whole(payload, b.strategy_name, MARKERS, role)
 
 
 def wrap_transport_init(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -291,6 +304,7 @@ def wrap_full_recv(orig: Callable[..., Any]) -> Callable[..., Any]:
             result = (payload, *result[1:])
         if b is not None and isinstance(payload, dict):
             b.stats["chunks_received"] += 1  # a whole payload, counted as a chunk is
+            _count_whole(b, payload, "receive")
             published_later(b)  # its hand-off reaches Prometheus and the status file now, not at the 256th
         return result
 

@@ -100,11 +100,16 @@ class _RequestContextReceiver(Receiver):
 def _readable_source(source: str, installed_source: str) -> str:
     """Where a binding's policy came from, as an operator reads it (the ``omni_accum_policy_info``
     label): the installed policy's own source for ``install()``, with the value of
-    ``OMNI_ACCUM_POLICY`` when that is where it came from (``OMNI_ACCUM_POLICY=qwen3-omni``)."""
+    ``OMNI_ACCUM_POLICY`` when that is where it came from (``OMNI_ACCUM_POLICY=qwen3-omni``), shortened as
+    ``install(text)`` describes its policy (a label value is one bounded line: inline YAML there was the whole
+    policy, newlines and all): ``OMNI_ACCUM_POLICY (inline policy text)``."""
     if source == "install()":
         source = installed_source
     if source == "OMNI_ACCUM_POLICY":
-        source = f"OMNI_ACCUM_POLICY={os.environ.get(source, '').strip()}"
+        value = os.environ.get(source, "").strip()
+        # activation._describe_source's rule for install(text) (that module imports this one: not imported here)
+        short = "\n" not in value and len(value) <= 120
+        source = f"OMNI_ACCUM_POLICY={value}" if short else "OMNI_ACCUM_POLICY (inline policy text)"
     return source
 
 

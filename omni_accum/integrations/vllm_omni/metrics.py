@@ -8,10 +8,11 @@ imports; ``OMNI_ACCUM_METRICS=0`` turns them off.
 
 The hot path never touches ``prometheus_client``: each binding's :class:`Recorder` adds to plain
 integers in a slot cached per key (at most a dict lookup and two additions per key, counted in a pass
-the hook makes anyway; merge times go into a local list, bucketed at flush), and publishes them every
-:data:`FLUSH_EVERY` chunks and, on a thread of its own, soon after a request is released
-(:func:`.binding.published_later`). Wire bytes count the tensors' bytes (lists, strings and scalars count 0);
-saved bytes what a left-off value would have taken (a string's length, 8 bytes a list item).
+the hook makes anyway; merge times go into a local list, bucketed at flush), and publishes them, on a thread of its
+own, every :data:`FLUSH_EVERY` chunks (with the held-bytes and active-request gauges) and soon after a request is
+released (:func:`.binding.published_later`); at exit every Recorder's (:func:`flush_all`). Wire bytes count the
+tensors' bytes (lists, strings and scalars count 0); saved bytes what a left-off value would have taken (a string's
+length, 8 bytes a list item).
 Label values are bounded: key paths, strategy names, roles, buckets, reasons; never request ids.
 
 Every family, its labels and what it counts: docs/monitoring.md (the metrics table).
@@ -43,13 +44,14 @@ from omni_accum.integrations.vllm_omni.prometheus import (  # noqa: F401 - re-ex
     enabled,
     fallback,
     policy_info,
+    policy_info_done,
 )
 from omni_accum.strategy import value_nbytes
 
 _Tensor = torch.Tensor
 _perf_counter = time.perf_counter
 
-#: Chunks after which a Recorder publishes without waiting for a release.
+#: Chunks after which a Recorder publishes without waiting for a release (:meth:`Recorder._due`).
 FLUSH_EVERY = 256
 #: Distinct run counters of keys left off (key sets and sizes) a Recorder keeps (see Recorder._new_run).
 MAX_RUNS = 1024
@@ -73,6 +75,16 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def flush_all() -> None:
+    """Flush every Recorder of the process (at exit: a request still live then counted chunks that no release
+    published, and a Recorder made without a binding never publishes on its own)."""
+    for r in list(_recorders):
+        try:
+            r.flush()
+        except Exception:  # noqa: BLE001 - metrics never fail vllm-omni, at exit neither
+            pass
 
 
 class Recorder(Publishing):
@@ -107,6 +119,7 @@ class Recorder(Publishing):
         "_flushing",
         "ab_arm",
         "_ab_handoff",
+        "publish_later",
         "__weakref__",
     )
 
@@ -129,6 +142,9 @@ class Recorder(Publishing):
         self.first = "replace"  # the histogram label merged() found for the chunk it counted last
         self.t0: float | None = None  # the armed hook's start: merged() records the merge time
         self._flushing = threading.Lock()  # one flush at a time (see flush)
+        #: Called instead of :meth:`flush` every :data:`FLUSH_EVERY` chunks (a binding's: it marks itself for the
+        #: publisher thread, which publishes the counts with the held-bytes / active gauges, off the hot path).
+        self.publish_later: Any = None
         _recorders.add(self)
 
     def _slot(self, holder: dict[Any, Any], role: str, top: Any, qual: Any, value: Any, name_of: Any) -> list[Any]:
@@ -182,7 +198,7 @@ class Recorder(Publishing):
             h.append(_perf_counter() - t0)  # bucketed at flush
             self.chunks_seen += 1
             if self.chunks_seen >= FLUSH_EVERY:
-                self.flush()
+                self._due()
 
     def meters(self, role: str) -> dict[tuple[Any, Any], list[Any]]:
         """The flat ``(top, qual) -> slot`` table of ``role``, for a hook that counts in its own pass
@@ -230,7 +246,30 @@ class Recorder(Publishing):
         self._times(self.first if first is None else first).append(seconds)  # bucketed at flush
         self.chunks_seen += 1
         if self.chunks_seen >= FLUSH_EVERY:
-            self.flush()
+            self._due()
+
+    def _due(self) -> None:
+        """:data:`FLUSH_EVERY` chunks counted: publish them. A binding's Recorder hands that to the publisher thread
+        (:attr:`publish_later`), which also sets the held-bytes and active-request gauges: those are process-wide
+        (every binding's Receivers, request by request), too slow to read here, and a flush without them left the
+        gauges at 0 while requests were live and not yet released. Anything else flushes here."""
+        self.chunks_seen = 0  # marked once per FLUSH_EVERY chunks, not on every chunk until the publisher gets there
+        later = self.publish_later
+        if later is not None:
+            try:
+                later()
+                return
+            except Exception:  # noqa: BLE001 - no publisher thread (interpreter shutdown): flush here
+                pass
+        self.flush()
+
+    def whole(self, payload: Any, name_of: Any, skip: Any, role: str) -> None:
+        """A whole payload put or got (``async_chunk: false``): its keys counted under ``role`` as a chunk's are
+        (the same slots), no merge time (nothing is merged: the producing stage's accumulator steps were timed)."""
+        self._walk(payload, name_of, skip, role)
+        self.chunks_seen += 1
+        if self.chunks_seen >= FLUSH_EVERY:
+            self._due()
 
     def _times(self, strategy: str) -> list[float]:
         """The merge times of ``strategy`` since the last flush (one list for good: flush empties it)."""
@@ -337,7 +376,7 @@ class Recorder(Publishing):
                 kept.clear()
             self.chunks_seen += 1
             if self.chunks_seen >= FLUSH_EVERY:
-                self.flush()
+                self._due()
         return omitted
 
     def _new_run(self, kept: dict[Any, Any], omitted: list[tuple[Any, Any]], chunk: Any, name_of: Any) -> None:

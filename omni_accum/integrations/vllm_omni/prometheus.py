@@ -180,11 +180,41 @@ def _observe_many(child: Any, counts: list[int], sums: list[float]) -> None:
             child.observe(s / n)
 
 
+#: The bindings running each ``omni_accum_policy_info`` label set (made, not yet closed), under ``_info_lock``
+#: (the series set and removed under it too: a binding made while the last one of its policy closes keeps it).
+_info_users: dict[tuple[str, str, str], int] = {}
+_info_lock = threading.Lock()
+
+
 def policy_info(source: str, fingerprint: str, version: str) -> None:
-    """Set ``omni_accum_policy_info{source, fingerprint, version} = 1`` (when metrics are on)."""
-    m = _registry_metrics() if enabled() else None
-    if m is not None:
-        m["info"].labels(source, fingerprint, version).set(1)
+    """Set ``omni_accum_policy_info{source, fingerprint, version} = 1`` (when metrics are on), for one more binding
+    running that policy (:func:`policy_info_done` when it closes)."""
+    k = (source, fingerprint, version)
+    with _info_lock:
+        _info_users[k] = _info_users.get(k, 0) + 1
+        m = _registry_metrics() if enabled() else None
+        if m is not None:
+            m["info"].labels(*k).set(1)
+
+
+def policy_info_done(source: str, fingerprint: str, version: str) -> None:
+    """A binding that ran this policy closed: when it was the last one, the series goes (in multiprocess mode it is
+    set to 0: the value stays in this process's file, and prometheus_client does not remove labels there), so an
+    uninstall then an install of another policy does not show two policies running."""
+    k = (source, fingerprint, version)
+    with _info_lock:
+        n = _info_users.pop(k, 0) - 1
+        if n > 0:
+            _info_users[k] = n
+            return
+        m = _registry_metrics()
+        if m is not None:
+            try:
+                m["info"].labels(*k).set(0)
+                if not {"PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir"} & os.environ.keys():
+                    m["info"].remove(*k)
+            except Exception:  # noqa: BLE001 - metrics never fail vllm-omni
+                pass
 
 
 def processor_observe(stage: str, strategy: str, seconds: float, copied: int) -> None:

@@ -309,6 +309,9 @@ def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
                 counted = rec.on and not rec.armed  # refused after its pass counted the keys, or before
                 rec.armed = False  # the fallback's re-seeding merge is not this chunk
                 handed = adapter_fallback(b, req_id, payload, ar, _as_refusal(e, req_id))
+            # the merge's time ends here, as on the runner path: the hand-off bookkeeping and the capture's writing
+            # below are not the merge (omni_accum_merge_seconds, the A/B merge histogram)
+            seconds = time.perf_counter() - t0
             rec.armed = False
             raw = payload.get(OMITTED_KEY)
             if raw.__class__ is list:  # maybe timed: merged and readable now (.handoff)
@@ -321,9 +324,9 @@ def wrap_commit(orig: Callable[..., Any]) -> Callable[..., Any]:
             if cap is not None:
                 capture.received(cap, self, req_id, payload, raw)
             if counted and not new:  # the steady path: only the time is left to record
-                rec.timed(time.perf_counter() - t0)
+                rec.timed(seconds)
             else:
-                b.received(payload, time.perf_counter() - t0, new, req_id, counted=counted)
+                b.received(payload, seconds, new, req_id, counted=counted)
             result = (handed, result[1])
         return orig(
             self,

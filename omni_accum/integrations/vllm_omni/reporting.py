@@ -70,6 +70,9 @@ class BindingStatus:
     chunks_sent: int
     chunks_received: int
     omitted: int
+    #: Distinct requests holding state here: a middle stage's adapter receives request R (under vllm-omni's
+    #: internal id) and sends it on (under its external id), and that is one request, not two.
+    #: ``omni_accum_active_requests`` counts per role (send, receive).
     active_requests: int
     #: The peer hello: ``told stage N`` (receiving), ``heard stage N (pid, fingerprint)`` or ``waiting for
     #: stage N's hello`` (sending, a policy that can change the wire), ``-`` (neither).
@@ -78,6 +81,9 @@ class BindingStatus:
     #: (``runner_full``), as the rows the worker lacked (``runner_delta``), and the bytes that did not cross
     #: (``runner_bytes_saved``); empty elsewhere.
     runner_rows: dict[str, int] = field(default_factory=dict)
+    #: ``async_chunk: false``, the producing stage: steps its full-payload accumulator took (nothing received; the
+    #: whole payload it then puts is a chunk sent).
+    accumulated: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,8 +112,8 @@ class Status:
 
 def status() -> Status:
     """This process's omni-accum status: installed, the vllm-omni version, the process-wide policy's
-    source and fingerprint, every binding with its chunk counts, live requests, whether metrics are on, the
-    hand-offs timed here."""
+    source and fingerprint, every binding with its chunk counts, live requests (each request once per binding: see
+    :attr:`BindingStatus.active_requests`), whether metrics are on, the hand-offs timed here."""
     from omni_accum.integrations.vllm_omni import metrics
     from omni_accum.policy.fingerprint import dist_version
 
@@ -122,9 +128,10 @@ def status() -> Status:
                 chunks_sent=b.stats["chunks_sent"],
                 chunks_received=b.stats["chunks_received"],
                 omitted=b.stats["omitted"],
-                active_requests=sum(x.receiver.active_requests + x.sender.active_requests for x in b.each()),
+                active_requests=_live(obj, b),
                 peer=peer.describe(b),
                 runner_rows={k: b.stats[k] for k in RUNNER_ROWS_STATS if k in b.stats},
+                accumulated=b.stats.get("accumulated", 0),
             )
         )
     policy = Settings.policy
@@ -142,6 +149,21 @@ def status() -> Status:
         refused=Settings.refused,
         connectors=_connector_rows(),
     )
+
+
+def _live(obj: Any, b: Any) -> int:
+    """The distinct requests binding ``b`` of ``obj`` holds state for, receiving or sending. The adapter receives
+    under vllm-omni's internal request id and sends under the external one; ``request_ids_mapping`` (internal ->
+    external, vllm-omni's own, kept while the request is loaded) makes one request of the two (as vllm-omni's
+    ``cleanup`` looks the external id up)."""
+    ext = getattr(obj, "request_ids_mapping", None)
+    if not isinstance(ext, dict):
+        ext = {}
+    ids: set[Any] = set()
+    for x in b.each():  # an A/B split's arms hold their requests' state
+        ids.update(ext.get(r, r) for r in x.receiver.request_ids())
+        ids.update(x.sender.request_ids())
+    return len(ids)
 
 
 def _connector_rows() -> tuple[dict[str, Any], ...]:

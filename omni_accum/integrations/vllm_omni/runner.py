@@ -146,11 +146,13 @@ def wrap_accumulate(orig: Callable[..., Any], *, decode_spans: bool) -> Callable
             # on upstream's store (which still holds the send_once values left off); the next chunk re-seeds.
             b.fall_back(req_id, e, f"{type(self).__name__}._accumulate_payload")
             return orig(self, req_id, _upstream_chunk(store, req_id, payload_data))
+        # the merge's time (when the merge did not record it): the hand-off bookkeeping below is not the merge
+        seconds = None if counted else time.perf_counter() - t0
         store[req_id] = merged
         if (raw := payload_data.get(OMITTED_KEY)).__class__ is list:  # maybe timed: merged now (.handoff)
             handoff.arrived(b, getattr(self, "_stage_id", None), raw, payload_data)
         if not counted:
-            b.received(payload_data, time.perf_counter() - t0, new, req_id)
+            b.received(payload_data, seconds, new, req_id)
         elif new:  # the merge counted the keys and its time: the request is left
             b.received(payload_data, None, new, req_id, counted=True)
         return dict(merged)
