@@ -154,49 +154,6 @@ def link_target(path: str | os.PathLike[str]) -> Path:
     return Path(os.path.realpath(p))
 
 
-def _distrust(st: os.stat_result) -> str | None:
-    """Why a file with ``st`` is not this user's own, or None."""
-    if stat.S_ISLNK(st.st_mode):
-        return "a symlink"
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if st.st_uid != os.geteuid():
-        return "owned by another user"
-    if st.st_mode & 0o022:
-        return "group- or world-writable"
-    return None
-
-
-def open_own(path: str | os.PathLike[str]) -> int:
-    """A read-only descriptor of ``path`` when it is this user's own: a regular file of this process's user that no
-    other user may write, not a symlink (``O_NOFOLLOW``; checked on what was opened: ``fstat``) — the checks
-    :mod:`omni_accum.samehost` makes of same-host files, for a file read from a folder others may share (tune's
-    partial file). ``PermissionError`` naming why, the owner and the mode; else the open's ``OSError``."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO is never waited on
-    except OSError as e:  # ELOOP: a symlink; EACCES: maybe another user's file
-        try:
-            st = os.lstat(path)
-        except OSError:
-            raise e from None
-        if _distrust(st) is None:
-            raise
-        fd = -1
-    else:
-        st = os.fstat(fd)
-    why = _distrust(st)
-    if why is None:
-        return fd
-    if fd >= 0:
-        os.close(fd)
-    raise PermissionError(
-        errno.EPERM,
-        f"refused ({why}; owner {who(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o}; only a file of this user, "
-        f"{who(os.geteuid())}, that no other user may write is trusted, never a symlink)",
-        str(path),
-    )
-
-
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -21,7 +21,8 @@ import os
 import stat
 from pathlib import Path
 
-from omni_accum.bench._paths import bounded_name, link_target, open_own, output_path_problem, replace_file, who
+from omni_accum import samehost
+from omni_accum.bench._paths import bounded_name, link_target, output_path_problem, replace_file, who
 from omni_accum.errors import OmniAccumError
 from omni_accum.policy.loader import build_policy, load_policy, parse_text
 from omni_accum.policy.model import Policy
@@ -69,7 +70,7 @@ def read_resumable(src: Path, out: PathLike) -> Policy:
     """``src`` (:func:`resume_source`) read as a policy, once it is found to be this user's own file.
 
     Its buckets go into the complete table as they are: one that another user wrote (another owner than this
-    process's user, a group- or world-writable file, a symlink: :func:`~omni_accum.bench._paths.open_own`, the
+    process's user, a group- or world-writable file, a symlink: :func:`omni_accum.samehost.open_private`, the
     checks of the same-host files) could plant any cell (a ``prealloc`` of 16 MiB rows). ``out`` itself may be this
     user's (or root's) link to a deployed table, whose target is checked. :class:`TuneError` names the file and
     why; ``PolicyError`` for a file that is no policy. The text parsed is the one read from the checked descriptor.
@@ -77,9 +78,9 @@ def read_resumable(src: Path, out: PathLike) -> Policy:
     where = f"--resume: {src}"
     try:
         path = link_target(src) if src == Path(out) else src  # the partial file is tune's own: never followed
-        fd = open_own(path)
-    except PermissionError as e:
-        raise TuneError(f"--resume: {e.filename}: {e.strerror}; reused nothing and left it as it is: remove it (or "
+        fd = samehost.open_private(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO is never waited on
+    except samehost.SameHostRefused as e:
+        raise TuneError(f"--resume: {e}; reused nothing and left it as it is: remove it (or "
                         "give another --out) to measure every bucket, or, for a table you wrote, make it yours alone "
                         "(chown, chmod go-w)") from None  # fmt: skip
     except OSError as e:

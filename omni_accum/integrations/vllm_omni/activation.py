@@ -15,6 +15,7 @@ from typing import Any
 from omni_accum.switches import SettingError, check_switches, env_flag
 from omni_accum.errors import OmniAccumError
 from omni_accum.integrations.vllm_omni import binding, capture, deployment, handoff, peer, reporting, send
+from omni_accum.integrations.vllm_omni.handshake import text_source
 from omni_accum.integrations.vllm_omni.binding_settings import (
     DEFAULT_ADAPTER_KEYS,
     Settings,
@@ -170,8 +171,7 @@ ProbeHook.on_made = _on_made
 
 def _describe_source(policy: Any) -> str:
     if isinstance(policy, (str, os.PathLike)):
-        text = os.fspath(policy)
-        return text if "\n" not in text and len(text) <= 120 else "inline policy text"
+        return text_source(os.fspath(policy))
     if isinstance(policy, Policy):
         return "a Policy object"
     return "a mapping"

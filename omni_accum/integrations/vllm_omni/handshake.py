@@ -106,11 +106,19 @@ def _readable_source(source: str, installed_source: str) -> str:
     if source == "install()":
         source = installed_source
     if source == "OMNI_ACCUM_POLICY":
-        value = os.environ.get(source, "").strip()
-        # activation._describe_source's rule for install(text) (that module imports this one: not imported here)
-        short = "\n" not in value and len(value) <= 120
-        source = f"OMNI_ACCUM_POLICY={value}" if short else "OMNI_ACCUM_POLICY (inline policy text)"
+        value = text_source(os.environ.get(source, "").strip())
+        source = f"OMNI_ACCUM_POLICY={value}" if value != INLINE else f"OMNI_ACCUM_POLICY ({INLINE})"
     return source
+
+
+#: How a policy given as its text (not a name or a path) is described: a description is one bounded line.
+INLINE = "inline policy text"
+
+
+def text_source(text: str) -> str:
+    """A policy reference as given (a preset name, a path) when it is one line of at most 120 characters, else
+    :data:`INLINE` (``install(text)`` and ``OMNI_ACCUM_POLICY`` alike)."""
+    return text if "\n" not in text and len(text) <= 120 else INLINE
 
 
 def _short_source(source: str, installed_source: str) -> str:
