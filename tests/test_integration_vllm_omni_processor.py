@@ -415,3 +415,22 @@ def test_a_plugin_s_prealloc_subclass_keeps_its_strategy_for_a_long_prompt(vo, a
     got = _drive(tx, "p", sizes, steps)
     assert_same(got, want)
     assert sorted(made) == ["embed.prefill", "hidden_states.output"], made  # the built-in never took over
+
+
+def test_rows_held_in_chunked_prefill_count_in_the_held_bytes_gauge(vo, adapters):
+    """A prompt in chunked prefill holds its rows in omni-accum's accumulators before chunk 0 is put (~268 MB at 32k
+    input): ``omni_accum_held_bytes`` counted only the Receivers' state and read 0 for them."""
+    from omni_accum.integrations.vllm_omni import processor
+    from omni_accum.integrations.vllm_omni.binding import bindings
+
+    vo.install()
+    tx = adapters(0, next_func=T2T, extra=QWEN)
+    sizes = [100, 100]
+    _drive(tx, "pf", sizes, _steps(sizes, seed=7, decode=0))  # the prompt's two chunks; nothing handed over yet
+    assert isinstance(tx.request_payload["pf"], processor._Held)
+    b = tx._omni_accum_binding
+    b.publish()
+    receivers = sum(o.receiver.nbytes() for _, top in bindings() for o in top.each())
+    held = sum(acc.nbytes() for _, acc in tx.request_payload["pf"].accs)
+    assert held == 2 * (sum(sizes) + 1) * ROW  # both keys' buffers: the prompt's rows and the first decode step's
+    assert _prom("omni_accum_held_bytes", {}) == receivers + held

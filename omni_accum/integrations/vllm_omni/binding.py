@@ -128,6 +128,10 @@ class Binding:
             )
         )
         self.fell_back: set[str] = set()
+        #: Bytes this binding's stage input processor holds for prompts still in chunked prefill (their rows, before
+        #: chunk 0 is put; set by :mod:`.processor` at a request's first prefill chunk), or None: counted in
+        #: ``omni_accum_held_bytes`` beside the Receivers' state.
+        self.prefill_nbytes: Callable[[], int] | None = None
         self.live_send: set[str] = set()  # requests this binding has sent a chunk of, until released
         self._full: Receiver | None = None
         self.split = split
@@ -209,6 +213,8 @@ class Binding:
             for other in top.each():
                 try:
                     held += other.receiver.nbytes()
+                    if other.prefill_nbytes is not None:
+                        held += other.prefill_nbytes()
                 except Exception:  # noqa: BLE001 - a gauge never fails vllm-omni
                     pass
                 active["send"] += other.sender.active_requests

@@ -214,6 +214,16 @@ def _to_upstream(held: _Held) -> dict[str, Any]:
     return entry
 
 
+def held_nbytes(store: dict[str, Any]) -> int:
+    """Bytes the accumulators of ``store``'s requests in prefill hold (the held-bytes gauge reads it on the
+    publisher thread while the adapter's thread changes the store: a copy of its values, then what each holds)."""
+    total = 0
+    for held in list(store.values()):
+        if isinstance(held, _Held):
+            total += sum(acc.nbytes() for _, acc in held.accs)
+    return total
+
+
 def _give_back(store: dict[str, Any], rid: str) -> None:
     """Turn omni-accum's entry for ``rid`` (if any) into the release's own."""
     held = store.get(rid)
@@ -342,6 +352,8 @@ def _merge(
         held = _start(b, chosen, rid, out, tm)
         held.seconds += time.perf_counter() - t0
         dict.__setitem__(store, rid, held)
+        if b.prefill_nbytes is None:  # the held-bytes gauge counts these rows too (the adapter's store, for good)
+            b.prefill_nbytes = functools.partial(held_nbytes, store)
         return None
     copied = _append(held, out)
     held.last = out
