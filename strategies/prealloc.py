@@ -2,9 +2,12 @@
 
 The first chunk is kept by reference (a key that never grows costs nothing). On the first append
 a buffer of ``max(initial_capacity, growth_factor x rows)`` rows is allocated on the chunk's
-device and dtype (exactly the hinted length when ``StreamContext.length_hints`` names the key),
-and grows by ``growth_factor`` when full. Capacity never exceeds
-``growth_factor x rows + initial_capacity``. The view is ``buffer[:rows]``: no copy.
+device and dtype, and grows by ``growth_factor`` when full. Capacity never exceeds
+``growth_factor x rows + initial_capacity``. A length hint (``StreamContext.length_hints`` naming the
+key; a request keeps the context of its first chunk) only sizes the buffer: one that holds the rows
+is allocated at the hinted length, within that bound; one below the rows is not used, and rows past
+the hint are appended as without one. The view is ``buffer[:rows]``: no copy. Quantized tensors are
+refused (``check``): ``cat`` and ``token_list`` join them.
 
 Views are borrowed: the rows they show never change, but writing into a view writes into the
 buffer.
@@ -40,10 +43,12 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from omni_accum.hookspecs import hookimpl
-from omni_accum.strategy import ARENA_TAG, AppendAccumulator, KeyInfo, Strategy, StrategySpec, value_nbytes
+from omni_accum.strategy import ARENA_TAG, AppendAccumulator, KeyInfo, Strategy, StrategySpec, describe, value_nbytes
+from omni_accum.strategy import MergeError  # (strategies import strategy and hookspecs only: docs/architecture.md)
 
 
 _memmove = ctypes.memmove
+_append_check = AppendAccumulator.check  # (no super() lookup per chunk: check runs for every chunk of every key)
 #: Copies of fewer bytes go through one memmove (no torch dispatch: ~1 us less per decode step); larger ones
 #: (a prefill chunk) through torch's copy, which spreads over the intra-op threads: a 128 MiB copy into fresh
 #: pages took 59 ms so against 98 ms for one memmove on a 2-core EPYC.
@@ -63,11 +68,20 @@ class Params(BaseModel):
     reuse_bytes: ByteSize = Field(default=ByteSize(0), ge=0, le=1 << 40)
     """CPU buffers this process keeps for later requests, in bytes (``512MiB`` or a number; 0: none)."""
 
+    @field_validator("growth_factor", mode="before")
+    @classmethod
+    def _finite_growth(cls, v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):  # nan passes every bound; inf is no factor
+            raise PydanticCustomError("finite_number", "must be a finite number > 1")
+        return v
+
     @field_validator("reuse_bytes", mode="before")
     @classmethod
     def _bytes_not_bool(cls, v: Any) -> Any:
         if isinstance(v, bool):  # ByteSize would take true as 1 byte
             raise PydanticCustomError("byte_size", "Input should be a number of bytes or a size such as '512MiB'")
+        if (isinstance(v, (int, float)) and not v >= 0) or (isinstance(v, str) and v.strip().startswith("-")):
+            raise PydanticCustomError("byte_size", "must be >= 0")  # ByteSize: "could not parse value and unit"
         return v
 
 
@@ -103,6 +117,14 @@ class PreallocAccumulator(AppendAccumulator):
             return min(hint, bound)
         grown = max(self._init, math.ceil(cap * self._g), need)
         return min(grown, bound)
+
+    def check(self, value: Any) -> None:
+        if self._mode != 1 and isinstance(value, torch.Tensor) and value.is_quantized:  # later: a new dtype
+            raise MergeError(
+                f"cannot append {describe(value)}: prealloc holds no quantized tensors (dtype {value.dtype}); give "
+                "this key cat or token_list (they join them as torch.cat does), or send value.dequantize()"
+            )
+        _append_check(self, value)
 
     def start_tensor(self, value: torch.Tensor) -> None:
         self._first, self._buf, self._view = value, None, value

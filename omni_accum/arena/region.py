@@ -32,7 +32,7 @@ from pathlib import Path
 from omni_accum import samehost
 from omni_accum.samehost import PID_LIMIT, pid_alive  # noqa: F401 - re-exported (a same-host helper)
 from omni_accum.arena.ring import Ring
-from omni_accum.errors import OmniAccumError
+from omni_accum.errors import InvalidArgumentError, OmniAccumError
 
 logger = logging.getLogger("omni_accum.arena")
 
@@ -146,6 +146,9 @@ class Region:
     ) -> Region:
         """Create the region (reclaiming a stale one whose owner is dead)."""
         path = path_for(name)
+        if type(data_bytes) is not int or data_bytes < 1:  # 0 or -1 made a one-page arena: every send ArenaFull
+            raise InvalidArgumentError(f"arena {path}: data_bytes must be an int >= 1 (bytes of slab space), got "
+                                       f"{data_bytes!r}")  # fmt: skip
         if not _page_ok(page):  # a sender refuses such a header: no region no one can attach to
             raise ValueError(f"arena {path}: page size {page} is not a power of two >= 4096")
         npages = max(1, _round(data_bytes, page) // page)

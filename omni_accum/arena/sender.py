@@ -45,6 +45,8 @@ from omni_accum.arena.region import (
     PeerDied,
     Region,
 )
+from omni_accum.errors import InvalidArgumentError, close_matches
+from omni_accum.strategy import KINDS
 
 _memmove = ctypes.memmove
 logger = logging.getLogger("omni_accum.arena")
@@ -66,7 +68,9 @@ class ArenaSender(KeyedMessages):
 
     Args:
         kinds: ``{key path: "append" | "replace" | "static"}``; unlisted keys are replace-kind.
-        length_hints: ``{key path: final rows}`` of append keys, to size slabs once.
+        length_hints: ``{key path: final rows}`` of append keys (an int >= 0), to size slabs once.
+
+    Raises :class:`~omni_accum.errors.InvalidArgumentError` (a ValueError) for another kind or hint, before attaching.
         attach_timeout_s: how long to wait for the arena, or for a previous sender's slot to be freed.
         timeout_s: how long a send waits for ring space (back-pressure) before it raises.
     """
@@ -80,8 +84,8 @@ class ArenaSender(KeyedMessages):
         attach_timeout_s: float = 30.0,
         timeout_s: float = 30.0,
     ) -> None:
-        self.kinds = dict(kinds or {})
-        self.length_hints = dict(length_hints or {})
+        self.kinds = _checked_kinds(kinds)
+        self.length_hints = _checked_hints(length_hints)
         self.timeout_s = timeout_s
         region = wait_until(lambda: _try_attach(name), attach_timeout_s, lambda: None)
         if region is None:
@@ -376,6 +380,30 @@ class ArenaSender(KeyedMessages):
         if getattr(self, "_u8", None) is not None:
             self._u8 = None
         self.region.close()
+
+
+def _checked_kinds(kinds: Mapping[str, str] | None) -> dict[str, str]:
+    """``kinds`` as a dict, each kind one of :data:`~omni_accum.strategy.KINDS` (a misspelt one dropped rows)."""
+    if kinds is not None and not isinstance(kinds, Mapping):
+        raise InvalidArgumentError(f"ArenaSender: kinds must be a mapping of key paths to kinds, got {kinds!r:.80}")
+    for path, kind in (kinds or {}).items():
+        if kind not in KINDS:
+            near = close_matches(kind, KINDS) if isinstance(kind, str) else []
+            raise InvalidArgumentError(
+                f"ArenaSender: kinds[{path!r}] is {kind!r}; valid kinds: {', '.join(KINDS)}"
+                + (f" (did you mean {near[0]!r}?)" if near else "")
+            )
+    return dict(kinds or {})
+
+
+def _checked_hints(hints: Mapping[str, int] | None) -> dict[str, int]:
+    """``length_hints`` as a dict, each hint an int >= 0 (rows), as ``StreamContext.length_hints``."""
+    if hints is not None and not isinstance(hints, Mapping):
+        raise InvalidArgumentError(f"ArenaSender: length_hints must be a mapping of paths to rows, got {hints!r:.60}")
+    for path, rows in (hints or {}).items():
+        if type(rows) is not int or rows < 0:
+            raise InvalidArgumentError(f"ArenaSender: length_hints[{path!r}] must be an int >= 0 (rows), got {rows!r}")
+    return dict(hints or {})
 
 
 def _try_attach(name: str) -> Region | None:

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from omni_accum.bench.replay import UPSTREAM, WIRE_FLOOR, Arm, VllmOmniUnavailable
 from omni_accum.bench.workloads import Workload
-from omni_accum.errors import OmniAccumError
+from omni_accum.errors import InvalidArgumentError, OmniAccumError
 from omni_accum.manager import get_manager
 from omni_accum.policy.loader import load_policy, preset_names, probe
 from omni_accum.policy.model import Policy
@@ -103,12 +103,25 @@ def arm_policy_files(workload: Workload, names: Sequence[str] | None = None) -> 
     reads them: names that are not ``upstream``, ``wire-floor``, a strategy nor a preset, and are files."""
     manager = get_manager()
     presets = set(preset_names())
-    names = list(names) if names is not None else default_arm_names(workload)
+    names = _arm_names(names, "arm_policy_files") if names is not None else default_arm_names(workload)
     return [
         n
         for n in names
         if n not in (UPSTREAM, WIRE_FLOOR) and manager.get_spec(n) is None and n not in presets and probe(n, "is_file")
     ]
+
+
+def _arm_names(names: Any, where: str) -> list[str]:
+    """``names`` as a list, each a str; one str is refused (it would be read as arms of one character each)."""
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        split = f" ({[n.strip() for n in names.split(',')]!r:.80}?)" if isinstance(names, str) else ""
+        raise InvalidArgumentError(
+            f"{where}: names must be a list of arm names, got {type(names).__name__} {names!r:.80}{split}"
+        )
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise InvalidArgumentError(f"{where}: every arm name must be a str, got {bad[0]!r:.80} in {list(names)!r:.80}")
+    return list(names)
 
 
 def upstream_available() -> bool:
@@ -126,6 +139,8 @@ def build_arms(
 ) -> dict[str, Arm]:
     """Arms by name (see the module docstring); ``None`` gives :func:`default_arm_names` (for ``through``).
 
+    ``names`` is a sequence of names (``["upstream", "prealloc"]``); one str (``"upstream,prealloc"``, what
+    ``--arms`` also takes) is refused with :class:`~omni_accum.errors.InvalidArgumentError`: split it first.
     With the default names, ``upstream`` is left out (with a note) when vllm-omni cannot be imported;
     named explicitly, it raises :class:`VllmOmniUnavailable`.
     """
@@ -134,7 +149,7 @@ def build_arms(
         problem = workload_policy_problem(workload)
         if problem:
             raise OmniAccumError(problem)
-    names = list(names) if names is not None else default_arm_names(workload, through)
+    names = _arm_names(names, "build_arms") if names is not None else default_arm_names(workload, through)
     manager = get_manager()
     presets = set(preset_names())
     arms: dict[str, Arm] = {}

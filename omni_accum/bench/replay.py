@@ -33,35 +33,15 @@ from typing import Any, Literal
 import torch
 
 from omni_accum.bench._malloc import HeapGuard
-from omni_accum.bench.engines import (  # noqa: F401 - re-exported
-    THROUGH,
-    UPSTREAM,
-    WIRE_FLOOR,
-    Arm,
-    Engine,
-    PolicyEngine,
-    UpstreamEngine,
-    WireFloorEngine,
-    make_engine,
-)
+from omni_accum.bench.engines import THROUGH, UPSTREAM, WIRE_FLOOR, Arm, Engine, make_engine  # noqa: F401 - re-exported
+from omni_accum.bench.engines import PolicyEngine, UpstreamEngine, WireFloorEngine  # noqa: F401 - re-exported
 from omni_accum.bench.reference import check_taken, check_view  # noqa: F401 - re-exported
-from omni_accum.bench.wires import (  # noqa: F401 - re-exported
-    WIRES,
-    InprocWire,
-    SerializerWire,
-    ShmWire,
-    Wire,
-    WireName,
-    _get,
-    _has,
-    iter_leaves,
-    make_wire,
-    payload_nbytes,
-)
+from omni_accum.bench.wires import WIRES, InprocWire, SerializerWire, ShmWire, Wire  # noqa: F401 - re-exported
+from omni_accum.bench.wires import WireName, _get, _has, iter_leaves, make_wire, payload_nbytes  # noqa: F401
 from omni_accum.bench.streams import append_length_hints, build_stream
 from omni_accum.bench.workloads import Workload, load_workload
 from omni_accum.context import StreamContext
-from omni_accum.errors import OmniAccumError
+from omni_accum.errors import InvalidArgumentError, OmniAccumError
 from omni_accum.integrations.vllm_omni.classes import (  # noqa: F401 - re-exported
     VllmOmniUnavailable,
     serializer,
@@ -336,8 +316,10 @@ def measure(
         One :class:`ArmResult` per arm (``key="*"``), in the order of ``arms``.
 
     Raises:
+        InvalidArgumentError: an argument of the wrong type or value (checked before anything runs).
         VllmOmniUnavailable: a requested mode needs vllm-omni and it cannot be imported.
     """
+    _check_arguments(arms, context_len, concurrency, repeats, wire, through, device)
     wl = load_workload(workload)
     cl = context_len or wl.context_len
     streams = [build_stream(wl, cl, r) for r in range(concurrency)]
@@ -400,6 +382,30 @@ def measure(
         n = sum(len(s) for s in res.samples_us)
         res.wire_bytes_per_step = wire_totals[lab] / n if n else 0.0
     return [results[lab] for lab in labels]
+
+
+def _check_arguments(arms: Any, cl: Any, concurrency: Any, repeats: Any, wire: Any, through: Any, device: Any) -> None:
+    """Refuse what :func:`measure` cannot run, naming the argument, the value and what is valid (bool is no int)."""
+
+    def bad(name: str, value: Any, valid: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"measure: {name} must be {valid}, got {value!r:.80}")
+
+    if not isinstance(arms, Mapping):
+        raise bad("arms", arms, "a mapping of labels to arms (build_arms(workload, names) makes one from arm names)")
+    for name, value in (("context_len", cl), ("concurrency", concurrency), ("repeats", repeats)):
+        if (value is not None or name != "context_len") and (type(value) is not int or value < 1):
+            raise bad(name, value, "an int >= 1" + (" or None (the workload's)" if name == "context_len" else ""))
+    for name, what, value, valid in (("wire", "wire", wire, WIRES), ("through", "--through mode", through, THROUGH)):
+        if not isinstance(value, str) or value not in valid:
+            hint = " (vllm-omni: import omni_accum.integrations.vllm_omni.replay first)" if name == "through" else ""
+            raise InvalidArgumentError(f"measure: unknown {what} {value!r:.80}; {name} must be one of "
+                                       f"{', '.join(map(repr, valid))}{hint}")  # fmt: skip
+    try:
+        dev = torch.device(device) if isinstance(device, str) else None
+    except RuntimeError:
+        dev = None
+    if dev is None or (dev.type == "cuda" and not torch.cuda.is_available()):
+        raise bad("device", device, "a torch device name such as 'cpu' or 'cuda' (with a CUDA device present)")
 
 
 def _warm_up(

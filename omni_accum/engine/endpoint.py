@@ -15,6 +15,7 @@ from omni_accum.context import DEFAULT_CONTEXT, KeyMeta, StreamContext
 from omni_accum.errors import (
     AccumulationError,
     InvalidArgumentError,
+    MergeError,
     OmniAccumError,
     PolicyError,
     UnknownRequestError,
@@ -114,6 +115,8 @@ class _Endpoint:
             raise InvalidArgumentError(f"manager must be a StrategyManager or None, got {type(manager).__name__}")
         self.manager = manager or get_manager()
         self.policy: Policy = load_policy(policy, manager=self.manager)
+        if self.policy.ab is not None:  # a split runs as its first arm here, as in bench, tune and explain
+            self.policy = next(iter(self.policy.arm_policies().values()))
         self.context = _checked_context(context) or DEFAULT_CONTEXT
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
@@ -166,11 +169,14 @@ class _Endpoint:
             raise _bad_id(req_id) from None
 
     def _lookup(self, req_id: str) -> _Request:
-        """The state of ``req_id``; :class:`UnknownRequestError` (a KeyError) when none is held."""
+        """The state of ``req_id``; :class:`UnknownRequestError` (a KeyError) when none is held, and for an
+        unhashable id an :class:`AccumulationError` (as in ``merge``) that is also an UnknownRequestError."""
         try:
             return self._requests[req_id]
-        except (KeyError, TypeError):  # TypeError: an unhashable id, which no request can have
+        except KeyError:
             raise UnknownRequestError(req_id, len(self._requests)) from None
+        except TypeError:  # an unhashable id, which no request can have
+            raise _UnhashableLookup(req_id, len(self._requests)) from None
 
     def release(self, req_id: str) -> bool:
         """Drop all state of ``req_id``. Unknown ids are a no-op. Returns True when state was held."""
@@ -308,11 +314,38 @@ def _bad_id(req_id: Any) -> AccumulationError:
     return AccumulationError(f"a request id must be hashable (a str), got {type(req_id).__name__}")
 
 
+class _UnhashableLookup(AccumulationError, UnknownRequestError):
+    """An unhashable request id given to ``view``, ``nbytes`` or ``parts``: an :class:`AccumulationError`, as in
+    ``merge`` and ``release``, and still an :class:`UnknownRequestError` (a KeyError), what these raised before."""
+
+    def __init__(self, req_id: Any, live: int) -> None:
+        vars(self).update(vars(_bad_id(req_id)))  # request_id None, reason: the AccumulationError's fields
+        self.live = live
+        KeyError.__init__(self, self.reason)  # str() is the reason (UnknownRequestError.__str__)
+
+
 def slot_error(message: str, req_id: str, slot: _Slot) -> AccumulationError:
     """An :class:`AccumulationError` for one key of one request, naming its strategy and plugin."""
     return AccumulationError(
         message, request_id=req_id, key=slot.path, strategy=slot.spec.name, plugin=slot.spec.plugin
     )
+
+
+def check_error(req_id: str, st: _Request, slot: _Slot, e: Exception, what: str = "check") -> AccumulationError:
+    """The error for a value ``slot``'s check refused; a check (or nbytes) raising anything else fails the request."""
+    if isinstance(e, MergeError) and what == "check":
+        return slot_error(str(e), req_id, slot)
+    st.failed = f"strategy {slot.spec.name!r} raised {type(e).__name__} in {what} on key {slot.path!r}"
+    return slot_error(f"{what} raised {type(e).__name__}: {e}", req_id, slot)
+
+
+def merge_error(req_id: str, st: _Request, slot: _Slot, e: Exception) -> AccumulationError:
+    """The error for a merge that raised after the checks passed; marks the request failed."""
+    if isinstance(e, MergeError):
+        st.failed = f"key {slot.path!r}: {e}"
+        return slot_error(str(e), req_id, slot)
+    st.failed = f"strategy {slot.spec.name!r} raised {type(e).__name__} on key {slot.path!r}"
+    return slot_error(f"strategy raised {type(e).__name__}: {e}", req_id, slot)
 
 
 def _leaves(wire: Mapping[str, Any]) -> Iterator[tuple[str, Any, Any, Any]]:

@@ -19,11 +19,13 @@ from omni_accum.engine.endpoint import (
     _Request,
     _resets_on_override,
     _Slot,
+    check_error,
     check_first_read,
+    merge_error,
     rewrites_wire,
     slot_error,
 )
-from omni_accum.errors import AccumulationError, InvalidArgumentError, MergeError, OmniAccumError
+from omni_accum.errors import AccumulationError, InvalidArgumentError, OmniAccumError
 from omni_accum.manager import StrategyManager
 from omni_accum.policy.model import Policy
 from omni_accum.engine.sequencing import REORDER_WINDOW, SequencedMerge
@@ -143,7 +145,10 @@ class Receiver(SequencedMerge, _Endpoint):
 
         Raises:
             UnknownRequestError: (a KeyError) when it holds no state for ``req_id``.
+            InvalidArgumentError: ``copy`` is not a bool.
         """
+        if type(copy) is not bool:
+            raise InvalidArgumentError(f"view: copy must be True or False, got {type(copy).__name__} {copy!r:.60}")
         view = request_view(self._lookup(req_id))
         return view.copy() if copy else view
 
@@ -226,7 +231,7 @@ class Receiver(SequencedMerge, _Endpoint):
         try:
             slot.acc.check(value)
         except Exception as e:  # noqa: BLE001 - MergeError, or a strategy bug: fails this request only
-            raise _check_error(req_id, st, slot, e) from e
+            raise check_error(req_id, st, slot, e) from e
 
     def _merge_known(self, req_id: str, st: _Request, wire: Mapping[str, Any]) -> bool:
         """The steady-state path of :meth:`merge`: False (nothing done) unless every key of ``wire`` already has a slot.
@@ -273,12 +278,12 @@ class Receiver(SequencedMerge, _Endpoint):
             for slot, value in pairs:
                 slot.acc.check(value)
         except Exception as e:  # noqa: BLE001 - MergeError, or a strategy bug: fails this request only
-            raise _check_error(req_id, st, slot, e) from e
+            raise check_error(req_id, st, slot, e) from e
         try:
             for slot, value in pairs:
                 slot.acc.merge_checked(value)
         except Exception as e:  # noqa: BLE001
-            raise _merge_error(req_id, st, slot, e) from e
+            raise merge_error(req_id, st, slot, e) from e
         if self.on_merge is not None:
             self.on_merge(pairs)
         return True
@@ -347,7 +352,7 @@ class Receiver(SequencedMerge, _Endpoint):
             try:
                 held[id(s)] = s.acc.nbytes()
             except Exception as e:  # noqa: BLE001 - a strategy bug fails this request only, as a raising check does
-                raise _check_error(req_id, st, s, e, "nbytes") from e
+                raise check_error(req_id, st, s, e, "nbytes") from e
         after = sum(held.values())
         gone: set[int] = set()
 
@@ -424,27 +429,10 @@ class Receiver(SequencedMerge, _Endpoint):
         try:
             slot.acc.merge_checked(value)
         except Exception as e:  # noqa: BLE001 - MergeError, or a strategy bug: fails this request only
-            raise _merge_error(req_id, st, slot, e) from e
+            raise merge_error(req_id, st, slot, e) from e
 
 
 def _override_left_off(wire: Mapping[str, Any]) -> bool:
     """True when the wire marker says an unchanged ``meta.override_keys`` was left off (a negative count)."""
     need = wire.get(WIRE_MARKER)
     return type(need) is int and need < 0
-
-
-def _check_error(req_id: str, st: _Request, slot: _Slot, e: Exception, what: str = "check") -> AccumulationError:
-    """The error for a value ``slot``'s check refused; a check (or nbytes) raising anything else fails the request."""
-    if isinstance(e, MergeError) and what == "check":
-        return slot_error(str(e), req_id, slot)
-    st.failed = f"strategy {slot.spec.name!r} raised {type(e).__name__} in {what} on key {slot.path!r}"
-    return slot_error(f"{what} raised {type(e).__name__}: {e}", req_id, slot)
-
-
-def _merge_error(req_id: str, st: _Request, slot: _Slot, e: Exception) -> AccumulationError:
-    """The error for a merge that raised after the checks passed; marks the request failed."""
-    if isinstance(e, MergeError):
-        st.failed = f"key {slot.path!r}: {e}"
-        return slot_error(str(e), req_id, slot)
-    st.failed = f"strategy {slot.spec.name!r} raised {type(e).__name__} on key {slot.path!r}"
-    return slot_error(f"strategy raised {type(e).__name__}: {e}", req_id, slot)

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from omni_accum.engine.endpoint import _Request
 from omni_accum.errors import AccumulationError
 from omni_accum.engine.views import RequestView, request_view
@@ -71,7 +73,7 @@ class SequencedMerge:
                     seq=seq,
                     missing=missing,
                 )
-            st.pending[seq] = wire
+            st.pending[seq] = _held(wire)  # a copy: the sender may reuse its tensors once it has sent them
             return
         try:
             self._apply(req_id, st, self._plan(req_id, st, wire))
@@ -156,6 +158,22 @@ class SequencedMerge:
     def duplicates_dropped(self) -> int:
         """Duplicated sequenced chunks dropped, all requests together (released ones included)."""
         return self._dups
+
+
+def _held(wire: Mapping[str, Any]) -> dict[str, Any]:
+    """A chunk as it is now, for the reorder window: its tensors cloned, its dicts, lists and tuples copied (each
+    as its own kind), any other value as it is. A chunk merged at once is not copied (upstream merges it so)."""
+    return {k: _copied(v) for k, v in wire.items()}
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):  # a group (a dict subclass is one too): a plain dict of its values
+        return {k: _copied(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_copied(v) for v in value)
+    return value
 
 
 def _missing(nxt: int, upto: int, pending: Mapping[int, Any]) -> tuple[int, ...]:

@@ -215,6 +215,23 @@ class ABSplit(BaseModel):
         return name  # rounding at the very end: the last arm
 
 
+class _Rules(list):  # type: ignore[type-arg]
+    """``Policy.rules``: a list (it compares, dumps and pickles as one) that refuses changes, since the policy
+    indexed its rules when it was validated: a rule appended later would be dumped but never applied."""
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "Policy.rules is read-only (the policy indexed its rules when it was validated): load a new policy with "
+            "the rules you want: load_policy({**policy.model_dump(mode='json'), 'rules': [...]})"
+        )
+
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only  # type: ignore[assignment]
+    append = extend = insert = pop = remove = clear = sort = reverse = _read_only  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Rules, (list(self),))
+
+
 def repeat_message(i: int, j: int, match: str) -> str:
     """The problem of ``rules[i]`` repeating ``rules[j]``'s match, as one line that starts ``rules[i].match ``."""
     why = " (its second copy can never match)" if is_glob(match) else ""
@@ -248,8 +265,9 @@ class Policy(BaseModel):
     """Guard: a merge that would hold more than this many bytes for one request raises (0 = off)."""
     honor_override_keys: bool = Field(default=True, strict=True)
     """Replace, for one chunk, the keys that chunk lists in ``meta.override_keys`` (vllm-omni 0.30.0)."""
-    rules: list[Rule] = Field(default_factory=list)
-    """Ordered rules; an exact key path beats any glob, and among globs the first listed wins."""
+    rules: list[Rule] = Field(default_factory=_Rules)
+    """Ordered rules; an exact key path beats any glob, and among globs the first listed wins. Read-only (a list
+    that refuses changes): the rules are indexed when the policy is validated."""
     tuned: TunedTable | None = None
     """Decisions of ``omni-accum tune`` per bucket; explicit rules still beat it."""
     ab: ABSplit | None = None
@@ -270,6 +288,11 @@ class Policy(BaseModel):
         if isinstance(v, bool):  # YAML ``true`` would otherwise pass as 1
             raise ValueError(f"Input should be 1 (got {v!r})")
         return v
+
+    @field_validator("rules")
+    @classmethod
+    def _read_only_rules(cls, v: list[Rule]) -> list[Rule]:
+        return _Rules(v)
 
     @model_validator(mode="after")
     def _index_rules(self, info: ValidationInfo) -> Policy:
