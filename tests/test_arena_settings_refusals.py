@@ -187,10 +187,10 @@ def test_an_arena_warm_larger_than_arena_bytes_is_refused_naming_both(vo):
     assert arena_settings.parse_settings({"arena_bytes": "64MiB", "arena_warm": "64MiB"}).warm_bytes == 64 << 20
 
 
-@pytest.mark.parametrize("value", [True, False, "", 1.5, ["a"]])
-def test_an_arena_name_that_is_no_text_or_empty_is_refused(monkeypatch, value):
-    """``arena_name: yes`` used to become the name 'True', ``arena_name: ''`` quietly 'omni'. (An empty YAML value,
-    None, is the key left out, and a whole number its digits, as they were: ``arena_name: 2024`` is a name.)"""
+@pytest.mark.parametrize("value", [True, False, 1.5, ["a"]])
+def test_an_arena_name_that_is_no_text_is_refused(monkeypatch, value):
+    """``arena_name: yes`` used to become the name 'True'. (An empty value, None or '' or blanks, is the key left
+    out, as docs/arena.md says, and a whole number its digits: ``arena_name: 2024`` is a name.)"""
     monkeypatch.setenv("OMNI_ACCUM_ARENA_NAME", "from-env")
     with pytest.raises(ValueError) as e:
         arena_settings.parse_settings({"arena_name": value})

@@ -166,3 +166,16 @@ def test_under_0160_a_deploy_in_the_new_format_is_a_problem_and_its_own_stage_ar
     own = tmp_path / "stage_config.yaml"
     own.write_text("stage_args:\n  - stage_id: 0\n    engine_args: {model_stage: thinker}\n", encoding="utf-8")
     assert doctor_deploy.check_stages(str(own)) == []
+
+
+@pytest.mark.parametrize("value", ['""', "' '", ""])
+def test_an_empty_omni_accum_policy_is_the_key_left_out_as_the_stages_read_it(env, capsys, tmp_path, value):
+    """The stages read an empty ``omni_accum_policy`` (``''``, blanks, an empty YAML value) as the key left out, and run
+    ``OMNI_ACCUM_POLICY``; doctor loaded ``''`` as a policy and called it a problem (and an empty YAML value "off")."""
+    f = tmp_path / "deploy.yaml"
+    f.write_text(f"connectors:\n  a:\n    name: SharedMemoryConnector\n    extra: {{omni_accum_policy: {value}}}\n")
+    env.setenv("OMNI_ACCUM_POLICY", "qwen3-omni")
+    rc, out = _doctor(capsys, "--deploy", str(f))
+    lines = [x for x in out.splitlines() if " policy" in x[:20] or x.startswith(("ok", "PROBLEM", "WARN")) and "policy" in x]
+    assert not [x for x in out.splitlines() if x.startswith("PROBLEM  policy")], out
+    assert any("OMNI_ACCUM_POLICY" in x and "qwen3-omni" in x for x in lines), out

@@ -143,7 +143,7 @@ def test_raising_state_factory_fails_that_request_only(manager, where):
     assert rx.merge("good", tx.encode("good", {"x": 1}))["x"] == 1
 
 
-def test_raising_selection_hook_fails_the_request_and_names_the_plugin(manager):
+def test_raising_selection_hook_fails_the_chunk_and_names_the_plugin(manager):
     manager.register(RaisingSelector(), name="acme_selector", distribution=("acme-select", "2.0"))
     tx, rx = endpoints(manager, "merge")
     for side, call in (
@@ -158,6 +158,8 @@ def test_raising_selection_hook_fails_the_request_and_names_the_plugin(manager):
         assert "plugin 'acme_selector' (distribution acme-select 2.0)" in text and "selector tripped" in text, text
         assert isinstance(err.__cause__.__cause__, Bug)
     assert rx.merge("r2", tx.encode("r2", {"x": 5}))["x"] == 5
+    # nothing was built for the key: the request's state is whole, and its next chunk merges (docs/reliability.md)
+    assert rx.merge("r1", tx.encode("r1", {"x": 6}))["x"] == 6
 
 
 def test_other_keys_of_a_failed_chunk_are_not_half_merged(manager):

@@ -163,7 +163,10 @@ def _deploy_policies(path: str) -> list[tuple[str, Any]]:
         OmniAccumError: the file cannot be read or parsed, or it is not a deploy YAML (no connector in it).
     """
     data = _read_deploy(path)
-    found = [(w, e["omni_accum_policy"]) for w, e in _connector_extras(data) if "omni_accum_policy" in e]
+    found = [  # an empty value (None, '' or blanks) is the key left out, as the stages read it: OMNI_ACCUM_POLICY
+        (w, v) for w, e in _connector_extras(data)
+        if (v := e.get("omni_accum_policy")) is not None and not (isinstance(v, str) and not v.strip())
+    ]
     if not found and not _has_connectors(data):
         if isinstance(data, dict) and isinstance(data.get("stage_args"), list):
             return []  # a vllm-omni 0.16 stage config: its stages take the default connector, named nowhere

@@ -188,7 +188,8 @@ def activate() -> None:
     ``OMNI_ACCUM_POLICY`` set: install that policy (``off``: no process-wide policy; a connector whose
     extra names one still installs it). Unset: only the two constructors are probed, and the first
     adapter / transport whose connector ``extra`` has ``omni_accum_policy`` installs the wrappers.
-    ``OMNI_ACCUM_VLLM_OMNI=0``: nothing. A refusal is logged and leaves vllm-omni as is, unless
+    ``OMNI_ACCUM_VLLM_OMNI=0``: nothing. A refusal (a bad policy; an on/off switch neither on nor off, whether
+    ``OMNI_ACCUM_POLICY`` is set or not: then not even the probes) is logged and leaves vllm-omni as is, unless
     ``OMNI_ACCUM_REQUIRED=1``: then the process exits with the reason (``SystemExit``). One INFO line per
     process says what happened (installed, or why not). Idempotent: a process that loads both plugin
     groups activates (and logs) once.
@@ -239,6 +240,7 @@ def activate() -> None:
                 ctx,
             )
         else:
+            check_switches()  # a switch neither on nor off refuses here too, as install() does (nothing patched)
             with _lock:
                 _patch("probes")
             logger.info(

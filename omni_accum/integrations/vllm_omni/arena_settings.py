@@ -163,14 +163,16 @@ class ArenaSettings:
 
 def parse_settings(extra: Any) -> ArenaSettings:
     """The connector's settings from a deploy's ``extra`` (``arena_name`` defaults to ``$OMNI_ACCUM_ARENA_NAME``,
-    else ``omni``; a given one must be such a name). ``ValueError`` names the key, the value and what it takes; a
-    key that looks meant for this connector or is another omni-accum connector's is refused (:func:`check_keys`), as
-    is a size larger than the file system its regions go in (:func:`check_fits`). ``omni-accum doctor --deploy``
-    calls it too, so that a deploy the connector would refuse is not called ready."""
+    else ``omni``, also when it is empty or blank; a given one must be such a name). ``ValueError`` names the key,
+    the value and what it takes; a key that looks meant for this connector or is another omni-accum connector's is
+    refused (:func:`check_keys`), as is a size larger than the file system its regions go in (:func:`check_fits`).
+    ``omni-accum doctor --deploy`` calls it too, so that a deploy the connector would refuse is not called ready."""
     config = extra if isinstance(extra, dict) else {}
     check_keys(config, NAME, KNOWN_KEYS)
     given = config.get("arena_name")
-    if given is not None:  # (an empty YAML value, None, is the key left out)
+    if isinstance(given, str) and not given.strip():
+        given = None  # empty or blank: the key left out (docs/arena.md), as is an empty YAML value (None)
+    if given is not None:
         name, source = (str(given) if type(given) is int else given), "extra.arena_name"
     elif os.environ.get(ENV_NAME):
         name, source = os.environ[ENV_NAME], ENV_NAME

@@ -25,7 +25,6 @@ EXTRA_ADAPTER_KEYS = "omni_accum_adapter_keys"
 #: over several chunks.
 #: Other keys are handed over as raw deltas, as in 0.30.0 (the talker keeps its own decode cache).
 DEFAULT_ADAPTER_KEYS = ("embed.prefill", "hidden_states.output")
-_DISABLED = (*POLICY_OFF, "")
 
 
 class Settings:
@@ -70,9 +69,11 @@ def _policy_source(extra: Any) -> tuple[Any, str]:
     problem = unknown_extra_keys(extra)
     if problem:
         raise PolicyError(problem)
-    if isinstance(extra, Mapping) and EXTRA_POLICY in extra:
-        value = extra[EXTRA_POLICY]
-        if value is None or value is False or (isinstance(value, str) and value.strip().lower() in _DISABLED):
+    value = extra.get(EXTRA_POLICY) if isinstance(extra, Mapping) else None
+    if isinstance(value, str) and not value.strip():
+        value = None  # empty or blank: the key left out (the process-wide policy, OMNI_ACCUM_POLICY), as arena_name
+    if value is not None:
+        if value is False or (isinstance(value, str) and value.strip().lower() in POLICY_OFF):
             return None, f"connector extra {EXTRA_POLICY}={value!r} (off)"
         if not isinstance(value, (str, Mapping)):
             raise PolicyError(

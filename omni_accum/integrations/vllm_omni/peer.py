@@ -14,7 +14,9 @@ those values and carry a marker key: vllm-omni 0.30.0 cannot read them. So, thro
   (first at once, then backing off from 50 ms to 30 s). Until the hello came, its requests go out as
   vllm-omni 0.30.0 builds them: nothing left off, no marker (the request's first chunk waits at most
   :data:`FIRST_WAIT_S` for the first look). A request that starts after it came is announced (fingerprint,
-  bucket) and may leave values off. A request keeps its choice until it is released. A sending binding with
+  bucket) and may leave values off. A request keeps its choice until it is released, or until the hello it was
+  announced under is lost (:attr:`PeerWatch.lost`: withdrawn, its process gone, replaced): from its next chunk it
+  then goes out as vllm-omni built it, every value again (:mod:`.send`). A sending binding with
   metrics on watches under any policy: the hand-off metric's timestamps ride in the marker (:mod:`.handoff`).
 
 The key carries the deployment's token (:func:`deployment_token`, ``OMNI_ACCUM_DEPLOYMENT``: set by the
@@ -222,6 +224,10 @@ class PeerWatch:
         self.src, self.dst = src, src + 1
         self.key = hello_key(src, self.dst)
         self.hello: list[Any] | None = None
+        #: How many times a hello heard was lost (withdrawn, its process gone, replaced by another receiver's): a
+        #: request announced before goes out as vllm-omni built it from its next chunk (:mod:`.send`). Counted after
+        #: ``hello`` is cleared, so a request that starts in between is never announced under the lost hello unseen.
+        self.lost = 0
         self._stamp: Any = None  # the hello file's stamp when it was read (shared memory)
         self._checked = 0.0  # when the hello was last read (time.monotonic)
         self.looks = 0
@@ -264,6 +270,7 @@ class PeerWatch:
                 logger.warning("omni-accum: stage %d's receiver (pid %d) is gone; stage %d sends vllm-omni's own "
                                "payloads until a receiver says hello again", self.dst, self.hello[3], self.src)
                 self.hello, delay = None, POLL_S[0]
+                self.lost += 1
                 warned = True  # that warning said it: the 'never heard' advice (another host) would mislead
                 continue
             elif (change := self._changed()) is not None:
@@ -273,6 +280,7 @@ class PeerWatch:
                                    "a receiver says hello again", self.dst, self.hello[3], self.src)  # fmt: skip
                     warned = True
                 self.hello, delay = None, POLL_S[0]
+                self.lost += 1
                 continue  # replaced by another receiver's: the next look hears it (and says so)
             self._stop.wait(delay)
 

@@ -7,6 +7,11 @@ of the connector's *class* ``put`` (each connector class wrapped once, restored 
 so no connector instance is changed: code that inspects, mocks or replaces an instance's ``put``
 sees exactly what vllm-omni made (a replaced ``put`` that never reaches the class's own method sends
 the payload as vllm-omni built it, and the receiver then has nothing to restore).
+
+Nothing raises into vllm-omni's save loop: a chunk omni-accum cannot encode (a strategy, a selection hook or an
+encoder raising) is put as vllm-omni built it, and so is the rest of its request (:func:`_send_refused`). A request
+in flight whose receiver's hello is lost (withdrawn, its process gone: :mod:`.peer`) sends every value again from its
+next chunk, as vllm-omni built it (:func:`_receiver_lost`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from omni_accum.engine import WIRE_MARKER
+from omni_accum.errors import AccumulationError
 from omni_accum.integrations.vllm_omni import ab, capture, handoff
 from omni_accum.integrations.vllm_omni.binding import Binding, binding_for, published_later
 from omni_accum.integrations.vllm_omni.marker import (
@@ -61,6 +67,9 @@ def encode_payload(b: Binding, req_id: str, data: Any, task: Any = None) -> Any:
     if cap is not None:  # recorded as the adapter built it (.capture)
         capture.sent(cap, req_id, chunk, task)
     hello = None
+    w = b.__dict__.get("_peer")
+    if w is not None and w.lost != b.__dict__.get("_peer_lost", 0):  # its receiver's hello lost since (.peer)
+        _receiver_lost(b, w)
     table = b.sent_once.get(req_id)
     if req_id not in b.live_send:
         b.live_send.add(req_id)
@@ -77,7 +86,14 @@ def encode_payload(b: Binding, req_id: str, data: Any, task: Any = None) -> Any:
     elif table is None:
         table = b.sent_once[req_id] = SendTable()
     stamp = None if table.stamps is None else handoff.stamp(table, task)
-    wire = chunk if table.plain else b.sender.encode(req_id, chunk, context=b.send_ctx.get(req_id))
+    if table.plain:
+        wire = chunk
+    else:
+        try:
+            wire = b.sender.encode(req_id, chunk, context=b.send_ctx.get(req_id))
+        except Exception as e:  # noqa: BLE001 - a refusal, or a plugin raising: never into vllm-omni's save loop
+            _send_refused(b, req_id, e)
+            wire, hello, stamp = chunk, None, None
     b.stats["chunks_sent"] += 1
     # One walk numbers the keys new on the wire, finds those left off and counts the metrics.
     omitted = b.metrics.sent(table, chunk, wire, b.strategy_name, MARKERS, table.kept)
@@ -100,6 +116,67 @@ def encode_payload(b: Binding, req_id: str, data: Any, task: Any = None) -> Any:
     return wire
 
 
+def _send_refused(b: Binding, req_id: str, error: Exception) -> None:
+    """omni-accum could not encode a chunk of ``req_id`` (``error``: a strategy, a selection hook or an encoder
+    raised, or omni-accum's own bookkeeping did): count it (``refused_chunk``), say it once for the request, release
+    the request's Sender state and send the chunk and the rest of the request as vllm-omni built them (every value,
+    no marker). The receiver takes such chunks as it takes a sender's without omni-accum: nothing is left off them,
+    so what it hands over is 0.30.0's. Never raises."""
+    b.metrics.fallback("refused_chunk")
+    table = b.sent_once.get(req_id)
+    if table is None:
+        table = b.sent_once[req_id] = SendTable()
+    b.live_send.add(req_id)  # released with the request (_release_sender)
+    table.plain, table.stamps = True, None
+    try:
+        b.sender.release(req_id)
+    except Exception:  # noqa: BLE001 - nothing held
+        pass
+    said = b.__dict__.setdefault("_send_refused", set())
+    if req_id in said:
+        return
+    said.add(req_id)
+    from omni_accum.policy.fingerprint import dist_version
+
+    if isinstance(error, AccumulationError):  # it names the request, the key, the strategy and its plugin
+        what = str(error)
+    else:
+        what = f"request {req_id!r}: {type(error).__name__}: {error}"
+    logger.warning(
+        "omni-accum refused a chunk in the send hook (the connector's put): %s. The chunk and the rest of the request "
+        "go out as vllm-omni %s built them, every value (not logged again for this request)",
+        what,
+        dist_version("vllm-omni") or "(its release)",
+    )
+
+
+def _receiver_lost(b: Binding, w: Any) -> None:
+    """Sending binding ``b``'s watcher ``w`` lost the receiver's hello since ``b`` last looked (withdrawn, its
+    process gone, replaced: :class:`.peer.PeerWatch` ``lost``): every request in flight that was announced or timed
+    goes out as vllm-omni built it from its next chunk (every value again, no marker), its Sender state released;
+    the receiver may run vllm-omni's own code now, which restores nothing."""
+    b._peer_lost = w.lost
+    moved = 0
+    for rid in list(b.live_send):
+        table = b.sent_once.get(rid)
+        if table is None or table.plain:
+            continue
+        table.plain, table.stamps = True, None
+        try:
+            b.sender.release(rid)
+        except Exception:  # noqa: BLE001 - nothing held
+            pass
+        moved += 1
+    if moved:
+        logger.info(
+            "omni-accum: stage %d's hello is gone; %d request(s) in flight on stage %d send vllm-omni's own payloads "
+            "(every value) from their next chunk",
+            w.dst,
+            moved,
+            w.src,
+        )
+
+
 def _encoding_put(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def put(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -108,7 +185,10 @@ def _encoding_put(orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(self, *args, **kwargs)
         _tls.send = None  # one encoding per send, even through a subclass's put calling its parent's
         b, req_id, _, task = ctx
-        kwargs["data"] = encode_payload(b, req_id, kwargs["data"], task)
+        try:
+            kwargs["data"] = encode_payload(b, req_id, kwargs["data"], task)
+        except Exception as e:  # noqa: BLE001 - never into vllm-omni's save loop: its own payload goes out
+            _send_refused(b, req_id, e)
         _tls.putting = b  # the connector may ask which keys the policy appends (putting_binding)
         try:
             result = orig(self, *args, **kwargs)
@@ -223,6 +303,7 @@ def _release_sender(b: Binding, ext_id: str, conn: Any = None) -> None:
         x.sent_once.pop(ext_id, None)
         x.live_send.discard(ext_id)
         x.send_ctx.pop(ext_id, None)
+        x.__dict__.get("_send_refused", set()).discard(ext_id)
     capture.released(b, ext_id, "send")
     published_later(b)  # off vllm-omni's sender lock, which this runs under
 
