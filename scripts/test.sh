@@ -10,19 +10,22 @@
 # 0.16.0 in .venv-016 (OMNI_ACCUM_VENV_016), with the integration files that apply to that release (its
 # adapter accumulates the whole payload; it has no runner transport, data plane, processor hook, arena
 # connector or hand-off). Those two environments are built in the background while the 0.30.0 suite runs.
+# The whole suite with no arguments runs in two lanes side by side on a machine of two cores or more (their files
+# split by scripts/test_lanes.py from tests/durations.txt; OMNI_ACCUM_TEST_LANES=1 runs one lane, 2 asks for two).
 # The exit status is non-zero when any run fails, and the last line sums the
 # runs up as pytest does.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 paths=(tests)
+whole=1  # the whole suite (no test file or folder among the arguments)
 for d in examples/plugins/*/tests; do [ -d "$d" ] && paths+=("$d"); done
 # Test files or folders among the extra arguments replace those paths (`bash scripts/test.sh tests/test_x.py` runs
 # that file, not the whole suite and that file again); the value of an option that takes one is not a test path.
 prev=""
 for a in "$@"; do
   case "$prev" in -k|-m|-p|-o|-c|-W|--basetemp|--ignore|--ignore-glob|--deselect|--rootdir|--junitxml) prev=""; continue ;; esac
-  case "$a" in -*) ;; *) [ -e "${a%%::*}" ] && { paths=(); break; } ;; esac
+  case "$a" in -*) ;; *) [ -e "${a%%::*}" ] && { paths=(); whole=0; break; } ;; esac
   prev="$a"
 done
 # The files that exercise the live integration; they run in every supported release's environment.
@@ -49,6 +52,16 @@ default=0; [ $# -eq 0 ] && default=1
 want_028="$(switch OMNI_ACCUM_TEST_028 "$default")" || exit 2
 want_016="$(switch OMNI_ACCUM_TEST_016 "$default")" || exit 2
 want_e2e_switch="$(switch OMNI_ACCUM_E2E 0)" || exit 2
+# Lanes (see below): 2 for the whole suite with no arguments on a machine of two cores or more, else 1;
+# OMNI_ACCUM_TEST_LANES=1 or 2 asks for one, for the whole suite (test files named: always one).
+lanes_default=1
+[ $# -eq 0 ] && [ "$(nproc 2>/dev/null || echo 1)" -ge 2 ] && lanes_default=2
+lanes="$(printf '%s' "${OMNI_ACCUM_TEST_LANES:-$lanes_default}" | tr -d '[:space:]')"
+case "$lanes" in
+  1|2) ;;
+  *) echo "test.sh: OMNI_ACCUM_TEST_LANES='${OMNI_ACCUM_TEST_LANES}' is not a number of lanes (1 or 2)" >&2; exit 2 ;;
+esac
+[ "$whole" = "1" ] || lanes=1
 
 venv_028="${OMNI_ACCUM_VENV_028:-$ROOT/.venv-028}"
 venv_016="${OMNI_ACCUM_VENV_016:-$ROOT/.venv-016}"
@@ -75,8 +88,9 @@ fi
 ( source "$ROOT/scripts/env.sh" ) 2>&1 | tee "$logs/setup.log"
 # Then those are built in the background while the 0.30.0 suite runs (pip waits on the network and the disk,
 # the suite on the CPU); each run below waits for its environment and prints its set-up log.
-_setup_bg() {  # venv, release, log
+_setup_bg() {  # venv, release, log (its exit status goes to LOG.rc: a lane in a subshell cannot `wait` for it)
   ( export OMNI_ACCUM_VENV="$1" OMNI_ACCUM_VLLM_VERSION="$2"; source "$ROOT/scripts/env.sh" ) >"$3" 2>&1
+  echo $? >"$3.rc"
 }
 pid_028="" pid_016="" pid_e2e=""
 [ "$want_028" = "1" ] && { _setup_bg "$venv_028" 0.28.0 "$logs/setup-028.log" & pid_028=$!; }
@@ -90,18 +104,20 @@ if [ "$want_e2e" = "1" ]; then
     exec bash "$ROOT/benchmarks/e2e/setup_env.sh" ) >"$logs/setup-e2e.log" 2>&1 &
   pid_e2e=$!
 fi
-( source "$ROOT/scripts/env.sh" && python -m pytest "${paths[@]}" "$@" ) 2>&1 | tee "$logs/main.log"
-rc_main=${PIPESTATUS[0]}
-if [ -n "$pid_e2e" ]; then
-  wait "$pid_e2e" || { echo "[setup] the end-to-end harness's virtualenv (background build) failed:"; cat "$logs/setup-e2e.log"; }
-fi
-_other_release() {  # pid of its set-up, set-up log, venv, release, log; then the test files
-  local pid="$1" setup_log="$2" venv="$3" release="$4" log="$5"
-  shift 5
-  wait "$pid"
-  local rc_setup=$?
+_pytest() {  # log, then pytest's arguments: one run in .venv, printed as it goes and kept in LOG
+  local log="$1"
+  shift
+  ( source "$ROOT/scripts/env.sh" && python -m pytest "$@" ) 2>&1 | tee "$log"
+  return "${PIPESTATUS[0]}"
+}
+_other_release() {  # set-up log, venv, release, log; then the test files
+  local setup_log="$1" venv="$2" release="$3" log="$4"
+  shift 4
+  while [ ! -e "$setup_log.rc" ]; do sleep 5; done
+  local rc_setup
+  rc_setup="$(cat "$setup_log.rc")"
   cat "$setup_log"
-  if [ "$rc_setup" -ne 0 ]; then
+  if [ "$rc_setup" != "0" ]; then
     echo "[setup] building $venv (vllm-omni $release) failed (exit status $rc_setup): see the lines above" | tee "$log"
     return 1
   fi
@@ -111,21 +127,64 @@ _other_release() {  # pid of its set-up, set-up log, venv, release, log; then th
     source "$ROOT/scripts/env.sh" && python -m pytest -m "not once" "$@" ) 2>&1 | tee "$log"
   return "${PIPESTATUS[0]}"
 }
+_releases() {  # the 0.28.0 and 0.16.0 runs, as asked; their exit statuses go to $logs/028.rc and $logs/016.rc
+  if [ "$want_028" = "1" ]; then
+    echo "== vllm-omni 0.28.0: the integration tests in $venv_028 =="
+    _other_release "$logs/setup-028.log" "$venv_028" 0.28.0 "$logs/028.log" "${integration[@]}" "$@"
+    echo $? >"$logs/028.rc"
+  fi
+  if [ "$want_016" = "1" ]; then
+    echo "== vllm-omni 0.16.0: the integration tests that apply in $venv_016 =="
+    _other_release "$logs/setup-016.log" "$venv_016" 0.16.0 "$logs/016.log" "${integration_016[@]}" "$@"
+    echo $? >"$logs/016.rc"
+  fi
+}
+_e2e_built() {  # wait for the end-to-end harness's background build, if there is one; say when it failed
+  [ -n "$pid_e2e" ] || return 0
+  wait "$pid_e2e" || { echo "[setup] the end-to-end harness's virtualenv (background build) failed:"; cat "$logs/setup-e2e.log"; }
+}
+# The whole suite on a machine of two cores or more runs in two lanes side by side (OMNI_ACCUM_TEST_LANES=1: one):
+# most of its time is processes starting (a fresh interpreter importing vLLM takes ~25 s of one core), which leaves a
+# core idle. scripts/test_lanes.py splits the test files by their times in tests/durations.txt: lane 1 runs its
+# files, then the end-to-end test; lane 2 its files, then the 0.28.0 and 0.16.0 runs. Lane 1 is printed as it runs,
+# lane 2 when it ends. Tests that look at shared places (/dev/shm) look at their own process's files only.
+main_logs=("$logs/main.log")
+if [ "$lanes" -ge 2 ]; then
+  hold=()
+  [ "$want_e2e" = "1" ] && hold=(--hold tests/test_e2e_server.py --reserve 1=@e2e)
+  split="$(python3 "$ROOT/scripts/test_lanes.py" split 2 "$ROOT/tests/durations.txt" "${hold[@]}" \
+    --reserve 2=@0.28.0 --reserve 2=@0.16.0 "${paths[@]}")" || exit 2
+  read -r -a files_1 <<<"$(sed -n 1p <<<"$split")"
+  read -r -a files_2 <<<"$(sed -n 2p <<<"$split")"
+  echo "== lanes: lane 1 runs ${#files_1[@]} test files$([ "$want_e2e" = "1" ] && echo ", then the end-to-end test"); lane 2 ${#files_2[@]}, then the other releases (printed when it ends) =="
+  ( _pytest "$logs/main-2.log" "${files_2[@]}" "$@"; echo $? >"$logs/main-2.rc"; _releases "$@" ) >"$logs/lane-2.out" 2>&1 &
+  pid_lane2=$!
+  _pytest "$logs/main.log" "${files_1[@]}" "$@"
+  rc_main=$?
+  if [ "$want_e2e" = "1" ]; then
+    _e2e_built
+    echo "== the end-to-end test (lane 1) =="
+    _pytest "$logs/e2e.log" tests/test_e2e_server.py "$@" || rc_main=1
+    main_logs+=("$logs/e2e.log")
+  fi
+  wait "$pid_lane2"
+  echo "== lane 2: its share of the vllm-omni 0.30.0 suite, then the other releases =="
+  cat "$logs/lane-2.out"
+  [ "$(cat "$logs/main-2.rc" 2>/dev/null)" = "0" ] || rc_main=1
+  main_logs+=("$logs/main-2.log")
+else
+  _pytest "$logs/main.log" "${paths[@]}" "$@"
+  rc_main=$?
+  _e2e_built
+  _releases "$@"
+fi
 rc_028=0
-if [ "$want_028" = "1" ]; then
-  echo "== vllm-omni 0.28.0: the integration tests in $venv_028 =="
-  _other_release "$pid_028" "$logs/setup-028.log" "$venv_028" 0.28.0 "$logs/028.log" "${integration[@]}" "$@"
-  rc_028=$?
-fi
+[ "$want_028" = "1" ] && rc_028="$(cat "$logs/028.rc" 2>/dev/null || echo 1)"
 rc_016=0
-if [ "$want_016" = "1" ]; then
-  echo "== vllm-omni 0.16.0: the integration tests that apply in $venv_016 =="
-  _other_release "$pid_016" "$logs/setup-016.log" "$venv_016" 0.16.0 "$logs/016.log" "${integration_016[@]}" "$@"
-  rc_016=$?
-fi
-if [ "$want_028" = "1" ] || [ "$want_016" = "1" ]; then
+[ "$want_016" = "1" ] && rc_016="$(cat "$logs/016.rc" 2>/dev/null || echo 1)"
+if [ "$want_028" = "1" ] || [ "$want_016" = "1" ] || [ ${#main_logs[@]} -gt 1 ]; then
   # One closing line for every run, in pytest's words (the per-run lines are above).
-  runs=("$logs/main.log")
+  runs=("${main_logs[@]}")
   [ "$want_028" = "1" ] && runs+=("$logs/028.log")
   [ "$want_016" = "1" ] && runs+=("$logs/016.log")
   python3 - "$(( $(date +%s) - start ))" "${runs[@]}" <<'EOF'

@@ -143,6 +143,48 @@ def test_test_sh_runs_the_test_files_given_instead_of_the_whole_suite(tmp_path, 
     assert runs == [pytest_args], (runs, r.stdout[-2000:], r.stderr[-2000:])
 
 
+def _lanes_root(tmp_path: Path) -> tuple[Path, Path]:
+    root, calls = _fake_root(tmp_path, "test.sh")
+    shutil.copy(ROOT / "scripts" / "test_lanes.py", root / "scripts" / "test_lanes.py")
+    (root / "tests").mkdir()
+    for name, secs in (("a", 50), ("b", 40), ("c", 30), ("d", 5)):
+        (root / "tests" / f"test_{name}.py").write_text("")
+    (root / "tests" / "durations.txt").write_text("50 tests/test_a.py\n40 tests/test_b.py\n30 tests/test_c.py\n")
+    return root, calls
+
+
+def test_test_sh_runs_the_whole_suite_in_two_lanes_that_share_the_files_out(tmp_path):
+    """Two pytest runs side by side, each file in exactly one, balanced by tests/durations.txt; the closing line
+    sums both runs."""
+    root, calls = _lanes_root(tmp_path)
+    env = _env(OMNI_ACCUM_VENV=str(tmp_path / "venv"), OMNI_ACCUM_TEST_028="0", OMNI_ACCUM_TEST_016="0",
+               OMNI_ACCUM_TEST_LANES="2")  # fmt: skip
+    r = _run(["bash", str(root / "scripts" / "test.sh")], env, cwd=root)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    runs = sorted(ln.split("-m pytest ", 1)[1].split() for ln in calls.read_text().splitlines() if "-m pytest" in ln)
+    assert runs == [["tests/test_a.py", "tests/test_d.py"], ["tests/test_b.py", "tests/test_c.py"]], runs
+    assert "== lanes: lane 1 runs 2 test files; lane 2 2" in r.stdout, r.stdout
+    assert "== all 2 runs together" in r.stdout and "2 passed in" in r.stdout.splitlines()[-1], r.stdout[-500:]
+
+
+@pytest.mark.parametrize(("lanes", "args"), [("1", []), ("", ["-q"])])
+def test_test_sh_runs_one_lane_when_asked_or_given_arguments(tmp_path, lanes, args):
+    root, calls = _lanes_root(tmp_path)
+    env = _env(OMNI_ACCUM_VENV=str(tmp_path / "venv"), OMNI_ACCUM_TEST_028="0", OMNI_ACCUM_TEST_016="0",
+               **({"OMNI_ACCUM_TEST_LANES": lanes} if lanes else {}))  # fmt: skip
+    r = _run(["bash", str(root / "scripts" / "test.sh"), *args], env, cwd=root)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    runs = [ln.split("-m pytest ", 1)[1] for ln in calls.read_text().splitlines() if "-m pytest" in ln]
+    assert runs == [" ".join(["tests", *args])], runs
+
+
+def test_test_sh_refuses_a_number_of_lanes_it_cannot_run(tmp_path):
+    root, calls = _lanes_root(tmp_path)
+    r = _run(["bash", str(root / "scripts" / "test.sh")], _env(OMNI_ACCUM_TEST_LANES="3"), cwd=root)
+    assert r.returncode == 2 and "OMNI_ACCUM_TEST_LANES='3' is not a number of lanes (1 or 2)" in r.stderr, r.stderr
+    assert not calls.exists()
+
+
 def test_test_sh_refuses_a_switch_it_cannot_read(tmp_path):
     root, calls = _fake_root(tmp_path, "test.sh")
     r = _run(["bash", str(root / "scripts" / "test.sh")], _env(OMNI_ACCUM_TEST_028="maybe"), cwd=root)

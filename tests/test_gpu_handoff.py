@@ -23,16 +23,19 @@ def gpu_handoff(monkeypatch):
     return mod
 
 
-def _segments() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def test_the_shared_memory_model_returns_chunk_0_bit_for_bit_and_unlinks_its_segments(gpu_handoff, monkeypatch):
+    made: list[str] = []  # the segments it creates (by name: another process may make segments of its own meanwhile)
 
+    class Recorded(gpu_handoff.shared_memory.SharedMemory):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self.name)
 
-def test_the_shared_memory_model_returns_chunk_0_bit_for_bit_and_unlinks_its_segments(gpu_handoff):
+    monkeypatch.setattr(gpu_handoff.shared_memory, "SharedMemory", Recorded)
     g = torch.Generator().manual_seed(3)
     src = [torch.randn(37, 2048, generator=g).bfloat16() for _ in range(2)]
-    before = _segments()
     got = gpu_handoff._shm_copies(src)
-    assert _segments() <= before
+    assert len(made) == 2 and not [n for n in made if os.path.exists(f"/dev/shm/{n.lstrip('/')}")], made
     assert all(a.dtype == torch.bfloat16 and a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, src))
     assert all(a.data_ptr() != b.data_ptr() for a, b in zip(got, src))
 
