@@ -259,12 +259,8 @@ def test_puts_before_the_region_exists_and_into_a_full_arena_go_through_shm(vo, 
     assert not glob.glob(f"/dev/shm/*{arena_name}*")
 
 
-_SENDER = textwrap.dedent(
-    """
-    import json, os, sys
-    sys.path.insert(0, sys.argv[4])
-    from tests.test_integration_vllm_omni_arena_connector import _connector, _payloads
-    name, n, die = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "die"
+def sender_main(conn: Any, name: str, n: int, die: bool) -> None:
+    """A sender in a process of its own (:func:`_sender`): ``n`` payloads, then SIGKILL (``die``) or its health."""
     tx = _connector(0, name)
     for i, p in enumerate(_payloads(7, n)):
         while True:
@@ -274,20 +270,23 @@ _SENDER = textwrap.dedent(
                 break
     if die:
         os.kill(os.getpid(), 9)
-    print(json.dumps(tx.health()))
+    conn.send(json.dumps(tx.health()))
     tx.close()
-    """
-)
 
 
 def _sender(name: str, n: int, die: bool = False) -> subprocess.CompletedProcess:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run(
-        [sys.executable, "-c", _SENDER, name, str(n), "die" if die else "live", root],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    """:func:`sender_main` forked from the vllm-omni server of ``tests/forked.py``: its exit status, and its health as
+    the last line of stdout (an exception's text, when it raised, is pytest's output)."""
+    from tests.forked import Forked
+
+    proc = Forked(f"{__name__}.sender_main", name, n, die)
+    try:
+        out = proc.conn.recv() if proc.conn.poll(600) else ""
+    except EOFError:  # it ended without a word (killed)
+        out = ""
+    rc = proc.wait(timeout=600)
+    proc.conn.close()
+    return subprocess.CompletedProcess(["sender_main", name, n, die], rc, out, f"exit status {rc}")
 
 
 @pytest.mark.once
@@ -398,20 +397,19 @@ def test_a_put_that_falls_back_is_counted_in_the_metrics(vo, arena_name, monkeyp
 # middle of a stream, twice; the survivor keeps serving new peers bit-exactly, holds no more
 # regions, file descriptors or pages after each kill than after the first, and once every process has ended
 # omni-accum's reaper has left nothing in the private directory or /dev/shm.
-_PEER = textwrap.dedent(
-    """
-    import json, os, sys, time
-    import torch
-    sys.path.insert(0, sys.argv[4])
-    from tests.test_integration_vllm_omni_arena_connector import _connector, _payloads, _held
-    from tests.test_integration_vllm_omni import assert_same
+def peer_main(conn: Any, role: int, name: str, extra: str) -> None:
+    """A connector peer (:class:`_Peer`): one command per message on ``conn``, one answer each."""
     from tests.waiting import poll
     from omni_accum import samehost
-    role, name = int(sys.argv[1]), sys.argv[2]
-    c = _connector(role, name, **json.loads(sys.argv[3]))
+
+    c = _connector(role, name, **json.loads(extra))
     want = _payloads(11, 8) + [{"x": torch.arange(64 * 1024, dtype=torch.int32) + k} for k in (8, 9)]  # 8, 9: 256 KiB
-    print("@@" + json.dumps({"pid": os.getpid()}), flush=True)  # (vllm logs on stdout too)
-    for line in sys.stdin:
+    conn.send({"pid": os.getpid()})
+    while True:
+        try:
+            line = conn.recv()
+        except EOFError:  # the test process is gone
+            return
         op, *a = line.split()
         try:
             if op == "put":
@@ -441,12 +439,11 @@ _PEER = textwrap.dedent(
                 out = {"error": f"unknown op {op}"}
         except Exception as e:  # noqa: BLE001 - reported to the test, the process goes on
             import traceback
+
             out = {"error": repr(e) + " | " + traceback.format_exc()[-2500:]}
-        print("@@" + json.dumps(out), flush=True)
+        conn.send(out)
         if op == "quit":
-            break
-    """
-)
+            return
 
 
 def _held(c: Any) -> dict[str, int]:
@@ -475,46 +472,25 @@ def _held(c: Any) -> dict[str, int]:
 
 
 class _Peer:
-    """A connector in a process of its own (``_PEER``), one command per line; killed by pid at the end."""
+    """A connector in a process of its own (:func:`peer_main`), forked from a server that imported vllm-omni once
+    (``tests/forked.py``: a fresh interpreter takes ~25 s to import it here); killed by pid at the end."""
 
     def __init__(self, role: int, name: str, env: dict[str, str] | None = None, **extra: Any) -> None:
-        import queue
-        import tempfile
-        import threading
+        from tests.forked import Forked
 
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        self.err = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _PEER, str(role), name, json.dumps(extra), root],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
-            env={**os.environ, **(env or {})},
-        )
-        self.lines: Any = queue.Queue()
-        def pump() -> None:
-            for ln in self.proc.stdout:
-                self.lines.put(ln)
-            self.lines.put("")  # the process ended
-
-        threading.Thread(target=pump, daemon=True).start()
+        self.proc = Forked(f"{__name__}.peer_main", role, name, json.dumps(extra), env=env)
         self.pid = self._read()["pid"]
 
     def _read(self) -> dict[str, Any]:
-        import queue
-
-        line = "@@"
-        while line and not line.startswith("@@{"):
-            try:
-                line = self.lines.get(timeout=600)
-            except queue.Empty:
-                line = ""
-        if not line:
-            self.err.seek(0)
-            raise AssertionError(f"peer {self.proc.pid} gave no answer (rc {self.proc.poll()}): {self.err.read()[-3000:]}")
-        return json.loads(line[2:])
+        try:
+            if self.proc.conn.poll(600):
+                return self.proc.conn.recv()
+        except EOFError:
+            pass
+        raise AssertionError(f"peer {self.proc.pid} gave no answer (rc {self.proc.poll()}); its output is pytest's")
 
     def __call__(self, *words: Any) -> dict[str, Any]:
-        self.proc.stdin.write(" ".join(map(str, words)) + "\n")
-        self.proc.stdin.flush()
+        self.proc.conn.send(" ".join(map(str, words)))
         out = self._read()
         assert "error" not in out, f"{words}: {out['error']}"
         return out
@@ -527,7 +503,7 @@ class _Peer:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        self.err.close()
+        self.proc.conn.close()
 
 
 def _until_arena(tx: _Peer, rx: _Peer, tag: str, first: int = 0) -> int:

@@ -305,15 +305,14 @@ def _replica_process(name: str, key: str, seed: int, go: Any, out: Any) -> None:
 def test_replicas_in_processes_of_their_own_get_every_chunk(vo, quick_retry):
     """As above across three processes (pids differ; the owner never gets, so only its forwarding thread can
     help): without it the replica never found its chunk."""
-    import multiprocessing
-
     from omni_accum.arena.live import replicas_path
+    from tests.forked import context, process  # forked from a server that imported vllm-omni once
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = context()
     name = f"mpreplicas{os.getpid()}"
     ready, stop, go, out = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
-    owner = ctx.Process(target=_owner_process, args=(name, ready, stop))
-    replica = ctx.Process(target=_replica_process, args=(name, "r7_0_0", 7, go, out))
+    owner = process(_owner_process, name, ready, stop)
+    replica = process(_replica_process, name, "r7_0_0", 7, go, out)
     owner.start()
     replica.start()
     tx = _connector(0, name)

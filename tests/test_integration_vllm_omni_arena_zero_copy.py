@@ -6,12 +6,9 @@ another request or the sender sees; held pages fill the arena, and later puts th
 from __future__ import annotations
 
 import gc
-import json
 import os
-import subprocess
-import sys
-import textwrap
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -72,24 +69,24 @@ def used_pages(arena: Any) -> int:
 
 
 # The sending stage: another process, driven line by line (put / drain / check / die / quit).
-_SENDER = textwrap.dedent(
-    """
-    import json, os, sys, time
-    sys.path.insert(0, sys.argv[2])
+def sender_main(conn: Any, name: str) -> None:
+    """A sender in a process of its own (:class:`Sender`): one command per message on ``conn``, one answer each."""
     from tests.test_integration_vllm_omni_arena_connector import _connector
-    from tests.test_integration_vllm_omni_arena_zero_copy import chunk0, decoded
-    from tests.test_integration_vllm_omni import assert_same
-    tx = _connector(0, sys.argv[1])
+
+    tx = _connector(0, name)
     for _ in range(5000):  # attach first (a put before that goes through the inner connector); ~5 min at most
         if tx._sender(("0", "1")) is not None:
             break
         time.sleep(0.06)
     else:
-        sys.exit("the sender never attached to the receiver's region")
+        raise SystemExit("the sender never attached to the receiver's region")
     sent = {}
-    for line in sys.stdin:
-        cmd, *args = line.split()
-        out = {}
+    while True:
+        try:
+            cmd, *args = conn.recv().split()
+        except EOFError:  # the test process is gone
+            return
+        out: dict[str, Any] = {}
         if cmd == "put":
             key, seed, full = args[0], int(args[1]), args[2] == "full"
             sent[key] = (seed, full, chunk0(seed, full=full))
@@ -104,34 +101,31 @@ _SENDER = textwrap.dedent(
             os.kill(os.getpid(), 9)
         elif cmd == "quit":
             tx.close()
-        print("@@" + json.dumps(out), flush=True)
+        conn.send(out)
         if cmd == "quit":
-            break
-    """
-)
+            return
 
 
 class Sender:
+    """:func:`sender_main` forked from the vllm-omni server of ``tests/forked.py`` (a fresh interpreter takes ~25 s
+    to import vllm-omni here)."""
+
     def __init__(self, name: str) -> None:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _SENDER, name, root],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        from tests.forked import Forked
+
+        self.proc = Forked(f"{__name__}.sender_main", name)
+
+    def send(self, *cmd: Any) -> None:
+        self.proc.conn.send(" ".join(map(str, cmd)))
 
     def __call__(self, *cmd: Any) -> dict[str, Any]:
-        self.proc.stdin.write(" ".join(map(str, cmd)) + "\n")
-        self.proc.stdin.flush()
-        while True:  # (vLLM logs to stdout too)
-            line = self.proc.stdout.readline()
-            if not line:
-                self.proc.wait(timeout=60)
-                raise AssertionError(f"the sender ended ({self.proc.returncode}): {self.proc.stderr.read()[-3000:]}")
-            if line.startswith("@@"):
-                return json.loads(line[2:])
+        self.send(*cmd)
+        try:
+            if self.proc.conn.poll(600):
+                return self.proc.conn.recv()
+        except EOFError:
+            pass
+        raise AssertionError(f"the sender ended ({self.proc.poll()}); its output is pytest's")
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -139,6 +133,7 @@ class Sender:
                 self("quit")
             finally:
                 self.proc.wait(timeout=60)
+        self.proc.conn.close()
 
 
 @pytest.fixture
@@ -270,8 +265,7 @@ def test_views_outlive_their_sender_and_their_pages_come_back_to_the_next(vo, ar
         first = sender()
         assert first("put", "k_0_0", 31, "full")["arena"]
         kept = rx.get(*PAIR, "k_0_0")[0]
-        first.proc.stdin.write("die\n")
-        first.proc.stdin.flush()
+        first.send("die")
         assert first.proc.wait(timeout=60) == -9
         notice_dead_sender(arena)
         assert used_pages(arena) == 2 * P  # the held views' pages, kept from the next sender

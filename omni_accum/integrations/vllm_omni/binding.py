@@ -80,8 +80,9 @@ class Binding:
         self.sender = Sender(policy, context=context)
         self.receiver = _RequestContextReceiver(self, policy, context=context)
         self.adapter_keys = frozenset(adapter_keys)
-        self.stats = {"puts": 0, "wire_bytes": 0, "omitted": 0, "chunks_sent": 0, "chunks_received": 0}
-        self.stats["accumulated"] = 0  # the full-payload accumulator's steps (the producing stage)
+        self.stats = {  # accumulated: the full-payload accumulator's steps (the producing stage)
+            "puts": 0, "wire_bytes": 0, "omitted": 0, "chunks_sent": 0, "chunks_received": 0, "accumulated": 0
+        }  # fmt: skip
         self.arm = arm[1] if arm is not None else None
         if arm is not None:
             self.stats = arm[0].stats  # one adapter's counts, whichever arm a chunk ran
