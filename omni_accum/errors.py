@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 
 class OmniAccumError(Exception):
@@ -187,6 +188,14 @@ def plugin_name(plugin: object, name: object, distribution: object) -> str:
 def key_form(word: object) -> str:
     """``word`` written as a setting's key is compared: stripped, lowercased, ``-`` as ``_``."""
     return str(word).strip().lower().replace("-", "_")
+
+
+def setting_given(extra: object, key: str) -> Any:
+    """``extra[key]`` as a deploy setting is read: None when ``extra`` is no mapping or the key is absent, and also
+    when its value is None (an empty YAML value), ``''`` or blanks, so that every connector setting, and ``doctor``
+    reading them, takes an empty value as the key left out."""
+    value = extra.get(key) if isinstance(extra, Mapping) else None
+    return None if isinstance(value, str) and not value.strip() else value
 
 
 def close_matches(word: object, choices: Iterable[str], *, n: int = 1, cutoff: float = 0.6) -> list[str]:

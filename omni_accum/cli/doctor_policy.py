@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from omni_accum.errors import OmniAccumError
+from omni_accum.errors import OmniAccumError, setting_given
 from omni_accum.policy.loader import POLICY_OFF
 
 
@@ -164,8 +164,7 @@ def _deploy_policies(path: str) -> list[tuple[str, Any]]:
     """
     data = _read_deploy(path)
     found = [  # an empty value (None, '' or blanks) is the key left out, as the stages read it: OMNI_ACCUM_POLICY
-        (w, v) for w, e in _connector_extras(data)
-        if (v := e.get("omni_accum_policy")) is not None and not (isinstance(v, str) and not v.strip())
+        (w, v) for w, e in _connector_extras(data) if (v := setting_given(e, "omni_accum_policy")) is not None
     ]
     if not found and not _has_connectors(data):
         if isinstance(data, dict) and isinstance(data.get("stage_args"), list):

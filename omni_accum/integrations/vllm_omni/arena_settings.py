@@ -13,7 +13,7 @@ from fractions import Fraction
 from typing import Any
 
 from omni_accum import samehost
-from omni_accum.errors import close_matches, key_form
+from omni_accum.errors import close_matches, key_form, setting_given
 
 #: The name :mod:`.arena_plugin` registers the connector under (``name:`` of a deploy YAML's connector).
 NAME = "OmniAccumArenaConnector"
@@ -169,9 +169,7 @@ def parse_settings(extra: Any) -> ArenaSettings:
     ``omni-accum doctor --deploy`` calls it too, so that a deploy the connector would refuse is not called ready."""
     config = extra if isinstance(extra, dict) else {}
     check_keys(config, NAME, KNOWN_KEYS)
-    given = config.get("arena_name")
-    if isinstance(given, str) and not given.strip():
-        given = None  # empty or blank: the key left out (docs/arena.md), as is an empty YAML value (None)
+    given = setting_given(config, "arena_name")  # empty or blank: the key left out (docs/arena.md)
     if given is not None:
         name, source = (str(given) if type(given) is int else given), "extra.arena_name"
     elif os.environ.get(ENV_NAME):

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from omni_accum.context import StreamContext
-from omni_accum.errors import PolicyError, close_matches, key_form
+from omni_accum.errors import PolicyError, close_matches, key_form, setting_given
 from omni_accum.integrations.vllm_omni.deployment import deployment_context
 from omni_accum.policy import Policy, load_policy
 from omni_accum.policy.loader import POLICY_OFF
@@ -69,9 +69,7 @@ def _policy_source(extra: Any) -> tuple[Any, str]:
     problem = unknown_extra_keys(extra)
     if problem:
         raise PolicyError(problem)
-    value = extra.get(EXTRA_POLICY) if isinstance(extra, Mapping) else None
-    if isinstance(value, str) and not value.strip():
-        value = None  # empty or blank: the key left out (the process-wide policy, OMNI_ACCUM_POLICY), as arena_name
+    value = setting_given(extra, EXTRA_POLICY)  # empty or blank: the key left out (OMNI_ACCUM_POLICY), as arena_name
     if value is not None:
         if value is False or (isinstance(value, str) and value.strip().lower() in POLICY_OFF):
             return None, f"connector extra {EXTRA_POLICY}={value!r} (off)"

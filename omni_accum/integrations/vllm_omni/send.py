@@ -68,7 +68,7 @@ def encode_payload(b: Binding, req_id: str, data: Any, task: Any = None) -> Any:
         capture.sent(cap, req_id, chunk, task)
     hello = None
     w = b.__dict__.get("_peer")
-    if w is not None and w.lost != b.__dict__.get("_peer_lost", 0):  # its receiver's hello lost since (.peer)
+    if w is not None and w.lost != b.peer_lost:  # its receiver's hello lost since (.peer)
         _receiver_lost(b, w)
     table = b.sent_once.get(req_id)
     if req_id not in b.live_send:
@@ -132,10 +132,9 @@ def _send_refused(b: Binding, req_id: str, error: Exception) -> None:
         b.sender.release(req_id)
     except Exception:  # noqa: BLE001 - nothing held
         pass
-    said = b.__dict__.setdefault("_send_refused", set())
-    if req_id in said:
+    if req_id in b.send_refused:
         return
-    said.add(req_id)
+    b.send_refused.add(req_id)
     from omni_accum.policy.fingerprint import dist_version
 
     if isinstance(error, AccumulationError):  # it names the request, the key, the strategy and its plugin
@@ -155,7 +154,7 @@ def _receiver_lost(b: Binding, w: Any) -> None:
     process gone, replaced: :class:`.peer.PeerWatch` ``lost``): every request in flight that was announced or timed
     goes out as vllm-omni built it from its next chunk (every value again, no marker), its Sender state released;
     the receiver may run vllm-omni's own code now, which restores nothing."""
-    b._peer_lost = w.lost
+    b.peer_lost = w.lost
     moved = 0
     for rid in list(b.live_send):
         table = b.sent_once.get(rid)
@@ -303,7 +302,7 @@ def _release_sender(b: Binding, ext_id: str, conn: Any = None) -> None:
         x.sent_once.pop(ext_id, None)
         x.live_send.discard(ext_id)
         x.send_ctx.pop(ext_id, None)
-        x.__dict__.get("_send_refused", set()).discard(ext_id)
+        x.send_refused.discard(ext_id)
     capture.released(b, ext_id, "send")
     published_later(b)  # off vllm-omni's sender lock, which this runs under
 
