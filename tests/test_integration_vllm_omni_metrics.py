@@ -644,3 +644,27 @@ def test_the_producing_stages_accumulator_steps_are_not_chunks_received(vo, runn
     assert b.stats["chunks_received"] == 0 and b.stats["accumulated"] == 3
     (row,) = [x for x in vo.status().bindings if x.accumulated]
     assert row.chunks_received == 0 and row.accumulated == 3
+
+
+def test_the_full_payload_accumulators_state_is_in_the_held_bytes_and_active_requests(vo, runner):
+    """``async_chunk: false``: the producing stage's accumulator holds a request's rows until the payload is sent,
+    and neither ``omni_accum_held_bytes``, ``omni_accum_active_requests`` nor the status's ``active_requests``
+    counted them (a 32k prompt held ~260 MB there unseen). Counted now, role ``accumulate``, until handed over."""
+    vo.install("qwen3-omni")
+    r = runner()
+    rid = f"oa-held-fp-{os.getpid()}"
+    for _ in range(3):
+        r.accumulate_full_payload_output(rid, {"embed.prefill": torch.zeros(4, 8), "hidden": torch.zeros(4, 16)}, "REQ")
+    b = r._omni_accum_binding
+    b.publish()
+    held = _sample("omni_accum_held_bytes")
+    assert held >= 3 * 4 * (8 + 16) * 4  # both keys' rows, float32 (a prealloc buffer's capacity: more)
+    assert _sample("omni_accum_active_requests", role="accumulate") == 1
+    (row,) = [x for x in vo.status().bindings if x.accumulated]
+    assert row.active_requests == 1
+    r._materialize_full_payload_entry(r._pending_full_payload_send.pop(rid))  # the payload handed over
+    b.publish()
+    assert _sample("omni_accum_active_requests", role="accumulate") == 0
+    assert _sample("omni_accum_held_bytes") == 0
+    (row,) = [x for x in vo.status().bindings if x.accumulated]
+    assert row.active_requests == 0

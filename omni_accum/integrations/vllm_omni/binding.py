@@ -134,6 +134,8 @@ class Binding:
         #: ``omni_accum_held_bytes`` beside the Receivers' state.
         self.prefill_nbytes: Callable[[], int] | None = None
         self.live_send: set[str] = set()  # requests this binding has sent a chunk of, until released
+        self.send_refused: set[str] = set()  # requests whose chunk the send hook refused (said once: .send)
+        self.peer_lost = 0  # the receiver's watcher's count of lost hellos this binding last acted on (.send)
         self._full: Receiver | None = None
         self.split = split
         #: A split's receiving side: the arm each live request runs (its first chunk's, else its id's hash).
@@ -209,8 +211,15 @@ class Binding:
 
     def publish(self) -> None:
         """Publish this binding's metrics with the process's held-bytes and active-request gauges."""
-        held, active = 0, {"send": 0, "receive": 0}
-        for _, top in bindings():
+        from omni_accum.integrations.vllm_omni.full_payload import held as full_held
+
+        held, active = 0, {"send": 0, "receive": 0, "accumulate": 0}
+        for obj, top in bindings():
+            try:  # the producing stage's full-payload accumulators (async_chunk: false), until the payload is sent
+                nbytes, ids = full_held(obj)
+                held, active["accumulate"] = held + nbytes, active["accumulate"] + len(ids)
+            except Exception:  # noqa: BLE001 - a gauge never fails vllm-omni
+                pass
             for other in top.each():
                 try:
                     held += other.receiver.nbytes()
@@ -308,6 +317,7 @@ class Binding:
             self.sender.release(rid)
         self.sent_once.clear()
         self.live_send.clear()
+        self.send_refused.clear()
         self.held_once.clear()
         self.req_ctx.clear()
         self.send_ctx.clear()

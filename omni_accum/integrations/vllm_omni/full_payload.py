@@ -121,6 +121,22 @@ class PolicyChunks:
         return {k: [v] for k, v in self.materialize().items()}
 
 
+def held(obj: Any) -> tuple[int, list[str]]:
+    """The bytes and the request ids of the full-payload entries omni-accum's accumulators hold on ``obj`` (its
+    ``_pending_full_payload_send``, until the payload is sent or dropped): counted in ``omni_accum_held_bytes``
+    and as role ``accumulate`` of ``omni_accum_active_requests``. Read from another thread: an entry changed
+    meanwhile may be counted before or after the change, nothing else."""
+    pending = getattr(obj, "__dict__", {}).get("_pending_full_payload_send")
+    if not isinstance(pending, dict):
+        return 0, []
+    n, ids = 0, []
+    for rid, entry in list(pending.items()):
+        if isinstance(entry, tuple) and len(entry) == 4 and isinstance(entry[0], PolicyChunks):
+            ids.append(rid)
+            n += sum(acc.nbytes() for acc in list(entry[0].accs.values()))
+    return n, ids
+
+
 def _refusal(e: Exception, req_id: str, key: str) -> AccumulationError:
     """``e`` as the refusal :meth:`.Binding.fall_back` reports (a strategy's ValueError, or a plugin's bug)."""
     if isinstance(e, AccumulationError):

@@ -36,7 +36,7 @@ from typing import Any
 
 from omni_accum.capture.writer import prepare_dir
 from omni_accum.integrations.vllm_omni import binding as hooks
-from omni_accum.integrations.vllm_omni import handoff, peer, publishing
+from omni_accum.integrations.vllm_omni import full_payload, handoff, peer, publishing
 from omni_accum.integrations.vllm_omni.binding_settings import Settings
 from omni_accum.integrations.vllm_omni.runner_rows import STATS as RUNNER_ROWS_STATS
 from omni_accum.switches import ensure_visible_logging  # noqa: F401 - activation calls reporting.ensure_visible_logging
@@ -72,7 +72,8 @@ class BindingStatus:
     omitted: int
     #: Distinct requests holding state here: a middle stage's adapter receives request R (under vllm-omni's
     #: internal id) and sends it on (under its external id), and that is one request, not two.
-    #: ``omni_accum_active_requests`` counts per role (send, receive).
+    #: A producing stage's full-payload accumulator (``async_chunk: false``) counts its requests until their
+    #: payload is sent. ``omni_accum_active_requests`` counts per role (send, receive, accumulate).
     active_requests: int
     #: The peer hello: ``told stage N`` (receiving), ``heard stage N (pid, fingerprint)`` or ``waiting for
     #: stage N's hello`` (sending, a policy that can change the wire), ``-`` (neither).
@@ -163,6 +164,8 @@ def _live(obj: Any, b: Any) -> int:
     for x in b.each():  # an A/B split's arms hold their requests' state
         ids.update(ext.get(r, r) for r in x.receiver.request_ids())
         ids.update(x.sender.request_ids())
+    with contextlib.suppress(Exception):  # a status never fails a stage
+        ids.update(full_payload.held(obj)[1])  # the producing stage's full-payload accumulators (async_chunk: false)
     return len(ids)
 
 
