@@ -80,3 +80,22 @@ def test_an_empty_path_is_named_as_empty_not_as_the_current_folder(capsys):
             rc = e.code
         err = capsys.readouterr().err
         assert rc == 2 and said in err and "Traceback" not in err and "is a directory" not in err, (argv, err)
+
+
+def test_explain_of_an_ab_split_names_the_arm_and_its_rule(tmp_path, capsys):
+    """An A/B split was explained as the split: the first arm's strategy with "why: the policy's default (no rule
+    matches, no tuned table)", though the arm's rule decided it, and nothing said it was a split or which arm."""
+    p = tmp_path / "ab.yaml"
+    p.write_text("ab:\n  arms:\n    treatment: {policy: qwen3-omni}\n    control: {policy: default}\n")
+    assert main(["explain", str(p), "--key", "embed.prefill"]) == 0
+    out = capsys.readouterr().out
+    assert "-> prealloc" in out and "why: arm 'treatment': rules[0] exact match 'embed.prefill'" in out
+    assert "A/B split (arms treatment, control)" in out
+    assert main(["explain", str(p), "--key", "embed.prefill", "--arm", "control", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["strategy"], d["arm"], d["arms"], d["reason"]["kind"]) == ("cat", "control", ["treatment", "control"], "default")
+    assert d["source"].startswith("ab arm 'control': ")
+    assert main(["explain", str(p), "--key", "embed.prefill", "--arm", "contrl"]) == 2
+    assert "--arm 'contrl': the split has no such arm (arms: treatment, control)" in capsys.readouterr().err
+    assert main(["explain", "qwen3-omni", "--key", "embed.prefill", "--arm", "control"]) == 2
+    assert "the policy has no ab section" in capsys.readouterr().err

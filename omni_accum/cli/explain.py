@@ -52,9 +52,30 @@ def _policy_argument(command: str, name: str, manager: StrategyManager, as_json:
 
 
 def explain_key(
-    policy: Policy, key: str, context: StreamContext, value_type: str = "tensor", manager: StrategyManager | None = None
+    policy: Policy,
+    key: str,
+    context: StreamContext,
+    value_type: str = "tensor",
+    manager: StrategyManager | None = None,
+    arm: str | None = None,
 ) -> dict[str, Any]:
-    """Which strategy and params ``key`` gets under ``policy`` in ``context``, and why."""
+    """Which strategy and params ``key`` gets under ``policy`` in ``context``, and why. An A/B split is explained
+    under one arm's policy (``arm``, default the first: the one ``Sender``/``Receiver`` run; in vllm-omni each
+    request runs its own arm's), named in ``arm`` / ``arms``; ``ValueError`` for an arm the split lacks."""
+    if policy.ab is not None:
+        arms = policy.arm_policies()
+        name = next(iter(arms)) if arm is None else arm
+        if name not in arms:
+            raise ValueError(f"--arm {arm!r}: the split has no such arm (arms: {', '.join(arms)})")
+        info = explain_key(arms[name], key, context, value_type, manager)
+        info["notes"].insert(
+            0,
+            f"the policy is an A/B split (arms {', '.join(arms)}): in vllm-omni each request runs its arm's policy; "
+            f"this is arm {name!r}" + (" (the first, which Sender and Receiver run; --arm for another)" if arm is None else ""),
+        )
+        return {**info, "source": f"ab arm {name!r}: {info['source']}", "arm": name, "arms": list(arms)}
+    if arm is not None:
+        raise ValueError(f"--arm {arm!r}: the policy has no ab section (no arms)")
     manager = manager or get_manager()
     meta = KeyMeta(key, value_type)  # type: ignore[arg-type]
     notes: list[str] = []
@@ -182,8 +203,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"omni-accum explain: error: {e}", file=sys.stderr)
         return 2
-    info = explain_key(policy, args.key, context, args.value_type, manager)
+    try:
+        info = explain_key(policy, args.key, context, args.value_type, manager, args.arm)
+    except ValueError as e:
+        print(f"omni-accum explain: error: {e}", file=sys.stderr)
+        return 2
     info = {"policy": args.policy, **info}
+    explained = policy.arm_policies()[info["arm"]] if "arm" in info else policy
     if args.json:
         _json(info)
         return 0
@@ -202,11 +228,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
         ),
         "default": lambda: (
             "the policy's default (no rule matches"
-            + (", no tuned cell)" if policy.tuned is not None else ", no tuned table)")
+            + (", no tuned cell)" if explained.tuned is not None else ", no tuned table)")
         ),
         "plugin": lambda: r["detail"],
     }[r["kind"]]()
-    _out(f"  why: {why}")
+    _out(f"  why: {'arm ' + repr(info['arm']) + ': ' if 'arm' in info else ''}{why}")
     _out(f"  strategy kinds: {', '.join(info['kinds'])}; plugin {info['plugin']!r}")
     ctx = info["context"]
     _out(
@@ -267,6 +293,13 @@ def register(subparsers: Any, formatter_class: type[argparse.HelpFormatter], pol
         choices=VALUE_TYPES,
         default="tensor",
         help="type of the key's first value, for selection plugins (default tensor)",
+    )
+    p.add_argument(
+        "--arm",
+        default=None,
+        metavar="NAME",
+        help="of a policy with an ab section (an A/B split): the arm whose policy to explain (default the first, "
+        "which Sender and Receiver run; in vllm-omni each request runs its own arm's)",
     )
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.set_defaults(func=cmd_explain)
