@@ -730,21 +730,31 @@ def test_json_and_plot_over_an_existing_file_keep_its_mode(tmp_path):
         assert stat.S_IMODE(png.stat().st_mode) == 0o640 and png.read_bytes().startswith(b"\x89PNG")
 
 
-@pytest.mark.parametrize("which", ["a capture of the folder", "its salt", "the capture file given"])
+@pytest.mark.parametrize(
+    "which", ["a capture of the folder", "its salt", "the capture file given", "its salt beside the file given",
+              "another process's capture beside the file given"]  # fmt: skip
+)
 def test_json_onto_a_file_of_the_trace_capture_is_refused(tmp_path, capsys, monkeypatch, which):
-    """`bench --trace DIR --json DIR/capture-....jsonl` overwrote the capture it replayed."""
+    """`bench --trace DIR --json DIR/capture-....jsonl` overwrote the capture it replayed; with `--trace` naming one
+    capture file, `--json` could still replace the salt or another process's capture beside it."""
     from tests.test_trace_cli import write_capture
 
     write_capture(tmp_path / "cap")
     (capture,) = (tmp_path / "cap").glob("capture-*.jsonl")
-    target = tmp_path / "cap" / "salt" if which == "its salt" else capture
-    trace = capture if which == "the capture file given" else tmp_path / "cap"
+    other = tmp_path / "cap" / "capture-0-99999.0.jsonl"
+    other.write_bytes(capture.read_bytes())
+    target = {"its salt": tmp_path / "cap" / "salt", "its salt beside the file given": tmp_path / "cap" / "salt",
+              "another process's capture beside the file given": other}.get(which, capture)  # fmt: skip
+    trace = capture if "file given" in which else tmp_path / "cap"
     assert target.is_file()
     before = target.read_bytes()
     monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("measured before checking --json"))
     rc = main(["bench", "--trace", str(trace), "--arms", "cat", "--json", str(target), "--no-progress"])
     err = capsys.readouterr().err
-    what = "the --trace capture file" if which == "the capture file given" else f"a file of the --trace folder {trace}"
+    what = {"the capture file given": "the --trace capture file", "its salt beside the file given":
+            f"a file of the capture beside --trace {trace}"}.get(which, f"a file of the --trace folder {trace}")  # fmt: skip
+    if which.startswith("another"):
+        what = f"a file of the capture beside --trace {trace}"
     assert rc == 2 and f"--json {target} is {what} ({target}); writing it would overwrite an input" in err, err
     assert target.read_bytes() == before
 

@@ -177,11 +177,18 @@ def _same_file(a: str, b: str) -> bool:
 
 def _trace_inputs(trace: str | None) -> list[tuple[str, str]]:
     """What ``--trace`` reads: a capture file, or every file of a capture folder (its captures, and its ``salt``,
-    which the capture's hashed ids depend on): ``--json DIR/capture-....jsonl`` overwrote the capture replayed."""
+    which the capture's hashed ids depend on): ``--json DIR/capture-....jsonl`` overwrote the capture replayed.
+    Given one capture file, the ``capture-*`` files and ``salt`` beside it are kept too (the rest of its capture)."""
     if not trace:
         return []
-    if not os.path.isdir(trace):
-        return [("the --trace capture file", trace)]
+    if not os.path.isdir(trace):  # one capture file: the capture's other files beside it are its data too
+        folder = os.path.dirname(trace) or "."
+        try:
+            names = sorted(e.name for e in os.scandir(folder) if e.name == "salt" or e.name.startswith("capture-"))
+        except OSError:
+            names = []
+        beside = [(f"a file of the capture beside --trace {trace}", os.path.join(folder, n)) for n in names]
+        return [("the --trace capture file", trace), *beside]
     try:
         names = sorted(e.name for e in os.scandir(trace) if e.is_file())
     except OSError:  # the capture was read already: nothing left unreadable here to overwrite
