@@ -38,6 +38,17 @@ def test_an_arm_file_is_read_from_the_folder_of_the_policy_that_names_it(tmp_pat
     assert load_policy(str(top)).arm_policies()["mine"].default.strategy == "token_list"
 
 
+def test_a_missing_arm_file_names_both_folders_it_was_looked_for_in(tmp_path, monkeypatch):
+    """The split's folder is searched first, but the error named only the working directory."""
+    top = tmp_path / "split" / "split.yaml"
+    top.parent.mkdir()
+    top.write_text("ab:\n  arms:\n    control: {policy: default}\n    mine: {policy: nothere.yaml}\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PolicyError) as e:
+        load_policy(str(top))
+    assert f"looked for in the split's folder {top.parent}, then in the working directory {tmp_path}" in str(e.value)
+
+
 @pytest.mark.parametrize(
     ("text", "line", "wanted"),
     [

@@ -372,6 +372,9 @@ def _load_arms(
             arms[name] = load_policy(target, manager=manager)
         except PolicyError as e:
             why = str(e).replace("\n", " ")
+            if folder is not None and not Path(ref).is_absolute() and why.startswith(f"{ref}: no such policy file"):
+                why = (f"{ref}: no such policy file (a relative path, looked for in the split's folder {folder}, then "
+                       f"in the working directory {os.getcwd()})")  # fmt: skip
             msg = f"{ref!r} does not load as an arm's policy: {why}"
             if "Available presets" not in msg:
                 msg += f" (give a preset: {', '.join(preset_names())}; or a policy file)"
