@@ -225,6 +225,45 @@ def test_ab_reads_a_saved_scrape_and_says_a_real_difference_is_above_the_noise(t
     assert merge["versus"]["treatment"]["difference"] == pytest.approx(32e-6, rel=1e-6)
 
 
+def test_ab_says_which_arm_is_faster_and_why_no_interval_without_request_counts(tmp_path, capsys):
+    """A result above the noise gave only a signed difference (the reader worked out which arm was faster); a scrape
+    without the requests counter read "too few (< 30 requests received per arm)" beside 200 chunks per arm."""
+    f = tmp_path / "metrics.txt"
+    f.write_bytes(_scrape(_spread(8e-6), _spread(40e-6)))
+    assert main(["ab", "--metrics", str(f)]) == 0
+    assert capsys.readouterr().out.count("difference above the noise (slower)") == 2
+    f.write_bytes(_scrape(_spread(40e-6), _spread(8e-6)))
+    assert main(["ab", "--metrics", str(f)]) == 0
+    assert capsys.readouterr().out.count("difference above the noise (faster)") == 2
+    text = b"".join(line + b"\n" for line in _scrape(_spread(8e-6), _spread(40e-6)).splitlines()
+                    if not line.startswith(b"omni_accum_ab_requests"))  # fmt: skip
+    f.write_bytes(text)
+    assert main(["ab", "--metrics", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "too few" not in out and out.count("no omni_accum_ab_requests_total series in the scrape") == 2, out
+
+
+def test_an_arm_with_requests_but_no_times_is_named(tmp_path, capsys):
+    """Control counted 40 requests but recorded no time: the report said only "only arm 'treatment' recorded here",
+    and ``--baseline control`` answered "no such arm" though the report's first line listed control."""
+    f = tmp_path / "metrics.txt"
+    text = _scrape(_spread(8e-6), _spread(40e-6), requests=[40, 40])
+    f.write_bytes(b"".join(line + b"\n" for line in text.splitlines()
+                           if not (b'arm="control"' in line and b"_seconds" in line)))  # fmt: skip
+    assert main(["ab", "--metrics", str(f)]) == 0
+    assert "arm(s) 'control' counted requests but no merge series" in capsys.readouterr().out
+    assert main(["ab", "--metrics", str(f), "--baseline", "control"]) == 2
+    assert "it counted requests but recorded no merge or hand-off time" in capsys.readouterr().err
+
+
+def test_a_capture_given_as_a_scrape_is_named_briefly(tmp_path, capsys):
+    f = tmp_path / "capture-0-1.0.jsonl"
+    f.write_text('{"v":1,"t":1e-6,"req":"ab","pair":"0->1","role":"send","seq":0,"keys":[' + ",".join(['["k","append","float32",[1,8],32,"cat"]'] * 40) + "]}\n")
+    assert main(["ab", "--metrics", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "read it with omni-accum trace" in err and len(err) < 600, err
+
+
 def test_an_arm_s_interval_of_a_time_does_not_go_below_zero(tmp_path, capsys):
     """One 12 ms merge among 200 us ones (its (0.01, 0.1] bucket spreads it) gave the arm ``[-963.6 us, 1461.5 us]``:
     a time's interval is cut at 0."""

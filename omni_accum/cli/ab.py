@@ -145,7 +145,7 @@ def compare(a: ArmStats, b: ArmStats) -> dict[str, Any]:
         "relative": d / a.mean if a.mean else None,
         "ci_low": d - half,
         "ci_high": d + half,
-        "verdict": "difference above the noise" if above else "within the noise",
+        "verdict": ("difference above the noise" + (" (slower)" if d > 0 else " (faster)")) if above else "within the noise",
     }
 
 
@@ -165,9 +165,17 @@ def analyse(merge: dict, hand: dict, reqs: dict, baseline: str | None = None) ->
         order = sorted(arms, key=lambda a: (a != first, a))
         base = order[0] if order else None
         vs = {arm: compare(arms[base], arms[arm]) for arm in order[1:]} if base else {}
+        if not reqs:  # the interval is over requests: without their counter no arm has any
+            for v in vs.values():
+                if v["difference"] is None:
+                    v["verdict"] = f"no {REQUESTS} series in the scrape: the interval is over requests, so none is given"
         note = None
         if len(order) == 1:
-            note = f"only arm {base!r} recorded here: nothing to compare"
+            idle = sorted(a for a in reqs if a not in arms)
+            note = f"only arm {base!r} recorded here: nothing to compare" + (
+                f" (arm(s) {', '.join(map(repr, idle))} counted requests but no {what} series: their chunks were not "
+                "timed here)" if idle else ""
+            )
         elif (wanted := baseline or ("control" if any(k[0] == "control" for k in (*merge, *hand)) else None)) and (
             wanted not in arms
         ):
@@ -247,8 +255,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     arms = {k[0] for k in merge} | {k[0] for k in hand}
     if args.baseline is not None and args.baseline not in arms:
-        print(f"{prog}: error: --baseline {args.baseline!r}: no such arm in {where} (arms: {', '.join(sorted(arms))})",
-              file=sys.stderr)
+        idle = " (it counted requests but recorded no merge or hand-off time: nothing to compare with)" if (
+            args.baseline in reqs) else ""
+        print(f"{prog}: error: --baseline {args.baseline!r}: no such arm in {where} (arms: {', '.join(sorted(arms))})"
+              f"{idle}", file=sys.stderr)  # fmt: skip
         return 2
     data = analyse(merge, hand, reqs, args.baseline)
     for g in data["groups"]:  # finite inputs whose figures overflow (bounds or sums near 1e308): no inf, no NaN

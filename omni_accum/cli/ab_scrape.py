@@ -121,7 +121,9 @@ def parse(text: str, where: str) -> tuple[dict[tuple[str, ...], Hist], dict[tupl
                         row[role] = row.get(role, 0.0) + s.value
     except (ValueError, TypeError, KeyError, IndexError) as e:
         fmt = "OpenMetrics" if openmetrics else "the Prometheus text format"
-        raise InputError(f"{where}{_bad_line(text) if not openmetrics else ''}: not {fmt}: {e}") from e
+        why = str(e) if len(str(e)) <= 160 else str(e)[:160] + "..."  # the parser quotes the whole line
+        hint = " (this is a capture of omni-accum: read it with omni-accum trace)" if text.startswith('{"v":') else ""
+        raise InputError(f"{where}{_bad_line(text) if not openmetrics else ''}: not {fmt}: {why}{hint}") from e
     for what, table in (("merge", merge), ("hand-off", hand)):  # each series finite, their sums too
         for key, h in table.items():
             if not all(math.isfinite(x) for x in (h.count, h.total, *h.buckets.values())):
