@@ -223,6 +223,20 @@ def test_an_on_word_is_not_a_capture_folder_and_a_bad_setting_refuses_at_install
     assert list(tmp_path.iterdir()) == []
 
 
+def test_every_bad_capture_setting_is_named_at_once(monkeypatch):
+    """An on-word folder with two bad other settings named only the folder: fixed, the next start named the next."""
+    from omni_accum.integrations.vllm_omni import capture
+    from omni_accum.switches import SettingError
+
+    monkeypatch.setenv("OMNI_ACCUM_CAPTURE", "yes")
+    monkeypatch.setenv("OMNI_ACCUM_CAPTURE_MAX_BYTES", "100")
+    monkeypatch.setenv("OMNI_ACCUM_CAPTURE_VALUES", "all")
+    with pytest.raises(SettingError) as e:
+        capture.settings({})
+    for named in ("OMNI_ACCUM_CAPTURE='yes'", "OMNI_ACCUM_CAPTURE_VALUES='all'", "OMNI_ACCUM_CAPTURE_MAX_BYTES='100'"):
+        assert named in str(e.value), str(e.value)
+
+
 def test_bad_capture_settings_are_named(monkeypatch):
     from omni_accum.integrations.vllm_omni import capture
     from omni_accum.switches import SettingError

@@ -79,10 +79,10 @@ def settings(extra: Any = None) -> tuple[str, str, int] | None:
     folder, where = got
     if folder is None or folder is False or (isinstance(folder, str) and folder.strip().lower() in _OFF):
         return None
-    if not isinstance(folder, (str, os.PathLike)) or (isinstance(folder, str) and folder.strip().lower() in _ON):
-        raise SettingError(f"{where}={folder!r}: give the capture folder as a path (an on/off word is not one; "
-                           "false / off turns capture off)")  # fmt: skip
     problems = []  # every bad setting, in one message
+    if not isinstance(folder, (str, os.PathLike)) or (isinstance(folder, str) and folder.strip().lower() in _ON):
+        problems.append(f"{where}={folder!r}: give the capture folder as a path (an on/off word is not one; "
+                        "false / off turns capture off)")  # fmt: skip
     values = "none"
     got = _setting(extra, EXTRA_VALUES, ENV_VALUES)
     if got is not None:
