@@ -480,3 +480,76 @@ def test_report_help_names_where_the_saved_runs_are(run, capsys):  # noqa: F811
         run.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "benchmarks/e2e/results/runs/*.json" in text and "e2e.json)" not in text
+
+
+# ---------------------------------------------------------------------- the audit of the harness's report (failures)
+def _arm_result(name: str, on: bool, bench: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    probe = {"http_status": 200, "text": "hi", "text_token_ids": [1, 2], "audio_bytes": 10, "audio_sha256": "ab"}
+    return {"arm": name, "started": True, "env": {"OMNI_ACCUM_VLLM_OMNI": "1" if on else "0"},
+            "correctness": {"probes": [probe]}, "stop": {"clean": True},
+            "coverage": [{"pid": 1, "installed": on, "bound": on}], "bench": bench, **extra}  # fmt: skip
+
+
+def _cell(completed: int | None, failed: int = 0, rc: int = 0, ttfp: float = 1000.0) -> dict[str, Any]:
+    raw = None if completed is None else {"p50_audio_ttfp_ms": ttfp, "completed": completed, "failed": failed}
+    return {"input_len": 8000, "concurrency": 4, "num_prompts": 8, "rc": rc, **({"raw": raw} if raw else {})}
+
+
+def test_unanswered_benchmark_requests_fail_the_run_and_show_in_the_table(run):  # noqa: F811
+    """Failed requests were dropped silently: an arm with 2 of 8 answered printed a plain p50 (over the 2) and the
+    run exited 0; a client that failed or timed out (the arm's error) too."""
+    from e2e_report import table_lines
+
+    ok = _arm_result("off", False, [_cell(8, ttfp=4000.0)])
+    cases = {
+        "2 of 8 requests answered, 6 failed": _arm_result("qwen3-omni", True, [_cell(2, 6)]),
+        "the benchmark client exited 1 without a result": _arm_result("default", True, [_cell(None, rc=1)]),
+        "TimeoutExpired": _arm_result("qwen3-omni#2", True, [], error="TimeoutExpired: timed out after 3600 seconds"),
+    }
+    said: list[str] = []
+    assert run.verdict([ok], said.append) and not said
+    for needle, arm in cases.items():
+        said.clear()
+        assert not run.verdict([ok, arm], said.append)
+        assert any(needle in s for s in said), said
+    faulted = {**cases["2 of 8 requests answered, 6 failed"], "fault": {"server_running": True}}
+    assert run.verdict([ok, faulted], said.append)  # a fault run reports its failed requests itself
+    lines = table_lines([ok, cases["2 of 8 requests answered, 6 failed"], cases["the benchmark client exited 1 without a result"]])
+    (row,) = [line for line in lines if line.strip().startswith("requests answered")]
+    assert row.split()[2:] == ["8/8", "2/8", "!", "rc", "1"], row
+
+
+def test_the_report_of_a_saved_run_keeps_the_stage_rows(run):  # noqa: F811
+    """``--json`` turns the orchestrator's stage numbers into text keys; ``--report`` then lost the 0.16 talker and
+    thinker rows (README figures came from them)."""
+    from e2e_report import table_lines
+
+    def arm(name: str, on: bool, ms: float) -> dict[str, Any]:
+        b = {**_cell(8), "stages": {"stages": {1: {"ms_per_token": ms, "wall_ms": 100 * ms}, 0: {"wall_ms": 5.0}}}}
+        return _arm_result(name, on, [b])
+
+    live = [arm("off", False, 250.0), arm("qwen3-omni", True, 125.0)]
+    saved = json.loads(json.dumps(live))
+    rows = [[line for line in table_lines(r) if "talker ms/token" in line] for r in (live, saved)]
+    assert rows[0] == rows[1] and len(rows[0]) == 1 and "(0.50x)" in rows[0][0], rows
+
+
+def test_two_arms_of_one_run_folder_are_refused(run, model, capsys, monkeypatch, tmp_path):  # noqa: F811
+    """``pol/a.yaml`` and ``pol_a.yaml`` both became the folder ``pol_a.yaml``: the second arm's logs replaced the
+    first's, and a second client without a result file read the first's as its own."""
+    monkeypatch.setattr(run, "run_arm", lambda *a: pytest.fail("an arm started"))
+    (tmp_path / "pol").mkdir()
+    for f in (tmp_path / "pol" / "a.yaml", tmp_path / "pol_a.yaml"):
+        f.write_text("default: cat\n")
+    monkeypatch.chdir(tmp_path)
+    err = _usage_error(run, capsys, ["--model", str(model), "--arms", "off,pol/a.yaml,pol_a.yaml"])
+    assert "pol/a.yaml and pol_a.yaml would share the run folder 'pol_a.yaml'" in err, err
+
+
+def test_a_talker_shorter_than_the_prompt_is_a_usage_error(run, model, capsys, monkeypatch, tmp_path):  # noqa: F811
+    """Only stage 0's max_model_len was checked: a talker of 4096 tokens passed with --input-len 8000."""
+    monkeypatch.setattr(run, "run_arm", lambda *a: pytest.fail("an arm started"))
+    deploy = _deploy_file(tmp_path, "d.yaml", "stages:\n- {stage_id: 0, max_model_len: 40960}\n"
+                          "- {stage_id: 1, max_model_len: 4096}\n- {stage_id: 2}\n")  # fmt: skip
+    err = _usage_error(run, capsys, ["--model", str(model), "--deploy-config", str(deploy), "--input-len", "8000"])
+    assert "--input-len 8000: the talker's prefill takes 8001 rows" in err and "max_model_len 4096 of stage 1" in err, err

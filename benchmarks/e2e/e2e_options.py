@@ -235,7 +235,7 @@ def build_parser(
         help="hold each concurrency at least this long: the benchmark client runs again and again (rounds of "
         "8 x C prompts unless --num-prompts, the seed + 1 per round) until the time is up; the JSON has every "
         "round, the requests sent / answered / failed with their errors, and omni-accum's fallbacks from "
-        "/metrics by reason. 0: one run (default)",
+        "/metrics by reason; the table's client rows are the first round's. 0: one run (default)",
     )
     ap.add_argument(
         "--kill-stage",
@@ -433,4 +433,8 @@ def check_deploy(path: Path, release: str, args: argparse.Namespace, what: str, 
         if longest > limit:
             return (f"--input-len {max(args.input_len)} + --output-len {args.output_len} = {longest} tokens exceed "
                     f"{what}'s max_model_len {limit} (stage 0 of {path.name})")  # fmt: skip
+    talker = stages.get(1)  # its prefill is the thinker's prompt, one row more (chunk 0's [P+1, hidden] rows)
+    if talker and not args.smoke and max(args.input_len) + 1 > talker:
+        return (f"--input-len {max(args.input_len)}: the talker's prefill takes {max(args.input_len) + 1} rows (the "
+                f"prompt and one more), over {what}'s max_model_len {talker} of stage 1 ({path.name})")  # fmt: skip
     return None

@@ -321,6 +321,25 @@ def off_arm(names: list[str]) -> str | None:
     return next((a for a in names if a.split("@")[0].split("#")[0] == "off"), None)
 
 
+def _stage(stages: dict[Any, Any], stage: int) -> dict[str, Any]:
+    """One stage's row of the orchestrator's table: keyed by the stage number in a live run, by its text in a run
+    read back from ``--json`` (JSON keys are strings: ``--report`` lost the 0.16 stage rows)."""
+    row = stages.get(stage, stages.get(str(stage)))
+    return row if isinstance(row, dict) else {}
+
+
+def answered(b: dict[str, Any] | None) -> str:
+    """``completed/sent`` of one benchmark cell (the percentiles are over the answered requests only), or why there
+    is no figure: ``-`` (not run), ``rc N`` (the client failed without a result)."""
+    if not b:
+        return "-"
+    raw = b.get("raw") or {}
+    if "completed" not in raw:
+        return f"rc {b.get('rc')}" if b.get("rc") else "-"
+    sent = b.get("num_prompts") or (int(raw.get("completed") or 0) + int(raw.get("failed") or 0))
+    return f"{int(raw['completed'])}/{sent}" + (" !" if int(raw["completed"]) < sent else "")
+
+
 def table_lines(results: list[dict[str, Any]]) -> list[str]:
     """One table per (input length, concurrency): the client's metrics per arm with their ratio to
     the first off arm (``off``, ``off@NAME``: :func:`off_arm`), then the server-side rows (``-`` where an arm has
@@ -336,16 +355,18 @@ def table_lines(results: list[dict[str, Any]]) -> list[str]:
     width = {a: max(CELL, len(a) + 2) for a in arms}
     out: list[str] = []
     for (n, c), per_arm in sorted(by.items()):
-        said = "no off arm, so no ratios" if ref is None else f"ratio: arm / {ref}"
+        said = ("no off arm, so no ratios" if ref is None else f"{ref} has no cell here, so no ratios"
+                if ref not in per_arm else f"ratio: arm / {ref}")  # fmt: skip
         out.append(f"\ninput {n} tokens, concurrency {c} ({said})")
         out.append(f"  {'metric':<26}" + "".join(f"{a:>{width[a]}}" for a in arms))
+        out.append(f"  {'requests answered':<26}" + "".join(f"{answered(per_arm.get(a)):>{width[a]}}" for a in arms))
         for label, key, unit in METRICS:
             base = metric((per_arm.get(ref) or {}).get("raw") or {}, key)
             cells = [_cell(metric((per_arm.get(a) or {}).get("raw") or {}, key), unit, base, a != ref, width[a])
                      for a in arms]  # fmt: skip
             out.append(f"  {label:<26}" + "".join(cells))
         for label, stage, field in STAGE_METRICS:  # the orchestrator's tables (--log-stats), where the run has them
-            vals = {a: (((per_arm.get(a) or {}).get("stages") or {}).get("stages") or {}).get(stage, {}).get(field)
+            vals = {a: _stage((((per_arm.get(a) or {}).get("stages") or {}).get("stages") or {}), stage).get(field)
                     for a in arms}  # fmt: skip
             if any(v is not None for v in vals.values()):
                 cells = [_cell(vals[a], "ms", vals.get(ref), a != ref, width[a]) for a in arms]
@@ -355,7 +376,7 @@ def table_lines(results: list[dict[str, Any]]) -> list[str]:
         for a in arms:
             labels += [k for k in srv[a] if k not in labels]
         if labels:  # off measures nothing; default (vllm-omni's own payload path, timed) is their reference
-            out.append("  server side (hand-off and processor rows: ratio arm / default)")
+            out.append("  server side" + (" (hand-off and processor rows: ratio arm / default)" if "default" in arms else ""))
         for label in labels:
             dref = srv.get("default", {}).get(label, (None, ""))[0] if label != "payload memcpy" else None
             cells = [_cell(*srv[a].get(label, (None, "")), dref, a != "default", width[a]) for a in arms]

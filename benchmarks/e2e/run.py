@@ -25,7 +25,7 @@ server's hand-off and processor accumulation times and the hand-off's share of a
 correctness outputs with that arm's (``default`` must equal it byte for byte) and writes ``--json``.
 
 Only one server runs at a time. Exit status: 0 when every arm started, answered with text and
-audio, ran with omni-accum as its name says (bound in the stage processes when on, installed nowhere
+audio, answered every benchmark request (but in a fault run, which reports them), ran with omni-accum as its name says (bound in the stage processes when on, installed nowhere
 when off) and was cleaned up, and `default` equals the first `off` arm (`off`, `off@NAME`) when both ran; 1
 otherwise; 2 for a bad option (checked before any server starts); 130 when interrupted (`--json` then holds the
 arms that ended).
@@ -169,6 +169,7 @@ def run_bench(
         "--num-prompts", str(num), "--max-concurrency", str(concurrency), "--seed", str(args.seed + round_),
         "--percentile-metrics", PERCENTILE_METRICS, "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", str(out_dir), "--result-filename", fname, "--disable-tqdm",
+        "--save-detailed",  # without it the client deletes the failed requests' error texts from the result
     ]  # fmt: skip
     if RELEASE.client_nice:
         cmd = ["nice", "-n", str(RELEASE.client_nice), *cmd]
@@ -328,8 +329,13 @@ def cpu_knobs(args) -> dict[str, str]:
     return env
 
 
+def arm_folder(name: str) -> str:
+    """The folder of arm ``name`` in the run folder."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+
+
 def run_arm(arm: Arm, args, run_dir: Path) -> dict[str, Any]:
-    arm_dir = run_dir / re.sub(r"[^A-Za-z0-9._-]+", "_", arm.name)
+    arm_dir = run_dir / arm_folder(arm.name)
     arm_dir.mkdir(parents=True, exist_ok=True)
     status_dir = arm_dir / "omni-accum-status"
     if status_dir.exists():
@@ -634,10 +640,28 @@ def write_json(path: Path, summary: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def bench_problem(r: dict[str, Any]) -> str | None:
+    """Why an arm's benchmark figures do not stand for all its requests, or None: the arm stopped on an error
+    (a ``--bench-timeout`` too), a client that exited non-zero, or requests not answered (the client's
+    percentiles are over the answered ones only)."""
+    if r.get("error"):
+        return r["error"]
+    for b in r.get("bench") or []:
+        raw = b.get("raw") or {}
+        cell = f"input {b.get('input_len')}, concurrency {b.get('concurrency')}"
+        if b.get("rc") or "completed" not in raw:
+            return f"{cell}: the benchmark client exited {b.get('rc')}" + ("" if raw else " without a result")
+        if raw.get("failed") or int(raw["completed"]) < int(b.get("num_prompts") or 0):
+            errors = "; ".join(f"{n}x {t}" for t, n in (b.get("errors") or {}).items())
+            return (f"{cell}: {raw['completed']} of {b.get('num_prompts')} requests answered, {raw.get('failed')} "
+                    f"failed{': ' + errors if errors else ''}")  # fmt: skip
+    return None
+
+
 def verdict(results: list[dict[str, Any]], say: Any = log) -> bool:
-    """Every arm started, answered each probe with text and audio, ran with omni-accum as its name says (bound
-    in the stages when on, nowhere when off) and was cleaned up, and `default` equals the first off arm (logged where
-    not)."""
+    """Every arm started, answered each probe with text and audio and every benchmark request (but in a fault run),
+    ran with omni-accum as its name says (bound in the stages when on, nowhere when off) and was cleaned up, and
+    `default` equals the first off arm (logged where not)."""
     ok = True
     for r in results:
         probes = (r.get("correctness") or {}).get("probes") or [{}]
@@ -650,6 +674,9 @@ def verdict(results: list[dict[str, Any]], say: Any = log) -> bool:
         problem = r.get("started") and coverage_problem(r)
         if problem:
             say(f"FAIL: arm {r['arm']}: {problem}")
+            ok = False
+        if "fault" not in r and (lost := bench_problem(r)):  # a fault run reports its failed requests itself
+            say(f"FAIL: arm {r['arm']}: {lost}")
             ok = False
     cmp_ = compare(results)
     if "default" in cmp_ and not cmp_["default"]["equals_off"]:
@@ -763,6 +790,10 @@ def main(argv: list[str] | None = None) -> int:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         ap.error(f"--arms: {', '.join(twice)} given twice (to run an arm again on a server of its own, name it ARM#2)")
+    folders = [arm_folder(n) for n in names]  # pol/a.yaml and pol_a.yaml: one folder, the second arm's logs over the first's
+    if same := sorted({n for n, f in zip(names, folders) if folders.count(f) > 1}):
+        ap.error(f"--arms: {' and '.join(same)} would share the run folder {arm_folder(same[0])!r}: give one of them "
+                 "another name (a copy of its policy file, or ARM#2)")  # fmt: skip
     if args.hosts and RELEASE.name != "0.30":
         ap.error(f"--hosts {args.hosts}: the simulated hosts run vllm-omni 0.30.0's deploys (not --release {RELEASE.name})")
     if args.hosts and (HERE / "configs" / "qwen3_omni_cpu.yaml").resolve() == Path(args.deploy_config).resolve():
