@@ -361,8 +361,7 @@ def _load_arms(
     arms: dict[str, Policy] = {}
     details: list[dict[str, Any]] = []
     for name, ref in pairs:
-        loc = ("ab", "arms", name, "policy")
-        target = ref
+        loc, target = ("ab", "arms", name, "policy"), ref
         if folder is not None and not Path(ref).is_absolute() and probe(folder / ref, "is_file"):
             target = str(folder / ref)
         token = _IN_ARM.set(True)
@@ -371,10 +370,8 @@ def _load_arms(
                 raise PolicyError(f"{ref!r} is neither a policy file nor a preset. Available presets: {', '.join(preset_names())}")
             arms[name] = load_policy(target, manager=manager)
         except PolicyError as e:
-            why = str(e).replace("\n", " ")
-            if folder is not None and not Path(ref).is_absolute() and why.startswith(f"{ref}: no such policy file"):
-                why = (f"{ref}: no such policy file (a relative path, looked for in the split's folder {folder}, then "
-                       f"in the working directory {os.getcwd()})")  # fmt: skip
+            why = str(e).replace("\n", " ")  # a relative path not found: it was looked for in the split's folder first
+            why = f"{ref}: no such policy file (a relative path, looked for in the split's folder {folder}, then in the working directory {os.getcwd()})" if folder is not None and why.startswith(f"{ref}: no such policy file (a relative") else why  # noqa: E501
             msg = f"{ref!r} does not load as an arm's policy: {why}"
             if "Available presets" not in msg:
                 msg += f" (give a preset: {', '.join(preset_names())}; or a policy file)"

@@ -211,15 +211,14 @@ class Binding:
 
     def publish(self) -> None:
         """Publish this binding's metrics with the process's held-bytes and active-request gauges."""
-        from omni_accum.integrations.vllm_omni.full_payload import held as full_held
-
         held, active = 0, {"send": 0, "receive": 0, "accumulate": 0}
         for obj, top in bindings():
-            try:  # the producing stage's full-payload accumulators (async_chunk: false), until the payload is sent
-                nbytes, ids = full_held(obj)
-                held, active["accumulate"] = held + nbytes, active["accumulate"] + len(ids)
-            except Exception:  # noqa: BLE001 - a gauge never fails vllm-omni
-                pass
+            for state in HELD_HOOKS:  # the producing stage's full-payload accumulators (async_chunk: false)
+                try:
+                    nbytes, ids = state(obj)
+                    held, active["accumulate"] = held + nbytes, active["accumulate"] + len(ids)
+                except Exception:  # noqa: BLE001 - a gauge never fails vllm-omni
+                    pass
             for other in top.each():
                 try:
                     held += other.receiver.nbytes()
@@ -455,6 +454,9 @@ def _attach(obj: Any, b: Binding) -> None:
 #: Called by :func:`detach` with each instance (the full-payload path registers one that gives
 #: pending entries back in upstream's representation).
 DETACH_HOOKS: list[Callable[[Any], None]] = []
+#: ``(bytes, request ids)`` an instance holds outside its bindings' Receivers (``.full_payload.held``, added there):
+#: counted in ``omni_accum_held_bytes`` and as role ``accumulate`` of ``omni_accum_active_requests``.
+HELD_HOOKS: list[Callable[[Any], tuple[int, list[str]]]] = []
 
 
 def detach(obj: Any) -> None:

@@ -32,7 +32,7 @@ import torch
 from omni_accum.engine import Receiver
 from omni_accum.errors import AccumulationError
 from omni_accum.integrations.vllm_omni import handoff, peer
-from omni_accum.integrations.vllm_omni.binding import DETACH_HOOKS, binding_for
+from omni_accum.integrations.vllm_omni.binding import DETACH_HOOKS, HELD_HOOKS, binding_for
 from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, with_stamp
 from omni_accum.integrations.vllm_omni.publishing import published_later
 from omni_accum.strategy import Accumulator, KeyInfo
@@ -334,3 +334,4 @@ def _detach(obj: Any) -> None:
 
 
 DETACH_HOOKS.append(_detach)
+HELD_HOOKS.append(held)
