@@ -661,7 +661,8 @@ def dropped_read_job(*, pipes, extra: dict, tag: str) -> dict:
         assert conn.get("0", "1", get_key) is None  # its read started on the reader thread
         conn.reads._reads[key][0].result(timeout=60)  # the read has finished; no get took it
         with conn.reads._lock:  # the receive loop came round later than RESULT_TTL_S
-            conn.reads._expire(time.monotonic() + mr.RESULT_TTL_S + 1)
+            dropped = conn.reads._expire(time.monotonic() + mr.RESULT_TTL_S + 1)
+        conn.reads._let_go_of(dropped)  # outside the lock, as a take or start does
         out["dropped"] = conn.reads.dropped
         out["still_there"] = conn.store.is_exist(key) == 1
         got = _get_until(conn, get_key, lambda g: g is not None)
@@ -927,7 +928,8 @@ def test_a_staging_buffer_larger_than_the_segment_is_warned_about_as_the_docs_sa
     with caplog.at_level(logging.WARNING, logger="omni_accum.vllm_omni"):
         mc.MooncakeFastConnector({**GOOD_STORE, "segment": 32 << 20, "mooncake_buffer_bytes": "64MiB"}).close()
     (said,) = [r.getMessage() for r in caplog.records if "mooncake_buffer_bytes" in r.getMessage()]
-    assert "larger than extra.segment (33554432 bytes)" in said and "refused and go serialized" in said, said
+    assert "larger than extra.segment (33554432 bytes)" in said, said
+    assert "another stage's (or holder's) segment" in said, said  # where Mooncake puts it (it said: "refused")
     docs = (Path(__file__).resolve().parents[1] / "docs" / "mooncake.md").read_text()
     block = docs[docs.index("      mooncake_buffer_bytes: 16MiB"):docs.index("      mooncake_tensor_min_bytes: 256KiB")]
     assert "at most the segment" not in block and "warn" in block, block

@@ -152,12 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=8000, help="prefill rows of chunk 0 (default 8000: ~66 MB)")
     ap.add_argument("--repeats", type=int, default=15, help="timed hand-offs per arm (default 15)")
     ap.add_argument("--buffer", default="16MiB",
-                    help="mooncake_buffer_bytes of the fast arm (default 16MiB, the connector's: each 33 MB tensor "
-                         "is registered itself and goes in 3 parts); the staged arm's is 64MiB (each tensor copied "
-                         "through the staging buffer)")
+                    help="mooncake_buffer_bytes of the fast arm (default 16MiB, the connector's: each 32.8 MB "
+                         "tensor of the default 8000 rows, 8000 x 2048 x 2 bytes, is registered itself and goes in 2 "
+                         "parts of at most 16 MiB); the staged arm's is 64MiB (each tensor copied through the "
+                         "staging buffer)")
     ap.add_argument("--stage-segment", default="0",
-                    help="store memory each stage connector contributes (default 0: a holder process owns it all, as "
-                         "the tests; 256MiB: as the deploy fragment, where the fast path puts into its own)")
+                    help="store memory each stage connector contributes: 0 (the default: a holder process owns it "
+                         "all, as the tests) or at least 16MiB, Mooncake's smallest segment (256MiB: as the deploy "
+                         "fragment, where the fast path puts into its own); MB is 10^6 bytes, MiB 2^20")
     ap.add_argument("--json", help="write the samples here")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -168,9 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"fast_path_handoff: {problem}", file=sys.stderr)
         return 2
-    from omni_accum.bench.mooncake import parse_size  # noqa: PLC0415
+    from omni_accum.bench.mooncake import parse_size, segment_problem  # noqa: PLC0415
+    from omni_accum.errors import OmniAccumError  # noqa: PLC0415
 
-    segment = 0 if args.stage_segment.strip() == "0" else parse_size(args.stage_segment)
+    try:
+        segment = 0 if args.stage_segment.strip() == "0" else parse_size(args.stage_segment)
+    except OmniAccumError as e:  # a user's mistake: one line, no traceback
+        print(f"fast_path_handoff: --stage-segment: {e}", file=sys.stderr)
+        return 2
+    problem = segment_problem(segment, f"--stage-segment {args.stage_segment!r}", zero_ok=True)
+    if problem:
+        print(f"fast_path_handoff: {problem}", file=sys.stderr)
+        return 2
     with MooncakeServices(segment_bytes=1 << 30) as svc:
         host = StageHost(pythonpath=[os.path.dirname(os.path.abspath(__file__))]).start()
         try:

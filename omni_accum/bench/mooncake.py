@@ -39,6 +39,7 @@ from omni_accum.bench.mooncake_services import (
     master_binary,
     mooncake_problem,
     parse_size,
+    segment_problem,
 )
 from omni_accum.bench.stage_host import Job, StageFailed, StageHost, _host_main, _plan, make_connector, pipe_ends
 
@@ -342,10 +343,11 @@ def _cli_problem(args: Any) -> str | None:
             return (f"--mooncake-master {args.mooncake_master!r} {problem}; give HOST:PORT (port 1 to 65535) of a "
                     "running mooncake_master")
     try:
-        parse_size(args.mooncake_segment or DEFAULT_SEGMENT)
+        segment = parse_size(args.mooncake_segment or DEFAULT_SEGMENT)
     except OmniAccumError as e:
         return f"--mooncake-segment: {e}"
-    return mooncake_problem()
+    too_small = segment_problem(segment, f"--mooncake-segment {args.mooncake_segment!r}")
+    return too_small or mooncake_problem()  # before a master and a holder are started for it
 
 
 #: ``--mooncake-segment``'s default.

@@ -154,19 +154,41 @@ def _stop(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
         proc.wait(timeout=timeout)
 
 
+#: How :func:`parse_size` reads a unit (the connectors' rule, ``mooncake_buffer_bytes``'s).
+UNITS_SAID = "KB, MB, GB are 10^3, 10^6, 10^9 bytes; KiB, MiB, GiB (and K, M, G) 2^10, 2^20, 2^30"
+
+
 def parse_size(text: str | int) -> int:
-    """``512MiB``, ``1GiB``, ``256M``, ``1g``, or bytes -> bytes."""
-    if isinstance(text, int):
+    """``512MiB``, ``1GiB``, ``256M``, ``1GB``, or bytes -> bytes, by the connectors' units (``mooncake_buffer_bytes``,
+    :func:`.arena_settings.parse_size`, which reads them): ``MB`` is 10^6 bytes, ``MiB`` (and ``M``) 2^20, so that a
+    size means the same on the bench's command line as in a deploy's ``extra``."""
+    from omni_accum.integrations.vllm_omni.mooncake_settings import parse_size as connectors  # noqa: PLC0415
+
+    if isinstance(text, int) and not isinstance(text, bool):
         return text
-    s = text.strip().lower().removesuffix("b").removesuffix("i")
-    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(s[-1:], 1)
     try:
-        n = int(float(s[:-1] if mult > 1 else s) * mult)
-    except (ValueError, OverflowError):
-        raise OmniAccumError(f"not a size: {text!r} (give bytes, or e.g. 512MiB, 2GiB)") from None
+        n = connectors(str(text), "size", minimum=0)
+    except ValueError as e:  # its words name a connector's extra key: the bench's own here
+        if "whole number" in str(e):
+            raise OmniAccumError(f"not a size: {text!r} is not a whole number of bytes") from None
+        raise OmniAccumError(f"not a size: {text!r} (give bytes, or a number with B, KiB, MiB, GiB, KB, MB, GB: "
+                             f"{UNITS_SAID})") from None  # fmt: skip
     if n <= 0:
         raise OmniAccumError(f"not a size: {text!r} (it must be at least 1 byte)")
     return n
+
+
+def segment_problem(segment: int, what: str, zero_ok: bool = False) -> str | None:
+    """Why Mooncake's setup refuses a segment of ``segment`` bytes (``what`` names where it was given), or None:
+    other than 0 (``zero_ok``: no memory contributed) it must be at least 16 MiB, else the setup fails with rc -600
+    (the bench's holder said so only after its services had started)."""
+    from omni_accum.integrations.vllm_omni.mooncake_settings import MIN_SEGMENT  # noqa: PLC0415
+
+    if 0 < segment < MIN_SEGMENT:
+        return (f"{what} is {segment} bytes, under Mooncake's smallest segment: its setup fails (rc -600, 'Total size "
+                f"must be at least {MIN_SEGMENT}'); give {'0 or ' if zero_ok else ''}at least 16MiB ({MIN_SEGMENT} "
+                "bytes)")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- #
@@ -311,14 +333,17 @@ class MooncakeServices:
             env=self.env(),
             cwd=self._holder_dir(),  # private: python -m puts its cwd first on sys.path (a shared /tmp could plant)
         )
-        line = _readline(self.holder_proc.stdout, timeout)
-        if line.strip() != "ready":
-            code = self.holder_proc.poll()
+        line = _readline(self.holder_proc.stdout, timeout).strip()
+        if line != "ready":
+            try:  # it exits right after saying why
+                code: int | None = self.holder_proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                code = None
             where = f" against master {self.master_addr} (metadata {self.metadata_url})" if self.master else ""
             hint = "; is that master running and reachable from here?" if self.master else ""
-            raise MooncakeUnavailable(
-                f"the Mooncake holder process did not start{where}: exit {code}, said {line!r}{hint}"
-            )
+            said = f"it said: {line}" if line else f"it said nothing within {timeout:.0f} s"
+            ended = "" if code is None else f", exit status {code}"
+            raise MooncakeUnavailable(f"the Mooncake holder process did not start{where} ({said}{ended}){hint}")
 
     def metrics(self) -> dict[str, float]:
         """The master's Prometheus metrics (``name{labels}`` -> value); empty for an external master."""
@@ -380,7 +405,7 @@ def _holder_main(master: str, metadata: str, segment: int) -> int:
     store = MooncakeDistributedStore()
     rc = store.setup(HOST, metadata, segment, 16 << 20, "tcp", "", master)
     if rc != 0:
-        print(f"setup failed: {rc}", flush=True)
+        print(f"Mooncake's setup of a {segment}-byte segment failed with rc {rc}", flush=True)  # one line
         return 1
     print("ready", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.stdin.close())

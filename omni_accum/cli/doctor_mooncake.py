@@ -4,15 +4,18 @@
 ``MooncakeDistributedStore.setup``.
 
 Problems (the stage does not start, or hangs ~90 s and then fails): a ``segment`` or ``localbuf`` that is not a whole
-number of bytes (``512MiB``, ``-1``: Mooncake's setup refuses the arguments), a ``master`` without ``HOST:PORT`` (port
-1 to 65535), a ``metadata_server`` that is an HTTP address without ``http://`` (Mooncake then takes it for an etcd
-address and waits for it), a ``proto`` Mooncake does not know, a misspelt key (``mastr``: vllm-omni reads ``master``,
-finds none, and uses its loopback default). Notes (it starts, but not as meant across hosts): no ``host`` (127.0.0.1:
-no other host reaches this stage), ``host`` on loopback while the master is elsewhere, ``proto: rdma`` without
-``rdma`` devices, a ``metadata_server`` without a scheme (an etcd address), ``mooncake_*`` keys on a plain
-``MooncakeStoreConnector`` (ignored there), a ``localbuf`` smaller than the largest chunk or than
-``mooncake_buffer_bytes``, a staging buffer larger than ``segment``, and addresses of other hosts without one
-``OMNI_ACCUM_DEPLOYMENT`` in the environment.
+number of bytes (``512MiB``, ``-1``: Mooncake's setup refuses the arguments), a ``segment`` from 1 byte to under 16 MiB
+(Mooncake's setup fails with rc -600), a ``master`` without ``HOST:PORT`` (port 1 to 65535), a ``metadata_server``
+that is an HTTP address without ``http://`` (Mooncake then takes it for an etcd address and waits for it), a ``proto``
+Mooncake does not know, a ``host``, ``proto`` or ``rdma`` left empty (None: Mooncake's setup raises ``TypeError``), a
+misspelt key (``mastr``) or another name for one (Mooncake's own ``master_server_address``, ``local_hostname``, ...;
+``hostname``, ``transport``, ...): vllm-omni reads ``master``, finds none, and uses its loopback default. Notes (it
+starts, but not as meant across hosts): no ``host`` (127.0.0.1: no other host reaches this stage), no
+``metadata_server`` while the master is elsewhere (127.0.0.1's), ``host`` on loopback while the master is elsewhere,
+``proto: rdma`` without ``rdma`` devices, a ``metadata_server`` without a scheme (an etcd address), ``mooncake_*``
+keys on a plain ``MooncakeStoreConnector`` (ignored there), a ``localbuf`` smaller than the largest chunk or than
+``mooncake_buffer_bytes``, a staging buffer larger than ``segment``, another name for a key given beside it
+(ignored), and addresses of other hosts without one ``OMNI_ACCUM_DEPLOYMENT`` in the environment.
 """
 
 from __future__ import annotations
@@ -91,13 +94,19 @@ def _check_extra(place: str, name: str, extra: dict[str, Any]) -> tuple[list[tup
     master = extra.get("master", STORE_KEYS["master"])
     host = extra.get("host")
     remote_master = isinstance(master, str) and not _loopback(_host_of(master))
-    if host is None:
+    if "host" not in extra:  # (``host:`` left empty is a problem of store_checks')
         notes.append((f"{place}: no host, so this stage registers as 127.0.0.1: only processes on its own machine "
                       "reach it", "give each host its own copy of the deploy whose host is that host's address, as "
                       "the others reach it"))  # fmt: skip
     elif isinstance(host, str) and host.strip() and _loopback(host) and remote_master:
         notes.append((f"{place}.host = {host!r} while the master is at {master!r}: other hosts cannot reach this "
                       "stage's memory", "give this host's own address (each host its own copy of the deploy)"))
+    given = {mooncake_settings.STORE_ALIASES.get(k.strip().lower().replace("-", "_")) for k in map(str, extra)}
+    if remote_master and "metadata_server" not in extra and "metadata_server" not in given:  # (an alias: a problem)
+        notes.append((f"{place}: no metadata_server, so this stage asks {STORE_KEYS['metadata_server']!r} while the "
+                      f"master is at {master!r}: unless a metadata server answers on this machine, Mooncake's setup "
+                      "hangs ~90 s and the stage does not start", "give the master's HTTP metadata server, e.g. "
+                      f"http://{_host_of(master)}:8080/metadata (the same on every host)"))  # fmt: skip
     remote = remote_master or (isinstance(host, str) and bool(host.strip()) and not _loopback(host))
     ours = [k for k in map(str, extra) if k.startswith("mooncake_")]
     if name == "MooncakeStoreConnector" and ours:

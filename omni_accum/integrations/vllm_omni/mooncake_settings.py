@@ -39,6 +39,23 @@ STORE_KEYS: dict[str, Any] = {
 }
 #: Its default ``segment`` (bytes), when the extra gives none.
 DEFAULT_SEGMENT = STORE_KEYS["segment"]
+#: The smallest ``segment`` Mooncake's setup takes other than 0 (no memory contributed): below it the setup fails
+#: with rc -600 ("Total size must be at least 16777216", Mooncake 0.3.13.post1) and the stage does not start.
+MIN_SEGMENT = 16 << 20
+#: Names vllm-omni 0.30.0's connector does not read, each with the key it reads for that setting: Mooncake's own
+#: config names (:data:`MOONCAKE_CONFIG_NAMES`, its ``MooncakeStoreConfig``'s) and others written for them. Too far
+#: from the key for a typo's close match, each was ignored, and the stage took vllm-omni's loopback default.
+STORE_ALIASES: dict[str, str] = {
+    "master_server_address": "master", "master_address": "master", "master_addr": "master", "master_server": "master",
+    "metadata": "metadata_server", "metadata_url": "metadata_server",
+    "local_hostname": "host", "hostname": "host", "host_ip": "host",
+    "protocol": "proto", "transport": "proto",
+    "global_segment_size": "segment", "segment_size": "segment",
+    "local_buffer_size": "localbuf",
+    "device_name": "rdma", "rdma_devices": "rdma",
+}  # fmt: skip
+MOONCAKE_CONFIG_NAMES = ("master_server_address", "local_hostname", "protocol", "global_segment_size",
+                         "local_buffer_size", "device_name")  # fmt: skip
 #: The protocols of the CPU build omni-accum pins (``mooncake-transfer-engine-non-cuda``), and others Mooncake knows.
 PROTOCOLS = ("tcp", "rdma")
 OTHER_PROTOCOLS = ("nvlink", "nvlink_intra", "hip", "cxl", "ascend", "barex", "efa", "nvmeof", "ubshmem",
@@ -96,13 +113,19 @@ def parse_settings(extra: Mapping[str, Any]) -> MooncakeFastSettings:
 
 def notes(extra: Mapping[str, Any], settings: MooncakeFastSettings) -> list[str]:
     """What the settings allow but will not work as meant (the connector logs each as a warning; ``doctor`` shows
-    them): a staging buffer larger than this stage's segment, whose parts then fit in no such segment."""
+    them): a staging buffer larger than this stage's segment. A part of the buffer's size does not fit that segment,
+    so the master puts it into another process's segment that has room (measured on Mooncake 0.3.13.post1: a 16 MiB
+    segment, 32 MiB parts, all put and read back); the store refuses it only when no segment has room."""
     out = []
     segment = extra.get("segment", DEFAULT_SEGMENT)
-    if type(segment) is int and 0 < segment < settings.buffer_bytes:
+    if type(segment) is int and MIN_SEGMENT <= segment < settings.buffer_bytes:  # (a smaller one: store_checks')
         out.append(f"{NAME}: extra.mooncake_buffer_bytes ({settings.buffer_bytes} bytes) is larger than extra.segment "
-                   f"({segment} bytes): a part of that size fits in no segment of this size, so its puts are refused "
-                   "and go serialized; give a buffer of at most the segment (16MiB, the default)")
+                   f"({segment} bytes): a part of that size does not fit this stage's own segment, so Mooncake puts it "
+                   "into another stage's (or holder's) segment that has room, a transfer where the put would have been "
+                   "a local copy (mooncake_parts_segment: local); only when no segment has room is the part refused "
+                   "(mooncake_put_error) and the payload sent serialized, which then needs a segment with room for "
+                   "all of it. Give a buffer of at most the segment (16MiB, the default) to keep the parts in this "
+                   "stage's segment")
     return out
 
 
@@ -141,14 +164,30 @@ def store_checks(extra: Mapping[str, Any], place: str = "extra") -> tuple[list[t
     ``extra`` (its defaults where absent), ``place`` naming the mapping (``extra``, or a deploy's path to it).
 
     Problems are certain: the stage does not start, or Mooncake's setup hangs ~90 s and then fails naming no address
-    (a ``segment``/``localbuf`` that is not a whole number of bytes, a ``master`` without ``HOST:PORT``, an HTTP
-    ``metadata_server`` without ``http://``, a ``proto`` Mooncake does not know, a ``host`` that is no address, a
-    misspelt key). ``doctor --deploy`` shows both; the connector refuses the problems when it is built."""
+    (a ``segment``/``localbuf`` that is not a whole number of bytes, a ``segment`` from 1 byte to under
+    :data:`MIN_SEGMENT`, a ``master`` without ``HOST:PORT``, an HTTP ``metadata_server`` without ``http://``, a
+    ``proto`` Mooncake does not know, a ``host``, ``proto`` or ``rdma`` that is not text (``host:`` left empty: None),
+    a ``host`` that is no address), or the stage uses vllm-omni's loopback default for a key written otherwise (a
+    misspelt key, or another name for it: :data:`STORE_ALIASES`). ``doctor --deploy`` shows both; the connector
+    refuses the problems when it is built."""
     problems: list[tuple[str, str]] = []
     notes: list[tuple[str, str]] = []
-    # a misspelt key: vllm-omni reads the right one, finds none, and takes its default
+    # a misspelt key, or another name for one (Mooncake's own): vllm-omni reads the right one, finds none, and takes
+    # its default
     for key in map(str, extra):
         if key in STORE_KEYS or key.startswith(("omni_accum_", "mooncake_")):
+            continue
+        alias = key.strip().lower().replace("-", "_")
+        right = STORE_ALIASES.get(alias)
+        if right is not None:
+            said = (f"{key!r} is Mooncake's name; vllm-omni reads {right!r}" if alias in MOONCAKE_CONFIG_NAMES else
+                    f"vllm-omni's MooncakeStoreConnector reads no {key!r}; it reads {right!r}")
+            if right in extra:  # ignored beside the key read
+                notes.append((f"{place}.{key}: {said} (given: {extra[right]!r}) and ignores this one",
+                              f"remove {key}"))
+            else:
+                problems.append((f"{place}.{key}: {said}; without {right} it uses {STORE_KEYS[right]!r}",
+                                 f"rename it to {right}"))
             continue
         close = close_matches(key, [k for k in STORE_KEYS if k not in extra], cutoff=0.75)
         if close:
@@ -164,6 +203,11 @@ def store_checks(extra: Mapping[str, Any], place: str = "extra") -> tuple[list[t
                              f"({'512 MiB' if key == 'segment' else '64 MiB'}); "
                              + ("0: this stage contributes no memory" if key == "segment" else "at least the largest "
                                 "chunk")))  # fmt: skip
+    segment = extra.get("segment", STORE_KEYS["segment"])
+    if type(segment) is int and 0 < segment < MIN_SEGMENT:
+        problems.append((f"{place}.segment = {segment!r} bytes is under Mooncake's smallest segment: its setup fails "
+                         f"with rc -600 ('Total size must be at least {MIN_SEGMENT}') and the stage does not start",
+                         f"give segment 0 (this stage contributes no memory) or at least {MIN_SEGMENT} (16 MiB)"))
     master = extra.get("master", STORE_KEYS["master"])
     why = master_address_problem(master, ha=True)
     if why:
@@ -183,7 +227,11 @@ def store_checks(extra: Mapping[str, Any], place: str = "extra") -> tuple[list[t
         else:
             notes.append((text + "; right only if etcd runs there", fix))
     proto = extra.get("proto", STORE_KEYS["proto"])
-    if proto not in PROTOCOLS:
+    if not isinstance(proto, str):  # ``proto:`` left empty is None here, which Mooncake's setup refuses
+        problems.append((f"{place}.proto = {proto!r} is not text: vllm-omni passes it to Mooncake's setup, which "
+                         "refuses it (TypeError: incompatible function arguments) and the stage does not start",
+                         f"one of: {', '.join(PROTOCOLS)}"))  # fmt: skip
+    elif proto not in PROTOCOLS:
         if proto in OTHER_PROTOCOLS:
             notes.append((f"{place}.proto = {proto!r}: not in the CPU build of Mooncake omni-accum pins (tcp, rdma)",
                           "use a Mooncake build with that transport"))  # fmt: skip
@@ -194,13 +242,22 @@ def store_checks(extra: Mapping[str, Any], place: str = "extra") -> tuple[list[t
             notes.append((f"{place}.proto = {proto!r} is not a protocol omni-accum knows of Mooncake's (tcp, rdma, "
                           f"{', '.join(OTHER_PROTOCOLS)}): the stage does not start unless its Mooncake build has it",
                           f"one of: {', '.join(PROTOCOLS)}"))  # fmt: skip
-    if proto == "rdma" and not extra.get("rdma"):
+    rdma = extra.get("rdma", STORE_KEYS["rdma"])
+    if not isinstance(rdma, str):
+        problems.append((f"{place}.rdma = {rdma!r} is not text (the RDMA device names): vllm-omni passes it to "
+                         "Mooncake's setup, which refuses it (TypeError: incompatible function arguments) and the "
+                         "stage does not start", "name the devices (rdma: mlx5_0), or leave rdma out where there is "
+                         "no RDMA"))  # fmt: skip
+    elif proto == "rdma" and not rdma:
         notes.append((f"{place}: proto rdma without rdma (the RDMA devices to use, e.g. mlx5_0)",
                       "name the devices in rdma:, or use proto: tcp where there is no RDMA"))
     host = extra.get("host")
-    if host is not None and (not isinstance(host, str) or not host.strip()):
-        problems.append((f"{place}.host = {host!r} is not an address", "give this host's address, as the others "
-                         "reach it"))  # fmt: skip
+    if "host" in extra and (not isinstance(host, str) or not host.strip()):  # ``host:`` left empty is None
+        why = "" if isinstance(host, str) else (": vllm-omni passes it to Mooncake's setup, which refuses it "
+                                                "(TypeError: incompatible function arguments) and the stage does not "
+                                                "start")  # fmt: skip
+        problems.append((f"{place}.host = {host!r} is not an address{why}", "give this host's address, as the "
+                         "others reach it"))  # fmt: skip
     return problems, notes
 
 

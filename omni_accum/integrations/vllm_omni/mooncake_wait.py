@@ -46,6 +46,7 @@ MAX_KEYS = 4096
 RECENT_S = 0.1
 BLOCKING = "blocking"
 
+_BOUNDS = f"from {MIN_POLL_S * 1e3:g} ms to {MAX_POLL_S:g} s"
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$", re.IGNORECASE)
 
 
@@ -58,12 +59,11 @@ def parse_poll(value: Any, what: str = "extra.mooncake_get_poll") -> float | Non
     else:
         m = None if isinstance(value, bool) else _DURATION.match(str(value))
         if m is None:
-            raise ValueError(f"{what} = {value!r} is not '{BLOCKING}' or a duration such as 5ms or 0.005s")
+            raise ValueError(f"{what} = {value!r} is not '{BLOCKING}' or a duration: the units taken are s (0.005s; "
+                             f"a number without a unit is seconds too) and ms (5ms), {_BOUNDS}")
         seconds = float(m.group(1)) / (1000.0 if (m.group(2) or "s").lower() == "ms" else 1.0)
     if not MIN_POLL_S <= seconds <= MAX_POLL_S:
-        bounds = f"from {MIN_POLL_S * 1e3:g} ms to {MAX_POLL_S:g} s"
-        raise ValueError(f"{what} = {value!r} is {seconds:g} s: it must be {bounds} "
-                         f"(or '{BLOCKING}')")
+        raise ValueError(f"{what} = {value!r} is {seconds:g} s: it must be {_BOUNDS} (or '{BLOCKING}')")
     return seconds
 
 
