@@ -1,6 +1,7 @@
 """The replay engine: a workload's chunk trace through an arm, over a wire, timed per step.
 
-N concurrent requests are interleaved round-robin; each chunk goes ``encode -> wire -> merge ->
+N concurrent requests are interleaved round-robin (a captured workload's bucket replays all its captured
+requests, N at a time, each next one starting as one ends: :func:`~omni_accum.bench.streams.schedule`); each chunk goes ``encode -> wire -> merge ->
 consumer read`` (and, with a view hop, the consumer's read is serialized once more, as pre-0.30
 releases did when they attached the accumulated payload to the scheduler output). Arms are
 interleaved round by round (the arm order rotates every repeat) in one process, so arms are
@@ -36,9 +37,9 @@ from omni_accum.bench._malloc import HeapGuard
 from omni_accum.bench.engines import THROUGH, UPSTREAM, WIRE_FLOOR, Arm, Engine, make_engine  # noqa: F401 - re-exported
 from omni_accum.bench.engines import PolicyEngine, UpstreamEngine, WireFloorEngine  # noqa: F401 - re-exported
 from omni_accum.bench.reference import check_taken, check_view  # noqa: F401 - re-exported
-from omni_accum.bench.wires import WIRES, InprocWire, SerializerWire, ShmWire, Wire  # noqa: F401 - re-exported
-from omni_accum.bench.wires import WireName, _get, _has, iter_leaves, make_wire, payload_nbytes  # noqa: F401
-from omni_accum.bench.streams import append_length_hints, build_stream
+from omni_accum.bench.wires import WIRES, InprocWire, SerializerWire, ShmWire, Wire, WireName, _get, _has  # noqa: F401
+from omni_accum.bench.wires import iter_leaves, make_wire, payload_nbytes
+from omni_accum.bench.streams import append_length_hints, bucket_streams, build_stream, schedule
 from omni_accum.bench.workloads import Workload, load_workload
 from omni_accum.context import StreamContext
 from omni_accum.errors import InvalidArgumentError, OmniAccumError
@@ -50,11 +51,6 @@ from omni_accum.integrations.vllm_omni.classes import (  # noqa: F401 - re-expor
 )
 
 ViewHop = Literal["serializer"]
-
-
-# ---------------------------------------------------------------------------------------------- #
-# Measurement
-# ---------------------------------------------------------------------------------------------- #
 
 
 @dataclass
@@ -163,17 +159,19 @@ def replay(
     device: str = "cpu",
     check: bool = False,
     per_key: bool = False,
-    on_round: Callable[[], None] | None = None,
+    on_round: Callable[[int], None] | None = None,
     tag: str = "r",
+    concurrency: int | None = None,
 ) -> tuple[list[float], list[float], int, int, dict[str, KeyStats], str | None]:
-    """Replay ``streams`` (one chunk list per request, round-robin) through ``engine`` over ``wire``.
+    """Replay ``streams`` (one chunk list per request, round-robin, ``concurrency`` in flight: default all)
+    through ``engine`` over ``wire``; ``on_round`` gets the steps of each round.
 
     Returns ``(step_us, total_us per request, wire bytes, peak bytes, per-key stats, first mismatch)``.
     Only encode, wire, merge, the consumer's read and the view hop are timed.
     """
     reads = [_Read.of(k.path, k.read) for k in workload.keys if k.read != "never"]
     n_req = len(streams)
-    n_chunks = max(map(len, streams), default=0)  # captured requests differ in length: each ends at its own
+    rounds = schedule([len(s) for s in streams], concurrency or n_req)  # captured requests end at their own length
     step_us: list[float] = []
     totals = [0.0] * n_req
     wire_bytes = 0
@@ -184,10 +182,9 @@ def replay(
     clock = time.perf_counter_ns
     timer = _CudaTimer() if device.startswith("cuda") else None
     guard = HeapGuard()
-    for i in range(n_chunks):
-        for r in range(n_req):
-            if i >= len(streams[r]):
-                continue
+    for steps_of_round in rounds:
+        ended = []
+        for r, i in steps_of_round:
             last = i == len(streams[r]) - 1
             rid = req_ids[r]
             chunk = streams[r][i]
@@ -226,6 +223,7 @@ def replay(
                     if not str(path).startswith("__"):
                         keys.setdefault(path, KeyStats()).wire_bytes_per_step += payload_nbytes(v)
             if last:
+                ended.append(r)
                 if check and mismatch is None and getattr(engine, "checks_views", True):
                     m = check_view(workload, streams[r], view)
                     if m:
@@ -236,10 +234,14 @@ def replay(
             for path, nbk in engine.key_nbytes().items():
                 ks = keys.setdefault(path, KeyStats())
                 ks.peak_bytes = max(ks.peak_bytes, nbk)
+        if (concurrency or n_req) < n_req:  # not all at once: one that ended makes room for the next (untimed)
+            for r in ended:
+                engine.release(req_ids[r])
+                req_ids[r] = ""
         guard()  # untimed: bounds a fragmenting heap (see omni_accum.bench._malloc)
         if on_round is not None:
-            on_round()
-    for rid in req_ids:
+            on_round(len(steps_of_round))
+    for rid in filter(None, req_ids):
         engine.release(rid)
     steps = max(1, sum(map(len, streams)))
     for ks in keys.values():
@@ -296,7 +298,8 @@ def measure(
         arms: label -> a :class:`Policy`, ``"upstream"`` (vllm-omni 0.30.0's own code) or an
             engine factory ``(StreamContext) -> Engine``.
         context_len: prefill rows P (default: the workload's).
-        concurrency: requests replayed at once, round-robin.
+        concurrency: requests replayed at once, round-robin (a captured workload's bucket replays all its
+            requests, up to its bound, ``concurrency`` at a time).
         wire: ``inproc``, ``serializer`` or ``shm`` (the latter two need vllm-omni).
         repeats: rounds; in every round each arm replays the whole trace once, in rotated order.
         view_hop: ``"serializer"`` to serialize the consumer's read every step.
@@ -322,7 +325,7 @@ def measure(
     _check_arguments(arms, context_len, concurrency, repeats, wire, through, device)
     wl = load_workload(workload)
     cl = context_len or wl.context_len
-    streams = [build_stream(wl, cl, r) for r in range(concurrency)]
+    streams = bucket_streams(wl, cl, concurrency)
     if device != "cpu":
         streams = [[_to_device(c, device) for c in s] for s in streams]
     hints = append_length_hints(wl, streams[0]) if length_hints else {}
@@ -332,7 +335,7 @@ def measure(
         raise OmniAccumError(f"unknown view hop {view_hop!r}. Available: serializer")
     labels = list(arms)
     n_chunks = max(map(len, streams), default=0)
-    results = {lab: ArmResult(lab, cl, concurrency, wire, requests=concurrency, steps=n_chunks) for lab in labels}
+    results = {lab: ArmResult(lab, cl, concurrency, wire, requests=len(streams), steps=n_chunks) for lab in labels}
     wire_totals = {lab: 0 for lab in labels}
     if warmup:
         _warm_up(wl, arms, ctx, through, wire, streams)
@@ -346,7 +349,7 @@ def measure(
             engine: Engine | None = None
             try:
                 engine = make_engine(arms[lab], ctx, through)
-                on_round = (lambda: progress(concurrency)) if progress is not None else None
+                on_round = progress
                 steps, totals, nb, peak, keys, mismatch = replay(
                     wl,
                     engine,
@@ -358,6 +361,7 @@ def measure(
                     per_key=per_key,
                     on_round=on_round,
                     tag=f"{lab}-{rep}-",
+                    concurrency=concurrency,
                 )
             except VllmOmniUnavailable:
                 raise
@@ -417,7 +421,7 @@ def _warm_up(
         engine: Engine | None = None
         try:
             engine = make_engine(arm, ctx, through)
-            replay(wl, engine, w, streams, tag=f"{lab}-warm-")
+            replay(wl, engine, w, streams, tag=f"{lab}-warm-", concurrency=ctx.concurrency)
         except VllmOmniUnavailable:
             raise
         except Exception:  # noqa: BLE001, S110 - the measured repeats report it

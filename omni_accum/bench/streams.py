@@ -88,6 +88,42 @@ def build_stream(workload: Workload, context_len: int, request: int = 0) -> list
     return out
 
 
+def bucket_streams(workload: Workload, context_len: int, concurrency: int) -> list[list[dict[str, Any]]]:
+    """The streams one bucket replays: ``concurrency`` requests of a workload; every request a captured workload
+    replays in that bucket (``replayed_lengths``), at least ``concurrency`` (cycling), ``concurrency`` at a time."""
+    lengths = getattr(workload, "replayed_lengths", None)
+    n = concurrency if lengths is None else max(concurrency, len(lengths(context_len)))
+    return [build_stream(workload, context_len, r) for r in range(n)]
+
+
+def bucket_steps(workload: Workload, context_len: int, concurrency: int) -> int:
+    """The steps (chunks of every request) one replay of a bucket takes, nothing built."""
+    lengths = getattr(workload, "replayed_lengths", None)
+    if lengths is None:
+        return concurrency * workload.n_chunks(context_len)
+    got = lengths(context_len)
+    return sum(got[r % len(got)] for r in range(max(concurrency, len(got))))
+
+
+def schedule(lengths: list[int], concurrency: int) -> list[list[tuple[int, int]]]:
+    """The rounds of a replay: ``(request, chunk)`` steps, ``concurrency`` requests in flight, round-robin in
+    request order; a request that ends leaves its place to the next one, from the next round on."""
+    pending = iter([r for r, n in enumerate(lengths) if n > 0])
+    slots: list[int | None] = [None] * max(1, concurrency)
+    pos = [0] * len(lengths)
+    rounds: list[list[tuple[int, int]]] = []
+    while True:
+        for s, r in enumerate(slots):
+            if r is None or pos[r] >= lengths[r]:
+                slots[s] = next(pending, None)
+        steps = [(r, pos[r]) for r in slots if r is not None]
+        if not steps:
+            return rounds
+        for r, _ in steps:
+            pos[r] += 1
+        rounds.append(steps)
+
+
 #: The prefill-sized tensors of one bucket (workload, seed, prompt length), shared by its requests; a stream of
 #: another bucket drops them (a bench or tune run measures one bucket at a time: holding every bucket's would add
 #: up to GiBs over a run's prompt lengths, beyond what its memory check counts per bucket).
@@ -230,6 +266,7 @@ class StreamBytes:
     decode: int = 0
     held_prefill: int = 0
     held_decode: int = 0
+    shared_decode: int = 0  # the part of ``shared`` in decode chunks (a captured workload's replayed requests)
 
     def per_request(self) -> int:
         return self.prefill + self.decode + self.held_prefill + self.held_decode
@@ -240,7 +277,7 @@ class StreamBytes:
 
     def decode_total(self, concurrency: int) -> int:
         """The part of :meth:`total` that grows with the decode steps."""
-        return concurrency * (self.decode + self.held_decode)
+        return self.shared_decode + concurrency * (self.decode + self.held_decode)
 
 
 def _groups(workload: Workload, context_len: int) -> list[tuple[int, int, int, bool]]:
@@ -282,7 +319,7 @@ def _key_nbytes(spec: KeySpec, start: int, count: int, prefill_rows: int, is_pre
 def stream_nbytes(workload: Workload, context_len: int) -> StreamBytes:
     """What a bucket of ``context_len`` holds (:class:`StreamBytes`), from the workload's shapes, dtypes and steps:
     nothing is allocated, so a bucket too large for the machine is found before it is built."""
-    recorded = getattr(workload, "requests_for", None)
+    recorded = getattr(workload, "bucket_requests", None)
     if recorded is not None:
         return _recorded_nbytes(workload, context_len)
     parts = dict.fromkeys(("shared", "prefill", "decode", "held_prefill", "held_decode"), 0)
@@ -310,21 +347,31 @@ def stream_nbytes(workload: Workload, context_len: int) -> StreamBytes:
 
 
 def _recorded_nbytes(workload: Any, context_len: int) -> StreamBytes:
-    """:func:`stream_nbytes` of a captured workload: the recorded bytes of each key (its first chunk as the
-    prefill), the largest of the requests the bucket replays."""
+    """:func:`stream_nbytes` of a captured workload, from the recorded bytes of each key: every request the bucket
+    replays is built before the replay (``shared``; a prefill-sized append tensor once per shape, as the replay
+    shares it; a replace tensor re-sent with its shape unchanged once), and each request in flight holds the
+    receiver's copy (``held_*``: the largest of the requests', its first chunk as the prefill)."""
     delta = {k.path for k in workload.keys if k.read == "delta"}
     append = {k.path for k in workload.keys if k.kind == "append"}
-    best = (0, 0, 0, 0)
-    for r in workload.requests_for(context_len):
-        pre = dec = held_pre = held_dec = 0
+    best = (0, 0)
+    built = built_decode = 0
+    shapes: set[tuple[Any, ...]] = set()
+    for r in workload.bucket_requests(context_len):
+        held_pre = held_dec = 0
         last: dict[str, int] = {}
+        prev: dict[str, tuple[int, ...]] = {}
         for i, c in enumerate(r.chunks[: 1 + workload.decode_steps]):
             for k in c.keys:
                 n = int(k.nbytes)
-                if i == 0:
-                    pre += n
+                shape = (k.path, k.dtype, k.shape)
+                if k.kind == "append" and k.shape and k.shape[0] > 1 and not (k.extra and "sample" in k.extra):
+                    n_built = 0 if shape in shapes else n
+                    shapes.add(shape)
                 else:
-                    dec += n
+                    n_built = 0 if k.kind == "replace" and prev.get(k.path) == k.shape else n
+                prev[k.path] = k.shape
+                built += n_built
+                built_decode += n_built if i else 0
                 if k.path in delta:
                     continue
                 if k.path in append:
@@ -332,5 +379,5 @@ def _recorded_nbytes(workload: Any, context_len: int) -> StreamBytes:
                 else:
                     last[k.path] = max(last.get(k.path, 0), n)
         held_pre += sum(last.values())
-        best = max(best, (pre, dec, held_pre, held_dec), key=sum)
-    return StreamBytes(0, *best)
+        best = max(best, (held_pre, held_dec), key=sum)
+    return StreamBytes(built, 0, 0, *best, shared_decode=built_decode)

@@ -6,7 +6,7 @@ stopped writer (no end of line), a line that is not JSON, or a record with a fie
 skipped and reported as a :class:`Problem` naming the file and the line number; the rest is used. Lines
 are parsed with :func:`json.loads` only: nothing read is unpickled or evaluated. Within a folder, a
 symlink or another non-regular ``capture-*.jsonl`` entry (a folder, a FIFO, a device) is reported and not
-read; a FIFO or a device named itself is refused (:class:`CaptureError`). Neither is ever opened (opening a
+read; a symlink, a FIFO or a device named itself is refused (:class:`CaptureError`). Neither is ever opened (opening a
 FIFO blocks until a writer comes). A file named twice (``trace cap cap``, a folder and a file in it, two
 spellings of one path) is read once, and said so (:meth:`Capture.notes`).
 """
@@ -129,11 +129,25 @@ def capture_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
                     "written by a stage process run with OMNI_ACCUM_CAPTURE or the connector extra omni_accum_capture)"
                 )
             out += found
-        elif probe(p) or probe(p, "is_symlink"):
+        elif probe(p, "is_symlink"):
+            raise CaptureError(f"{p}: {symlink_reason(p)}")
+        elif probe(p):
             out.append(p)
         else:
             raise CaptureError(f"{p}: no such capture folder or file")
     return out
+
+
+def symlink_reason(path: Path) -> str:
+    """Why a capture file that is a symlink is not read, and what to give instead."""
+    try:
+        target = f" ({os.readlink(path)})"
+    except OSError:
+        target = ""
+    return (
+        "is a symlink: not read (capture files are opened without following a link, as omni-accum's same-host "
+        f"files are: a link planted among them must not make it read another file); give the file it points to{target}"
+    )
 
 
 #: Bytes per element of the tensor dtypes a capture names (other dtype names are not tensors).
@@ -228,7 +242,7 @@ def _read_file(path: Path, into: Capture) -> None:
     try:  # O_NONBLOCK: a FIFO put in its place since is not waited on (and is refused below)
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError as e:
-        why = "a symlink: not read" if path.is_symlink() else f"cannot read it ({e.strerror or e})"
+        why = symlink_reason(path) if path.is_symlink() else f"cannot read it ({e.strerror or e})"
         if isinstance(e, PermissionError):
             why += ": a capture file is private to the user the server runs as (0600); read it as that user"
         into.problems.append(Problem(name, 0, why))

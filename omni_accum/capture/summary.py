@@ -20,8 +20,8 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
-from omni_accum.capture.keys import _read_of, kind_of_key, known_key
-from omni_accum.capture.reader import Capture
+from omni_accum.capture.keys import _read_of, known_key
+from omni_accum.capture.reader import Capture, Problem
 from omni_accum.capture.trace import Trace
 
 #: Bytes per chunk under which a key's saving is "nothing measurable".
@@ -65,6 +65,7 @@ def summarize(capture: Capture, trace: Trace) -> dict[str, Any]:
         "files": [str(f) for f in capture.files],
         "records": len(capture.records),
         "skipped": [str(p) for p in capture.problems],
+        **skipped_counts(capture.problems),
         "warnings": trace.warnings(),  # also on stderr (omni-accum trace)
         "pairs": {},
     }
@@ -73,6 +74,7 @@ def summarize(capture: Capture, trace: Trace) -> dict[str, Any]:
         role = "send" if trace.requests.get((pair, "send")) else "recv"
         conc = trace.concurrency(pair)
         lens = [r.prompt_len() for r in side]
+        kinds = trace.key_kinds(pair)  # one kind per key, as bench / tune --trace replay it
         keys: dict[str, dict[str, Any]] = {}
         for r in side:
             acc: dict[str, int] = {}
@@ -81,7 +83,7 @@ def summarize(capture: Capture, trace: Trace) -> dict[str, Any]:
                 for k in c.keys:
                     e = keys.setdefault(k.path, {"kind": "replace", "dtype": k.dtype, "strategies": [], "chunks": 0,
                                                  "requests": 0, "bytes": 0, "_cat": 0, "_resent": 0, "_reqs": set()})
-                    kind = kind_of_key(k.path, k.kind)
+                    kind = kinds[k.path]
                     if kind == "append":
                         e["kind"] = "append"
                     if k.strategy not in e["strategies"]:
@@ -98,7 +100,7 @@ def summarize(capture: Capture, trace: Trace) -> dict[str, Any]:
             e["requests"] = len(e.pop("_reqs"))
             cat, resent = e.pop("_cat"), e.pop("_resent")
             known = known_key(path)
-            e["read"] = _read_of(path, e["kind"])  # kind: as kind_of_key read it per chunk above
+            e["read"] = _read_of(path, e["kind"])  # kind: as Trace.key_kinds decided it
             e["read_from"] = known[0] if known else None
             e["would_save"] = _saving(e["kind"], e["read"], e["chunks"], e["requests"], e["bytes"], cat, resent)
             if known is None and e["kind"] == "append" and e["chunks"] > e["requests"]:
@@ -120,6 +122,19 @@ def summarize(capture: Capture, trace: Trace) -> dict[str, Any]:
     return out
 
 
+def skipped_counts(problems: list[Problem]) -> dict[str, int]:
+    """``{"skipped_lines": N, "skipped_files": M}``: lines skipped (a run of lines of another record version counts
+    each of its lines) and files not read at all (a symlink, a folder, one that cannot be read)."""
+    lines = sum((p.last or p.line) - p.line + 1 for p in problems if p.line)
+    return {"skipped_lines": lines, "skipped_files": sum(1 for p in problems if not p.line)}
+
+
+def skipped_text(data: Mapping[str, Any]) -> str:
+    """``"3 line(s)"``, ``"2 file(s)"`` or ``"3 line(s) and 1 file(s)"`` of a summary's skipped problems."""
+    parts = [f"{data[k]} {w}(s)" for k, w in (("skipped_lines", "line"), ("skipped_files", "file")) if data.get(k)]
+    return " and ".join(parts) or "nothing"
+
+
 def _handoffs(trace: Trace, pair: str) -> dict[str, Any]:
     """Hand-off seconds the receiving side recorded: the first chunk of a request and the later ones."""
     first, later = [], []
@@ -139,7 +154,7 @@ def format_summary(data: Mapping[str, Any]) -> str:
     n = data["records"]
     lines = [f"capture: {len(data['files'])} file(s), {n} record{'' if n == 1 else 's'}"]
     if data["skipped"]:
-        lines.append(f"skipped {len(data['skipped'])} line(s) (a cut or corrupt record; the rest is used):")
+        lines.append(f"skipped {skipped_text(data)} (a cut or corrupt record, a file not read; the rest is used):")
         lines += [f"  {s}" for s in data["skipped"][:10]]
         if len(data["skipped"]) > 10:
             lines.append(f"  ... and {len(data['skipped']) - 10} more (trace --json lists them all)")

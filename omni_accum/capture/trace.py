@@ -13,8 +13,14 @@ tensor re-sent with its shape unchanged is the same value (a capture without val
 sending side's records are replayed (a pair captured on its receiving side only: those).
 
 Buckets: the context lengths are the captured requests' prompt lengths (:meth:`Trace.context_lens`: up to
-three edges at their quantiles); the concurrency is how many requests overlapped in time
-(:meth:`Trace.concurrency`). A bucket replays the captured requests whose prompt length falls in it.
+three edges at their quantiles, rounded down); the concurrency is how many requests overlapped in time
+(:meth:`Trace.concurrency`). A bucket replays the captured requests whose prompt length falls in it by the rule
+a tuned table applies at run time (edges are floors: the largest edge <= the length; a length under the first
+edge: the first bucket), among the edges given by hand when there are (:meth:`CapturedWorkload.set_context_lens`).
+It replays all of them, or, past :data:`MAX_REPLAYED`, that many spread over the whole bucket: the first in the
+order of a hash of their ids (never the order of the files); in that order, ``concurrency`` at a time, each
+next one starting as one ends (:meth:`CapturedWorkload.bucket_requests`, :meth:`CapturedWorkload.replay_note`).
+A request replays at most its first ``1 + decode_steps`` chunks (``bench --steps``; ``tune`` cuts them, said).
 """
 
 from __future__ import annotations
@@ -24,171 +30,19 @@ import hashlib
 import math
 import re
 import zlib
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from pydantic import PrivateAttr
 
-from omni_accum.bench.workloads import MAX_ROWS, Workload
-from omni_accum.capture.keys import _read_of, kind_of_key
-from omni_accum.capture.reader import Capture
+from omni_accum.bench.workloads import Workload
+from omni_accum.capture.keys import _read_of
+from omni_accum.capture.records import Chunk, KeyRec, Request, Trace, build_trace  # noqa: F401 - re-exported
 from omni_accum.capture.writer import CaptureError
 
-_NOT_ROWS = ("ids", "list", "names", "str", "bytes")
+#: Captured requests a bucket replays at most (past it: a sample spread over the bucket, said).
+MAX_REPLAYED = 32
 _SCHEMA_DTYPES = ("bfloat16", "float16", "float32", "int64", "int32")
-
-
-@dataclass(frozen=True)
-class KeyRec:
-    """One key of a recorded chunk."""
-
-    path: str
-    kind: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    strategy: str
-    extra: dict[str, Any] | None = None
-
-
-@dataclass
-class Chunk:
-    seq: int
-    t: float
-    dt: float
-    keys: list[KeyRec]
-    handoff_s: float | None = None
-
-
-@dataclass
-class Request:
-    """One request's chunks on one side of one stage pair."""
-
-    req: str
-    pair: str
-    role: str
-    chunks: list[Chunk] = field(default_factory=list)
-    ctx: int | None = None
-    arm: str | None = None
-
-    @property
-    def start(self) -> float:
-        return self.chunks[0].t
-
-    @property
-    def end(self) -> float:
-        return self.chunks[-1].t
-
-    def prompt_len(self) -> int:
-        """The recorded prompt length, else the rows of the first chunk's longest tensor key (the prefill)."""
-        if self.ctx:
-            return self.ctx
-        rows = [k.shape[0] for k in self.chunks[0].keys if k.shape and k.dtype not in _NOT_ROWS]
-        return max(rows, default=1) or 1
-
-
-@dataclass
-class Trace:
-    """The requests of a capture, by ``(pair, role)``."""
-
-    requests: dict[tuple[str, str], list[Request]] = field(default_factory=dict)
-
-    def pairs(self) -> list[str]:
-        return sorted({p for p, _ in self.requests}, key=_pair_order)
-
-    def side(self, pair: str) -> list[Request]:
-        """The requests replayed for ``pair``: the sending side's, else the receiving side's."""
-        return self.requests.get((pair, "send")) or self.requests.get((pair, "recv")) or []
-
-    def concurrency(self, pair: str) -> list[int]:
-        """Per request of ``pair`` (in start order): how many requests were streaming when it started."""
-        reqs = sorted(self.side(pair), key=lambda r: r.start)
-        return [sum(1 for o in reqs if o.start <= r.start <= o.end) for r in reqs]
-
-    def warnings(self) -> list[str]:
-        """Keys whose rows change shape or dtype within a pair (an appended key's rows, any tensor's dtype):
-        requests of two models or servers in one capture folder, say, which a replay takes as they came."""
-        from omni_accum.capture.reader import ITEM_BYTES
-
-        out = []
-        for pair in self.pairs():
-            forms: dict[str, set[str]] = {}
-            for r in self.side(pair):
-                for c in r.chunks:
-                    for k in c.keys:
-                        if k.dtype in ITEM_BYTES and k.shape:
-                            row = list(k.shape[1:]) if kind_of_key(k.path, k.kind) == "append" else None
-                            forms.setdefault(k.path, set()).add(k.dtype if row is None else f"{k.dtype} rows {row}")
-            for path, got in forms.items():
-                if len(got) > 1:
-                    out.append(
-                        f"stage pair {pair}: key {path} comes as {', '.join(sorted(got))}: requests of other models "
-                        "or servers in one capture folder? (replayed as they came)"
-                    )
-        return out
-
-    def context_lens(self, pair: str, most: int = 3) -> list[int]:
-        """Bucket edges of context length: the prompt lengths at up to ``most`` quantiles (rounded to 2
-        significant digits, capped at the bench's row bound)."""
-        lens = sorted(r.prompt_len() for r in self.side(pair))
-        if not lens:
-            return []
-        qs = [lens[min(len(lens) - 1, int(q * (len(lens) - 1) + 0.5))] for q in _quantiles(most)]
-        return sorted({min(MAX_ROWS, _round2(x)) for x in qs})
-
-    def concurrency_levels(self, pair: str, most: int = 3) -> list[int]:
-        """Bucket edges of concurrency: the overlaps at up to ``most`` quantiles."""
-        conc = sorted(self.concurrency(pair))
-        if not conc:
-            return [1]
-        return sorted({conc[min(len(conc) - 1, int(q * (len(conc) - 1) + 0.5))] for q in _quantiles(most)})
-
-
-def _quantiles(most: int) -> list[float]:
-    return [0.5] if most <= 1 else [i / (most - 1) * 0.8 + 0.1 for i in range(most)]  # 10 % .. 90 %
-
-
-def _round2(x: int) -> int:
-    if x < 100:
-        return max(1, x)
-    p = 10 ** (int(math.log10(x)) - 1)
-    return int(round(x / p) * p)
-
-
-def _pair_order(pair: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in pair.split("->"))
-    except ValueError:
-        return (1 << 30,)
-
-
-def build_trace(capture: Capture) -> Trace:
-    """Group ``capture``'s records by pair, role and request; chunks ordered by time, then index."""
-    out = Trace()
-    index: dict[tuple[str, str, str], Request] = {}
-    for rec in capture.records:
-        k = (rec["pair"], rec["role"], rec["req"])
-        r = index.get(k)
-        if r is None:
-            r = index[k] = Request(rec["req"], rec["pair"], rec["role"])
-            out.requests.setdefault((rec["pair"], rec["role"]), []).append(r)
-        keys = [KeyRec(x[0], x[1], x[2], tuple(x[3]), x[4], x[5], x[6] if len(x) > 6 else None) for x in rec["keys"]]
-        r.chunks.append(Chunk(rec["seq"], float(rec["t"]), float(rec["dt"]), keys, rec.get("handoff_s")))
-        if rec.get("ctx") is not None and r.ctx is None:
-            r.ctx = rec["ctx"]
-        if rec.get("arm") is not None:
-            r.arm = rec["arm"]
-    for reqs in out.requests.values():
-        for r in reqs:
-            r.chunks.sort(key=lambda c: (c.t, c.seq))
-        reqs.sort(key=lambda r: r.start)
-    sent = {(r.pair, r.req): r.ctx for (_, role), reqs in out.requests.items() if role == "send" for r in reqs}
-    for (_, role), reqs in out.requests.items():  # a receiving side knows the prompt length from its sender
-        if role == "recv":
-            for r in reqs:
-                r.ctx = r.ctx or sent.get((r.pair, r.req))
-    return out
 
 
 # ---------------------------------------------------------------------------------- the replayed workload
@@ -204,21 +58,19 @@ def _value_type(k: KeyRec) -> str:
     return "tensor"
 
 
-def _key_specs(reqs: list[Request]) -> list[dict[str, Any]]:
-    """One workload key per captured path, in first-seen order."""
+def _key_specs(reqs: list[Request], decided: dict[str, str]) -> list[dict[str, Any]]:
+    """One workload key per captured path, in first-seen order; ``decided``: each key's kind (Trace.key_kinds)."""
     first: dict[str, KeyRec] = {}
-    kinds: dict[str, set[str]] = {}
     where: dict[str, set[str]] = {}
     for r in reqs:
         n = len(r.chunks)
         for i, c in enumerate(r.chunks):
             for k in c.keys:
                 first.setdefault(k.path, k)
-                kinds.setdefault(k.path, set()).add(k.kind)
                 where.setdefault(k.path, set()).add("first" if i == 0 else ("last" if i == n - 1 else "mid"))
     specs = []
     for path, k in first.items():
-        kind = kind_of_key(path, "append" if "append" in kinds[path] else "replace")
+        kind = decided.get(path, "replace")
         value = _value_type(k)
         if kind == "append" and value not in ("tensor", "ids"):
             kind = "replace"
@@ -240,26 +92,61 @@ class CapturedWorkload(Workload):
     _edges: list[int] = PrivateAttr(default_factory=list)
     _built: dict[tuple[int, int], list[dict[str, Any]]] = PrivateAttr(default_factory=dict)
     _shared: dict[tuple[Any, ...], Any] = PrivateAttr(default_factory=dict)
+    _notes: list[str] = PrivateAttr(default_factory=list)
 
     def requests_for(self, context_len: int) -> list[Request]:
-        """The captured requests a bucket of ``context_len`` replays: those whose prompt length falls in
-        its bucket (among the workload's context lengths and ``context_len``), else the nearest ones."""
-        reqs = self._requests
+        """The captured requests whose prompt length falls in ``context_len``'s bucket (among the workload's
+        context lengths and ``context_len``), else the nearest ones (at most 8); in the order of a hash of their
+        ids, so that neither the order nor the sample depends on the order of the capture's files."""
         pool = self._in_bucket(context_len)
         if not pool:
-            pool = sorted(reqs, key=lambda r: abs(math.log(max(1, r.prompt_len()) / context_len)))[:8]
-        return pool
+            return sorted(self._requests, key=lambda r: (abs(math.log(max(1, r.prompt_len()) / context_len)),
+                                                         _order(r)))[:8]  # fmt: skip
+        return sorted(pool, key=_order)
+
+    def bucket_requests(self, context_len: int) -> list[Request]:
+        """The captured requests a bucket replays: :meth:`requests_for`, the first :data:`MAX_REPLAYED` of them."""
+        return self.requests_for(context_len)[:MAX_REPLAYED]
+
+    def replayed_lengths(self, context_len: int) -> list[int]:
+        """Chunks each replayed request of the bucket sends (at most ``1 + decode_steps``), in replay order."""
+        return [min(len(r.chunks), 1 + self.decode_steps) for r in self.bucket_requests(context_len)]
+
+    def replay_note(self, context_len: int) -> str:
+        """What a bucket replays: how many of its captured requests, and their cut if any."""
+        pool = self._in_bucket(context_len)
+        got = self.bucket_requests(context_len)
+        if not pool:
+            what = f"the {len(got)} nearest captured request(s) (none falls in this bucket)"
+        elif len(got) < len(pool):
+            what = f"{len(got)} of its {len(pool)} captured requests (a sample spread over them, by hashed id)"
+        else:
+            what = f"all {len(got)} of its captured request(s)"
+        longest = max(len(r.chunks) for r in got)
+        cut = sum(1 for r in got if len(r.chunks) > 1 + self.decode_steps)
+        if cut:
+            what += (f"; {cut} of them cut to their first {1 + self.decode_steps} chunks (1 + {self.decode_steps} "
+                     f"decode steps; the longest has {longest})")
+        return f"replays {what}"
+
+    def set_context_lens(self, context_lens: list[int]) -> None:
+        """Assign the captured requests to the buckets of ``context_lens`` (edges given by hand), as at run time."""
+        self._edges = sorted(set(context_lens))
 
     def bucket_warnings(self, context_lens: list[int] | None, concurrency: list[int] | None) -> list[str]:
         """What the buckets given by hand replay that the capture does not hold: a context length whose bucket
-        holds no captured request (it replays the nearest ones), a concurrency above the capture's most."""
+        holds no captured request (it replays the nearest ones), a concurrency above the capture's most. Given
+        context lengths become the buckets the requests are assigned to (:meth:`set_context_lens`)."""
         out = []
+        if context_lens:
+            self.set_context_lens(context_lens)
         lens = [r.prompt_len() for r in self._requests]
         for cl in sorted(set(context_lens or ())) if lens else ():
             if not self._in_bucket(cl):  # as requests_for finds it
                 out.append(
                     f"--context-lens {cl}: no captured request falls in that bucket (the capture's prompts are "
-                    f"{min(lens)}-{max(lens)} tokens); it replays the nearest ones"
+                    f"{min(lens)}-{max(lens)} tokens; a bucket holds the lengths from its edge up to the next edge); "
+                    "it replays the nearest ones"
                 )
         most = max(self.concurrency) if self.concurrency else None
         for c in sorted(set(concurrency or ())):
@@ -271,17 +158,17 @@ class CapturedWorkload(Workload):
         return out
 
     def _in_bucket(self, context_len: int) -> list[Request]:
-        """The captured requests whose prompt length falls in ``context_len``'s bucket (among the workload's
-        context lengths and ``context_len``)."""
+        """The captured requests whose prompt length falls in ``context_len``'s bucket among the workload's
+        context lengths and ``context_len``: the floor rule (a length under the first edge: the first bucket)."""
         edges = sorted({*self._edges, context_len})
         i = edges.index(context_len)
         lo, hi = edges[i] if i else 0, edges[i + 1] if i + 1 < len(edges) else math.inf
         return [r for r in self._requests if lo <= r.prompt_len() < hi]
 
     def recorded_stream(self, context_len: int, request: int = 0) -> list[dict[str, Any]]:
-        """The chunks of the ``request``-th captured request of ``context_len``'s bucket (cycling), at most
-        ``1 + decode_steps`` of them, with this workload's keys only."""
-        pool = self.requests_for(context_len)
+        """The chunks of the ``request``-th replayed request of ``context_len``'s bucket (:meth:`bucket_requests`,
+        cycling), at most ``1 + decode_steps`` of them, with this workload's keys only."""
+        pool = self.bucket_requests(context_len)
         r = pool[request % len(pool)]
         n = min(len(r.chunks), 1 + self.decode_steps)
         lap = request // len(pool)  # a request replayed twice at once gets other data the second time
@@ -402,7 +289,13 @@ def captured_workload(trace: Trace, pair: str | None = None, name: str | None = 
         have = ", ".join(pairs)
         hint = " (quote it: --pair '0->1'; the shell took > as a redirection)" if pair.endswith("-") else ""
         raise CaptureError(f"--pair {pair!r}: the capture has no requests of that stage pair; it has {have}{hint}")
-    reqs = trace.side(pair)
+    reqs, empty = _with_keys(trace.side(pair))
+    if not reqs:
+        raise CaptureError(
+            f"stage pair {pair}: its {empty} captured chunk(s) carry no payload key (records with \"keys\": [], "
+            "written for a chunk with nothing in it): nothing to replay"
+            + ("; give another --pair (it has " + ", ".join(p for p in pairs if p != pair) + ")" if len(pairs) > 1 else "")
+        )
     layout = [(r.req, [(c.seq, [(k.path, k.dtype, k.shape) for k in c.keys]) for c in r.chunks]) for r in reqs]
     digest = hashlib.sha256(repr(layout).encode()).hexdigest()
     edges = trace.context_lens(pair)
@@ -414,9 +307,29 @@ def captured_workload(trace: Trace, pair: str | None = None, name: str | None = 
         concurrency=trace.concurrency_levels(pair),
         context_lens=edges,
         seed=int(digest[:8], 16),
-        keys=_key_specs(reqs),
+        keys=_key_specs(reqs, trace.key_kinds(pair)),
     )
     wl._requests = reqs
     wl._edges = edges
+    if empty:
+        wl._notes = [f"stage pair {pair}: left out {empty} captured chunk(s) that carry no payload key (records with "
+                     '"keys": []): nothing in them to accumulate']
     return wl
 
+
+def _with_keys(reqs: list[Request]) -> tuple[list[Request], int]:
+    """``reqs`` without their chunks that carry no key (a request left with none: left out), and how many went."""
+    out, empty = [], 0
+    for r in reqs:
+        chunks = [c for c in r.chunks if c.keys]
+        empty += len(r.chunks) - len(chunks)
+        if len(chunks) == len(r.chunks):
+            out.append(r)
+        elif chunks:
+            out.append(Request(r.req, r.pair, r.role, chunks, r.ctx, r.arm))
+    return out, empty
+
+
+def _order(r: Request) -> tuple[int, str]:
+    """Where a captured request comes in a bucket's replay: by a hash of its id (never the files' order)."""
+    return zlib.crc32(r.req.encode()), r.req

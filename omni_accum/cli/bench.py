@@ -114,7 +114,8 @@ def register(subparsers: Any) -> None:
     m.add_argument(
         "--mooncake-segment",
         metavar="SIZE",
-        help="store memory of the holder process this run starts (default: 1GiB)",
+        help="store memory of the holder process this run starts (default: 1GiB): bytes, or a size as the "
+        "connectors read one (MiB/GiB = 2^20/2^30, MB/GB = 10^6/10^9); 0 or at least 16MiB (Mooncake's smallest)",
     )
     m.add_argument(
         "--mooncake-occupancy",

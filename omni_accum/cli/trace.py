@@ -85,13 +85,20 @@ def trace_workload(args: argparse.Namespace, prog: str) -> Any:
     except CaptureError as e:
         print(f"{prog}: error: {args.trace}: {e}", file=sys.stderr)
         return None
+    for line in wl._notes:
+        print(f"{prog}: note: {args.trace}: {line}", file=sys.stderr)
     for line in wl.bucket_warnings(getattr(args, "context_lens", None), getattr(args, "concurrency", None)):
         print(f"{prog}: warning: {args.trace}: {line}", file=sys.stderr)
+    if prog.endswith("bench"):  # tune says it per bucket, with the decode steps it replays
+        steps = getattr(args, "steps", None)
+        shown = wl.model_copy(update={"decode_steps": steps}) if steps is not None else wl
+        for cl in sorted(set(getattr(args, "context_lens", None) or wl.default_context_lens())):
+            print(f"{prog}: note: {args.trace}: bucket context_len={cl}: {shown.replay_note(cl)}", file=sys.stderr)
     return wl
 
 
 def run(args: argparse.Namespace) -> int:
-    from omni_accum.capture.summary import format_summary, summarize
+    from omni_accum.capture.summary import format_summary, skipped_text, summarize
 
     got = read(args.dir, "omni-accum trace", warn=False)  # the summary lists the skipped lines
     if got is None:
@@ -108,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_summary(data))
     if not data["records"]:  # as bench / tune --trace: nothing in it to replay or summarise
-        said = f"{len(data['skipped'])} line(s) skipped, listed above" if data["skipped"] else "no line in it"
+        said = f"{skipped_text(data)} skipped, listed above" if data["skipped"] else "no line in it"
         where = " ".join(args.dir)
         print(f"omni-accum trace: error: {where}: the capture holds no complete record ({said})", file=sys.stderr)
         return 2

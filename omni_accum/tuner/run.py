@@ -16,15 +16,9 @@ from omni_accum.policy.environment import current_fingerprint, table_mismatches
 from omni_accum.policy.loader import dump_policy, load_policy
 from omni_accum.policy.model import Policy
 from omni_accum.policy.tuned import TunedCell
-from omni_accum.tuner.buckets import (
-    DEFAULT_CONCURRENCY,
-    DEFAULT_CONTEXT_LENS,
-    QUICK_CONCURRENCY,
-    QUICK_CONTEXT_LENS,
-    check_edges,
-    table_size_problem,
-)
-from omni_accum.tuner.candidates import candidate_set_hash
+from omni_accum.tuner.buckets import DEFAULT_CONCURRENCY, DEFAULT_CONTEXT_LENS, QUICK_CONCURRENCY, QUICK_CONTEXT_LENS
+from omni_accum.tuner.buckets import check_edges, table_size_problem
+from omni_accum.tuner.candidates import Candidate, candidate_set_hash
 from omni_accum.tuner.files import (
     OutputBusy,
     OutputLock,
@@ -46,7 +40,6 @@ from omni_accum.tuner.core import (
     tune_bucket,
     verify_bucket,
 )
-from omni_accum.tuner.candidates import Candidate
 from omni_accum.bench.workload_presets import DEFAULT_WORKLOAD
 from omni_accum.bench.workloads import Workload, load_workload
 
@@ -156,9 +149,9 @@ def tune_settings(
         "wire": opts.wire,
         "device": opts.device,
         "threads": torch.get_num_threads(),
-        "decode_steps": opts.decode_steps
-        if opts.decode_steps is not None
-        else f"auto (at least {decode_steps}, >= {step_samples} step samples per round)",
+        "decode_steps": opts.decode_steps if opts.decode_steps is not None else (
+            f"auto (a bucket's captured requests, each cut to 1 + {step_samples} chunks)" if hasattr(wl, "replay_note")
+            else f"auto (at least {decode_steps}, >= {step_samples} step samples per round)"),  # fmt: skip
         "max_rounds": rounds,
         "params_grid": not opts.quick,
         "memory_budget": opts.memory_factor,
@@ -189,7 +182,10 @@ def settings_mismatches(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         if was == now:
             continue
         if k == "workload_sha256":
-            if str(new.get("workload", "")).startswith("trace "):  # a capture (tune --trace) that grew or changed
+            was_pair, now_pair = (str(x.get("workload", "")).partition("trace ")[2] for x in (old, new))
+            if was_pair and now_pair and was_pair != now_pair:  # tune --trace of another stage pair
+                out.append(f"--pair: tuned on stage pair {was_pair} of the capture, now {now_pair}")
+            elif now_pair:  # a capture (tune --trace) that grew or changed
                 out.append(f"--trace: the capture ({new.get('workload')}) changed since (hash {was}, now {now})")
             elif old.get("workload") != new.get("workload"):
                 out.append(f"{option}: tuned on {old.get('workload')!r}, now {new.get('workload')!r}")
@@ -301,10 +297,12 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
         )
     steps = opts.decode_steps if opts.decode_steps is not None else (3 if opts.quick else 8)
     target = 12 if opts.quick else 24
+    captured = hasattr(wl, "replay_note")  # tune --trace: every bucket replays its captured requests
 
     def bucket_workload(c: int) -> Workload:
-        # Enough decode steps that every arm gets ~target step samples per round at any concurrency.
-        n = steps if opts.decode_steps is not None else max(steps, -(-target // c))
+        # Enough decode steps that every arm gets ~target step samples per round at any concurrency; a captured
+        # request is cut to 1 + target chunks in every bucket alike (said per bucket).
+        n = steps if opts.decode_steps is not None else (target if captured else max(steps, -(-target // c)))
         return wl.model_copy(update={"decode_steps": min(wl.decode_steps, n)})
 
     wl_t = bucket_workload(max(concs))
@@ -333,6 +331,7 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
     reuse = _resumable(opts, wl, fp, log)
     buckets = [(cl, c) for cl in cls for c in concs]
     from omni_accum.bench.runner import BenchError, bucket_memory_problem
+    from omni_accum.bench.streams import bucket_steps
 
     sizes = {"steps": "--decode-steps"}
     problem = next((p for cl, c in buckets if (p := bucket_memory_problem(bucket_workload(c), cl, c, sizes))), None)
@@ -346,9 +345,8 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
 
         n_arms = sum(1 + len(v) for v in cands.values())
         # Pessimistic (every arm for every round); clear decisions end sooner and the bar jumps ahead.
-        total = sum(
-            (n_arms * rounds + (2 if ref is not None else 0)) * c * bucket_workload(c).n_chunks(cl) for cl, c in buckets
-        )
+        total = sum((n_arms * rounds + (2 if ref is not None else 0)) * bucket_steps(bucket_workload(c), cl, c)
+                    for cl, c in buckets)  # fmt: skip
         bar = Progress(total, progress)
     result = TuneResult(policy=base, out=Path(opts.out))
     result.previous = Path(opts.out).is_file()
@@ -405,6 +403,7 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
             _write(opts, result, _serialise(policy, wl, opts, done), done)
             result.policy = policy
             took = f"{outcome.rounds} round(s), {outcome.seconds:.2f} s" if not outcome.reused else "reused (--resume)"
+            took += f"; {bucket_workload(c).replay_note(cl)}" if captured else ""  # type: ignore[attr-defined]
             _say(log, f"bucket context_len={cl} concurrency={c}: {took}")
     except KeyboardInterrupt:
         result.stopped = "interrupted"
@@ -445,5 +444,5 @@ def _write(opts: TuneOptions, result: TuneResult, text: str, complete: bool) -> 
         result.out = part
 
 
-__all__ = ["OmniAccumError", "TuneOptions", "TuneResult", "input_overwrite_problem", "output_format"]
-__all__ += ["output_problem", "partial_path", "tune", "write_atomic"]
+__all__ = ["OmniAccumError", "TuneOptions", "TuneResult", "input_overwrite_problem", "output_format", "output_problem"]
+__all__ += ["partial_path", "tune", "write_atomic"]
