@@ -498,7 +498,7 @@ def _cell(completed: int | None, failed: int = 0, rc: int = 0, ttfp: float = 100
 def test_unanswered_benchmark_requests_fail_the_run_and_show_in_the_table(run):  # noqa: F811
     """Failed requests were dropped silently: an arm with 2 of 8 answered printed a plain p50 (over the 2) and the
     run exited 0; a client that failed or timed out (the arm's error) too."""
-    from e2e_report import table_lines
+    from e2e_report import answered, table_lines
 
     ok = _arm_result("off", False, [_cell(8, ttfp=4000.0)])
     cases = {
@@ -514,6 +514,9 @@ def test_unanswered_benchmark_requests_fail_the_run_and_show_in_the_table(run): 
         assert any(needle in s for s in said), said
     faulted = {**cases["2 of 8 requests answered, 6 failed"], "fault": {"server_running": True}}
     assert run.verdict([ok, faulted], said.append)  # a fault run reports its failed requests itself
+    held = {**_cell(8), "rounds": [_cell(8)] * 3, "num_prompts": 24, "completed": 24, "failed": 0}  # --duration-s
+    assert run.verdict([ok, _arm_result("default", True, [held])], said.append), said  # raw: round 1's only
+    assert answered(held) == "24/24" and answered({**held, "completed": 23, "failed": 1}) == "23/24 !"
     lines = table_lines([ok, cases["2 of 8 requests answered, 6 failed"], cases["the benchmark client exited 1 without a result"]])
     (row,) = [line for line in lines if line.strip().startswith("requests answered")]
     assert row.split()[2:] == ["8/8", "2/8", "!", "rc", "1"], row

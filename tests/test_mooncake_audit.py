@@ -322,7 +322,7 @@ def untaken_reads_job(*, pipes, extra: dict, tag: str) -> dict:
         live = read_started(conn, f"{tag}live_0_0")
         with conn.reads._lock:  # vllm-omni's receive loop did not take them within RESULT_TTL_S
             dropped = conn.reads._expire(time.monotonic() + mr.RESULT_TTL_S + 1)
-        conn.reads._let_go_of(dropped)  # outside the lock, as a take or start does
+        conn.reads._let_go_of(dropped)  # outside the lock, as a take does
         out["dropped"] = conn.reads.dropped
         out["gone_left"] = left(conn, gone)
         out["live_left"] = len(left(conn, live))  # a request still waiting: kept for its next get
@@ -437,3 +437,29 @@ def test_a_poll_in_a_unit_it_does_not_take_is_told_the_units_and_the_range(value
         parse_poll(value)
     assert str(e.value) == (f"extra.mooncake_get_poll = {value!r} is not 'blocking' or a duration: the units taken "
                             "are s (0.005s; a number without a unit is seconds too) and ms (5ms), from 0.1 ms to 1 s")
+
+
+def test_a_dropped_read_is_let_go_outside_the_reads_lock(monkeypatch):
+    """Letting go of a dropped read may reach the store and wait for the adapter's lock: a take that found no read of
+    its key (the common get) did it under the reads' lock, and a start under the connector's receive lock."""
+    from omni_accum.integrations.vllm_omni import mooncake_reads
+
+    seen: list[tuple[str, bool]] = []
+    reads = mooncake_reads.BackgroundReads(1, lambda: None, lambda key, got, closing: seen.append(
+        (key, reads._lock.locked())) or False)  # fmt: skip
+    clock = [time.monotonic()]
+    monkeypatch.setattr(mooncake_reads, "_now", lambda: clock[0])
+    try:
+        for name in ("a_0_0", "b_0_0"):
+            reads.start(name, lambda buf: bytearray(4))
+            reads._reads[name][0].result(timeout=60)
+            while not reads._reads[name][1]:
+                time.sleep(0.01)  # (its finish time, set on the read's thread)
+        clock[0] += mooncake_reads.RESULT_TTL_S + 2
+        reads.start("c_0_0", lambda buf: bytearray(4))  # drops a and b, lets go of neither here
+        assert seen == [] and reads.dropped == 2
+        assert reads.take("other") == (mooncake_reads.NONE, None)  # no read of its key: lets go of both, unlocked
+        assert sorted(seen) == [("a_0_0", False), ("b_0_0", False)]
+    finally:
+        monkeypatch.undo()
+        reads.close()

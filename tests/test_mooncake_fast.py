@@ -662,7 +662,7 @@ def dropped_read_job(*, pipes, extra: dict, tag: str) -> dict:
         conn.reads._reads[key][0].result(timeout=60)  # the read has finished; no get took it
         with conn.reads._lock:  # the receive loop came round later than RESULT_TTL_S
             dropped = conn.reads._expire(time.monotonic() + mr.RESULT_TTL_S + 1)
-        conn.reads._let_go_of(dropped)  # outside the lock, as a take or start does
+        conn.reads._let_go_of(dropped)  # outside the lock, as a take does
         out["dropped"] = conn.reads.dropped
         out["still_there"] = conn.store.is_exist(key) == 1
         got = _get_until(conn, get_key, lambda g: g is not None)

@@ -240,3 +240,101 @@ def test_a_table_tuned_on_a_capture_before_whole_buckets_were_replayed_is_not_re
     assert now["decode_steps"] == "auto (a bucket's captured requests, each cut to 1 + 24 chunks)"
     before = {**now, "decode_steps": "auto (at least 8, >= 24 step samples per round)"}
     assert any(w.startswith("--decode-steps") for w in settings_mismatches(before, now))
+
+
+# ---------------------------------------------------------------------------- a review of the fixes above
+def test_a_run_holds_the_built_streams_of_one_bucket_only(tmp_path):
+    """A bucket builds up to 32 requests; every bucket's stayed built for the whole run, past what the memory
+    check counts (one bucket at a time)."""
+    from omni_accum.bench.streams import bucket_streams
+
+    w = CaptureWriter(tmp_path / "two", "0", buffer_bytes=0)
+    rec = ChunkRecorder(w, "send", "0->1", _kind, ctx_of=lambda p: p)
+    for r, prompt in enumerate([100, 100, 4000, 4000]):
+        for s in range(3):
+            rows = prompt + 1 if s == 0 else 1
+            rec.record(f"q{r}", {"emb": torch.zeros(rows, D)}, 1_000_000 + r * 100_000 + s * 1000,
+                       source=prompt if s == 0 else None)  # fmt: skip
+    w.close()
+    wl = _workload(tmp_path / "two")
+    lo, hi = wl.context_lens[0], wl.context_lens[-1]
+    assert lo < hi
+    bucket_streams(wl, lo, 1)
+    assert list(wl._built) == [lo] and wl._built[lo]
+    bucket_streams(wl.model_copy(update={"decode_steps": 1}), hi, 1)  # a copy (tune's) shares and drops them
+    assert list(wl._built) == [hi]
+
+
+def test_the_replay_note_says_requests_are_replayed_again_to_fill_the_concurrency(tmp_path):
+    _write(tmp_path / "c", [3, 3])
+    wl = _workload(tmp_path / "c")
+    (cl,) = wl.context_lens
+    assert "each replayed up to" not in wl.replay_note(cl, 2)
+    assert wl.replay_note(cl, 8).endswith("each replayed up to 4 times, with other data, to keep 8 in flight")
+
+
+def test_a_capture_does_not_replay_over_the_two_process_wires(tmp_path, capsys):
+    """They replay C streams of the length of the first: a bucket's other requests were never replayed (and one
+    longer than the first was cut, shorter ones an IndexError over mooncake)."""
+    _write(tmp_path / "c", [3, 3])
+    for wire in ("arena", "mooncake"):
+        assert main(["bench", "--trace", str(tmp_path / "c"), "--wire", wire, "--no-progress"]) == 2
+        assert f"--trace with --wire {wire}: a capture replays over the inproc, serializer or shm" in capsys.readouterr().err
+
+
+def test_edges_come_from_the_chunks_replayed_not_the_empty_ones(tmp_path):
+    """A request whose chunk 0 carries no key (and no recorded prompt length) counted as a prompt of 1 token in the
+    edges: a bucket of 1 that replays nothing of its own."""
+    w = CaptureWriter(tmp_path / "e", "0", buffer_bytes=0)
+    rec = ChunkRecorder(w, "send", "0->1", _kind, ctx_of=lambda p: p)
+    for r in range(3):
+        rec.record(f"e{r}", {}, 1_000_000 + r * 100_000)  # no key, no prompt length
+        for s in range(1, 4):
+            rec.record(f"e{r}", {"emb": torch.zeros(201 if s == 1 else 1, D)}, 1_000_000 + r * 100_000 + s * 1000)
+    w.close()
+    wl = _workload(tmp_path / "e")
+    assert wl.context_lens == [200], wl.context_lens
+
+
+def test_a_workload_named_with_trace_in_it_is_not_taken_for_a_capture():
+    from omni_accum.tuner.run import settings_mismatches
+
+    (why,) = settings_mismatches({"workload": "my trace run", "workload_sha256": "a"},
+                                 {"workload": "my trace run", "workload_sha256": "b"})  # fmt: skip
+    assert not why.startswith(("--trace", "--pair")), why
+
+
+def test_the_bench_progress_total_counts_every_replayed_request(tmp_path, monkeypatch):
+    """The bar's total was concurrency x chunks of one request: with 20 captured requests it read 100 % after 5 %."""
+    import io
+
+    from omni_accum.bench import runner
+
+    _write(tmp_path / "c", [5] * 6)
+    wl = _workload(tmp_path / "c")
+    made = []
+
+    class Seen(runner.Progress):
+        def __init__(self, total, *a, **k):
+            made.append(self)
+            super().__init__(total, *a, **k)
+
+    monkeypatch.setattr(runner, "Progress", Seen)
+    runner.run_bench(wl, {"upstream": "upstream"}, context_lens=wl.context_lens, concurrency=[1], repeats=1,
+                     progress=io.StringIO())  # fmt: skip
+    (bar,) = made
+    (cl,) = wl.context_lens
+    assert bar.total == 6 * 6 * runner.step_weight(cl), bar.total  # 6 requests of 6 chunks, one at a time
+
+
+def test_the_memory_check_counts_the_streams_a_bucket_replays_again(tmp_path):
+    """With concurrency above a bucket's captured requests each is built again (other data) to fill it: the check
+    counted each once."""
+    from omni_accum.bench.streams import stream_nbytes
+
+    _write(tmp_path / "c", [3])
+    wl = _workload(tmp_path / "c")
+    (cl,) = wl.context_lens
+    s = stream_nbytes(wl, cl)
+    assert s.pool == 1 and s.lap > 0
+    assert s.total(16) - s.total(1) == 15 * (s.lap + s.per_request())

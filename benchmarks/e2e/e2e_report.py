@@ -336,8 +336,9 @@ def answered(b: dict[str, Any] | None) -> str:
     raw = b.get("raw") or {}
     if "completed" not in raw:
         return f"rc {b.get('rc')}" if b.get("rc") else "-"
-    sent = b.get("num_prompts") or (int(raw.get("completed") or 0) + int(raw.get("failed") or 0))
-    return f"{int(raw['completed'])}/{sent}" + (" !" if int(raw["completed"]) < sent else "")
+    done, failed = (b["completed"], b["failed"]) if "rounds" in b else (raw["completed"], raw.get("failed"))
+    sent = b.get("num_prompts") or (int(done) + int(failed or 0))  # --duration-s: every round's totals
+    return f"{int(done)}/{sent}" + (" !" if int(done) < sent else "")
 
 
 def table_lines(results: list[dict[str, Any]]) -> list[str]:

@@ -651,9 +651,10 @@ def bench_problem(r: dict[str, Any]) -> str | None:
         cell = f"input {b.get('input_len')}, concurrency {b.get('concurrency')}"
         if b.get("rc") or "completed" not in raw:
             return f"{cell}: the benchmark client exited {b.get('rc')}" + ("" if raw else " without a result")
-        if raw.get("failed") or int(raw["completed"]) < int(b.get("num_prompts") or 0):
+        done, failed = (b["completed"], b["failed"]) if "rounds" in b else (raw["completed"], raw.get("failed"))
+        if failed or int(done) < int(b.get("num_prompts") or 0):  # --duration-s: every round's totals
             errors = "; ".join(f"{n}x {t}" for t, n in (b.get("errors") or {}).items())
-            return (f"{cell}: {raw['completed']} of {b.get('num_prompts')} requests answered, {raw.get('failed')} "
+            return (f"{cell}: {done} of {b.get('num_prompts')} requests answered, {failed} "
                     f"failed{': ' + errors if errors else ''}")  # fmt: skip
     return None
 

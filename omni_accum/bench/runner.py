@@ -17,7 +17,7 @@ import torch
 
 from omni_accum.bench.replay import Arm, ArmResult, delta_roundtrip_us, measure
 from omni_accum.bench.report import BenchRun, _fmt_bytes
-from omni_accum.bench.streams import stream_nbytes
+from omni_accum.bench.streams import bucket_steps, stream_nbytes
 from omni_accum.bench.workloads import MAX_ROWS, Workload, load_workload
 from omni_accum.errors import OmniAccumError
 
@@ -111,7 +111,7 @@ def bucket_memory_problem(
     lower = f"give {first}" + (f" or a lower {opt['concurrency']}" if concurrency > 1 else "")
     return (
         f"context_len={context_len} concurrency={concurrency}: needs at least {_fmt_bytes(need)} of memory "
-        f"({_fmt_bytes(sizes.shared)} of prefill shared by the requests, then {_fmt_bytes(sizes.per_request())} per "
+        f"({_fmt_bytes(sizes.shared)} {'of streams built before the replay' if sizes.pool else 'of prefill shared by the requests'}, then {_fmt_bytes(sizes.per_request())} per "  # noqa: E501
         f"request in flight; the decode steps take {_fmt_bytes(decode)} of it), and {_fmt_bytes(avail)} is "
         f"available; {lower}"
     )
@@ -243,7 +243,7 @@ def run_bench(
     )
     if problem:
         raise BenchError(problem)
-    total = sum(repeats * len(arms) * c * wl.n_chunks(cl) * step_weight(cl) for cl in cls for c in concs)
+    total = sum(repeats * len(arms) * bucket_steps(wl, cl, c) * step_weight(cl) for cl in cls for c in concs)
     bar = Progress(total, progress) if progress is not None else None
     run = BenchRun(wl, wire, view_hop, repeats)
     try:

@@ -267,17 +267,26 @@ class StreamBytes:
     held_prefill: int = 0
     held_decode: int = 0
     shared_decode: int = 0  # the part of ``shared`` in decode chunks (a captured workload's replayed requests)
+    #: A captured workload's bucket: its requests built (``shared``), and the most one of them builds again when
+    #: ``concurrency`` exceeds them (it is replayed once more, with other data; prefill-sized tensors shared).
+    pool: int = 0
+    lap: int = 0
+    lap_decode: int = 0
 
     def per_request(self) -> int:
         return self.prefill + self.decode + self.held_prefill + self.held_decode
 
+    def _laps(self, concurrency: int) -> int:
+        return max(0, concurrency - self.pool) if self.pool else 0
+
     def total(self, concurrency: int) -> int:
         """Every request's stream is built before the replay, and ``concurrency`` requests are in flight."""
-        return self.shared + concurrency * self.per_request()
+        return self.shared + self._laps(concurrency) * self.lap + concurrency * self.per_request()
 
     def decode_total(self, concurrency: int) -> int:
         """The part of :meth:`total` that grows with the decode steps."""
-        return self.shared_decode + concurrency * (self.decode + self.held_decode)
+        return (self.shared_decode + self._laps(concurrency) * self.lap_decode
+                + concurrency * (self.decode + self.held_decode))  # fmt: skip
 
 
 def _groups(workload: Workload, context_len: int) -> list[tuple[int, int, int, bool]]:
@@ -355,9 +364,11 @@ def _recorded_nbytes(workload: Any, context_len: int) -> StreamBytes:
     append = {k.path for k in workload.keys if k.kind == "append"}
     best = (0, 0)
     built = built_decode = 0
+    lap = (0, 0)  # the most one request builds of its own (all but the prefill-sized tensors), and its decode part
     shapes: set[tuple[Any, ...]] = set()
-    for r in workload.bucket_requests(context_len):
-        held_pre = held_dec = 0
+    pool = workload.bucket_requests(context_len)
+    for r in pool:
+        held_pre = held_dec = own = own_decode = 0
         last: dict[str, int] = {}
         prev: dict[str, tuple[int, ...]] = {}
         for i, c in enumerate(r.chunks[: 1 + workload.decode_steps]):
@@ -369,6 +380,7 @@ def _recorded_nbytes(workload: Any, context_len: int) -> StreamBytes:
                     shapes.add(shape)
                 else:
                     n_built = 0 if k.kind == "replace" and prev.get(k.path) == k.shape else n
+                    own, own_decode = own + n_built, own_decode + (n_built if i else 0)
                 prev[k.path] = k.shape
                 built += n_built
                 built_decode += n_built if i else 0
@@ -380,4 +392,5 @@ def _recorded_nbytes(workload: Any, context_len: int) -> StreamBytes:
                     last[k.path] = max(last.get(k.path, 0), n)
         held_pre += sum(last.values())
         best = max(best, (held_pre, held_dec), key=sum)
-    return StreamBytes(built, 0, 0, *best, shared_decode=built_decode)
+        lap = max(lap, (own, own_decode))
+    return StreamBytes(built, 0, 0, *best, shared_decode=built_decode, pool=len(pool), lap=lap[0], lap_decode=lap[1])

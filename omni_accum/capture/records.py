@@ -91,9 +91,10 @@ class Trace:
         """The requests replayed for ``pair``: the sending side's, else the receiving side's."""
         return self.requests.get((pair, "send")) or self.requests.get((pair, "recv")) or []
 
-    def concurrency(self, pair: str) -> list[int]:
-        """Per request of ``pair`` (in start order): how many requests were streaming when it started."""
-        reqs = sorted(self.side(pair), key=lambda r: r.start)
+    def concurrency(self, pair: str, of: list[Request] | None = None) -> list[int]:
+        """Per request of ``pair`` (in start order): how many requests were streaming when it started (``of``:
+        those requests instead of all of the pair's, e.g. the replayed ones)."""
+        reqs = sorted(self.side(pair) if of is None else of, key=lambda r: r.start)
         return [sum(1 for o in reqs if o.start <= r.start <= o.end) for r in reqs]
 
     def key_kinds(self, pair: str) -> dict[str, str]:
@@ -137,19 +138,19 @@ class Trace:
                     )
         return out
 
-    def context_lens(self, pair: str, most: int = 3) -> list[int]:
+    def context_lens(self, pair: str, most: int = 3, of: list[Request] | None = None) -> list[int]:
         """Bucket edges of context length: the prompt lengths at up to ``most`` quantiles, rounded down to 2
         significant digits (an edge is a floor: never above the prompt lengths it stands for), capped at the
-        bench's row bound."""
-        lens = sorted(r.prompt_len() for r in self.side(pair))
+        bench's row bound (``of``: of those requests instead of all of the pair's)."""
+        lens = sorted(r.prompt_len() for r in (self.side(pair) if of is None else of))
         if not lens:
             return []
         qs = [lens[min(len(lens) - 1, int(q * (len(lens) - 1) + 0.5))] for q in _quantiles(most)]
         return sorted({min(MAX_ROWS, _floor2(x)) for x in qs})
 
-    def concurrency_levels(self, pair: str, most: int = 3) -> list[int]:
+    def concurrency_levels(self, pair: str, most: int = 3, of: list[Request] | None = None) -> list[int]:
         """Bucket edges of concurrency: the overlaps at up to ``most`` quantiles."""
-        conc = sorted(self.concurrency(pair))
+        conc = sorted(self.concurrency(pair, of))
         if not conc:
             return [1]
         return sorted({conc[min(len(conc) - 1, int(q * (len(conc) - 1) + 0.5))] for q in _quantiles(most)})

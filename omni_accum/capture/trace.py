@@ -90,7 +90,9 @@ class CapturedWorkload(Workload):
 
     _requests: list[Request] = PrivateAttr(default_factory=list)
     _edges: list[int] = PrivateAttr(default_factory=list)
-    _built: dict[tuple[int, int], list[dict[str, Any]]] = PrivateAttr(default_factory=dict)
+    #: Built streams of one bucket (its context length -> (request, chunks, lap) -> chunks): a run measures one
+    #: bucket at a time, and holding every bucket's (up to 32 requests each) would exceed what its memory check counts.
+    _built: dict[int, dict[tuple[int, int, int], list[dict[str, Any]]]] = PrivateAttr(default_factory=dict)
     _shared: dict[tuple[Any, ...], Any] = PrivateAttr(default_factory=dict)
     _notes: list[str] = PrivateAttr(default_factory=list)
 
@@ -112,8 +114,9 @@ class CapturedWorkload(Workload):
         """Chunks each replayed request of the bucket sends (at most ``1 + decode_steps``), in replay order."""
         return [min(len(r.chunks), 1 + self.decode_steps) for r in self.bucket_requests(context_len)]
 
-    def replay_note(self, context_len: int) -> str:
-        """What a bucket replays: how many of its captured requests, and their cut if any."""
+    def replay_note(self, context_len: int, concurrency: int = 1) -> str:
+        """What a bucket replays: how many of its captured requests, and their cut if any (and, ``concurrency``
+        above them, that they are replayed again, with other data, to keep that many in flight)."""
         pool = self._in_bucket(context_len)
         got = self.bucket_requests(context_len)
         if not pool:
@@ -127,6 +130,8 @@ class CapturedWorkload(Workload):
         if cut:
             what += (f"; {cut} of them cut to their first {1 + self.decode_steps} chunks (1 + {self.decode_steps} "
                      f"decode steps; the longest has {longest})")
+        if concurrency > len(got):
+            what += f"; each replayed up to {-(-concurrency // len(got))} times, with other data, to keep {concurrency} in flight"
         return f"replays {what}"
 
     def set_context_lens(self, context_lens: list[int]) -> None:
@@ -172,10 +177,14 @@ class CapturedWorkload(Workload):
         r = pool[request % len(pool)]
         n = min(len(r.chunks), 1 + self.decode_steps)
         lap = request // len(pool)  # a request replayed twice at once gets other data the second time
+        if context_len not in self._built:  # another bucket: the one before goes (in place: copies share these)
+            self._built.clear()
+            self._shared.clear()
+        built = self._built.setdefault(context_len, {})
         k = (id(r), n, lap)
-        full = self._built.get(k)
+        full = built.get(k)
         if full is None:
-            full = self._built[k] = self._build(r, n, lap)
+            full = built[k] = self._build(r, n, lap)
         paths = {s.path for s in self.keys}
         out = []
         for chunk in full:
@@ -298,13 +307,13 @@ def captured_workload(trace: Trace, pair: str | None = None, name: str | None = 
         )
     layout = [(r.req, [(c.seq, [(k.path, k.dtype, k.shape) for k in c.keys]) for c in r.chunks]) for r in reqs]
     digest = hashlib.sha256(repr(layout).encode()).hexdigest()
-    edges = trace.context_lens(pair)
+    edges = trace.context_lens(pair, of=reqs)  # of the requests replayed: their empty chunks left out
     wl = CapturedWorkload(
         name=name or f"trace {pair}",
         description=f"captured stream of stage pair {pair}: {len(reqs)} requests ({digest[:12]})",
         context_len=edges[len(edges) // 2] if edges else 1,
         decode_steps=max(0, max(len(r.chunks) for r in reqs) - 1),
-        concurrency=trace.concurrency_levels(pair),
+        concurrency=trace.concurrency_levels(pair, of=reqs),
         context_lens=edges,
         seed=int(digest[:8], 16),
         keys=_key_specs(reqs, trace.key_kinds(pair)),

@@ -115,7 +115,7 @@ def register(subparsers: Any) -> None:
         "--mooncake-segment",
         metavar="SIZE",
         help="store memory of the holder process this run starts (default: 1GiB): bytes, or a size as the "
-        "connectors read one (MiB/GiB = 2^20/2^30, MB/GB = 10^6/10^9); 0 or at least 16MiB (Mooncake's smallest)",
+        "connectors read one (MiB/GiB = 2^20/2^30, MB/GB = 10^6/10^9); at least 16MiB (Mooncake's smallest)",
     )
     m.add_argument(
         "--mooncake-occupancy",
@@ -259,6 +259,9 @@ def run(args: argparse.Namespace) -> int:
         return _usage_error(f"--trace {args.trace} and --workload {args.workload}: give one, not both")
     if args.pair and not args.trace:
         return _usage_error(f"--pair {args.pair} needs --trace DIR")
+    if args.trace and args.wire in ("arena", "mooncake"):  # their two processes replay C streams of equal length
+        return _usage_error(f"--trace with --wire {args.wire}: a capture replays over the inproc, serializer or shm "
+                            "wire (a bucket's captured requests, C at a time); the two-process wires replay workloads")
     args.workload = args.workload or DEFAULT_WORKLOAD
 
     for path, option in ((args.json, "--json"), (args.plot, "--plot")):

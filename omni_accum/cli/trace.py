@@ -93,7 +93,8 @@ def trace_workload(args: argparse.Namespace, prog: str) -> Any:
         steps = getattr(args, "steps", None)
         shown = wl.model_copy(update={"decode_steps": steps}) if steps is not None else wl
         for cl in sorted(set(getattr(args, "context_lens", None) or wl.default_context_lens())):
-            print(f"{prog}: note: {args.trace}: bucket context_len={cl}: {shown.replay_note(cl)}", file=sys.stderr)
+            c = max(getattr(args, "concurrency", None) or wl.concurrency)
+            print(f"{prog}: note: {args.trace}: bucket context_len={cl}: {shown.replay_note(cl, c)}", file=sys.stderr)
     return wl
 
 

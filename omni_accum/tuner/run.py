@@ -182,7 +182,8 @@ def settings_mismatches(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         if was == now:
             continue
         if k == "workload_sha256":
-            was_pair, now_pair = (str(x.get("workload", "")).partition("trace ")[2] for x in (old, new))
+            was_pair, now_pair = (w.removeprefix("trace ") if (w := str(x.get("workload", ""))).startswith("trace ")
+                                  else "" for x in (old, new))  # fmt: skip
             if was_pair and now_pair and was_pair != now_pair:  # tune --trace of another stage pair
                 out.append(f"--pair: tuned on stage pair {was_pair} of the capture, now {now_pair}")
             elif now_pair:  # a capture (tune --trace) that grew or changed
@@ -403,7 +404,7 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
             _write(opts, result, _serialise(policy, wl, opts, done), done)
             result.policy = policy
             took = f"{outcome.rounds} round(s), {outcome.seconds:.2f} s" if not outcome.reused else "reused (--resume)"
-            took += f"; {bucket_workload(c).replay_note(cl)}" if captured else ""  # type: ignore[attr-defined]
+            took += f"; {bucket_workload(c).replay_note(cl, c)}" if captured else ""  # type: ignore[attr-defined]
             _say(log, f"bucket context_len={cl} concurrency={c}: {took}")
     except KeyboardInterrupt:
         result.stopped = "interrupted"

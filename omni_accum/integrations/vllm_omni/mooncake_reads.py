@@ -61,6 +61,7 @@ class BackgroundReads:
         self._buffers: list[Any] = []
         self.dropped = 0
         self._next_expire = 0.0  # a take looks for finished reads no get took at most once a second
+        self._dropped: list[tuple[str, Future, str]] = []  # dropped by :meth:`_expire`, to let go outside the lock
 
     def start(self, key: str, read: Callable[[Any], Any]) -> None:
         """Run ``read(buffer)`` on a reader thread; its result (None: failed) is :meth:`take`'s for ``key``."""
@@ -72,25 +73,24 @@ class BackgroundReads:
             finally:
                 finished.append(_now())
 
-        with self._lock:
-            dropped = self._expire(_now())
+        with self._lock:  # the reads this drops are let go by the next take (the get runs this under its own lock)
+            self._dropped += self._expire(_now())
             self._reads[key] = (self._pool.submit(run), finished)
-        self._let_go_of(dropped)
 
     def take(self, key: str) -> tuple[str, Any]:
         """``(NONE, None)``: no read of ``key``; ``(RUNNING, None)``; ``(DONE, result)``, forgotten from then on."""
-        dropped: list[tuple[str, Future, str]] = []
         with self._lock:
             now = _now()
             if now >= self._next_expire:  # an idle server starts no read: its takes let go of the old ones
                 self._next_expire = now + 1.0
-                dropped = self._expire(now)
+                self._dropped += self._expire(now)
+            dropped, self._dropped = self._dropped, []
             got = self._reads.get(key)
-            if got is None or not got[0].done():
-                self._let_go_of(dropped)  # outside the lock (the store, the adapter's lock)
-                return (NONE if got is None else RUNNING), None
-            del self._reads[key]
-        self._let_go_of(dropped)
+            if got is not None and got[0].done():
+                del self._reads[key]
+        self._let_go_of(dropped)  # outside the lock: it may reach the store and wait for the adapter's lock
+        if got is None or not got[0].done():
+            return (NONE if got is None else RUNNING), None
         try:
             return DONE, got[0].result()
         except Exception:  # noqa: BLE001 - the read counts its own failures; this one found none to count
@@ -149,8 +149,9 @@ class BackgroundReads:
         the store: no get of this process will take them), then close the threads' buffers."""
         self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
-            left = [(k, f) for k, (f, _) in self._reads.items() if f.done()]
+            left = [(k, f) for k, (f, _) in self._reads.items() if f.done()] + [(k, f) for k, f, _ in self._dropped]
             self._reads.clear()
+            self._dropped = []
             buffers, self._buffers = self._buffers, []
         removed = [k for k, f in left if self._release(k, f, closing=True)]
         if removed:
