@@ -430,8 +430,8 @@ class MooncakeFastConnector(FastGets, OmniConnectorBase):
         try:
             if not closing:
                 adapters = self._live_receivers()
-                ext = key.rsplit("@", 1)[0].rsplit("_", 2)[0]  # vllm-omni's key: <request>_<stage>_<chunk>@<from>_<to>
-                if not adapters or any(_has_request(a, ext) is not False for a in adapters):
+                ext = request_of(key.rsplit("@", 1)[0])  # vllm-omni's key: <request>_<stage>_<chunk>@<from>_<to>
+                if ext is None or not adapters or any(_has_request(a, ext) is not False for a in adapters):
                     return False
             rcs = self.store.batch_remove(_with_parts(key, got.dec), True)
             with self._count_lock:
