@@ -421,7 +421,7 @@ def test_rows_held_in_chunked_prefill_count_in_the_held_bytes_gauge(vo, adapters
     """A prompt in chunked prefill holds its rows in omni-accum's accumulators before chunk 0 is put (~268 MB at 32k
     input): ``omni_accum_held_bytes`` counted only the Receivers' state and read 0 for them."""
     from omni_accum.integrations.vllm_omni import processor
-    from omni_accum.integrations.vllm_omni.binding import bindings
+    from omni_accum.integrations.vllm_omni.instances import bindings
 
     vo.install()
     tx = adapters(0, next_func=T2T, extra=QWEN)

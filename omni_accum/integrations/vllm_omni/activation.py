@@ -14,7 +14,7 @@ from typing import Any
 
 from omni_accum.switches import SettingError, check_switches, env_flag
 from omni_accum.errors import OmniAccumError
-from omni_accum.integrations.vllm_omni import binding, capture, deployment, handoff, peer, reporting, send
+from omni_accum.integrations.vllm_omni import binding, capture, deployment, handoff, instances, peer, reporting, send
 from omni_accum.integrations.vllm_omni.handshake import text_source
 from omni_accum.integrations.vllm_omni.binding_settings import (
     DEFAULT_ADAPTER_KEYS,
@@ -99,7 +99,7 @@ def _wraps_sends() -> bool:
 def uninstall() -> None:
     """Restore every patched method and forget the process-wide policy. Safe to call when not installed.
 
-    Every instance omni-accum bound is detached (:func:`.binding.detach`): its state is
+    Every instance omni-accum bound is detached (:func:`.instances.detach`): its state is
     released, its binding dropped, its accumulator store a plain dict again (same contents), every
     connector class's ``put`` its own again, and its pending full-payload entries turned into upstream's
     representation, so upstream's code carries on alone, and a later :func:`install` starts clean
@@ -110,7 +110,7 @@ def uninstall() -> None:
         for (_owner, name), (cls, raw) in reversed(list(_patched.items())):
             setattr(cls, name, raw)
         _patched.clear()
-        binding.detach_all()
+        instances.detach_all()
         send.restore_connector_classes()
         Settings.policy = None
         Settings.installed = False

@@ -11,8 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,7 +19,7 @@ from omni_accum.engine import Receiver, Sender
 from omni_accum.errors import AccumulationError
 from omni_accum.integrations.vllm_omni import deployment, handshake, metrics, peer, publishing
 from omni_accum.integrations.vllm_omni.binding_settings import Settings, check_extra, connector_extra
-from omni_accum.integrations.vllm_omni.deployment import _warn_untuned_context, deployment_context, reset_warning
+from omni_accum.integrations.vllm_omni.deployment import _warn_untuned_context, deployment_context
 from omni_accum.integrations.vllm_omni.handshake import (  # noqa: F401 - policy_fingerprint re-exported
     _changes_wire,
     _readable_source,
@@ -29,19 +27,13 @@ from omni_accum.integrations.vllm_omni.handshake import (  # noqa: F401 - policy
     _short_source,
     policy_fingerprint,
 )
+from omni_accum.integrations.vllm_omni.instances import ATTR as _ATTR
+from omni_accum.integrations.vllm_omni.instances import HELD_HOOKS, _attach, _lock, _track, bindings
 from omni_accum.integrations.vllm_omni.marker import MARKERS, _leaves, _path  # noqa: F401 - _leaves, _path re-exported
 from omni_accum.integrations.vllm_omni.publishing import publish_pending, published_later  # noqa: F401 - re-exported
-from omni_accum.integrations.vllm_omni.store import ReleasingDict
 from omni_accum.policy import Policy, load_policy
 
 logger = logging.getLogger("omni_accum.vllm_omni")
-
-_ATTR = "_omni_accum_binding"
-
-_lock = threading.Lock()
-#: Every instance given the binding attribute (a Binding or None), by id, weakly: uninstall detaches them.
-_instances: dict[int, weakref.ref[Any]] = {}
-_gone: list[int] = []  # ids of tracked objects gone since (see _track)
 
 
 class Binding:
@@ -395,19 +387,6 @@ publishing.after_publish = _changed  # the status file follows each publish
 publishing.flush_all = metrics.flush_all  # at exit: every Recorder's counts, released or not
 
 
-def bindings() -> list[tuple[Any, Binding]]:
-    """``(instance, binding)`` for every live instance that has a binding."""
-    with _lock:
-        refs = list(_instances.values())
-    out = []
-    for r in refs:
-        obj = r()
-        b = obj.__dict__.get(_ATTR) if obj is not None else None
-        if isinstance(b, Binding):
-            out.append((obj, b))
-    return out
-
-
 def bind(obj: Any, policy: Policy | None, context: StreamContext | None = None) -> Binding | None:
     """Give ``obj`` (an adapter or transport) its own policy, or none (upstream code), explicitly.
 
@@ -428,59 +407,3 @@ def bind(obj: Any, policy: Policy | None, context: StreamContext | None = None) 
         return b
 
 
-def _track(obj: Any) -> None:
-    """Enter ``obj`` (under ``_lock``), first dropping entries whose object is gone (noted in ``_gone`` by a
-    weakref callback, which may run under ``_lock``): only a dead one goes, as a new object may reuse an id."""
-    while _gone:
-        r = _instances.get(k := _gone.pop())
-        if r is not None and r() is None:
-            del _instances[k]
-    try:
-        _instances[id(obj)] = weakref.ref(obj, lambda _, k=id(obj): _gone.append(k))
-    except TypeError:  # not weak-referenceable: uninstall cannot reach it (vllm-omni's classes all are)
-        pass
-
-
-def _attach(obj: Any, b: Binding) -> None:
-    """Per-instance plumbing: a release-aware accumulator dict (runner transports). Nothing else of the
-    instance, and nothing of its connector, is replaced (the send path wraps the connector's class)."""
-    store = obj.__dict__.get("_send_side_request_payload")
-    if isinstance(store, ReleasingDict):
-        store.release = b.forget
-    elif isinstance(store, dict):
-        obj._send_side_request_payload = ReleasingDict(b.forget, store)
-
-
-#: Called by :func:`detach` with each instance (the full-payload path registers one that gives
-#: pending entries back in upstream's representation).
-DETACH_HOOKS: list[Callable[[Any], None]] = []
-#: ``(bytes, request ids)`` an instance holds outside its bindings' Receivers (``.full_payload.held``, added there):
-#: counted in ``omni_accum_held_bytes`` and as role ``accumulate`` of ``omni_accum_active_requests``.
-HELD_HOOKS: list[Callable[[Any], tuple[int, list[str]]]] = []
-
-
-def detach(obj: Any) -> None:
-    """Undo everything omni-accum did to ``obj``: release its state, drop its binding attribute, put a
-    plain dict back as its accumulator store (same contents), and let :data:`DETACH_HOOKS` turn what
-    they own back (pending full-payload entries into upstream's representation). Upstream's code then
-    handles it alone, and a later install binds it afresh (re-seeding from upstream's store)."""
-    b = obj.__dict__.pop(_ATTR, None)
-    store = obj.__dict__.get("_send_side_request_payload")
-    if isinstance(store, ReleasingDict):
-        obj._send_side_request_payload = dict(store.items())
-    for hook in DETACH_HOOKS:
-        hook(obj)
-    if isinstance(b, Binding):
-        b.close()
-
-
-def detach_all() -> int:
-    """:func:`detach` every instance a binding was made for; returns how many were still alive."""
-    with _lock:
-        objs = [r() for r in _instances.values()]
-        _instances.clear()
-    reset_warning()
-    alive = [o for o in objs if o is not None]
-    for obj in alive:
-        detach(obj)
-    return len(alive)

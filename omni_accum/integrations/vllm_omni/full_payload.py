@@ -32,7 +32,8 @@ import torch
 from omni_accum.engine import Receiver
 from omni_accum.errors import AccumulationError
 from omni_accum.integrations.vllm_omni import handoff, peer
-from omni_accum.integrations.vllm_omni.binding import DETACH_HOOKS, HELD_HOOKS, binding_for
+from omni_accum.integrations.vllm_omni.binding import binding_for
+from omni_accum.integrations.vllm_omni.instances import DETACH_HOOKS, HELD_HOOKS
 from omni_accum.integrations.vllm_omni.marker import MARKERS, OMITTED_KEY, with_stamp
 from omni_accum.integrations.vllm_omni.publishing import published_later
 from omni_accum.strategy import Accumulator, KeyInfo

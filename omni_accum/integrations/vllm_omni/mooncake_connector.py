@@ -78,7 +78,7 @@ from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorB
 
 from omni_accum.integrations.vllm_omni.arena_chains import append_test, cpu_contiguous, plain_tensor, request_of
 from omni_accum.integrations.vllm_omni.arena_chains import struct_map
-from omni_accum.integrations.vllm_omni.mooncake_get import FastGets, _Read, _with_parts
+from omni_accum.integrations.vllm_omni.mooncake_get import FastGets
 from omni_accum.integrations.vllm_omni.mooncake_reads import BackgroundReads
 from omni_accum.integrations.vllm_omni.mooncake_settings import KNOWN_KEYS, NAME, STORE_KEYS, notes, parse_settings
 from omni_accum.integrations.vllm_omni.mooncake_settings import store_problem
@@ -419,28 +419,6 @@ class MooncakeFastConnector(FastGets, OmniConnectorBase):
                 "buffers_registered": {"tx": self._tx_buf is not None, "rx": self._rx_buf is not None},
                 "reads_dropped": 0 if self.reads is None else self.reads.dropped}
 
-    def _let_go(self, key: str, got: Any, closing: bool) -> bool:
-        """A finished background read of ``key`` that no get took (:mod:`.mooncake_reads`): remove the key and its
-        parts from the store when no get will take them, that is when this connector closes, or when the receiving
-        adapters it knows (:meth:`attach_receiver`) no longer have the request (aborted or finished: vllm-omni 0.30.0
-        never removes an object, and the soft pin holds its bytes for half an hour); otherwise (a request still
-        waiting, or no adapter known) they stay for a later get. True when removed. Never raises: best effort."""
-        if not isinstance(got, _Read):
-            return False  # a failed read: the read kept or removed its key itself
-        try:
-            if not closing:
-                adapters = self._live_receivers()
-                ext = request_of(key.rsplit("@", 1)[0])  # vllm-omni's key: <request>_<stage>_<chunk>@<from>_<to>
-                if ext is None or not adapters or any(_has_request(a, ext) is not False for a in adapters):
-                    return False
-            rcs = self.store.batch_remove(_with_parts(key, got.dec), True)
-            with self._count_lock:
-                self.counts["remove_errors"] += sum(1 for rc in rcs if rc != 0)
-            return True
-        except Exception as e:  # noqa: BLE001 - left to the store's eviction
-            logger.warning("omni-accum %s: could not remove %s and its parts: %s", NAME, key, e)
-            return False
-
     def close(self) -> None:
         """Unregister the buffers, close 0.30.0's connector (idempotent). Finished background reads no get took have
         their keys and parts removed from the store first (:meth:`_let_go`)."""
@@ -458,22 +436,6 @@ class MooncakeFastConnector(FastGets, OmniConnectorBase):
                         logger.warning("omni-accum %s: unregister_buffer: %s", NAME, e)
             self._tx_buf = self._rx_buf = None
         self.inner.close()
-
-
-def _has_request(adapter: Any, ext: str) -> bool | None:
-    """Whether vllm-omni's receiving ``adapter`` still has external request ``ext`` (None: cannot tell)."""
-    mapping = getattr(adapter, "request_ids_mapping", None)
-    if not isinstance(mapping, dict):
-        return None
-    lock = getattr(adapter, "_receiver_state_lock", None)
-    got = lock.acquire(timeout=1.0) if lock is not None else False
-    try:
-        return ext in list(mapping.values())
-    except RuntimeError:  # changed while read without the lock
-        return None
-    finally:
-        if got:
-            lock.release()
 
 
 def _addresses(extra: Mapping[str, Any]) -> str:

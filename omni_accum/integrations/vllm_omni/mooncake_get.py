@@ -18,7 +18,9 @@ is left behind), and the request is failed at once where omni-accum's hooks are 
 0.30.0's ``record_receive_failure``: the scheduler finishes it with ``FINISHED_ERROR``); elsewhere vllm-omni waits for
 the chunk until its own time-out (600 s) and later gets of that key return None without asking the store. A part that
 is in the store but cannot be read either way counts ``mooncake_get_error`` once per chunk, is logged the same way, and
-its key stays for the next get.
+its key stays for the next get. A finished background read that no get took is let go here too (``_let_go``, called
+by :mod:`.mooncake_reads`): its key and parts are removed at close, or once the receiving adapters no longer have
+its request.
 
 :class:`FastGets` holds these methods for :class:`.mooncake_connector.MooncakeFastConnector`, which provides what
 they use: ``store``, ``inner``, ``waits``, ``get_poll``, ``reads``, ``counts``, ``seconds``, ``buffer_bytes``, the
@@ -35,6 +37,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from omni_accum.integrations.vllm_omni.arena_chains import request_of
 from omni_accum.integrations.vllm_omni.mooncake_reads import DONE, RUNNING
 from omni_accum.integrations.vllm_omni.mooncake_settings import NAME
 from omni_accum.integrations.vllm_omni.mooncake_wait import TRIES, TRY_INTERVAL_S, monotonic
@@ -336,6 +339,44 @@ class FastGets:
         if told:
             logger.info("omni-accum %s: told vllm-omni's receiving adapter to fail request %s (%s)", NAME, ext, reason)
         return told
+
+    def _let_go(self, key: str, got: Any, closing: bool) -> bool:
+        """A finished background read of ``key`` that no get took (:mod:`.mooncake_reads`): remove the key and its
+        parts from the store when no get will take them, that is when this connector closes, or when the receiving
+        adapters it knows (:meth:`attach_receiver`) no longer have the request (aborted or finished: vllm-omni 0.30.0
+        never removes an object, and the soft pin holds its bytes for half an hour); otherwise (a request still
+        waiting, or no adapter known) they stay for a later get. True when removed. Never raises: best effort."""
+        if not isinstance(got, _Read):
+            return False  # a failed read: the read kept or removed its key itself
+        try:
+            if not closing:
+                adapters = self._live_receivers()
+                ext = request_of(key.rsplit("@", 1)[0])  # vllm-omni's key: <request>_<stage>_<chunk>@<from>_<to>
+                if ext is None or not adapters or any(_has_request(a, ext) is not False for a in adapters):
+                    return False
+            rcs = self.store.batch_remove(_with_parts(key, got.dec), True)
+            with self._count_lock:
+                self.counts["remove_errors"] += sum(1 for rc in rcs if rc != 0)
+            return True
+        except Exception as e:  # noqa: BLE001 - left to the store's eviction
+            logger.warning("omni-accum %s: could not remove %s and its parts: %s", NAME, key, e)
+            return False
+
+
+def _has_request(adapter: Any, ext: str) -> bool | None:
+    """Whether vllm-omni's receiving ``adapter`` still has external request ``ext`` (None: cannot tell)."""
+    mapping = getattr(adapter, "request_ids_mapping", None)
+    if not isinstance(mapping, dict):
+        return None
+    lock = getattr(adapter, "_receiver_state_lock", None)
+    got = lock.acquire(timeout=1.0) if lock is not None else False
+    try:
+        return ext in list(mapping.values())
+    except RuntimeError:  # changed while read without the lock
+        return None
+    finally:
+        if got:
+            lock.release()
 
 
 def _with_parts(key: str, dec: Any) -> list[str]:

@@ -42,7 +42,7 @@ import torch
 
 from omni_accum.context import StreamContext
 from omni_accum.errors import AccumulationError, MergeError, OmniAccumError
-from omni_accum.integrations.vllm_omni import binding as _binding
+from omni_accum.integrations.vllm_omni import instances
 from omni_accum.integrations.vllm_omni import prometheus
 from omni_accum.integrations.vllm_omni.binding import Binding, binding_for, published_later
 from omni_accum.integrations.vllm_omni.binding_settings import Settings
@@ -406,4 +406,4 @@ def _detach(obj: Any) -> None:
             _give_back(store, rid)
 
 
-_binding.DETACH_HOOKS.append(_detach)
+instances.DETACH_HOOKS.append(_detach)

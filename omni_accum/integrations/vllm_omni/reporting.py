@@ -36,6 +36,7 @@ from typing import Any
 
 from omni_accum.capture.writer import prepare_dir
 from omni_accum.integrations.vllm_omni import binding as hooks
+from omni_accum.integrations.vllm_omni import instances
 from omni_accum.integrations.vllm_omni import full_payload, handoff, peer, publishing
 from omni_accum.integrations.vllm_omni.binding_settings import Settings
 from omni_accum.integrations.vllm_omni.runner_rows import STATS as RUNNER_ROWS_STATS
@@ -120,7 +121,7 @@ def status() -> Status:
 
     vo_version = dist_version("vllm-omni")
     rows = []
-    for obj, b in hooks.bindings():
+    for obj, b in instances.bindings():
         rows.append(
             BindingStatus(
                 owner=type(obj).__name__,
