@@ -463,3 +463,31 @@ def test_a_dropped_read_is_let_go_outside_the_reads_lock(monkeypatch):
     finally:
         monkeypatch.undo()
         reads.close()
+
+
+@pytest.mark.parametrize("over", [1, 8 << 30])
+def test_a_segment_larger_than_the_host_s_memory_is_refused_by_the_connector_doctor_and_the_bench(
+        monkeypatch, tmp_path, over):
+    """Mooncake's setup refuses a segment larger than the host's memory with rc -600 (measured on this VM: 0.97 of its
+    24 GiB set up, 1.01 failed; the stage does not start): ``doctor`` said ready, the connector reached the setup."""
+    from omni_accum.bench.mooncake_services import segment_problem
+    from omni_accum.integrations.vllm_omni.mooncake_settings import host_memory
+
+    mem = host_memory()
+    assert mem is not None and mem > 16 << 20
+    segment = mem + over
+    said = _refused(monkeypatch, {**GOOD, "segment": segment})
+    assert said.startswith(
+        f"{NAME}: extra.segment = {segment} bytes is larger than this host's memory ({mem} bytes"), said
+    assert "rc -600 and the stage does not start" in said and "give a segment under the memory of the host" in said
+    for name in ("MooncakeStoreConnector", NAME):
+        problems, _ = _doctor(monkeypatch, tmp_path, name, {**GOOD, "segment": segment})
+        assert len(problems) == 1, problems
+        assert f"extra.segment = {segment} bytes is larger than this host's memory" in problems[0], problems
+    assert segment_problem(segment, "--mooncake-segment '1TiB'") == (
+        f"--mooncake-segment '1TiB' is {segment} bytes, which is larger than this host's memory ({mem} bytes, "
+        f"{mem / (1 << 30):.1f} GiB): Mooncake's setup fails with rc -600 and the stage does not start; "
+        "give a smaller one")
+    built: list = []  # the memory itself (under it: 0.97 set up on this VM) reaches the setup
+    _stub(monkeypatch, built).MooncakeFastConnector({**GOOD, "segment": mem, "stage_id": 1}).close()
+    assert built[0]["segment"] == mem

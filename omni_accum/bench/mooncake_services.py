@@ -180,10 +180,13 @@ def parse_size(text: str | int) -> int:
 
 def segment_problem(segment: int, what: str, zero_ok: bool = False) -> str | None:
     """Why Mooncake's setup refuses a segment of ``segment`` bytes (``what`` names where it was given), or None:
-    other than 0 (``zero_ok``: no memory contributed) it must be at least 16 MiB, else the setup fails with rc -600
-    (the bench's holder said so only after its services had started)."""
-    from omni_accum.integrations.vllm_omni.mooncake_settings import MIN_SEGMENT  # noqa: PLC0415
+    other than 0 (``zero_ok``: no memory contributed) it must be at least 16 MiB, and at most this host's memory,
+    else the setup fails with rc -600 (the bench's holder said so only after its services had started)."""
+    from omni_accum.integrations.vllm_omni.mooncake_settings import MIN_SEGMENT, segment_too_large  # noqa: PLC0415
 
+    too_large = segment_too_large(segment)
+    if too_large is not None:
+        return f"{what} is {segment} bytes, which {too_large}; give a smaller one"
     if 0 < segment < MIN_SEGMENT:
         return (f"{what} is {segment} bytes, under Mooncake's smallest segment: its setup fails (rc -600, 'Total size "
                 f"must be at least {MIN_SEGMENT}'); give {'0 or ' if zero_ok else ''}at least 16MiB ({MIN_SEGMENT} "

@@ -5,7 +5,7 @@
 
 Problems (the stage does not start, or hangs ~90 s and then fails): a ``segment`` or ``localbuf`` that is not a whole
 number of bytes (``512MiB``, ``-1``: Mooncake's setup refuses the arguments), a ``segment`` from 1 byte to under 16 MiB
-(Mooncake's setup fails with rc -600), a ``master`` without ``HOST:PORT`` (port 1 to 65535), a ``metadata_server``
+or larger than this host's memory (Mooncake's setup fails with rc -600), a ``master`` without ``HOST:PORT`` (port 1 to 65535), a ``metadata_server``
 that is an HTTP address without ``http://`` (Mooncake then takes it for an etcd address and waits for it), a ``proto``
 Mooncake does not know, a ``host``, ``proto`` or ``rdma`` left empty (None: Mooncake's setup raises ``TypeError``), a
 misspelt key (``mastr``) or another name for one (Mooncake's own ``master_server_address``, ``local_hostname``, ...;

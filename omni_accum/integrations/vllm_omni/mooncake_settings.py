@@ -5,6 +5,7 @@ no problem in them."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,6 +43,26 @@ DEFAULT_SEGMENT = STORE_KEYS["segment"]
 #: The smallest ``segment`` Mooncake's setup takes other than 0 (no memory contributed): below it the setup fails
 #: with rc -600 ("Total size must be at least 16777216", Mooncake 0.3.13.post1) and the stage does not start.
 MIN_SEGMENT = 16 << 20
+
+
+def host_memory() -> int | None:
+    """This host's physical memory in bytes (None: unknown). Mooncake's setup refuses a segment larger than it (rc
+    -600; measured on Mooncake 0.3.13.post1 with 24 GiB: 0.97 of the memory set up, 1.01 of it failed), so a stage
+    asking for more does not start."""
+    try:
+        n = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+    return n if n > 0 else None
+
+
+def segment_too_large(segment: Any) -> str | None:
+    """Why a ``segment`` of this many bytes cannot be set up on this host (larger than its memory), or None."""
+    mem = host_memory()
+    if type(segment) is not int or mem is None or segment <= mem:
+        return None
+    return (f"is larger than this host's memory ({mem} bytes, {mem / (1 << 30):.1f} GiB): Mooncake's setup fails with "
+            "rc -600 and the stage does not start")
 #: Names vllm-omni 0.30.0's connector does not read, each with the key it reads for that setting: Mooncake's own
 #: config names (:data:`MOONCAKE_CONFIG_NAMES`, its ``MooncakeStoreConfig``'s) and others written for them. Too far
 #: from the key for a typo's close match, each was ignored, and the stage took vllm-omni's loopback default.
@@ -208,6 +229,10 @@ def store_checks(extra: Mapping[str, Any], place: str = "extra") -> tuple[list[t
         problems.append((f"{place}.segment = {segment!r} bytes is under Mooncake's smallest segment: its setup fails "
                          f"with rc -600 ('Total size must be at least {MIN_SEGMENT}') and the stage does not start",
                          f"give segment 0 (this stage contributes no memory) or at least {MIN_SEGMENT} (16 MiB)"))
+    elif (too_large := segment_too_large(segment)) is not None:
+        problems.append((f"{place}.segment = {segment!r} bytes {too_large}",
+                         "give a segment under the memory of the host the stage runs on (checked against this host's; "
+                         "0: this stage contributes no memory)"))
     master = extra.get("master", STORE_KEYS["master"])
     why = master_address_problem(master, ha=True)
     if why:
