@@ -150,6 +150,13 @@ def _check(path: str | os.PathLike[str], st: os.stat_result, kind: str) -> None:
         raise SameHostRefused(path, "group- or world-writable", st)
 
 
+def _lstat(path: str | os.PathLike[str]) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except OSError:
+        return None
+
+
 def _refuse_link(path: str | os.PathLike[str], e: OSError) -> None:
     if e.errno in (errno.EACCES, errno.EPERM):  # e.g. a directory another user made under our name, mode 0700
         try:
@@ -185,14 +192,20 @@ def check_dir(path: str | os.PathLike[str], private: bool = False) -> None:
 
 def open_private(path: str | os.PathLike[str], flags: int, mode: int = 0o600) -> int:
     """``os.open`` with ``O_NOFOLLOW``, then the checks on what was opened; the fd (the caller closes it).
-    Raises SameHostRefused (nothing left open), or the OSError of the open (FileNotFoundError, FileExistsError)."""
+    Raises SameHostRefused (nothing left open), or the OSError of the open (FileNotFoundError, FileExistsError).
+
+    Opened with ``O_NONBLOCK`` (no effect on a regular file), so that a FIFO left under the name is refused by the
+    checks instead of waited on for a writer that never comes (the open would hang its caller for good)."""
+    flags |= os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        fd = os.open(path, flags, mode)
     except FileNotFoundError:
         if not flags & os.O_CREAT or Path(path).parent != private_dir():
             raise
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)  # the directory was removed empty: again
+        fd = os.open(path, flags, mode)  # the directory was removed empty: again
     except OSError as e:
+        if e.errno == errno.ENXIO:  # O_WRONLY on a FIFO with no reader
+            raise SameHostRefused(path, "not a regular file (a FIFO)", _lstat(path)) from None
         _refuse_link(path, e)
         raise
     try:
@@ -261,7 +274,7 @@ for line in sys.stdin:
 for path, expect in held.items():
     try:
         if expect:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO: not waited on
             try:
                 same = os.read(fd, 4096).decode(errors="replace") == expect
             finally:

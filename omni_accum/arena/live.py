@@ -5,7 +5,8 @@ The receiving process creates its region under a name with a random part, ``<pai
 (whole, through a temporary file of its own) that holds that name. The sending process reads the pointer
 (checked: this user's regular file, not a symlink, not writable by others, at most 512 bytes, a name of
 this pair) and attaches to the region it names if its owner lives. Both files are in
-:func:`omni_accum.samehost.private_dir`; nothing else is looked at.
+:func:`omni_accum.samehost.private_dir`; nothing else is looked at, but by a new receiver, which first removes its
+own pair's regions whose owner died (a server killed together with its reaper left them: :func:`sweep_pair`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_accum import samehost
-from omni_accum.arena.region import REPLICAS_SUFFIX, ArenaError, owner_of, path_for, pid_alive
+from omni_accum.arena.region import PREFIX, REPLICAS_SUFFIX, ArenaError, owner_of, path_for, pid_alive
 
 POINTER_SUFFIX = ".live"
 #: Attempts at a fresh random name before a receiver gives up (each taken name is someone's live region).
@@ -52,11 +53,33 @@ def live_region(pair: str) -> str:
     return name
 
 
+def sweep_pair(pair: str) -> list[Path]:
+    """Remove ``pair``'s regions (``<pair>.<16 hex digits>``) whose recorded owner is dead: a receiving stage killed
+    together with its reaper (``kill -9`` of its process group, a container's OOM kill) leaves its region, which no
+    later receiver reuses (each takes a fresh random name); the removed paths. A region whose header has no owner yet
+    (being created) and a file that is not this user's (logged once) are left alone."""
+    removed = []
+    name = re.compile(re.escape(PREFIX + pair) + r"\.[0-9a-f]{16}")
+    for p in sorted(samehost.private_dir().glob(f"{PREFIX}{pair}.*")):
+        if not name.fullmatch(p.name):
+            continue
+        try:
+            owner = owner_of(p)
+        except samehost.SameHostRefused as e:
+            samehost.log_refusal(e, "a stale region")
+            continue
+        if owner and not pid_alive(owner):
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
 def create_receiver(pair: str, data_bytes: int, **kw: Any) -> Any:
     """A new :class:`~omni_accum.arena.ArenaReceiver` for ``pair`` under a fresh random name, named by the pair's
-    pointer file (replacing any earlier pointer)."""
+    pointer file (replacing any earlier pointer). The pair's regions whose owner died go first (:func:`sweep_pair`)."""
     from omni_accum.arena.receiver import ArenaReceiver  # noqa: PLC0415
 
+    sweep_pair(pair)
     for _ in range(NAME_TRIES):
         name = f"{pair}.{secrets.token_hex(8)}"
         try:

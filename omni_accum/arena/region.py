@@ -122,6 +122,7 @@ class Region:
         self.fd = fd
         self.layout = layout
         self.owner = owner
+        self._pid = os.getpid()  # a forked child inherits this object (and its atexit close): see _close_locked
         self.q = memoryview(mm)[:HEADER].cast("Q")
         self.pages = memoryview(mm)[layout.map_off : layout.map_off + layout.npages]
         self.ring_f = Ring(memoryview(mm)[layout.ring_f_off : layout.ring_b_off], self.q, W_F_TAIL, W_F_HEAD)
@@ -328,6 +329,9 @@ class Region:
     def _close_locked(self) -> None:
         if self.mm.closed:
             return
+        if os.getpid() != self._pid:  # a forked child's copy (its exit runs the owner's atexit close): unmap only,
+            self._unmap()  # the region, its file and its pointer stay the creating process's
+            return
         try:
             if self.owner:
                 self.q[W_OWNER_CLOSED] = 1
@@ -340,6 +344,9 @@ class Region:
             self.unlink()
             atexit.unregister(self.close)
             _untrack(self.path)
+        self._unmap()
+
+    def _unmap(self) -> None:
         for mv in (self.pages, self.q):
             mv.release()
         for ring in (self.ring_f, self.ring_b):

@@ -73,8 +73,17 @@ def file_number(name: str, stage: str, pid: int) -> int | None:
 def folder_problem(directory: str | os.PathLike[str], what: str = "capture folder") -> str | None:
     """Why ``directory`` cannot hold this user's private files (a capture, status files), or None. An existing
     folder must be a folder of this process's user that no other user may write to (they could plant files, a
-    capture's salt among them, or swap them for links); a missing one, a folder that can be made (mode 0700)."""
+    capture's salt among them, or swap them for links), not reached through a symlink another user owns (they could
+    point it at another folder later); a missing one, a folder that can be made (mode 0700)."""
+    from omni_accum.bench._paths import link_target  # noqa: PLC0415
+
     d = Path(directory)
+    try:
+        link_target(d)  # a symlink another user owns (planted in a shared folder, swapped later): never followed
+    except PermissionError as e:
+        return f"{what} {d}: {e.strerror}"
+    except OSError:
+        pass  # a loop: the stat below says so
     try:
         st = os.stat(d, follow_symlinks=True)
     except FileNotFoundError:
@@ -122,12 +131,14 @@ def read_salt_if_present(directory: Path) -> str | None:
     """The salt in ``DIR/salt``, or None when the file is not there (never made here)."""
     path = directory / SALT_FILE
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)  # a FIFO: not waited on
     except FileNotFoundError:
         return None
     except OSError as e:
         raise CaptureError(f"capture salt {path}: cannot open it ({e.strerror or e}; a symlink is refused)") from None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CaptureError(f"capture salt {path}: not a regular file; remove it (the first process makes it again)")
         return os.read(fd, 256).decode("ascii", "replace").strip() or None
     finally:
         os.close(fd)
