@@ -76,6 +76,8 @@ class Binding:
             "puts": 0, "wire_bytes": 0, "omitted": 0, "chunks_sent": 0, "chunks_received": 0, "accumulated": 0
         }  # fmt: skip
         self.arm = arm[1] if arm is not None else None
+        #: the split's binding of an arm (its adapter's), else this one
+        self.top: Binding = arm[0] if arm is not None else self
         if arm is not None:
             self.stats = arm[0].stats  # one adapter's counts, whichever arm a chunk ran
         self.metrics = metrics.Recorder(arm=self.arm)
@@ -147,13 +149,19 @@ class Binding:
         """Strategy selection for the full-payload accumulator.
 
         Its ``default`` is ``token_list`` when the policy's is ``cat``: upstream's accumulator keeps a
-        list and concatenates once at flush, and ``cat`` means "as upstream"; rules apply as written.
+        list and concatenates once at flush, and ``cat`` means "as upstream"; so is a tuned cell that kept
+        ``cat`` (the tuner's baseline: "runs as the default does"); rules apply as written.
         """
         if self._full is None:
             pol = self.policy
-            if pol.default.strategy == "cat":
+            cat_cells = pol.tuned is not None and any(c.strategy == "cat" for c in pol.tuned.cells)
+            if pol.default.strategy == "cat" or cat_cells:
                 data = pol.model_dump(mode="json", exclude_none=True)
-                data["default"] = "token_list"
+                if pol.default.strategy == "cat":
+                    data["default"] = "token_list"
+                for cell in (data.get("tuned") or {}).get("cells", []):
+                    if cell.get("strategy") == "cat":
+                        cell["strategy"], cell["params"] = "token_list", {}
                 pol = load_policy(data, manager=self.receiver.manager)
             self._full = Receiver(pol, manager=self.receiver.manager, context=self.context)
         return self._full

@@ -127,7 +127,8 @@ def policy_summary(policy: Policy | None) -> str:
     text = f"default {policy.default.strategy}, rules {rules}"
     if policy.tuned is not None:
         t = policy.tuned
-        text += f", tuned table of {len(t.context_len_edges)}x{len(t.concurrency_edges)} buckets ({len(t.cells)} cells)"
+        text += f", tuned table of {len(t.context_len_edges)}x{len(t.concurrency_edges)} buckets ({len(t.cells)} cells"
+        text += ", PARTIAL: requests in a bucket it has no cell for get the rules and default)" if not t.complete else ")"
     return text
 
 
@@ -137,6 +138,9 @@ def context_label(policy: Policy | None, context: StreamContext | None, extra: A
     per request, or nothing (no tuned table)."""
     if context is not None:
         where = context_where(extra) or "settings"
+        if context.context_len is None:  # only the concurrency set: the sender measures each request's prompt
+            return (f"context length per request (the sending stage measures each prompt), concurrency "
+                    f"{context.concurrency} for every request from {where}")
         return f"deployment context {context.context_len} tokens x {context.concurrency} from {where}"
     if policy is None or policy.tuned is None:
         return "context unused (no tuned table)"
@@ -149,7 +153,13 @@ def env_context_source() -> str:
 
 
 def context_where(extra: Any) -> str:
-    """Which settings gave a binding's deployment context: its connector extra's keys, else the environment."""
-    if isinstance(extra, Mapping) and (EXTRA_CONTEXT_LEN in extra or EXTRA_CONCURRENCY in extra):
-        return "the connector extra"
-    return env_context_source()
+    """Which settings gave a binding's deployment context, each value its own (the connector extra's key wins over
+    the environment variable): ``the connector extra`` when both are its, else each named."""
+    said, keys = [], 0
+    for key, env in ((EXTRA_CONTEXT_LEN, ENV_CONTEXT_LEN), (EXTRA_CONCURRENCY, ENV_CONCURRENCY)):
+        if isinstance(extra, Mapping) and extra.get(key) is not None:
+            said.append(f"the connector extra's {key}={extra[key]!r}")
+            keys += 1
+        elif os.environ.get(env, "").strip():
+            said.append(f"{env}={os.environ[env].strip()}")
+    return "the connector extra" if keys == 2 else ", ".join(said)

@@ -27,11 +27,16 @@ def decide(self: Any, req_id: str, chunk: Mapping[str, Any]) -> int:
     """Sender side, first chunk of ``req_id``: the tuned bucket for it (-1: no tuned table), from the
     deployment context when one is set, else from what the chunk shows (the length of ``ids.prompt``, or
     the rows of its first append-kind tensor key) and the requests live on this sender (this one
-    included). The request's strategies then follow that bucket on both ends."""
+    included; under an A/B split, on every arm of it: the adapter's load, as tune measured it). A deployment
+    context that sets only the concurrency leaves the context length to the chunk. The request's strategies
+    then follow that bucket on both ends."""
     table = self.policy.tuned
     ctx = self.context
-    if ctx is None and table is not None:
-        ctx = StreamContext(context_len=_context_len(self, chunk), concurrency=max(1, len(self.live_send)))
+    if table is not None and (ctx is None or ctx.context_len is None):
+        top = self.top
+        live = sum(len(x.live_send) for x in top.each()) if top.arms is not None else len(self.live_send)
+        concurrency = ctx.concurrency if ctx is not None else max(1, live)
+        ctx = StreamContext(context_len=_context_len(self, chunk), concurrency=concurrency)
     if table is None or ctx is None:
         return -1
     c_edge, k_edge, _ = table.bucket(ctx)
