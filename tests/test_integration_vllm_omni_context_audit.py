@@ -135,3 +135,21 @@ def test_the_install_line_says_a_partial_table_is_partial():
     partial = policy_summary(_policy(FOUR[:1], complete=False))
     assert "PARTIAL" in partial and "rules and default" in partial, partial
     assert "PARTIAL" not in policy_summary(_policy(FOUR))
+
+
+def test_a_stale_table_s_requests_are_labelled_with_no_bucket(no_context_env):
+    """A table measured in another environment is used by no request: its bucket labels said the bucket all the same."""
+    import warnings
+
+    from omni_accum.context import StreamContext
+    from omni_accum.integrations.vllm_omni.binding import Binding
+    from omni_accum.policy import load_policy
+
+    data = _policy(FOUR).model_dump(mode="json", exclude_none=True)
+    data["tuned"]["fingerprint"]["torch"] = "0.0.1"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stale = Binding(load_policy(data), ("thinker_embeddings",), "stale.yaml", None)
+        assert stale.bucket_labels(StreamContext(context_len=2000, concurrency=2)) == ("none", "none")
+    fresh = Binding(_policy(FOUR), ("thinker_embeddings",), "tuned.yaml", None)
+    assert fresh.bucket_labels(StreamContext(context_len=2000, concurrency=2)) == ("2000", "2")

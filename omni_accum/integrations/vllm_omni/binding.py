@@ -184,8 +184,9 @@ class Binding:
         return self.strategy_name(path, value) in self._append_kind
 
     def bucket_labels(self, ctx: StreamContext | None) -> tuple[str, str]:
-        """``(context_bucket, concurrency_bucket)`` metric labels of a request's context (``none``: no table)."""
-        if ctx is None or self.policy.tuned is None:
+        """``(context_bucket, concurrency_bucket)`` metric labels of a request's context (``none``: no table, or
+        one measured in another environment, which no request uses)."""
+        if ctx is None or self.policy.tuned is None or not self.policy.tuned_usable():
             return "none", "none"
         return str(ctx.context_len), str(ctx.concurrency)
 
