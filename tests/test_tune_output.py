@@ -241,3 +241,23 @@ def test_the_partial_file_is_never_writable_by_others_so_resume_takes_it_under_a
         os.umask(old)
     assert f"--resume: reusing the buckets of {part}" in log.getvalue()
     assert stat.S_IMODE((tmp_path / "tuned.yaml").stat().st_mode) == 0o664  # --out: 0666 & ~umask, as open()
+
+
+@needs_root
+@pytest.mark.parametrize("where, file_mode", [("shared", 0o644), ("private", 0o666)])
+def test_another_users_file_that_others_could_have_planted_is_not_given_back_to_them(
+        tmp_path, capsys, where, file_mode):
+    """Root's tune --out onto a file another user made first (in a sticky world-writable folder, or writable by
+    others) kept that user as its owner and its 0666: the table root deploys was theirs to rewrite."""
+    folder = tmp_path / where
+    folder.mkdir()
+    folder.chmod(0o1777 if where == "shared" else 0o755)
+    out = folder / "t.yaml"
+    tune(_opts(tmp_path, out=out))  # a tuned table, made there by another user (below) before root's run
+    os.chown(out, NOBODY, NOBODY)
+    out.chmod(file_mode)
+    assert cli.main(_tune_args(tmp_path, out)) == 0
+    st = out.stat()
+    assert st.st_uid == os.geteuid() and not stat.S_IMODE(st.st_mode) & 0o022, (st.st_uid, oct(st.st_mode))
+    err = capsys.readouterr().err
+    assert f"warning: {out}: was owned by uid {NOBODY}" in err and "not group- or world-writable" in err, err

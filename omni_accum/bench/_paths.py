@@ -180,6 +180,18 @@ def _keep_owner(fd: int, path: Path, was: os.stat_result) -> None:
           file=sys.stderr)  # fmt: skip
 
 
+def _planted(target: Path, was: os.stat_result) -> bool:
+    """Whether ``target`` (``was``: its stat) is another user's file (not root's) that others may write, or that sits
+    in a folder others may write to (``/tmp``): a file another user could have made there first."""
+    if was.st_uid in (0, os.geteuid()):
+        return False
+    try:
+        folder = os.stat(target.parent).st_mode
+    except OSError:
+        return True
+    return bool(was.st_mode & 0o022 or folder & 0o002)
+
+
 def replace_file(
     path: str | os.PathLike[str],
     write: Callable[[BinaryIO], object],
@@ -194,8 +206,9 @@ def replace_file(
     A symlink at ``path`` is replaced itself (``follow_link=False``: bench's outputs, tune's partial file), or
     followed to its target when this user or root owns it (``follow_link=True``: ``tune --out`` may be the link to a
     deployed table; :func:`link_target` refuses another user's link). A device, FIFO or socket there is refused, never
-    replaced. An existing file keeps its permission bits, owner and group; a new one gets ``0666 & ~umask`` as with
-    ``open()``. ``own=True`` (tune's partial file, which ``--resume`` trusts only as this user's alone): another
+    replaced. An existing file keeps its permission bits, owner and group (but another user's that others may write,
+    or in a folder others may write to: a new file of this user, not group- or world-writable, with a warning); a new
+    one gets ``0666 & ~umask`` as with ``open()``. ``own=True`` (tune's partial file, which ``--resume`` trusts only as this user's alone): another
     user's file there is replaced by this user's, with a new file's mode, and the file is never group- or
     world-writable. The folder must exist (never created). An ``OSError`` names ``path``, not the temporary file.
     """
@@ -214,8 +227,15 @@ def replace_file(
             was = None
         if was is not None and (not stat.S_ISREG(was.st_mode) or own and was.st_uid != os.geteuid()):
             was = None  # a link replaced, or another user's file taken over: a new file of this user
+        planted = was is not None and _planted(target, was)
+        if planted:  # another user's file others may write, or in a folder others may write: not given back to them
+            print(f"omni-accum: warning: {path}: was owned by {who(was.st_uid)} and "
+                  + ("writable by others" if was.st_mode & 0o022 else "in a folder others may write to")
+                  + f": the new file is this user's ({who(os.geteuid())}), not group- or world-writable (another "
+                  "user could have made it there first to get what this user writes)", file=sys.stderr)  # fmt: skip
+            was = None
         mode = stat.S_IMODE(was.st_mode) if was is not None else 0o666 & ~_umask()
-        if own:  # --resume refuses a partial file others may write: never make one
+        if own or planted:  # --resume refuses a partial file others may write: never make one
             mode &= ~0o022
         fd, tmp = temp_file(target.parent, target.name, ".tmp")
         with os.fdopen(fd, "wb") as fh:
