@@ -329,9 +329,8 @@ class Region:
     def _close_locked(self) -> None:
         if self.mm.closed:
             return
-        if os.getpid() != self._pid:  # a forked child's copy (its exit runs the owner's atexit close): unmap only,
-            self._unmap()  # the region, its file and its pointer stay the creating process's
-            return
+        if os.getpid() != self._pid:  # a forked child's copy (its exit runs the owner's atexit close): unmap only
+            return self._unmap()  # (the region, its file and its pointer stay the creating process's)
         try:
             if self.owner:
                 self.q[W_OWNER_CLOSED] = 1

@@ -162,14 +162,9 @@ def check_context(deploy: str | None) -> list[Check]:
             )
             continue
         if extra is not None or ctx is not None:
-            if ctx is None:
-                detail = "not set: each request's bucket comes from what the sender sees"
-            elif ctx.context_len is None:  # only the concurrency: the prompt length is still measured per request
-                detail = (f"context length per request (not set: the sender measures each prompt), concurrency "
-                          f"{ctx.concurrency} for every request (an explicit override)")
-            else:
-                detail = (f"context length {ctx.context_len}, concurrency {ctx.concurrency} (an explicit override of "
-                          "the per-request buckets)")
+            detail = "not set: each request's bucket comes from what the sender sees" if ctx is None else (
+                f"context length {ctx.context_len or 'per request (not set: the sender measures each prompt)'}, "
+                f"concurrency {ctx.concurrency} (an explicit override of the per-request buckets)")
             out.append(Check("context", True, f"{where}: {detail}"))
     return out
 

@@ -48,9 +48,9 @@ def _read_deploy(path: str) -> Any:
     except RecursionError as e:
         raise OmniAccumError(f"--deploy {path}: invalid YAML: nested too deeply") from e
     except (ValueError, TypeError, IndexError, OverflowError) as e:  # PyYAML's bad tagged scalars (``!!int x``)
-        from omni_accum.policy.loader import _bad_scalar_line
+        from omni_accum.policy.parsing import bad_scalar_line
 
-        where = _bad_scalar_line(text)
+        where = bad_scalar_line(text)
         line = f"line {where}: " if where else ""
         raise OmniAccumError(f"--deploy {path}: {line}invalid YAML value: {type(e).__name__}: {e}") from e
 
@@ -296,7 +296,7 @@ def _policy_checks(spec: Any, source: str, info: dict[str, Any], env_checked: bo
         info.setdefault("policy", {"source": source, "default": policy.default.strategy, "rules": rules})
         said = "; ".join(rules) or "no rules"
         out = [Check("policy", True, f"{source}: default {policy.default.strategy}; {said}")]
-    out += _sent_keys_check(policy, source)
+    out += _sent_keys_check(policy, source) + _run_checks(policy, spec, source)
     if policy.tuned is not None:
         diffs = table_mismatches(policy.tuned)
         if diffs:
@@ -313,6 +313,25 @@ def _policy_checks(spec: Any, source: str, info: dict[str, Any], env_checked: bo
         partial = policy.tuned.partial_note()
         if partial:
             out.append(Check("tuned table", True, partial, "omni-accum tune --resume --out FILE", warning=True))
+    return out
+
+
+def _run_checks(policy: Any, spec: Any, source: str) -> list[Check]:
+    """What ``validate`` checks beyond loading: what a ``Sender``/``Receiver`` refuses (the server binds no omni-accum
+    then) and the glob rules an earlier glob covers; of an A/B split, those and the tuned tables of every arm (each
+    runs as a policy of its own), each named with its arm. A plain policy's table is checked below."""
+    from omni_accum.cli.validate import policy_problems, source_lines
+    from omni_accum.manager import get_manager
+    from omni_accum.policy.parsing import LineIndex
+
+    where = spec if isinstance(spec, str) else "<mapping>"  # an arm's relative path is read beside the split first
+    lines = source_lines(spec) if isinstance(spec, str) else LineIndex(None)
+    errors, warns = policy_problems(policy, get_manager(), lines, source=where, tables=policy.ab is not None)
+    fix = "fix the policy" + (" of that arm" if policy.ab is not None else "") + " (omni-accum validate POLICY)"
+    out = []
+    for p, warn in [(p, False) for p in errors] + [(p, True) for p in warns]:
+        place = (f"line {p['line']}: " if p["line"] else "") + (f"{p['loc']}: " if p["loc"] else "")
+        out.append(Check("policy", warn, f"{source}: {place}{p['msg']}", fix, warning=warn))
     return out
 
 

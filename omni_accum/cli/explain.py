@@ -79,10 +79,11 @@ def explain_key(
     manager = manager or get_manager()
     meta = KeyMeta(key, value_type)  # type: ignore[arg-type]
     notes: list[str] = []
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # a stale table's warning: the notes below say it (no Python warning text)
         warnings.simplefilter("ignore")
         choice = manager.select(key, meta, context, policy)
         by_policy = policy.resolve(key, context)
+        usable = policy.tuned_usable()  # a key a rule decides never reached the table
     reason: dict[str, Any]
     hit = policy.match_rule(key)
     if (choice.strategy, dict(choice.params)) != (by_policy.strategy, dict(by_policy.params)):
@@ -128,9 +129,11 @@ def explain_key(
                 )
     else:
         reason = {"kind": "default"}
+        if policy.tuned is not None and not usable:  # no tuned cell was looked for: the table is stale
+            reason["tuned_table"] = "stale"
         notes += _unknown_key_notes(key)
     if policy.tuned is not None and reason["kind"] in ("default", "rule"):
-        if not policy.tuned_usable():
+        if not usable:
             diffs = "; ".join(table_mismatches(policy.tuned))
             notes.append(f"tuned table not used: measured in another environment ({diffs})")
         elif reason["kind"] == "default":
@@ -226,9 +229,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
             f"tuned table, bucket {_edge_label('context_len', context.context_len, r['context_len_bucket'])}, "
             f"{_edge_label('concurrency', context.concurrency, r['concurrency_bucket'])}"
         ),
-        "default": lambda: (
-            "the policy's default (no rule matches"
-            + (", no tuned cell)" if explained.tuned is not None else ", no tuned table)")
+        "default": lambda: "the policy's default (no rule matches, " + (
+            "no tuned table)" if explained.tuned is None
+            else "tuned table not used: measured in another environment, see the note)"
+            if r.get("tuned_table") == "stale" else "no tuned cell)"
         ),
         "plugin": lambda: r["detail"],
     }[r["kind"]]()

@@ -5,7 +5,8 @@ One record per policy, the same shape whether it is valid or not: ``policy``, ``
 status 1: the schema, strategy names and params, what a ``Sender``/``Receiver`` refuses, every repeated
 rule ``match``, and a tuned table measured in another environment (stale: it would be ignored at run
 time; ``--allow-stale`` makes that a warning). Warnings leave the exit status alone: a glob rule that
-an earlier glob covers (it never decides a key).
+an earlier glob covers (it never decides a key), and a partial tuned table. An A/B split's arms are each checked
+so, as the policies of their own they are in vllm-omni, every problem named with its arm (``ab.arms.NAME.policy``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from omni_accum.engine.endpoint import _Endpoint
 from omni_accum.errors import OmniAccumError, PolicyError
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import table_mismatches
-from omni_accum.policy.loader import build_policy, format_problem, parse_text, read_policy_argument, strategy_problems
+from omni_accum.policy.loader import _loc_of, arm_source, build_policy, format_problem, parse_text, read_policy_argument
+from omni_accum.policy.loader import read_source, strategy_problems
 from omni_accum.policy.model import Policy
 from omni_accum.policy.parsing import LineIndex, TomlText
 from omni_accum.policy.stages import later_stage_problems
@@ -74,24 +76,9 @@ def check_one(arg: str, manager: StrategyManager, allow_stale: bool = False) -> 
     rec["policy"] = label if label.startswith("<") else arg
     rec["rules"] = len(policy.rules)
     lines = LineIndex(text)  # one parse for every warning's line, and none when there is none
-    try:
-        _Endpoint(policy, manager=manager)  # what a Sender or Receiver refuses (meta.override_keys' rule)
-    except OmniAccumError as e:
-        rec["errors"].append(_problem(None, None, str(e)))
-    if policy.tuned is not None:
-        diffs = table_mismatches(policy.tuned)
-        if diffs:
-            msg = (
-                "stale tuned table: measured in another environment, so it would be ignored here ("
-                + "; ".join(diffs)
-                + "); re-run `omni-accum tune` here"
-            )
-            where = rec["warnings"] if allow_stale else rec["errors"]
-            where.append(_problem("tuned.fingerprint", lines(("tuned", "fingerprint")), msg))
-        partial = policy.tuned.partial_note()
-        if partial:
-            rec["warnings"].append(_problem("tuned.complete", lines(("tuned", "complete")), partial))
-    _glob_warnings(rec, policy, lines)
+    errors, warns = policy_problems(policy, manager, lines, allow_stale, label)
+    rec["errors"] += errors
+    rec["warnings"] += warns
     rec["valid"] = not rec["errors"]
     if policy == Policy() and arg != "default":
         rec["note"] = "the default policy: vllm-omni 0.30.0's behaviour"
@@ -118,14 +105,86 @@ def _later_stages(rec: dict[str, Any], data: Any, text: str, manager: StrategyMa
 
 
 def _glob_warnings(rec: dict[str, Any], policy: Policy, lines: LineIndex, index: dict[int, int] | None = None) -> None:
+    rec["warnings"] += _glob_problems(policy, lines, index)
+
+
+def _glob_problems(policy: Policy, lines: LineIndex, index: dict[int, int] | None = None) -> list[dict[str, Any]]:
     """A glob rule that an earlier glob covers (it never decides a key), at the file's own rule indexes."""
     at = (lambda j: j) if index is None else (lambda j: index.get(j, j))  # noqa: E731
+    out = []
     for later, earlier in policy.shadowed_rules():
         msg = (
             f"{policy.rules[later].match!r} is covered by the earlier glob rules[{at(earlier)}].match "
             f"{policy.rules[earlier].match!r} (among globs the first listed wins): this rule never decides a key"
         )
-        rec["warnings"].append(_problem(f"rules[{at(later)}].match", lines(("rules", at(later), "match")), msg))
+        out.append(_problem(f"rules[{at(later)}].match", lines(("rules", at(later), "match")), msg))
+    return out
+
+
+def policy_problems(
+    policy: Policy,
+    manager: StrategyManager,
+    lines: LineIndex,
+    allow_stale: bool = False,
+    source: str = "<mapping>",
+    tables: bool = True,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(errors, warnings)`` of a loaded policy beyond its schema, as ``{"loc", "line", "msg"}`` records: what a
+    ``Sender``/``Receiver`` refuses, a stale tuned table (a warning with ``allow_stale``), a partial one (a warning;
+    ``tables=False`` leaves both table checks out) and the glob rules an earlier glob covers (warnings). Of an A/B
+    split: those of every arm (each runs as a policy of its own in vllm-omni), each at its ``ab.arms.NAME.policy``,
+    naming the arm's file and line; ``source`` is where the split was read (its arms' relative paths start there)."""
+    if policy.ab is not None:
+        return _arm_problems(policy, manager, lines, allow_stale, source)
+    errors: list[dict[str, Any]] = []
+    warns: list[dict[str, Any]] = []
+    try:
+        _Endpoint(policy, manager=manager)  # what a Sender or Receiver refuses (meta.override_keys' strategy)
+    except OmniAccumError as e:
+        for d in (getattr(e, "details", None) if isinstance(e, PolicyError) else None) or [{"msg": str(e)}]:
+            loc = d.get("loc")
+            base = _loc_of(loc.removesuffix(".strategy")) if loc else ()
+            errors.append(_problem(loc, (lines((*base, "strategy")) or lines(base)) if loc else None, d["msg"]))
+    if policy.tuned is not None and tables:
+        diffs = table_mismatches(policy.tuned)
+        if diffs:
+            msg = (
+                "stale tuned table: measured in another environment, so it would be ignored here ("
+                + "; ".join(diffs)
+                + "); re-run `omni-accum tune` here"
+            )
+            where = warns if allow_stale else errors
+            where.append(_problem("tuned.fingerprint", lines(("tuned", "fingerprint")), msg))
+        partial = policy.tuned.partial_note()
+        if partial:
+            warns.append(_problem("tuned.complete", lines(("tuned", "complete")), partial))
+    return errors, warns + _glob_problems(policy, lines)
+
+
+def _arm_problems(
+    policy: Policy, manager: StrategyManager, lines: LineIndex, allow_stale: bool, source: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """:func:`policy_problems` of every arm of a split, each record at the arm's ``ab.arms.NAME.policy``, its
+    message naming the arm's policy and the line there: ``ab.arms.b.policy: b.yaml, line 3: rules[0]...: ...``."""
+    assert policy.ab is not None
+    errors: list[dict[str, Any]] = []
+    warns: list[dict[str, Any]] = []
+    for name, arm in policy.arm_policies().items():
+        ref, loc = policy.ab.arms[name].policy, ("ab", "arms", name, "policy")
+        arm_errors, arm_warns = policy_problems(arm, manager, source_lines(ref, source), allow_stale)
+        for into, found in ((errors, arm_errors), (warns, arm_warns)):
+            into += [_problem(f"ab.arms.{name}.policy", lines(loc), format_problem(ref, p)) for p in found]
+    return errors, warns
+
+
+def source_lines(ref: str, source: str = "<mapping>") -> LineIndex:
+    """The lines of the policy file or preset ``ref`` (an arm's ``policy`` of the split read from ``source``); none
+    for text that cannot be read again (inline text, a file gone): a problem then has no line."""
+    try:
+        _, text, fmt = read_source(arm_source(source, ref))
+    except OmniAccumError:
+        return LineIndex(None)
+    return LineIndex(TomlText(text) if fmt == "toml" else text)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

@@ -125,13 +125,34 @@ class _Endpoint:
             self._check_override_keys_rule()
 
     def _check_override_keys_rule(self) -> None:
-        """Refuse a policy whose rules give ``meta.override_keys`` a strategy that rewrites its wire form."""
+        """Refuse a policy that gives ``meta.override_keys`` a strategy that rewrites its wire form: the rule that
+        decides the key, or else the default and every tuned cell of the key (a cell measured in another
+        environment too, unless its strategy is not loaded here: that table is ignored at run time)."""
         hit = self.policy.match_rule(OVERRIDE_KEYS_PATH)
-        ref = hit[1] if hit is not None else self.policy.default
-        where = f"rules[{hit[0]}] ({hit[1].match!r})" if hit is not None else "default"
-        strategy = self.manager.build(ref.strategy, dict(ref.params), f"{where} for {OVERRIDE_KEYS_PATH}")
-        if rewrites_wire(strategy):
-            raise PolicyError(_override_keys_message(ref.strategy, where))
+        refs = [(f"rules[{hit[0]}]", f"rules[{hit[0]}] ({hit[1].match!r})", hit[1])] if hit is not None else []
+        if hit is None:
+            refs.append(("default", "default", self.policy.default))
+            cells = self.policy.tuned.cells if self.policy.tuned is not None else []
+            refs += [
+                (f"tuned.cells[{i}]", f"tuned.cells[{i}], bucket context_len>={c.context_len}, concurrency>="
+                 f"{c.concurrency}", c)
+                for i, c in enumerate(cells)
+                if c.key == OVERRIDE_KEYS_PATH and self.manager.get_spec(c.strategy) is not None
+            ]  # fmt: skip
+        details = []  # each that would rewrite it (a table may have several cells): validate lists each
+        for loc, where, ref in refs:
+            try:
+                strategy = self.manager.build(ref.strategy, dict(ref.params), f"{where} for {OVERRIDE_KEYS_PATH}")
+            except OmniAccumError:
+                if loc.startswith("tuned."):  # params of another plugin version: a stale table, ignored at run time
+                    continue
+                raise
+            if rewrites_wire(strategy):
+                cell = loc.startswith("tuned.")  # a cell is placed (a table has many); a rule or the default as before
+                msg = _override_keys_message(ref.strategy, where, cell=cell)
+                details.append({"loc": f"{loc}.strategy" if cell else None, "line": None, "msg": msg})
+        if details:
+            raise PolicyError("\n".join(d["msg"] for d in details), details=details)
 
     # -- requests ---------------------------------------------------------------------------- #
     def _state(self, req_id: str, context: StreamContext | None) -> tuple[_Request, bool]:
@@ -395,9 +416,10 @@ def rewrites_wire(strategy: Strategy) -> bool:
     return not strategy.omits_unchanged and type(strategy).new_encoder is not Strategy.new_encoder
 
 
-def _override_keys_message(name: str, where: str) -> str:
+def _override_keys_message(name: str, where: str, cell: bool = False) -> str:
+    also = " (a rule beats the tuned table), or remove the cell" if cell else ""
     return (
         f"{OVERRIDE_KEYS_PATH} gets strategy {name!r} (from {where}), which rewrites the key's wire form, but the "
         f"receiver reads {OVERRIDE_KEYS_PATH} from the wire to reset the keys it lists: give it a rule with "
-        "'replace' or 'send_once', or set honor_override_keys: false"
+        f"'replace' or 'send_once'{also}, or set honor_override_keys: false"
     )

@@ -27,7 +27,9 @@ from omni_accum.policy.environment import installed_plugins
 from omni_accum.policy.fingerprint import plugin_versions
 from omni_accum.policy import model
 from omni_accum.policy.model import Policy
-from omni_accum.policy.parsing import DuplicateKeyError, LineIndex, TomlText, load_json, load_yaml, yaml_error_parts
+from omni_accum.policy.parsing import DuplicateKeyError, LineIndex, TomlText, bad_scalar_line, load_json, load_yaml
+from omni_accum.policy.parsing import yaml_error_parts
+from omni_accum.policy.tuned import cell_problems
 from omni_accum.policy.sources import (  # noqa: F401 - re-exported: the loader's public names
     MAX_POLICY_BYTES,
     PRESET_SUFFIX,
@@ -79,7 +81,7 @@ def parse_text(text: str, fmt: str, source: str) -> Any:
         raise PolicyError(f"{source}: invalid {fmt.upper()}: nested too deeply", source=source) from e
     except (ValueError, TypeError, IndexError, OverflowError) as e:
         # PyYAML's safe constructors raise plain exceptions for bad tagged scalars (``!!int x``, ``!!binary ?``).
-        where = _bad_scalar_line(text) if fmt == "yaml" else None
+        where = bad_scalar_line(text) if fmt == "yaml" else None
         line = f"line {where}: " if where else ""
         raise _parse_error(source, where, f"invalid {fmt.upper()} value: {type(e).__name__}: {e}") from e
 
@@ -90,27 +92,6 @@ def _parse_error(source: str, line: int | None, msg: str, place: str | None = No
         place = f"line {line}: " if line else ""
     detail = {"loc": None, "line": line, "msg": msg}
     return PolicyError(f"{source}: {place}{msg}", source=source, details=[detail])
-
-
-def _bad_scalar_line(text: str) -> int | None:
-    """1-based line of the first scalar the safe loader cannot construct, or None."""
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except (yaml.YAMLError, RecursionError):
-        return None
-    stack = [root] if root is not None else []
-    while stack:
-        node = stack.pop()
-        if isinstance(node, yaml.ScalarNode):
-            try:
-                yaml.SafeLoader("").construct_object(node, deep=True)
-            except Exception:  # noqa: BLE001 - any failure locates the bad scalar
-                return node.start_mark.line + 1
-        elif isinstance(node, yaml.SequenceNode):
-            stack.extend(reversed(node.value))
-        elif isinstance(node, yaml.MappingNode):
-            stack.extend(n for kv in reversed(node.value) for n in reversed(kv))
-    return None
 
 
 _PLAIN_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
@@ -199,6 +180,9 @@ def _validation_details(err: ValidationError, lines: LineIndex) -> list[dict[str
                 rloc = ("rules", int(_RULE_MATCH_RE.match(m).group(1)), "match")  # type: ignore[union-attr]
                 line = lines(rloc)
                 out.append({"loc": _format_loc(rloc), "line": line, "msg": m.split(" ", 1)[1]})
+            continue
+        if loc == ("tuned",) and (cells := cell_problems(msg)):  # every bad cell, each at its own line
+            out += [{"loc": _format_loc(cloc), "line": lines(cloc), "msg": m} for cloc, m in cells]
             continue
         line = lines(loc) if loc else None
         if loc and loc[-1] == "[key]" and e["type"] == "value_error":  # a key refused by its check (an arm name)
@@ -293,11 +277,11 @@ def build_policy(
         details = _validation_details(e, lines)
         if manager is None:
             manager = get_manager()
-        if all(_is_repeat(d) for d in details):
-            # Only repeated matches: the rest can still be checked (strategy names and params), so that every
-            # problem is listed at once; the first rule of each match stands in for its copies.
+        if all(_is_repeat(d) or str(d.get("loc")).startswith("tuned.cells[") for d in details):
+            # Only repeated matches and bad tuned cells: the rest can still be checked (strategy names and params),
+            # so that every problem is listed at once; the first rule of each match stands in for its copies.
             try:
-                again = Policy.model_validate(dict(data), context={"allow_repeats": True})
+                again = Policy.model_validate(dict(data), context={"allow_repeats": True, "allow_cell_problems": True})
             except ValidationError:  # noqa: S110 - not expected; the repeats alone are reported
                 pass
             else:
@@ -353,6 +337,15 @@ def _raw_arm_problems(data: Mapping[str, Any], details: list[dict[str, Any]], so
     return _load_arms(pairs, source, lines, manager)[1]
 
 
+def arm_source(source: str, ref: str) -> str:
+    """Where the arm ``policy: ref`` of a split read from ``source`` loads from: the file of that name beside
+    ``source`` (a relative path), else ``ref`` itself (a path from the working directory, a preset)."""
+    folder = Path(source).parent if probe(source, "is_file") else None
+    if folder is not None and not Path(ref).is_absolute() and probe(folder / ref, "is_file"):
+        return str(folder / ref)
+    return ref
+
+
 def _load_arms(
     pairs: list[tuple[str, str]], source: str, lines: LineIndex, manager: StrategyManager | None
 ) -> tuple[dict[str, Policy], list[dict[str, Any]]]:
@@ -361,9 +354,7 @@ def _load_arms(
     arms: dict[str, Policy] = {}
     details: list[dict[str, Any]] = []
     for name, ref in pairs:
-        loc, target = ("ab", "arms", name, "policy"), ref
-        if folder is not None and not Path(ref).is_absolute() and probe(folder / ref, "is_file"):
-            target = str(folder / ref)
+        loc, target = ("ab", "arms", name, "policy"), arm_source(source, ref)
         token = _IN_ARM.set(True)
         try:
             if is_inline_policy(ref) and not probe(target):

@@ -20,6 +20,7 @@ __all__ = [
     "LineIndex",
     "TomlText",
     "UniqueKeySafeLoader",
+    "bad_scalar_line",
     "load_json",
     "load_yaml",
     "toml_line",
@@ -102,6 +103,27 @@ def yaml_error_parts(e: yaml.YAMLError) -> tuple[str, str]:
     if e.context and ctx is not None and mark is not None and ctx.line != mark.line:
         problem += f" ({e.context} at line {ctx.line + 1}, column {ctx.column + 1})"
     return line, problem
+
+
+def bad_scalar_line(text: str) -> int | None:
+    """1-based line of the first scalar the safe loader cannot construct, or None."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except (yaml.YAMLError, RecursionError):
+        return None
+    stack = [root] if root is not None else []
+    while stack:
+        node = stack.pop()
+        if isinstance(node, yaml.ScalarNode):
+            try:
+                yaml.SafeLoader("").construct_object(node, deep=True)
+            except Exception:  # noqa: BLE001 - any failure locates the bad scalar
+                return node.start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(reversed(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            stack.extend(n for kv in reversed(node.value) for n in reversed(kv))
+    return None
 
 
 class TomlText(str):

@@ -8,11 +8,38 @@ is decided by :mod:`omni_accum.policy.fingerprint`, with the installed plugins g
 from __future__ import annotations
 
 import bisect
+import re
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    Strict,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from omni_accum.context import StreamContext
+
+
+#: One line of :meth:`TunedTable._build_index`'s error: ``cells[i]``, an optional ``.field``, then the problem.
+_CELL_PROBLEM = re.compile(r"^cells\[(\d+)\](?:\.(\w+))? (.+)$")
+
+
+def cell_problems(text: str) -> list[tuple[tuple[Any, ...], str]]:
+    """``(loc, message)`` of each cell problem in the text of a table's error (``loc``: ``("tuned", "cells", i)``
+    and the field when one is named, the message without the cell), or [] for text that is not only those."""
+    out: list[tuple[tuple[Any, ...], str]] = []
+    for line in text.splitlines():
+        m = _CELL_PROBLEM.match(line)
+        if m is None:
+            return []
+        loc: tuple[Any, ...] = ("tuned", "cells", int(m[1]))
+        out.append(((*loc, m[2]), f"{m[2]} {m[3]}") if m[2] else (loc, line))
+    return out
 
 
 class TunedCell(BaseModel):
@@ -97,22 +124,31 @@ class TunedTable(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _build_index(self) -> TunedTable:
+    def _build_index(self, info: ValidationInfo) -> TunedTable:
+        """Index the cells; every bad cell is listed at once, a line each starting ``cells[i]`` (the loader reports
+        each at its cell's own line). With ``allow_cell_problems`` in the validation context (the loader's second
+        pass, which then checks every cell's strategy) the bad cells are left out of the index instead."""
+        problems: list[str] = []
         for i, c in enumerate(self.cells):
-            if c.context_len not in self.context_len_edges:
-                edges = self.context_len_edges
-                raise ValueError(f"cells[{i}].context_len {c.context_len} is not one of context_len_edges {edges}")
-            if c.concurrency not in self.concurrency_edges:
-                edges = self.concurrency_edges
-                raise ValueError(f"cells[{i}].concurrency {c.concurrency} is not one of concurrency_edges {edges}")
+            bad = False
+            for field, value, edges in (
+                ("context_len", c.context_len, self.context_len_edges),
+                ("concurrency", c.concurrency, self.concurrency_edges),
+            ):
+                if value not in edges:
+                    problems.append(f"cells[{i}].{field} {value} is not one of {field}_edges {edges}")
+                    bad = True
             k = (c.key, c.context_len, c.concurrency)
             if k in self._index:
-                j = self.cells.index(self._index[k])
-                raise ValueError(
+                j = next(n for n, other in enumerate(self.cells) if other is self._index[k])
+                problems.append(
                     f"cells[{i}] repeats cells[{j}] (key {c.key!r}, context_len {c.context_len}, concurrency "
-                    f"{c.concurrency}): a bucket has one cell per key"
+                    f"{c.concurrency}): a bucket has one cell per key; remove one"
                 )
-            self._index[k] = c
+            elif not bad:
+                self._index[k] = c
+        if problems and not (info.context or {}).get("allow_cell_problems"):
+            raise ValueError("\n".join(problems))
         return self
 
     @staticmethod
