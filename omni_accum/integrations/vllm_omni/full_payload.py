@@ -15,9 +15,11 @@ role; no merge time, nothing is merged), and both publish their binding's metric
 ``accumulate``), not as chunks received: nothing was received there.
 
 A step whose value a strategy refuses (a dtype change, which upstream's final ``torch.cat``
-promotes) is not an error inside vllm-omni: the entry is turned into upstream's representation
-(each key's rows so far as one tensor) and upstream's own method takes the step; that request's
-entry stays upstream's until it is flushed. ``uninstall`` turns every pending entry back the same way.
+promotes), or that would make the entry's accumulators hold more than the policy's
+``max_bytes_per_request`` (checked before anything is allocated, as the Receiver's guard is), is not an
+error inside vllm-omni: the entry is turned into upstream's representation (each key's rows so far as
+one tensor) and upstream's own method takes the step; that request's entry stays upstream's until it is
+flushed (counted as ``refused_chunk``, logged once). ``uninstall`` turns every pending entry back the same way.
 """
 
 from __future__ import annotations
@@ -67,20 +69,65 @@ class PolicyChunks:
         self.accs[key], self.rows[key], self.trailing[key] = acc, int(value.shape[0]), tuple(value.shape[1:])
 
     def fresh(self, key: str, value: torch.Tensor) -> Accumulator:
-        """A new accumulator of ``key``'s append-kind strategy holding ``value``; nothing of the entry changes.
+        """A new accumulator of ``key``'s append-kind strategy holding ``value`` (:meth:`make`, then :meth:`fill`);
+        nothing of the entry changes."""
+        return self.fill(key, self.make(key, value), value)
+
+    def make(self, key: str, value: torch.Tensor) -> Accumulator:
+        """A new, empty accumulator of ``key``'s append-kind strategy for ``value`` (nothing allocated for it yet).
         Upstream appends every 2-D+ tensor here, whatever the key means in async-chunk mode; so a key whose policy
         strategy is not append-kind (``codes.audio: replace`` in the ``qwen3-omni`` preset, ``send_once``) keeps
         upstream's append semantics, with ``token_list`` (upstream's list-then-concatenate-once) storing it.
-        :class:`AccumulationError` for anything raising (a selection hook, a strategy's factory or merge)."""
+        :class:`AccumulationError` for anything raising (a selection hook, a strategy's factory)."""
         try:
             strategy, spec = self.endpoint.select(key, value, self.endpoint.context)
             if "append" not in spec.kinds:
                 strategy = self.endpoint.manager.build("token_list")
-            acc = strategy.new_accumulator(KeyInfo(key, self.req_id))
+            return strategy.new_accumulator(KeyInfo(key, self.req_id))
+        except Exception as e:  # noqa: BLE001 - a plugin raising fails this request's entry, not vllm-omni
+            raise _refusal(e, self.req_id, key) from e
+
+    def fill(self, key: str, acc: Accumulator, value: torch.Tensor) -> Accumulator:
+        """``acc`` (one :meth:`make` made) with ``value`` merged; :class:`AccumulationError` if its merge raises."""
+        try:
             acc.merge(value)
         except Exception as e:  # noqa: BLE001 - a plugin raising fails this request's entry, not vllm-omni
             raise _refusal(e, self.req_id, key) from e
         return acc
+
+    def guard(self, step: dict[str, Any], new: dict[str, Accumulator]) -> None:
+        """The policy's ``max_bytes_per_request`` (the Receiver's guard) on the step ``step``, before anything is
+        allocated: the keys in ``new`` restart with those accumulators (:meth:`make`, nothing merged yet), the other
+        2-D+ tensors of keys held append (checked already), any other value that is not None drops its key. Raises
+        :class:`AccumulationError` when the entry's accumulators would hold more than the limit afterwards (each
+        touched key counted at :meth:`Accumulator.projected_nbytes`); changes nothing. Off (0): nothing done."""
+        limit = self.endpoint.policy.max_bytes_per_request
+        if not limit:
+            return
+        key: str | None = None
+        try:
+            held = {k: acc.nbytes() for k, acc in self.accs.items()}
+            after, worst = sum(held.values()), (0, "")
+            for key, value in step.items():
+                if value is None:
+                    continue
+                if key in new:
+                    grow = new[key].projected_nbytes(value) - held.get(key, 0)
+                elif key in self.accs:
+                    grow = (self.accs[key].projected_nbytes(value) if _appendable(value) else 0) - held[key]
+                else:
+                    continue
+                after += grow
+                worst = max(worst, (grow, key))
+        except Exception as e:  # noqa: BLE001 - a strategy's nbytes / projected_nbytes raising (a plugin's bug)
+            raise _refusal(e, self.req_id, key) from e
+        if after > limit:
+            raise AccumulationError(
+                f"would hold {after} bytes after this step (key {worst[1]!r} grows by {worst[0]}), over "
+                f"max_bytes_per_request={limit}; step refused before allocating",
+                request_id=self.req_id,
+                key=worst[1] or None,
+            )
 
     def appends(self, key: str, value: torch.Tensor) -> bool:
         """True when :meth:`add` appends ``value`` (trailing shape unchanged: upstream's rule), False: restarts."""
@@ -138,7 +185,7 @@ def held(obj: Any) -> tuple[int, list[str]]:
     return n, ids
 
 
-def _refusal(e: Exception, req_id: str, key: str) -> AccumulationError:
+def _refusal(e: Exception, req_id: str, key: str | None) -> AccumulationError:
     """``e`` as the refusal :meth:`.Binding.fall_back` reports (a strategy's ValueError, or a plugin's bug)."""
     if isinstance(e, AccumulationError):
         return e
@@ -165,6 +212,14 @@ def _appendable(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() >= 2
 
 
+def _refused(b: Any, req_id: str, error: AccumulationError, where: str) -> None:
+    """A step omni-accum refused: counted (``refused_chunk``) and logged once for the request (:meth:`.Binding.
+    fall_back`; the entry stays upstream's until it is flushed) and published soon (the count reaches Prometheus
+    now: upstream's entry publishes nothing when it is handed over)."""
+    b.fall_back(req_id, error, where, release=False)
+    published_later(b)
+
+
 def wrap_accumulate_full(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def accumulate_full_payload_output(self: Any, req_id: str, pooler_output: Any, request: Any) -> None:
@@ -179,13 +234,15 @@ def wrap_accumulate_full(orig: Callable[..., Any]) -> Callable[..., Any]:
         if existing is None:
             chunks, latest = PolicyChunks(b.full_payload_endpoint, req_id, b.publish), {}
             try:
+                new = {k: chunks.make(k, v) for k, v in pooler_output.items() if _appendable(v)}
+                chunks.guard(pooler_output, new)  # max_bytes_per_request, before anything is merged
                 for k, v in pooler_output.items():
-                    if _appendable(v):
-                        chunks.start(k, v)
+                    if k in new:
+                        chunks.start(k, v, chunks.fill(k, new[k], v))
                     else:
                         latest[k] = v
             except AccumulationError as e:  # nothing pending yet: upstream's method starts the entry
-                b.fall_back(req_id, e, where, release=False)
+                _refused(b, req_id, e, where)
                 return orig(self, req_id, pooler_output, request)
             pending[req_id] = (chunks, latest, chunks.rows, request)
             b.received(pooler_output, time.perf_counter() - t0, True, req_id, "accumulate")
@@ -193,15 +250,18 @@ def wrap_accumulate_full(orig: Callable[..., Any]) -> Callable[..., Any]:
         chunks, latest, _, _ = existing
         replace_keys = self._resolve_full_payload_replace_keys()
         fresh: dict[str, Accumulator] = {}  # the keys this step (re)starts, their accumulators made before any change
-        try:  # all or nothing: every appended value is checked before anything changes
+        try:  # all or nothing: every appended value is checked, and the step guarded, before anything changes
             for k, v in pooler_output.items():
                 if _appendable(v):
                     if k in replace_keys or not chunks.appends(k, v):
-                        fresh[k] = chunks.fresh(k, v)
+                        fresh[k] = chunks.make(k, v)
                     else:
                         chunks.check(k, v)
+            chunks.guard(pooler_output, fresh)  # max_bytes_per_request, before anything is merged
+            for k, acc in fresh.items():
+                chunks.fill(k, acc, pooler_output[k])
         except AccumulationError as e:
-            b.fall_back(req_id, e, where, release=False)
+            _refused(b, req_id, e, where)
             pending[req_id] = to_upstream_entry(existing)
             return orig(self, req_id, pooler_output, request)
         done = 0
@@ -220,7 +280,7 @@ def wrap_accumulate_full(orig: Callable[..., Any]) -> Callable[..., Any]:
                 done += 1
         except AccumulationError as e:  # a strategy's merge raising after its check passed (a plugin's bug):
             # the keys taken so far stay (the failing one's rows as its strategy left them); upstream takes the rest
-            b.fall_back(req_id, e, where, release=False)
+            _refused(b, req_id, e, where)
             pending[req_id] = to_upstream_entry((chunks, latest, chunks.rows, request))
             return orig(self, req_id, dict(list(pooler_output.items())[done:]), request)  # the keys not taken
         pending[req_id] = (chunks, latest, chunks.rows, request)

@@ -25,7 +25,13 @@ one whose connector extra installs them) gets the wrapper in its own attribute (
 While omni-accum accumulates a request, its entry in ``request_payload`` is a :class:`_Held` (so the
 adapter's own clean-up, which pops that entry, frees it); any failure turns it into the release's
 own entry (the ``torch.cat`` of the chunks so far) and runs the release's function, counted in
-``omni_accum_fallbacks_total{reason="processor_refused"|"processor_error"}``. Per request, the time
+``omni_accum_fallbacks_total{reason="processor_refused"|"processor_error"}``. The policy's
+``max_bytes_per_request`` is the Receiver's guard here too: a chunk that would make the two keys'
+accumulators hold more for the request (``prealloc``: its buffer of the prompt's rows + 1, at the first
+chunk) is refused before the strategy allocates, and the release's code takes the request from there
+(``processor_refused``, logged once per request). The strategies are selected in the tuned bucket the
+sender's handshake decides for the request (the prompt length, the requests live on the sending adapter:
+:func:`live_requests`). Per request, the time
 spent in the processor over its prefill chunks and the bytes its accumulation copied are published as
 ``omni_accum_processor_merge_seconds{stage,strategy}`` and ``omni_accum_processor_bytes_copied_total``.
 """
@@ -66,12 +72,13 @@ class _Held(dict):
     reads it; :func:`_to_upstream` turns it into the release's entry), with the per-key accumulators and
     their rows, the latest chunk's payload (its other keys), the time spent and the bytes copied so far."""
 
-    __slots__ = ("accs", "rows", "last", "seconds", "copied", "strategy")
+    __slots__ = ("accs", "rows", "last", "seconds", "copied", "strategy", "specs")
 
     def __init__(self, accs: list[tuple[str, Any]], rows: list[int], last: Any, strategy: str) -> None:
         super().__init__()
         self.accs, self.rows, self.last, self.strategy = accs, rows, last, strategy
         self.seconds, self.copied = 0.0, 0
+        self.specs: list[Any] = []  # the keys' strategy specs (the byte guard names them)
 
 
 def _stage(tm: Any) -> str:
@@ -93,21 +100,35 @@ def _probe_value(mm: Any) -> Any:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _context(b: Binding, prompt_len: int) -> StreamContext:
-    """The stream context the two keys' strategies are selected in: the binding's, else (a tuned table)
-    the bucket of the prompt length."""
+def live_requests(b: Binding, rid: str) -> int:
+    """The concurrency the sender's handshake (:func:`.handshake.decide`) counts for ``rid`` on the adapter's
+    binding ``b``: the requests live on that sending adapter (on every arm of an A/B split), ``rid`` included (not
+    live yet while the processor holds its prefill: the adapter puts its first chunk afterwards)."""
+    live = [x.live_send for x in b.each()]
+    return max(1, sum(len(s) for s in live) + all(rid not in s for s in live))
+
+
+def _context(b: Binding, prompt_len: int, rid: str) -> StreamContext:
+    """The stream context the two keys' strategies are selected in for request ``rid``: the bucket the sender's
+    handshake decides for it (:func:`.handshake.decide`, by the same rules): from the prompt length and
+    :func:`live_requests`; a deployment context that sets the context length as it is; one that sets only the
+    concurrency, that and the prompt length. No tuned table: the binding's."""
     table = b.policy.tuned
     ctx = b.receiver.context
-    if table is None or b.context is not None:
+    if table is None:
         return ctx
-    c_edge, k_edge, _ = table.bucket(StreamContext(context_len=prompt_len, concurrency=ctx.concurrency))
+    dep = b.context
+    if dep is not None and dep.context_len is not None:
+        return ctx
+    concurrency = dep.concurrency if dep is not None else live_requests(b, rid)
+    c_edge, k_edge, _ = table.bucket(StreamContext(context_len=prompt_len, concurrency=concurrency))
     return StreamContext(context_len=c_edge, concurrency=k_edge)
 
 
-def _select(b: Binding, value: torch.Tensor, prompt_len: int) -> list[tuple[str, Any, Any]] | None:
-    """``(path, strategy, spec)`` of both keys when omni-accum accumulates them (both append-kind, neither
+def _select(b: Binding, value: torch.Tensor, prompt_len: int, rid: str) -> list[tuple[str, Any, Any]] | None:
+    """``(path, strategy, spec)`` of both keys when omni-accum accumulates ``rid``'s (both append-kind, neither
     ``cat``), else None (the release's own code)."""
-    ctx = _context(b, prompt_len)
+    ctx = _context(b, prompt_len, rid)
     chosen = [(path, *b.receiver.select(path, value, ctx)) for path in PATHS]
     if all("append" in spec.kinds and spec.name != UPSTREAM for _, _, spec in chosen):
         return chosen
@@ -151,28 +172,67 @@ def _in_arena(tm: Any, rid: str, path: str, value: Any, rows: int) -> torch.Tens
 
 def _start(b: Binding, chosen: list[tuple[str, Any, Any]], rid: str, out: Any, tm: Any = None) -> _Held:
     final = len(out.ids.prompt) + 1  # the rows handed over: the prompt's, then the first decode step's
-    accs, rows, copied = [], [], 0
-    for (group, key), (path, strategy, spec) in zip(KEYS, chosen):
-        value = getattr(getattr(out, group), key)
-        acc = _accumulator(b, strategy, spec.name, path, rid, final)
+    values = [getattr(getattr(out, group), key) for group, key in KEYS]
+    specs = [spec for _, _, spec in chosen]
+    accs = [(path, _accumulator(b, strategy, spec.name, path, rid, final)) for path, strategy, spec in chosen]
+    limit = b.policy.max_bytes_per_request
+    if limit:  # the first merge's bytes, before it
+        _guard(limit, rid, specs, accs, [(0, acc.projected_nbytes(v)) for (_, acc), v in zip(accs, values)])
+    for (_, acc), value in zip(accs, values):
         acc.merge(value)
+    if limit:  # then the buffer own() copies the chunk into, before it is allocated
+        _guard(limit, rid, specs, accs, [(acc.nbytes(), _owned_nbytes(acc, v)) for (_, acc), v in zip(accs, values)])
+    copied = 0
+    for (path, acc), value in zip(accs, values):
         own = getattr(acc, "own", None)
         if own is not None:  # prealloc: the rows go into the buffer now, not at the first decode step ...
             # ... and over the arena connector, into the slab the put will announce (the put copies none)
-            copied += own(_in_arena(tm, rid, path, value, final) if value.dim() and value.shape[0] else None)
-        accs.append((path, acc))
-        rows.append(_rows(value))
-    held = _Held(accs, rows, out, chosen[0][2].name)
-    held.copied = copied
+            copied += own(_in_arena(tm, rid, path, value, final) if _owns(value) else None)
+    held = _Held(accs, [_rows(v) for v in values], out, specs[0].name)
+    held.specs, held.copied = specs, copied
     return held
 
 
-def _append(held: _Held, out: Any) -> int:
-    """Append this chunk's rows of both keys (checked first: both or neither). Returns the bytes copied:
-    the chunk's rows, and the rows held when the accumulator moved them (a new buffer)."""
+def _owns(value: Any) -> bool:
+    """Whether ``own()`` copies a first chunk ``value`` (held by reference) into a buffer: one with rows."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] > 0
+
+
+def _owned_nbytes(acc: Any, value: Any) -> int:
+    """Bytes ``acc`` (its first chunk ``value`` merged) holds once :func:`_start` called its ``own()``: the buffer
+    an append sizes (``own`` sizes it so: the projection of appending no rows), else what it holds now."""
+    if getattr(acc, "own", None) is not None and _owns(value):
+        return acc.projected_nbytes(value[:0])
+    return acc.nbytes()
+
+
+def _guard(limit: int, rid: str, specs: list[Any], accs: list[tuple[str, Any]], sizes: list[tuple[int, int]]) -> None:
+    """The Receiver's memory guard (``max_bytes_per_request``) on the two keys ``rid`` accumulates: ``sizes`` is each
+    key's ``(bytes held now, bytes held after the step)``; over ``limit`` the step is refused before it allocates
+    (an :class:`AccumulationError` naming the key that grows most, its strategy and plugin; nothing changed)."""
+    after = sum(n for _, n in sizes)
+    if after > limit:
+        grow, i = max((n - now, i) for i, (now, n) in enumerate(sizes))
+        raise AccumulationError(
+            f"would hold {after} bytes after this prefill chunk (key {accs[i][0]!r} grows by {grow}), over "
+            f"max_bytes_per_request={limit}; refused before allocating",
+            request_id=rid,
+            key=accs[i][0],
+            strategy=specs[i].name,
+            plugin=specs[i].plugin,
+        )
+
+
+def _append(held: _Held, out: Any, limit: int = 0, rid: str = "") -> int:
+    """Append this chunk's rows of both keys (checked first, and against ``limit``, the policy's
+    ``max_bytes_per_request`` for request ``rid``: both or neither). Returns the bytes copied: the chunk's rows,
+    and the rows held when the accumulator moved them (a new buffer)."""
     values = [getattr(getattr(out, g), k) for g, k in KEYS]
     for (_, acc), value in zip(held.accs, values):
         acc.check(value)
+    if limit:
+        sizes = [(acc.nbytes(), acc.projected_nbytes(value)) for (_, acc), value in zip(held.accs, values)]
+        _guard(limit, rid, held.specs, held.accs, sizes)
     copied = 0
     for i, ((_, acc), value) in enumerate(zip(held.accs, values)):
         before = _storage(acc.current_tensor_meta())
@@ -306,7 +366,7 @@ def wrap_processor(orig: Callable[..., Any]) -> Callable[..., Any]:
                 value = _probe_value(multimodal_output)
                 if value is None:
                     return orig(*args)  # no thinker layers: the release returns None
-                chosen = _select(b, value, len(request.prompt_token_ids))
+                chosen = _select(b, value, len(request.prompt_token_ids), rid)
                 if chosen is None:
                     return _timed_upstream(b, orig, args, rid, store)
         except Exception as e:  # noqa: BLE001 - a plugin never fails vllm-omni's processor
@@ -355,7 +415,7 @@ def _merge(
         if b.prefill_nbytes is None:  # the held-bytes gauge counts these rows too (the adapter's store, for good)
             b.prefill_nbytes = functools.partial(held_nbytes, store)
         return None
-    copied = _append(held, out)
+    copied = _append(held, out, b.policy.max_bytes_per_request, rid)
     held.last = out
     if not is_finished and held.rows[0] <= len(out.ids.prompt):
         held.copied += copied
