@@ -54,7 +54,6 @@ def mooncake(tmp_path_factory):
     svc = MooncakeServices(segment_bytes=256 << 20, log_dir=str(tmp_path_factory.mktemp("mooncake-logs")))
     svc.start()
     pids = svc.pids
-    ports = {svc.rpc_port, svc.http_port, svc.metrics_port}
     try:
         assert {svc.rpc_port, svc.http_port} <= listening_ports(pids)  # it answers on the ports it was given
         yield svc
@@ -62,8 +61,9 @@ def mooncake(tmp_path_factory):
         held = listening_ports(pids)
         svc.stop()  # waits for each process to exit: their sockets are closed then
         assert not [p for p in pids if _alive(p)], "a Mooncake service process is still running"
-        assert not listening_ports(pids), "a Mooncake service still listens"
-        assert not (ports & listening_ports()), f"a master port is still listening (held before stop: {sorted(held)})"
+        # Only the services' own sockets: the ports were free ones, released now, and any process of the machine
+        # (the other lane's master, a server on port 0, an outgoing connection) may be given one of them again.
+        assert not listening_ports(pids), f"a Mooncake service still listens (held before stop: {sorted(held)})"
 
 
 @pytest.fixture(scope="module")

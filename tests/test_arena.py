@@ -360,7 +360,12 @@ def test_an_owner_ended_by_sigterm_leaves_nothing_in_dev_shm():
     assert not path_for(name).exists()
 
 
-def test_a_stale_arena_of_a_dead_owner_is_reclaimed():
+def test_a_stale_arena_of_a_dead_owner_is_reclaimed(tmp_path, monkeypatch):
+    # A private directory of this test's own: the sweep removes every region of a dead (or not yet written) owner
+    # in the directory it is given, and the shared one holds the regions of tests running in another process.
+    base = tmp_path / "shm"
+    base.mkdir(mode=0o700)
+    monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", str(base))
     name = _name("stale")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     rx = ArenaReceiver(name, 1 << 16)
@@ -374,6 +379,7 @@ def test_a_stale_arena_of_a_dead_owner_is_reclaimed():
                 raise ArenaError("in use (skip: no live foreign pid)")
             ArenaReceiver(name, 1 << 16)
         q[8] = int(dead.stdout)
+        assert path.parent == base / f"omni-accum-{os.geteuid()}"
         assert path in sweep_stale(path.parent) or not path.exists()
         rx2 = ArenaReceiver(name, 1 << 16)  # reclaims the name
         rx2.close()

@@ -26,7 +26,7 @@ from the run's JSON report:
   ``SharedMemoryConnector``): the receiving stages created the regions and stages 0 and 1 put through
   the arena, the thinker's append keys went as append chains the talker's stage read in place (no copy),
   nothing left in ``/dev/shm``;
-* nothing of the server is left running and its port is free.
+* nothing of the server is left running and none of its processes listens on its port.
 
 Logs: ``benchmarks/e2e/.work/test-logs/``.
 """
@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -84,14 +83,34 @@ def _alive(pid: int, title: str) -> bool:
     return state != "Z" and now == title
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def _listening_ports(pids: list[int]) -> set[int]:
+    """TCP ports (IPv4 and IPv6) in LISTEN state whose socket is open in one of ``pids`` (as
+    ``omni_accum.bench``'s ``listening_ports(pids)``): a process that is gone holds none. Only the server's own
+    sockets: its port was a free one, and another process (the other lane's tests) may be given it once released."""
+    inodes: set[str] = set()
+    for pid in pids:
         try:
-            s.bind(("127.0.0.1", port))
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
-            return False
-    return True
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if len(parts) > 9 and parts[3] == "0A" and parts[9] in inodes:
+                ports.add(int(parts[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 ARM = "qwen3-omni@arena"  # the qwen3-omni policy over configs/qwen3_omni_cpu_arena.yaml (OmniAccumArenaConnector)
@@ -318,7 +337,8 @@ def test_nothing_left_running(smoke_report):
     assert not stop.get("left_running"), f"left running after stop: {stop.get('left_running')}"
     still = [p for p in arm.get("processes") or [] if _alive(p["pid"], p["title"])]
     assert not still, "server processes still alive: " + ", ".join(f"{p['pid']} {p['title']}" for p in still)
-    assert _port_free(arm["port"]), f"port {arm['port']} still in use"
+    held = _listening_ports([p["pid"] for p in arm.get("processes") or []])
+    assert arm["port"] not in held, f"port {arm['port']} still listened on by a server process"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -86,9 +86,9 @@ _SENDER = textwrap.dedent(
     sys.path.insert(0, sys.argv[3])
     from tests.test_integration_vllm_omni_arena_chains import _streams, _sending
     from tests.test_integration_vllm_omni_arena_connector import _connector
-    name, seed = sys.argv[1], int(sys.argv[2])
+    name, seed, tag = sys.argv[1], int(sys.argv[2]), sys.argv[4]
     tx = _connector(0, name, arena_bytes="6MiB")
-    streams = _streams(seed)
+    streams = _streams(seed, tag)
     with _sending():
         for key, chunk in streams:
             while True:
@@ -105,9 +105,11 @@ _SENDER = textwrap.dedent(
 )
 
 
-def _streams(seed: int) -> list[tuple[str, dict[str, Any]]]:
+def _streams(seed: int, tag: str) -> list[tuple[str, dict[str, Any]]]:
     """Three requests interleaved: chunked prefill (one chunk of request r1 too big for the 6 MiB arena:
-    it goes through the inner connector), then decode rows; two dtypes, and a top-level key under cat."""
+    it goes through the inner connector), then decode rows; two dtypes, and a top-level key under cat.
+    ``tag`` ends each request id (``r0<tag>``...): the chunk that goes the inner way is /dev/shm/<key>, which
+    a fixed name would share with a test of another pytest process."""
     g = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     plans = {
@@ -127,7 +129,7 @@ def _streams(seed: int) -> list[tuple[str, dict[str, Any]]]:
         chunk = {"embed": emb, "meta": {"finished": torch.tensor(cursor[r] == len(plans[r]))}}
         if r == "r2":
             chunk["codes"] = torch.randint(0, 99, (rows, 4), generator=g)
-        out.append((f"{r}_0_{i}", chunk))
+        out.append((f"{r}{tag}_0_{i}", chunk))
     return out
 
 
@@ -165,7 +167,7 @@ def test_across_processes_views_are_cat_bit_for_bit_and_mostly_zero_copy(vo, are
         arena = rx._rx[("0", "1")]
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         proc = subprocess.Popen(
-            [sys.executable, "-c", _SENDER, arena_name, "3", root],
+            [sys.executable, "-c", _SENDER, arena_name, "3", root, f"p{os.getpid()}"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         try:
@@ -198,7 +200,7 @@ def _receive(rx: Any, recv: Any, arena: Any) -> None:
     """Take every chunk in order, merge it, check every view against torch.cat; release each request at its end."""
     ref: dict[str, dict[str, list[torch.Tensor]]] = {}
     zero_copy = copied = 0
-    order = _streams(3)
+    order = _streams(3, f"p{os.getpid()}")
     ends = {key.rsplit("_", 2)[0]: key for key, _ in order}
     for key, chunk in order:
         rid = key.rsplit("_", 2)[0]
@@ -491,21 +493,22 @@ def test_chains_end_after_a_failed_put_a_late_put_and_a_sender_that_closed(vo, a
     try:
         assert rx.get("0", "1", "prime") is None
         arena = rx._rx[("0", "1")]
+        f = f"f{os.getpid()}"  # the request (its chunk through the inner connector is /dev/shm/<key>)
         small, big = torch.ones(4, 16).bfloat16(), torch.ones(1024, 1024).bfloat16()  # big: 2 MiB
         with _sending():
-            assert tx.put("0", "1", "f_0_0", {"embed": {"prefill": small}})[2].get("arena")
-            assert tx.put("0", "1", "f_0_1", {"embed": {"prefill": big}})[0]  # arena_full: the inner connector
+            assert tx.put("0", "1", f"{f}_0_0", {"embed": {"prefill": small}})[2].get("arena")
+            assert tx.put("0", "1", f"{f}_0_1", {"embed": {"prefill": big}})[0]  # arena_full: the inner connector
             assert tx.health()["fallbacks"] == {"arena_full": 1}
-            for k in ("f_0_0", "f_0_1"):
+            for k in (f"{f}_0_0", f"{f}_0_1"):
                 assert rx.get("0", "1", k) is not None
-            assert "f" in arena._chains_of
-            tx.release_request("f")
+            assert f in arena._chains_of
+            tx.release_request(f)
             before = tx.health()["chain_appends"]
-            assert tx.put("0", "1", "f_0_2", {"embed": {"prefill": small}})[2].get("arena")  # after its end
+            assert tx.put("0", "1", f"{f}_0_2", {"embed": {"prefill": small}})[2].get("arena")  # after its end
             assert tx.health()["chain_appends"] == before
-            got = rx.get("0", "1", "f_0_2")[0]["embed"]["prefill"]
+            got = rx.get("0", "1", f"{f}_0_2")[0]["embed"]["prefill"]
             assert torch.equal(got, small) and getattr(got, ARENA_TAG, None) is None
-            assert "f" not in arena._chains_of
+            assert f not in arena._chains_of
             assert tx.put("0", "1", "g_0_0", {"embed": {"prefill": small}})[2].get("arena")
             assert rx.get("0", "1", "g_0_0") is not None and "g" in arena._chains_of
         if receiver_saw_sender:

@@ -170,16 +170,17 @@ def test_one_process_round_trip_is_bit_exact_and_uses_the_arena(vo, arena_name):
     try:
         assert rx.get("0", "1", "nothing yet") is None  # the receiver creates the pair's region
         sent = _payloads(1, 5)
-        for i, p in enumerate(sent):
-            ok, size, meta = tx.put("0", "1", f"k{i}", p)
+        keys = [f"k{os.getpid()}_{i}" for i in range(5)]  # a get the arena cannot serve reads /dev/shm/<key>
+        for k, p in zip(keys, sent):
+            ok, size, meta = tx.put("0", "1", k, p)
             assert ok and size > 0 and meta["arena"] == f"{arena_name}_0_1"
         for i in reversed(range(5)):  # any order: a keyed mailbox
-            got, size = rx.get("0", "1", f"k{i}")
+            got, size = rx.get("0", "1", keys[i])
             assert_same(got, sent[i], f"payload {i}")
             assert got["embed"]["strided"].is_contiguous()
         assert tx.health()["arena_puts"] == 5 and tx.health()["inner_puts"] == 0
         assert rx.health()["arena_gets"] == 5
-        assert rx.get("0", "1", "k0") is None  # taken once
+        assert rx.get("0", "1", keys[0]) is None  # taken once
     finally:
         tx.close()
         rx.close()

@@ -17,10 +17,17 @@ import torch
 
 from tests.test_integration_vllm_omni import _wait
 from tests.test_integration_vllm_omni_arena_connector import _connector
-from tests.test_samehost import _put_until_arena
+from tests.test_samehost import _key, _put_until_arena
 
 pytestmark = pytest.mark.vllm
 NAME = "OmniAccumArenaConnector"
+
+
+def _chunk_key(request: str) -> str:
+    """vllm-omni's put key of the request's first chunk (``<request>_<stage>_<chunk>``), this process's pid in the
+    request id: a chunk that goes the inner way is /dev/shm/<key>, which a fixed name would share with a test of
+    another pytest process."""
+    return f"{request}p{os.getpid()}_0_0"
 
 
 def _fallbacks(reason: str) -> float:
@@ -72,7 +79,7 @@ def test_a_bad_arena_dir_is_counted_named_and_tried_again(vo, quick_retry, tmp_p
     caplog.set_level(logging.WARNING, "omni_accum")
     rx, tx = _connector(1, name), _connector(0, name)
     try:
-        assert rx.get("0", "1", "k0") is None
+        assert rx.get("0", "1", _key(0)) is None
         said = [r.getMessage() for r in caplog.records if f"arena {name}_0_1" in r.getMessage()]
         assert said and f"OMNI_ACCUM_ARENA_DIR={str(base)!r}" in said[0], caplog.text
         assert "tries again every 0.2 s" in said[0] and "one receiving process" not in said[0], said
@@ -80,8 +87,8 @@ def test_a_bad_arena_dir_is_counted_named_and_tried_again(vo, quick_retry, tmp_p
         row = _row(name, 1)
         assert str(base) in row["inner_only"][f"{name}_0_1 (receive)"] and row["regions"] == [], row
         payload = {"x": torch.arange(6)}
-        assert tx.put("0", "1", "k1", payload)[0]  # nothing is lost meanwhile: the inner connector
-        assert torch.equal(rx.get("0", "1", "k1")[0]["x"], payload["x"])
+        assert tx.put("0", "1", _key(1), payload)[0]  # nothing is lost meanwhile: the inner connector
+        assert torch.equal(rx.get("0", "1", _key(1))[0]["x"], payload["x"])
         if bad == "a plain file":  # fixed: the next try makes the region, the sender attaches
             base.unlink()
             base.mkdir(mode=0o700)
@@ -90,7 +97,7 @@ def test_a_bad_arena_dir_is_counted_named_and_tried_again(vo, quick_retry, tmp_p
         else:
             os.chmod(base, 0o1777)  # as /dev/shm
         time.sleep(0.25)
-        assert rx.get("0", "1", "k2") is None and rx.health()["regions"] == [f"{name}_0_1 (receive)"]
+        assert rx.get("0", "1", _key(2)) is None and rx.health()["regions"] == [f"{name}_0_1 (receive)"]
         keys = _put_until_arena(tx, lambda: payload)
         for k in keys:
             assert torch.equal(rx.get("0", "1", k)[0]["x"], payload["x"])
@@ -111,9 +118,9 @@ def test_a_second_receiver_is_counted_names_the_arena_name_and_its_source_and_ta
     caplog.set_level(logging.WARNING, "omni_accum")
     first, second = _from_env(1), _from_env(1)
     try:
-        assert first.get("0", "1", "k0") is None  # the pair's region
+        assert first.get("0", "1", _key(0)) is None  # the pair's region
         before = _fallbacks("arena_in_use")
-        assert second.get("0", "1", "k0") is None
+        assert second.get("0", "1", _key(0)) is None
         assert second.fallbacks == {"in_use": 1} and _fallbacks("arena_in_use") - before == 1
         text = caplog.text
         assert f"arena_name {name!r} (from OMNI_ACCUM_ARENA_NAME) is taken on this host" in text, text
@@ -124,7 +131,7 @@ def test_a_second_receiver_is_counted_names_the_arena_name_and_its_source_and_ta
         assert "arena_in_use" in next(iter(rows[0]["inner_only"].values()))
         first.close()
         time.sleep(0.25)
-        assert second.get("0", "1", "k1") is None
+        assert second.get("0", "1", _key(1)) is None
         assert second.health()["regions"] == [f"{name}_0_1 (receive)"] and second.health()["inner_only"] == {}
     finally:
         second.close()
@@ -146,12 +153,12 @@ def test_a_second_sender_counts_each_put_it_sends_the_inner_way(vo, quick_retry,
         keys = _put_until_arena(tx, lambda: {"x": torch.arange(3)})
         before = _fallbacks("arena_sender_in_use")
         for i in range(3):
-            assert other.put("0", "1", f"o{i}", {"x": torch.arange(3) + i})[0]
+            assert other.put("0", "1", f"o{os.getpid()}_{i}", {"x": torch.arange(3) + i})[0]
         assert other.fallbacks == {"sender_in_use": 3} and other.counts["inner_puts"] == 3
         assert _fallbacks("arena_sender_in_use") - before == 3
         assert f"another process sends on arena_name {name!r} (from extra.arena_name)" in caplog.text, caplog.text
         for i in range(3):  # nothing lost
-            assert torch.equal(rx.get("0", "1", f"o{i}")[0]["x"], torch.arange(3) + i)
+            assert torch.equal(rx.get("0", "1", f"o{os.getpid()}_{i}")[0]["x"], torch.arange(3) + i)
         for k in keys:
             assert rx.get("0", "1", k) is not None
         assert "sender_in_use" in next(iter(other.health()["inner_only"].values()))
@@ -186,7 +193,7 @@ def test_the_status_file_carries_each_arena_connector_s_row(vo, quick_retry, tmp
     name = f"sf{os.getpid()}"
     rx = _connector(1, name)
     try:
-        assert rx.get("0", "1", "k") is None
+        assert rx.get("0", "1", f"k{os.getpid()}") is None
         path = reporting.write()
         _wait(lambda: os.path.exists(path), "the status file")
         with open(path, encoding="utf-8") as f:
@@ -234,24 +241,25 @@ def test_a_replica_of_the_receiving_stage_gets_its_requests_chunks_sent_before_a
         assert owner.get("0", "1", "prime") is None  # the owner makes the pair's region
         _put_until_arena(tx, lambda: {"x": torch.arange(3)})
         early = tx.counts["arena_puts"]
-        assert tx.put("0", "1", "r1_0_0", _payload(1))[0] and tx.counts["arena_puts"] == early + 1  # into the region
+        r1, r2, r3, r4 = (_chunk_key(f"r{i}") for i in range(1, 5))
+        assert tx.put("0", "1", r1, _payload(1))[0] and tx.counts["arena_puts"] == early + 1  # into the region
         before = _fallbacks("arena_replicas")
-        got = _get_within(replica, "r1_0_0")  # its first get: in use, so it marks the pair; the owner forwards
+        got = _get_within(replica, r1)  # its first get: in use, so it marks the pair; the owner forwards
         assert_same(got, _payload(1), "forwarded")
         assert owner.counts["forwarded"] >= 1 and replicas_path(f"{name}_0_1").exists()
         _wait(lambda: tx._shared(("0", "1")), "the sender sees the replica mark")
-        assert tx.put("0", "1", "r2_0_0", _payload(2))[2].get("shm") is not None  # the inner way
+        assert tx.put("0", "1", r2, _payload(2))[2].get("shm") is not None  # the inner way
         assert tx.fallbacks.get("replicas", 0) >= 1 and _fallbacks("arena_replicas") - before >= 1
         assert "arena_replicas" in next(iter(tx.health()["inner_only"].values()))
-        assert_same(_get_within(replica, "r2_0_0"), _payload(2), "sent the inner way")
-        assert tx.put("0", "1", "r3_0_0", _payload(3))[2].get("shm") is not None
-        assert_same(_get_within(owner, "r3_0_0"), _payload(3), "the owner's own request")  # found the inner way too
+        assert_same(_get_within(replica, r2), _payload(2), "sent the inner way")
+        assert tx.put("0", "1", r3, _payload(3))[2].get("shm") is not None
+        assert_same(_get_within(owner, r3), _payload(3), "the owner's own request")  # found the inner way too
         replica.close()  # it no longer receives: its mark goes, and the sender sends through the arena again
         assert not replicas_path(f"{name}_0_1").exists()
         _wait(lambda: not tx._shared(("0", "1")), "the sender sees the mark gone")
-        assert tx.put("0", "1", "r4_0_0", _payload(4))[2].get("arena") is not None  # the arena again
+        assert tx.put("0", "1", r4, _payload(4))[2].get("arena") is not None  # the arena again
         assert tx.health()["inner_only"] == {}
-        assert_same(_get_within(owner, "r4_0_0"), _payload(4), "through the arena")
+        assert_same(_get_within(owner, r4), _payload(4), "through the arena")
     finally:
         for c in (tx, replica, owner):
             c.close()
@@ -272,7 +280,7 @@ def test_a_replica_mark_whose_writer_died_is_removed_and_not_followed(vo, quick_
     try:
         assert rx.get("0", "1", "prime") is None
         _put_until_arena(tx, lambda: {"x": torch.arange(3)})
-        assert tx.put("0", "1", "k", _payload(0))[2].get("arena") is not None and tx.fallbacks == {}
+        assert tx.put("0", "1", f"k{os.getpid()}", _payload(0))[2].get("arena") is not None and tx.fallbacks == {}
     finally:
         tx.close()
         rx.close()
@@ -312,14 +320,14 @@ def test_replicas_in_processes_of_their_own_get_every_chunk(vo, quick_retry):
     name = f"mpreplicas{os.getpid()}"
     ready, stop, go, out = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
     owner = process(_owner_process, name, ready, stop)
-    replica = process(_replica_process, name, "r7_0_0", 7, go, out)
+    replica = process(_replica_process, name, _chunk_key("r7"), 7, go, out)
     owner.start()
     replica.start()
     tx = _connector(0, name)
     try:
         assert ready.wait(120), "the owner made no region"
         _put_until_arena(tx, lambda: {"x": torch.arange(3)})
-        assert tx.put("0", "1", "r7_0_0", _payload(7))[2].get("arena") is not None  # into the owner's region
+        assert tx.put("0", "1", _chunk_key("r7"), _payload(7))[2].get("arena") is not None  # into the owner's region
         go.set()
         assert out.get(timeout=120) == "same"  # (a hang guard)
         replica.join(30)
@@ -362,9 +370,10 @@ def test_two_replicas_that_made_their_regions_at_the_same_moment_both_get_their_
         quick_replicas.setattr(arena_pairs, "live_region", real)
         assert len(first.health()["regions"]) == len(second.health()["regions"]) == 1
         _put_until_arena(tx, lambda: {"x": torch.arange(3)})
-        assert tx.put("0", "1", "rA_0_0", _payload(5))[0] and tx.put("0", "1", "rB_0_0", _payload(6))[0]
-        assert_same(_get_within(first, "rA_0_0"), _payload(5), "the receiver the pointer does not name")
-        assert_same(_get_within(second, "rB_0_0"), _payload(6), "the one it names")
+        key_a, key_b = _chunk_key("rA"), _chunk_key("rB")
+        assert tx.put("0", "1", key_a, _payload(5))[0] and tx.put("0", "1", key_b, _payload(6))[0]
+        assert_same(_get_within(first, key_a), _payload(5), "the receiver the pointer does not name")
+        assert_same(_get_within(second, key_b), _payload(6), "the one it names")
     finally:
         for c in (tx, second, first):
             c.close()

@@ -67,13 +67,20 @@ def _plant(path: Path, body: bytes, uid: int, mode: int = 0o644) -> Path:
     return path
 
 
+def _key(i: int) -> str:
+    """The ``i``-th put key of this process: a put the arena cannot take goes through the inner
+    SharedMemoryConnector, which names its segment /dev/shm/<key> (replaced by a put, read and unlinked by
+    a get of any process): a fixed name would be shared with a test of another pytest process."""
+    return f"k{os.getpid()}_{i}"
+
+
 def _put_until_arena(tx, payload) -> list[str]:
     """Put until a put goes through the arena (the sender attaches a few ms after the receiver made its
-    region; the puts before go through the inner connector); the keys put."""
+    region; the puts before go through the inner connector); the keys put (``_key(0)``, ``_key(1)``, ...)."""
     keys: list[str] = []
 
     def put() -> bool:
-        keys.append(f"k{len(keys)}")
+        keys.append(_key(len(keys)))
         assert tx.put("0", "1", keys[-1], payload())[0]
         return tx.counts["arena_puts"] > 0
 
@@ -237,7 +244,7 @@ def test_files_planted_by_another_uid_are_never_mapped_and_the_real_pair_connect
     caplog.set_level(logging.WARNING)
     try:
         assert SHM_CHANNEL.get("0", "1", hello_key(0, 1)) is None  # the planted hello is not read
-        assert rx.get("0", "1", "k0") is None  # the receiver creates its region, refusing the planted pointer
+        assert rx.get("0", "1", _key(0)) is None  # the receiver creates its region, refusing the planted pointer
         assert rx.fallbacks.get("samehost_refused") == 1
         keys = _put_until_arena(tx, lambda: {"x": torch.arange(8)})
         assert tx.counts["arena_puts"] == 1, tx.health()  # the real pair connects
@@ -275,10 +282,11 @@ def test_a_pointer_planted_after_the_receiver_started_makes_puts_fall_back_and_n
         os.unlink(pointer_path(pair))
         _plant(pointer_path(pair), f"{pair}.{'c' * 16}".encode(), uid)
         caplog.set_level(logging.WARNING)
-        assert tx.put("0", "1", "k", {"x": torch.arange(4)})[0]
+        key = f"k{os.getpid()}"
+        assert tx.put("0", "1", key, {"x": torch.arange(4)})[0]
         assert tx.counts["inner_puts"] == 1 and tx.fallbacks.get("samehost_refused") == 1
         assert f"{pointer_path(pair)}: refused (owned by another user" in caplog.text
-        got = rx.get("0", "1", "k")
+        got = rx.get("0", "1", key)
         assert got is not None and torch.equal(got[0]["x"], torch.arange(4))  # through the inner connector
         os.unlink(pointer_path(pair))
         pointer_path(pair).write_bytes(real)
@@ -457,11 +465,11 @@ def test_a_private_directory_this_user_may_not_open_is_refused_and_every_put_and
     name = _name("denied")
     rx, tx = _connector(1, name), _connector(0, name)
     try:
-        assert rx.get("0", "1", "k0") is None
+        assert rx.get("0", "1", _key(0)) is None
         assert rx.fallbacks.get("samehost_refused", 0) >= 1
         for i in range(3):
-            assert tx.put("0", "1", f"k{i}", {"x": torch.arange(4) + i})[0]
-            got = rx.get("0", "1", f"k{i}")
+            assert tx.put("0", "1", _key(i), {"x": torch.arange(4) + i})[0]
+            got = rx.get("0", "1", _key(i))
             assert got is not None and torch.equal(got[0]["x"], torch.arange(4) + i)
         assert tx.counts["arena_puts"] == 0  # all through the inner connector, none failed
     finally:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV_SH = (ROOT / "scripts" / "env.sh").read_text()
@@ -62,30 +63,53 @@ def _need_disk(*triples: str, env: dict | None = None) -> subprocess.CompletedPr
                           env={**os.environ, **(env or {})})
 
 
-def _free_gb(path: Path) -> float:
-    return shutil.disk_usage(path).free / 1e9
+FREE_KB = 10_000_000  # what the stub df says is available: 10.24 GB (10^9 bytes), i.e. "10.2 GB free"
 
 
-def test_the_disk_check_passes_a_build_that_fits_and_refuses_one_that_does_not(tmp_path):
-    free = _free_gb(tmp_path)
-    assert _need_disk(str(tmp_path / "venv"), f"{free / 4:.1f}", "a small build").returncode == 0
-    refused = _need_disk(str(tmp_path / "a" / "venv"), f"{free * 2 + 1:.0f}", "a huge build")
-    assert refused.returncode == 1
+@pytest.fixture
+def fixed_df(tmp_path: Path) -> dict[str, str]:
+    """The environment of a disk check whose ``df`` is a stub first on PATH: ``df -Pk PATH`` (POSIX output,
+    1024-byte blocks) says ``FREE_KB`` are available on mount point ``/stubfs``, whatever PATH, and notes the
+    arguments it got. The live free space of a shared disk (other builds and tests write it meanwhile) decides
+    nothing."""
+    bin_dir = tmp_path / "stub-bin"
+    bin_dir.mkdir()
+    df = bin_dir / "df"
+    df.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> "{tmp_path / "df-args"}"\n'
+        "echo 'Filesystem     1024-blocks     Used Available Capacity Mounted on'\n"
+        f"echo 'stub              20000000  7500000 {FREE_KB}      43% /stubfs'\n"
+    )
+    df.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}"}
+
+
+def test_the_disk_check_passes_a_build_that_fits_and_refuses_one_that_does_not(tmp_path, fixed_df):
+    assert _need_disk(str(tmp_path / "venv"), "10.2", "a small build", env=fixed_df).returncode == 0
+    refused = _need_disk(str(tmp_path / "a" / "venv"), "10.3", "a huge build", env=fixed_df)
+    assert refused.returncode == 1, refused.stderr
+    # df was asked about the nearest existing parent of the path
+    assert (tmp_path / "df-args").read_text().splitlines()[-1] == f"-Pk {tmp_path}"
     # One line that names what, where (the path and its mount point), what is needed and what is free.
-    assert "not enough disk on /" in refused.stderr and "a huge build" in refused.stderr
-    assert str(tmp_path / "a" / "venv") in refused.stderr and "GB free" in refused.stderr
+    assert "not enough disk on /stubfs: about 10.3 GB needed for a huge build" in refused.stderr, refused.stderr
+    assert str(tmp_path / "a" / "venv") in refused.stderr and "; 10.2 GB free." in refused.stderr
     assert "OMNI_ACCUM_SKIP_DISK_CHECK=1" in refused.stderr
     # The switch turns it off.
-    assert _need_disk(str(tmp_path), f"{free * 2 + 1:.0f}", "x", env={"OMNI_ACCUM_SKIP_DISK_CHECK": "1"}).returncode == 0
+    skip = {**fixed_df, "OMNI_ACCUM_SKIP_DISK_CHECK": "1"}
+    assert _need_disk(str(tmp_path), "10.3", "x", env=skip).returncode == 0
 
 
-def test_the_disk_check_adds_up_builds_that_share_a_file_system(tmp_path):
+def test_the_disk_check_adds_up_builds_that_share_a_file_system(tmp_path, fixed_df):
     # Each fits alone; together they do not (test.sh builds four environments side by side).
-    share = f"{_free_gb(tmp_path) * 0.6:.1f}"
-    assert _need_disk(str(tmp_path / "one"), share, "one").returncode == 0
-    both = _need_disk(str(tmp_path / "one"), share, "one", str(tmp_path / "two"), share, "two")
-    assert both.returncode == 1
-    assert "one (" in both.stderr and "two (" in both.stderr
+    share = "6.2"  # of 10.24 GB free
+    assert _need_disk(str(tmp_path / "one"), share, "one", env=fixed_df).returncode == 0
+    assert _need_disk(str(tmp_path / "two"), share, "two", env=fixed_df).returncode == 0
+    both = _need_disk(str(tmp_path / "one"), share, "one", str(tmp_path / "two"), share, "two", env=fixed_df)
+    assert both.returncode == 1, both.stderr
+    assert "about 12.4 GB needed for one (" in both.stderr and "two (" in both.stderr, both.stderr
+    fits = _need_disk(str(tmp_path / "one"), "5", "one", str(tmp_path / "two"), "5", "two", env=fixed_df)
+    assert fits.returncode == 0, fits.stderr  # 10 of 10.24 GB
 
 
 def test_the_environments_are_checked_for_room_before_anything_is_built():
