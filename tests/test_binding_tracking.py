@@ -48,11 +48,12 @@ def test_a_gone_object_leaves_the_table_at_the_next_track(fresh_table):
         instances._track(a)
         instances._track(b)
     key = id(a)
+    keep = _Adapter()  # made before ``a`` goes, so that it cannot take ``a``'s id
     del a
     gc.collect()
     assert instances._gone == [key]
     with instances._lock:
-        instances._track(_keep := _Adapter())
+        instances._track(keep)
     assert key not in instances._instances and id(b) in instances._instances
     assert instances._gone == []
 

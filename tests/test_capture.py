@@ -185,7 +185,7 @@ def test_a_writer_killed_mid_stream_leaves_a_readable_file(tmp_path, buffer_byte
     p = subprocess.Popen([sys.executable, "-c", _WRITER, str(folder), str(buffer_bytes)], stdout=subprocess.PIPE)
     try:
         assert p.stdout.readline().strip() == b"ready"
-        poll(lambda: sum(f.stat().st_size for f in folder.glob("capture-*")) >= 200_000, 10)
+        assert poll(lambda: sum(f.stat().st_size for f in folder.glob("capture-*")) >= 200_000, 120)
     finally:
         os.kill(p.pid, signal.SIGKILL)
         p.wait()

@@ -72,9 +72,11 @@ def test_without_the_variable_vllms_busy_loop_stays(e2e_cpu, spin, monkeypatch):
     assert sb.SpinCondition.wait is before
     ctx, writer, reader = _reader(sb)
     try:
-        reader.last_read = time.monotonic()  # as a read just now (a loaded host may take 1 s to get here)
-        reader.wait(timeout_ms=0)  # within vLLM's 1 s busy loop after a read: it yields and returns
-        assert yields == [1] and reader.busy_loop_s == 1
+        assert reader.busy_loop_s == 1  # vLLM's own: left alone
+        reader.busy_loop_s = 3600  # (a loaded host may take more than vLLM's 1 s between the two lines below)
+        reader.last_read = time.monotonic()  # as a read just now
+        reader.wait(timeout_ms=0)  # within the busy loop after a read: it yields and returns
+        assert yields == [1]
     finally:
         ctx.destroy(linger=0)
 
@@ -92,9 +94,9 @@ def test_a_zero_cap_makes_a_reader_sleep_on_the_notification_at_once_and_miss_no
     try:
         reader.wait(timeout_ms=0)
         assert yields == [] and polls == [0] and reader.busy_loop_s == 0  # no spin: straight to the poller
-        for _ in range(100):  # zmq's SUB joins late: notify until one reaches the reader
-            writer.notify()
-            if reader.local_notify_socket.poll(50):
+        for _ in range(100):  # zmq's SUB joins late: notify until one reaches the reader (each given 1 s to arrive:
+            writer.notify()  # none is still in flight after the loop, which the wait below could leave queued)
+            if reader.local_notify_socket.poll(1000):
                 break
         else:
             pytest.fail("no notification reached the reader")

@@ -179,6 +179,7 @@ def test_a_hello_withdrawn_while_the_receiver_lives_sends_0_30_0s_payloads_again
     from tests.test_integration_vllm_omni import T2T
 
     monkeypatch.setattr(peer, "ALIVE_S", 0.02)
+    monkeypatch.setattr(peer, "POLL_S", (0.05, 1.0))  # the watcher's back-off capped at 1 s (30 s in production)
     caplog.set_level(logging.WARNING, "omni_accum")
     tx, rx = adapters(0, next_func=T2T, extra=QWEN), adapters(1, extra=QWEN)
     _hear(tx)
@@ -193,4 +194,4 @@ def test_a_hello_withdrawn_while_the_receiver_lives_sends_0_30_0s_payloads_again
     assert sum("withdrew its hello" in r.getMessage() for r in mine) == 1, caplog.text
     rx2 = adapters(1, extra=QWEN)  # a receiver with omni-accum again
     assert rx2._omni_accum_binding is not None
-    _wait(lambda: txb._peer.hello is not None, "the sender to hear the new hello", timeout=35)  # its backoff
+    _wait(lambda: txb._peer.hello is not None, "the sender to hear the new hello", timeout=60)  # (1 s back-off)
