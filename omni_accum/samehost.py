@@ -53,7 +53,9 @@ PID_LIMIT = 1 << 22
 
 
 def pid_alive(pid: int) -> bool:
-    """True when ``pid`` runs (a zombie, killed but not yet reaped, counts as dead)."""
+    """True when ``pid`` is a running process (a zombie, killed but not yet reaped, counts as dead; so does the id of
+    a thread of another process, which ``kill(pid, 0)`` accepts too: a dead owner's small pid is often one after a
+    container restart)."""
     if not 0 < pid < PID_LIMIT:  # a pid from a shared header or hello: no process has one out of range
         return False
     try:
@@ -63,10 +65,14 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return True  # no /proc: trust kill(0)
-    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if fields.get("State", "?").split()[:1] in (["Z"], ["X"]):
+        return False
+    tgid = fields.get("Tgid", "").strip()
+    return not tgid.isdigit() or int(tgid) == pid
 
 
 def base_dir() -> Path:
@@ -205,7 +211,7 @@ def open_private(path: str | os.PathLike[str], flags: int, mode: int = 0o600) ->
         fd = os.open(path, flags, mode)  # the directory was removed empty: again
     except OSError as e:
         if e.errno == errno.ENXIO:  # O_WRONLY on a FIFO with no reader
-            raise SameHostRefused(path, "not a regular file (a FIFO)", _lstat(path)) from None
+            raise SameHostRefused(path, "not a regular file (a FIFO or a socket)", _lstat(path)) from None
         _refuse_link(path, e)
         raise
     try:

@@ -153,3 +153,17 @@ def test_a_stale_table_s_requests_are_labelled_with_no_bucket(no_context_env):
         assert stale.bucket_labels(StreamContext(context_len=2000, concurrency=2)) == ("none", "none")
     fresh = Binding(_policy(FOUR), ("thinker_embeddings",), "tuned.yaml", None)
     assert fresh.bucket_labels(StreamContext(context_len=2000, concurrency=2)) == ("2000", "2")
+
+
+def test_a_context_length_set_alone_says_its_concurrency_is_the_default_1(no_context_env):
+    """It said "x 1 from OMNI_ACCUM_CONTEXT_LEN=8000" and doctor "an explicit override", though nothing set the 1."""
+    from omni_accum.cli.doctor import check_context
+    from omni_accum.integrations.vllm_omni.deployment import context_label, deployment_context
+
+    no_context_env.setenv("OMNI_ACCUM_CONTEXT_LEN", "8000")
+    said = context_label(_policy(FOUR), deployment_context())
+    assert said == "deployment context 8000 tokens x 1 (no concurrency set: 1) from OMNI_ACCUM_CONTEXT_LEN=8000", said
+    detail = [c for c in check_context(None) if c.name == "context"][0].detail
+    assert "concurrency 1 (not set: 1)" in detail, detail
+    no_context_env.setenv("OMNI_ACCUM_CONCURRENCY", "1")
+    assert "not set" not in context_label(_policy(FOUR), deployment_context())

@@ -196,3 +196,78 @@ def test_a_capture_folder_through_another_user_s_symlink_is_refused(tmp_path):
         CaptureWriter(link, "0")
     assert list(mine.iterdir()) == []
 
+
+
+def test_a_thread_id_is_not_a_live_process():
+    """kill(tid, 0) succeeds for a thread of a live process: after a container restart a dead owner's small pid is
+    often one, and its region, mark or hello was kept for good."""
+    got: list[int] = []
+    done = threading.Event()
+
+    def run() -> None:
+        got.append(threading.get_native_id())
+        done.wait(30)
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        while not got:
+            done.wait(0.01)
+        assert got[0] != os.getpid()
+        assert not samehost.pid_alive(got[0])
+        assert samehost.pid_alive(os.getpid())
+    finally:
+        done.set()
+        t.join()
+
+
+def test_a_child_forked_while_a_warm_step_holds_the_region_s_lock_exits(private):
+    """The child's inherited close took the warm lock first, which the parent's (not forked) warm thread held: it
+    waited for good."""
+    import time
+
+    rx = live.create_receiver("omni_0_1", 1 << 20)
+    held, release = threading.Event(), threading.Event()
+
+    def warm() -> None:  # the parent's warm thread, in a warm step at the fork
+        with rx.region._warm_lock:
+            held.set()
+            release.wait(120)
+
+    warmer = threading.Thread(target=warm)
+    warmer.start()
+    try:
+        assert held.wait(60)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                atexit._run_exitfuncs()
+            finally:
+                os._exit(0)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        assert done[0] == pid, "the forked child's exit waited on the parent's warm lock"
+        assert rx.region.path.exists()
+    finally:
+        release.set()
+        warmer.join()
+        rx.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a link owned by another user needs root to make (lchown)")
+def test_a_capture_folder_below_another_user_s_symlink_is_refused(tmp_path):
+    from omni_accum.capture.writer import folder_problem
+
+    mine = tmp_path / "mine"
+    (mine / "cap").mkdir(parents=True, mode=0o700)
+    link = tmp_path / "shared"
+    link.symlink_to(mine)
+    assert folder_problem(link / "cap") is None  # this user's own link above it is followed
+    os.lchown(link, 65534, 65534)
+    said = folder_problem(link / "cap")
+    assert said is not None, "a foreign link above the folder was followed"
+    assert said.startswith(f"capture folder {link / 'cap'}: {link} is a symlink owned by uid"), said

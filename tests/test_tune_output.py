@@ -261,3 +261,19 @@ def test_another_users_file_that_others_could_have_planted_is_not_given_back_to_
     assert st.st_uid == os.geteuid() and not stat.S_IMODE(st.st_mode) & 0o022, (st.st_uid, oct(st.st_mode))
     err = capsys.readouterr().err
     assert f"warning: {out}: was owned by uid {NOBODY}" in err and "not group- or world-writable" in err, err
+
+
+@needs_root
+def test_a_service_users_group_writable_table_in_its_own_folder_stays_the_service_users(tmp_path, capsys):
+    """umask 002 makes 0664 tables: root's update must leave such a table the service user's (not root's 0644)."""
+    folder = tmp_path / "svc"
+    folder.mkdir()
+    folder.chmod(0o750)
+    out = folder / "t.yaml"
+    tune(_opts(tmp_path, out=out))
+    os.chown(out, NOBODY, NOBODY)
+    out.chmod(0o660)
+    assert cli.main(_tune_args(tmp_path, out)) == 0
+    st = out.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (NOBODY, NOBODY, 0o660)
+    assert "warning" not in capsys.readouterr().err

@@ -323,14 +323,14 @@ class Region:
         """Mark this side closed; the owner also unlinks the file. Views still held keep the mapping alive."""
         if self.mm.closed:
             return
+        if os.getpid() != self._pid:  # a forked child's copy (its exit runs the owner's atexit close): unmap only (the
+            return self._unmap()  # region stays its creator's); before the lock, which a thread not forked may hold
         with self._warm_lock:  # a warm step in flight ends first; the next one sees the region closed
             self._close_locked()
 
     def _close_locked(self) -> None:
         if self.mm.closed:
             return
-        if os.getpid() != self._pid:  # a forked child's copy (its exit runs the owner's atexit close): unmap only
-            return self._unmap()  # (the region, its file and its pointer stay the creating process's)
         try:
             if self.owner:
                 self.q[W_OWNER_CLOSED] = 1

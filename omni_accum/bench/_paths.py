@@ -181,15 +181,16 @@ def _keep_owner(fd: int, path: Path, was: os.stat_result) -> None:
 
 
 def _planted(target: Path, was: os.stat_result) -> bool:
-    """Whether ``target`` (``was``: its stat) is another user's file (not root's) that others may write, or that sits
-    in a folder others may write to (``/tmp``): a file another user could have made there first."""
+    """Whether ``target`` (``was``: its stat) is another user's file (not root's) that every user may write, or that
+    sits in a folder every user may write to (``/tmp``): a file another user could have made there first. (A service
+    user's group-writable table in its own folder is not: umask 002 makes such files.)"""
     if was.st_uid in (0, os.geteuid()):
         return False
     try:
         folder = os.stat(target.parent).st_mode
     except OSError:
         return True
-    return bool(was.st_mode & 0o022 or folder & 0o002)
+    return bool(was.st_mode & 0o002 or folder & 0o002)
 
 
 def replace_file(
@@ -206,9 +207,10 @@ def replace_file(
     A symlink at ``path`` is replaced itself (``follow_link=False``: bench's outputs, tune's partial file), or
     followed to its target when this user or root owns it (``follow_link=True``: ``tune --out`` may be the link to a
     deployed table; :func:`link_target` refuses another user's link). A device, FIFO or socket there is refused, never
-    replaced. An existing file keeps its permission bits, owner and group (but another user's that others may write,
-    or in a folder others may write to: a new file of this user, not group- or world-writable, with a warning); a new
-    one gets ``0666 & ~umask`` as with ``open()``. ``own=True`` (tune's partial file, which ``--resume`` trusts only as this user's alone): another
+    replaced. An existing file keeps its permission bits, owner and group (but another user's that every user may
+    write, or in a folder every user may write to: a new file of this user, not group- or world-writable, with a
+    warning); a new one gets ``0666 & ~umask`` as with ``open()``. ``own=True`` (tune's partial file, which
+    ``--resume`` trusts only as this user's alone): another
     user's file there is replaced by this user's, with a new file's mode, and the file is never group- or
     world-writable. The folder must exist (never created). An ``OSError`` names ``path``, not the temporary file.
     """
@@ -230,7 +232,7 @@ def replace_file(
         planted = was is not None and _planted(target, was)
         if planted:  # another user's file others may write, or in a folder others may write: not given back to them
             print(f"omni-accum: warning: {path}: was owned by {who(was.st_uid)} and "
-                  + ("writable by others" if was.st_mode & 0o022 else "in a folder others may write to")
+                  + ("writable by every user" if was.st_mode & 0o002 else "in a folder every user may write to")
                   + f": the new file is this user's ({who(os.geteuid())}), not group- or world-writable (another "
                   "user could have made it there first to get what this user writes)", file=sys.stderr)  # fmt: skip
             was = None

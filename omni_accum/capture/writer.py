@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pwd
 import secrets
 import stat
 import threading
@@ -70,20 +71,34 @@ def file_number(name: str, stage: str, pid: int) -> int | None:
     return int(n) if n.isascii() and n.isdigit() else None
 
 
+def _foreign_link(d: Path) -> str | None:
+    """Why a symlink on the way to ``d`` (the folder itself or any folder above it) is refused: one that neither this
+    process's user nor root owns (another user could point it at another folder later), or None."""
+    p = Path(os.path.abspath(d))
+    for prefix in [*reversed(p.parents), p]:
+        try:
+            st = os.lstat(prefix)
+        except OSError:
+            return None  # missing from here on (made 0700 by this user)
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
+            try:
+                name = f" ({pwd.getpwuid(st.st_uid).pw_name})"
+            except (KeyError, OverflowError):
+                name = ""
+            return (f"{prefix} is a symlink owned by uid {st.st_uid}{name}, not by this user nor root: refused, never "
+                    "followed (another user could point it at another folder later): remove it, or name another folder")
+    return None
+
+
 def folder_problem(directory: str | os.PathLike[str], what: str = "capture folder") -> str | None:
     """Why ``directory`` cannot hold this user's private files (a capture, status files), or None. An existing
     folder must be a folder of this process's user that no other user may write to (they could plant files, a
     capture's salt among them, or swap them for links), not reached through a symlink another user owns (they could
     point it at another folder later); a missing one, a folder that can be made (mode 0700)."""
-    from omni_accum.bench._paths import link_target  # noqa: PLC0415
-
     d = Path(directory)
-    try:
-        link_target(d)  # a symlink another user owns (planted in a shared folder, swapped later): never followed
-    except PermissionError as e:
-        return f"{what} {d}: {e.strerror}"
-    except OSError:
-        pass  # a loop: the stat below says so
+    link = _foreign_link(d)  # planted in a shared folder, swapped later: never followed
+    if link is not None:
+        return f"{what} {d}: {link}"
     try:
         st = os.stat(d, follow_symlinks=True)
     except FileNotFoundError:

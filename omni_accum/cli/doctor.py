@@ -136,6 +136,7 @@ def check_context(deploy: str | None) -> list[Check]:
         EXTRA_CONCURRENCY,
         EXTRA_CONTEXT_LEN,
         ContextSettingError,
+        concurrency_given,
         deployment_context,
     )
 
@@ -164,7 +165,8 @@ def check_context(deploy: str | None) -> list[Check]:
         if extra is not None or ctx is not None:
             detail = "not set: each request's bucket comes from what the sender sees" if ctx is None else (
                 f"context length {ctx.context_len or 'per request (not set: the sender measures each prompt)'}, "
-                f"concurrency {ctx.concurrency} (an explicit override of the per-request buckets)")
+                f"concurrency {ctx.concurrency}{'' if concurrency_given(extra) else ' (not set: 1)'} (an explicit "
+                "override of the per-request buckets)")
             out.append(Check("context", True, f"{where}: {detail}"))
     return out
 

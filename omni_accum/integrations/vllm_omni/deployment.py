@@ -128,7 +128,8 @@ def policy_summary(policy: Policy | None) -> str:
     if policy.tuned is not None:
         t = policy.tuned
         text += f", tuned table of {len(t.context_len_edges)}x{len(t.concurrency_edges)} buckets ({len(t.cells)} cells"
-        text += ", PARTIAL: requests in a bucket it has no cell for get the rules and default)" if not t.complete else ")"
+        partial = ", PARTIAL: requests in a bucket it has no cell for get the rules and default"
+        text += (partial if not t.complete else "") + ")"
     return text
 
 
@@ -141,7 +142,8 @@ def context_label(policy: Policy | None, context: StreamContext | None, extra: A
         if context.context_len is None:  # only the concurrency set: the sender measures each request's prompt
             return (f"context length per request (the sending stage measures each prompt), concurrency "
                     f"{context.concurrency} for every request from {where}")
-        return f"deployment context {context.context_len} tokens x {context.concurrency} from {where}"
+        unset = "" if concurrency_given(extra) else " (no concurrency set: 1)"
+        return f"deployment context {context.context_len} tokens x {context.concurrency}{unset} from {where}"
     if policy is None or policy.tuned is None:
         return "context unused (no tuned table)"
     return "context per request (the sending stage decides each request's bucket)"
@@ -150,6 +152,14 @@ def context_label(policy: Policy | None, context: StreamContext | None, extra: A
 def env_context_source() -> str:
     """The environment variables that set a deployment context, as ``NAME=value`` (empty: none)."""
     return ", ".join(f"{v}={os.environ[v].strip()}" for v in (ENV_CONTEXT_LEN, ENV_CONCURRENCY) if os.environ.get(v))
+
+
+def concurrency_given(extra: Any) -> bool:
+    """Whether the deployment's concurrency is set (the connector extra's key, else the environment variable): a
+    context length set alone takes concurrency 1."""
+    if isinstance(extra, Mapping) and extra.get(EXTRA_CONCURRENCY) is not None:
+        return True
+    return bool(os.environ.get(ENV_CONCURRENCY, "").strip())
 
 
 def context_where(extra: Any) -> str:
