@@ -123,6 +123,16 @@ def test_a_tuned_cell_giving_override_keys_a_rewriting_strategy_is_refused(tmp_p
         ok = _write(tmp_path / "ok.yaml", {"default": "cat", **extra, "tuned": _table(current_fingerprint(), cells)})
         assert _run(capsys, "validate", ok)[0] == 0
         omni_accum.Sender(ok)
+    # a stale table's cells are never used at run time: such a cell does not refuse the policy (the server would
+    # bind nothing for a table it ignores); validate still says the table is stale
+    fp = {**current_fingerprint(), "torch": "0.0.1"}
+    stale = _write(tmp_path / "stale.yaml", {"default": "cat", "tuned": _table(fp, cells)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        omni_accum.Sender(stale)
+        omni_accum.Receiver(stale)
+    code, out, _ = _run(capsys, "validate", stale)
+    assert code == 1 and "stale" in out, out
 
 
 # -- 11. explain on a stale table ---------------------------------------------------------------------------- #

@@ -126,13 +126,14 @@ class _Endpoint:
 
     def _check_override_keys_rule(self) -> None:
         """Refuse a policy that gives ``meta.override_keys`` a strategy that rewrites its wire form: the rule that
-        decides the key, or else the default and every tuned cell of the key (a cell measured in another
-        environment too, unless its strategy is not loaded here: that table is ignored at run time)."""
+        decides the key, or else the default and every tuned cell of the key (not those of a table measured in another
+        environment, which is ignored at run time)."""
         hit = self.policy.match_rule(OVERRIDE_KEYS_PATH)
         refs = [(f"rules[{hit[0]}]", f"rules[{hit[0]}] ({hit[1].match!r})", hit[1])] if hit is not None else []
         if hit is None:
             refs.append(("default", "default", self.policy.default))
-            cells = self.policy.tuned.cells if self.policy.tuned is not None else []
+            # a stale table's cells are never used at run time: they do not refuse the policy (validate says stale)
+            cells = self.policy.tuned.cells if self.policy.tuned_usable(warn=False) else []
             refs += [
                 (f"tuned.cells[{i}]", f"tuned.cells[{i}], bucket context_len>={c.context_len}, concurrency>="
                  f"{c.concurrency}", c)

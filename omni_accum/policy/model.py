@@ -387,19 +387,22 @@ class Policy(BaseModel):
         if self.tuned is not None and self._plugins is None:
             self._plugins = installed
 
-    def tuned_usable(self) -> bool:
+    def tuned_usable(self, warn: bool = True) -> bool:
         """True when the tuned table exists and was measured in an environment like this one.
 
         The strategy plugins are those :meth:`bind_plugins` names; a policy never loaded through
         ``load_policy`` has none bound, so its table is reported as not checkable and not used.
+        ``warn=False``: a stale table is not said (nor remembered: the first lookup says it).
         """
         if self.tuned is None:
             return False
         if self._tuned_ok is None:
             plugins = self._plugins() if self._plugins is not None else None
-            self._tuned_ok = check_fingerprint(
-                self.tuned.fingerprint, plugins=plugins, warn=True, strategies=self.tuned.strategy_names()
-            )
+            names = self.tuned.strategy_names()
+            ok = check_fingerprint(self.tuned.fingerprint, plugins=plugins, warn=warn, strategies=names)
+            if not warn:
+                return ok
+            self._tuned_ok = ok
         return self._tuned_ok
 
     def resolve(self, key: str, context: StreamContext = DEFAULT_CONTEXT) -> StrategyChoice:
