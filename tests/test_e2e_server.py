@@ -84,33 +84,11 @@ def _alive(pid: int, title: str) -> bool:
 
 
 def _listening_ports(pids: list[int]) -> set[int]:
-    """TCP ports (IPv4 and IPv6) in LISTEN state whose socket is open in one of ``pids`` (as
-    ``omni_accum.bench``'s ``listening_ports(pids)``): a process that is gone holds none. Only the server's own
-    sockets: its port was a free one, and another process (the other lane's tests) may be given it once released."""
-    inodes: set[str] = set()
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    ports: set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            parts = line.split()
-            if len(parts) > 9 and parts[3] == "0A" and parts[9] in inodes:
-                ports.add(int(parts[1].rsplit(":", 1)[1], 16))
-    return ports
+    """TCP ports in LISTEN state whose socket is open in one of ``pids``: a process that is gone holds none. Only the
+    server's own sockets: its port was a free one, and another process (the other lane's tests) may be given it."""
+    from omni_accum.bench.mooncake_services import listening_ports
+
+    return listening_ports(pids)
 
 
 ARM = "qwen3-omni@arena"  # the qwen3-omni policy over configs/qwen3_omni_cpu_arena.yaml (OmniAccumArenaConnector)
