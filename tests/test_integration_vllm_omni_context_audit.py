@@ -167,3 +167,23 @@ def test_a_context_length_set_alone_says_its_concurrency_is_the_default_1(no_con
     assert "concurrency 1 (not set: 1)" in detail, detail
     no_context_env.setenv("OMNI_ACCUM_CONCURRENCY", "1")
     assert "not set" not in context_label(_policy(FOUR), deployment_context())
+
+
+def test_a_request_outside_the_table_s_edges_is_said_once_per_stage(no_context_env, caplog):
+    """TunedTable.clamped_lookups never counted in a live server (the sender decides with the bucket's edges): an
+    operator could not tell that the traffic is outside what the table measured."""
+    import logging
+
+    from omni_accum.integrations.vllm_omni.binding import Binding
+
+    caplog.set_level(logging.INFO, "omni_accum")
+    b = Binding(_policy(FOUR), ("thinker_embeddings",), "tuned.yaml", None)
+    b.live_send.add("inside")
+    b.decide("inside", _chunk(1500))
+    assert "outside the tuned table's buckets" not in caplog.text
+    for rid, prompt in (("long", 50000), ("longer", 90000)):
+        b.live_send.add(rid)
+        b.decide(rid, _chunk(prompt))
+    said = [r.getMessage() for r in caplog.records if "outside the tuned table's buckets" in r.getMessage()]
+    assert len(said) == 1 and "'long' (context length 50000, concurrency 2)" in said[0], said
+    assert "context_len>=2000, concurrency>=2" in said[0]

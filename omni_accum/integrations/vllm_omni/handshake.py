@@ -39,7 +39,16 @@ def decide(self: Any, req_id: str, chunk: Mapping[str, Any]) -> int:
         ctx = StreamContext(context_len=_context_len(self, chunk), concurrency=concurrency)
     if table is None or ctx is None:
         return -1
-    c_edge, k_edge, _ = table.bucket(ctx)
+    c_edge, k_edge, clamped = table.bucket(ctx)
+    if clamped and not self.__dict__.get("_said_clamped"):  # once per binding: the table does not cover the traffic
+        self._said_clamped = True
+        logger.info(
+            "omni-accum: request %r (context length %s, concurrency %s) is outside the tuned table's buckets "
+            "(context_len edges %s, concurrency edges %s): it runs the nearest end bucket's strategies "
+            "(context_len>=%s, concurrency>=%s), which were measured at that edge; tune with edges that cover the "
+            "deployment's traffic (said once for this stage)",
+            req_id, ctx.context_len, ctx.concurrency, table.context_len_edges, table.concurrency_edges, c_edge, k_edge,
+        )  # fmt: skip
     self.send_ctx[req_id] = StreamContext(context_len=c_edge, concurrency=k_edge)
     return table.context_len_edges.index(c_edge) * len(table.concurrency_edges) + table.concurrency_edges.index(k_edge)
 
