@@ -217,7 +217,7 @@ def replay(
                     mismatch = f"request {r}, chunk {i}: {m}"
             step_us.append(dt)
             totals[r] += dt
-            wire_bytes += nb
+            wire_bytes += payload_nbytes(sent) if nb is None else nb  # inproc: counted here, off the clock
             if per_key:
                 for path, v in iter_leaves(sent):
                     if not str(path).startswith("__"):

@@ -74,20 +74,22 @@ class Wire(ABC):
     name: str = ""
 
     @abstractmethod
-    def carry(self, key: str, payload: Mapping[str, Any]) -> tuple[Mapping[str, Any], int]:
-        """Return ``(payload as received, bytes on the wire)``; ``key`` is unique per chunk."""
+    def carry(self, key: str, payload: Mapping[str, Any]) -> tuple[Mapping[str, Any], int | None]:
+        """Return ``(payload as received, bytes on the wire)``; ``key`` is unique per chunk. Bytes None: the
+        wire has no count of its own, the caller counts :func:`payload_nbytes` of the payload (outside its clock)."""
 
     def close(self) -> None:  # noqa: B027 - optional
         """Release every resource (shared-memory segments, lock files)."""
 
 
 class InprocWire(Wire):
-    """No serialization: the receiver gets the sender's objects; bytes are :func:`payload_nbytes`."""
+    """No serialization: the receiver gets the sender's objects; bytes are :func:`payload_nbytes`, which the
+    caller counts outside its clock (bytes None: the walk costs about as much as the wire-floor step itself)."""
 
     name = "inproc"
 
-    def carry(self, key: str, payload: Mapping[str, Any]) -> tuple[Mapping[str, Any], int]:
-        return payload, payload_nbytes(payload)
+    def carry(self, key: str, payload: Mapping[str, Any]) -> tuple[Mapping[str, Any], int | None]:
+        return payload, None
 
 
 class SerializerWire(Wire):

@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
             "gain of the tuned policy over "
             + ("upstream vllm-omni 0.30.0" if name == "upstream" else "the default preset")
             + (" (here: wire-floor, what its adapter does with this stream)" if floor else "")
-            + " (one interleaved round per bucket after a warm-up replay, step p50 and total per request):"
+            + " (two rounds per bucket after a warm-up replay, one in each order; step p50 and total per request):"
         )
         print(gain_table(res.outcomes, name, str(args.base)))
     if res.complete:

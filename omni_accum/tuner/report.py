@@ -6,7 +6,7 @@ from omni_accum.policy.environment import table_mismatches
 from omni_accum.policy.model import PROTOCOL_REPLACE_KEYS, Policy
 from omni_accum.policy.tuned import TunedTable
 from omni_accum.tuner.candidates import same_choice
-from omni_accum.tuner.core import WIRE_FLOOR, BucketOutcome
+from omni_accum.tuner.core import VERIFY_ROUNDS, WIRE_FLOOR, BucketOutcome
 
 
 def _us(x: float | None) -> str:
@@ -175,8 +175,11 @@ def gain_table(outcomes: list[BucketOutcome], reference: str, base: str = "defau
         )
     elif verified and all(g["gain_low"] <= 0 <= g["gain_high"] for g in (o.verify for o in verified)):
         out += f"\nno bucket differs from {ref} beyond the noise (every interval holds 0)"
-    out += ("\n(step gain: the tuned policy's step p50 against the reference's, positive when faster, with its 95% "
-            "interval: what the tuner decides by; /req: the request totals of the one verification round, no interval)")
+    out += (f"\n(step gain: the tuned policy's step p50 against the reference's over the {VERIFY_ROUNDS} verification "
+            "rounds (the reference first in one, the tuned policy in the other), positive when faster; its 95% "
+            f"interval is Student's t over the {VERIFY_ROUNDS} rounds' ratios of medians, as the tuner's own (wide "
+            f"with so few rounds); /req: the median over the {VERIFY_ROUNDS} rounds of the mean request total, no "
+            "interval)")
     if any((o.verify or {}).get("reference") == WIRE_FLOOR for o in outcomes):
         out += (
             f"\n(reference: {reference}'s _accumulate_payload raises on this stream (torch.cat of a 0-d flag such as "

@@ -31,6 +31,7 @@ from omni_accum.tuner.files import (
     write_atomic,
 )
 from omni_accum.tuner.core import (
+    VERIFY_ROUNDS,
     BucketOutcome,
     KeyDecision,
     TuneError,
@@ -346,7 +347,7 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
 
         n_arms = sum(1 + len(v) for v in cands.values())
         # Pessimistic (every arm for every round); clear decisions end sooner and the bar jumps ahead.
-        total = sum((n_arms * rounds + (2 if ref is not None else 0)) * bucket_steps(bucket_workload(c), cl, c)
+        total = sum((n_arms * rounds + (2 * VERIFY_ROUNDS if ref is not None else 0)) * bucket_steps(bucket_workload(c), cl, c)
                     for cl, c in buckets)  # fmt: skip
         bar = Progress(total, progress)
     result = TuneResult(policy=base, out=Path(opts.out))
