@@ -256,7 +256,8 @@ def test_processor_bucket_follows_the_sender_under_an_ab_split(vo, adapters, no_
     top = binding_for(tx)
     seen, arms = [], set()
     for i in range(5):
-        rid = f"ab-{i}-{os.getpid()}"
+        # ids unique to this process (their chunks go through /dev/shm) that the split's hash sends to a, b, a, b, a
+        rid = next(r for j in range(10_000) if top.split.arm_for(r := f"ab-{i}-{j}-{os.getpid()}") == "ab"[i % 2])
         arm = ab.send_arm(top, rid)  # the send hook's routing
         arms.add(arm.arm)
         strategy, ctx = _prefill_then_put(tx, arm, rid, [300, 300], seed=50 + i)

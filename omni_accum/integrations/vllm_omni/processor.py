@@ -31,7 +31,7 @@ accumulators hold more for the request (``prealloc``: its buffer of the prompt's
 chunk) is refused before the strategy allocates, and the release's code takes the request from there
 (``processor_refused``, logged once per request). The strategies are selected in the tuned bucket the
 sender's handshake decides for the request (the prompt length, the requests live on the sending adapter:
-:func:`live_requests`). Per request, the time
+:func:`.processor_choice.live_requests`). Per request, the time
 spent in the processor over its prefill chunks and the bytes its accumulation copied are published as
 ``omni_accum_processor_merge_seconds{stage,strategy}`` and ``omni_accum_processor_bytes_copied_total``.
 """
@@ -46,23 +46,26 @@ from typing import Any
 
 import torch
 
-from omni_accum.context import StreamContext
 from omni_accum.errors import AccumulationError, MergeError, OmniAccumError
 from omni_accum.integrations.vllm_omni import instances
 from omni_accum.integrations.vllm_omni import prometheus
 from omni_accum.integrations.vllm_omni.binding import Binding, binding_for, published_later
 from omni_accum.integrations.vllm_omni.binding_settings import Settings
-from omni_accum.strategy import KeyInfo, value_nbytes
+from omni_accum.integrations.vllm_omni.processor_choice import (
+    KEYS,
+    UPSTREAM,
+    accumulator,
+    guard,
+    owned_nbytes,
+    owns,
+    select,
+)
+from omni_accum.strategy import value_nbytes
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
-#: The keys the processor concatenates, as ``(group, key)`` and as policy paths.
-KEYS = (("embed", "prefill"), ("hidden_states", "output"))
-PATHS = tuple(f"{g}.{k}" for g, k in KEYS)
 #: Instance attributes vllm-omni keeps the resolved processor in (the adapter's, a runner transport's).
 _ATTRS = ("custom_process_next_stage_input_func", "_custom_process_func")
-#: The ``cat`` label: the release's own code accumulated (``default``).
-UPSTREAM = "cat"
 _MAX_TIMED = 4096  # requests timed under the release's own code at once (an aborted one leaves a float)
 _warned: set[tuple[int, str]] = set()
 
@@ -100,57 +103,6 @@ def _probe_value(mm: Any) -> Any:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def live_requests(b: Binding, rid: str) -> int:
-    """The concurrency the sender's handshake (:func:`.handshake.decide`) counts for ``rid`` on the adapter's
-    binding ``b``: the requests live on that sending adapter (on every arm of an A/B split), ``rid`` included (not
-    live yet while the processor holds its prefill: the adapter puts its first chunk afterwards)."""
-    live = [x.live_send for x in b.each()]
-    return max(1, sum(len(s) for s in live) + all(rid not in s for s in live))
-
-
-def _context(b: Binding, prompt_len: int, rid: str) -> StreamContext:
-    """The stream context the two keys' strategies are selected in for request ``rid``: the bucket the sender's
-    handshake decides for it (:func:`.handshake.decide`, by the same rules): from the prompt length and
-    :func:`live_requests`; a deployment context that sets the context length as it is; one that sets only the
-    concurrency, that and the prompt length. No tuned table: the binding's."""
-    table = b.policy.tuned
-    ctx = b.receiver.context
-    if table is None:
-        return ctx
-    dep = b.context
-    if dep is not None and dep.context_len is not None:
-        return ctx
-    concurrency = dep.concurrency if dep is not None else live_requests(b, rid)
-    c_edge, k_edge, _ = table.bucket(StreamContext(context_len=prompt_len, concurrency=concurrency))
-    return StreamContext(context_len=c_edge, concurrency=k_edge)
-
-
-def _select(b: Binding, value: torch.Tensor, prompt_len: int, rid: str) -> list[tuple[str, Any, Any]] | None:
-    """``(path, strategy, spec)`` of both keys when omni-accum accumulates ``rid``'s (both append-kind, neither
-    ``cat``), else None (the release's own code)."""
-    ctx = _context(b, prompt_len, rid)
-    chosen = [(path, *b.receiver.select(path, value, ctx)) for path in PATHS]
-    if all("append" in spec.kinds and spec.name != UPSTREAM for _, _, spec in chosen):
-        return chosen
-    return None
-
-
-def _accumulator(b: Binding, strategy: Any, name: str, path: str, rid: str, rows: int) -> Any:
-    """A fresh accumulator for ``path``, told its final rows; a strategy with an ``initial_capacity``
-    (``prealloc``) gets at least those rows, so its buffer is allocated once (the rows are known here, not
-    guessed: the processor hands over when they exceed the prompt). ``name``: the strategy's registered name (a
-    plugin's subclass of ``Prealloc`` keeps the class attribute ``name = "prealloc"``: built by it, the built-in
-    replaced the plugin's strategy for long prompts)."""
-    params = getattr(strategy, "params", None)
-    fields = getattr(type(params), "model_fields", {})
-    if "initial_capacity" in fields:
-        limit = fields["initial_capacity"].metadata
-        cap = min(rows, min((m.le for m in limit if getattr(m, "le", None) is not None), default=rows))
-        if cap > params.initial_capacity:
-            strategy = b.receiver.manager.build(name, {**params.model_dump(), "initial_capacity": cap})
-    return strategy.new_accumulator(KeyInfo(path, rid, rows))
-
-
 def _storage(t: Any) -> int:
     return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else 0
 
@@ -174,53 +126,23 @@ def _start(b: Binding, chosen: list[tuple[str, Any, Any]], rid: str, out: Any, t
     final = len(out.ids.prompt) + 1  # the rows handed over: the prompt's, then the first decode step's
     values = [getattr(getattr(out, group), key) for group, key in KEYS]
     specs = [spec for _, _, spec in chosen]
-    accs = [(path, _accumulator(b, strategy, spec.name, path, rid, final)) for path, strategy, spec in chosen]
+    accs = [(path, accumulator(b, strategy, spec.name, path, rid, final)) for path, strategy, spec in chosen]
     limit = b.policy.max_bytes_per_request
     if limit:  # the first merge's bytes, before it
-        _guard(limit, rid, specs, accs, [(0, acc.projected_nbytes(v)) for (_, acc), v in zip(accs, values)])
+        guard(limit, rid, specs, accs, [(0, acc.projected_nbytes(v)) for (_, acc), v in zip(accs, values)])
     for (_, acc), value in zip(accs, values):
         acc.merge(value)
     if limit:  # then the buffer own() copies the chunk into, before it is allocated
-        _guard(limit, rid, specs, accs, [(acc.nbytes(), _owned_nbytes(acc, v)) for (_, acc), v in zip(accs, values)])
+        guard(limit, rid, specs, accs, [(acc.nbytes(), owned_nbytes(acc, v)) for (_, acc), v in zip(accs, values)])
     copied = 0
     for (path, acc), value in zip(accs, values):
         own = getattr(acc, "own", None)
         if own is not None:  # prealloc: the rows go into the buffer now, not at the first decode step ...
             # ... and over the arena connector, into the slab the put will announce (the put copies none)
-            copied += own(_in_arena(tm, rid, path, value, final) if _owns(value) else None)
+            copied += own(_in_arena(tm, rid, path, value, final) if owns(value) else None)
     held = _Held(accs, [_rows(v) for v in values], out, specs[0].name)
     held.specs, held.copied = specs, copied
     return held
-
-
-def _owns(value: Any) -> bool:
-    """Whether ``own()`` copies a first chunk ``value`` (held by reference) into a buffer: one with rows."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] > 0
-
-
-def _owned_nbytes(acc: Any, value: Any) -> int:
-    """Bytes ``acc`` (its first chunk ``value`` merged) holds once :func:`_start` called its ``own()``: the buffer
-    an append sizes (``own`` sizes it so: the projection of appending no rows), else what it holds now."""
-    if getattr(acc, "own", None) is not None and _owns(value):
-        return acc.projected_nbytes(value[:0])
-    return acc.nbytes()
-
-
-def _guard(limit: int, rid: str, specs: list[Any], accs: list[tuple[str, Any]], sizes: list[tuple[int, int]]) -> None:
-    """The Receiver's memory guard (``max_bytes_per_request``) on the two keys ``rid`` accumulates: ``sizes`` is each
-    key's ``(bytes held now, bytes held after the step)``; over ``limit`` the step is refused before it allocates
-    (an :class:`AccumulationError` naming the key that grows most, its strategy and plugin; nothing changed)."""
-    after = sum(n for _, n in sizes)
-    if after > limit:
-        grow, i = max((n - now, i) for i, (now, n) in enumerate(sizes))
-        raise AccumulationError(
-            f"would hold {after} bytes after this prefill chunk (key {accs[i][0]!r} grows by {grow}), over "
-            f"max_bytes_per_request={limit}; refused before allocating",
-            request_id=rid,
-            key=accs[i][0],
-            strategy=specs[i].name,
-            plugin=specs[i].plugin,
-        )
 
 
 def _append(held: _Held, out: Any, limit: int = 0, rid: str = "") -> int:
@@ -232,7 +154,7 @@ def _append(held: _Held, out: Any, limit: int = 0, rid: str = "") -> int:
         acc.check(value)
     if limit:
         sizes = [(acc.nbytes(), acc.projected_nbytes(value)) for (_, acc), value in zip(held.accs, values)]
-        _guard(limit, rid, held.specs, held.accs, sizes)
+        guard(limit, rid, held.specs, held.accs, sizes)
     copied = 0
     for i, ((_, acc), value) in enumerate(zip(held.accs, values)):
         before = _storage(acc.current_tensor_meta())
@@ -366,7 +288,7 @@ def wrap_processor(orig: Callable[..., Any]) -> Callable[..., Any]:
                 value = _probe_value(multimodal_output)
                 if value is None:
                     return orig(*args)  # no thinker layers: the release returns None
-                chosen = _select(b, value, len(request.prompt_token_ids), rid)
+                chosen = select(b, value, len(request.prompt_token_ids), rid)
                 if chosen is None:
                     return _timed_upstream(b, orig, args, rid, store)
         except Exception as e:  # noqa: BLE001 - a plugin never fails vllm-omni's processor
