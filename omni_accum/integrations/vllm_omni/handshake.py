@@ -33,9 +33,7 @@ def decide(self: Any, req_id: str, chunk: Mapping[str, Any]) -> int:
     table = self.policy.tuned
     ctx = self.context
     if table is not None and (ctx is None or ctx.context_len is None):
-        top = self.top
-        live = sum(len(x.live_send) for x in top.each()) if top.arms is not None else len(self.live_send)
-        concurrency = ctx.concurrency if ctx is not None else max(1, live)
+        concurrency = ctx.concurrency if ctx is not None else live_requests(self, req_id)
         ctx = StreamContext(context_len=_context_len(self, chunk), concurrency=concurrency)
     if table is None or ctx is None:
         return -1
@@ -51,6 +49,13 @@ def decide(self: Any, req_id: str, chunk: Mapping[str, Any]) -> int:
         )  # fmt: skip
     self.send_ctx[req_id] = StreamContext(context_len=c_edge, concurrency=k_edge)
     return table.context_len_edges.index(c_edge) * len(table.concurrency_edges) + table.concurrency_edges.index(k_edge)
+
+
+def live_requests(b: Any, rid: str) -> int:
+    """The concurrency a request ``rid`` is decided at on binding ``b``: the requests live on its sending adapter (on
+    every arm of an A/B split), ``rid`` included (the stage input processor asks before the request's first put)."""
+    live = [x.live_send for x in b.top.each()]
+    return max(1, sum(len(s) for s in live) + all(rid not in s for s in live))
 
 
 def bucket_context(policy: Policy, bucket: int) -> StreamContext | None:

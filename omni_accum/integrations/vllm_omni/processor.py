@@ -31,7 +31,7 @@ accumulators hold more for the request (``prealloc``: its buffer of the prompt's
 chunk) is refused before the strategy allocates, and the release's code takes the request from there
 (``processor_refused``, logged once per request). The strategies are selected in the tuned bucket the
 sender's handshake decides for the request (the prompt length, the requests live on the sending adapter:
-:func:`.processor_choice.live_requests`). Per request, the time
+:func:`.handshake.live_requests`). Per request, the time
 spent in the processor over its prefill chunks and the bytes its accumulation copied are published as
 ``omni_accum_processor_merge_seconds{stage,strategy}`` and ``omni_accum_processor_bytes_copied_total``.
 """

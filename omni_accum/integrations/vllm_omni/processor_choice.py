@@ -16,6 +16,7 @@ import torch
 from omni_accum.context import StreamContext
 from omni_accum.errors import AccumulationError
 from omni_accum.integrations.vllm_omni.binding import Binding
+from omni_accum.integrations.vllm_omni.handshake import live_requests
 from omni_accum.strategy import KeyInfo
 
 #: The two keys the processor accumulates, as ``(group, key)`` of its output and as key paths.
@@ -23,14 +24,6 @@ KEYS = (("embed", "prefill"), ("hidden_states", "output"))
 PATHS = tuple(f"{g}.{k}" for g, k in KEYS)
 #: The ``cat`` label: the release's own code accumulated (``default``).
 UPSTREAM = "cat"
-
-
-def live_requests(b: Binding, rid: str) -> int:
-    """The concurrency the sender's handshake (:func:`.handshake.decide`) counts for ``rid`` on the adapter's
-    binding ``b``: the requests live on that sending adapter (on every arm of an A/B split), ``rid`` included (not
-    live yet while the processor holds its prefill: the adapter puts its first chunk afterwards)."""
-    live = [x.live_send for x in b.each()]
-    return max(1, sum(len(s) for s in live) + all(rid not in s for s in live))
 
 
 def context_of(b: Binding, prompt_len: int, rid: str) -> StreamContext:
