@@ -10,8 +10,8 @@ import pytest
 
 from conftest import require_module, require_vllm_omni
 from omni_accum import bench
-from omni_accum.bench.replay import ArmResult
-from omni_accum.bench.report import BenchRun
+from omni_accum.bench.replay import ArmResult, KeyStats
+from omni_accum.bench.report import BenchRun, p50_interval, ratio_vs
 from omni_accum.bench.workloads import load_workload
 from omni_accum.cli import main
 
@@ -143,3 +143,33 @@ def test_the_arena_wire_replaces_a_link_at_its_json_as_the_other_wires_do(tmp_pa
     args = SimpleNamespace(context_lens=[16], concurrency=[1], arena_wait=None, repeats=1, json=str(out))
     assert pairbench.run_cli(args, load_workload("qwen3-omni-0.30")) == 0
     assert victim.read_text() == "mine\n" and not out.is_symlink() and json.loads(out.read_text())["wire"] == "arena"
+
+
+def test_each_row_holds_the_table_s_interval_and_ratio_column():
+    """The rows held the p50 but not its interval, nor the ratio to the baseline and its interval: a saved run could
+    not check the table's noise statements. Each timed row holds the table's figures now, computed the same way (the
+    baseline upstream, or wire-floor where upstream's code raised), null where the table prints ``-``."""
+    base = [[10.0 + i % 3 for i in range(8)], [11.0 + i % 3 for i in range(8)], [10.0 + i % 2 for i in range(8)]]
+    half = [[x / 2 for x in rep] for rep in base]
+    same = [[x + 0.01 * (j % 2 * 2 - 1) for j, x in enumerate(rep)] for rep in base]
+    rs = [_arm("upstream", [], correct=False, error="RuntimeError: no"), _arm("wire-floor", base),
+          _arm("cat", half, per_key={}), _arm("token_list", same)]  # fmt: skip
+    rs[2].per_key["a"] = KeyStats(wire_bytes_per_step=1.0, peak_bytes=2)
+    doc = bench.to_json(BenchRun(load_workload("qwen3-omni-seed"), "inproc", None, 3, rs))
+    _validate(doc)
+    rows = {(r["arm"], r["key"]): r for r in doc["results"]}
+    assert rows[("upstream", "*")]["vs"] is None and rows[("upstream", "*")]["step_us_p50_ci"] is None
+    floor = rows[("wire-floor", "*")]
+    assert floor["vs"] == {"baseline": "wire-floor", "ratio": 1.0, "low": 1.0, "high": 1.0, "within_noise": True}
+    for arm, r in zip(("cat", "token_list"), rs[2:]):
+        row = rows[(arm, "*")]
+        ratio, low, high, noise = ratio_vs(rs[1], r)
+        assert row["vs"]["baseline"] == "wire-floor" and row["vs"]["within_noise"] is noise
+        assert [row["vs"][k] for k in ("ratio", "low", "high")] == pytest.approx([ratio, low, high], rel=1e-3)
+        assert row["vs"]["low"] <= row["vs"]["ratio"] <= row["vs"]["high"]
+        lo, hi = row["step_us_p50_ci"]
+        assert lo <= row["step_us_p50"] <= hi and [lo, hi] == pytest.approx(list(p50_interval(r)))
+        assert row["repeat_p50_us"] == pytest.approx(r.repeat_medians()) and len(row["repeat_p50_us"]) == 3
+    assert rows[("cat", "*")]["vs"]["ratio"] == 0.5 and not rows[("cat", "*")]["vs"]["within_noise"]
+    assert rows[("token_list", "*")]["vs"]["within_noise"]
+    assert rows[("cat", "a")]["vs"] is None and rows[("cat", "a")]["repeat_p50_us"] is None

@@ -79,6 +79,16 @@ def ratio_vs(base: ArmResult, r: ArmResult) -> tuple[float, float, float, bool] 
     return ratio, low, high, low <= 1.0 <= high
 
 
+def bucket_base(results: list[ArmResult], baseline: str = UPSTREAM) -> tuple[ArmResult | None, str]:
+    """``(base, name)``: the arm of one bucket's ``results`` the others' ratios compare with: ``baseline``, or, when
+    upstream's code raised on the stream (no samples), ``wire-floor`` (what 0.30.0 does instead); None without one."""
+    base = next((r for r in results if r.arm == baseline and r.samples_us), None)
+    if base is None and baseline == UPSTREAM:
+        base = next((r for r in results if r.arm == WIRE_FLOOR and r.samples_us), None)
+        baseline = WIRE_FLOOR if base is not None else baseline
+    return base, baseline
+
+
 def _fmt_x(x: float) -> str:
     """A ratio at a precision that suits its size, never in exponent form: 0.071, 0.96, 4.07, 13.0, 520."""
     if x >= 100:
@@ -144,10 +154,7 @@ def format_table(results: list[ArmResult], baseline: str = UPSTREAM, *, decode_s
     if not results:
         return ""
     r0 = results[0]
-    base = next((r for r in results if r.arm == baseline and r.samples_us), None)
-    if base is None and baseline == UPSTREAM:  # upstream's code raised on this stream: what 0.30.0 does instead
-        base = next((r for r in results if r.arm == WIRE_FLOOR and r.samples_us), None)
-        baseline = WIRE_FLOOR if base is not None else baseline
+    base, baseline = bucket_base(results, baseline)
     split = ""
     if decode_steps is not None and 0 <= decode_steps <= r0.steps:
         split = f" ({r0.steps - decode_steps} prefill + {decode_steps} decode)"

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from omni_accum.bench._paths import replace_file
-from omni_accum.bench.report import BenchRun
+from omni_accum.bench.report import BenchRun, bucket_base, p50_interval, ratio_vs
 from omni_accum.bench.replay import ArmResult
 from omni_accum.policy.fingerprint import dist_version
 
@@ -63,6 +63,9 @@ RESULT_SCHEMA: dict[str, Any] = {
                     "requests",
                     "steps",
                     "store",
+                    "step_us_p50_ci",
+                    "repeat_p50_us",
+                    "vs",
                 ],
                 "properties": {
                     "arm": {"type": "string"},
@@ -78,6 +81,20 @@ RESULT_SCHEMA: dict[str, Any] = {
                     "peak_bytes": _COUNT,
                     "requests": {"type": "integer", "minimum": 1},
                     "steps": {"type": "integer", "minimum": 1},
+                    "step_us_p50_ci": {"type": ["array", "null"], "items": _FIGURE, "minItems": 2, "maxItems": 2},
+                    "repeat_p50_us": {"type": ["array", "null"], "items": _FIGURE},
+                    "vs": {
+                        "type": ["object", "null"],
+                        "additionalProperties": False,
+                        "required": ["baseline", "ratio", "low", "high", "within_noise"],
+                        "properties": {
+                            "baseline": {"type": "string"},
+                            "ratio": _FIGURE,
+                            "low": _FIGURE,
+                            "high": _FIGURE,
+                            "within_noise": {"type": "boolean"},
+                        },
+                    },
                     "store": {
                         "type": ["object", "null"],
                         "additionalProperties": False,
@@ -134,10 +151,33 @@ def status_of(r: ArmResult) -> tuple[str, str | None]:
     return "ok", None
 
 
-def _row(run: BenchRun, r: ArmResult, key: str, wire_bytes: float, peak: int, timed: bool) -> dict[str, Any]:
+def _vs(r: ArmResult, base: ArmResult | None, name: str) -> dict[str, Any] | None:
+    """The table's ratio column of ``r``: its p50 over the bucket's ``base``'s with the 95 % interval over the repeats
+    (:func:`~omni_accum.bench.report.ratio_vs`); None without a base or samples."""
+    if base is None or not r.samples_us:
+        return None
+    if r is base:
+        return {"baseline": name, "ratio": 1.0, "low": 1.0, "high": 1.0, "within_noise": True}
+    q = ratio_vs(base, r)
+    if q is None:
+        return None
+    ratio, low, high, noise = q
+    return {"baseline": name, "ratio": _x(ratio), "low": _x(low), "high": _x(high), "within_noise": noise}
+
+
+def _x(x: float) -> float | None:
+    """A ratio for JSON: four significant digits (0.0712, 13.07), None when not finite."""
+    return None if not math.isfinite(x) else float(f"{x:.4g}")
+
+
+def _row(
+    run: BenchRun, r: ArmResult, key: str, wire_bytes: float, peak: int, timed: bool,
+    base: tuple[ArmResult | None, str] = (None, ""),
+) -> dict[str, Any]:  # fmt: skip
     status, error = status_of(r)
     measured = bool(r.samples_us)  # an arm that raised in its first repeat measured nothing
     store = run.store.get((r.arm, r.context_len, r.concurrency)) if timed and measured else None
+    ci = p50_interval(r) if measured and timed else None
     return {
         "arm": r.arm,
         "key": key,
@@ -155,14 +195,22 @@ def _row(run: BenchRun, r: ArmResult, key: str, wire_bytes: float, peak: int, ti
         "requests": r.requests,
         "steps": r.steps,
         "store": None if store is None else {k: store[k] for k in _STORE_FIELDS},
+        "step_us_p50_ci": None if ci is None else [_num(ci[0]), _num(ci[1])],
+        "repeat_p50_us": [_num(x) for x in r.repeat_medians()] if measured and timed else None,
+        "vs": _vs(r, *base) if timed else None,
     }
 
 
 def to_json(run: BenchRun) -> dict[str, Any]:
     """The JSON document of a run (validates against :data:`RESULT_SCHEMA`)."""
     rows = []
+    buckets: dict[tuple[int, int], list[ArmResult]] = {}
     for r in run.results:
-        rows.append(_row(run, r, r.key, r.wire_bytes_per_step, r.peak_bytes, True))
+        buckets.setdefault((r.context_len, r.concurrency), []).append(r)
+    bases = {k: bucket_base(rs) for k, rs in buckets.items()}  # what the table's ratio column compares with
+    for r in run.results:
+        base = bases[(r.context_len, r.concurrency)]
+        rows.append(_row(run, r, r.key, r.wire_bytes_per_step, r.peak_bytes, True, base))
         for k, ks in sorted(r.per_key.items()):
             rows.append(_row(run, r, k, ks.wire_bytes_per_step, ks.peak_bytes, False))
     return {

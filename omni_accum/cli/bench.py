@@ -153,7 +153,8 @@ def register(subparsers: Any) -> None:
         "--json",
         action=OnceAction,
         metavar="OUT",
-        help="write results as JSON (omni_accum.bench.RESULT_SCHEMA; each arm's status: ok, failed or wrong views), "
+        help="write results as JSON (omni_accum.bench.RESULT_SCHEMA; each arm's status: ok, failed or wrong views; "
+        "the table's p50 interval and ratio column with its interval), "
         "atomically (an existing file's mode kept): a symlink at OUT is replaced, not written through. Ctrl-C "
         "writes the buckets finished "
         '("complete": false)',
