@@ -22,6 +22,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from importlib import metadata
+from types import ModuleType
 from typing import Any
 
 import pluggy
@@ -92,6 +93,17 @@ class _PolicySelector:
 MAX_BUILT = 1024  # strategies kept built (the stage input processor builds prealloc with each prompt's length)
 
 
+def _not_a_plugin(plugin: Any) -> str | None:
+    """``an int (42), not a module, ...`` for a value of a built-in type (an int, a str, a function) with no hooks."""
+    kind = type(plugin).__name__
+    if plugin is None or isinstance(plugin, (ModuleType, type)) or type(plugin).__module__ != "builtins":
+        return None
+    if any(hasattr(plugin, h) for h in ALL_HOOKS):
+        return None
+    return (f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} ({plugin!r:.60}), not a module, class instance or object "
+            "with omni_accum hooks")  # fmt: skip
+
+
 class StrategyManager:
     """Typed facade over the pluggy ``PluginManager`` of project ``omni_accum``.
 
@@ -116,6 +128,8 @@ class StrategyManager:
         self._loaded_eps: dict[str, str] = {}  # entry-point name -> value, for idempotent reloads
         #: Third-party plugins left out by OMNI_ACCUM_PLUGINS / OMNI_ACCUM_DISABLED_PLUGINS (entry-point names).
         self.disabled: list[str] = []
+        #: What OMNI_ACCUM_PLUGINS / OMNI_ACCUM_DISABLED_PLUGINS list that names no installed plugin (``doctor``).
+        self.list_problems: list[str] = []
         if self._trace:
             ensure_visible_logging()  # a trace asked for is shown, even where nobody configured logging
             self.pm.trace.root.setwriter(lambda msg: logger.info("omni_accum hook: %s", msg.rstrip()))
@@ -162,6 +176,9 @@ class StrategyManager:
                 self._problem(ep.name, dist, f"failed to import {ep.value!r}: {type(e).__name__}: {e}{hint}", e,
                               is_first)  # fmt: skip
                 continue
+            if _not_a_plugin(plugin):  # THING = 42: not "implements no hook", as if hooks were only unmarked
+                self._problem(ep.name, dist, f"the entry point {ep.value!r} is {_not_a_plugin(plugin)}", None, is_first)
+                continue
             try:
                 self.register(plugin, name=ep.name, distribution=dist, first_party=is_first)
             except BaseException as e:  # noqa: BLE001 - whatever a plugin's registration raises is its own failure
@@ -180,6 +197,7 @@ class StrategyManager:
                 no_such = f"but no installed strategy plugin has that name (plugins: {valid})"
                 why = "a built-in: built-ins cannot be disabled" if name in builtin else no_such
                 logger.warning("omni_accum: %s lists %r, %s", env, name, why)
+                self.list_problems.append(f"{env} lists {name!r}, {why}")
 
     def _problem(
         self,
@@ -229,6 +247,8 @@ class StrategyManager:
             raise PluginError(f"{who}: invalid hook implementation: {hook_problem(e, ALL_HOOKS)}") from e
         try:
             if not self.pm.get_hookcallers(plugin):
+                if _not_a_plugin(plugin):
+                    raise PluginError(f"{who}: is {_not_a_plugin(plugin)}")
                 unmarked = [n for n in ALL_HOOKS if callable(getattr(plugin, n, None))]
                 raise PluginError(f"{who}: implements no omni_accum hook (mark {' or '.join(unmarked or ALL_HOOKS)} "
                                   "with @omni_accum.hookimpl)")  # fmt: skip

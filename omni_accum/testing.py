@@ -85,9 +85,9 @@ def _make_value(spec: KeySpec, rows: int, gen: torch.Generator, pick: int) -> An
         if spec.dtype == torch.bool:
             t = torch.randint(0, 2, shape, generator=gen).bool()
         elif spec.dtype == torch.int64:
-            t = torch.randint(-1000, 1000, shape, generator=gen)
+            t = _edges(torch.randint(-1000, 1000, shape, generator=gen), gen)
         else:
-            t = torch.randn(shape, generator=gen).to(spec.dtype)
+            t = _edges(torch.randn(shape, generator=gen).to(spec.dtype), gen)
         return non_contiguous(t, (spec.layout + pick) % 4 if spec.layout else 0)
     if spec.kind == "list":
         return torch.randint(0, 50000, (rows,), generator=gen).tolist()
@@ -96,13 +96,26 @@ def _make_value(spec: KeySpec, rows: int, gen: torch.Generator, pick: int) -> An
     return ("Ethan", "Chelsie", 7, None)[pick % 4]
 
 
+def _edges(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Edge values, which torch.cat keeps bit for bit, in about a third of the elements of one tensor in three."""
+    if not t.numel() or torch.randint(0, 3, (1,), generator=gen).item():
+        return t
+    pool = torch.tensor([2**40 + 1, -(2**53) - 1, -(2**63), 2**63 - 1])  # int64: beyond floats' exact range, min, max
+    if t.is_floating_point():  # -0.0, +/-inf, a NaN with a payload and a -NaN (bf16: their top halves)
+        nan = torch.tensor([0x7FC10001, -0x3FFFFF], dtype=torch.int32).view(torch.float32)
+        nan = nan.view(torch.int16)[1::2].view(t.dtype) if t.element_size() == 2 else nan.to(t.dtype)
+        pool = torch.cat([torch.tensor([-0.0, math.inf, -math.inf], dtype=t.dtype), nan])
+    edge = pool[torch.randint(0, len(pool), t.shape, generator=gen)]
+    return torch.where(torch.randint(0, 3, t.shape, generator=gen).bool(), t, edge)
+
+
 @st.composite
 def payload_streams(draw: st.DrawFn, *, max_chunks: int = 200, nested: bool | None = None) -> list[dict[str, Any]]:
     """Hypothesis strategy: a stream of 1..max_chunks payload chunks (nested or flat).
 
-    Keys are tensors of bf16/float32/int64/bool with 0..3 rows per chunk (0 = an empty chunk),
-    lists of ints, 0-d tensors and plain values; a key may be absent from a chunk, and a chunk may be
-    empty. Each key keeps its dtype and trailing shape.
+    Keys are tensors of bf16/float32/int64/bool with 0..3 rows per chunk (0 = an empty chunk; some elements -0.0,
+    NaN, +/-inf or large int64), lists of ints, 0-d tensors and plain values; a key may be absent from a chunk, and a
+    chunk may be empty. Each key keeps its dtype and trailing shape.
     """
     nest = draw(st.booleans()) if nested is None else nested
     n_keys = draw(st.integers(1, 4))
@@ -401,7 +414,7 @@ def check_conformance(
     """
     mgr = manager or get_manager()
     spec = _spec(mgr, strategy)  # UnknownStrategyError, listing the available names, before any example runs
-    spec.build(_params(strategy, params))  # invalid params fail here, with the Params model's own message
+    mgr.build(strategy, _params(strategy, params), "conformance kit")  # invalid params named, as StrategyManager.params
 
     @settings(max_examples=max_examples, deadline=None, database=None)
     @given(stream=payload_streams(max_chunks=max_chunks))

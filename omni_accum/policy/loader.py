@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from omni_accum.errors import InvalidArgumentError, PolicyArgumentError, PolicyError
+from omni_accum.errors import InvalidArgumentError, PolicyArgumentError, PolicyError, describe_plugin
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import installed_plugins
 from omni_accum.policy.fingerprint import plugin_versions
@@ -242,6 +242,11 @@ def strategy_problems(
                 msg = "unknown param" if pe["type"] == "extra_forbidden" else pe["msg"] + _got(pe)
                 msg += f" (strategy {name!r}; allowed params: {allowed})"
                 errors.append({"loc": f"{where}.params.{field}", "line": pline, "msg": msg})
+        except Exception as e:  # noqa: BLE001 - a validator of the plugin's raising another error: the plugin's bug
+            msg = (f"strategy {name!r} ({describe_plugin(spec.plugin, spec.distribution)}): its Params validator "
+                   f"raised {type(e).__name__} on params {dict(params)!r}: {e} (a validator should raise ValueError; "
+                   f"allowed params: {spec.allowed_params()})")  # fmt: skip
+            errors.append({"loc": f"{where}.params", "line": lines(loc + ("params",)) or lines(loc), "msg": msg})
     return errors
 
 
