@@ -232,6 +232,15 @@ def _looks_like_path(name: str) -> bool:
     return Path(name).suffix.lower() in (".yaml", ".yml", ".json") or any(s in name for s in seps)
 
 
+def _holds_capture(folder: Path) -> bool:
+    """``folder`` holds capture files (``capture-*.jsonl``, as :func:`omni_accum.capture.reader.capture_files` finds
+    them; named here: the capture package imports this module)."""
+    try:
+        return any(x.name.startswith("capture-") and x.name.endswith(".jsonl") for x in folder.iterdir())
+    except OSError:
+        return False
+
+
 def load_workload(source: str | os.PathLike[str] | Mapping[str, Any] | Workload) -> Workload:
     """Load a workload: a preset name, a YAML/JSON file path, a mapping, or a Workload (returned as is)."""
     if isinstance(source, Workload):
@@ -244,6 +253,8 @@ def load_workload(source: str | os.PathLike[str] | Mapping[str, Any] | Workload)
     path = Path(name)
     presets = f"Available presets: {', '.join(workload_names())}"
     if probe(path, "is_dir"):
+        if _holds_capture(path):
+            raise WorkloadError(f"{name} is a capture folder: give it with --trace {name}")
         raise WorkloadError(f"{name}: is a folder, not a workload file. {presets}")
     if not probe(path, "is_file"):
         if _looks_like_path(name):

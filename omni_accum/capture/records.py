@@ -6,6 +6,11 @@ Split from :mod:`omni_accum.capture.trace` (which re-exports these names and bui
   capture bounded by ``OMNI_ACCUM_CAPTURE_MAX_BYTES`` were rotated away. Such a request is left out of the trace
   (its figures and its replay: a replay without the prefill would time another stream), counted per pair and
   side in :attr:`Trace.dropped` and named in :meth:`Trace.warnings`.
+* A request id whose chunk indexes (``seq``) repeat on one side was written by two servers, or two runs of one, into
+  one capture folder: it is taken as separate requests, by the process that wrote each record (its files'
+  ``capture-<stage>-<pid>``) and, within a process, at a file that repeats an index of the run before (a process
+  restarted with the same pid writes files of its own); said in :meth:`Trace.notes`. Repeats in records that do not
+  say their file leave the request out (:attr:`Trace.repeated`, a warning).
 * A key's kind (append or replace, :meth:`Trace.key_kinds`): the built-in preset that has the key says it;
   for a key no preset has, the captured data where it shows it, else the records (a record holds the kind the
   policy running at capture time gave the key, which differs between policies): see :func:`decide_kind`.
@@ -16,6 +21,7 @@ Split from :mod:`omni_accum.capture.trace` (which re-exports these names and bui
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +29,7 @@ from typing import Any
 from omni_accum.bench.workloads import MAX_ROWS
 from omni_accum.capture.keys import kind_of_key, known_key
 from omni_accum.capture.reader import Capture
+from omni_accum.capture.writer import FILE_SUFFIX
 
 _NOT_ROWS = ("ids", "list", "names", "str", "bytes")
 
@@ -82,7 +89,12 @@ class Trace:
 
     requests: dict[tuple[str, str], list[Request]] = field(default_factory=dict)
     dropped: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: Request ids whose chunk indexes repeat on one side (two servers or runs in one folder), by ``(pair, role)``:
+    #: ``[ids, requests they were split into (0: left out), files]``.
+    repeated: dict[tuple[str, str], list[Any]] = field(default_factory=dict)
     _kinds: dict[str, tuple[dict[str, str], list[str]]] = field(default_factory=dict, repr=False)
+    #: :meth:`concurrency` per ``(pair, id(of))`` with ``of`` (a trace is not changed once built).
+    _conc: dict[tuple[str, int | None], tuple[Any, list[int]]] = field(default_factory=dict, repr=False)
 
     def pairs(self) -> list[str]:
         return sorted({p for p, _ in self.requests}, key=_pair_order)
@@ -94,8 +106,13 @@ class Trace:
     def concurrency(self, pair: str, of: list[Request] | None = None) -> list[int]:
         """Per request of ``pair`` (in start order): how many requests were streaming when it started (``of``:
         those requests instead of all of the pair's, e.g. the replayed ones)."""
+        key = (pair, None if of is None else id(of))
+        got = self._conc.get(key)
+        if got is not None and got[0] is of:  # ``of``: the same list object (held here, so its id is not reused)
+            return list(got[1])
         reqs = sorted(self.side(pair) if of is None else of, key=lambda r: r.start)
-        return [sum(1 for o in reqs if o.start <= r.start <= o.end) for r in reqs]
+        self._conc[key] = (of, overlaps([(r.start, r.end) for r in reqs]))
+        return list(self._conc[key][1])
 
     def key_kinds(self, pair: str) -> dict[str, str]:
         """``{path: "append" | "replace"}`` of every key of ``pair``'s replayed side (see :func:`decide_kind`)."""
@@ -120,6 +137,13 @@ class Trace:
                 "whose first chunk (chunk 0, the prefill) is not in the capture (its oldest files were rotated away: "
                 "OMNI_ACCUM_CAPTURE_MAX_BYTES); not replayed and not counted in the figures"
             )
+        for (pair, role), (n, got, files) in sorted(self.repeated.items()):
+            if not got:
+                out.append(
+                    f"stage pair {pair} ({_SIDE[role]} side): left out {n} request(s) whose chunk indexes repeat "
+                    f"(two servers or runs wrote the same request ids; {_files(files) or 'records without their file'}"
+                    "): which chunk belongs to which cannot be told; not replayed and not counted in the figures"
+                )
         for pair in self.pairs():
             kinds, notes = self._decided(pair)
             out += [f"stage pair {pair}: {n}" for n in notes]
@@ -138,6 +162,16 @@ class Trace:
                     )
         return out
 
+    def notes(self) -> list[str]:
+        """Request ids recorded again by another server or run (their chunk indexes repeat on one side): taken as
+        separate requests, by the process and the files their records came from."""
+        return [
+            f"stage pair {pair} ({_SIDE[role]} side): {n} request id(s) recorded by more than one server or run "
+            f"(their chunk indexes repeat: {_files(files)}), taken as {got} separate requests by the process and "
+            "files their records came from"
+            for (pair, role), (n, got, files) in sorted(self.repeated.items()) if got
+        ]
+
     def context_lens(self, pair: str, most: int = 3, of: list[Request] | None = None) -> list[int]:
         """Bucket edges of context length: the prompt lengths at up to ``most`` quantiles, rounded down to 2
         significant digits (an edge is a floor: never above the prompt lengths it stands for), capped at the
@@ -154,6 +188,24 @@ class Trace:
         if not conc:
             return [1]
         return sorted({conc[min(len(conc) - 1, int(q * (len(conc) - 1) + 0.5))] for q in _quantiles(most)})
+
+
+def overlaps(spans: list[tuple[float, float]]) -> list[int]:
+    """Per span ``(start, end)``: how many spans ``o`` have ``o.start <= start <= o.end`` (itself included), in
+    O(n log n): those starting at or before ``start`` less those that ended before it (a span whose end is
+    before its start holds no time: never counted)."""
+    held = [(a, b) for a, b in spans if a <= b]
+    starts, ends = sorted(a for a, _ in held), sorted(b for _, b in held)
+    return [bisect_right(starts, a) - bisect_left(ends, a) for a, _ in spans]
+
+
+_SIDE = {"send": "sending", "recv": "receiving"}
+
+
+def _files(files: list[str], most: int = 4) -> str:
+    """``files`` named, the first ``most``, then a count."""
+    more = f" and {len(files) - most} more" if len(files) > most else ""
+    return ", ".join(files[:most]) + more
 
 
 def _quantiles(most: int) -> list[float]:
@@ -229,23 +281,63 @@ def decide_kinds(reqs: list[Request]) -> tuple[dict[str, str], list[str]]:
     return kinds, notes
 
 
+def _process(file: str) -> str:
+    """The process that wrote ``file``: its folder and ``capture-<stage>-<pid>`` (a process's files are numbered on:
+    ``.0``, ``.1`` ...), else the file itself."""
+    head, dot, n = file[: -len(FILE_SUFFIX)].rpartition(".") if file.endswith(FILE_SUFFIX) else ("", "", "")
+    return head if dot and n.isdigit() else file
+
+
+def _runs(recs: list[dict[str, Any]]) -> list[list[dict[str, Any]]] | None:
+    """The records of one request id on one side split into the requests they are, when a chunk index repeats:
+    by the process that wrote them (two servers writing into one folder), then, within a process, at a file whose
+    records repeat a chunk index of the run before (a restarted process with the same pid writes files of its own;
+    a rotated one goes on: no index repeats); repeats within one file stay one request (the recorder starts a
+    forgotten request's indexes again). None: a repeat in records that do not say their file (left out)."""
+    if len({r["seq"] for r in recs}) == len(recs):
+        return [recs]
+    if any(not isinstance(r.get("_file"), str) for r in recs):
+        return None
+    by_proc: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for r in recs:
+        by_proc.setdefault(_process(r["_file"]), {}).setdefault(r["_file"], []).append(r)
+    out = []
+    for files in by_proc.values():
+        run: list[dict[str, Any]] = []
+        for part in files.values():
+            if run and {r["seq"] for r in run} & {r["seq"] for r in part}:
+                out.append(run)
+                run = []
+            run += part
+        out.append(run)
+    return out
+
+
 def build_trace(capture: Capture) -> Trace:
     """Group ``capture``'s records by pair, role and request; chunks ordered by time, then index. A request whose
     first chunk is not chunk 0 is left out (counted in :attr:`Trace.dropped`)."""
     out = Trace()
-    index: dict[tuple[str, str, str], Request] = {}
+    index: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for rec in capture.records:
-        k = (rec["pair"], rec["role"], rec["req"])
-        r = index.get(k)
-        if r is None:
-            r = index[k] = Request(rec["req"], rec["pair"], rec["role"])
-            out.requests.setdefault((rec["pair"], rec["role"]), []).append(r)
-        keys = [KeyRec(x[0], x[1], x[2], tuple(x[3]), x[4], x[5], x[6] if len(x) > 6 else None) for x in rec["keys"]]
-        r.chunks.append(Chunk(rec["seq"], float(rec["t"]), float(rec["dt"]), keys, rec.get("handoff_s")))
-        if rec.get("ctx") is not None and r.ctx is None:
-            r.ctx = rec["ctx"]
-        if rec.get("arm") is not None:
-            r.arm = rec["arm"]
+        index.setdefault((rec["pair"], rec["role"], rec["req"]), []).append(rec)
+    for (pair, role, req), recs in index.items():
+        runs = _runs(recs)
+        if runs is None or len(runs) > 1:
+            seen = out.repeated.setdefault((pair, role), [0, 0, []])
+            seen[0] += 1
+            seen[1] += len(runs) if runs else 0
+            seen[2] += [f for f in dict.fromkeys(r.get("_file") for r in recs) if f and f not in seen[2]]
+        for i, run in enumerate(runs or ()):
+            r = Request(req if len(runs or ()) == 1 else f"{req}~{i + 1}", pair, role)
+            out.requests.setdefault((pair, role), []).append(r)
+            for rec in run:
+                keys = [KeyRec(x[0], x[1], x[2], tuple(x[3]), x[4], x[5], x[6] if len(x) > 6 else None)
+                        for x in rec["keys"]]
+                r.chunks.append(Chunk(rec["seq"], float(rec["t"]), float(rec["dt"]), keys, rec.get("handoff_s")))
+                if rec.get("ctx") is not None and r.ctx is None:
+                    r.ctx = rec["ctx"]
+                if rec.get("arm") is not None:
+                    r.arm = rec["arm"]
     for side, reqs in list(out.requests.items()):
         for r in reqs:
             r.chunks.sort(key=lambda c: (c.t, c.seq))

@@ -22,7 +22,7 @@ from typing import Any
 
 from omni_accum.capture.keys import _read_of, known_key
 from omni_accum.capture.reader import Capture, Problem
-from omni_accum.capture.trace import Trace
+from omni_accum.capture.trace import Trace, _with_keys
 
 #: Bytes per chunk under which a key's saving is "nothing measurable".
 TINY = 64
@@ -67,12 +67,18 @@ def summarize(capture: Capture, trace: Trace) -> dict[str, Any]:
         "skipped": [str(p) for p in capture.problems],
         **skipped_counts(capture.problems),
         "warnings": trace.warnings(),  # also on stderr (omni-accum trace)
+        "notes": trace.notes(),
         "pairs": {},
     }
     for pair in trace.pairs():
-        side = trace.side(pair)
+        side, empty = _with_keys(trace.side(pair))  # as bench / tune --trace replay it: chunks with no key left out
+        if empty:
+            out["notes"].append(
+                f"stage pair {pair}: left out {empty} captured chunk(s) that carry no payload key (records with "
+                '"keys": []): nothing in them to accumulate; not counted in the figures'
+            )
         role = "send" if trace.requests.get((pair, "send")) else "recv"
-        conc = trace.concurrency(pair)
+        conc = trace.concurrency(pair, of=side)
         lens = [r.prompt_len() for r in side]
         kinds = trace.key_kinds(pair)  # one kind per key, as bench / tune --trace replay it
         keys: dict[str, dict[str, Any]] = {}
@@ -115,7 +121,8 @@ def summarize(capture: Capture, trace: Trace) -> dict[str, Any]:
             "chunks": sum(len(r.chunks) for r in side),
             "context_len": {"min": min(lens), "p50": statistics.median(lens), "max": max(lens)} if lens else None,
             "concurrency": {"p50": statistics.median(conc), "max": max(conc)} if conc else None,
-            "buckets": {"context_lens": trace.context_lens(pair), "concurrency": trace.concurrency_levels(pair)},
+            "buckets": {"context_lens": trace.context_lens(pair, of=side),
+                        "concurrency": trace.concurrency_levels(pair, of=side)},
             "keys": keys,
             "handoff": handoffs,
         }
@@ -158,9 +165,13 @@ def format_summary(data: Mapping[str, Any]) -> str:
         lines += [f"  {s}" for s in data["skipped"][:10]]
         if len(data["skipped"]) > 10:
             lines.append(f"  ... and {len(data['skipped']) - 10} more (trace --json lists them all)")
+    lines += [f"note: {s}" for s in data.get("notes", ())]
     for pair, p in data["pairs"].items():
         lines.append("")
         cl, cc = p["context_len"], p["concurrency"]
+        if not p["requests"]:
+            lines.append(f"stage pair {pair}: no chunk with a payload key (nothing to replay or count)")
+            continue
         lines.append(
             f"stage pair {pair} ({'sending' if p['side'] == 'send' else 'receiving'} side): {p['requests']} requests, "
             f"{p['chunks']} chunks; prompt length {cl['min']}..{cl['max']} (p50 {cl['p50']:g}); "

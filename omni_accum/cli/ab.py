@@ -12,10 +12,16 @@ with the rows the request holds): the interval counts **requests** as the indepe
 chunks divided by the arm's requests as the receiving stages counted them (``omni_accum_ab_requests_total{role=
 "receive"}``: a request counts once per receiving stage, where its merges are timed, so on Qwen3-Omni's talker and
 code2wav a request is two units, and the interval up to sqrt(2) narrower than one per request; a hand-off group of
-one pair counts that arm's requests over its pairs), never by more units than observations. That bound is conservative for
-requests of like sizes (the spread of per-request means is at most the spread of the chunks); counting chunks
-instead called an A/A split "above the noise" in 86 % of trials of a cat-like stream. An arm with fewer than
-:data:`MIN_COUNT` such units gets no verdict (``too few``).
+one pair counts that arm's requests over its pairs), never by more units than observations. That holds for requests
+of like sizes (the spread of per-request means is at most the spread of the chunks); counting chunks instead called
+an A/A split "above the noise" in 86 % of trials of a cat-like stream. It does not hold when request lengths vary
+and a chunk's cost grows with the rows its request holds (a ``torch.cat`` merge): the long requests' means spread more
+than the chunks over the requests say, the interval is too narrow, and an A/A split is called "above the noise" far
+more often than 5 % of the time (:data:`LIMIT`; 12 % to 44 % of simulated A/A splits). The histograms are per arm, not
+per request, so that spread is not in the scrape: the limit is said, not corrected. An arm with fewer than
+:data:`MIN_COUNT` such units gets no verdict (``too few``). Counters that cannot both be right (chunks timed but no
+request received; more requests received than chunks timed: a counter reset or a stale series) are warned about
+(:func:`counter_warnings`), the exit status unchanged.
 
 Everything comes from histogram buckets, so it is approximate: the mean is exact (``_sum / _count``); the
 spread is estimated with each observation at its bucket's midpoint plus the bucket's own width (as if uniform
@@ -40,6 +46,13 @@ from omni_accum.cli.ab_scrape import HANDOFF, MERGE, REQUESTS, Hist, InputError,
 
 #: Units (requests, see the module doc) an arm needs for a verdict.
 MIN_COUNT = 30
+#: What the interval cannot see (said under every verdict, in ``--help`` and in the docs).
+LIMIT = (
+    "the interval assumes requests of like sizes: when request lengths vary and a chunk's cost grows with the rows "
+    "its request holds (a cat merge), it is too narrow, and two arms of one policy read 'above the noise' far more "
+    "often than 5% of the time (the metrics are per arm, not per request, so that spread cannot be seen here); "
+    "take a verdict near its edge as unsure and confirm it on a second window"
+)
 Z95 = 1.959963984540054
 
 
@@ -53,7 +66,10 @@ def register(subparsers: Any) -> None:
             "(omni_accum_ab_handoff_seconds): count, requests, mean with a 95% interval, p50 and p90 (approximate: "
             "from the histogram buckets; the interval counts requests, the split's unit, not chunks); then each "
             "arm against the baseline arm: the difference and whether it is above the noise (its 95% interval "
-            "leaves out 0; no verdict under 30 requests received an arm, each receiving stage counting its own). Exit 0: printed; 1: no A/B series in the input; "
+            "leaves out 0; no verdict under 30 requests received an arm, each receiving stage counting its own). "
+            f"Limit: {LIMIT}. An arm whose counters cannot both be right (chunks timed but no request received, or "
+            "more requests received than chunks timed: a counter reset or a stale series) is warned about on stderr. "
+            "Exit 0: printed (warnings too); 1: no A/B series in the input; "
             "2: the input cannot be read, or an A/B series in it is not a valid histogram or counter."
         ),
     )
@@ -145,7 +161,8 @@ def compare(a: ArmStats, b: ArmStats) -> dict[str, Any]:
         "relative": d / a.mean if a.mean else None,
         "ci_low": d - half,
         "ci_high": d + half,
-        "verdict": ("difference above the noise" + (" (slower)" if d > 0 else " (faster)")) if above else "within the noise",
+        "verdict": "within the noise" if not above else (
+            "difference above the noise" + (" (slower)" if d > 0 else " (faster)")),
     }
 
 
@@ -168,7 +185,8 @@ def analyse(merge: dict, hand: dict, reqs: dict, baseline: str | None = None) ->
         if not reqs:  # the interval is over requests: without their counter no arm has any
             for v in vs.values():
                 if v["difference"] is None:
-                    v["verdict"] = f"no {REQUESTS} series in the scrape: the interval is over requests, so none is given"
+                    v["verdict"] = (f"no {REQUESTS} series in the scrape: the interval is over requests, so none "
+                                    "is given")
         note = None
         if len(order) == 1:
             idle = sorted(a for a in reqs if a not in arms)
@@ -180,9 +198,31 @@ def analyse(merge: dict, hand: dict, reqs: dict, baseline: str | None = None) ->
             wanted not in arms
         ):
             note = f"the baseline {wanted!r} has no series here: compared with {base!r} instead"
+        if what == "merge" and any(v["difference"] is not None for v in vs.values()):
+            note = f"{note}; {LIMIT}" if note else LIMIT
         out["groups"].append(
             {"what": what, "arms": {a: asdict(arms[a]) for a in order}, "baseline": base, "versus": vs, "note": note}
         )
+    out["warnings"] = counter_warnings(merge, reqs)
+    return out
+
+
+def counter_warnings(merge: dict, reqs: dict) -> list[str]:
+    """One line per arm whose merge count and received requests cannot both be right: chunks timed but no request
+    received, or more requests received than chunks timed (every received request's chunks are timed). None
+    without the requests counter in the scrape (said in the verdicts)."""
+    if not reqs:
+        return []
+    out = []
+    for (arm,), h in sorted(merge.items()):
+        n, got = int(h.count), int(reqs.get(arm, {}).get("receive", 0.0))
+        if n > 0 and got == 0:
+            out.append(f"arm {arm!r}: {n} chunk(s) timed ({MERGE}) but 0 requests received ({REQUESTS}"
+                       '{role="receive"}): its requests counter is missing or was reset; no interval without requests')
+        elif got > n > 0:
+            out.append(f"arm {arm!r}: {got} requests received ({REQUESTS}{{role=\"receive\"}}) but {n} chunk(s) "
+                       f"timed ({MERGE}): a counter was reset (a restarted stage) or a series is stale (an old file "
+                       f"in PROMETHEUS_MULTIPROC_DIR); the interval counts {n} units, one per chunk")
     return out
 
 
@@ -271,4 +311,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2, allow_nan=False))
     else:
         print(format_report(data))
+    for line in data["warnings"]:  # the exit status stays 0: printed
+        print(f"{prog}: warning: {where}: {line}", file=sys.stderr)
     return 0

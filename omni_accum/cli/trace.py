@@ -53,6 +53,8 @@ def read(paths: list[str], prog: str, warn: bool = True) -> tuple[Any, Any] | No
     for line in cap.warnings() if warn else ():
         print(f"{prog}: warning: {line}", file=sys.stderr)
     trace = build_trace(cap)
+    for line in trace.notes() if warn else ():  # trace prints them in its summary
+        print(f"{prog}: note: {line}", file=sys.stderr)
     for line in trace.warnings():
         print(f"{prog}: warning: {line}", file=sys.stderr)
     return cap, trace
