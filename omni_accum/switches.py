@@ -58,6 +58,16 @@ SWITCHES: dict[str, bool] = {
 }
 
 
+def log_level_problem() -> str | None:
+    """``OMNI_ACCUM_LOG_LEVEL`` set to what is not a log level (each process then logs at INFO, with a warning), or
+    None."""
+    raw = os.environ.get(ENV_LOG_LEVEL, "").strip()
+    if not raw or isinstance(logging.getLevelName(raw.upper()), int):
+        return None
+    levels = "DEBUG, INFO, WARNING, ERROR, CRITICAL"
+    return f"{ENV_LOG_LEVEL}={raw!r} is not a log level ({levels}): each process logs at INFO"
+
+
 def env_flag(name: str, default: bool | None = None) -> bool:
     """The on/off value of environment variable ``name`` (unset or empty: ``default``, else the value in
     :data:`SWITCHES`). Raises SettingError for any other value."""

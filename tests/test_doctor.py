@@ -375,6 +375,44 @@ def test_a_shared_multiprocess_metrics_folder_is_a_warning(clean_env, capsys, tm
         assert rc == 1 and line.startswith("PROBLEM") and "off in every stage" in line and said in line, out
 
 
+def test_a_metrics_folder_this_user_cannot_write_or_with_a_dead_run_s_files(clean_env, capsys, tmp_path):
+    """A read-only (or not this user's writable) multiprocess folder was "ok metrics: on" while every stage turned its
+    metrics off; a folder holding a previous run's files (whose counters /metrics adds to this run's) said nothing."""
+    import subprocess
+    import sys
+
+    clean_env.setenv("OMNI_ACCUM_POLICY", "default")
+    folder = tmp_path / "prom"
+    folder.mkdir(mode=0o700)
+    mounted = False
+    if os.geteuid() == 0:  # root writes to any mode: a read-only mount refuses it (EROFS)
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k,mode=0700", "tmpfs", str(folder)],
+                                 capture_output=True).returncode == 0  # fmt: skip
+        said = "on a read-only file system"
+    else:
+        os.chmod(folder, 0o500)
+        said = f"not writable by this user (uid {os.geteuid()})"
+    try:
+        if mounted or os.geteuid() != 0:
+            clean_env.setenv("PROMETHEUS_MULTIPROC_DIR", str(folder))
+            rc, out = _doctor(capsys)
+            (line,) = [x for x in out.splitlines() if "metrics:" in x]
+            assert rc == 1 and line.startswith("PROBLEM") and "off in every stage" in line and said in line, out
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(folder)], check=True)
+        os.chmod(folder, 0o700)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    (folder / f"counter_{pid}.db").write_bytes(b"")
+    (folder / f"histogram_{os.getpid()}.db").write_bytes(b"")  # a live process's: not counted
+    clean_env.setenv("PROMETHEUS_MULTIPROC_DIR", str(folder))
+    rc, out = _doctor(capsys)
+    (line,) = [x for x in out.splitlines() if "metrics:" in x]
+    assert rc == 0 and line.startswith("note") and f"files of 1 process(es) no longer running (pid {pid})" in line
+    assert f"rm {folder}/*.db" in out
+
+
 @pytest.mark.parametrize(
     "versions, word",
     [
@@ -740,3 +778,28 @@ def test_a_master_address_is_host_and_a_port_from_1_to_65535(address, problem):
 
     got = master_address_problem(address)
     assert got is None if problem is None else problem in got, got
+
+
+def test_a_misspelt_plugin_list_or_log_level_is_a_problem(clean_env, capsys):
+    """``OMNI_ACCUM_DISABLED_PLUGINS=dleta`` (the delta plugin left on), ``OMNI_ACCUM_PLUGINS`` naming no installed
+    plugin, ``OMNI_ACCUM_LOG_LEVEL=verbose``: a warning on stderr at most, and doctor said "ready" (its --json "ok")."""
+    from omni_accum.manager import reset_manager
+
+    clean_env.setenv("OMNI_ACCUM_POLICY", "default")
+    for var, value, said in (
+        ("OMNI_ACCUM_DISABLED_PLUGINS", "dleta", "OMNI_ACCUM_DISABLED_PLUGINS lists 'dleta', but no installed"),
+        ("OMNI_ACCUM_PLUGINS", "nonexistent", "OMNI_ACCUM_PLUGINS lists 'nonexistent', but no"),
+        ("OMNI_ACCUM_LOG_LEVEL", "verbose", "OMNI_ACCUM_LOG_LEVEL='verbose' is not a log level"),
+    ):
+        reset_manager()  # the plugins are read once per manager
+        clean_env.setenv(var, value)
+        try:
+            rc, out = _doctor(capsys, "--json")
+        finally:
+            clean_env.delenv(var)
+            reset_manager()
+        doc = json.loads(out)
+        bad = [c for c in doc["checks"] if not c["ok"]]
+        assert rc == 1 and not doc["ok"] and len(bad) == 1 and said in bad[0]["detail"], bad
+    rc, out = _doctor(capsys, "--json")
+    assert rc == 0, out

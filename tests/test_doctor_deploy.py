@@ -179,3 +179,73 @@ def test_an_empty_omni_accum_policy_is_the_key_left_out_as_the_stages_read_it(en
     lines = [x for x in out.splitlines() if " policy" in x[:20] or x.startswith(("ok", "PROBLEM", "WARN")) and "policy" in x]
     assert not [x for x in out.splitlines() if x.startswith("PROBLEM  policy")], out
     assert any("OMNI_ACCUM_POLICY" in x and "qwen3-omni" in x for x in lines), out
+
+
+@pytest.mark.parametrize("change, said", [
+    ("from_stage_0: connector_of_arena", "Undefined connector reference"),  # a misspelt reference
+    ("    extra:\n", None),  # an extra: that is not a mapping
+])  # fmt: skip
+def test_connectors_vllm_omni_s_loader_refuses_are_a_problem(env, capsys, tmp_path, change, said):
+    """A merged deploy whose connectors vllm-omni's own transfer-config loader refuses (each stage process catches
+    it, logs 'Failed to load transfer config' and builds no connector from the file) was "ready", exit 0."""
+    text = ARENA.read_text(encoding="utf-8")
+    assert change in text
+    bad = text.replace(change, change.replace("connector_of_arena", "connector_of_arenaa") if said
+                       else "    extra: null\n    unused:\n", 1)  # fmt: skip
+    good, merged = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(f"base_config: {_base_config()}\n{text}", encoding="utf-8")
+    merged.write_text(f"base_config: {_base_config()}\n{bad}", encoding="utf-8")
+    rc, out = _doctor(capsys, "--deploy", str(good))
+    assert "deploy connectors" not in out and "ok       deploy stages:" in out, out
+    rc, out = _doctor(capsys, "--deploy", str(merged))
+    line = next((x for x in out.splitlines() if x.startswith("PROBLEM  deploy connectors")), None)
+    assert rc == 1 and line is not None, out
+    assert "vllm-omni's loader refuses its connectors" in line and "Failed to load transfer config" in line
+    assert said is None or said in line, line
+
+
+def test_a_deploy_whose_alias_holds_itself_is_one_usage_error(env, capsys, tmp_path):
+    """``x: &a [*a]`` made doctor recurse until RecursionError, with a traceback; shared aliases stay fine."""
+    from omni_accum.cli.doctor_policy import _read_deploy
+
+    f = tmp_path / "deploy.yaml"
+    f.write_text("x: &a [*a]\n", encoding="utf-8")
+    rc, out = _doctor(capsys, "--deploy", str(f))
+    assert rc == 2, out
+    shared = tmp_path / "shared.yaml"
+    shared.write_text("a: &s {k: [1]}\nb: *s\nc: [*s, {d: *s}]\n", encoding="utf-8")
+    assert _read_deploy(str(shared))["c"][1]["d"] == {"k": [1]}
+
+
+def test_an_arena_the_file_system_cannot_hold_is_a_note(env, capsys, tmp_path, monkeypatch):
+    """Docker's default 64 MiB /dev/shm beside the shipped arena deploy (arena_warm 1GiB on each of its two stage
+    pairs, arena_bytes 2GiB): "ready" with no word, while the warm filled the file system and most chunks 0 went the
+    inner way. A note now (the connector still starts); none where the file system has the room."""
+    import types
+
+    from omni_accum.integrations.vllm_omni import arena_settings
+
+    env.setenv("OMNI_ACCUM_ARENA_DIR", str(tmp_path))
+    real = os.statvfs
+
+    def fs(size):
+        def statvfs(path):
+            st = real(path)
+            if os.path.realpath(path).startswith(str(tmp_path)):
+                return types.SimpleNamespace(f_blocks=size // 4096, f_bavail=size // 4096, f_frsize=4096,
+                                             f_flag=st.f_flag)  # fmt: skip
+            return st
+        return statvfs
+
+    for size, said in ((64 << 20, "x 2 stage pairs is more than the 67108864 bytes free in"), (3 << 30, "holds"),
+                       (64 << 30, None)):  # fmt: skip
+        monkeypatch.setattr(arena_settings.os, "statvfs", fs(size))
+        rc, out = _doctor(capsys, "--deploy", str(ARENA), "--json")
+        notes = [c for c in json.loads(out)["checks"] if c["name"] == "connector" and c["warning"]]
+        assert rc == 0, out
+        if said is None:
+            assert not notes, notes
+        else:
+            (note,) = notes
+            assert said in note["detail"] and "shm-size" in note["fix"], note
+    assert "arena_warm 1073741824 bytes" in json.dumps(notes) or said is None

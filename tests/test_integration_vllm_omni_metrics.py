@@ -668,3 +668,41 @@ def test_the_full_payload_accumulators_state_is_in_the_held_bytes_and_active_req
     assert _sample("omni_accum_held_bytes") == 0
     (row,) = [x for x in vo.status().bindings if x.accumulated]
     assert row.active_requests == 0
+
+
+_LIVE_CHILD = """
+import os, sys
+from omni_accum.integrations.vllm_omni import prometheus
+m = prometheus._registry_metrics()
+m["held"].inc(int(sys.argv[1]))
+m["active"].labels("receive").inc(2)
+prometheus.policy_info("qwen3-omni", sys.argv[1], "1")
+prometheus.fallback("test")
+sys.stdout.flush()
+if sys.argv[2] == "kill":
+    os._exit(0)  # as SIGKILL leaves it: no atexit
+"""
+
+
+def test_the_live_gauges_of_a_dead_stage_process_leave_metrics(tmp_path):
+    """Nothing called prometheus_client's mark_process_dead for a stage process: after a stage exited (or was killed)
+    /metrics still summed its held bytes and active requests and showed its policy as running, for good. A process
+    exiting normally removes its own; the next one whose metrics start removes those of the dead; counters stay."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    def scrape():
+        reg = CollectorRegistry()
+        MultiProcessCollector(reg, path=str(tmp_path))
+        info = [s for fam in reg.collect() if fam.name == "omni_accum_policy_info" for s in fam.samples if s.value]
+        return (reg.get_sample_value("omni_accum_held_bytes"),
+                reg.get_sample_value("omni_accum_active_requests", {"role": "receive"}), len(info),
+                reg.get_sample_value("omni_accum_fallbacks_total", {"reason": "test"}))  # fmt: skip
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", _LIVE_CHILD, "1000", "kill"], env=env, check=True, timeout=600)
+    assert scrape() == (1000, 2, 1, 1)  # the killed process's gauges, until another starts
+    subprocess.run([sys.executable, "-c", _LIVE_CHILD, "500", "exit"], env=env, check=True, timeout=600)
+    assert scrape() == (None, None, 0, 2)  # no series: both gone: the second removed the first's, then its own at exit
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("gauge_live")]
+

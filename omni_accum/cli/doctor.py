@@ -16,6 +16,12 @@ from dataclasses import asdict
 from importlib import metadata
 from typing import Any
 
+from omni_accum.cli.doctor_connectors import (  # noqa: F401 - _known_connectors, check_arena_connector: tests'
+    PLUGIN_GROUPS,
+    _known_connectors,
+    _selected,
+    check_arena_connector,
+)
 from omni_accum.cli.doctor_deploy import check_samehost, check_stages, check_status_dir
 from omni_accum.cli.doctor_mooncake import check_mooncake
 from omni_accum.cli.doctor_policy import (  # noqa: F401 - _deploy_policy: the tests' entry
@@ -28,14 +34,13 @@ from omni_accum.cli.doctor_policy import (  # noqa: F401 - _deploy_policy: the t
     check_policy,
 )
 from omni_accum.integrations.vllm_omni.families import SUPPORTED_VERSIONS, family_for
-from omni_accum.errors import OmniAccumError, close_matches
+from omni_accum.errors import OmniAccumError
 from omni_accum.manager import get_manager
 from omni_accum.policy.fingerprint import dist_version
-from omni_accum.switches import OFF, SettingError, env_flag, switch_problems
+from omni_accum.switches import OFF, SettingError, env_flag, log_level_problem, switch_problems
 
 #: Every supported vllm-omni release (the release families of :mod:`omni_accum.integrations.vllm_omni.families`).
 SUPPORTED_VLLM_OMNI = SUPPORTED_VERSIONS
-PLUGIN_GROUPS = ("vllm_omni.general_plugins", "vllm.general_plugins")
 
 
 _version = dist_version  # (a name tests replace)
@@ -221,6 +226,8 @@ def check_plugins() -> list[Check]:
         f"{s.name} ({s.distribution[0]} {s.distribution[1]})" if s.distribution else s.name for s in mgr.specs()
     )
     out = [Check("strategy plugins", True, names)]
+    for text in dict.fromkeys(mgr.list_problems):  # a typo: the plugin meant to be left out (or in) is not
+        out.append(Check("plugin list", False, text, "spell it as an installed plugin's entry-point name, or unset it"))
     for plugin, text in mgr.problems:
         out.append(
             Check(
@@ -257,120 +264,43 @@ def check_metrics() -> list[Check]:
     where = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     problem = multiproc_dir_problem(where) if where else None
     if problem:  # missing: every stage turns its metrics off; shared: /metrics (and `ab`) shows what others write
-        usable = os.path.isdir(where)
+        usable = os.path.isdir(where) and os.access(where, os.W_OK | os.X_OK)
         return [Check("metrics", usable, f"{'on' if usable else 'off in every stage'} (multiprocess: {where}): "
                       f"{problem}", "PROMETHEUS_MULTIPROC_DIR=$(mktemp -d): an empty folder of the serving user's",
                       warning=usable)]  # fmt: skip
+    dead = _dead_writers(where) if where else []
+    if dead:
+        return [Check("metrics", True, f"on (multiprocess: {where}), but it holds the files of {len(dead)} process(es) "
+                      f"no longer running (pid {', '.join(map(str, dead[:5]))}{', ...' if len(dead) > 5 else ''}): "
+                      "a previous run's counters and histograms are added to this run's /metrics (and to what `ab` "
+                      "reads)", f"empty it before the server starts (rm {where}/*.db), as vLLM asks",
+                      warning=True)]  # fmt: skip
     return [Check("metrics", True, "on" + (f" (multiprocess: {where})" if where else ""))]
 
 
-#: omni-accum's connectors: (the name a deploy selects, the entry point that registers it, its on/off switch, label).
-OUR_CONNECTORS = (
-    ("OmniAccumArenaConnector", "omni_accum_arena", "OMNI_ACCUM_ARENA_CONNECTOR", "arena connector"),
-    ("OmniAccumMooncakeConnector", "omni_accum_mooncake", "OMNI_ACCUM_MOONCAKE_COMPAT", "mooncake connector"),
-    # vllm-omni 0.30.0's own: it fails with Mooncake 0.3.13 without the compatibility plugin (docs/mooncake.md)
-    ("MooncakeStoreConnector", "omni_accum_mooncake", "OMNI_ACCUM_MOONCAKE_COMPAT", "mooncake compatibility"),
-)
+def _dead_writers(where: str) -> list[int]:
+    """The pids of the ``<kind>_<pid>.db`` files of a multiprocess metrics folder whose process is gone."""
+    import re
 
+    from omni_accum.samehost import pid_alive
 
-def _connector_names(node: Any, parent: str = "") -> list[str]:
-    """The ``name`` of every connector a parsed deploy YAML selects (a mapping with a ``name`` and an ``extra``, or
-    a ``name`` under a key about connectors), in order."""
-    out: list[str] = []
-    if isinstance(node, dict):
-        name = node.get("name")
-        if isinstance(name, str) and ("extra" in node or "connector" in parent.lower()):
-            out.append(name)
-        for k, v in node.items():
-            out += _connector_names(v, str(k))
-    elif isinstance(node, list):
-        for v in node:
-            out += _connector_names(v, parent)
-    return out
-
-
-def _known_connectors() -> list[str] | None:
-    """The connectors vllm-omni registers itself (None: its factory cannot be read here)."""
     try:
-        from vllm_omni.distributed.omni_connectors.factory import OmniConnectorFactory
-
-        return list(OmniConnectorFactory.list_registered_connectors())
-    except Exception:  # noqa: BLE001 - another release or no vllm-omni: check_versions says so
-        return None
-
-
-def check_arena_connector(deploy: str | None) -> list[Check]:
-    """Every connector the deploy YAML selects (its parsed ``name`` values): one vllm-omni or omni-accum registers
-    (a misspelt one fails the stage with "Unknown connector"), and for omni-accum's (``OmniAccumArenaConnector``,
-    ``OmniAccumMooncakeConnector``) and for ``MooncakeStoreConnector`` (which needs omni-accum's compatibility
-    plugin): the registering entry point is installed in both plugin groups, its switch (``OMNI_ACCUM_ARENA_CONNECTOR``
-    / ``OMNI_ACCUM_MOONCAKE_COMPAT``) is not off and ``VLLM_PLUGINS`` (if set) lets vLLM load it."""
-    if not deploy:
+        pids = {int(m[1]) for f in os.listdir(where) if (m := re.fullmatch(r"[a-z_]+_(\d+)\.db", f))}
+    except OSError:
         return []
-    try:
-        names = list(dict.fromkeys(_connector_names(_read_deploy(deploy))))
-    except OmniAccumError:
-        return []  # check_policy already reported it
-    out: list[Check] = []
-    known = _known_connectors()
-    ours = [c[0] for c in OUR_CONNECTORS]
-    registered = [n for n in ours if n.startswith("OmniAccum")]  # omni-accum's own; the rest are vllm-omni's
-    if known is not None:
-        for name in names:
-            if name not in known and name not in ours:
-                close = close_matches(name, [*known, *registered])
-                hint = f" (did you mean {close[0]}?)" if close else ""
-                detail = f"{deploy} selects connector {name!r}, which no plugin registers{hint}: vllm-omni fails with "
-                detail += "'Unknown connector' when the stage builds it"
-                out.append(Check("connector", False, detail, "one of: " + ", ".join([*known, *registered])))
-    allowed = os.environ.get("VLLM_PLUGINS")
-    for name, entry, switch, label in OUR_CONNECTORS:
-        if name not in names:
-            continue
-        missing = [g for g in PLUGIN_GROUPS if not any(e.name == entry for e in metadata.entry_points(group=g))]
-        try:
-            on = env_flag(switch, True)
-        except SettingError as e:
-            on, bad = False, str(e)
-        else:
-            bad = f"{switch}={os.environ.get(switch)!r} turns off the plugin that "
-            bad += "registers it" if name in registered else "makes it work with Mooncake 0.3.13"
-        if missing:
-            detail = f"{deploy} selects {name} but entry point {entry} is not in {missing[0]}"
-            out.append(Check(label, False, detail, "reinstall omni-accum (pip install omni-accum)"))
-        elif not on:
-            out.append(Check(label, False, f"{deploy} selects {name} but {bad}", f"unset {switch}"))
-        elif allowed is not None and entry not in [p.strip() for p in allowed.split(",")]:
-            detail = (f"{deploy} selects {name} but VLLM_PLUGINS={allowed!r} does not list {entry}: vllm-omni will not "
-                      "load it")  # fmt: skip
-            out.append(Check(label, False, detail, f"add {entry} to VLLM_PLUGINS"))
-        else:
-            detail = f"{deploy} selects {name}; {entry} " + (
-                "registers it" if name in registered else "is loaded (Mooncake 0.3.13 compatibility)")
-            if name == "OmniAccumArenaConnector" and known is not None:
-                from omni_accum.integrations.vllm_omni.arena_abort import when_unlinked
-
-                detail += "; " + when_unlinked()
-            out.append(Check(label, True, detail))
-    return out
+    return sorted(p for p in pids if not pid_alive(p))
 
 
 def check_switches(policy_set: bool) -> list[Check]:
     """Every ``OMNI_ACCUM_*`` on/off switch set to something else; omni-accum switched off beside a policy."""
     out = [Check("switch", False, p, "set it to 1 or 0, or unset it") for p in switch_problems()]
+    if (level := log_level_problem()) is not None:
+        out.append(Check("log level", False, level, "set it to one of those, or unset it"))
     if os.environ.get("OMNI_ACCUM_VLLM_OMNI", "").strip().lower() in OFF:
         detail = "OMNI_ACCUM_VLLM_OMNI=0: omni-accum installs nothing"
         detail += ", so the policy below is not applied" if policy_set else ""
         out.append(Check("switch", not policy_set, detail, "unset OMNI_ACCUM_VLLM_OMNI", warning=not policy_set))
     return out
-
-
-def _selected(deploy: str | None) -> list[str]:
-    """The connectors the deploy YAML selects ([] without one, or when it cannot be read: check_policy says so)."""
-    try:
-        return _connector_names(_read_deploy(deploy)) if deploy else []
-    except OmniAccumError:
-        return []
 
 
 def run_checks(deploy: str | None) -> tuple[list[Check], dict[str, Any]]:

@@ -88,6 +88,26 @@ def _release() -> str | None:
     return dist_version("vllm-omni")
 
 
+def _transfer_problem(deploy: str) -> str | None:
+    """Why vllm-omni's own loader of a deploy's connectors (what every stage process runs at start) refuses the full
+    deploy ``deploy``, or None (it reads it, or no vllm-omni of that format is installed here). The stage catches
+    the error, logs a warning and goes on with no connector from the file: a misspelt reference, an ``extra:`` that
+    is not a mapping or a ``name:`` that is not text was a "ready" deploy that ran without its connectors."""
+    try:
+        from vllm_omni.config.stage_config import resolve_deploy_yaml
+        from vllm_omni.distributed.omni_connectors import load_omni_transfer_config
+    except ImportError:
+        return None  # no vllm-omni, or one that reads another format: check_versions and check_stages say so
+    try:
+        config = load_omni_transfer_config(config_dict=resolve_deploy_yaml(deploy))
+    except Exception as e:  # noqa: BLE001 - whatever it raises, the stage process meets it
+        return f"{type(e).__name__}: {e}"
+    for (src, dst), spec in (getattr(config, "connectors", None) or {}).items():
+        if not isinstance(getattr(spec, "name", None), str):
+            return f"the connector of stage {src} -> {dst} has name {getattr(spec, 'name', None)!r}, not a name"
+    return None
+
+
 #: The keys of a 0.28 / 0.30 deploy YAML that vllm-omni 0.16.0's stage-config loader does not read.
 NEW_FORMAT_KEYS = ("stages", "connectors", "base_config")
 
@@ -122,6 +142,13 @@ def check_stages(deploy: str | None) -> list[Check]:
                           "path is read from the folder of this file)")]  # fmt: skip
     ids = _stage_ids(data)
     if ids is None or 0 in ids:
+        refused = _transfer_problem(deploy) if ids else None
+        if refused:
+            return [Check("deploy connectors", False, f"{deploy}{' merged' if base is not None else ''}: vllm-omni's "
+                          f"loader refuses its connectors ({refused}): vllm-omni {release or '0.30.0'} logs 'Failed to "
+                          "load transfer config' and builds no stage connector from this file",
+                          "each stage's input_connectors / output_connectors names a connector of connectors: (each "
+                          "with a name: and an extra: mapping), or gives one inline: docs/vllm-omni.md")]  # fmt: skip
         merged = f"{deploy}: base_config {base!r} merged as vllm-omni reads it: stages {', '.join(map(str, ids or []))}"
         return [Check("deploy stages", True, merged)] if base is not None and ids else []
     full = base_deploy()

@@ -39,7 +39,10 @@ def _read_deploy(path: str) -> Any:
         text = ""
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        return load_yaml(text)
+        data = load_yaml(text)
+        if _cyclic(data):  # ``x: &a [*a]``: every walk of the tree (ours, vllm-omni's loader) would recurse for good
+            raise OmniAccumError(f"--deploy {path}: invalid YAML: an alias (*name) refers to a node that holds it")
+        return data
     except yaml.YAMLError as e:
         line, problem = yaml_error_parts(e)
         raise OmniAccumError(f"--deploy {path}: {line}invalid YAML: {problem}") from e
@@ -53,6 +56,26 @@ def _read_deploy(path: str) -> Any:
         where = bad_scalar_line(text)
         line = f"line {where}: " if where else ""
         raise OmniAccumError(f"--deploy {path}: {line}invalid YAML value: {type(e).__name__}: {e}") from e
+
+
+def _cyclic(node: Any) -> bool:
+    """Whether a parsed YAML tree holds itself somewhere (an alias to an enclosing node); shared, acyclic aliases
+    are fine."""
+    on_path: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(node, False)]
+    while stack:
+        n, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(n))
+            continue
+        if not isinstance(n, (dict, list)):
+            continue
+        if id(n) in on_path:
+            return True
+        on_path.add(id(n))
+        stack.append((n, True))
+        stack.extend((v, False) for v in (n.values() if isinstance(n, dict) else n))
+    return False
 
 
 def _deploy_or_none(deploy: str | None) -> Any:
@@ -127,6 +150,7 @@ def check_connectors(deploy: str | None) -> list[Check]:
 
     parsers = {name: mod.parse_settings for mod in (arena_settings, mooncake_settings) for name in [mod.NAME]}
     out: list[Check] = []
+    notes: list[Check] = []
     read = 0
     for where, node in _connector_nodes(data):
         extra, place = node["extra"], f"{deploy}: {where}.extra" if where else f"{deploy}: extra"
@@ -142,18 +166,36 @@ def check_connectors(deploy: str | None) -> list[Check]:
         parse = parsers.get(node.get("name"))  # type: ignore[arg-type]
         if parse is not None:
             try:
-                parse(extra)
+                settings = parse(extra)
                 read += 1
             except ValueError as e:
                 fix = f"correct it: the stage refuses to build {node['name']}, and the server does not start"
                 out.append(Check("connector", False, f"{place}: {e}", fix))
+                continue
+            if node.get("name") == arena_settings.NAME:
+                note = arena_settings.room_note(settings, _pairs_of(data, where))
+                if note:
+                    notes.append(Check("connector", True, f"{place}: {note}", "give the file system more room (docker "
+                                       "run --shm-size), or smaller sizes", warning=True))  # fmt: skip
     for where in _misplaced(data):
         detail = f"{deploy}: {where}: outside any connector's extra mapping, where no stage reads it"
         out.append(Check("connector", False, detail, "move it into the connector's extra: mapping"))
     if read and not out:
         out.append(Check("connector", True, f"{deploy}: the settings of omni-accum's connector(s) read as the stages "
                                             "will read them"))  # fmt: skip
-    return out
+    return out + notes
+
+
+def _pairs_of(data: Any, where: str) -> int:
+    """How many stages of a deploy name the connector defined at ``connectors.<key>`` (``where``) as an input (1 at
+    least: an inline connector, or one no stage names here)."""
+    key = where.removeprefix("connectors.") if where.startswith("connectors.") else None
+    stages = data.get("stages") if isinstance(data, dict) else None
+    if key is None or not isinstance(stages, list):
+        return 1
+    named = [s for s in stages if isinstance(s, dict) and isinstance(s.get("input_connectors"), dict)
+             and key in s["input_connectors"].values()]  # fmt: skip
+    return max(1, len(named))
 
 
 def _deploy_policies(path: str) -> list[tuple[str, Any]]:

@@ -222,6 +222,28 @@ def check_fits(config: Mapping[str, Any], arena_bytes: int, ring_bytes: int) -> 
         )
 
 
+def room_note(settings: ArenaSettings, pairs: int = 1) -> str | None:
+    """What the file system the regions go in cannot give ``pairs`` stage pairs of these settings, or None (``doctor``
+    says it as a note: the connector starts, but less goes through the arena than the sizes say): ``arena_warm``
+    beyond its free space (the warm stops when it is full, leaving nothing there to any other process), or
+    ``arena_bytes`` beyond its whole size (a chunk that does not fit goes the inner way: an 8k-token prompt's chunk 0
+    is 66 MB, more than Docker's default 64 MiB ``/dev/shm``)."""
+    try:
+        st = os.statvfs(samehost.base_dir())
+    except OSError:
+        return None
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    where = f"{samehost.base_dir()} ({samehost.describe_base()})"
+    each = f" x {pairs} stage pairs" if pairs > 1 else ""
+    if total and settings.warm_bytes * pairs > free:
+        return (f"arena_warm {settings.warm_bytes} bytes{each} is more than the {free} bytes free in {where}: the warm "
+                "stops when the file system is full (logged), and leaves nothing there for any other process")
+    if total and settings.arena_bytes > total:
+        return (f"arena_bytes {settings.arena_bytes} bytes per stage pair, and {where} holds {total} bytes in all: a "
+                "chunk that does not fit there goes through the inner connector (an 8k-token prompt's chunk 0: 66 MB)")
+    return None
+
+
 #: vllm-omni's limit on how long a request waits for its next chunk, and its default (seconds).
 ENV_INPUT_WAIT = "VLLM_OMNI_INPUT_WAIT_TIMEOUT_S"
 INPUT_WAIT_DEFAULT_S = 600.0

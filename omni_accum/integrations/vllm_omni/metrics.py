@@ -432,6 +432,10 @@ def multiproc_dir_problem(where: str) -> str | None:
         return f"{e.strerror or e}: prometheus_client fails to write there"
     if not stat.S_ISDIR(st.st_mode):
         return "not a folder: prometheus_client fails to write there"
+    if not os.access(where, os.W_OK | os.X_OK):  # a read-only mount refuses root too (EROFS)
+        ro = hasattr(os, "statvfs") and os.statvfs(where).f_flag & os.ST_RDONLY
+        why = "on a read-only file system" if ro else f"not writable by this user (uid {os.geteuid()})"
+        return f"{why}: prometheus_client fails to write there"
     if st.st_uid not in (0, os.geteuid()):
         return f"owned by another user (uid {st.st_uid}), whose files it may add to these metrics"
     if st.st_mode & 0o022:

@@ -5,9 +5,11 @@ as a histogram. :mod:`.metrics` counts on the hot path and publishes through thi
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
+import re
 import threading
 from bisect import bisect_right
 from typing import Any
@@ -144,7 +146,46 @@ def _registry_metrics() -> dict[str, Any] | None:
             what = f"cannot create the metrics in pid {os.getpid()} ({type(e).__name__}: {e})"
             _warn_once(what + (hint if where else ""))
             return None
+        _forget_dead_processes()
         return _metrics
+
+
+#: A live gauge's file in a multiprocess folder: ``gauge_<mode>_<pid>.db`` (prometheus_client's naming).
+_LIVE_FILE = re.compile(r"gauge_live(?:all|sum|max|min|mostrecent)_(\d+)\.db")
+
+
+def _forget_dead_processes() -> None:
+    """In multiprocess mode, the live gauges (``omni_accum_held_bytes``, ``omni_accum_active_requests``,
+    ``omni_accum_policy_info``, and vLLM's own) of every process of the folder that is no longer running are removed,
+    as ``prometheus_client.multiprocess.mark_process_dead`` does (nothing in vLLM calls it for a stage process: a
+    crashed or restarted stage's held bytes and policy stayed in ``/metrics`` for good); this process's own go when it
+    exits normally (a process forked from it keeps them). Counters and histograms stay: they are totals."""
+    where = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+    if not where:
+        return
+    try:
+        from prometheus_client import multiprocess
+
+        from omni_accum.samehost import pid_alive
+
+        me = os.getpid()
+        pids = {int(m[1]) for f in os.listdir(where) if (m := _LIVE_FILE.fullmatch(f))}
+        for pid in sorted(pids - {me}):
+            if not pid_alive(pid):
+                multiprocess.mark_process_dead(pid, where)
+
+        def at_exit() -> None:
+            if os.getpid() == me:
+                try:
+                    multiprocess.mark_process_dead(me, where)
+                except OSError:
+                    pass
+
+        atexit.register(at_exit)
+    except Exception as e:  # noqa: BLE001 - metrics never fail vllm-omni
+        logging.getLogger("omni_accum.vllm_omni").debug(
+            "omni-accum: the live gauges of dead processes in %s were not removed: %s", where, e
+        )
 
 
 def _buckets(times: list[float]) -> tuple[list[int], list[float]]:
