@@ -409,7 +409,8 @@ def test_a_metrics_folder_this_user_cannot_write_or_with_a_dead_run_s_files(clea
     clean_env.setenv("PROMETHEUS_MULTIPROC_DIR", str(folder))
     rc, out = _doctor(capsys)
     (line,) = [x for x in out.splitlines() if "metrics:" in x]
-    assert rc == 0 and line.startswith("note") and f"files of 1 process(es) no longer running (pid {pid})" in line
+    assert rc == 0 and line.startswith("note"), line
+    assert f"1 process(es) not running in this PID namespace (pid {pid})" in line
     assert f"rm {folder}/*.db" in out
 
 
@@ -801,5 +802,15 @@ def test_a_misspelt_plugin_list_or_log_level_is_a_problem(clean_env, capsys):
         doc = json.loads(out)
         bad = [c for c in doc["checks"] if not c["ok"]]
         assert rc == 1 and not doc["ok"] and len(bad) == 1 and said in bad[0]["detail"], bad
+    reset_manager()
+    clean_env.setenv("OMNI_ACCUM_DISABLED_PLUGINS", "cat")  # a built-in: harmless, a note with its own fix
+    try:
+        rc, out = _doctor(capsys, "--json")
+    finally:
+        clean_env.delenv("OMNI_ACCUM_DISABLED_PLUGINS")
+        reset_manager()
+    (note,) = [c for c in json.loads(out)["checks"] if c["name"] == "plugin list"]
+    assert rc == 0 and note["warning"] and "built-ins cannot be disabled" in note["detail"], out
+    assert "give the keys another strategy in the policy" in note["fix"]
     rc, out = _doctor(capsys, "--json")
     assert rc == 0, out

@@ -706,3 +706,25 @@ def test_the_live_gauges_of_a_dead_stage_process_leave_metrics(tmp_path):
     assert scrape() == (None, None, 0, 2)  # no series: both gone: the second removed the first's, then its own at exit
     assert not [f for f in os.listdir(tmp_path) if f.startswith("gauge_live")]
 
+
+
+def test_a_live_gauge_file_that_cannot_be_removed_stops_nothing_else(tmp_path, monkeypatch):
+    """A dead process's file another stage removed first (or another user's) made the clean-up stop there, before it
+    had registered this process's own removal at exit: file by file now, the exit removal registered first."""
+    from omni_accum.integrations.vllm_omni import prometheus
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    (tmp_path / f"gauge_livesum_{pid}.db").mkdir()  # cannot be os.remove()d
+    (tmp_path / f"gauge_liveall_{pid}.db").write_bytes(b"")
+    (tmp_path / f"gauge_livesum_{os.getpid()}.db").write_bytes(b"")  # this process's: kept while it runs
+    (tmp_path / f"counter_{pid}.db").write_bytes(b"")  # a total: kept
+    at_exit = []
+    monkeypatch.setattr(prometheus.atexit, "register", at_exit.append)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    prometheus._forget_dead_processes()
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([f"gauge_livesum_{pid}.db", f"gauge_livesum_{os.getpid()}.db", f"counter_{pid}.db"])
+    (fn,) = at_exit
+    fn()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"gauge_livesum_{pid}.db", f"counter_{pid}.db"])

@@ -105,9 +105,9 @@ def _rename(folder: Path, pid: int) -> None:
 def test_two_servers_writing_the_same_request_ids_into_one_folder_are_separate_requests(tmp_path, capsys):
     reqs = [(f"audit-{i}", 4, 40) for i in range(4)]
     _write(tmp_path / "c", reqs)
-    _rename(tmp_path / "c", 111)
+    _rename(tmp_path / "c", 5_000_001)  # beyond any pid (PID_LIMIT): never this process's
     _write(tmp_path / "c", reqs, t0=1_000_050_000)  # overlapping in time, the same ids
-    _rename(tmp_path / "c", 222)
+    _rename(tmp_path / "c", 5_000_002)
     trace = build_trace(read_capture(tmp_path / "c"))
     side = trace.side("0->1")
     assert len(side) == 8 and all(len(r.chunks) == 5 and [c.seq for c in r.chunks] == list(range(5)) for r in side)
@@ -116,7 +116,7 @@ def test_two_servers_writing_the_same_request_ids_into_one_folder_are_separate_r
     out = capsys.readouterr().out
     assert "8 requests, 40 chunks" in out
     assert "note: stage pair 0->1 (sending side): 4 request id(s) recorded by more than one server or run" in out
-    assert "capture-0-111.0.jsonl" in out and "taken as 8 separate requests" in out
+    assert "capture-0-5000001.0.jsonl" in out and "taken as 8 separate requests" in out
 
 
 def test_a_restarted_process_with_the_same_pid_and_ids_is_split_by_its_files_and_a_rotation_is_not(tmp_path):
@@ -221,3 +221,24 @@ def test_ab_warns_of_counters_that_cannot_both_be_right_and_keeps_exit_0(tmp_pat
     page.write_bytes(_scrape({"control": xs, "treatment": xs}, {"control": 100, "treatment": 100}))
     assert main(["ab", "--metrics", str(page)]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_split_and_left_out_ids_on_one_side_are_both_said(tmp_path):
+    """One total for the ids split and the ids left out: with both on one side, the left-out ones went unsaid (the
+    warning only came when nothing was split) and the note counted them among the split."""
+    reqs = [("audit-a", 3, 40)]
+    _write(tmp_path / "c", reqs)
+    _rename(tmp_path / "c", 5_000_003)
+    _write(tmp_path / "c", reqs, t0=1_000_050_000)
+    _rename(tmp_path / "c", 5_000_004)
+    capture = read_capture(tmp_path / "c")
+    a = capture.records[0]["req"]  # (hashed with the folder's salt)
+    b = [dict(r, req=a + "-b") for r in capture.records if r["req"] == a]
+    for r in b:
+        r.pop("_file", None)  # records that do not say their file
+    capture.records.extend(b)
+    trace = build_trace(capture)
+    assert sorted(r.req for r in trace.side("0->1")) == [f"{a}~1", f"{a}~2"]
+    (note,) = trace.notes()
+    assert "1 request id(s) recorded by more than one server or run" in note and "taken as 2 separate" in note
+    assert any("left out 1 request(s) whose chunk indexes repeat" in w for w in trace.warnings()), trace.warnings()

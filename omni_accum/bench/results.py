@@ -166,8 +166,8 @@ def _vs(r: ArmResult, base: ArmResult | None, name: str) -> dict[str, Any] | Non
 
 
 def _x(x: float) -> float | None:
-    """A ratio for JSON: four significant digits (0.0712, 13.07), None when not finite."""
-    return None if not math.isfinite(x) else float(f"{x:.4g}")
+    """A ratio for JSON: six significant digits (so a bound beside 1 keeps its side of it), None when not finite."""
+    return None if not math.isfinite(x) else float(f"{x:.6g}")
 
 
 def _row(

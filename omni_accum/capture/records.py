@@ -90,7 +90,7 @@ class Trace:
     requests: dict[tuple[str, str], list[Request]] = field(default_factory=dict)
     dropped: dict[tuple[str, str], int] = field(default_factory=dict)
     #: Request ids whose chunk indexes repeat on one side (two servers or runs in one folder), by ``(pair, role)``:
-    #: ``[ids, requests they were split into (0: left out), files]``.
+    #: ``[ids split, requests they were split into, ids left out (records without their file), files]``.
     repeated: dict[tuple[str, str], list[Any]] = field(default_factory=dict)
     _kinds: dict[str, tuple[dict[str, str], list[str]]] = field(default_factory=dict, repr=False)
     #: :meth:`concurrency` per ``(pair, id(of))`` with ``of`` (a trace is not changed once built).
@@ -137,10 +137,10 @@ class Trace:
                 "whose first chunk (chunk 0, the prefill) is not in the capture (its oldest files were rotated away: "
                 "OMNI_ACCUM_CAPTURE_MAX_BYTES); not replayed and not counted in the figures"
             )
-        for (pair, role), (n, got, files) in sorted(self.repeated.items()):
-            if not got:
+        for (pair, role), (_, _, lost, files) in sorted(self.repeated.items()):
+            if lost:
                 out.append(
-                    f"stage pair {pair} ({_SIDE[role]} side): left out {n} request(s) whose chunk indexes repeat "
+                    f"stage pair {pair} ({_SIDE[role]} side): left out {lost} request(s) whose chunk indexes repeat "
                     f"(two servers or runs wrote the same request ids; {_files(files) or 'records without their file'}"
                     "): which chunk belongs to which cannot be told; not replayed and not counted in the figures"
                 )
@@ -169,7 +169,7 @@ class Trace:
             f"stage pair {pair} ({_SIDE[role]} side): {n} request id(s) recorded by more than one server or run "
             f"(their chunk indexes repeat: {_files(files)}), taken as {got} separate requests by the process and "
             "files their records came from"
-            for (pair, role), (n, got, files) in sorted(self.repeated.items()) if got
+            for (pair, role), (n, got, _, files) in sorted(self.repeated.items()) if n
         ]
 
     def context_lens(self, pair: str, most: int = 3, of: list[Request] | None = None) -> list[int]:
@@ -323,10 +323,13 @@ def build_trace(capture: Capture) -> Trace:
     for (pair, role, req), recs in index.items():
         runs = _runs(recs)
         if runs is None or len(runs) > 1:
-            seen = out.repeated.setdefault((pair, role), [0, 0, []])
-            seen[0] += 1
-            seen[1] += len(runs) if runs else 0
-            seen[2] += [f for f in dict.fromkeys(r.get("_file") for r in recs) if f and f not in seen[2]]
+            seen = out.repeated.setdefault((pair, role), [0, 0, 0, []])
+            if runs:
+                seen[0] += 1
+                seen[1] += len(runs)
+            else:
+                seen[2] += 1
+            seen[3] += [f for f in dict.fromkeys(r.get("_file") for r in recs) if f and f not in seen[3]]
         for i, run in enumerate(runs or ()):
             r = Request(req if len(runs or ()) == 1 else f"{req}~{i + 1}", pair, role)
             out.requests.setdefault((pair, role), []).append(r)

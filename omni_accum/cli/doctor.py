@@ -227,7 +227,12 @@ def check_plugins() -> list[Check]:
     )
     out = [Check("strategy plugins", True, names)]
     for text in dict.fromkeys(mgr.list_problems):  # a typo: the plugin meant to be left out (or in) is not
-        out.append(Check("plugin list", False, text, "spell it as an installed plugin's entry-point name, or unset it"))
+        if "built-ins cannot be disabled" in text:  # harmless: what was meant is a policy rule
+            out.append(Check("plugin list", True, text, "take it out; give the keys another strategy in the policy",
+                             warning=True))  # fmt: skip
+        else:
+            out.append(Check("plugin list", False, text, "spell it as an installed plugin's entry-point name, or "
+                             "unset it"))  # fmt: skip
     for plugin, text in mgr.problems:
         out.append(
             Check(
@@ -271,10 +276,11 @@ def check_metrics() -> list[Check]:
     dead = _dead_writers(where) if where else []
     if dead:
         return [Check("metrics", True, f"on (multiprocess: {where}), but it holds the files of {len(dead)} process(es) "
-                      f"no longer running (pid {', '.join(map(str, dead[:5]))}{', ...' if len(dead) > 5 else ''}): "
-                      "a previous run's counters and histograms are added to this run's /metrics (and to what `ab` "
-                      "reads)", f"empty it before the server starts (rm {where}/*.db), as vLLM asks",
-                      warning=True)]  # fmt: skip
+                      f"not running in this PID namespace (pid {', '.join(map(str, dead[:5]))}"
+                      f"{', ...' if len(dead) > 5 else ''}): a previous run's (or a restarted process's) counters and "
+                      "histograms are added to this run's /metrics (and to what `ab` reads)",
+                      f"empty it before the server starts (rm {where}/*.db), as vLLM asks; one folder per server, "
+                      "not shared between containers", warning=True)]  # fmt: skip
     return [Check("metrics", True, "on" + (f" (multiprocess: {where})" if where else ""))]
 
 

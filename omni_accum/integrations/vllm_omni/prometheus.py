@@ -158,34 +158,32 @@ def _forget_dead_processes() -> None:
     """In multiprocess mode, the live gauges (``omni_accum_held_bytes``, ``omni_accum_active_requests``,
     ``omni_accum_policy_info``, and vLLM's own) of every process of the folder that is no longer running are removed,
     as ``prometheus_client.multiprocess.mark_process_dead`` does (nothing in vLLM calls it for a stage process: a
-    crashed or restarted stage's held bytes and policy stayed in ``/metrics`` for good); this process's own go when it
-    exits normally (a process forked from it keeps them). Counters and histograms stay: they are totals."""
+    crashed or restarted stage's held bytes and policy stayed in ``/metrics`` for good); a process's own go when it
+    exits normally (a process forked from this one too: its files are its own pid's). Counters and histograms stay:
+    they are totals. Pids are judged in this PID namespace: the folder must not be shared across containers. Two
+    stages starting together may remove the same files: one gone already (or not this user's) is skipped, file by
+    file."""
     where = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
     if not where:
         return
-    try:
-        from prometheus_client import multiprocess
+    from omni_accum.samehost import pid_alive
 
-        from omni_accum.samehost import pid_alive
+    def remove(keep: Any) -> None:
+        try:
+            names = os.listdir(where)
+        except OSError:
+            return
+        for f in names:
+            m = _LIVE_FILE.fullmatch(f)
+            if m is None or keep(int(m[1])):
+                continue
+            try:
+                os.remove(os.path.join(where, f))
+            except OSError as e:  # removed by another stage starting beside this one, or another user's
+                logging.getLogger("omni_accum.vllm_omni").debug("omni-accum: %s not removed: %s", f, e)
 
-        me = os.getpid()
-        pids = {int(m[1]) for f in os.listdir(where) if (m := _LIVE_FILE.fullmatch(f))}
-        for pid in sorted(pids - {me}):
-            if not pid_alive(pid):
-                multiprocess.mark_process_dead(pid, where)
-
-        def at_exit() -> None:
-            if os.getpid() == me:
-                try:
-                    multiprocess.mark_process_dead(me, where)
-                except OSError:
-                    pass
-
-        atexit.register(at_exit)
-    except Exception as e:  # noqa: BLE001 - metrics never fail vllm-omni
-        logging.getLogger("omni_accum.vllm_omni").debug(
-            "omni-accum: the live gauges of dead processes in %s were not removed: %s", where, e
-        )
+    atexit.register(lambda: remove(lambda pid: pid != os.getpid()))  # this process's own, at its normal exit
+    remove(lambda pid: pid == os.getpid() or pid_alive(pid))
 
 
 def _buckets(times: list[float]) -> tuple[list[int], list[float]]:
