@@ -3,7 +3,6 @@ raising a raw traceback, unclear messages for a non-plugin entry point and bad k
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 import types
@@ -18,8 +17,10 @@ import omni_accum
 from omni_accum import cli
 from omni_accum.errors import PluginError, PolicyError
 from omni_accum.manager import reset_manager
-from omni_accum.strategy import AppendAccumulator, Strategy, StrategySpec
+from omni_accum.strategy import Strategy, StrategySpec
 from omni_accum.testing import check_conformance
+from tests.test_conformance import _Chunks as _Cat  # chunks kept apart, torch.cat on read: the reference's bits
+from tests.test_docs_hooks import example_plugin  # noqa: F401 - the fixture: docs/plugins.md's example, registered
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
 
@@ -30,26 +31,6 @@ def doc_text() -> str:
 
 class _P(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _Cat(AppendAccumulator):
-    """Chunks copied and kept apart, torch.cat on read: bit for bit the reference."""
-
-    __slots__ = ("_c",)
-
-    def start_tensor(self, v):
-        self._c = [v]
-
-    def append_tensor(self, v):
-        if len(self._c) == 1:
-            self._c[0] = self._c[0].clone()
-        self._c.append(v.clone())
-
-    def read_tensor(self):
-        return self._c[0] if len(self._c) == 1 else torch.cat(self._c)
-
-    def current_tensor_meta(self):
-        return self._c[0]
 
 
 class _PlusZero(_Cat):
@@ -167,24 +148,9 @@ def test_a_params_validator_raising_another_error_is_a_policy_error(tmp_path, ca
 # 3 ------------------------------------------------------------------------------------------------------------ #
 
 
-def _doc_example(tmp_path, monkeypatch) -> omni_accum.StrategyManager:
-    block = next(b for b in re.findall(r"^```python\n(.*?)^```$", doc_text(), flags=re.S | re.M)
-                 if "omni_accum_register_strategies" in b)  # fmt: skip
-    path = tmp_path / "my_strategies.py"
-    path.write_text(block, encoding="utf-8")
-    spec = importlib.util.spec_from_file_location("my_strategies", path)
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "my_strategies", mod)
-    spec.loader.exec_module(mod)
-    mgr = omni_accum.StrategyManager(load_entrypoints=False)
-    mgr.load_entrypoints([])
-    mgr.register(mod, name="blocked_cat", distribution=("my-strategies", "0.1.0"))
-    return mgr
-
-
 @pytest.mark.parametrize("bad", [True, "4", 4.0])
-def test_the_documented_params_example_refuses_what_the_built_ins_refuse(tmp_path, monkeypatch, bad):
-    mgr = _doc_example(tmp_path, monkeypatch)
+def test_the_documented_params_example_refuses_what_the_built_ins_refuse(example_plugin, bad):  # noqa: F811
+    mgr = example_plugin
     with pytest.raises(PolicyError, match=r"block: Input should be a valid integer"):
         omni_accum.load_policy({"default": {"strategy": "blocked_cat", "params": {"block": bad}}}, manager=mgr)
     assert omni_accum.load_policy({"default": {"strategy": "blocked_cat", "params": {"block": 4}}}, manager=mgr)
