@@ -268,7 +268,8 @@ def test_explain_tuned_bucket(capsys, tmp_path, monkeypatch):
     )
     d = explain(capsys, str(p), "--key", "embed.prefill", "--context-len", "9000", "--concurrency", "12")
     assert d["strategy"] == "prealloc" and d["params"]["growth_factor"] == 1.5
-    assert d["reason"] == {"kind": "tuned", "context_len_bucket": 8000, "concurrency_bucket": 10, "clamped": True}
+    assert d["reason"] == {"kind": "tuned", "context_len_bucket": 8000, "concurrency_bucket": 10, "clamped": True,
+                           "baseline": "default", "margin": None, "ci": None, "decision": None}  # the cell's record
     d = explain(capsys, str(p), "--key", "embed.prefill", "--context-len", "100")
     assert d["reason"] == {"kind": "default"} and "tuned table has no cell" in " ".join(d["notes"])
 

@@ -358,7 +358,7 @@ def test_resume_keeps_the_reason_of_every_kept_baseline(tmp_path, monkeypatch):
         ({}, {"decode_steps": 3}, "--decode-steps: tuned with 4, now 3"),
         ({"decode_steps": None}, {"decode_steps": 3}, "--decode-steps: tuned with 'auto (at least 3"),
         ({}, {"max_rounds": 2}, "--max-rounds: tuned with 1, now 2"),
-        ({}, {"quick": False}, "--quick (params grid): tuned with False, now True"),
+        ({}, {"quick": False}, "--quick: tuned with it, now without it"),
         ({}, {"workload": dict(SMALL, decode_steps=5)}, "--workload: the content of 'small' changed"),
         ({}, {"workload": dict(SMALL, name="other")}, "--workload: tuned on 'small', now 'other'"),
         ({}, {"base": "BASE_FILE"}, "--base: tuned against 'default' (content hash"),

@@ -34,6 +34,19 @@ def context_lens_problem(context_lens: Iterable[int], option: str = "--context-l
     return None
 
 
+#: The most requests at once a bucket replays (a stream each, built before the first step: 100,000 took minutes
+#: with no output; a serving stage holds tens).
+MAX_CONCURRENCY = 1024
+
+
+def concurrency_problem(concurrency: Iterable[int], option: str = "--concurrency") -> str | None:
+    """Why a concurrency cannot be benchmarked (under 1 or over :data:`MAX_CONCURRENCY`), or None."""
+    for n in concurrency:
+        if n < 1 or n > MAX_CONCURRENCY:
+            return f"{option} {n}: from 1 to {MAX_CONCURRENCY} requests at once"
+    return None
+
+
 def is_allocation_failure(e: BaseException) -> bool:
     """``e`` is torch's (or Python's) failure to allocate memory, not a bug."""
     if isinstance(e, MemoryError) or isinstance(e, getattr(torch, "OutOfMemoryError", ())):
@@ -238,7 +251,7 @@ def run_bench(
     wl = load_workload(workload)
     cls = list(context_lens or wl.default_context_lens())
     concs = list(concurrency or wl.concurrency)
-    problem = context_lens_problem(cls) or next(
+    problem = context_lens_problem(cls) or concurrency_problem(concs) or next(
         (p for cl in cls for c in concs if (p := bucket_memory_problem(wl, cl, c))), None
     )
     if problem:

@@ -272,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json and args.plot and _same_file(args.json, args.plot):
         return _usage_error(f"--json {args.json} and --plot {args.plot} are the same file; give two paths")
     problem = bench.context_lens_problem(args.context_lens or [])
+    problem = problem or bench.runner.concurrency_problem(args.concurrency or [])
     if problem:
         return _usage_error(problem)
     if args.steps is not None and args.steps > MAX_ROWS:

@@ -107,6 +107,9 @@ def explain_key(
         c_edge, k_edge, clamped = policy.tuned.bucket(context)
         reason = {"kind": "tuned", "context_len_bucket": c_edge, "concurrency_bucket": k_edge, "clamped": clamped}
         t = policy.tuned
+        cell = t.lookup(key, context)
+        if cell is not None:  # what the tuner decided by, as its table records it
+            reason.update(baseline=cell.baseline, margin=cell.margin, ci=cell.ci, decision=cell.reason)
         cl = context.context_len if context.context_len is not None else t.context_len_edges[0]
         if context.context_len is None:
             notes.append(
@@ -237,6 +240,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "plugin": lambda: r["detail"],
     }[r["kind"]]()
     _out(f"  why: {'arm ' + repr(info['arm']) + ': ' if 'arm' in info else ''}{why}")
+    if r["kind"] == "tuned" and "baseline" in r:  # the cell's own record of why (a win, or why no win)
+        if r.get("decision"):
+            _out(f"  tuned against {r['baseline']!r}: {r['decision']}")
+        elif r.get("margin") is not None:
+            ci = f" (95 % interval {r['ci'][0]:.1%} to {r['ci'][1]:.1%})" if r.get("ci") else ""
+            _out(f"  tuned: {r['margin']:.1%} faster than {r['baseline']!r}{ci}")
     _out(f"  strategy kinds: {', '.join(info['kinds'])}; plugin {info['plugin']!r}")
     ctx = info["context"]
     _out(

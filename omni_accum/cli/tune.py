@@ -69,7 +69,7 @@ non_negative_float = _number(0, strict=False)
 EXAMPLES = """examples:
   omni-accum tune --quick --out tuned.yaml
   omni-accum tune --out tuned.yaml --context-lens 1k,8k,32k --concurrency 1,10 --budget-s 600
-  omni-accum tune --resume --out tuned.yaml
+  omni-accum tune --out tuned.yaml --context-lens 1k,8k --resume   (the interrupted command again, with --resume)
   omni-accum tune --workload qwen3-omni-seed --out old-release.yaml --no-progress
 """
 
@@ -185,8 +185,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--verify",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="time the tuned policy against upstream vllm-omni, one round per bucket after an untimed "
-        "warm-up replay of each, and print the gain (default: on; off with --quick)",
+        help="time the tuned policy against upstream vllm-omni, two rounds per bucket (each first in one) after an "
+        "untimed warm-up replay of each, and print the gain (default: on; off with --quick)",
     )
     add_threads_argument(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (as bench)")
@@ -219,9 +219,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     problem = output_problem(args.out)
     if problem is None:
-        from omni_accum.bench import context_lens_problem
+        from omni_accum.bench.runner import concurrency_problem, context_lens_problem
 
         problem = context_lens_problem(args.context_lens or [])  # bench's bound (a 2000k request is ~8 GB)
+        problem = problem or concurrency_problem(args.concurrency or [])
     if problem:
         print(f"omni-accum tune: error: {problem}", file=sys.stderr)
         return 2
@@ -278,7 +279,8 @@ def run(args: argparse.Namespace) -> int:
         part = partial_path(args.out)
         kept = f"{args.out} is as it was" if Path(args.out).exists() else f"{args.out} was not written"
         done = f"the buckets finished so far are in {part}" if part.is_file() else "no bucket was finished"
-        print(f"omni-accum tune: interrupted; {kept}; {done}: run again with --resume to finish", file=sys.stderr)
+        print(f"omni-accum tune: interrupted; {kept}; {done}: run the same command again with --resume to finish",
+              file=sys.stderr)  # fmt: skip
         return 130
     t = res.policy.tuned
     if t is None:  # not reached: a run measures at least one bucket or raises
@@ -306,6 +308,6 @@ def run(args: argparse.Namespace) -> int:
         kept = f"{args.out} is as it was" if res.previous else f"{args.out} was not written"
         print(
             f"\nwrote {res.out} (PARTIAL: {res.stopped}) in {res.elapsed_s:.1f} s; {kept}; "
-            f"run again with --resume to finish"
+            f"run the same command again with --resume to finish"
         )
     return 0 if res.complete else 3

@@ -12,6 +12,8 @@ one run per ``--out``.
   when it is this user's own (:func:`read_resumable`): in a shared folder another user could plant one.
 * :class:`OutputLock`: two runs writing one ``--out`` at once would each report "wrote ... (complete)"
   while the file holds one of them; the second is refused instead, naming the first one's pid.
+* :func:`settings_mismatches`: the recorded settings (:data:`SETTING_OPTIONS`) in which a file ``--resume`` reads
+  differs from this run, named by the option that sets each.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import fcntl
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from omni_accum import samehost
 from omni_accum.bench._paths import bounded_name, link_target, output_path_problem, replace_file, who
@@ -266,3 +269,48 @@ def hand_written_problem(out: str | os.PathLike[str]) -> str | None:
         f"--out {out}: holds a policy that is not a tuned one (or something else), which this run would replace; "
         "left it untouched: give another --out (its rules can be the base: --base FILE), or remove it first"
     )
+
+
+#: Recorded settings compared by ``--resume``, with the option that sets each.
+SETTING_OPTIONS = {
+    "workload_sha256": "--workload",
+    "base_sha256": "--base",
+    "wire": "--wire",
+    "device": "--device",
+    "threads": "--threads",
+    "decode_steps": "--decode-steps",
+    "max_rounds": "--max-rounds",
+    "params_grid": "--quick (params grid)",
+    "memory_budget": "--memory-budget",
+    "min_gain_us": "--min-gain-us",
+}
+
+
+def settings_mismatches(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Each recorded setting where ``old`` (the file's) differs from ``new`` (this run's), old vs new value."""
+    out = []
+    for k, option in SETTING_OPTIONS.items():
+        was, now = old.get(k), new.get(k)
+        if was == now:
+            continue
+        if k == "workload_sha256":
+            was_pair, now_pair = (w.removeprefix("trace ") if (w := str(x.get("workload", ""))).startswith("trace ")
+                                  else "" for x in (old, new))  # fmt: skip
+            if was_pair and now_pair and was_pair != now_pair:  # tune --trace of another stage pair
+                out.append(f"--pair: tuned on stage pair {was_pair} of the capture, now {now_pair}")
+            elif now_pair:  # a capture (tune --trace) that grew or changed
+                out.append(f"--trace: the capture ({new.get('workload')}) changed since (hash {was}, now {now})")
+            elif old.get("workload") != new.get("workload"):
+                out.append(f"{option}: tuned on {old.get('workload')!r}, now {new.get('workload')!r}")
+            else:
+                out.append(f"{option}: the content of {new.get('workload')!r} changed (hash {was}, now {now})")
+        elif k == "base_sha256":
+            out.append(
+                f"{option}: tuned against {old.get('base')!r} (content hash {was}), now {new.get('base')!r} "
+                f"(content hash {now})"
+            )
+        elif k == "params_grid":  # recorded as the grid on: --quick is the grid off
+            out.append(f"--quick: tuned {'without' if was else 'with'} it, now {'without' if now else 'with'} it")
+        else:
+            out.append(f"{option}: tuned with {was!r}, now {now!r}")
+    return out

@@ -19,7 +19,9 @@ from omni_accum.policy.tuned import TunedCell
 from omni_accum.tuner.buckets import DEFAULT_CONCURRENCY, DEFAULT_CONTEXT_LENS, QUICK_CONCURRENCY, QUICK_CONTEXT_LENS
 from omni_accum.tuner.buckets import check_edges, table_size_problem
 from omni_accum.tuner.candidates import Candidate, candidate_set_hash
-from omni_accum.tuner.files import (
+from omni_accum.tuner.files import (  # noqa: F401 - SETTING_OPTIONS, settings_mismatches: read here by tests
+    SETTING_OPTIONS,
+    settings_mismatches,
     OutputBusy,
     OutputLock,
     hand_written_problem,
@@ -93,11 +95,17 @@ def _serialise(policy: Policy, wl: Workload, opts: TuneOptions, complete: bool) 
 
 
 def _header(wl: Workload, opts: TuneOptions, complete: bool) -> str:
-    state = "complete" if complete else "PARTIAL (run again with --resume to finish)"
+    from datetime import datetime
+
+    from omni_accum.policy.fingerprint import device_name
+
+    state = "complete" if complete else "PARTIAL (run the same command again with --resume to finish)"
+    when = datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")  # (not ``time``: tests replace its clock)
     return (
-        f"# Tuned by `omni-accum tune` on workload {wl.name!r} over the {opts.wire!r} wire ({state}).\n"
+        f"# Tuned by `omni-accum tune` on workload {wl.name!r} over the {opts.wire!r} wire ({state}),\n"
+        f"# {when} on {device_name(opts.device)}.\n"
         "# Explicit rules beat the tuned table; the table is ignored (with a warning) when the fingerprint\n"
-        "# does not match the running environment. Inspect with: omni-accum tune --show THIS_FILE\n"
+        f"# does not match the running environment. Inspect with: omni-accum tune --show {opts.out}\n"
     )
 
 
@@ -160,49 +168,6 @@ def tune_settings(
     }
 
 
-#: Recorded settings compared by ``--resume``, with the option that sets each.
-SETTING_OPTIONS = {
-    "workload_sha256": "--workload",
-    "base_sha256": "--base",
-    "wire": "--wire",
-    "device": "--device",
-    "threads": "--threads",
-    "decode_steps": "--decode-steps",
-    "max_rounds": "--max-rounds",
-    "params_grid": "--quick (params grid)",
-    "memory_budget": "--memory-budget",
-    "min_gain_us": "--min-gain-us",
-}
-
-
-def settings_mismatches(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Each recorded setting where ``old`` (the file's) differs from ``new`` (this run's), old vs new value."""
-    out = []
-    for k, option in SETTING_OPTIONS.items():
-        was, now = old.get(k), new.get(k)
-        if was == now:
-            continue
-        if k == "workload_sha256":
-            was_pair, now_pair = (w.removeprefix("trace ") if (w := str(x.get("workload", ""))).startswith("trace ")
-                                  else "" for x in (old, new))  # fmt: skip
-            if was_pair and now_pair and was_pair != now_pair:  # tune --trace of another stage pair
-                out.append(f"--pair: tuned on stage pair {was_pair} of the capture, now {now_pair}")
-            elif now_pair:  # a capture (tune --trace) that grew or changed
-                out.append(f"--trace: the capture ({new.get('workload')}) changed since (hash {was}, now {now})")
-            elif old.get("workload") != new.get("workload"):
-                out.append(f"{option}: tuned on {old.get('workload')!r}, now {new.get('workload')!r}")
-            else:
-                out.append(f"{option}: the content of {new.get('workload')!r} changed (hash {was}, now {now})")
-        elif k == "base_sha256":
-            out.append(
-                f"{option}: tuned against {old.get('base')!r} (content hash {was}), now {new.get('base')!r} "
-                f"(content hash {now})"
-            )
-        else:
-            out.append(f"{option}: tuned with {was!r}, now {now!r}")
-    return out
-
-
 def _resumable(opts: TuneOptions, wl: Workload, fp: dict, log: TextIO | None) -> dict[tuple[int, int], list[TunedCell]]:
     if not opts.resume:
         return {}
@@ -226,16 +191,17 @@ def _resumable(opts: TuneOptions, wl: Workload, fp: dict, log: TextIO | None) ->
             why.append(f"it was tuned on {t.workload!r}/{t.wire!r}, not {wl.name!r}/{opts.wire!r}")
     else:
         why += settings_mismatches(recorded, fp["settings"])
-    if t.fingerprint.get("candidates") != fp.get("candidates"):
-        why.append("its candidate set differs (strategies, plugins or params grid changed)")
+    if not why and t.fingerprint.get("candidates") != fp.get("candidates"):  # (a setting's change changes it too)
+        why.append("its candidate set differs (the strategies or plugins installed changed)")
     diffs = table_mismatches(t, opts.device)
     if diffs:
         why.append("it was measured in another environment (" + "; ".join(diffs) + ")")
     if why and t.complete:  # the user asked to reuse it: measuring everything again is not what --resume means
         msg = f"{src} is a complete tuned policy that this run would not reuse ({'; '.join(why)})"
         raise TuneError(f"--resume: {msg}; left it untouched: drop --resume to tune it again, or give another --out")
-    if why:
-        _say(log, f"--resume: not reusing {src}, measuring every bucket again: " + "; ".join(why))
+    if why:  # (a partial file: the run replaces it; repeat the options it was tuned with to finish it instead)
+        _say(log, f"--resume: not reusing {src}, measuring every bucket again: " + "; ".join(why) + " (to finish it "
+             "instead, stop this run and give the options it was tuned with)")
         return {}
     _say(log, f"--resume: reusing the buckets of {src}")
     by_bucket: dict[tuple[int, int], list[TunedCell]] = {}

@@ -1,0 +1,50 @@
+"""``omni-accum tune`` as an operator meets it (an audit): the resume message's ``--quick`` read backwards, a tuned
+table's header with a placeholder and no date, ``explain`` silent on why the tuner picked a key's strategy, no bound
+on ``--concurrency`` (100,000 built streams for minutes without a word), the "same command" a resume needs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from omni_accum import cli
+from omni_accum.policy.environment import current_fingerprint
+from omni_accum.tuner import tune
+from tests.test_policy_audit import _cell, _table, _write
+from tests.test_tune_cli import _opts, _remeasured_on_resume
+
+
+def test_the_table_s_header_names_its_file_date_and_device(tmp_path):
+    tune(_opts(tmp_path))
+    text = (tmp_path / "tuned.yaml").read_text()
+    assert f"Inspect with: omni-accum tune --show {tmp_path / 'tuned.yaml'}" in text and "THIS_FILE" not in text
+    assert re.search(r"^# \d{4}-\d\d-\d\d \d\d:\d\d \S* ?on cpu", text, re.M), text[:400]
+
+
+def test_a_resume_across_quick_says_which_way_and_blames_no_candidate_set(tmp_path, monkeypatch):
+    """``--quick (params grid): tuned with False, now True`` for a file tuned *with* --quick, resumed without; and
+    "its candidate set differs (strategies, plugins or params grid changed)" beside any setting that changed."""
+    calls, log = _remeasured_on_resume(tmp_path, monkeypatch, {}, {"quick": False})
+    assert "--quick: tuned with it, now without it" in log and "candidate set" not in log, log
+    assert "to finish it instead, stop this run and give the options it was tuned with" in log
+
+
+def test_explain_says_what_the_tuner_decided_a_cell_by(tmp_path, capsys):
+    won = dict(_cell("embed.decode", "prealloc"), baseline="cat", margin=0.25, ci=[0.2, 0.3])
+    kept = dict(_cell("hidden_states.output", "cat"), baseline="cat", margin=-0.03, ci=[-0.16, 0.08],
+                reason="token_list: -3.0% [-16.0%, +8.0%]: the interval crosses 0 (no win beyond the noise)")  # fmt: skip
+    path = _write(tmp_path / "t.yaml", {"default": "cat", "tuned": _table(current_fingerprint(), [won, kept])})
+    assert cli.main(["explain", path, "--key", "embed.decode", "--context-len", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "tuned: 25.0% faster than 'cat' (95 % interval 20.0% to 30.0%)" in out, out
+    assert cli.main(["explain", path, "--key", "hidden_states.output", "--context-len", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "tuned against 'cat': token_list: -3.0% [-16.0%, +8.0%]: the interval crosses 0" in out, out
+
+
+@pytest.mark.parametrize("command", ["tune", "bench"])
+def test_a_concurrency_beyond_the_bound_is_a_usage_error(tmp_path, capsys, command):
+    out = ["--out", str(tmp_path / "t.yaml")] if command == "tune" else []
+    rc = cli.main([command, "--concurrency", "100000", "--context-lens", "1000", "--no-progress", *out])
+    assert rc == 2 and "--concurrency 100000: from 1 to 1024 requests at once" in capsys.readouterr().err
