@@ -69,7 +69,7 @@ non_negative_float = _number(0, strict=False)
 EXAMPLES = """examples:
   omni-accum tune --quick --out tuned.yaml
   omni-accum tune --out tuned.yaml --context-lens 1k,8k,32k --concurrency 1,10 --budget-s 600
-  omni-accum tune --out tuned.yaml --context-lens 1k,8k --resume   (the interrupted command again, with --resume)
+  omni-accum tune --out tuned.yaml --context-lens 1k,8k --resume
   omni-accum tune --workload qwen3-omni-seed --out old-release.yaml --no-progress
 """
 
@@ -136,7 +136,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "recorded there (workload and --base contents, wire, device, threads, decode steps, rounds, grid, memory "
         "budget, min gain), the "
         "candidates and the environment match; otherwise say which differ and measure again (refused, leaving "
-        "the file untouched, if it is not a tuned policy)",
+        "the file untouched, if it is not a tuned policy): give the interrupted command again, with --resume",
     )
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument(
