@@ -286,15 +286,10 @@ def check_metrics() -> list[Check]:
 
 def _dead_writers(where: str) -> list[int]:
     """The pids of the ``<kind>_<pid>.db`` files of a multiprocess metrics folder whose process is gone."""
-    import re
-
+    from omni_accum.integrations.vllm_omni.prometheus import db_files
     from omni_accum.samehost import pid_alive
 
-    try:
-        pids = {int(m[1]) for f in os.listdir(where) if (m := re.fullmatch(r"[a-z_]+_(\d+)\.db", f))}
-    except OSError:
-        return []
-    return sorted(p for p in pids if not pid_alive(p))
+    return sorted(p for p in db_files(where) if not pid_alive(p))
 
 
 def check_switches(policy_set: bool) -> list[Check]:

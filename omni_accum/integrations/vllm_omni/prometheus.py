@@ -150,8 +150,31 @@ def _registry_metrics() -> dict[str, Any] | None:
         return _metrics
 
 
-#: A live gauge's file in a multiprocess folder: ``gauge_<mode>_<pid>.db`` (prometheus_client's naming).
-_LIVE_FILE = re.compile(r"gauge_live(?:all|sum|max|min|mostrecent)_(\d+)\.db")
+#: A file of a multiprocess folder: ``<kind>_<pid>.db`` (prometheus_client's naming; live gauges: ``gauge_live*``).
+_DB_FILE = re.compile(r"([a-z_]+)_(\d+)\.db")
+
+
+def db_files(where: str, live_only: bool = False) -> dict[int, list[str]]:
+    """The ``<kind>_<pid>.db`` files of multiprocess folder ``where`` by pid (only the live gauges' with
+    ``live_only``); {} when it cannot be read. ``doctor`` names the pids no longer running."""
+    try:
+        names = os.listdir(where)
+    except OSError:
+        return {}
+    out: dict[int, list[str]] = {}
+    for f in names:
+        m = _DB_FILE.fullmatch(f)
+        if m is not None and (not live_only or m[1].startswith("gauge_live")):
+            out.setdefault(int(m[2]), []).append(f)
+    return out
+
+
+def _remove(where: str, names: list[str]) -> None:
+    for f in names:
+        try:
+            os.remove(os.path.join(where, f))
+        except OSError as e:  # removed by another stage starting beside this one, or another user's
+            logging.getLogger("omni_accum.vllm_omni").debug("omni-accum: %s not removed: %s", f, e)
 
 
 def _forget_dead_processes() -> None:
@@ -168,22 +191,10 @@ def _forget_dead_processes() -> None:
         return
     from omni_accum.samehost import pid_alive
 
-    def remove(keep: Any) -> None:
-        try:
-            names = os.listdir(where)
-        except OSError:
-            return
-        for f in names:
-            m = _LIVE_FILE.fullmatch(f)
-            if m is None or keep(int(m[1])):
-                continue
-            try:
-                os.remove(os.path.join(where, f))
-            except OSError as e:  # removed by another stage starting beside this one, or another user's
-                logging.getLogger("omni_accum.vllm_omni").debug("omni-accum: %s not removed: %s", f, e)
-
-    atexit.register(lambda: remove(lambda pid: pid != os.getpid()))  # this process's own, at its normal exit
-    remove(lambda pid: pid == os.getpid() or pid_alive(pid))
+    atexit.register(lambda: _remove(where, db_files(where, live_only=True).get(os.getpid(), [])))  # at normal exit
+    for pid, names in db_files(where, live_only=True).items():
+        if pid != os.getpid() and not pid_alive(pid):
+            _remove(where, names)
 
 
 def _buckets(times: list[float]) -> tuple[list[int], list[float]]:
