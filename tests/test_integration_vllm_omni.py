@@ -94,8 +94,8 @@ def run_thinker_to_talker(
     """Thinker adapter -> SHM -> AR talker adapter; returns (handed-over payloads, wire bytes, adapters).
 
     ``heard``: first wait until the sender has heard the receiver's hello, as in a server after its first requests
-    (a request that starts sooner is sent as 0.30.0's payload; the first look waits only 50 ms, which a loaded
-    machine can miss). For a test whose assertions need the request announced."""
+    (a request that starts sooner is sent as 0.30.0's payload; over shared memory the first send looks itself,
+    over another connector it waits only 50 ms for the watcher, which a loaded machine can miss). For a test whose assertions need the request announced."""
     tx = make(0, next_func=T2T, extra=extra)
     rx = make(1, extra=extra)
     if heard:

@@ -78,6 +78,27 @@ def test_a_receiver_that_says_hello_later_gets_marked_requests_from_then_on(vo, 
     assert_same(second, base, "second request")
 
 
+def test_the_first_request_is_announced_however_late_the_watcher_thread_runs(vo, adapters, base, monkeypatch):
+    """A loaded host may run the sender's watcher thread long after its first send (ci100: an e2e server's first
+    request went unannounced, its hand-off untimed). Over shared memory the first look is made on the sending
+    thread, so the first request after a receiver's hello is announced whenever the watcher thread gets to run."""
+    from omni_accum.integrations.vllm_omni import peer
+
+    run = peer.PeerWatch._run
+
+    def late(self):  # the watcher thread's first chance to run comes a second after it was started
+        if not self._stop.wait(1.0):
+            run(self)
+
+    monkeypatch.setattr(peer.PeerWatch, "_run", late)
+    tx, rx = _pair(adapters, QWEN, QWEN)  # the receiver says hello when it is made
+    handed = _run((tx, rx), f"oa-peer-first-{os.getpid()}")
+    txb = tx._omni_accum_binding
+    assert txb._peer.looks == 1 and txb._peer.hello is not None
+    assert txb.stats["omitted"] > 0  # announced: static values left off, and put back by the receiver
+    assert_same(handed, base, "first request")
+
+
 def test_another_deployments_hello_is_not_read(vo, adapters, base, monkeypatch):
     """Two servers on one host: the token in the key keeps them apart."""
     monkeypatch.setenv("OMNI_ACCUM_DEPLOYMENT", "server-a")

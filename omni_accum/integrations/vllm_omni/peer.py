@@ -11,12 +11,15 @@ those values and carry a marker key: vllm-omni 0.30.0 cannot read them. So, thro
   warning, shown in the status as ``could not tell stage N (why)``, and tried again (after :data:`HELLO_RETRY_S`,
   doubling) until it is written or the binding is closed;
 * a **sending** adapter's binding starts a watcher thread at its first send that ``get``\\ s that key
-  (first at once, then backing off from 50 ms to 30 s). Until the hello came, its requests go out as
-  vllm-omni 0.30.0 builds them: nothing left off, no marker (the request's first chunk waits at most
-  :data:`FIRST_WAIT_S` for the first look). A request that starts after it came is announced (fingerprint,
-  bucket) and may leave values off. A request keeps its choice until it is released, or until the hello it was
-  announced under is lost (:attr:`PeerWatch.lost`: withdrawn, its process gone, replaced): from its next chunk it
-  then goes out as vllm-omni built it, every value again (:mod:`.send`). A sending binding with
+  (first at once, then backing off from 50 ms to 30 s). Over shared memory the first look is made on the
+  sending thread itself, before that request's choice (a read of a small file: so the first request of a server
+  whose receiver said hello is announced however loaded the host); over another connector (whose ``get`` of a
+  missing key may retry for a second, as Mooncake's store does) the request's first chunk waits at most
+  :data:`FIRST_WAIT_S` for the watcher's first look. Until the hello came, its requests go out as
+  vllm-omni 0.30.0 builds them: nothing left off, no marker. A request that starts after it came is announced
+  (fingerprint, bucket) and may leave values off. A request keeps its choice until it is released, or until the
+  hello it was announced under is lost (:attr:`PeerWatch.lost`: withdrawn, its process gone, replaced): from its
+  next chunk it then goes out as vllm-omni built it, every value again (:mod:`.send`). A sending binding with
   metrics on watches under any policy: the hand-off metric's timestamps ride in the marker (:mod:`.handoff`).
 
 The key carries the deployment's token (:func:`deployment_token`, ``OMNI_ACCUM_DEPLOYMENT``: set by the
@@ -70,14 +73,14 @@ from omni_accum.integrations.vllm_omni.peer_channel import (  # noqa: F401 - re-
 
 logger = logging.getLogger("omni_accum.vllm_omni")
 
-#: How long a request's first chunk waits for the watcher's first look (seconds).
-FIRST_WAIT_S = 0.05
 POLL_S = (0.05, 30.0)  # the watcher's first and longest wait between looks
 ALIVE_S = 1.0  # how often a found receiver is checked: alive (this host), its hello still there (shared memory)
 #: How often a hello heard through another connector (Mooncake's store) is read again to see it is still there.
 RECHECK_S = 30.0
 #: A sender that has not heard its receiver's hello after this long says so once (its deployment token named).
 QUIET_WARN_S = 60.0
+#: Over a connector other than shared memory, how long a request's first chunk waits for the watcher's first look.
+FIRST_WAIT_S = 0.05
 
 _lock = threading.Lock()
 
@@ -231,18 +234,24 @@ class PeerWatch:
         self._stamp: Any = None  # the hello file's stamp when it was read (shared memory)
         self._checked = 0.0  # when the hello was last read (time.monotonic)
         self.looks = 0
-        self._first = threading.Event()
+        self._first_lock = threading.Lock()
+        self._first = threading.Event()  # the first look was made
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def ready(self) -> bool:
-        """True once the receiving stage said hello (the first call starts the watcher and waits for its
-        first look, at most :data:`FIRST_WAIT_S`)."""
+        """True once the receiving stage said hello. The first call starts the watcher; over shared memory it makes
+        the first look itself, on the caller's thread (the adapter's save thread, before its put: a watcher thread's
+        first look could come after a loaded host's first request; a concurrent first call waits for it), over
+        another connector it waits for the watcher's first look at most :data:`FIRST_WAIT_S`."""
         if self.hello is not None:
             return True
         if self._thread is None:
-            with _lock:
+            with self._first_lock:
                 if self._thread is None:
+                    if isinstance(self.chan, ShmChannel):
+                        self._look()
+                        self._first.set()
                     self._thread = threading.Thread(target=self._run, name="omni-accum-peer", daemon=True)
                     self._thread.start()
             self._first.wait(FIRST_WAIT_S)
@@ -251,6 +260,9 @@ class PeerWatch:
     def _run(self) -> None:
         delay = POLL_S[0]
         started, warned = time.monotonic(), False
+        if self._first.is_set():  # ready made the first look
+            delay = ALIVE_S if self.hello is not None else delay
+            self._stop.wait(delay)
         while not self._stop.is_set():
             if self._owner is not None and self._owner() is None:
                 return
