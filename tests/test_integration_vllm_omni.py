@@ -119,11 +119,16 @@ def run_thinker_to_talker(
     wire = tx.connector.health()["bytes_transferred"]
     rx.cleanup(rreq.request_id, rid)
     tx.cleanup(sreq.request_id, rid)
-    b = tx.__dict__.get("_omni_accum_binding")
-    if b is not None:  # vllm-omni counts a put when it queues it: the save loop's terminal put (and the release
-        # after it) may still be running; a bounded wait for it (a hang guard)
-        _wait(lambda: rid not in b.sender.request_ids() and rid not in b.live_send, "the sender's release")
+    wait_for_release(tx, rid)
     return handed, wire, [tx, rx]
+
+
+def wait_for_release(tx: Any, rid: str) -> None:
+    """After the adapters' cleanup of ``rid``: vllm-omni counts a put when it queues it, so the save loop's terminal
+    put (and the sender's release after it) may still be running; a bounded wait for the release (a hang guard)."""
+    b = tx.__dict__.get("_omni_accum_binding")
+    if b is not None:
+        _wait(lambda: rid not in b.sender.request_ids() and rid not in b.live_send, "the sender's release")
 
 
 def assert_same(a: Any, b: Any, where: str = "") -> None:

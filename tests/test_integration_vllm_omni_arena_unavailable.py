@@ -246,7 +246,9 @@ def test_a_replica_of_the_receiving_stage_gets_its_requests_chunks_sent_before_a
         before = _fallbacks("arena_replicas")
         got = _get_within(replica, r1)  # its first get: in use, so it marks the pair; the owner forwards
         assert_same(got, _payload(1), "forwarded")
-        assert owner.counts["forwarded"] >= 1 and replicas_path(f"{name}_0_1").exists()
+        # (the forwarded segment is readable a moment before the owner's thread counts it)
+        _wait(lambda: owner.counts["forwarded"] >= 1, "the owner's forward counted")
+        assert replicas_path(f"{name}_0_1").exists()
         _wait(lambda: tx._shared(("0", "1")), "the sender sees the replica mark")
         assert tx.put("0", "1", r2, _payload(2))[2].get("shm") is not None  # the inner way
         assert tx.fallbacks.get("replicas", 0) >= 1 and _fallbacks("arena_replicas") - before >= 1

@@ -21,6 +21,7 @@ from tests.test_integration_vllm_omni import (
     _wait,
     assert_same,
     no_shm_leftovers,
+    wait_for_release,
 )
 
 pytestmark = pytest.mark.vllm
@@ -62,6 +63,7 @@ def drive(
         after(i)
     rx.cleanup(rreq.request_id, rid)
     tx.cleanup(sreq.request_id, rid)
+    wait_for_release(tx, rid)
     return handed
 
 

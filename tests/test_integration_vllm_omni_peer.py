@@ -7,6 +7,7 @@ import glob
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -324,7 +325,7 @@ def test_a_hello_that_could_not_be_written_is_said_so_and_tried_again(vo, monkey
 
     base = tmp_path / "shm"
     monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", str(base))  # not there yet
-    monkeypatch.setattr(peer, "HELLO_RETRY_S", (0.3, 0.6), raising=False)
+    monkeypatch.setattr(peer, "HELLO_RETRY_S", (60.0, 120.0), raising=False)  # the test runs the timer's retry
     tries: list[str] = []
     real_put = peer.SHM_CHANNEL.put
 
@@ -342,8 +343,14 @@ def test_a_hello_that_could_not_be_written_is_said_so_and_tried_again(vo, monkey
     assert len(tries) == 1 and "could not tell stage 0 it runs omni-accum" in caplog.text
     peer.announce(rx, b)  # a later call within HELLO_RETRY_S tries nothing
     assert len(tries) == 1
+    timer = b._hello_timer
+    assert timer.is_alive() and timer.interval == pytest.approx(60.01)  # the retry is due after HELLO_RETRY_S[0]
     base.mkdir(mode=0o700)
-    _wait(lambda: vo.status().bindings[0].peer == "told stage 0", "the hello to be tried again and written")
+    timer.cancel()
+    stage, why, _, delay = b._hello_failed
+    b._hello_failed = (stage, why, time.monotonic(), delay)  # its time has come ...
+    timer.function()  # ... and the timer fires (here at once: no wait on this machine's load)
+    assert vo.status().bindings[0].peer == "told stage 0"
     assert len(tries) == 2 and os.path.exists(f"{private_dir()}/{peer.hello_key(0, 1)}")
     assert caplog.text.count("could not tell stage 0") == 1  # said once
     peer.withdraw(b)  # (while OMNI_ACCUM_ARENA_DIR still names its directory)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
 
 import pytest
 
@@ -175,7 +174,8 @@ def test_a_hello_withdrawn_mid_request_sends_every_value_again(vo, adapters, bas
         if sent == 2 and rx.__dict__.get("_omni_accum_binding") is not None:
             assert txb.stats["omitted"] == 2  # chunk 1 left speaker and language off
             bind(rx, None)  # no policy from now on: upstream's code, the hello withdrawn
-            _wait(lambda: txb._peer.hello is None, "the sender to see the hello withdrawn", timeout=5)
+            # (the watcher clears the hello, then counts it lost: the request under way sees the count)
+            _wait(lambda: txb._peer.hello is None and txb._peer.lost >= 1, "the sender to see the hello withdrawn")
         sreq = _request(rid, out_ids, finished=last)
         tx.save_async(multimodal_output=mm, request=sreq)
         if i < 3:

@@ -723,7 +723,7 @@ def test_a_kept_buffer_held_only_through_its_storage_or_shared_with_another_proc
     """The pool's guard was the storage's use count: a consumer holding only ``view.untyped_storage()`` (torch hands
     that same object out again) or a view moved to shared memory (``share_memory_``, torch's multiprocessing pickler:
     another process reads it) did not count, and the next request's rows were written under it."""
-    prealloc = no_kept_buffers
+    del no_kept_buffers  # (the fixture: no kept buffers before and after)
     params = omni_accum.get_manager().spec("prealloc").params_model(reuse_bytes="4KiB")
     g = torch.Generator().manual_seed(1)
     chunks = [[torch.randn(n, 4, generator=g) for n in (5, 7, 9)] for _ in range(4)]

@@ -6,7 +6,6 @@ import json
 import math
 import os
 import pickle
-import sys
 import time
 
 import pytest

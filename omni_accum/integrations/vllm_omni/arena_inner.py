@@ -136,13 +136,13 @@ class InnerOrphans:
             for req in [r for r, t in self._taken.items() if r not in live and now - t > self.after_s]:
                 del self._taken[req]
             if unlinked:
-                self.dropped += len(unlinked)
                 if not self._said:
                     self._said = True
                     logger.warning("omni-accum arena: unlinked %d message(s) put through %s that no get took within "
                                    "%g s (e.g. %r: requests aborted or failed on the receiving stage); counted in "
                                    "health()['orphans_dropped'] (said once)", len(unlinked), type(self.inner).__name__,
                                    self.after_s, unlinked[0])
+                self.dropped += len(unlinked)  # (after the warning: a count seen was said)
             return unlinked
         except Exception as e:  # noqa: BLE001 - a look never fails its caller; the next one tries again
             logger.debug("omni-accum arena: the look at the inner puts failed: %s", e)

@@ -283,8 +283,8 @@ class PairRegions:
             except Exception:  # noqa: BLE001 - said below, like a put the inner connector refused
                 put = False
             if put:
+                self._inner_orphans.put(key)  # (recorded before counted: a count seen has its orphan record)
                 self.counts["forwarded"] += 1
-                self._inner_orphans.put(key)
             elif ok:
                 self._warn(f"forward-{pair}", logging.ERROR, "omni-accum arena %s: the inner connector refused a "
                            "forwarded message (%r); a replica waiting for it will not get it", self.region_name(*pair),
