@@ -7,11 +7,13 @@
 # what is needed and what is free, and fails: a build that would run out of disk halfway stops before
 # it starts, instead of failing inside pip with "No space left on device" after minutes of downloads.
 # The sizes the callers ask for are what their builds leave on disk (measured), not a margin, so the
-# check never refuses a build that would have fitted. OMNI_ACCUM_SKIP_DISK_CHECK=1 turns it off.
+# check never refuses a build that would have fitted. OMNI_ACCUM_SKIP_DISK_CHECK=1 (or true, yes) turns it off.
 # Several builds at once (test.sh builds up to four side by side): their needs are added up per file
 # system, and the line names every build that shares the file system that is short.
 omni_accum_need_disk() {
-  [ "${OMNI_ACCUM_SKIP_DISK_CHECK:-}" = "1" ] && return 0
+  case "$(printf '%s' "${OMNI_ACCUM_SKIP_DISK_CHECK:-}" | tr '[:upper:]' '[:lower:]' | tr -d '[:space:]')" in
+    1|true|yes) return 0 ;;  # (the other switches' words)
+  esac
   local -A need=() free=() whats=()
   local path gb what probe free_kb mount rc=0
   while [ $# -ge 3 ]; do

@@ -536,3 +536,22 @@ def test_explain_of_a_blank_key_names_what_was_given(capsys, key):
     err = capsys.readouterr().err
     said = f"argument --key: expected a key path such as embed.decode or thinker_embeddings, got {key!r} (a blank key)"
     assert e.value.code == 2 and said in err, err
+
+
+@pytest.mark.parametrize("command", ["show", "explain"])
+def test_show_and_explain_read_a_policy_from_stdin_as_validate_does(command, monkeypatch, capsys):
+    """``validate -`` read stdin; ``show -`` and ``explain -`` said "'-' is neither a policy file nor a preset", and
+    their --help did not say inline text works."""
+    import io
+
+    extra = ["--key", "x"] if command == "explain" else []
+    monkeypatch.setattr(sys, "stdin", io.StringIO("default: prealloc\n"))
+    assert cli.main([command, "-", *extra]) == 0
+    out = capsys.readouterr().out
+    assert ("key 'x' -> prealloc" in out) if command == "explain" else out.startswith("# <stdin>, resolved"), out
+    monkeypatch.setattr(sys, "stdin", io.StringIO("default: nope\n"))
+    assert cli.main([command, "-", *extra]) == 2
+    assert "<stdin>, line 1: default.strategy: unknown strategy 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    assert "'-' reads stdin; inline YAML/JSON text" in " ".join(capsys.readouterr().out.split())

@@ -343,6 +343,15 @@ def test_metrics_without_prometheus_client_are_reported_off(clean_env, capsys, m
     assert "note     metrics: off: prometheus_client is not installed" in out and "pip install prometheus_client" in out
 
 
+@pytest.mark.parametrize("word", ["0", "false", "Off"])
+def test_metrics_switched_off_are_reported_with_the_value_given(clean_env, capsys, word):
+    """``OMNI_ACCUM_METRICS=false`` was reported as ``off (OMNI_ACCUM_METRICS=0)``, a value the user never set."""
+    clean_env.setenv("OMNI_ACCUM_POLICY", "default")
+    clean_env.setenv("OMNI_ACCUM_METRICS", word)
+    rc, out = _doctor(capsys)
+    assert rc == 0 and f"note     metrics: off (OMNI_ACCUM_METRICS={word})" in out, out
+
+
 def test_a_shared_multiprocess_metrics_folder_is_a_warning(clean_env, capsys, tmp_path):
     """The docs suggested ``PROMETHEUS_MULTIPROC_DIR=/tmp/prom``: /metrics sums every file in that folder, whoever
     wrote it, so another user's files fed the A/B verdict; doctor said "ok". A folder that is not the serving user's

@@ -12,7 +12,7 @@ import yaml
 import omni_accum
 from omni_accum.errors import PolicyArgumentError, PolicyError
 from omni_accum.manager import get_manager
-from omni_accum.policy.loader import ENV_POLICY, dump_policy, load_policy, parse_text, preset_names, read_source
+from omni_accum.policy.loader import ENV_POLICY, POLICY_OFF, dump_policy, load_policy, parse_text, preset_names, read_source
 
 STRATEGIES = ", ".join(get_manager().names())  # built-ins and any installed plugins
 
@@ -532,6 +532,17 @@ def test_a_bad_env_policy_names_the_variable(monkeypatch):
         load_policy(None)
     with pytest.raises(PolicyError, match="^'nope' is neither"):  # given as an argument: no variable to name
         load_policy("nope")
+
+
+@pytest.mark.parametrize("word", ["off", "None", "false", "NO", "0"])
+def test_every_off_word_of_the_switches_is_no_policy_in_omni_accum_policy(monkeypatch, word):
+    """``OMNI_ACCUM_POLICY=no`` was "'no' is neither a policy file nor a preset" (the plugin then installed nothing
+    and logged an error), though every on/off switch takes ``no`` for off."""
+    from omni_accum.switches import OFF
+
+    monkeypatch.setenv(ENV_POLICY, word)
+    assert load_policy(None) == load_policy("default")
+    assert set(OFF) <= set(POLICY_OFF)
 
 
 def test_an_empty_policy_argument_says_so():

@@ -95,9 +95,11 @@ def test_the_disk_check_passes_a_build_that_fits_and_refuses_one_that_does_not(t
     assert "not enough disk on /stubfs: about 10.3 GB needed for a huge build" in refused.stderr, refused.stderr
     assert str(tmp_path / "a" / "venv") in refused.stderr and "; 10.2 GB free." in refused.stderr
     assert "OMNI_ACCUM_SKIP_DISK_CHECK=1" in refused.stderr
-    # The switch turns it off.
-    skip = {**fixed_df, "OMNI_ACCUM_SKIP_DISK_CHECK": "1"}
-    assert _need_disk(str(tmp_path), "10.3", "x", env=skip).returncode == 0
+    # The switch turns it off, with any of the other switches' on words (it took only "1").
+    for word in ("1", "true", " Yes"):
+        skip = {**fixed_df, "OMNI_ACCUM_SKIP_DISK_CHECK": word}
+        assert _need_disk(str(tmp_path), "10.3", "x", env=skip).returncode == 0, word
+    assert _need_disk(str(tmp_path), "10.3", "x", env={**fixed_df, "OMNI_ACCUM_SKIP_DISK_CHECK": "0"}).returncode == 1
 
 
 def test_the_disk_check_adds_up_builds_that_share_a_file_system(tmp_path, fixed_df):

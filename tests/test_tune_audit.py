@@ -30,6 +30,20 @@ def test_a_resume_across_quick_says_which_way_and_blames_no_candidate_set(tmp_pa
     assert "to finish it instead, stop this run and give the options it was tuned with" in log
 
 
+def test_a_resume_over_another_grid_says_which_buckets_of_the_file_it_leaves_out(tmp_path, monkeypatch):
+    """``tune --help``'s resume example named other --context-lens than the run before it: the buckets in common were
+    reused, the new ones measured, and the file's others dropped from the table without a word."""
+    calls, log = _remeasured_on_resume(tmp_path, monkeypatch, {"context_lens": [64, 128]}, {"context_lens": [64, 256]})
+    assert calls == [256] and "reused (--resume)" in log, (calls, log)
+    assert "--resume: 1 bucket(s) of the file are not in this run's --context-lens/--concurrency" in log, log
+    assert "left out of the new table: 128x1" in log, log
+    from omni_accum.cli.tune import EXAMPLES
+
+    lines = [ln.strip() for ln in EXAMPLES.splitlines()]
+    (resumed,) = [ln for ln in lines if ln.endswith(" --resume")]
+    assert resumed.removesuffix(" --resume") in lines  # the example is a command above it, again with --resume
+
+
 def test_explain_says_what_the_tuner_decided_a_cell_by(tmp_path, capsys):
     won = dict(_cell("embed.decode", "prealloc"), baseline="cat", margin=0.25, ci=[0.2, 0.3])
     kept = dict(_cell("hidden_states.output", "cat"), baseline="cat", margin=-0.03, ci=[-0.16, 0.08],

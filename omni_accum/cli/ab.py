@@ -77,7 +77,7 @@ def register(subparsers: Any) -> None:
         "--metrics",
         required=True,
         metavar="URL|FILE",
-        help="an http(s) URL of a /metrics page (e.g. http://127.0.0.1:8091/metrics) or a file holding one scrape",
+        help="an http(s) URL of a /metrics page (e.g. http://127.0.0.1:8000/metrics) or a file holding one scrape",
     )
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="seconds to wait for the URL (default 10)")
     p.add_argument(

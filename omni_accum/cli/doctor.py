@@ -265,7 +265,7 @@ def check_metrics() -> list[Check]:
             )
         ]
     if off:
-        return [Check("metrics", True, f"off ({ENV_METRICS}=0)", warning=True)]
+        return [Check("metrics", True, f"off ({ENV_METRICS}={os.environ.get(ENV_METRICS, '').strip()})", warning=True)]
     where = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     problem = multiproc_dir_problem(where) if where else None
     if problem:  # missing: every stage turns its metrics off; shared: /metrics (and `ab`) shows what others write
@@ -372,7 +372,9 @@ def register(subparsers: Any) -> None:
         "  omni-accum doctor --deploy config/deploy/qwen3_omni_async_chunk.yaml",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--deploy", metavar="FILE", help="a vllm-omni deploy YAML whose connector extra names the policy")
+    p.add_argument("--deploy", metavar="FILE", help="the vllm-omni deploy YAML the server starts with: its "
+                   "connectors' settings are checked (the policy an extra names, the arena or Mooncake connector it "
+                   "selects)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(func=cmd_doctor)
 

@@ -18,7 +18,7 @@ from omni_accum.context import KeyMeta, StreamContext
 from omni_accum.errors import OmniAccumError, PolicyError, close_matches
 from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.environment import table_mismatches
-from omni_accum.policy.loader import load_policy
+from omni_accum.policy.loader import build_policy, load_policy, parse_text, read_policy_argument
 from omni_accum.policy.model import PROTOCOL_REPLACE_KEYS, Policy, is_glob
 
 VALUE_TYPES = ("tensor", "list", "other")
@@ -40,6 +40,9 @@ def _policy_argument(command: str, name: str, manager: StrategyManager, as_json:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            if name == "-":  # stdin, as validate reads it (a policy's text, never a file's name)
+                label, text, fmt = read_policy_argument(name)
+                return build_policy(parse_text(text, fmt, label), label, text, manager)
             return load_policy(name, manager=manager)
     except OmniAccumError as e:
         print(f"omni-accum {command}: error: {e}", file=sys.stderr)

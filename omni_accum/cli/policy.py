@@ -29,7 +29,9 @@ from omni_accum.manager import StrategyManager, get_manager
 from omni_accum.policy.model import Policy
 from omni_accum.strategy import StrategySpec
 
-POLICY_HELP = "a policy file (.yaml, .yml, .json, .toml) or a preset name ({presets})"
+POLICY_HELP = (
+    "a policy file (.yaml, .yml, .json, .toml) or a preset name ({presets}); '-' reads stdin; inline YAML/JSON text"
+)
 
 
 def _presets() -> str:
@@ -195,6 +197,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         _json(data)
     else:
         name = args.policy if "\n" not in args.policy and "\r" not in args.policy else "<inline>"
+        name = "<stdin>" if name == "-" else name
         _out(f"# {name}, resolved: every field and strategy param filled with its default")
         _out(yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=120))
     return 0

@@ -69,7 +69,7 @@ non_negative_float = _number(0, strict=False)
 EXAMPLES = """examples:
   omni-accum tune --quick --out tuned.yaml
   omni-accum tune --out tuned.yaml --context-lens 1k,8k,32k --concurrency 1,10 --budget-s 600
-  omni-accum tune --out tuned.yaml --context-lens 1k,8k --resume
+  omni-accum tune --out tuned.yaml --context-lens 1k,8k,32k --concurrency 1,10 --budget-s 600 --resume
   omni-accum tune --workload qwen3-omni-seed --out old-release.yaml --no-progress
 """
 

@@ -226,7 +226,7 @@ def register(subparsers: Any, formatter_class: type[argparse.HelpFormatter], pol
         formatter_class=formatter_class,
     )
     p.add_argument(
-        "policies", nargs="+", metavar="POLICY", help=policy_help + "; '-' reads stdin; inline YAML/JSON text"
+        "policies", nargs="+", metavar="POLICY", help=policy_help
     )
     p.add_argument(
         "--allow-stale",

@@ -43,7 +43,7 @@ from omni_accum.policy.sources import (  # noqa: F401 - re-exported: the loader'
 
 ENV_POLICY = "OMNI_ACCUM_POLICY"
 #: ``OMNI_ACCUM_POLICY`` values that turn the vllm-omni plugin off; to the library they mean ``default``.
-POLICY_OFF = ("off", "none", "false", "0")
+POLICY_OFF = ("off", "none", "false", "no", "0")  # the switches' off words, and none
 
 
 # ---------------------------------------------------------------------------------------------- #

@@ -298,6 +298,9 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
     fp["settings"] = tune_settings(opts, wl, base, decode_steps=steps, step_samples=target, rounds=rounds)
     reuse = _resumable(opts, wl, fp, log)
     buckets = [(cl, c) for cl in cls for c in concs]
+    if gone := sorted(set(reuse) - set(buckets)):  # another grid than the interrupted run's: said, not silently lost
+        _say(log, f"--resume: {len(gone)} bucket(s) of the file are not in this run's --context-lens/--concurrency and "
+             "are left out of the new table: " + ", ".join(f"{cl}x{c}" for cl, c in gone))
     from omni_accum.bench.runner import BenchError, bucket_memory_problem
     from omni_accum.bench.streams import bucket_steps
 
