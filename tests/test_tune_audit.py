@@ -44,6 +44,30 @@ def test_a_resume_over_another_grid_says_which_buckets_of_the_file_it_leaves_out
     assert resumed.removesuffix(" --resume") in lines  # the example is a command above it, again with --resume
 
 
+def test_an_interrupt_in_a_bucket_s_verification_keeps_its_measurement_for_resume(tmp_path, monkeypatch):
+    """Ctrl-C while a bucket was verified (two rounds after minutes of measuring) lost that bucket: the partial file
+    was written only after the verification. It is written at the interrupt; --resume then reuses the bucket."""
+    from omni_accum.policy.loader import load_policy
+    from omni_accum.tuner import run as tuner_run
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tuner_run, "verify_bucket", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tune(_opts(tmp_path, verify=True))
+    part = tuner_run.partial_path(tmp_path / "tuned.yaml")
+    assert part.is_file() and not (tmp_path / "tuned.yaml").exists()
+    t = load_policy(part).tuned
+    assert not t.complete and {(c.context_len, c.concurrency) for c in t.cells} == {(64, 1)}
+    monkeypatch.undo()
+    calls, log = [], __import__("io").StringIO()
+    real = tuner_run.tune_bucket
+    monkeypatch.setattr(tuner_run, "tune_bucket", lambda *a, **kw: calls.append(kw["context_len"]) or real(*a, **kw))
+    assert tune(_opts(tmp_path, verify=True, resume=True), log=log).complete
+    assert calls == [] and "reused (--resume)" in log.getvalue()
+
+
 def test_explain_says_what_the_tuner_decided_a_cell_by(tmp_path, capsys):
     won = dict(_cell("embed.decode", "prealloc"), baseline="cat", margin=0.25, ci=[0.2, 0.3])
     kept = dict(_cell("hidden_states.output", "cat"), baseline="cat", margin=-0.03, ci=[-0.16, 0.08],

@@ -325,7 +325,7 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
     # The budget only stops *new* buckets, and never before one was measured in this run: every run
     # (with --resume, every next run) makes progress and leaves a valid file.
     deadline = t0 + opts.budget_s if opts.budget_s else None
-    measured = 0
+    measured = written = 0
     try:
         for i, (cl, c) in enumerate(buckets):
             old = reuse.get((cl, c), [])
@@ -372,13 +372,16 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
                 )
             result.outcomes.append(outcome)
             _write(opts, result, _serialise(policy, wl, opts, done), done)
-            result.policy = policy
+            result.policy, written = policy, len(cells)
             took = f"{outcome.rounds} round(s), {outcome.seconds:.2f} s" if not outcome.reused else "reused (--resume)"
             took += f"; {bucket_workload(c).replay_note(cl, c)}" if captured else ""  # type: ignore[attr-defined]
             _say(log, f"bucket context_len={cl} concurrency={c}: {took}")
     except KeyboardInterrupt:
         result.stopped = "interrupted"
         result.complete = False
+        if len(cells) > written:  # a bucket measured, interrupted in its verification: kept for --resume
+            result.policy = build_output(base, wl, opts, cells, (cls, concs), fp, skipped, complete=False)
+            _write(opts, result, _serialise(result.policy, wl, opts, False), False)
         raise
     except (MemoryError, RuntimeError) as e:  # a bucket's allocation failed anyway: one line, as bench says it
         from omni_accum.bench.runner import allocation_detail, is_allocation_failure
