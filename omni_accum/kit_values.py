@@ -53,7 +53,10 @@ def first_difference(a: Any, b: Any, path: str = "") -> str | None:
         return None
     if same_bits(a, b):
         return None
-    return f"{path or '<root>'}: {_short(a)} != {_short(b)}{_where_tensors_differ(a, b)}"
+    sa, sb = _short(a), _short(b)
+    if sa == sb and type(a) is float and type(b) is float:  # two NaNs of other bits: 'nan != nan' said nothing
+        sa, sb = f"{sa} (bits 0x{struct.pack('>d', a).hex()})", f"{sb} (bits 0x{struct.pack('>d', b).hex()})"
+    return f"{path or '<root>'}: {sa} != {sb}{_where_tensors_differ(a, b)}"
 
 
 def _where_tensors_differ(a: Any, b: Any) -> str:
@@ -68,7 +71,11 @@ def _where_tensors_differ(a: Any, b: Any) -> str:
         return ""
     index = tuple(at[0].tolist())
     row = f"row {index[0]}, " if index else ""
-    return f", first at {row}element {list(index)}: {a[index].item()!r} != {b[index].item()!r}"
+    x, y = repr(a[index].item()), repr(b[index].item())
+    if x == y:  # NaNs of other sign or payload: their bits say how they differ
+        x, y = (f"{v} (bits 0x{int(_bits(t)[index].item()) & ((1 << 8 * t.element_size()) - 1):x})"
+                for v, t in ((x, a), (y, b)))
+    return f", first at {row}element {list(index)}: {x} != {y}"
 
 
 def _short(v: Any) -> str:

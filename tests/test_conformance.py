@@ -108,6 +108,22 @@ def test_the_bit_for_bit_checker_tells_apart_what_a_consumer_would_see_different
     assert same_bits(a, a) and first_difference(a, a) is None
 
 
+def test_two_nans_of_other_bits_are_told_apart_by_their_bits():
+    """The kit's message for a NaN payload or sign changed said ``nan != nan``."""
+    import struct
+
+    from omni_accum.testing import first_difference
+
+    a = torch.tensor([1.0, float("nan")])
+    b = a.clone()
+    b.view(torch.int32)[1] = 0x7FC00001
+    said = first_difference({"k": a}, {"k": b})
+    assert said.endswith("element [1]: nan (bits 0x7fc00000) != nan (bits 0x7fc00001)"), said
+    other = struct.unpack("<d", struct.pack("<Q", 0x7FF8000000000001))[0]
+    said = first_difference({"k": float("nan")}, {"k": other})
+    assert said == "k: nan (bits 0x7ff8000000000000) != nan (bits 0x7ff8000000000001)", said
+
+
 # ---------------------------------------------------------------------------------------------- #
 # what the kit catches: strategies that passed it and were wrong in ordinary use
 # ---------------------------------------------------------------------------------------------- #
