@@ -16,9 +16,13 @@ import torch
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as integers of its element's size (a complex tensor: its real and imaginary parts', one more dim)."""
     if t.is_floating_point() or t.is_complex():
+        t = t.resolve_conj().resolve_neg().contiguous()
+        if t.is_complex():
+            t = torch.view_as_real(t)
         as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size(), torch.uint8)
-        return t.resolve_conj().resolve_neg().contiguous().view(as_int)
+        return t.view(as_int)
     return t
 
 
@@ -69,10 +73,10 @@ def _where_tensors_differ(a: Any, b: Any) -> str:
     at = (_bits(a) != _bits(b)).nonzero()
     if not len(at):
         return ""
-    index = tuple(at[0].tolist())
+    index = tuple(at[0].tolist())[: a.dim()]  # (a complex tensor's bits have one more dim)
     row = f"row {index[0]}, " if index else ""
     x, y = repr(a[index].item()), repr(b[index].item())
-    if x == y:  # NaNs of other sign or payload: their bits say how they differ
+    if x == y and not a.is_complex():  # NaNs of other sign or payload: their bits say how they differ
         x, y = (f"{v} (bits 0x{int(_bits(t)[index].item()) & ((1 << 8 * t.element_size()) - 1):x})"
                 for v, t in ((x, a), (y, b)))
     return f", first at {row}element {list(index)}: {x} != {y}"

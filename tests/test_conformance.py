@@ -122,6 +122,11 @@ def test_two_nans_of_other_bits_are_told_apart_by_their_bits():
     other = struct.unpack("<d", struct.pack("<Q", 0x7FF8000000000001))[0]
     said = first_difference({"k": float("nan")}, {"k": other})
     assert said == "k: nan (bits 0x7ff8000000000000) != nan (bits 0x7ff8000000000001)", said
+    c = torch.zeros(5, 3, dtype=torch.complex128)  # (its bits viewed as bytes: the index of a differing one was
+    d = c.clone()  # past the tensor's end, an IndexError)
+    d[3, 1] = complex(0.0, -0.0)
+    said = first_difference(c, d)
+    assert said.endswith("first at row 3, element [3, 1]: 0j != -0j"), said
 
 
 # ---------------------------------------------------------------------------------------------- #

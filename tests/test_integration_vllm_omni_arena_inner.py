@@ -193,7 +193,8 @@ def test_a_request_still_taking_its_chunks_keeps_them_past_the_orphan_time(vo, q
             assert tx.put("0", "1", key, _payload(i))[2].get("shm") is not None
         # (a look at the puts' time first: one at the later time before the take would hold off the next look, the
         # test's clock standing still, and never see it taken)
-        _wait(lambda: tx._inner_orphans._next > clock.now, "a look at the puts' time")
+        looks = tx._inner_orphans
+        _wait(lambda: looks._next > clock.now and not looks._looking.locked(), "a look at the puts' time, ended")
         assert rx.get("0", "1", first) is not None  # taken late (seen taken at the next look), but taken
         clock.now += tx.orphan_s - 5
         _wait(lambda: tx._inner_orphans.waiting() == 1, "the taken chunk seen taken")

@@ -100,6 +100,30 @@ def test_the_first_request_is_announced_however_late_the_watcher_thread_runs(vo,
     assert_same(handed, base, "first request")
 
 
+def test_a_refused_private_folder_never_fails_the_first_send(vo, monkeypatch, tmp_path):
+    """The first look moved onto the sending thread: a private folder refused (world-writable without the sticky bit,
+    or one another user made) raised out of it into the send (a refused chunk each request; a full payload's put
+    failed in vllm-omni's save loop). It is no hello, and the watcher still starts."""
+    from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
+
+    from omni_accum.integrations.vllm_omni import peer
+
+    bad = tmp_path / "shm"
+    bad.mkdir()
+    bad.chmod(0o777)
+    monkeypatch.setenv("OMNI_ACCUM_ARENA_DIR", str(bad))
+    w = peer.PeerWatch(SharedMemoryConnector({"stage_id": 0}), 0)
+    try:
+        assert isinstance(w.chan, peer.ShmChannel)
+        assert w.ready() is False and w._thread is not None and w.looks == 1
+        assert w.ready() is False  # (no look raising on a later call either)
+    finally:
+        w.close()
+    closed = peer.PeerWatch(SharedMemoryConnector({"stage_id": 0}), 0)
+    closed.close()
+    assert closed.ready() is False and closed.looks == 0  # a watch closed before its first send looks no more
+
+
 def test_another_deployments_hello_is_not_read(vo, adapters, base, monkeypatch):
     """Two servers on one host: the token in the key keeps them apart."""
     monkeypatch.setenv("OMNI_ACCUM_DEPLOYMENT", "server-a")

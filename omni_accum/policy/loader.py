@@ -42,7 +42,8 @@ from omni_accum.policy.sources import (  # noqa: F401 - re-exported: the loader'
 )
 
 ENV_POLICY = "OMNI_ACCUM_POLICY"
-#: ``OMNI_ACCUM_POLICY`` values that turn the vllm-omni plugin off; to the library they mean ``default``.
+#: ``OMNI_ACCUM_POLICY`` values that are no process-wide policy for the vllm-omni plugin (a connector extra naming
+#: one still binds it); to the library they mean ``default``.
 POLICY_OFF = ("off", "none", "false", "no", "0")  # the switches' off words, and none
 
 

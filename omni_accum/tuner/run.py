@@ -371,6 +371,8 @@ def _run(opts: TuneOptions, t0: float, progress: TextIO | None, log: TextIO | No
                     progress=bar.advance if bar else None,
                 )
             result.outcomes.append(outcome)
+            if done:  # (an interrupt in the complete table's write leaves no partial file beside it)
+                written = len(cells)
             _write(opts, result, _serialise(policy, wl, opts, done), done)
             result.policy, written = policy, len(cells)
             took = f"{outcome.rounds} round(s), {outcome.seconds:.2f} s" if not outcome.reused else "reused (--resume)"

@@ -249,8 +249,11 @@ class PeerWatch:
         if self._thread is None:
             with self._first_lock:
                 if self._thread is None:
-                    if isinstance(self.chan, ShmChannel):
-                        self._look()
+                    if isinstance(self.chan, ShmChannel) and not self._stop.is_set():
+                        try:
+                            self._look()
+                        except Exception:  # noqa: BLE001 - never into the send: the watcher looks again
+                            logger.debug("omni-accum: the first look for %s failed", self.key, exc_info=True)
                         self._first.set()
                     self._thread = threading.Thread(target=self._run, name="omni-accum-peer", daemon=True)
                     self._thread.start()

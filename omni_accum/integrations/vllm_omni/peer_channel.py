@@ -86,7 +86,7 @@ class ShmChannel:
         """What changes when the hello file is rewritten or removed (a stat, no read); None: not there."""
         try:
             st = os.stat(self.path(key), follow_symlinks=False)
-        except (OSError, ValueError):
+        except (OSError, ValueError, samehost.SameHostRefused):  # (a private folder refused: get says so, once)
             return None
         return st.st_ino, st.st_mtime_ns, st.st_size
 
