@@ -264,3 +264,16 @@ def test_a_selection_hooks_choice_with_params_that_are_not_a_mapping_is_named_an
     with pytest.raises(AccumulationError, match=r"chosen by listy: .*refuses params \[1, 2\]: params must be a mapping"):
         rx.merge("r", {"x": torch.ones(1, 2)})
     assert rx.request_ids() == []
+
+
+def test_an_option_of_one_value_given_twice_is_said_and_the_last_one_used(capsys):
+    """``explain --key x --key y`` explained y alone without a word (argparse keeps the last value); a list option
+    (``--context-lens``, which adds up its occurrences) says nothing."""
+    from omni_accum import cli
+
+    assert cli.main(["explain", "default", "--key", "x", "--key", "y"]) == 0
+    out, err = capsys.readouterr()
+    assert "key 'y' -> cat" in out and "key 'x'" not in out, out
+    assert "omni-accum explain: note: --key given twice (--key 'x', then --key 'y'): the last one is used" in err, err
+    assert cli.main(["explain", "default", "--key", "x", "--context-len", "5", "--concurrency", "1"]) == 0
+    assert "given twice" not in capsys.readouterr().err

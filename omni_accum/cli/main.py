@@ -29,12 +29,36 @@ from omni_accum.switches import _env_flag, ensure_visible_logging
 COMMAND_MODULES: tuple[ModuleType, ...] = (policy, bench, tune, trace, ab, doctor)
 
 
+_SEEN = "_omni_accum_options_given"  # (on the namespace while a command's arguments are parsed)
+
+
+class _StoreOnce(argparse._StoreAction):
+    """An option that takes one value, given twice: the last one is used, as argparse does (a wrapper script may add an
+    override), and a note on stderr names both (argparse kept the last one without a word)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]  # noqa: ANN001
+        seen = namespace.__dict__.setdefault(_SEEN, {})
+        if option_string is not None and self.dest in seen:
+            first, was = seen[self.dest]
+            print(f"{parser.prog}: note: {option_string} given twice ({first} {_shown(was)}, then {option_string} "
+                  f"{_shown(values)}): the last one is used", file=sys.stderr)
+        seen[self.dest] = (option_string, values)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _shown(value: Any) -> str:
+    return repr(os.fspath(value)) if isinstance(value, os.PathLike) else repr(value)
+
+
 class _CommandParser(argparse.ArgumentParser):
     """A subcommand's parser: an argument it does not know is its own error (``omni-accum validate: error:
-    unrecognized arguments: --jsn``, with its usage), not the top-level parser's, which named no command."""
+    unrecognized arguments: --jsn``, with its usage), not the top-level parser's, which named no command. An option
+    that takes one value, given twice, is said (:class:`_StoreOnce`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
         # "-1k" and "-5,8" are values (refused by the option's type, naming them), not unknown options: argparse's
         # own pattern takes only plain negative numbers ("--context-lens -1k": "expected at least one argument")
         self._negative_number_matcher = re.compile(r"^-\d[\w.,]*$")
@@ -43,6 +67,7 @@ class _CommandParser(argparse.ArgumentParser):
         # doctor --json prints JSON, always: a usage error too ({"ok": false, "error": ...} on stdout, as its own)
         self._json_errors = self.prog.endswith(" doctor") and "--json" in (args if args is not None else sys.argv[1:])
         ns, extras = super().parse_known_args(args, namespace)
+        ns.__dict__.pop(_SEEN, None)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return ns, extras
