@@ -68,6 +68,30 @@ def test_an_interrupt_in_a_bucket_s_verification_keeps_its_measurement_for_resum
     assert calls == [] and "reused (--resume)" in log.getvalue()
 
 
+def test_an_interrupt_before_any_bucket_does_not_claim_an_earlier_run_s_partial_file(tmp_path, monkeypatch, capsys):
+    """Ctrl-C before this run finished a bucket said "the buckets finished so far are in tuned.partial.yaml" of a
+    partial file an earlier run left there."""
+    import os
+
+    from tests.test_tune_cli import _tune_args
+
+    out = tmp_path / "t.yaml"
+    part = tmp_path / "t.partial.yaml"
+    part.write_text("# an earlier run's\n")
+    os.utime(part, (1_000_000_000, 1_000_000_000))
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("omni_accum.tuner.run.tune_bucket", interrupted)
+    assert cli.main(_tune_args(tmp_path, out, "--no-progress")) == 130
+    err = capsys.readouterr().err
+    assert f"no bucket was finished in this run ({part} is an earlier run's)" in err, err
+    part.unlink()
+    assert cli.main(_tune_args(tmp_path, out, "--no-progress")) == 130
+    assert "no bucket was finished: run the same command again" in capsys.readouterr().err
+
+
 def test_explain_says_what_the_tuner_decided_a_cell_by(tmp_path, capsys):
     won = dict(_cell("embed.decode", "prealloc"), baseline="cat", margin=0.25, ci=[0.2, 0.3])
     kept = dict(_cell("hidden_states.output", "cat"), baseline="cat", margin=-0.03, ci=[-0.16, 0.08],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -270,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"omni-accum tune: error: {problem}", file=sys.stderr)
         return 2
     apply_threads(args.threads)
+    started = time.time()
     try:
         res = tune(opts, progress=None if args.no_progress else sys.stderr, log=sys.stderr)
     except TuneError as e:  # it cannot run as asked (an option, the --out file, the device): a usage error
@@ -278,7 +280,10 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         part = partial_path(args.out)
         kept = f"{args.out} is as it was" if Path(args.out).exists() else f"{args.out} was not written"
-        done = f"the buckets finished so far are in {part}" if part.is_file() else "no bucket was finished"
+        if part.is_file() and part.stat().st_mtime >= started - 1:
+            done = f"the buckets finished so far are in {part}"
+        else:  # (a partial file of an earlier run is not this run's work)
+            done = "no bucket was finished" + (f" in this run ({part} is an earlier run's)" if part.is_file() else "")
         print(f"omni-accum tune: interrupted; {kept}; {done}: run the same command again with --resume to finish",
               file=sys.stderr)  # fmt: skip
         return 130
