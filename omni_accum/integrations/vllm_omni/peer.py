@@ -244,12 +244,12 @@ class PeerWatch:
         the first look itself, on the caller's thread (the adapter's save thread, before its put: a watcher thread's
         first look could come after a loaded host's first request; a concurrent first call waits for it), over
         another connector it waits for the watcher's first look at most :data:`FIRST_WAIT_S`."""
-        if self.hello is not None:
-            return True
+        if self.hello is not None or self._stop.is_set():
+            return self.hello is not None
         if self._thread is None:
             with self._first_lock:
                 if self._thread is None:
-                    if isinstance(self.chan, ShmChannel) and not self._stop.is_set():
+                    if isinstance(self.chan, ShmChannel):
                         try:
                             self._look()
                         except Exception:  # noqa: BLE001 - never into the send: the watcher looks again
