@@ -29,6 +29,7 @@ from omni_accum.capture.writer import DEFAULT_KEEP, DEFAULT_MAX_BYTES, CaptureWr
 from omni_accum.integrations.vllm_omni import handoff
 from omni_accum.integrations.vllm_omni.arena_settings import parse_size
 from omni_accum.integrations.vllm_omni.marker import MARKERS, stamp_of
+from omni_accum.policy.loader import POLICY_OFF
 from omni_accum.switches import ON, SettingError
 
 logger = logging.getLogger("omni_accum.vllm_omni")
@@ -39,7 +40,7 @@ ENV_MAX_BYTES = "OMNI_ACCUM_CAPTURE_MAX_BYTES"
 EXTRA_CAPTURE = "omni_accum_capture"
 EXTRA_VALUES = "omni_accum_capture_values"
 EXTRA_MAX_BYTES = "omni_accum_capture_max_bytes"
-_OFF = ("", "off", "false", "none", "0", "no")
+_OFF = ("", *POLICY_OFF)  # OMNI_ACCUM_POLICY's off words (the switches' and none), and empty
 _ON = ON  # a switch's on-word is not a folder: OMNI_ACCUM_CAPTURE=1 wrote into ./1
 
 _monotonic_ns = time.monotonic_ns
