@@ -218,7 +218,7 @@ def test_a_symlinked_capture_file_named_on_the_command_line_is_said_to_be_a_link
 
 # ------------------------------------------------------------------------------------------------ defect 9
 def test_resume_on_another_stage_pair_names_the_pair_not_a_changed_capture(tmp_path, capsys):
-    from omni_accum.tuner.run import settings_mismatches
+    from omni_accum.tuner.files import settings_mismatches
 
     old = {"workload": "trace 0->1", "workload_sha256": "a"}
     (why,) = settings_mismatches(old, {"workload": "trace 1->2", "workload_sha256": "b"})
@@ -230,7 +230,8 @@ def test_resume_on_another_stage_pair_names_the_pair_not_a_changed_capture(tmp_p
 def test_a_table_tuned_on_a_capture_before_whole_buckets_were_replayed_is_not_resumed(tmp_path):
     """A bucket of a capture replayed only its first C requests, with a cut that followed C; a partial table measured
     so was reused by --resume as if measured now. Its recorded decode steps differ now, so --resume names them."""
-    from omni_accum.tuner.run import TuneOptions, settings_mismatches, tune_settings
+    from omni_accum.tuner.files import settings_mismatches
+    from omni_accum.tuner.run import TuneOptions, tune_settings
     from omni_accum.policy import load_policy
 
     _write(tmp_path / "cap", [3, 3])
@@ -297,7 +298,7 @@ def test_edges_come_from_the_chunks_replayed_not_the_empty_ones(tmp_path):
 
 
 def test_a_workload_named_with_trace_in_it_is_not_taken_for_a_capture():
-    from omni_accum.tuner.run import settings_mismatches
+    from omni_accum.tuner.files import settings_mismatches
 
     (why,) = settings_mismatches({"workload": "my trace run", "workload_sha256": "a"},
                                  {"workload": "my trace run", "workload_sha256": "b"})  # fmt: skip

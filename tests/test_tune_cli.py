@@ -331,7 +331,7 @@ def test_resume_reuses_buckets_when_every_setting_matches(tmp_path, monkeypatch)
     calls, log = _remeasured_on_resume(tmp_path, monkeypatch, {}, {})
     assert calls == [] and "reused (--resume)" in log and "not reusing" not in log
     settings = omni_accum.load_policy(tmp_path / "tuned.yaml").tuned.fingerprint["settings"]
-    from omni_accum.tuner.run import SETTING_OPTIONS
+    from omni_accum.tuner.files import SETTING_OPTIONS
 
     assert set(SETTING_OPTIONS) | {"workload", "base"} <= set(settings)
     assert settings["min_gain_us"] == 1.0 and settings["decode_steps"] == 4 and settings["params_grid"] is False

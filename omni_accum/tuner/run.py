@@ -19,9 +19,7 @@ from omni_accum.policy.tuned import TunedCell
 from omni_accum.tuner.buckets import DEFAULT_CONCURRENCY, DEFAULT_CONTEXT_LENS, QUICK_CONCURRENCY, QUICK_CONTEXT_LENS
 from omni_accum.tuner.buckets import check_edges, table_size_problem
 from omni_accum.tuner.candidates import Candidate, candidate_set_hash
-from omni_accum.tuner.files import (  # noqa: F401 - SETTING_OPTIONS, settings_mismatches: read here by tests
-    SETTING_OPTIONS,
-    settings_mismatches,
+from omni_accum.tuner.files import (
     OutputBusy,
     OutputLock,
     hand_written_problem,
@@ -30,6 +28,7 @@ from omni_accum.tuner.files import (  # noqa: F401 - SETTING_OPTIONS, settings_m
     partial_path,
     read_resumable,
     resume_source,
+    settings_mismatches,
     write_atomic,
 )
 from omni_accum.tuner.core import (
