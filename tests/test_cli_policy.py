@@ -555,3 +555,16 @@ def test_show_and_explain_read_a_policy_from_stdin_as_validate_does(command, mon
     with pytest.raises(SystemExit):
         cli.main([command, "--help"])
     assert "'-' reads stdin; inline YAML/JSON text" in " ".join(capsys.readouterr().out.split())
+
+
+def test_explain_json_names_stdin_as_show_and_validate_do(monkeypatch, capsys):
+    """``explain - --json`` said ``"policy": "-"`` where ``show -`` prints ``<stdin>``: its answer and its errors."""
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("default: prealloc\n"))
+    assert cli.main(["explain", "-", "--key", "x", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["policy"] == "<stdin>"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("default: nope\n"))
+    assert cli.main(["explain", "-", "--key", "x", "--json"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert out["policy"] == "<stdin>" and out["valid"] is False and "unknown strategy 'nope'" in out["errors"][0]["msg"]

@@ -277,3 +277,17 @@ def test_an_option_of_one_value_given_twice_is_said_and_the_last_one_used(capsys
     assert "omni-accum explain: note: --key given twice (--key 'x', then --key 'y'): the last one is used" in err, err
     assert cli.main(["explain", "default", "--key", "x", "--context-len", "5", "--concurrency", "1"]) == 0
     assert "given twice" not in capsys.readouterr().err
+
+
+def test_bench_json_given_twice_is_a_usage_error_and_the_parse_leaves_no_bookkeeping(capsys):
+    """``bench --json a --json b`` is refused, naming both (which file would get the results?); a parse leaves only
+    the options on the namespace (it kept ``_json_given`` and ``_plot_given`` beside them)."""
+    from omni_accum import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["bench", "--json", "a.json", "--json", "b.json"])
+    assert e.value.code == 2
+    assert "omni-accum bench: error: --json given twice (a.json and b.json); give it once" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["bench", "--json", "a.json", "--plot", "a.png"])
+    assert (args.json, args.plot) == ("a.json", "a.png")
+    assert [k for k in vars(args) if k.startswith("_")] == [], vars(args)

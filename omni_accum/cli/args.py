@@ -135,14 +135,26 @@ class NameListAction(argparse.Action):
         setattr(namespace, self.dest, items)
 
 
+#: The options given so far while a command's arguments are parsed: ``{dest: (option string, value)}`` on the
+#: namespace, which the command parser removes when it is done (:func:`given_before`).
+SEEN = "_omni_accum_options_given"
+
+
+def given_before(namespace: argparse.Namespace, dest: str, option_string: str | None, value: Any) -> Any:
+    """The ``(option string, value)`` option DEST had earlier in this parse, or None; records this one."""
+    seen = namespace.__dict__.setdefault(SEEN, {})
+    before = seen.get(dest)
+    seen[dest] = (option_string, value)
+    return before
+
+
 class OnceAction(argparse.Action):
     """An option that may be given once: a second occurrence is a usage error naming both values."""
 
     def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
-        seen = getattr(namespace, f"_{self.dest}_given", None)
-        if seen is not None:
-            parser.error(f"{option_string} given twice ({seen} and {values}); give it once")
-        setattr(namespace, f"_{self.dest}_given", values)
+        before = given_before(namespace, self.dest, option_string, values)
+        if before is not None:
+            parser.error(f"{option_string} given twice ({before[1]} and {values}); give it once")
         setattr(namespace, self.dest, values)
 
 

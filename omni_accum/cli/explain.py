@@ -32,6 +32,11 @@ def _json(data: Any) -> None:
     _out(json.dumps(data, indent=2, sort_keys=False))
 
 
+def _label(name: str) -> str:
+    """How ``--json`` names the POLICY argument: ``-`` is ``<stdin>``, as ``show`` and ``validate`` name it."""
+    return "<stdin>" if name == "-" else name
+
+
 def _policy_argument(command: str, name: str, manager: StrategyManager, as_json: bool = False) -> Policy | None:
     """The POLICY argument of ``explain`` / ``show``; one that does not load is a usage error (exit 2), as a bad
     ``--base`` or ``--workload`` is (``validate`` is the command whose verdict on a policy is its exit status).
@@ -50,7 +55,7 @@ def _policy_argument(command: str, name: str, manager: StrategyManager, as_json:
             details = getattr(e, "details", None) if isinstance(e, PolicyError) else None
             errors = [{"loc": d.get("loc"), "line": d.get("line"), "msg": d["msg"]} for d in details or []]
             errors = errors or [{"loc": None, "line": None, "msg": m} for m in getattr(e, "errors", None) or [str(e)]]
-            _json({"policy": name, "valid": False, "errors": errors})
+            _json({"policy": _label(name), "valid": False, "errors": errors})
         return None
 
 
@@ -217,7 +222,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"omni-accum explain: error: {e}", file=sys.stderr)
         return 2
-    info = {"policy": args.policy, **info}
+    info = {"policy": _label(args.policy), **info}
     explained = policy.arm_policies()[info["arm"]] if "arm" in info else policy
     if args.json:
         _json(info)

@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 
 from omni_accum import __version__
 from omni_accum.cli import ab, bench, doctor, policy, trace, tune
+from omni_accum.cli.args import SEEN, given_before
 from omni_accum.errors import OmniAccumError
 from omni_accum.manager import ENV_TRACE
 from omni_accum.switches import _env_flag, ensure_visible_logging
@@ -29,20 +30,16 @@ from omni_accum.switches import _env_flag, ensure_visible_logging
 COMMAND_MODULES: tuple[ModuleType, ...] = (policy, bench, tune, trace, ab, doctor)
 
 
-_SEEN = "_omni_accum_options_given"  # (on the namespace while a command's arguments are parsed)
-
-
 class _StoreOnce(argparse._StoreAction):
     """An option that takes one value, given twice: the last one is used, as argparse does (a wrapper script may add an
     override), and a note on stderr names both (argparse kept the last one without a word)."""
 
     def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]  # noqa: ANN001
-        seen = namespace.__dict__.setdefault(_SEEN, {})
-        if option_string is not None and self.dest in seen:
-            first, was = seen[self.dest]
+        before = given_before(namespace, self.dest, option_string, values)
+        if option_string is not None and before is not None:
+            first, was = before
             print(f"{parser.prog}: note: {option_string} given twice ({first} {_shown(was)}, then {option_string} "
                   f"{_shown(values)}): the last one is used", file=sys.stderr)
-        seen[self.dest] = (option_string, values)
         super().__call__(parser, namespace, values, option_string)
 
 
@@ -67,7 +64,7 @@ class _CommandParser(argparse.ArgumentParser):
         # doctor --json prints JSON, always: a usage error too ({"ok": false, "error": ...} on stdout, as its own)
         self._json_errors = self.prog.endswith(" doctor") and "--json" in (args if args is not None else sys.argv[1:])
         ns, extras = super().parse_known_args(args, namespace)
-        ns.__dict__.pop(_SEEN, None)
+        ns.__dict__.pop(SEEN, None)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return ns, extras
