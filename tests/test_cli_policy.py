@@ -568,3 +568,31 @@ def test_explain_json_names_stdin_as_show_and_validate_do(monkeypatch, capsys):
     assert cli.main(["explain", "-", "--key", "x", "--json"]) == 2
     out = json.loads(capsys.readouterr().out)
     assert out["policy"] == "<stdin>" and out["valid"] is False and "unknown strategy 'nope'" in out["errors"][0]["msg"]
+
+
+def test_a_command_hides_vllm_s_info_lines_unless_asked(monkeypatch):
+    """vLLM logs its platform and vllm-omni's patches at INFO when a command imports it (five lines before doctor's
+    report): a command runs with VLLM_LOGGING_LEVEL=WARNING unless -v or the user's own value, unset after."""
+    import argparse
+    import importlib
+    import os
+
+    cli_main = importlib.import_module("omni_accum.cli.main")  # (the package's ``main`` is the function)
+
+    seen = []
+    real = cli_main.build_parser
+
+    def build():
+        parser = real()
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices["strategies"].set_defaults(func=lambda args: seen.append(os.environ.get("VLLM_LOGGING_LEVEL")))
+        return parser
+
+    monkeypatch.setattr(cli_main, "build_parser", build)
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    assert cli_main.main(["strategies"]) == 0
+    assert "VLLM_LOGGING_LEVEL" not in os.environ  # the caller's environment as it was
+    assert cli_main.main(["strategies", "-v"]) == 0
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    assert cli_main.main(["strategies"]) == 0
+    assert seen == ["WARNING", None, "DEBUG"] and os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"

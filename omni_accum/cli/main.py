@@ -28,6 +28,8 @@ from omni_accum.switches import _env_flag, ensure_visible_logging
 
 #: Modules contributing subcommands, in the order they appear in ``--help``.
 COMMAND_MODULES: tuple[ModuleType, ...] = (policy, bench, tune, trace, ab, doctor)
+#: vLLM's log level (read when it is first imported): WARNING while a command runs unless -v or the user set it.
+VLLM_LEVEL = "VLLM_LOGGING_LEVEL"
 
 
 class _StoreOnce(argparse._StoreAction):
@@ -90,13 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget-s; 130 interrupted.",
     )
     parser.add_argument("--version", action="version", version=f"omni-accum {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages (plugin loading, hooks)")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log debug messages (plugin loading, hooks) and vLLM's info lines (hidden otherwise unless "
+        "VLLM_LOGGING_LEVEL is set)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_CommandParser)
     for module in COMMAND_MODULES:
         module.register(sub)
     for command in sub.choices.values():  # -v after the command too (it does not reset one given before)
         command.add_argument(
-            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log debug messages"
+            "-v",
+            "--verbose",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="log debug messages and vLLM's info lines",
         )
     return parser
 
@@ -108,6 +120,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verbose or _env_flag(ENV_TRACE):  # omni_accum's own lines on stderr (root's WARNING hides INFO/DEBUG)
         ensure_visible_logging(logging.DEBUG if args.verbose else logging.INFO, "%(levelname)s %(message)s")
     prefix = f"omni-accum {args.command}"  # one prefix per command, as argparse's usage errors have
+    # vLLM's INFO lines when a command imports it (its platform, vllm-omni's patches) are not the command's output:
+    # its warnings and errors only, unless -v or VLLM_LOGGING_LEVEL asks for more; unset again at the end (a caller
+    # of main() in its own process keeps its environment).
+    quiet = not args.verbose and VLLM_LEVEL not in os.environ
+    if quiet:
+        os.environ[VLLM_LEVEL] = "WARNING"
     try:
         return int(args.func(args) or 0)
     except OmniAccumError as e:
@@ -133,6 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"{prefix}: error: out of memory{allocation_detail(e)}; give smaller sizes", file=sys.stderr)
         return 1
+    finally:
+        if quiet:
+            os.environ.pop(VLLM_LEVEL, None)
 
 
 if __name__ == "__main__":  # pragma: no cover
