@@ -47,7 +47,7 @@ OMIT: Any = _Omit()
 class NoParams(BaseModel):
     """Params model of a strategy that takes none."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from omni_accum.strategy import AppendAccumulator, KeyInfo, Strategy, StrategySp
 class Params(BaseModel):
     """``cat`` takes no params."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class CatAccumulator(AppendAccumulator):

@@ -58,7 +58,7 @@ _MEMMOVE_MAX = 1 << 20
 class Params(BaseModel):
     """Params of ``prealloc``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     # strict: a number, never a bool (``yes`` was 1) or a string ("2"), as the policy's own numbers
     initial_capacity: int = Field(default=64, ge=1, le=1 << 24, strict=True)

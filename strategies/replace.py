@@ -13,7 +13,7 @@ from omni_accum.strategy import Accumulator, KeyInfo, Strategy, StrategySpec, va
 class Params(BaseModel):
     """``replace`` takes no params."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class ReplaceAccumulator(Accumulator):

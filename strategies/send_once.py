@@ -28,7 +28,7 @@ from omni_accum.strategies.replace import ReplaceAccumulator
 class Params(BaseModel):
     """``send_once`` takes no params."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -18,7 +18,7 @@ from omni_accum.strategy import AppendAccumulator, KeyInfo, Strategy, StrategySp
 class Params(BaseModel):
     """``token_list`` takes no params."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class TokenListAccumulator(AppendAccumulator):

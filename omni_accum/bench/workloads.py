@@ -62,7 +62,7 @@ class WorkloadError(OmniAccumError):
 class KeySpec(BaseModel):
     """One key of the payload and how it travels."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     path: str = Field(min_length=1)
     """Key path: ``group.qualifier`` (nested payload) or a flat name (``thinker_embeddings``)."""
@@ -124,7 +124,7 @@ class KeySpec(BaseModel):
 class Workload(BaseModel):
     """A workload: keys and a chunk schedule."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1)
     """Name shown in tables and JSON."""

@@ -9,9 +9,12 @@ line, field and allowed values, never as tracebacks: ``validate`` exits 1 on the
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
+import inspect
 import logging
 import sys
+import textwrap
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,10 +69,36 @@ def _json_defaults(model: type[BaseModel]) -> dict[str, Any]:
         return out
 
 
+def field_docstrings(model: type[BaseModel]) -> dict[str, str]:
+    """The docstring under each field of ``model`` and its bases, read from their source when asked.
+
+    pydantic's ``use_attribute_docstrings=True`` reads them when the class is built: about a second of every process
+    that imports a strategy where vLLM is loaded (its frame search scans every loaded module), for text that only
+    ``strategies`` prints. A model without source (built at run time) has none."""
+    docs: dict[str, str] = {}
+    for cls in reversed(model.__mro__):
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or cls is BaseModel:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for stmt, after in zip(body, body[1:]):
+            target = stmt.target if isinstance(stmt, ast.AnnAssign) else None
+            if target is None and isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+                target = stmt.targets[0]
+            doc = after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else None
+            if isinstance(target, ast.Name) and isinstance(doc, str):
+                docs[target.id] = inspect.cleandoc(doc)
+    return docs
+
+
 def param_rows(model: type[BaseModel]) -> list[dict[str, Any]]:
     """Describe the fields of a strategy's ``Params`` model: name, type, default (in its JSON form), constraints."""
     rows = []
     defaults = _json_defaults(model)
+    docs = field_docstrings(model)
     for name, field in model.model_fields.items():
         constraints = [
             f"{sym} {getattr(m, attr)}" for m in field.metadata for cls, attr, sym in _CONSTRAINTS if isinstance(m, cls)
@@ -82,7 +111,7 @@ def param_rows(model: type[BaseModel]) -> list[dict[str, Any]]:
                 "required": field.is_required(),
                 "default": None if field.is_required() else defaults.get(name),
                 "constraints": constraints,
-                "description": field.description or "",
+                "description": field.description or docs.get(name, ""),
             }
         )
     return rows

@@ -103,7 +103,7 @@ def _coerce_strategy_ref(value: Any) -> Any:
 class StrategyRef(BaseModel):
     """A strategy name with its params."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     strategy: str = Field(min_length=1)
     """Name of a registered strategy (``omni-accum strategies`` lists them)."""
@@ -114,7 +114,7 @@ class StrategyRef(BaseModel):
 class Rule(BaseModel):
     """One rule: keys matching ``match`` use ``strategy`` with ``params``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     match: str = Field(min_length=1)
     """A key path (``embed.decode``, ``thinker_embeddings``) or a glob (``embed.*``); no leading or trailing space."""
@@ -160,7 +160,7 @@ ArmName = Annotated[str, AfterValidator(_arm_name)]
 class ABArm(BaseModel):
     """One arm of an A/B split: the policy its requests run and its share of them."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     policy: str = Field(min_length=1)
     """The arm's policy: a preset name or a policy file (a relative path is read from the folder of the file
@@ -187,7 +187,7 @@ class ABSplit(BaseModel):
             treatment: {policy: qwen3-omni, weight: 1}
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     arms: dict[ArmName, ABArm]
     """Two or more arms by name, in the order their shares are laid out (names: a letter, then letters, digits
@@ -253,7 +253,7 @@ class Policy(BaseModel):
             strategy: replace
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     version: Literal[1] = 1
     """Schema version; 1 is the only version so far."""

@@ -45,7 +45,7 @@ def cell_problems(text: str) -> list[tuple[tuple[Any, ...], str]]:
 class TunedCell(BaseModel):
     """The tuner's decision for one key in one bucket."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     key: str = Field(min_length=1)
     """Key path the decision applies to (exact path)."""
@@ -81,7 +81,7 @@ class TunedTable(BaseModel):
     below the first edge or above the last clamp to the end buckets (and are counted).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     context_len_edges: list[Annotated[int, Strict()]] = Field(min_length=1)
     """Ascending lower edges of context-length buckets."""
