@@ -554,3 +554,28 @@ def test_closing_a_region_while_it_warms_stops_the_warm_and_never_reserves_throu
     assert not t.is_alive()
     assert rx.region.warmed is not None and rx.region.warmed["stopped"] in (None, "closed")
     assert not path.exists()
+
+
+_VIEW_AFTER_CLOSE = """
+import os, sys, torch
+from omni_accum.arena import ArenaReceiver, ArenaSender
+name = f"t{os.getpid()}view"
+rx = ArenaReceiver(name, data_bytes=8 << 20)
+tx = ArenaSender(name, {"x": "append"}, attach_timeout_s=5)
+sent = torch.randn(4, 1024, generator=torch.Generator().manual_seed(5))
+tx.send("r1", {"x": sent})
+view = rx.poll(timeout_s=5.0).view["x"]
+tx.close()
+rx.close()
+print(torch.equal(view, sent), flush=True)
+"""
+
+
+def test_a_view_read_after_both_sides_closed_still_holds_its_rows():
+    """``ArenaReceiver.close()``: "the mapping stays until the views over it are freed". The views were slices of a
+    tensor over the mmap object itself, which holds no export: close() unmapped the pages under them and the next read
+    segfaulted (run in a process of its own: -11 there is this test's failure, not pytest's)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _VIEW_AFTER_CLOSE], capture_output=True, text=True, timeout=300,
+                          cwd=root)
+    assert done.returncode == 0 and done.stdout.split() == ["True"], (done.returncode, done.stdout, done.stderr[-2000:])

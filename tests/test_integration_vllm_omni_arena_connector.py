@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from omni_accum.arena.region import W_SENDER_PID, PeerDied
+from omni_accum.arena._common import LIVENESS_EVERY_S
 from omni_accum.samehost import private_dir
 
 from tests.test_arena import wait_exited
@@ -366,6 +367,51 @@ def test_a_receiver_killed_without_closing_leaves_no_region(vo, arena_name):
     # omni-accum's reaper process removes it (and the pair's pointer file) once the process is gone, then exits
     wait_exited(int(done.stdout.split()[-1]))
     assert not glob.glob(f"{private_dir()}/*{arena_name}*")
+
+
+def staged_rows_main(conn: Any, name: str) -> None:
+    """A sender whose prompt rows the stage input processor built in the arena (``arena_stage_rows``), its receiver
+    closed: the next put falls back to SharedMemoryConnector, reading those rows. In a process of its own: it
+    segfaulted there (the sender dropped with the receiver unmapped the pages under the staged tensor)."""
+    from tests.waiting import poll
+
+    key = f"req{os.getpid()}_0_0"  # (the inner way's file is /dev/shm/<key>)
+    tx, rx = _connector(0, name), _connector(1, name)
+    assert rx.get("0", "1", "prime") is None  # the receiver's region
+    for n in range(200):  # until the sender attaches (each put taken: one the inner way leaves a file until then)
+        meta = tx.put("0", "1", f"{key}w{n}", {"x": torch.zeros(4)})[2] or {}
+        assert poll(lambda: rx.get("0", "1", f"{key}w{n}"), 30) is not None  # noqa: B023 - called at once
+        if meta.get("arena"):
+            break
+    attached = bool(meta.get("arena"))
+    staged = tx.stage_rows("0", "1", "reqA", "embed.prefill", torch.bfloat16, (64,), 11)
+    rows = torch.randn(11, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    staged.copy_(rows)
+    rx.close()
+    time.sleep(2 * LIVENESS_EVERY_S)  # the put's liveness look then finds the receiver gone and drops the sender
+    ok, _, meta = tx.put("0", "1", key, {"embed": {"prefill": staged}})
+    died = tx.fallbacks.get("receiver_died")
+    rx2 = _connector(1, name)
+    got = poll(lambda: rx2.get("0", "1", key), 30)  # the inner way: the get unlinks its file
+    same = got is not None and torch.equal(got[0]["embed"]["prefill"], rows)
+    arena = bool(meta and meta.get("arena"))
+    conn.send({"attached": attached, "died": died, "ok": ok, "arena": arena, "staged": torch.equal(staged, rows),
+               "got": same})
+    tx.close()
+    rx2.close()
+
+
+def test_prompt_rows_staged_in_the_arena_outlive_a_receiver_that_goes(vo, arena_name):
+    from tests.forked import Forked
+
+    p = Forked(f"{__name__}.staged_rows_main", arena_name)
+    try:
+        out = p.conn.recv() if p.conn.poll(600) else None
+    except EOFError:
+        out = None
+    rc = p.wait(60)
+    assert rc == 0 and out is not None, f"the sender's process ended with {rc} (-11: a segfault), answer {out}"
+    assert out == {"attached": True, "died": 1, "ok": True, "arena": False, "staged": True, "got": True}, out
 
 
 def test_a_put_that_falls_back_is_counted_in_the_metrics(vo, arena_name, monkeypatch):

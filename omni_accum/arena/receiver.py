@@ -86,7 +86,10 @@ class ArenaReceiver(ChainViews):
 
     def __init__(self, name: str, data_bytes: int, *, ring_bytes: int = 1 << 20, page: int = 4096) -> None:
         self.region = Region.create(name, data_bytes, page=page, ring_bytes=ring_bytes)
-        self._u8 = torch.frombuffer(self.region.mm, dtype=torch.uint8)
+        # over a memoryview, which holds an export of the mapping: close() cannot unmap it while a tensor over it
+        # lives (staged prompt rows, a view handed out), it is unmapped when the last is freed (over the mmap
+        # itself, mmap.close() unmapped pages that live tensors still pointed at: a segfault at their next read)
+        self._u8 = torch.frombuffer(memoryview(self.region.mm), dtype=torch.uint8)
         self._page = page
         self._data_off = self.region.data_off
         self._reqs: dict[str, _Req] = {}
