@@ -379,3 +379,31 @@ def test_two_replicas_that_made_their_regions_at_the_same_moment_both_get_their_
     finally:
         for c in (tx, second, first):
             c.close()
+
+
+def test_a_receiver_without_a_region_forgets_the_requests_it_took_after_the_orphan_time(vo, quick_retry, tmp_path):
+    """Each get records when its request last took a chunk (the orphan look spares a request still taking them);
+    that record was pruned only by the look of a connector with a region: one with none (a directory it cannot
+    use, a receiving replica) kept an entry per request for good."""
+    from omni_accum.integrations.vllm_omni import arena_connector
+
+    clock = [1000.0]
+    quick_retry.setattr(arena_connector, "_now", lambda: clock[0])
+    base = tmp_path / "shm"
+    base.write_text("")  # not a directory: no region
+    quick_retry.setenv("OMNI_ACCUM_ARENA_DIR", str(base))
+    name = f"noregion{os.getpid()}"
+    rx, tx = _connector(1, name), _connector(0, name)
+    try:
+        for i in range(5):
+            key = _chunk_key(f"r{i}")
+            assert tx.put("0", "1", key, {"x": torch.arange(3) + i})[0]
+            assert torch.equal(rx.get("0", "1", key)[0]["x"], torch.arange(3) + i)
+        assert rx.health()["regions"] == [] and len(rx._alive) == 5
+        clock[0] += rx.orphan_s + arena_connector.ORPHAN_CHECK_S + 1
+        key = _chunk_key("r5")
+        assert tx.put("0", "1", key, {"x": torch.arange(2)})[0] and rx.get("0", "1", key) is not None
+        assert sorted(rx._alive) == [f"r5p{os.getpid()}"], rx._alive
+    finally:
+        tx.close()
+        rx.close()

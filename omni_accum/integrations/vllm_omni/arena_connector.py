@@ -210,7 +210,11 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         got = self.inner.get(from_stage, to_stage, get_key, metadata)
         if got is not None:
             self.counts["inner_gets"] += 1
-            self._alive[request_of(get_key) or get_key] = _now()
+            now = _now()
+            with self._rx_lock:
+                self._alive[request_of(get_key) or get_key] = now
+                if now >= self._orphan_check:  # (a connector with no region makes no look above: it grew by a
+                    self._drop_orphans(now)  # request per get, for good)
         return got
 
     def _decode(self, pair: tuple[str, str], rx: Any, msg: Any, handed: bool = True) -> tuple[bool, Any]:
