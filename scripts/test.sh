@@ -86,6 +86,11 @@ if [ ${#builds[@]} -gt 0 ] && ! omni_accum_need_disk "${builds[@]}"; then
 fi
 # .venv first: the other releases' environments start from its packages.
 ( source "$ROOT/scripts/env.sh" ) 2>&1 | tee "$logs/setup.log"
+# The checkout's own modules compiled once (into __pycache__ folders, which git ignores): with PYTHONDONTWRITEBYTECODE
+# set, as on this machine, each fresh interpreter the suite starts (stage processes, CLI runs, peers) compiled
+# omni-accum's source again: 0.5 s of a core to import it, 0.2 s with these. An edited file is compiled again in
+# memory, as Python does with any stale .pyc.
+[ -x "$venv_main/bin/python" ] && "$venv_main/bin/python" -m compileall -q omni_accum strategies tests >/dev/null 2>&1
 # Then those are built in the background while the 0.30.0 suite runs (pip waits on the network and the disk,
 # the suite on the CPU); each run below waits for its environment and prints its set-up log.
 _setup_bg() {  # venv, release, log (its exit status goes to LOG.rc: a lane in a subshell cannot `wait` for it)

@@ -6,8 +6,9 @@
         starts with the time of each KEY reserved for it (what it runs after its files: the other releases' runs,
         the end-to-end test). A file not in WEIGHTS counts as DEFAULT seconds.
     python3 scripts/test_lanes.py record LOG... > tests/durations.txt
-        WEIGHTS from pytest's ``--durations=0`` lines in LOG (``bash scripts/test.sh --durations=0 -vv | tee LOG``
-        runs the suite in one lane and prints every test's time): the seconds of each file, summed.
+        WEIGHTS from pytest's ``--durations=0`` lines in LOG (``OMNI_ACCUM_TEST_LANES=2 bash scripts/test.sh
+        --durations=0 -vv | tee LOG`` runs the suite in its two lanes and prints every test's time): the seconds of
+        each file, summed.
 
 WEIGHTS is a text file of ``SECONDS PATH`` lines (``#`` starts a comment); a PATH starting with ``@`` is a KEY.
 Only the order matters: the figures are this machine's, another machine's are proportional enough.
