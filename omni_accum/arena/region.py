@@ -118,11 +118,11 @@ class Region:
     def __init__(self, path: Path, mm: mmap.mmap, layout: Layout, owner: bool, fd: int = -1) -> None:
         self.path = path
         self.mm = mm
-        #: the file, kept open to reserve tmpfs pages before they are first written (:meth:`prefault`)
-        self.fd = fd
+        self.fd = fd  # the file, kept open to reserve tmpfs pages before they are first written (:meth:`prefault`)
         self.layout = layout
         self.owner = owner
         self._pid = os.getpid()  # a forked child inherits this object (and its atexit close): see _close_locked
+        self.closed = False  # this side (its mmap stays open while tensors over it live: they keep the pages mapped)
         self.q = memoryview(mm)[:HEADER].cast("Q")
         self.pages = memoryview(mm)[layout.map_off : layout.map_off + layout.npages]
         self.ring_f = Ring(memoryview(mm)[layout.ring_f_off : layout.ring_b_off], self.q, W_F_TAIL, W_F_HEAD)
@@ -270,7 +270,7 @@ class Region:
             for first in range(0, n_all, per):
                 n = min(per, n_all - first)
                 with self._warm_lock:
-                    if self.mm.closed or self.fd < 0:
+                    if self.closed or self.fd < 0:
                         stopped = "closed"
                         break
                     try:
@@ -321,7 +321,7 @@ class Region:
 
     def close(self) -> None:
         """Mark this side closed; the owner also unlinks the file. Views still held keep the mapping alive."""
-        if self.mm.closed:
+        if self.closed:
             return
         if os.getpid() != self._pid:  # a forked child's copy (its exit runs the owner's atexit close): unmap only (the
             return self._unmap()  # region stays its creator's); before the lock, which a thread not forked may hold
@@ -329,7 +329,7 @@ class Region:
             self._close_locked()
 
     def _close_locked(self) -> None:
-        if self.mm.closed:
+        if self.closed:
             return
         try:
             if self.owner:
@@ -346,6 +346,7 @@ class Region:
         self._unmap()
 
     def _unmap(self) -> None:
+        self.closed = True
         for mv in (self.pages, self.q):
             mv.release()
         for ring in (self.ring_f, self.ring_b):
@@ -394,8 +395,7 @@ def _untrack(path: Path) -> None:
 
 
 def drop_pointer(ptr: Path, name: str) -> None:
-    """Remove pointer file ``ptr`` (:mod:`.live`) if it still names region ``name`` (a newer receiver may have
-    rewritten it)."""
+    """Remove pointer file ``ptr`` if it still names region ``name`` (a newer receiver may have rewritten it)."""
     try:
         body = samehost.read_private(ptr, 512)
     except (OSError, samehost.SameHostRefused):

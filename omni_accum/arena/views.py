@@ -103,7 +103,7 @@ class ChainViews:
         more; how many spans. Taking messages (:meth:`take`) reaps first, and so may an :attr:`on_dead`
         hook. ``wait=False``: never wait for room on ring B (what does not fit stays for the next reap)."""
         dead = self._dead_slabs
-        if not dead or self.region.mm.closed:
+        if not dead or self.region.closed:
             return 0
         live = self._live_slabs
         spans = []
