@@ -111,6 +111,17 @@ def test_field_docstrings_are_read_when_printed_not_when_a_model_is_built():
     sub = field_docstrings(Sub)
     assert sub["growth_factor"] == "Overridden." and sub["initial_capacity"] == docs["initial_capacity"]
 
+    class Again(PreallocParams):
+        growth_factor: float = 3.0  # declared again, no docstring: none (as pydantic's flag gives)
+
+    class Nested(BaseModel):
+        a: int = 1
+        """A docstring whose second line
+is less indented than the class."""
+
+    assert "growth_factor" not in field_docstrings(Again) and "initial_capacity" in field_docstrings(Again)
+    assert field_docstrings(Nested) == {"a": "A docstring whose second line\nis less indented than the class."}
+
 
 # -- validate ---------------------------------------------------------------------------------- #
 

@@ -87,8 +87,8 @@ class ArenaReceiver(ChainViews):
     def __init__(self, name: str, data_bytes: int, *, ring_bytes: int = 1 << 20, page: int = 4096) -> None:
         self.region = Region.create(name, data_bytes, page=page, ring_bytes=ring_bytes)
         # over a memoryview, which holds an export of the mapping: close() cannot unmap it while a tensor over it
-        # lives (staged prompt rows, a view handed out), it is unmapped when the last is freed (over the mmap
-        # itself, mmap.close() unmapped pages that live tensors still pointed at: a segfault at their next read)
+        # lives (staged prompt rows, a view handed out): the pages stay mapped until the mmap is freed, with the last
+        # (over the mmap itself, mmap.close() unmapped pages that live tensors still pointed at: a segfault)
         self._u8 = torch.frombuffer(memoryview(self.region.mm), dtype=torch.uint8)
         self._page = page
         self._data_off = self.region.data_off

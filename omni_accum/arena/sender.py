@@ -100,8 +100,8 @@ class ArenaSender(KeyedMessages):
         q[W_SENDER_GEN] = self.gen
         q[W_SENDER_PID] = os.getpid()
         # over a memoryview, which holds an export of the mapping: close() cannot unmap it while a tensor over it
-        # lives (staged prompt rows, a view handed out), it is unmapped when the last is freed (over the mmap
-        # itself, mmap.close() unmapped pages that live tensors still pointed at: a segfault at their next read)
+        # lives (staged prompt rows, a view handed out): the pages stay mapped until the mmap is freed, with the last
+        # (over the mmap itself, mmap.close() unmapped pages that live tensors still pointed at: a segfault)
         self._u8 = torch.frombuffer(memoryview(region.mm), dtype=torch.uint8)
         self._base = self._u8.data_ptr() + region.data_off
         self._page = region.layout.page

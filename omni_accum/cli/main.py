@@ -122,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefix = f"omni-accum {args.command}"  # one prefix per command, as argparse's usage errors have
     # vLLM's INFO lines when a command imports it (its platform, vllm-omni's patches) are not the command's output:
     # its warnings and errors only, unless -v or VLLM_LOGGING_LEVEL asks for more; unset again at the end (a caller
-    # of main() in its own process keeps its environment).
+    # of main() keeps its environment; vLLM reads the level once, when first imported: if the command imported it,
+    # it stays at WARNING in the caller's process).
     quiet = not args.verbose and VLLM_LEVEL not in os.environ
     if quiet:
         os.environ[VLLM_LEVEL] = "WARNING"

@@ -70,24 +70,30 @@ def _json_defaults(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def field_docstrings(model: type[BaseModel]) -> dict[str, str]:
-    """The docstring under each field of ``model`` and its bases, read from their source when asked.
+    """The docstring under each field of ``model`` and its bases, read from their source when asked (a field that a
+    subclass declares again has the subclass's docstring, or none), as pydantic's ``use_attribute_docstrings`` gives.
 
-    pydantic's ``use_attribute_docstrings=True`` reads them when the class is built: about a second of every process
-    that imports a strategy where vLLM is loaded (its frame search scans every loaded module), for text that only
-    ``strategies`` prints. A model without source (built at run time) has none."""
+    That flag reads them when the class is built: about a second of every process that imports a strategy where vLLM
+    is loaded (its frame search scans every loaded module), for text that only ``strategies`` prints. A model
+    without source (built at run time) has none."""
     docs: dict[str, str] = {}
     for cls in reversed(model.__mro__):
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or cls is BaseModel:
             continue
+        for name in cls.__dict__.get("__annotations__", {}):
+            docs.pop(name, None)
         try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+            source = textwrap.dedent(inspect.getsource(cls))
+            if source.startswith((" ", "\t")):  # a docstring less indented than a nested class: pydantic's way round
+                source = "def dedent_workaround():\n" + source
+            tree = ast.parse(source)
         except (OSError, TypeError, SyntaxError):
             continue
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        node = tree.body[0] if tree.body else None
+        node = node.body[0] if isinstance(node, ast.FunctionDef) and node.body else node
+        body = node.body if isinstance(node, ast.ClassDef) else []
         for stmt, after in zip(body, body[1:]):
             target = stmt.target if isinstance(stmt, ast.AnnAssign) else None
-            if target is None and isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-                target = stmt.targets[0]
             doc = after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else None
             if isinstance(target, ast.Name) and isinstance(doc, str):
                 docs[target.id] = inspect.cleandoc(doc)

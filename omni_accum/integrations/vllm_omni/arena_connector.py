@@ -129,6 +129,7 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         self._orphan_check = 0.0  # monotonic time of the next look for messages no get took
         self._seen: dict[tuple[str, str], dict[str, float]] = {}  # pair -> key -> when a look first saw it waiting
         self._alive: dict[str, float] = {}  # request -> when a get last took one of its messages
+        self._alive_check = 0.0  # monotonic time of the next look at it from an inner get
         self.fallbacks: dict[str, int] = {}
         self._replica_seen: dict[tuple[str, str], tuple[float, bool]] = {}  # pair -> (next look, a replica shares it)
         self._marked: set[str] = set()  # the pairs whose replica mark this process wrote (it is not their owner)
@@ -211,10 +212,10 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
         if got is not None:
             self.counts["inner_gets"] += 1
             now = _now()
-            with self._rx_lock:
-                self._alive[request_of(get_key) or get_key] = now
-                if now >= self._orphan_check:  # (a connector with no region makes no look above: it grew by a
-                    self._drop_orphans(now)  # request per get, for good)
+            self._alive[request_of(get_key) or get_key] = now
+            if now >= self._alive_check:  # (a connector with no region makes no look above: it grew by a request per
+                self._alive_check = now + ORPHAN_CHECK_S  # get, for good; only the record here: a payload taken
+                self._forget_idle(now)  # the inner way is never lost to a region's trouble)
         return got
 
     def _decode(self, pair: tuple[str, str], rx: Any, msg: Any, handed: bool = True) -> tuple[bool, Any]:
@@ -246,12 +247,17 @@ class ArenaConnector(PairRegions, OmniConnectorBase):
     def _clock(self) -> float:
         return _now()  # the orphan looks' clock (tests move it)
 
-    def _drop_orphans(self, now: float) -> None:
-        """Drop the messages that have waited for a get longer than :attr:`orphan_s` (with ``_rx_lock`` held)."""
-        self._orphan_check = now + ORPHAN_CHECK_S
+    def _forget_idle(self, now: float) -> dict[str, float]:
+        """Forget the requests no get took a message of within :attr:`orphan_s`; the record as it was."""
         alive = dict(self._alive)  # (an inner get may add to it meanwhile)
         for req in [r for r, t in alive.items() if now - t > self.orphan_s]:
             self._alive.pop(req, None)
+        return alive
+
+    def _drop_orphans(self, now: float) -> None:
+        """Drop the messages that have waited for a get longer than :attr:`orphan_s` (with ``_rx_lock`` held)."""
+        self._orphan_check = now + ORPHAN_CHECK_S
+        alive = self._forget_idle(now)
         for pair, rx in list(self._rx.items()):
             if rx is None:
                 continue
