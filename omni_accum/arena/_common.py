@@ -48,6 +48,14 @@ R_ROWS, R_NONE, R_BOOL, R_INT = 0, 1, 2, 3
 LIVENESS_EVERY_S = 0.02
 
 
+def region_bytes(mm: Any) -> torch.Tensor:
+    """The whole mapping ``mm`` as one uint8 tensor, over a memoryview of it: the view holds an export of the mapping,
+    so ``mmap.close()`` cannot unmap it while a tensor over it lives (staged prompt rows, a view handed out); the
+    pages stay mapped until the mmap is freed, with the last (over the mmap itself, ``close()`` unmapped pages that
+    live tensors still pointed at: a segfault)."""
+    return torch.frombuffer(memoryview(mm), dtype=torch.uint8)
+
+
 def row_bytes(dtype: torch.dtype, row_shape: Any) -> int:
     """Bytes of one row of ``row_shape`` (the trailing shape) of ``dtype``."""
     n = dtype.itemsize

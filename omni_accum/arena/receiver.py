@@ -33,13 +33,14 @@ from omni_accum.arena._common import (
     DTYPES,
     LIVENESS_EVERY_S,
     MSG,
-    R_BOOL,
-    R_NONE,
-    R_ROWS,
     ROWS_HEAD,
     ROWS_ITEM,
     ROWS_TAG,
+    R_BOOL,
+    R_NONE,
+    R_ROWS,
     place,
+    region_bytes,
     wait_until,
 )
 from omni_accum.arena.region import W_SENDER_CLOSED, W_SENDER_PID, ArenaError, PeerDied, Region
@@ -86,10 +87,7 @@ class ArenaReceiver(ChainViews):
 
     def __init__(self, name: str, data_bytes: int, *, ring_bytes: int = 1 << 20, page: int = 4096) -> None:
         self.region = Region.create(name, data_bytes, page=page, ring_bytes=ring_bytes)
-        # over a memoryview, which holds an export of the mapping: close() cannot unmap it while a tensor over it
-        # lives (staged prompt rows, a view handed out): the pages stay mapped until the mmap is freed, with the last
-        # (over the mmap itself, mmap.close() unmapped pages that live tensors still pointed at: a segfault)
-        self._u8 = torch.frombuffer(memoryview(self.region.mm), dtype=torch.uint8)
+        self._u8 = region_bytes(self.region.mm)
         self._page = page
         self._data_off = self.region.data_off
         self._reqs: dict[str, _Req] = {}

@@ -24,15 +24,16 @@ from omni_accum.arena._common import (
     CHUNK,
     DONE,
     LIVENESS_EVERY_S,
+    ROWS_HEAD,
+    ROWS_ITEM,
+    ROWS_TAG,
     R_BOOL,
     R_INT,
     R_NONE,
     R_ROWS,
-    ROWS_HEAD,
-    ROWS_ITEM,
-    ROWS_TAG,
     dtype_name,
     leaves,
+    region_bytes,
     wait_until,
 )
 from omni_accum.arena.keyed import KeyedMessages, _Chain
@@ -99,10 +100,7 @@ class ArenaSender(KeyedMessages):
         self.gen = q[W_SENDER_GEN] % 255 + 1
         q[W_SENDER_GEN] = self.gen
         q[W_SENDER_PID] = os.getpid()
-        # over a memoryview, which holds an export of the mapping: close() cannot unmap it while a tensor over it
-        # lives (staged prompt rows, a view handed out): the pages stay mapped until the mmap is freed, with the last
-        # (over the mmap itself, mmap.close() unmapped pages that live tensors still pointed at: a segfault)
-        self._u8 = torch.frombuffer(memoryview(region.mm), dtype=torch.uint8)
+        self._u8 = region_bytes(region.mm)
         self._base = self._u8.data_ptr() + region.data_off
         self._page = region.layout.page
         self._npages = region.layout.npages
