@@ -5,13 +5,11 @@ with the pages going back once no tensor shows them."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import json
 import os
 import random
 import subprocess
-import sys
-import textwrap
 from typing import Any
 
 import pytest
@@ -19,6 +17,7 @@ import torch
 
 from omni_accum.strategy import ARENA_TAG
 
+from tests.forked import Forked
 from tests.test_integration_vllm_omni import T2T, _thinker_steps, assert_same
 from tests.test_integration_vllm_omni_arena_connector import NAME, _connector, arena_name, notice_dead_sender  # noqa: F401
 
@@ -80,13 +79,10 @@ def test_adapter_keys_live_in_the_arena_with_real_adapters(vo, arena_name, adapt
     assert _all_pages_back(tx.connector, rx.connector)
 
 
-_SENDER = textwrap.dedent(
-    """
-    import json, sys
-    sys.path.insert(0, sys.argv[3])
-    from tests.test_integration_vllm_omni_arena_chains import _streams, _sending
-    from tests.test_integration_vllm_omni_arena_connector import _connector
-    name, seed, tag = sys.argv[1], int(sys.argv[2]), sys.argv[4]
+def sender_main(conn: Any, name: str, seed: int, tag: str) -> None:
+    """The sending stage in a process of its own (forked: ``tests/forked.py``): request streams ``_streams(seed,
+    tag)``, each released at its end, then its health to the test; it closes once the test says the receiver has
+    taken everything (its inner connector's segments live until then)."""
     tx = _connector(0, name, arena_bytes="6MiB")
     streams = _streams(seed, tag)
     with _sending():
@@ -98,11 +94,9 @@ _SENDER = textwrap.dedent(
                     break
             if chunk["meta"]["finished"]:
                 tx.release_request(key.rsplit("_", 2)[0])  # omni-accum's sender-release hook does this
-    print(json.dumps(tx.health()), flush=True)
-    sys.stdin.readline()  # its inner connector's segments live until the receiver has taken them
+    conn.send(tx.health())
+    conn.recv()
     tx.close()
-    """
-)
 
 
 def _streams(seed: int, tag: str) -> list[tuple[str, dict[str, Any]]]:
@@ -165,22 +159,21 @@ def test_across_processes_views_are_cat_bit_for_bit_and_mostly_zero_copy(vo, are
     try:
         assert rx.get("0", "1", "prime") is None
         arena = rx._rx[("0", "1")]
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _SENDER, arena_name, "3", root, f"p{os.getpid()}"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
+        proc = Forked(f"{__name__}.sender_main", arena_name, 3, f"p{os.getpid()}")
         try:
-            line = "x"
-            while line and not line.startswith("{"):  # (vllm logs to stdout as well)
-                line = proc.stdout.readline()
-            assert line, proc.communicate(timeout=60)[1][-3000:]
-            sent = json.loads(line)
+            sent = proc.conn.recv() if proc.conn.poll(600) else None  # EOFError: it ended first (its error above)
+            assert sent is not None, "the sender said nothing within 600 s"
             assert sent["fallbacks"] == {"arena_full": 1}, sent  # r1's 7.7 MB chunk
             _receive(rx, recv, arena)
         finally:
-            proc.communicate("done\n", timeout=120)
-        assert proc.returncode == 0
+            with contextlib.suppress(OSError):
+                proc.conn.send("done")
+            try:
+                rc = proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
+        assert rc == 0
         gc.collect()
         arena.reap()
         assert not arena._live_slabs  # every slab went back
@@ -384,14 +377,10 @@ def test_a_release_during_a_put_never_waits_and_the_next_put_ends_the_chains(vo,
         rx.close()
 
 
-_KILLED = textwrap.dedent(
-    """
-    import os, sys
-    sys.path.insert(0, sys.argv[2])
-    import torch
-    from tests.test_integration_vllm_omni_arena_chains import _sending
-    from tests.test_integration_vllm_omni_arena_connector import _connector
-    tx = _connector(0, sys.argv[1])
+def killed_main(conn: Any, name: str) -> None:
+    """A sender (forked: ``tests/forked.py``) with two requests' chains in flight: ``k0`` ends and is released,
+    ``k1`` is not; then SIGKILL (no close, no release of ``k1``)."""
+    tx = _connector(0, name)
     g = torch.Generator().manual_seed(4)
     with _sending():
         for i in range(40):  # request k: a 20-row prefill, then rows; k0 ends, k1 is in flight
@@ -403,9 +392,7 @@ _KILLED = textwrap.dedent(
                     pass  # the first put waits for the region
             if i == 19:
                 tx.release_request("k0")
-    os.kill(os.getpid(), 9)  # no close, no release of k1
-    """
-)
+    os.kill(os.getpid(), 9)
 
 
 @pytest.mark.once
@@ -421,9 +408,8 @@ def test_a_sender_killed_mid_chain_leaves_views_valid_and_gives_every_page_back(
     try:
         assert rx.get("0", "1", "prime") is None
         arena = rx._rx[("0", "1")]
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        done = subprocess.run([sys.executable, "-c", _KILLED, arena_name, root], capture_output=True, text=True, timeout=600)
-        assert done.returncode == -9, done.stderr[-3000:]
+        rc = Forked(f"{__name__}.killed_main", arena_name).wait(600)
+        assert rc == -9, f"the sender ended with {rc}, not SIGKILL (its error above)"
         g = torch.Generator().manual_seed(4)
         want: dict[str, list[torch.Tensor]] = {"k0": [], "k1": []}
         for i in range(40):

@@ -8,8 +8,6 @@ import glob
 import json
 import os
 import subprocess
-import sys
-import textwrap
 import time
 from typing import Any
 
@@ -342,30 +340,32 @@ def test_real_adapters_over_the_arena_hand_over_what_shm_does(vo, arena_name, ad
     assert rx.connector.health()["arena_gets"] == len(handed)
 
 
-_RECEIVER_DIES = textwrap.dedent(
-    """
-    import os, sys
-    sys.path.insert(0, sys.argv[2])
-    from tests.test_integration_vllm_omni_arena_connector import _connector
-    rx = _connector(1, sys.argv[1])
+def receiver_dies_main(conn: Any, name: str) -> None:
+    """A receiver (forked: ``tests/forked.py``) that creates its region, tells the test the regions and its reaper's
+    pid, and ends by SIGKILL without closing the connector (vllm-omni's stages end so on SIGTERM)."""
+    rx = _connector(1, name)
     assert rx.get("0", "1", "nothing") is None  # creates the region
     from omni_accum import samehost
-    print(rx.health()["regions"], samehost._reaper[0].pid, flush=True)
-    os.kill(os.getpid(), 9)  # ends without closing the connector (vllm-omni's stages end so on SIGTERM)
-    """
-)
+
+    conn.send((rx.health()["regions"], samehost._reaper[0].pid))
+    os.kill(os.getpid(), 9)
 
 
 @pytest.mark.once
 def test_a_receiver_killed_without_closing_leaves_no_region(vo, arena_name):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run(
-        [sys.executable, "-c", _RECEIVER_DIES, arena_name, root], capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == -9, done.stderr[-2000:]
-    assert f"{arena_name}_0_1" in done.stdout  # it did create one
+    from tests.forked import Forked
+
+    proc = Forked(f"{__name__}.receiver_dies_main", arena_name)
+    try:
+        said = proc.conn.recv() if proc.conn.poll(600) else None
+    except EOFError:  # it ended without a word (its error above)
+        said = None
+    rc = proc.wait(600)
+    assert rc == -9 and said is not None, f"the receiver ended with {rc}, not SIGKILL, having said {said}"
+    regions, reaper = said
+    assert f"{arena_name}_0_1" in str(regions)  # it did create one
     # omni-accum's reaper process removes it (and the pair's pointer file) once the process is gone, then exits
-    wait_exited(int(done.stdout.split()[-1]))
+    wait_exited(reaper)
     assert not glob.glob(f"{private_dir()}/*{arena_name}*")
 
 
