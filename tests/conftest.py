@@ -89,6 +89,23 @@ def vllm_omni():
     return require_vllm_omni()
 
 
+@pytest.fixture(scope="session")
+def shared_stage_host(vllm_omni):
+    """One ``StageHost`` (vllm-omni and Mooncake imported once, stage processes forked from it per run) for the test
+    process, started by the first test that asks (``mooncake_fixtures``); stopped at the end, and gone."""
+    from mooncake_fixtures import start_shared_host
+
+    from omni_accum.bench.mooncake import _alive
+
+    host = start_shared_host()
+    try:
+        yield host
+    finally:
+        pid = host.pid
+        host.stop()
+        assert pid is None or not _alive(pid)
+
+
 @pytest.fixture(autouse=True)
 def _restore_global_manager():
     """Tests may replace the process-wide strategy manager; put the original back afterwards."""

@@ -7,7 +7,9 @@ Import the fixtures into a test module (``from mooncake_fixtures import mooncake
   process ids at the end (also when a test fails); the teardown asserts nothing they had is still
   listening and both processes are gone;
 * ``stage_host``: a :class:`~omni_accum.bench.mooncake.StageHost` (vllm-omni imported once, stage
-  processes forked from it), stopped at the end.
+  processes forked from it), one for the whole test process (conftest's ``shared_stage_host``: each module, and
+  each bench run of the doc examples, started one before, ~20 s of a busy core each), stopped at its end;
+  :func:`bench_on_shared_host` hands it to a test's ``omni-accum bench --wire mooncake`` runs.
 
 Without Mooncake (or the Debian ``libibverbs1`` it links) the tests skip saying exactly what is
 missing; under ``CI=true`` that is a failure.
@@ -66,17 +68,42 @@ def mooncake(tmp_path_factory):
         assert not listening_ports(pids), f"a Mooncake service still listens (held before stop: {sorted(held)})"
 
 
-@pytest.fixture(scope="module")
-def stage_host(mooncake, vllm_omni):
-    from omni_accum.bench.mooncake import StageHost, _alive
+def start_shared_host() -> Any:
+    """The ``StageHost`` of conftest's session fixture ``shared_stage_host`` (started there, at its first use)."""
+    require_mooncake()
+    from omni_accum.bench.mooncake import StageHost
 
-    host = StageHost(pythonpath=[TESTS]).start()
-    try:
-        yield host
-    finally:
-        pid = host.pid
-        host.stop()
-        assert pid is None or not _alive(pid)
+    return StageHost(pythonpath=[TESTS]).start()
+
+
+@pytest.fixture(scope="module")
+def stage_host(mooncake, shared_stage_host):
+    """The test process's one stage host (conftest's ``shared_stage_host``), for a module with Mooncake services."""
+    return shared_stage_host
+
+
+class _Kept:
+    """A stage host handed to a bench run as if the run had started it: ``start()`` and ``stop()`` leave it as it
+    is (the test session ends it)."""
+
+    def __init__(self, host: Any) -> None:
+        self._host = host
+
+    def start(self, timeout: float = 600.0) -> _Kept:
+        return self
+
+    def stop(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._host, name)
+
+
+def bench_on_shared_host(request: Any, monkeypatch: Any) -> None:
+    """Make the ``omni-accum bench --wire mooncake`` runs of this test fork their stage processes from the session's
+    stage host instead of starting one of their own (a process importing vllm-omni: ~20 s of a busy core)."""
+    host = request.getfixturevalue("shared_stage_host")
+    monkeypatch.setattr("omni_accum.bench.mooncake.StageHost", lambda: _Kept(host))
 
 
 # ---------------------------------------------------------------------------------------------- #

@@ -46,13 +46,16 @@ def test_every_wire_writes_the_schema_and_an_upstream_that_raised_is_failed_not_
 
 
 @pytest.mark.mooncake
-def test_the_mooncake_wire_writes_the_same_schema_and_reports_a_failing_arm_in_the_table(tmp_path, capsys):
+def test_the_mooncake_wire_writes_the_same_schema_and_reports_a_failing_arm_in_the_table(
+    tmp_path, capsys, request, monkeypatch
+):
     """`--wire mooncake --json` wrote "wire": "mooncake" and fields of its own, against the schema, with plain
     write_text; an arm that raised in the receiver aborted the bench with the child's traceback."""
     require_vllm_omni()
-    from tests.mooncake_fixtures import require_mooncake
+    from tests.mooncake_fixtures import bench_on_shared_host, require_mooncake
 
     require_mooncake()
+    bench_on_shared_host(request, monkeypatch)
     doc = _bench_json(tmp_path, "mooncake")
     out = capsys.readouterr().out
     assert "fails" in out and "stage process failed" not in out

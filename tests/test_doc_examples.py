@@ -1,7 +1,7 @@
 """Every ``omni-accum bench`` and ``omni-accum tune`` example of docs/benchmarks.md, docs/tuning.md and the two
 commands' ``--help`` epilogs runs as written (sizes shrunk to a few steps) and shows what it is there to show: a
 ratio in every bench table, the decision table (and the gain table when it verifies) for tune. The ``--wire
-mooncake`` examples share one stage host (the process their stage processes are forked from).
+mooncake`` examples fork their stage processes from the test process's one stage host.
 
 Before this test, several failed or showed nothing: the tune epilog's ``--base qwen3-omni-flat`` stopped with
 "nothing to tune"; the mooncake epilog aborted with a child's traceback (upstream raises on the default workload);
@@ -106,57 +106,16 @@ def _ratio_in_every_table(out: str) -> list[str]:
     return [t.splitlines()[0] for t in tables if not re.search(r"\dx \[|~1x \(within noise", t)]
 
 
-class _Kept:
-    """The module's stage host handed to one run as if the run had started it: its ``start()`` and ``stop()`` leave it
-    as it is (the module ends it)."""
-
-    def __init__(self, host: object) -> None:
-        self._host = host
-
-    def start(self, timeout: float = 600.0) -> _Kept:
-        return self
-
-    def stop(self) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._host, name)
-
-
-@pytest.fixture(scope="module")
-def stage_host():
-    """One ``StageHost`` for the module's ``--wire mooncake`` examples, started at the first: each run would start its
-    own (a process importing vllm-omni, ~20 s on two busy cores); what they measure runs in processes forked from it
-    per run, as before. Stopped, and gone, at the module's end."""
-    held = []
-
-    def get() -> object:
-        if not held:
-            from omni_accum.bench.mooncake import StageHost
-
-            held.append(StageHost().start())
-        return held[0]
-
-    yield get
-    for host in held:
-        pid = host.pid
-        host.stop()
-        from omni_accum.bench.mooncake import _alive
-
-        assert pid is None or not _alive(pid)
-
-
 @pytest.mark.parametrize("where, command", EXAMPLES, ids=[f"{w}: {c[:70]}" for w, c in EXAMPLES])
-def test_every_example_runs_and_shows_its_figures(folder, monkeypatch, capsys, stage_host, where, command):
+def test_every_example_runs_and_shows_its_figures(folder, monkeypatch, capsys, request, where, command):
     argv = _shrunk(command)
     if "--through" in argv or "--wire" in argv and argv[argv.index("--wire") + 1] != "inproc" or "upstream" in argv:
         require_vllm_omni()
     if "mooncake" in argv:
-        from tests.mooncake_fixtures import require_mooncake
+        from tests.mooncake_fixtures import bench_on_shared_host, require_mooncake
 
         require_mooncake()
-        host = stage_host()
-        monkeypatch.setattr("omni_accum.bench.mooncake.StageHost", lambda: _Kept(host))
+        bench_on_shared_host(request, monkeypatch)
     monkeypatch.chdir(folder)
     if "--show" in argv or "--resume" in argv:  # a table to show, or to resume: the same run without --resume
         first = ["tune", "--quick", "--out", "tuned.yaml", *_shrunk("omni-accum tune")[1:]]
