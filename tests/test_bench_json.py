@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 
@@ -46,23 +48,39 @@ def test_every_wire_writes_the_schema_and_an_upstream_that_raised_is_failed_not_
 
 
 @pytest.mark.mooncake
-def test_the_mooncake_wire_writes_the_same_schema_and_reports_a_failing_arm_in_the_table(
-    tmp_path, capsys, request, monkeypatch
-):
+def test_the_mooncake_wire_writes_the_same_schema_and_reports_a_failing_arm_in_the_table(tmp_path, capsys):
     """`--wire mooncake --json` wrote "wire": "mooncake" and fields of its own, against the schema, with plain
-    write_text; an arm that raised in the receiver aborted the bench with the child's traceback."""
+    write_text; an arm that raised in the receiver aborted the bench with the child's traceback. The run starts its
+    own stage host (the doc examples' runs are handed the test process's) and leaves none running."""
     require_vllm_omni()
-    from tests.mooncake_fixtures import bench_on_shared_host, require_mooncake
+    from tests.mooncake_fixtures import require_mooncake
 
     require_mooncake()
-    bench_on_shared_host(request, monkeypatch)
+    before = _stage_hosts()
     doc = _bench_json(tmp_path, "mooncake")
+    assert _stage_hosts() == before  # the run's own host is gone (another test's may live on)
     out = capsys.readouterr().out
     assert "fails" in out and "stage process failed" not in out
     rows = {r["arm"]: r for r in doc["results"]}
     assert rows["upstream"]["status"] == "failed" and rows["upstream"]["store"] is None
     assert rows["cat"]["status"] == "ok" and rows["cat"]["store"]["puts"] == 3
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def _stage_hosts() -> set[int]:
+    """This process's children that run a stage host (``python -m omni_accum.bench.mooncake stage-host``)."""
+    found = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == os.getpid() and b"stage-host" in argv:
+            found.add(int(d.name))
+    return found
 
 
 def _arm(name, samples, **kw):
