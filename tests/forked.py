@@ -74,3 +74,23 @@ class Forked:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+    def answer(self, timeout: float) -> Any:
+        """What it sent on :attr:`conn` within ``timeout`` seconds; None when it sent nothing (it ended first: its
+        error is in the test's output, or it is still running: :meth:`end` then kills it)."""
+        try:
+            return self.conn.recv() if self.conn.poll(timeout) else None
+        except EOFError:
+            return None
+
+    def end(self, timeout: float) -> int:
+        """Its exit status within ``timeout`` seconds; past that it is killed and reaped, then ``TimeoutExpired``
+        (a process left running would hang the test process at exit: multiprocessing joins its children there)."""
+        try:
+            return self.wait(max(timeout, 0.1))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self._p.join(30)
+            raise
+        finally:
+            self.conn.close()

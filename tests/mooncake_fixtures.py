@@ -101,9 +101,12 @@ class _Kept:
 
 def bench_on_shared_host(request: Any, monkeypatch: Any) -> None:
     """Make the ``omni-accum bench --wire mooncake`` runs of this test fork their stage processes from the session's
-    stage host instead of starting one of their own (a process importing vllm-omni: ~20 s of a busy core)."""
+    stage host instead of starting one of their own (a process importing vllm-omni: ~20 s of a busy core). Their
+    stage processes get the host's environment (the test process's when the host started, ``tests/`` on
+    ``PYTHONPATH``) and the bench's own job variables, not the environment of the moment: a test that needs its
+    own variables there starts its own host (``tests/test_bench_json.py``)."""
     host = request.getfixturevalue("shared_stage_host")
-    monkeypatch.setattr("omni_accum.bench.mooncake.StageHost", lambda: _Kept(host))
+    monkeypatch.setattr("omni_accum.bench.mooncake.StageHost", lambda *a, **k: _Kept(host))
 
 
 # ---------------------------------------------------------------------------------------------- #

@@ -9,7 +9,6 @@ import contextlib
 import gc
 import os
 import random
-import subprocess
 from typing import Any
 
 import pytest
@@ -161,18 +160,14 @@ def test_across_processes_views_are_cat_bit_for_bit_and_mostly_zero_copy(vo, are
         arena = rx._rx[("0", "1")]
         proc = Forked(f"{__name__}.sender_main", arena_name, 3, f"p{os.getpid()}")
         try:
-            sent = proc.conn.recv() if proc.conn.poll(600) else None  # EOFError: it ended first (its error above)
-            assert sent is not None, "the sender said nothing within 600 s"
+            sent = proc.answer(600)
+            assert sent is not None, "the sender said nothing within 600 s (its error, if it raised, is above)"
             assert sent["fallbacks"] == {"arena_full": 1}, sent  # r1's 7.7 MB chunk
             _receive(rx, recv, arena)
         finally:
             with contextlib.suppress(OSError):
                 proc.conn.send("done")
-            try:
-                rc = proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                raise
+            rc = proc.end(120)
         assert rc == 0
         gc.collect()
         arena.reap()
@@ -408,7 +403,7 @@ def test_a_sender_killed_mid_chain_leaves_views_valid_and_gives_every_page_back(
     try:
         assert rx.get("0", "1", "prime") is None
         arena = rx._rx[("0", "1")]
-        rc = Forked(f"{__name__}.killed_main", arena_name).wait(600)
+        rc = Forked(f"{__name__}.killed_main", arena_name).end(600)
         assert rc == -9, f"the sender ended with {rc}, not SIGKILL (its error above)"
         g = torch.Generator().manual_seed(4)
         want: dict[str, list[torch.Tensor]] = {"k0": [], "k1": []}

@@ -279,13 +279,10 @@ def _sender(name: str, n: int, die: bool = False) -> subprocess.CompletedProcess
     the last line of stdout (an exception's text, when it raised, is pytest's output)."""
     from tests.forked import Forked
 
+    deadline = time.monotonic() + 600
     proc = Forked(f"{__name__}.sender_main", name, n, die)
-    try:
-        out = proc.conn.recv() if proc.conn.poll(600) else ""
-    except EOFError:  # it ended without a word (killed)
-        out = ""
-    rc = proc.wait(timeout=600)
-    proc.conn.close()
+    out = proc.answer(600) or ""  # nothing: it was killed, or raised (its error is pytest's output)
+    rc = proc.end(deadline - time.monotonic())
     return subprocess.CompletedProcess(["sender_main", name, n, die], rc, out, f"exit status {rc}")
 
 
@@ -355,12 +352,10 @@ def receiver_dies_main(conn: Any, name: str) -> None:
 def test_a_receiver_killed_without_closing_leaves_no_region(vo, arena_name):
     from tests.forked import Forked
 
+    deadline = time.monotonic() + 600
     proc = Forked(f"{__name__}.receiver_dies_main", arena_name)
-    try:
-        said = proc.conn.recv() if proc.conn.poll(600) else None
-    except EOFError:  # it ended without a word (its error above)
-        said = None
-    rc = proc.wait(600)
+    said = proc.answer(600)  # None: it ended without a word (its error above)
+    rc = proc.end(deadline - time.monotonic())
     assert rc == -9 and said is not None, f"the receiver ended with {rc}, not SIGKILL, having said {said}"
     regions, reaper = said
     assert f"{arena_name}_0_1" in str(regions)  # it did create one
@@ -405,11 +400,8 @@ def test_prompt_rows_staged_in_the_arena_outlive_a_receiver_that_goes(vo, arena_
     from tests.forked import Forked
 
     p = Forked(f"{__name__}.staged_rows_main", arena_name)
-    try:
-        out = p.conn.recv() if p.conn.poll(600) else None
-    except EOFError:
-        out = None
-    rc = p.wait(60)
+    out = p.answer(600)
+    rc = p.end(60)
     assert rc == 0 and out is not None, f"the sender's process ended with {rc} (-11: a segfault), answer {out}"
     assert out == {"attached": True, "died": 1, "ok": True, "arena": False, "staged": True, "got": True}, out
 

@@ -132,7 +132,7 @@ class Sender:
             try:
                 self("quit")
             finally:
-                self.proc.wait(timeout=60)
+                self.proc.end(60)  # killed past that: one left running would hang the test process at exit
         self.proc.conn.close()
 
 
