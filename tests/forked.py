@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import signal
 import subprocess
+import time
 from typing import Any
 
 #: What the server imports once (nothing of omni-accum: each peer imports it under its own environment).
@@ -94,3 +95,10 @@ class Forked:
             raise
         finally:
             self.conn.close()
+
+    def finish(self, timeout: float) -> tuple[Any, int]:
+        """:meth:`answer` and :meth:`end` within one deadline of ``timeout`` seconds: (its answer or None, its exit
+        status)."""
+        deadline = time.monotonic() + timeout
+        said = self.answer(timeout)
+        return said, self.end(deadline - time.monotonic())

@@ -279,10 +279,8 @@ def _sender(name: str, n: int, die: bool = False) -> subprocess.CompletedProcess
     the last line of stdout (an exception's text, when it raised, is pytest's output)."""
     from tests.forked import Forked
 
-    deadline = time.monotonic() + 600
-    proc = Forked(f"{__name__}.sender_main", name, n, die)
-    out = proc.answer(600) or ""  # nothing: it was killed, or raised (its error is pytest's output)
-    rc = proc.end(deadline - time.monotonic())
+    out, rc = Forked(f"{__name__}.sender_main", name, n, die).finish(600)
+    out = out or ""  # nothing: it was killed, or raised (its error is pytest's output)
     return subprocess.CompletedProcess(["sender_main", name, n, die], rc, out, f"exit status {rc}")
 
 
@@ -352,10 +350,7 @@ def receiver_dies_main(conn: Any, name: str) -> None:
 def test_a_receiver_killed_without_closing_leaves_no_region(vo, arena_name):
     from tests.forked import Forked
 
-    deadline = time.monotonic() + 600
-    proc = Forked(f"{__name__}.receiver_dies_main", arena_name)
-    said = proc.answer(600)  # None: it ended without a word (its error above)
-    rc = proc.end(deadline - time.monotonic())
+    said, rc = Forked(f"{__name__}.receiver_dies_main", arena_name).finish(600)  # said None: no word (error above)
     assert rc == -9 and said is not None, f"the receiver ended with {rc}, not SIGKILL, having said {said}"
     regions, reaper = said
     assert f"{arena_name}_0_1" in str(regions)  # it did create one
@@ -399,9 +394,7 @@ def staged_rows_main(conn: Any, name: str) -> None:
 def test_prompt_rows_staged_in_the_arena_outlive_a_receiver_that_goes(vo, arena_name):
     from tests.forked import Forked
 
-    p = Forked(f"{__name__}.staged_rows_main", arena_name)
-    out = p.answer(600)
-    rc = p.end(60)
+    out, rc = Forked(f"{__name__}.staged_rows_main", arena_name).finish(600)
     assert rc == 0 and out is not None, f"the sender's process ended with {rc} (-11: a segfault), answer {out}"
     assert out == {"attached": True, "died": 1, "ok": True, "arena": False, "staged": True, "got": True}, out
 
