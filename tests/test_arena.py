@@ -4,7 +4,6 @@ that has run torch's thread pools); every wait is generous and nothing is timed.
 
 from __future__ import annotations
 
-import glob
 import multiprocessing as mp
 import os
 import random
@@ -391,31 +390,39 @@ def test_a_stale_arena_of_a_dead_owner_is_reclaimed(tmp_path, monkeypatch):
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("wait", ["block", "spin"])
-def test_bench_wire_arena_compares_the_three_wires_in_two_processes(vllm_omni, capsys, wait, tmp_path):
+def test_bench_wire_arena_compares_the_three_wires_in_two_processes(vllm_omni, capsys, wait, tmp_path, monkeypatch):
     """``omni-accum bench --wire arena``: the arena, the arena connector and vllm-omni's
     SharedMemoryConnector in one run, every view checked against the torch.cat reference; both ways of
-    waiting between steps (``--arena-wait``); ``--json`` writes the table as every other wire does."""
+    waiting between steps (``--arena-wait``); ``--json`` writes the table as every other wire does; one
+    receiving process for the run's two buckets."""
     import json
 
+    from omni_accum.arena import pairrecv
     from omni_accum.cli.main import main
 
+    starts = []
+    real_start = pairrecv.ReceiverProcess._start
+    monkeypatch.setattr(pairrecv.ReceiverProcess, "_start", lambda self: (starts.append(1), real_start(self))[1])
     out_json = tmp_path / "arena.json"
     rc = main(["bench", "--wire", "arena", "--workload", "qwen3-omni-seed", "--context-lens", "256",
-               "--concurrency", "2", "--repeats", "1", "--arena-wait", wait, "--json", str(out_json)])
+               "--concurrency", "1", "2", "--repeats", "1", "--arena-wait", wait, "--json", str(out_json)])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert f"waiting for each other by {wait}" in out
-    rows = {line.split()[3]: line for line in out.splitlines() if line.startswith("256 x c2")}
-    assert set(rows) == {"arena", "connector", "shm"}, out
-    assert all(line.rstrip().endswith("yes") for line in rows.values()), out
+    assert starts == [1]
+    for c in (1, 2):
+        rows = {line.split()[3]: line for line in out.splitlines() if line.startswith(f"256 x c{c} ")}
+        assert set(rows) == {"arena", "connector", "shm"}, out
+        assert all(line.rstrip().endswith("yes") for line in rows.values()), out
     doc = json.loads(out_json.read_text())
-    (bucket,) = doc["buckets"]
-    assert doc["wire"] == "arena" and (bucket["context_len"], bucket["concurrency"]) == (256, 2)
-    arms = {a["arm"]: a for a in bucket["arms"]}
-    assert set(arms) == {"arena", "connector", "shm"}
-    assert all(a["error"] is None and a["mismatch"] is None and a["prefill_us_p50"] > 0 for a in arms.values())
-    # this run's regions (named after its pid: another bench may run on the host meanwhile)
-    assert not glob.glob(f"/dev/shm/omni_accum_arena_bench_{os.getpid()}_*")
+    assert doc["wire"] == "arena"
+    assert [(b["context_len"], b["concurrency"]) for b in doc["buckets"]] == [(256, 1), (256, 2)]
+    for bucket in doc["buckets"]:
+        arms = {a["arm"]: a for a in bucket["arms"]}
+        assert set(arms) == {"arena", "connector", "shm"}
+        assert all(a["error"] is None and a["mismatch"] is None and a["prefill_us_p50"] > 0 for a in arms.values())
+    # this run's regions (named after its pid: another bench may run on the host meanwhile), in the private folder
+    assert not list(path_for("x").parent.glob(f"omni_accum_arena_bench_{os.getpid()}_*"))
 
 
 def test_chunks_in_flight_of_a_request_released_mid_stream_are_dropped_and_their_pages_return():

@@ -1,6 +1,7 @@
 """``omni-accum bench --wire arena``: sender and receiver in two processes, the arena against ``shm``.
 
-The parent process is the sending stage, a spawned child the receiving stage; both replay the same
+The parent process is the sending stage, a spawned child the receiving stage (one for the whole run, told each
+bucket in turn: :mod:`omni_accum.arena.pairrecv`); both replay the same
 workload streams (N requests round-robin). Each step runs in lock step, and each side times only its
 own work: the sender its encode + write + publish, the receiver its take + merge + the consumer's
 read. A step's latency is the sum (waiting for the other process and the control pipe are not
@@ -25,29 +26,20 @@ the rows taken (the arena keeps them in place in its slab), so a ``delta`` key's
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from omni_accum.arena._common import leaves
-from omni_accum.bench.reference import check_taken, check_view
+from omni_accum.arena.pairrecv import ArmFailed, ReceiverProcess, clock, connector, policy_of
 from omni_accum.bench.streams import append_length_hints, build_stream, chunk_plans
 from omni_accum.bench.workloads import Workload
 from omni_accum.context import StreamContext
 
 ARMS = ("arena", "connector", "shm")
-_clock = time.perf_counter_ns
-
-
-def _policy(wl: Workload) -> Any:
-    from omni_accum.policy import load_policy
-
-    return load_policy(wl.policy or "default")
 
 
 def _arena_bytes(streams: list[list[dict[str, Any]]]) -> int:
@@ -79,112 +71,33 @@ class PairResult:
 
 
 # ---------------------------------------------------------------------------------------------- #
-# The receiving process
-# ---------------------------------------------------------------------------------------------- #
-
-
-def _connector(arm: str, stage_id: int, name: str, data_bytes: int) -> Any:
-    """The vllm-omni connector of ``arm`` (``shm`` or ``connector``) for one side of the pair."""
-    if arm == "shm":
-        from omni_accum.integrations.vllm_omni.classes import shm_connector
-
-        return shm_connector()({"stage_id": stage_id})
-    from omni_accum.integrations.vllm_omni.arena_connector import ArenaConnector
-
-    extra = {"stage_id": stage_id, "arena_name": f"{name}c", "ring_bytes": "4MiB"}
-    return ArenaConnector({**extra, "arena_bytes": data_bytes} if data_bytes else extra)
-
-
-class _Pipe:
-    """One end of the control pipe; ``spin``: poll it instead of sleeping in ``recv`` (``--arena-wait``)."""
-
-    def __init__(self, conn: Any, spin: bool) -> None:
-        self.conn, self.spin = conn, spin
-        self.send, self.poll = conn.send, conn.poll
-
-    def recv(self) -> Any:
-        if self.spin:
-            poll = self.conn.poll
-            while not poll(0):
-                pass
-        return self.conn.recv()
-
-
-def _receiver_main(
-    conn: Any, wl: Workload, cl: int, concurrency: int, name: str, data_bytes: int, spin: bool = False
-) -> None:
-    torch.set_num_threads(1)
-    conn = _Pipe(conn, spin)
-    from omni_accum.arena.receiver import ArenaReceiver
-    from omni_accum.engine import Receiver
-
-    streams = [build_stream(wl, cl, r) for r in range(concurrency)]
-    reads = [(k.path, k.read) for k in wl.keys if k.read != "never"]
-    ctx = StreamContext(context_len=cl, concurrency=concurrency, length_hints=append_length_hints(wl, streams[0]))
-    rx = ArenaReceiver(name, data_bytes)
-    conns: dict[str, Any] = {}  # arm -> the vllm-omni connector it gets from
-    policy_rx = None
-    conn.send("ready")
-    try:
-        while True:
-            cmd = conn.recv()
-            if cmd[0] == "quit":
-                break
-            if cmd[0] == "begin":
-                if cmd[1] != "arena":
-                    if cmd[1] not in conns:
-                        conns[cmd[1]] = _connector(cmd[1], 1, name, data_bytes)
-                        conns[cmd[1]].get("0", "1", "create")  # the arena connector's receiver makes its region
-                    policy_rx = Receiver(_policy(wl), context=ctx)
-                conn.send("ok")
-                continue
-            _, arm, rid, r, last, key = cmd
-            t0 = _clock()
-            if arm == "arena":
-                ev = rx.poll(30.0)
-                if ev is None:
-                    raise RuntimeError("arena: no chunk within 30 s")
-                view = ev.view
-            else:
-                got = conns[arm].get("0", "1", key)
-                view = policy_rx.merge(rid, got[0])
-            chunk = streams[r][int(key.rsplit("_", 1)[1])]
-            taken = []
-            for path, how in reads:
-                if how == "end" and not last:
-                    continue
-                top, _, qual = path.partition(".")
-                if how == "delta" and (top not in chunk or (qual and qual not in chunk[top])):
-                    continue  # taken with the chunk that carried it
-                val = view[top][qual] if qual else view[top]
-                if how == "newest_row" and len(val):
-                    val = val[-1:]
-                elif how == "delta":  # the rows this chunk added (each arm keeps them; none drops them)
-                    val = val[-len(chunk[top][qual] if qual else chunk[top]) :]
-                    taken.append((path, val))
-            dt = (_clock() - t0) / 1000.0
-            mismatch = check_taken(chunk, taken) if taken else None
-            if last:
-                mismatch = mismatch or check_view(wl, streams[r], view)
-                if arm == "arena":
-                    rx.release(rid)
-                else:
-                    policy_rx.release(rid)
-            conn.send((dt, mismatch))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        try:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-        except Exception:  # noqa: BLE001, S110
-            pass
-    finally:
-        rx.close()
-        for c in conns.values():
-            c.close()
-
-
-# ---------------------------------------------------------------------------------------------- #
 # The sending process (this one)
 # ---------------------------------------------------------------------------------------------- #
+
+
+@dataclass
+class _SendBucket:
+    """The sending side of one bucket."""
+
+    wl: Workload
+    context_len: int
+    concurrency: int
+    name: str  # the bucket's arena (and, with "c", its connector's region)
+    streams: list[Any]
+    tx: Any = None  # its ArenaSender
+    conns: dict[str, Any] = field(default_factory=dict)  # arm -> the vllm-omni connector it puts to
+
+    def __post_init__(self) -> None:
+        self.plans = chunk_plans(self.wl, self.context_len)
+        self.hints = append_length_hints(self.wl, self.streams[0])
+
+    def close(self) -> None:
+        try:
+            if self.tx is not None:
+                self.tx.close()
+        finally:
+            for c in self.conns.values():
+                c.close()
 
 
 def run_pair(
@@ -195,98 +108,92 @@ def run_pair(
     repeats: int = 3,
     arms: tuple[str, ...] = ARMS,
     wait: str = "block",
+    receiver: ReceiverProcess | None = None,
 ) -> list[PairResult]:
     """Measure ``arms`` for one bucket, interleaved round by round (the first round untimed: warm-up).
-    ``wait``: how both processes wait for each other between timed steps (``block`` or ``spin``)."""
-    spin = wait == "spin"
+    ``wait``: how both processes wait for each other between timed steps (``block`` or ``spin``);
+    ``receiver``: the run's receiving process (one of its own, stopped at the end, when None). An arm that
+    fails (its connector cannot be made, a view cannot be had) is given up with its ``error``; the others go on."""
     from omni_accum.arena.sender import ArenaSender
 
     streams = [build_stream(wl, context_len, r) for r in range(concurrency)]
-    plans = chunk_plans(wl, context_len)
-    kinds = {k.path: k.kind for k in wl.keys}
-    hints = append_length_hints(wl, streams[0])
-    name = f"bench_{os.getpid()}_{context_len}_{concurrency}"
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(
-        target=_receiver_main,
-        args=(child, wl, context_len, concurrency, name, _arena_bytes(streams), spin),
-        daemon=True,
-    )
-    proc.start()
-    parent = _Pipe(parent, spin)
+    b = _SendBucket(wl, context_len, concurrency, f"bench_{os.getpid()}_{context_len}_{concurrency}", streams)
+    rxp = receiver or ReceiverProcess(wait == "spin")
     results = {a: PairResult(a, context_len, concurrency) for a in arms}
-    conns: dict[str, Any] = {}  # arm -> the vllm-omni connector it puts to
     try:
-        if not parent.poll(600) or parent.recv() != "ready":
-            raise RuntimeError("the receiver process did not start")
-        tx = ArenaSender(name, kinds, length_hints=hints)
+        try:
+            rxp.bucket(wl, context_len, concurrency, b.name, _arena_bytes(streams))
+        except ArmFailed as e:  # the bucket's set-up on the receiving side: no arm can run
+            for res in results.values():
+                res.error = str(e)
+            return [results[a] for a in arms]
+        b.tx = ArenaSender(b.name, {k.path: k.kind for k in wl.keys}, length_hints=b.hints)
         for rep in range(repeats + 1):
             for arm in arms[rep % len(arms) :] + arms[: rep % len(arms)]:
                 res = results[arm]
                 if res.error:
                     continue
-                parent.send(("begin", arm))
-                parent.recv()
-                if arm != "arena" and arm not in conns:
-                    conns[arm] = _connector(arm, 0, name, 0)
-                    if arm == "connector":  # append chains, as omni-accum's send hook has the connector make them
-                        from omni_accum.engine import Receiver
-
-                        sel = Receiver(_policy(wl))
-                        conns[arm].append_test = lambda p, v, sel=sel: "append" in sel.select(p, v, sel.context)[1].kinds
-                policy_tx = None
-                if arm != "arena":
-                    from omni_accum.engine import Sender
-
-                    policy_tx = Sender(
-                        _policy(wl),
-                        context=StreamContext(context_len=context_len, concurrency=concurrency, length_hints=hints),
-                    )
-                totals = [0.0] * concurrency
-                for plan in plans:
-                    for r in range(concurrency):
-                        rid = f"oa{os.getpid()}-{arm}-{rep}-{r}"
-                        chunk = streams[r][plan.index]
-                        key = f"{rid}_0_{plan.index}"  # vllm-omni's put key: request, stage, chunk
-                        t0 = _clock()
-                        if arm == "arena":
-                            tx.send(rid, chunk)
-                        else:
-                            ok, _, meta = conns[arm].put("0", "1", key, policy_tx.encode(rid, chunk))
-                            if not ok or (arm == "connector" and not (meta or {}).get("arena")):
-                                raise RuntimeError(f"{type(conns[arm]).__name__}.put did not go through {arm}: {key}")
-                        dt = (_clock() - t0) / 1000.0
-                        if plan.is_last:
-                            if arm == "arena":
-                                tx.done(rid)
-                            else:
-                                policy_tx.release(rid)
-                                if arm == "connector":
-                                    conns[arm].release_request(rid)  # as omni-accum's sender-release hook does
-                        parent.send(("step", arm, rid, r, plan.is_last, key))
-                        reply = parent.recv()
-                        if reply[0] == "error":
-                            raise RuntimeError(f"receiver: {reply[1]}")
-                        dt += reply[0]
-                        if reply[1] and res.mismatch is None:
-                            res.mismatch = f"request {r}: {reply[1]}"
-                        if rep == 0:
-                            continue  # warm-up round
-                        (res.prefill_us if plan.is_prefill else res.decode_us).append(dt)
-                        totals[r] += dt
-                if rep:
-                    res.totals_us.extend(totals)
-        tx.close()
-        parent.send(("quit",))
-        proc.join(60)
+                try:
+                    _round(rxp, b, arm, res, rep)
+                except Exception as e:  # noqa: BLE001 - this arm's row says why; the other arms go on
+                    res.error = str(e) if isinstance(e, ArmFailed) else f"{type(e).__name__}: {e}"
     finally:
-        for c in conns.values():
-            c.close()
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
+        try:
+            b.close()
+        finally:
+            if receiver is None:
+                rxp.close()
     return [results[a] for a in arms]
+
+
+def _round(rxp: ReceiverProcess, b: _SendBucket, arm: str, res: PairResult, rep: int) -> None:
+    """One round of ``arm`` in bucket ``b``: every request's chunks, step by step with the receiver (round 0
+    untimed: warm-up)."""
+    if arm != "arena" and arm not in b.conns:  # made before the receiver's side: a failure here costs it nothing
+        b.conns[arm] = connector(arm, 0, b.name, 0)
+        if arm == "connector":  # append chains, as omni-accum's send hook has the connector make them
+            from omni_accum.engine import Receiver
+
+            sel = Receiver(policy_of(b.wl))
+            b.conns[arm].append_test = lambda p, v, sel=sel: "append" in sel.select(p, v, sel.context)[1].kinds
+    rxp.ask("begin", arm)
+    policy_tx = None
+    if arm != "arena":
+        from omni_accum.engine import Sender
+
+        ctx = StreamContext(context_len=b.context_len, concurrency=b.concurrency, length_hints=b.hints)
+        policy_tx = Sender(policy_of(b.wl), context=ctx)
+    totals = [0.0] * b.concurrency
+    for plan in b.plans:
+        for r in range(b.concurrency):
+            rid = f"oa{os.getpid()}-{arm}-{rep}-{r}"
+            chunk = b.streams[r][plan.index]
+            key = f"{rid}_0_{plan.index}"  # vllm-omni's put key: request, stage, chunk
+            t0 = clock()
+            if arm == "arena":
+                b.tx.send(rid, chunk)
+            else:
+                ok, _, meta = b.conns[arm].put("0", "1", key, policy_tx.encode(rid, chunk))
+                if not ok or (arm == "connector" and not (meta or {}).get("arena")):
+                    raise RuntimeError(f"{type(b.conns[arm]).__name__}.put did not go through {arm}: {key}")
+            dt = (clock() - t0) / 1000.0
+            if plan.is_last:
+                if arm == "arena":
+                    b.tx.done(rid)
+                else:
+                    policy_tx.release(rid)
+                    if arm == "connector":
+                        b.conns[arm].release_request(rid)  # as omni-accum's sender-release hook does
+            took, mismatch = rxp.ask("step", arm, rid, r, plan.is_last, key)
+            dt += took
+            if mismatch and res.mismatch is None:
+                res.mismatch = f"request {r}: {mismatch}"
+            if rep == 0:
+                continue  # warm-up round
+            (res.prefill_us if plan.is_prefill else res.decode_us).append(dt)
+            totals[r] += dt
+    if rep:
+        res.totals_us.extend(totals)
 
 
 def format_pair_table(rows: list[PairResult]) -> str:
@@ -302,7 +209,7 @@ def format_pair_table(rows: list[PairResult]) -> str:
         pre, step, tot = r.p50(r.prefill_us), r.p50(r.decode_us), r.p50(r.totals_us) / 1000.0
         b = base.get((r.context_len, r.concurrency))
         vs = ""
-        if b is not None and r is not b:
+        if b is not None and r is not b and not b.error and not r.error:
             base_tot = b.p50(b.totals_us) / 1000.0
             vs = f"{pre / b.p50(b.prefill_us):.3f}x {step / b.p50(b.decode_us):.3f}x {tot / base_tot:.3f}x"
         ok = "ERROR " + r.error if r.error else ("yes" if r.mismatch is None else f"NO: {r.mismatch}")
@@ -322,13 +229,17 @@ def run_cli(args: Any, wl: Workload) -> int:
     )
     bad = False
     buckets = []
-    for cl in lens:
-        for c in levels:
-            rows = run_pair(wl, cl, c, repeats=args.repeats, wait=wait)
-            print()
-            print(format_pair_table(rows), flush=True)
-            bad = bad or any(r.mismatch or r.error for r in rows)
-            buckets.append({"context_len": cl, "concurrency": c, "arms": [pair_record(r) for r in rows]})
+    receiver = ReceiverProcess(wait == "spin")  # one for the run's buckets, started at the first
+    try:
+        for cl in lens:
+            for c in levels:
+                rows = run_pair(wl, cl, c, repeats=args.repeats, wait=wait, receiver=receiver)
+                print()
+                print(format_pair_table(rows), flush=True)
+                bad = bad or any(r.mismatch or r.error for r in rows)
+                buckets.append({"context_len": cl, "concurrency": c, "arms": [pair_record(r) for r in rows]})
+    finally:
+        receiver.close()
     if getattr(args, "json", None):
         import json
 

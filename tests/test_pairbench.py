@@ -1,0 +1,91 @@
+"""``omni-accum bench --wire arena``'s two processes: one receiving process for a run's buckets, an arm that
+fails given up with its error while the other arms and buckets go on, a receiver that died replaced at the next
+bucket. Without vllm-omni: the ``arena`` arm needs none, and the ``shm`` arm fails on the sending side before
+the receiver is asked for it."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import re
+import threading
+
+import pytest
+
+from omni_accum.arena import pairbench, pairrecv, path_for
+from omni_accum.arena.region import PREFIX
+from omni_accum.bench.workloads import load_workload
+
+WL = load_workload("qwen3-omni-seed")
+
+
+def _regions(prefix: str) -> list[str]:
+    """The arena regions whose names start with ``prefix`` (in the per-user private folder)."""
+    folder = path_for("x").parent
+    return sorted(p.name[len(PREFIX) :] for p in folder.glob(f"{PREFIX}{prefix}*"))
+
+
+def _no_shm(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = pairbench.connector
+
+    def connector(arm, *a):
+        if arm == "shm":
+            raise ImportError("No module named 'vllm_omni' (this test's stand-in)")
+        return real(arm, *a)
+
+    monkeypatch.setattr(pairbench, "connector", connector)
+
+
+def test_one_receiver_for_every_bucket_and_a_failed_arm_is_given_up_alone(monkeypatch):
+    _no_shm(monkeypatch)
+    rxp = pairrecv.ReceiverProcess(spin=False)
+    try:
+        buckets = [pairbench.run_pair(WL, 64, c, repeats=1, arms=("arena", "shm"), receiver=rxp) for c in (1, 2)]
+        assert rxp.started == 1  # the second bucket went to the same process
+        pid = rxp.proc.pid
+        for rows, c in zip(buckets, (1, 2)):
+            arena, shm = rows
+            assert (arena.arm, arena.concurrency, arena.error, arena.mismatch) == ("arena", c, None, None)
+            assert len(arena.totals_us) == c and arena.prefill_us and all(x > 0 for x in arena.totals_us)
+            assert shm.error == "ImportError: No module named 'vllm_omni' (this test's stand-in)"
+            assert not shm.prefill_us and not shm.totals_us
+            table = pairbench.format_pair_table(rows)
+            (arena_line,) = [x for x in table.splitlines() if " arena " in x]
+            assert arena_line.rstrip().endswith("yes") and not re.search(r"\d\.\d{3}x", arena_line)  # no ratio to a failed row
+            assert "ERROR ImportError: No module named 'vllm_omni'" in table
+        assert _regions(f"bench_{os.getpid()}_") == [f"bench_{os.getpid()}_64_2"]  # the last bucket's, held
+        # a receiver that died is replaced at the next bucket, and a step asked of a dead one fails that arm
+        rxp.proc.kill()
+        rxp.proc.join(10)
+        with pytest.raises(pairrecv.ArmFailed, match=r"the receiver process ended \(exit status -9\)"):
+            rxp.ask("begin", "arena")
+        (arena,) = pairbench.run_pair(WL, 64, 1, repeats=1, arms=("arena",), receiver=rxp)
+        assert arena.error is None and arena.mismatch is None and arena.totals_us
+        assert rxp.started == 2 and rxp.proc.pid != pid
+    finally:
+        rxp.close()
+    assert rxp.proc is None
+    assert not _regions(f"bench_{os.getpid()}_")  # this run's regions (named after its pid)
+
+
+def test_the_receiver_answers_an_error_and_goes_on():
+    """An error in a step or before any bucket is answered ``("error", message)`` and the process serves the
+    next command; ``quit`` closes the bucket's arena."""
+    here, there = mp.Pipe()
+    t = threading.Thread(target=pairrecv.receiver_main, args=(there,), daemon=True)
+    t.start()
+    assert here.recv() == "ready"
+    here.send(("begin", "arena"))
+    assert here.recv() == ("error", "RuntimeError: 'begin' before any bucket")
+    name = f"bench_{os.getpid()}_thread"
+    here.send(("bucket", WL, 64, 1, name, 8 << 20))
+    assert here.recv() == "ok"
+    assert _regions(name) == [name]
+    here.send(("step", "shm", "r", 0, False, "r_0_0"))  # an arm never begun: its connector is missing
+    assert here.recv() == ("error", "KeyError: 'shm'")
+    here.send(("begin", "arena"))
+    assert here.recv() == "ok"
+    here.send(("quit",))
+    t.join(30)
+    assert not t.is_alive()
+    assert not _regions(name)
