@@ -5,6 +5,7 @@ the receiver is asked for it."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import re
@@ -85,7 +86,66 @@ def test_the_receiver_answers_an_error_and_goes_on():
     assert here.recv() == ("error", "KeyError: 'shm'")
     here.send(("begin", "arena"))
     assert here.recv() == "ok"
+    here.send(("bucket", WL, 64, 2, name + "_2", 8 << 20))  # the next bucket: the last one let go first
+    assert here.recv() == "ok"
+    assert _regions(name) == [name + "_2"]
+    gc.collect()
+    assert [b.name for b in gc.get_objects() if isinstance(b, pairrecv._Bucket)] == [name + "_2"]
     here.send(("quit",))
     t.join(30)
     assert not t.is_alive()
     assert not _regions(name)
+
+
+def test_a_step_that_fails_on_the_receiving_side_gives_that_arm_up_and_the_next_bucket_reads_right(monkeypatch):
+    """The receiver answers a step with an error (here: a chunk index past the stream's end): the arm is given
+    up with the receiver's message and no times, and the same process serves the next bucket with every reply
+    matched to its command."""
+    _no_shm(monkeypatch)
+    rxp = pairrecv.ReceiverProcess(spin=False)
+    real_ask = rxp.ask
+    steps = []
+
+    def ask(*cmd):
+        if cmd[0] == "step" and cmd[1] == "arena":
+            steps.append(cmd)
+            if len(steps) == 3 * len(pairbench.chunk_plans(WL, 64)):  # round 2 (timed), its first step
+                cmd = (*cmd[:5], cmd[5].rsplit("_", 1)[0] + "_99999")
+        return real_ask(*cmd)
+
+    monkeypatch.setattr(rxp, "ask", ask)
+    try:
+        arena, shm = pairbench.run_pair(WL, 64, 1, repeats=3, arms=("arena", "shm"), receiver=rxp)
+        assert arena.error == "receiver: IndexError: list index out of range"
+        assert (arena.prefill_us, arena.decode_us, arena.totals_us) == ([], [], [])
+        assert shm.error.startswith("ImportError")
+        table = pairbench.format_pair_table([arena, shm])
+        assert [line.split()[3:5] for line in table.splitlines()[1:]] == [["arena", "-"], ["shm", "-"]]
+        monkeypatch.setattr(rxp, "ask", real_ask)
+        (again,) = pairbench.run_pair(WL, 64, 2, repeats=1, arms=("arena",), receiver=rxp)
+        assert again.error is None and again.mismatch is None and len(again.totals_us) == 2
+        assert rxp.started == 1
+    finally:
+        rxp.close()
+
+
+def test_a_receiver_that_cannot_start_is_every_arms_error_and_the_run_still_writes_its_json(monkeypatch, tmp_path, capsys):
+    """The receiving process dies before it is ready (here its entry point exits at once): every arm of every
+    bucket says so, the run exits 1 and ``--json`` holds the buckets, each start tried again at the next one."""
+    import json
+    import sys
+
+    from omni_accum.cli.main import main
+
+    monkeypatch.setattr(pairrecv, "receiver_main", sys.exit)  # spawned by reference: the child calls sys.exit
+    out_json = tmp_path / "arena.json"
+    rc = main(["bench", "--wire", "arena", "--workload", "qwen3-omni-seed", "--context-lens", "64",
+               "--concurrency", "1", "2", "--repeats", "1", "--json", str(out_json)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    doc = json.loads(out_json.read_text())
+    assert [(b["context_len"], b["concurrency"]) for b in doc["buckets"]] == [(64, 1), (64, 2)]
+    errors = {a["error"] for b in doc["buckets"] for a in b["arms"]}
+    assert errors == {"the receiver process did not start (exit status 1)"}, errors
+    assert out.count("ERROR the receiver process did not start") == 6, out
+    assert not _regions(f"bench_{os.getpid()}_")

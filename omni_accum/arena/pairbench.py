@@ -113,9 +113,8 @@ def run_pair(
     """Measure ``arms`` for one bucket, interleaved round by round (the first round untimed: warm-up).
     ``wait``: how both processes wait for each other between timed steps (``block`` or ``spin``);
     ``receiver``: the run's receiving process (one of its own, stopped at the end, when None). An arm that
-    fails (its connector cannot be made, a view cannot be had) is given up with its ``error``; the others go on."""
-    from omni_accum.arena.sender import ArenaSender
-
+    fails (its connector cannot be made, a view cannot be had) is given up with its ``error`` and no times; the
+    others go on."""
     streams = [build_stream(wl, context_len, r) for r in range(concurrency)]
     b = _SendBucket(wl, context_len, concurrency, f"bench_{os.getpid()}_{context_len}_{concurrency}", streams)
     rxp = receiver or ReceiverProcess(wait == "spin")
@@ -123,11 +122,10 @@ def run_pair(
     try:
         try:
             rxp.bucket(wl, context_len, concurrency, b.name, _arena_bytes(streams))
-        except ArmFailed as e:  # the bucket's set-up on the receiving side: no arm can run
+        except ArmFailed as e:  # the receiving process or the bucket's set-up there: no arm can run
             for res in results.values():
                 res.error = str(e)
             return [results[a] for a in arms]
-        b.tx = ArenaSender(b.name, {k.path: k.kind for k in wl.keys}, length_hints=b.hints)
         for rep in range(repeats + 1):
             for arm in arms[rep % len(arms) :] + arms[: rep % len(arms)]:
                 res = results[arm]
@@ -137,6 +135,7 @@ def run_pair(
                     _round(rxp, b, arm, res, rep)
                 except Exception as e:  # noqa: BLE001 - this arm's row says why; the other arms go on
                     res.error = str(e) if isinstance(e, ArmFailed) else f"{type(e).__name__}: {e}"
+                    res.prefill_us, res.decode_us, res.totals_us = [], [], []  # an arm given up reports no time
     finally:
         try:
             b.close()
@@ -156,6 +155,10 @@ def _round(rxp: ReceiverProcess, b: _SendBucket, arm: str, res: PairResult, rep:
 
             sel = Receiver(policy_of(b.wl))
             b.conns[arm].append_test = lambda p, v, sel=sel: "append" in sel.select(p, v, sel.context)[1].kinds
+    if arm == "arena" and b.tx is None:
+        from omni_accum.arena.sender import ArenaSender
+
+        b.tx = ArenaSender(b.name, {k.path: k.kind for k in b.wl.keys}, length_hints=b.hints)
     rxp.ask("begin", arm)
     policy_tx = None
     if arm != "arena":
@@ -204,16 +207,19 @@ def format_pair_table(rows: list[PairResult]) -> str:
         "  vs shm (prefill, step, total)  correct"
     ]
     for r in rows:
+        bucket = f"{r.context_len} x c{r.concurrency}"
+        if r.error:
+            out.append(f"{bucket:<12} {r.arm:<9} {'-':>11} {'-':>12} {'-':>12} {'-':>13}  {'':<29}  ERROR {r.error}")
+            continue
         dec = sorted(r.decode_us)
         p99 = dec[min(len(dec) - 1, int(0.99 * (len(dec) - 1) + 0.5))] if dec else float("nan")
         pre, step, tot = r.p50(r.prefill_us), r.p50(r.decode_us), r.p50(r.totals_us) / 1000.0
         b = base.get((r.context_len, r.concurrency))
         vs = ""
-        if b is not None and r is not b and not b.error and not r.error:
+        if b is not None and r is not b and not b.error:
             base_tot = b.p50(b.totals_us) / 1000.0
             vs = f"{pre / b.p50(b.prefill_us):.3f}x {step / b.p50(b.decode_us):.3f}x {tot / base_tot:.3f}x"
-        ok = "ERROR " + r.error if r.error else ("yes" if r.mismatch is None else f"NO: {r.mismatch}")
-        bucket = f"{r.context_len} x c{r.concurrency}"
+        ok = "yes" if r.mismatch is None else f"NO: {r.mismatch}"
         out.append(f"{bucket:<12} {r.arm:<9} {pre:11.1f} {step:12.1f} {p99:12.1f} {tot:13.2f}  {vs:<29}  {ok}")
     return "\n".join(out)
 

@@ -140,9 +140,11 @@ def receiver_main(conn: Any, spin: bool = False) -> None:
                 break
             try:
                 if cmd[0] == "bucket":
-                    if bucket is not None:
-                        b, bucket = bucket, None
-                        b.close()
+                    if bucket is not None:  # the last bucket's arena, connectors and streams let go first
+                        try:
+                            bucket.close()
+                        finally:
+                            bucket = None
                     bucket = _Bucket(*cmd[1:])
                     conn.send("ok")
                 elif bucket is None:
@@ -189,8 +191,9 @@ class ReceiverProcess:
         except (EOFError, OSError):
             ready = False
         if not ready:
+            proc = self.proc
             self.close()
-            raise RuntimeError("the receiver process did not start")
+            raise ArmFailed(f"the receiver process did not start (exit status {proc.exitcode})")
 
     def ask(self, *cmd: Any) -> Any:
         """Send ``cmd``, return the answer; an ``("error", message)`` answer raises ``ArmFailed``."""
