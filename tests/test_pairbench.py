@@ -149,3 +149,20 @@ def test_a_receiver_that_cannot_start_is_every_arms_error_and_the_run_still_writ
     assert errors == {"the receiver process did not start (exit status 1)"}, errors
     assert out.count("ERROR the receiver process did not start") == 6, out
     assert not _regions(f"bench_{os.getpid()}_")
+
+
+def test_without_vllm_omni_the_connector_arms_say_what_they_need_and_the_arena_arm_is_measured(monkeypatch):
+    """vllm-omni not importable in the sending process: the two connector arms are given up there, each naming
+    what it needs and how to install it; the arena arm runs."""
+    import sys
+
+    for name in [m for m in sys.modules if m == "vllm_omni" or m.startswith("vllm_omni.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "vllm_omni", None)  # an import of it raises ImportError
+    for name in [m for m in sys.modules if m.startswith("omni_accum.integrations.vllm_omni.arena_connector")]:
+        monkeypatch.delitem(sys.modules, name)
+    arena, conn, shm = pairbench.run_pair(WL, 64, 1, repeats=1)
+    assert arena.error is None and arena.mismatch is None and arena.totals_us
+    assert conn.error.startswith("VllmOmniUnavailable: the connector arm (OmniAccumArenaConnector) needs vllm-omni")
+    assert shm.error.startswith("VllmOmniUnavailable: the shm wire needs vllm-omni")
+    assert all("pip install 'omni-accum[vllm]'" in r.error for r in (conn, shm))

@@ -34,8 +34,15 @@ def connector(arm: str, stage_id: int, name: str, data_bytes: int) -> Any:
         from omni_accum.integrations.vllm_omni.classes import shm_connector
 
         return shm_connector()({"stage_id": stage_id})
-    from omni_accum.integrations.vllm_omni.arena_connector import ArenaConnector
+    from omni_accum.integrations.vllm_omni.classes import VllmOmniUnavailable
 
+    try:
+        from omni_accum.integrations.vllm_omni.arena_connector import ArenaConnector
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken vLLM build beside CPU torch
+        raise VllmOmniUnavailable(
+            f"the connector arm (OmniAccumArenaConnector) needs vllm-omni (a supported release), which cannot be "
+            f"imported here ({type(e).__name__}: {e}). Install it with: pip install 'omni-accum[vllm]'"
+        ) from e
     extra = {"stage_id": stage_id, "arena_name": f"{name}c", "ring_bytes": "4MiB"}
     return ArenaConnector({**extra, "arena_bytes": data_bytes} if data_bytes else extra)
 
