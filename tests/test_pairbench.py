@@ -166,3 +166,69 @@ def test_without_vllm_omni_the_connector_arms_say_what_they_need_and_the_arena_a
     assert conn.error.startswith("VllmOmniUnavailable: the connector arm (OmniAccumArenaConnector) needs vllm-omni")
     assert shm.error.startswith("VllmOmniUnavailable: the shm wire needs vllm-omni")
     assert all("pip install 'omni-accum[vllm]'" in r.error for r in (conn, shm))
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out.update(int(x) for x in f.read().split())
+    return out
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return True
+
+
+def test_ctrl_c_keeps_the_finished_buckets_and_ends_the_receiver_without_a_traceback(tmp_path):
+    """Ctrl-C in a terminal (SIGINT to the whole process group) during the second bucket: exit 130, the first
+    bucket written to ``--json`` with ``complete: false``, no traceback from either process, and the receiving
+    process gone (it ignores the SIGINT; the sender ends it)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out_json = tmp_path / "arena.json"
+    code = ("import sys; sys.modules['vllm_omni'] = None\n"  # the connector arms fail at once: no vllm-omni import
+            "from omni_accum.cli.main import main\n"
+            "sys.exit(main(sys.argv[1:]))")  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-c", code, "bench", "--wire", "arena", "--workload", "qwen3-omni-seed",
+         "--context-lens", "64", "4000", "--concurrency", "1", "--repeats", "30", "--json", str(out_json)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("64 x c1") and " shm " in line:  # the first bucket's table is out
+                break
+        else:
+            pytest.fail("".join(seen) + proc.stderr.read())
+        kids = _children(proc.pid)
+        assert kids, "no receiving process"
+        time.sleep(0.5)  # into the second bucket
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "omni-accum bench: wrote" in err and "with the 1 bucket(s) finished before the interrupt" in err, err
+    assert "4000 x c1" not in rest  # the second bucket did not finish
+    doc = json.loads(out_json.read_text())
+    assert (doc["complete"], doc["stopped"]) == (False, "interrupted")
+    assert [(b["context_len"], b["concurrency"]) for b in doc["buckets"]] == [(64, 1)]
+    deadline = time.monotonic() + 30
+    while not all(_gone(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(k) for k in kids), [k for k in kids if not _gone(k)]
+    assert not _regions(f"bench_{proc.pid}_")

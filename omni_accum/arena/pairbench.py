@@ -234,7 +234,8 @@ def run_cli(args: Any, wl: Workload) -> int:
         f"policy {wl.policy or 'default'}; two processes, waiting for each other by {wait}; {args.repeats} repeats"
     )
     bad = False
-    buckets = []
+    doc = {"wire": "arena", "workload": wl.name, "policy": wl.policy or "default", "wait": wait,
+           "repeats": args.repeats, "complete": True, "stopped": None, "buckets": []}  # fmt: skip
     receiver = ReceiverProcess(wait == "spin")  # one for the run's buckets, started at the first
     try:
         for cl in lens:
@@ -243,19 +244,39 @@ def run_cli(args: Any, wl: Workload) -> int:
                 print()
                 print(format_pair_table(rows), flush=True)
                 bad = bad or any(r.mismatch or r.error for r in rows)
-                buckets.append({"context_len": cl, "concurrency": c, "arms": [pair_record(r) for r in rows]})
+                doc["buckets"].append({"context_len": cl, "concurrency": c, "arms": [pair_record(r) for r in rows]})
+    except KeyboardInterrupt:  # the buckets that finished, marked incomplete, as bench's other wires keep theirs
+        if getattr(args, "json", None):
+            _interrupted_json(doc, args.json)
+        raise
     finally:
         receiver.close()
     if getattr(args, "json", None):
-        import json
-
-        from omni_accum.tuner.files import write_atomic
-
-        doc = {"wire": "arena", "workload": wl.name, "policy": wl.policy or "default", "wait": wait,
-               "repeats": args.repeats, "buckets": buckets}  # fmt: skip
-        write_atomic(args.json, json.dumps(doc, indent=2) + "\n", follow_link=False)  # as bench's other --json
+        _write_json(doc, args.json)
         print(f"\nwrote {args.json}")
     return 1 if bad else 0
+
+
+def _write_json(doc: dict[str, Any], path: str) -> None:
+    import json
+
+    from omni_accum.tuner.files import write_atomic
+
+    write_atomic(path, json.dumps(doc, indent=2) + "\n", follow_link=False)  # as bench's other --json
+
+
+def _interrupted_json(doc: dict[str, Any], path: str) -> None:
+    """On Ctrl-C: write the buckets that finished with ``complete: false``, or say that nothing was written."""
+    import sys
+
+    if not doc["buckets"]:
+        print(f"omni-accum bench: no bucket finished before the interrupt: --json {path} was not written",
+              file=sys.stderr)  # fmt: skip
+        return
+    doc.update(complete=False, stopped="interrupted")
+    _write_json(doc, path)
+    print(f"omni-accum bench: wrote {path} with the {len(doc['buckets'])} bucket(s) finished before the interrupt "
+          "(complete: false)", file=sys.stderr)  # fmt: skip
 
 
 def pair_record(r: PairResult) -> dict[str, Any]:

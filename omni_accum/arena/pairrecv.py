@@ -8,6 +8,8 @@ and a mismatch (or None), and an error with ``("error", message)``, after which 
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
+import threading
 import time
 from typing import Any
 
@@ -135,12 +137,14 @@ class _Bucket:
 def receiver_main(conn: Any, spin: bool = False) -> None:
     """The receiving process of a whole run: one bucket after another (``("bucket", ...)``), so that torch and
     vllm-omni are imported once, not once per bucket. An error in a step or an arm's set-up is answered
-    ``("error", message)`` and the process goes on; the sender gives that arm of that bucket up."""
+    ``("error", message)`` and the process goes on; the sender gives that arm of that bucket up. The process ends
+    quietly when the sender goes away (its end of the pipe closed) or on an interrupt (the sender handles Ctrl-C;
+    :class:`ReceiverProcess` starts this process with SIGINT ignored)."""
     torch.set_num_threads(1)
     conn = Pipe(conn, spin)
     bucket: _Bucket | None = None
-    conn.send("ready")
     try:
+        conn.send("ready")
         while True:
             cmd = conn.recv()
             if cmd[0] == "quit":
@@ -163,6 +167,8 @@ def receiver_main(conn: Any, spin: bool = False) -> None:
                     conn.send(bucket.step(*cmd[1:]))
             except Exception as e:  # noqa: BLE001 - reported to the parent, which gives the arm up
                 conn.send(("error", f"{type(e).__name__}: {e}"))
+    except (EOFError, OSError, KeyboardInterrupt):  # the sender went away or was interrupted: nothing to answer
+        pass
     finally:
         if bucket is not None:
             bucket.close()
@@ -189,7 +195,15 @@ class ReceiverProcess:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         self.proc = ctx.Process(target=receiver_main, args=(child, self.spin), daemon=True)
-        self.proc.start()
+        # Ctrl-C reaches the whole process group: the child ignores it (from its first instruction on, a spawned
+        # Python keeps an ignored SIGINT) and this process, which handles it, ends the child by closing it
+        ignore = threading.current_thread() is threading.main_thread()
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignore else None
+        try:
+            self.proc.start()
+        finally:
+            if ignore:
+                signal.signal(signal.SIGINT, old)
         self.started += 1
         child.close()  # the child's end lives in the child only: its exit is an EOF here, not a hang
         self.conn = Pipe(parent, self.spin)
