@@ -772,3 +772,40 @@ def test_a_long_legal_output_name_is_taken_and_one_too_long_is_named(tmp_path, m
     assert main(["bench", "--arms", "cat", "--json", str(too_long), *SMALL]) == 2
     err = capsys.readouterr().err
     assert f"--json {too_long}: its file name is 256 bytes long, over the 255" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "option, name, content",
+    [
+        ("--json", "tuned.yaml", "# a tuned table\ndefault: cat\n"),
+        ("--json", "notes.txt", "my notes\n"),
+        ("--json", "policy.json", '{"default": "cat"}\n'),
+        ("--plot", "plot.png", "not a picture\n"),
+    ],
+)
+def test_an_output_onto_a_file_that_is_no_earlier_output_is_refused_and_left_untouched(
+    tmp_path, capsys, monkeypatch, option, name, content
+):
+    """`bench --json tuned.yaml` replaced a tuned policy (any file) with bench's JSON; tune --out refuses as much."""
+    target = tmp_path / name
+    target.write_text(content)
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("measured before checking the output"))
+    rc = main(["bench", "--workload", "qwen3-omni-seed", "--arms", "cat", option, str(target), "--no-progress"])
+    err = capsys.readouterr().err
+    what = "a PNG image" if option == "--plot" else "a bench result (a JSON document with wire and results or buckets)"
+    assert rc == 2 and f"error: {option} {target}: exists and is not {what}: left untouched" in err, err
+    assert target.read_text() == content
+
+
+def test_an_earlier_result_an_empty_file_and_a_link_are_still_replaced(tmp_path, capsys):
+    """What `--json` may replace: its own earlier output, an empty file, a symlink (replaced, its target not)."""
+    args = ["bench", "--workload", "qwen3-omni-seed", "--arms", "cat", "--context-lens", "64", "--concurrency", "1",
+            "--repeats", "1", "--steps", "2", "--no-progress", "--json"]  # fmt: skip
+    out, empty, link, kept = tmp_path / "r.json", tmp_path / "e.json", tmp_path / "l.json", tmp_path / "kept.yaml"
+    empty.touch()
+    kept.write_text("default: cat\n")
+    link.symlink_to(kept)
+    for target in (out, out, empty, link):  # the second time over its own first output
+        assert main([*args, str(target)]) == 0, capsys.readouterr().err
+        assert json.loads(target.read_text())["wire"] == "inproc"
+    assert not link.is_symlink() and kept.read_text() == "default: cat\n"

@@ -71,6 +71,54 @@ def output_path_problem(path: str | os.PathLike[str] | None, option: str) -> str
     return None
 
 
+#: The first bytes of the image formats ``bench --plot`` writes, by extension (matplotlib's formats with one).
+_IMAGE_MAGIC = {
+    ".png": (b"\x89PNG",), ".pdf": (b"%PDF",), ".svg": (b"<?xml", b"<svg"), ".svgz": (b"\x1f\x8b",),
+    ".eps": (b"%!PS",), ".ps": (b"%!PS",), ".jpg": (b"\xff\xd8\xff",), ".jpeg": (b"\xff\xd8\xff",),
+    ".tif": (b"II*\x00", b"MM\x00*"), ".tiff": (b"II*\x00", b"MM\x00*"), ".webp": (b"RIFF",),
+}  # fmt: skip
+
+
+def not_an_output_problem(path: str | os.PathLike[str], option: str) -> str | None:
+    """Why ``bench --json``/``--plot`` must not replace the file at ``path``: a non-empty regular file that is no
+    earlier output of that option (``--json``: a JSON document with bench's ``wire`` and ``results`` or
+    ``buckets``; ``--plot``: an image of the extension's format, where the format has a signature), such as a
+    tuned policy or notes given by mistake. None for a new or empty file, and for a symlink (the output replaces
+    the link, never the file it points at)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        return None
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16) if option == "--plot" or st.st_size > 256 << 20 else f.read()
+    except OSError as e:
+        return f"{option} {path}: exists and cannot be read to see what it is ({e.strerror or e}); give another path"
+    if option == "--plot":
+        magic = _IMAGE_MAGIC.get(Path(path).suffix.lower())
+        if magic is None or head.lstrip().startswith(magic):
+            return None
+        what = f"a {Path(path).suffix.lower()[1:].upper()} image"
+    else:
+        if st.st_size > 256 << 20:  # too large to read whole: its start, as bench writes it
+            ok = head.lstrip().startswith(b"{") and b'"wire":' in head
+        else:
+            import json
+
+            try:
+                doc = json.loads(head)
+            except ValueError:
+                doc = None
+            ok = isinstance(doc, dict) and "wire" in doc and ("results" in doc or "buckets" in doc)
+        if ok:
+            return None
+        what = "a bench result (a JSON document with wire and results or buckets)"
+    return (f"{option} {path}: exists and is not {what}: left untouched, as writing would replace it; give another "
+            "path, or remove the file first")
+
+
 #: The longest file name, in bytes, on Linux's file systems (ext4, xfs, btrfs, tmpfs): an output's name may be this
 #: long, so the names of the helper files beside it (temporary files, probes, locks, tune's partial file) are kept
 #: within it (:func:`bounded_name`).

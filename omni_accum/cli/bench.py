@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omni_accum.bench._paths import output_path_problem
+from omni_accum.bench._paths import not_an_output_problem, output_path_problem
 from omni_accum.cli import trace as trace_cli
 from omni_accum.cli.args import (
     ExamplesHelpFormatter,
@@ -155,7 +155,8 @@ def register(subparsers: Any) -> None:
         metavar="OUT",
         help="write results as JSON (omni_accum.bench.RESULT_SCHEMA; each arm's status: ok, failed or wrong views; "
         "the table's p50 interval and ratio column with its interval), "
-        "atomically (an existing file's mode kept): a symlink at OUT is replaced, not written through. Ctrl-C "
+        "atomically (an existing file's mode kept): a symlink at OUT is replaced, not written through; an existing "
+        "file that is no bench result (a policy, notes) is refused and left untouched. Ctrl-C "
         "writes the buckets finished "
         '("complete": false)',
     )
@@ -294,7 +295,9 @@ def run(args: argparse.Namespace) -> int:
     problem = bench.workload_policy_problem(wl, args.workload)
     if problem:
         return _usage_error(problem)
-    problem = _overwrite_problem(args, wl)
+    problem = _overwrite_problem(args, wl)  # an input of the run first: the more telling message
+    for path, option in ((args.json, "--json"), (args.plot, "--plot")):
+        problem = problem or (path and not_an_output_problem(path, option))  # a policy, notes: not an output
     if problem:
         return _usage_error(problem)
     if args.steps is not None:
