@@ -99,3 +99,22 @@ def test_explain_of_an_ab_split_names_the_arm_and_its_rule(tmp_path, capsys):
     assert "--arm 'contrl': the split has no such arm (arms: treatment, control)" in capsys.readouterr().err
     assert main(["explain", "qwen3-omni", "--key", "embed.prefill", "--arm", "control"]) == 2
     assert "the policy has no ab section" in capsys.readouterr().err
+
+
+def test_show_of_an_ab_split_with_an_arm_file_beside_it_loads_from_another_folder(tmp_path, capsys, monkeypatch):
+    """`show sub/ab.yaml > other/s.yaml` kept the arm's `policy: b.yaml` relative, read from the split's folder: the
+    saved output did not load ("does not load ... looked for in the split's folder other"), though `show` says its
+    output is itself a valid policy. The arm file is an absolute path now; a preset stays a name."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "sub" / "b.yaml").write_text("default: prealloc\n")
+    (tmp_path / "sub" / "ab.yaml").write_text("ab:\n  arms:\n    t: {policy: b.yaml}\n    c: {policy: default}\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["show", "sub/ab.yaml"]) == 0
+    shown = capsys.readouterr().out
+    (tmp_path / "other" / "s.yaml").write_text(shown)
+    assert main(["validate", "other/s.yaml"]) == 0, capsys.readouterr()
+    capsys.readouterr()
+    assert main(["show", "sub/ab.yaml", "--json"]) == 0
+    arms = json.loads(capsys.readouterr().out)["ab"]["arms"]
+    assert (arms["t"]["policy"], arms["c"]["policy"]) == (str(tmp_path / "sub" / "b.yaml"), "default")

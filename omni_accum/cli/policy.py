@@ -13,6 +13,7 @@ import ast
 import contextlib
 import inspect
 import logging
+import os
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -228,6 +229,14 @@ def cmd_show(args: argparse.Namespace) -> int:
     if policy is None:
         return 2
     data = resolved_policy_data(policy, manager)
+    if policy.ab is not None:  # an arm's policy file as an absolute path: the output loads from any folder
+        from omni_accum.policy.loader import arm_source
+        from omni_accum.policy.sources import probe
+
+        for arm in data["ab"]["arms"].values():
+            where = arm_source(args.policy, arm["policy"])
+            if probe(where, "is_file"):
+                arm["policy"] = os.path.abspath(where)
     if args.json:
         _json(data)
     else:
@@ -269,7 +278,9 @@ def register(subparsers: Any) -> None:
         "show",
         help="print the resolved, normalised policy",
         description="Load POLICY and print it normalised: every field present, strategy names resolved, "
-        "every strategy's params filled with their defaults. The output is itself a valid policy.",
+        "every strategy's params filled with their defaults. The output is itself a valid policy (an A/B split's "
+        "arm files as absolute paths, so that it loads from any folder; the arms' own policies are not expanded: "
+        "show each arm's file for that).",
         epilog="examples:\n  omni-accum show qwen3-omni\n  omni-accum show my-policy.yaml --json",
         formatter_class=fmt,
     )
