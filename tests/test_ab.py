@@ -391,6 +391,9 @@ def test_ab_refuses_text_that_is_not_a_scrape_and_an_unknown_baseline(tmp_path, 
     f.write_text("# HELP x a counter\nx_total 1\n\ndefault: cat\n")  # a policy file given by mistake: the line
     assert main(["ab", "--metrics", str(f)]) == 2
     assert f"{f}, line 4: not the Prometheus text format" in capsys.readouterr().err
+    f.write_text("{\n")  # an error the parser gives no message for: the line is named (the message ended in ': ')
+    assert main(["ab", "--metrics", str(f)]) == 2
+    assert f"{f}, line 1: not the Prometheus text format: '{{' is no sample, comment or blank line" in capsys.readouterr().err
     f.write_bytes(_scrape(_spread(8e-6), _spread(40e-6)))
     assert main(["ab", "--metrics", str(f), "--baseline", "nope"]) == 2
     err = capsys.readouterr().err

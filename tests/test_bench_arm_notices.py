@@ -51,3 +51,21 @@ def test_tuned_cells_count_as_a_match(tmp_path):
     build_arms(wl, [hit, miss], warn=warn)
     lines = [line for line in warn.getvalue().splitlines() if "matches a key" in line]
     assert lines == [lines[0]] and lines[0].startswith(f"note: arm {miss!r}: "), warn.getvalue()
+
+
+def test_an_arm_given_twice_is_measured_once_with_a_note_and_an_empty_item_is_refused(capsys):
+    """`--arms cat cat` became one arm without a word, and `--arms upstream,,cat` dropped the empty item where
+    `--context-lens 1k,,8k` is refused."""
+    rc = main(["bench", "--workload", "qwen3-omni-seed", "--arms", "cat", "prealloc,cat", *SMALL])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert err.count("note: arm 'cat' given more than once: measured once") == 1, err
+    assert [line.split()[0] for line in out.splitlines() if line.startswith(("cat ", "prealloc "))] == ["cat", "prealloc"]
+    assert list(build_arms(load_workload("qwen3-omni-seed"), ["cat", "cat"], warn=io.StringIO())) == ["cat"]
+    for given in ("upstream,,cat", "cat,"):
+        try:
+            rc = main(["bench", "--workload", "qwen3-omni-seed", "--arms", given, *SMALL])
+        except SystemExit as e:
+            rc = e.code
+        err = capsys.readouterr().err
+        assert rc == 2 and f"--arms: expected names such as a,b, got {given!r} (an empty item between commas)" in err

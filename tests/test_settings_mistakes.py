@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import logging
 import os
 import re
@@ -229,8 +231,10 @@ def test_smaller_messages_name_what_is_wrong(tmp_path, capsys):
     from omni_accum.cli.main import main
     from omni_accum.policy import load_policy
 
-    assert main(["validate", ""]) != 0
+    assert main(["validate", ""]) == 2  # a usage mistake, as every other command's empty argument (was 1)
     assert "'': 1 error(s)\n  an empty POLICY argument" in capsys.readouterr().out
+    assert main(["validate", "default", " ", "--json"]) == 2
+    assert [p["valid"] for p in json.loads(capsys.readouterr().out)["policies"]] == [True, False]
     assert main(["tune", "--base", "no-such-base", "--out", str(tmp_path / "t.yaml"), "--quick"]) == 2
     err = capsys.readouterr().err
     assert "--base 'no-such-base'" in err and "Traceback" not in err

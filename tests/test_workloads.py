@@ -112,7 +112,13 @@ def test_yaml_without_name_takes_the_file_stem(tmp_path):
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
-        ("name: w\nkeys:\n  - {path: x, kind: apend}\n", "keys[0].kind"),
+        ("name: w\nkeys:\n  - {path: x, kind: apend}\n", "keys[0].kind: Input should be 'append', 'replace' or 'static' (got 'apend')"),
+        ("name: w\nkeys:\n  - {path: x, kind: append, dtype: bfloat17}\n", "(got 'bfloat17')"),
+        ("name: w\ndecode_steps: -4\nkeys:\n  - {path: x, kind: append}\n", "greater than or equal to 0 (got -4)"),
+        # a file's values as written: a number given as a string is refused, not converted (as in a policy file)
+        ('name: w\ncontext_len: "64"\nkeys:\n  - {path: x, kind: append}\n', "line 2: context_len: Input should be a valid integer (got '64')"),
+        ('name: w\nconcurrency: [1, "4"]\nkeys:\n  - {path: x, kind: append}\n', "concurrency[1]: Input should be a valid integer (got '4')"),
+        ("name: w\ndecode_steps: 8.0\nkeys:\n  - {path: x, kind: append}\n", "decode_steps: Input should be a valid integer (got 8.0)"),
         ("name: w\nkeys:\n  - {path: x, kind: append, colour: red}\n", "keys[0].colour: unknown field"),
         ("name: w\ndecode_steps: -1\nkeys:\n  - {path: x, kind: append}\n", "decode_steps"),
         ("name: w\nkeys: []\n", "keys"),

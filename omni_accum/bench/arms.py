@@ -153,7 +153,13 @@ def build_arms(
     manager = get_manager()
     presets = set(preset_names())
     arms: dict[str, Arm] = {}
+    seen: set[str] = set()
     for name in names:
+        if name in seen:  # one arm per name: its table row and --json record are keyed by it
+            if warn is not None:
+                print(f"note: arm {name!r} given more than once: measured once", file=warn)
+            continue
+        seen.add(name)
         if name == WIRE_FLOOR:
             if through != "direct":
                 raise UnknownArmError(

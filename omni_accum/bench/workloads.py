@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from omni_accum.bench.workload_presets import PRESETS
 from omni_accum.errors import OmniAccumError
+from omni_accum.policy.loader import got_suffix
 from omni_accum.policy.parsing import DuplicateKeyError, LineIndex, load_json, load_yaml
 from omni_accum.policy.sources import probe
 
@@ -207,6 +208,7 @@ def _format_errors(err: ValidationError, source: str, text: str | None = None) -
         for p in e["loc"]:
             loc += f"[{p}]" if isinstance(p, int) else (f".{p}" if loc else str(p))
         msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        msg += "" if e["type"] == "extra_forbidden" else got_suffix({**e, "msg": msg})  # the value given
         item = None if e["loc"] else re.match(r"keys\[(\d+)\]\.path ", msg)  # a whole-workload check naming a key
         at = ("keys", int(item[1]), "path") if item else tuple(e["loc"])
         line = LineIndex(text)(at) if text is not None else None
@@ -216,12 +218,13 @@ def _format_errors(err: ValidationError, source: str, text: str | None = None) -
 
 
 def build_workload(data: Any, source: str = "<mapping>", text: str | None = None) -> Workload:
-    """Validate a mapping into a :class:`Workload`; :class:`WorkloadError` names every bad field (and, given
-    the file's ``text``, its line)."""
+    """Validate a mapping into a :class:`Workload`; :class:`WorkloadError` names every bad field, the value given
+    (and, given the file's ``text``, its line). A file's values are taken as written (``text`` given: pydantic's
+    strict mode, as a policy file's): ``context_len: "64"`` is refused, not read as 64."""
     if not isinstance(data, Mapping):
         raise WorkloadError(f"{source}: a workload must be a mapping with 'name' and 'keys', got {type(data).__name__}")
     try:
-        return Workload.model_validate(dict(data))
+        return Workload.model_validate(dict(data), strict=text is not None)
     except ValidationError as e:
         raise WorkloadError(_format_errors(e, source, text)) from e
 

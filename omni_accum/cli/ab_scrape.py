@@ -122,6 +122,7 @@ def parse(text: str, where: str) -> tuple[dict[tuple[str, ...], Hist], dict[tupl
     except (ValueError, TypeError, KeyError, IndexError) as e:
         fmt = "OpenMetrics" if openmetrics else "the Prometheus text format"
         why = str(e) if len(str(e)) <= 160 else str(e)[:160] + "..."  # the parser quotes the whole line
+        why = why or _first_line_text(text)  # some of the parser's errors say nothing
         hint = " (this is a capture of omni-accum: read it with omni-accum trace)" if text.startswith('{"v":') else ""
         raise InputError(f"{where}{_bad_line(text) if not openmetrics else ''}: not {fmt}: {why}{hint}") from e
     for what, table in (("merge", merge), ("hand-off", hand)):  # each series finite, their sums too
@@ -218,6 +219,16 @@ def _line_of(text: str, s: Any) -> str:
             if got and got[0].name == s.name and got[0].labels == s.labels:
                 return f", line {n}"
     return ""
+
+
+def _first_line_text(text: str) -> str:
+    """What the first line that does not parse alone reads (cut to 80 characters), for a parser error with no
+    message of its own."""
+    place = _bad_line(text)
+    if not place:
+        return "text the parser cannot read"
+    line = text.splitlines()[int(place.rsplit(" ", 1)[1]) - 1]
+    return f"{line[:80] + ('...' if len(line) > 80 else '')!r} is no sample, comment or blank line"
 
 
 def _bad_line(text: str) -> str:

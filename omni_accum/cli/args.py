@@ -121,15 +121,19 @@ class IntListAction(argparse.Action):
 
 
 class NameListAction(argparse.Action):
-    """``--opt a b``, ``--opt a,b`` and repeated ``--opt`` all give one flat list of names (empty parts dropped)."""
+    """``--opt a b``, ``--opt a,b`` and repeated ``--opt`` all give one flat list of names; an empty item between
+    commas (``a,,b``, ``a,``) is a usage error, as in the number lists (:func:`int_list`)."""
 
     def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
         items = list(getattr(namespace, self.dest, None) or [])
         for part in values:
             if os.path.exists(part):  # a file whose name holds a comma
                 items.append(part)
-            else:
-                items.extend(x for x in part.split(",") if x.strip())
+                continue
+            names = part.split(",")
+            if len(names) > 1 and any(not x.strip() for x in names):
+                parser.error(f"{option_string}: expected names such as a,b, got {part!r} (an empty item between commas)")
+            items.extend(x for x in names if x.strip())
         if not items:
             parser.error(f"{option_string}: expected one or more names, got {' '.join(values)!r}")
         setattr(namespace, self.dest, items)

@@ -92,7 +92,8 @@ def register(subparsers: Any) -> None:
         "SharedMemoryConnector; mooncake: its MooncakeStoreConnector, sender and receiver in two processes "
         "(needs omni-accum[mooncake]; starts its own master unless --mooncake-master is given); arena: "
         "omni-accum's shared-memory arena, its vllm-omni connector (OmniAccumArenaConnector) and shm, sender "
-        "and receiver in two processes (docs/arena.md)",
+        "and receiver in two processes (docs/arena.md; it compares those three arms, so it refuses --arms, "
+        "--plot, --per-key, --view-hop and --through vllm-omni)",
     )
     a = p.add_argument_group("--wire arena")
     a.add_argument(

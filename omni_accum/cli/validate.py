@@ -4,7 +4,8 @@ One record per policy, the same shape whether it is valid or not: ``policy``, ``
 ``note``, ``errors`` and ``warnings``, each problem as ``{"loc", "line", "msg"}``. Errors make the exit
 status 1: the schema, strategy names and params, what a ``Sender``/``Receiver`` refuses, every repeated
 rule ``match``, and a tuned table measured in another environment (stale: it would be ignored at run
-time; ``--allow-stale`` makes that a warning). Warnings leave the exit status alone: a glob rule that
+time; ``--allow-stale`` makes that a warning); an empty argument makes it 2 (a usage mistake). Warnings leave the
+exit status alone: a glob rule that
 an earlier glob covers (it never decides a key), and a partial tuned table. An A/B split's arms are each checked
 so, as the policies of their own they are in vllm-omni, every problem named with its arm (``ab.arms.NAME.policy``).
 """
@@ -32,7 +33,7 @@ DESCRIPTION = (
     "match, and whether a tuned table was measured in this environment (a stale table would be ignored at "
     "run time: an error, or a warning with --allow-stale). A glob rule that an earlier glob covers is a "
     "warning. Exit 0 when all are valid, 1 when any is not (every error of every policy is listed, with "
-    "file, line, field and allowed values), 2 on usage errors."
+    "file, line, field and allowed values), 2 on usage errors (an empty POLICY among them, after every record)."
 )
 EXAMPLES = (
     "examples:\n  omni-accum validate my-policy.yaml\n  omni-accum validate qwen3-omni a.yaml b.json\n"
@@ -197,7 +198,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     bad = [r for r in results if not r["valid"]]
     if args.json:
         sys.stdout.write(json.dumps({"valid": not bad, "policies": results}, indent=2) + "\n")
-        return 1 if bad else 0
+        return _status(args, bad)
     for r, lines in zip(results, texts):
         if r["valid"]:
             note = f"; same as {r['note']}" if r["note"] else ""
@@ -214,6 +215,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(f"  warning: {format_problem(r['policy'], w)}")
     if bad:
         print(f"omni-accum validate: {len(bad)} of {len(results)} policies invalid", file=sys.stderr)
+    return _status(args, bad)
+
+
+def _status(args: argparse.Namespace, bad: list[dict[str, Any]]) -> int:
+    """1 when a policy is invalid, 0 when none is; 2 when an argument was empty (a usage mistake, as every other
+    command's empty argument is), after every argument's record."""
+    if any(not str(a).strip() for a in args.policies):
+        return 2
     return 1 if bad else 0
 
 

@@ -139,7 +139,7 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
-def _got(e: Mapping[str, Any]) -> str:
+def got_suffix(e: Mapping[str, Any]) -> str:
     """`` (got X)`` for a scalar input pydantic's message does not show, else ''."""
     value = e.get("input")
     if "input" not in e or isinstance(value, (Mapping, list, tuple)) or repr(value) in e["msg"]:
@@ -204,7 +204,7 @@ def _validation_details(err: ValidationError, lines: LineIndex) -> list[dict[str
             fields = f" with fields {', '.join(model.model_fields)}" if model is not None else ""
             msg = f"expected a mapping{fields}, got {type(e.get('input')).__name__}"
         elif e["type"] != "missing":
-            msg += _got({**e, "msg": msg})
+            msg += got_suffix({**e, "msg": msg})
         out.append({"loc": _format_loc(loc), "line": line, "msg": msg})
     return out
 
@@ -240,7 +240,7 @@ def strategy_problems(
             for pe in e.errors():
                 field = ".".join(str(p) for p in pe["loc"])
                 pline = lines(loc + ("params", *pe["loc"]))
-                msg = "unknown param" if pe["type"] == "extra_forbidden" else pe["msg"] + _got(pe)
+                msg = "unknown param" if pe["type"] == "extra_forbidden" else pe["msg"] + got_suffix(pe)
                 msg += f" (strategy {name!r}; allowed params: {allowed})"
                 errors.append({"loc": f"{where}.params.{field}", "line": pline, "msg": msg})
         except Exception as e:  # noqa: BLE001 - a validator of the plugin's raising another error: the plugin's bug
