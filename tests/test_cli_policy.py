@@ -49,6 +49,20 @@ def test_top_level_help_lists_the_commands(capsys):
 # -- strategies -------------------------------------------------------------------------------- #
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--bogus"], "unrecognized arguments: --bogus (before COMMAND: -h, --version and -v;"),
+        (["-x", "validate", "default"], "unrecognized arguments: -x (before COMMAND"),
+        (["--ver"], "ambiguous option: --ver could match --version, --verbose"),
+    ],
+)
+def test_an_option_before_the_command_that_omni_accum_lacks_is_named(capsys, argv, said):
+    """`omni-accum --bogus` said only "the following arguments are required: COMMAND"."""
+    code, _, err = usage(capsys, *argv)
+    assert code == 2 and said in err and "required: COMMAND" not in err, err
+
+
 def test_strategies_text(capsys):
     code, out, _ = run(capsys, "strategies")
     assert code == 0

@@ -113,8 +113,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unknown_before_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """The options before COMMAND that ``omni-accum`` itself does not have: with no command after them, argparse
+    said only that COMMAND is required (``omni-accum --bogus``), not what was wrong with them."""
+    known = [s for action in parser._actions for s in action.option_strings]
+    unknown = []
+    for arg in argv:
+        if not arg.startswith("-") or arg == "--":
+            break  # the command (or the end of the options)
+        name = arg.split("=", 1)[0]
+        if name not in known and not (name.startswith("--") and any(k.startswith(name) for k in known)):
+            unknown.append(arg)  # (an abbreviation, one or ambiguous, is argparse's to judge)
+    return unknown
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    unknown = _unknown_before_command(parser, argv)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (before COMMAND: -h, --version and -v; a "
+                     "command's own options go after it)")  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     if args.verbose or _env_flag(ENV_TRACE):  # omni_accum's own lines on stderr (root's WARNING hides INFO/DEBUG)
