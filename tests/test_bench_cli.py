@@ -809,3 +809,9 @@ def test_an_earlier_result_an_empty_file_and_a_link_are_still_replaced(tmp_path,
         assert main([*args, str(target)]) == 0, capsys.readouterr().err
         assert json.loads(target.read_text())["wire"] == "inproc"
     assert not link.is_symlink() and kept.read_text() == "default: cat\n"
+    arena = tmp_path / "arena.json"  # `--wire arena`'s own document (buckets, no results) is a bench result too
+    arena.write_text(json.dumps({"wire": "arena", "workload": "w", "complete": True, "buckets": []}))
+    assert main([*args, str(arena)]) == 0 and json.loads(arena.read_text())["wire"] == "inproc"
+    deep = tmp_path / "deep.json"  # nested past the JSON parser's depth: refused, not a traceback
+    deep.write_text("[" * 200_000)
+    assert main([*args, str(deep)]) == 2 and "exists and is not a bench result" in capsys.readouterr().err

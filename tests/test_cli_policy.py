@@ -55,12 +55,21 @@ def test_top_level_help_lists_the_commands(capsys):
         (["--bogus"], "unrecognized arguments: --bogus (before COMMAND: -h, --version and -v;"),
         (["-x", "validate", "default"], "unrecognized arguments: -x (before COMMAND"),
         (["--ver"], "ambiguous option: --ver could match --version, --verbose"),
+        (["-vx", "strategies"], "unrecognized arguments: -vx (before COMMAND"),
     ],
 )
 def test_an_option_before_the_command_that_omni_accum_lacks_is_named(capsys, argv, said):
     """`omni-accum --bogus` said only "the following arguments are required: COMMAND"."""
     code, _, err = usage(capsys, *argv)
     assert code == 2 and said in err and "required: COMMAND" not in err, err
+
+
+def test_short_flags_together_before_the_command_are_still_taken(capsys):
+    """-vv / -vh (argparse's short flags together) were not refused before the check of unknown options."""
+    assert cli.main(["-vv", "strategies"]) == 0
+    assert "prealloc" in capsys.readouterr().out
+    code, out, _ = usage(capsys, "-vh")
+    assert code == 0 and "usage: omni-accum" in out
 
 
 def test_strategies_text(capsys):

@@ -118,3 +118,24 @@ def test_show_of_an_ab_split_with_an_arm_file_beside_it_loads_from_another_folde
     assert main(["show", "sub/ab.yaml", "--json"]) == 0
     arms = json.loads(capsys.readouterr().out)["ab"]["arms"]
     assert (arms["t"]["policy"], arms["c"]["policy"]) == (str(tmp_path / "sub" / "b.yaml"), "default")
+
+
+def test_show_keeps_an_arm_named_as_a_preset_and_leaves_dot_dot_to_the_kernel(tmp_path, capsys, monkeypatch):
+    """An arm `policy: qwen3-omni` beside a file named `qwen3-omni` is the preset (a name without a policy suffix
+    is read as a preset first): show wrote the file's absolute path, which did not load. An arm `../b.yaml` of a
+    split in a linked folder is the file beside the link's target: show wrote the one beside the link."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "qwen3-omni").write_text("default: prealloc\n")
+    (tmp_path / "split.yaml").write_text("ab:\n  arms:\n    a: {policy: default}\n    b: {policy: qwen3-omni}\n")
+    assert main(["show", "split.yaml", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ab"]["arms"]["b"]["policy"] == "qwen3-omni"
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "real" / "b.yaml").write_text("default: cat\n")  # what the split reads
+    (tmp_path / "b.yaml").write_text("default: prealloc\n")  # beside the link, by the path's text
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "sub")
+    (tmp_path / "real" / "sub" / "split.yaml").write_text("ab:\n  arms:\n    a: {policy: default}\n    b: {policy: ../b.yaml}\n")
+    assert main(["show", "link/split.yaml", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["ab"]["arms"]["b"]["policy"]
+    from omni_accum.policy import load_policy
+
+    assert load_policy(shown).default.strategy == "cat"

@@ -71,11 +71,12 @@ def output_path_problem(path: str | os.PathLike[str] | None, option: str) -> str
     return None
 
 
-#: The first bytes of the image formats ``bench --plot`` writes, by extension (matplotlib's formats with one).
+#: The first bytes of image formats ``bench --plot`` writes, by extension (those checked; matplotlib's other
+#: formats, such as ``.raw`` or ``.pgf``, are replaced unchecked).
 _IMAGE_MAGIC = {
     ".png": (b"\x89PNG",), ".pdf": (b"%PDF",), ".svg": (b"<?xml", b"<svg"), ".svgz": (b"\x1f\x8b",),
     ".eps": (b"%!PS",), ".ps": (b"%!PS",), ".jpg": (b"\xff\xd8\xff",), ".jpeg": (b"\xff\xd8\xff",),
-    ".tif": (b"II*\x00", b"MM\x00*"), ".tiff": (b"II*\x00", b"MM\x00*"), ".webp": (b"RIFF",),
+    ".tif": (b"II*\x00", b"MM\x00*"), ".tiff": (b"II*\x00", b"MM\x00*"), ".webp": (b"RIFF",), ".gif": (b"GIF8",),
 }  # fmt: skip
 
 
@@ -109,7 +110,7 @@ def not_an_output_problem(path: str | os.PathLike[str], option: str) -> str | No
 
             try:
                 doc = json.loads(head)
-            except ValueError:
+            except (ValueError, RecursionError):  # (nested past the parser's depth: no bench result either)
                 doc = None
             ok = isinstance(doc, dict) and "wire" in doc and ("results" in doc or "buckets" in doc)
         if ok:

@@ -93,7 +93,7 @@ def register(subparsers: Any) -> None:
         "(needs omni-accum[mooncake]; starts its own master unless --mooncake-master is given); arena: "
         "omni-accum's shared-memory arena, its vllm-omni connector (OmniAccumArenaConnector) and shm, sender "
         "and receiver in two processes (docs/arena.md; it compares those three arms, so it refuses --arms, "
-        "--plot, --per-key, --view-hop and --through vllm-omni)",
+        "--plot, --per-key, --view-hop, --through vllm-omni and --trace)",
     )
     a = p.add_argument_group("--wire arena")
     a.add_argument(

@@ -119,11 +119,15 @@ def _unknown_before_command(parser: argparse.ArgumentParser, argv: Sequence[str]
     known = [s for action in parser._actions for s in action.option_strings]
     unknown = []
     for arg in argv:
-        if not arg.startswith("-") or arg == "--":
-            break  # the command (or the end of the options)
+        if not arg.startswith("-") or arg in ("-", "--"):
+            break  # the command (or the end of the options; '-' is argparse's to judge)
         name = arg.split("=", 1)[0]
-        if name not in known and not (name.startswith("--") and any(k.startswith(name) for k in known)):
-            unknown.append(arg)  # (an abbreviation, one or ambiguous, is argparse's to judge)
+        if name.startswith("--"):
+            ok = any(k.startswith(name) for k in known)  # (an abbreviation, one or ambiguous, is argparse's to judge)
+        else:
+            ok = all(f"-{c}" in known for c in name[1:])  # -v, and short flags together (-vv, -vh)
+        if not ok:
+            unknown.append(arg)
     return unknown
 
 

@@ -13,10 +13,10 @@ import ast
 import contextlib
 import inspect
 import logging
-import os
 import sys
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import annotated_types as at
@@ -231,12 +231,14 @@ def cmd_show(args: argparse.Namespace) -> int:
     data = resolved_policy_data(policy, manager)
     if policy.ab is not None:  # an arm's policy file as an absolute path: the output loads from any folder
         from omni_accum.policy.loader import arm_source
-        from omni_accum.policy.sources import probe
+        from omni_accum.policy.sources import _FORMATS, probe
 
         for arm in data["ab"]["arms"].values():
             where = arm_source(args.policy, arm["policy"])
-            if probe(where, "is_file"):
-                arm["policy"] = os.path.abspath(where)
+            # as the loader reads it: a name without a policy file's suffix is a preset first; ".." left to the
+            # kernel (it follows a linked folder before it goes up, where abspath would drop a folder by its name)
+            if Path(where).suffix.lower() in _FORMATS and probe(where, "is_file"):
+                arm["policy"] = str(Path(where).absolute())
     if args.json:
         _json(data)
     else:
