@@ -9,6 +9,7 @@ import gc
 import multiprocessing as mp
 import os
 import re
+import textwrap
 import threading
 
 import pytest
@@ -195,25 +196,38 @@ def test_ctrl_c_keeps_the_finished_buckets_and_ends_the_receiver_without_a_trace
     import time
 
     out_json = tmp_path / "arena.json"
-    code = ("import sys; sys.modules['vllm_omni'] = None\n"  # the connector arms fail at once: no vllm-omni import
-            "from omni_accum.cli.main import main\n"
-            "sys.exit(main(sys.argv[1:]))")  # fmt: skip
+    # the second bucket's first round waits (until the interrupt) once the bucket is set up on both sides, and
+    # says so: the signal lands there whatever the machine's speed
+    code = textwrap.dedent("""
+        import sys, time
+        sys.modules["vllm_omni"] = None  # the connector arms fail at once: no vllm-omni import
+        from omni_accum.arena import pairbench
+        real = pairbench._round
+        def waiting(rxp, b, *a):
+            if b.context_len == 128:
+                print("second bucket set up", flush=True)
+                time.sleep(600)
+            return real(rxp, b, *a)
+        pairbench._round = waiting
+        from omni_accum.cli.main import main
+        sys.exit(main(sys.argv[1:]))
+    """)
     proc = subprocess.Popen(
         [sys.executable, "-u", "-c", code, "bench", "--wire", "arena", "--workload", "qwen3-omni-seed",
-         "--context-lens", "64", "4000", "--concurrency", "1", "--repeats", "30", "--json", str(out_json)],
+         "--context-lens", "64", "128", "--concurrency", "1", "--repeats", "1", "--json", str(out_json)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
         seen = []
         for line in proc.stdout:
             seen.append(line)
-            if line.startswith("64 x c1") and " shm " in line:  # the first bucket's table is out
+            if line.startswith("second bucket set up"):
                 break
         else:
             pytest.fail("".join(seen) + proc.stderr.read())
+        assert any(x.startswith("64 x c1") and " arena " in x for x in seen), seen  # the first bucket's table
         kids = _children(proc.pid)
         assert kids, "no receiving process"
-        time.sleep(0.5)  # into the second bucket
         os.killpg(proc.pid, signal.SIGINT)
         rest, err = proc.communicate(timeout=120)
     finally:
@@ -223,7 +237,7 @@ def test_ctrl_c_keeps_the_finished_buckets_and_ends_the_receiver_without_a_trace
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert "omni-accum bench: wrote" in err and "with the 1 bucket(s) finished before the interrupt" in err, err
-    assert "4000 x c1" not in rest  # the second bucket did not finish
+    assert "128 x c1" not in rest  # the second bucket did not finish
     doc = json.loads(out_json.read_text())
     assert (doc["complete"], doc["stopped"]) == (False, "interrupted")
     assert [(b["context_len"], b["concurrency"]) for b in doc["buckets"]] == [(64, 1)]
