@@ -198,8 +198,11 @@ def test_ctrl_c_keeps_the_finished_buckets_and_ends_the_receiver_without_a_trace
     out_json = tmp_path / "arena.json"
     # the second bucket's first round waits (until the interrupt) once the bucket is set up on both sides, and
     # says so: the signal lands there whatever the machine's speed
+    # and SIGINT is Python's own, as under a user's shell: a script's background job (the suite's lanes) starts
+    # with it ignored, and a process that inherits that never sees the interrupt
     code = textwrap.dedent("""
-        import sys, time
+        import signal, sys, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.modules["vllm_omni"] = None  # the connector arms fail at once: no vllm-omni import
         from omni_accum.arena import pairbench
         real = pairbench._round
