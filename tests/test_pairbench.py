@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from omni_accum.arena import pairbench, pairrecv, path_for
+from omni_accum.arena import pairbench, pairrecv, path_for, sweep_stale
 from omni_accum.arena.region import PREFIX
 from omni_accum.bench.workloads import load_workload
 
@@ -234,9 +234,11 @@ def test_ctrl_c_keeps_the_finished_buckets_and_ends_the_receiver_without_a_trace
         os.killpg(proc.pid, signal.SIGINT)
         rest, err = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # a failure: the group killed, and the regions its processes held removed
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            time.sleep(0.5)  # the receiver's exit after its parent's
+            sweep_stale()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert "omni-accum bench: wrote" in err and "with the 1 bucket(s) finished before the interrupt" in err, err
