@@ -246,8 +246,13 @@ def run_cli(args: Any, wl: Workload) -> int:
                 bad = bad or any(r.mismatch or r.error for r in rows)
                 doc["buckets"].append({"context_len": cl, "concurrency": c, "arms": [pair_record(r) for r in rows]})
     except KeyboardInterrupt:  # the buckets that finished, marked incomplete, as bench's other wires keep theirs
-        if getattr(args, "json", None):
-            _interrupted_json(doc, args.json)
+        from omni_accum.bench.results import interrupted_write
+
+        def write() -> None:
+            doc.update(complete=False, stopped="interrupted")
+            _write_json(doc, args.json)
+
+        interrupted_write(getattr(args, "json", None), len(doc["buckets"]), write)
         raise
     finally:
         receiver.close()
@@ -263,20 +268,6 @@ def _write_json(doc: dict[str, Any], path: str) -> None:
     from omni_accum.tuner.files import write_atomic
 
     write_atomic(path, json.dumps(doc, indent=2) + "\n", follow_link=False)  # as bench's other --json
-
-
-def _interrupted_json(doc: dict[str, Any], path: str) -> None:
-    """On Ctrl-C: write the buckets that finished with ``complete: false``, or say that nothing was written."""
-    import sys
-
-    if not doc["buckets"]:
-        print(f"omni-accum bench: no bucket finished before the interrupt: --json {path} was not written",
-              file=sys.stderr)  # fmt: skip
-        return
-    doc.update(complete=False, stopped="interrupted")
-    _write_json(doc, path)
-    print(f"omni-accum bench: wrote {path} with the {len(doc['buckets'])} bucket(s) finished before the interrupt "
-          "(complete: false)", file=sys.stderr)  # fmt: skip
 
 
 def pair_record(r: PairResult) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -236,16 +237,25 @@ def write_json(run: BenchRun, path: str | os.PathLike[str]) -> None:
 def interrupted_json(run: BenchRun, path: str | os.PathLike[str] | None) -> None:
     """On Ctrl-C with ``--json``: write the buckets that finished, ``complete: false`` (as ``tune`` keeps its
     finished buckets), or say on stderr that nothing was written; a line on stderr either way."""
+
+    def write() -> None:
+        run.stopped = "interrupted"
+        write_json(run, path)
+
+    interrupted_write(path, len({(r.context_len, r.concurrency) for r in run.results}), write)
+
+
+def interrupted_write(path: str | os.PathLike[str] | None, buckets: int, write: Callable[[], None]) -> None:
+    """What every wire's ``--json`` does on Ctrl-C: ``write()`` the ``buckets`` that finished (marked incomplete
+    by ``write``), or say that ``path`` was not written when none had; a line on stderr either way."""
     import sys
 
     if not path:
         return
-    if not run.results:
+    if not buckets:
         print(f"omni-accum bench: no bucket finished before the interrupt: --json {path} was not written",
               file=sys.stderr)  # fmt: skip
         return
-    run.stopped = "interrupted"
-    write_json(run, path)
-    n = len({(r.context_len, r.concurrency) for r in run.results})
-    print(f"omni-accum bench: wrote {path} with the {n} bucket(s) finished before the interrupt (complete: false)",
-          file=sys.stderr)  # fmt: skip
+    write()
+    print(f"omni-accum bench: wrote {path} with the {buckets} bucket(s) finished before the interrupt "
+          "(complete: false)", file=sys.stderr)  # fmt: skip
